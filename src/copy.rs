@@ -1,0 +1,1 @@
+//! The copy job: wait for the source's final snapshot, then copy snapshots between stores.

@@ -1,0 +1,1 @@
+//! The etcd seam: clients built from configuration (endpoints, TLS, auth).

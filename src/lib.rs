@@ -1,0 +1,27 @@
+//! etcd-warden: backs up and restores etcd, guards its ownership during control-plane migration,
+//! and keeps etcd quorum safe while control-plane machines are replaced.
+//!
+//! Module map (one capability per module):
+//! - [`config`]: layered configuration (defaults → file → environment → flags), validated once.
+//! - [`telemetry`]: `tracing` setup, human or JSON output.
+//! - [`store`]: object stores from URLs, the etcd-backup-restore bucket layout, retention.
+//! - [`snapshot`]: full and delta snapshots, their codecs, and the one snapshot actor.
+//! - [`etcd`]: the etcd seam (clients, TLS, status).
+//! - [`owner`]: owner DNS lookups, the pure ownership state machine, and its watchdog.
+//! - [`process`]: finding and killing etcd in a shared PID namespace.
+//! - [`server`]: the HTTP API.
+//! - [`copy`], [`restore`]: the copy job and data-dir restore.
+//! - [`operator`]: quorum-safe member replacement (the second binary).
+#![forbid(unsafe_code)]
+
+pub mod config;
+pub mod copy;
+pub mod etcd;
+pub mod operator;
+pub mod owner;
+pub mod process;
+pub mod restore;
+pub mod server;
+pub mod snapshot;
+pub mod store;
+pub mod telemetry;

@@ -1,0 +1,1 @@
+//! Ownership: owner DNS lookups, the pure state machine, and the watchdog that acts on it.

@@ -1,0 +1,1 @@
+//! Finding and killing etcd in the shared PID namespace.

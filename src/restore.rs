@@ -1,0 +1,1 @@
+//! Restore an etcd data directory from a full snapshot and its deltas.

@@ -1,0 +1,1 @@
+//! The HTTP API: readiness, snapshots, metrics, status.

@@ -1,0 +1,1 @@
+//! Full and delta snapshots, their payload codecs, and the one snapshot actor.
