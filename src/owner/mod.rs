@@ -1,1 +1,5 @@
 //! Ownership: owner DNS lookups, the pure state machine, and the watchdog that acts on it.
+
+pub mod machine;
+
+pub use machine::{Action, Backoff, Event, FinalOutcome, FinalStep, Machine, State, Verdict};
