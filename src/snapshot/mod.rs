@@ -5,6 +5,7 @@
 
 pub mod delta;
 pub mod full;
+pub mod watcher;
 
 pub use delta::{DeltaWriter, Event, EventType, KeyValue, TimedEvent};
 pub use full::take_full;
