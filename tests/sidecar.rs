@@ -290,18 +290,31 @@ async fn etcd_34_snapshots_to_a_local_directory_and_the_snapshot_command() {
         "{}",
         String::from_utf8_lossy(&out.stdout)
     );
-    // A corrupted payload is caught by verify.
+    // A corrupted payload is caught by verify: one byte of the database flipped, then
+    // recompressed (gzip's own CRC then agrees, so only the snapshot's SHA-256 can tell).
     let path = dir.path().join("backups/v2").join(&name);
-    let mut bytes = std::fs::read(&path).unwrap();
-    let mid = bytes.len() / 2;
-    bytes[mid] ^= 0xff;
-    std::fs::write(&path, bytes).unwrap();
+    let mut db = Vec::new();
+    std::io::Read::read_to_end(
+        &mut flate2::read::MultiGzDecoder::new(std::fs::File::open(&path).unwrap()),
+        &mut db,
+    )
+    .unwrap();
+    let mid = db.len() / 2;
+    db[mid] ^= 0xff;
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    std::io::Write::write_all(&mut gz, &db).unwrap();
+    std::fs::write(&path, gz.finish().unwrap()).unwrap();
     let out = command()
         .args(["verify", "--store", &url])
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stdout).contains(&format!("FAIL  {name}")));
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(said.contains(&format!("FAIL  {name}")), "{said}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

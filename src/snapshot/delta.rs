@@ -222,9 +222,17 @@ impl DeltaWriter {
         }
     }
 
-    /// The revision the watch must start from.
+    /// The revision a (re)opened watch must start from: after everything stored or buffered.
     pub fn next_revision(&self) -> i64 {
-        self.previous_last + 1
+        self.covered() + 1
+    }
+
+    /// The last revision stored or buffered.
+    fn covered(&self) -> i64 {
+        self.events
+            .last()
+            .map_or(self.previous_last, |e| e.event.revision())
+            .max(self.previous_last)
     }
 
     /// Last revision already stored (or of the base snapshot).
@@ -239,10 +247,12 @@ impl DeltaWriter {
         self.buffered = self.events.iter().map(|e| e.event.size()).sum();
     }
 
-    /// Adds events from a watch response (older revisions than already stored are skipped).
+    /// Adds the events of one watch response. Revisions already stored or buffered are skipped,
+    /// so a watch reopened after an error does not duplicate events.
     pub fn push(&mut self, events: impl IntoIterator<Item = Event>, now: DateTime<Utc>) {
+        let covered = self.covered();
         for event in events {
-            if event.revision() <= self.previous_last {
+            if event.revision() <= covered {
                 continue;
             }
             self.buffered += event.size();
@@ -436,10 +446,14 @@ mod tests {
         assert_eq!(w.next_revision(), 11);
         w.push([ev(9), ev(10), ev(11), ev(12)], now);
         assert_eq!(w.len(), 2);
-        assert!(w.buffered_bytes() > 0);
+        assert_eq!(w.next_revision(), 13);
+        // A reopened watch replaying buffered revisions adds nothing twice.
+        w.push([ev(11), ev(12), ev(13)], now);
+        assert_eq!(w.len(), 3);
         w.rebase(11);
-        assert_eq!(w.len(), 1);
-        assert_eq!(w.next_revision(), 12);
+        assert_eq!(w.len(), 2);
+        assert_eq!(w.next_revision(), 14);
+        assert!(w.buffered_bytes() > 0);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

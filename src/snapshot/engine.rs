@@ -2,11 +2,12 @@
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use etcd_client::{Client, WatchOptions, WatchStream};
+use etcd_client::Client;
 
 use super::actor::{Collected, Engine, EngineError};
-use super::delta::{DeltaWriter, Event};
+use super::delta::DeltaWriter;
 use super::full::take_full;
+use super::watcher::{DeltaWatch, WatchError};
 use crate::store::gc::{self, Retention};
 use crate::store::{Codec, Kind, Snapshot, SnapshotStore};
 
@@ -20,7 +21,7 @@ pub struct EtcdEngine {
     want_deltas: bool,
     /// Events since the latest stored snapshot; `None` until a base snapshot exists.
     writer: Option<DeltaWriter>,
-    watch: Option<WatchStream>,
+    watch: Option<DeltaWatch>,
 }
 
 impl EtcdEngine {
@@ -39,11 +40,7 @@ impl EtcdEngine {
 
     /// Starts a writer and a watch continuing after revision `last`.
     async fn watch_after(&mut self, last: i64) -> Result<(), EngineError> {
-        let options = WatchOptions::new()
-            .with_all_keys()
-            .with_start_revision(last + 1);
-        let stream = self.client.watch(Vec::<u8>::new(), Some(options)).await?;
-        self.watch = Some(stream);
+        self.watch = Some(DeltaWatch::open(&self.client, last + 1).await?);
         self.writer = Some(DeltaWriter::new(self.codec, last));
         tracing::debug!(from_revision = last + 1, "watching etcd for deltas");
         Ok(())
@@ -69,27 +66,24 @@ impl Engine for EtcdEngine {
             std::future::pending::<()>().await;
             return Ok(Collected::Events);
         };
-        match watch.message().await? {
-            Some(resp) if resp.compact_revision() > 0 => {
+        match watch.next().await {
+            Ok(events) => {
+                writer.push(events, Utc::now());
+                Ok(Collected::Events)
+            }
+            Err(WatchError::Compacted { wanted, compacted }) => {
                 tracing::warn!(
-                    compacted = resp.compact_revision(),
-                    from = writer.next_revision(),
+                    wanted,
+                    compacted,
                     "etcd compacted past the delta stream; a full snapshot is needed"
                 );
                 self.watch = None;
                 self.writer = None;
                 Ok(Collected::Compacted)
             }
-            Some(resp) if resp.canceled() => {
-                Err(format!("etcd cancelled the watch: {}", resp.cancel_reason()).into())
-            }
-            Some(resp) => {
-                writer.push(resp.events().iter().map(Event::from), Utc::now());
-                Ok(Collected::Events)
-            }
-            None => {
+            Err(e) => {
                 self.watch = None;
-                Err("the watch stream ended".into())
+                Err(e.into())
             }
         }
     }

@@ -9,6 +9,7 @@ pub mod delta;
 pub mod engine;
 pub mod full;
 pub mod verify;
+pub mod watcher;
 
 pub use delta::{DeltaWriter, Event, EventType, KeyValue, TimedEvent};
 pub use full::take_full;

@@ -1,0 +1,320 @@
+//! Store conformance: one set of checks run against every backend (in-memory, local filesystem,
+//! and a real S3 server), through the same `SnapshotStore` the sidecar uses.
+
+use std::io;
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use chrono::{TimeZone, Utc};
+use etcd_warden::config::{Secret, StoreConfig};
+use etcd_warden::store::compression::{ByteStream, collect};
+use etcd_warden::store::{Codec, Kind, Snapshot, SnapshotStore, StoreError, StoreLocation};
+use futures::StreamExt;
+use object_store::path::Path;
+use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
+
+fn store_config(url: &str) -> StoreConfig {
+    StoreConfig {
+        location: StoreLocation::parse(url).unwrap(),
+        endpoint: None,
+        region: None,
+        path_style: true,
+        allow_http: false,
+        access_key_id: None,
+        secret_access_key: None,
+        service_account_file: None,
+        account_name: None,
+        account_key: None,
+        use_emulator: false,
+    }
+}
+
+fn snap(store: &SnapshotStore, kind: Kind, start: i64, last: i64, secs: i64) -> Snapshot {
+    Snapshot::new(
+        store.prefix(),
+        kind,
+        start,
+        last,
+        Utc.timestamp_opt(secs, 0).unwrap(),
+        Codec::Gzip,
+        false,
+    )
+}
+
+/// A payload of `len` bytes that is not trivially compressible.
+fn payload(len: usize) -> Vec<u8> {
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}
+
+fn chunked(data: &[u8], size: usize) -> ByteStream {
+    let v: Vec<io::Result<Bytes>> = data
+        .chunks(size)
+        .map(|c| Ok(Bytes::copy_from_slice(c)))
+        .collect();
+    futures::stream::iter(v).boxed()
+}
+
+/// The checks every backend must pass. `raw` is the backend the store wraps, for planting
+/// objects that are not snapshots.
+async fn conformance(store: SnapshotStore, raw: Arc<dyn ObjectStore>) {
+    assert!(
+        store.list().await.unwrap().is_empty(),
+        "a new store is empty"
+    );
+    let chain = store.latest_chain().await.unwrap();
+    assert!(chain.full_snapshot.is_none() && chain.delta_snapshots.is_empty());
+
+    // A multipart upload of several parts reads back byte for byte.
+    let big = payload((8 << 20) * 2 + 12345);
+    let full1 = snap(&store, Kind::Full, 0, 100, 1_700_000_000);
+    let n = store
+        .put_stream(&full1, chunked(&big, 1 << 20))
+        .await
+        .unwrap();
+    assert_eq!(n, big.len() as u64);
+    let back = collect(store.get_stream(&full1).await.unwrap())
+        .await
+        .unwrap();
+    assert!(back == big, "multipart payload differs");
+
+    // Small payloads in one request.
+    let d1 = snap(&store, Kind::Incr, 101, 150, 1_700_000_100);
+    let d2 = snap(&store, Kind::Incr, 151, 170, 1_700_000_200);
+    store
+        .put_bytes(&d1, Bytes::from_static(b"d1"))
+        .await
+        .unwrap();
+    store
+        .put_bytes(&d2, Bytes::from_static(b"d2"))
+        .await
+        .unwrap();
+    let full2 = snap(&store, Kind::Full, 0, 170, 1_700_000_300);
+    store.put_stream(&full2, chunked(b"f2", 1)).await.unwrap();
+    let d3 = snap(&store, Kind::Incr, 171, 180, 1_700_000_400);
+    store
+        .put_bytes(&d3, Bytes::from_static(b"d3"))
+        .await
+        .unwrap();
+
+    // Objects that are not snapshots are ignored: other tools' files, chunk objects, and
+    // anything outside the layout directory.
+    let v2 = etcd_warden::store::layout::version_prefix(store.prefix());
+    for key in [
+        format!("{v2}README"),
+        format!("{v2}Full-00000000-00000200-1700000000.gz/0000001"),
+        format!("{v2}Full-1-2-3"),
+        "elsewhere/Full-00000000-00000001-1700000000.gz".to_string(),
+    ] {
+        raw.put(&Path::from(key), PutPayload::from_static(b"x"))
+            .await
+            .unwrap();
+    }
+
+    // Sorted by last revision, then creation time (full2 and d2 share revision 170).
+    let list = store.list().await.unwrap();
+    let names: Vec<&str> = list.iter().map(|s| s.snap_name.as_str()).collect();
+    assert_eq!(
+        names,
+        vec![
+            full1.snap_name.as_str(),
+            d1.snap_name.as_str(),
+            d2.snap_name.as_str(),
+            full2.snap_name.as_str(),
+            d3.snap_name.as_str(),
+        ]
+    );
+    let chain = store.latest_chain().await.unwrap();
+    assert_eq!(chain.full_snapshot.as_ref(), Some(&full2));
+    assert_eq!(chain.delta_snapshots, vec![d3.clone()]);
+
+    // A failing payload aborts the upload: nothing appears, even after parts were sent.
+    let failing = snap(&store, Kind::Full, 0, 999, 1_700_000_500);
+    let head = payload(9 << 20);
+    let stream = chunked(&head, 1 << 20)
+        .chain(futures::stream::once(async {
+            Err(io::Error::new(io::ErrorKind::InvalidData, "hash mismatch"))
+        }))
+        .boxed();
+    let e = store.put_stream(&failing, stream).await.unwrap_err();
+    assert!(matches!(e, StoreError::Payload(_)), "{e:?}");
+    let after = store.list().await.unwrap();
+    assert_eq!(after, list, "a failed upload became visible");
+    assert!(store.get_stream(&failing).await.is_err());
+
+    // Delete.
+    store.delete(&d1).await.unwrap();
+    store.delete(&full1).await.unwrap();
+    let list = store.list().await.unwrap();
+    assert_eq!(list, vec![d2, full2, d3]);
+    assert!(store.get_stream(&full1).await.is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_in_memory() {
+    let cfg = store_config("memory://pre/fix");
+    let raw = etcd_warden::store::build(&cfg).unwrap();
+    conformance(SnapshotStore::new(raw.clone(), cfg.location.prefix()), raw).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_local_filesystem() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("backups");
+    let cfg = store_config(&format!("file://{}", root.display()));
+    let raw = etcd_warden::store::build(&cfg).unwrap();
+    conformance(SnapshotStore::new(raw.clone(), cfg.location.prefix()), raw).await;
+    // The layout on disk is the reference's (<dir>/v2/<name>), and the aborted upload left no
+    // temporary file behind.
+    let mut names: Vec<String> = std::fs::read_dir(root.join("v2"))
+        .unwrap()
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_type().unwrap().is_file())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        vec![
+            "Full-00000000-00000170-1700000300.gz",
+            "Full-1-2-3",
+            "Incr-00000151-00000170-1700000200.gz",
+            "Incr-00000171-00000180-1700000400.gz",
+            "README",
+        ]
+    );
+}
+
+/// An S3 server (s3s-fs) on a loopback port, killed on drop.
+struct S3Server {
+    child: Child,
+    port: u16,
+    _root: tempfile::TempDir,
+}
+
+impl S3Server {
+    const KEY: &'static str = "warden-access";
+    const SECRET: &'static str = "warden-secret-key";
+
+    fn start(buckets: &[&str]) -> S3Server {
+        let bin = std::env::var_os("S3S_FS")
+            .map(PathBuf::from)
+            .or_else(|| {
+                let home = std::env::var_os("HOME")?;
+                let p = PathBuf::from(home).join(".cargo/bin/s3s-fs");
+                p.exists().then_some(p)
+            })
+            .unwrap_or_else(|| PathBuf::from("s3s-fs"));
+        let root = tempfile::tempdir().unwrap();
+        for b in buckets {
+            std::fs::create_dir_all(root.path().join(b)).unwrap();
+        }
+        let port = free_port();
+        let child = Command::new(&bin)
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--access-key", Self::KEY, "--secret-key", Self::SECRET])
+            .arg(root.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot run {} ({e}): install it with `cargo install s3s-fs@0.14.1 --locked --features binary`",
+                    bin.display()
+                )
+            });
+        let server = S3Server {
+            child,
+            port,
+            _root: root,
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "s3s-fs did not listen on {port}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        server
+    }
+
+    fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for S3Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_s3() {
+    let server = S3Server::start(&["etcd-backups"]);
+    let mut cfg = store_config("s3://etcd-backups/shoot/etcd-main");
+    cfg.endpoint = Some(server.endpoint());
+    cfg.region = Some("us-east-1".into());
+    cfg.allow_http = true;
+    cfg.access_key_id = Some(Secret::Value(S3Server::KEY.into()));
+    cfg.secret_access_key = Some(Secret::Value(S3Server::SECRET.into()));
+    let raw = etcd_warden::store::build_with_env(
+        &cfg,
+        &std::collections::HashMap::<String, String>::new(),
+        None,
+    )
+    .unwrap();
+    conformance(SnapshotStore::new(raw.clone(), cfg.location.prefix()), raw).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_credentials_from_files_and_environment() {
+    let server = S3Server::start(&["bkt"]);
+    let dir = tempfile::tempdir().unwrap();
+    let id = dir.path().join("id");
+    let secret = dir.path().join("secret");
+    std::fs::write(&id, format!("{}\n", S3Server::KEY)).unwrap();
+    std::fs::write(&secret, "wrong").unwrap();
+    // Endpoint and region from the (SOURCE_-prefixed) environment, credentials from files.
+    let env: std::collections::HashMap<String, String> = [
+        ("SOURCE_AWS_ENDPOINT", server.endpoint()),
+        ("AWS_ENDPOINT", "http://127.0.0.1:1".to_string()),
+        ("AWS_REGION", "us-east-1".to_string()),
+        ("AWS_ALLOW_HTTP", "true".to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    let mut cfg = store_config("s3://bkt/p");
+    cfg.access_key_id = Some(Secret::File(id));
+    cfg.secret_access_key = Some(Secret::File(secret.clone()));
+    let raw = etcd_warden::store::build_with_env(&cfg, &env, Some("SOURCE_")).unwrap();
+    let store = SnapshotStore::new(raw, "p");
+    assert!(store.list().await.is_err(), "a wrong secret was accepted");
+    // Rotating the file is picked up without rebuilding the store.
+    std::fs::write(&secret, S3Server::SECRET).unwrap();
+    let s = snap(&store, Kind::Full, 0, 1, 1_700_000_000);
+    store
+        .put_bytes(&s, Bytes::from_static(b"ok"))
+        .await
+        .unwrap();
+    assert_eq!(store.list().await.unwrap(), vec![s]);
+}
