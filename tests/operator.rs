@@ -44,11 +44,15 @@ impl Fixture {
     /// Starts 3 members and waits until they serve; `machine_api` runs the deletion of unhooked
     /// machines in the background (off when a test drives it by hand).
     async fn start(machine_api: bool) -> Fixture {
+        Fixture::start_with(etcd(), machine_api).await
+    }
+
+    async fn start_with(etcd: PathBuf, machine_api: bool) -> Fixture {
         let dir = tempfile::tempdir().unwrap();
         let cluster = LocalCluster::start(LocalOptions {
             members: 3,
             dir: dir.path().join("cluster"),
-            etcd: etcd(),
+            etcd,
             no_fsync: true,
         })
         .await
@@ -347,6 +351,23 @@ async fn replacing_every_member_under_writes_loses_nothing() {
             "{old}->{new} out of order: {history:#?}"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replacement_works_on_etcd_3_4() {
+    let etcd34 = locate_etcd(Some(std::path::Path::new("/usr/bin"))).unwrap_or_else(|e| {
+        panic!("etcd 3.4 is needed at /usr/bin/etcd (apt-get install etcd-server): {e}")
+    });
+    let f = Fixture::start_with(etcd34, true).await;
+    let op = f.operator();
+    let _task = f.spawn(&op);
+    wait_for("settled", Duration::from_secs(30), || {
+        settled(&op).then_some(())
+    })
+    .await;
+    f.cluster.replace_machine("m3").unwrap();
+    wait_replaced(&f, &op, "m3").await;
+    assert_eq!(names(&members(&f.cluster).await), ["m1", "m2", "m4"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

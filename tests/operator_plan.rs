@@ -149,6 +149,25 @@ impl Sim {
             prop_assert!(p.actions.is_empty(), "acted on quorum loss: {p:?}");
             prop_assert!(matches!(p.condition, Condition::Degraded(_)));
         }
+        // An even voter count lasts no longer than needed: with everyone healthy and a replaced
+        // voter still in, its removal is the change planned.
+        let deleting_voter = self
+            .members
+            .iter()
+            .any(|m| !m.is_learner && self.machine_of(m).is_some_and(|mc| mc.deleting));
+        if self.members.iter().all(|m| m.healthy)
+            && self.voters() > self.desired
+            && deleting_voter
+            && self
+                .members
+                .iter()
+                .all(|m| !m.is_learner || self.machine_of(m).is_some_and(|mc| !mc.deleting))
+        {
+            prop_assert!(
+                matches!(membership.first(), Some(Action::RemoveMember { .. })),
+                "extra voter kept: {p:?}"
+            );
+        }
         if self.members.iter().any(|m| !m.healthy) {
             for a in &membership {
                 let Action::RemoveMember { member_id, .. } = a else {
@@ -481,6 +500,29 @@ fn escape_hatch_hook_is_not_put_back() {
     let p = plan(Spec { desired_voters: 3 }, &sim.observed());
     assert!(p.actions.iter().all(|a| !a.is_membership_change()), "{p:?}");
     assert!(matches!(p.condition, Condition::Degraded(_)), "{p:?}");
+}
+
+#[test]
+fn briefly_missing_member_is_not_a_scale_in() {
+    let mut sim = Sim::new(5);
+    sim.settle().unwrap();
+    let mut obs = sim.observed();
+    obs.members.remove(2);
+    let p = plan(Spec { desired_voters: 5 }, &obs);
+    assert!(
+        !p.actions
+            .iter()
+            .any(|a| matches!(a, Action::RemoveMember { .. } | Action::ReleaseHook { .. })),
+        "{p:?}"
+    );
+}
+
+#[test]
+fn spec_accepts_only_3_or_5() {
+    assert!(Spec::new(3).is_ok() && Spec::new(5).is_ok());
+    for n in [0, 1, 2, 4, 6, 7] {
+        assert!(Spec::new(n).is_err(), "{n}");
+    }
 }
 
 #[test]

@@ -157,6 +157,8 @@ pub struct MemberStatus {
     pub healthy: bool,
     /// The raft leader.
     pub is_leader: bool,
+    /// Knows a leader.
+    pub has_leader: bool,
     /// Raft applied index.
     pub applied_index: u64,
 }
@@ -378,6 +380,7 @@ impl<M: Machines> Operator<M> {
                 is_learner: m.is_learner(),
                 healthy,
                 is_leader,
+                has_leader,
                 applied_index: applied,
             });
         }
@@ -405,7 +408,7 @@ impl<M: Machines> Operator<M> {
                     },
                     is_leader: m.is_leader,
                     is_learner: m.is_learner,
-                    has_leader: obs.observed.leader_applied_index.is_some() && m.healthy,
+                    has_leader: m.has_leader,
                 })
                 .collect::<Vec<_>>(),
         );

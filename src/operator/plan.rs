@@ -23,6 +23,22 @@ pub struct Spec {
     pub desired_voters: usize,
 }
 
+/// A desired voter count the operator cannot keep safely.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("desired voting members must be 3 or 5, got {0}")]
+pub struct SpecError(pub usize);
+
+impl Spec {
+    /// A spec for 3 or 5 voters: odd sizes that survive one (or two) failures; 1 has no
+    /// replacement story and 7 or more only slow writes down.
+    pub fn new(desired_voters: usize) -> Result<Spec, SpecError> {
+        match desired_voters {
+            3 | 5 => Ok(Spec { desired_voters }),
+            n => Err(SpecError(n)),
+        }
+    }
+}
+
 /// One etcd member as observed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct MemberState {
