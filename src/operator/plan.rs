@@ -384,8 +384,20 @@ fn membership_action(
         let only_new_learners = unhealthy
             .iter()
             .all(|m| m.is_learner && machine_of(obs, m).is_some_and(|mc| !mc.deleting));
+        let orphans: Vec<String> = unhealthy
+            .iter()
+            .filter(|m| machine_of(obs, m).is_none())
+            .map(|m| format!("{} ({:x})", label(m), m.id))
+            .collect();
         return Err(if only_new_learners {
             Condition::Progressing(format!("waiting for learner {} to start", names.join(", ")))
+        } else if !orphans.is_empty() {
+            // Typically after the escape hatch: the machine went away with its voter.
+            Condition::Degraded(format!(
+                "unhealthy member(s) {}; membership changes paused; the machine of {} is gone: remove that member (etcdctl member remove ID) to continue",
+                names.join(", "),
+                orphans.join(", ")
+            ))
         } else {
             Condition::Degraded(format!(
                 "unhealthy member(s) {}; membership changes paused",
