@@ -149,6 +149,25 @@ impl Sim {
             prop_assert!(p.actions.is_empty(), "acted on quorum loss: {p:?}");
             prop_assert!(matches!(p.condition, Condition::Degraded(_)));
         }
+        // An even voter count lasts no longer than needed: with everyone healthy and a replaced
+        // voter still in, its removal is the change planned.
+        let deleting_voter = self
+            .members
+            .iter()
+            .any(|m| !m.is_learner && self.machine_of(m).is_some_and(|mc| mc.deleting));
+        if self.members.iter().all(|m| m.healthy)
+            && self.voters() > self.desired
+            && deleting_voter
+            && self
+                .members
+                .iter()
+                .all(|m| !m.is_learner || self.machine_of(m).is_some_and(|mc| !mc.deleting))
+        {
+            prop_assert!(
+                matches!(membership.first(), Some(Action::RemoveMember { .. })),
+                "extra voter kept: {p:?}"
+            );
+        }
         if self.members.iter().any(|m| !m.healthy) {
             for a in &membership {
                 let Action::RemoveMember { member_id, .. } = a else {
@@ -484,6 +503,29 @@ fn escape_hatch_hook_is_not_put_back() {
 }
 
 #[test]
+fn briefly_missing_member_is_not_a_scale_in() {
+    let mut sim = Sim::new(5);
+    sim.settle().unwrap();
+    let mut obs = sim.observed();
+    obs.members.remove(2);
+    let p = plan(Spec { desired_voters: 5 }, &obs);
+    assert!(
+        !p.actions
+            .iter()
+            .any(|a| matches!(a, Action::RemoveMember { .. } | Action::ReleaseHook { .. })),
+        "{p:?}"
+    );
+}
+
+#[test]
+fn spec_accepts_only_3_or_5() {
+    assert!(Spec::new(3).is_ok() && Spec::new(5).is_ok());
+    for n in [0, 1, 2, 4, 6, 7] {
+        assert!(Spec::new(n).is_err(), "{n}");
+    }
+}
+
+#[test]
 fn quorum_loss_is_reported_not_acted_on() {
     let mut sim = Sim::new(3);
     sim.members[0].healthy = false;
@@ -526,4 +568,129 @@ fn one_replacement_in_order() {
             "release_hook"
         ]
     );
+}
+
+/// Arbitrary observed states, not only those reachable from a healthy cluster: a few machines
+/// with random flags, members on some of them (or on none), random roles and health.
+fn arbitrary_state() -> impl Strategy<Value = (usize, Observed)> {
+    let machine = (any::<bool>(), any::<bool>(), any::<bool>());
+    let member = (
+        0usize..9,
+        any::<bool>(),
+        any::<bool>(),
+        any::<bool>(),
+        0u64..120,
+    );
+    (
+        desired(),
+        prop::collection::vec(machine, 0..8),
+        prop::collection::vec(member, 0..8),
+        prop::option::of(50u64..120),
+    )
+        .prop_map(|(desired, machines, members, leader)| {
+            let machines: Vec<MachineState> = machines
+                .into_iter()
+                .enumerate()
+                .map(|(i, (deleting, has_hook, removed))| MachineState {
+                    name: format!("m{i}"),
+                    peer_url: peer(i),
+                    deleting,
+                    has_hook,
+                    hook_removed_by_other: deleting && removed && !has_hook,
+                })
+                .collect();
+            let mut used = std::collections::HashSet::new();
+            let members = members
+                .into_iter()
+                .enumerate()
+                // One member per peer URL, as etcd enforces.
+                .filter(|(_, (slot, ..))| used.insert(*slot))
+                .map(
+                    |(i, (slot, learner, healthy, started, applied))| MemberState {
+                        id: 100 + i as u64,
+                        name: if started || !learner {
+                            format!("m{slot}")
+                        } else {
+                            String::new()
+                        },
+                        peer_urls: vec![peer(slot)],
+                        is_learner: learner,
+                        healthy: healthy && (started || !learner),
+                        applied_index: applied,
+                    },
+                )
+                .collect();
+            (
+                desired,
+                Observed {
+                    members,
+                    machines,
+                    leader_applied_index: leader,
+                },
+            )
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2048, ..ProptestConfig::default() })]
+
+    /// Whatever the observed state, each planned action is safe in that state.
+    #[test]
+    fn every_planned_action_is_safe_in_any_state((desired, obs) in arbitrary_state()) {
+        let p = plan(Spec { desired_voters: desired }, &obs);
+        let voters = obs.members.iter().filter(|m| !m.is_learner).count();
+        let healthy_voters = obs.members.iter().filter(|m| !m.is_learner && m.healthy).count();
+        let learners = obs.members.len() - voters;
+        let all_healthy = obs.members.iter().all(|m| m.healthy);
+        let machine = |name: &str| obs.machines.iter().find(|m| m.name == name).unwrap();
+        let machine_of = |m: &MemberState| obs.machines.iter().find(|mc| mc.peer_url == m.peer_urls[0]);
+        let member = |id: u64| obs.members.iter().find(|m| m.id == id).unwrap();
+
+        if voters == 0 || healthy_voters < quorum(voters) {
+            prop_assert!(p.actions.is_empty(), "{p:?}");
+            prop_assert!(matches!(p.condition, Condition::Degraded(_)));
+        }
+        prop_assert!(p.actions.iter().filter(|a| a.is_membership_change()).count() <= 1);
+        for a in &p.actions {
+            match a {
+                Action::AddHook { machine: name } => {
+                    let mc = machine(name);
+                    prop_assert!(!mc.has_hook);
+                    prop_assert!(!(mc.deleting && mc.hook_removed_by_other), "escape hatch undone");
+                }
+                Action::ReleaseHook { machine: name } => {
+                    let mc = machine(name);
+                    prop_assert!(mc.deleting);
+                    prop_assert!(obs.members.iter().all(|m| m.peer_urls[0] != mc.peer_url));
+                }
+                Action::AddLearner { machine: name, .. } => {
+                    prop_assert!(all_healthy && learners == 0 && voters <= desired);
+                    prop_assert!(!machine(name).deleting);
+                }
+                Action::StartMember { machine: name, member_id } => {
+                    prop_assert!(member(*member_id).is_learner && !machine(name).deleting);
+                }
+                Action::Promote { member_id, machine: name } => {
+                    let mc = machine(name);
+                    prop_assert!(all_healthy && voters <= desired && learners == 1);
+                    prop_assert!(member(*member_id).is_learner);
+                    prop_assert!(mc.has_hook && !mc.deleting, "{mc:?}");
+                }
+                Action::RemoveMember { member_id, .. } => {
+                    let m = member(*member_id);
+                    if !m.is_learner {
+                        prop_assert!(voters > desired, "no replacement voter: {p:?}");
+                        prop_assert!(machine_of(m).is_none_or(|mc| mc.deleting));
+                        let healthy_after = healthy_voters - usize::from(m.healthy);
+                        prop_assert!(healthy_after >= quorum(voters - 1), "below quorum");
+                    } else {
+                        prop_assert!(machine_of(m).is_none_or(|mc| mc.deleting));
+                    }
+                    if !all_healthy {
+                        prop_assert!(!m.healthy, "removed a healthy member while another is unhealthy");
+                    }
+                }
+            }
+        }
+    }
 }

@@ -9,6 +9,7 @@
 //! are retried with backoff, observing again before each attempt, and etcd itself stays the
 //! judge of when a learner is in sync.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -157,6 +158,8 @@ pub struct MemberStatus {
     pub healthy: bool,
     /// The raft leader.
     pub is_leader: bool,
+    /// Knows a leader.
+    pub has_leader: bool,
     /// Raft applied index.
     pub applied_index: u64,
 }
@@ -234,7 +237,12 @@ impl Default for Timing {
 pub struct Operator<M: Machines> {
     spec: Spec,
     machines: Arc<M>,
-    endpoints: Mutex<Vec<String>>,
+    /// Client URLs given at start; a last resort once members have moved on.
+    seeds: Vec<String>,
+    /// Client URLs of the members at the last observation.
+    known: Mutex<Vec<String>>,
+    /// One client per URL, reused across steps; dropped on the first error.
+    clients: Mutex<HashMap<String, Client>>,
     timing: Timing,
     metrics: Metrics,
     status: Arc<Mutex<OperatorStatus>>,
@@ -252,7 +260,9 @@ impl<M: Machines> Operator<M> {
         Operator {
             spec,
             machines,
-            endpoints: Mutex::new(endpoints),
+            seeds: endpoints,
+            known: Mutex::new(Vec::new()),
+            clients: Mutex::new(HashMap::new()),
             timing,
             metrics: Metrics::default(),
             status: Arc::new(Mutex::new(OperatorStatus::default())),
@@ -274,16 +284,38 @@ impl<M: Machines> Operator<M> {
         lock(&self.status).clone()
     }
 
+    /// Current members' client URLs first, then the seeds.
+    fn endpoints(&self) -> Vec<String> {
+        let mut eps = lock(&self.known).clone();
+        for s in &self.seeds {
+            if !eps.contains(s) {
+                eps.push(s.clone());
+            }
+        }
+        eps
+    }
+
+    /// A client for one endpoint, cached.
     async fn connect(&self, endpoint: &str) -> Result<Client, etcd_client::Error> {
+        if let Some(c) = lock(&self.clients).get(endpoint) {
+            return Ok(c.clone());
+        }
         let opts = ConnectOptions::new()
             .with_timeout(self.timing.request_timeout)
             .with_connect_timeout(self.timing.request_timeout);
-        Client::connect([endpoint], Some(opts)).await
+        let c = Client::connect([endpoint], Some(opts)).await?;
+        lock(&self.clients).insert(endpoint.to_owned(), c.clone());
+        Ok(c)
+    }
+
+    /// Drops the cached client of an endpoint that failed.
+    fn forget(&self, endpoint: &str) {
+        lock(&self.clients).remove(endpoint);
     }
 
     /// Lists members through the first endpoint that answers.
     async fn member_list(&self) -> Result<Vec<etcd_client::Member>, ExecuteError> {
-        let endpoints = lock(&self.endpoints).clone();
+        let endpoints = self.endpoints();
         let mut last = String::from("no endpoints");
         for ep in &endpoints {
             let attempt = async {
@@ -294,6 +326,7 @@ impl<M: Machines> Operator<M> {
                 Ok(resp) => return Ok(resp.members().to_vec()),
                 Err(e) => {
                     debug!(endpoint = %ep, error = %e, "member list failed");
+                    self.forget(ep);
                     last = format!("{ep}: {}", etcd_message(&e));
                 }
             }
@@ -307,24 +340,18 @@ impl<M: Machines> Operator<M> {
     /// Observes etcd members (list, then each member's status) and the machines.
     pub async fn observe(&self) -> Result<Observation, ExecuteError> {
         let list = self.member_list().await?;
-        let urls: Vec<String> = list
+        // Voters first: learners refuse most requests.
+        let mut urls: Vec<(bool, String)> = list
             .iter()
-            .flat_map(|m| m.client_urls().iter().cloned())
+            .flat_map(|m| m.client_urls().iter().map(|u| (m.is_learner(), u.clone())))
             .collect();
+        urls.sort();
+        let urls: Vec<String> = urls.into_iter().map(|(_, u)| u).collect();
         if !urls.is_empty() {
             // Follow membership so the operator still reaches etcd after every seed is replaced.
-            let mut eps = lock(&self.endpoints);
-            for u in urls {
-                if !eps.contains(&u) {
-                    eps.push(u);
-                }
-            }
-            let current: Vec<String> = list
-                .iter()
-                .flat_map(|m| m.client_urls().iter().cloned())
-                .collect();
-            // Current members first; stale seeds stay as a last resort.
-            eps.sort_by_key(|e| !current.contains(e));
+            *lock(&self.known) = urls;
+            let keep = self.endpoints();
+            lock(&self.clients).retain(|url, _| keep.contains(url));
         }
 
         let statuses = futures::future::join_all(list.iter().map(|m| async move {
@@ -337,9 +364,13 @@ impl<M: Machines> Operator<M> {
                 Ok(Ok(s)) => Some(s),
                 Ok(Err(e)) => {
                     debug!(member = m.name(), error = %e, "status failed");
+                    self.forget(url);
                     None
                 }
-                Err(_) => None,
+                Err(_) => {
+                    self.forget(url);
+                    None
+                }
             }
         }))
         .await;
@@ -378,6 +409,7 @@ impl<M: Machines> Operator<M> {
                 is_learner: m.is_learner(),
                 healthy,
                 is_leader,
+                has_leader,
                 applied_index: applied,
             });
         }
@@ -405,7 +437,7 @@ impl<M: Machines> Operator<M> {
                     },
                     is_leader: m.is_leader,
                     is_learner: m.is_learner,
-                    has_leader: obs.observed.leader_applied_index.is_some() && m.healthy,
+                    has_leader: m.has_leader,
                 })
                 .collect::<Vec<_>>(),
         );
@@ -469,7 +501,7 @@ impl<M: Machines> Operator<M> {
         {
             return Ok(c);
         }
-        let endpoints = lock(&self.endpoints).clone();
+        let endpoints = self.endpoints();
         let mut last = String::from("no endpoints");
         for ep in &endpoints {
             match self.connect(ep).await {

@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::execute::{BackendError, Join, Machines, Operator, OperatorStatus, Timing};
-use super::plan::{Condition, MachineState, Spec};
+use super::plan::{Condition, MachineState, Spec, SpecError};
 
 /// Errors of the local backend.
 #[derive(Debug, thiserror::Error)]
@@ -40,8 +40,8 @@ pub enum LocalError {
         searched: String,
     },
     /// The cluster size is not 3 or 5.
-    #[error("--members must be 3 or 5, got {0}")]
-    Members(usize),
+    #[error("--members: {0}")]
+    Members(#[from] SpecError),
     /// The directory holds data from an earlier run.
     #[error("{0} is not empty; choose a new directory or remove it")]
     DirNotEmpty(PathBuf),
@@ -229,9 +229,7 @@ impl LocalCluster {
     /// Creates `opts.members` machines and starts a new etcd cluster on them (not waiting for
     /// health; see [`LocalCluster::wait_ready`]).
     pub async fn start(opts: LocalOptions) -> Result<Arc<Self>, LocalError> {
-        if opts.members != 3 && opts.members != 5 {
-            return Err(LocalError::Members(opts.members));
-        }
+        Spec::new(opts.members)?;
         if std::fs::read_dir(&opts.dir).is_ok_and(|mut d| d.next().is_some()) {
             return Err(LocalError::DirNotEmpty(opts.dir.clone()));
         }
@@ -689,9 +687,7 @@ pub async fn run_local(
     cancel: CancellationToken,
     on_listening: impl FnOnce(SocketAddr),
 ) -> Result<(), LocalError> {
-    let spec = Spec {
-        desired_voters: opts.members,
-    };
+    let spec = Spec::new(opts.members)?;
     let cluster = LocalCluster::start(opts).await?;
     let listener = tokio::net::TcpListener::bind(listen)
         .await

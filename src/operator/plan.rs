@@ -23,6 +23,22 @@ pub struct Spec {
     pub desired_voters: usize,
 }
 
+/// A desired voter count the operator cannot keep safely.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("desired voting members must be 3 or 5, got {0}")]
+pub struct SpecError(pub usize);
+
+impl Spec {
+    /// A spec for 3 or 5 voters: odd sizes that survive one (or two) failures; 1 has no
+    /// replacement story and 7 or more only slow writes down.
+    pub fn new(desired_voters: usize) -> Result<Spec, SpecError> {
+        match desired_voters {
+            3 | 5 => Ok(Spec { desired_voters }),
+            n => Err(SpecError(n)),
+        }
+    }
+}
+
 /// One etcd member as observed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct MemberState {
@@ -368,8 +384,20 @@ fn membership_action(
         let only_new_learners = unhealthy
             .iter()
             .all(|m| m.is_learner && machine_of(obs, m).is_some_and(|mc| !mc.deleting));
+        let orphans: Vec<String> = unhealthy
+            .iter()
+            .filter(|m| machine_of(obs, m).is_none())
+            .map(|m| format!("{} ({:x})", label(m), m.id))
+            .collect();
         return Err(if only_new_learners {
             Condition::Progressing(format!("waiting for learner {} to start", names.join(", ")))
+        } else if !orphans.is_empty() {
+            // Typically after the escape hatch: the machine went away with its voter.
+            Condition::Degraded(format!(
+                "unhealthy member(s) {}; membership changes paused; the machine of {} is gone: remove that member (etcdctl member remove ID) to continue",
+                names.join(", "),
+                orphans.join(", ")
+            ))
         } else {
             Condition::Degraded(format!(
                 "unhealthy member(s) {}; membership changes paused",
