@@ -1,5 +1,416 @@
 //! Object stores from URLs, the etcd-backup-restore bucket layout, and retention.
+//!
+//! [`build`] turns a [`StoreConfig`] into an `object_store` backend; [`SnapshotStore`] reads and
+//! writes snapshots in the layout of [`layout`] on top of it.
 
+pub mod compression;
+mod credentials;
+pub mod gc;
+pub mod layout;
 pub mod location;
 
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use object_store::aws::AmazonS3Builder;
+use object_store::azure::MicrosoftAzureBuilder;
+use object_store::gcp::GoogleCloudStorageBuilder;
+use object_store::local::LocalFileSystem;
+use object_store::memory::InMemory;
+use object_store::path::Path;
+use object_store::{ObjectStore, ObjectStoreExt, PutPayload, WriteMultipart};
+
+use crate::config::{EnvSource, Secret, StoreConfig};
+
+pub use compression::{ByteStream, Codec};
+pub use layout::{Chain, Kind, Snapshot};
 pub use location::StoreLocation;
+
+/// Part size of multipart uploads (S3 needs at least 5 MiB for every part but the last).
+const PART_SIZE: usize = 8 << 20;
+/// Parts uploading at once; with [`PART_SIZE`] this bounds an upload's memory.
+const PARTS_IN_FLIGHT: usize = 2;
+
+/// Store errors.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The backend could not be built from the configuration.
+    #[error("cannot set up store {url}: {message}")]
+    Build {
+        /// The store URL.
+        url: String,
+        /// What failed.
+        message: String,
+    },
+    /// A backend operation failed.
+    #[error(transparent)]
+    Backend(#[from] object_store::Error),
+    /// Reading the payload failed (the upload was aborted).
+    #[error("snapshot payload failed: {0}")]
+    Payload(#[source] std::io::Error),
+}
+
+/// Builds the backend for a store from its configuration and the process environment.
+pub fn build(config: &StoreConfig) -> Result<Arc<dyn ObjectStore>, StoreError> {
+    build_with_env(config, &crate::config::ProcessEnv, None)
+}
+
+/// Builds the backend for a store. Provider variables (`AWS_…`, `GOOGLE_…`, `AZURE_…`) come from
+/// `env`; with `env_prefix` (e.g. `"SOURCE_"` for the copy job's source) the prefixed names win
+/// over the plain ones. Explicit configuration wins over both.
+pub fn build_with_env(
+    config: &StoreConfig,
+    env: &dyn EnvSource,
+    env_prefix: Option<&str>,
+) -> Result<Arc<dyn ObjectStore>, StoreError> {
+    let url = config.location.to_string();
+    let fail = |message: String| StoreError::Build {
+        url: url.clone(),
+        message,
+    };
+    let provider_vars = |family: &str| provider_env(env, env_prefix, family);
+    let store: Arc<dyn ObjectStore> = match &config.location {
+        StoreLocation::File { root } => {
+            std::fs::create_dir_all(root)
+                .map_err(|e| fail(format!("cannot create {}: {e}", root.display())))?;
+            Arc::new(LocalFileSystem::new_with_prefix(root).map_err(|e| fail(e.to_string()))?)
+        }
+        StoreLocation::Memory { .. } => Arc::new(InMemory::new()),
+        StoreLocation::S3 { bucket, .. } => {
+            let mut b = AmazonS3Builder::new();
+            let mut env_sets_style = false;
+            for (key, value) in provider_vars("AWS_") {
+                env_sets_style |= key == "AWS_VIRTUAL_HOSTED_STYLE_REQUEST";
+                if let Ok(k) = key.to_ascii_lowercase().parse() {
+                    b = b.with_config(k, value);
+                }
+            }
+            b = b.with_bucket_name(bucket);
+            if let Some(ep) = &config.endpoint {
+                b = b.with_endpoint(ep);
+            }
+            if let Some(r) = &config.region {
+                b = b.with_region(r);
+            }
+            // path_style defaults to true in the embedded config, so only a non-default value
+            // is "explicit" enough to override the environment.
+            if !config.path_style || !env_sets_style {
+                b = b.with_virtual_hosted_style_request(!config.path_style);
+            }
+            if config.allow_http {
+                b = b.with_allow_http(true);
+            }
+            match (&config.access_key_id, &config.secret_access_key) {
+                (Some(Secret::Value(id)), Some(Secret::Value(key))) => {
+                    b = b.with_access_key_id(id).with_secret_access_key(key);
+                }
+                (Some(id), Some(key)) => {
+                    b = b.with_credentials(Arc::new(credentials::AwsFromFiles::new(
+                        id.clone(),
+                        key.clone(),
+                    )));
+                }
+                (None, None) => {}
+                _ => {
+                    return Err(fail(
+                        "give both access_key_id and secret_access_key, or neither".into(),
+                    ));
+                }
+            }
+            Arc::new(b.build().map_err(|e| fail(e.to_string()))?)
+        }
+        StoreLocation::Gcs { bucket, .. } => {
+            let mut b = GoogleCloudStorageBuilder::new();
+            for (key, value) in provider_vars("GOOGLE_") {
+                if let Ok(k) = key.to_ascii_lowercase().parse() {
+                    b = b.with_config(k, value);
+                }
+            }
+            b = b.with_bucket_name(bucket);
+            if let Some(sa) = &config.service_account_file {
+                b = b.with_service_account_path(sa.to_string_lossy());
+            }
+            Arc::new(b.build().map_err(|e| fail(e.to_string()))?)
+        }
+        StoreLocation::Azure { container, .. } => {
+            let mut b = MicrosoftAzureBuilder::new();
+            for (key, value) in provider_vars("AZURE_") {
+                if let Ok(k) = key.to_ascii_lowercase().parse() {
+                    b = b.with_config(k, value);
+                }
+            }
+            b = b.with_container_name(container);
+            if let Some(a) = &config.account_name {
+                b = b.with_account(a);
+            }
+            if config.use_emulator {
+                b = b.with_use_emulator(true);
+            }
+            if let Some(ep) = &config.endpoint {
+                b = b.with_endpoint(ep.clone());
+            }
+            if config.allow_http {
+                b = b.with_allow_http(true);
+            }
+            match &config.account_key {
+                Some(Secret::Value(k)) => b = b.with_access_key(k),
+                Some(file @ Secret::File(_)) => {
+                    b = b.with_credentials(Arc::new(credentials::AzureFromFile::new(file.clone())));
+                }
+                None => {}
+            }
+            Arc::new(b.build().map_err(|e| fail(e.to_string()))?)
+        }
+    };
+    Ok(store)
+}
+
+/// Provider variables of one family (`AWS_`), the `env_prefix`ed names overriding plain ones.
+fn provider_env(
+    env: &dyn EnvSource,
+    env_prefix: Option<&str>,
+    family: &str,
+) -> Vec<(String, String)> {
+    let vars = env.vars();
+    let mut out: std::collections::BTreeMap<String, String> = vars
+        .iter()
+        .filter(|(k, _)| k.starts_with(family))
+        .cloned()
+        .collect();
+    if let Some(p) = env_prefix {
+        for (k, v) in &vars {
+            if let Some(plain) = k.strip_prefix(p).filter(|k| k.starts_with(family)) {
+                out.insert(plain.to_string(), v.clone());
+            }
+        }
+    }
+    out.into_iter().collect()
+}
+
+/// Snapshots in a store, in the etcd-backup-restore `v2` layout.
+#[derive(Clone, Debug)]
+pub struct SnapshotStore {
+    store: Arc<dyn ObjectStore>,
+    /// The store prefix (without `v2`).
+    prefix: String,
+}
+
+impl SnapshotStore {
+    /// Snapshots under `prefix` (the URL's path) of a backend.
+    pub fn new(store: Arc<dyn ObjectStore>, prefix: &str) -> Self {
+        Self {
+            store,
+            prefix: prefix.trim_matches('/').to_string(),
+        }
+    }
+
+    /// Builds the backend from configuration and the process environment.
+    pub fn from_config(config: &StoreConfig) -> Result<Self, StoreError> {
+        Ok(Self::new(build(config)?, config.location.prefix()))
+    }
+
+    /// The store prefix (without `v2`).
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &Arc<dyn ObjectStore> {
+        &self.store
+    }
+
+    /// Metadata for a new snapshot in this store.
+    pub fn new_snapshot(
+        &self,
+        kind: Kind,
+        start_revision: i64,
+        last_revision: i64,
+        compression: Codec,
+        is_final: bool,
+    ) -> Snapshot {
+        Snapshot::new(
+            &self.prefix,
+            kind,
+            start_revision,
+            last_revision,
+            chrono::Utc::now(),
+            compression,
+            is_final,
+        )
+    }
+
+    /// Every snapshot, sorted as the reference sorts (last revision, then creation time).
+    /// Objects that are not snapshots (chunks, other tools' files) are logged and skipped.
+    pub async fn list(&self) -> Result<Vec<Snapshot>, StoreError> {
+        let dir = layout::version_prefix(&self.prefix);
+        let listing = Path::from(dir.trim_end_matches('/'));
+        let mut objects = self.store.list(Some(&listing));
+        let mut out = Vec::new();
+        while let Some(meta) = objects.next().await {
+            let meta = meta?;
+            let key = meta.location.as_ref();
+            let Some(name) = key.strip_prefix(dir.as_str()) else {
+                tracing::debug!(key, "object outside the layout directory, ignored");
+                continue;
+            };
+            match Snapshot::parse_name(&self.prefix, name) {
+                Ok(s) => out.push(s),
+                Err(e) => tracing::info!(key, reason = %e.reason, "not a snapshot, ignored"),
+            }
+        }
+        layout::sort(&mut out);
+        Ok(out)
+    }
+
+    /// The latest full snapshot and every later delta.
+    pub async fn latest_chain(&self) -> Result<Chain, StoreError> {
+        Ok(layout::latest_chain(&self.list().await?))
+    }
+
+    /// Uploads a payload as a multipart upload with bounded memory. An error item in `data`
+    /// (e.g. a failed hash check) or a failed part aborts the upload, so nothing partial becomes
+    /// visible. Returns the number of bytes stored.
+    pub async fn put_stream(
+        &self,
+        snapshot: &Snapshot,
+        mut data: ByteStream,
+    ) -> Result<u64, StoreError> {
+        let path = Path::from(snapshot.key());
+        let upload = self.store.put_multipart(&path).await?;
+        let mut writer = WriteMultipart::new_with_chunk_size(upload, PART_SIZE);
+        let mut written = 0u64;
+        let failure = loop {
+            match data.next().await {
+                Some(Ok(chunk)) => {
+                    if let Err(e) = writer.wait_for_capacity(PARTS_IN_FLIGHT).await {
+                        break StoreError::Backend(e);
+                    }
+                    written += chunk.len() as u64;
+                    writer.put(chunk);
+                }
+                Some(Err(e)) => break StoreError::Payload(e),
+                None => {
+                    writer.finish().await?;
+                    return Ok(written);
+                }
+            }
+        };
+        if let Err(e) = writer.abort().await {
+            tracing::warn!(key = %path, error = %e, "aborting the failed upload failed");
+        }
+        Err(failure)
+    }
+
+    /// Stores a small payload (a delta) in one request.
+    pub async fn put_bytes(&self, snapshot: &Snapshot, data: Bytes) -> Result<(), StoreError> {
+        self.store
+            .put(&Path::from(snapshot.key()), PutPayload::from_bytes(data))
+            .await?;
+        Ok(())
+    }
+
+    /// The stored (compressed) payload as a stream.
+    pub async fn get_stream(&self, snapshot: &Snapshot) -> Result<ByteStream, StoreError> {
+        let res = self.store.get(&Path::from(snapshot.key())).await?;
+        Ok(res
+            .into_stream()
+            .map(|r| r.map_err(std::io::Error::other))
+            .boxed())
+    }
+
+    /// The payload, decompressed, as a stream.
+    pub async fn get_decoded(&self, snapshot: &Snapshot) -> Result<ByteStream, StoreError> {
+        Ok(snapshot
+            .compression
+            .decode(self.get_stream(snapshot).await?))
+    }
+
+    /// Deletes a snapshot.
+    pub async fn delete(&self, snapshot: &Snapshot) -> Result<(), StoreError> {
+        self.store.delete(&Path::from(snapshot.key())).await?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn config(url: &str) -> StoreConfig {
+        StoreConfig {
+            location: StoreLocation::parse(url).unwrap(),
+            endpoint: None,
+            region: None,
+            path_style: true,
+            allow_http: false,
+            access_key_id: None,
+            secret_access_key: None,
+            service_account_file: None,
+            account_name: None,
+            account_key: None,
+            use_emulator: false,
+        }
+    }
+
+    #[test]
+    fn prefixed_provider_variables_win() {
+        let env: HashMap<String, String> = [
+            ("AWS_REGION", "eu-west-1"),
+            ("SOURCE_AWS_REGION", "us-east-2"),
+            ("AWS_ENDPOINT", "http://plain"),
+            ("GOOGLE_BUCKET", "g"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let got = provider_env(&env, Some("SOURCE_"), "AWS_");
+        assert_eq!(
+            got,
+            vec![
+                ("AWS_ENDPOINT".to_string(), "http://plain".to_string()),
+                ("AWS_REGION".to_string(), "us-east-2".to_string()),
+            ]
+        );
+        let plain = provider_env(&env, None, "AWS_");
+        assert!(plain.contains(&("AWS_REGION".to_string(), "eu-west-1".to_string())));
+    }
+
+    #[test]
+    fn builds_every_provider_offline() {
+        let env: HashMap<String, String> = HashMap::new();
+        let mut s3 = config("s3://bkt/pre");
+        s3.endpoint = Some("http://127.0.0.1:1".into());
+        s3.allow_http = true;
+        s3.access_key_id = Some(Secret::Value("id".into()));
+        s3.secret_access_key = Some(Secret::Value("key".into()));
+        assert!(build_with_env(&s3, &env, None).is_ok());
+        s3.secret_access_key = None;
+        let e = build_with_env(&s3, &env, None).unwrap_err().to_string();
+        assert!(e.contains("both"), "{e}");
+
+        let mut az = config("az://cont/pre");
+        az.account_name = Some("acct".into());
+        az.account_key = Some(Secret::Value("a2V5".into()));
+        assert!(build_with_env(&az, &env, None).is_ok());
+
+        // GCS: a service account file is parsed at build time; a broken one is reported.
+        let dir = tempfile::tempdir().unwrap();
+        let sa = dir.path().join("sa.json");
+        std::fs::write(&sa, "not json").unwrap();
+        let mut gs = config("gs://b/p");
+        gs.service_account_file = Some(sa.clone());
+        let e = build_with_env(&gs, &env, None).unwrap_err().to_string();
+        assert!(e.contains("gs://b/p"), "{e}");
+    }
+
+    #[test]
+    fn file_store_creates_its_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("a/b/c");
+        let cfg = config(&format!("file://{}", root.display()));
+        build_with_env(&cfg, &HashMap::<String, String>::new(), None).unwrap();
+        assert!(root.is_dir());
+    }
+}

@@ -1,0 +1,271 @@
+//! Retention: which snapshots to delete, as a pure function of (snapshots, now, policy).
+//!
+//! The rules follow etcd-backup-restore's garbage collector:
+//! - the snapshots are cut into *streams*: a full snapshot and the deltas after it;
+//! - `LimitBased` keeps the newest `max_backups` full snapshots;
+//! - `Exponential` keeps every full snapshot of the current hour, the last one of each hour for
+//!   the rest of the last 24 hours, the last one of each day for a week, the last one of each
+//!   week up to 5 weeks, and nothing older (hour/day/week windows counted back from the end of
+//!   today, UTC, exactly as the reference counts them);
+//! - deltas of a stream other than the newest are deleted once older than `delta_retention`
+//!   (zero keeps them as long as their full snapshot), and always with their full snapshot.
+//!
+//! Beyond the reference: the newest stream is never touched, a final snapshot's stream is never
+//! deleted, and deltas before the first full snapshot (unrestorable) are deleted.
+
+use std::time::Duration;
+
+use chrono::{DateTime, TimeDelta, Timelike, Utc};
+
+use super::layout::{Kind, Snapshot, compare};
+use crate::config::GcPolicy;
+
+/// What retention keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Retention {
+    /// Which full snapshots to keep.
+    pub policy: GcPolicy,
+    /// Deltas of older streams are deleted once older than this; zero keeps them with their
+    /// full snapshot.
+    pub delta_retention: Duration,
+}
+
+/// The snapshots to delete, deltas before the full snapshot they depend on.
+pub fn plan(snapshots: &[Snapshot], now: DateTime<Utc>, retention: Retention) -> Vec<Snapshot> {
+    let mut sorted = snapshots.to_vec();
+    sorted.sort_by(compare);
+    let fulls: Vec<usize> = sorted
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.kind == Kind::Full)
+        .map(|(i, _)| i)
+        .collect();
+    let Some(&newest) = fulls.last() else {
+        // No full snapshot: nothing is restorable and nothing is safe to judge.
+        return Vec::new();
+    };
+    // The stream of the full snapshot at sorted[i]: its deltas are up to the next full.
+    let stream_end = |k: usize| fulls.get(k + 1).copied().unwrap_or(sorted.len());
+
+    let mut delete_full = vec![false; fulls.len()];
+    match retention.policy {
+        GcPolicy::LimitBased { max_backups } => {
+            let keep = usize::try_from(max_backups).unwrap_or(usize::MAX).max(1);
+            let excess = fulls.len().saturating_sub(keep);
+            delete_full[..excess].iter_mut().for_each(|d| *d = true);
+        }
+        GcPolicy::Exponential => exponential(&sorted, &fulls, now, &mut delete_full),
+    }
+
+    let cutoff = now - TimeDelta::from_std(retention.delta_retention).unwrap_or(TimeDelta::MAX);
+    let mut out = Vec::new();
+    // Deltas before the first full snapshot can never be restored.
+    out.extend(
+        sorted[..fulls[0]]
+            .iter()
+            .rev()
+            .filter(|s| s.kind == Kind::Incr)
+            .cloned(),
+    );
+    for (k, &start) in fulls.iter().enumerate() {
+        if start == newest || sorted[start].is_final {
+            continue;
+        }
+        let deltas = sorted[start + 1..stream_end(k)].iter().rev();
+        if delete_full[k] {
+            out.extend(deltas.cloned());
+            out.push(sorted[start].clone());
+        } else if !retention.delta_retention.is_zero() {
+            out.extend(deltas.filter(|d| d.created_on < cutoff).cloned());
+        }
+    }
+    out
+}
+
+/// The reference's exponential rule: walks from the newest stream back, comparing each full
+/// snapshot with the next newer one in hour, day and week windows counted from the end of today.
+fn exponential(sorted: &[Snapshot], fulls: &[usize], now: DateTime<Utc>, delete: &mut [bool]) {
+    let day = TimeDelta::hours(24);
+    let start_of_day = now
+        .with_hour(0)
+        .and_then(|t| t.with_minute(0))
+        .and_then(|t| t.with_second(0))
+        .and_then(|t| t.with_nanosecond(0))
+        .unwrap_or(now);
+    let mut eod = start_of_day + TimeDelta::seconds(24 * 3600 - 1);
+    let mut tracking_week = false;
+    // Whole hours from a time back to `eod`, truncated toward zero as Go's int(float) does.
+    let hours = |eod: DateTime<Utc>, t: DateTime<Utc>| (eod - t).num_seconds() as f64 / 3600.0;
+    for k in (1..fulls.len()).rev() {
+        let newer = &sorted[fulls[k]];
+        let older = &sorted[fulls[k - 1]];
+        let age = eod - older.created_on;
+        let threshold: i64 = if age < day {
+            if older.created_on.hour() == now.hour() {
+                0
+            } else {
+                1
+            }
+        } else if age < day * 8 {
+            24
+        } else if age < day * 35 {
+            if !tracking_week {
+                // The week ends yesterday: shift the windows' end by a day once.
+                eod -= day;
+                tracking_week = true;
+            }
+            24 * 7
+        } else {
+            i64::from(i32::MAX)
+        };
+        let (h_old, h_new) = (hours(eod, older.created_on), hours(eod, newer.created_on));
+        let hour_change = h_old as i64 - h_new as i64;
+        let day_change = (h_old / 24.0) as i64 - (h_new / 24.0) as i64;
+        let week_change = (h_old / 168.0) as i64 - (h_new / 168.0) as i64;
+        let keep = threshold == 0
+            || hour_change / threshold != 0
+            || day_change * 24 / threshold != 0
+            || week_change * 168 / threshold != 0;
+        delete[k - 1] = !keep;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::compression::Codec;
+    use chrono::TimeZone;
+
+    fn t(s: &str) -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc)
+    }
+
+    /// A full snapshot at time `at` with last revision `rev`.
+    fn full(rev: i64, at: DateTime<Utc>) -> Snapshot {
+        Snapshot::new("", Kind::Full, 0, rev, at, Codec::Gzip, false)
+    }
+    fn incr(start: i64, last: i64, at: DateTime<Utc>) -> Snapshot {
+        Snapshot::new("", Kind::Incr, start, last, at, Codec::Gzip, false)
+    }
+    fn names(v: &[Snapshot]) -> Vec<(Kind, i64)> {
+        v.iter().map(|s| (s.kind, s.last_revision)).collect()
+    }
+    fn limit(n: u64, delta: u64) -> Retention {
+        Retention {
+            policy: GcPolicy::LimitBased { max_backups: n },
+            delta_retention: Duration::from_secs(delta),
+        }
+    }
+    const EXP: Retention = Retention {
+        policy: GcPolicy::Exponential,
+        delta_retention: Duration::ZERO,
+    };
+
+    #[test]
+    fn limit_based_keeps_the_newest_n_and_deletes_deltas_with_their_full() {
+        let now = t("2024-05-10T12:00:00Z");
+        let h = |n| now - TimeDelta::hours(n);
+        let snaps = vec![
+            incr(1, 5, h(10)), // before any full: unrestorable
+            full(10, h(9)),
+            incr(11, 15, h(8)),
+            full(20, h(7)),
+            incr(21, 25, h(6)),
+            full(30, h(5)),
+            incr(31, 35, h(4)),
+        ];
+        let del = plan(&snaps, now, limit(2, 0));
+        assert_eq!(
+            names(&del),
+            vec![(Kind::Incr, 5), (Kind::Incr, 15), (Kind::Full, 10)]
+        );
+        // Delta retention removes old deltas of kept streams, never of the newest one.
+        let del = plan(&snaps, now, limit(2, 3600 * 5));
+        assert!(names(&del).contains(&(Kind::Incr, 25)));
+        assert!(!names(&del).contains(&(Kind::Incr, 35)));
+        let del = plan(&snaps, now, limit(10, 0));
+        assert_eq!(names(&del), vec![(Kind::Incr, 5)]);
+    }
+
+    #[test]
+    fn never_deletes_the_newest_full_or_a_final_chain() {
+        let now = t("2024-05-10T12:00:00Z");
+        let mut fin = full(10, now - TimeDelta::days(100));
+        fin = Snapshot::new("", Kind::Full, 0, 10, fin.created_on, Codec::Gzip, true);
+        let snaps = vec![
+            fin,
+            incr(11, 12, now - TimeDelta::days(99)),
+            full(20, now - TimeDelta::days(60)),
+            full(30, now - TimeDelta::days(50)),
+        ];
+        for r in [limit(1, 0), limit(1, 1), EXP] {
+            let del = plan(&snaps, now, r);
+            assert_eq!(names(&del), vec![(Kind::Full, 20)], "{r:?}");
+        }
+        assert!(plan(&[], now, EXP).is_empty());
+        assert!(plan(&[incr(1, 2, now)], now, EXP).is_empty());
+    }
+
+    #[test]
+    fn exponential_keeps_hourly_daily_weekly() {
+        let now = t("2024-05-10T12:30:00Z");
+        // Every 20 minutes for 50 days.
+        let mut snaps = Vec::new();
+        let mut at = now;
+        let mut rev = 100_000;
+        while at > now - TimeDelta::days(50) {
+            snaps.push(full(rev, at));
+            rev -= 1;
+            at -= TimeDelta::minutes(20);
+        }
+        let del = plan(&snaps, now, EXP);
+        let deleted: std::collections::HashSet<_> = del.iter().map(|s| s.last_revision).collect();
+        let kept: Vec<DateTime<Utc>> = snaps
+            .iter()
+            .filter(|s| !deleted.contains(&s.last_revision))
+            .map(|s| s.created_on)
+            .collect();
+        // Current hour: all (12:00, 12:20 — and 12:30 is now).
+        let this_hour = kept
+            .iter()
+            .filter(|k| **k >= t("2024-05-10T12:00:00Z"))
+            .count();
+        assert_eq!(this_hour, 2);
+        // Earlier today: one per hour (hours 0..=11).
+        let today = kept
+            .iter()
+            .filter(|k| **k >= t("2024-05-10T00:00:00Z") && **k < t("2024-05-10T12:00:00Z"))
+            .count();
+        assert_eq!(today, 12);
+        // Each of the 7 days before: exactly one.
+        for d in 1..=7 {
+            let from = t("2024-05-10T00:00:00Z") - TimeDelta::days(d);
+            let n = kept
+                .iter()
+                .filter(|k| **k >= from && **k < from + TimeDelta::days(1))
+                .count();
+            assert_eq!(n, 1, "day -{d}");
+        }
+        // Older than 5 weeks: none.
+        assert!(kept.iter().all(|k| *k > now - TimeDelta::days(36)));
+        // Between a week and 5 weeks: at most one a week.
+        let weekly = kept
+            .iter()
+            .filter(|k| **k < t("2024-05-03T00:00:00Z"))
+            .count();
+        assert!((3..=5).contains(&weekly), "{weekly} weekly snapshots");
+        // The newest is kept.
+        assert!(kept.contains(&now));
+    }
+
+    #[test]
+    fn exponential_on_a_sparse_history_deletes_nothing_recent() {
+        let now = Utc.with_ymd_and_hms(2024, 5, 10, 12, 0, 0).unwrap();
+        let snaps = vec![
+            full(1, now - TimeDelta::hours(3)),
+            full(2, now - TimeDelta::hours(2)),
+            full(3, now - TimeDelta::hours(1)),
+        ];
+        assert!(plan(&snaps, now, EXP).is_empty());
+    }
+}

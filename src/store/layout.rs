@@ -1,0 +1,445 @@
+//! The bucket layout shared with gardener's etcd-backup-restore (`v2`): snapshot names are
+//! formatted and parsed here and nowhere else.
+//!
+//! key: `<prefix>/v2/<name>`; name: `<Kind>-<start:08>-<last:08>-<unix-seconds><compression><final>`
+//! (Go: `fmt.Sprintf("%s-%08d-%08d-%d%s%s", ...)`), e.g. `Full-00000000-00001234-1700000000.gz.final`.
+
+use std::cmp::Ordering;
+use std::fmt;
+
+use chrono::{DateTime, TimeZone, Utc};
+use serde::{Deserialize, Serialize};
+
+use super::compression::Codec;
+
+/// The layout version directory under the store prefix.
+pub const LAYOUT_VERSION: &str = "v2";
+/// The suffix of a final snapshot's name, after the compression suffix.
+pub const FINAL_SUFFIX: &str = ".final";
+
+/// Full snapshot (a whole database) or delta (events since the previous snapshot).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Kind {
+    /// A whole database; its start revision is 0.
+    Full,
+    /// Watch events from `start` to `last`.
+    Incr,
+}
+
+impl Kind {
+    /// The name's first token.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Full => "Full",
+            Kind::Incr => "Incr",
+        }
+    }
+}
+
+impl fmt::Display for Kind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One snapshot's metadata, as the HTTP API and `ls --json` show it (the reference's JSON names).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Snapshot {
+    /// Full or Incr.
+    pub kind: Kind,
+    /// The object name under `<prefix>/v2/`, always [`Snapshot::format_name`] of the other fields.
+    pub snap_name: String,
+    /// The key prefix up to and including `v2/` (as the reference reports it).
+    pub prefix: String,
+    /// The payload codec, shown as its suffix (".gz").
+    #[serde(rename = "compressionSuffix")]
+    pub compression: Codec,
+    /// First revision covered (0 for a full snapshot).
+    pub start_revision: i64,
+    /// Last revision covered.
+    pub last_revision: i64,
+    /// Creation time, whole seconds (the name keeps no more).
+    pub created_on: DateTime<Utc>,
+    /// Taken when this sidecar lost ownership: the last snapshot of its etcd.
+    pub is_final: bool,
+}
+
+/// Why a name is not a snapshot name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{name:?} is not a snapshot name: {reason}")]
+pub struct NameError {
+    /// The rejected name.
+    pub name: String,
+    /// What is wrong with it.
+    pub reason: String,
+}
+
+impl Snapshot {
+    /// A new snapshot's metadata; `created_on` is truncated to whole seconds.
+    pub fn new(
+        prefix: &str,
+        kind: Kind,
+        start_revision: i64,
+        last_revision: i64,
+        created_on: DateTime<Utc>,
+        compression: Codec,
+        is_final: bool,
+    ) -> Snapshot {
+        let created_on = Utc
+            .timestamp_opt(created_on.timestamp(), 0)
+            .single()
+            .unwrap_or(created_on);
+        let mut s = Snapshot {
+            kind,
+            snap_name: String::new(),
+            prefix: version_prefix(prefix),
+            compression,
+            start_revision,
+            last_revision,
+            created_on,
+            is_final,
+        };
+        s.snap_name = s.format_name();
+        s
+    }
+
+    /// The name from the fields (Go: `%s-%08d-%08d-%d%s%s`).
+    pub fn format_name(&self) -> String {
+        format!(
+            "{}-{:08}-{:08}-{}{}{}",
+            self.kind,
+            self.start_revision,
+            self.last_revision,
+            self.created_on.timestamp(),
+            self.compression.suffix(),
+            if self.is_final { FINAL_SUFFIX } else { "" }
+        )
+    }
+
+    /// The object key: `<prefix>/v2/<name>`.
+    pub fn key(&self) -> String {
+        format!("{}{}", self.prefix, self.snap_name)
+    }
+
+    /// Parses a name found under `<store prefix>/v2/`; `prefix` is the store prefix.
+    pub fn parse_name(store_prefix: &str, name: &str) -> Result<Snapshot, NameError> {
+        let fail = |reason: &str| NameError {
+            name: name.to_string(),
+            reason: reason.to_string(),
+        };
+        if name.contains('/') {
+            return Err(fail("contains '/' (a chunk or an object of another tool)"));
+        }
+        let tokens: Vec<&str> = name.split('-').collect();
+        if tokens.len() != 4 {
+            return Err(fail("expected 4 '-'-separated parts: Kind-start-last-time"));
+        }
+        let kind = match tokens[0] {
+            "Full" => Kind::Full,
+            "Incr" => Kind::Incr,
+            other => {
+                return Err(fail(&format!(
+                    "unknown kind {other:?}; expected Full or Incr"
+                )));
+            }
+        };
+        let start = revision(tokens[1]).map_err(|r| fail(&format!("start revision: {r}")))?;
+        let last = revision(tokens[2]).map_err(|r| fail(&format!("last revision: {r}")))?;
+        if start > last {
+            return Err(fail("start revision is after last revision"));
+        }
+        let rest = tokens[3];
+        let (rest, is_final) = match rest.strip_suffix(FINAL_SUFFIX) {
+            Some(r) => (r, true),
+            None => (rest, false),
+        };
+        let digits = rest.find('.').unwrap_or(rest.len());
+        let (time, suffix) = rest.split_at(digits);
+        let compression = Codec::from_suffix(suffix).ok_or_else(|| {
+            fail(&format!(
+                "unknown compression suffix {suffix:?}; one of .gz, .zlib, .Z or none"
+            ))
+        })?;
+        if time.is_empty() || !time.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(fail("creation time is not a number of seconds"));
+        }
+        if time.len() > 1 && time.starts_with('0') {
+            return Err(fail("creation time has a leading zero"));
+        }
+        let secs: i64 = time
+            .parse()
+            .map_err(|_| fail("creation time is out of range"))?;
+        let created_on = Utc
+            .timestamp_opt(secs, 0)
+            .single()
+            .ok_or_else(|| fail("creation time is out of range"))?;
+        let s = Snapshot {
+            kind,
+            snap_name: name.to_string(),
+            prefix: version_prefix(store_prefix),
+            compression,
+            start_revision: start,
+            last_revision: last,
+            created_on,
+            is_final,
+        };
+        debug_assert_eq!(s.format_name(), name);
+        Ok(s)
+    }
+
+    /// Whether this snapshot is a full one.
+    pub fn is_full(&self) -> bool {
+        self.kind == Kind::Full
+    }
+}
+
+/// A revision token: digits, zero-padded to at least 8 and with no extra leading zeros, so that
+/// formatting a parsed name gives it back.
+fn revision(token: &str) -> Result<i64, String> {
+    if token.len() < 8 {
+        return Err(format!("{token:?} is not zero-padded to 8 digits"));
+    }
+    if !token.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(format!("{token:?} is not a number"));
+    }
+    if token.len() > 8 && token.starts_with('0') {
+        return Err(format!(
+            "{token:?} has more leading zeros than 8 digits need"
+        ));
+    }
+    token
+        .parse()
+        .map_err(|_| format!("{token:?} is out of range"))
+}
+
+/// `<prefix>/v2/` (or `v2/` for the bucket's root): where the layout's names live.
+pub fn version_prefix(store_prefix: &str) -> String {
+    let p = store_prefix.trim_matches('/');
+    if p.is_empty() {
+        format!("{LAYOUT_VERSION}/")
+    } else {
+        format!("{p}/{LAYOUT_VERSION}/")
+    }
+}
+
+/// The reference's order: by last revision, then creation time.
+pub fn compare(a: &Snapshot, b: &Snapshot) -> Ordering {
+    a.last_revision
+        .cmp(&b.last_revision)
+        .then(a.created_on.cmp(&b.created_on))
+}
+
+/// Sorts in the reference's order (stable).
+pub fn sort(list: &mut [Snapshot]) {
+    list.sort_by(compare);
+}
+
+/// The latest full snapshot and every later delta: what a restore needs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Chain {
+    /// The base; `None` when the store has no full snapshot.
+    pub full_snapshot: Option<Snapshot>,
+    /// Deltas after it, in order.
+    pub delta_snapshots: Vec<Snapshot>,
+}
+
+/// Picks the latest full snapshot and the deltas after it from a sorted list (as the reference's
+/// restorer does: walk back from the end collecting deltas until a full snapshot). Without a
+/// full snapshot every delta is returned, so a caller can still see what exists.
+pub fn latest_chain(sorted: &[Snapshot]) -> Chain {
+    let base = sorted.iter().rposition(Snapshot::is_full);
+    let after = base.map_or(0, |i| i + 1);
+    Chain {
+        full_snapshot: base.map(|i| sorted[i].clone()),
+        delta_snapshots: sorted[after..]
+            .iter()
+            .filter(|s| s.kind == Kind::Incr)
+            .cloned()
+            .collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn at(secs: i64) -> DateTime<Utc> {
+        Utc.timestamp_opt(secs, 0).unwrap()
+    }
+
+    #[test]
+    fn formats_like_go() {
+        let s = Snapshot::new(
+            "backups/etcd",
+            Kind::Full,
+            0,
+            1234,
+            at(1_700_000_000),
+            Codec::Gzip,
+            true,
+        );
+        assert_eq!(s.snap_name, "Full-00000000-00001234-1700000000.gz.final");
+        assert_eq!(
+            s.key(),
+            "backups/etcd/v2/Full-00000000-00001234-1700000000.gz.final"
+        );
+        let d = Snapshot::new("", Kind::Incr, 1235, 123_456_789, at(5), Codec::None, false);
+        assert_eq!(d.snap_name, "Incr-00001235-123456789-5");
+        assert_eq!(d.key(), "v2/Incr-00001235-123456789-5");
+    }
+
+    #[test]
+    fn json_has_the_reference_field_names() {
+        let s = Snapshot::new("p", Kind::Incr, 5, 9, at(1_700_000_000), Codec::Zlib, false);
+        let v = serde_json::to_value(&s).unwrap();
+        assert_eq!(v["kind"], "Incr");
+        assert_eq!(v["snapName"], "Incr-00000005-00000009-1700000000.zlib");
+        assert_eq!(v["prefix"], "p/v2/");
+        assert_eq!(v["compressionSuffix"], ".zlib");
+        assert_eq!(v["startRevision"], 5);
+        assert_eq!(v["lastRevision"], 9);
+        assert_eq!(v["createdOn"], "2023-11-14T22:13:20Z");
+        assert_eq!(v["isFinal"], false);
+        let back: Snapshot = serde_json::from_value(v).unwrap();
+        assert_eq!(back, s);
+    }
+
+    #[test]
+    fn parses_reference_names() {
+        let s = Snapshot::parse_name("x", "Full-00000000-00001234-1700000000.gz.final").unwrap();
+        assert_eq!(s.kind, Kind::Full);
+        assert_eq!(s.last_revision, 1234);
+        assert_eq!(s.compression, Codec::Gzip);
+        assert!(s.is_final);
+        let s = Snapshot::parse_name("x", "Incr-00001235-00001300-1700000100.Z").unwrap();
+        assert_eq!(s.compression, Codec::Lzw);
+        assert!(!s.is_final);
+        let s = Snapshot::parse_name("x", "Full-00000000-00000007-1700000000.final").unwrap();
+        assert_eq!(s.compression, Codec::None);
+        assert!(s.is_final);
+    }
+
+    #[test]
+    fn rejects_malformed_names_with_a_reason() {
+        for (name, why) in [
+            ("", "4 '-'-separated"),
+            ("Backup-1700000000", "4 '-'-separated"),
+            ("Chunk-00000000-00000001-1700000000", "unknown kind"),
+            ("full-00000000-00000001-1700000000", "unknown kind"),
+            ("Full-0000000-00000001-1700000000", "zero-padded"),
+            ("Full-00000000-0000000x-1700000000", "not a number"),
+            ("Full-000000000-00000001-1700000000", "leading zeros"),
+            ("Incr-00000009-00000001-1700000000", "after last"),
+            (
+                "Full-00000000-00000001-1700000000.bz2",
+                "compression suffix",
+            ),
+            (
+                "Full-00000000-00000001-1700000000.final.gz",
+                "compression suffix",
+            ),
+            ("Full-00000000-00000001-", "creation time"),
+            ("Full-00000000-00000001-01700000000", "leading zero"),
+            ("Full-00000000-00000001-17e9", "not a number of seconds"),
+            (
+                "Full-00000000-00000001-99999999999999999999",
+                "out of range",
+            ),
+            ("Full-00000000-00000001-1700000000/0000001", "contains '/'"),
+            ("Full-00000000-99999999999999999999-1", "out of range"),
+            ("Full-00000000-00000001-1700000000-x", "4 '-'-separated"),
+        ] {
+            let e = Snapshot::parse_name("p", name).unwrap_err();
+            assert!(e.reason.contains(why), "{name:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn sorts_by_last_revision_then_time() {
+        let mk = |last, t| Snapshot::new("", Kind::Incr, 1, last, at(t), Codec::Gzip, false);
+        let mut v = vec![mk(20, 1), mk(10, 5), mk(10, 2), mk(5, 9)];
+        sort(&mut v);
+        let order: Vec<_> = v
+            .iter()
+            .map(|s| (s.last_revision, s.created_on.timestamp()))
+            .collect();
+        assert_eq!(order, vec![(5, 9), (10, 2), (10, 5), (20, 1)]);
+    }
+
+    #[test]
+    fn latest_chain_is_last_full_and_later_deltas() {
+        let full = |last, t| Snapshot::new("", Kind::Full, 0, last, at(t), Codec::Gzip, false);
+        let incr = |s, last, t| Snapshot::new("", Kind::Incr, s, last, at(t), Codec::Gzip, false);
+        let mut v = vec![
+            full(10, 1),
+            incr(11, 20, 2),
+            full(20, 3),
+            incr(21, 30, 4),
+            incr(31, 40, 5),
+        ];
+        sort(&mut v);
+        let c = latest_chain(&v);
+        assert_eq!(c.full_snapshot.as_ref().unwrap().last_revision, 20);
+        let deltas: Vec<_> = c.delta_snapshots.iter().map(|s| s.last_revision).collect();
+        assert_eq!(deltas, vec![30, 40]);
+        let c = latest_chain(&v[..2]);
+        assert_eq!(c.full_snapshot.unwrap().last_revision, 10);
+        assert_eq!(c.delta_snapshots.len(), 1);
+        assert_eq!(
+            latest_chain(&[]),
+            Chain {
+                full_snapshot: None,
+                delta_snapshots: vec![]
+            }
+        );
+        let v = serde_json::to_value(latest_chain(&v)).unwrap();
+        assert!(v["fullSnapshot"].is_object());
+        assert_eq!(v["deltaSnapshots"].as_array().unwrap().len(), 2);
+    }
+
+    fn any_snapshot() -> impl Strategy<Value = Snapshot> {
+        (
+            prop_oneof![Just(Kind::Full), Just(Kind::Incr)],
+            0i64..=i64::MAX,
+            0i64..=i64::MAX,
+            0i64..=253_402_300_799, // up to 9999-12-31
+            prop::sample::select(crate::store::compression::ALL_CODECS.to_vec()),
+            any::<bool>(),
+        )
+            .prop_map(|(kind, a, b, t, c, fin)| {
+                let (start, last) = if kind == Kind::Full {
+                    (0, a.max(b))
+                } else {
+                    (a.min(b), a.max(b))
+                };
+                Snapshot::new("pre/fix", kind, start, last, at(t), c, fin)
+            })
+    }
+
+    proptest! {
+        #[test]
+        fn parse_inverts_format(s in any_snapshot()) {
+            let parsed = Snapshot::parse_name("pre/fix", &s.format_name()).unwrap();
+            prop_assert_eq!(&parsed, &s);
+            prop_assert_eq!(parsed.format_name(), s.snap_name);
+        }
+
+        #[test]
+        fn accepted_names_format_back_identically(name in "(Full|Incr|Chunk|x)-[0-9]{7,10}-[0-9]{7,10}-[0-9]{0,11}(\\.gz|\\.zlib|\\.Z|\\.bz2|)(\\.final|)") {
+            match Snapshot::parse_name("p", &name) {
+                Ok(s) => prop_assert_eq!(s.format_name(), name),
+                Err(e) => prop_assert!(!e.reason.is_empty()),
+            }
+        }
+
+        #[test]
+        fn arbitrary_text_never_panics(name in "\\PC{0,60}") {
+            if let Ok(s) = Snapshot::parse_name("p", &name) {
+                prop_assert_eq!(s.format_name(), name);
+            }
+        }
+    }
+}
