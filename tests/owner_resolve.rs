@@ -186,7 +186,11 @@ async fn a_short_ttl_is_honoured() {
     server.set_txt_records(NAME, 1, &[vec!["seed-a"]]).await;
     assert_eq!(resolver.check().await, CheckResult::Owner);
     server.set_txt_records(NAME, 1, &[vec!["seed-b"]]).await;
-    assert_eq!(resolver.check().await, CheckResult::Owner, "answer cached for its TTL");
+    assert_eq!(
+        resolver.check().await,
+        CheckResult::Owner,
+        "answer cached for its TTL"
+    );
     let other = CheckResult::OtherOwner(vec!["seed-b".into()]);
     time_until(&resolver, &other, Duration::from_secs(3)).await;
 }
