@@ -1,12 +1,15 @@
 //! The watchdog's seams implemented over the rest of the crate: the snapshot actor and store,
 //! the etcd client, and the HTTP server's readiness and status.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{Mutex, watch};
 
-use super::watchdog::{EtcdHealth, ReadinessSink, SeamError, Snapshotter, WatchdogStatus};
-use crate::config::EtcdConfig;
+use super::resolve::{OwnerResolver, ResolveError};
+use super::watchdog::{EtcdHealth, ReadinessSink, SeamError, Seams, Snapshotter, WatchdogStatus};
+use crate::config::{EtcdConfig, KillConfig, OwnerConfig};
+use crate::process::ProcKiller;
 use crate::server::{Readiness, StatusSource};
 use crate::snapshot::actor::ActorHandle;
 use crate::store::SnapshotStore;
@@ -133,11 +136,32 @@ impl StatusSource for OwnerStatus {
     }
 }
 
+/// How long one etcd health check may take.
+pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The production seams: DNS through hickory, etcd found in `/proc`, snapshots through the actor,
+/// health from etcd's status, readiness into the server's channel.
+pub fn production_seams(
+    owner: &OwnerConfig,
+    kill: &KillConfig,
+    etcd: &EtcdConfig,
+    actor: ActorHandle,
+    store: SnapshotStore,
+    readiness: watch::Sender<Readiness>,
+) -> Result<Seams, ResolveError> {
+    Ok(Seams {
+        lookup: Arc::new(OwnerResolver::new(owner)?),
+        process: Arc::new(ProcKiller::new(kill)),
+        snapshotter: Arc::new(ActorSnapshotter::new(actor, store)),
+        health: Arc::new(EtcdStatusHealth::new(etcd.clone(), HEALTH_TIMEOUT)),
+        readiness: Arc::new(readiness),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::store::{Codec, Kind};
-    use std::sync::Arc;
 
     fn store() -> (tempfile::TempDir, SnapshotStore) {
         let dir = tempfile::tempdir().expect("temp dir");
