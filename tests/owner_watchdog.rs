@@ -15,6 +15,7 @@ use etcd_warden::owner::{
     State, Watchdog, WatchdogConfig, WatchdogStatus,
 };
 use etcd_warden::process::{KillReport, ProcessControl, ProcessError};
+use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -110,6 +111,7 @@ impl ReadinessSink for Fake {
 
 struct Running {
     world: Arc<World>,
+    registry: Registry,
     status: watch::Receiver<WatchdogStatus>,
     cancel: CancellationToken,
     task: tokio::task::JoinHandle<State>,
@@ -142,12 +144,16 @@ impl Running {
             health: Arc::new(Fake(world.clone())),
             readiness: Arc::new(Fake(world.clone())),
         };
-        let watchdog = Watchdog::new(config, seams, OwnerMetrics::default());
+        let metrics = OwnerMetrics::default();
+        let mut registry = Registry::default();
+        metrics.register(&mut registry);
+        let watchdog = Watchdog::new(config, seams, metrics);
         let status = watchdog.status();
         let cancel = CancellationToken::new();
         let task = tokio::spawn(watchdog.run(cancel.clone()));
         Running {
             world,
+            registry,
             status,
             cancel,
             task,
@@ -168,6 +174,12 @@ impl Running {
                 self.world.calls()
             );
         }
+    }
+
+    fn metrics(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry).expect("encode");
+        out
     }
 
     async fn stop(self) -> State {
@@ -217,6 +229,14 @@ async fn owner_then_other_owner_deactivates_for_good_with_one_final_snapshot() {
     assert!(!run.world.ready.load(Ordering::SeqCst));
     assert_eq!(run.world.count(&Call::Final), 1);
     assert_eq!(run.world.count(&Call::Kill), 1);
+    let metrics = run.metrics();
+    for line in [
+        "etcd_warden_owner_state{state=\"deactivated\"} 1",
+        "etcd_warden_owner_final_snapshot_taken 1",
+        "etcd_warden_owner_checks_total{result=\"other_owner\"} ",
+    ] {
+        assert!(metrics.contains(line), "missing {line:?} in\n{metrics}");
+    }
     assert!(matches!(run.stop().await, State::Deactivated(_)));
 }
 

@@ -998,6 +998,40 @@ mod tests {
     }
 
     #[test]
+    fn every_six_event_continuation_of_deeper_states_keeps_the_invariants() {
+        // Six events from a fresh machine do not reach a retried final snapshot or a resumed
+        // Active; these prefixes put the machine there first (checked by the same observer).
+        let prefixes: &[&[Event]] = &[
+            &[HEALTHY, OWNER, UNRESOLVABLE, KillDone],
+            &[NOT_OWNER, KillDone, HEALTHY],
+            &[
+                NOT_OWNER,
+                KillDone,
+                HEALTHY,
+                StoreChecked {
+                    latest_is_final: false,
+                },
+                FinalFailed,
+            ],
+        ];
+        let events = all_events();
+        for prefix in prefixes {
+            let mut machine = Machine::new(backoff());
+            let mut observer = Observer::default();
+            let mut trace = Vec::new();
+            for &event in *prefix {
+                let (next, actions) = machine.step(event);
+                trace.push(event);
+                observer.check(machine.state(), event, next.state(), &actions, &trace);
+                machine = next;
+            }
+            let mut count = 0;
+            explore(machine, &observer, &mut trace, 6, &events, &mut count);
+            assert!(count > 0);
+        }
+    }
+
+    #[test]
     fn the_final_snapshot_is_reachable_within_the_exhaustive_depth() {
         // Guards the exhaustive test against vacuity: its depth reaches a stored final snapshot and
         // a retried one.

@@ -1,5 +1,6 @@
 //! Ownership: owner DNS lookups, the pure state machine, and the watchdog that acts on it.
 
+pub mod adapters;
 pub mod machine;
 pub mod metrics;
 pub mod resolve;

@@ -267,8 +267,9 @@ impl OwnerResolver {
         };
         let options = builder.options_mut();
         options.timeout = config.timeout;
-        // One try per check: the failure threshold across checks is the retry policy.
-        options.attempts = 1;
+        // No retries within a check (`attempts` counts retries after the first try): the failure
+        // threshold across checks is the retry policy, and a check stays within its timeout.
+        options.attempts = 0;
         options.cache_size = if config.ttl_cap.is_zero() { 0 } else { 4 };
         options.positive_max_ttl = Some(config.ttl_cap);
         options.negative_max_ttl = Some(config.ttl_cap);
