@@ -32,6 +32,11 @@ const PART_SIZE: usize = 8 << 20;
 /// Parts uploading at once; with [`PART_SIZE`] this bounds an upload's memory.
 const PARTS_IN_FLIGHT: usize = 2;
 
+/// Azurite's well-known development account and key (public, documented by Microsoft).
+const EMULATOR_ACCOUNT: &str = "devstoreaccount1";
+const EMULATOR_ACCOUNT_KEY: &str =
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==";
+
 /// Store errors.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -144,11 +149,22 @@ pub fn build_with_env(
             if let Some(a) = &config.account_name {
                 b = b.with_account(a);
             }
-            if config.use_emulator {
-                b = b.with_use_emulator(true);
-            }
-            if let Some(ep) = &config.endpoint {
-                b = b.with_endpoint(ep.clone());
+            match (config.use_emulator, &config.endpoint) {
+                // object_store's emulator mode takes its URL only from AZURITE_BLOB_STORAGE_URL;
+                // with an explicit endpoint, address the emulator's account path-style instead.
+                (true, Some(ep)) => {
+                    let account = config.account_name.as_deref().unwrap_or(EMULATOR_ACCOUNT);
+                    b = b
+                        .with_account(account)
+                        .with_endpoint(format!("{}/{account}", ep.trim_end_matches('/')))
+                        .with_allow_http(true);
+                    if config.account_key.is_none() {
+                        b = b.with_access_key(EMULATOR_ACCOUNT_KEY);
+                    }
+                }
+                (true, None) => b = b.with_use_emulator(true),
+                (false, Some(ep)) => b = b.with_endpoint(ep.clone()),
+                (false, None) => {}
             }
             if config.allow_http {
                 b = b.with_allow_http(true);
