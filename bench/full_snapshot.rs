@@ -57,7 +57,7 @@ fn value(seed: u64, len: usize) -> Vec<u8> {
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
-        if x % 3 == 0 {
+        if x.is_multiple_of(3) {
             out.extend_from_slice(&x.to_le_bytes()[..6]);
         } else {
             out.extend_from_slice(words[(x % 8) as usize]);
