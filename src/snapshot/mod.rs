@@ -5,6 +5,7 @@
 
 pub mod delta;
 pub mod full;
+pub mod metrics;
 pub mod watcher;
 
 pub use delta::{DeltaWriter, Event, EventType, KeyValue, TimedEvent};
