@@ -12,17 +12,15 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::{Compression, Config};
+use crate::owner::adapters::production_seams;
 use crate::owner::metrics::OwnerMetrics;
-use crate::owner::resolve::OwnerResolver;
-use crate::owner::watchdog::{
-    self, EtcdHealth, ReadinessSink, SeamError, Watchdog, WatchdogConfig, WatchdogStatus,
-};
-use crate::process::ProcKiller;
+use crate::owner::watchdog::{Watchdog, WatchdogConfig, WatchdogStatus};
 use crate::server::{
     self, ApiError, Latest, Readiness, ServerState, SnapshotApi, StatusSource, Take,
 };
-use crate::snapshot::actor::{self, ActorConfig, ActorError, ActorHandle, ActorMetrics};
+use crate::snapshot::actor::{self, ActorConfig, ActorError, ActorHandle};
 use crate::snapshot::engine::EtcdEngine;
+use crate::snapshot::metrics::SnapshotMetrics;
 use crate::store::gc::Retention;
 use crate::store::{Codec, Snapshot, SnapshotStore};
 
@@ -122,96 +120,6 @@ impl StatusSource for Status {
     }
 }
 
-/// The snapshot side as the ownership watchdog sees it.
-///
-/// In a multi-member cluster every sidecar deactivates, but only the one next to the raft
-/// leader takes the final snapshot; the others wait until it is in the store.
-struct OwnerSnapshots {
-    actor: ActorHandle,
-    store: SnapshotStore,
-}
-
-/// How often a non-leader sidecar looks for the leader's final snapshot.
-const FINAL_POLL: Duration = Duration::from_secs(1);
-
-impl OwnerSnapshots {
-    async fn latest_final(&self) -> Result<Option<Snapshot>, SeamError> {
-        let list = self
-            .store
-            .list()
-            .await
-            .map_err(|e| SeamError(format!("listing the store: {e}")))?;
-        Ok(list
-            .into_iter()
-            .rev()
-            .find(|s| s.kind == crate::store::Kind::Full)
-            .filter(|s| s.is_final))
-    }
-}
-
-#[async_trait]
-impl watchdog::Snapshotter for OwnerSnapshots {
-    async fn set_regular(&self, on: bool) -> Result<(), SeamError> {
-        self.actor
-            .set_regular(on)
-            .await
-            .map_err(|e| SeamError(e.to_string()))
-    }
-
-    async fn latest_is_final(&self) -> Result<bool, SeamError> {
-        Ok(self.latest_final().await?.is_some())
-    }
-
-    async fn request_final(&self) -> Result<String, SeamError> {
-        loop {
-            if let Some(done) = self.latest_final().await? {
-                return Ok(done.snap_name);
-            }
-            if self.actor.status().leader {
-                return self
-                    .actor
-                    .full(true)
-                    .await
-                    .map(|s| s.snap_name)
-                    .map_err(|e| SeamError(e.to_string()));
-            }
-            tokio::time::sleep(FINAL_POLL).await;
-        }
-    }
-}
-
-/// etcd is healthy when it answers a status request within 2 s and has a leader.
-struct ClientHealth(etcd_client::Client);
-
-#[async_trait]
-impl EtcdHealth for ClientHealth {
-    async fn healthy(&self) -> bool {
-        let mut c = self.0.clone();
-        matches!(tokio::time::timeout(Duration::from_secs(2), c.status()).await, Ok(Ok(s)) if s.leader() != 0)
-    }
-}
-
-/// `/healthz` fed by the watchdog.
-struct WatchReadiness(watch::Sender<Readiness>);
-
-impl ReadinessSink for WatchReadiness {
-    fn set_ready(&self, ready: bool, state: &str, reason: &str) {
-        let r = Readiness {
-            ready,
-            state: state.to_string(),
-            reason: reason.to_string(),
-        };
-        self.0.send_if_modified(|cur| {
-            let changed = *cur != r;
-            if changed {
-                tracing::info!(ready, state, reason, "readiness changed");
-                *cur = r.clone();
-            }
-            changed
-        });
-    }
-}
-
 /// Keeps readiness at "etcd answers and has a leader" (a plain backup sidecar: no owner check).
 async fn etcd_readiness(
     mut client: etcd_client::Client,
@@ -270,7 +178,7 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
     tracing::info!(listen = %listener.local_addr().map_err(SidecarError::Serve)?, store = %config.store.location, "etcd-warden serving");
 
     let mut registry = Registry::default();
-    let actor_metrics = ActorMetrics::default();
+    let actor_metrics = SnapshotMetrics::default();
     actor_metrics.register(&mut registry);
 
     let tasks = TaskTracker::new();
@@ -305,16 +213,14 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
         Some(owner) => {
             let owner_metrics = OwnerMetrics::default();
             owner_metrics.register(&mut registry);
-            let seams = watchdog::Seams {
-                lookup: Arc::new(OwnerResolver::new(owner)?),
-                process: Arc::new(ProcKiller::new(&config.kill)),
-                snapshotter: Arc::new(OwnerSnapshots {
-                    actor: actor.clone(),
-                    store: store.clone(),
-                }),
-                health: Arc::new(ClientHealth(client.clone())),
-                readiness: Arc::new(WatchReadiness(readiness_tx)),
-            };
+            let seams = production_seams(
+                owner,
+                &config.kill,
+                &config.etcd,
+                actor.clone(),
+                store.clone(),
+                readiness_tx,
+            )?;
             tracing::info!(record = %owner.name, id = %owner.id, interval = ?owner.interval, "checking ownership");
             let dog = Watchdog::new(WatchdogConfig::from_owner(owner), seams, owner_metrics);
             let status = dog.status();

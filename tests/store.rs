@@ -318,3 +318,109 @@ async fn s3_credentials_from_files_and_environment() {
         .unwrap();
     assert_eq!(store.list().await.unwrap(), vec![s]);
 }
+
+/// Azurite's blob service on a loopback port, killed on drop.
+struct Azurite {
+    child: Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl Azurite {
+    fn start() -> Azurite {
+        let dir = tempfile::tempdir().unwrap();
+        let port = free_port();
+        let child = Command::new("azurite-blob")
+            .args(["--blobHost", "127.0.0.1", "--blobPort", &port.to_string()])
+            .arg("--location")
+            .arg(dir.path())
+            .args([
+                "--skipApiVersionCheck",
+                "--loose",
+                "--silent",
+                "--disableTelemetry",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!("cannot run azurite-blob ({e}): install it with `npm install -g azurite`")
+            });
+        let server = Azurite {
+            child,
+            port,
+            _dir: dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "azurite did not listen on {port}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        server
+    }
+
+    fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Creates a container with a SharedKey-signed request (object_store cannot).
+    async fn create_container(&self, name: &str) {
+        use object_store::azure::{AzureAccessKey, AzureAuthorizer, AzureCredential};
+        use object_store::client::{HttpRequest, HttpRequestBody};
+        let account = "devstoreaccount1";
+        let url = format!("{}/{account}/{name}?restype=container", self.endpoint());
+        let mut req = HttpRequest::new(HttpRequestBody::empty());
+        *req.method_mut() = "PUT".parse().unwrap();
+        *req.uri_mut() = url.parse().unwrap();
+        req.headers_mut().insert(
+            "content-length",
+            object_store::HeaderValue::from_static("0"),
+        );
+        let key = AzureCredential::AccessKey(
+            AzureAccessKey::try_new(
+                "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==",
+            )
+            .unwrap(),
+        );
+        AzureAuthorizer::new(&key, account)
+            .try_authorize(&mut req)
+            .unwrap();
+        let resp = reqwest::Client::new()
+            .put(&url)
+            .headers(req.headers().clone())
+            .send()
+            .await
+            .unwrap();
+        assert!(
+            resp.status().is_success(),
+            "create container: {}",
+            resp.status()
+        );
+    }
+}
+
+impl Drop for Azurite {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_azure_emulator() {
+    let server = Azurite::start();
+    server.create_container("etcd-backups").await;
+    let mut cfg = store_config("az://etcd-backups/shoot/etcd-main");
+    cfg.use_emulator = true;
+    cfg.endpoint = Some(server.endpoint());
+    let raw = etcd_warden::store::build_with_env(
+        &cfg,
+        &std::collections::HashMap::<String, String>::new(),
+        None,
+    )
+    .unwrap();
+    conformance(SnapshotStore::new(raw.clone(), cfg.location.prefix()), raw).await;
+}

@@ -29,6 +29,9 @@ impl ActorSnapshotter {
     }
 }
 
+/// How often a sidecar that is not the snapshot leader looks for the leader's final snapshot.
+const FINAL_POLL: Duration = Duration::from_secs(1);
+
 /// Whether the newest full snapshot in `store` is marked final (false when there is none).
 pub async fn latest_full_is_final(store: &SnapshotStore) -> Result<bool, SeamError> {
     let chain = store
@@ -51,12 +54,30 @@ impl Snapshotter for ActorSnapshotter {
         latest_full_is_final(&self.store).await
     }
 
+    /// In a multi-member cluster every sidecar deactivates, but only the one next to the raft
+    /// leader (the snapshot leader) takes the final snapshot; the others wait until it is in
+    /// the store. After the kill the members restart and elect a leader again, so one of them
+    /// is the snapshot leader within a few leader checks.
     async fn request_final(&self) -> Result<String, SeamError> {
-        self.actor
-            .full(true)
-            .await
-            .map(|s| s.snap_name)
-            .map_err(|e| SeamError(e.to_string()))
+        loop {
+            let chain = self
+                .store
+                .latest_chain()
+                .await
+                .map_err(|e| SeamError(e.to_string()))?;
+            if let Some(done) = chain.full_snapshot.filter(|s| s.is_final) {
+                return Ok(done.snap_name);
+            }
+            if self.actor.status().leader {
+                return self
+                    .actor
+                    .full(true)
+                    .await
+                    .map(|s| s.snap_name)
+                    .map_err(|e| SeamError(e.to_string()));
+            }
+            tokio::time::sleep(FINAL_POLL).await;
+        }
     }
 }
 
@@ -118,10 +139,18 @@ impl ReadinessSink for watch::Sender<Readiness> {
             .next()
             .map(|c| c.to_uppercase().chain(chars).collect())
             .unwrap_or_default();
-        self.send_replace(Readiness {
+        let r = Readiness {
             ready,
             state,
             reason: reason.to_string(),
+        };
+        self.send_if_modified(|cur| {
+            let changed = *cur != r;
+            if changed {
+                tracing::info!(ready, state = %r.state, reason, "readiness changed");
+                *cur = r.clone();
+            }
+            changed
         });
     }
 }

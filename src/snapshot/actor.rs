@@ -10,16 +10,12 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::Registry;
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
+use super::metrics::SnapshotMetrics;
+use crate::store::gc::GcReport;
 use crate::store::layout::{Kind, Snapshot};
 
 /// An engine failure, described for logs and callers.
@@ -47,8 +43,8 @@ pub trait Engine: Send + 'static {
     async fn is_leader(&mut self) -> Result<bool, EngineError>;
     /// The newest full snapshot in the store.
     async fn latest_full(&mut self) -> Result<Option<Snapshot>, EngineError>;
-    /// Applies retention at `now`; returns the deleted snapshots.
-    async fn gc(&mut self, now: DateTime<Utc>) -> Result<Vec<Snapshot>, EngineError>;
+    /// Applies retention at `now`; reports what was deleted.
+    async fn gc(&mut self, now: DateTime<Utc>) -> Result<GcReport, EngineError>;
 }
 
 /// What one [`Engine::collect`] call found.
@@ -162,123 +158,12 @@ impl ActorHandle {
     }
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct KindLabel {
-    kind: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct DurationLabels {
-    kind: &'static str,
-    succeeded: &'static str,
-}
-
-/// The actor's metrics, named as etcd-backup-restore names them.
-#[derive(Clone)]
-pub struct ActorMetrics {
-    latest_revision: Family<KindLabel, Gauge>,
-    latest_timestamp: Family<KindLabel, Gauge>,
-    duration: Family<DurationLabels, Histogram>,
-    gc_total: Family<KindLabel, Counter>,
-    failures: Family<KindLabel, Counter>,
-    required: Family<KindLabel, Gauge>,
-    leader: Gauge,
-}
-
-impl Default for ActorMetrics {
-    fn default() -> Self {
-        ActorMetrics {
-            latest_revision: Family::default(),
-            latest_timestamp: Family::default(),
-            duration: Family::new_with_constructor(|| {
-                Histogram::new([
-                    0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
-                ])
-            }),
-            gc_total: Family::default(),
-            failures: Family::default(),
-            required: Family::default(),
-            leader: Gauge::default(),
-        }
-    }
-}
-
-impl ActorMetrics {
-    /// Registers every metric under `registry` (metric names are prefixed `etcdbr_`).
-    pub fn register(&self, registry: &mut Registry) {
-        let r = registry.sub_registry_with_prefix("etcdbr");
-        r.register(
-            "snapshot_latest_revision",
-            "Revision of the latest snapshot by kind",
-            self.latest_revision.clone(),
-        );
-        r.register(
-            "snapshot_latest_timestamp",
-            "Unix time of the latest snapshot by kind",
-            self.latest_timestamp.clone(),
-        );
-        r.register(
-            "snapshot_duration_seconds",
-            "Time taken by snapshots by kind and outcome",
-            self.duration.clone(),
-        );
-        r.register(
-            "snapshot_gc",
-            "Snapshots deleted by retention by kind",
-            self.gc_total.clone(),
-        );
-        r.register(
-            "snapshotter_failure",
-            "Failed snapshots by kind",
-            self.failures.clone(),
-        );
-        r.register(
-            "snapshot_required",
-            "1 while a snapshot of this kind is due",
-            self.required.clone(),
-        );
-        r.register(
-            "snapshot_leader",
-            "1 while this sidecar is the one taking snapshots",
-            self.leader.clone(),
-        );
-    }
-
-    fn kind(s: &Snapshot) -> &'static str {
-        match s.kind {
-            Kind::Full => "Full",
-            Kind::Incr => "Incr",
-        }
-    }
-
-    fn stored(&self, s: &Snapshot) {
-        let k = KindLabel {
-            kind: Self::kind(s),
-        };
-        self.latest_revision.get_or_create(&k).set(s.last_revision);
-        self.latest_timestamp
-            .get_or_create(&k)
-            .set(s.created_on.timestamp());
-    }
-
-    fn timed(&self, kind: &'static str, ok: bool, took: Duration) {
-        let l = DurationLabels {
-            kind,
-            succeeded: if ok { "true" } else { "false" },
-        };
-        self.duration.get_or_create(&l).observe(took.as_secs_f64());
-        if !ok {
-            self.failures.get_or_create(&KindLabel { kind }).inc();
-        }
-    }
-}
-
 /// Starts the actor on the current runtime; it stops when `cancel` fires (flushing a pending
 /// delta first) or every handle is dropped.
 pub fn spawn<E: Engine>(
     engine: E,
     config: ActorConfig,
-    metrics: ActorMetrics,
+    metrics: SnapshotMetrics,
     cancel: CancellationToken,
 ) -> (ActorHandle, tokio::task::JoinHandle<()>) {
     let (tx, rx) = mpsc::channel(16);
@@ -310,7 +195,7 @@ pub fn spawn<E: Engine>(
 struct Actor<E: Engine> {
     engine: E,
     config: ActorConfig,
-    metrics: ActorMetrics,
+    metrics: SnapshotMetrics,
     status: Arc<watch::Sender<ActorStatus>>,
     regular: bool,
     leader: bool,
@@ -455,7 +340,7 @@ impl<E: Engine> Actor<E> {
                 "snapshot leadership {}",
                 if leader { "taken" } else { "lost" }
             );
-            self.metrics.leader.set(i64::from(leader));
+            self.metrics.set_leader(leader);
         }
         let was = self.active();
         self.leader = leader;
@@ -527,26 +412,12 @@ impl<E: Engine> Actor<E> {
 
     async fn full(&mut self, is_final: bool) -> Result<Snapshot, ActorError> {
         let started = Instant::now();
-        self.metrics
-            .required
-            .get_or_create(&KindLabel { kind: "Full" })
-            .set(1);
-        let span = tracing::info_span!("snapshot", kind = "Full", is_final);
-        let result = {
-            let _e = span.enter();
-            tracing::info!("taking full snapshot");
-            drop(_e);
-            self.engine.full(is_final).await
-        };
-        self.metrics
-            .required
-            .get_or_create(&KindLabel { kind: "Full" })
-            .set(0);
-        self.metrics
-            .timed("Full", result.is_ok(), started.elapsed());
+        tracing::info!(is_final, "taking full snapshot");
+        let result = self.engine.full(is_final).await;
+        let took = started.elapsed().as_secs_f64();
         match result {
             Ok(snap) => {
-                self.metrics.stored(&snap);
+                self.metrics.stored(&snap, took);
                 self.publish(|s| {
                     s.last_full = Some(snap.clone());
                     s.last_error = None;
@@ -554,6 +425,7 @@ impl<E: Engine> Actor<E> {
                 Ok(snap)
             }
             Err(e) => {
+                self.metrics.failed(Kind::Full, took);
                 tracing::error!(error = %e, is_final, "full snapshot failed");
                 let msg = format!("full snapshot: {e}");
                 self.publish(|s| s.last_error = Some(msg.clone()));
@@ -568,8 +440,7 @@ impl<E: Engine> Actor<E> {
         match result {
             Ok(None) => Ok(None),
             Ok(Some(snap)) => {
-                self.metrics.timed("Incr", true, started.elapsed());
-                self.metrics.stored(&snap);
+                self.metrics.stored(&snap, started.elapsed().as_secs_f64());
                 self.publish(|s| {
                     s.last_delta = Some(snap.clone());
                     s.last_error = None;
@@ -577,7 +448,8 @@ impl<E: Engine> Actor<E> {
                 Ok(Some(snap))
             }
             Err(e) => {
-                self.metrics.timed("Incr", false, started.elapsed());
+                self.metrics
+                    .failed(Kind::Incr, started.elapsed().as_secs_f64());
                 tracing::warn!(error = %e, "delta snapshot failed; events stay buffered for the next attempt");
                 let msg = format!("delta snapshot: {e}");
                 self.publish(|s| s.last_error = Some(msg.clone()));
@@ -588,17 +460,7 @@ impl<E: Engine> Actor<E> {
 
     async fn gc(&mut self) {
         match self.engine.gc(Utc::now()).await {
-            Ok(deleted) => {
-                for s in &deleted {
-                    tracing::info!(snapshot = %s.snap_name, "retention deleted snapshot");
-                    self.metrics
-                        .gc_total
-                        .get_or_create(&KindLabel {
-                            kind: ActorMetrics::kind(s),
-                        })
-                        .inc();
-                }
-            }
+            Ok(report) => self.metrics.gc(&report),
             Err(e) => tracing::warn!(error = %e, "retention failed; will retry"),
         }
     }

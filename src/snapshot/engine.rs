@@ -8,7 +8,7 @@ use super::actor::{Collected, Engine, EngineError};
 use super::delta::DeltaWriter;
 use super::full::take_full;
 use super::watcher::{DeltaWatch, WatchError};
-use crate::store::gc::{self, Retention};
+use crate::store::gc::{self, GcReport, Retention};
 use crate::store::{Codec, Kind, Snapshot, SnapshotStore};
 
 /// Snapshots of the etcd member `client` talks to, stored in `store`.
@@ -136,14 +136,7 @@ impl Engine for EtcdEngine {
         Ok(list.into_iter().rev().find(|s| s.kind == Kind::Full))
     }
 
-    async fn gc(&mut self, now: DateTime<Utc>) -> Result<Vec<Snapshot>, EngineError> {
-        let list = self.store.list().await?;
-        let doomed = gc::plan(&list, now, self.retention);
-        let mut deleted = Vec::with_capacity(doomed.len());
-        for s in doomed {
-            self.store.delete(&s).await?;
-            deleted.push(s);
-        }
-        Ok(deleted)
+    async fn gc(&mut self, now: DateTime<Utc>) -> Result<GcReport, EngineError> {
+        Ok(gc::run(&self.store, now, self.retention).await?)
     }
 }

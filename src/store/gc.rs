@@ -130,6 +130,45 @@ fn exponential(sorted: &[Snapshot], fulls: &[usize], now: DateTime<Utc>, delete:
     }
 }
 
+/// What one garbage collection did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GcReport {
+    /// Snapshots deleted.
+    pub deleted: Vec<Snapshot>,
+    /// Snapshots whose deletion failed (retried at the next run).
+    pub failed: Vec<Snapshot>,
+}
+
+/// Lists the store, plans with [`plan`], and deletes. A failed delete is logged and skipped,
+/// except that a full snapshot is not deleted after one of its deltas failed (no orphans).
+pub async fn run(
+    store: &super::SnapshotStore,
+    now: DateTime<Utc>,
+    retention: Retention,
+) -> Result<GcReport, super::StoreError> {
+    let list = store.list().await?;
+    let mut report = GcReport::default();
+    let mut stream_failed = false;
+    for s in plan(&list, now, retention) {
+        if s.kind == Kind::Full && std::mem::take(&mut stream_failed) {
+            report.failed.push(s);
+            continue;
+        }
+        match store.delete(&s).await {
+            Ok(()) => {
+                tracing::info!(snapshot = %s.snap_name, "retention: deleted");
+                report.deleted.push(s);
+            }
+            Err(e) => {
+                tracing::warn!(snapshot = %s.snap_name, error = %e, "retention: delete failed");
+                stream_failed |= s.kind == Kind::Incr;
+                report.failed.push(s);
+            }
+        }
+    }
+    Ok(report)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -256,6 +295,30 @@ mod tests {
         assert!((3..=5).contains(&weekly), "{weekly} weekly snapshots");
         // The newest is kept.
         assert!(kept.contains(&now));
+    }
+
+    #[tokio::test]
+    async fn run_deletes_what_the_plan_says() {
+        let store = crate::store::SnapshotStore::new(
+            std::sync::Arc::new(object_store::memory::InMemory::new()),
+            "p",
+        );
+        let now = t("2024-05-10T12:00:00Z");
+        let h = |n| now - TimeDelta::hours(n);
+        let snaps = [full(10, h(3)), incr(11, 12, h(2)), full(20, h(1))];
+        for s in &snaps {
+            store
+                .put_bytes(s, bytes::Bytes::from_static(b"x"))
+                .await
+                .unwrap();
+        }
+        let report = run(&store, now, limit(1, 0)).await.unwrap();
+        assert_eq!(
+            names(&report.deleted),
+            vec![(Kind::Incr, 12), (Kind::Full, 10)]
+        );
+        assert!(report.failed.is_empty());
+        assert_eq!(names(&store.list().await.unwrap()), vec![(Kind::Full, 20)]);
     }
 
     #[test]

@@ -32,6 +32,11 @@ const PART_SIZE: usize = 8 << 20;
 /// Parts uploading at once; with [`PART_SIZE`] this bounds an upload's memory.
 const PARTS_IN_FLIGHT: usize = 2;
 
+/// Azurite's well-known development account and key (public, documented by Microsoft).
+const EMULATOR_ACCOUNT: &str = "devstoreaccount1";
+const EMULATOR_ACCOUNT_KEY: &str =
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==";
+
 /// Store errors.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -144,11 +149,22 @@ pub fn build_with_env(
             if let Some(a) = &config.account_name {
                 b = b.with_account(a);
             }
-            if config.use_emulator {
-                b = b.with_use_emulator(true);
-            }
-            if let Some(ep) = &config.endpoint {
-                b = b.with_endpoint(ep.clone());
+            match (config.use_emulator, &config.endpoint) {
+                // object_store's emulator mode takes its URL only from AZURITE_BLOB_STORAGE_URL;
+                // with an explicit endpoint, address the emulator's account path-style instead.
+                (true, Some(ep)) => {
+                    let account = config.account_name.as_deref().unwrap_or(EMULATOR_ACCOUNT);
+                    b = b
+                        .with_account(account)
+                        .with_endpoint(format!("{}/{account}", ep.trim_end_matches('/')))
+                        .with_allow_http(true);
+                    if config.account_key.is_none() {
+                        b = b.with_access_key(EMULATOR_ACCOUNT_KEY);
+                    }
+                }
+                (true, None) => b = b.with_use_emulator(true),
+                (false, Some(ep)) => b = b.with_endpoint(ep.clone()),
+                (false, None) => {}
             }
             if config.allow_http {
                 b = b.with_allow_http(true);
@@ -240,6 +256,25 @@ impl SnapshotStore {
         )
     }
 
+    /// Where a snapshot of this name lives in this store: `<prefix>/v2/<name>`. The store, not
+    /// the snapshot's recorded prefix, decides, so a snapshot listed in one store can be
+    /// written to another (the copy job).
+    pub fn path_of(&self, snapshot: &Snapshot) -> Path {
+        Path::from(format!(
+            "{}{}",
+            layout::version_prefix(&self.prefix),
+            snapshot.snap_name
+        ))
+    }
+
+    /// The same snapshot as it is named in this store (its prefix replaced).
+    pub fn adopt(&self, snapshot: &Snapshot) -> Snapshot {
+        Snapshot {
+            prefix: layout::version_prefix(&self.prefix),
+            ..snapshot.clone()
+        }
+    }
+
     /// Every snapshot, sorted as the reference sorts (last revision, then creation time).
     /// Objects that are not snapshots (chunks, other tools' files) are logged and skipped.
     pub async fn list(&self) -> Result<Vec<Snapshot>, StoreError> {
@@ -276,7 +311,7 @@ impl SnapshotStore {
         snapshot: &Snapshot,
         mut data: ByteStream,
     ) -> Result<u64, StoreError> {
-        let path = Path::from(snapshot.key());
+        let path = self.path_of(snapshot);
         let upload = self.store.put_multipart(&path).await?;
         let mut writer = WriteMultipart::new_with_chunk_size(upload, PART_SIZE);
         let mut written = 0u64;
@@ -305,14 +340,14 @@ impl SnapshotStore {
     /// Stores a small payload (a delta) in one request.
     pub async fn put_bytes(&self, snapshot: &Snapshot, data: Bytes) -> Result<(), StoreError> {
         self.store
-            .put(&Path::from(snapshot.key()), PutPayload::from_bytes(data))
+            .put(&self.path_of(snapshot), PutPayload::from_bytes(data))
             .await?;
         Ok(())
     }
 
     /// The stored (compressed) payload as a stream.
     pub async fn get_stream(&self, snapshot: &Snapshot) -> Result<ByteStream, StoreError> {
-        let res = self.store.get(&Path::from(snapshot.key())).await?;
+        let res = self.store.get(&self.path_of(snapshot)).await?;
         Ok(res
             .into_stream()
             .map(|r| r.map_err(std::io::Error::other))
@@ -328,7 +363,7 @@ impl SnapshotStore {
 
     /// Deletes a snapshot.
     pub async fn delete(&self, snapshot: &Snapshot) -> Result<(), StoreError> {
-        self.store.delete(&Path::from(snapshot.key())).await?;
+        self.store.delete(&self.path_of(snapshot)).await?;
         Ok(())
     }
 }
@@ -403,6 +438,28 @@ mod tests {
         gs.service_account_file = Some(sa.clone());
         let e = build_with_env(&gs, &env, None).unwrap_err().to_string();
         assert!(e.contains("gs://b/p"), "{e}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_listed_snapshot_can_be_written_to_another_store() {
+        let backend: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+        let src = SnapshotStore::new(backend.clone(), "source/a");
+        let dst = SnapshotStore::new(backend.clone(), "dest");
+        let s = src.new_snapshot(Kind::Full, 0, 7, Codec::None, true);
+        src.put_bytes(&s, Bytes::from_static(b"payload"))
+            .await
+            .unwrap();
+        let listed = src.list().await.unwrap().remove(0);
+        assert_eq!(listed.prefix, "source/a/v2/");
+        let data = src.get_stream(&listed).await.unwrap();
+        dst.put_stream(&listed, data).await.unwrap();
+        let copied = dst.list().await.unwrap();
+        assert_eq!(copied, vec![dst.adopt(&listed)]);
+        assert_eq!(copied[0].prefix, "dest/v2/");
+        assert_eq!(
+            dst.path_of(&listed).as_ref(),
+            "dest/v2/".to_string() + &s.snap_name
+        );
     }
 
     #[test]

