@@ -96,13 +96,27 @@ impl Drop for Fixture {
 }
 
 /// Polls `f` every 50 ms until it returns `Some`, or panics after `timeout` naming `what`.
-async fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+async fn wait_for<T>(what: &str, timeout: Duration, f: impl FnMut() -> Option<T>) -> T {
+    wait_for_or(what, timeout, f, String::new).await
+}
+
+/// [`wait_for`], describing the state with `describe` when it times out.
+async fn wait_for_or<T>(
+    what: &str,
+    timeout: Duration,
+    mut f: impl FnMut() -> Option<T>,
+    describe: impl Fn() -> String,
+) -> T {
     let deadline = Instant::now() + timeout;
     loop {
         if let Some(v) = f() {
             return v;
         }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}; {}",
+            describe()
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -145,7 +159,7 @@ fn settled<M: Machines>(op: &Operator<M>) -> bool {
 
 /// Waits until `old` is gone, the operator is settled and 3 voters remain.
 async fn wait_replaced<M: Machines>(f: &Fixture, op: &Operator<M>, old: &str) {
-    wait_for(
+    wait_for_or(
         &format!("replacement of {old}"),
         Duration::from_secs(60),
         || {
@@ -156,8 +170,31 @@ async fn wait_replaced<M: Machines>(f: &Fixture, op: &Operator<M>, old: &str) {
                 && st.members.iter().all(|m| !m.is_learner && m.name != old);
             done.then_some(())
         },
+        || describe(op),
     )
     .await;
+}
+
+/// The operator's status, for timeouts.
+fn describe<M: Machines>(op: &Operator<M>) -> String {
+    let st = op.status();
+    let recent: Vec<String> = st
+        .history
+        .iter()
+        .rev()
+        .take(8)
+        .map(|r| format!("{} {:?}", r.text, r.error))
+        .collect();
+    format!(
+        "condition {:?}, last error {:?}, members {:?}, machines {:?}, recent actions {recent:#?}",
+        st.condition,
+        st.last_error,
+        st.members
+            .iter()
+            .map(|m| (&m.name, m.is_learner, m.healthy))
+            .collect::<Vec<_>>(),
+        st.machines
+    )
 }
 
 #[derive(Default, Debug)]
@@ -510,16 +547,21 @@ async fn killed_operator_is_finished_by_a_new_one(fail_start: bool) {
     })
     .await;
     f.cluster.replace_machine("m1").unwrap();
-    wait_for("learner added", Duration::from_secs(30), || {
-        let st = first.status();
-        let added = st
-            .history
-            .iter()
-            .any(|r| matches!(r.action, Action::AddLearner { .. }) && r.error.is_none());
-        let learner = st.members.iter().any(|m| m.is_learner);
-        let started = st.members.iter().any(|m| m.is_learner && m.healthy);
-        (added && learner && started != fail_start).then_some(())
-    })
+    wait_for_or(
+        "learner added",
+        Duration::from_secs(30),
+        || {
+            let st = first.status();
+            let added = st
+                .history
+                .iter()
+                .any(|r| matches!(r.action, Action::AddLearner { .. }) && r.error.is_none());
+            let learner = st.members.iter().any(|m| m.is_learner);
+            let started = st.members.iter().any(|m| m.is_learner && m.healthy);
+            (added && learner && started != fail_start).then_some(())
+        },
+        || describe(&first),
+    )
     .await;
     // Give the first operator time to (wrongly) go further, then kill it.
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -695,12 +737,17 @@ async fn local_binary_replaces_a_member_through_its_api() {
         .unwrap();
     assert!(exit.success(), "{exit:?}");
     for pid in pids {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        // Gone, or a zombie waiting for a reaper that is not ours.
-        assert!(
-            stat.is_empty() || stat.contains(") Z "),
-            "etcd {pid} still running: {stat}"
-        );
+        // Gone, or a zombie waiting for a reaper that is not ours; SIGKILL takes a moment.
+        let stat = || std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        wait_for(
+            &format!("etcd {pid} to die"),
+            Duration::from_secs(5),
+            || {
+                let s = stat();
+                (s.is_empty() || s.contains(") Z ")).then_some(())
+            },
+        )
+        .await;
     }
 }
 

@@ -463,8 +463,8 @@ impl<M: Machines> Operator<M> {
         st.history.drain(..excess);
     }
 
-    /// One step: observe, plan, apply the plan's actions in order (stopping at the first
-    /// failure). Returns the plan that was applied.
+    /// One step: observe, plan, apply the plan's actions in order (no membership change after
+    /// a failed action). Returns the plan that was applied.
     pub async fn step(&self) -> Result<Plan, ExecuteError> {
         let result = self.step_inner().await;
         let mut st = lock(&self.status);
@@ -476,9 +476,15 @@ impl<M: Machines> Operator<M> {
         let obs = self.observe().await?;
         let p = plan(self.spec, &obs.observed);
         self.record_observation(&obs, &p);
+        // Hook and start actions are independent of each other: one failing does not hold the
+        // others back. The membership change is skipped after any failure, though: when the
+        // backend misbehaves, membership is better left alone.
+        let mut first_error = None;
         for action in &p.actions {
-            let result = self.apply(action, &obs).await;
-            match result {
+            if first_error.is_some() && action.is_membership_change() {
+                break;
+            }
+            match self.apply(action, &obs).await {
                 Ok(true) => {
                     self.record_action(action, Ok(()));
                     info!(action = action.kind(), "{action}");
@@ -487,11 +493,14 @@ impl<M: Machines> Operator<M> {
                 Ok(false) => debug!(action = action.kind(), "{action}: already done"),
                 Err(e) => {
                     self.record_action(action, Err(&e));
-                    return Err(e);
+                    first_error.get_or_insert(e);
                 }
             }
         }
-        Ok(p)
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(p),
+        }
     }
 
     /// A client for membership calls: the leader if known, else any member that answers.
