@@ -27,8 +27,9 @@ pub use compression::{ByteStream, Codec};
 pub use layout::{Chain, Kind, Snapshot};
 pub use location::StoreLocation;
 
-/// Part size of multipart uploads (S3 needs at least 5 MiB for every part but the last).
-const PART_SIZE: usize = 8 << 20;
+/// Part size of multipart uploads: S3's minimum for every part but the last, so memory stays
+/// small; with at most 10000 parts an object can reach 48 GiB, far above etcd's 8 GiB limit.
+const PART_SIZE: usize = 5 << 20;
 /// Parts uploading at once; with [`PART_SIZE`] this bounds an upload's memory.
 const PARTS_IN_FLIGHT: usize = 2;
 
