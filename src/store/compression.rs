@@ -12,7 +12,7 @@ use std::io::{self, Read, Write};
 use std::str::FromStr;
 
 use bytes::Bytes;
-use futures::stream::{BoxStream, FuturesOrdered};
+use futures::stream::BoxStream;
 use futures::{Stream, StreamExt};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
@@ -145,29 +145,39 @@ pub enum CodecError {
 }
 
 /// Gzip in independent members of [`BLOCK`] bytes, compressed on blocking threads, emitted in
-/// order. At most `parallelism` blocks are in flight.
+/// order. Blocks are read ahead on a task so the source keeps streaming while earlier blocks
+/// compress; at most `parallelism` blocks are compressing and as many are read ahead.
 fn gzip_parallel(input: ByteStream, parallelism: usize) -> ByteStream {
-    let blocks = rechunk(input, BLOCK);
-    let compressed = futures::stream::unfold(
-        (blocks, FuturesOrdered::new(), false),
-        move |(mut blocks, mut inflight, mut done)| async move {
-            while !done && inflight.len() < parallelism {
-                match blocks.next().await {
-                    Some(Ok(block)) => {
-                        inflight.push_back(tokio::task::spawn_blocking(move || gzip_member(&block)))
-                    }
-                    Some(Err(e)) => return Some((Err(e), (blocks, inflight, true))),
-                    None => done = true,
-                }
+    prefetch(rechunk(input, BLOCK), parallelism)
+        .map(|block| async move {
+            let block = block?;
+            tokio::task::spawn_blocking(move || gzip_member(&block))
+                .await
+                .unwrap_or_else(|join| Err(io::Error::other(join)))
+        })
+        .buffered(parallelism)
+        .boxed()
+}
+
+/// Reads up to `depth` items of a stream ahead on a task, so a slow consumer does not stall
+/// the producer (an etcd snapshot stream, a network download). Dropping the returned stream
+/// stops the task. Must be called within a Tokio runtime.
+pub fn prefetch(mut input: ByteStream, depth: usize) -> ByteStream {
+    let (tx, mut rx) = mpsc::channel::<io::Result<Bytes>>(depth.max(1));
+    let task = tokio::spawn(async move {
+        while let Some(item) = input.next().await {
+            let failed = item.is_err();
+            if tx.send(item).await.is_err() || failed {
+                break;
             }
-            let item = match inflight.next().await? {
-                Ok(r) => r,
-                Err(join) => Err(io::Error::other(join)),
-            };
-            Some((item, (blocks, inflight, done)))
-        },
-    );
-    compressed.boxed()
+        }
+    });
+    let guard = AbortOnDrop(task);
+    futures::stream::poll_fn(move |cx| {
+        let _keep = &guard;
+        rx.poll_recv(cx)
+    })
+    .boxed()
 }
 
 fn gzip_member(block: &[u8]) -> io::Result<Bytes> {
