@@ -22,6 +22,7 @@ pub mod owner;
 pub mod process;
 pub mod restore;
 pub mod server;
+pub mod sidecar;
 pub mod snapshot;
 pub mod store;
 pub mod telemetry;

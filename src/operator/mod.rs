@@ -1,1 +1,11 @@
 //! The operator: a pure planner for quorum-safe member replacement, its executor, and backends.
+//!
+//! - [`plan`]: pure decisions from observed members and machines.
+//! - [`execute`]: observes etcd and a [`execute::Machines`] backend, applies planned actions.
+//! - [`local`]: a backend whose machines are etcd processes on loopback (demo and tests).
+//! - [`metrics`]: Prometheus metrics of the operator.
+
+pub mod execute;
+pub mod local;
+pub mod metrics;
+pub mod plan;

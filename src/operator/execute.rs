@@ -1,0 +1,653 @@
+//! The executor: observes etcd (through `etcd-client`) and a machine backend, asks the planner,
+//! and applies its actions.
+//!
+//! Every step starts from a fresh observation, so a crash or cancellation between two actions
+//! leaves nothing to undo: the next step sees where things stand and continues (a learner added
+//! but never started is started, a promoted learner is not promoted twice, a removed member is
+//! not removed twice). etcd refuses membership changes for a few seconds after a start or a
+//! promotion ("unhealthy cluster", "learner not in sync", "too many learners"); those refusals
+//! are retried with backoff, observing again before each attempt, and etcd itself stays the
+//! judge of when a learner is in sync.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use etcd_client::{Client, ConnectOptions, MemberAddOptions};
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use super::metrics::{MemberGauge, Metrics};
+use super::plan::{Action, Condition, MachineState, MemberState, Observed, Plan, Spec, plan};
+
+/// Errors of a machine backend.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// No machine with that name.
+    #[error("machine {0} not found")]
+    NotFound(String),
+    /// An I/O operation of the backend failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Anything else the backend reports.
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// Errors of one executor step.
+#[derive(Debug, thiserror::Error)]
+pub enum ExecuteError {
+    /// No endpoint answered a member list.
+    #[error("no etcd endpoint answered a member list (tried {tried}): {last}")]
+    NoEndpoint {
+        /// Endpoints tried.
+        tried: String,
+        /// The last error seen.
+        last: String,
+    },
+    /// An etcd call failed.
+    #[error("etcd {op}: {source}")]
+    Etcd {
+        /// The call.
+        op: &'static str,
+        /// What etcd-client returned.
+        #[source]
+        source: etcd_client::Error,
+    },
+    /// The machine backend failed.
+    #[error("machine backend: {0}")]
+    Backend(#[from] BackendError),
+    /// A member the plan refers to is no longer listed.
+    #[error("member {0:x} is no longer in the member list")]
+    MemberGone(u64),
+}
+
+/// etcd refusals that lift on their own within seconds.
+const TRANSIENT: &[&str] = &[
+    "unhealthy cluster",
+    "not in sync",
+    "too many learner",
+    "leader changed",
+    "request timed out",
+    "no leader",
+    "timed out",
+    "transport error",
+];
+
+impl ExecuteError {
+    /// Whether retrying after a short wait is expected to succeed.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            ExecuteError::NoEndpoint { .. } | ExecuteError::MemberGone(_) => true,
+            ExecuteError::Etcd { source, .. } => is_transient_etcd(source),
+            ExecuteError::Backend(_) => false,
+        }
+    }
+}
+
+fn is_transient_etcd(e: &etcd_client::Error) -> bool {
+    match e {
+        etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => true,
+        etcd_client::Error::GRpcStatus(s) => {
+            // gRPC codes DEADLINE_EXCEEDED (4) and UNAVAILABLE (14).
+            let code: i32 = s.code().into();
+            matches!(code, 4 | 14) || TRANSIENT.iter().any(|t| s.message().contains(t))
+        }
+        other => {
+            let text = other.to_string();
+            TRANSIENT.iter().any(|t| text.contains(t))
+        }
+    }
+}
+
+fn etcd_message(e: &etcd_client::Error) -> String {
+    match e {
+        etcd_client::Error::GRpcStatus(s) => s.message().to_owned(),
+        other => other.to_string(),
+    }
+}
+
+/// How a new member joins: the `--initial-cluster` it starts with (state `existing`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Join {
+    /// The new member's name (the machine name).
+    pub name: String,
+    /// The added member's ID.
+    pub member_id: u64,
+    /// `name=peerURL,...` of every member including the new one.
+    pub initial_cluster: String,
+}
+
+/// The seam to whatever hosts members: Kubernetes Machines, or local processes.
+#[async_trait]
+pub trait Machines: Send + Sync + 'static {
+    /// Every control-plane machine with its deletion state and hook.
+    async fn list(&self) -> Result<Vec<MachineState>, BackendError>;
+    /// Puts our pre-drain deletion hook on a machine (idempotent).
+    async fn add_hook(&self, machine: &str) -> Result<(), BackendError>;
+    /// Takes our hook off a machine (idempotent).
+    async fn release_hook(&self, machine: &str) -> Result<(), BackendError>;
+    /// Starts the member of a machine whose learner was just added. Idempotent: a member already
+    /// running is left alone and `false` returned.
+    async fn start_member(&self, machine: &str, join: &Join) -> Result<bool, BackendError>;
+}
+
+/// One member as shown in the status.
+#[derive(Debug, Clone, Serialize)]
+pub struct MemberStatus {
+    /// Member ID in hex (as etcdctl prints it).
+    pub id: String,
+    /// Member name (empty until started).
+    pub name: String,
+    /// Peer URLs.
+    pub peer_urls: Vec<String>,
+    /// Client URLs (empty until started).
+    pub client_urls: Vec<String>,
+    /// Learner rather than voter.
+    pub is_learner: bool,
+    /// Answered status without errors and knows a leader.
+    pub healthy: bool,
+    /// The raft leader.
+    pub is_leader: bool,
+    /// Knows a leader.
+    pub has_leader: bool,
+    /// Raft applied index.
+    pub applied_index: u64,
+}
+
+/// One applied (or failed) action.
+#[derive(Debug, Clone, Serialize)]
+pub struct ActionRecord {
+    /// The action.
+    #[serde(flatten)]
+    pub action: Action,
+    /// Human-readable form.
+    pub text: String,
+    /// When it finished.
+    pub at: DateTime<Utc>,
+    /// Error text when it failed.
+    pub error: Option<String>,
+}
+
+/// Most actions kept in the status history.
+const HISTORY: usize = 200;
+
+/// What the operator reports on `/status`.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct OperatorStatus {
+    /// Condition of the last plan (none before the first observation).
+    pub condition: Option<Condition>,
+    /// Members at the last observation.
+    pub members: Vec<MemberStatus>,
+    /// Machines at the last observation.
+    pub machines: Vec<MachineState>,
+    /// The last action applied or attempted.
+    pub last_action: Option<ActionRecord>,
+    /// The last step's error, cleared by a successful step.
+    pub last_error: Option<String>,
+    /// Recent actions, oldest first.
+    pub history: Vec<ActionRecord>,
+}
+
+/// A full observation: the planner's input plus what status and metrics show.
+#[derive(Debug, Clone)]
+pub struct Observation {
+    /// The planner's input.
+    pub observed: Observed,
+    /// Per-member details.
+    pub members: Vec<MemberStatus>,
+    /// Client URL of the leader, for membership calls.
+    pub leader_client_url: Option<String>,
+}
+
+/// Timings of the executor.
+#[derive(Debug, Clone, Copy)]
+pub struct Timing {
+    /// Between steps when there was nothing to do.
+    pub interval: Duration,
+    /// First wait after a failed step; doubles up to `max_backoff`.
+    pub min_backoff: Duration,
+    /// Longest wait after failed steps.
+    pub max_backoff: Duration,
+    /// Per etcd request.
+    pub request_timeout: Duration,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Timing {
+            interval: Duration::from_secs(1),
+            min_backoff: Duration::from_millis(200),
+            max_backoff: Duration::from_secs(3),
+            request_timeout: Duration::from_secs(3),
+        }
+    }
+}
+
+/// The operator: planner plus executor over one backend.
+pub struct Operator<M: Machines> {
+    spec: Spec,
+    machines: Arc<M>,
+    /// Client URLs given at start; a last resort once members have moved on.
+    seeds: Vec<String>,
+    /// Client URLs of the members at the last observation.
+    known: Mutex<Vec<String>>,
+    /// One client per URL, reused across steps; dropped on the first error.
+    clients: Mutex<HashMap<String, Client>>,
+    timing: Timing,
+    metrics: Metrics,
+    status: Arc<Mutex<OperatorStatus>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding the lock leaves plain data behind; keep serving it.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl<M: Machines> Operator<M> {
+    /// An operator for `spec`, reaching etcd first through `endpoints` (client URLs) and then
+    /// through the client URLs of the members it observes.
+    pub fn new(spec: Spec, machines: Arc<M>, endpoints: Vec<String>, timing: Timing) -> Self {
+        Operator {
+            spec,
+            machines,
+            seeds: endpoints,
+            known: Mutex::new(Vec::new()),
+            clients: Mutex::new(HashMap::new()),
+            timing,
+            metrics: Metrics::default(),
+            status: Arc::new(Mutex::new(OperatorStatus::default())),
+        }
+    }
+
+    /// The metrics handles (register them once).
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// A shared handle on the status.
+    pub fn status_handle(&self) -> Arc<Mutex<OperatorStatus>> {
+        Arc::clone(&self.status)
+    }
+
+    /// A copy of the current status.
+    pub fn status(&self) -> OperatorStatus {
+        lock(&self.status).clone()
+    }
+
+    /// Current members' client URLs first, then the seeds.
+    fn endpoints(&self) -> Vec<String> {
+        let mut eps = lock(&self.known).clone();
+        for s in &self.seeds {
+            if !eps.contains(s) {
+                eps.push(s.clone());
+            }
+        }
+        eps
+    }
+
+    /// A client for one endpoint, cached.
+    async fn connect(&self, endpoint: &str) -> Result<Client, etcd_client::Error> {
+        if let Some(c) = lock(&self.clients).get(endpoint) {
+            return Ok(c.clone());
+        }
+        let opts = ConnectOptions::new()
+            .with_timeout(self.timing.request_timeout)
+            .with_connect_timeout(self.timing.request_timeout);
+        let c = Client::connect([endpoint], Some(opts)).await?;
+        lock(&self.clients).insert(endpoint.to_owned(), c.clone());
+        Ok(c)
+    }
+
+    /// Drops the cached client of an endpoint that failed.
+    fn forget(&self, endpoint: &str) {
+        lock(&self.clients).remove(endpoint);
+    }
+
+    /// Lists members through the first endpoint that answers.
+    async fn member_list(&self) -> Result<Vec<etcd_client::Member>, ExecuteError> {
+        let endpoints = self.endpoints();
+        let mut last = String::from("no endpoints");
+        for ep in &endpoints {
+            let attempt = async {
+                let mut c = self.connect(ep).await?;
+                c.member_list().await
+            };
+            match attempt.await {
+                Ok(resp) => return Ok(resp.members().to_vec()),
+                Err(e) => {
+                    debug!(endpoint = %ep, error = %e, "member list failed");
+                    self.forget(ep);
+                    last = format!("{ep}: {}", etcd_message(&e));
+                }
+            }
+        }
+        Err(ExecuteError::NoEndpoint {
+            tried: endpoints.join(","),
+            last,
+        })
+    }
+
+    /// Observes etcd members (list, then each member's status) and the machines.
+    pub async fn observe(&self) -> Result<Observation, ExecuteError> {
+        let list = self.member_list().await?;
+        // Voters first: learners refuse most requests.
+        let mut urls: Vec<(bool, String)> = list
+            .iter()
+            .flat_map(|m| m.client_urls().iter().map(|u| (m.is_learner(), u.clone())))
+            .collect();
+        urls.sort();
+        let urls: Vec<String> = urls.into_iter().map(|(_, u)| u).collect();
+        if !urls.is_empty() {
+            // Follow membership so the operator still reaches etcd after every seed is replaced.
+            *lock(&self.known) = urls;
+            let keep = self.endpoints();
+            lock(&self.clients).retain(|url, _| keep.contains(url));
+        }
+
+        let statuses = futures::future::join_all(list.iter().map(|m| async move {
+            let url = m.client_urls().first()?;
+            let attempt = async {
+                let mut c = self.connect(url).await?;
+                c.status().await
+            };
+            match tokio::time::timeout(self.timing.request_timeout, attempt).await {
+                Ok(Ok(s)) => Some(s),
+                Ok(Err(e)) => {
+                    debug!(member = m.name(), error = %e, "status failed");
+                    self.forget(url);
+                    None
+                }
+                Err(_) => {
+                    self.forget(url);
+                    None
+                }
+            }
+        }))
+        .await;
+
+        let leader_id = statuses
+            .iter()
+            .flatten()
+            .map(|s| s.leader())
+            .find(|&l| l != 0);
+        let mut members = Vec::new();
+        let mut details = Vec::new();
+        let mut leader_applied = None;
+        let mut leader_client_url = None;
+        for (m, s) in list.iter().zip(&statuses) {
+            let has_leader = s.as_ref().is_some_and(|s| s.leader() != 0);
+            let healthy = s.as_ref().is_some_and(|s| s.errors().is_empty()) && has_leader;
+            let applied = s.as_ref().map_or(0, |s| s.raft_applied_index());
+            let is_leader = leader_id == Some(m.id());
+            if is_leader && s.is_some() {
+                leader_applied = Some(applied);
+                leader_client_url = m.client_urls().first().cloned();
+            }
+            members.push(MemberState {
+                id: m.id(),
+                name: m.name().to_owned(),
+                peer_urls: m.peer_urls().to_vec(),
+                is_learner: m.is_learner(),
+                healthy,
+                applied_index: applied,
+            });
+            details.push(MemberStatus {
+                id: format!("{:x}", m.id()),
+                name: m.name().to_owned(),
+                peer_urls: m.peer_urls().to_vec(),
+                client_urls: m.client_urls().to_vec(),
+                is_learner: m.is_learner(),
+                healthy,
+                is_leader,
+                has_leader,
+                applied_index: applied,
+            });
+        }
+        let machines = self.machines.list().await?;
+        Ok(Observation {
+            observed: Observed {
+                members,
+                machines,
+                leader_applied_index: leader_applied,
+            },
+            members: details,
+            leader_client_url,
+        })
+    }
+
+    fn record_observation(&self, obs: &Observation, p: &Plan) {
+        self.metrics.observe_members(
+            &obs.members
+                .iter()
+                .map(|m| MemberGauge {
+                    member: if m.name.is_empty() {
+                        m.id.clone()
+                    } else {
+                        m.name.clone()
+                    },
+                    is_leader: m.is_leader,
+                    is_learner: m.is_learner,
+                    has_leader: m.has_leader,
+                })
+                .collect::<Vec<_>>(),
+        );
+        self.metrics.condition(p.condition.kind());
+        let mut st = lock(&self.status);
+        st.condition = Some(p.condition.clone());
+        st.members = obs.members.clone();
+        st.machines = obs.observed.machines.clone();
+    }
+
+    fn record_action(&self, action: &Action, result: Result<(), &ExecuteError>) {
+        self.metrics.action(action.kind(), result.is_ok());
+        let rec = ActionRecord {
+            action: action.clone(),
+            text: action.to_string(),
+            at: Utc::now(),
+            error: result.err().map(|e| e.to_string()),
+        };
+        let mut st = lock(&self.status);
+        st.last_action = Some(rec.clone());
+        st.history.push(rec);
+        let excess = st.history.len().saturating_sub(HISTORY);
+        st.history.drain(..excess);
+    }
+
+    /// One step: observe, plan, apply the plan's actions in order (stopping at the first
+    /// failure). Returns the plan that was applied.
+    pub async fn step(&self) -> Result<Plan, ExecuteError> {
+        let result = self.step_inner().await;
+        let mut st = lock(&self.status);
+        st.last_error = result.as_ref().err().map(|e| e.to_string());
+        result
+    }
+
+    async fn step_inner(&self) -> Result<Plan, ExecuteError> {
+        let obs = self.observe().await?;
+        let p = plan(self.spec, &obs.observed);
+        self.record_observation(&obs, &p);
+        for action in &p.actions {
+            let result = self.apply(action, &obs).await;
+            match result {
+                Ok(true) => {
+                    self.record_action(action, Ok(()));
+                    info!(action = action.kind(), "{action}");
+                }
+                // Nothing to do after all (a member that was starting already runs).
+                Ok(false) => debug!(action = action.kind(), "{action}: already done"),
+                Err(e) => {
+                    self.record_action(action, Err(&e));
+                    return Err(e);
+                }
+            }
+        }
+        Ok(p)
+    }
+
+    /// A client for membership calls: the leader if known, else any member that answers.
+    async fn cluster_client(&self, obs: &Observation) -> Result<Client, ExecuteError> {
+        if let Some(url) = &obs.leader_client_url
+            && let Ok(c) = self.connect(url).await
+        {
+            return Ok(c);
+        }
+        let endpoints = self.endpoints();
+        let mut last = String::from("no endpoints");
+        for ep in &endpoints {
+            match self.connect(ep).await {
+                Ok(c) => return Ok(c),
+                Err(e) => last = e.to_string(),
+            }
+        }
+        Err(ExecuteError::NoEndpoint {
+            tried: endpoints.join(","),
+            last,
+        })
+    }
+
+    /// Applies one action; `false` when there turned out to be nothing to do.
+    async fn apply(&self, action: &Action, obs: &Observation) -> Result<bool, ExecuteError> {
+        match action {
+            Action::AddHook { machine } => {
+                self.machines.add_hook(machine).await?;
+                Ok(true)
+            }
+            Action::ReleaseHook { machine } => {
+                self.machines.release_hook(machine).await?;
+                Ok(true)
+            }
+            Action::AddLearner { machine, peer_url } => {
+                let mut c = self.cluster_client(obs).await?;
+                let opts = MemberAddOptions::new().with_is_learner();
+                let id = match c.member_add([peer_url.as_str()], Some(opts)).await {
+                    Ok(resp) => resp.member().map(|m| m.id()),
+                    // An earlier attempt got through; the next observation sees the learner.
+                    Err(e) if etcd_message(&e).contains("already exists") => None,
+                    Err(e) => {
+                        return Err(ExecuteError::Etcd {
+                            op: "member add",
+                            source: e,
+                        });
+                    }
+                };
+                if let Some(id) = id {
+                    // A failed start is retried by the next step (StartMember).
+                    if let Err(e) = self.start(machine, id).await {
+                        warn!(machine = %machine, error = %e, "learner added, start failed");
+                    }
+                }
+                Ok(true)
+            }
+            Action::StartMember { machine, member_id } => self.start(machine, *member_id).await,
+            Action::Promote { member_id, .. } => {
+                let mut c = self.cluster_client(obs).await?;
+                match c.member_promote(*member_id).await {
+                    Ok(_) => Ok(true),
+                    // Already a voter: an earlier promotion got through.
+                    Err(e)
+                        if etcd_message(&e).contains("can only promote a learner member")
+                            && !etcd_message(&e).contains("in sync") =>
+                    {
+                        Ok(false)
+                    }
+                    Err(e) => Err(ExecuteError::Etcd {
+                        op: "member promote",
+                        source: e,
+                    }),
+                }
+            }
+            Action::RemoveMember { member_id, .. } => {
+                let mut c = self.cluster_client(obs).await?;
+                match c.member_remove(*member_id).await {
+                    Ok(_) => Ok(true),
+                    Err(e) if etcd_message(&e).contains("member not found") => Ok(false),
+                    Err(e) => Err(ExecuteError::Etcd {
+                        op: "member remove",
+                        source: e,
+                    }),
+                }
+            }
+        }
+    }
+
+    /// Starts the member `member_id` on `machine` with the current membership as its
+    /// initial cluster.
+    async fn start(&self, machine: &str, member_id: u64) -> Result<bool, ExecuteError> {
+        let list = self.member_list().await?;
+        if !list.iter().any(|m| m.id() == member_id) {
+            return Err(ExecuteError::MemberGone(member_id));
+        }
+        let join = Join {
+            name: machine.to_owned(),
+            member_id,
+            initial_cluster: initial_cluster(&list, machine, member_id),
+        };
+        Ok(self.machines.start_member(machine, &join).await?)
+    }
+
+    /// Runs steps until cancelled: right away after a step that acted, after `interval` when
+    /// there was nothing to do, with doubling backoff after failures.
+    pub async fn run(&self, cancel: CancellationToken) {
+        let mut backoff = self.timing.min_backoff;
+        loop {
+            let result = tokio::select! {
+                _ = cancel.cancelled() => return,
+                r = self.step() => r,
+            };
+            let wait = match result {
+                Ok(p) => {
+                    backoff = self.timing.min_backoff;
+                    if p.actions.is_empty() {
+                        self.timing.interval
+                    } else {
+                        Duration::from_millis(50)
+                    }
+                }
+                Err(e) => {
+                    if e.is_transient() {
+                        info!(error = %e, retry_in = ?backoff, "step refused, retrying");
+                    } else {
+                        warn!(error = %e, retry_in = ?backoff, "step failed, retrying");
+                    }
+                    let w = backoff;
+                    backoff = (backoff * 2).min(self.timing.max_backoff);
+                    w
+                }
+            };
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = tokio::time::sleep(wait) => {}
+            }
+        }
+    }
+}
+
+/// `name=peerURL,...` for every member, naming the one being started after its machine (etcd
+/// lists it without a name until it starts).
+pub fn initial_cluster(list: &[etcd_client::Member], machine: &str, member_id: u64) -> String {
+    let mut parts = Vec::new();
+    for m in list {
+        let name = if m.id() == member_id {
+            machine
+        } else {
+            m.name()
+        };
+        if name.is_empty() {
+            continue;
+        }
+        for u in m.peer_urls() {
+            parts.push(format!("{name}={u}"));
+        }
+    }
+    parts.join(",")
+}

