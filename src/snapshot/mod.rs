@@ -8,7 +8,6 @@ pub mod actor;
 pub mod delta;
 pub mod engine;
 pub mod full;
-pub mod metrics;
 pub mod verify;
 pub mod watcher;
 
