@@ -3,7 +3,7 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -139,7 +139,7 @@ impl Drop for TlsEtcd {
 }
 
 fn tls(dir: &Path, with_client_cert: bool) -> TlsFiles {
-    let p = |n: &str| Some(PathBuf::from(dir.join(n)));
+    let p = |n: &str| Some(dir.join(n));
     TlsFiles {
         ca_file: p("ca.pem"),
         cert_file: if with_client_cert {
