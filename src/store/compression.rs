@@ -62,7 +62,7 @@ impl Codec {
     }
 
     /// Compresses a stream. Gzip runs on up to `parallelism` blocking threads; memory stays
-    /// around `parallelism` × 1 MiB whatever the input size.
+    /// around `parallelism` × 2 MiB whatever the input size. Call within a Tokio runtime.
     pub fn encode(self, input: ByteStream, parallelism: usize) -> Result<ByteStream, CodecError> {
         match self {
             Codec::None => Ok(input),
@@ -77,7 +77,7 @@ impl Codec {
         }
     }
 
-    /// Decompresses a stream on a blocking thread.
+    /// Decompresses a stream on a blocking thread. Call within a Tokio runtime.
     pub fn decode(self, input: ByteStream) -> ByteStream {
         match self {
             Codec::None => input,

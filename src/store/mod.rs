@@ -292,7 +292,9 @@ impl SnapshotStore {
             };
             match Snapshot::parse_name(&self.prefix, name) {
                 Ok(s) => out.push(s),
-                Err(e) => tracing::info!(key, reason = %e.reason, "not a snapshot, ignored"),
+                // Debug level: retention lists every minute, and a README or another tool's
+                // chunk objects would otherwise repeat in the log forever.
+                Err(e) => tracing::debug!(key, reason = %e.reason, "not a snapshot, ignored"),
             }
         }
         layout::sort(&mut out);
