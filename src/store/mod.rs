@@ -443,6 +443,44 @@ mod tests {
         assert!(e.contains("gs://b/p"), "{e}");
     }
 
+    #[test]
+    fn gcs_service_account_from_config_or_environment() {
+        let dir = tempfile::tempdir().unwrap();
+        // A key that never signs anything (no request is made): object_store's test form.
+        let good = dir.path().join("good.json");
+        std::fs::write(
+            &good,
+            r#"{"private_key": "k", "private_key_id": "id", "client_email": "sa@example.invalid", "disable_oauth": true, "gcs_base_url": "http://127.0.0.1:1"}"#,
+        )
+        .unwrap();
+        let missing = dir.path().join("missing.json");
+        let env_with = |path: &std::path::Path| -> HashMap<String, String> {
+            [(
+                "GOOGLE_SERVICE_ACCOUNT".to_string(),
+                path.display().to_string(),
+            )]
+            .into_iter()
+            .collect()
+        };
+        let mut gs = config("gs://bucket/prefix");
+        // From the environment alone.
+        assert!(build_with_env(&gs, &env_with(&good), None).is_ok());
+        let e = build_with_env(&gs, &env_with(&missing), None).unwrap_err();
+        assert!(e.to_string().contains("missing.json"), "{e}");
+        // The configured file wins over the environment's.
+        gs.service_account_file = Some(good.clone());
+        assert!(build_with_env(&gs, &env_with(&missing), None).is_ok());
+        // The copy job's SOURCE_ prefix selects the source's own variable.
+        gs.service_account_file = None;
+        let mut env = env_with(&missing);
+        env.insert(
+            "SOURCE_GOOGLE_SERVICE_ACCOUNT".into(),
+            good.display().to_string(),
+        );
+        assert!(build_with_env(&gs, &env, Some("SOURCE_")).is_ok());
+        assert!(build_with_env(&gs, &env, None).is_err());
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_listed_snapshot_can_be_written_to_another_store() {
         let backend: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
