@@ -84,46 +84,7 @@ pub fn build_with_env(
         }
         StoreLocation::Memory { .. } => Arc::new(InMemory::new()),
         StoreLocation::S3 { bucket, .. } => {
-            let mut b = AmazonS3Builder::new();
-            let mut env_sets_style = false;
-            for (key, value) in provider_vars("AWS_") {
-                env_sets_style |= key == "AWS_VIRTUAL_HOSTED_STYLE_REQUEST";
-                if let Ok(k) = key.to_ascii_lowercase().parse() {
-                    b = b.with_config(k, value);
-                }
-            }
-            b = b.with_bucket_name(bucket);
-            if let Some(ep) = &config.endpoint {
-                b = b.with_endpoint(ep);
-            }
-            if let Some(r) = &config.region {
-                b = b.with_region(r);
-            }
-            // path_style defaults to true in the embedded config, so only a non-default value
-            // is "explicit" enough to override the environment.
-            if !config.path_style || !env_sets_style {
-                b = b.with_virtual_hosted_style_request(!config.path_style);
-            }
-            if config.allow_http {
-                b = b.with_allow_http(true);
-            }
-            match (&config.access_key_id, &config.secret_access_key) {
-                (Some(Secret::Value(id)), Some(Secret::Value(key))) => {
-                    b = b.with_access_key_id(id).with_secret_access_key(key);
-                }
-                (Some(id), Some(key)) => {
-                    b = b.with_credentials(Arc::new(credentials::AwsFromFiles::new(
-                        id.clone(),
-                        key.clone(),
-                    )));
-                }
-                (None, None) => {}
-                _ => {
-                    return Err(fail(
-                        "give both access_key_id and secret_access_key, or neither".into(),
-                    ));
-                }
-            }
+            let b = s3_builder(config, bucket, &provider_vars("AWS_")).map_err(fail)?;
             Arc::new(b.build().map_err(|e| fail(e.to_string()))?)
         }
         StoreLocation::Gcs { bucket, .. } => {
@@ -181,6 +142,51 @@ pub fn build_with_env(
         }
     };
     Ok(store)
+}
+
+/// The S3 builder: environment first, explicit configuration over it.
+fn s3_builder(
+    config: &StoreConfig,
+    bucket: &str,
+    vars: &[(String, String)],
+) -> Result<AmazonS3Builder, String> {
+    let mut b = AmazonS3Builder::new();
+    let mut env_sets_style = false;
+    for (key, value) in vars {
+        env_sets_style |= key == "AWS_VIRTUAL_HOSTED_STYLE_REQUEST";
+        if let Ok(k) = key.to_ascii_lowercase().parse() {
+            b = b.with_config(k, value);
+        }
+    }
+    b = b.with_bucket_name(bucket);
+    if let Some(ep) = &config.endpoint {
+        b = b.with_endpoint(ep);
+    }
+    if let Some(r) = &config.region {
+        b = b.with_region(r);
+    }
+    // path_style defaults to true in the embedded config, so only a non-default value is
+    // "explicit" enough to override the environment.
+    if !config.path_style || !env_sets_style {
+        b = b.with_virtual_hosted_style_request(!config.path_style);
+    }
+    if config.allow_http {
+        b = b.with_allow_http(true);
+    }
+    match (&config.access_key_id, &config.secret_access_key) {
+        (Some(Secret::Value(id)), Some(Secret::Value(key))) => {
+            b = b.with_access_key_id(id).with_secret_access_key(key);
+        }
+        (Some(id), Some(key)) => {
+            b = b.with_credentials(Arc::new(credentials::AwsFromFiles::new(
+                id.clone(),
+                key.clone(),
+            )));
+        }
+        (None, None) => {}
+        _ => return Err("give both access_key_id and secret_access_key, or neither".into()),
+    }
+    Ok(b)
 }
 
 /// Provider variables of one family (`AWS_`), the `env_prefix`ed names overriding plain ones.
@@ -413,6 +419,62 @@ mod tests {
         );
         let plain = provider_env(&env, None, "AWS_");
         assert!(plain.contains(&("AWS_REGION".to_string(), "eu-west-1".to_string())));
+    }
+
+    #[test]
+    fn s3_explicit_configuration_wins_over_the_environment() {
+        use object_store::aws::AmazonS3ConfigKey as K;
+        let vars: Vec<(String, String)> = [
+            ("AWS_ENDPOINT", "http://from-env:9000"),
+            ("AWS_REGION", "eu-central-1"),
+            ("AWS_ACCESS_KEY_ID", "env-id"),
+            ("AWS_VIRTUAL_HOSTED_STYLE_REQUEST", "true"),
+            ("AWS_NOT_A_KEY", "ignored"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let mut cfg = config("s3://bkt/p");
+        let b = s3_builder(&cfg, "bkt", &vars).unwrap();
+        assert_eq!(
+            b.get_config_value(&K::Endpoint).as_deref(),
+            Some("http://from-env:9000")
+        );
+        assert_eq!(
+            b.get_config_value(&K::Region).as_deref(),
+            Some("eu-central-1")
+        );
+        assert_eq!(
+            b.get_config_value(&K::AccessKeyId).as_deref(),
+            Some("env-id")
+        );
+        // The default path_style leaves the environment's choice alone.
+        assert_eq!(
+            b.get_config_value(&K::VirtualHostedStyleRequest).as_deref(),
+            Some("true")
+        );
+        cfg.endpoint = Some("http://127.0.0.1:9000".into());
+        cfg.region = Some("us-east-2".into());
+        cfg.path_style = false;
+        cfg.access_key_id = Some(Secret::Value("cfg-id".into()));
+        cfg.secret_access_key = Some(Secret::Value("cfg-key".into()));
+        let b = s3_builder(&cfg, "bkt", &vars).unwrap();
+        assert_eq!(
+            b.get_config_value(&K::Endpoint).as_deref(),
+            Some("http://127.0.0.1:9000")
+        );
+        assert_eq!(b.get_config_value(&K::Region).as_deref(), Some("us-east-2"));
+        assert_eq!(
+            b.get_config_value(&K::AccessKeyId).as_deref(),
+            Some("cfg-id")
+        );
+        assert_eq!(b.get_config_value(&K::Bucket).as_deref(), Some("bkt"));
+        // Without the environment, path-style is the default (S3-compatible services).
+        let b = s3_builder(&config("s3://bkt"), "bkt", &[]).unwrap();
+        assert_eq!(
+            b.get_config_value(&K::VirtualHostedStyleRequest).as_deref(),
+            Some("false")
+        );
     }
 
     #[test]
