@@ -510,6 +510,55 @@ mod tests {
         assert!(encode_compressed(&events, Codec::Lzw).is_err());
     }
 
+    fn any_kv() -> impl proptest::strategy::Strategy<Value = KeyValue> {
+        use proptest::prelude::*;
+        (
+            prop::collection::vec(any::<u8>(), 0..40),
+            0i64..1_000_000,
+            0i64..1_000_000,
+            0i64..1000,
+            prop::collection::vec(any::<u8>(), 0..80),
+            prop_oneof![Just(0i64), any::<i64>()],
+        )
+            .prop_map(|(key, c, m, version, value, lease)| KeyValue {
+                key,
+                create_revision: c,
+                mod_revision: m,
+                version,
+                value,
+                lease,
+            })
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_events_round_trip(
+            events in proptest::collection::vec(
+                (any_kv(), proptest::option::of(any_kv()), proptest::bool::ANY, 0i64..4_000_000_000, 0u32..1_000_000_000),
+                0..20,
+            )
+        ) {
+            let events: Vec<TimedEvent> = events
+                .into_iter()
+                .map(|(kv, prev, delete, secs, nanos)| TimedEvent {
+                    event: Event {
+                        kind: if delete { EventType::Delete } else { EventType::Put },
+                        kv: Some(kv),
+                        prev_kv: prev,
+                    },
+                    time: Utc.timestamp_opt(secs, nanos).unwrap(),
+                })
+                .collect();
+            let payload = encode(&events).unwrap();
+            proptest::prop_assert_eq!(decode(&payload).unwrap(), events.clone());
+            let json = std::str::from_utf8(&payload[..payload.len() - HASH_LEN]).unwrap();
+            // Go omits zero values and the PUT type; it never writes null.
+            proptest::prop_assert!(!json.contains(":null"));
+            proptest::prop_assert!(!json.contains(r#""type":0"#));
+            proptest::prop_assert!(!json.contains(r#""lease":0"#));
+        }
+    }
+
     #[test]
     fn writer_skips_covered_revisions_and_rebases() {
         let ev = |rev| Event {
