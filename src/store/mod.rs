@@ -8,6 +8,7 @@ mod credentials;
 pub mod gc;
 pub mod layout;
 pub mod location;
+pub mod reload;
 
 use std::sync::Arc;
 
@@ -98,7 +99,19 @@ pub fn build_with_env(
             if let Some(sa) = &config.service_account_file {
                 b = b.with_service_account_path(sa.to_string_lossy());
             }
-            Arc::new(b.build().map_err(|e| fail(e.to_string()))?)
+            // The builder reads the service account file once; rebuild when it changes.
+            let file = b
+                .get_config_value(&object_store::gcp::GoogleConfigKey::ServiceAccount)
+                .map(std::path::PathBuf::from);
+            match file {
+                Some(file) => Arc::new(
+                    reload::Reloading::new(vec![file], move || {
+                        Ok(Arc::new(b.clone().build().map_err(|e| e.to_string())?) as _)
+                    })
+                    .map_err(fail)?,
+                ),
+                None => Arc::new(b.build().map_err(|e| fail(e.to_string()))?),
+            }
         }
         StoreLocation::Azure { container, .. } => {
             let mut b = MicrosoftAzureBuilder::new();
@@ -529,9 +542,10 @@ mod tests {
         assert!(build_with_env(&gs, &env_with(&good), None).is_ok());
         let e = build_with_env(&gs, &env_with(&missing), None).unwrap_err();
         assert!(e.to_string().contains("missing.json"), "{e}");
-        // The configured file wins over the environment's.
+        // The configured file wins over the environment's, and is watched for rotation.
         gs.service_account_file = Some(good.clone());
-        assert!(build_with_env(&gs, &env_with(&missing), None).is_ok());
+        let store = build_with_env(&gs, &env_with(&missing), None).unwrap();
+        assert!(store.to_string().starts_with("Reloading("), "{store}");
         // The copy job's SOURCE_ prefix selects the source's own variable.
         gs.service_account_file = None;
         let mut env = env_with(&missing);
