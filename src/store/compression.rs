@@ -181,12 +181,18 @@ pub fn prefetch(mut input: ByteStream, depth: usize) -> ByteStream {
 }
 
 fn gzip_member(block: &[u8]) -> io::Result<Bytes> {
+    // Room for incompressible input (deflate's stored blocks add 5 bytes per 64 KiB, gzip 18),
+    // so the buffer never doubles; the upload holds several of these at once.
     let mut enc = flate2::write::GzEncoder::new(
-        Vec::with_capacity(block.len() / 2 + 64),
+        Vec::with_capacity(block.len() + block.len() / 1024 + 64),
         flate2::Compression::fast(),
     );
     enc.write_all(block)?;
-    Ok(Bytes::from(enc.finish()?))
+    let mut out = enc.finish()?;
+    if out.capacity() > out.len() + out.len() / 4 {
+        out.shrink_to_fit();
+    }
+    Ok(Bytes::from(out))
 }
 
 /// Regroups a stream into chunks of exactly `size` bytes (the last one shorter).
