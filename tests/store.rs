@@ -1,9 +1,9 @@
 //! Store conformance: one set of checks run against every backend (in-memory, local filesystem,
 //! and a real S3 server), through the same `SnapshotStore` the sidecar uses.
 
+mod support;
+
 use std::io;
-use std::net::TcpListener;
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -16,6 +16,8 @@ use etcd_warden::store::{Codec, Kind, Snapshot, SnapshotStore, StoreError, Store
 use futures::StreamExt;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
+use support::free_port;
+use support::s3::{self, S3Server};
 
 fn store_config(url: &str) -> StoreConfig {
     StoreConfig {
@@ -196,77 +198,6 @@ async fn conformance_local_filesystem() {
     );
 }
 
-/// An S3 server (s3s-fs) on a loopback port, killed on drop.
-struct S3Server {
-    child: Child,
-    port: u16,
-    _root: tempfile::TempDir,
-}
-
-impl S3Server {
-    const KEY: &'static str = "warden-access";
-    const SECRET: &'static str = "warden-secret-key";
-
-    fn start(buckets: &[&str]) -> S3Server {
-        let bin = std::env::var_os("S3S_FS")
-            .map(PathBuf::from)
-            .or_else(|| {
-                let home = std::env::var_os("HOME")?;
-                let p = PathBuf::from(home).join(".cargo/bin/s3s-fs");
-                p.exists().then_some(p)
-            })
-            .unwrap_or_else(|| PathBuf::from("s3s-fs"));
-        let root = tempfile::tempdir().unwrap();
-        for b in buckets {
-            std::fs::create_dir_all(root.path().join(b)).unwrap();
-        }
-        let port = free_port();
-        let child = Command::new(&bin)
-            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .args(["--access-key", Self::KEY, "--secret-key", Self::SECRET])
-            .arg(root.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!(
-                    "cannot run {} ({e}): install it with `cargo install s3s-fs@0.14.1 --locked --features binary`",
-                    bin.display()
-                )
-            });
-        let server = S3Server {
-            child,
-            port,
-            _root: root,
-        };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "s3s-fs did not listen on {port}");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        server
-    }
-
-    fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
-    }
-}
-
-impl Drop for S3Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conformance_s3() {
     let server = S3Server::start(&["etcd-backups"]);
@@ -274,8 +205,8 @@ async fn conformance_s3() {
     cfg.endpoint = Some(server.endpoint());
     cfg.region = Some("us-east-1".into());
     cfg.allow_http = true;
-    cfg.access_key_id = Some(Secret::Value(S3Server::KEY.into()));
-    cfg.secret_access_key = Some(Secret::Value(S3Server::SECRET.into()));
+    cfg.access_key_id = Some(Secret::Value(s3::ACCESS_KEY.into()));
+    cfg.secret_access_key = Some(Secret::Value(s3::SECRET_KEY.into()));
     let raw = etcd_warden::store::build_with_env(
         &cfg,
         &std::collections::HashMap::<String, String>::new(),
@@ -291,7 +222,7 @@ async fn s3_credentials_from_files_and_environment() {
     let dir = tempfile::tempdir().unwrap();
     let id = dir.path().join("id");
     let secret = dir.path().join("secret");
-    std::fs::write(&id, format!("{}\n", S3Server::KEY)).unwrap();
+    std::fs::write(&id, format!("{}\n", s3::ACCESS_KEY)).unwrap();
     std::fs::write(&secret, "wrong").unwrap();
     // Endpoint and region from the (SOURCE_-prefixed) environment, credentials from files.
     let env: std::collections::HashMap<String, String> = [
@@ -310,7 +241,7 @@ async fn s3_credentials_from_files_and_environment() {
     let store = SnapshotStore::new(raw, "p");
     assert!(store.list().await.is_err(), "a wrong secret was accepted");
     // Rotating the file is picked up without rebuilding the store.
-    std::fs::write(&secret, S3Server::SECRET).unwrap();
+    std::fs::write(&secret, s3::SECRET_KEY).unwrap();
     let s = snap(&store, Kind::Full, 0, 1, 1_700_000_000);
     store
         .put_bytes(&s, Bytes::from_static(b"ok"))

@@ -179,6 +179,61 @@ pub fn encode(events: &[TimedEvent]) -> Result<Vec<u8>, DeltaError> {
     Ok(out)
 }
 
+/// Encodes and compresses events in one pass (what is stored). Gzip is one member, as Go writes.
+pub fn encode_compressed(events: &[TimedEvent], codec: Codec) -> Result<Vec<u8>, DeltaError> {
+    let level = flate2::Compression::fast();
+    match codec {
+        Codec::None => {
+            let mut out = Vec::new();
+            write_payload(&mut out, events)?;
+            Ok(out)
+        }
+        Codec::Gzip => {
+            let mut enc = flate2::write::GzEncoder::new(Vec::new(), level);
+            write_payload(&mut enc, events)?;
+            Ok(enc.finish()?)
+        }
+        Codec::Zlib => {
+            let mut enc = flate2::write::ZlibEncoder::new(Vec::new(), level);
+            write_payload(&mut enc, events)?;
+            Ok(enc.finish()?)
+        }
+        Codec::Lzw => Err(DeltaError::Io(std::io::Error::other(
+            crate::store::compression::CodecError::WriteUnsupported(codec),
+        ))),
+    }
+}
+
+/// Writes the JSON array, hashing it on the way, then the hash.
+fn write_payload<W: std::io::Write>(w: &mut W, events: &[TimedEvent]) -> Result<(), DeltaError> {
+    let mut hashing = HashingWriter {
+        inner: &mut *w,
+        hasher: Sha256::new(),
+    };
+    serde_json::to_writer(&mut hashing, events)?;
+    let hash = hashing.hasher.finalize();
+    w.write_all(&hash)?;
+    Ok(())
+}
+
+/// Passes bytes on while hashing them.
+struct HashingWriter<W> {
+    inner: W,
+    hasher: Sha256,
+}
+
+impl<W: std::io::Write> std::io::Write for HashingWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hasher.update(&buf[..n]);
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
 /// Decodes an (uncompressed) payload, checking its hash.
 pub fn decode(payload: &[u8]) -> Result<Vec<TimedEvent>, DeltaError> {
     if payload.len() < HASH_LEN {
@@ -283,13 +338,18 @@ impl DeltaWriter {
         };
         let snapshot =
             store.new_snapshot(Kind::Incr, self.previous_last + 1, last, self.codec, false);
-        let payload = encode(&self.events)?;
-        let stored = compression::collect(
-            self.codec
-                .encode(compression::once(payload), 1)
-                .map_err(|e| std::io::Error::other(e.to_string()))?,
-        )
-        .await?;
+        // Serialised and compressed in one pass on a blocking thread: the JSON is never held
+        // uncompressed, and a large buffer does not stall the runtime.
+        let events = std::mem::take(&mut self.events);
+        let codec = self.codec;
+        let (events, stored) = tokio::task::spawn_blocking(move || {
+            let stored = encode_compressed(&events, codec);
+            (events, stored)
+        })
+        .await
+        .map_err(std::io::Error::other)?;
+        self.events = events;
+        let stored = stored?;
         store.put_bytes(&snapshot, Bytes::from(stored)).await?;
         tracing::info!(
             snapshot = %snapshot.snap_name,
@@ -432,6 +492,71 @@ mod tests {
             )
         );
         assert_eq!(decode(&ours).unwrap(), events);
+    }
+
+    #[test]
+    fn one_pass_encoding_matches_the_payload() {
+        let events = decode(&hand_built()).unwrap();
+        let plain = encode(&events).unwrap();
+        assert_eq!(encode_compressed(&events, Codec::None).unwrap(), plain);
+        let gz = encode_compressed(&events, Codec::Gzip).unwrap();
+        let mut out = Vec::new();
+        std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&gz[..]), &mut out).unwrap();
+        assert_eq!(out, plain);
+        let z = encode_compressed(&events, Codec::Zlib).unwrap();
+        let mut out = Vec::new();
+        std::io::Read::read_to_end(&mut flate2::read::ZlibDecoder::new(&z[..]), &mut out).unwrap();
+        assert_eq!(out, plain);
+        assert!(encode_compressed(&events, Codec::Lzw).is_err());
+    }
+
+    fn any_kv() -> impl proptest::strategy::Strategy<Value = KeyValue> {
+        use proptest::prelude::*;
+        (
+            prop::collection::vec(any::<u8>(), 0..40),
+            0i64..1_000_000,
+            0i64..1_000_000,
+            0i64..1000,
+            prop::collection::vec(any::<u8>(), 0..80),
+            prop_oneof![Just(0i64), any::<i64>()],
+        )
+            .prop_map(|(key, c, m, version, value, lease)| KeyValue {
+                key,
+                create_revision: c,
+                mod_revision: m,
+                version,
+                value,
+                lease,
+            })
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_events_round_trip(
+            events in proptest::collection::vec(
+                (any_kv(), proptest::option::of(any_kv()), proptest::bool::ANY, 0i64..4_000_000_000, 0u32..1_000_000_000),
+                0..20,
+            )
+        ) {
+            let events: Vec<TimedEvent> = events
+                .into_iter()
+                .map(|(kv, prev, delete, secs, nanos)| TimedEvent {
+                    event: Event {
+                        kind: if delete { EventType::Delete } else { EventType::Put },
+                        kv: Some(kv),
+                        prev_kv: prev,
+                    },
+                    time: Utc.timestamp_opt(secs, nanos).unwrap(),
+                })
+                .collect();
+            let payload = encode(&events).unwrap();
+            proptest::prop_assert_eq!(decode(&payload).unwrap(), events.clone());
+            let json = std::str::from_utf8(&payload[..payload.len() - HASH_LEN]).unwrap();
+            // Go omits zero values and the PUT type; it never writes null.
+            proptest::prop_assert!(!json.contains(":null"));
+            proptest::prop_assert!(!json.contains(r#""type":0"#));
+            proptest::prop_assert!(!json.contains(r#""lease":0"#));
+        }
     }
 
     #[test]

@@ -11,8 +11,11 @@ use bytes::Bytes;
 use futures::StreamExt;
 use sha2::{Digest, Sha256};
 
-use crate::store::compression::{ByteStream, Codec};
+use crate::store::compression::{self, ByteStream, Codec};
 use crate::store::{Kind, Snapshot, SnapshotStore, StoreError};
+
+/// etcd messages read ahead (etcd sends 32 KiB each, so ~4 MiB).
+const PREFETCH_MESSAGES: usize = 128;
 
 /// Length of etcd's trailing hash.
 pub const HASH_LEN: usize = 32;
@@ -55,6 +58,8 @@ pub async fn take_full(
         }
     })
     .boxed();
+    // etcd keeps streaming while compression or the upload is momentarily behind.
+    let raw = compression::prefetch(raw, PREFETCH_MESSAGES);
     let snapshot = store.new_snapshot(Kind::Full, 0, revision, codec, is_final);
     let size = store_payload(store, &snapshot, raw, codec).await?;
     tracing::info!(

@@ -12,7 +12,7 @@ use std::io::{self, Read, Write};
 use std::str::FromStr;
 
 use bytes::Bytes;
-use futures::stream::{BoxStream, FuturesOrdered};
+use futures::stream::BoxStream;
 use futures::{Stream, StreamExt};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
@@ -62,7 +62,7 @@ impl Codec {
     }
 
     /// Compresses a stream. Gzip runs on up to `parallelism` blocking threads; memory stays
-    /// around `parallelism` × 1 MiB whatever the input size.
+    /// around `parallelism` × 2 MiB whatever the input size. Call within a Tokio runtime.
     pub fn encode(self, input: ByteStream, parallelism: usize) -> Result<ByteStream, CodecError> {
         match self {
             Codec::None => Ok(input),
@@ -77,7 +77,7 @@ impl Codec {
         }
     }
 
-    /// Decompresses a stream on a blocking thread.
+    /// Decompresses a stream on a blocking thread. Call within a Tokio runtime.
     pub fn decode(self, input: ByteStream) -> ByteStream {
         match self {
             Codec::None => input,
@@ -145,38 +145,54 @@ pub enum CodecError {
 }
 
 /// Gzip in independent members of [`BLOCK`] bytes, compressed on blocking threads, emitted in
-/// order. At most `parallelism` blocks are in flight.
+/// order. Blocks are read ahead on a task so the source keeps streaming while earlier blocks
+/// compress; at most `parallelism` blocks are compressing and as many are read ahead.
 fn gzip_parallel(input: ByteStream, parallelism: usize) -> ByteStream {
-    let blocks = rechunk(input, BLOCK);
-    let compressed = futures::stream::unfold(
-        (blocks, FuturesOrdered::new(), false),
-        move |(mut blocks, mut inflight, mut done)| async move {
-            while !done && inflight.len() < parallelism {
-                match blocks.next().await {
-                    Some(Ok(block)) => {
-                        inflight.push_back(tokio::task::spawn_blocking(move || gzip_member(&block)))
-                    }
-                    Some(Err(e)) => return Some((Err(e), (blocks, inflight, true))),
-                    None => done = true,
-                }
+    prefetch(rechunk(input, BLOCK), parallelism)
+        .map(|block| async move {
+            let block = block?;
+            tokio::task::spawn_blocking(move || gzip_member(&block))
+                .await
+                .unwrap_or_else(|join| Err(io::Error::other(join)))
+        })
+        .buffered(parallelism)
+        .boxed()
+}
+
+/// Reads up to `depth` items of a stream ahead on a task, so a slow consumer does not stall
+/// the producer (an etcd snapshot stream, a network download). Dropping the returned stream
+/// stops the task. Must be called within a Tokio runtime.
+pub fn prefetch(mut input: ByteStream, depth: usize) -> ByteStream {
+    let (tx, mut rx) = mpsc::channel::<io::Result<Bytes>>(depth.max(1));
+    let task = tokio::spawn(async move {
+        while let Some(item) = input.next().await {
+            let failed = item.is_err();
+            if tx.send(item).await.is_err() || failed {
+                break;
             }
-            let item = match inflight.next().await? {
-                Ok(r) => r,
-                Err(join) => Err(io::Error::other(join)),
-            };
-            Some((item, (blocks, inflight, done)))
-        },
-    );
-    compressed.boxed()
+        }
+    });
+    let guard = AbortOnDrop(task);
+    futures::stream::poll_fn(move |cx| {
+        let _keep = &guard;
+        rx.poll_recv(cx)
+    })
+    .boxed()
 }
 
 fn gzip_member(block: &[u8]) -> io::Result<Bytes> {
+    // Room for incompressible input (deflate's stored blocks add 5 bytes per 64 KiB, gzip 18),
+    // so the buffer never doubles; the upload holds several of these at once.
     let mut enc = flate2::write::GzEncoder::new(
-        Vec::with_capacity(block.len() / 2 + 64),
+        Vec::with_capacity(block.len() + block.len() / 1024 + 64),
         flate2::Compression::fast(),
     );
     enc.write_all(block)?;
-    Ok(Bytes::from(enc.finish()?))
+    let mut out = enc.finish()?;
+    if out.capacity() > out.len() + out.len() / 4 {
+        out.shrink_to_fit();
+    }
+    Ok(Bytes::from(out))
 }
 
 /// Regroups a stream into chunks of exactly `size` bytes (the last one shorter).
@@ -493,6 +509,42 @@ mod tests {
             .unwrap();
         assert!(dec == big);
         assert!(Codec::Lzw.encode(chunks(text, 4), 1).is_err());
+    }
+
+    /// Packs codes LSB first, `width` bits each, as Go's `lzw.NewWriter(w, lzw.LSB, 8)` does
+    /// below 512 codes.
+    fn pack9(codes: &[u16]) -> Vec<u8> {
+        let (mut out, mut acc, mut bits) = (Vec::new(), 0u32, 0);
+        for &c in codes {
+            acc |= u32::from(c) << bits;
+            bits += 9;
+            while bits >= 8 {
+                out.push(acc as u8);
+                acc >>= 8;
+                bits -= 8;
+            }
+        }
+        if bits > 0 {
+            out.push(acc as u8);
+        }
+        out
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn lzw_reads_hand_built_go_streams() {
+        // "ABABABA": A, B, then table entries 258 = "AB" and 260 = "ABA", then end (257).
+        // Current Go writes a clear code (256) first; older writers did not: both are read.
+        let with_clear = pack9(&[256, 65, 66, 258, 260, 257]);
+        let without = pack9(&[65, 66, 258, 260, 257]);
+        for packed in [with_clear, without] {
+            let dec = collect(Codec::Lzw.decode(chunks(&packed, 1)))
+                .await
+                .unwrap();
+            assert_eq!(dec, b"ABABABA");
+        }
+        // A stream cut before its end code is an error, as for Go's reader.
+        let cut = pack9(&[256, 65, 66, 258]);
+        assert!(collect(Codec::Lzw.decode(chunks(&cut, 2))).await.is_err());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -321,6 +321,84 @@ mod tests {
         assert_eq!(names(&store.list().await.unwrap()), vec![(Kind::Full, 20)]);
     }
 
+    /// The reference's own exponential GC scenario (snapshotter_test.go, "should garbage collect
+    /// exponentially"): a snapshot every 10 minutes for 36 days, Full/Incr/Incr in turn, all at
+    /// one revision; deltas of older streams removed. What must remain is listed exactly as the
+    /// reference's `prepareExpectedSnapshotsList` builds it.
+    #[test]
+    fn exponential_matches_the_reference_scenario() {
+        for now in [
+            "2024-05-10T12:45:00Z",
+            "2024-05-10T00:05:00Z",
+            "2024-05-10T00:40:00Z",
+            "2024-05-10T23:59:59Z",
+            "2024-02-29T07:30:00Z",
+        ] {
+            reference_scenario(t(now));
+        }
+    }
+
+    fn reference_scenario(now: DateTime<Utc>) {
+        let midnight = now
+            .with_hour(0)
+            .and_then(|t| t.with_minute(0))
+            .and_then(|t| t.with_second(0))
+            .unwrap();
+        let mut snaps = Vec::new();
+        let mut at = midnight - TimeDelta::days(36);
+        let mut count = 0;
+        while at <= now {
+            let kind = if count == 0 { Kind::Full } else { Kind::Incr };
+            count = (count + 1) % 3;
+            snaps.push(Snapshot::new("", kind, 0, 1001, at, Codec::Gzip, false));
+            at += TimeDelta::minutes(10);
+        }
+        let doomed = plan(
+            &snaps,
+            now,
+            Retention {
+                policy: GcPolicy::Exponential,
+                // The reference's zero retention: every delta of an older stream goes.
+                delta_retention: Duration::from_secs(1),
+            },
+        );
+        let doomed: std::collections::HashSet<String> =
+            doomed.into_iter().map(|s| s.snap_name).collect();
+        let kept: Vec<(Kind, DateTime<Utc>)> = snaps
+            .iter()
+            .filter(|s| !doomed.contains(&s.snap_name))
+            .map(|s| (s.kind, s.created_on))
+            .collect();
+
+        let mut expected = Vec::new();
+        let mut at = midnight - TimeDelta::days(35) - TimeDelta::minutes(30);
+        for _ in 0..4 {
+            at += TimeDelta::days(7);
+            expected.push((Kind::Full, at));
+        }
+        for _ in 0..7 {
+            at += TimeDelta::days(1);
+            expected.push((Kind::Full, at));
+        }
+        at += TimeDelta::hours(1);
+        let this_hour = now.with_minute(0).and_then(|t| t.with_second(0)).unwrap();
+        while at < this_hour {
+            expected.push((Kind::Full, at));
+            at += TimeDelta::hours(1);
+        }
+        let mut at = this_hour;
+        while at <= now {
+            expected.push((Kind::Full, at));
+            at += TimeDelta::minutes(30);
+        }
+        at += TimeDelta::minutes(-30 + 10);
+        while at <= now {
+            expected.push((Kind::Incr, at));
+            at += TimeDelta::minutes(10);
+        }
+        assert_eq!(kept, expected, "now = {now}");
+    }
+
     #[test]
     fn exponential_on_a_sparse_history_deletes_nothing_recent() {
         let now = Utc.with_ymd_and_hms(2024, 5, 10, 12, 0, 0).unwrap();

@@ -184,7 +184,10 @@ impl Snapshot {
             created_on,
             is_final,
         };
-        debug_assert_eq!(s.format_name(), name);
+        // Only canonical names are accepted, so a name and its parse are interchangeable.
+        if s.format_name() != name {
+            return Err(fail("not in the canonical form the reference writes"));
+        }
         Ok(s)
     }
 

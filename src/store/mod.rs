@@ -8,6 +8,7 @@ mod credentials;
 pub mod gc;
 pub mod layout;
 pub mod location;
+pub mod reload;
 
 use std::sync::Arc;
 
@@ -27,8 +28,9 @@ pub use compression::{ByteStream, Codec};
 pub use layout::{Chain, Kind, Snapshot};
 pub use location::StoreLocation;
 
-/// Part size of multipart uploads (S3 needs at least 5 MiB for every part but the last).
-const PART_SIZE: usize = 8 << 20;
+/// Part size of multipart uploads: S3's minimum for every part but the last, so memory stays
+/// small; with at most 10000 parts an object can reach 48 GiB, far above etcd's 8 GiB limit.
+const PART_SIZE: usize = 5 << 20;
 /// Parts uploading at once; with [`PART_SIZE`] this bounds an upload's memory.
 const PARTS_IN_FLIGHT: usize = 2;
 
@@ -83,46 +85,7 @@ pub fn build_with_env(
         }
         StoreLocation::Memory { .. } => Arc::new(InMemory::new()),
         StoreLocation::S3 { bucket, .. } => {
-            let mut b = AmazonS3Builder::new();
-            let mut env_sets_style = false;
-            for (key, value) in provider_vars("AWS_") {
-                env_sets_style |= key == "AWS_VIRTUAL_HOSTED_STYLE_REQUEST";
-                if let Ok(k) = key.to_ascii_lowercase().parse() {
-                    b = b.with_config(k, value);
-                }
-            }
-            b = b.with_bucket_name(bucket);
-            if let Some(ep) = &config.endpoint {
-                b = b.with_endpoint(ep);
-            }
-            if let Some(r) = &config.region {
-                b = b.with_region(r);
-            }
-            // path_style defaults to true in the embedded config, so only a non-default value
-            // is "explicit" enough to override the environment.
-            if !config.path_style || !env_sets_style {
-                b = b.with_virtual_hosted_style_request(!config.path_style);
-            }
-            if config.allow_http {
-                b = b.with_allow_http(true);
-            }
-            match (&config.access_key_id, &config.secret_access_key) {
-                (Some(Secret::Value(id)), Some(Secret::Value(key))) => {
-                    b = b.with_access_key_id(id).with_secret_access_key(key);
-                }
-                (Some(id), Some(key)) => {
-                    b = b.with_credentials(Arc::new(credentials::AwsFromFiles::new(
-                        id.clone(),
-                        key.clone(),
-                    )));
-                }
-                (None, None) => {}
-                _ => {
-                    return Err(fail(
-                        "give both access_key_id and secret_access_key, or neither".into(),
-                    ));
-                }
-            }
+            let b = s3_builder(config, bucket, &provider_vars("AWS_")).map_err(fail)?;
             Arc::new(b.build().map_err(|e| fail(e.to_string()))?)
         }
         StoreLocation::Gcs { bucket, .. } => {
@@ -136,7 +99,19 @@ pub fn build_with_env(
             if let Some(sa) = &config.service_account_file {
                 b = b.with_service_account_path(sa.to_string_lossy());
             }
-            Arc::new(b.build().map_err(|e| fail(e.to_string()))?)
+            // The builder reads the service account file once; rebuild when it changes.
+            let file = b
+                .get_config_value(&object_store::gcp::GoogleConfigKey::ServiceAccount)
+                .map(std::path::PathBuf::from);
+            match file {
+                Some(file) => Arc::new(
+                    reload::Reloading::new(vec![file], move || {
+                        Ok(Arc::new(b.clone().build().map_err(|e| e.to_string())?) as _)
+                    })
+                    .map_err(fail)?,
+                ),
+                None => Arc::new(b.build().map_err(|e| fail(e.to_string()))?),
+            }
         }
         StoreLocation::Azure { container, .. } => {
             let mut b = MicrosoftAzureBuilder::new();
@@ -180,6 +155,51 @@ pub fn build_with_env(
         }
     };
     Ok(store)
+}
+
+/// The S3 builder: environment first, explicit configuration over it.
+fn s3_builder(
+    config: &StoreConfig,
+    bucket: &str,
+    vars: &[(String, String)],
+) -> Result<AmazonS3Builder, String> {
+    let mut b = AmazonS3Builder::new();
+    let mut env_sets_style = false;
+    for (key, value) in vars {
+        env_sets_style |= key == "AWS_VIRTUAL_HOSTED_STYLE_REQUEST";
+        if let Ok(k) = key.to_ascii_lowercase().parse() {
+            b = b.with_config(k, value);
+        }
+    }
+    b = b.with_bucket_name(bucket);
+    if let Some(ep) = &config.endpoint {
+        b = b.with_endpoint(ep);
+    }
+    if let Some(r) = &config.region {
+        b = b.with_region(r);
+    }
+    // path_style defaults to true in the embedded config, so only a non-default value is
+    // "explicit" enough to override the environment.
+    if !config.path_style || !env_sets_style {
+        b = b.with_virtual_hosted_style_request(!config.path_style);
+    }
+    if config.allow_http {
+        b = b.with_allow_http(true);
+    }
+    match (&config.access_key_id, &config.secret_access_key) {
+        (Some(Secret::Value(id)), Some(Secret::Value(key))) => {
+            b = b.with_access_key_id(id).with_secret_access_key(key);
+        }
+        (Some(id), Some(key)) => {
+            b = b.with_credentials(Arc::new(credentials::AwsFromFiles::new(
+                id.clone(),
+                key.clone(),
+            )));
+        }
+        (None, None) => {}
+        _ => return Err("give both access_key_id and secret_access_key, or neither".into()),
+    }
+    Ok(b)
 }
 
 /// Provider variables of one family (`AWS_`), the `env_prefix`ed names overriding plain ones.
@@ -291,7 +311,9 @@ impl SnapshotStore {
             };
             match Snapshot::parse_name(&self.prefix, name) {
                 Ok(s) => out.push(s),
-                Err(e) => tracing::info!(key, reason = %e.reason, "not a snapshot, ignored"),
+                // Debug level: retention lists every minute, and a README or another tool's
+                // chunk objects would otherwise repeat in the log forever.
+                Err(e) => tracing::debug!(key, reason = %e.reason, "not a snapshot, ignored"),
             }
         }
         layout::sort(&mut out);
@@ -413,6 +435,62 @@ mod tests {
     }
 
     #[test]
+    fn s3_explicit_configuration_wins_over_the_environment() {
+        use object_store::aws::AmazonS3ConfigKey as K;
+        let vars: Vec<(String, String)> = [
+            ("AWS_ENDPOINT", "http://from-env:9000"),
+            ("AWS_REGION", "eu-central-1"),
+            ("AWS_ACCESS_KEY_ID", "env-id"),
+            ("AWS_VIRTUAL_HOSTED_STYLE_REQUEST", "true"),
+            ("AWS_NOT_A_KEY", "ignored"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let mut cfg = config("s3://bkt/p");
+        let b = s3_builder(&cfg, "bkt", &vars).unwrap();
+        assert_eq!(
+            b.get_config_value(&K::Endpoint).as_deref(),
+            Some("http://from-env:9000")
+        );
+        assert_eq!(
+            b.get_config_value(&K::Region).as_deref(),
+            Some("eu-central-1")
+        );
+        assert_eq!(
+            b.get_config_value(&K::AccessKeyId).as_deref(),
+            Some("env-id")
+        );
+        // The default path_style leaves the environment's choice alone.
+        assert_eq!(
+            b.get_config_value(&K::VirtualHostedStyleRequest).as_deref(),
+            Some("true")
+        );
+        cfg.endpoint = Some("http://127.0.0.1:9000".into());
+        cfg.region = Some("us-east-2".into());
+        cfg.path_style = false;
+        cfg.access_key_id = Some(Secret::Value("cfg-id".into()));
+        cfg.secret_access_key = Some(Secret::Value("cfg-key".into()));
+        let b = s3_builder(&cfg, "bkt", &vars).unwrap();
+        assert_eq!(
+            b.get_config_value(&K::Endpoint).as_deref(),
+            Some("http://127.0.0.1:9000")
+        );
+        assert_eq!(b.get_config_value(&K::Region).as_deref(), Some("us-east-2"));
+        assert_eq!(
+            b.get_config_value(&K::AccessKeyId).as_deref(),
+            Some("cfg-id")
+        );
+        assert_eq!(b.get_config_value(&K::Bucket).as_deref(), Some("bkt"));
+        // Without the environment, path-style is the default (S3-compatible services).
+        let b = s3_builder(&config("s3://bkt"), "bkt", &[]).unwrap();
+        assert_eq!(
+            b.get_config_value(&K::VirtualHostedStyleRequest).as_deref(),
+            Some("false")
+        );
+    }
+
+    #[test]
     fn builds_every_provider_offline() {
         let env: HashMap<String, String> = HashMap::new();
         let mut s3 = config("s3://bkt/pre");
@@ -438,6 +516,45 @@ mod tests {
         gs.service_account_file = Some(sa.clone());
         let e = build_with_env(&gs, &env, None).unwrap_err().to_string();
         assert!(e.contains("gs://b/p"), "{e}");
+    }
+
+    #[test]
+    fn gcs_service_account_from_config_or_environment() {
+        let dir = tempfile::tempdir().unwrap();
+        // A key that never signs anything (no request is made): object_store's test form.
+        let good = dir.path().join("good.json");
+        std::fs::write(
+            &good,
+            r#"{"private_key": "k", "private_key_id": "id", "client_email": "sa@example.invalid", "disable_oauth": true, "gcs_base_url": "http://127.0.0.1:1"}"#,
+        )
+        .unwrap();
+        let missing = dir.path().join("missing.json");
+        let env_with = |path: &std::path::Path| -> HashMap<String, String> {
+            [(
+                "GOOGLE_SERVICE_ACCOUNT".to_string(),
+                path.display().to_string(),
+            )]
+            .into_iter()
+            .collect()
+        };
+        let mut gs = config("gs://bucket/prefix");
+        // From the environment alone.
+        assert!(build_with_env(&gs, &env_with(&good), None).is_ok());
+        let e = build_with_env(&gs, &env_with(&missing), None).unwrap_err();
+        assert!(e.to_string().contains("missing.json"), "{e}");
+        // The configured file wins over the environment's, and is watched for rotation.
+        gs.service_account_file = Some(good.clone());
+        let store = build_with_env(&gs, &env_with(&missing), None).unwrap();
+        assert!(store.to_string().starts_with("Reloading("), "{store}");
+        // The copy job's SOURCE_ prefix selects the source's own variable.
+        gs.service_account_file = None;
+        let mut env = env_with(&missing);
+        env.insert(
+            "SOURCE_GOOGLE_SERVICE_ACCOUNT".into(),
+            good.display().to_string(),
+        );
+        assert!(build_with_env(&gs, &env, Some("SOURCE_")).is_ok());
+        assert!(build_with_env(&gs, &env, None).is_err());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,0 +1,223 @@
+//! `etcd::connect` against real etcd: TLS with client certificates (and a full snapshot streamed
+//! over it), and user/password authentication with the password in a file.
+
+mod support;
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use etcd_warden::config::{EtcdConfig, Secret, TlsFiles};
+use etcd_warden::snapshot::take_full;
+use etcd_warden::store::{Codec, SnapshotStore};
+use support::etcd::{EtcdCluster, Release};
+use support::free_port;
+
+fn config(endpoint: String) -> EtcdConfig {
+    EtcdConfig {
+        endpoints: vec![endpoint],
+        tls: None,
+        username: None,
+        password: None,
+        connect_timeout: Duration::from_secs(2),
+        request_timeout: Duration::from_secs(5),
+    }
+}
+
+fn openssl(dir: &Path, args: &[&str]) {
+    let out = Command::new("openssl")
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run openssl ({e}): apt-get install openssl"));
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A CA, a server certificate for 127.0.0.1 and a client certificate, as PEM files in `dir`.
+fn make_certs(dir: &Path) {
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    let mut ca = vec!["req", "-x509", "-days", "1", "-subj", "/CN=warden-test-ca"];
+    ca.extend(ec);
+    ca.extend(["-keyout", "ca.key", "-out", "ca.pem"]);
+    openssl(dir, &ca);
+    std::fs::write(
+        dir.join("server.ext"),
+        "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n",
+    )
+    .unwrap();
+    std::fs::write(dir.join("client.ext"), "extendedKeyUsage=clientAuth\n").unwrap();
+    for (name, cn) in [("server", "127.0.0.1"), ("client", "warden")] {
+        let subj = format!("/CN={cn}");
+        let key = format!("{name}.key");
+        let csr = format!("{name}.csr");
+        let mut req = vec!["req", "-new", "-subj", subj.as_str()];
+        req.extend(ec);
+        req.extend(["-keyout", key.as_str(), "-out", csr.as_str()]);
+        openssl(dir, &req);
+        let pem = format!("{name}.pem");
+        let ext = format!("{name}.ext");
+        openssl(
+            dir,
+            &[
+                "x509",
+                "-req",
+                "-in",
+                &csr,
+                "-CA",
+                "ca.pem",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-days",
+                "1",
+                "-extfile",
+                &ext,
+                "-out",
+                &pem,
+            ],
+        );
+    }
+}
+
+/// etcd 3.5 serving clients over TLS, requiring a client certificate; killed on drop.
+struct TlsEtcd {
+    child: Child,
+    endpoint: String,
+}
+
+impl TlsEtcd {
+    fn start(dir: &Path) -> TlsEtcd {
+        let (client, peer) = (free_port(), free_port());
+        let curl = format!("https://127.0.0.1:{client}");
+        let purl = format!("http://127.0.0.1:{peer}");
+        let child = Command::new(Release::V35.bin("etcd"))
+            .current_dir(dir)
+            .args(["--name", "tls", "--data-dir", "data"])
+            .args([
+                "--listen-client-urls",
+                &curl,
+                "--advertise-client-urls",
+                &curl,
+            ])
+            .args([
+                "--listen-peer-urls",
+                &purl,
+                "--initial-advertise-peer-urls",
+                &purl,
+            ])
+            .args(["--initial-cluster", &format!("tls={purl}")])
+            .args(["--cert-file", "server.pem", "--key-file", "server.key"])
+            .args(["--client-cert-auth", "--trusted-ca-file", "ca.pem"])
+            .args(["--unsafe-no-fsync", "--log-level", "error"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn etcd");
+        TlsEtcd {
+            child,
+            endpoint: curl,
+        }
+    }
+}
+
+impl Drop for TlsEtcd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn tls(dir: &Path, with_client_cert: bool) -> TlsFiles {
+    let p = |n: &str| Some(dir.join(n));
+    TlsFiles {
+        ca_file: p("ca.pem"),
+        cert_file: if with_client_cert {
+            p("client.pem")
+        } else {
+            None
+        },
+        key_file: if with_client_cert {
+            p("client.key")
+        } else {
+            None
+        },
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_with_a_client_certificate() {
+    let dir = tempfile::tempdir().unwrap();
+    make_certs(dir.path());
+    let etcd = TlsEtcd::start(dir.path());
+    let mut cfg = config(etcd.endpoint.clone());
+    cfg.tls = Some(tls(dir.path(), true));
+
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut client = loop {
+        if let Ok(mut c) = etcd_warden::etcd::connect(&cfg).await
+            && c.put("k", "v", None).await.is_ok()
+        {
+            break c;
+        }
+        assert!(Instant::now() < deadline, "no TLS connection to etcd");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let got = client.get("k", None).await.unwrap();
+    assert_eq!(got.kvs()[0].value(), b"v");
+
+    // A full snapshot streams over the same TLS connection.
+    let store_dir = tempfile::tempdir().unwrap();
+    let backend =
+        Arc::new(object_store::local::LocalFileSystem::new_with_prefix(store_dir.path()).unwrap());
+    let store = SnapshotStore::new(backend, "");
+    let snap = take_full(&client, &store, Codec::Gzip, false)
+        .await
+        .unwrap();
+    assert_eq!(store.list().await.unwrap(), vec![snap]);
+
+    // Without a client certificate the member refuses us.
+    let mut no_cert = cfg.clone();
+    no_cert.tls = Some(tls(dir.path(), false));
+    let refused = match etcd_warden::etcd::connect(&no_cert).await {
+        Err(_) => true,
+        Ok(mut c) => c.put("k", "w", None).await.is_err(),
+    };
+    assert!(refused, "etcd accepted a client without a certificate");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn password_from_a_file() {
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut admin = etcd.client().await;
+    admin.user_add("root", "s3cret", None).await.unwrap();
+    admin.user_grant_role("root", "root").await.unwrap();
+    admin.auth_enable().await.unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let pw = dir.path().join("password");
+    std::fs::write(&pw, "s3cret\n").unwrap();
+    let mut cfg = config(etcd.endpoints()[0].clone());
+    cfg.username = Some("root".into());
+    cfg.password = Some(Secret::File(pw.clone()));
+    let mut client = etcd_warden::etcd::connect(&cfg).await.unwrap();
+    client.put("k", "v", None).await.unwrap();
+
+    // The file is read at each connect: a rotated, wrong password is refused.
+    std::fs::write(&pw, "wrong").unwrap();
+    let refused = match etcd_warden::etcd::connect(&cfg).await {
+        Err(_) => true,
+        Ok(mut c) => c.put("k", "w", None).await.is_err(),
+    };
+    assert!(refused, "etcd accepted a wrong password");
+}
