@@ -251,6 +251,66 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     diff == 0
 }
 
+/// How often the TLS certificate files are checked for rotation.
+const TLS_RELOAD_CHECK: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How long open requests may take to finish after `cancel` fires.
+const DRAIN: std::time::Duration = std::time::Duration::from_secs(10);
+
+fn modified(p: &std::path::Path) -> Option<std::time::SystemTime> {
+    std::fs::metadata(p).and_then(|m| m.modified()).ok()
+}
+
+/// Serves `router` over HTTPS with the PEM files `cert` and `key` until `cancel` fires; the
+/// files are loaded again when they change (certificate rotation without a restart).
+pub async fn serve_tls(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    cancel: CancellationToken,
+    cert: std::path::PathBuf,
+    key: std::path::PathBuf,
+) -> std::io::Result<()> {
+    let config = axum_server::tls_rustls::RustlsConfig::from_pem_file(&cert, &key).await?;
+    let handle = axum_server::Handle::new();
+    let reload = {
+        let (config, cancel) = (config.clone(), cancel.clone());
+        let (cert, key) = (cert.clone(), key.clone());
+        tokio::spawn(async move {
+            let mut seen = (modified(&cert), modified(&key));
+            loop {
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = tokio::time::sleep(TLS_RELOAD_CHECK) => {}
+                }
+                let now = (modified(&cert), modified(&key));
+                if now != seen {
+                    match config.reload_from_pem_file(&cert, &key).await {
+                        Ok(()) => {
+                            tracing::info!(cert = %cert.display(), "TLS certificate reloaded");
+                            seen = now;
+                        }
+                        // A half-written pair: keep serving the old one, try again next time.
+                        Err(e) => tracing::warn!(error = %e, "TLS certificate reload failed"),
+                    }
+                }
+            }
+        })
+    };
+    {
+        let handle = handle.clone();
+        tokio::spawn(async move {
+            cancel.cancelled().await;
+            handle.graceful_shutdown(Some(DRAIN));
+        });
+    }
+    let served = axum_server::from_tcp_rustls(listener.into_std()?, config)?
+        .handle(handle)
+        .serve(router.into_make_service())
+        .await;
+    reload.abort();
+    served
+}
+
 /// Serves `router` on `listener` until `cancel` fires, then drains open requests.
 pub async fn serve(
     listener: tokio::net::TcpListener,

@@ -247,7 +247,13 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
         registry: Arc::new(registry),
         token: config.server.token.clone(),
     };
-    let served = server::serve(listener, server::router(state), cancel.child_token()).await;
+    let router = server::router(state);
+    let served = match config.server.tls.clone() {
+        None => server::serve(listener, router, cancel.child_token()).await,
+        Some((cert, key)) => {
+            server::serve_tls(listener, router, cancel.child_token(), cert, key).await
+        }
+    };
     tasks.close();
     cancel.cancel();
     let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {

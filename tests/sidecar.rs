@@ -4,6 +4,7 @@
 
 mod support;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_warden::snapshot::delta::{self, EventType};
@@ -420,4 +421,111 @@ async fn only_the_leaders_sidecar_snapshots_and_another_takes_over_without_a_gap
     let now_leading = leader_index().await;
     assert_eq!(now_leading.len(), 1);
     assert_ne!(now_leading[0], first);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_api_serves_https_with_the_configured_certificate() {
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let certs = tempfile::tempdir().unwrap();
+    support::tls::make_certs(certs.path());
+    let store = tempfile::tempdir().unwrap();
+    let w = Warden::start(&[
+        ("etcd.endpoints", etcd.endpoints()[0].clone()),
+        ("store.url", format!("file://{}", store.path().display())),
+        (
+            "server.tls_cert_file",
+            certs.path().join("server.pem").display().to_string(),
+        ),
+        (
+            "server.tls_key_file",
+            certs.path().join("server.key").display().to_string(),
+        ),
+    ]);
+    let curl = |scheme: &str, path: &str| {
+        std::process::Command::new("curl")
+            .args(["-sS", "--max-time", "2", "--cacert"])
+            .arg(certs.path().join("ca.pem"))
+            .arg(format!("{scheme}://127.0.0.1:{}{path}", w.port))
+            .output()
+            .expect("curl (apt-get install curl)")
+    };
+    let up = eventually(Duration::from_secs(20), || async {
+        curl("https", "/livez").status.success()
+    })
+    .await;
+    assert!(up, "no HTTPS answer; log:\n{}", w.log_text());
+    let out = curl("https", "/healthz");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("\"ready\""),
+        "{out:?}"
+    );
+    assert!(
+        !curl("http", "/livez").status.success(),
+        "plain HTTP must not be served"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn retention_runs_in_the_sidecar_and_keeps_the_newest_full_snapshots() {
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut client = etcd.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("backups");
+    let w = Warden::start(&[
+        ("etcd.endpoints", etcd.endpoints()[0].clone()),
+        ("store.url", format!("file://{}", root.display())),
+        ("snapshot.gc_policy", "LimitBased".into()),
+        ("snapshot.max_backups", "2".into()),
+        ("snapshot.gc_period", "200ms".into()),
+        ("snapshot.delta_period", "0s".into()),
+    ]);
+    w.wait_up().await;
+    std::fs::create_dir_all(&root).unwrap();
+    let store = SnapshotStore::new(
+        Arc::new(object_store::local::LocalFileSystem::new_with_prefix(&root).unwrap()),
+        "",
+    );
+    let http = reqwest::Client::new();
+    let mut taken = Vec::new();
+    for i in 0..4 {
+        client.put(format!("/gc/{i}"), "v", None).await.unwrap();
+        // Names carry whole seconds: one full snapshot per second keeps them distinct.
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        let r = http.post(w.url("/snapshot/full")).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 201, "{}", w.log_text());
+        taken.push(r.json::<Snapshot>().await.unwrap().snap_name);
+    }
+    let kept = |want: Vec<String>| {
+        let store = store.clone();
+        async move {
+            let names: Vec<String> = store
+                .list()
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|s| s.snap_name)
+                .collect();
+            names == want
+        }
+    };
+    let want = taken[2..].to_vec();
+    assert!(
+        eventually(Duration::from_secs(10), || kept(want.clone())).await,
+        "retention should keep only {want:?}: {:?}",
+        store
+            .list()
+            .await
+            .unwrap()
+            .iter()
+            .map(|s| &s.snap_name)
+            .collect::<Vec<_>>()
+    );
+    let (_, metrics) = w.get("/metrics").await.unwrap();
+    assert!(
+        metrics
+            .as_str()
+            .unwrap()
+            .contains("etcdbr_snapshot_gc_total{kind=\"Full\",succeeded=\"true\"} "),
+        "{metrics}"
+    );
 }

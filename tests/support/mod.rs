@@ -8,6 +8,7 @@
 pub mod dns;
 pub mod etcd;
 pub mod s3;
+pub mod tls;
 pub mod warden;
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
