@@ -31,7 +31,12 @@ struct Pod {
 
 impl Pod {
     async fn start() -> Pod {
-        let etcd = Arc::new(Mutex::new(EtcdCluster::single(Release::V35).await));
+        Self::cluster(1).await
+    }
+
+    /// `n` members, each restarted by the "kubelet" when it dies.
+    async fn cluster(n: usize) -> Pod {
+        let etcd = Arc::new(Mutex::new(EtcdCluster::start(n, Release::V35).await));
         let deaths = Arc::new(AtomicU32::new(0));
         let stop = tokio_util::sync::CancellationToken::new();
         let (e, d, s) = (etcd.clone(), deaths.clone(), stop.clone());
@@ -39,12 +44,13 @@ impl Pod {
             while !s.is_cancelled() {
                 {
                     let mut cluster = e.lock().await;
-                    let m = &mut cluster.members[0];
-                    if !m.is_running() {
-                        d.fetch_add(1, Ordering::SeqCst);
-                        m.kill(); // reap
-                        tokio::time::sleep(Duration::from_millis(200)).await;
-                        m.start();
+                    for m in &mut cluster.members {
+                        if !m.is_running() {
+                            d.fetch_add(1, Ordering::SeqCst);
+                            m.kill(); // reap
+                            tokio::time::sleep(Duration::from_millis(200)).await;
+                            m.start();
+                        }
                     }
                 }
                 tokio::time::sleep(Duration::from_millis(50)).await;
@@ -55,13 +61,6 @@ impl Pod {
 
     async fn endpoint(&self) -> String {
         self.etcd.lock().await.endpoints()[0].clone()
-    }
-
-    async fn data_dir(&self) -> String {
-        self.etcd.lock().await.members[0]
-            .data_dir
-            .display()
-            .to_string()
     }
 
     fn deaths(&self) -> u32 {
@@ -95,8 +94,25 @@ impl Drop for Pod {
 
 /// The sidecar's configuration for `pod`, owner record on `dns`, snapshots to `store_url`.
 async fn sidecar_keys(pod: &Pod, dns: &DnsServer, store_url: &str) -> Vec<(&'static str, String)> {
+    member_keys(pod, 0, dns, store_url).await
+}
+
+/// The configuration of the sidecar next to member `i` of `pod`.
+async fn member_keys(
+    pod: &Pod,
+    i: usize,
+    dns: &DnsServer,
+    store_url: &str,
+) -> Vec<(&'static str, String)> {
+    let (endpoint, data_dir) = {
+        let c = pod.etcd.lock().await;
+        (
+            c.members[i].client_url(),
+            c.members[i].data_dir.display().to_string(),
+        )
+    };
     vec![
-        ("etcd.endpoints", pod.endpoint().await),
+        ("etcd.endpoints", endpoint),
         ("store.url", store_url.to_string()),
         ("snapshot.delta_period", "300ms".into()),
         ("owner.name", RECORD.into()),
@@ -109,7 +125,7 @@ async fn sidecar_keys(pod: &Pod, dns: &DnsServer, store_url: &str) -> Vec<(&'sta
         ("owner.nameservers", dns.addr().to_string()),
         ("kill.process_name", "etcd".into()),
         // Only this test's etcd: others run beside it on the machine.
-        ("kill.cmdline_contains", pod.data_dir().await),
+        ("kill.cmdline_contains", data_dir),
         ("kill.grace", "3s".into()),
     ]
 }
@@ -383,4 +399,72 @@ async fn e_a_restarted_sidecar_takes_no_second_final_snapshot() {
     );
     let (_, status) = w.get("/status").await.unwrap();
     assert_eq!(status["owner"]["state"], "deactivated", "{status}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_member_of_a_cluster_deactivates_but_only_one_final_snapshot_is_taken() {
+    let dns = DnsServer::start().await;
+    dns.set_txt(RECORD, &[US]).await;
+    let pod = Pod::cluster(3).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (url, store) = file_store(&dir);
+    let mut wardens = Vec::new();
+    for i in 0..3 {
+        wardens.push(Warden::start(&member_keys(&pod, i, &dns, &url).await));
+    }
+    for w in &wardens {
+        until_active(w, &store).await;
+    }
+    let acknowledged = pod.write("cluster", 10).await;
+
+    dns.set_txt(RECORD, &[THEM]).await;
+    for w in &wardens {
+        time_to_503(w, Instant::now()).await;
+    }
+    assert!(
+        eventually(Duration::from_secs(20), || async { pod.deaths() >= 3 }).await,
+        "every member is killed (deaths {})",
+        pod.deaths()
+    );
+    let one = eventually(Duration::from_secs(30), || async {
+        finals(&store).await.len() == 1
+    })
+    .await;
+    let logs = || {
+        wardens
+            .iter()
+            .map(Warden::log_text)
+            .collect::<Vec<_>>()
+            .join("\n-----\n")
+    };
+    assert!(one, "no final snapshot:\n{}", logs());
+    // Every sidecar sees its deactivation through: the final snapshot is done for all of them.
+    let all_done = eventually(Duration::from_secs(15), || async {
+        let mut done = 0;
+        for w in &wardens {
+            if let Some((_, s)) = w.get("/status").await
+                && s["owner"]["finalSnapshot"].is_string()
+            {
+                done += 1;
+            }
+        }
+        done == 3
+    })
+    .await;
+    assert!(
+        all_done,
+        "every sidecar settles on the one final snapshot:\n{}",
+        logs()
+    );
+    tokio::time::sleep(INTERVAL * 4).await;
+    let f = finals(&store).await;
+    assert_eq!(
+        f.len(),
+        1,
+        "exactly one final snapshot for the cluster: {f:?}"
+    );
+    assert!(f[0].last_revision >= acknowledged);
+    for w in &wardens {
+        assert_eq!(healthz(w).await, 503);
+    }
 }
