@@ -20,7 +20,10 @@ const RECORD: &str = "owner.shoot.warden.test";
 
 #[tokio::main]
 async fn main() {
-    let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
     let flips: usize = args.first().and_then(|a| a.parse().ok()).unwrap_or(20);
     let interval_ms: u64 = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(1000);
 
@@ -32,7 +35,10 @@ async fn main() {
         dns.set_txt(RECORD, &["seed-a"]).await;
         let w = Warden::start(&[
             ("etcd.endpoints", etcd.endpoints()[0].clone()),
-            ("store.url", format!("file://{}/backups", store.path().display())),
+            (
+                "store.url",
+                format!("file://{}/backups", store.path().display()),
+            ),
             ("owner.name", RECORD.into()),
             ("owner.id", "seed-a".into()),
             ("owner.interval", format!("{interval_ms}ms")),
@@ -46,7 +52,11 @@ async fn main() {
             w.get("/healthz").await.map(|(c, _)| c) == Some(200)
         })
         .await;
-        assert!(active, "flip {flip}: sidecar never became Active:\n{}", w.log_text());
+        assert!(
+            active,
+            "flip {flip}: sidecar never became Active:\n{}",
+            w.log_text()
+        );
         // Flip at a random point of the check cycle, as a real migration does.
         tokio::time::sleep(Duration::from_millis(fastrand(flip as u64) % interval_ms)).await;
         let t0 = Instant::now();
@@ -77,7 +87,9 @@ async fn main() {
 
 /// A small deterministic spread of flip moments (no rand dependency).
 fn fastrand(seed: u64) -> u64 {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(0xD1B5_4A32_D192_ED03);
+    let mut x = seed
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .wrapping_add(0xD1B5_4A32_D192_ED03);
     x ^= x >> 31;
     x.wrapping_mul(0xBF58_476D_1CE4_E5B9) >> 7
 }

@@ -468,3 +468,76 @@ async fn every_member_of_a_cluster_deactivates_but_only_one_final_snapshot_is_ta
         assert_eq!(healthz(w).await, 503);
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn f_an_etcd_that_ignores_sigterm_gets_sigkill_after_the_grace() {
+    let dns = DnsServer::start().await;
+    dns.set_txt(RECORD, &[US]).await;
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (url, store) = file_store(&dir);
+    // A stand-in for a wedged etcd: ignores SIGTERM; found by a unique command-line token.
+    let token = format!("wedged-etcd-{}", std::process::id());
+    let mut wedged = std::process::Command::new("sh")
+        .args([
+            "-c",
+            &format!("trap '' TERM; while :; do sleep 0.1; done # {token}"),
+        ])
+        .spawn()
+        .unwrap();
+    let w = Warden::start(&[
+        ("etcd.endpoints", etcd.endpoints()[0].clone()),
+        ("store.url", url),
+        ("owner.name", RECORD.into()),
+        ("owner.id", US.into()),
+        ("owner.interval", "300ms".into()),
+        ("owner.ttl_cap", "0s".into()),
+        ("owner.nameservers", dns.addr().to_string()),
+        ("kill.process_name", "sh".into()),
+        ("kill.cmdline_contains", token.clone()),
+        ("kill.grace", "1s".into()),
+    ]);
+    until_active(&w, &store).await;
+    dns.set_txt(RECORD, &[THEM]).await;
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(status) = wedged.try_wait().unwrap() {
+            break status;
+        }
+        if t0.elapsed() > Duration::from_secs(10) {
+            let _ = wedged.kill();
+            panic!("the process survived:\n{}", w.log_text());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(9),
+        "killed by SIGKILL: {status:?}"
+    );
+    assert!(
+        t0.elapsed() >= Duration::from_secs(1),
+        "not before the grace: {:?}",
+        t0.elapsed()
+    );
+    // The kill is counted once the watchdog has seen the process gone.
+    let counted = eventually(Duration::from_secs(5), || async {
+        let (_, m) = w.get("/metrics").await.unwrap();
+        let m = m.as_str().unwrap_or_default().to_string();
+        m.contains("etcd_warden_owner_kills_total{signal=\"SIGTERM\"} 1")
+            && m.contains("etcd_warden_owner_kills_total{signal=\"SIGKILL\"} 1")
+    })
+    .await;
+    let (_, metrics) = w.get("/metrics").await.unwrap();
+    assert!(
+        counted,
+        "{}",
+        metrics
+            .as_str()
+            .unwrap()
+            .lines()
+            .filter(|l| l.contains("kills"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
