@@ -40,7 +40,8 @@ pub struct ConfigError {
 }
 
 impl ConfigError {
-    fn new(key: impl Into<String>, message: impl Into<String>) -> Self {
+    /// An error about `key`.
+    pub fn new(key: impl Into<String>, message: impl Into<String>) -> Self {
         Self {
             key: key.into(),
             origin: String::new(),
@@ -116,6 +117,10 @@ pub struct Sources<'a> {
 pub struct RawConfig {
     pub etcd: RawEtcd,
     pub store: RawStore,
+    /// The copy job's source store; absent unless `copy` is used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_store: Option<RawStore>,
+    pub copy: RawCopy,
     pub snapshot: RawSnapshot,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<RawOwner>,
@@ -153,7 +158,12 @@ pub struct RawStore {
     pub endpoint: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub region: Option<String>,
-    #[serde(deserialize_with = "lenient::boolean")]
+    // Defaults here (not only in the embedded file) so an optional `[source_store]` set by URL
+    // alone is complete.
+    #[serde(
+        default = "defaults::path_style",
+        deserialize_with = "lenient::boolean"
+    )]
     pub path_style: bool,
     #[serde(
         default,
@@ -177,8 +187,22 @@ pub struct RawStore {
     pub account_key: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub account_key_file: Option<String>,
-    #[serde(deserialize_with = "lenient::boolean")]
+    #[serde(default, deserialize_with = "lenient::boolean")]
     pub use_emulator: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawCopy {
+    #[serde(deserialize_with = "lenient::boolean")]
+    pub wait_for_final: bool,
+    pub final_timeout: String,
+    pub poll_interval: String,
+    #[serde(deserialize_with = "lenient::unsigned")]
+    pub max_backups: u64,
+    pub max_age: String,
+    #[serde(deserialize_with = "lenient::unsigned")]
+    pub parallel: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -250,6 +274,9 @@ pub struct RawLog {
 
 /// Defaults of keys inside an optional section (the section's absence means "off").
 mod defaults {
+    pub fn path_style() -> bool {
+        true
+    }
     pub fn owner_interval() -> String {
         "30s".into()
     }
@@ -359,6 +386,9 @@ impl fmt::Debug for Secret {
 pub struct Config {
     pub etcd: EtcdConfig,
     pub store: StoreConfig,
+    /// The copy job's source; `None` when `[source_store]` is absent.
+    pub source_store: Option<StoreConfig>,
+    pub copy: CopyConfig,
     pub snapshot: SnapshotConfig,
     /// `None` when the `[owner]` section is absent: a plain backup sidecar.
     pub owner: Option<OwnerConfig>,
@@ -401,6 +431,23 @@ pub struct StoreConfig {
     pub account_name: Option<String>,
     pub account_key: Option<Secret>,
     pub use_emulator: bool,
+}
+
+/// The copy job (`etcd-warden copy`): source is `source_store`, destination is `store`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CopyConfig {
+    /// Wait for the source's final snapshot before copying.
+    pub wait_for_final: bool,
+    /// How long to wait for it before copying anyway.
+    pub final_timeout: Duration,
+    /// How often to look for it.
+    pub poll_interval: Duration,
+    /// Copy only the newest this many full snapshots (and their deltas); 0 copies all.
+    pub max_backups: u64,
+    /// Copy only snapshots younger than this; `None` copies all.
+    pub max_age: Option<Duration>,
+    /// Objects copied at once (at least 1).
+    pub parallel: usize,
 }
 
 /// Payload compression of new snapshots (all are readable whatever this says).
@@ -551,16 +598,30 @@ fn merge(into: &mut toml::Table, from: toml::Table) {
 
 /// Sections a `ETCD_WARDEN_<SECTION>_<KEY>` variable can name.
 const SECTIONS: &[&str] = &[
-    "etcd", "store", "snapshot", "owner", "kill", "server", "log",
+    "etcd",
+    "store",
+    "source_store",
+    "copy",
+    "snapshot",
+    "owner",
+    "kill",
+    "server",
+    "log",
 ];
 
 /// Maps `ETCD_WARDEN_SNAPSHOT_DELTA_PERIOD` to `snapshot.delta_period`.
 fn env_key(var: &str) -> Option<String> {
     let rest = var.strip_prefix(ENV_PREFIX)?.to_ascii_lowercase();
-    SECTIONS.iter().find_map(|s| {
-        let key = rest.strip_prefix(s)?.strip_prefix('_')?;
-        (!key.is_empty()).then(|| format!("{s}.{key}"))
-    })
+    // The longest matching section wins, so a section named like another's prefix (`store`,
+    // `store_x`) cannot capture its variables.
+    SECTIONS
+        .iter()
+        .filter_map(|s| {
+            let key = rest.strip_prefix(s)?.strip_prefix('_')?;
+            (!key.is_empty()).then(|| (s.len(), format!("{s}.{key}")))
+        })
+        .max_by_key(|(len, _)| *len)
+        .map(|(_, key)| key)
 }
 
 /// The environment variable that sets a dotted key.
@@ -658,6 +719,11 @@ impl RawConfig {
         hide(&mut c.store.access_key_id);
         hide(&mut c.store.secret_access_key);
         hide(&mut c.store.account_key);
+        if let Some(s) = &mut c.source_store {
+            hide(&mut s.access_key_id);
+            hide(&mut s.secret_access_key);
+            hide(&mut s.account_key);
+        }
         hide(&mut c.server.token);
         c
     }
@@ -782,6 +848,12 @@ impl Validator<'_> {
         Ok(Config {
             etcd: self.etcd(&raw.etcd)?,
             store: self.store("store", &raw.store)?,
+            source_store: raw
+                .source_store
+                .as_ref()
+                .map(|s| self.store("source_store", s))
+                .transpose()?,
+            copy: self.copy(&raw.copy)?,
             snapshot: self.snapshot(&raw.snapshot)?,
             owner: raw.owner.as_ref().map(|o| self.owner(o)).transpose()?,
             kill: self.kill(&raw.kill)?,
@@ -902,6 +974,25 @@ impl Validator<'_> {
             account_name: s.account_name.clone(),
             account_key: self.secret(&key("account_key"), &s.account_key, &s.account_key_file)?,
             use_emulator: s.use_emulator,
+        })
+    }
+
+    fn copy(&self, c: &RawCopy) -> Result<CopyConfig, ConfigError> {
+        let max_age = match c.max_age.trim() {
+            "" => None,
+            text => Some(self.positive_duration("copy.max_age", text)?),
+        };
+        let parallel = usize::try_from(c.parallel)
+            .ok()
+            .filter(|n| (1..=1000).contains(n))
+            .ok_or_else(|| self.err("copy.parallel", "must be between 1 and 1000"))?;
+        Ok(CopyConfig {
+            wait_for_final: c.wait_for_final,
+            final_timeout: self.duration("copy.final_timeout", &c.final_timeout)?,
+            poll_interval: self.positive_duration("copy.poll_interval", &c.poll_interval)?,
+            max_backups: c.max_backups,
+            max_age,
+            parallel,
         })
     }
 

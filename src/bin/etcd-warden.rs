@@ -62,6 +62,62 @@ enum Command {
         #[command(flatten)]
         store: StoreArg,
     },
+    /// Copy snapshots from a source store to this one, optionally after the source's final one.
+    Copy(CopyArgs),
+}
+
+#[derive(Args)]
+struct CopyArgs {
+    /// Source store URL (source_store.url); SOURCE_-prefixed provider variables configure it.
+    #[arg(long, value_name = "URL")]
+    source_store: Option<String>,
+    /// Destination store URL (store.url).
+    #[arg(long, value_name = "URL")]
+    dest_store: Option<String>,
+    /// Wait for the source's final snapshot first (copy.wait_for_final).
+    #[arg(long)]
+    wait_for_final: bool,
+    /// Copy anyway after waiting this long (copy.final_timeout), e.g. 30m.
+    #[arg(long, value_name = "DURATION")]
+    final_timeout: Option<String>,
+    /// How often to look for the final snapshot (copy.poll_interval), e.g. 15s.
+    #[arg(long, value_name = "DURATION")]
+    poll_interval: Option<String>,
+    /// Only the newest N full snapshots and their deltas (copy.max_backups; 0 = all).
+    #[arg(long, value_name = "N")]
+    max_backups: Option<String>,
+    /// Only snapshots younger than this (copy.max_age), e.g. 7d.
+    #[arg(long, value_name = "DURATION")]
+    max_age: Option<String>,
+    /// Objects copied at once (copy.parallel).
+    #[arg(long, value_name = "N")]
+    parallel: Option<String>,
+}
+
+impl CopyArgs {
+    fn overrides(&self) -> Vec<Override> {
+        let flags = [
+            ("source_store.url", &self.source_store, "--source-store"),
+            ("store.url", &self.dest_store, "--dest-store"),
+            ("copy.final_timeout", &self.final_timeout, "--final-timeout"),
+            ("copy.poll_interval", &self.poll_interval, "--poll-interval"),
+            ("copy.max_backups", &self.max_backups, "--max-backups"),
+            ("copy.max_age", &self.max_age, "--max-age"),
+            ("copy.parallel", &self.parallel, "--parallel"),
+        ];
+        let mut o: Vec<Override> = flags
+            .into_iter()
+            .filter_map(|(key, v, flag)| v.as_ref().map(|v| Override::flag(key, v, flag)))
+            .collect();
+        if self.wait_for_final {
+            o.push(Override::flag(
+                "copy.wait_for_final",
+                "true",
+                "--wait-for-final",
+            ));
+        }
+        o
+    }
 }
 
 #[derive(Args)]
@@ -79,6 +135,7 @@ impl Command {
                 .iter()
                 .map(|u| Override::flag("store.url", u, "--store"))
                 .collect(),
+            Command::Copy(args) => args.overrides(),
             _ => Vec::new(),
         }
     }
@@ -143,6 +200,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Command::Snapshot { r#final } => ops::snapshot(&config, r#final).await,
             Command::Ls { json, .. } => ops::ls(&config, json).await,
             Command::Verify { .. } => ops::verify(&config).await,
+            Command::Copy(_) => ops::copy(&config).await,
         }
     })
 }
@@ -212,6 +270,24 @@ mod ops {
                 s.snap_name
             );
         }
+        Ok(())
+    }
+
+    pub async fn copy(config: &Config) -> anyhow::Result<()> {
+        if config.source_store.is_none() {
+            return Err(etcd_warden::config::ConfigError::new(
+                "source_store.url",
+                "required for copy: give --source-store URL",
+            )
+            .into());
+        }
+        let report = etcd_warden::copy::run_from_config(config)
+            .await
+            .context("copy failed")?;
+        eprintln!(
+            "copied {} snapshots, {} already there ({} selected)",
+            report.copied, report.skipped, report.selected
+        );
         Ok(())
     }
 

@@ -1,1 +1,0 @@
-//! The copy job: wait for the source's final snapshot, then copy snapshots between stores.

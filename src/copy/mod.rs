@@ -1,0 +1,583 @@
+//! The copy job: wait for the source's final snapshot, then copy snapshots between stores.
+//!
+//! - **Waiting** (`wait_for_final`): the source store is listed every `poll_interval` until its
+//!   latest full snapshot is marked final ([`plan::final_snapshot`] says why "latest" and not
+//!   "newer than the wait"), or `final_timeout` passes. On timeout the job logs an error and
+//!   copies what is there: proceeding is safe because the source sidecar deactivates itself once
+//!   the owner record moves, so nothing newer can be lost by a copy that goes ahead.
+//! - **Selection**: [`plan::select`] (all, newest N full snapshots, younger than an age; the
+//!   final snapshot and its deltas always).
+//! - **Streaming**: each object flows from the source's GET into the destination's multipart
+//!   upload; a tee feeds the same bytes to a decoder that checks the payload's trailing SHA-256
+//!   (etcd's for a full snapshot, the writer's for a delta). The upload is completed only after
+//!   the check passed, so a corrupt source object aborts its upload and leaves nothing at the
+//!   destination. Memory per object is a few chunks, never the object.
+//! - **Idempotence**: an object already at the destination under the same name (ignoring
+//!   `.final`) with the same size is skipped, so a retried Job uploads nothing twice.
+//! - **`.final` is stripped at the destination** ([`plan::dest_name`]): the destination's own
+//!   sidecar takes "my latest full snapshot is final" to mean it already took its final
+//!   snapshot, and must not believe that about itself because of a copy.
+//! - **Same bucket**: when source and destination are the same bucket (different prefixes), the
+//!   payload is verified by reading it and then copied server side, so it is not uploaded again.
+
+pub mod plan;
+
+use std::collections::HashMap;
+use std::io;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::StreamExt;
+use object_store::path::Path;
+use object_store::{ObjectStore as _, ObjectStoreExt as _};
+use tokio::sync::mpsc;
+
+use crate::config::{Config, CopyConfig, ProcessEnv, StoreConfig};
+use crate::snapshot::full::verify_sha256;
+use crate::store::compression::ByteStream;
+use crate::store::location::StoreLocation;
+use crate::store::{Codec, Snapshot, SnapshotStore, StoreError, layout};
+
+pub use plan::{Listed, Selection};
+
+/// How often progress is logged.
+const PROGRESS_EVERY: Duration = Duration::from_secs(5);
+/// Chunks the hash check may lag behind the upload.
+const TEE_DEPTH: usize = 16;
+
+/// Copy job errors.
+#[derive(Debug, thiserror::Error)]
+pub enum CopyError {
+    /// A store could not be built or listed.
+    #[error("{which} store {url}: {source}")]
+    Store {
+        /// "source" or "destination".
+        which: &'static str,
+        /// The store's URL.
+        url: String,
+        /// What failed.
+        #[source]
+        source: StoreError,
+    },
+    /// Some selected snapshots are not at the destination.
+    #[error(
+        "{} of {total} selected snapshots not copied: {}",
+        failures.len(),
+        failures.iter().map(|(n, e)| format!("{n}: {e}")).collect::<Vec<_>>().join("; ")
+    )]
+    Incomplete {
+        /// Snapshots selected.
+        total: usize,
+        /// Each failed snapshot's source name and why.
+        failures: Vec<(String, String)>,
+    },
+}
+
+/// What a successful copy did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Report {
+    /// Snapshots selected in the source.
+    pub selected: usize,
+    /// Copied now.
+    pub copied: usize,
+    /// Already at the destination.
+    pub skipped: usize,
+    /// Bytes copied now.
+    pub bytes: u64,
+    /// The final snapshot found in the source, if any.
+    pub final_snapshot: Option<String>,
+}
+
+/// The two stores of a copy.
+#[derive(Debug, Clone)]
+pub struct Stores {
+    /// Read from.
+    pub source: SnapshotStore,
+    /// Written to.
+    pub dest: SnapshotStore,
+    /// Source and destination share one bucket: copy server side.
+    pub server_side: bool,
+}
+
+impl Stores {
+    /// Builds both stores: the source from `[source_store]` with `SOURCE_`-prefixed provider
+    /// variables, the destination from `[store]`.
+    pub fn from_config(source: &StoreConfig, dest: &StoreConfig) -> Result<Stores, CopyError> {
+        let fail = |which, cfg: &StoreConfig| {
+            let url = cfg.location.to_string();
+            move |source| CopyError::Store { which, url, source }
+        };
+        let dest_backend = crate::store::build(dest).map_err(fail("destination", dest))?;
+        let server_side = same_bucket(source, dest);
+        // In one bucket the destination's client reads both prefixes, so a server-side copy is
+        // one request signed by one set of credentials.
+        let source_backend = if server_side {
+            dest_backend.clone()
+        } else {
+            crate::store::build_with_env(source, &ProcessEnv, Some("SOURCE_"))
+                .map_err(fail("source", source))?
+        };
+        Ok(Stores {
+            source: SnapshotStore::new(source_backend, source.location.prefix()),
+            dest: SnapshotStore::new(dest_backend, dest.location.prefix()),
+            server_side,
+        })
+    }
+}
+
+/// Whether two stores are one bucket of one service (so objects can be copied server side).
+pub fn same_bucket(a: &StoreConfig, b: &StoreConfig) -> bool {
+    let same_service = a.endpoint == b.endpoint;
+    match (&a.location, &b.location) {
+        (StoreLocation::S3 { bucket: x, .. }, StoreLocation::S3 { bucket: y, .. })
+        | (StoreLocation::Gcs { bucket: x, .. }, StoreLocation::Gcs { bucket: y, .. }) => {
+            x == y && same_service
+        }
+        (StoreLocation::Azure { container: x, .. }, StoreLocation::Azure { container: y, .. }) => {
+            x == y && same_service && a.account_name == b.account_name
+        }
+        _ => false,
+    }
+}
+
+/// Runs the copy job from the validated configuration (`[source_store]` → `[store]`).
+pub async fn run_from_config(config: &Config) -> Result<Report, CopyError> {
+    let Some(source) = &config.source_store else {
+        return Err(CopyError::Store {
+            which: "source",
+            url: String::new(),
+            source: StoreError::Build {
+                url: String::new(),
+                message: "no source store: give --source-store URL or [source_store] url".into(),
+            },
+        });
+    };
+    let stores = Stores::from_config(source, &config.store)?;
+    run(&stores, &config.copy).await
+}
+
+/// Waits for the final snapshot if asked, then copies the selected snapshots. `Ok` only when
+/// every selected snapshot is at the destination.
+pub async fn run(stores: &Stores, config: &CopyConfig) -> Result<Report, CopyError> {
+    let span = tracing::info_span!(
+        "copy",
+        source = %stores.source.prefix(),
+        dest = %stores.dest.prefix()
+    );
+    let _enter = span.enter();
+    let final_snapshot = if config.wait_for_final {
+        wait_for_final(&stores.source, config.final_timeout, config.poll_interval).await
+    } else {
+        None
+    };
+
+    let listed = list_sized(&stores.source)
+        .await
+        .map_err(store_error("source", &stores.source))?;
+    let snapshots: Vec<Snapshot> = listed.iter().map(|l| l.snapshot.clone()).collect();
+    let selection = Selection {
+        max_backups: config.max_backups,
+        max_age: config.max_age,
+    };
+    let chosen = plan::select(&snapshots, selection, chrono::Utc::now());
+    let sizes: HashMap<&str, u64> = listed
+        .iter()
+        .map(|l| (l.snapshot.snap_name.as_str(), l.size))
+        .collect();
+    let selected: Vec<Listed> = chosen
+        .into_iter()
+        .map(|s| Listed {
+            size: sizes.get(s.snap_name.as_str()).copied().unwrap_or(0),
+            snapshot: s,
+        })
+        .collect();
+    let total = selected.len();
+
+    let at_dest: HashMap<String, u64> = list_sized(&stores.dest)
+        .await
+        .map_err(store_error("destination", &stores.dest))?
+        .into_iter()
+        .map(|l| (l.snapshot.snap_name, l.size))
+        .collect();
+    let (todo, skipped) = plan::pending(selected, &at_dest);
+    let progress = Progress::new(todo.len(), todo.iter().map(|l| l.size).sum());
+    tracing::info!(
+        available = listed.len(),
+        selected = total,
+        to_copy = todo.len(),
+        already_there = skipped.len(),
+        bytes = progress.total_bytes,
+        parallel = config.parallel,
+        server_side = stores.server_side,
+        "copy starting"
+    );
+
+    let work = futures::stream::iter(todo)
+        .map(|item| {
+            let progress = &progress;
+            async move {
+                let result = copy_one(stores, &item, progress).await;
+                if result.is_ok() {
+                    progress.objects.fetch_add(1, Ordering::Relaxed);
+                }
+                (item, result)
+            }
+        })
+        .buffer_unordered(config.parallel.max(1))
+        .collect::<Vec<_>>();
+    tokio::pin!(work);
+    let mut tick = tokio::time::interval(PROGRESS_EVERY);
+    tick.tick().await;
+    let results = loop {
+        tokio::select! {
+            r = &mut work => break r,
+            _ = tick.tick() => progress.log(),
+        }
+    };
+    progress.log();
+
+    let mut failures = Vec::new();
+    let mut copied = 0;
+    for (item, result) in results {
+        match result {
+            Ok(_) => copied += 1,
+            Err(e) => {
+                tracing::error!(snapshot = %item.snapshot.snap_name, error = %e, "copy failed; nothing stored for it");
+                failures.push((item.snapshot.snap_name.clone(), e));
+            }
+        }
+    }
+    if !failures.is_empty() {
+        failures.sort();
+        return Err(CopyError::Incomplete { total, failures });
+    }
+    let report = Report {
+        selected: total,
+        copied,
+        skipped: skipped.len(),
+        bytes: progress.bytes.load(Ordering::Relaxed),
+        final_snapshot: final_snapshot.map(|s| s.snap_name),
+    };
+    tracing::info!(
+        selected = report.selected,
+        copied = report.copied,
+        skipped = report.skipped,
+        bytes = report.bytes,
+        "copy complete: every selected snapshot is at the destination"
+    );
+    Ok(report)
+}
+
+fn store_error(which: &'static str, store: &SnapshotStore) -> impl FnOnce(StoreError) -> CopyError {
+    let url = store.prefix().to_string();
+    move |source| CopyError::Store { which, url, source }
+}
+
+/// Polls until the source's latest full snapshot is final or `timeout` passes. Listing errors
+/// are logged and polled through: the source store being briefly unreachable is no reason to
+/// give up the wait early.
+pub async fn wait_for_final(
+    source: &SnapshotStore,
+    timeout: Duration,
+    poll: Duration,
+) -> Option<Snapshot> {
+    let started = Instant::now();
+    tracing::info!(
+        timeout_seconds = timeout.as_secs_f64(),
+        "waiting for the source's final snapshot"
+    );
+    loop {
+        match source.list().await {
+            Ok(list) => {
+                if let Some(f) = plan::final_snapshot(&list) {
+                    tracing::info!(
+                        snapshot = %f.snap_name,
+                        revision = f.last_revision,
+                        waited_seconds = started.elapsed().as_secs_f64(),
+                        "final snapshot found"
+                    );
+                    return Some(f.clone());
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "listing the source failed; still waiting"),
+        }
+        let left = timeout.saturating_sub(started.elapsed());
+        if left.is_zero() {
+            tracing::error!(
+                waited_seconds = started.elapsed().as_secs_f64(),
+                "NO FINAL SNAPSHOT in the source within the timeout; copying the latest snapshots \
+                 available (the source deactivates itself, so nothing newer is written there)"
+            );
+            return None;
+        }
+        tokio::time::sleep(poll.min(left)).await;
+    }
+}
+
+/// Every snapshot in a store with its stored size, sorted.
+pub async fn list_sized(store: &SnapshotStore) -> Result<Vec<Listed>, StoreError> {
+    let dir = layout::version_prefix(store.prefix());
+    let listing = Path::from(dir.trim_end_matches('/'));
+    let mut objects = store.backend().list(Some(&listing));
+    let mut out = Vec::new();
+    while let Some(meta) = objects.next().await {
+        let meta = meta?;
+        let Some(name) = meta.location.as_ref().strip_prefix(dir.as_str()) else {
+            continue;
+        };
+        if let Ok(snapshot) = Snapshot::parse_name(store.prefix(), name) {
+            out.push(Listed {
+                snapshot,
+                size: meta.size,
+            });
+        }
+    }
+    out.sort_by(|a, b| layout::compare(&a.snapshot, &b.snapshot));
+    Ok(out)
+}
+
+/// Copies one snapshot, verified, under its destination name. Returns the bytes stored.
+async fn copy_one(stores: &Stores, item: &Listed, progress: &Progress) -> Result<u64, String> {
+    let source = &item.snapshot;
+    let target = plan::dest_snapshot(source);
+    let raw = stores
+        .source
+        .get_stream(source)
+        .await
+        .map_err(|e| format!("cannot read: {e}"))?;
+    let bytes = progress.bytes.clone();
+    let counted = raw
+        .inspect(move |chunk| {
+            if let Ok(b) = chunk {
+                bytes.fetch_add(b.len() as u64, Ordering::Relaxed);
+            }
+        })
+        .boxed();
+    let checked = verified(counted, source.compression);
+    if stores.server_side {
+        let mut checked = checked;
+        while let Some(chunk) = checked.next().await {
+            chunk.map_err(|e| format!("source object is corrupt: {e}"))?;
+        }
+        let from = stores.source.path_of(source);
+        let to = stores.dest.path_of(&target);
+        stores
+            .dest
+            .backend()
+            .copy(&from, &to)
+            .await
+            .map_err(|e| format!("server-side copy failed: {e}"))?;
+        return Ok(item.size);
+    }
+    let written = stores
+        .dest
+        .put_stream(&target, checked)
+        .await
+        .map_err(|e| match e {
+            StoreError::Payload(e) => format!("source object is corrupt or unreadable: {e}"),
+            other => format!("upload failed: {other}"),
+        })?;
+    if written != item.size {
+        tracing::warn!(snapshot = %source.snap_name, listed = item.size, written, "the source object changed size while it was copied");
+    }
+    tracing::debug!(snapshot = %plan::describe(source), bytes = written, "copied");
+    Ok(written)
+}
+
+/// Passes a stored payload through unchanged while a decoder checks its trailing SHA-256 on the
+/// side; the stream ends with an error instead of its end when the check fails, so an upload
+/// fed by it is aborted rather than completed.
+pub fn verified(input: ByteStream, codec: Codec) -> ByteStream {
+    let (tx, rx) = mpsc::channel::<io::Result<Bytes>>(TEE_DEPTH);
+    let side = futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    })
+    .boxed();
+    let mut checked = verify_sha256(codec.decode(side));
+    let check = tokio::spawn(async move {
+        while let Some(chunk) = checked.next().await {
+            chunk?;
+        }
+        Ok::<(), io::Error>(())
+    });
+
+    struct Tee {
+        input: ByteStream,
+        tx: Option<mpsc::Sender<io::Result<Bytes>>>,
+        check: Option<tokio::task::JoinHandle<io::Result<()>>>,
+    }
+    impl Tee {
+        /// The check's verdict once its input is closed.
+        async fn verdict(&mut self) -> io::Result<()> {
+            self.tx = None;
+            match self.check.take() {
+                Some(task) => task.await.unwrap_or_else(|e| Err(io::Error::other(e))),
+                None => Ok(()),
+            }
+        }
+    }
+    impl Drop for Tee {
+        fn drop(&mut self) {
+            if let Some(task) = &self.check {
+                task.abort();
+            }
+        }
+    }
+    let tee = Tee {
+        input,
+        tx: Some(tx),
+        check: Some(check),
+    };
+    futures::stream::unfold(tee, |mut tee| async move {
+        tee.check.as_ref()?;
+        match tee.input.next().await {
+            Some(Ok(chunk)) => {
+                let sent = match &tee.tx {
+                    Some(tx) => tx.send(Ok(chunk.clone())).await.is_ok(),
+                    None => true,
+                };
+                if sent {
+                    return Some((Ok(chunk), tee));
+                }
+                // The check stopped reading early: the payload failed to decode.
+                let e = tee.verdict().await.err().unwrap_or_else(|| {
+                    io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        "trailing data after the payload",
+                    )
+                });
+                Some((Err(e), tee))
+            }
+            Some(Err(e)) => {
+                tee.tx = None;
+                if let Some(task) = tee.check.take() {
+                    task.abort();
+                }
+                Some((Err(e), tee))
+            }
+            None => match tee.verdict().await {
+                Ok(()) => None,
+                Err(e) => Some((Err(e), tee)),
+            },
+        }
+    })
+    .boxed()
+}
+
+/// Counters for the progress log.
+struct Progress {
+    started: Instant,
+    total_objects: usize,
+    total_bytes: u64,
+    objects: AtomicU64,
+    /// Shared with the streams being copied.
+    bytes: Arc<AtomicU64>,
+}
+
+impl Progress {
+    fn new(total_objects: usize, total_bytes: u64) -> Self {
+        Self {
+            started: Instant::now(),
+            total_objects,
+            total_bytes,
+            objects: AtomicU64::new(0),
+            bytes: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    fn log(&self) {
+        let bytes = self.bytes.load(Ordering::Relaxed);
+        let secs = self.started.elapsed().as_secs_f64();
+        tracing::info!(
+            objects = self.objects.load(Ordering::Relaxed),
+            objects_total = self.total_objects,
+            mib = format!("{:.1}", bytes as f64 / 1048576.0),
+            mib_total = format!("{:.1}", self.total_bytes as f64 / 1048576.0),
+            mib_per_second = format!("{:.1}", bytes as f64 / 1048576.0 / secs.max(0.001)),
+            "copy progress"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::compression::{collect, once};
+    use sha2::{Digest, Sha256};
+
+    fn payload(len: usize) -> Vec<u8> {
+        let mut db: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        let h = Sha256::digest(&db);
+        db.extend_from_slice(&h);
+        db
+    }
+
+    fn chunks(data: Vec<u8>, size: usize) -> ByteStream {
+        let v: Vec<io::Result<Bytes>> = data
+            .chunks(size)
+            .map(|c| Ok(Bytes::copy_from_slice(c)))
+            .collect();
+        futures::stream::iter(v).boxed()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_tee_passes_good_payloads_and_fails_corrupt_ones() {
+        let good = payload(300_000);
+        for codec in [Codec::None, Codec::Gzip, Codec::Zlib] {
+            let stored = collect(codec.encode(once(good.clone()), 2).unwrap())
+                .await
+                .unwrap();
+            let out = collect(verified(chunks(stored.clone(), 4096), codec))
+                .await
+                .unwrap();
+            assert_eq!(out, stored, "{codec}");
+
+            let mut bad_plain = good.clone();
+            bad_plain[1000] ^= 1;
+            let bad = collect(codec.encode(once(bad_plain), 2).unwrap())
+                .await
+                .unwrap();
+            let e = collect(verified(chunks(bad, 4096), codec))
+                .await
+                .unwrap_err();
+            assert!(e.to_string().contains("SHA-256"), "{codec}: {e}");
+        }
+        // Not gzip at all: fails while decoding.
+        let e = collect(verified(chunks(vec![7u8; 100_000], 1000), Codec::Gzip))
+            .await
+            .unwrap_err();
+        assert!(!e.to_string().is_empty());
+    }
+
+    fn store_config(url: &str, endpoint: Option<&str>) -> StoreConfig {
+        StoreConfig {
+            location: StoreLocation::parse(url).unwrap(),
+            endpoint: endpoint.map(String::from),
+            region: None,
+            path_style: true,
+            allow_http: false,
+            access_key_id: None,
+            secret_access_key: None,
+            service_account_file: None,
+            account_name: None,
+            account_key: None,
+            use_emulator: false,
+        }
+    }
+
+    #[test]
+    fn one_bucket_of_one_service_is_copied_server_side() {
+        let ep = Some("http://127.0.0.1:9000");
+        let a = store_config("s3://bkt/old", ep);
+        assert!(same_bucket(&a, &store_config("s3://bkt/new", ep)));
+        assert!(!same_bucket(&a, &store_config("s3://other/new", ep)));
+        assert!(!same_bucket(&a, &store_config("s3://bkt/new", None)));
+        assert!(!same_bucket(&a, &store_config("gs://bkt/new", ep)));
+        assert!(!same_bucket(
+            &store_config("file:///a", None),
+            &store_config("file:///b", None)
+        ));
+    }
+}

@@ -1,0 +1,290 @@
+//! The copy job's decisions as pure functions: is the final snapshot there, which snapshots to
+//! copy, what each is called at the destination, and which are already there.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+
+use crate::store::layout::FINAL_SUFFIX;
+use crate::store::{Kind, Snapshot};
+
+/// A source snapshot and its stored (compressed) size.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Listed {
+    /// The snapshot, as named in its store.
+    pub snapshot: Snapshot,
+    /// Bytes stored.
+    pub size: u64,
+}
+
+/// Which snapshots to copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Selection {
+    /// The newest this many full snapshots and their deltas; 0 for all.
+    pub max_backups: u64,
+    /// Only snapshots younger than this (plus the full snapshots their deltas need).
+    pub max_age: Option<Duration>,
+}
+
+/// The final snapshot the wait is for: the source's latest full snapshot, when it is marked final.
+///
+/// "Latest full is final" rather than "a final one newer than the start of the wait": the
+/// source may have deactivated before this Job started (or before a retried Job's pod), and
+/// that snapshot is exactly the one to copy; a final snapshot followed by newer full ones is a
+/// leftover of an earlier migration that the source recovered from, not the end of its data.
+/// It is also the rule the sidecar itself uses to decide it already took its final snapshot.
+pub fn final_snapshot(sorted: &[Snapshot]) -> Option<&Snapshot> {
+    sorted
+        .iter()
+        .rev()
+        .find(|s| s.is_full())
+        .filter(|s| s.is_final)
+}
+
+/// The snapshots to copy from a sorted listing, in the same order.
+///
+/// `max_backups` keeps the newest N full snapshots and every delta after the oldest of them;
+/// `max_age` keeps snapshots created at or after `now - max_age`, plus the full snapshot each
+/// kept delta is based on (a delta without its base restores nothing). With both, a snapshot
+/// must pass both. Any full snapshot marked final and the deltas after it are always kept: that
+/// is the data the migration moves.
+pub fn select(sorted: &[Snapshot], selection: Selection, now: DateTime<Utc>) -> Vec<Snapshot> {
+    let n = sorted.len();
+    let mut keep = vec![true; n];
+    // The base full snapshot of each entry (itself for a full one).
+    let mut base = vec![None; n];
+    let mut current = None;
+    for (i, s) in sorted.iter().enumerate() {
+        if s.is_full() {
+            current = Some(i);
+        }
+        base[i] = current;
+    }
+
+    if selection.max_backups > 0 {
+        let fulls: Vec<usize> = (0..n).filter(|&i| sorted[i].is_full()).collect();
+        let skip = fulls.len().saturating_sub(selection.max_backups as usize);
+        if let Some(&oldest) = fulls.get(skip) {
+            for k in keep.iter_mut().take(oldest) {
+                *k = false;
+            }
+        }
+    }
+
+    if let Some(age) = selection.max_age {
+        let cutoff = now - chrono::Duration::from_std(age).unwrap_or(chrono::Duration::MAX);
+        let young: Vec<bool> = sorted.iter().map(|s| s.created_on >= cutoff).collect();
+        let mut needed = young.clone();
+        for i in 0..n {
+            if young[i]
+                && let Some(b) = base[i]
+            {
+                needed[b] = true;
+            }
+        }
+        for (k, needed) in keep.iter_mut().zip(needed) {
+            *k &= needed;
+        }
+    }
+
+    for i in 0..n {
+        if let Some(b) = base[i]
+            && sorted[b].is_final
+        {
+            keep[i] = true;
+        }
+    }
+
+    sorted
+        .iter()
+        .zip(keep)
+        .filter(|(_, k)| *k)
+        .map(|(s, _)| s.clone())
+        .collect()
+}
+
+/// The name a snapshot gets at the destination: the same name without `.final`.
+///
+/// The destination's own sidecar reads "my latest full snapshot is final" as "I already took my
+/// final snapshot" and would never take one again; a copied `.final` would make a fresh
+/// destination believe it had been deactivated. The source keeps its `.final` name, so the
+/// migration's record of where the source ended is not lost.
+pub fn dest_name(snapshot: &Snapshot) -> String {
+    snapshot
+        .snap_name
+        .strip_suffix(FINAL_SUFFIX)
+        .unwrap_or(&snapshot.snap_name)
+        .to_string()
+}
+
+/// The snapshot as it is written at the destination (`.final` stripped, see [`dest_name`]).
+pub fn dest_snapshot(snapshot: &Snapshot) -> Snapshot {
+    let mut s = Snapshot {
+        is_final: false,
+        ..snapshot.clone()
+    };
+    s.snap_name = s.format_name();
+    s
+}
+
+/// Splits the selection into those to copy and those already at the destination: an object of
+/// the same name ignoring `.final` and of the same size is the same snapshot (names carry the
+/// revisions and the creation second; a torn copy has another size). `dest` maps destination
+/// names to sizes.
+pub fn pending(selected: Vec<Listed>, dest: &HashMap<String, u64>) -> (Vec<Listed>, Vec<Listed>) {
+    selected.into_iter().partition(|l| {
+        let name = dest_name(&l.snapshot);
+        let present = dest
+            .get(&name)
+            .or_else(|| dest.get(&format!("{name}{FINAL_SUFFIX}")));
+        present != Some(&l.size)
+    })
+}
+
+/// A one-line description of a snapshot for logs.
+pub fn describe(s: &Snapshot) -> String {
+    match s.kind {
+        Kind::Full => format!("{} (full, revision {})", s.snap_name, s.last_revision),
+        Kind::Incr => format!(
+            "{} (delta, revisions {}..={})",
+            s.snap_name, s.start_revision, s.last_revision
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::Codec;
+    use chrono::TimeZone;
+
+    fn t(secs: i64) -> DateTime<Utc> {
+        Utc.timestamp_opt(1_700_000_000 + secs, 0).unwrap()
+    }
+
+    fn full(last: i64, at: i64, is_final: bool) -> Snapshot {
+        Snapshot::new("p", Kind::Full, 0, last, t(at), Codec::Gzip, is_final)
+    }
+
+    fn incr(start: i64, last: i64, at: i64) -> Snapshot {
+        Snapshot::new("p", Kind::Incr, start, last, t(at), Codec::Gzip, false)
+    }
+
+    fn names(v: &[Snapshot]) -> Vec<i64> {
+        v.iter().map(|s| s.last_revision).collect()
+    }
+
+    /// F10 d11-12 F20 d21-22 F30 d31-32, one hour apart.
+    fn history(final_last: bool) -> Vec<Snapshot> {
+        vec![
+            full(10, 0, false),
+            incr(11, 12, 3600),
+            full(20, 7200, false),
+            incr(21, 22, 10800),
+            full(30, 14400, final_last),
+            incr(31, 32, 18000),
+        ]
+    }
+
+    #[test]
+    fn the_final_snapshot_is_the_latest_full_one_when_marked() {
+        assert!(final_snapshot(&history(false)).is_none());
+        assert_eq!(final_snapshot(&history(true)).unwrap().last_revision, 30);
+        // A final snapshot followed by a newer full one is a leftover.
+        let mut h = history(false);
+        h[2].is_final = true;
+        assert!(final_snapshot(&h).is_none());
+        assert!(final_snapshot(&[]).is_none());
+    }
+
+    #[test]
+    fn selection_by_count_keeps_the_newest_full_snapshots_and_their_deltas() {
+        let h = history(false);
+        let all = select(&h, Selection::default(), t(20000));
+        assert_eq!(names(&all), vec![10, 12, 20, 22, 30, 32]);
+        let two = Selection {
+            max_backups: 2,
+            ..Default::default()
+        };
+        assert_eq!(names(&select(&h, two, t(20000))), vec![20, 22, 30, 32]);
+        let many = Selection {
+            max_backups: 9,
+            ..Default::default()
+        };
+        assert_eq!(select(&h, many, t(20000)).len(), 6);
+    }
+
+    #[test]
+    fn selection_by_age_adds_the_base_of_each_young_delta() {
+        let h = history(false);
+        // Younger than 2.5 h at t=20000: d21-22 (10800), F30, d31-32; d21-22 needs F20.
+        let young = Selection {
+            max_age: Some(Duration::from_secs(9500)),
+            ..Default::default()
+        };
+        assert_eq!(names(&select(&h, young, t(20000))), vec![20, 22, 30, 32]);
+        let tiny = Selection {
+            max_age: Some(Duration::from_secs(1)),
+            ..Default::default()
+        };
+        assert!(select(&h, tiny, t(20000)).is_empty());
+        // Both limits apply.
+        let both = Selection {
+            max_backups: 1,
+            max_age: Some(Duration::from_secs(9500)),
+        };
+        assert_eq!(names(&select(&h, both, t(20000))), vec![30, 32]);
+    }
+
+    #[test]
+    fn the_final_snapshot_and_its_deltas_are_always_selected() {
+        let mut h = history(false);
+        h[2].is_final = true;
+        let one = Selection {
+            max_backups: 1,
+            max_age: Some(Duration::from_secs(1)),
+        };
+        assert_eq!(names(&select(&h, one, t(20000))), vec![20, 22]);
+    }
+
+    #[test]
+    fn final_is_stripped_at_the_destination() {
+        let f = full(30, 0, true);
+        assert_eq!(dest_name(&f), f.snap_name.trim_end_matches(".final"));
+        let d = dest_snapshot(&f);
+        assert!(!d.is_final);
+        assert_eq!(d.snap_name, dest_name(&f));
+        let plain = full(31, 0, false);
+        assert_eq!(dest_snapshot(&plain), plain);
+    }
+
+    #[test]
+    fn objects_of_the_same_name_and_size_are_skipped() {
+        let f = full(30, 0, true);
+        let d = incr(31, 32, 5);
+        let listed = vec![
+            Listed {
+                snapshot: f.clone(),
+                size: 100,
+            },
+            Listed {
+                snapshot: d.clone(),
+                size: 7,
+            },
+        ];
+        let none = HashMap::new();
+        let (todo, done) = pending(listed.clone(), &none);
+        assert_eq!((todo.len(), done.len()), (2, 0));
+        // Present without .final (as this job writes it) or with it (another tool's copy).
+        for name in [dest_name(&f), f.snap_name.clone()] {
+            let dest: HashMap<String, u64> = [(name, 100), (d.snap_name.clone(), 7)].into();
+            let (todo, done) = pending(listed.clone(), &dest);
+            assert_eq!((todo.len(), done.len()), (0, 2));
+        }
+        // A different size is a torn or different object: copied again.
+        let dest: HashMap<String, u64> = [(dest_name(&f), 99)].into();
+        let (todo, _) = pending(listed, &dest);
+        assert_eq!(todo.len(), 2);
+    }
+}

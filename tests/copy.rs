@@ -1,0 +1,539 @@
+//! The copy job against real stores: two buckets of a real S3 server (s3s-fs), one bucket under
+//! two prefixes (server-side copy), and file:// directories; plus the `copy` subcommand.
+
+mod support;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use bytes::Bytes;
+use chrono::{TimeZone, Utc};
+use etcd_warden::config::{Config, CopyConfig, Override, Sources};
+use etcd_warden::copy::{self, CopyError, Stores};
+use etcd_warden::snapshot::delta::{self, Event, KeyValue, TimedEvent};
+use etcd_warden::snapshot::verify::verify;
+use etcd_warden::store::compression::{collect, once};
+use etcd_warden::store::{Codec, Kind, Snapshot, SnapshotStore};
+use sha2::{Digest, Sha256};
+use support::s3::S3Server;
+
+const SRC: &str = "source-bkt";
+const DST: &str = "dest-bkt";
+
+/// A fake etcd snapshot: `len` bytes then their SHA-256, as etcd streams it.
+fn db_payload(len: usize, seed: u8) -> Vec<u8> {
+    let mut db: Vec<u8> = (0..len)
+        .map(|i| ((i as u64).wrapping_mul(2654435761) >> 13) as u8 ^ seed)
+        .collect();
+    let h = Sha256::digest(&db);
+    db.extend_from_slice(&h);
+    db
+}
+
+/// Stores a full snapshot; returns it.
+async fn put_full(
+    store: &SnapshotStore,
+    last: i64,
+    at: i64,
+    len: usize,
+    codec: Codec,
+    is_final: bool,
+) -> Snapshot {
+    let s = Snapshot::new(
+        store.prefix(),
+        Kind::Full,
+        0,
+        last,
+        Utc.timestamp_opt(at, 0).unwrap(),
+        codec,
+        is_final,
+    );
+    let raw = db_payload(len, last as u8);
+    let stored = collect(codec.encode(once(raw), 2).unwrap()).await.unwrap();
+    store.put_bytes(&s, Bytes::from(stored)).await.unwrap();
+    s
+}
+
+/// Stores a delta with one PUT per revision in `start..=last`.
+async fn put_delta(store: &SnapshotStore, start: i64, last: i64, at: i64) -> Snapshot {
+    let events: Vec<TimedEvent> = (start..=last)
+        .map(|rev| TimedEvent {
+            event: Event {
+                kv: Some(KeyValue {
+                    key: format!("/k/{rev}").into_bytes(),
+                    create_revision: rev,
+                    mod_revision: rev,
+                    version: 1,
+                    value: b"v".to_vec(),
+                    lease: 0,
+                }),
+                ..Default::default()
+            },
+            time: Utc.timestamp_opt(at, 0).unwrap(),
+        })
+        .collect();
+    let s = Snapshot::new(
+        store.prefix(),
+        Kind::Incr,
+        start,
+        last,
+        Utc.timestamp_opt(at, 0).unwrap(),
+        Codec::Gzip,
+        false,
+    );
+    let bytes = delta::encode_compressed(&events, Codec::Gzip).unwrap();
+    store.put_bytes(&s, Bytes::from(bytes)).await.unwrap();
+    s
+}
+
+/// F(10) d(11-12) F(20) d(21-22) F(30, final when asked) d(31-32), an hour apart, ending now.
+async fn history(store: &SnapshotStore, final_last: bool) -> Vec<Snapshot> {
+    let now = Utc::now().timestamp();
+    let h = |n: i64| now - (5 - n) * 3600;
+    vec![
+        put_full(store, 10, h(0), 200_000, Codec::Gzip, false).await,
+        put_delta(store, 11, 12, h(1)).await,
+        put_full(store, 20, h(2), 300_000, Codec::Zlib, false).await,
+        put_delta(store, 21, 22, h(3)).await,
+        put_full(store, 30, h(4), 400_000, Codec::Gzip, final_last).await,
+        put_delta(store, 31, 32, h(5)).await,
+    ]
+}
+
+fn load(keys: Vec<(String, String)>) -> Config {
+    let env: HashMap<String, String> = HashMap::new();
+    let overrides = keys
+        .iter()
+        .map(|(k, v)| Override::flag(k, v, "test"))
+        .collect();
+    Config::load(&Sources {
+        file: None,
+        env: &env,
+        overrides,
+    })
+    .expect("valid configuration")
+    .0
+}
+
+fn s3_stores(s3: &S3Server, src: (&str, &str), dst: (&str, &str)) -> Stores {
+    let mut keys = s3.config_overrides("source_store", src.0, src.1);
+    keys.extend(s3.config_overrides("store", dst.0, dst.1));
+    let c = load(keys);
+    Stores::from_config(c.source_store.as_ref().unwrap(), &c.store).unwrap()
+}
+
+fn options() -> CopyConfig {
+    CopyConfig {
+        wait_for_final: false,
+        final_timeout: Duration::from_secs(30),
+        poll_interval: Duration::from_millis(100),
+        max_backups: 0,
+        max_age: None,
+        parallel: 4,
+    }
+}
+
+/// Destination names; every one verifies.
+async fn verified_names(store: &SnapshotStore) -> Vec<String> {
+    let mut names = Vec::new();
+    for s in store.list().await.unwrap() {
+        verify(store, &s)
+            .await
+            .unwrap_or_else(|e| panic!("copied snapshot does not verify: {e}"));
+        names.push(s.snap_name);
+    }
+    names
+}
+
+fn dest_names(source: &[Snapshot]) -> Vec<String> {
+    source
+        .iter()
+        .map(|s| s.snap_name.trim_end_matches(".final").to_string())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bucket_to_bucket_copies_verified_without_final_and_a_rerun_uploads_nothing() {
+    let s3 = S3Server::start(&[SRC, DST]);
+    let stores = s3_stores(&s3, (SRC, "shoot/old"), (DST, "shoot/new"));
+    assert!(!stores.server_side);
+    let src = history(&stores.source, true).await;
+
+    let report = copy::run(&stores, &options()).await.unwrap();
+    assert_eq!((report.selected, report.copied, report.skipped), (6, 6, 0));
+    let copied = verified_names(&stores.dest).await;
+    assert_eq!(copied, dest_names(&src));
+    assert!(copied.iter().all(|n| !n.ends_with(".final")), "{copied:?}");
+    // The destination's sidecar must not see a final snapshot of its own.
+    let chain = stores.dest.latest_chain().await.unwrap();
+    assert!(!chain.full_snapshot.unwrap().is_final);
+    // The source keeps its final marker.
+    assert!(stores.source.list().await.unwrap()[4].is_final);
+
+    // Overwrite one destination object with same-size bytes: a re-run that uploaded anything
+    // would restore it.
+    let victim = stores.dest.list().await.unwrap()[0].clone();
+    let size = collect(stores.dest.get_stream(&victim).await.unwrap())
+        .await
+        .unwrap()
+        .len();
+    let marker = Bytes::from(vec![b'x'; size]);
+    stores
+        .dest
+        .put_bytes(&victim, marker.clone())
+        .await
+        .unwrap();
+    let report = copy::run(&stores, &options()).await.unwrap();
+    assert_eq!((report.copied, report.skipped, report.bytes), (0, 6, 0));
+    let after = collect(stores.dest.get_stream(&victim).await.unwrap())
+        .await
+        .unwrap();
+    assert_eq!(
+        after,
+        marker.to_vec(),
+        "the re-run uploaded an existing object"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_object_fails_the_job_by_name_and_leaves_nothing_at_the_destination() {
+    let s3 = S3Server::start(&[SRC, DST]);
+    let stores = s3_stores(&s3, (SRC, "old"), (DST, "new"));
+    let good = put_full(
+        &stores.source,
+        10,
+        1_700_000_000,
+        100_000,
+        Codec::Gzip,
+        false,
+    )
+    .await;
+    // Uncompressed and 12 MiB, so the upload has sent parts before the hash check fails at the
+    // end: the multipart upload must be aborted, not completed.
+    let bad = Snapshot::new(
+        stores.source.prefix(),
+        Kind::Full,
+        0,
+        20,
+        Utc.timestamp_opt(1_700_000_100, 0).unwrap(),
+        Codec::None,
+        true,
+    );
+    let mut raw = db_payload(12 << 20, 3);
+    raw[11 << 20] ^= 0x40;
+    stores
+        .source
+        .put_bytes(&bad, Bytes::from(raw))
+        .await
+        .unwrap();
+
+    let e = copy::run(&stores, &options()).await.unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, CopyError::Incomplete { total: 2, .. }), "{e:?}");
+    assert!(msg.contains(&bad.snap_name), "{msg}");
+    assert!(msg.contains("SHA-256"), "{msg}");
+    assert!(
+        msg.starts_with("1 of 2 selected snapshots not copied"),
+        "{msg}"
+    );
+    // Only the good one arrived, and nothing else is in the destination bucket.
+    assert_eq!(verified_names(&stores.dest).await, dest_names(&[good]));
+    let bucket = s3.root.path().join(DST);
+    let files: Vec<_> = walk(&bucket);
+    assert_eq!(files.len(), 1, "{files:?}");
+    // s3s-fs keeps parts of open multipart uploads at its root until completed or aborted.
+    let parts: Vec<_> = std::fs::read_dir(s3.root.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(".upload"))
+        .collect();
+    assert!(parts.is_empty(), "multipart upload not aborted: {parts:?}");
+
+    // Same through the binary: exit 1 with one line naming the object.
+    let out = support::warden::command()
+        .args(["copy", "--source-store", &format!("s3://{SRC}/old")])
+        .args([
+            "--dest-store",
+            &format!("s3://{DST}/new"),
+            "--parallel",
+            "2",
+        ])
+        .envs(s3_env(&s3))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let last = stderr.lines().last().unwrap();
+    assert!(
+        last.starts_with("etcd-warden: copy failed") && last.contains(&bad.snap_name),
+        "{last}"
+    );
+}
+
+fn walk(p: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(p).unwrap() {
+        let e = e.unwrap().path();
+        if e.is_dir() {
+            out.extend(walk(&e));
+        } else {
+            out.push(e);
+        }
+    }
+    out
+}
+
+/// Environment for the binary: both stores on the test server, the source through the
+/// `[source_store]` variables.
+fn s3_env(s3: &S3Server) -> Vec<(String, String)> {
+    let mut env = Vec::new();
+    for section in ["STORE", "SOURCE_STORE"] {
+        env.push((format!("ETCD_WARDEN_{section}_ENDPOINT"), s3.endpoint()));
+        env.push((
+            format!("ETCD_WARDEN_{section}_REGION"),
+            support::s3::REGION.into(),
+        ));
+        env.push((
+            format!("ETCD_WARDEN_{section}_ACCESS_KEY_ID"),
+            support::s3::ACCESS_KEY.into(),
+        ));
+        env.push((
+            format!("ETCD_WARDEN_{section}_SECRET_ACCESS_KEY"),
+            support::s3::SECRET_KEY.into(),
+        ));
+    }
+    env
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_copies_between_buckets_and_reports_a_rerun() {
+    let s3 = S3Server::start(&[SRC, DST]);
+    let stores = s3_stores(&s3, (SRC, "a"), (DST, "b"));
+    let src = history(&stores.source, false).await;
+    let run = || {
+        support::warden::command()
+            .args(["copy", "--source-store", &format!("s3://{SRC}/a")])
+            .args(["--dest-store", &format!("s3://{DST}/b")])
+            .args(["--max-backups", "2", "--parallel", "3"])
+            .envs(s3_env(&s3))
+            .output()
+            .unwrap()
+    };
+    let out = run();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("copied 4 snapshots, 0 already there"),
+        "{stderr}"
+    );
+    assert_eq!(verified_names(&stores.dest).await, dest_names(&src[2..]));
+    let out = run();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("copied 0 snapshots, 4 already there"),
+        "{stderr}"
+    );
+
+    // Without a source: bad configuration.
+    let out = support::warden::command()
+        .args(["copy", "--dest-store", &format!("s3://{DST}/b")])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("source_store.url"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waits_for_a_final_snapshot_that_appears_then_copies_it() {
+    let s3 = S3Server::start(&[SRC, DST]);
+    let stores = s3_stores(&s3, (SRC, "old"), (DST, "new"));
+    let mut src = history(&stores.source, false).await;
+    let opts = CopyConfig {
+        wait_for_final: true,
+        ..options()
+    };
+    let job = {
+        let stores = stores.clone();
+        tokio::spawn(async move { copy::run(&stores, &opts).await })
+    };
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert!(!job.is_finished(), "the job did not wait");
+    assert!(
+        stores.dest.list().await.unwrap().is_empty(),
+        "copied before the final snapshot"
+    );
+    let fin = put_full(
+        &stores.source,
+        40,
+        Utc::now().timestamp(),
+        100_000,
+        Codec::Gzip,
+        true,
+    )
+    .await;
+    let report = tokio::time::timeout(Duration::from_secs(20), job)
+        .await
+        .expect("the job ends once the final snapshot is there")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        report.final_snapshot.as_deref(),
+        Some(fin.snap_name.as_str())
+    );
+    src.push(fin);
+    assert_eq!(verified_names(&stores.dest).await, dest_names(&src));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_final_snapshot_the_wait_times_out_and_copies_the_latest() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = load(vec![
+        (
+            "source_store.url".into(),
+            format!("file://{}", dir.path().join("src").display()),
+        ),
+        (
+            "store.url".into(),
+            format!("file://{}", dir.path().join("dst").display()),
+        ),
+    ]);
+    let stores = Stores::from_config(c.source_store.as_ref().unwrap(), &c.store).unwrap();
+    let src = history(&stores.source, false).await;
+    let opts = CopyConfig {
+        wait_for_final: true,
+        final_timeout: Duration::from_millis(400),
+        max_backups: 1,
+        ..options()
+    };
+    let started = std::time::Instant::now();
+    let report = copy::run(&stores, &opts).await.unwrap();
+    assert!(started.elapsed() >= Duration::from_millis(400));
+    assert!(report.final_snapshot.is_none());
+    assert_eq!(verified_names(&stores.dest).await, dest_names(&src[4..]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn selection_by_count_age_and_the_final_snapshot() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = SnapshotStore::new(
+        std::sync::Arc::new(
+            object_store::local::LocalFileSystem::new_with_prefix(dir.path()).unwrap(),
+        ),
+        "src",
+    );
+    let mut src = history(&source, false).await;
+    // An old final snapshot between F10 and F20's chain is not "latest"; mark F20 final by
+    // renaming (the store is a directory).
+    let f20 = src[2].clone();
+    let f20_final = Snapshot::new(
+        source.prefix(),
+        Kind::Full,
+        0,
+        20,
+        f20.created_on,
+        f20.compression,
+        true,
+    );
+    std::fs::rename(
+        dir.path().join(source.path_of(&f20).as_ref()),
+        dir.path().join(source.path_of(&f20_final).as_ref()),
+    )
+    .unwrap();
+    src[2] = f20_final;
+
+    let cases: [(u64, Option<u64>, &[usize]); 4] = [
+        (0, None, &[0, 1, 2, 3, 4, 5]),
+        // Newest full only, plus the final F20 and its delta.
+        (1, None, &[2, 3, 4, 5]),
+        // Younger than 1.5 h: d31-32 needs F30; F20 (final) and d21-22 always.
+        (0, Some(5400), &[2, 3, 4, 5]),
+        (0, Some(12 * 3600), &[0, 1, 2, 3, 4, 5]),
+    ];
+    for (i, (max_backups, max_age, want)) in cases.into_iter().enumerate() {
+        let dest = SnapshotStore::new(source.backend().clone(), &format!("dst{i}"));
+        let stores = Stores {
+            source: source.clone(),
+            dest: dest.clone(),
+            server_side: false,
+        };
+        let opts = CopyConfig {
+            max_backups,
+            max_age: max_age.map(Duration::from_secs),
+            ..options()
+        };
+        copy::run(&stores, &opts).await.unwrap();
+        let want: Vec<Snapshot> = want.iter().map(|&j| src[j].clone()).collect();
+        assert_eq!(
+            verified_names(&dest).await,
+            dest_names(&want),
+            "max_backups {max_backups}, max_age {max_age:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_bucket_two_prefixes_copies_server_side_and_still_verifies() {
+    let s3 = S3Server::start(&["one-bkt"]);
+    let stores = s3_stores(&s3, ("one-bkt", "cluster/old"), ("one-bkt", "cluster/new"));
+    assert!(stores.server_side);
+    let src = history(&stores.source, true).await;
+    let report = copy::run(&stores, &options()).await.unwrap();
+    assert_eq!(report.copied, 6);
+    assert_eq!(verified_names(&stores.dest).await, dest_names(&src));
+
+    let bad = Snapshot::new(
+        stores.source.prefix(),
+        Kind::Full,
+        0,
+        50,
+        Utc::now(),
+        Codec::None,
+        false,
+    );
+    let mut raw = db_payload(10_000, 1);
+    raw[0] ^= 1;
+    stores
+        .source
+        .put_bytes(&bad, Bytes::from(raw))
+        .await
+        .unwrap();
+    let e = copy::run(&stores, &options())
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(&bad.snap_name), "{e}");
+    assert_eq!(stores.dest.list().await.unwrap().len(), 6);
+}
+
+#[test]
+fn source_store_variables_reach_their_own_section() {
+    let env: HashMap<String, String> = [
+        ("ETCD_WARDEN_SOURCE_STORE_URL", "s3://old/p"),
+        ("ETCD_WARDEN_STORE_URL", "s3://new/p"),
+        ("ETCD_WARDEN_COPY_MAX_AGE", "7d"),
+        ("ETCD_WARDEN_COPY_PARALLEL", "3"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    let (c, raw) = Config::load(&Sources {
+        file: None,
+        env: &env,
+        overrides: vec![],
+    })
+    .unwrap();
+    assert_eq!(c.source_store.unwrap().location.to_string(), "s3://old/p");
+    assert_eq!(c.store.location.to_string(), "s3://new/p");
+    assert_eq!(c.copy.max_age, Some(Duration::from_secs(7 * 86400)));
+    assert_eq!(c.copy.parallel, 3);
+    assert!(raw.to_redacted_toml().contains("[source_store]"));
+    // Without the section there is no source, and the defaults copy everything.
+    let (c, _) = Config::load(&Sources {
+        file: None,
+        env: &HashMap::<String, String>::new(),
+        overrides: vec![],
+    })
+    .unwrap();
+    assert!(c.source_store.is_none());
+    assert_eq!((c.copy.max_backups, c.copy.max_age), (0, None));
+}
