@@ -483,3 +483,97 @@ async fn three_restored_members_form_a_new_cluster() {
     }
     drop(members);
 }
+
+/// `serve` with `restore.initialize` restores a missing data directory before it starts, and a
+/// guard file naming another etcd stops it with a clear error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_initializes_a_missing_data_directory_from_the_store() {
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut client = etcd.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let store_dir = dir.path().join("store");
+    let store = file_store(&store_dir);
+    let last = build_store(&mut client, &store, 1).await;
+    let original = dump(&mut client).await;
+    drop(etcd);
+
+    let keys = |data: &Path, guard: &str| {
+        vec![
+            ("store.url", format!("file://{}", store_dir.display())),
+            (
+                "etcd.endpoints",
+                format!("http://127.0.0.1:{}", free_port()),
+            ),
+            ("restore.initialize", "true".to_string()),
+            ("restore.data_dir", data.display().to_string()),
+            (
+                "restore.etcd_bin",
+                Release::V35.bin_dir().display().to_string(),
+            ),
+            ("restore.guard", guard.to_string()),
+        ]
+    };
+    let data = dir.path().join("vol/data");
+    let warden = support::warden::Warden::start(&keys(&data, "ns-a"));
+    let done = eventually(Duration::from_secs(60), || async {
+        warden.log_text().contains("restore complete")
+    })
+    .await;
+    assert!(done, "no restore; log:\n{}", warden.log_text());
+    drop(warden);
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("vol/.etcd-warden-guard")).unwrap(),
+        "ns-a\n"
+    );
+    let restored = dump_restored(Release::V35, &data, "default").await;
+    assert_eq!(restored.1, last);
+    assert!(restored.0 == original.0);
+
+    // Another namespace's sidecar on this volume refuses (the data dir is invalid again).
+    std::fs::remove_dir_all(data.join("member/wal")).unwrap();
+    let warden = support::warden::Warden::start(&keys(&data, "ns-b"));
+    let refused = eventually(Duration::from_secs(20), || async {
+        warden.log_text().contains("another etcd")
+    })
+    .await;
+    assert!(refused, "no guard error; log:\n{}", warden.log_text());
+    assert!(!data.join("member/wal").exists(), "nothing restored");
+    assert!(!dir.path().join("vol/data.part").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn initialize_starts_fresh_on_an_empty_store_and_keeps_a_valid_directory() {
+    use etcd_warden::restore::initialize::{Initialized, initialize};
+    let dir = tempfile::tempdir().unwrap();
+    let store = file_store(&dir.path().join("store"));
+    let data = dir.path().join("data");
+    let config = etcd_warden::config::RestoreConfig {
+        data_dir: Some(data.clone()),
+        name: "default".into(),
+        initial_cluster: String::new(),
+        initial_cluster_token: "etcd-cluster".into(),
+        initial_advertise_peer_urls: "http://localhost:2380".into(),
+        etcd_bin: Some(Release::V35.bin_dir()),
+        parallel_fetch: 2,
+        force: false,
+        initialize: true,
+        guard: None,
+    };
+    assert_eq!(
+        initialize(&store, &config).await.unwrap(),
+        Initialized::Fresh
+    );
+    assert!(!data.exists());
+    std::fs::create_dir_all(data.join("member/snap")).unwrap();
+    std::fs::create_dir_all(data.join("member/wal")).unwrap();
+    assert_eq!(
+        initialize(&store, &config).await.unwrap(),
+        Initialized::Valid
+    );
+    // Deltas without a full snapshot: refuse rather than start empty.
+    std::fs::remove_dir_all(data.join("member/wal")).unwrap();
+    let d = store.new_snapshot(Kind::Incr, 1, 2, Codec::None, false);
+    store.put_bytes(&d, Bytes::from_static(b"x")).await.unwrap();
+    let e = initialize(&store, &config).await.unwrap_err().to_string();
+    assert!(e.contains("no full snapshot"), "{e}");
+}

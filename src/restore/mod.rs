@@ -7,6 +7,7 @@
 //! Leases are not restored: replayed puts carry no lease (as etcd-backup-restore does), so keys
 //! written under a lease after the full snapshot live until deleted.
 
+pub mod initialize;
 pub mod replay;
 pub mod tools;
 
@@ -42,6 +43,9 @@ pub enum RestoreError {
     /// The target directory is in use and `--force` was not given.
     #[error("{0} exists and is not empty; pass --force to move it aside")]
     TargetNotEmpty(String),
+    /// The guard file next to the data directory names another etcd.
+    #[error("{0}")]
+    Guard(String),
     /// A step of the restore failed; nothing was moved into place.
     #[error("restore failed while {step}: {source}")]
     Step {
