@@ -127,6 +127,7 @@ pub struct RawConfig {
     pub kill: RawKill,
     pub server: RawServer,
     pub log: RawLog,
+    pub restore: RawRestore,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -272,6 +273,28 @@ pub struct RawLog {
     pub level: String,
 }
 
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRestore {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_dir: Option<String>,
+    pub name: String,
+    #[serde(default)]
+    pub initial_cluster: String,
+    pub initial_cluster_token: String,
+    pub initial_advertise_peer_urls: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub etcd_bin: Option<String>,
+    #[serde(deserialize_with = "lenient::unsigned")]
+    pub parallel_fetch: u64,
+    #[serde(deserialize_with = "lenient::boolean")]
+    pub force: bool,
+    #[serde(deserialize_with = "lenient::boolean")]
+    pub initialize: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guard: Option<String>,
+}
+
 /// Defaults of keys inside an optional section (the section's absence means "off").
 mod defaults {
     pub fn path_style() -> bool {
@@ -395,6 +418,7 @@ pub struct Config {
     pub kill: KillConfig,
     pub server: ServerConfig,
     pub log: LogConfig,
+    pub restore: RestoreConfig,
 }
 
 /// How to reach the etcd member next to the sidecar.
@@ -519,6 +543,28 @@ pub struct ServerConfig {
     pub tls: Option<(PathBuf, PathBuf)>,
 }
 
+/// Restoring a data directory from the store (`restore`, and `serve` with `initialize`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RestoreConfig {
+    /// The data directory to create; required by `restore` and by `initialize`.
+    pub data_dir: Option<PathBuf>,
+    pub name: String,
+    /// `name=peerURL,...`; empty means this member alone.
+    pub initial_cluster: String,
+    pub initial_cluster_token: String,
+    pub initial_advertise_peer_urls: String,
+    /// Directory of `etcd` and `etcdutl`/`etcdctl`; `None` searches `PATH`.
+    pub etcd_bin: Option<PathBuf>,
+    /// Deltas fetched ahead of the one being replayed (at least 1).
+    pub parallel_fetch: usize,
+    /// Move a non-empty data directory aside instead of refusing.
+    pub force: bool,
+    /// `serve` restores a missing or invalid data directory before it starts.
+    pub initialize: bool,
+    /// Written next to the data directory; a different value there refuses to restore.
+    pub guard: Option<String>,
+}
+
 /// Log output.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LogConfig {
@@ -607,6 +653,7 @@ const SECTIONS: &[&str] = &[
     "kill",
     "server",
     "log",
+    "restore",
 ];
 
 /// Maps `ETCD_WARDEN_SNAPSHOT_DELTA_PERIOD` to `snapshot.delta_period`.
@@ -859,6 +906,50 @@ impl Validator<'_> {
             kill: self.kill(&raw.kill)?,
             server: self.server(&raw.server)?,
             log: self.log(&raw.log)?,
+            restore: self.restore(&raw.restore)?,
+        })
+    }
+
+    fn restore(&self, r: &RawRestore) -> Result<RestoreConfig, ConfigError> {
+        let name = r.name.trim();
+        if name.is_empty() {
+            return Err(self.err("restore.name", "required value missing"));
+        }
+        if r.parallel_fetch == 0 {
+            return Err(self.err("restore.parallel_fetch", "must be at least 1"));
+        }
+        for member in r
+            .initial_cluster
+            .split(',')
+            .filter(|m| !m.trim().is_empty())
+        {
+            if !member.contains('=') {
+                return Err(self.err(
+                    "restore.initial_cluster",
+                    format!("{member:?} is not name=peerURL"),
+                ));
+            }
+        }
+        let data_dir = r
+            .data_dir
+            .as_deref()
+            .filter(|d| !d.trim().is_empty())
+            .map(PathBuf::from);
+        Ok(RestoreConfig {
+            data_dir,
+            name: name.to_string(),
+            initial_cluster: r.initial_cluster.trim().to_string(),
+            initial_cluster_token: r.initial_cluster_token.clone(),
+            initial_advertise_peer_urls: r.initial_advertise_peer_urls.clone(),
+            etcd_bin: r
+                .etcd_bin
+                .as_deref()
+                .filter(|d| !d.trim().is_empty())
+                .map(PathBuf::from),
+            parallel_fetch: usize::try_from(r.parallel_fetch).unwrap_or(usize::MAX),
+            force: r.force,
+            initialize: r.initialize,
+            guard: r.guard.clone().filter(|g| !g.is_empty()),
         })
     }
 

@@ -40,6 +40,8 @@ pub enum SidecarError {
     Serve(std::io::Error),
     #[error("owner check: {0}")]
     Owner(#[from] crate::owner::resolve::ResolveError),
+    #[error("initializing the data directory: {0}")]
+    Initialize(#[from] crate::restore::RestoreError),
 }
 
 /// How long shutdown waits for tasks to finish (a snapshot upload in flight, open requests).
@@ -168,6 +170,10 @@ async fn etcd_readiness(
 /// Runs the sidecar until `cancel` fires, then shuts down within [`SHUTDOWN_GRACE`].
 pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), SidecarError> {
     let store = SnapshotStore::from_config(&config.store)?;
+    if config.restore.initialize {
+        // Before anything talks to etcd: it may be waiting for its data directory.
+        crate::restore::initialize::initialize(&store, &config.restore).await?;
+    }
     let client = crate::etcd::connect(&config.etcd).await?;
     let listener = tokio::net::TcpListener::bind(config.server.listen)
         .await

@@ -64,6 +64,13 @@ enum Command {
     },
     /// Copy snapshots from a source store to this one, optionally after the source's final one.
     Copy(CopyArgs),
+    /// Build an etcd data directory from the latest full snapshot and every later delta.
+    Restore {
+        #[command(flatten)]
+        store: StoreArg,
+        #[command(flatten)]
+        restore: RestoreArgs,
+    },
 }
 
 #[derive(Args)]
@@ -121,6 +128,64 @@ impl CopyArgs {
 }
 
 #[derive(Args)]
+struct RestoreArgs {
+    /// Data directory to create (restore.data_dir).
+    #[arg(long, value_name = "DIR")]
+    data_dir: Option<String>,
+    /// Member name (restore.name).
+    #[arg(long, value_name = "NAME")]
+    name: Option<String>,
+    /// name=peerURL,... of the new cluster (restore.initial_cluster).
+    #[arg(long, value_name = "CLUSTER")]
+    initial_cluster: Option<String>,
+    /// Token of the new cluster (restore.initial_cluster_token).
+    #[arg(long, value_name = "TOKEN")]
+    initial_cluster_token: Option<String>,
+    /// This member's peer URLs (restore.initial_advertise_peer_urls).
+    #[arg(long, value_name = "URLS")]
+    initial_advertise_peer_urls: Option<String>,
+    /// Directory of etcd and etcdutl/etcdctl (restore.etcd_bin); default PATH.
+    #[arg(long, value_name = "DIR")]
+    etcd_bin: Option<String>,
+    /// Move a non-empty data directory aside instead of refusing (restore.force).
+    #[arg(long)]
+    force: bool,
+}
+
+impl RestoreArgs {
+    fn overrides(&self) -> Vec<Override> {
+        let flags = [
+            (&self.data_dir, "restore.data_dir", "--data-dir"),
+            (&self.name, "restore.name", "--name"),
+            (
+                &self.initial_cluster,
+                "restore.initial_cluster",
+                "--initial-cluster",
+            ),
+            (
+                &self.initial_cluster_token,
+                "restore.initial_cluster_token",
+                "--initial-cluster-token",
+            ),
+            (
+                &self.initial_advertise_peer_urls,
+                "restore.initial_advertise_peer_urls",
+                "--initial-advertise-peer-urls",
+            ),
+            (&self.etcd_bin, "restore.etcd_bin", "--etcd-bin"),
+        ];
+        let mut o: Vec<Override> = flags
+            .into_iter()
+            .filter_map(|(v, key, flag)| v.as_ref().map(|v| Override::flag(key, v, flag)))
+            .collect();
+        if self.force {
+            o.push(Override::flag("restore.force", "true", "--force"));
+        }
+        o
+    }
+}
+
+#[derive(Args)]
 struct StoreArg {
     /// Store URL (store.url), e.g. file:///var/backups/etcd or s3://bucket/prefix.
     #[arg(long, value_name = "URL")]
@@ -136,6 +201,12 @@ impl Command {
                 .map(|u| Override::flag("store.url", u, "--store"))
                 .collect(),
             Command::Copy(args) => args.overrides(),
+            Command::Restore { store, restore } => store
+                .store
+                .iter()
+                .map(|u| Override::flag("store.url", u, "--store"))
+                .chain(restore.overrides())
+                .collect(),
             _ => Vec::new(),
         }
     }
@@ -201,6 +272,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Command::Ls { json, .. } => ops::ls(&config, json).await,
             Command::Verify { .. } => ops::verify(&config).await,
             Command::Copy(_) => ops::copy(&config).await,
+            Command::Restore { .. } => ops::restore(&config).await,
         }
     })
 }
@@ -288,6 +360,32 @@ mod ops {
             "copied {} snapshots, {} already there ({} selected)",
             report.copied, report.skipped, report.selected
         );
+        Ok(())
+    }
+
+    pub async fn restore(config: &Config) -> anyhow::Result<()> {
+        let Some(data_dir) = &config.restore.data_dir else {
+            return Err(etcd_warden::config::ConfigError {
+                key: "restore.data_dir".into(),
+                origin: String::new(),
+                message: "required value missing: give --data-dir".into(),
+            }
+            .into());
+        };
+        let store = SnapshotStore::from_config(&config.store)?;
+        let opts = etcd_warden::restore::RestoreOptions::from_config(&config.restore, data_dir);
+        let report = etcd_warden::restore::restore(&store, &opts).await?;
+        println!(
+            "restored {} from {} and {} deltas ({} events replayed) at revision {}",
+            data_dir.display(),
+            report.full_snapshot,
+            report.deltas,
+            report.events_applied,
+            report.revision
+        );
+        if let Some(old) = &report.moved_aside {
+            println!("the previous data directory is at {}", old.display());
+        }
         Ok(())
     }
 

@@ -3,11 +3,26 @@
 //! The full snapshot is restored with the etcd release's own tool into `<data-dir>.part`; a
 //! temporary etcd on loopback replays the deltas; the result is synced and renamed into place.
 //! Any failure leaves an existing data directory untouched.
+//!
+//! Leases are not restored: replayed puts carry no lease (as etcd-backup-restore does), so keys
+//! written under a lease after the full snapshot live until deleted.
 
+pub mod initialize;
 pub mod replay;
 pub mod tools;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use futures::StreamExt;
+use tokio::io::AsyncWriteExt;
+
+use crate::snapshot::delta::{self, EventType};
+use crate::snapshot::full::verify_sha256;
+use crate::store::{ByteStream, Snapshot, SnapshotStore};
+
+use replay::{ReplayOp, RevisionGroup};
+pub use tools::{EtcdTools, MemberParams, TempEtcd};
 
 /// What went wrong in a restore; each says which step.
 #[derive(Debug, thiserror::Error)]
@@ -25,6 +40,19 @@ pub enum RestoreError {
     },
     #[error("{0}")]
     Store(String),
+    /// The target directory is in use and `--force` was not given.
+    #[error("{0} exists and is not empty; pass --force to move it aside")]
+    TargetNotEmpty(String),
+    /// The guard file next to the data directory names another etcd.
+    #[error("{0}")]
+    Guard(String),
+    /// A step of the restore failed; nothing was moved into place.
+    #[error("restore failed while {step}: {source}")]
+    Step {
+        step: &'static str,
+        #[source]
+        source: Box<RestoreError>,
+    },
 }
 
 impl RestoreError {
@@ -34,5 +62,517 @@ impl RestoreError {
             path: path.display().to_string(),
             source,
         }
+    }
+}
+
+/// Names the step a fallible operation belongs to.
+trait StepExt<T> {
+    fn step(self, step: &'static str) -> Result<T, RestoreError>;
+}
+
+impl<T> StepExt<T> for Result<T, RestoreError> {
+    fn step(self, step: &'static str) -> Result<T, RestoreError> {
+        self.map_err(|e| match e {
+            // The innermost step is the most precise.
+            e @ RestoreError::Step { .. } => e,
+            e => RestoreError::Step {
+                step,
+                source: Box::new(e),
+            },
+        })
+    }
+}
+
+/// What to restore into and how.
+#[derive(Debug, Clone)]
+pub struct RestoreOptions {
+    /// The data directory to create.
+    pub data_dir: PathBuf,
+    /// How the restored member is named and which cluster it starts.
+    pub member: MemberParams,
+    /// Where etcd's binaries are; `None` means `PATH`.
+    pub etcd_bin: Option<PathBuf>,
+    /// Move a non-empty `data_dir` aside to `<data-dir>.old-<unix-time>` instead of refusing.
+    pub force: bool,
+    /// Deltas fetched ahead of the one being replayed.
+    pub parallel_fetch: usize,
+}
+
+impl RestoreOptions {
+    /// Options from the `[restore]` section, restoring into `data_dir`.
+    pub fn from_config(c: &crate::config::RestoreConfig, data_dir: &Path) -> Self {
+        RestoreOptions {
+            data_dir: data_dir.to_path_buf(),
+            member: MemberParams {
+                name: c.name.clone(),
+                initial_cluster: c.initial_cluster.clone(),
+                initial_cluster_token: c.initial_cluster_token.clone(),
+                initial_advertise_peer_urls: c.initial_advertise_peer_urls.clone(),
+            },
+            etcd_bin: c.etcd_bin.clone(),
+            force: c.force,
+            parallel_fetch: c.parallel_fetch,
+        }
+    }
+}
+
+/// What a restore did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RestoreReport {
+    /// The full snapshot restored.
+    pub full_snapshot: String,
+    /// Deltas read.
+    pub deltas: usize,
+    /// Events replayed (those already in the full snapshot are not counted).
+    pub events_applied: u64,
+    /// The restored etcd's revision.
+    pub revision: i64,
+    /// Where a previous data directory was moved (`--force`).
+    pub moved_aside: Option<PathBuf>,
+}
+
+/// `<dir><suffix>` next to `dir`.
+fn sibling(dir: &Path, suffix: &str) -> PathBuf {
+    let mut s = dir.as_os_str().to_owned();
+    s.push(suffix);
+    PathBuf::from(s)
+}
+
+/// Whether `dir` exists with something in it.
+fn is_non_empty_dir(dir: &Path) -> Result<bool, RestoreError> {
+    match std::fs::read_dir(dir) {
+        Ok(mut entries) => Ok(entries.next().is_some()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(RestoreError::io(dir, e)),
+    }
+}
+
+fn remove_if_exists(path: &Path) -> Result<(), RestoreError> {
+    match std::fs::remove_dir_all(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(RestoreError::io(path, e)),
+    }
+}
+
+/// Restores `opts.data_dir` from the latest full snapshot in `store` and every later delta.
+pub async fn restore(
+    store: &SnapshotStore,
+    opts: &RestoreOptions,
+) -> Result<RestoreReport, RestoreError> {
+    let target = &opts.data_dir;
+    if is_non_empty_dir(target)? && !opts.force {
+        return Err(RestoreError::TargetNotEmpty(target.display().to_string()));
+    }
+    let chain = store
+        .latest_chain()
+        .await
+        .map_err(|e| RestoreError::Store(e.to_string()))
+        .step("listing the store")?;
+    let full = chain
+        .full_snapshot
+        .clone()
+        .ok_or_else(|| RestoreError::Step {
+            step: "listing the store",
+            source: Box::new(RestoreError::Store("the store has no full snapshot".into())),
+        })?;
+    let tools = EtcdTools::locate(opts.etcd_bin.as_deref())
+        .await
+        .step("locating etcd's tools")?;
+
+    let part = sibling(target, ".part");
+    let work = sibling(target, ".restore-work");
+    if let Some(parent) = target.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent)
+            .map_err(|e| RestoreError::io(parent, e))
+            .step("creating the parent directory")?;
+    }
+    // Leftovers of an interrupted restore are ours to discard.
+    remove_if_exists(&part).step("removing an earlier partial restore")?;
+    remove_if_exists(&work).step("removing an earlier partial restore")?;
+    std::fs::create_dir_all(&work)
+        .map_err(|e| RestoreError::io(&work, e))
+        .step("creating the work directory")?;
+
+    let result = build(
+        store,
+        &tools,
+        opts,
+        &full,
+        &chain.delta_snapshots,
+        &part,
+        &work,
+    )
+    .await;
+    let _ = std::fs::remove_dir_all(&work);
+    let (events_applied, revision) = match result {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&part);
+            return Err(e);
+        }
+    };
+    let moved_aside = match install(&part, target, opts.force).step("moving the result into place")
+    {
+        Ok(m) => m,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&part);
+            return Err(e);
+        }
+    };
+    let report = RestoreReport {
+        full_snapshot: full.snap_name.clone(),
+        deltas: chain.delta_snapshots.len(),
+        events_applied,
+        revision,
+        moved_aside,
+    };
+    tracing::info!(
+        data_dir = %target.display(),
+        full_snapshot = %report.full_snapshot,
+        deltas = report.deltas,
+        events = report.events_applied,
+        revision,
+        "restore complete"
+    );
+    Ok(report)
+}
+
+/// Builds the restored directory in `part`. Returns (events applied, final revision).
+async fn build(
+    store: &SnapshotStore,
+    tools: &EtcdTools,
+    opts: &RestoreOptions,
+    full: &Snapshot,
+    deltas: &[Snapshot],
+    part: &Path,
+    work: &Path,
+) -> Result<(u64, i64), RestoreError> {
+    let db = work.join("snapshot.db");
+    let started = Instant::now();
+    let stream = store
+        .get_decoded(full)
+        .await
+        .map_err(|e| RestoreError::Store(e.to_string()))
+        .step("fetching the full snapshot")?;
+    let bytes = write_verified(stream, &db)
+        .await
+        .step("fetching and verifying the full snapshot")?;
+    tracing::info!(snapshot = %full.snap_name, bytes, seconds = started.elapsed().as_secs_f64(), "full snapshot fetched and verified");
+
+    if deltas.is_empty() {
+        tools
+            .restore_file(&db, part, &opts.member)
+            .await
+            .step("restoring the full snapshot")?;
+        sync_tree(part)
+            .await
+            .step("syncing the restored directory")?;
+        // Without deltas the revision is the snapshot's; reading it would need an etcd.
+        return Ok((0, full.last_revision));
+    }
+
+    // A temporary etcd cannot start as one member of a multi-member cluster: replay into a
+    // single-member scratch copy, then restore its snapshot with the real parameters.
+    let multi = opts.member.is_multi_member();
+    let replay_dir = if multi {
+        work.join("scratch.etcd")
+    } else {
+        part.to_path_buf()
+    };
+    let replay_member = if multi {
+        MemberParams {
+            name: opts.member.name.clone(),
+            ..MemberParams::default()
+        }
+    } else {
+        opts.member.clone()
+    };
+    tools
+        .restore_file(&db, &replay_dir, &replay_member)
+        .await
+        .step("restoring the full snapshot")?;
+    let _ = std::fs::remove_file(&db);
+
+    let temp = TempEtcd::start(
+        tools,
+        &replay_dir,
+        &replay_member.name,
+        work.join("temp-etcd.log"),
+    )
+    .await
+    .step("starting the temporary etcd")?;
+    let replayed = replay_all(store, &temp, deltas, opts.parallel_fetch.max(1)).await;
+    let replayed = match replayed {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = temp.stop().await;
+            return Err(e);
+        }
+    };
+    if multi {
+        let snap = work.join("replayed.db");
+        let saved = snapshot_to_file(&temp.client_url, &snap)
+            .await
+            .step("snapshotting the replayed etcd");
+        temp.stop().await.step("stopping the temporary etcd")?;
+        saved?;
+        tools
+            .restore_file(&snap, part, &opts.member)
+            .await
+            .step("restoring the replayed snapshot with the cluster's parameters")?;
+    } else {
+        temp.stop().await.step("stopping the temporary etcd")?;
+    }
+    sync_tree(part)
+        .await
+        .step("syncing the restored directory")?;
+    Ok(replayed)
+}
+
+/// Fetches deltas `parallel` ahead and replays them in order. Returns (events applied, revision).
+async fn replay_all(
+    store: &SnapshotStore,
+    temp: &TempEtcd,
+    deltas: &[Snapshot],
+    parallel: usize,
+) -> Result<(u64, i64), RestoreError> {
+    let mut client = etcd_client::Client::connect([&temp.client_url], None)
+        .await
+        .map_err(|e| RestoreError::Etcd(e.to_string()))
+        .step("connecting to the temporary etcd")?;
+    let restored = current_revision(&mut client)
+        .await
+        .step("reading the restored revision")?;
+    let mut current = restored;
+    let started = Instant::now();
+    tracing::info!(
+        revision = restored,
+        deltas = deltas.len(),
+        "replaying deltas"
+    );
+    let mut fetched = futures::stream::iter(deltas.iter().cloned())
+        .map(|d| async move {
+            let events = delta::read(store, &d).await;
+            (d, events)
+        })
+        .buffered(parallel);
+    let mut applied = 0u64;
+    // The last revision of a delta is held back until the next delta shows it is complete:
+    // nothing guarantees that one revision's events never straddle two deltas.
+    let mut held: Vec<(i64, ReplayOp)> = Vec::new();
+    while let Some((d, events)) = fetched.next().await {
+        let events = events
+            .map_err(|e| RestoreError::Deltas(format!("delta {}: {e}", d.snap_name)))
+            .step("fetching and verifying deltas")?;
+        let mut ops = std::mem::take(&mut held);
+        for te in events {
+            ops.push(to_op(&te.event, &d)?);
+        }
+        let mut groups = replay::group(ops)
+            .map_err(|e| RestoreError::Deltas(format!("delta {}: {e}", d.snap_name)))
+            .step("replaying deltas")?;
+        if let Some(last) = groups.pop() {
+            held = last.ops.into_iter().map(|op| (last.revision, op)).collect();
+        }
+        applied += replay::apply(&mut client, &groups, &mut current)
+            .await
+            .step("replaying deltas")?;
+    }
+    if !held.is_empty() {
+        let groups: Vec<RevisionGroup> = replay::group(held).step("replaying deltas")?;
+        applied += replay::apply(&mut client, &groups, &mut current)
+            .await
+            .step("replaying deltas")?;
+    }
+    let expected = deltas.last().map_or(restored, |d| d.last_revision);
+    let actual = current_revision(&mut client)
+        .await
+        .step("reading the final revision")?;
+    // The full snapshot may hold writes made after its name's revision, so the restored etcd
+    // may already be past the last delta; it may never be short of it.
+    if actual != expected.max(restored) {
+        return Err(RestoreError::Step {
+            step: "checking the final revision",
+            source: Box::new(RestoreError::Deltas(format!(
+                "the restored etcd is at revision {actual}, the last delta ends at {expected}"
+            ))),
+        });
+    }
+    let secs = started.elapsed().as_secs_f64();
+    tracing::info!(
+        events = applied,
+        revision = actual,
+        seconds = secs,
+        events_per_second = applied as f64 / secs.max(1e-9),
+        "deltas replayed"
+    );
+    Ok((applied, actual))
+}
+
+/// A delta event as a replay operation; the lease is dropped on purpose (see the module doc).
+fn to_op(event: &delta::Event, d: &Snapshot) -> Result<(i64, ReplayOp), RestoreError> {
+    let kv = event.kv.as_ref().ok_or_else(|| RestoreError::Step {
+        step: "replaying deltas",
+        source: Box::new(RestoreError::Deltas(format!(
+            "delta {}: an event without a key",
+            d.snap_name
+        ))),
+    })?;
+    let op = match event.kind {
+        EventType::Put => ReplayOp::Put {
+            key: kv.key.clone(),
+            value: kv.value.clone(),
+        },
+        EventType::Delete => ReplayOp::Delete {
+            key: kv.key.clone(),
+        },
+    };
+    Ok((kv.mod_revision, op))
+}
+
+async fn current_revision(client: &mut etcd_client::Client) -> Result<i64, RestoreError> {
+    let status = client
+        .status()
+        .await
+        .map_err(|e| RestoreError::Etcd(e.to_string()))?;
+    status
+        .header()
+        .map(|h| h.revision())
+        .ok_or_else(|| RestoreError::Etcd("status without a header".into()))
+}
+
+/// Writes a stream to `path`, checking etcd's trailing SHA-256 as it passes, and syncs it.
+async fn write_verified(stream: ByteStream, path: &Path) -> Result<u64, RestoreError> {
+    let mut verified = verify_sha256(stream);
+    let mut file = tokio::fs::File::create(path)
+        .await
+        .map_err(|e| RestoreError::io(path, e))?;
+    let mut written = 0u64;
+    while let Some(chunk) = verified.next().await {
+        let chunk = chunk.map_err(|e| RestoreError::io(path, e))?;
+        written += chunk.len() as u64;
+        file.write_all(&chunk)
+            .await
+            .map_err(|e| RestoreError::io(path, e))?;
+    }
+    file.sync_all()
+        .await
+        .map_err(|e| RestoreError::io(path, e))?;
+    Ok(written)
+}
+
+/// Saves a snapshot of the etcd at `url` (the maintenance API) to `path`.
+async fn snapshot_to_file(url: &str, path: &Path) -> Result<u64, RestoreError> {
+    let client = etcd_client::Client::connect([url], None)
+        .await
+        .map_err(|e| RestoreError::Etcd(e.to_string()))?;
+    let stream = client
+        .maintenance_client()
+        .snapshot()
+        .await
+        .map_err(|e| RestoreError::Etcd(e.to_string()))?;
+    let raw = futures::stream::unfold(stream, |mut s| async move {
+        match s.message().await {
+            Ok(Some(msg)) => Some((Ok(bytes::Bytes::copy_from_slice(msg.blob())), s)),
+            Ok(None) => None,
+            Err(e) => Some((Err(std::io::Error::other(e)), s)),
+        }
+    })
+    .boxed();
+    write_verified(raw, path).await
+}
+
+/// Syncs every file and directory under `dir` (the temporary etcd may have run without fsync).
+async fn sync_tree(dir: &Path) -> Result<(), RestoreError> {
+    let dir = dir.to_path_buf();
+    tokio::task::spawn_blocking(move || sync_tree_blocking(&dir))
+        .await
+        .map_err(|e| RestoreError::Tools(format!("sync task failed: {e}")))?
+}
+
+fn sync_tree_blocking(dir: &Path) -> Result<(), RestoreError> {
+    for entry in std::fs::read_dir(dir).map_err(|e| RestoreError::io(dir, e))? {
+        let path = entry.map_err(|e| RestoreError::io(dir, e))?.path();
+        if path.is_dir() {
+            sync_tree_blocking(&path)?;
+        } else {
+            std::fs::File::open(&path)
+                .and_then(|f| f.sync_all())
+                .map_err(|e| RestoreError::io(&path, e))?;
+        }
+    }
+    sync_dir(dir)
+}
+
+fn sync_dir(dir: &Path) -> Result<(), RestoreError> {
+    std::fs::File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| RestoreError::io(dir, e))
+}
+
+/// Renames `part` to `target`, first moving a non-empty `target` aside when `force` is set.
+/// Returns where the old directory went.
+fn install(part: &Path, target: &Path, force: bool) -> Result<Option<PathBuf>, RestoreError> {
+    let mut moved = None;
+    if is_non_empty_dir(target)? {
+        if !force {
+            return Err(RestoreError::TargetNotEmpty(target.display().to_string()));
+        }
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let aside = sibling(target, &format!(".old-{now}"));
+        std::fs::rename(target, &aside).map_err(|e| RestoreError::io(target, e))?;
+        moved = Some(aside);
+    }
+    // rename(2) replaces an empty directory, so an empty target needs no special case.
+    if let Err(e) = std::fs::rename(part, target) {
+        if let Some(aside) = &moved {
+            // Put the old directory back: a failed restore leaves it where it was.
+            let _ = std::fs::rename(aside, target);
+        }
+        return Err(RestoreError::io(target, e));
+    }
+    if let Some(parent) = target.parent().filter(|p| !p.as_os_str().is_empty()) {
+        sync_dir(parent)?;
+    }
+    Ok(moved)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn siblings_are_next_to_the_target() {
+        assert_eq!(
+            sibling(Path::new("/var/lib/etcd/data"), ".part"),
+            PathBuf::from("/var/lib/etcd/data.part")
+        );
+    }
+
+    #[test]
+    fn install_moves_the_old_directory_aside_never_deletes_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("data");
+        let part = dir.path().join("data.part");
+        std::fs::create_dir_all(&target).unwrap();
+        std::fs::write(target.join("old"), b"x").unwrap();
+        std::fs::create_dir_all(&part).unwrap();
+        std::fs::write(part.join("new"), b"y").unwrap();
+        assert!(matches!(
+            install(&part, &target, false),
+            Err(RestoreError::TargetNotEmpty(_))
+        ));
+        let aside = install(&part, &target, true).unwrap().unwrap();
+        assert!(target.join("new").is_file());
+        assert!(aside.join("old").is_file());
+        assert!(!part.exists());
+        // An empty target is simply replaced.
+        let empty = dir.path().join("empty");
+        std::fs::create_dir_all(&empty).unwrap();
+        std::fs::create_dir_all(&part).unwrap();
+        assert_eq!(install(&part, &empty, false).unwrap(), None);
     }
 }

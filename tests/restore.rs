@@ -1,0 +1,579 @@
+//! `restore` against real etcd: a full snapshot and several deltas of a mixed workload restore
+//! into a directory on which etcd starts with every key, value and the revision of the original.
+
+mod support;
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use etcd_client::{Client, DeleteOptions, GetOptions, PutOptions, Txn, TxnOp};
+use etcd_warden::restore::{EtcdTools, MemberParams, RestoreError, RestoreOptions, TempEtcd};
+use etcd_warden::snapshot::delta::{DeltaWriter, Event};
+use etcd_warden::snapshot::take_full;
+use etcd_warden::snapshot::watcher::DeltaWatch;
+use etcd_warden::store::{Codec, Kind, SnapshotStore};
+use support::etcd::{EtcdCluster, Release, member_healthy};
+use support::{eventually, free_port};
+
+fn file_store(dir: &Path) -> SnapshotStore {
+    std::fs::create_dir_all(dir).unwrap();
+    let backend = Arc::new(object_store::local::LocalFileSystem::new_with_prefix(dir).unwrap());
+    SnapshotStore::new(backend, "")
+}
+
+/// Every key as (key, value, create revision, mod revision, version), and the revision.
+type Dump = (Vec<(Vec<u8>, Vec<u8>, i64, i64, i64)>, i64);
+
+async fn dump(client: &mut Client) -> Dump {
+    let resp = client
+        .get(vec![0u8], Some(GetOptions::new().with_from_key()))
+        .await
+        .unwrap();
+    let rev = resp.header().unwrap().revision();
+    let kvs = resp
+        .kvs()
+        .iter()
+        .map(|kv| {
+            (
+                kv.key().to_vec(),
+                kv.value().to_vec(),
+                kv.create_revision(),
+                kv.mod_revision(),
+                kv.version(),
+            )
+        })
+        .collect();
+    (kvs, rev)
+}
+
+async fn revision(client: &mut Client) -> i64 {
+    client
+        .get("x", None)
+        .await
+        .unwrap()
+        .header()
+        .unwrap()
+        .revision()
+}
+
+/// Puts, overwrites, deletes, a prefix delete and a multi-op transaction (several events at one
+/// revision), a key under a lease, and a value near etcd's request limit.
+async fn workload(client: &mut Client, phase: usize) {
+    for i in 0..60 {
+        client
+            .put(
+                format!("/registry/p{phase}/k{i:03}"),
+                format!("v{i}-{phase}"),
+                None,
+            )
+            .await
+            .unwrap();
+    }
+    for i in 0..20 {
+        client
+            .put(
+                format!("/registry/shared/k{i:03}"),
+                format!("overwritten-{phase}"),
+                None,
+            )
+            .await
+            .unwrap();
+    }
+    client.delete("/registry/shared/k005", None).await.unwrap();
+    if phase > 0 {
+        client
+            .delete(
+                format!("/registry/p{}/", phase - 1),
+                Some(DeleteOptions::new().with_prefix()),
+            )
+            .await
+            .unwrap();
+    }
+    client
+        .txn(Txn::new().and_then([
+            TxnOp::put(format!("/txn/{phase}/a"), "a", None),
+            TxnOp::put(format!("/txn/{phase}/b"), "b", None),
+            TxnOp::delete("/registry/shared/k006", None),
+        ]))
+        .await
+        .unwrap();
+    let big: Vec<u8> = (0..900_000u32).map(|i| (i % 251) as u8).collect();
+    client
+        .put(format!("/big/{phase}"), big, None)
+        .await
+        .unwrap();
+    let lease = client.lease_grant(3600, None).await.unwrap().id();
+    client
+        .put(
+            format!("/leased/{phase}"),
+            "l",
+            Some(PutOptions::new().with_lease(lease)),
+        )
+        .await
+        .unwrap();
+}
+
+/// A full snapshot after phase 0, then `deltas` deltas of one phase each, taken from a watch.
+async fn build_store(client: &mut Client, store: &SnapshotStore, deltas: usize) -> i64 {
+    workload(client, 0).await;
+    let full = take_full(client, store, Codec::Gzip, false).await.unwrap();
+    let mut writer = DeltaWriter::new(Codec::Gzip, full.last_revision);
+    let mut watch = DeltaWatch::open(client, full.last_revision + 1)
+        .await
+        .unwrap();
+    for phase in 1..=deltas {
+        workload(client, phase).await;
+        let target = revision(client).await;
+        let mut events: Vec<Event> = Vec::new();
+        while events.last().map_or(0, Event::revision) < target {
+            events.extend(watch.next().await.unwrap());
+        }
+        writer.push(events, chrono::Utc::now());
+        writer.flush(store).await.unwrap().unwrap();
+    }
+    revision(client).await
+}
+
+fn options(data_dir: &Path, release: Release) -> RestoreOptions {
+    RestoreOptions {
+        data_dir: data_dir.to_path_buf(),
+        member: MemberParams::default(),
+        etcd_bin: Some(release.bin_dir()),
+        force: false,
+        parallel_fetch: 3,
+    }
+}
+
+/// Starts etcd on a restored directory and dumps it.
+async fn dump_restored(release: Release, data_dir: &Path, name: &str) -> Dump {
+    let tools = EtcdTools::locate(Some(&release.bin_dir())).await.unwrap();
+    let log = data_dir.with_extension("check.log");
+    let etcd = TempEtcd::start(&tools, data_dir, name, log).await.unwrap();
+    let mut client = Client::connect([&etcd.client_url], None).await.unwrap();
+    let d = dump(&mut client).await;
+    etcd.stop().await.unwrap();
+    d
+}
+
+async fn full_and_deltas_restore(release: Release, deltas: usize) {
+    let etcd = EtcdCluster::single(release).await;
+    let mut client = etcd.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let store = file_store(&dir.path().join("store"));
+    let last = build_store(&mut client, &store, deltas).await;
+    let original = dump(&mut client).await;
+    assert_eq!(original.1, last);
+
+    let target = dir.path().join("restored.etcd");
+    let report = etcd_warden::restore::restore(&store, &options(&target, release))
+        .await
+        .unwrap();
+    assert_eq!(report.deltas, deltas);
+    assert_eq!(report.revision, last);
+    assert!(report.events_applied > 0);
+    assert!(!dir.path().join("restored.etcd.part").exists());
+    assert!(!dir.path().join("restored.etcd.restore-work").exists());
+
+    let restored = dump_restored(release, &target, "default").await;
+    assert_eq!(restored.1, original.1, "revision");
+    assert_eq!(restored.0.len(), original.0.len(), "key count");
+    assert!(
+        restored.0 == original.0,
+        "keys, values and revisions differ"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_snapshot_and_deltas_restore_exactly_on_etcd_3_5() {
+    full_and_deltas_restore(Release::V35, 3).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_snapshot_and_deltas_restore_exactly_on_etcd_3_4() {
+    full_and_deltas_restore(Release::V34, 2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_delta_fails_and_leaves_the_target_untouched() {
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut client = etcd.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let store = file_store(&dir.path().join("store"));
+    build_store(&mut client, &store, 2).await;
+    // Flip one byte inside the first delta's JSON; the stored hash no longer matches.
+    let first = store
+        .list()
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|s| s.kind == Kind::Incr)
+        .unwrap();
+    let raw = etcd_warden::store::compression::collect(store.get_decoded(&first).await.unwrap())
+        .await
+        .unwrap();
+    let mut bad = raw.clone();
+    bad[10] ^= 0x01;
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    gz.write_all(&bad).unwrap();
+    store
+        .put_bytes(&first, Bytes::from(gz.finish().unwrap()))
+        .await
+        .unwrap();
+
+    let target = dir.path().join("data");
+    std::fs::create_dir_all(&target).unwrap();
+    std::fs::write(target.join("precious"), b"keep me").unwrap();
+    // Non-empty and no --force: refused before anything is fetched.
+    let e = etcd_warden::restore::restore(&store, &options(&target, Release::V35))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, RestoreError::TargetNotEmpty(_)), "{e}");
+
+    let mut opts = options(&target, Release::V35);
+    opts.force = true;
+    let e = etcd_warden::restore::restore(&store, &opts)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("fetching and verifying deltas"), "{e}");
+    assert!(e.contains(&first.snap_name) && e.contains("hash"), "{e}");
+    assert_eq!(std::fs::read(target.join("precious")).unwrap(), b"keep me");
+    let names: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    let mut names = names;
+    names.sort();
+    assert_eq!(
+        names,
+        vec!["data", "store"],
+        "nothing left beside the target"
+    );
+
+    // The binary says which step failed, exits 1, and leaves the target alone too.
+    let out = support::warden::command()
+        .args(["restore", "--force", "--store"])
+        .arg(format!("file://{}", dir.path().join("store").display()))
+        .arg("--data-dir")
+        .arg(&target)
+        .arg("--etcd-bin")
+        .arg(Release::V35.bin_dir())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("fetching and verifying deltas"), "{stderr}");
+    assert_eq!(std::fs::read(target.join("precious")).unwrap(), b"keep me");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn force_moves_the_old_directory_aside_via_the_binary() {
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut client = etcd.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let store = file_store(&dir.path().join("store"));
+    let last = build_store(&mut client, &store, 1).await;
+    let original = dump(&mut client).await;
+    let target = dir.path().join("data");
+    std::fs::create_dir_all(&target).unwrap();
+    std::fs::write(target.join("old"), b"old").unwrap();
+    let run = |force: bool| {
+        let mut c = support::warden::command();
+        c.args(["restore", "--store"])
+            .arg(format!("file://{}", dir.path().join("store").display()))
+            .arg("--data-dir")
+            .arg(&target)
+            .arg("--etcd-bin")
+            .arg(Release::V35.bin_dir())
+            .args(["--name", "m1"]);
+        if force {
+            c.arg("--force");
+        }
+        c.output().unwrap()
+    };
+    let out = run(false);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--force"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = run(true);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let aside: Vec<PathBuf> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_string_lossy().contains("data.old-"))
+        .collect();
+    assert_eq!(aside.len(), 1);
+    assert_eq!(std::fs::read(aside[0].join("old")).unwrap(), b"old");
+    let restored = dump_restored(Release::V35, &target, "m1").await;
+    assert_eq!(restored.1, last);
+    assert!(restored.0 == original.0);
+}
+
+/// A delta written as etcd-backup-restore writes it, built here from the documented format.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_etcd_backup_restore_delta_restores() {
+    use base64::Engine;
+    use sha2::Digest;
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut client = etcd.client().await;
+    client.put("/a", "1", None).await.unwrap();
+    client.put("/b", "2", None).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let store = file_store(&dir.path().join("store"));
+    let full = take_full(&client, &store, Codec::Gzip, false)
+        .await
+        .unwrap();
+    let r = full.last_revision;
+    let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
+    // Go's encoding: PUT has no "type", zero fields omitted, bytes base64; a txn's two events
+    // share a revision.
+    let array = serde_json::json!([
+        {"etcdEvent": {"kv": {"key": b64("/a"), "create_revision": 2, "mod_revision": r + 1, "version": 2, "value": b64("one")}}, "time": "2024-01-02T03:04:05.123456789Z"},
+        {"etcdEvent": {"type": 1, "kv": {"key": b64("/b"), "mod_revision": r + 2}}, "time": "2024-01-02T03:04:06Z"},
+        {"etcdEvent": {"kv": {"key": b64("/c"), "create_revision": r + 3, "mod_revision": r + 3, "version": 1, "value": b64("x")}}, "time": "2024-01-02T03:04:07.5Z"},
+        {"etcdEvent": {"kv": {"key": b64("/d"), "create_revision": r + 3, "mod_revision": r + 3, "version": 1}}, "time": "2024-01-02T03:04:07.5Z"}
+    ]);
+    let mut payload = serde_json::to_vec(&array).unwrap();
+    let hash = sha2::Sha256::digest(&payload);
+    payload.extend_from_slice(&hash);
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    gz.write_all(&payload).unwrap();
+    let delta = store.new_snapshot(Kind::Incr, r + 1, r + 3, Codec::Gzip, false);
+    store
+        .put_bytes(&delta, Bytes::from(gz.finish().unwrap()))
+        .await
+        .unwrap();
+
+    let target = dir.path().join("data");
+    let report = etcd_warden::restore::restore(&store, &options(&target, Release::V35))
+        .await
+        .unwrap();
+    assert_eq!(report.revision, r + 3);
+    assert_eq!(report.events_applied, 4);
+    let (kvs, rev) = dump_restored(Release::V35, &target, "default").await;
+    assert_eq!(rev, r + 3);
+    let got: Vec<(&[u8], &[u8])> = kvs
+        .iter()
+        .map(|(k, v, ..)| (k.as_slice(), v.as_slice()))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (&b"/a"[..], &b"one"[..]),
+            (&b"/c"[..], &b"x"[..]),
+            (&b"/d"[..], &b""[..])
+        ]
+    );
+}
+
+/// An etcd process on a restored directory, killed on drop.
+struct Member(Child);
+
+impl Drop for Member {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_restored_members_form_a_new_cluster() {
+    let release = Release::V35;
+    let etcd = EtcdCluster::single(release).await;
+    let mut client = etcd.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let store = file_store(&dir.path().join("store"));
+    let last = build_store(&mut client, &store, 2).await;
+    let original = dump(&mut client).await;
+    drop(etcd);
+
+    let ports: Vec<(u16, u16)> = (0..3).map(|_| (free_port(), free_port())).collect();
+    let cluster = ports
+        .iter()
+        .enumerate()
+        .map(|(i, (_, p))| format!("r{i}=http://127.0.0.1:{p}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut members = Vec::new();
+    for (i, (c, p)) in ports.iter().enumerate() {
+        let data = dir.path().join(format!("r{i}.etcd"));
+        let mut opts = options(&data, release);
+        opts.member = MemberParams {
+            name: format!("r{i}"),
+            initial_cluster: cluster.clone(),
+            initial_cluster_token: "restored".into(),
+            initial_advertise_peer_urls: format!("http://127.0.0.1:{p}"),
+        };
+        let report = etcd_warden::restore::restore(&store, &opts).await.unwrap();
+        assert_eq!(report.revision, last);
+        let log = std::fs::File::create(dir.path().join(format!("r{i}.log"))).unwrap();
+        let child = Command::new(release.bin("etcd"))
+            .arg("--name")
+            .arg(format!("r{i}"))
+            .arg("--data-dir")
+            .arg(&data)
+            .arg("--listen-client-urls")
+            .arg(format!("http://127.0.0.1:{c}"))
+            .arg("--advertise-client-urls")
+            .arg(format!("http://127.0.0.1:{c}"))
+            .arg("--listen-peer-urls")
+            .arg(format!("http://127.0.0.1:{p}"))
+            .arg("--initial-advertise-peer-urls")
+            .arg(format!("http://127.0.0.1:{p}"))
+            .arg("--initial-cluster")
+            .arg(&cluster)
+            .arg("--initial-cluster-token")
+            .arg("restored")
+            .arg("--unsafe-no-fsync")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        members.push(Member(child));
+    }
+    let urls: Vec<String> = ports
+        .iter()
+        .map(|(c, _)| format!("http://127.0.0.1:{c}"))
+        .collect();
+    for u in &urls {
+        let healthy = eventually(Duration::from_secs(30), || member_healthy(u)).await;
+        let logs: String = (0..3)
+            .map(|i| {
+                std::fs::read_to_string(dir.path().join(format!("r{i}.log"))).unwrap_or_default()
+            })
+            .collect();
+        assert!(healthy, "{u} not healthy; logs:\n{logs}");
+    }
+    let mut c = Client::connect(urls.clone(), None).await.unwrap();
+    assert_eq!(c.member_list().await.unwrap().members().len(), 3);
+    let restored = dump(&mut c).await;
+    assert_eq!(restored.1, original.1);
+    assert!(restored.0 == original.0);
+    // The new cluster takes writes.
+    c.put("/after", "restore", None).await.unwrap();
+    for u in &urls {
+        let mut one = Client::connect([u], None).await.unwrap();
+        let got = one
+            .get("/after", Some(GetOptions::new().with_serializable()))
+            .await;
+        let ok = eventually(Duration::from_secs(5), || {
+            let u = u.clone();
+            async move {
+                let mut one = Client::connect([u], None).await.unwrap();
+                one.get("/after", Some(GetOptions::new().with_serializable()))
+                    .await
+                    .map(|r| r.kvs().len() == 1)
+                    .unwrap_or(false)
+            }
+        })
+        .await;
+        assert!(ok && got.is_ok(), "{u} did not see the write");
+    }
+    drop(members);
+}
+
+/// `serve` with `restore.initialize` restores a missing data directory before it starts, and a
+/// guard file naming another etcd stops it with a clear error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_initializes_a_missing_data_directory_from_the_store() {
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut client = etcd.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let store_dir = dir.path().join("store");
+    let store = file_store(&store_dir);
+    let last = build_store(&mut client, &store, 1).await;
+    let original = dump(&mut client).await;
+    drop(etcd);
+
+    let keys = |data: &Path, guard: &str| {
+        vec![
+            ("store.url", format!("file://{}", store_dir.display())),
+            (
+                "etcd.endpoints",
+                format!("http://127.0.0.1:{}", free_port()),
+            ),
+            ("restore.initialize", "true".to_string()),
+            ("restore.data_dir", data.display().to_string()),
+            (
+                "restore.etcd_bin",
+                Release::V35.bin_dir().display().to_string(),
+            ),
+            ("restore.guard", guard.to_string()),
+        ]
+    };
+    let data = dir.path().join("vol/data");
+    let warden = support::warden::Warden::start(&keys(&data, "ns-a"));
+    let done = eventually(Duration::from_secs(60), || async {
+        warden.log_text().contains("restore complete")
+    })
+    .await;
+    assert!(done, "no restore; log:\n{}", warden.log_text());
+    drop(warden);
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("vol/.etcd-warden-guard")).unwrap(),
+        "ns-a\n"
+    );
+    let restored = dump_restored(Release::V35, &data, "default").await;
+    assert_eq!(restored.1, last);
+    assert!(restored.0 == original.0);
+
+    // Another namespace's sidecar on this volume refuses (the data dir is invalid again).
+    std::fs::remove_dir_all(data.join("member/wal")).unwrap();
+    let warden = support::warden::Warden::start(&keys(&data, "ns-b"));
+    let refused = eventually(Duration::from_secs(20), || async {
+        warden.log_text().contains("another etcd")
+    })
+    .await;
+    assert!(refused, "no guard error; log:\n{}", warden.log_text());
+    assert!(!data.join("member/wal").exists(), "nothing restored");
+    assert!(!dir.path().join("vol/data.part").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn initialize_starts_fresh_on_an_empty_store_and_keeps_a_valid_directory() {
+    use etcd_warden::restore::initialize::{Initialized, initialize};
+    let dir = tempfile::tempdir().unwrap();
+    let store = file_store(&dir.path().join("store"));
+    let data = dir.path().join("data");
+    let config = etcd_warden::config::RestoreConfig {
+        data_dir: Some(data.clone()),
+        name: "default".into(),
+        initial_cluster: String::new(),
+        initial_cluster_token: "etcd-cluster".into(),
+        initial_advertise_peer_urls: "http://localhost:2380".into(),
+        etcd_bin: Some(Release::V35.bin_dir()),
+        parallel_fetch: 2,
+        force: false,
+        initialize: true,
+        guard: None,
+    };
+    assert_eq!(
+        initialize(&store, &config).await.unwrap(),
+        Initialized::Fresh
+    );
+    assert!(!data.exists());
+    std::fs::create_dir_all(data.join("member/snap")).unwrap();
+    std::fs::create_dir_all(data.join("member/wal")).unwrap();
+    assert_eq!(
+        initialize(&store, &config).await.unwrap(),
+        Initialized::Valid
+    );
+    // Deltas without a full snapshot: refuse rather than start empty.
+    std::fs::remove_dir_all(data.join("member/wal")).unwrap();
+    let d = store.new_snapshot(Kind::Incr, 1, 2, Codec::None, false);
+    store.put_bytes(&d, Bytes::from_static(b"x")).await.unwrap();
+    let e = initialize(&store, &config).await.unwrap_err().to_string();
+    assert!(e.contains("no full snapshot"), "{e}");
+}
