@@ -83,6 +83,63 @@ pub async fn connect(config: &EtcdConfig) -> Result<etcd_client::Client, EtcdErr
         })
 }
 
+/// A client rebuilt when its TLS files or password file change, so a long-running sidecar
+/// follows certificate and password rotation without a restart.
+pub struct RotatingClient {
+    config: EtcdConfig,
+    client: etcd_client::Client,
+    stamp: Vec<Option<std::time::SystemTime>>,
+}
+
+/// The modification times of the files a client is built from.
+fn stamp(config: &EtcdConfig) -> Vec<Option<std::time::SystemTime>> {
+    let mut files: Vec<&std::path::Path> = Vec::new();
+    if let Some(t) = &config.tls {
+        files.extend(t.ca_file.as_deref());
+        files.extend(t.cert_file.as_deref());
+        files.extend(t.key_file.as_deref());
+    }
+    if let Some(crate::config::Secret::File(p)) = &config.password {
+        files.push(p);
+    }
+    files
+        .iter()
+        .map(|f| std::fs::metadata(f).and_then(|m| m.modified()).ok())
+        .collect()
+}
+
+impl RotatingClient {
+    /// Connects with the files as they are now.
+    pub async fn connect(config: &EtcdConfig) -> Result<Self, EtcdError> {
+        let stamp = stamp(config);
+        let client = connect(config).await?;
+        Ok(RotatingClient {
+            config: config.clone(),
+            client,
+            stamp,
+        })
+    }
+
+    /// The client, rebuilt first when a file it was built from changed since. When the new
+    /// files cannot be used yet (half written), the old client is kept and the error logged.
+    pub async fn client(&mut self) -> etcd_client::Client {
+        let now = stamp(&self.config);
+        if now != self.stamp {
+            match connect(&self.config).await {
+                Ok(c) => {
+                    tracing::info!("etcd credentials changed on disk; reconnected");
+                    self.client = c;
+                    self.stamp = now;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "etcd credentials changed but cannot be used yet")
+                }
+            }
+        }
+        self.client.clone()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

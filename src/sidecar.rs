@@ -124,7 +124,7 @@ impl StatusSource for Status {
 
 /// Keeps readiness at "etcd answers and has a leader" (a plain backup sidecar: no owner check).
 async fn etcd_readiness(
-    mut client: etcd_client::Client,
+    mut etcd: crate::etcd::RotatingClient,
     tx: watch::Sender<Readiness>,
     cancel: CancellationToken,
 ) {
@@ -134,6 +134,7 @@ async fn etcd_readiness(
             _ = cancel.cancelled() => return,
             _ = tick.tick() => {}
         }
+        let mut client = etcd.client().await;
         let r = match tokio::time::timeout(Duration::from_secs(2), client.status()).await {
             Ok(Ok(s)) if s.leader() != 0 => Readiness {
                 ready: true,
@@ -174,7 +175,7 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
         // Before anything talks to etcd: it may be waiting for its data directory.
         crate::restore::initialize::initialize(&store, &config.restore).await?;
     }
-    let client = crate::etcd::connect(&config.etcd).await?;
+    let etcd = || crate::etcd::RotatingClient::connect(&config.etcd);
     let listener = tokio::net::TcpListener::bind(config.server.listen)
         .await
         .map_err(|source| SidecarError::Listen {
@@ -193,7 +194,7 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
         delta_retention: config.snapshot.delta_retention,
     };
     let engine = EtcdEngine::new(
-        client.clone(),
+        etcd().await?,
         store.clone(),
         codec(config.snapshot.compression),
         retention,
@@ -210,7 +211,7 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
         // A plain backup sidecar: ready while etcd is healthy.
         None => {
             tasks.spawn(etcd_readiness(
-                client.clone(),
+                etcd().await?,
                 readiness_tx,
                 cancel.child_token(),
             ));

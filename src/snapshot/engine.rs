@@ -1,8 +1,8 @@
 //! The production [`Engine`]: etcd's snapshot and watch APIs on one side, the store on the other.
 
+use crate::etcd::RotatingClient;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use etcd_client::Client;
 
 use super::actor::{Collected, Engine, EngineError};
 use super::delta::DeltaWriter;
@@ -11,9 +11,9 @@ use super::watcher::{DeltaWatch, WatchError};
 use crate::store::gc::{self, GcReport, Retention};
 use crate::store::{Codec, Kind, Snapshot, SnapshotStore};
 
-/// Snapshots of the etcd member `client` talks to, stored in `store`.
+/// Snapshots of the etcd member `etcd` talks to, stored in `store`.
 pub struct EtcdEngine {
-    client: Client,
+    etcd: RotatingClient,
     store: SnapshotStore,
     codec: Codec,
     retention: Retention,
@@ -26,9 +26,14 @@ pub struct EtcdEngine {
 
 impl EtcdEngine {
     /// An engine over a client of the local member only (leadership is judged by it).
-    pub fn new(client: Client, store: SnapshotStore, codec: Codec, retention: Retention) -> Self {
+    pub fn new(
+        etcd: RotatingClient,
+        store: SnapshotStore,
+        codec: Codec,
+        retention: Retention,
+    ) -> Self {
         EtcdEngine {
-            client,
+            etcd,
             store,
             codec,
             retention,
@@ -40,7 +45,8 @@ impl EtcdEngine {
 
     /// Starts a writer and a watch continuing after revision `last`.
     async fn watch_after(&mut self, last: i64) -> Result<(), EngineError> {
-        self.watch = Some(DeltaWatch::open(&self.client, last + 1).await?);
+        let client = self.etcd.client().await;
+        self.watch = Some(DeltaWatch::open(&client, last + 1).await?);
         self.writer = Some(DeltaWriter::new(self.codec, last));
         tracing::debug!(from_revision = last + 1, "watching etcd for deltas");
         Ok(())
@@ -50,7 +56,8 @@ impl EtcdEngine {
 #[async_trait]
 impl Engine for EtcdEngine {
     async fn full(&mut self, is_final: bool) -> Result<Snapshot, EngineError> {
-        let snap = take_full(&self.client, &self.store, self.codec, is_final).await?;
+        let client = self.etcd.client().await;
+        let snap = take_full(&client, &self.store, self.codec, is_final).await?;
         match self.writer.as_mut() {
             // The running watch goes on; what the full snapshot covers is dropped.
             Some(w) => w.rebase(snap.last_revision),
@@ -126,7 +133,7 @@ impl Engine for EtcdEngine {
     }
 
     async fn is_leader(&mut self) -> Result<bool, EngineError> {
-        let status = self.client.status().await?;
+        let status = self.etcd.client().await.status().await?;
         let me = status.header().map(|h| h.member_id()).unwrap_or_default();
         Ok(me != 0 && status.leader() == me)
     }
