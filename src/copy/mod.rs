@@ -50,12 +50,15 @@ const TEE_DEPTH: usize = 16;
 /// Copy job errors.
 #[derive(Debug, thiserror::Error)]
 pub enum CopyError {
+    /// No `[source_store]` is configured.
+    #[error("no source store: give --source-store URL or [source_store] url")]
+    NoSource,
     /// A store could not be built or listed.
     #[error("{which} store {url}: {source}")]
     Store {
         /// "source" or "destination".
         which: &'static str,
-        /// The store's URL.
+        /// The store's URL (or prefix, once built).
         url: String,
         /// What failed.
         #[source]
@@ -145,14 +148,7 @@ pub fn same_bucket(a: &StoreConfig, b: &StoreConfig) -> bool {
 /// Runs the copy job from the validated configuration (`[source_store]` → `[store]`).
 pub async fn run_from_config(config: &Config) -> Result<Report, CopyError> {
     let Some(source) = &config.source_store else {
-        return Err(CopyError::Store {
-            which: "source",
-            url: String::new(),
-            source: StoreError::Build {
-                url: String::new(),
-                message: "no source store: give --source-store URL or [source_store] url".into(),
-            },
-        });
+        return Err(CopyError::NoSource);
     };
     let stores = Stores::from_config(source, &config.store)?;
     run(&stores, &config.copy).await
