@@ -34,7 +34,11 @@ struct TlsEtcd {
 
 impl TlsEtcd {
     fn start(dir: &Path) -> TlsEtcd {
-        let (client, peer) = (free_port(), free_port());
+        Self::start_on(dir, free_port(), free_port())
+    }
+
+    /// On given ports, so a restarted server keeps its endpoint.
+    fn start_on(dir: &Path, client: u16, peer: u16) -> TlsEtcd {
         let curl = format!("https://127.0.0.1:{client}");
         let purl = format!("http://127.0.0.1:{peer}");
         let child = Command::new(Release::V35.bin("etcd"))
@@ -156,4 +160,72 @@ async fn password_from_a_file() {
         Ok(mut c) => c.put("k", "w", None).await.is_err(),
     };
     assert!(refused, "etcd accepted a wrong password");
+}
+
+/// A rotated CA and client certificate (the server restarted with certificates of a new CA) are
+/// picked up by a long-lived client without a restart.
+#[tokio::test]
+async fn rotated_certificates_are_picked_up_without_a_restart() {
+    let (old, new, live) = (
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+    );
+    make_certs(old.path());
+    make_certs(new.path());
+    let install = |from: &Path| {
+        for f in ["ca.pem", "client.pem", "client.key"] {
+            std::fs::copy(from.join(f), live.path().join(f)).unwrap();
+        }
+    };
+    install(old.path());
+    let (cport, pport) = (free_port(), free_port());
+    let mut etcd = TlsEtcd::start_on(old.path(), cport, pport);
+    let mut cfg = config(etcd.endpoint.clone());
+    cfg.tls = Some(tls(live.path(), true));
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut rotating = loop {
+        if let Ok(mut r) = etcd_warden::etcd::RotatingClient::connect(&cfg).await
+            && r.client().await.put("k", "before", None).await.is_ok()
+        {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "etcd with TLS did not come up");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+
+    // The server moves to a new CA; the old credentials no longer work against it.
+    drop(etcd);
+    std::fs::rename(old.path().join("data"), new.path().join("data")).unwrap();
+    etcd = TlsEtcd::start_on(new.path(), cport, pport);
+    let mut stale = etcd_warden::etcd::connect(&cfg).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        stale.put("k", "stale", None).await.is_err(),
+        "old credentials must be refused by the new CA"
+    );
+
+    // New files land on disk (as a Secret update does); the same client object follows them.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    install(new.path());
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        if rotating
+            .client()
+            .await
+            .put("k", "after", None)
+            .await
+            .is_ok()
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "rotated certificates were not picked up"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let got = rotating.client().await.get("k", None).await.unwrap();
+    assert_eq!(got.kvs()[0].value(), b"after");
+    drop(etcd);
 }
