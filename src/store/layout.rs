@@ -123,6 +123,15 @@ impl Snapshot {
     }
 
     /// Parses a name found under `<store prefix>/v2/`; `prefix` is the store prefix.
+    ///
+    /// ```
+    /// use etcd_warden::store::{Kind, Snapshot};
+    ///
+    /// let s = Snapshot::parse_name("shoot--a/etcd-main", "Full-00000000-00001234-1700000000.gz.final").unwrap();
+    /// assert_eq!((s.kind, s.last_revision, s.is_final), (Kind::Full, 1234, true));
+    /// assert_eq!(s.key(), "shoot--a/etcd-main/v2/Full-00000000-00001234-1700000000.gz.final");
+    /// assert!(Snapshot::parse_name("", "Full-1234.gz").is_err());
+    /// ```
     pub fn parse_name(store_prefix: &str, name: &str) -> Result<Snapshot, NameError> {
         let fail = |reason: &str| NameError {
             name: name.to_string(),
