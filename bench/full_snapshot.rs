@@ -279,6 +279,34 @@ async fn compressed_and_s3_cases(
     })
     .await;
     report("etcdctl snapshot save + rclone copyto S3", t);
+
+    // Peak memory of the real binary taking one gzip snapshot (GNU time's maximum RSS).
+    let out = Command::new("/usr/bin/time")
+        .args(["-f", "%M"])
+        .arg(env!("CARGO_BIN_EXE_etcd-warden"))
+        .arg("snapshot")
+        .env("ETCD_WARDEN_ETCD_ENDPOINTS", curl)
+        .env(
+            "ETCD_WARDEN_STORE_URL",
+            format!("file://{}/rss-store", dir.display()),
+        )
+        .env("ETCD_WARDEN_LOG_LEVEL", "warn")
+        .output()
+        .expect("/usr/bin/time (apt-get install time)");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let kib: u64 = String::from_utf8_lossy(&out.stderr)
+        .lines()
+        .last()
+        .and_then(|l| l.trim().parse().ok())
+        .unwrap_or(0);
+    println!(
+        "etcd-warden snapshot (gzip, file store): peak RSS {} MiB",
+        kib >> 10
+    );
 }
 
 fn size(p: &Path) -> u64 {
