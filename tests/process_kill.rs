@@ -44,12 +44,24 @@ impl FakeEtcd {
     }
 
     fn spawn(&self, args: &[&str]) -> Child {
-        Command::new(&self.binary)
-            .args(args)
-            .stdin(Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("spawn fake etcd")
+        // A freshly copied binary can be briefly "busy" (ETXTBSY) while another test thread's
+        // fork still holds the copy's write descriptor; that passes within milliseconds.
+        let mut tries = 0;
+        loop {
+            match Command::new(&self.binary)
+                .args(args)
+                .stdin(Stdio::null())
+                .kill_on_drop(true)
+                .spawn()
+            {
+                Ok(child) => return child,
+                Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy && tries < 50 => {
+                    tries += 1;
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => panic!("spawn fake etcd: {e:?}"),
+            }
+        }
     }
 }
 
