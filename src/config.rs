@@ -457,6 +457,26 @@ pub struct StoreConfig {
     pub use_emulator: bool,
 }
 
+impl StoreConfig {
+    /// A store at `location` with the defaults of an empty `[store]` section (path-style, no
+    /// explicit credentials: the provider's environment variables still apply).
+    pub fn at(location: StoreLocation) -> Self {
+        StoreConfig {
+            location,
+            endpoint: None,
+            region: None,
+            path_style: true,
+            allow_http: false,
+            access_key_id: None,
+            secret_access_key: None,
+            service_account_file: None,
+            account_name: None,
+            account_key: None,
+            use_emulator: false,
+        }
+    }
+}
+
 /// The copy job (`etcd-warden copy`): source is `source_store`, destination is `store`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CopyConfig {

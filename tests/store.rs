@@ -20,19 +20,7 @@ use support::free_port;
 use support::s3::{self, S3Server};
 
 fn store_config(url: &str) -> StoreConfig {
-    StoreConfig {
-        location: StoreLocation::parse(url).unwrap(),
-        endpoint: None,
-        region: None,
-        path_style: true,
-        allow_http: false,
-        access_key_id: None,
-        secret_access_key: None,
-        service_account_file: None,
-        account_name: None,
-        account_key: None,
-        use_emulator: false,
-    }
+    StoreConfig::at(StoreLocation::parse(url).unwrap())
 }
 
 fn snap(store: &SnapshotStore, kind: Kind, start: i64, last: i64, secs: i64) -> Snapshot {

@@ -549,17 +549,8 @@ mod tests {
 
     fn store_config(url: &str, endpoint: Option<&str>) -> StoreConfig {
         StoreConfig {
-            location: StoreLocation::parse(url).unwrap(),
             endpoint: endpoint.map(String::from),
-            region: None,
-            path_style: true,
-            allow_http: false,
-            access_key_id: None,
-            secret_access_key: None,
-            service_account_file: None,
-            account_name: None,
-            account_key: None,
-            use_emulator: false,
+            ..StoreConfig::at(StoreLocation::parse(url).unwrap())
         }
     }
 

@@ -396,19 +396,7 @@ mod tests {
     use std::collections::HashMap;
 
     fn config(url: &str) -> StoreConfig {
-        StoreConfig {
-            location: StoreLocation::parse(url).unwrap(),
-            endpoint: None,
-            region: None,
-            path_style: true,
-            allow_http: false,
-            access_key_id: None,
-            secret_access_key: None,
-            service_account_file: None,
-            account_name: None,
-            account_key: None,
-            use_emulator: false,
-        }
+        StoreConfig::at(StoreLocation::parse(url).unwrap())
     }
 
     #[test]
