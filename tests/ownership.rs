@@ -5,92 +5,21 @@
 mod support;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use etcd_warden::store::{Kind, Snapshot, SnapshotStore};
 use support::dns::{DnsServer, Mode};
 use support::etcd::{EtcdCluster, Release};
 use support::eventually;
+use support::pod::Pod;
 use support::s3::S3Server;
 use support::warden::Warden;
-use tokio::sync::Mutex;
 
 const RECORD: &str = "owner.shoot.warden.test";
 const US: &str = "seed-a";
 const THEM: &str = "seed-b";
 /// The check interval the sidecars run with.
 const INTERVAL: Duration = Duration::from_millis(300);
-
-/// etcd plus a kubelet-like loop that starts it again whenever it dies, counting deaths.
-struct Pod {
-    etcd: Arc<Mutex<EtcdCluster>>,
-    deaths: Arc<AtomicU32>,
-    stop: tokio_util::sync::CancellationToken,
-}
-
-impl Pod {
-    async fn start() -> Pod {
-        Self::cluster(1).await
-    }
-
-    /// `n` members, each restarted by the "kubelet" when it dies.
-    async fn cluster(n: usize) -> Pod {
-        let etcd = Arc::new(Mutex::new(EtcdCluster::start(n, Release::V35).await));
-        let deaths = Arc::new(AtomicU32::new(0));
-        let stop = tokio_util::sync::CancellationToken::new();
-        let (e, d, s) = (etcd.clone(), deaths.clone(), stop.clone());
-        tokio::spawn(async move {
-            while !s.is_cancelled() {
-                {
-                    let mut cluster = e.lock().await;
-                    for m in &mut cluster.members {
-                        if !m.is_running() {
-                            d.fetch_add(1, Ordering::SeqCst);
-                            m.kill(); // reap
-                            tokio::time::sleep(Duration::from_millis(200)).await;
-                            m.start();
-                        }
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        });
-        Pod { etcd, deaths, stop }
-    }
-
-    async fn endpoint(&self) -> String {
-        self.etcd.lock().await.endpoints()[0].clone()
-    }
-
-    fn deaths(&self) -> u32 {
-        self.deaths.load(Ordering::SeqCst)
-    }
-
-    /// Writes keys and returns the revision of the last acknowledged write.
-    async fn write(&self, tag: &str, n: usize) -> i64 {
-        let mut client = etcd_client::Client::connect([self.endpoint().await], None)
-            .await
-            .unwrap();
-        let mut rev = 0;
-        for i in 0..n {
-            rev = client
-                .put(format!("/{tag}/{i}"), format!("v{i}"), None)
-                .await
-                .unwrap()
-                .header()
-                .unwrap()
-                .revision();
-        }
-        rev
-    }
-}
-
-impl Drop for Pod {
-    fn drop(&mut self) {
-        self.stop.cancel();
-    }
-}
 
 /// The sidecar's configuration for `pod`, owner record on `dns`, snapshots to `store_url`.
 async fn sidecar_keys(pod: &Pod, dns: &DnsServer, store_url: &str) -> Vec<(&'static str, String)> {

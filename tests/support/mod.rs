@@ -7,6 +7,8 @@
 
 pub mod dns;
 pub mod etcd;
+pub mod migration;
+pub mod pod;
 pub mod s3;
 pub mod tls;
 pub mod warden;

@@ -94,6 +94,15 @@ impl S3Server {
         );
     }
 
+    /// Stops the server and starts it again, same data, on a new port: clients configured
+    /// with the old endpoint find nothing there any more (a partition from the store), clients
+    /// configured afterwards ([`S3Server::endpoint`]) reach the same buckets.
+    pub fn move_port(&mut self) {
+        self.stop();
+        self.port = free_port();
+        self.resume();
+    }
+
     /// An object_store client for one bucket.
     pub fn object_store(&self, bucket: &str) -> Arc<AmazonS3> {
         Arc::new(

@@ -16,9 +16,30 @@ pub struct Warden {
     pub dir: tempfile::TempDir,
 }
 
+/// The `etcd-warden` binary: Cargo's path for tests and benchmarks; for an example (which Cargo
+/// gives no such path), the one built beside it (`target/<profile>/etcd-warden`).
+pub fn binary() -> PathBuf {
+    if let Some(path) = option_env!("CARGO_BIN_EXE_etcd-warden") {
+        return PathBuf::from(path);
+    }
+    let exe = std::env::current_exe().expect("path of the running executable");
+    let profile_dir = exe
+        .ancestors()
+        .find(|d| d.file_name().is_some_and(|n| n == "examples"))
+        .and_then(|d| d.parent())
+        .unwrap_or_else(|| panic!("{} is not in target/<profile>/examples", exe.display()));
+    let bin = profile_dir.join("etcd-warden");
+    assert!(
+        bin.is_file(),
+        "{} not found; build it first: cargo build --bin etcd-warden",
+        bin.display()
+    );
+    bin
+}
+
 /// `etcd-warden` with a clean environment: only what the test passes.
 pub fn command() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_etcd-warden"));
+    let mut c = Command::new(binary());
     for (k, _) in std::env::vars() {
         if k.starts_with("ETCD_WARDEN_")
             || k.starts_with("AWS_")
