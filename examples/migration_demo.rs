@@ -44,7 +44,14 @@ async fn main() -> ExitCode {
         }
     );
     println!("(seconds since the owner record flipped)");
-    let report = run(options).await;
+    // Ctrl-C drops the scenario, which stops every process it started and removes its files.
+    let report = tokio::select! {
+        report = run(options) => report,
+        _ = tokio::signal::ctrl_c() => {
+            eprintln!("migration_demo: interrupted; stopped everything it started");
+            return ExitCode::from(130);
+        }
+    };
     println!("{}", report.summary());
     if report.passed() {
         ExitCode::SUCCESS
