@@ -1,0 +1,1341 @@
+//! The Kubernetes manifests under deploy/: every file parses into its k8s-openapi type (no field
+//! the type does not know), every kustomization refers to files that exist, and the invariants
+//! the sidecar depends on hold: a shared PID namespace, etcd's readiness probe on the sidecar's
+//! `/healthz` port, the sidecar's config mounted where its args say and accepted by the real
+//! `etcd-warden config`, credential files on Secret mounts, no capability beyond what the kill
+//! needs, the copy Job waiting for the final snapshot. Mutated manifests show the checks bite.
+//! Also: the Containerfile builds what Cargo.toml names and carries etcd's version, and every
+//! metric the alert rules in docs/operations.md use is exported.
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{ConfigMap, Container, PodSpec, Secret, Service};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use serde::Deserialize;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+/// Values the kubelet would give the downward-API variables the manifests use.
+const POD_NAME: &str = "etcd-main-0";
+const POD_NAMESPACE: &str = "shoot--test";
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()))
+}
+
+/// Every YAML file under `dir`, recursively, sorted.
+fn yaml_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let entries = std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    for entry in entries {
+        let path = entry.expect("dir entry").path();
+        if path.is_dir() {
+            out.extend(yaml_files(&path));
+        } else if path.extension().is_some_and(|e| e == "yaml" || e == "yml") {
+            out.push(path);
+        }
+    }
+    out.sort();
+    out
+}
+
+/// The documents of a (multi-document) YAML file, empty ones skipped.
+fn documents(path: &Path) -> Vec<serde_json::Value> {
+    let text = read(path);
+    serde_yaml::Deserializer::from_str(&text)
+        .map(|doc| {
+            let v = serde_yaml::Value::deserialize(doc)
+                .unwrap_or_else(|e| panic!("{}: not YAML: {e}", path.display()));
+            serde_json::to_value(v)
+                .unwrap_or_else(|e| panic!("{}: not JSON-like: {e}", path.display()))
+        })
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+/// One manifest, typed.
+#[derive(Debug, Clone)]
+enum Object {
+    StatefulSet(Box<StatefulSet>),
+    Service(Box<Service>),
+    Job(Box<Job>),
+    Secret(Box<Secret>),
+    // Typed (so checked) but no invariant reads one.
+    #[allow(dead_code)]
+    ConfigMap(Box<ConfigMap>),
+}
+
+/// The first places where two JSON values differ (a field the type dropped or rewrote).
+fn differences(path: &str, a: &serde_json::Value, b: &serde_json::Value, out: &mut Vec<String>) {
+    use serde_json::Value::{Array, Object};
+    match (a, b) {
+        (Object(x), Object(y)) => {
+            for k in x.keys().chain(y.keys()).collect::<BTreeSet<_>>() {
+                let null = serde_json::Value::Null;
+                differences(
+                    &format!("{path}.{k}"),
+                    x.get(k).unwrap_or(&null),
+                    y.get(k).unwrap_or(&null),
+                    out,
+                );
+            }
+        }
+        (Array(x), Array(y)) if x.len() == y.len() => {
+            for (i, (u, v)) in x.iter().zip(y).enumerate() {
+                differences(&format!("{path}[{i}]"), u, v, out);
+            }
+        }
+        // The type adds apiVersion and kind to embedded objects (volumeClaimTemplates).
+        (serde_json::Value::Null, _)
+            if path.ends_with(".apiVersion") || path.ends_with(".kind") => {}
+        _ if a != b => out.push(format!("{path}: {a} in the file, {b} after parsing")),
+        _ => {}
+    }
+}
+
+/// `json` as `T`, refusing any field `T` does not know (k8s-openapi ignores unknown fields, so a
+/// misspelt `shareProcessNamespce` would otherwise pass unnoticed).
+fn strict<T: DeserializeOwned + Serialize>(json: &serde_json::Value) -> Result<T, String> {
+    let typed: T = serde_json::from_value(json.clone()).map_err(|e| e.to_string())?;
+    let back = serde_json::to_value(&typed).map_err(|e| e.to_string())?;
+    let mut diff = Vec::new();
+    differences("", json, &back, &mut diff);
+    if diff.is_empty() {
+        Ok(typed)
+    } else {
+        Err(format!("unknown or malformed fields: {}", diff.join("; ")))
+    }
+}
+
+/// A manifest into its k8s-openapi type, by apiVersion and kind.
+fn typed(json: &serde_json::Value) -> Result<Object, String> {
+    let api = json["apiVersion"].as_str().unwrap_or_default();
+    let kind = json["kind"].as_str().unwrap_or_default();
+    Ok(match (api, kind) {
+        ("apps/v1", "StatefulSet") => Object::StatefulSet(Box::new(strict(json)?)),
+        ("v1", "Service") => Object::Service(Box::new(strict(json)?)),
+        ("batch/v1", "Job") => Object::Job(Box::new(strict(json)?)),
+        ("v1", "Secret") => Object::Secret(Box::new(strict(json)?)),
+        ("v1", "ConfigMap") => Object::ConfigMap(Box::new(strict(json)?)),
+        _ => return Err(format!("unexpected apiVersion/kind {api:?}/{kind:?}")),
+    })
+}
+
+/// One kustomization: its resources, typed, and the ConfigMaps its generators make.
+#[derive(Debug, Clone, Default)]
+struct Kustomization {
+    objects: Vec<Object>,
+    /// Generated ConfigMap name → (key → file content).
+    config_maps: BTreeMap<String, BTreeMap<String, String>>,
+}
+
+/// Loads `dir/kustomization.yaml`, checking every file it names exists and parses.
+fn kustomization(dir: &Path) -> Result<Kustomization, String> {
+    let file = dir.join("kustomization.yaml");
+    let docs = documents(&file);
+    let [k] = docs.as_slice() else {
+        return Err(format!("{}: expected one document", file.display()));
+    };
+    if k["kind"] != "Kustomization" {
+        return Err(format!("{}: kind is not Kustomization", file.display()));
+    }
+    let known = [
+        "apiVersion",
+        "kind",
+        "labels",
+        "resources",
+        "configMapGenerator",
+        "images",
+    ];
+    for key in k.as_object().into_iter().flat_map(|o| o.keys()) {
+        if !known.contains(&key.as_str()) {
+            return Err(format!("{}: unexpected key {key}", file.display()));
+        }
+    }
+    let strings = |v: &serde_json::Value| -> Vec<String> {
+        v.as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|s| s.as_str().map(str::to_string))
+            .collect()
+    };
+    let mut out = Kustomization::default();
+    for resource in strings(&k["resources"]) {
+        let path = dir.join(&resource);
+        if !path.is_file() {
+            return Err(format!("{}: resource {resource} missing", file.display()));
+        }
+        for doc in documents(&path) {
+            out.objects
+                .push(typed(&doc).map_err(|e| format!("{}: {e}", path.display()))?);
+        }
+    }
+    for generator in k["configMapGenerator"].as_array().into_iter().flatten() {
+        let name = generator["name"]
+            .as_str()
+            .ok_or_else(|| format!("{}: generator without name", file.display()))?;
+        let mut data = BTreeMap::new();
+        for entry in strings(&generator["files"]) {
+            // "key=path" or "path" (the key is then the file name).
+            let (key, rel) = match entry.split_once('=') {
+                Some((k, p)) => (k.to_string(), p.to_string()),
+                None => (file_name(&entry), entry.clone()),
+            };
+            let path = dir.join(&rel);
+            if !path.is_file() {
+                return Err(format!("{}: generator file {rel} missing", file.display()));
+            }
+            data.insert(key, read(&path));
+        }
+        out.config_maps.insert(name.to_string(), data);
+    }
+    Ok(out)
+}
+
+fn file_name(path: &str) -> String {
+    Path::new(path)
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+/// The example Secrets: name → keys (the files a Secret volume shows).
+fn example_secrets() -> BTreeMap<String, BTreeSet<String>> {
+    let path = repo().join("deploy/secrets.example.yaml");
+    let mut out = BTreeMap::new();
+    for doc in documents(&path) {
+        let Ok(Object::Secret(s)) = typed(&doc) else {
+            panic!("{}: every document must be a Secret", path.display());
+        };
+        let keys = s.string_data.iter().flat_map(|d| d.keys().cloned());
+        let keys = keys.chain(s.data.iter().flat_map(|d| d.keys().cloned()));
+        out.insert(s.metadata.name.clone().unwrap_or_default(), keys.collect());
+    }
+    out
+}
+
+/// Expands `$(VAR)` as the kubelet does in env values, command and args.
+fn expand(text: &str, vars: &BTreeMap<String, String>) -> String {
+    let mut out = text.to_string();
+    for (k, v) in vars {
+        out = out.replace(&format!("$({k})"), v);
+    }
+    out
+}
+
+/// A container's environment as the kubelet would build it (downward API from the constants).
+fn environment(c: &Container) -> BTreeMap<String, String> {
+    let mut vars = BTreeMap::new();
+    for e in c.env.iter().flatten() {
+        let value = match (&e.value, &e.value_from) {
+            (Some(v), None) => expand(v, &vars),
+            (None, Some(from)) => match from.field_ref.as_ref().map(|f| f.field_path.as_str()) {
+                Some("metadata.name") => POD_NAME.to_string(),
+                Some("metadata.namespace") => POD_NAMESPACE.to_string(),
+                other => panic!("env {}: unsupported source {other:?}", e.name),
+            },
+            _ => panic!("env {}: give value or valueFrom", e.name),
+        };
+        vars.insert(e.name.clone(), value);
+    }
+    vars
+}
+
+/// A container's command line (command then args), expanded.
+fn command_line(c: &Container) -> Vec<String> {
+    let vars = environment(c);
+    c.command
+        .iter()
+        .flatten()
+        .chain(c.args.iter().flatten())
+        .map(|a| expand(a, &vars))
+        .collect()
+}
+
+/// The value of `--flag=value` on a command line.
+fn flag(line: &[String], name: &str) -> Option<String> {
+    let prefix = format!("{name}=");
+    line.iter()
+        .find_map(|a| a.strip_prefix(&prefix).map(str::to_string))
+}
+
+/// The value after `--name` (separate argument).
+fn arg_after(line: &[String], name: &str) -> Option<String> {
+    line.iter()
+        .position(|a| a == name)
+        .and_then(|i| line.get(i + 1).cloned())
+}
+
+fn pod_spec(sts: &StatefulSet) -> &PodSpec {
+    sts.spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .expect("StatefulSet has a pod spec")
+}
+
+/// Every container of a pod, init containers (native sidecars) included.
+fn all_containers(pod: &PodSpec) -> impl Iterator<Item = &Container> {
+    pod.init_containers.iter().flatten().chain(&pod.containers)
+}
+
+/// The container running `etcd-warden serve`.
+fn sidecar(pod: &PodSpec) -> Result<&Container, String> {
+    let mut serving = all_containers(pod).filter(|c| {
+        c.args
+            .as_ref()
+            .and_then(|a| a.first())
+            .is_some_and(|a| a == "serve")
+    });
+    match (serving.next(), serving.next()) {
+        (Some(c), None) => Ok(c),
+        _ => Err("exactly one container must run `etcd-warden serve`".into()),
+    }
+}
+
+/// The etcd container.
+fn etcd(pod: &PodSpec) -> Result<&Container, String> {
+    pod.containers
+        .iter()
+        .find(|c| c.name == "etcd")
+        .ok_or_else(|| "no container named etcd".to_string())
+}
+
+/// The file a container's `--config FILE` names, and its content from the ConfigMap volume
+/// mounted at that file's directory.
+fn mounted_config(
+    pod: &PodSpec,
+    c: &Container,
+    config_maps: &BTreeMap<String, BTreeMap<String, String>>,
+) -> Result<(String, String), String> {
+    let line = command_line(c);
+    let path = arg_after(&line, "--config")
+        .ok_or_else(|| format!("container {}: no --config FILE in its args", c.name))?;
+    let dir = Path::new(&path).parent().unwrap_or(Path::new("/"));
+    let mount = c
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| Path::new(&m.mount_path) == dir)
+        .ok_or_else(|| format!("container {}: nothing mounted at {}", c.name, dir.display()))?;
+    let map = volume(pod, &mount.name)
+        .and_then(|v| v.config_map.as_ref())
+        .map(|cm| cm.name.clone())
+        .ok_or_else(|| format!("volume {} is not a ConfigMap", mount.name))?;
+    let data = config_maps
+        .get(&map)
+        .ok_or_else(|| format!("ConfigMap {map} is not generated by the kustomization"))?;
+    let text = data
+        .get(&file_name(&path))
+        .ok_or_else(|| format!("ConfigMap {map} has no key {}", file_name(&path)))?;
+    Ok((path, text.clone()))
+}
+
+fn volume<'a>(pod: &'a PodSpec, name: &str) -> Option<&'a k8s_openapi::api::core::v1::Volume> {
+    pod.volumes.iter().flatten().find(|v| v.name == name)
+}
+
+/// Every `*_file` key of a TOML config, as (dotted key, path).
+fn file_keys(config: &toml::Table) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for (section, value) in config {
+        let Some(table) = value.as_table() else {
+            continue;
+        };
+        for (key, v) in table {
+            if let (true, Some(path)) = (key.ends_with("_file"), v.as_str()) {
+                out.push((format!("{section}.{key}"), path.to_string()));
+            }
+        }
+    }
+    out
+}
+
+/// Problems with one `*_file` path: it must be a key of the Secret mounted at its directory
+/// (`secret`, when given, must be that Secret).
+fn secret_file_problem(
+    pod: &PodSpec,
+    c: &Container,
+    key: &str,
+    path: &str,
+    secret: Option<&str>,
+    secrets: &BTreeMap<String, BTreeSet<String>>,
+) -> Option<String> {
+    let dir = Path::new(path).parent().unwrap_or(Path::new("/"));
+    let Some(mount) = c
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| Path::new(&m.mount_path) == dir)
+    else {
+        return Some(format!(
+            "{key} = {path:?}: container {} mounts nothing at {}",
+            c.name,
+            dir.display()
+        ));
+    };
+    let Some(name) = volume(pod, &mount.name)
+        .and_then(|v| v.secret.as_ref())
+        .and_then(|s| s.secret_name.clone())
+    else {
+        return Some(format!("{key}: volume {} is not a Secret", mount.name));
+    };
+    if let Some(want) = secret
+        && want != name
+    {
+        return Some(format!("{key}: reads Secret {name}, expected {want}"));
+    }
+    match secrets.get(&name) {
+        None => Some(format!(
+            "{key}: Secret {name} missing from secrets.example.yaml"
+        )),
+        Some(keys) if !keys.contains(&file_name(path)) => Some(format!(
+            "{key}: Secret {name} has no key {}",
+            file_name(path)
+        )),
+        Some(_) => None,
+    }
+}
+
+/// Security problems of one container: non-root, no privilege escalation, read-only root, every
+/// capability dropped and only `allowed_add` added.
+fn security_problems(pod: &PodSpec, c: &Container, allowed_add: &[&str]) -> Vec<String> {
+    let mut out = Vec::new();
+    let psc = pod.security_context.as_ref();
+    let sc = c.security_context.as_ref();
+    let non_root = sc
+        .and_then(|s| s.run_as_non_root)
+        .or(psc.and_then(|s| s.run_as_non_root));
+    if non_root != Some(true) {
+        out.push(format!("container {}: runAsNonRoot must be true", c.name));
+    }
+    if sc.and_then(|s| s.allow_privilege_escalation) != Some(false) {
+        out.push(format!(
+            "container {}: allowPrivilegeEscalation must be false",
+            c.name
+        ));
+    }
+    if sc.and_then(|s| s.read_only_root_filesystem) != Some(true) {
+        out.push(format!(
+            "container {}: readOnlyRootFilesystem must be true",
+            c.name
+        ));
+    }
+    let caps = sc.and_then(|s| s.capabilities.as_ref());
+    if !caps
+        .and_then(|c| c.drop.as_ref())
+        .is_some_and(|d| d.iter().any(|d| d == "ALL"))
+    {
+        out.push(format!("container {}: must drop ALL capabilities", c.name));
+    }
+    let added: Vec<&str> = caps
+        .and_then(|c| c.add.as_ref())
+        .into_iter()
+        .flatten()
+        .map(String::as_str)
+        .collect();
+    if added != allowed_add {
+        out.push(format!(
+            "container {}: capabilities added {added:?}, the kill needs exactly {allowed_add:?}",
+            c.name
+        ));
+    }
+    out
+}
+
+/// The UID a container runs as (its own setting, else the pod's).
+fn uid(pod: &PodSpec, c: &Container) -> Option<i64> {
+    c.security_context
+        .as_ref()
+        .and_then(|s| s.run_as_user)
+        .or(pod.security_context.as_ref().and_then(|s| s.run_as_user))
+}
+
+/// The port number a probe or Service port names in this pod (a number or a container port name).
+fn resolve_port(pod: &PodSpec, port: &IntOrString) -> Option<i32> {
+    match port {
+        IntOrString::Int(n) => Some(*n),
+        IntOrString::String(name) => all_containers(pod)
+            .flat_map(|c| c.ports.iter().flatten())
+            .find(|p| p.name.as_deref() == Some(name.as_str()))
+            .map(|p| p.container_port),
+    }
+}
+
+/// A dotted key of the effective configuration.
+fn get<'a>(config: &'a toml::Table, key: &str) -> Option<&'a toml::Value> {
+    let (section, k) = key.split_once('.')?;
+    config.get(section)?.as_table()?.get(k)
+}
+
+fn get_str<'a>(config: &'a toml::Table, key: &str) -> &'a str {
+    get(config, key)
+        .and_then(|v| v.as_str())
+        .unwrap_or_default()
+}
+
+/// Everything wrong with the etcd StatefulSet and its Services, given the sidecar's raw config
+/// (as in the ConfigMap) and its effective config (as `etcd-warden config` printed it).
+fn statefulset_problems(
+    sts: &StatefulSet,
+    services: &[Service],
+    config_maps: &BTreeMap<String, BTreeMap<String, String>>,
+    secrets: &BTreeMap<String, BTreeSet<String>>,
+    effective: &toml::Table,
+) -> Vec<String> {
+    let mut out = Vec::new();
+    let pod = pod_spec(sts);
+    if pod.share_process_namespace != Some(true) {
+        out.push("shareProcessNamespace must be true: the sidecar kills etcd through it".into());
+    }
+    let (side, etcd) = match (sidecar(pod), etcd(pod)) {
+        (Ok(s), Ok(e)) => (s, e),
+        (s, e) => {
+            out.extend(s.err());
+            out.extend(e.err());
+            return out;
+        }
+    };
+    let etcd_line = command_line(etcd);
+
+    // Readiness: etcd's probe is the sidecar's /healthz on server.listen's port.
+    let listen: Option<SocketAddr> = get_str(effective, "server.listen").parse().ok();
+    let listen_port = listen.map(|a| i32::from(a.port()));
+    match etcd
+        .readiness_probe
+        .as_ref()
+        .and_then(|p| p.http_get.as_ref())
+    {
+        None => out.push("etcd has no httpGet readiness probe".into()),
+        Some(get) => {
+            if get.path.as_deref() != Some("/healthz") {
+                out.push(format!(
+                    "etcd's readiness probe path is {:?}, not /healthz",
+                    get.path
+                ));
+            }
+            if resolve_port(pod, &get.port) != listen_port || listen_port.is_none() {
+                out.push(format!(
+                    "etcd's readiness probe port {:?} is not server.listen's port {listen_port:?}",
+                    get.port
+                ));
+            }
+        }
+    }
+    let side_ports: Vec<i32> = side
+        .ports
+        .iter()
+        .flatten()
+        .map(|p| p.container_port)
+        .collect();
+    if listen_port.is_none_or(|p| !side_ports.contains(&p)) {
+        out.push(format!(
+            "the sidecar declares ports {side_ports:?}, not server.listen's {listen_port:?}"
+        ));
+    }
+
+    // The config file the sidecar reads, and the Secret files it names.
+    match mounted_config(pod, side, config_maps) {
+        Err(e) => out.push(format!("sidecar config: {e}")),
+        Ok((_, text)) => match text.parse::<toml::Table>() {
+            Err(e) => out.push(format!("sidecar config is not TOML: {e}")),
+            Ok(raw) => {
+                for (key, path) in file_keys(&raw) {
+                    out.extend(secret_file_problem(pod, side, &key, &path, None, secrets));
+                }
+            }
+        },
+    }
+
+    // Capabilities: none when both run as one UID; otherwise KILL on the sidecar only.
+    let same_uid = matches!((uid(pod, side), uid(pod, etcd)), (Some(a), Some(b)) if a == b);
+    let side_caps: &[&str] = if same_uid { &[] } else { &["KILL"] };
+    out.extend(security_problems(pod, side, side_caps));
+    out.extend(security_problems(pod, etcd, &[]));
+
+    // The kill finds this etcd: its comm (the executable's name, 15 bytes) and command line.
+    let matcher = etcd_warden::process::Matcher {
+        name: get_str(effective, "kill.process_name").to_string(),
+        cmdline_contains: get(effective, "kill.cmdline_contains")
+            .and_then(|v| v.as_str())
+            .map(str::to_string),
+    };
+    let exe = etcd_line.first().map(|p| file_name(p)).unwrap_or_default();
+    let comm: String = exe.chars().take(15).collect();
+    let cmdline = etcd_line.join("\0");
+    if !matcher.matches(&comm, cmdline.as_bytes()) {
+        out.push(format!(
+            "the kill settings {matcher:?} do not match etcd's command line {etcd_line:?}"
+        ));
+    }
+
+    // etcd.endpoints: the member in this pod.
+    let client_port = flag(&etcd_line, "--listen-client-urls")
+        .and_then(|u| url::Url::parse(&u).ok())
+        .and_then(|u| u.port());
+    let endpoints: Vec<url::Url> = get(effective, "etcd.endpoints")
+        .and_then(|v| v.as_array())
+        .into_iter()
+        .flatten()
+        .filter_map(|v| v.as_str().and_then(|s| url::Url::parse(s).ok()))
+        .collect();
+    if endpoints.is_empty()
+        || endpoints
+            .iter()
+            .any(|u| u.host_str() != Some("127.0.0.1") || u.port() != client_port)
+    {
+        out.push(format!(
+            "etcd.endpoints must be this pod's member on 127.0.0.1:{client_port:?}"
+        ));
+    }
+
+    // The data directory: one volume in both containers, and what a restore builds.
+    let data_dir = flag(&etcd_line, "--data-dir").unwrap_or_default();
+    let data_mount = |c: &Container| {
+        c.volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| Path::new(&data_dir).parent() == Some(Path::new(&m.mount_path)))
+            .map(|m| m.name.clone())
+    };
+    let initialize = get(effective, "restore.initialize").and_then(|v| v.as_bool()) == Some(true);
+    match data_mount(etcd) {
+        None => out.push(format!(
+            "etcd's --data-dir {data_dir:?} must be a directory directly inside a volume mount"
+        )),
+        Some(name) => {
+            let claimed = sts
+                .spec
+                .as_ref()
+                .and_then(|s| s.volume_claim_templates.as_ref())
+                .into_iter()
+                .flatten()
+                .any(|t| t.metadata.name.as_deref() == Some(name.as_str()));
+            if !claimed {
+                out.push(format!("volume {name} has no volumeClaimTemplate"));
+            }
+            if initialize && data_mount(side) != Some(name) {
+                out.push("restore.initialize: the sidecar must mount etcd's data volume".into());
+            }
+        }
+    }
+    if initialize {
+        // etcd must not start before the restore: only a native sidecar with a startup probe
+        // holds the regular containers back.
+        let native = pod
+            .init_containers
+            .iter()
+            .flatten()
+            .any(|c| c.name == side.name && c.restart_policy.as_deref() == Some("Always"));
+        if !native || side.startup_probe.is_none() {
+            out.push(
+                "restore.initialize needs the sidecar as a native sidecar (init container, \
+                 restartPolicy Always) with a startup probe, or etcd starts before the restore"
+                    .into(),
+            );
+        }
+        let side_env = environment(side);
+        let restored = |key: &str| {
+            expand(
+                get(effective, key).and_then(|v| v.as_str()).unwrap_or(""),
+                &side_env,
+            )
+        };
+        for (key, etcd_flag) in [
+            ("restore.data_dir", "--data-dir"),
+            ("restore.name", "--name"),
+            ("restore.initial_cluster", "--initial-cluster"),
+            ("restore.initial_cluster_token", "--initial-cluster-token"),
+            (
+                "restore.initial_advertise_peer_urls",
+                "--initial-advertise-peer-urls",
+            ),
+        ] {
+            let ours = restored(key);
+            let theirs = flag(&etcd_line, etcd_flag).unwrap_or_default();
+            if ours != theirs {
+                out.push(format!(
+                    "{key} = {ours:?} but etcd's {etcd_flag} is {theirs:?}"
+                ));
+            }
+        }
+    }
+
+    // Services: selectors match the pods, ports exist, the peer Service is headless, and the
+    // sidecar's API stays reachable while etcd is unready (after a deactivation).
+    let labels = sts
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.metadata.as_ref())
+        .and_then(|m| m.labels.clone())
+        .unwrap_or_default();
+    let service_name = sts.spec.as_ref().and_then(|s| s.service_name.clone());
+    let mut peer_ok = false;
+    let mut api_ok = false;
+    for svc in services {
+        let name = svc.metadata.name.clone().unwrap_or_default();
+        let Some(spec) = svc.spec.as_ref() else {
+            out.push(format!("Service {name} has no spec"));
+            continue;
+        };
+        let selector = spec.selector.clone().unwrap_or_default();
+        if selector.is_empty() || selector.iter().any(|(k, v)| labels.get(k) != Some(v)) {
+            out.push(format!("Service {name}: selector does not match the pods"));
+        }
+        let not_ready = spec.publish_not_ready_addresses == Some(true);
+        for port in spec.ports.iter().flatten() {
+            let target = port
+                .target_port
+                .clone()
+                .unwrap_or(IntOrString::Int(port.port));
+            match resolve_port(pod, &target) {
+                None => out.push(format!(
+                    "Service {name}: target port {target:?} not in the pod"
+                )),
+                Some(p) if Some(p) == listen_port && not_ready => api_ok = true,
+                Some(_) => {}
+            }
+        }
+        if service_name.as_deref() == Some(name.as_str()) {
+            peer_ok = spec.cluster_ip.as_deref() == Some("None") && not_ready;
+        }
+    }
+    if !peer_ok {
+        out.push(format!(
+            "the StatefulSet's serviceName {service_name:?} must be a headless Service with \
+             publishNotReadyAddresses"
+        ));
+    }
+    if !api_ok {
+        out.push(
+            "no Service with publishNotReadyAddresses reaches the sidecar's port: \
+             /snapshot/latest would vanish exactly when the migration polls it"
+                .into(),
+        );
+    }
+    out
+}
+
+/// Everything wrong with the copy Job, given its raw and effective config.
+fn job_problems(
+    job: &Job,
+    config_maps: &BTreeMap<String, BTreeMap<String, String>>,
+    secrets: &BTreeMap<String, BTreeSet<String>>,
+    effective: &toml::Table,
+) -> Vec<String> {
+    let mut out = Vec::new();
+    let Some(pod) = job.spec.as_ref().and_then(|s| s.template.spec.as_ref()) else {
+        return vec!["Job has no pod spec".into()];
+    };
+    let [c] = pod.containers.as_slice() else {
+        return vec!["the copy Job has exactly one container".into()];
+    };
+    let line = command_line(c);
+    if line.first().map(String::as_str) != Some("copy") {
+        out.push(format!("the Job runs {line:?}, not `copy`"));
+    }
+    if !line.iter().any(|a| a == "--wait-for-final") {
+        out.push("the copy Job must wait for the final snapshot (--wait-for-final)".into());
+    }
+    match mounted_config(pod, c, config_maps) {
+        Err(e) => out.push(format!("copy config: {e}")),
+        Ok((_, text)) => match text.parse::<toml::Table>() {
+            Err(e) => out.push(format!("copy config is not TOML: {e}")),
+            Ok(raw) => {
+                let files = file_keys(&raw);
+                for (section, secret) in [
+                    ("source_store", "source-etcd-backup"),
+                    ("store", "etcd-backup"),
+                ] {
+                    let prefix = format!("{section}.");
+                    let mine: Vec<_> = files
+                        .iter()
+                        .filter(|(k, _)| k.starts_with(&prefix))
+                        .collect();
+                    if mine.is_empty() {
+                        out.push(format!("[{section}] reads no credentials from {secret}"));
+                    }
+                    for (key, path) in mine {
+                        out.extend(secret_file_problem(
+                            pod,
+                            c,
+                            key,
+                            path,
+                            Some(secret),
+                            secrets,
+                        ));
+                    }
+                }
+            }
+        },
+    }
+    if get(effective, "source_store.url").is_none() {
+        out.push("the copy config has no [source_store]".into());
+    }
+    let timeout = humantime::parse_duration(get_str(effective, "copy.final_timeout"))
+        .map(|d| d.as_secs())
+        .unwrap_or(u64::MAX);
+    let deadline = job
+        .spec
+        .as_ref()
+        .and_then(|s| s.active_deadline_seconds)
+        .and_then(|d| u64::try_from(d).ok());
+    if deadline.is_some_and(|d| d <= timeout) {
+        out.push(format!(
+            "activeDeadlineSeconds {deadline:?} ends the Job before copy.final_timeout ({timeout}s)"
+        ));
+    }
+    out.extend(security_problems(pod, c, &[]));
+    out
+}
+
+/// Runs the real `etcd-warden config` on a config file as `c` would see it: its environment, and
+/// each `*_file` (a Secret file in the pod) replaced by a file of the same name in a temp dir.
+/// Returns the effective configuration it prints.
+fn effective_config(c: &Container, text: &str) -> toml::Table {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut raw: toml::Table = text.parse().expect("config is TOML");
+    for (dotted, path) in file_keys(&raw) {
+        let (section, key) = dotted.split_once('.').expect("dotted");
+        let local = dir.path().join(section).join(file_name(&path));
+        std::fs::create_dir_all(local.parent().expect("parent")).expect("mkdir");
+        std::fs::write(&local, "placeholder").expect("write secret file");
+        let table = raw
+            .get_mut(section)
+            .and_then(|t| t.as_table_mut())
+            .expect("section");
+        table.insert(key.into(), toml::Value::String(local.display().to_string()));
+    }
+    let file = dir.path().join("config.toml");
+    std::fs::write(&file, toml::to_string(&raw).expect("TOML")).expect("write config");
+    let out = support::warden::command()
+        .arg("config")
+        .arg("--config")
+        .arg(&file)
+        .envs(environment(c))
+        .output()
+        .expect("run etcd-warden config");
+    assert!(
+        out.status.success(),
+        "`etcd-warden config` rejects the config of container {} ({}):\n{}",
+        c.name,
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .parse()
+        .expect("`etcd-warden config` prints TOML")
+}
+
+struct Base {
+    sts: StatefulSet,
+    services: Vec<Service>,
+    config_maps: BTreeMap<String, BTreeMap<String, String>>,
+    effective: toml::Table,
+}
+
+fn base() -> Base {
+    let k = kustomization(&repo().join("deploy/base")).unwrap_or_else(|e| panic!("{e}"));
+    let mut sts = None;
+    let mut services = Vec::new();
+    for o in k.objects {
+        match o {
+            Object::StatefulSet(s) => {
+                assert!(sts.is_none(), "one StatefulSet in deploy/base");
+                sts = Some(*s);
+            }
+            Object::Service(s) => services.push(*s),
+            other => panic!("deploy/base: unexpected {other:?}"),
+        }
+    }
+    let sts = sts.expect("deploy/base has a StatefulSet");
+    let pod = pod_spec(&sts);
+    let side = sidecar(pod).unwrap_or_else(|e| panic!("{e}"));
+    let (_, text) = mounted_config(pod, side, &k.config_maps).unwrap_or_else(|e| panic!("{e}"));
+    let effective = effective_config(side, &text);
+    Base {
+        sts,
+        services,
+        config_maps: k.config_maps,
+        effective,
+    }
+}
+
+struct CopyJob {
+    job: Job,
+    config_maps: BTreeMap<String, BTreeMap<String, String>>,
+    effective: toml::Table,
+}
+
+fn copy_job() -> CopyJob {
+    let k = kustomization(&repo().join("deploy/copy-job")).unwrap_or_else(|e| panic!("{e}"));
+    let jobs: Vec<Job> = k
+        .objects
+        .into_iter()
+        .map(|o| match o {
+            Object::Job(j) => *j,
+            other => panic!("deploy/copy-job: unexpected {other:?}"),
+        })
+        .collect();
+    let [job] = <[Job; 1]>::try_from(jobs).expect("one Job in deploy/copy-job");
+    let pod = job
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .expect("pod spec");
+    let c = pod.containers.first().expect("a container");
+    let (_, text) = mounted_config(pod, c, &k.config_maps).unwrap_or_else(|e| panic!("{e}"));
+    let effective = effective_config(c, &text);
+    CopyJob {
+        job,
+        config_maps: k.config_maps,
+        effective,
+    }
+}
+
+#[test]
+fn every_manifest_parses_into_its_kubernetes_type() {
+    let files = yaml_files(&repo().join("deploy"));
+    assert!(
+        files.len() >= 6,
+        "deploy/ holds too few manifests: {files:?}"
+    );
+    let mut kustomizations = 0;
+    for file in &files {
+        if file.file_name().is_some_and(|n| n == "kustomization.yaml") {
+            let dir = file.parent().expect("dir");
+            kustomization(dir).unwrap_or_else(|e| panic!("{e}"));
+            kustomizations += 1;
+            continue;
+        }
+        let docs = documents(file);
+        assert!(!docs.is_empty(), "{}: empty", file.display());
+        for doc in docs {
+            typed(&doc).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        }
+    }
+    assert_eq!(kustomizations, 2, "deploy/base and deploy/copy-job");
+}
+
+#[test]
+fn a_misspelt_field_is_not_silently_dropped() {
+    let mut doc = documents(&repo().join("deploy/base/statefulset.yaml")).remove(0);
+    doc["spec"]["template"]["spec"]["shareProcessNamespce"] = serde_json::Value::Bool(true);
+    let err = typed(&doc).expect_err("an unknown field must be refused");
+    assert!(err.contains("shareProcessNamespce"), "{err}");
+}
+
+#[test]
+fn a_kustomization_naming_a_missing_file_is_refused() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    for f in ["kustomization.yaml", "statefulset.yaml", "services.yaml"] {
+        std::fs::copy(repo().join("deploy/base").join(f), dir.path().join(f)).expect("copy");
+    }
+    // config.toml, named by the generator, is not there.
+    let err = kustomization(dir.path()).expect_err("missing generator file");
+    assert!(err.contains("config.toml"), "{err}");
+}
+
+#[test]
+fn the_base_statefulset_holds_the_sidecar_invariants() {
+    let b = base();
+    let problems = statefulset_problems(
+        &b.sts,
+        &b.services,
+        &b.config_maps,
+        &example_secrets(),
+        &b.effective,
+    );
+    assert!(problems.is_empty(), "{problems:#?}");
+}
+
+#[test]
+fn a_broken_statefulset_is_rejected() {
+    let b = base();
+    let secrets = example_secrets();
+    fn pod(s: &mut StatefulSet) -> &mut PodSpec {
+        s.spec
+            .as_mut()
+            .and_then(|s| s.template.spec.as_mut())
+            .expect("pod spec")
+    }
+    fn etcd_of(p: &mut PodSpec) -> &mut Container {
+        p.containers
+            .iter_mut()
+            .find(|c| c.name == "etcd")
+            .expect("etcd")
+    }
+    type Mutation = Box<dyn Fn(&mut StatefulSet, &mut Vec<Service>)>;
+    let mutations: Vec<(&str, &str, Mutation)> = vec![
+        (
+            "no shared PID namespace",
+            "shareProcessNamespace",
+            Box::new(|s, _| pod(s).share_process_namespace = Some(false)),
+        ),
+        (
+            "probe on another port",
+            "readiness probe port",
+            Box::new(|s, _| {
+                let get = etcd_of(pod(s))
+                    .readiness_probe
+                    .as_mut()
+                    .and_then(|p| p.http_get.as_mut())
+                    .expect("httpGet");
+                get.port = IntOrString::Int(8081);
+            }),
+        ),
+        (
+            "probe on /livez",
+            "not /healthz",
+            Box::new(|s, _| {
+                let get = etcd_of(pod(s))
+                    .readiness_probe
+                    .as_mut()
+                    .and_then(|p| p.http_get.as_mut())
+                    .expect("httpGet");
+                get.path = Some("/livez".into());
+            }),
+        ),
+        (
+            "CAP_KILL although the UIDs match",
+            "capabilities added",
+            Box::new(|s, _| {
+                let side = pod(s)
+                    .init_containers
+                    .as_mut()
+                    .and_then(|c| c.first_mut())
+                    .expect("sidecar");
+                let caps = side
+                    .security_context
+                    .as_mut()
+                    .and_then(|s| s.capabilities.as_mut())
+                    .expect("capabilities");
+                caps.add = Some(vec!["KILL".into()]);
+            }),
+        ),
+        (
+            "etcd as another UID without CAP_KILL",
+            "the kill needs exactly [\"KILL\"]",
+            Box::new(|s, _| {
+                let etcd = etcd_of(pod(s));
+                etcd.security_context
+                    .as_mut()
+                    .expect("security context")
+                    .run_as_user = Some(1000);
+            }),
+        ),
+        (
+            "another data dir",
+            "kill settings",
+            Box::new(|s, _| {
+                for a in etcd_of(pod(s)).args.iter_mut().flatten() {
+                    if a.starts_with("--data-dir=") {
+                        *a = "--data-dir=/var/lib/etcd/member0".into();
+                    }
+                }
+            }),
+        ),
+        (
+            "config mounted elsewhere",
+            "sidecar config",
+            Box::new(|s, _| {
+                let side = pod(s)
+                    .init_containers
+                    .as_mut()
+                    .and_then(|c| c.first_mut())
+                    .expect("sidecar");
+                for m in side.volume_mounts.iter_mut().flatten() {
+                    if m.name == "config" {
+                        m.mount_path = "/config".into();
+                    }
+                }
+            }),
+        ),
+        (
+            "Secret mounted elsewhere",
+            "access_key_id_file",
+            Box::new(|s, _| {
+                let side = pod(s)
+                    .init_containers
+                    .as_mut()
+                    .and_then(|c| c.first_mut())
+                    .expect("sidecar");
+                for m in side.volume_mounts.iter_mut().flatten() {
+                    if m.name == "etcd-backup" {
+                        m.mount_path = "/var/etcd-backup".into();
+                    }
+                }
+            }),
+        ),
+        (
+            "sidecar as an ordinary container",
+            "native sidecar",
+            Box::new(|s, _| {
+                let p = pod(s);
+                let side = p.init_containers.take().expect("init").remove(0);
+                p.containers.push(Container {
+                    restart_policy: None,
+                    ..side
+                });
+            }),
+        ),
+        (
+            "writable root filesystem",
+            "readOnlyRootFilesystem",
+            Box::new(|s, _| {
+                etcd_of(pod(s))
+                    .security_context
+                    .as_mut()
+                    .expect("security context")
+                    .read_only_root_filesystem = Some(false);
+            }),
+        ),
+        (
+            "API Service drops unready pods",
+            "/snapshot/latest would vanish",
+            Box::new(|_, services| {
+                for svc in services.iter_mut() {
+                    if let Some(spec) = svc.spec.as_mut()
+                        && spec.cluster_ip.as_deref() != Some("None")
+                    {
+                        spec.publish_not_ready_addresses = None;
+                    }
+                }
+            }),
+        ),
+    ];
+    for (what, expected, mutate) in mutations {
+        let mut sts = b.sts.clone();
+        let mut services = b.services.clone();
+        mutate(&mut sts, &mut services);
+        let problems =
+            statefulset_problems(&sts, &services, &b.config_maps, &secrets, &b.effective);
+        assert!(
+            problems.iter().any(|p| p.contains(expected)),
+            "{what}: expected a problem mentioning {expected:?}, got {problems:#?}"
+        );
+    }
+}
+
+#[test]
+fn the_copy_job_waits_for_the_final_snapshot_with_both_store_secrets() {
+    let j = copy_job();
+    let secrets = example_secrets();
+    let problems = job_problems(&j.job, &j.config_maps, &secrets, &j.effective);
+    assert!(problems.is_empty(), "{problems:#?}");
+
+    fn container(job: &mut Job) -> &mut Container {
+        job.spec
+            .as_mut()
+            .and_then(|s| s.template.spec.as_mut())
+            .and_then(|p| p.containers.first_mut())
+            .expect("container")
+    }
+    let mut no_wait = j.job.clone();
+    container(&mut no_wait)
+        .args
+        .as_mut()
+        .expect("args")
+        .retain(|a| a != "--wait-for-final");
+    let problems = job_problems(&no_wait, &j.config_maps, &secrets, &j.effective);
+    assert!(
+        problems.iter().any(|p| p.contains("--wait-for-final")),
+        "{problems:#?}"
+    );
+
+    let mut swapped = j.job.clone();
+    for m in container(&mut swapped).volume_mounts.iter_mut().flatten() {
+        m.mount_path = match m.mount_path.as_str() {
+            "/etc/etcd-backup" => "/etc/source-etcd-backup".into(),
+            "/etc/source-etcd-backup" => "/etc/etcd-backup".into(),
+            other => other.into(),
+        };
+    }
+    let problems = job_problems(&swapped, &j.config_maps, &secrets, &j.effective);
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.contains("expected source-etcd-backup")),
+        "{problems:#?}"
+    );
+
+    let mut short = j.job.clone();
+    short.spec.as_mut().expect("spec").active_deadline_seconds = Some(600);
+    let problems = job_problems(&short, &j.config_maps, &secrets, &j.effective);
+    assert!(
+        problems.iter().any(|p| p.contains("activeDeadlineSeconds")),
+        "{problems:#?}"
+    );
+}
+
+#[test]
+fn the_containerfile_builds_every_target_and_carries_the_deployed_etcd() {
+    let containerfile = read(&repo().join("Containerfile"));
+    let version = containerfile
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("ARG ETCD_VERSION="))
+        .expect("Containerfile: ARG ETCD_VERSION=...");
+    let b = base();
+    let image = etcd(pod_spec(&b.sts))
+        .ok()
+        .and_then(|c| c.image.clone())
+        .unwrap_or_default();
+    assert!(
+        image.ends_with(&format!(":{version}")),
+        "the StatefulSet runs {image}, the image carries etcd {version}: restore must use the same release"
+    );
+
+    // Cargo refuses a manifest whose target files are missing, so every target's directory
+    // must reach the build stage.
+    let cargo: toml::Table = read(&repo().join("Cargo.toml"))
+        .parse()
+        .expect("Cargo.toml");
+    let mut paths = Vec::new();
+    for section in ["bin", "bench", "test", "example"] {
+        for t in cargo
+            .get(section)
+            .and_then(|v| v.as_array())
+            .into_iter()
+            .flatten()
+        {
+            paths.extend(t.get("path").and_then(|p| p.as_str()).map(str::to_string));
+        }
+    }
+    paths.extend(
+        get(&cargo, "lib.path")
+            .and_then(|p| p.as_str())
+            .map(str::to_string),
+    );
+    for path in paths {
+        let top = path.split('/').next().expect("component");
+        assert!(
+            containerfile
+                .lines()
+                .any(|l| l.trim().starts_with(&format!("COPY {top} "))),
+            "Containerfile: Cargo.toml names {path}, but {top}/ is never copied into the build"
+        );
+    }
+}
+
+/// Every metric name `text` mentions (`etcd_warden_…`, `etcdbr_…`).
+fn metric_names(text: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    for (i, _) in text.match_indices("etcd") {
+        let rest = &text[i..];
+        if !(rest.starts_with("etcd_warden_") || rest.starts_with("etcdbr_")) {
+            continue;
+        }
+        if text[..i]
+            .chars()
+            .next_back()
+            .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_')
+        {
+            continue;
+        }
+        let end = rest
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(rest.len());
+        out.insert(rest[..end].to_string());
+    }
+    out
+}
+
+#[test]
+fn every_metric_in_the_alert_rules_is_exported() {
+    let doc = read(&repo().join("docs/operations.md"));
+    let section = doc
+        .split("## Alert rules")
+        .nth(1)
+        .expect("docs/operations.md: ## Alert rules");
+    let yaml = section
+        .split("```yaml")
+        .nth(1)
+        .and_then(|s| s.split("```").next())
+        .expect("a ```yaml block of alert rules");
+    let rules: serde_json::Value =
+        serde_json::to_value(serde_yaml::from_str::<serde_yaml::Value>(yaml).expect("alert YAML"))
+            .expect("JSON");
+    let exprs: Vec<String> = rules["groups"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|g| g["rules"].as_array().into_iter().flatten())
+        .map(|r| {
+            r["expr"]
+                .as_str()
+                .expect("every rule has an expr")
+                .to_string()
+        })
+        .collect();
+    assert!(exprs.len() >= 3, "too few alert rules: {exprs:?}");
+
+    // What the sidecar registers (sidecar::run registers exactly these two).
+    let mut registry = prometheus_client::registry::Registry::default();
+    etcd_warden::snapshot::metrics::SnapshotMetrics::default().register(&mut registry);
+    let owner = etcd_warden::owner::OwnerMetrics::default();
+    owner.register(&mut registry);
+    // Labelled counters appear only once a label value was used: use one of each.
+    owner.record_check(&etcd_warden::owner::CheckResult::Owner, 0);
+    owner.record_kill(&etcd_warden::process::KillReport {
+        processes: vec![(
+            etcd_warden::process::ProcessId {
+                pid: 1,
+                start_time: 1,
+            },
+            etcd_warden::process::Outcome::Killed,
+        )],
+    });
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).expect("encode");
+    let mut exported = BTreeSet::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("# TYPE ") else {
+            continue;
+        };
+        let mut parts = rest.split_whitespace();
+        let (Some(name), Some(kind)) = (parts.next(), parts.next()) else {
+            continue;
+        };
+        let samples: &[&str] = match kind {
+            "counter" => &["_total"],
+            "histogram" => &["_bucket", "_sum", "_count"],
+            _ => &[""],
+        };
+        exported.extend(samples.iter().map(|s| format!("{name}{s}")));
+    }
+    for expr in &exprs {
+        let names = metric_names(expr);
+        assert!(
+            !names.is_empty(),
+            "alert expr uses no etcd-warden metric: {expr}"
+        );
+        for name in names {
+            assert!(
+                exported.contains(&name),
+                "alert expr {expr:?} uses {name}, which the sidecar does not export; exported: {exported:?}"
+            );
+        }
+    }
+    // The metrics table names real metrics too.
+    let table = doc
+        .split("## Metrics")
+        .nth(1)
+        .and_then(|s| s.split("## ").next())
+        .expect("## Metrics");
+    for name in metric_names(table) {
+        let found = exported.contains(&name) || exported.iter().any(|e| e.starts_with(&name));
+        assert!(
+            found,
+            "docs/operations.md lists {name}, which is not exported; exported: {exported:?}"
+        );
+    }
+}
