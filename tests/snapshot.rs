@@ -7,12 +7,18 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_warden::snapshot::delta::{self, DeltaWriter, EventType};
-use etcd_warden::snapshot::watcher::run_deltas;
+use etcd_warden::config::{EtcdConfig, GcPolicy};
+use etcd_warden::etcd::RotatingClient;
+use etcd_warden::snapshot::actor::{self, ActorConfig, ActorHandle};
+use etcd_warden::snapshot::delta::{self, EventType};
+use etcd_warden::snapshot::engine::EtcdEngine;
+use etcd_warden::snapshot::metrics::SnapshotMetrics;
 use etcd_warden::snapshot::{full, take_full};
 use etcd_warden::store::compression::collect;
+use etcd_warden::store::gc::Retention;
 use etcd_warden::store::{Codec, Kind, SnapshotStore};
 use support::etcd::{EtcdCluster, Release};
+use tokio_util::sync::CancellationToken;
 
 fn file_store(dir: &Path) -> SnapshotStore {
     std::fs::create_dir_all(dir).unwrap();
@@ -113,6 +119,67 @@ async fn full_snapshot_is_valid(release: Release) {
     assert_eq!(store.list().await.unwrap().len(), 2);
 }
 
+/// The snapshot actor over the real engine, regular and (single member) leader from the start.
+/// The full-snapshot schedule is far away: only the store's state and deltas drive it.
+async fn actor_on(
+    etcd: &EtcdCluster,
+    store: &SnapshotStore,
+    codec: Codec,
+    delta_period: Duration,
+    delta_memory_limit: u64,
+) -> (ActorHandle, tokio::task::JoinHandle<()>, CancellationToken) {
+    let endpoints = etcd.endpoints();
+    let store = store.clone();
+    let cancel = CancellationToken::new();
+    let config = ActorConfig {
+        schedule: std::str::FromStr::from_str("0 0 1 1 *").unwrap(),
+        delta_period,
+        delta_memory_limit,
+        gc_period: Duration::from_secs(3600),
+        leader_check_interval: Duration::from_millis(100),
+        regular_at_start: true,
+    };
+    let c = cancel.clone();
+    let engine = {
+        let etcd = RotatingClient::connect(&EtcdConfig {
+            endpoints,
+            tls: None,
+            username: None,
+            password: None,
+            connect_timeout: Duration::from_secs(2),
+            request_timeout: Duration::from_secs(5),
+        })
+        .await
+        .unwrap();
+        let retention = Retention {
+            policy: GcPolicy::LimitBased { max_backups: 100 },
+            delta_retention: Duration::ZERO,
+        };
+        EtcdEngine::new(etcd, store, codec, retention)
+    };
+    let (handle, task) = actor::spawn(engine, config, SnapshotMetrics::default(), c);
+    (handle, task, cancel)
+}
+
+/// Waits until the actor has stored a delta reaching `revision`.
+async fn wait_for_delta(actor: &ActorHandle, revision: i64) {
+    let mut status = actor.watch_status();
+    let reached = tokio::time::timeout(
+        Duration::from_secs(10),
+        status.wait_for(|s| {
+            s.last_delta
+                .as_ref()
+                .is_some_and(|d| d.last_revision >= revision)
+        }),
+    )
+    .await;
+    assert!(
+        reached.is_ok(),
+        "no delta reached revision {revision}: {:?}",
+        actor.status()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deltas_follow_the_watch_from_the_full_snapshot() {
     let etcd = EtcdCluster::single(Release::V35).await;
@@ -124,32 +191,19 @@ async fn deltas_follow_the_watch_from_the_full_snapshot() {
         .await
         .unwrap();
 
-    // Changes made while no watcher runs are still picked up: the watch starts at base + 1.
+    // Changes made while no actor runs are still picked up: the watch starts at base + 1.
     client.put("a", "1", None).await.unwrap();
-    let mut writer = DeltaWriter::new(Codec::Gzip, base.last_revision);
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let mut stored = Vec::new();
-    let runner = {
-        let client = client.clone();
-        let store = store.clone();
-        tokio::spawn(async move {
-            let r = run_deltas(
-                &client,
-                &store,
-                &mut writer,
-                Duration::from_millis(300),
-                u64::MAX,
-                async {
-                    let _ = stop_rx.await;
-                },
-                |s| stored.push(s.clone()),
-            )
-            .await;
-            (r, stored)
-        })
-    };
+    let (actor, task, cancel) = actor_on(
+        &etcd,
+        &store,
+        Codec::Gzip,
+        Duration::from_millis(300),
+        u64::MAX,
+    )
+    .await;
     client.put("b", "2", None).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let b = base.last_revision + 2;
+    wait_for_delta(&actor, b).await;
     client.delete("a", None).await.unwrap();
     client
         .txn(etcd_client::Txn::new().and_then([
@@ -165,16 +219,19 @@ async fn deltas_follow_the_watch_from_the_full_snapshot() {
         .header()
         .unwrap()
         .revision();
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    stop_tx.send(()).unwrap();
-    let (result, stored) = runner.await.unwrap();
-    result.unwrap();
+    wait_for_delta(&actor, last).await;
+    cancel.cancel();
+    task.await.unwrap();
 
-    assert!(stored.len() >= 2, "periodic flushes: {stored:?}");
     let list = store.list().await.unwrap();
     let chain = etcd_warden::store::layout::latest_chain(&list);
+    // No second full snapshot: the stored one was recent enough for the schedule.
     assert_eq!(chain.full_snapshot.as_ref(), Some(&base));
-    assert_eq!(chain.delta_snapshots, stored);
+    assert!(
+        chain.delta_snapshots.len() >= 2,
+        "periodic flushes: {:?}",
+        chain.delta_snapshots
+    );
     // Contiguous: each delta starts right after the previous snapshot.
     let mut prev = base.last_revision;
     let mut events = Vec::new();
@@ -218,38 +275,23 @@ async fn memory_limit_flushes_early() {
     let base = take_full(&client, &store, Codec::None, false)
         .await
         .unwrap();
-    let mut writer = DeltaWriter::new(Codec::None, base.last_revision);
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let runner = {
-        let client = client.clone();
-        let store = store.clone();
-        tokio::spawn(async move {
-            let mut n = 0;
-            let r = run_deltas(
-                &client,
-                &store,
-                &mut writer,
-                Duration::from_secs(3600),
-                1,
-                async {
-                    let _ = stop_rx.await;
-                },
-                |_| n += 1,
-            )
-            .await;
-            (r, n)
-        })
-    };
+    // The period is an hour: only the limit can flush each write on its own.
+    let (actor, task, cancel) =
+        actor_on(&etcd, &store, Codec::None, Duration::from_secs(3600), 1).await;
     for i in 0..3 {
-        client.put(format!("k{i}"), "v", None).await.unwrap();
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        let r = client
+            .put(format!("k{i}"), "v", None)
+            .await
+            .unwrap()
+            .header()
+            .unwrap()
+            .revision();
+        wait_for_delta(&actor, r).await;
     }
-    stop_tx.send(()).unwrap();
-    let (r, n) = runner.await.unwrap();
-    r.unwrap();
-    // The period is an hour: only the limit can have flushed each write on its own.
-    assert_eq!(n, 3);
+    cancel.cancel();
+    task.await.unwrap();
     let deltas = store.latest_chain().await.unwrap().delta_snapshots;
-    assert_eq!(deltas.len(), 3);
+    assert_eq!(deltas.len(), 3, "{deltas:?}");
+    assert_eq!(deltas[0].start_revision, base.last_revision + 1);
     assert!(deltas.iter().all(|d| d.start_revision == d.last_revision));
 }

@@ -1,13 +1,8 @@
-//! The watch behind delta snapshots: every key, from the revision after the previous snapshot,
-//! flushed every `delta_period` or when the buffer reaches `delta_memory_limit`.
+//! The watch behind delta snapshots: every key, from the revision after the previous snapshot.
+//! The snapshot actor flushes what it collects every `delta_period` or when the buffer reaches
+//! `delta_memory_limit`.
 
-use std::future::Future;
-use std::time::Duration;
-
-use chrono::Utc;
-
-use super::delta::{DeltaError, DeltaWriter, Event};
-use crate::store::{Snapshot, SnapshotStore};
+use super::delta::{DeltaError, Event};
 
 /// Watch errors.
 #[derive(Debug, thiserror::Error)]
@@ -70,49 +65,5 @@ impl DeltaWatch {
             return Err(WatchError::Canceled(resp.cancel_reason().to_string()));
         }
         Ok(resp.events().iter().map(Event::from).collect())
-    }
-}
-
-/// Runs deltas until `stop` resolves: events go into `writer`, which is flushed every `period`,
-/// whenever it holds `memory_limit` bytes, and once more at the end. `on_stored` is told about
-/// each stored delta. Returns the error that ended it, or `Ok` when stopped.
-pub async fn run_deltas<F>(
-    client: &etcd_client::Client,
-    store: &SnapshotStore,
-    writer: &mut DeltaWriter,
-    period: Duration,
-    memory_limit: u64,
-    stop: F,
-    mut on_stored: impl FnMut(&Snapshot),
-) -> Result<(), WatchError>
-where
-    F: Future<Output = ()>,
-{
-    let mut watch = DeltaWatch::open(client, writer.next_revision()).await?;
-    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    tokio::pin!(stop);
-    loop {
-        tokio::select! {
-            _ = &mut stop => {
-                if let Some(s) = writer.flush(store).await? {
-                    on_stored(&s);
-                }
-                return Ok(());
-            }
-            _ = tick.tick() => {
-                if let Some(s) = writer.flush(store).await? {
-                    on_stored(&s);
-                }
-            }
-            events = watch.next() => {
-                writer.push(events?, Utc::now());
-                if writer.buffered_bytes() as u64 >= memory_limit
-                    && let Some(s) = writer.flush(store).await?
-                {
-                    on_stored(&s);
-                }
-            }
-        }
     }
 }
