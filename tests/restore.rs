@@ -577,3 +577,75 @@ async fn initialize_starts_fresh_on_an_empty_store_and_keeps_a_valid_directory()
     let e = initialize(&store, &config).await.unwrap_err().to_string();
     assert!(e.contains("no full snapshot"), "{e}");
 }
+
+/// The replay's ordering guard against real etcd: a transaction that etcd takes before its
+/// predecessor changes nothing and takes no revision, and a pipelined replay with revisions that
+/// only delete lands every revision exactly where it was at the source.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_transactions_taken_out_of_order_change_nothing() {
+    use etcd_warden::restore::replay::{self, ReplayOp, RevisionGroup};
+    let cluster = EtcdCluster::single(Release::V35).await;
+    let mut client = cluster.client().await;
+    client.put("a", "0", None).await.unwrap();
+    let r = revision(&mut client).await;
+    let put = |k: &str, v: &str| ReplayOp::Put {
+        key: k.into(),
+        value: v.into(),
+    };
+    let del = |k: &str| ReplayOp::Delete { key: k.into() };
+    let groups: Vec<RevisionGroup> = [
+        vec![put("b", "1")],
+        vec![put("c", "2"), del("a")],
+        vec![del("b")],
+        vec![put("d", "4")],
+        vec![put("c", "5")],
+    ]
+    .into_iter()
+    .zip(r + 1..)
+    .map(|(ops, revision)| RevisionGroup { revision, ops })
+    .collect();
+
+    let mut kv = client.kv_client();
+    let early = kv
+        .txn(replay::transaction(&groups[1], Some(&groups[0])))
+        .await
+        .unwrap();
+    assert!(
+        !early.succeeded(),
+        "a transaction ahead of its predecessor must fail its guard"
+    );
+    assert_eq!(
+        revision(&mut client).await,
+        r,
+        "a failed guard takes no revision"
+    );
+    assert!(client.get("c", None).await.unwrap().kvs().is_empty());
+
+    let mut current = r;
+    let gap = replay::apply(&kv, &groups[1..], &mut current).await;
+    assert!(
+        matches!(&gap, Err(RestoreError::Deltas(m)) if m.contains("gap")),
+        "{gap:?}"
+    );
+    assert_eq!(current, r);
+
+    let done = replay::apply(&kv, &groups, &mut current).await.unwrap();
+    assert_eq!(done.events, 6);
+    assert_eq!(current, r + 5);
+    assert_eq!(revision(&mut client).await, r + 5);
+    let mod_rev = |kvs: &[etcd_client::KeyValue]| kvs.first().map(|kv| kv.mod_revision());
+    assert_eq!(
+        mod_rev(client.get("c", None).await.unwrap().kvs()),
+        Some(r + 5)
+    );
+    assert_eq!(
+        mod_rev(client.get("d", None).await.unwrap().kvs()),
+        Some(r + 4)
+    );
+    assert!(client.get("a", None).await.unwrap().kvs().is_empty());
+    assert!(client.get("b", None).await.unwrap().kvs().is_empty());
+    // Applying the same groups again skips them all: they are at or below the revision.
+    let again = replay::apply(&kv, &groups, &mut current).await.unwrap();
+    assert_eq!(again.events, 0);
+    assert_eq!(revision(&mut client).await, r + 5);
+}

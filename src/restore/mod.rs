@@ -362,7 +362,8 @@ async fn replay_all(
             (d, events)
         })
         .buffered(parallel);
-    let mut applied = 0u64;
+    let kv = client.kv_client();
+    let mut applied = replay::Applied::default();
     // The last revision of a delta is held back until the next delta shows it is complete:
     // nothing guarantees that one revision's events never straddle two deltas.
     let mut held: Vec<(i64, ReplayOp)> = Vec::new();
@@ -380,15 +381,19 @@ async fn replay_all(
         if let Some(last) = groups.pop() {
             held = last.ops.into_iter().map(|op| (last.revision, op)).collect();
         }
-        applied += replay::apply(&mut client, &groups, &mut current)
+        let done = replay::apply(&kv, &groups, &mut current)
             .await
             .step("replaying deltas")?;
+        applied.events += done.events;
+        applied.resent += done.resent;
     }
     if !held.is_empty() {
         let groups: Vec<RevisionGroup> = replay::group(held).step("replaying deltas")?;
-        applied += replay::apply(&mut client, &groups, &mut current)
+        let done = replay::apply(&kv, &groups, &mut current)
             .await
             .step("replaying deltas")?;
+        applied.events += done.events;
+        applied.resent += done.resent;
     }
     let expected = deltas.last().map_or(restored, |d| d.last_revision);
     let actual = current_revision(&mut client)
@@ -406,13 +411,14 @@ async fn replay_all(
     }
     let secs = started.elapsed().as_secs_f64();
     tracing::info!(
-        events = applied,
+        events = applied.events,
+        resent = applied.resent,
         revision = actual,
         seconds = secs,
-        events_per_second = applied as f64 / secs.max(1e-9),
+        events_per_second = applied.events as f64 / secs.max(1e-9),
         "deltas replayed"
     );
-    Ok((applied, actual))
+    Ok((applied.events, actual))
 }
 
 /// A delta event as a replay operation; the lease is dropped on purpose (see the module doc).
