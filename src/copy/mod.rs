@@ -21,11 +21,11 @@
 //!   payload is verified by reading it and then copied server side, so it is not uploaded again.
 
 pub mod plan;
+pub mod progress;
 
 use std::collections::HashMap;
 use std::io;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -41,9 +41,12 @@ use crate::store::location::StoreLocation;
 use crate::store::{Codec, Snapshot, SnapshotStore, StoreError, layout};
 
 pub use plan::{Listed, Selection};
+use progress::{Bar, Progress};
 
 /// How often progress is logged.
 const PROGRESS_EVERY: Duration = Duration::from_secs(5);
+/// How often the progress bar is redrawn (stderr a terminal only).
+const BAR_EVERY: Duration = Duration::from_millis(250);
 /// Chunks the hash check may lag behind the upload.
 const TEE_DEPTH: usize = 16;
 
@@ -226,12 +229,28 @@ pub async fn run(stores: &Stores, config: &CopyConfig) -> Result<Report, CopyErr
     tokio::pin!(work);
     let mut tick = tokio::time::interval(PROGRESS_EVERY);
     tick.tick().await;
+    let mut bar = Bar::for_stderr();
+    let mut redraw = tokio::time::interval(BAR_EVERY);
+    // A slow redraw is skipped, not caught up in a burst.
+    redraw.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let results = loop {
         tokio::select! {
             r = &mut work => break r,
-            _ = tick.tick() => progress.log(),
+            _ = tick.tick() => {
+                if let Some(bar) = &mut bar {
+                    bar.clear();
+                }
+                progress.log();
+            }
+            _ = redraw.tick(), if bar.is_some() => {
+                if let Some(bar) = &mut bar {
+                    bar.draw(&progress.counts());
+                }
+            }
         }
     };
+    // Cleared before the last progress line and the per-snapshot errors below.
+    drop(bar);
     progress.log();
 
     let mut failures = Vec::new();
@@ -460,41 +479,6 @@ pub fn verified(input: ByteStream, codec: Codec) -> ByteStream {
         }
     })
     .boxed()
-}
-
-/// Counters for the progress log.
-struct Progress {
-    started: Instant,
-    total_objects: usize,
-    total_bytes: u64,
-    objects: AtomicU64,
-    /// Shared with the streams being copied.
-    bytes: Arc<AtomicU64>,
-}
-
-impl Progress {
-    fn new(total_objects: usize, total_bytes: u64) -> Self {
-        Self {
-            started: Instant::now(),
-            total_objects,
-            total_bytes,
-            objects: AtomicU64::new(0),
-            bytes: Arc::new(AtomicU64::new(0)),
-        }
-    }
-
-    fn log(&self) {
-        let bytes = self.bytes.load(Ordering::Relaxed);
-        let secs = self.started.elapsed().as_secs_f64();
-        tracing::info!(
-            objects = self.objects.load(Ordering::Relaxed),
-            objects_total = self.total_objects,
-            mib = format!("{:.1}", bytes as f64 / 1048576.0),
-            mib_total = format!("{:.1}", self.total_bytes as f64 / 1048576.0),
-            mib_per_second = format!("{:.1}", bytes as f64 / 1048576.0 / secs.max(0.001)),
-            "copy progress"
-        );
-    }
 }
 
 #[cfg(test)]
