@@ -116,16 +116,17 @@ async fn main() {
     let full = take_full(&client, &store, Codec::Gzip, false)
         .await
         .unwrap();
-    // Events: mostly 1 KiB puts (new keys and overwrites), every tenth a delete; written 32 at a
-    // time, each still its own revision.
+    // Events: mostly 1 KiB puts (new keys and overwrites), every tenth a delete of the key put
+    // 101 changes before (long done, with 32 in flight), so every change is an event; written
+    // 32 at a time, each still its own revision.
     let small = value[..1024].to_string();
     let t = Instant::now();
     futures::stream::iter(0..n_events)
         .for_each_concurrent(32, |i| {
             let (mut kv, small) = (kv.clone(), small.clone());
             async move {
-                if i % 10 == 9 {
-                    kv.delete(format!("/registry/ev/k{:06}", (i - 5) % 15000), None)
+                if i % 10 == 9 && i > 101 {
+                    kv.delete(format!("/registry/ev/k{:06}", (i - 101) % 15000), None)
                         .await
                         .unwrap();
                 } else {

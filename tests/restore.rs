@@ -607,7 +607,10 @@ async fn replay_transactions_taken_out_of_order_change_nothing() {
 
     let mut kv = client.kv_client();
     let early = kv
-        .txn(replay::transaction(&groups[1], Some(&groups[0])))
+        .txn(replay::transaction(
+            &groups[1],
+            replay::guard(&groups[..1]).as_ref(),
+        ))
         .await
         .unwrap();
     assert!(
@@ -629,8 +632,27 @@ async fn replay_transactions_taken_out_of_order_change_nothing() {
     );
     assert_eq!(current, r);
 
+    // Past a revision that only deletes, the guard also needs the deleted key gone: with r+1
+    // and r+2 applied but not r+3 (which deletes b), r+4 must not land.
+    replay::apply(&kv, &groups[..2], &mut current)
+        .await
+        .unwrap();
+    assert_eq!(current, r + 2);
+    let guard = replay::guard(&groups[..3]).expect("c, put at r+2, with b gone");
+    assert_eq!(guard.absent, vec![&b"b"[..]]);
+    let early = kv
+        .txn(replay::transaction(&groups[3], Some(&guard)))
+        .await
+        .unwrap();
+    assert!(
+        !early.succeeded(),
+        "a transaction after a delete not yet applied must fail its guard"
+    );
+    assert_eq!(revision(&mut client).await, r + 2);
+    assert!(client.get("d", None).await.unwrap().kvs().is_empty());
+
     let done = replay::apply(&kv, &groups, &mut current).await.unwrap();
-    assert_eq!(done.events, 6);
+    assert_eq!(done.events, 3);
     assert_eq!(current, r + 5);
     assert_eq!(revision(&mut client).await, r + 5);
     let mod_rev = |kvs: &[etcd_client::KeyValue]| kvs.first().map(|kv| kv.mod_revision());
@@ -648,4 +670,46 @@ async fn replay_transactions_taken_out_of_order_change_nothing() {
     let again = replay::apply(&kv, &groups, &mut current).await.unwrap();
     assert_eq!(again.events, 0);
     assert_eq!(revision(&mut client).await, r + 5);
+}
+
+/// A round's chain against real etcd: sent once per revision, each copy applies the revision
+/// due when etcd takes it, lowest first, each on its own revision; a revision that only deletes
+/// in the middle is passed in order too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chain_applies_whichever_revision_is_due() {
+    use etcd_warden::restore::replay::{self, ReplayOp, RevisionGroup};
+    let cluster = EtcdCluster::single(Release::V35).await;
+    let mut client = cluster.client().await;
+    client.put("a", "0", None).await.unwrap();
+    let r = revision(&mut client).await;
+    let put = |k: &str, v: &str| ReplayOp::Put {
+        key: k.into(),
+        value: v.into(),
+    };
+    let groups: Vec<RevisionGroup> = [
+        vec![put("b", "1")],
+        vec![ReplayOp::Delete { key: "a".into() }],
+        vec![put("b", "3")],
+        vec![put("c", "4")],
+    ]
+    .into_iter()
+    .zip(r + 1..)
+    .map(|(ops, revision)| RevisionGroup { revision, ops })
+    .collect();
+    assert_eq!(replay::round_len(&groups, 0, 8), 4);
+    let chain = replay::chain(&groups, 0, 4);
+    let mut kv = client.kv_client();
+    for (branch, group) in groups.iter().enumerate() {
+        let resp = kv.txn(chain.clone()).await.unwrap();
+        assert_eq!(replay::branch_taken(&resp, 4), Some(branch));
+        assert_eq!(resp.header().map(|h| h.revision()), Some(group.revision));
+    }
+    let kvs = client.get("b", None).await.unwrap();
+    assert_eq!(kvs.kvs()[0].value(), b"3");
+    assert_eq!(kvs.kvs()[0].mod_revision(), r + 3);
+    assert!(client.get("a", None).await.unwrap().kvs().is_empty());
+    assert_eq!(
+        client.get("c", None).await.unwrap().kvs()[0].mod_revision(),
+        r + 4
+    );
 }

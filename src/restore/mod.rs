@@ -385,7 +385,7 @@ async fn replay_all(
             .await
             .step("replaying deltas")?;
         applied.events += done.events;
-        applied.resent += done.resent;
+        applied.rounds += done.rounds;
     }
     if !held.is_empty() {
         let groups: Vec<RevisionGroup> = replay::group(held).step("replaying deltas")?;
@@ -393,7 +393,7 @@ async fn replay_all(
             .await
             .step("replaying deltas")?;
         applied.events += done.events;
-        applied.resent += done.resent;
+        applied.rounds += done.rounds;
     }
     let expected = deltas.last().map_or(restored, |d| d.last_revision);
     let actual = current_revision(&mut client)
@@ -412,7 +412,7 @@ async fn replay_all(
     let secs = started.elapsed().as_secs_f64();
     tracing::info!(
         events = applied.events,
-        resent = applied.resent,
+        rounds = applied.rounds,
         revision = actual,
         seconds = secs,
         events_per_second = applied.events as f64 / secs.max(1e-9),
