@@ -126,8 +126,8 @@ impl Stores {
                 .map_err(fail("source", source))?
         };
         Ok(Stores {
-            source: SnapshotStore::new(source_backend, source.location.prefix()),
-            dest: SnapshotStore::new(dest_backend, dest.location.prefix()),
+            source: SnapshotStore::at(source_backend, &source.location),
+            dest: SnapshotStore::at(dest_backend, &dest.location),
             server_side,
         })
     }

@@ -14,8 +14,8 @@ use sha2::{Digest, Sha256};
 use crate::store::compression::{self, ByteStream, Codec};
 use crate::store::{Kind, Snapshot, SnapshotStore, StoreError};
 
-/// etcd messages read ahead (etcd sends 32 KiB each, so ~4 MiB).
-const PREFETCH_MESSAGES: usize = 128;
+/// etcd messages read ahead (etcd sends 32 KiB each, so ~1 MiB, one gzip block).
+const PREFETCH_MESSAGES: usize = 32;
 
 /// Length of etcd's trailing hash.
 pub const HASH_LEN: usize = 32;

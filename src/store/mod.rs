@@ -31,6 +31,9 @@ pub use location::StoreLocation;
 /// Part size of multipart uploads: S3's minimum for every part but the last, so memory stays
 /// small; with at most 10000 parts an object can reach 48 GiB, far above etcd's 8 GiB limit.
 const PART_SIZE: usize = 5 << 20;
+/// Part size on the local filesystem and in memory, which have no minimum: smaller parts keep
+/// a snapshot's memory down (the parts in flight are most of it).
+const LOCAL_PART_SIZE: usize = 1 << 20;
 /// Parts uploading at once; with [`PART_SIZE`] this bounds an upload's memory.
 const PARTS_IN_FLIGHT: usize = 2;
 
@@ -230,6 +233,8 @@ pub struct SnapshotStore {
     store: Arc<dyn ObjectStore>,
     /// The store prefix (without `v2`).
     prefix: String,
+    /// Multipart part size for [`SnapshotStore::put_stream`].
+    part_size: usize,
 }
 
 impl SnapshotStore {
@@ -238,12 +243,27 @@ impl SnapshotStore {
         Self {
             store,
             prefix: prefix.trim_matches('/').to_string(),
+            part_size: PART_SIZE,
+        }
+    }
+
+    /// Snapshots at `location` of a backend built for it: its prefix, and parts sized for it.
+    pub fn at(store: Arc<dyn ObjectStore>, location: &StoreLocation) -> Self {
+        let part_size = match location {
+            StoreLocation::File { .. } | StoreLocation::Memory { .. } => LOCAL_PART_SIZE,
+            StoreLocation::S3 { .. } | StoreLocation::Gcs { .. } | StoreLocation::Azure { .. } => {
+                PART_SIZE
+            }
+        };
+        Self {
+            part_size,
+            ..Self::new(store, location.prefix())
         }
     }
 
     /// Builds the backend from configuration and the process environment.
     pub fn from_config(config: &StoreConfig) -> Result<Self, StoreError> {
-        Ok(Self::new(build(config)?, config.location.prefix()))
+        Ok(Self::at(build(config)?, &config.location))
     }
 
     /// The store prefix (without `v2`).
@@ -335,7 +355,7 @@ impl SnapshotStore {
     ) -> Result<u64, StoreError> {
         let path = self.path_of(snapshot);
         let upload = self.store.put_multipart(&path).await?;
-        let mut writer = WriteMultipart::new_with_chunk_size(upload, PART_SIZE);
+        let mut writer = WriteMultipart::new_with_chunk_size(upload, self.part_size);
         let mut written = 0u64;
         let failure = loop {
             match data.next().await {
@@ -476,6 +496,39 @@ mod tests {
             b.get_config_value(&K::VirtualHostedStyleRequest).as_deref(),
             Some("false")
         );
+    }
+
+    /// Local stores upload in small parts (memory), cloud stores in S3's minimum; an object of
+    /// several local parts reads back whole.
+    #[tokio::test]
+    async fn part_size_follows_the_location() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("file://{}", dir.path().display());
+        let store = SnapshotStore::from_config(&config(&url)).unwrap();
+        assert_eq!(store.part_size, LOCAL_PART_SIZE);
+        let s3 = SnapshotStore::at(
+            Arc::new(object_store::memory::InMemory::new()),
+            &StoreLocation::parse("s3://bkt/p").unwrap(),
+        );
+        assert_eq!(s3.part_size, PART_SIZE);
+
+        let payload: Vec<u8> = (0..(LOCAL_PART_SIZE * 5 / 2)).map(|i| i as u8).collect();
+        let snap = Snapshot::new("", Kind::Full, 0, 7, chrono::Utc::now(), Codec::None, false);
+        let chunks: Vec<std::io::Result<Bytes>> = payload
+            .chunks(100_000)
+            .map(|c| Ok(Bytes::copy_from_slice(c)))
+            .collect();
+        let written = store
+            .put_stream(&snap, futures::stream::iter(chunks).boxed())
+            .await
+            .unwrap();
+        assert_eq!(written, payload.len() as u64);
+        let mut back = Vec::new();
+        let mut stream = store.get_stream(&snap).await.unwrap();
+        while let Some(chunk) = stream.next().await {
+            back.extend_from_slice(&chunk.unwrap());
+        }
+        assert_eq!(back, payload);
     }
 
     #[test]
