@@ -208,8 +208,8 @@ async fn a_corrupt_object_fails_the_job_by_name_and_leaves_nothing_at_the_destin
         false,
     )
     .await;
-    // Uncompressed and 12 MiB, so the upload has sent parts before the hash check fails at the
-    // end: the multipart upload must be aborted, not completed.
+    // Uncompressed and 12 MiB, so the upload has sent most of it before the hash check fails at
+    // the end: the single PUT must stay short of its length, the multipart upload be aborted.
     let bad = Snapshot::new(
         stores.source.prefix(),
         Kind::Full,
@@ -227,20 +227,33 @@ async fn a_corrupt_object_fails_the_job_by_name_and_leaves_nothing_at_the_destin
         .await
         .unwrap();
 
-    let e = copy::run(&stores, &options()).await.unwrap_err();
-    let msg = e.to_string();
-    assert!(matches!(e, CopyError::Incomplete { total: 2, .. }), "{e:?}");
-    assert!(msg.contains(&bad.snap_name), "{msg}");
-    assert!(msg.contains("SHA-256"), "{msg}");
-    assert!(
-        msg.starts_with("1 of 2 selected snapshots not copied"),
-        "{msg}"
-    );
-    // Only the good one arrived, and nothing else is in the destination bucket.
-    assert_eq!(verified_names(&stores.dest).await, dest_names(&[good]));
+    // Both upload paths: one streamed PUT (the default for objects of known size on S3) and a
+    // multipart upload (objects over the single-PUT limit).
+    let multipart = s3_stores(&s3, (SRC, "old"), (DST, "multipart"));
+    let multipart = Stores {
+        dest: multipart.dest.clone().with_single_put(None),
+        ..multipart
+    };
+    for stores in [&stores, &multipart] {
+        let e = copy::run(stores, &options()).await.unwrap_err();
+        let msg = e.to_string();
+        assert!(matches!(e, CopyError::Incomplete { total: 2, .. }), "{e:?}");
+        assert!(msg.contains(&bad.snap_name), "{msg}");
+        assert!(msg.contains("SHA-256"), "{msg}");
+        assert!(
+            msg.starts_with("1 of 2 selected snapshots not copied"),
+            "{msg}"
+        );
+        // Only the good one arrived.
+        assert_eq!(
+            verified_names(&stores.dest).await,
+            dest_names(std::slice::from_ref(&good))
+        );
+    }
+    // Nothing else is in the destination bucket: one object under each prefix.
     let bucket = s3.root.path().join(DST);
     let files: Vec<_> = walk(&bucket);
-    assert_eq!(files.len(), 1, "{files:?}");
+    assert_eq!(files.len(), 2, "{files:?}");
     // s3s-fs keeps parts of open multipart uploads at its root until completed or aborted.
     let parts: Vec<_> = std::fs::read_dir(s3.root.path())
         .unwrap()

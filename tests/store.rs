@@ -204,6 +204,85 @@ async fn conformance_s3() {
     conformance(SnapshotStore::new(raw.clone(), cfg.location.prefix()), raw).await;
 }
 
+/// An S3 store's uploads of known length go in one streamed `PUT`: it stores exactly the
+/// declared length or nothing (a short body, a long one, an error item in its last chunk's
+/// place), where a multipart upload stores whatever the stream held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_single_put_stores_exactly_the_declared_length_or_nothing() {
+    let server = S3Server::start(&["etcd-backups"]);
+    let mut cfg = store_config("s3://etcd-backups/one-put");
+    cfg.endpoint = Some(server.endpoint());
+    cfg.region = Some("us-east-1".into());
+    cfg.allow_http = true;
+    cfg.access_key_id = Some(Secret::Value(s3::ACCESS_KEY.into()));
+    cfg.secret_access_key = Some(Secret::Value(s3::SECRET_KEY.into()));
+    let store = SnapshotStore::from_config(&cfg).unwrap();
+    let data = payload(3 << 20);
+    let len = data.len() as u64;
+
+    let ok = snap(&store, Kind::Full, 0, 1, 1_700_000_001);
+    let stored = store
+        .put_stream_sized(&ok, chunked(&data, 64 << 10), len)
+        .await
+        .unwrap();
+    assert_eq!(stored, len);
+    let back = collect(store.get_stream(&ok).await.unwrap());
+    assert_eq!(back.await.unwrap(), data);
+
+    let short = snap(&store, Kind::Full, 0, 2, 1_700_000_002);
+    let e = store
+        .put_stream_sized(&short, chunked(&data[..1 << 20], 64 << 10), len)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, StoreError::Payload(p) if p.to_string().contains("shorter")),
+        "{e:?}"
+    );
+
+    let long = snap(&store, Kind::Full, 0, 3, 1_700_000_003);
+    let e = store
+        .put_stream_sized(&long, chunked(&data, 64 << 10), len - 1)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, StoreError::Payload(p) if p.to_string().contains("longer")),
+        "{e:?}"
+    );
+
+    let failing = snap(&store, Kind::Full, 0, 4, 1_700_000_004);
+    let mut items: Vec<io::Result<Bytes>> = data[..len as usize - 1000]
+        .chunks(64 << 10)
+        .map(|c| Ok(Bytes::copy_from_slice(c)))
+        .collect();
+    items.push(Err(io::Error::new(io::ErrorKind::InvalidData, "bad hash")));
+    let e = store
+        .put_stream_sized(&failing, futures::stream::iter(items).boxed(), len)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, StoreError::Payload(p) if p.to_string() == "bad hash"),
+        "{e:?}"
+    );
+
+    let names: Vec<String> = store
+        .list()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| s.snap_name)
+        .collect();
+    assert_eq!(names, vec![ok.snap_name.clone()]);
+
+    // The same short body through a multipart upload is stored as it is: the single PUT is
+    // what enforces the length.
+    let multipart = store.clone().with_single_put(None);
+    multipart
+        .put_stream_sized(&short, chunked(&data[..1 << 20], 64 << 10), len)
+        .await
+        .unwrap();
+    assert_eq!(store.list().await.unwrap().len(), 2);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s3_credentials_from_files_and_environment() {
     let server = S3Server::start(&["bkt"]);

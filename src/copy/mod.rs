@@ -125,9 +125,11 @@ impl Stores {
             crate::store::build_with_env(source, &ProcessEnv, Some("SOURCE_"))
                 .map_err(fail("source", source))?
         };
+        let single_put = crate::store::single_put_with_env(dest, &ProcessEnv, None)
+            .map_err(fail("destination", dest))?;
         Ok(Stores {
             source: SnapshotStore::at(source_backend, &source.location),
-            dest: SnapshotStore::at(dest_backend, &dest.location),
+            dest: SnapshotStore::at(dest_backend, &dest.location).with_single_put(single_put),
             server_side,
         })
     }
@@ -200,7 +202,10 @@ pub async fn run(stores: &Stores, config: &CopyConfig) -> Result<Report, CopyErr
         .into_iter()
         .map(|l| (l.snapshot.snap_name, l.size))
         .collect();
-    let (todo, skipped) = plan::pending(selected, &at_dest);
+    let (mut todo, skipped) = plan::pending(selected, &at_dest);
+    // Largest first: the long copies start at once and the small ones fill in around them, so
+    // the job does not end waiting on one big object started last.
+    todo.sort_by_key(|l| std::cmp::Reverse(l.size));
     let progress = Progress::new(todo.len(), todo.iter().map(|l| l.size).sum());
     tracing::info!(
         available = listed.len(),
@@ -388,7 +393,7 @@ async fn copy_one(stores: &Stores, item: &Listed, progress: &Progress) -> Result
     }
     let written = stores
         .dest
-        .put_stream(&target, checked)
+        .put_stream_sized(&target, checked, item.size)
         .await
         .map_err(|e| match e {
             StoreError::Payload(e) => format!("source object is corrupt or unreadable: {e}"),
@@ -402,8 +407,9 @@ async fn copy_one(stores: &Stores, item: &Listed, progress: &Progress) -> Result
 }
 
 /// Passes a stored payload through unchanged while a decoder checks its trailing SHA-256 on the
-/// side; the stream ends with an error instead of its end when the check fails, so an upload
-/// fed by it is aborted rather than completed.
+/// side. The last chunk is held back until the check has passed: when it fails, the stream ends
+/// with an error in that chunk's place, so an upload fed by it never receives the whole object
+/// (a multipart upload is aborted, a single `PUT` falls short of its length and is discarded).
 pub fn verified(input: ByteStream, codec: Codec) -> ByteStream {
     let (tx, rx) = mpsc::channel::<io::Result<Bytes>>(TEE_DEPTH);
     let side = futures::stream::unfold(rx, |mut rx| async move {
@@ -422,6 +428,8 @@ pub fn verified(input: ByteStream, codec: Codec) -> ByteStream {
         input: ByteStream,
         tx: Option<mpsc::Sender<io::Result<Bytes>>>,
         check: Option<tokio::task::JoinHandle<io::Result<()>>>,
+        /// The latest chunk, passed on when the next one arrives or the check has passed.
+        held: Option<Bytes>,
     }
     impl Tee {
         /// The check's verdict once its input is closed.
@@ -430,6 +438,51 @@ pub fn verified(input: ByteStream, codec: Codec) -> ByteStream {
             match self.check.take() {
                 Some(task) => task.await.unwrap_or_else(|e| Err(io::Error::other(e))),
                 None => Ok(()),
+            }
+        }
+
+        /// The next item downstream; `None` at the end or after an error.
+        async fn next(&mut self) -> Option<io::Result<Bytes>> {
+            self.check.as_ref()?;
+            loop {
+                match self.input.next().await {
+                    Some(Ok(chunk)) => {
+                        let sent = match &self.tx {
+                            Some(tx) => tx.send(Ok(chunk.clone())).await.is_ok(),
+                            None => true,
+                        };
+                        if !sent {
+                            // The check stopped reading early: the payload failed to decode.
+                            self.held = None;
+                            return Some(Err(self.verdict().await.err().unwrap_or_else(|| {
+                                io::Error::new(
+                                    io::ErrorKind::InvalidData,
+                                    "trailing data after the payload",
+                                )
+                            })));
+                        }
+                        if let Some(previous) = self.held.replace(chunk) {
+                            return Some(Ok(previous));
+                        }
+                    }
+                    Some(Err(e)) => {
+                        self.held = None;
+                        self.tx = None;
+                        if let Some(task) = self.check.take() {
+                            task.abort();
+                        }
+                        return Some(Err(e));
+                    }
+                    None => {
+                        return match self.verdict().await {
+                            Ok(()) => self.held.take().map(Ok),
+                            Err(e) => {
+                                self.held = None;
+                                Some(Err(e))
+                            }
+                        };
+                    }
+                }
             }
         }
     }
@@ -444,39 +497,11 @@ pub fn verified(input: ByteStream, codec: Codec) -> ByteStream {
         input,
         tx: Some(tx),
         check: Some(check),
+        held: None,
     };
     futures::stream::unfold(tee, |mut tee| async move {
-        tee.check.as_ref()?;
-        match tee.input.next().await {
-            Some(Ok(chunk)) => {
-                let sent = match &tee.tx {
-                    Some(tx) => tx.send(Ok(chunk.clone())).await.is_ok(),
-                    None => true,
-                };
-                if sent {
-                    return Some((Ok(chunk), tee));
-                }
-                // The check stopped reading early: the payload failed to decode.
-                let e = tee.verdict().await.err().unwrap_or_else(|| {
-                    io::Error::new(
-                        io::ErrorKind::InvalidData,
-                        "trailing data after the payload",
-                    )
-                });
-                Some((Err(e), tee))
-            }
-            Some(Err(e)) => {
-                tee.tx = None;
-                if let Some(task) = tee.check.take() {
-                    task.abort();
-                }
-                Some((Err(e), tee))
-            }
-            None => match tee.verdict().await {
-                Ok(()) => None,
-                Err(e) => Some((Err(e), tee)),
-            },
-        }
+        let item = tee.next().await?;
+        Some((item, tee))
     })
     .boxed()
 }
@@ -524,6 +549,21 @@ mod tests {
                 .unwrap_err();
             assert!(e.to_string().contains("SHA-256"), "{codec}: {e}");
         }
+        // A corrupt payload never passes its last chunk: what went downstream before the
+        // error is short of the object, so an upload of known length cannot complete.
+        let mut bad = good.clone();
+        bad[5] ^= 1;
+        let mut passed = 0;
+        let mut out = verified(chunks(bad, 4096), Codec::None);
+        let mut failed = false;
+        while let Some(item) = out.next().await {
+            match item {
+                Ok(b) => passed += b.len(),
+                Err(_) => failed = true,
+            }
+        }
+        assert!(failed);
+        assert!(passed < good.len(), "passed {passed} of {}", good.len());
         // Not gzip at all: fails while decoding.
         let e = collect(verified(chunks(vec![7u8; 100_000], 1000), Codec::Gzip))
             .await

@@ -9,6 +9,7 @@ pub mod gc;
 pub mod layout;
 pub mod location;
 pub mod reload;
+pub mod single_put;
 
 use std::sync::Arc;
 
@@ -27,6 +28,7 @@ use crate::config::{EnvSource, Secret, StoreConfig};
 pub use compression::{ByteStream, Codec};
 pub use layout::{Chain, Kind, Snapshot};
 pub use location::StoreLocation;
+pub use single_put::SinglePut;
 
 /// Part size of multipart uploads: S3's minimum for every part but the last, so memory stays
 /// small; with at most 10000 parts an object can reach 48 GiB, far above etcd's 8 GiB limit.
@@ -160,6 +162,24 @@ pub fn build_with_env(
     Ok(store)
 }
 
+/// Streamed single `PUT`s for a store, where its backend supports them (S3; see
+/// [`single_put`]). Same configuration and environment as [`build_with_env`].
+pub fn single_put_with_env(
+    config: &StoreConfig,
+    env: &dyn EnvSource,
+    env_prefix: Option<&str>,
+) -> Result<Option<SinglePut>, StoreError> {
+    let StoreLocation::S3 { bucket, .. } = &config.location else {
+        return Ok(None);
+    };
+    let fail = |message: String| StoreError::Build {
+        url: config.location.to_string(),
+        message,
+    };
+    let b = s3_builder(config, bucket, &provider_env(env, env_prefix, "AWS_")).map_err(fail)?;
+    SinglePut::for_s3(&b).map_err(fail)
+}
+
 /// The S3 builder: environment first, explicit configuration over it.
 fn s3_builder(
     config: &StoreConfig,
@@ -235,6 +255,8 @@ pub struct SnapshotStore {
     prefix: String,
     /// Multipart part size for [`SnapshotStore::put_stream`].
     part_size: usize,
+    /// Single streamed `PUT`s for payloads of known length, where the backend has them.
+    single_put: Option<SinglePut>,
 }
 
 impl SnapshotStore {
@@ -244,6 +266,7 @@ impl SnapshotStore {
             store,
             prefix: prefix.trim_matches('/').to_string(),
             part_size: PART_SIZE,
+            single_put: None,
         }
     }
 
@@ -263,7 +286,14 @@ impl SnapshotStore {
 
     /// Builds the backend from configuration and the process environment.
     pub fn from_config(config: &StoreConfig) -> Result<Self, StoreError> {
-        Ok(Self::at(build(config)?, &config.location))
+        let env = crate::config::ProcessEnv;
+        Ok(Self::at(build(config)?, &config.location)
+            .with_single_put(single_put_with_env(config, &env, None)?))
+    }
+
+    /// Uploads payloads of known length through `single_put` where it takes them.
+    pub fn with_single_put(self, single_put: Option<SinglePut>) -> Self {
+        Self { single_put, ..self }
     }
 
     /// The store prefix (without `v2`).
@@ -377,6 +407,25 @@ impl SnapshotStore {
             tracing::warn!(key = %path, error = %e, "aborting the failed upload failed");
         }
         Err(failure)
+    }
+
+    /// Uploads a payload of exactly `len` bytes: in one streamed request where the store has
+    /// [`SinglePut`] and `len` is within its limit, else as [`SnapshotStore::put_stream`] does.
+    /// Either way an error item in `data` leaves nothing at the destination. Returns the bytes
+    /// stored.
+    pub async fn put_stream_sized(
+        &self,
+        snapshot: &Snapshot,
+        data: ByteStream,
+        len: u64,
+    ) -> Result<u64, StoreError> {
+        match &self.single_put {
+            Some(single) if single.takes(len) => {
+                single.put(&self.path_of(snapshot), len, data).await?;
+                Ok(len)
+            }
+            _ => self.put_stream(snapshot, data).await,
+        }
     }
 
     /// Stores a small payload (a delta) in one request.
