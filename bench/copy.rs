@@ -3,7 +3,7 @@
 //! loopback, alternating in the same run.
 //!
 //! `cargo bench --bench copy -- [runs] [KEY=VALUE …]` (default 3 runs). `KEY=VALUE` arguments
-//! are added to etcd-warden's environment, e.g. `ETCD_WARDEN_STORE_UNSIGNED_PAYLOAD=false`, to
+//! are added to etcd-warden's environment, e.g. `AWS_UNSIGNED_PAYLOAD=true`, to
 //! measure a variant. Needs `s3s-fs` (./scripts/setup), `rclone` (`apt-get install -y rclone`)
 //! and GNU time at `/usr/bin/time`. Results go in docs/benchmarks.md.
 //!

@@ -7,11 +7,14 @@
 //!   the owner record moves, so nothing newer can be lost by a copy that goes ahead.
 //! - **Selection**: [`plan::select`] (all, newest N full snapshots, younger than an age; the
 //!   final snapshot and its deltas always).
-//! - **Streaming**: each object flows from the source's GET into the destination's multipart
-//!   upload; a tee feeds the same bytes to a decoder that checks the payload's trailing SHA-256
-//!   (etcd's for a full snapshot, the writer's for a delta). The upload is completed only after
-//!   the check passed, so a corrupt source object aborts its upload and leaves nothing at the
-//!   destination. Memory per object is a few chunks, never the object.
+//! - **Streaming**: each object flows from the source's GET into the destination's upload; a tee
+//!   feeds the same bytes to a decoder that checks the payload's trailing SHA-256 (etcd's for a
+//!   full snapshot, the writer's for a delta) and holds the last chunk back until the check has
+//!   passed. The listing gives every object's size, so on S3 an object up to 1 GiB goes in one
+//!   streamed `PUT` with that `Content-Length` ([`crate::store::SinglePut`]; S3 keeps nothing
+//!   of a request whose body falls short), larger ones and other backends in a multipart upload
+//!   completed only after the check. Either way a corrupt source object leaves nothing at the
+//!   destination, and memory per object is a few chunks, never the object.
 //! - **Idempotence**: an object already at the destination under the same name (ignoring
 //!   `.final`) with the same size is skipped, so a retried Job uploads nothing twice.
 //! - **`.final` is stripped at the destination** ([`plan::dest_name`]): the destination's own
