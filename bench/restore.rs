@@ -1,5 +1,5 @@
-//! Restore speed: etcd-warden's restore (full snapshot + deltas replayed in a temporary etcd)
-//! against `etcdutl snapshot restore` of the same full snapshot plus the same events replayed
+//! Restore speed: etcd-warden's restore (full snapshot + deltas written into its database, which
+//! a temporary etcd then opens and checks) against `etcdutl snapshot restore` of the same full snapshot plus the same events replayed
 //! with one `etcdctl txn` per revision, in the same run.
 //!
 //! `cargo bench --bench restore -- [MiB] [events]` (default 64 MiB, 2000 events). Needs etcd 3.5:
@@ -179,8 +179,9 @@ async fn main() {
     let warden = t.elapsed();
     let warden_rate = report.events_applied as f64 / report.replay_time.as_secs_f64();
     println!(
-        "etcd-warden restore: {:.2}s total, replay {:.2}s ({warden_rate:.0} events/s)",
+        "etcd-warden restore: {:.2}s total, deltas {:?} in {:.2}s ({warden_rate:.0} events/s)",
         warden.as_secs_f64(),
+        report.replay,
         report.replay_time.as_secs_f64()
     );
 

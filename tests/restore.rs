@@ -10,8 +10,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use etcd_client::{Client, DeleteOptions, GetOptions, PutOptions, Txn, TxnOp};
-use etcd_warden::restore::{EtcdTools, MemberParams, RestoreError, RestoreOptions, TempEtcd};
+use etcd_client::{Client, CompactionOptions, DeleteOptions, GetOptions, PutOptions, Txn, TxnOp};
+use etcd_warden::restore::{
+    EtcdTools, MemberParams, Replay, RestoreError, RestoreOptions, TempEtcd,
+};
 use etcd_warden::snapshot::delta::{DeltaWriter, Event};
 use etcd_warden::snapshot::take_full;
 use etcd_warden::snapshot::watcher::DeltaWatch;
@@ -117,9 +119,17 @@ async fn workload(client: &mut Client, phase: usize) {
         .unwrap();
 }
 
-/// A full snapshot after phase 0, then `deltas` deltas of one phase each, taken from a watch.
+/// A full snapshot after phase 0 and a compaction, then `deltas` deltas of one phase each,
+/// taken from a watch. The compaction removes phase 0's last revision (a delete) from the
+/// database, so the snapshot's revision is known only from the compaction.
 async fn build_store(client: &mut Client, store: &SnapshotStore, deltas: usize) -> i64 {
     workload(client, 0).await;
+    client.delete("/registry/shared/k000", None).await.unwrap();
+    let at = revision(client).await;
+    client
+        .compact(at, Some(CompactionOptions::new().with_physical()))
+        .await
+        .unwrap();
     let full = take_full(client, store, Codec::Gzip, false).await.unwrap();
     let mut writer = DeltaWriter::new(Codec::Gzip, full.last_revision);
     let mut watch = DeltaWatch::open(client, full.last_revision + 1)
@@ -175,6 +185,7 @@ async fn full_and_deltas_restore(release: Release, deltas: usize) {
     assert_eq!(report.deltas, deltas);
     assert_eq!(report.revision, last);
     assert!(report.events_applied > 0);
+    assert_eq!(report.replay, Replay::Direct);
     assert!(!dir.path().join("restored.etcd.part").exists());
     assert!(!dir.path().join("restored.etcd.restore-work").exists());
 
@@ -320,9 +331,21 @@ async fn force_moves_the_old_directory_aside_via_the_binary() {
     assert!(restored.0 == original.0);
 }
 
-/// A delta written as etcd-backup-restore writes it, built here from the documented format.
+/// A delta written as etcd-backup-restore writes it, built here from the documented format,
+/// restores by writing the events into the database.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_etcd_backup_restore_delta_restores() {
+    etcd_backup_restore_fixture(true, Replay::Direct).await;
+}
+
+/// Without the create revisions and versions etcd records for a put, the events cannot be
+/// written as etcd would have: they are replayed through a temporary etcd instead, same result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn puts_without_their_revisions_are_replayed_through_etcd() {
+    etcd_backup_restore_fixture(false, Replay::ThroughEtcd).await;
+}
+
+async fn etcd_backup_restore_fixture(complete: bool, replay: Replay) {
     use base64::Engine;
     use sha2::Digest;
     let etcd = EtcdCluster::single(Release::V35).await;
@@ -338,12 +361,19 @@ async fn an_etcd_backup_restore_delta_restores() {
     let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
     // Go's encoding: PUT has no "type", zero fields omitted, bytes base64; a txn's two events
     // share a revision.
-    let array = serde_json::json!([
+    let mut array = serde_json::json!([
         {"etcdEvent": {"kv": {"key": b64("/a"), "create_revision": 2, "mod_revision": r + 1, "version": 2, "value": b64("one")}}, "time": "2024-01-02T03:04:05.123456789Z"},
         {"etcdEvent": {"type": 1, "kv": {"key": b64("/b"), "mod_revision": r + 2}}, "time": "2024-01-02T03:04:06Z"},
         {"etcdEvent": {"kv": {"key": b64("/c"), "create_revision": r + 3, "mod_revision": r + 3, "version": 1, "value": b64("x")}}, "time": "2024-01-02T03:04:07.5Z"},
         {"etcdEvent": {"kv": {"key": b64("/d"), "create_revision": r + 3, "mod_revision": r + 3, "version": 1}}, "time": "2024-01-02T03:04:07.5Z"}
     ]);
+    if !complete {
+        for e in array.as_array_mut().unwrap() {
+            let kv = e["etcdEvent"]["kv"].as_object_mut().unwrap();
+            kv.remove("create_revision");
+            kv.remove("version");
+        }
+    }
     let mut payload = serde_json::to_vec(&array).unwrap();
     let hash = sha2::Sha256::digest(&payload);
     payload.extend_from_slice(&hash);
@@ -359,20 +389,26 @@ async fn an_etcd_backup_restore_delta_restores() {
     let report = etcd_warden::restore::restore(&store, &options(&target, Release::V35))
         .await
         .unwrap();
+    assert_eq!(report.replay, replay);
     assert_eq!(report.revision, r + 3);
     assert_eq!(report.events_applied, 4);
     let (kvs, rev) = dump_restored(Release::V35, &target, "default").await;
     assert_eq!(rev, r + 3);
-    let got: Vec<(&[u8], &[u8])> = kvs
-        .iter()
-        .map(|(k, v, ..)| (k.as_slice(), v.as_slice()))
-        .collect();
+    let kv = |k: &str, v: &str, create: i64, modified: i64, version: i64| {
+        (
+            k.as_bytes().to_vec(),
+            v.as_bytes().to_vec(),
+            create,
+            modified,
+            version,
+        )
+    };
     assert_eq!(
-        got,
+        kvs,
         vec![
-            (&b"/a"[..], &b"one"[..]),
-            (&b"/c"[..], &b"x"[..]),
-            (&b"/d"[..], &b""[..])
+            kv("/a", "one", 2, r + 1, 2),
+            kv("/c", "x", r + 3, r + 3, 1),
+            kv("/d", "", r + 3, r + 3, 1)
         ]
     );
 }
@@ -417,6 +453,7 @@ async fn three_restored_members_form_a_new_cluster() {
         };
         let report = etcd_warden::restore::restore(&store, &opts).await.unwrap();
         assert_eq!(report.revision, last);
+        assert_eq!(report.replay, Replay::Direct);
         let log = std::fs::File::create(dir.path().join(format!("r{i}.log"))).unwrap();
         let child = Command::new(release.bin("etcd"))
             .arg("--name")

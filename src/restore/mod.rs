@@ -1,12 +1,18 @@
 //! Restore an etcd data directory from a full snapshot and its deltas.
 //!
-//! The full snapshot is restored with the etcd release's own tool into `<data-dir>.part`; a
-//! temporary etcd on loopback replays the deltas; the result is synced and renamed into place.
-//! Any failure leaves an existing data directory untouched.
+//! The full snapshot is fetched and its hash checked; the deltas' events are written straight
+//! into its database file as the records etcd itself would have written ([`direct`]); the etcd
+//! release's own tool restores that file into `<data-dir>.part`; a temporary etcd on loopback
+//! opens it and must report the last delta's revision; the result is synced and renamed into
+//! place. Deltas that cannot be written directly (puts without their create revision and
+//! version) are replayed through the temporary etcd instead ([`replay`]). Any failure leaves an
+//! existing data directory untouched.
 //!
-//! Leases are not restored: replayed puts carry no lease (as etcd-backup-restore does), so keys
-//! written under a lease after the full snapshot live until deleted.
+//! Leases are not restored: puts from deltas carry no lease (as etcd-backup-restore does), so
+//! keys written under a lease after the full snapshot live until deleted.
 
+pub mod bolt;
+pub mod direct;
 pub mod initialize;
 pub mod replay;
 pub mod tools;
@@ -21,6 +27,7 @@ use crate::snapshot::delta::{self, EventType};
 use crate::snapshot::full::verify_sha256;
 use crate::store::{ByteStream, Snapshot, SnapshotStore};
 
+use direct::Outcome;
 use replay::{ReplayOp, RevisionGroup};
 pub use tools::{EtcdTools, MemberParams, TempEtcd};
 
@@ -129,8 +136,29 @@ pub struct RestoreReport {
     pub revision: i64,
     /// Time spent replaying deltas (fetching overlapped).
     pub replay_time: std::time::Duration,
+    /// How the deltas were applied.
+    pub replay: Replay,
     /// Where a previous data directory was moved (`--force`).
     pub moved_aside: Option<PathBuf>,
+}
+
+/// How a restore applied the deltas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Replay {
+    /// There were none.
+    NoDeltas,
+    /// Written into the full snapshot's database ([`direct`]), then checked by etcd.
+    Direct,
+    /// Replayed through a temporary etcd ([`replay`]): deltas [`direct`] cannot write.
+    ThroughEtcd,
+}
+
+/// What [`build`] made.
+struct Built {
+    events: u64,
+    revision: i64,
+    replay_time: std::time::Duration,
+    replay: Replay,
 }
 
 /// `<dir><suffix>` next to `dir`.
@@ -207,7 +235,12 @@ pub async fn restore(
     )
     .await;
     let _ = std::fs::remove_dir_all(&work);
-    let (events_applied, revision, replay_time) = match result {
+    let Built {
+        events: events_applied,
+        revision,
+        replay_time,
+        replay,
+    } = match result {
         Ok(r) => r,
         Err(e) => {
             let _ = std::fs::remove_dir_all(&part);
@@ -228,6 +261,7 @@ pub async fn restore(
         events_applied,
         revision,
         replay_time,
+        replay,
         moved_aside,
     };
     tracing::info!(
@@ -241,7 +275,7 @@ pub async fn restore(
     Ok(report)
 }
 
-/// Builds the restored directory in `part`. Returns (events applied, final revision, replay time).
+/// Builds the restored directory in `part`.
 async fn build(
     store: &SnapshotStore,
     tools: &EtcdTools,
@@ -250,7 +284,7 @@ async fn build(
     deltas: &[Snapshot],
     part: &Path,
     work: &Path,
-) -> Result<(u64, i64, std::time::Duration), RestoreError> {
+) -> Result<Built, RestoreError> {
     let db = work.join("snapshot.db");
     let started = Instant::now();
     let stream = store
@@ -272,18 +306,23 @@ async fn build(
             .await
             .step("syncing the restored directory")?;
         // Without deltas the revision is the snapshot's; reading it would need an etcd.
-        return Ok((0, full.last_revision, std::time::Duration::ZERO));
+        return Ok(Built {
+            events: 0,
+            revision: full.last_revision,
+            replay_time: std::time::Duration::ZERO,
+            replay: Replay::NoDeltas,
+        });
     }
 
-    // A temporary etcd cannot start as one member of a multi-member cluster: replay into a
-    // single-member scratch copy, then restore its snapshot with the real parameters.
+    // A temporary etcd cannot start as one member of a multi-member cluster: check or replay
+    // in a single-member scratch copy, then restore with the real parameters.
     let multi = opts.member.is_multi_member();
-    let replay_dir = if multi {
+    let scratch = if multi {
         work.join("scratch.etcd")
     } else {
         part.to_path_buf()
     };
-    let replay_member = if multi {
+    let scratch_member = if multi {
         MemberParams {
             name: opts.member.name.clone(),
             ..MemberParams::default()
@@ -291,16 +330,138 @@ async fn build(
     } else {
         opts.member.clone()
     };
+
+    let written = work.join("with-deltas.db");
+    let db_len = bytes.saturating_sub(crate::snapshot::delta::HASH_LEN as u64);
+    let parallel = opts.parallel_fetch.max(1);
+    let write_started = Instant::now();
+    let outcome = direct::write(store, deltas, parallel, &db, db_len, &written)
+        .await
+        .step("writing the deltas into the database")?;
+    let write_time = write_started.elapsed();
+    let (events, revision, restored) = match outcome {
+        Outcome::Done {
+            events,
+            revision,
+            restored,
+        } => (events, revision, restored),
+        Outcome::Unsupported(reason) => {
+            tracing::warn!(
+                %reason,
+                "cannot write these deltas into the database directly; replaying them through \
+                 a temporary etcd instead"
+            );
+            let _ = std::fs::remove_file(&written);
+            return replay_through_etcd(
+                store,
+                tools,
+                opts,
+                &db,
+                deltas,
+                part,
+                work,
+                &scratch,
+                &scratch_member,
+            )
+            .await;
+        }
+    };
+    let _ = std::fs::remove_file(&db);
+    check_final_revision(revision, restored, deltas).step("checking the final revision")?;
+    tracing::info!(
+        events,
+        revision,
+        seconds = write_time.as_secs_f64(),
+        events_per_second = events as f64 / write_time.as_secs_f64().max(1e-9),
+        "deltas written into the database"
+    );
+    // etcd itself must open the result and agree on the revision before it is used.
     tools
-        .restore_file(&db, &replay_dir, &replay_member)
+        .restore_unhashed(&written, &scratch, &scratch_member)
+        .await
+        .step("restoring the database with the deltas")?;
+    let temp = TempEtcd::start(
+        tools,
+        &scratch,
+        &scratch_member.name,
+        work.join("temp-etcd.log"),
+    )
+    .await
+    .step("starting the temporary etcd")?;
+    let seen = async {
+        let mut client = etcd_client::Client::connect([&temp.client_url], None)
+            .await
+            .map_err(|e| RestoreError::Etcd(e.to_string()))?;
+        current_revision(&mut client).await
+    }
+    .await;
+    temp.stop().await.step("stopping the temporary etcd")?;
+    let seen = seen.step("reading the restored revision")?;
+    if seen != revision {
+        return Err(RestoreError::Step {
+            step: "checking the final revision",
+            source: Box::new(RestoreError::Etcd(format!(
+                "etcd opened the restored database at revision {seen}, the deltas end at {revision}"
+            ))),
+        });
+    }
+    if multi {
+        tools
+            .restore_unhashed(&written, part, &opts.member)
+            .await
+            .step("restoring the database with the cluster's parameters")?;
+    }
+    sync_tree(part)
+        .await
+        .step("syncing the restored directory")?;
+    Ok(Built {
+        events,
+        revision,
+        replay_time: write_time,
+        replay: Replay::Direct,
+    })
+}
+
+/// The restore must end where the last delta ends (or, when the full snapshot holds writes
+/// made after its name's revision, at the snapshot's own revision); never short of it.
+fn check_final_revision(
+    actual: i64,
+    restored: i64,
+    deltas: &[Snapshot],
+) -> Result<(), RestoreError> {
+    let expected = deltas.last().map_or(restored, |d| d.last_revision);
+    if actual == expected.max(restored) {
+        return Ok(());
+    }
+    Err(RestoreError::Deltas(format!(
+        "the restored database is at revision {actual}, the last delta ends at {expected}"
+    )))
+}
+
+/// The fallback: the full snapshot restored into `scratch`, a temporary etcd on it, and every
+/// delta replayed through it in transactions ([`replay`]).
+#[allow(clippy::too_many_arguments)]
+async fn replay_through_etcd(
+    store: &SnapshotStore,
+    tools: &EtcdTools,
+    opts: &RestoreOptions,
+    db: &Path,
+    deltas: &[Snapshot],
+    part: &Path,
+    work: &Path,
+    scratch: &Path,
+    scratch_member: &MemberParams,
+) -> Result<Built, RestoreError> {
+    tools
+        .restore_file(db, scratch, scratch_member)
         .await
         .step("restoring the full snapshot")?;
-    let _ = std::fs::remove_file(&db);
+    let _ = std::fs::remove_file(db);
 
     let temp = TempEtcd::start(
         tools,
-        &replay_dir,
-        &replay_member.name,
+        scratch,
+        &scratch_member.name,
         work.join("temp-etcd.log"),
     )
     .await
@@ -315,7 +476,7 @@ async fn build(
             return Err(e);
         }
     };
-    if multi {
+    if opts.member.is_multi_member() {
         let snap = work.join("replayed.db");
         let saved = snapshot_to_file(&temp.client_url, &snap)
             .await
@@ -332,7 +493,12 @@ async fn build(
     sync_tree(part)
         .await
         .step("syncing the restored directory")?;
-    Ok((applied, revision, replay_time))
+    Ok(Built {
+        events: applied,
+        revision,
+        replay_time,
+        replay: Replay::ThroughEtcd,
+    })
 }
 
 /// Fetches deltas `parallel` ahead and replays them in order. Returns (events applied, revision).
@@ -395,20 +561,10 @@ async fn replay_all(
         applied.events += done.events;
         applied.rounds += done.rounds;
     }
-    let expected = deltas.last().map_or(restored, |d| d.last_revision);
     let actual = current_revision(&mut client)
         .await
         .step("reading the final revision")?;
-    // The full snapshot may hold writes made after its name's revision, so the restored etcd
-    // may already be past the last delta; it may never be short of it.
-    if actual != expected.max(restored) {
-        return Err(RestoreError::Step {
-            step: "checking the final revision",
-            source: Box::new(RestoreError::Deltas(format!(
-                "the restored etcd is at revision {actual}, the last delta ends at {expected}"
-            ))),
-        });
-    }
+    check_final_revision(actual, restored, deltas).step("checking the final revision")?;
     let secs = started.elapsed().as_secs_f64();
     tracing::info!(
         events = applied.events,

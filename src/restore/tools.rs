@@ -145,6 +145,27 @@ impl EtcdTools {
         data_dir: &Path,
         member: &MemberParams,
     ) -> Result<(), RestoreError> {
+        self.restore_db(db, data_dir, member, true).await
+    }
+
+    /// Restores the database file `db`, which has no hash appended (one this program wrote),
+    /// into the new directory `data_dir` with etcd's own tool.
+    pub async fn restore_unhashed(
+        &self,
+        db: &Path,
+        data_dir: &Path,
+        member: &MemberParams,
+    ) -> Result<(), RestoreError> {
+        self.restore_db(db, data_dir, member, false).await
+    }
+
+    async fn restore_db(
+        &self,
+        db: &Path,
+        data_dir: &Path,
+        member: &MemberParams,
+        hashed: bool,
+    ) -> Result<(), RestoreError> {
         let (bin, env_api) = match &self.restorer {
             Restorer::Etcdutl(p) => (p, None),
             Restorer::Etcdctl(p) => (p, Some(("ETCDCTL_API", "3"))),
@@ -165,6 +186,9 @@ impl EtcdTools {
             .arg(&member.initial_advertise_peer_urls)
             .stdin(Stdio::null())
             .kill_on_drop(true);
+        if !hashed {
+            cmd.arg("--skip-hash-check");
+        }
         if let Some((k, v)) = env_api {
             cmd.env(k, v);
         }

@@ -1,0 +1,750 @@
+//! etcd's backend file, a bbolt database, read and written directly.
+//!
+//! Only what a restore needs: [`Reader`] lists the top-level buckets of a snapshot and walks each
+//! one's keys in order; [`Writer`] writes a new, compact file bucket by bucket from keys given in
+//! order, building each B+tree bottom-up. Pages are bbolt's format version 2 (etcd 3.4 and 3.5):
+//!
+//! - every page starts with a 16-byte header: id `u64`, flags `u16` (branch 0x01, leaf 0x02,
+//!   meta 0x04, freelist 0x10), element count `u16`, overflow `u32` (pages that follow this one
+//!   and belong to it); all integers little-endian;
+//! - a leaf element is flags `u32` (0x01: the value is a bucket), `pos` `u32` (from the element to
+//!   its key), key size `u32`, value size `u32`; the value follows the key;
+//! - a branch element is `pos` `u32`, key size `u32`, child page id `u64`; its key is the child's
+//!   first key;
+//! - a bucket's value is its root page id `u64` and sequence `u64`; root 0 means the bucket's one
+//!   leaf page follows inline;
+//! - pages 0 and 1 are meta pages (magic, version, page size, flags, root bucket, freelist page,
+//!   page count, transaction id, FNV-1a 64 checksum of the fields before it); the valid one with
+//!   the higher transaction id is current.
+//!
+//! The writer leaves no free pages (page 2 is an empty freelist), so the file is as small as the
+//! data allows. Anything this reader does not expect (a nested bucket, a key outside a bucket at
+//! the top level, a page of the wrong kind) is an [`BoltError::Unsupported`], never a guess.
+
+use std::fs::File;
+use std::io::{BufWriter, Seek, SeekFrom, Write};
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+const MAGIC: u32 = 0xED0C_DAED;
+const VERSION: u32 = 2;
+const HEADER: usize = 16;
+const ELEMENT: usize = 16;
+const BRANCH_PAGE: u16 = 0x01;
+const LEAF_PAGE: u16 = 0x02;
+const META_PAGE: u16 = 0x04;
+const FREELIST_PAGE: u16 = 0x10;
+/// Leaf element flag: the value is a bucket.
+const BUCKET_VALUE: u32 = 0x01;
+/// Bytes of the meta fields the checksum covers.
+const META_CHECKED: usize = 56;
+/// Deeper trees than this are not B+trees of a real database (a cycle, say).
+const MAX_DEPTH: usize = 32;
+
+/// What went wrong reading or writing a bbolt file.
+#[derive(Debug, thiserror::Error)]
+pub enum BoltError {
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    /// The file is damaged or not a bbolt file.
+    #[error("not a valid bbolt file: {0}")]
+    Corrupt(String),
+    /// A valid file with a shape this module does not handle.
+    #[error("unsupported bbolt layout: {0}")]
+    Unsupported(String),
+}
+
+fn u16_at(b: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([b[at], b[at + 1]])
+}
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
+/// FNV-1a, 64 bits: bbolt's meta checksum.
+fn fnv1a64(data: &[u8]) -> u64 {
+    data.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// The fields of a meta page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Meta {
+    page_size: u32,
+    flags: u32,
+    root: u64,
+    sequence: u64,
+    freelist: u64,
+    pages: u64,
+    txid: u64,
+}
+
+impl Meta {
+    /// Parses the meta page `page` (header included); `None` when it is not a valid meta page.
+    fn parse(page: &[u8]) -> Option<Meta> {
+        if page.len() < HEADER + META_CHECKED + 8 || u16_at(page, 8) & META_PAGE == 0 {
+            return None;
+        }
+        let m = &page[HEADER..];
+        if u32_at(m, 0) != MAGIC || u32_at(m, 4) != VERSION {
+            return None;
+        }
+        if fnv1a64(&m[..META_CHECKED]) != u64_at(m, META_CHECKED) {
+            return None;
+        }
+        Some(Meta {
+            page_size: u32_at(m, 8),
+            flags: u32_at(m, 12),
+            root: u64_at(m, 16),
+            sequence: u64_at(m, 24),
+            freelist: u64_at(m, 32),
+            pages: u64_at(m, 40),
+            txid: u64_at(m, 48),
+        })
+    }
+
+    /// Meta page `id` with these fields, `page_size` bytes.
+    fn page(&self, id: u64) -> Vec<u8> {
+        let mut page = vec![0u8; self.page_size as usize];
+        page[..8].copy_from_slice(&id.to_le_bytes());
+        page[8..10].copy_from_slice(&META_PAGE.to_le_bytes());
+        let m = &mut page[HEADER..];
+        m[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        m[4..8].copy_from_slice(&VERSION.to_le_bytes());
+        m[8..12].copy_from_slice(&self.page_size.to_le_bytes());
+        m[12..16].copy_from_slice(&self.flags.to_le_bytes());
+        m[16..24].copy_from_slice(&self.root.to_le_bytes());
+        m[24..32].copy_from_slice(&self.sequence.to_le_bytes());
+        m[32..40].copy_from_slice(&self.freelist.to_le_bytes());
+        m[40..48].copy_from_slice(&self.pages.to_le_bytes());
+        m[48..56].copy_from_slice(&self.txid.to_le_bytes());
+        let sum = fnv1a64(&m[..META_CHECKED]);
+        m[56..64].copy_from_slice(&sum.to_le_bytes());
+        page
+    }
+}
+
+/// Where a bucket's tree starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Root {
+    /// A page of the file.
+    Page(u64),
+    /// One leaf page stored in the parent's value (header included).
+    Inline(Vec<u8>),
+}
+
+/// A top-level bucket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bucket {
+    pub name: Vec<u8>,
+    pub sequence: u64,
+    pub root: Root,
+}
+
+/// A leaf element: (flags, key, value).
+pub type Element<'a> = (u32, &'a [u8], &'a [u8]);
+
+/// What [`Reader::visit`] calls for every element.
+pub type Visitor<'f> = dyn FnMut(u32, &[u8], &[u8]) -> Result<(), BoltError> + 'f;
+
+/// Elements of a leaf page.
+fn leaf_elements(page: &[u8]) -> Result<Vec<Element<'_>>, BoltError> {
+    let count = usize::from(u16_at(page, 10));
+    let mut out = Vec::with_capacity(count);
+    for i in 0..count {
+        let e = HEADER + i * ELEMENT;
+        if e + ELEMENT > page.len() {
+            return Err(BoltError::Corrupt(format!(
+                "leaf element {i} beyond its page"
+            )));
+        }
+        let (flags, pos, ksize, vsize) = (
+            u32_at(page, e),
+            u32_at(page, e + 4) as usize,
+            u32_at(page, e + 8) as usize,
+            u32_at(page, e + 12) as usize,
+        );
+        let k = e + pos;
+        let end = k + ksize + vsize;
+        if end > page.len() {
+            return Err(BoltError::Corrupt(format!(
+                "leaf element {i} points beyond its page"
+            )));
+        }
+        out.push((flags, &page[k..k + ksize], &page[k + ksize..end]));
+    }
+    Ok(out)
+}
+
+/// Elements of a branch page: (first key of the child, child page).
+fn branch_elements(page: &[u8]) -> Result<Vec<(&[u8], u64)>, BoltError> {
+    let count = usize::from(u16_at(page, 10));
+    let mut out = Vec::with_capacity(count);
+    for i in 0..count {
+        let e = HEADER + i * ELEMENT;
+        if e + ELEMENT > page.len() {
+            return Err(BoltError::Corrupt(format!(
+                "branch element {i} beyond its page"
+            )));
+        }
+        let (pos, ksize, child) = (
+            u32_at(page, e) as usize,
+            u32_at(page, e + 4) as usize,
+            u64_at(page, e + 8),
+        );
+        let k = e + pos;
+        if k + ksize > page.len() {
+            return Err(BoltError::Corrupt(format!(
+                "branch element {i} points beyond its page"
+            )));
+        }
+        out.push((&page[k..k + ksize], child));
+    }
+    Ok(out)
+}
+
+/// Reads a bbolt file.
+pub struct Reader {
+    file: File,
+    /// Bytes of the file that belong to the database (a snapshot has etcd's hash after them).
+    len: u64,
+    meta: Meta,
+}
+
+impl Reader {
+    /// Opens the database in the first `len` bytes of `path`.
+    pub fn open(path: &Path, len: u64) -> Result<Reader, BoltError> {
+        let file = File::open(path)?;
+        let mut first = vec![0u8; 4096.min(len as usize)];
+        file.read_exact_at(&mut first, 0)?;
+        // The page size is in meta page 0; if that one is damaged, try meta page 1 at the
+        // common page size.
+        let meta0 = Meta::parse(&first);
+        let page_size = meta0.map_or(4096, |m| m.page_size as u64);
+        if !(512..=1 << 20).contains(&page_size) || !page_size.is_power_of_two() {
+            return Err(BoltError::Corrupt(format!("page size {page_size}")));
+        }
+        let mut second = vec![0u8; page_size as usize];
+        let meta1 = if len >= 2 * page_size {
+            file.read_exact_at(&mut second, page_size)?;
+            Meta::parse(&second)
+        } else {
+            None
+        };
+        let meta = match (meta0, meta1) {
+            (Some(a), Some(b)) => {
+                if b.txid > a.txid {
+                    b
+                } else {
+                    a
+                }
+            }
+            (Some(m), None) | (None, Some(m)) => m,
+            (None, None) => return Err(BoltError::Corrupt("no valid meta page".into())),
+        };
+        if u64::from(meta.page_size) != page_size {
+            return Err(BoltError::Corrupt(
+                "the meta pages disagree on the page size".into(),
+            ));
+        }
+        if meta.pages.saturating_mul(page_size) > len {
+            return Err(BoltError::Corrupt(format!(
+                "{} pages of {page_size} bytes do not fit in {len} bytes",
+                meta.pages
+            )));
+        }
+        Ok(Reader { file, len, meta })
+    }
+
+    /// The page size.
+    pub fn page_size(&self) -> usize {
+        self.meta.page_size as usize
+    }
+
+    /// The transaction that wrote the current meta page.
+    pub fn txid(&self) -> u64 {
+        self.meta.txid
+    }
+
+    /// Page `id` with its overflow pages.
+    fn page(&self, id: u64) -> Result<Vec<u8>, BoltError> {
+        let ps = self.meta.page_size as u64;
+        if id < 2 || id >= self.meta.pages {
+            return Err(BoltError::Corrupt(format!(
+                "page {id} outside the database's {} pages",
+                self.meta.pages
+            )));
+        }
+        let mut page = vec![0u8; ps as usize];
+        self.file.read_exact_at(&mut page, id * ps)?;
+        let overflow = u64::from(u32_at(&page, 12));
+        if overflow > 0 {
+            if id + overflow >= self.meta.pages || (id + overflow + 1) * ps > self.len {
+                return Err(BoltError::Corrupt(format!(
+                    "page {id} overflows past the end"
+                )));
+            }
+            page.resize(((overflow + 1) * ps) as usize, 0);
+            self.file
+                .read_exact_at(&mut page[ps as usize..], (id + 1) * ps)?;
+        }
+        Ok(page)
+    }
+
+    /// The top-level buckets, in key order.
+    pub fn buckets(&self) -> Result<Vec<Bucket>, BoltError> {
+        let mut out = Vec::new();
+        self.visit(&Root::Page(self.meta.root), &mut |flags, name, value| {
+            if flags & BUCKET_VALUE == 0 {
+                return Err(BoltError::Unsupported(format!(
+                    "a key outside any bucket ({:?})",
+                    String::from_utf8_lossy(name)
+                )));
+            }
+            out.push(Bucket {
+                name: name.to_vec(),
+                sequence: bucket_sequence(value)?,
+                root: bucket_root(value)?,
+            });
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// Calls `f` with (flags, key, value) for every element of the tree at `root`, in key order.
+    pub fn visit(&self, root: &Root, f: &mut Visitor<'_>) -> Result<(), BoltError> {
+        match root {
+            Root::Inline(page) => {
+                if u16_at(page, 8) & LEAF_PAGE == 0 {
+                    return Err(BoltError::Corrupt(
+                        "an inline bucket that is no leaf".into(),
+                    ));
+                }
+                for (flags, k, v) in leaf_elements(page)? {
+                    f(flags, k, v)?;
+                }
+                Ok(())
+            }
+            Root::Page(id) => self.visit_page(*id, 0, f),
+        }
+    }
+
+    fn visit_page(&self, id: u64, depth: usize, f: &mut Visitor<'_>) -> Result<(), BoltError> {
+        if depth > MAX_DEPTH {
+            return Err(BoltError::Corrupt(format!("tree deeper than {MAX_DEPTH}")));
+        }
+        let page = self.page(id)?;
+        let flags = u16_at(&page, 8);
+        if flags & LEAF_PAGE != 0 {
+            for (flags, k, v) in leaf_elements(&page)? {
+                f(flags, k, v)?;
+            }
+            Ok(())
+        } else if flags & BRANCH_PAGE != 0 {
+            for (_, child) in branch_elements(&page)? {
+                self.visit_page(child, depth + 1, f)?;
+            }
+            Ok(())
+        } else {
+            Err(BoltError::Corrupt(format!(
+                "page {id} is neither branch nor leaf (flags {flags:#x})"
+            )))
+        }
+    }
+
+    /// The last key of the tree at `root`, if it has any: only the rightmost path is read.
+    pub fn last_key(&self, root: &Root) -> Result<Option<Vec<u8>>, BoltError> {
+        let mut page = match root {
+            Root::Inline(page) => page.clone(),
+            Root::Page(id) => self.page(*id)?,
+        };
+        for _ in 0..=MAX_DEPTH {
+            let flags = u16_at(&page, 8);
+            if flags & LEAF_PAGE != 0 {
+                return Ok(leaf_elements(&page)?.last().map(|(_, k, _)| k.to_vec()));
+            }
+            if flags & BRANCH_PAGE == 0 {
+                return Err(BoltError::Corrupt(format!("page flags {flags:#x}")));
+            }
+            match branch_elements(&page)?.last() {
+                Some(&(_, child)) => page = self.page(child)?,
+                None => return Ok(None),
+            }
+        }
+        Err(BoltError::Corrupt(format!("tree deeper than {MAX_DEPTH}")))
+    }
+
+    /// The value of `key` in the tree at `root` (a full scan: for small buckets).
+    pub fn get(&self, root: &Root, key: &[u8]) -> Result<Option<Vec<u8>>, BoltError> {
+        let mut found = None;
+        self.visit(root, &mut |_, k, v| {
+            if k == key {
+                found = Some(v.to_vec());
+            }
+            Ok(())
+        })?;
+        Ok(found)
+    }
+}
+
+fn bucket_sequence(value: &[u8]) -> Result<u64, BoltError> {
+    if value.len() < 16 {
+        return Err(BoltError::Corrupt(
+            "a bucket value shorter than its header".into(),
+        ));
+    }
+    Ok(u64_at(value, 8))
+}
+
+fn bucket_root(value: &[u8]) -> Result<Root, BoltError> {
+    if value.len() < 16 {
+        return Err(BoltError::Corrupt(
+            "a bucket value shorter than its header".into(),
+        ));
+    }
+    match u64_at(value, 0) {
+        0 if value.len() >= 16 + HEADER => Ok(Root::Inline(value[16..].to_vec())),
+        0 => Err(BoltError::Corrupt(
+            "an inline bucket without its page".into(),
+        )),
+        id => Ok(Root::Page(id)),
+    }
+}
+
+/// Writes a new bbolt file: [`Writer::tree`] per bucket, then [`Writer::finish`].
+pub struct Writer {
+    out: BufWriter<File>,
+    page_size: usize,
+    /// The next page id.
+    next: u64,
+}
+
+impl Writer {
+    /// Creates `path` for a database of `page_size`-byte pages.
+    pub fn create(path: &Path, page_size: usize) -> Result<Writer, BoltError> {
+        let mut out = BufWriter::with_capacity(1 << 20, File::create(path)?);
+        // Pages 0 and 1 (meta) and 2 (freelist) are written last, when the roots are known.
+        out.write_all(&vec![0u8; 3 * page_size])?;
+        Ok(Writer {
+            out,
+            page_size,
+            next: 3,
+        })
+    }
+
+    /// Writes one page (and its overflow) from `body`, the bytes after the header. Returns its id.
+    fn page(&mut self, flags: u16, count: usize, body: &[u8]) -> Result<u64, BoltError> {
+        let len = HEADER + body.len();
+        let pages = len.div_ceil(self.page_size).max(1);
+        let id = self.next;
+        let mut header = [0u8; HEADER];
+        header[..8].copy_from_slice(&id.to_le_bytes());
+        header[8..10].copy_from_slice(&flags.to_le_bytes());
+        header[10..12].copy_from_slice(&(count as u16).to_le_bytes());
+        header[12..16].copy_from_slice(&((pages - 1) as u32).to_le_bytes());
+        self.out.write_all(&header)?;
+        self.out.write_all(body)?;
+        self.out
+            .write_all(&vec![0u8; pages * self.page_size - len])?;
+        self.next += pages as u64;
+        Ok(id)
+    }
+
+    /// A builder for one bucket's tree; give it keys in ascending order.
+    pub fn tree(&mut self) -> Tree<'_> {
+        Tree {
+            leaf: Packer::new(LEAF_PAGE),
+            children: Vec::new(),
+            last: None,
+            writer: self,
+        }
+    }
+
+    /// Writes the top-level `buckets` (name, root page, sequence; names ascending), the
+    /// freelist and the meta pages for transaction `txid`. The file is not synced: a restore
+    /// hands it to etcd's tool, which writes its own copy, and syncs what it keeps.
+    pub fn finish(mut self, buckets: &[(Vec<u8>, u64, u64)], txid: u64) -> Result<(), BoltError> {
+        let mut root = self.tree();
+        for (name, page, sequence) in buckets {
+            let mut value = [0u8; 16];
+            value[..8].copy_from_slice(&page.to_le_bytes());
+            value[8..].copy_from_slice(&sequence.to_le_bytes());
+            root.push_element(BUCKET_VALUE, name, &value)?;
+        }
+        let root = root.finish()?;
+        let mut file = self.out.into_inner().map_err(|e| e.into_error())?;
+        let ps = self.page_size;
+        let mut freelist = vec![0u8; ps];
+        freelist[..8].copy_from_slice(&2u64.to_le_bytes());
+        freelist[8..10].copy_from_slice(&FREELIST_PAGE.to_le_bytes());
+        let meta = |txid: u64| Meta {
+            page_size: ps as u32,
+            flags: 0,
+            root,
+            sequence: 0,
+            freelist: 2,
+            pages: self.next,
+            txid,
+        };
+        file.seek(SeekFrom::Start(0))?;
+        file.write_all(&meta(txid.saturating_sub(1)).page(0))?;
+        file.write_all(&meta(txid).page(1))?;
+        file.write_all(&freelist)?;
+        file.flush()?;
+        Ok(())
+    }
+}
+
+/// Fills pages of one kind with elements.
+struct Packer {
+    flags: u16,
+    /// Per element: (leaf flags, key size, value size or child page, offset of its data).
+    elements: Vec<(u32, usize, u64, usize)>,
+    data: Vec<u8>,
+    first: Option<Vec<u8>>,
+}
+
+impl Packer {
+    fn new(flags: u16) -> Packer {
+        Packer {
+            flags,
+            elements: Vec::new(),
+            data: Vec::new(),
+            first: None,
+        }
+    }
+
+    fn len(&self) -> usize {
+        HEADER + self.elements.len() * ELEMENT + self.data.len()
+    }
+
+    /// Whether an element with `bytes` of key and value still fits in the current page (an
+    /// empty page takes anything: a large value gets overflow pages).
+    fn fits(&self, bytes: usize, page_size: usize) -> bool {
+        self.elements.is_empty()
+            || (self.len() + ELEMENT + bytes <= page_size
+                && self.elements.len() < usize::from(u16::MAX))
+    }
+
+    fn push(&mut self, flags: u32, key: &[u8], value: &[u8], child: u64) {
+        if self.first.is_none() {
+            self.first = Some(key.to_vec());
+        }
+        let size = if self.flags == LEAF_PAGE {
+            value.len() as u64
+        } else {
+            child
+        };
+        self.elements
+            .push((flags, key.len(), size, self.data.len()));
+        self.data.extend_from_slice(key);
+        self.data.extend_from_slice(value);
+    }
+
+    /// Writes the current page; returns (its first key, its id).
+    fn flush(&mut self, w: &mut Writer) -> Result<(Vec<u8>, u64), BoltError> {
+        let count = self.elements.len();
+        let mut body = Vec::with_capacity(count * ELEMENT + self.data.len());
+        for (i, &(flags, ksize, size, offset)) in self.elements.iter().enumerate() {
+            // From the element's own position to its key.
+            let pos = (count - i) * ELEMENT + offset;
+            if self.flags == LEAF_PAGE {
+                body.extend_from_slice(&flags.to_le_bytes());
+                body.extend_from_slice(&(pos as u32).to_le_bytes());
+                body.extend_from_slice(&(ksize as u32).to_le_bytes());
+                body.extend_from_slice(&(size as u32).to_le_bytes());
+            } else {
+                body.extend_from_slice(&(pos as u32).to_le_bytes());
+                body.extend_from_slice(&(ksize as u32).to_le_bytes());
+                body.extend_from_slice(&size.to_le_bytes());
+            }
+        }
+        body.extend_from_slice(&self.data);
+        let id = w.page(self.flags, count, &body)?;
+        self.elements.clear();
+        self.data.clear();
+        Ok((self.first.take().unwrap_or_default(), id))
+    }
+}
+
+/// One bucket's tree being written: leaves as keys arrive, branches at the end.
+pub struct Tree<'w> {
+    writer: &'w mut Writer,
+    leaf: Packer,
+    /// First key and page of every leaf written.
+    children: Vec<(Vec<u8>, u64)>,
+    last: Option<Vec<u8>>,
+}
+
+impl Tree<'_> {
+    /// Adds a key; keys must come in strictly ascending order.
+    pub fn push(&mut self, key: &[u8], value: &[u8]) -> Result<(), BoltError> {
+        self.push_element(0, key, value)
+    }
+
+    fn push_element(&mut self, flags: u32, key: &[u8], value: &[u8]) -> Result<(), BoltError> {
+        if key.is_empty() {
+            return Err(BoltError::Unsupported("an empty key".into()));
+        }
+        if let Some(last) = &self.last
+            && key <= last.as_slice()
+        {
+            return Err(BoltError::Unsupported(format!(
+                "keys out of order: {:?} after {:?}",
+                String::from_utf8_lossy(key),
+                String::from_utf8_lossy(last)
+            )));
+        }
+        self.last = Some(key.to_vec());
+        if !self
+            .leaf
+            .fits(key.len() + value.len(), self.writer.page_size)
+        {
+            let written = self.leaf.flush(self.writer)?;
+            self.children.push(written);
+        }
+        self.leaf.push(flags, key, value, 0);
+        Ok(())
+    }
+
+    /// Writes what is left and the branch pages; returns the root page.
+    pub fn finish(mut self) -> Result<u64, BoltError> {
+        // An empty bucket is one empty leaf.
+        if !self.leaf.elements.is_empty() || self.children.is_empty() {
+            let written = self.leaf.flush(self.writer)?;
+            self.children.push(written);
+        }
+        let mut level = std::mem::take(&mut self.children);
+        while level.len() > 1 {
+            let mut branch = Packer::new(BRANCH_PAGE);
+            let mut up = Vec::new();
+            for (key, child) in &level {
+                if !branch.fits(key.len(), self.writer.page_size) {
+                    up.push(branch.flush(self.writer)?);
+                }
+                branch.push(0, key, &[], *child);
+            }
+            up.push(branch.flush(self.writer)?);
+            level = up;
+        }
+        Ok(level[0].1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    type Pairs = Vec<(Vec<u8>, Vec<u8>)>;
+
+    fn write(path: &Path, buckets: &[(&[u8], Pairs)]) {
+        let mut w = Writer::create(path, 4096).unwrap();
+        let mut roots = Vec::new();
+        for (name, keys) in buckets {
+            let mut t = w.tree();
+            for (k, v) in keys {
+                t.push(k, v).unwrap();
+            }
+            roots.push((name.to_vec(), t.finish().unwrap(), 7));
+        }
+        w.finish(&roots, 5).unwrap();
+    }
+
+    fn read_all(r: &Reader, root: &Root) -> Pairs {
+        let mut out = Vec::new();
+        r.visit(root, &mut |flags, k, v| {
+            assert_eq!(flags, 0);
+            out.push((k.to_vec(), v.to_vec()));
+            Ok(())
+        })
+        .unwrap();
+        out
+    }
+
+    #[test]
+    fn what_is_written_reads_back_in_order_across_branches_and_overflow() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db");
+        // Enough small keys for two levels of branches, some values larger than a page.
+        let many: Pairs = (0..60_000u32)
+            .map(|i| {
+                let v = if i % 997 == 0 {
+                    vec![i as u8; 10_000]
+                } else {
+                    i.to_be_bytes().to_vec()
+                };
+                (format!("k{i:08}").into_bytes(), v)
+            })
+            .collect();
+        let few = vec![(b"a".to_vec(), b"1".to_vec())];
+        write(
+            &path,
+            &[
+                (b"empty", vec![]),
+                (b"key", many.clone()),
+                (b"meta", few.clone()),
+            ],
+        );
+        let len = std::fs::metadata(&path).unwrap().len();
+        assert_eq!(len % 4096, 0);
+        let r = Reader::open(&path, len).unwrap();
+        assert_eq!(r.txid(), 5);
+        let buckets = r.buckets().unwrap();
+        let names: Vec<&[u8]> = buckets.iter().map(|b| b.name.as_slice()).collect();
+        assert_eq!(names, [&b"empty"[..], b"key", b"meta"]);
+        assert!(buckets.iter().all(|b| b.sequence == 7));
+        assert!(read_all(&r, &buckets[0].root).is_empty());
+        assert_eq!(read_all(&r, &buckets[1].root), many);
+        assert_eq!(read_all(&r, &buckets[2].root), few);
+        assert_eq!(
+            r.last_key(&buckets[1].root).unwrap(),
+            Some(b"k00059999".to_vec())
+        );
+        assert_eq!(r.last_key(&buckets[0].root).unwrap(), None);
+        assert_eq!(r.get(&buckets[2].root, b"a").unwrap(), Some(b"1".to_vec()));
+    }
+
+    #[test]
+    fn keys_out_of_order_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = Writer::create(&dir.path().join("db"), 4096).unwrap();
+        let mut t = w.tree();
+        t.push(b"b", b"").unwrap();
+        assert!(matches!(t.push(b"a", b""), Err(BoltError::Unsupported(_))));
+        assert!(matches!(t.push(b"b", b""), Err(BoltError::Unsupported(_))));
+    }
+
+    #[test]
+    fn damage_is_reported_not_followed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db");
+        write(&path, &[(b"key", vec![(b"a".to_vec(), b"1".to_vec())])]);
+        let len = std::fs::metadata(&path).unwrap().len();
+        // Both meta pages broken: not a bbolt file.
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[HEADER + 20] ^= 1;
+        bytes[4096 + HEADER + 20] ^= 1;
+        let broken = dir.path().join("broken");
+        std::fs::write(&broken, &bytes).unwrap();
+        assert!(matches!(
+            Reader::open(&broken, len),
+            Err(BoltError::Corrupt(_))
+        ));
+        // One meta page broken: the other one serves.
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[4096 + HEADER + 20] ^= 1;
+        std::fs::write(&broken, &bytes).unwrap();
+        let r = Reader::open(&broken, len).unwrap();
+        assert_eq!(r.txid(), 4);
+        assert_eq!(r.buckets().unwrap().len(), 1);
+        // Truncated: the pages do not fit.
+        assert!(matches!(
+            Reader::open(&path, len - 4096),
+            Err(BoltError::Corrupt(_))
+        ));
+    }
+}
