@@ -331,6 +331,42 @@ async fn force_moves_the_old_directory_aside_via_the_binary() {
     assert!(restored.0 == original.0);
 }
 
+/// A snapshot of an etcd that never had a key is at revision 1 with no record of it: the deltas
+/// continue from there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_of_an_empty_etcd_and_its_deltas_restore() {
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut client = etcd.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let store = file_store(&dir.path().join("store"));
+    let full = take_full(&client, &store, Codec::Gzip, false)
+        .await
+        .unwrap();
+    assert_eq!(full.last_revision, 1);
+    let mut writer = DeltaWriter::new(Codec::Gzip, 1);
+    let mut watch = DeltaWatch::open(&client, 2).await.unwrap();
+    client.put("/a", "1", None).await.unwrap();
+    client.put("/b", "2", None).await.unwrap();
+    client.delete("/a", None).await.unwrap();
+    let mut events: Vec<Event> = Vec::new();
+    while events.last().map_or(0, Event::revision) < 4 {
+        events.extend(watch.next().await.unwrap());
+    }
+    writer.push(events, chrono::Utc::now());
+    writer.flush(&store).await.unwrap().unwrap();
+    let original = dump(&mut client).await;
+
+    let target = dir.path().join("data");
+    let report = etcd_warden::restore::restore(&store, &options(&target, Release::V35))
+        .await
+        .unwrap();
+    assert_eq!((report.replay, report.revision), (Replay::Direct, 4));
+    assert_eq!(
+        dump_restored(Release::V35, &target, "default").await,
+        original
+    );
+}
+
 /// A delta written as etcd-backup-restore writes it, built here from the documented format,
 /// restores by writing the events into the database.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -288,7 +288,8 @@ fn write_blocking(
         },
         None => 0,
     };
-    let restored = last.max(compacted);
+    // An etcd starts at revision 1 with no record of it: a snapshot of an empty etcd is at 1.
+    let restored = last.max(compacted).max(1);
     let mut cursor = Cursor {
         restored,
         revision: restored,

@@ -40,11 +40,9 @@ pub enum RestoreError {
     Deltas(String),
     #[error("etcd: {0}")]
     Etcd(String),
-    #[error("{path}: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
+    /// The message includes the I/O error, so it is not also the error's source.
+    #[error("{path}: {cause}")]
+    Io { path: String, cause: std::io::Error },
     #[error("{0}")]
     Store(String),
     /// The target directory is in use and `--force` was not given.
@@ -53,12 +51,12 @@ pub enum RestoreError {
     /// The guard file next to the data directory names another etcd.
     #[error("{0}")]
     Guard(String),
-    /// A step of the restore failed; nothing was moved into place.
-    #[error("restore failed while {step}: {source}")]
+    /// A step of the restore failed; nothing was moved into place. The message includes the
+    /// cause, so it is not also given as the error's source (which would print it twice).
+    #[error("restore failed while {step}: {cause}")]
     Step {
         step: &'static str,
-        #[source]
-        source: Box<RestoreError>,
+        cause: Box<RestoreError>,
     },
 }
 
@@ -67,7 +65,7 @@ impl RestoreError {
     pub fn io(path: &Path, source: std::io::Error) -> Self {
         RestoreError::Io {
             path: path.display().to_string(),
-            source,
+            cause: source,
         }
     }
 }
@@ -84,7 +82,7 @@ impl<T> StepExt<T> for Result<T, RestoreError> {
             e @ RestoreError::Step { .. } => e,
             e => RestoreError::Step {
                 step,
-                source: Box::new(e),
+                cause: Box::new(e),
             },
         })
     }
@@ -204,7 +202,7 @@ pub async fn restore(
         .clone()
         .ok_or_else(|| RestoreError::Step {
             step: "listing the store",
-            source: Box::new(RestoreError::Store("the store has no full snapshot".into())),
+            cause: Box::new(RestoreError::Store("the store has no full snapshot".into())),
         })?;
     let tools = EtcdTools::locate(opts.etcd_bin.as_deref())
         .await
@@ -400,7 +398,7 @@ async fn build(
     if seen != revision {
         return Err(RestoreError::Step {
             step: "checking the final revision",
-            source: Box::new(RestoreError::Etcd(format!(
+            cause: Box::new(RestoreError::Etcd(format!(
                 "etcd opened the restored database at revision {seen}, the deltas end at {revision}"
             ))),
         });
@@ -581,7 +579,7 @@ async fn replay_all(
 fn to_op(event: &delta::Event, d: &Snapshot) -> Result<(i64, ReplayOp), RestoreError> {
     let kv = event.kv.as_ref().ok_or_else(|| RestoreError::Step {
         step: "replaying deltas",
-        source: Box::new(RestoreError::Deltas(format!(
+        cause: Box::new(RestoreError::Deltas(format!(
             "delta {}: an event without a key",
             d.snap_name
         ))),
