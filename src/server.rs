@@ -270,6 +270,18 @@ pub async fn serve_tls(
     cert: std::path::PathBuf,
     key: std::path::PathBuf,
 ) -> std::io::Result<()> {
+    serve_tls_checking(listener, router, cancel, cert, key, TLS_RELOAD_CHECK).await
+}
+
+/// [`serve_tls`], looking at the files every `check`.
+pub async fn serve_tls_checking(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    cancel: CancellationToken,
+    cert: std::path::PathBuf,
+    key: std::path::PathBuf,
+    check: std::time::Duration,
+) -> std::io::Result<()> {
     let config = axum_server::tls_rustls::RustlsConfig::from_pem_file(&cert, &key).await?;
     let handle = axum_server::Handle::new();
     let reload = {
@@ -280,7 +292,7 @@ pub async fn serve_tls(
             loop {
                 tokio::select! {
                     _ = cancel.cancelled() => return,
-                    _ = tokio::time::sleep(TLS_RELOAD_CHECK) => {}
+                    _ = tokio::time::sleep(check) => {}
                 }
                 let now = (modified(&cert), modified(&key));
                 if now != seen {

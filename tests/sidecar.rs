@@ -4,6 +4,7 @@
 
 mod support;
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -463,6 +464,67 @@ async fn the_api_serves_https_with_the_configured_certificate() {
         !curl("http", "/livez").status.success(),
         "plain HTTP must not be served"
     );
+}
+
+/// A rotated certificate is served without a restart; a half-written pair (the key replaced
+/// before the certificate) does not stop the server.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_https_certificate_is_reloaded_when_its_files_change() {
+    let (old, new, live) = (
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+    );
+    support::tls::make_certs(old.path());
+    support::tls::make_certs(new.path());
+    let install = |from: &Path, file: &str| {
+        // Write beside and rename, as a Secret volume update does.
+        let tmp = live.path().join(format!(".{file}.tmp"));
+        std::fs::copy(from.join(file), &tmp).unwrap();
+        std::fs::rename(&tmp, live.path().join(file)).unwrap();
+    };
+    install(old.path(), "server.key");
+    install(old.path(), "server.pem");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let router = axum::Router::new().route("/livez", axum::routing::get(|| async { "ok" }));
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let server = tokio::spawn(etcd_warden::server::serve_tls_checking(
+        listener,
+        router,
+        cancel.clone(),
+        live.path().join("server.pem"),
+        live.path().join("server.key"),
+        Duration::from_millis(100),
+    ));
+    let trusted_by = |ca: &Path| {
+        let ca = ca.join("ca.pem");
+        async move {
+            std::process::Command::new("curl")
+                .args(["-sS", "--max-time", "2", "--cacert"])
+                .arg(ca)
+                .arg(format!("https://127.0.0.1:{port}/livez"))
+                .output()
+                .expect("curl (apt-get install curl)")
+                .status
+                .success()
+        }
+    };
+    assert!(eventually(Duration::from_secs(10), || trusted_by(old.path())).await);
+    assert!(!trusted_by(new.path()).await);
+    install(new.path(), "server.key");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    install(new.path(), "server.pem");
+    assert!(
+        eventually(Duration::from_secs(10), || trusted_by(new.path())).await,
+        "the new certificate is never served"
+    );
+    assert!(
+        !trusted_by(old.path()).await,
+        "the old certificate is still served"
+    );
+    cancel.cancel();
+    server.await.unwrap().unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread")]
