@@ -1,3 +1,6 @@
+//! The fallback for deltas [`super::direct`] cannot write into the database (puts without
+//! their create revision and version).
+//!
 //! Replays delta events into a temporary etcd: events sharing a revision in one transaction,
 //! in revision order, each transaction checked to land on exactly the revision it had at the
 //! source, so a gap or a double-applied event is caught at once rather than silently diverging.
