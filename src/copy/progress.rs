@@ -60,7 +60,7 @@ impl Counts {
 }
 
 /// The bar's line for a terminal `width` cells wide: percentage, objects, MiB, rate, then a
-/// bar in the space left (at most [`MAX_BAR`] cells). Never wider than `width`: on a narrow
+/// bar in the space left (at most `MAX_BAR` cells). Never wider than `width`: on a narrow
 /// terminal the bar goes first, then the end of the numbers.
 pub fn render(c: &Counts, width: usize) -> String {
     let fraction = c.fraction();

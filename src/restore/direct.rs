@@ -11,7 +11,7 @@
 //!
 //! Checked as it goes: revisions continue the snapshot's without a gap (a missing delta), never
 //! go back, and every put carries its create revision and version. Deltas this cannot write (an
-//! event without those fields, a database whose shape [`bolt`] does not know) come back as
+//! event without those fields, a database whose shape [`super::bolt`] does not know) come back as
 //! [`Outcome::Unsupported`] and the caller replays them through etcd instead. The result is
 //! still opened by a temporary etcd and its revision checked before it is used.
 //!
