@@ -151,60 +151,59 @@ pub type Element<'a> = (u32, &'a [u8], &'a [u8]);
 /// What [`Reader::visit`] calls for every element.
 pub type Visitor<'f> = dyn FnMut(u32, &[u8], &[u8]) -> Result<(), BoltError> + 'f;
 
+/// The offset of element `i` of `page`, checked to lie within it.
+fn element_at(page: &[u8], i: usize, kind: &str) -> Result<usize, BoltError> {
+    let e = HEADER + i * ELEMENT;
+    if e + ELEMENT > page.len() {
+        return Err(BoltError::Corrupt(format!(
+            "{kind} element {i} beyond its page"
+        )));
+    }
+    Ok(e)
+}
+
+/// `len` bytes at `at` in `page`, checked to lie within it.
+fn span<'p>(
+    page: &'p [u8],
+    at: usize,
+    len: usize,
+    i: usize,
+    kind: &str,
+) -> Result<&'p [u8], BoltError> {
+    page.get(at..at.saturating_add(len))
+        .ok_or_else(|| BoltError::Corrupt(format!("{kind} element {i} points beyond its page")))
+}
+
 /// Elements of a leaf page.
 fn leaf_elements(page: &[u8]) -> Result<Vec<Element<'_>>, BoltError> {
-    let count = usize::from(u16_at(page, 10));
-    let mut out = Vec::with_capacity(count);
-    for i in 0..count {
-        let e = HEADER + i * ELEMENT;
-        if e + ELEMENT > page.len() {
-            return Err(BoltError::Corrupt(format!(
-                "leaf element {i} beyond its page"
-            )));
-        }
-        let (flags, pos, ksize, vsize) = (
-            u32_at(page, e),
-            u32_at(page, e + 4) as usize,
-            u32_at(page, e + 8) as usize,
-            u32_at(page, e + 12) as usize,
-        );
-        let k = e + pos;
-        let end = k + ksize + vsize;
-        if end > page.len() {
-            return Err(BoltError::Corrupt(format!(
-                "leaf element {i} points beyond its page"
-            )));
-        }
-        out.push((flags, &page[k..k + ksize], &page[k + ksize..end]));
-    }
-    Ok(out)
+    (0..usize::from(u16_at(page, 10)))
+        .map(|i| {
+            let e = element_at(page, i, "leaf")?;
+            let (flags, pos, ksize, vsize) = (
+                u32_at(page, e),
+                u32_at(page, e + 4) as usize,
+                u32_at(page, e + 8) as usize,
+                u32_at(page, e + 12) as usize,
+            );
+            let key = span(page, e + pos, ksize, i, "leaf")?;
+            let value = span(page, e + pos + ksize, vsize, i, "leaf")?;
+            Ok((flags, key, value))
+        })
+        .collect()
 }
 
 /// Elements of a branch page: (first key of the child, child page).
 fn branch_elements(page: &[u8]) -> Result<Vec<(&[u8], u64)>, BoltError> {
-    let count = usize::from(u16_at(page, 10));
-    let mut out = Vec::with_capacity(count);
-    for i in 0..count {
-        let e = HEADER + i * ELEMENT;
-        if e + ELEMENT > page.len() {
-            return Err(BoltError::Corrupt(format!(
-                "branch element {i} beyond its page"
-            )));
-        }
-        let (pos, ksize, child) = (
-            u32_at(page, e) as usize,
-            u32_at(page, e + 4) as usize,
-            u64_at(page, e + 8),
-        );
-        let k = e + pos;
-        if k + ksize > page.len() {
-            return Err(BoltError::Corrupt(format!(
-                "branch element {i} points beyond its page"
-            )));
-        }
-        out.push((&page[k..k + ksize], child));
-    }
-    Ok(out)
+    (0..usize::from(u16_at(page, 10)))
+        .map(|i| {
+            let e = element_at(page, i, "branch")?;
+            let (pos, ksize) = (u32_at(page, e) as usize, u32_at(page, e + 4) as usize);
+            Ok((
+                span(page, e + pos, ksize, i, "branch")?,
+                u64_at(page, e + 8),
+            ))
+        })
+        .collect()
 }
 
 /// Reads a bbolt file.
@@ -329,15 +328,31 @@ impl Reader {
                 }
                 Ok(())
             }
-            Root::Page(id) => self.visit_page(*id, 0, f),
+            Root::Page(id) => {
+                let mut seen = vec![0u64; (self.meta.pages as usize).div_ceil(64)];
+                self.visit_page(*id, 0, &mut seen, f)
+            }
         }
     }
 
-    fn visit_page(&self, id: u64, depth: usize, f: &mut Visitor<'_>) -> Result<(), BoltError> {
+    /// Visits the tree at page `id`; `seen` has a bit per page of the file, so a damaged file
+    /// whose pages point back at each other costs one read a page, not a loop.
+    fn visit_page(
+        &self,
+        id: u64,
+        depth: usize,
+        seen: &mut [u64],
+        f: &mut Visitor<'_>,
+    ) -> Result<(), BoltError> {
         if depth > MAX_DEPTH {
             return Err(BoltError::Corrupt(format!("tree deeper than {MAX_DEPTH}")));
         }
         let page = self.page(id)?;
+        let (word, bit) = ((id / 64) as usize, 1u64 << (id % 64));
+        if seen[word] & bit != 0 {
+            return Err(BoltError::Corrupt(format!("page {id} is reached twice")));
+        }
+        seen[word] |= bit;
         let flags = u16_at(&page, 8);
         if flags & LEAF_PAGE != 0 {
             for (flags, k, v) in leaf_elements(&page)? {
@@ -346,7 +361,7 @@ impl Reader {
             Ok(())
         } else if flags & BRANCH_PAGE != 0 {
             for (_, child) in branch_elements(&page)? {
-                self.visit_page(child, depth + 1, f)?;
+                self.visit_page(child, depth + 1, seen, f)?;
             }
             Ok(())
         } else {
@@ -706,6 +721,67 @@ mod tests {
         );
         assert_eq!(r.last_key(&buckets[0].root).unwrap(), None);
         assert_eq!(r.get(&buckets[2].root, b"a").unwrap(), Some(b"1".to_vec()));
+    }
+
+    #[test]
+    fn a_damaged_file_gives_errors_never_a_panic() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db");
+        // Small, so each of the ~1,000 damaged copies is quick; still branches and overflow.
+        let keys: Pairs = (0..1500u32)
+            .map(|i| {
+                let len = if i % 500 == 0 { 5000 } else { 20 };
+                (i.to_be_bytes().to_vec(), vec![i as u8; len])
+            })
+            .collect();
+        write(&path, &[(b"key", keys), (b"meta", vec![])]);
+        let good = std::fs::read(&path).unwrap();
+        let broken = dir.path().join("broken");
+        // Every 97th byte in turn, so every kind of field gets hit somewhere.
+        for at in (0..good.len()).step_by(97) {
+            let mut bytes = good.clone();
+            bytes[at] ^= 0xff;
+            std::fs::write(&broken, &bytes).unwrap();
+            let Ok(r) = Reader::open(&broken, bytes.len() as u64) else {
+                continue;
+            };
+            if let Ok(buckets) = r.buckets() {
+                for b in buckets {
+                    let _ = r.visit(&b.root, &mut |_, _, _| Ok(()));
+                    let _ = r.last_key(&b.root);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_page_pointing_back_into_its_tree_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db");
+        let keys: Pairs = (0..2000u32)
+            .map(|i| (i.to_be_bytes().to_vec(), vec![0; 100]))
+            .collect();
+        write(&path, &[(b"key", keys)]);
+        let len = std::fs::metadata(&path).unwrap().len();
+        let root = match &Reader::open(&path, len).unwrap().buckets().unwrap()[0].root {
+            Root::Page(id) => *id,
+            Root::Inline(_) => panic!("2000 keys make a tree"),
+        };
+        // The root branch's every child becomes the root itself: without a guard, a walk of
+        // 32 levels with this fan-out would never end.
+        let mut bytes = std::fs::read(&path).unwrap();
+        let page = &mut bytes[root as usize * 4096..][..4096];
+        assert_eq!(u16_at(page, 8), BRANCH_PAGE);
+        for i in 0..usize::from(u16_at(page, 10)) {
+            let e = HEADER + i * ELEMENT + 8;
+            page[e..e + 8].copy_from_slice(&root.to_le_bytes());
+        }
+        std::fs::write(&path, &bytes).unwrap();
+        let r = Reader::open(&path, len).unwrap();
+        let e = r
+            .visit(&Root::Page(root), &mut |_, _, _| Ok(()))
+            .unwrap_err();
+        assert!(e.to_string().contains("reached twice"), "{e}");
     }
 
     #[test]
