@@ -132,7 +132,9 @@ pub struct RestoreReport {
     pub events_applied: u64,
     /// The restored etcd's revision.
     pub revision: i64,
-    /// Time spent replaying deltas (fetching overlapped).
+    /// Time spent applying the deltas, fetching overlapped: for [`Replay::Direct`] writing the
+    /// database with them (the copy of the snapshot's part included), for
+    /// [`Replay::ThroughEtcd`] the replay.
     pub replay_time: std::time::Duration,
     /// How the deltas were applied.
     pub replay: Replay,
