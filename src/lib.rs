@@ -2,6 +2,7 @@
 //! and keeps etcd quorum safe while control-plane machines are replaced.
 //!
 //! Module map (one capability per module):
+//! - [`backoff`]: the one exponential retry delay.
 //! - [`config`]: layered configuration (defaults → file → environment → flags), validated once.
 //! - [`telemetry`]: `tracing` setup, human or JSON output.
 //! - [`store`]: object stores from URLs, the etcd-backup-restore bucket layout, retention.
@@ -14,6 +15,7 @@
 //! - [`operator`]: quorum-safe member replacement (the second binary).
 #![forbid(unsafe_code)]
 
+pub mod backoff;
 pub mod config;
 pub mod copy;
 pub mod etcd;

@@ -607,7 +607,9 @@ impl<M: Machines> Operator<M> {
     /// Runs steps until cancelled: right away after a step that acted, after `interval` when
     /// there was nothing to do, with doubling backoff after failures.
     pub async fn run(&self, cancel: CancellationToken) {
-        let mut backoff = self.timing.min_backoff;
+        let backoff =
+            crate::backoff::Backoff::new(self.timing.min_backoff, self.timing.max_backoff);
+        let mut failures = 0u32;
         loop {
             let result = tokio::select! {
                 _ = cancel.cancelled() => return,
@@ -615,7 +617,7 @@ impl<M: Machines> Operator<M> {
             };
             let wait = match result {
                 Ok(p) => {
-                    backoff = self.timing.min_backoff;
+                    failures = 0;
                     if p.actions.is_empty() {
                         self.timing.interval
                     } else {
@@ -623,14 +625,14 @@ impl<M: Machines> Operator<M> {
                     }
                 }
                 Err(e) => {
+                    failures = failures.saturating_add(1);
+                    let retry_in = backoff.delay(failures);
                     if e.is_transient() {
-                        info!(error = %e, retry_in = ?backoff, "step refused, retrying");
+                        info!(error = %e, ?retry_in, "step refused, retrying");
                     } else {
-                        warn!(error = %e, retry_in = ?backoff, "step failed, retrying");
+                        warn!(error = %e, ?retry_in, "step failed, retrying");
                     }
-                    let w = backoff;
-                    backoff = (backoff * 2).min(self.timing.max_backoff);
-                    w
+                    retry_in
                 }
             };
             tokio::select! {

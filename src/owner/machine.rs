@@ -24,6 +24,8 @@
 use std::fmt;
 use std::time::Duration;
 
+pub use crate::backoff::Backoff;
+
 /// What an owner check concluded. `Unresolvable` is only produced after the configured number of
 /// consecutive failed lookups (see `resolve::FailureCounter`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -156,35 +158,6 @@ impl fmt::Display for State {
             State::Deactivated(step) => write!(f, "deactivated ({step:?})"),
             other => f.write_str(other.name()),
         }
-    }
-}
-
-/// Exponential backoff for retrying the final snapshot: `initial`, doubling, capped at `max`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Backoff {
-    /// Delay after the first failure.
-    pub initial: Duration,
-    /// Longest delay.
-    pub max: Duration,
-}
-
-impl Default for Backoff {
-    fn default() -> Self {
-        Backoff {
-            initial: Duration::from_secs(1),
-            max: Duration::from_secs(300),
-        }
-    }
-}
-
-impl Backoff {
-    /// The delay after the `failed`-th consecutive failure (1-based).
-    pub fn delay(&self, failed: u32) -> Duration {
-        let doublings = failed.saturating_sub(1).min(31);
-        self.initial
-            .checked_mul(1u32 << doublings)
-            .unwrap_or(self.max)
-            .min(self.max)
     }
 }
 
@@ -706,15 +679,6 @@ mod tests {
             machine.state(),
             deactivated(FinalStep::Done(FinalOutcome::FoundInStore))
         );
-    }
-
-    #[test]
-    fn backoff_doubles_up_to_the_cap() {
-        let b = backoff();
-        let delays: Vec<u64> = (1..=6).map(|n| b.delay(n).as_secs()).collect();
-        assert_eq!(delays, vec![1, 2, 4, 8, 8, 8]);
-        assert_eq!(b.delay(u32::MAX), Duration::from_secs(8));
-        assert_eq!(b.delay(0), Duration::from_secs(1));
     }
 
     // ---- Exhaustive check: every sequence of up to six events. ----
