@@ -8,7 +8,9 @@
 //! - [`store`]: object stores from URLs, the etcd-backup-restore bucket layout, retention.
 //! - [`snapshot`]: full and delta snapshots, their codecs, and the one snapshot actor.
 //! - [`etcd`]: the etcd seam (clients, TLS, status).
-//! - [`owner`]: owner DNS lookups, the pure ownership state machine, and its watchdog.
+//! - [`health`]: etcd's health, judged in one place (readiness and the watchdog).
+//! - [`owner`]: owner DNS lookups, the pure ownership protocol, the hand-off across members, and
+//!   the watchdog.
 //! - [`process`]: finding and killing etcd in a shared PID namespace.
 //! - [`server`]: the HTTP API.
 //! - [`copy`], [`restore`]: the copy job and data-dir restore.
@@ -19,6 +21,7 @@ pub mod backoff;
 pub mod config;
 pub mod copy;
 pub mod etcd;
+pub mod health;
 pub mod operator;
 pub mod owner;
 pub mod process;

@@ -12,8 +12,12 @@
 //! forbids; the remaining window between that read and the signal is microseconds, while PID reuse
 //! needs the whole PID space to wrap.)
 //!
-//! Finding no process is a normal outcome ([`KillReport::not_found`]), not an error: the sidecar
-//! may run without a shared PID namespace, or etcd may be restarting.
+//! A kill counts only when it is **verified** ([`KillReport::verified`]): at least one etcd process
+//! was found (now or by an earlier attempt of the same kill) and every one of them is gone. No
+//! process found, a signal refused (EPERM: another UID without CAP_KILL), or a process still there
+//! after SIGKILL is a kill that did not happen, and the caller retries it. [`ProcessControl::probe`]
+//! answers beforehand whether etcd is visible and may be signalled (signal 0), so a sidecar that
+//! could not kill etcd is never trusted with it.
 
 use std::fmt;
 use std::io;
@@ -31,9 +35,19 @@ const COMM_LEN: usize = 15;
 /// How long to wait for a process to disappear after SIGKILL before reporting it still alive.
 const AFTER_SIGKILL: Duration = Duration::from_secs(5);
 
-/// Errors that stop the search itself (not a missing process).
+/// Why etcd cannot be seen, signalled or listed.
 #[derive(Debug, thiserror::Error)]
 pub enum ProcessError {
+    /// No live process matches.
+    #[error(
+        "no etcd process matches kill.process_name = {name:?}{cmdline}: is the PID namespace shared (shareProcessNamespace: true) and the name right?"
+    )]
+    NotFound {
+        /// The configured name.
+        name: String,
+        /// `, kill.cmdline_contains = "…"` or empty.
+        cmdline: String,
+    },
     /// The proc filesystem could not be listed.
     #[error("cannot list {path}: {source}")]
     ListProc {
@@ -42,8 +56,16 @@ pub enum ProcessError {
         /// The underlying error.
         source: io::Error,
     },
+    /// The signal-0 probe was refused: a kill would be too.
+    #[error("etcd (pid {pid}) may not be signalled: {source}{hint}", hint = permission_hint(*source))]
+    NotPermitted {
+        /// The process.
+        pid: i32,
+        /// Why.
+        source: nix::Error,
+    },
     /// A signal could not be sent for a reason other than the process being gone.
-    #[error("cannot send {signal} to pid {pid}: {source}")]
+    #[error("cannot send {signal} to etcd (pid {pid}): {source}{hint}", hint = permission_hint(*source))]
     Signal {
         /// The target.
         pid: i32,
@@ -52,6 +74,14 @@ pub enum ProcessError {
         /// The error.
         source: nix::Error,
     },
+}
+
+fn permission_hint(e: nix::Error) -> &'static str {
+    if e == nix::Error::EPERM {
+        " (run the sidecar as etcd's UID, or give it CAP_KILL)"
+    } else {
+        ""
+    }
 }
 
 /// Which processes are etcd.
@@ -166,14 +196,43 @@ pub enum Outcome {
     Killed,
     /// It went away (or its PID was reused) before we signalled it.
     Vanished,
-    /// Still there after SIGKILL (uninterruptible sleep?); the next check will try again.
+    /// Still there after SIGKILL (uninterruptible sleep?); the kill is tried again.
     StillAlive,
+    /// A signal was refused (EPERM: another UID without CAP_KILL); the kill is tried again.
+    Refused {
+        /// The signal refused.
+        signal: Signal,
+        /// Why.
+        errno: nix::Error,
+    },
+}
+
+impl Outcome {
+    /// The process is gone.
+    pub fn is_gone(&self) -> bool {
+        matches!(
+            self,
+            Outcome::Terminated | Outcome::Killed | Outcome::Vanished
+        )
+    }
+
+    /// A bounded label for metrics and logs.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Outcome::Terminated => "terminated",
+            Outcome::Killed => "killed",
+            Outcome::Vanished => "vanished",
+            Outcome::StillAlive => "still_alive",
+            Outcome::Refused { .. } => "refused",
+        }
+    }
 }
 
 /// What a kill did, per process found.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct KillReport {
-    /// Every matching process and how it ended; empty when none was found.
+    /// Every matching process (and every one an earlier attempt of the same kill had found) and
+    /// how it ended; empty when none was ever found.
     pub processes: Vec<(ProcessId, Outcome)>,
 }
 
@@ -183,12 +242,48 @@ impl KillReport {
         self.processes.is_empty()
     }
 
+    /// The kill happened: a process was found and every one found is gone.
+    pub fn verified(&self) -> bool {
+        !self.processes.is_empty() && self.processes.iter().all(|(_, o)| o.is_gone())
+    }
+
+    /// Why the kill is not verified, in words; `None` when it is.
+    pub fn failure(&self) -> Option<String> {
+        if self.verified() {
+            return None;
+        }
+        if self.processes.is_empty() {
+            return Some("no etcd process found".into());
+        }
+        let left: Vec<String> = self
+            .processes
+            .iter()
+            .filter(|(_, o)| !o.is_gone())
+            .map(|(p, o)| match o {
+                Outcome::Refused { signal, errno } => {
+                    format!("{p}: {signal} refused: {errno}{}", permission_hint(*errno))
+                }
+                _ => format!("{p}: still alive after SIGKILL"),
+            })
+            .collect();
+        Some(left.join("; "))
+    }
+
     /// How many signals of each kind were sent: (SIGTERM, SIGKILL).
     pub fn signals_sent(&self) -> (usize, usize) {
         let terms = self
             .processes
             .iter()
-            .filter(|(_, o)| !matches!(o, Outcome::Vanished))
+            .filter(|(_, o)| {
+                !matches!(
+                    o,
+                    Outcome::Vanished
+                        | Outcome::Refused {
+                            signal: Signal::SIGTERM,
+                            ..
+                        }
+                )
+            })
             .count();
         let kills = self
             .processes
@@ -199,11 +294,18 @@ impl KillReport {
     }
 }
 
-/// Stopping etcd; the I/O seam the ownership watchdog uses.
+/// Seeing and stopping etcd; the I/O seam the ownership watchdog uses.
 #[async_trait::async_trait]
 pub trait ProcessControl: Send + Sync {
-    /// SIGTERM every etcd process, SIGKILL those still there after the grace.
-    async fn kill_etcd(&self) -> Result<KillReport, ProcessError>;
+    /// The etcd processes, each checked with signal 0: an error when none is found or one may
+    /// not be signalled.
+    async fn probe(&self) -> Result<Vec<ProcessId>, ProcessError>;
+
+    /// SIGTERM every etcd process, SIGKILL those still there after the grace, and report how each
+    /// ended. `earlier` are the processes earlier attempts of the same kill found: they are
+    /// included in the report (gone, or stopped again), so a retry after the process went away
+    /// on its own still verifies. An error only when the process table cannot be read.
+    async fn kill_etcd(&self, earlier: &[ProcessId]) -> Result<KillReport, ProcessError>;
 }
 
 /// Finds and signals processes through a proc filesystem.
@@ -325,42 +427,85 @@ impl ProcKiller {
         }
     }
 
-    /// SIGTERM, wait the grace, SIGKILL if still there.
-    pub async fn stop(&self, process: ProcessId) -> Result<Outcome, ProcessError> {
-        if self.signal(process, Signal::SIGTERM)? != Signalled::Sent {
-            return Ok(Outcome::Vanished);
+    /// SIGTERM, wait the grace, SIGKILL if still there; a refused signal is an outcome.
+    pub async fn stop(&self, process: ProcessId) -> Outcome {
+        match self.signal(process, Signal::SIGTERM) {
+            Ok(Signalled::Sent) => {}
+            Ok(_) => return Outcome::Vanished,
+            Err(e) => return refused(e, Signal::SIGTERM),
         }
         tracing::info!(pid = process.pid, "sent SIGTERM to etcd");
         if self.wait_gone(process, self.grace).await {
-            return Ok(Outcome::Terminated);
+            return Outcome::Terminated;
         }
-        if self.signal(process, Signal::SIGKILL)? != Signalled::Sent {
-            return Ok(Outcome::Terminated);
+        match self.signal(process, Signal::SIGKILL) {
+            Ok(Signalled::Sent) => {}
+            Ok(_) => return Outcome::Terminated,
+            Err(e) => return refused(e, Signal::SIGKILL),
         }
         tracing::warn!(pid = process.pid, grace = ?self.grace, "etcd outlived the grace; sent SIGKILL");
         if self.wait_gone(process, AFTER_SIGKILL).await {
-            Ok(Outcome::Killed)
+            Outcome::Killed
         } else {
-            Ok(Outcome::StillAlive)
+            Outcome::StillAlive
+        }
+    }
+
+    fn not_found(&self) -> ProcessError {
+        ProcessError::NotFound {
+            name: self.matcher.name.clone(),
+            cmdline: self
+                .matcher
+                .cmdline_contains
+                .as_ref()
+                .map(|c| format!(", kill.cmdline_contains = {c:?}"))
+                .unwrap_or_default(),
         }
     }
 }
 
+fn refused(error: ProcessError, signal: Signal) -> Outcome {
+    let errno = match error {
+        ProcessError::Signal { source, .. } => source,
+        _ => nix::Error::EINVAL,
+    };
+    Outcome::Refused { signal, errno }
+}
+
 #[async_trait::async_trait]
 impl ProcessControl for ProcKiller {
-    async fn kill_etcd(&self) -> Result<KillReport, ProcessError> {
+    async fn probe(&self) -> Result<Vec<ProcessId>, ProcessError> {
         let found = self.find()?;
         if found.is_empty() {
-            tracing::warn!(name = %self.matcher.name, "no etcd process found to stop");
+            return Err(self.not_found());
         }
-        // All at once, so several matches share one grace instead of adding theirs up.
-        let stops = found.iter().map(|p| self.stop(*p));
+        for p in &found {
+            // Signal 0 checks permission and existence without signalling.
+            match kill(Pid::from_raw(p.pid), None) {
+                Ok(()) | Err(nix::Error::ESRCH) => {}
+                Err(source) => return Err(ProcessError::NotPermitted { pid: p.pid, source }),
+            }
+        }
+        Ok(found)
+    }
+
+    async fn kill_etcd(&self, earlier: &[ProcessId]) -> Result<KillReport, ProcessError> {
+        let mut targets = self.find()?;
+        for p in earlier {
+            if !targets.contains(p) {
+                targets.push(*p);
+            }
+        }
+        if targets.is_empty() {
+            tracing::error!(error = %self.not_found(), "cannot kill etcd");
+        }
+        // All at once, so several matches share one grace instead of adding theirs up. A process
+        // an earlier attempt found and that is gone now reports Vanished.
+        let stops = targets.iter().map(|p| self.stop(*p));
         let outcomes = futures::future::join_all(stops).await;
-        let mut report = KillReport::default();
-        for (process, outcome) in found.into_iter().zip(outcomes) {
-            report.processes.push((process, outcome?));
-        }
-        Ok(report)
+        Ok(KillReport {
+            processes: targets.into_iter().zip(outcomes).collect(),
+        })
     }
 }
 

@@ -1,11 +1,14 @@
 //! The HTTP API: readiness, snapshots, metrics, status.
 //!
 //! `GET /healthz` is etcd's readiness (200 only when the sidecar says etcd may serve), `GET /livez`
-//! the sidecar's own liveness, `GET /status` what the sidecar is doing, `GET /snapshot/latest` the
-//! latest full snapshot and its deltas, `POST /snapshot/full[?final=true]` and
-//! `POST /snapshot/delta` take one now (behind a bearer token when one is configured), and
-//! `GET /metrics` the Prometheus text. Errors are JSON `{"code": …, "message": …}`; internal
-//! details go to the log, not the client.
+//! the sidecar's own liveness (503 once a critical task ended), `GET /status` what the sidecar is
+//! doing, `GET /snapshot/latest` the latest full snapshot and its deltas,
+//! `POST /snapshot/full[?final=true]` and `POST /snapshot/delta` take one now, and `GET /metrics`
+//! the Prometheus text. The mutating endpoints take a bearer token when one is configured
+//! (configuration requires one whenever the server listens beyond loopback) and one request at a
+//! time (429 while one is in flight), so nobody can queue snapshots in front of a kill; what the
+//! ownership protocol forbids is refused with 409. Errors are JSON `{"code": …, "message": …}`;
+//! internal details go to the log, not the client.
 
 use std::sync::Arc;
 
@@ -45,6 +48,34 @@ impl Readiness {
     }
 }
 
+/// Publishes readiness (the one place it is set): `state` is shown capitalised (`Active`), and a
+/// change is logged.
+pub fn set_readiness(tx: &watch::Sender<Readiness>, ready: bool, state: &str, reason: &str) {
+    let mut chars = state.chars();
+    let state: String = chars
+        .next()
+        .map(|c| c.to_uppercase().chain(chars).collect())
+        .unwrap_or_default();
+    let r = Readiness {
+        ready,
+        state,
+        reason: reason.to_string(),
+    };
+    tx.send_if_modified(|cur| {
+        let changed = *cur != r;
+        if changed {
+            if cur.ready != r.ready || cur.state != r.state {
+                tracing::info!(ready, state = %r.state, reason, "readiness changed");
+            }
+            *cur = r.clone();
+        }
+        changed
+    });
+}
+
+/// What `/livez` answers: `None` while every critical task runs, else why not.
+pub type Liveness = Option<String>;
+
 /// The latest full snapshot and the deltas after it, as `GET /snapshot/latest` shows them.
 pub type Latest = crate::store::Chain;
 
@@ -79,6 +110,10 @@ pub struct ServerState {
     pub registry: Arc<Registry>,
     /// Bearer token for the mutating endpoints.
     pub token: Option<Secret>,
+    /// The sidecar's liveness.
+    pub liveness: watch::Receiver<Liveness>,
+    /// One mutating request at a time.
+    pub mutating: Arc<tokio::sync::Semaphore>,
 }
 
 /// An error answer: status, a stable code, and a message fit for clients.
@@ -117,7 +152,7 @@ impl IntoResponse for ApiError {
 pub fn router(state: ServerState) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
-        .route("/livez", get(|| async { "ok" }))
+        .route("/livez", get(livez))
         .route("/status", get(status))
         .route("/metrics", get(metrics))
         .route("/snapshot/latest", get(latest))
@@ -137,6 +172,15 @@ async fn healthz(State(s): State<ServerState>) -> Response {
         StatusCode::SERVICE_UNAVAILABLE
     };
     (code, Json(r)).into_response()
+}
+
+async fn livez(State(s): State<ServerState>) -> Response {
+    match s.liveness.borrow().clone() {
+        None => (StatusCode::OK, "ok").into_response(),
+        Some(reason) => {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "not_live", reason).into_response()
+        }
+    }
 }
 
 async fn status(State(s): State<ServerState>) -> Json<serde_json::Value> {
@@ -189,6 +233,7 @@ async fn take_full(
     Query(q): Query<FullQuery>,
 ) -> Result<Response, ApiError> {
     authorize(&s, &headers)?;
+    let _one = one_at_a_time(&s)?;
     snapshot_answer(
         s.snapshots
             .take(Take::Full {
@@ -203,7 +248,19 @@ async fn take_delta(
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     authorize(&s, &headers)?;
+    let _one = one_at_a_time(&s)?;
     snapshot_answer(s.snapshots.take(Take::Delta).await?)
+}
+
+/// The permit of the one mutating request in flight, or 429.
+fn one_at_a_time(s: &ServerState) -> Result<tokio::sync::OwnedSemaphorePermit, ApiError> {
+    s.mutating.clone().try_acquire_owned().map_err(|_| {
+        ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "busy",
+            "another snapshot request is in flight; retry when it has finished",
+        )
+    })
 }
 
 fn snapshot_answer(taken: Option<Snapshot>) -> Result<Response, ApiError> {
@@ -344,6 +401,9 @@ mod tests {
 
     struct Fake {
         taken: Mutex<Vec<Take>>,
+        /// Requests wait for this before answering.
+        hold: tokio::sync::Notify,
+        holding: std::sync::atomic::AtomicBool,
     }
 
     #[async_trait]
@@ -353,6 +413,9 @@ mod tests {
         }
         async fn take(&self, what: Take) -> Result<Option<Snapshot>, ApiError> {
             self.taken.lock().unwrap().push(what);
+            if self.holding.load(std::sync::atomic::Ordering::SeqCst) {
+                self.hold.notified().await;
+            }
             Ok(None)
         }
     }
@@ -372,13 +435,18 @@ mod tests {
         });
         let fake = Arc::new(Fake {
             taken: Mutex::new(vec![]),
+            hold: tokio::sync::Notify::new(),
+            holding: std::sync::atomic::AtomicBool::new(false),
         });
+        let (_live_tx, liveness) = watch::channel(None);
         let s = ServerState {
             readiness: rx,
             snapshots: fake.clone(),
             status: Arc::new(NoStatus),
             registry: Arc::new(Registry::default()),
             token: token.map(|t| Secret::Value(t.into())),
+            liveness,
+            mutating: Arc::new(tokio::sync::Semaphore::new(1)),
         };
         (s, fake)
     }
@@ -469,6 +537,42 @@ mod tests {
         assert_eq!(code, StatusCode::OK);
         assert_eq!(body["readiness"]["ready"], false);
         assert!(body.get("owner").is_some());
+    }
+
+    #[tokio::test]
+    async fn one_mutating_request_at_a_time() {
+        let (s, fake) = state(true, None);
+        fake.holding
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let post = |path: &str| Request::post(path).body(Body::empty()).unwrap();
+        let first = tokio::spawn(call(s.clone(), post("/snapshot/full")));
+        // Wait until the first request is inside the handler.
+        while fake.taken.lock().unwrap().is_empty() {
+            tokio::task::yield_now().await;
+        }
+        let (code, body) = call(s.clone(), post("/snapshot/delta")).await;
+        assert_eq!(code, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(body["code"], "busy");
+        fake.holding
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        fake.hold.notify_one();
+        assert_eq!(first.await.unwrap().0, StatusCode::NO_CONTENT);
+        assert_eq!(
+            call(s, post("/snapshot/delta")).await.0,
+            StatusCode::NO_CONTENT
+        );
+    }
+
+    #[tokio::test]
+    async fn livez_turns_503_with_the_reason_once_a_task_ended() {
+        let (mut s, _) = state(true, None);
+        let (tx, rx) = watch::channel(None);
+        s.liveness = rx;
+        assert_eq!(call(s.clone(), get("/livez")).await.0, StatusCode::OK);
+        tx.send_replace(Some("the ownership watchdog panicked".into()));
+        let (code, body) = call(s, get("/livez")).await;
+        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(body["message"], "the ownership watchdog panicked");
     }
 
     #[test]

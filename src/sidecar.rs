@@ -9,17 +9,18 @@ use axum::http::StatusCode;
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 
 use crate::config::{Compression, Config};
-use crate::owner::adapters::production_seams;
+use crate::health::HealthCheck;
 use crate::owner::metrics::OwnerMetrics;
+use crate::owner::production::context;
 use crate::owner::watchdog::{Watchdog, WatchdogConfig, WatchdogStatus};
 use crate::server::{
-    self, ApiError, Latest, Readiness, ServerState, SnapshotApi, StatusSource, Take,
+    self, ApiError, Latest, Liveness, Readiness, ServerState, SnapshotApi, StatusSource, Take,
 };
 use crate::snapshot::actor::{self, ActorConfig, ActorError, ActorHandle};
 use crate::snapshot::engine::EtcdEngine;
+use crate::snapshot::gate::Gate;
 use crate::snapshot::metrics::SnapshotMetrics;
 use crate::store::gc::Retention;
 use crate::store::{Codec, Snapshot, SnapshotStore};
@@ -42,6 +43,15 @@ pub enum SidecarError {
     Owner(#[from] crate::owner::resolve::ResolveError),
     #[error("initializing the data directory: {0}")]
     Initialize(#[from] crate::restore::RestoreError),
+    /// A task the sidecar cannot run without ended: readiness went 503 and the process exits so
+    /// the kubelet restarts it.
+    #[error("critical task {task} {how}; etcd made unready and the sidecar stops")]
+    TaskEnded {
+        /// Which task.
+        task: &'static str,
+        /// "panicked: …" or "ended".
+        how: String,
+    },
 }
 
 /// How long shutdown waits for tasks to finish (a snapshot upload in flight, open requests).
@@ -65,22 +75,73 @@ pub fn actor_config(config: &Config) -> ActorConfig {
         delta_memory_limit: s.delta_memory_limit,
         gc_period: s.gc_period,
         leader_check_interval: s.leader_check_interval,
-        regular_at_start: config.owner.is_none(),
     }
 }
 
-/// The snapshot side of the HTTP API: reads from the store, snapshots through the actor.
+/// The snapshot side of the HTTP API: reads from the store, snapshots through the actor, finals
+/// only as the ownership watchdog took them.
 struct Snapshots {
     actor: ActorHandle,
     store: SnapshotStore,
+    gate: watch::Receiver<Gate>,
+    owner: Option<watch::Receiver<WatchdogStatus>>,
 }
 
 fn actor_error(e: ActorError) -> ApiError {
     match e {
         ActorError::Stopped => ApiError::unavailable("the sidecar is shutting down"),
-        ActorError::Failed(m) => {
-            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "snapshot_failed", m)
+        ActorError::Refused { gate, reason } => ApiError::new(
+            StatusCode::CONFLICT,
+            if gate == Gate::Final {
+                "deactivated"
+            } else {
+                "not_active"
+            },
+            reason,
+        ),
+        ActorError::Cancelled => ApiError::new(
+            StatusCode::CONFLICT,
+            "cancelled",
+            "ownership changed while the snapshot ran; nothing was stored",
+        ),
+        ActorError::NoDeltas => ApiError::new(StatusCode::CONFLICT, "no_deltas", e.to_string()),
+        ActorError::Failed(err) => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "snapshot_failed",
+            err.to_string(),
+        ),
+    }
+}
+
+impl Snapshots {
+    /// `POST /snapshot/full?final=true`: never takes a snapshot itself (the hand-off's final is
+    /// the watchdog's, after every member is fenced); answers with the hand-off's final once it
+    /// is stored, 409 before.
+    async fn hand_off_final(&self) -> Result<Option<Snapshot>, ApiError> {
+        if *self.gate.borrow() != Gate::Final {
+            return Err(ApiError::new(
+                StatusCode::CONFLICT,
+                "not_deactivated",
+                "a final snapshot is only taken after ownership is lost (Deactivated)",
+            ));
         }
+        let status = self.owner.as_ref().map(|o| o.borrow().clone());
+        let Some(name) = status.as_ref().and_then(|s| s.final_snapshot.clone()) else {
+            let reason = status.map(|s| s.reason).unwrap_or_default();
+            return Err(ApiError::new(
+                StatusCode::CONFLICT,
+                "final_pending",
+                format!("the hand-off's final snapshot is not stored yet: {reason}"),
+            ));
+        };
+        let list = self.store.list().await.map_err(|e| {
+            tracing::warn!(error = %e, "listing the store failed");
+            ApiError::unavailable("the store cannot be listed")
+        })?;
+        list.into_iter()
+            .find(|s| s.snap_name == name)
+            .map(Some)
+            .ok_or_else(|| ApiError::unavailable(format!("{name} is not listed in the store")))
     }
 }
 
@@ -95,12 +156,10 @@ impl SnapshotApi for Snapshots {
 
     async fn take(&self, what: Take) -> Result<Option<Snapshot>, ApiError> {
         match what {
-            Take::Full { is_final } => self
-                .actor
-                .full(is_final)
-                .await
-                .map(Some)
-                .map_err(actor_error),
+            Take::Full { is_final: true } => self.hand_off_final().await,
+            Take::Full { is_final: false } => {
+                self.actor.full().await.map(Some).map_err(actor_error)
+            }
             Take::Delta => self.actor.delta().await.map_err(actor_error),
         }
     }
@@ -122,60 +181,33 @@ impl StatusSource for Status {
     }
 }
 
-/// Keeps readiness at "etcd answers and has a leader" (a plain backup sidecar: no owner check).
-async fn etcd_readiness(
-    mut etcd: crate::etcd::RotatingClient,
-    tx: watch::Sender<Readiness>,
-    cancel: CancellationToken,
-) {
-    let mut tick = tokio::time::interval(Duration::from_secs(2));
-    loop {
-        tokio::select! {
-            _ = cancel.cancelled() => return,
-            _ = tick.tick() => {}
+/// How a critical task ended.
+fn ended(result: Result<(), tokio::task::JoinError>) -> String {
+    match result {
+        Ok(()) => "ended".into(),
+        Err(e) if e.is_panic() => {
+            let payload = e.into_panic();
+            let text = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "(no message)".into());
+            format!("panicked: {text}")
         }
-        let mut client = etcd.client().await;
-        let r = match tokio::time::timeout(Duration::from_secs(2), client.status()).await {
-            Ok(Ok(s)) if s.leader() != 0 => Readiness {
-                ready: true,
-                state: "Active".into(),
-                reason: "etcd is healthy".into(),
-            },
-            Ok(Ok(_)) => Readiness {
-                ready: false,
-                state: "Active".into(),
-                reason: "etcd has no leader".into(),
-            },
-            Ok(Err(e)) => Readiness {
-                ready: false,
-                state: "Active".into(),
-                reason: format!("etcd unreachable: {e}"),
-            },
-            Err(_) => Readiness {
-                ready: false,
-                state: "Active".into(),
-                reason: "etcd did not answer within 2s".into(),
-            },
-        };
-        tx.send_if_modified(|cur| {
-            let changed = *cur != r;
-            if changed {
-                tracing::info!(ready = r.ready, reason = %r.reason, "readiness changed");
-                *cur = r.clone();
-            }
-            changed
-        });
+        Err(e) => format!("was cancelled: {e}"),
     }
 }
 
-/// Runs the sidecar until `cancel` fires, then shuts down within [`SHUTDOWN_GRACE`].
+/// Runs the sidecar until `cancel` fires, then shuts down within [`SHUTDOWN_GRACE`]. A critical
+/// task (the snapshot actor, the ownership watchdog or the readiness loop) that ends or panics
+/// before that turns `/healthz` and `/livez` 503, stops everything and returns
+/// [`SidecarError::TaskEnded`], so the process exits non-zero and is restarted.
 pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), SidecarError> {
     let store = SnapshotStore::from_config(&config.store)?;
     if config.restore.initialize {
         // Before anything talks to etcd: it may be waiting for its data directory.
         crate::restore::initialize::initialize(&store, &config.restore).await?;
     }
-    let etcd = || crate::etcd::RotatingClient::connect(&config.etcd);
     let listener = tokio::net::TcpListener::bind(config.server.listen)
         .await
         .map_err(|source| SidecarError::Listen {
@@ -188,63 +220,76 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
     let actor_metrics = SnapshotMetrics::default();
     actor_metrics.register(&mut registry);
 
-    let tasks = TaskTracker::new();
+    // Without ownership checks the gate is open for good; with them the watchdog opens it.
+    let (gate_tx, gate_rx) = watch::channel(if config.owner.is_none() {
+        Gate::Open
+    } else {
+        Gate::Closed
+    });
     let retention = Retention {
         policy: config.snapshot.gc_policy,
         delta_retention: config.snapshot.delta_retention,
     };
     let engine = EtcdEngine::new(
-        etcd().await?,
+        crate::etcd::RotatingClient::connect(&config.etcd).await?,
         store.clone(),
         codec(config.snapshot.compression),
         retention,
     );
+    let tasks = cancel.child_token();
     let (actor, actor_task) = actor::spawn(
         engine,
         actor_config(&config),
+        gate_rx.clone(),
         actor_metrics,
-        cancel.child_token(),
+        tasks.child_token(),
     );
 
     let (readiness_tx, readiness) = watch::channel(Readiness::starting());
-    let owner_status = match &config.owner {
+    let readiness_tx = Arc::new(readiness_tx);
+    let (owner_status, guard_task) = match &config.owner {
         // A plain backup sidecar: ready while etcd is healthy.
         None => {
-            tasks.spawn(etcd_readiness(
-                etcd().await?,
-                readiness_tx,
-                cancel.child_token(),
-            ));
-            None
+            let check = HealthCheck::new(config.etcd.clone(), crate::health::TIMEOUT);
+            let tx = readiness_tx.clone();
+            let token = tasks.child_token();
+            let task = tokio::spawn(async move {
+                crate::health::follow_etcd(check, &tx, token).await;
+            });
+            (None, ("readiness", task))
         }
         Some(owner) => {
             let owner_metrics = OwnerMetrics::default();
             owner_metrics.register(&mut registry);
-            let seams = production_seams(
+            let ctx = context(
                 owner,
                 &config.kill,
                 &config.etcd,
                 actor.clone(),
                 store.clone(),
-                readiness_tx,
+                (*readiness_tx).clone(),
+                gate_tx,
             )?;
             tracing::info!(record = %owner.name, id = %owner.id, interval = ?owner.interval, "checking ownership");
-            let dog = Watchdog::new(WatchdogConfig::from_owner(owner), seams, owner_metrics);
+            let dog = Watchdog::new(WatchdogConfig::from_owner(owner), ctx, owner_metrics);
             let status = dog.status();
-            let token = cancel.child_token();
-            tasks.spawn(async move {
+            let token = tasks.child_token();
+            let task = tokio::spawn(async move {
                 let last = dog.run(token).await;
                 tracing::info!(state = %last, "ownership watchdog stopped");
             });
-            Some(status)
+            (Some(status), ("ownership watchdog", task))
         }
     };
 
+    let (liveness_tx, liveness) = watch::channel::<Liveness>(None);
     let state = ServerState {
         readiness,
         snapshots: Arc::new(Snapshots {
             actor: actor.clone(),
             store: store.clone(),
+            gate: gate_rx,
+            owner: owner_status.clone(),
         }),
         status: Arc::new(Status {
             actor: actor.clone(),
@@ -253,23 +298,61 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
         }),
         registry: Arc::new(registry),
         token: config.server.token.clone(),
+        liveness,
+        mutating: Arc::new(tokio::sync::Semaphore::new(1)),
     };
     let router = server::router(state);
-    let served = match config.server.tls.clone() {
-        None => server::serve(listener, router, cancel.child_token()).await,
-        Some((cert, key)) => {
-            server::serve_tls(listener, router, cancel.child_token(), cert, key).await
+    let server_cancel = cancel.child_token();
+    let served = {
+        let token = server_cancel.clone();
+        let tls = config.server.tls.clone();
+        async move {
+            match tls {
+                None => server::serve(listener, router, token).await,
+                Some((cert, key)) => server::serve_tls(listener, router, token, cert, key).await,
+            }
         }
     };
-    tasks.close();
-    cancel.cancel();
-    let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
-        let _ = actor_task.await;
-        tasks.wait().await;
+    tokio::pin!(served);
+    let (guard_name, mut guard_task) = guard_task;
+    let mut actor_task = actor_task;
+    // Whichever ends first: the server (shutdown, or an error), or a critical task (a failure,
+    // unless shutdown was asked for).
+    let died = tokio::select! {
+        result = &mut served => {
+            tasks.cancel();
+            let _ = tokio::time::timeout(SHUTDOWN_GRACE, async {
+                let _ = (&mut actor_task).await;
+                let _ = (&mut guard_task).await;
+            })
+            .await;
+            return result.map_err(SidecarError::Serve);
+        }
+        r = &mut actor_task => ("snapshot actor", ended(r)),
+        r = &mut guard_task => (guard_name, ended(r)),
+    };
+    if cancel.is_cancelled() {
+        // Shutting down: the tasks ended because they were told to.
+        let _ = tokio::time::timeout(SHUTDOWN_GRACE, served).await;
+        return Ok(());
+    }
+    let (task, how) = died;
+    tracing::error!(task, %how, "a critical task ended; etcd made unready, stopping");
+    server::set_readiness(
+        &readiness_tx,
+        false,
+        "Failed",
+        &format!("critical task {task} {how}"),
+    );
+    liveness_tx.send_replace(Some(format!("critical task {task} {how}")));
+    tasks.cancel();
+    // Let probes see the 503 for a moment while the rest stops.
+    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        let _ = (&mut actor_task).await;
+        let _ = (&mut guard_task).await;
     })
     .await;
-    if drained.is_err() {
-        tracing::warn!(grace = ?SHUTDOWN_GRACE, "shutdown grace passed with tasks still running");
-    }
-    served.map_err(SidecarError::Serve)
+    server_cancel.cancel();
+    let _ = tokio::time::timeout(SHUTDOWN_GRACE, served).await;
+    Err(SidecarError::TaskEnded { task, how })
 }

@@ -1281,10 +1281,10 @@ fn every_metric_in_the_alert_rules_is_exported() {
     // What the sidecar registers (sidecar::run registers exactly these two).
     let mut registry = prometheus_client::registry::Registry::default();
     etcd_warden::snapshot::metrics::SnapshotMetrics::default().register(&mut registry);
-    let owner = etcd_warden::owner::OwnerMetrics::default();
+    let owner = etcd_warden::owner::metrics::OwnerMetrics::default();
     owner.register(&mut registry);
     // Labelled counters appear only once a label value was used: use one of each.
-    owner.record_check(&etcd_warden::owner::CheckResult::Owner, 0);
+    owner.record_check(&etcd_warden::owner::resolve::CheckResult::Owner, 0);
     owner.record_kill(&etcd_warden::process::KillReport {
         processes: vec![(
             etcd_warden::process::ProcessId {

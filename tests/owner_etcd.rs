@@ -1,21 +1,27 @@
 //! The ownership watchdog against a real etcd process: the real process killer SIGTERMs it, a
-//! stand-in for the kubelet restarts it, the real health check sees it come back, and only then
-//! is the final snapshot requested. DNS is real (hickory-server on loopback); the snapshot side is
-//! a fake that takes a real etcd snapshot stream to prove etcd answers.
+//! stand-in for the kubelet restarts it, the real etcd API (health, members, a linearizable
+//! revision) sees it come back, and only then is the final snapshot requested. DNS is real
+//! (hickory-server on loopback); the store side is in memory and its "final snapshot" takes a real
+//! etcd snapshot stream, to prove etcd answers.
 
 mod support;
 
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use etcd_warden::backoff::Backoff;
 use etcd_warden::config::{EtcdConfig, KillConfig, OwnerConfig};
-use etcd_warden::owner::adapters::{EtcdStatusHealth, OwnerStatus};
-use etcd_warden::owner::{
-    Backoff, OwnerMetrics, OwnerResolver, SeamError, Seams, Snapshotter, Watchdog, WatchdogConfig,
-};
+use etcd_warden::owner::handoff::{FenceMarker, HandOffRecord};
+use etcd_warden::owner::metrics::OwnerMetrics;
+use etcd_warden::owner::production::{EtcdApi, OwnerStatus};
+use etcd_warden::owner::resolve::OwnerResolver;
+use etcd_warden::owner::watchdog::{Context, SeamError, Snapshots, Watchdog, WatchdogConfig};
 use etcd_warden::process::ProcKiller;
 use etcd_warden::server::{Readiness, StatusSource};
+use etcd_warden::snapshot::gate::Gate;
+use etcd_warden::store::{Codec, Kind, Snapshot};
 use support::dns::DnsServer;
 use support::etcd::{EtcdCluster, Release};
 use tokio::sync::watch;
@@ -24,38 +30,64 @@ use tokio_util::sync::CancellationToken;
 const NAME: &str = "owner.shoot.warden.test";
 const ID: &str = "seed-a";
 
-/// Takes a real snapshot stream from etcd as the "final snapshot", so it fails unless etcd answers.
-struct StreamingSnapshotter {
+/// In-memory hand-off objects; the final is a real etcd snapshot stream, counted.
+struct StreamingSnapshots {
     endpoint: String,
-    regular: Mutex<Vec<bool>>,
-    finals: AtomicU32,
+    fences: Mutex<BTreeSet<u64>>,
+    finals: Mutex<Vec<Snapshot>>,
+    record: Mutex<Option<HandOffRecord>>,
+    taken: AtomicU32,
     bytes: AtomicU32,
 }
 
 #[async_trait::async_trait]
-impl Snapshotter for StreamingSnapshotter {
-    async fn set_regular(&self, on: bool) -> Result<(), SeamError> {
-        self.regular.lock().expect("lock").push(on);
+impl Snapshots for StreamingSnapshots {
+    async fn write_fence(&self, member: u64, _: &FenceMarker) -> Result<(), SeamError> {
+        self.fences.lock().expect("lock").insert(member);
         Ok(())
     }
-
-    async fn latest_is_final(&self) -> Result<bool, SeamError> {
-        Ok(self.finals.load(Ordering::SeqCst) > 0)
+    async fn fence(&self, member: u64) -> Result<Option<FenceMarker>, SeamError> {
+        assert!(!self.fences.lock().expect("lock").contains(&member));
+        Ok(None)
     }
-
-    async fn request_final(&self) -> Result<String, SeamError> {
-        let fail = |e: etcd_client::Error| SeamError(e.to_string());
-        let mut client = etcd_client::Client::connect([&self.endpoint], None)
-            .await
-            .map_err(fail)?;
-        let mut stream = client.snapshot().await.map_err(fail)?;
+    async fn fenced(&self) -> Result<BTreeSet<u64>, SeamError> {
+        Ok(self.fences.lock().expect("lock").clone())
+    }
+    async fn finals(&self) -> Result<Vec<Snapshot>, SeamError> {
+        Ok(self.finals.lock().expect("lock").clone())
+    }
+    async fn latest_full(&self) -> Result<Option<Snapshot>, SeamError> {
+        Ok(self.finals.lock().expect("lock").last().cloned())
+    }
+    async fn record(&self) -> Result<Option<HandOffRecord>, SeamError> {
+        Ok(self.record.lock().expect("lock").clone())
+    }
+    async fn write_record(&self, record: &HandOffRecord) -> Result<(), SeamError> {
+        *self.record.lock().expect("lock") = Some(record.clone());
+        Ok(())
+    }
+    async fn take_final(&self, min_revision: i64) -> Result<Snapshot, SeamError> {
+        let mut client = etcd_client::Client::connect([&self.endpoint], None).await?;
+        let revision = client.status().await?.header().map_or(0, |h| h.revision());
+        assert!(revision >= min_revision, "{revision} < {min_revision}");
+        let mut stream = client.snapshot().await?;
         let mut total = 0usize;
-        while let Some(chunk) = stream.message().await.map_err(fail)? {
+        while let Some(chunk) = stream.message().await? {
             total += chunk.blob().len();
         }
         self.bytes.store(total as u32, Ordering::SeqCst);
-        self.finals.fetch_add(1, Ordering::SeqCst);
-        Ok("Full-00000000-00000001-1700000000.gz.final".into())
+        self.taken.fetch_add(1, Ordering::SeqCst);
+        let snap = Snapshot::new(
+            "",
+            Kind::Full,
+            0,
+            revision,
+            chrono::Utc::now(),
+            Codec::Gzip,
+            true,
+        );
+        self.finals.lock().expect("lock").push(snap.clone());
+        Ok(snap)
     }
 }
 
@@ -65,6 +97,7 @@ async fn losing_ownership_kills_real_etcd_and_snapshots_it_after_it_comes_back()
     let endpoint = cluster.endpoints()[0].clone();
     let data_dir = cluster.members[0].data_dir.display().to_string();
     let first_pid = cluster.members[0].pid().expect("etcd running");
+    let mut writer = cluster.client().await;
     let cluster = Arc::new(Mutex::new(cluster));
 
     // The kubelet: restart etcd whenever its process has exited.
@@ -105,14 +138,17 @@ async fn losing_ownership_kills_real_etcd_and_snapshots_it_after_it_comes_back()
         connect_timeout: Duration::from_secs(1),
         request_timeout: Duration::from_secs(2),
     };
-    let snapshotter = Arc::new(StreamingSnapshotter {
+    let snapshots = Arc::new(StreamingSnapshots {
         endpoint: endpoint.clone(),
-        regular: Mutex::new(Vec::new()),
-        finals: AtomicU32::new(0),
+        fences: Mutex::new(BTreeSet::new()),
+        finals: Mutex::new(Vec::new()),
+        record: Mutex::new(None),
+        taken: AtomicU32::new(0),
         bytes: AtomicU32::new(0),
     });
     let (readiness_tx, mut readiness) = watch::channel(Readiness::starting());
-    let seams = Seams {
+    let (gate, gates) = watch::channel(Gate::Closed);
+    let ctx = Context {
         lookup: Arc::new(OwnerResolver::new(&owner).expect("resolver")),
         // The data dir is unique to this test's etcd, so no other etcd on the machine matches.
         process: Arc::new(ProcKiller::new(&KillConfig {
@@ -120,20 +156,19 @@ async fn losing_ownership_kills_real_etcd_and_snapshots_it_after_it_comes_back()
             cmdline_contains: Some(data_dir),
             grace: Duration::from_secs(10),
         })),
-        snapshotter: snapshotter.clone(),
-        health: Arc::new(EtcdStatusHealth::new(etcd, Duration::from_secs(1))),
+        etcd: Arc::new(EtcdApi::new(etcd, Duration::from_secs(1))),
+        snapshots: snapshots.clone(),
         readiness: Arc::new(readiness_tx),
+        gate,
     };
     let config = WatchdogConfig {
+        owner_id: ID.into(),
         interval: owner.interval,
         failure_threshold: owner.failure_threshold,
         health_interval: Duration::from_millis(100),
-        backoff: Backoff {
-            initial: Duration::from_millis(100),
-            max: Duration::from_secs(1),
-        },
+        backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(1)),
     };
-    let watchdog = Watchdog::new(config, seams, OwnerMetrics::default());
+    let watchdog = Watchdog::new(config, ctx, OwnerMetrics::default());
     let mut status = watchdog.status();
     let status_source = OwnerStatus(watchdog.status());
     let cancel = CancellationToken::new();
@@ -145,6 +180,14 @@ async fn losing_ownership_kills_real_etcd_and_snapshots_it_after_it_comes_back()
         .expect("ready as owner with a healthy etcd")
         .expect("readiness channel");
     assert_eq!(readiness.borrow().state, "Active");
+    assert_eq!(*gates.borrow(), Gate::Open);
+    let acknowledged = writer
+        .put("/before/flip", "v", None)
+        .await
+        .expect("put")
+        .header()
+        .expect("header")
+        .revision();
 
     dns.set_txt(NAME, &["seed-b"]).await;
     let stored = tokio::time::timeout(wait, status.wait_for(|s| s.final_snapshot.is_some()))
@@ -154,6 +197,7 @@ async fn losing_ownership_kills_real_etcd_and_snapshots_it_after_it_comes_back()
 
     assert!(!readiness.borrow().ready);
     assert_eq!(readiness.borrow().state, "Deactivated");
+    assert_eq!(*gates.borrow(), Gate::Final);
     assert_eq!(
         restarts.load(Ordering::SeqCst),
         1,
@@ -163,15 +207,24 @@ async fn losing_ownership_kills_real_etcd_and_snapshots_it_after_it_comes_back()
         .pid()
         .expect("etcd restarted");
     assert_ne!(new_pid, first_pid);
-    assert_eq!(snapshotter.finals.load(Ordering::SeqCst), 1);
+    assert_eq!(snapshots.taken.load(Ordering::SeqCst), 1);
     assert!(
-        snapshotter.bytes.load(Ordering::SeqCst) > 0,
+        snapshots.bytes.load(Ordering::SeqCst) > 0,
         "a real snapshot stream"
     );
-    assert_eq!(
-        *snapshotter.regular.lock().expect("lock"),
-        vec![true, false]
+    let fin = snapshots.finals.lock().expect("lock")[0].clone();
+    assert!(
+        fin.last_revision >= acknowledged,
+        "{fin:?} misses {acknowledged}"
     );
+    let s = status.borrow().clone();
+    assert_eq!(
+        snapshots.fences.lock().expect("lock").len(),
+        1,
+        "one member fenced"
+    );
+    assert!(s.kill.as_ref().is_some_and(|k| k.verified), "{s:?}");
+    assert!(s.member_id.is_some(), "{s:?}");
     assert_eq!(status_source.status()["state"], "deactivated");
 
     // Sticky: our ID again changes nothing, and etcd is left alone.
@@ -179,7 +232,7 @@ async fn losing_ownership_kills_real_etcd_and_snapshots_it_after_it_comes_back()
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(!readiness.borrow().ready);
     assert_eq!(restarts.load(Ordering::SeqCst), 1);
-    assert_eq!(snapshotter.finals.load(Ordering::SeqCst), 1);
+    assert_eq!(snapshots.taken.load(Ordering::SeqCst), 1);
 
     cancel.cancel();
     task.await.expect("watchdog");

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use dns::{DnsServer, Mode};
 use etcd_warden::config::OwnerConfig;
-use etcd_warden::owner::Verdict;
+use etcd_warden::owner::protocol::Verdict;
 use etcd_warden::owner::resolve::{
     CheckResult, Failure, FailureCounter, OwnerLookup, OwnerResolver,
 };

@@ -65,6 +65,32 @@ impl FakeEtcd {
     }
 }
 
+/// The fake etcd under a shell that makes it ignore SIGTERM, its command line carrying `marker`;
+/// retried while the exec fails on a copy another thread's fork still holds open (ETXTBSY).
+async fn spawn_ignoring_sigterm(fake: &FakeEtcd, marker: &str) -> Child {
+    let script = format!("trap '' TERM; exec {} 30 {marker}", fake.binary.display());
+    let finder = killer(&fake.name(), Some(marker), Duration::from_millis(100));
+    for _ in 0..50 {
+        let mut child = Command::new("sh")
+            .args(["-c", &script])
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn sh");
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_secs(2) {
+            if !finder.find().expect("find").is_empty() {
+                return child;
+            }
+            if child.try_wait().expect("try_wait").is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let _ = child.kill().await;
+    }
+    panic!("the fake etcd never started");
+}
+
 fn killer(name: &str, cmdline: Option<&str>, grace: Duration) -> ProcKiller {
     ProcKiller::new(&KillConfig {
         process_name: name.into(),
@@ -104,7 +130,7 @@ async fn sigterm_stops_a_process_found_by_name() {
     assert_eq!(found[0].pid, child.id().expect("pid") as i32);
 
     let started = Instant::now();
-    let report = killer.kill_etcd().await.expect("kill");
+    let report = killer.kill_etcd(&[]).await.expect("kill");
     assert_eq!(report.processes, vec![(found[0], Outcome::Terminated)]);
     assert_eq!(report.signals_sent(), (1, 0));
     assert!(
@@ -120,19 +146,14 @@ async fn a_process_ignoring_sigterm_gets_sigkill_after_the_grace() {
     let fake = FakeEtcd::new("k");
     // `sleep` sums its arguments; the second one is a marker only this test's process carries.
     let marker = format!("0.{}", std::process::id());
-    let script = format!("trap '' TERM; exec {} 30 {marker}", fake.binary.display());
-    let mut child = Command::new("sh")
-        .args(["-c", &script])
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn sh");
+    let mut child = spawn_ignoring_sigterm(&fake, &marker).await;
     let grace = Duration::from_millis(500);
     let killer = killer(&fake.name(), Some(&marker), grace);
     let found = find_soon(&killer).await;
     assert_eq!(found.len(), 1);
 
     let started = Instant::now();
-    let report = killer.kill_etcd().await.expect("kill");
+    let report = killer.kill_etcd(&[]).await.expect("kill");
     assert_eq!(report.processes, vec![(found[0], Outcome::Killed)]);
     assert_eq!(report.signals_sent(), (1, 1));
     assert!(started.elapsed() >= grace, "SIGKILL only after the grace");
@@ -149,7 +170,7 @@ async fn the_cmdline_substring_selects_among_same_named_processes() {
     let found = find_soon(&killer).await;
     assert_eq!(found.len(), 1);
     assert_eq!(found[0].pid, stop.id().expect("pid") as i32);
-    killer.kill_etcd().await.expect("kill");
+    killer.kill_etcd(&[]).await.expect("kill");
     stop.wait().await.expect("wait");
     assert!(
         keep.try_wait().expect("try_wait").is_none(),
@@ -159,13 +180,76 @@ async fn the_cmdline_substring_selects_among_same_named_processes() {
 }
 
 #[tokio::test]
-async fn no_process_is_reported_not_fatal() {
+async fn no_process_found_is_a_kill_that_did_not_happen() {
     let killer = killer("wd-none-here", None, Duration::from_millis(100));
     let report = killer
-        .kill_etcd()
+        .kill_etcd(&[])
         .await
-        .expect("a missing process is not an error");
+        .expect("a missing process is reported, not an error");
     assert!(report.not_found());
+    assert!(!report.verified(), "nothing was killed: not verified");
+    assert_eq!(report.failure().as_deref(), Some("no etcd process found"));
+    let e = killer.probe().await.unwrap_err().to_string();
+    assert!(
+        e.contains("kill.process_name = \"wd-none-here\"") && e.contains("shareProcessNamespace"),
+        "{e}"
+    );
+}
+
+#[tokio::test]
+async fn a_retry_after_the_process_went_away_on_its_own_is_verified() {
+    let fake = FakeEtcd::new("g");
+    let mut child = fake.spawn(&["30"]);
+    let killer = killer(&fake.name(), None, Duration::from_millis(200));
+    let found = find_soon(&killer).await;
+    assert_eq!(
+        killer.probe().await.expect("visible and signallable"),
+        found
+    );
+    // An earlier attempt found it; it is gone before the retry.
+    child.kill().await.expect("kill");
+    child.wait().await.expect("reap");
+    let report = killer.kill_etcd(&found).await.expect("kill");
+    assert_eq!(report.processes, vec![(found[0], Outcome::Vanished)]);
+    assert!(report.verified());
+}
+
+#[tokio::test]
+async fn a_process_still_there_after_sigkill_is_not_verified() {
+    // A process that outlives SIGKILL (uninterruptible sleep on a hung disk or NFS) cannot be made
+    // on demand; the killer is given a /proc in which the process it signals never goes away.
+    // The signals are real and reach a real process; only the view of it is frozen.
+    let fake = FakeEtcd::new("s");
+    let marker = format!("0.{}", std::process::id());
+    let mut child = spawn_ignoring_sigterm(&fake, &marker).await;
+    let real = killer(&fake.name(), Some(&marker), Duration::from_millis(100));
+    let found = find_soon(&real).await;
+    let proc_dir = tempfile::tempdir().expect("temp dir");
+    let entry = proc_dir.path().join(found[0].pid.to_string());
+    std::fs::create_dir(&entry).expect("mkdir");
+    for file in ["stat", "comm", "cmdline"] {
+        let text = std::fs::read(format!("/proc/{}/{file}", found[0].pid)).expect("read proc");
+        std::fs::write(entry.join(file), text).expect("write");
+    }
+    let frozen = killer(&fake.name(), Some(&marker), Duration::from_millis(100))
+        .with_proc_root(proc_dir.path());
+    let started = Instant::now();
+    let report = frozen.kill_etcd(&[]).await.expect("kill");
+    assert_eq!(report.processes, vec![(found[0], Outcome::StillAlive)]);
+    assert!(!report.verified());
+    assert!(
+        report
+            .failure()
+            .unwrap()
+            .contains("still alive after SIGKILL"),
+        "{report:?}"
+    );
+    assert!(
+        started.elapsed() >= Duration::from_secs(5),
+        "waited for it after SIGKILL"
+    );
+    let status = child.wait().await.expect("wait");
+    assert_eq!(signal_of(status), Some(Signal::SIGKILL as i32));
 }
 
 #[tokio::test]
@@ -183,10 +267,7 @@ async fn a_reused_pid_is_never_signalled() {
         killer.signal(impostor, Signal::SIGTERM).expect("signal"),
         Signalled::Reused
     );
-    assert_eq!(
-        killer.stop(impostor).await.expect("stop"),
-        Outcome::Vanished
-    );
+    assert_eq!(killer.stop(impostor).await, Outcome::Vanished);
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(
         child.try_wait().expect("try_wait").is_none(),

@@ -200,21 +200,31 @@ async fn snapshots_flow_to_s3_with_verified_payloads_and_the_api_answers() {
         401,
         "mutating endpoints need the token"
     );
+    // A final snapshot belongs to a hand-off: refused while the sidecar serves etcd.
     let r = http
         .post(w.url("/snapshot/full?final=true"))
         .bearer_auth("t0ken")
         .send()
         .await
         .unwrap();
+    assert_eq!(r.status().as_u16(), 409);
+    let refusal: Value = r.json().await.unwrap();
+    assert_eq!(refusal["code"], "not_deactivated", "{refusal}");
+    let r = http
+        .post(w.url("/snapshot/full"))
+        .bearer_auth("t0ken")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status().as_u16(), 201);
     let snap: Value = r.json().await.unwrap();
-    assert_eq!(snap["isFinal"], true);
+    assert_eq!(snap["isFinal"], false);
     assert!(
-        snap["snapName"].as_str().unwrap().ends_with(".gz.final"),
+        snap["snapName"].as_str().unwrap().ends_with(".gz"),
         "{snap}"
     );
     let (_, l) = w.get("/snapshot/latest").await.unwrap();
-    assert_eq!(l["fullSnapshot"]["isFinal"], true, "{l}");
+    assert_eq!(l["fullSnapshot"]["snapName"], snap["snapName"], "{l}");
 
     // The ops commands see the same store.
     let url = "s3://backups/shoot--a/etcd-main".to_string();

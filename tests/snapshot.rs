@@ -12,6 +12,7 @@ use etcd_warden::etcd::RotatingClient;
 use etcd_warden::snapshot::actor::{self, ActorConfig, ActorHandle};
 use etcd_warden::snapshot::delta::{self, EventType};
 use etcd_warden::snapshot::engine::EtcdEngine;
+use etcd_warden::snapshot::gate::Gate;
 use etcd_warden::snapshot::metrics::SnapshotMetrics;
 use etcd_warden::snapshot::{full, take_full};
 use etcd_warden::store::compression::collect;
@@ -137,7 +138,6 @@ async fn actor_on(
         delta_memory_limit,
         gc_period: Duration::from_secs(3600),
         leader_check_interval: Duration::from_millis(100),
-        regular_at_start: true,
     };
     let c = cancel.clone();
     let engine = {
@@ -157,7 +157,9 @@ async fn actor_on(
         };
         EtcdEngine::new(etcd, store, codec, retention)
     };
-    let (handle, task) = actor::spawn(engine, config, SnapshotMetrics::default(), c);
+    // No ownership checks: the gate is open for good (nobody keeps the sender).
+    let (_, gate_rx) = tokio::sync::watch::channel(Gate::Open);
+    let (handle, task) = actor::spawn(engine, config, gate_rx, SnapshotMetrics::default(), c);
     (handle, task, cancel)
 }
 

@@ -11,7 +11,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use super::machine::State;
+use super::protocol::State;
 use super::resolve::CheckResult;
 use crate::process::{KillReport, Outcome};
 
@@ -31,6 +31,11 @@ struct StateLabel {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct SignalLabel {
     signal: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KillLabel {
+    result: &'static str,
 }
 
 /// A gauge computed when scraped: seconds since the last successful check (or since the
@@ -69,6 +74,8 @@ pub struct OwnerMetrics {
     since_success: SecondsSince,
     consecutive_failures: Gauge,
     signals: Family<SignalLabel, Counter>,
+    kill_attempts: Family<KillLabel, Counter>,
+    process_visible: Gauge,
     final_snapshot_taken: Gauge,
 }
 
@@ -80,6 +87,8 @@ impl Default for OwnerMetrics {
             since_success: SecondsSince(Arc::new(Mutex::new(Instant::now()))),
             consecutive_failures: Gauge::default(),
             signals: Family::default(),
+            kill_attempts: Family::default(),
+            process_visible: Gauge::default(),
             final_snapshot_taken: Gauge::default(),
         };
         metrics.set_state(&State::Starting);
@@ -117,6 +126,16 @@ impl OwnerMetrics {
             self.signals.clone(),
         );
         r.register(
+            "kill_attempts",
+            "Kills of etcd by result: verified, not_found, refused (EPERM), still_alive, error",
+            self.kill_attempts.clone(),
+        );
+        r.register(
+            "etcd_process_visible",
+            "1 when the etcd process is visible and may be signalled",
+            self.process_visible.clone(),
+        );
+        r.register(
             "final_snapshot_taken",
             "1 once this process has a final full snapshot in the store",
             self.final_snapshot_taken.clone(),
@@ -147,20 +166,43 @@ impl OwnerMetrics {
         }
     }
 
-    /// Counts the signals a kill sent.
+    /// Counts the signals a kill sent and its result.
     pub fn record_kill(&self, report: &KillReport) {
-        for (_, outcome) in &report.processes {
-            if *outcome != Outcome::Vanished {
-                self.signals
-                    .get_or_create(&SignalLabel { signal: "SIGTERM" })
-                    .inc();
-            }
-            if matches!(outcome, Outcome::Killed | Outcome::StillAlive) {
-                self.signals
-                    .get_or_create(&SignalLabel { signal: "SIGKILL" })
-                    .inc();
-            }
-        }
+        let (terms, kills) = report.signals_sent();
+        self.signals
+            .get_or_create(&SignalLabel { signal: "SIGTERM" })
+            .inc_by(terms as u64);
+        self.signals
+            .get_or_create(&SignalLabel { signal: "SIGKILL" })
+            .inc_by(kills as u64);
+        let result = if report.verified() {
+            "verified"
+        } else if report.not_found() {
+            "not_found"
+        } else if report
+            .processes
+            .iter()
+            .any(|(_, o)| matches!(o, Outcome::Refused { .. }))
+        {
+            "refused"
+        } else {
+            "still_alive"
+        };
+        self.kill_attempts
+            .get_or_create(&KillLabel { result })
+            .inc();
+    }
+
+    /// Counts a kill that could not even look for etcd.
+    pub fn record_kill_error(&self) {
+        self.kill_attempts
+            .get_or_create(&KillLabel { result: "error" })
+            .inc();
+    }
+
+    /// Whether the etcd process is visible and may be signalled.
+    pub fn set_process_visible(&self, visible: bool) {
+        self.process_visible.set(i64::from(visible));
     }
 
     /// Marks the final snapshot as in the store.
@@ -172,7 +214,7 @@ impl OwnerMetrics {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::owner::machine::FinalStep;
+    use crate::owner::protocol::FinalStep;
     use crate::owner::resolve::Failure;
     use crate::process::ProcessId;
 
@@ -199,6 +241,8 @@ mod tests {
         metrics.record_kill(&KillReport {
             processes: vec![(p, Outcome::Killed)],
         });
+        metrics.record_kill(&KillReport::default());
+        metrics.set_process_visible(true);
         metrics.set_final_snapshot_taken(true);
 
         let out = text(&registry);
@@ -210,6 +254,9 @@ mod tests {
             "etcd_warden_owner_consecutive_failures 2",
             "etcd_warden_owner_kills_total{signal=\"SIGTERM\"} 1",
             "etcd_warden_owner_kills_total{signal=\"SIGKILL\"} 1",
+            "etcd_warden_owner_kill_attempts_total{result=\"verified\"} 1",
+            "etcd_warden_owner_kill_attempts_total{result=\"not_found\"} 1",
+            "etcd_warden_owner_etcd_process_visible 1",
             "etcd_warden_owner_final_snapshot_taken 1",
         ] {
             assert!(out.contains(line), "missing {line:?} in\n{out}");

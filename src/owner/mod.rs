@@ -1,15 +1,15 @@
-//! Ownership: owner DNS lookups, the pure state machine, and the watchdog that acts on it.
+//! Ownership: owner DNS lookups, the pure ownership protocol, the hand-off across members, and the
+//! watchdog that acts on them.
+//!
+//! - [`resolve`]: the owner TXT record looked up and classified.
+//! - [`protocol`]: the state machine, a pure transition function.
+//! - [`handoff`]: fence markers, the hand-off record and the pure "who takes the final, when".
+//! - [`watchdog`]: the loop that observes, steps the protocol and acts through its traits.
+//! - [`production`]: those traits over DNS, `/proc`, etcd, the store and the snapshot actor.
 
-pub mod adapters;
-pub mod machine;
+pub mod handoff;
 pub mod metrics;
+pub mod production;
+pub mod protocol;
 pub mod resolve;
 pub mod watchdog;
-
-pub use machine::{Action, Backoff, Event, FinalOutcome, FinalStep, Machine, State, Verdict};
-pub use metrics::OwnerMetrics;
-pub use resolve::{CheckResult, Failure, FailureCounter, OwnerLookup, OwnerResolver, ResolveError};
-pub use watchdog::{
-    EtcdHealth, ReadinessSink, SeamError, Seams, Snapshotter, Watchdog, WatchdogConfig,
-    WatchdogStatus,
-};

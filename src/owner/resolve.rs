@@ -7,8 +7,8 @@
 //! |---|---|---|
 //! | every TXT record equals our ID | `Owner` | owner |
 //! | TXT records, none equals our ID | `OtherOwner` | not owner |
-//! | NXDOMAIN, or NOERROR with no TXT record and an SOA (authoritative "nothing there") | `NoRecord` | not owner |
-//! | SERVFAIL (any error rcode), timeout, network error, a referral without SOA | `Failed` | unresolvable after `failure_threshold` in a row |
+//! | NXDOMAIN, or NOERROR with no TXT record (NODATA, with or without the zone's SOA) | `NoRecord` | not owner |
+//! | SERVFAIL (any error rcode), timeout, network error, a referral (NS records, no SOA) | `Failed` | unresolvable after `failure_threshold` in a row |
 //! | TXT records, one equals our ID and another does not | `Failed(Ambiguous)` | unresolvable after `failure_threshold` in a row |
 //!
 //! A TXT record made of several character-strings is read as their concatenation, as RFC 7208
@@ -37,7 +37,7 @@ use hickory_resolver::net::{DnsError, NetError, NoRecords};
 use hickory_resolver::proto::op::ResponseCode;
 use hickory_resolver::proto::rr::{Name, RData};
 
-use super::machine::Verdict;
+use super::protocol::Verdict;
 use crate::config::OwnerConfig;
 
 /// Errors building the owner resolver.
@@ -160,15 +160,20 @@ pub fn classify_records(records: &[Vec<Vec<u8>>], id: &str) -> CheckResult {
 pub fn classify_error(error: &NetError) -> CheckResult {
     match error {
         NetError::Dns(DnsError::NoRecordsFound(NoRecords {
-            response_code, soa, ..
+            response_code,
+            soa,
+            ns,
+            ..
         })) => {
-            // NXDOMAIN says the name does not exist. NOERROR without records is only "no TXT
-            // record" when it carries the zone's SOA (RFC 2308); without it, it is a referral.
-            if *response_code == ResponseCode::NXDomain || soa.is_some() {
+            // NXDOMAIN says the name does not exist. NOERROR without records is NODATA, "no TXT
+            // record here" (RFC 2308; servers that omit the SOA still mean it), unless it is a
+            // referral: name servers for a zone below and no SOA, which answers nothing.
+            let referral = soa.is_none() && ns.as_ref().is_some_and(|ns| !ns.is_empty());
+            if *response_code == ResponseCode::NXDomain || !referral {
                 CheckResult::NoRecord
             } else {
                 CheckResult::Failed(Failure::Inconclusive(format!(
-                    "{response_code} without records or SOA"
+                    "{response_code}: a referral without records or SOA"
                 )))
             }
         }
@@ -393,9 +398,25 @@ mod tests {
         let query = Query::default();
         let nx = NetError::from(NoRecords::new(query.clone(), ResponseCode::NXDomain));
         assert_eq!(classify_error(&nx), CheckResult::NoRecord);
-        let referral = NetError::from(NoRecords::new(query, ResponseCode::NoError));
+        // NODATA: NOERROR, no TXT record, no SOA (some servers omit it): not owner.
+        let nodata = NetError::from(NoRecords::new(query.clone(), ResponseCode::NoError));
+        assert_eq!(classify_error(&nodata), CheckResult::NoRecord);
+        // A referral (name servers of a zone below, no SOA) answers nothing: a failure.
+        let mut referral = NoRecords::new(query, ResponseCode::NoError);
+        let zone = Name::from_ascii("shoot.example.").unwrap();
+        let ns = hickory_resolver::proto::rr::Record::from_rdata(
+            zone.clone(),
+            60,
+            RData::NS(hickory_resolver::proto::rr::rdata::NS(zone)),
+        );
+        referral.ns = Some(std::sync::Arc::from(vec![
+            hickory_resolver::net::ForwardNSData {
+                ns,
+                glue: std::sync::Arc::from(Vec::new()),
+            },
+        ]));
         assert!(matches!(
-            classify_error(&referral),
+            classify_error(&NetError::from(referral)),
             CheckResult::Failed(Failure::Inconclusive(_))
         ));
         let servfail = NetError::Dns(DnsError::ResponseCode(ResponseCode::ServFail));

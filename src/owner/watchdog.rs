@@ -1,50 +1,100 @@
-//! The ownership watchdog: looks the owner record up every `interval`, polls etcd's health, feeds
-//! both into the [`Machine`] and executes its actions through the I/O seams below.
+//! The ownership watchdog: looks the owner record up every `interval`, watches etcd's health and
+//! process, feeds all of it into the [`Protocol`] and executes its actions through the traits
+//! below (the I/O seams: DNS, the etcd process, etcd, the store and snapshot actor, readiness).
 //!
-//! Actions run one at a time, in the order the machine gives them, and their results go back into
-//! the machine before anything else is looked at; so a kill or a final snapshot blocks the next
-//! owner check until it finishes (the machine ignores verdicts in Deactivated anyway, and a
-//! Suspended sidecar only resumes after its kill is done).
+//! Three loops run in one task: owner lookups and etcd observations only produce events, and the
+//! driver alone steps the protocol and acts, one action at a time in the order given, feeding each
+//! result back before anything else. A slow lookup never delays a health observation or the
+//! other way round; a kill (up to `kill.grace`) delays only the driver. Observations of etcd's
+//! health that started before the last kill finished are dropped: only a check begun afterwards
+//! says etcd is back.
 //!
-//! Wiring: the regular snapshotter must start *off* when ownership checks are configured (the
-//! watchdog turns it on in Active), and `/healthz` must start at 503.
+//! Wiring: the snapshot gate must start closed when ownership checks are configured (the watchdog
+//! opens it in Active), and `/healthz` must start at 503.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 
-use super::machine::{Action, Backoff, Event, FinalOutcome, FinalStep, Machine, State};
+use super::handoff::{
+    self, ClusterView, Decision, FenceMarker, HandOffError, HandOffRecord, KilledProcess, Member,
+};
 use super::metrics::OwnerMetrics;
+use super::protocol::{Action, Event, HandOff, Protocol, StartCheck, State, Timing, Verdict};
 use super::resolve::{CheckResult, FailureCounter, OwnerLookup};
+use crate::backoff::Backoff;
 use crate::config::OwnerConfig;
-use crate::process::ProcessControl;
+use crate::health::Health;
+use crate::process::{ProcessControl, ProcessId};
+use crate::server::Readiness;
+use crate::snapshot::actor::ActorError;
+use crate::snapshot::gate::Gate;
+use crate::store::Snapshot;
 
-/// An error from a seam, as text: the watchdog only logs it and retries.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct SeamError(pub String);
-
-/// The snapshot side as the watchdog needs it (implemented over the one snapshot actor).
-#[async_trait::async_trait]
-pub trait Snapshotter: Send + Sync {
-    /// Turns the regular (scheduled full and delta) snapshots on or off.
-    async fn set_regular(&self, on: bool) -> Result<(), SeamError>;
-    /// Whether the latest full snapshot in the store is marked final.
-    async fn latest_is_final(&self) -> Result<bool, SeamError>;
-    /// Takes one full snapshot marked final and stores it; returns its name.
-    async fn request_final(&self) -> Result<String, SeamError>;
+/// Why a seam call failed; the watchdog logs it, shows it in `/status` and retries.
+#[derive(Debug, thiserror::Error)]
+pub enum SeamError {
+    /// etcd answered with an error.
+    #[error("etcd: {0}")]
+    Etcd(#[from] etcd_client::Error),
+    /// etcd could not be reached.
+    #[error("etcd unreachable: {0}")]
+    EtcdUnreachable(#[from] crate::health::Unreachable),
+    /// A call did not finish in time.
+    #[error("{what} did not answer within {after:?}")]
+    Timeout {
+        /// What was asked.
+        what: &'static str,
+        /// The limit.
+        after: Duration,
+    },
+    /// etcd has not told its member ID yet (it has not answered a status request).
+    #[error("etcd's member ID is not known yet ({0})")]
+    NoMemberId(String),
+    /// The store's hand-off objects could not be read or written.
+    #[error("store: {0}")]
+    HandOff(#[from] HandOffError),
+    /// The snapshot actor refused or failed.
+    #[error("snapshot: {0}")]
+    Snapshot(#[from] ActorError),
 }
 
-/// Whether etcd answers (e.g. a status request with a short timeout).
+/// etcd as the watchdog sees it.
 #[async_trait::async_trait]
-pub trait EtcdHealth: Send + Sync {
-    /// True when etcd answered healthy.
-    async fn healthy(&self) -> bool;
+pub trait EtcdView: Send + Sync {
+    /// One health check of this sidecar's member (also tells its member ID).
+    async fn health(&self) -> Health;
+    /// The cluster's members.
+    async fn members(&self) -> Result<Vec<Member>, SeamError>;
+    /// The cluster's revision, read linearizably (through the leader).
+    async fn revision(&self) -> Result<i64, SeamError>;
+}
+
+/// The store's hand-off objects and the snapshot actor, as the hand-off needs them.
+#[async_trait::async_trait]
+pub trait Snapshots: Send + Sync {
+    /// Stores `member`'s fence marker.
+    async fn write_fence(&self, member: u64, marker: &FenceMarker) -> Result<(), SeamError>;
+    /// `member`'s fence marker, if stored.
+    async fn fence(&self, member: u64) -> Result<Option<FenceMarker>, SeamError>;
+    /// The members with a fence marker.
+    async fn fenced(&self) -> Result<BTreeSet<u64>, SeamError>;
+    /// The final full snapshots that were not reclaimed.
+    async fn finals(&self) -> Result<Vec<Snapshot>, SeamError>;
+    /// The newest full snapshot, unless it is a reclaimed final.
+    async fn latest_full(&self) -> Result<Option<Snapshot>, SeamError>;
+    /// The hand-off record, if stored.
+    async fn record(&self) -> Result<Option<HandOffRecord>, SeamError>;
+    /// Stores the hand-off record.
+    async fn write_record(&self, record: &HandOffRecord) -> Result<(), SeamError>;
+    /// Takes the final full snapshot at `min_revision` or later (through the snapshot actor).
+    async fn take_final(&self, min_revision: i64) -> Result<Snapshot, SeamError>;
 }
 
 /// Where readiness goes (what `/healthz` answers).
@@ -53,29 +103,50 @@ pub trait ReadinessSink: Send + Sync {
     fn set_ready(&self, ready: bool, state: &str, reason: &str);
 }
 
+impl ReadinessSink for watch::Sender<Readiness> {
+    fn set_ready(&self, ready: bool, state: &str, reason: &str) {
+        crate::server::set_readiness(self, ready, state, reason);
+    }
+}
+
 /// The watchdog's timing.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WatchdogConfig {
-    /// Time between owner lookups.
+    /// This seed's owner ID.
+    pub owner_id: String,
+    /// Time between owner lookups; also the delay before a failed kill is tried again.
     pub interval: Duration,
     /// Consecutive failed lookups before the verdict is "unresolvable".
     pub failure_threshold: u32,
-    /// Time between etcd health checks.
+    /// Time between etcd health and process checks.
     pub health_interval: Duration,
-    /// Retry delays for the final snapshot.
+    /// Retry delays for the hand-off's steps.
     pub backoff: Backoff,
 }
 
 impl WatchdogConfig {
-    /// The timing from the `[owner]` section, with a 2 s health poll and the default backoff.
+    /// The timing from the `[owner]` section, with a 2 s health poll and a 1 s…30 s backoff.
     pub fn from_owner(config: &OwnerConfig) -> Self {
         WatchdogConfig {
+            owner_id: config.id.clone(),
             interval: config.interval,
             failure_threshold: config.failure_threshold,
-            health_interval: Duration::from_secs(2),
-            backoff: Backoff::default(),
+            health_interval: crate::health::INTERVAL,
+            backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(30)),
         }
     }
+}
+
+/// The kill as `/status` shows it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct KillStatus {
+    /// Attempts of the current (or last) kill.
+    pub attempts: u32,
+    /// The last attempt was verified.
+    pub verified: bool,
+    /// What the last attempt did, per process, or why it failed.
+    pub last: String,
 }
 
 /// What the watchdog knows, for `/status` and logs.
@@ -84,8 +155,10 @@ impl WatchdogConfig {
 pub struct WatchdogStatus {
     /// `starting`, `active`, `suspended` or `deactivated`.
     pub state: String,
-    /// The state with its final-snapshot step, e.g. `deactivated (AwaitingEtcd)`.
+    /// The state with its step, e.g. `deactivated (Waiting)`.
     pub detail: String,
+    /// Why the sidecar is where it is, in words; never empty.
+    pub reason: String,
     /// Whether `/healthz` answers 200.
     pub ready: bool,
     /// When the last lookup finished.
@@ -96,63 +169,83 @@ pub struct WatchdogStatus {
     pub last_success_at: Option<DateTime<Utc>>,
     /// Failed lookups in a row.
     pub consecutive_failures: u32,
-    /// The final snapshot this process stored, or `found in store`.
+    /// The etcd processes seen (`pid 12 (started at tick 345)`), or why none can be signalled.
+    pub etcd_process: Option<String>,
+    /// This sidecar's etcd member ID (hex), once etcd told it.
+    pub member_id: Option<String>,
+    /// The kill of etcd, once one was needed.
+    pub kill: Option<KillStatus>,
+    /// Members (or the member taking the final) the hand-off waits for.
+    pub waiting_for: Vec<String>,
+    /// The hand-off's final snapshot, once it is in the store.
     pub final_snapshot: Option<String>,
+    /// The last error of a step, cleared by its success.
+    pub last_error: Option<String>,
 }
 
 impl WatchdogStatus {
-    fn new() -> Self {
+    fn new(protocol: &Protocol) -> Self {
         WatchdogStatus {
-            state: State::Starting.name().into(),
-            detail: State::Starting.to_string(),
+            state: protocol.state().name().into(),
+            detail: protocol.state().to_string(),
+            reason: protocol.reason().into(),
             ready: false,
             last_check_at: None,
             last_check: None,
             last_success_at: None,
             consecutive_failures: 0,
+            etcd_process: None,
+            member_id: None,
+            kill: None,
+            waiting_for: Vec::new(),
             final_snapshot: None,
+            last_error: None,
         }
     }
 }
 
-/// The seams the watchdog acts through.
+/// What the watchdog acts through.
 #[derive(Clone)]
-pub struct Seams {
+pub struct Context {
     /// Owner record lookups.
     pub lookup: Arc<dyn OwnerLookup>,
-    /// Stopping etcd.
+    /// Seeing and stopping the etcd process.
     pub process: Arc<dyn ProcessControl>,
-    /// The snapshot actor.
-    pub snapshotter: Arc<dyn Snapshotter>,
-    /// etcd health.
-    pub health: Arc<dyn EtcdHealth>,
+    /// etcd's health, members and revision.
+    pub etcd: Arc<dyn EtcdView>,
+    /// The store's hand-off objects and the snapshot actor.
+    pub snapshots: Arc<dyn Snapshots>,
     /// `/healthz`.
     pub readiness: Arc<dyn ReadinessSink>,
+    /// What the snapshot actor may do.
+    pub gate: watch::Sender<Gate>,
 }
 
 /// The ownership watchdog; [`Watchdog::run`] drives it until cancelled.
 pub struct Watchdog {
     config: WatchdogConfig,
-    seams: Seams,
+    ctx: Context,
     metrics: OwnerMetrics,
-    machine: Machine,
-    failures: FailureCounter,
     status: watch::Sender<WatchdogStatus>,
-    retry_at: Option<Instant>,
+}
+
+/// What the observing loops send the driver.
+enum Observation {
+    Verdict(Verdict, String),
+    Health(Health, Instant),
+    Process(Result<Vec<ProcessId>, String>),
 }
 
 impl Watchdog {
     /// A watchdog in Starting.
-    pub fn new(config: WatchdogConfig, seams: Seams, metrics: OwnerMetrics) -> Self {
-        let (status, _) = watch::channel(WatchdogStatus::new());
+    pub fn new(config: WatchdogConfig, ctx: Context, metrics: OwnerMetrics) -> Self {
+        let protocol = Protocol::new(timing(&config));
+        let (status, _) = watch::channel(WatchdogStatus::new(&protocol));
         Watchdog {
-            machine: Machine::new(config.backoff),
-            failures: FailureCounter::new(config.failure_threshold),
             config,
-            seams,
+            ctx,
             metrics,
             status,
-            retry_at: None,
         }
     }
 
@@ -162,72 +255,212 @@ impl Watchdog {
     }
 
     /// Checks and acts until `cancel` fires; returns the last state.
-    pub async fn run(mut self, cancel: CancellationToken) -> State {
-        self.seams
-            .readiness
-            .set_ready(false, State::Starting.name(), "no owner verdict yet");
-        let mut checks = tokio::time::interval(self.config.interval);
-        checks.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        let mut health = tokio::time::interval(self.config.health_interval);
-        health.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    pub async fn run(self, cancel: CancellationToken) -> State {
+        let Watchdog {
+            config,
+            ctx,
+            metrics,
+            status,
+        } = self;
+        let protocol = Protocol::new(timing(&config));
+        ctx.readiness
+            .set_ready(false, protocol.state().name(), protocol.reason());
+        set_gate(&ctx.gate, protocol.gate());
+        let (tx, rx) = mpsc::channel(64);
+        let mut driver = Driver {
+            config: &config,
+            ctx: &ctx,
+            metrics: &metrics,
+            status: &status,
+            protocol,
+            retry_at: None,
+            member_id: None,
+            kill_targets: Vec::new(),
+            killed: Vec::new(),
+            kill_done_at: None,
+            last_verdict: String::new(),
+        };
+        tokio::select! {
+            _ = cancel.cancelled() => {}
+            _ = lookups(&config, &ctx, &metrics, &status, tx.clone()) => {}
+            _ = observe_etcd(&config, &ctx, &metrics, &status, tx) => {}
+            _ = driver.drive(rx) => {}
+        }
+        driver.protocol.state()
+    }
+}
+
+/// Sets the gate; receivers are told only of a change.
+fn set_gate(tx: &watch::Sender<Gate>, gate: Gate) {
+    tx.send_if_modified(|g| std::mem::replace(g, gate) != gate);
+}
+
+fn timing(config: &WatchdogConfig) -> Timing {
+    Timing {
+        kill_retry: config.interval,
+        backoff: config.backoff,
+    }
+}
+
+/// Looks the owner record up every interval and sends each verdict.
+async fn lookups(
+    config: &WatchdogConfig,
+    ctx: &Context,
+    metrics: &OwnerMetrics,
+    status: &watch::Sender<WatchdogStatus>,
+    tx: mpsc::Sender<Observation>,
+) {
+    let mut tick = tokio::time::interval(config.interval);
+    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut failures = FailureCounter::new(config.failure_threshold);
+    let mut last_label = "";
+    loop {
+        tick.tick().await;
+        let span = tracing::info_span!("owner_check", owner_id = %config.owner_id);
+        let result = tracing::Instrument::instrument(ctx.lookup.check(), span.clone()).await;
+        let verdict = failures.observe(&result);
+        let consecutive = failures.consecutive();
+        metrics.record_check(&result, consecutive);
+        {
+            let _in = span.enter();
+            match &result {
+                CheckResult::Failed(_) => {
+                    tracing::warn!(result = %result, consecutive_failures = consecutive, "owner check failed")
+                }
+                // Each check at debug; a change of answer at info, so the log shows every turn.
+                _ if result.label() != last_label => {
+                    tracing::info!(result = %result, "owner check")
+                }
+                _ => tracing::debug!(result = %result, "owner check"),
+            }
+        }
+        last_label = result.label();
+        let now = Utc::now();
+        status.send_modify(|s| {
+            s.last_check_at = Some(now);
+            s.last_check = Some(result.to_string());
+            s.consecutive_failures = consecutive;
+            if result.verdict().is_some() {
+                s.last_success_at = Some(now);
+            }
+        });
+        if let Some(v) = verdict
+            && tx
+                .send(Observation::Verdict(v, result.to_string()))
+                .await
+                .is_err()
+        {
+            return;
+        }
+    }
+}
+
+/// Checks etcd's health and process every health interval and sends both.
+async fn observe_etcd(
+    config: &WatchdogConfig,
+    ctx: &Context,
+    metrics: &OwnerMetrics,
+    status: &watch::Sender<WatchdogStatus>,
+    tx: mpsc::Sender<Observation>,
+) {
+    let mut tick = tokio::time::interval(config.health_interval);
+    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let started = Instant::now();
+        let health = ctx.etcd.health().await;
+        let process = ctx.process.probe().await.map_err(|e| e.to_string());
+        metrics.set_process_visible(process.is_ok());
+        status.send_modify(|s| {
+            s.etcd_process = Some(match &process {
+                Ok(found) => found
+                    .iter()
+                    .map(ProcessId::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                Err(e) => e.clone(),
+            });
+            if let Some(id) = health.member_id {
+                s.member_id = Some(format!("{id:x}"));
+            }
+        });
+        if tx.send(Observation::Health(health, started)).await.is_err()
+            || tx.send(Observation::Process(process)).await.is_err()
+        {
+            return;
+        }
+    }
+}
+
+/// Steps the protocol and executes its actions.
+struct Driver<'a> {
+    config: &'a WatchdogConfig,
+    ctx: &'a Context,
+    metrics: &'a OwnerMetrics,
+    status: &'a watch::Sender<WatchdogStatus>,
+    protocol: Protocol,
+    retry_at: Option<Instant>,
+    member_id: Option<u64>,
+    /// Processes the current kill found so far (a retry verifies them too).
+    kill_targets: Vec<ProcessId>,
+    /// Processes the last verified kill stopped (for the fence marker).
+    killed: Vec<ProcessId>,
+    kill_done_at: Option<Instant>,
+    last_verdict: String,
+}
+
+impl Driver<'_> {
+    async fn drive(&mut self, mut rx: mpsc::Receiver<Observation>) {
         loop {
             let retry_at = self.retry_at;
             let event = tokio::select! {
                 biased;
-                _ = cancel.cancelled() => break,
                 _ = async { tokio::time::sleep_until(retry_at.unwrap_or_else(Instant::now)).await },
                     if retry_at.is_some() => {
                     self.retry_at = None;
                     Some(Event::RetryDue)
                 }
-                _ = checks.tick() => self.check().await.map(Event::Verdict),
-                _ = health.tick() => Some(Event::EtcdHealth(self.seams.health.healthy().await)),
+                msg = rx.recv() => match msg {
+                    None => return,
+                    Some(msg) => self.observe(msg),
+                },
             };
             if let Some(event) = event {
-                tokio::select! {
-                    biased;
-                    _ = cancel.cancelled() => break,
-                    _ = self.feed(event) => {}
+                self.feed(event).await;
+            }
+        }
+    }
+
+    /// Turns an observation into an event (or drops a stale one).
+    fn observe(&mut self, msg: Observation) -> Option<Event> {
+        match msg {
+            Observation::Verdict(v, text) => {
+                self.last_verdict = text;
+                Some(Event::Verdict(v))
+            }
+            Observation::Health(health, started) => {
+                if self.kill_done_at.is_some_and(|k| started < k) {
+                    return None;
                 }
+                if let Some(id) = health.member_id {
+                    self.member_id = Some(id);
+                }
+                Some(Event::EtcdHealth(health.healthy))
             }
+            Observation::Process(found) => Some(Event::EtcdProcess(found.is_ok())),
         }
-        self.machine.state()
     }
 
-    /// One lookup: metrics, status, and the verdict it yields (if any).
-    async fn check(&mut self) -> Option<super::machine::Verdict> {
-        let result = self.seams.lookup.check().await;
-        let verdict = self.failures.observe(&result);
-        let failures = self.failures.consecutive();
-        self.metrics.record_check(&result, failures);
-        let now = Utc::now();
-        match &result {
-            CheckResult::Failed(_) => {
-                tracing::warn!(result = %result, consecutive_failures = failures, "owner check failed")
-            }
-            _ => tracing::debug!(result = %result, "owner check"),
-        }
-        self.status.send_modify(|s| {
-            s.last_check_at = Some(now);
-            s.last_check = Some(result.to_string());
-            s.consecutive_failures = failures;
-            if result.verdict().is_some() {
-                s.last_success_at = Some(now);
-            }
-        });
-        verdict
-    }
-
-    /// Steps the machine with `event` and every event its actions produce.
+    /// Steps the protocol with `event` and every event its actions produce.
     async fn feed(&mut self, event: Event) {
         let mut pending = std::collections::VecDeque::from([event]);
         while let Some(event) = pending.pop_front() {
-            let before = self.machine.state();
-            let (machine, actions) = self.machine.step(event);
-            self.machine = machine;
-            let after = machine.state();
+            let before = self.protocol.state();
+            let (protocol, actions) = self.protocol.step(event);
+            self.protocol = protocol;
+            let after = protocol.state();
             if before != after {
-                tracing::info!(from = %before, to = %after, event = ?event, "ownership state changed");
+                tracing::info!(owner_id = %self.config.owner_id, from = %before, to = %after, event = ?event, "ownership state changed");
                 self.metrics.set_state(&after);
             }
             for action in actions {
@@ -235,89 +468,396 @@ impl Watchdog {
                     pending.push_back(next);
                 }
             }
-            let final_in_store = self.machine.final_in_store();
-            self.metrics.set_final_snapshot_taken(final_in_store);
-            self.status.send_modify(|s| {
-                s.state = after.name().into();
-                s.detail = after.to_string();
-                s.ready = machine.ready();
-                if let State::Deactivated(FinalStep::Done(FinalOutcome::FoundInStore)) = after {
-                    s.final_snapshot
-                        .get_or_insert_with(|| "found in store".into());
-                }
-            });
+            self.publish();
         }
+    }
+
+    /// Status, metrics and readiness's reason after a step.
+    fn publish(&self) {
+        let p = self.protocol;
+        let state = p.state();
+        let reason = self.reason();
+        self.metrics.set_final_snapshot_taken(p.final_in_store());
+        self.ctx
+            .readiness
+            .set_ready(p.ready(), state.name(), &reason);
+        self.status.send_modify(|s| {
+            s.state = state.name().into();
+            s.detail = state.to_string();
+            s.reason = reason;
+            s.ready = p.ready();
+        });
+    }
+
+    /// The protocol's reason with what the watchdog knows of the cause.
+    fn reason(&self) -> String {
+        let base = self.protocol.reason();
+        let state = self.protocol.state();
+        let s = self.status.borrow();
+        let detail = if base.contains("not visible") {
+            s.etcd_process.clone()
+        } else if matches!(state, State::Deactivated(_)) && !s.waiting_for.is_empty() {
+            Some(format!("waiting for {}", s.waiting_for.join(", ")))
+        } else if state == State::Starting && base.contains("verdict") {
+            s.last_check.clone().map(|c| format!("last check: {c}"))
+        } else if state != State::Active {
+            s.last_error.clone()
+        } else {
+            None
+        };
+        match detail {
+            Some(d) if !d.is_empty() => format!("{base}: {d}"),
+            _ => base.to_string(),
+        }
+    }
+
+    fn fail(&self, error: &dyn std::fmt::Display) {
+        let text = error.to_string();
+        self.status.send_modify(|s| s.last_error = Some(text));
+    }
+
+    fn succeed(&self) {
+        self.status.send_modify(|s| s.last_error = None);
     }
 
     /// Runs one action; returns the event that reports its result, if it has one.
     async fn execute(&mut self, action: Action) -> Option<Event> {
-        let state = self.machine.state();
         match action {
             Action::SetReady(ready) => {
-                let reason = match (ready, state) {
-                    (true, _) => "owner, etcd healthy",
-                    (false, State::Active) => "owner, etcd not healthy",
-                    (false, State::Suspended) => "owner record unresolvable",
-                    (false, State::Deactivated(_)) => "not the owner",
-                    (false, State::Starting) => "no owner verdict yet",
-                };
-                self.seams.readiness.set_ready(ready, state.name(), reason);
+                let state = self.protocol.state();
+                self.ctx
+                    .readiness
+                    .set_ready(ready, state.name(), &self.reason());
                 None
             }
-            Action::StartSnapshotter | Action::StopSnapshotter => {
-                let on = action == Action::StartSnapshotter;
-                if let Err(error) = self.seams.snapshotter.set_regular(on).await {
-                    tracing::error!(%error, on, "cannot switch the regular snapshotter");
-                }
+            Action::SetGate(gate) => {
+                set_gate(&self.ctx.gate, gate);
+                tracing::info!(?gate, "snapshot gate set");
                 None
             }
-            Action::KillEtcd => {
-                match self.seams.process.kill_etcd().await {
-                    Ok(report) => {
-                        self.metrics.record_kill(&report);
-                        if report.not_found() {
-                            tracing::warn!(
-                                "no etcd process found to stop; is the PID namespace shared?"
-                            );
-                        } else {
-                            tracing::info!(processes = ?report.processes, "stopped etcd");
-                        }
-                    }
-                    Err(error) => tracing::error!(%error, "cannot stop etcd"),
-                }
-                Some(Event::KillDone)
-            }
-            Action::CheckStoreForFinal => match self.seams.snapshotter.latest_is_final().await {
-                Ok(latest_is_final) => {
-                    if latest_is_final {
-                        tracing::info!(
-                            "the store's latest full snapshot is already final; not taking another"
-                        );
-                    }
-                    Some(Event::StoreChecked { latest_is_final })
-                }
-                Err(error) => {
-                    tracing::warn!(%error, "cannot check the store for a final snapshot");
-                    Some(Event::StoreCheckFailed)
-                }
-            },
-            Action::TakeFinalSnapshot { attempt } => {
-                tracing::info!(attempt, "taking the final full snapshot");
-                match self.seams.snapshotter.request_final().await {
-                    Ok(name) => {
-                        tracing::info!(snapshot = %name, attempt, "final snapshot stored");
-                        self.status.send_modify(|s| s.final_snapshot = Some(name));
-                        Some(Event::FinalStored)
-                    }
-                    Err(error) => {
-                        tracing::warn!(%error, attempt, "final snapshot failed; will retry");
-                        Some(Event::FinalFailed)
-                    }
-                }
-            }
+            Action::KillEtcd => Some(Event::Killed(self.kill().await)),
+            Action::CheckStart => Some(Event::StartChecked(self.start_check().await)),
+            Action::WriteFence => Some(Event::Fenced(self.write_fence().await)),
+            Action::CheckHandOff => Some(Event::HandOff(self.check_hand_off().await)),
+            Action::TakeFinal {
+                min_revision,
+                attempt,
+            } => Some(Event::FinalStored(
+                self.take_final(min_revision, attempt).await,
+            )),
             Action::ScheduleRetry { delay } => {
                 self.retry_at = Some(Instant::now() + delay);
                 None
+            }
+        }
+    }
+
+    /// Kills etcd; true when verified.
+    async fn kill(&mut self) -> bool {
+        let attempts = self
+            .status
+            .borrow()
+            .kill
+            .as_ref()
+            .map_or(0, |k| if k.verified { 0 } else { k.attempts })
+            + 1;
+        if attempts == 1 {
+            self.kill_targets.clear();
+        }
+        let span =
+            tracing::info_span!("kill_etcd", owner_id = %self.config.owner_id, attempt = attempts);
+        let report = tracing::Instrument::instrument(
+            self.ctx.process.kill_etcd(&self.kill_targets),
+            span.clone(),
+        )
+        .await;
+        let _in = span.enter();
+        let (verified, last) = match report {
+            Ok(report) => {
+                self.metrics.record_kill(&report);
+                for (p, _) in &report.processes {
+                    if !self.kill_targets.contains(p) {
+                        self.kill_targets.push(*p);
+                    }
+                }
+                match report.failure() {
+                    None => {
+                        tracing::info!(processes = ?report.processes, "etcd killed and verified gone");
+                        self.killed = std::mem::take(&mut self.kill_targets);
+                        self.kill_done_at = Some(Instant::now());
+                        let last = report
+                            .processes
+                            .iter()
+                            .map(|(p, o)| format!("{p}: {}", o.label()))
+                            .collect::<Vec<_>>()
+                            .join(", ");
+                        (true, last)
+                    }
+                    Some(why) => {
+                        tracing::error!(attempt = attempts, error = %why, "the kill of etcd is not verified; no final snapshot until it is, retrying");
+                        (false, why)
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::error!(attempt = attempts, error = %e, "cannot kill etcd; retrying");
+                self.metrics.record_kill_error();
+                (false, e.to_string())
+            }
+        };
+        if verified {
+            self.succeed();
+        } else {
+            self.fail(&last);
+        }
+        self.status.send_modify(|s| {
+            s.kill = Some(KillStatus {
+                attempts,
+                verified,
+                last,
+            })
+        });
+        verified
+    }
+
+    /// This member's ID: known from a health check, or asked now.
+    async fn member(&mut self) -> Result<u64, SeamError> {
+        if let Some(id) = self.member_id {
+            return Ok(id);
+        }
+        let health = self.ctx.etcd.health().await;
+        match health.member_id {
+            Some(id) => {
+                self.member_id = Some(id);
+                self.status
+                    .send_modify(|s| s.member_id = Some(format!("{id:x}")));
+                Ok(id)
+            }
+            None => Err(SeamError::NoMemberId(health.detail)),
+        }
+    }
+
+    async fn start_check(&mut self) -> StartCheck {
+        let span = tracing::info_span!("start_check", owner_id = %self.config.owner_id);
+        let result = tracing::Instrument::instrument(self.fenced_at_start(), span.clone()).await;
+        let _in = span.enter();
+        match result {
+            Ok(None) => {
+                self.succeed();
+                StartCheck::Clear
+            }
+            Ok(Some(why)) => {
+                tracing::warn!(reason = %why, "this member was handed off earlier and stays fenced; `etcd-warden reclaim` undoes it");
+                self.fail(&why);
+                StartCheck::Fenced
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot check the store for an earlier hand-off; not becoming Active");
+                self.fail(&format!("start check: {e}"));
+                StartCheck::Failed
+            }
+        }
+    }
+
+    /// `Some(why)` when an earlier hand-off fenced this member.
+    async fn fenced_at_start(&mut self) -> Result<Option<String>, SeamError> {
+        let me = self.member().await?;
+        let snapshots = &self.ctx.snapshots;
+        let own = snapshots.fence(me).await?;
+        let record = snapshots.record().await?;
+        let latest = snapshots.latest_full().await?;
+        let revision = match &latest {
+            Some(s) if s.is_final => self.ctx.etcd.revision().await?,
+            _ => i64::MAX,
+        };
+        if !handoff::fenced_at_start(own.is_some(), record.is_some(), latest.as_ref(), revision) {
+            return Ok(None);
+        }
+        Ok(Some(match (own, record, latest) {
+            (Some(m), _, _) => format!(
+                "the store holds this member's fence marker ({} at {})",
+                m.reason, m.fenced_at
+            ),
+            (_, Some(r), _) => format!(
+                "the store records a hand-off with final {}",
+                r.final_snapshot
+            ),
+            (_, _, Some(s)) => format!(
+                "the store's latest full snapshot {} is final at etcd's revision {revision}",
+                s.snap_name
+            ),
+            _ => "fenced".into(),
+        }))
+    }
+
+    async fn write_fence(&mut self) -> bool {
+        let result = async {
+            let me = self.member().await?;
+            let marker = FenceMarker {
+                member_id: format!("{me:x}"),
+                owner_id: self.config.owner_id.clone(),
+                reason: self.last_verdict.clone(),
+                killed: self
+                    .killed
+                    .iter()
+                    .map(|p| KilledProcess {
+                        pid: p.pid,
+                        start_time: p.start_time,
+                    })
+                    .collect(),
+                fenced_at: Utc::now(),
+            };
+            self.ctx.snapshots.write_fence(me, &marker).await?;
+            Ok::<_, SeamError>(me)
+        }
+        .await;
+        match result {
+            Ok(me) => {
+                tracing::info!(member_id = %format!("{me:x}"), owner_id = %self.config.owner_id, "fence marker stored");
+                self.succeed();
+                true
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot store the fence marker; retrying");
+                self.fail(&format!("fence marker: {e}"));
+                false
+            }
+        }
+    }
+
+    async fn check_hand_off(&mut self) -> HandOff {
+        let span = tracing::info_span!("hand_off", owner_id = %self.config.owner_id, member_id = tracing::field::Empty);
+        let result = tracing::Instrument::instrument(self.decide(), span.clone()).await;
+        let _in = span.enter();
+        match result {
+            Ok((Decision::Done(done), recorded)) => {
+                if !recorded {
+                    tracing::info!(snapshot = %done.snap_name, "the hand-off's final snapshot is in the store");
+                }
+                self.succeed();
+                self.status.send_modify(|s| {
+                    s.final_snapshot = Some(done.snap_name.clone());
+                    s.waiting_for.clear();
+                });
+                HandOff::Done
+            }
+            Ok((Decision::Take { min_revision }, _)) => {
+                self.status.send_modify(|s| s.waiting_for.clear());
+                HandOff::Take { min_revision }
+            }
+            Ok((Decision::WaitMembers(left), _)) => {
+                tracing::info!(members = ?left, "waiting for every member to be fenced before the final snapshot");
+                self.succeed();
+                self.status.send_modify(|s| s.waiting_for = left);
+                HandOff::Wait
+            }
+            Ok((Decision::WaitTaker { taker }, _)) => {
+                tracing::debug!(%taker, "waiting for the member that takes the final snapshot");
+                self.succeed();
+                self.status.send_modify(|s| {
+                    s.waiting_for = vec![format!("{taker} (takes the final snapshot)")]
+                });
+                HandOff::Wait
+            }
+            Ok((Decision::NeedRevision, _)) => HandOff::Failed,
+            Err(e) => {
+                tracing::warn!(error = %e, "the hand-off check failed; retrying");
+                self.fail(&format!("hand-off check: {e}"));
+                HandOff::Failed
+            }
+        }
+    }
+
+    /// Gathers the cluster view and decides; a Done without its record gets the record written
+    /// (a failure to write it is a failed check, so it is written before the hand-off is done).
+    /// Also says whether the record was already there.
+    async fn decide(&mut self) -> Result<(Decision, bool), SeamError> {
+        let me = self.member().await?;
+        tracing::Span::current().record("member_id", tracing::field::display(format!("{me:x}")));
+        let snapshots = &self.ctx.snapshots;
+        let members = self.ctx.etcd.members().await?;
+        let fenced = snapshots.fenced().await?;
+        let all_fenced = handoff::unfenced(&members, &fenced).is_empty();
+        let (revision, finals, record) = if all_fenced {
+            // Every member fenced: nothing can write any more, the revision is frozen.
+            let revision = self.ctx.etcd.revision().await?;
+            (
+                Some(revision),
+                snapshots.finals().await?,
+                snapshots.record().await?,
+            )
+        } else {
+            (None, Vec::new(), None)
+        };
+        let view = ClusterView {
+            members: members.clone(),
+            fenced,
+            revision,
+            finals,
+            record: record.clone(),
+            me,
+        };
+        let decision = handoff::decide(&view);
+        let recorded = record
+            .as_ref()
+            .zip(match &decision {
+                Decision::Done(s) => Some(s),
+                _ => None,
+            })
+            .is_some_and(|(r, s)| r.final_snapshot == s.snap_name);
+        if let Decision::Done(done) = &decision
+            && !recorded
+        {
+            self.record(done, done.last_revision, &members).await?;
+        }
+        Ok((decision, recorded))
+    }
+
+    async fn record(
+        &self,
+        done: &Snapshot,
+        revision: i64,
+        members: &[Member],
+    ) -> Result<(), SeamError> {
+        let record = HandOffRecord {
+            final_snapshot: done.snap_name.clone(),
+            revision,
+            members: members
+                .iter()
+                .filter(|m| m.started)
+                .map(Member::label)
+                .collect(),
+            owner_id: self.config.owner_id.clone(),
+            recorded_at: Utc::now(),
+        };
+        self.ctx.snapshots.write_record(&record).await
+    }
+
+    async fn take_final(&mut self, min_revision: i64, attempt: u32) -> bool {
+        let span = tracing::info_span!("final_snapshot", owner_id = %self.config.owner_id, min_revision, attempt);
+        let result = tracing::Instrument::instrument(
+            async {
+                let snap = self.ctx.snapshots.take_final(min_revision).await?;
+                let members = self.ctx.etcd.members().await.unwrap_or_default();
+                self.record(&snap, min_revision, &members).await?;
+                Ok::<_, SeamError>(snap)
+            },
+            span.clone(),
+        )
+        .await;
+        let _in = span.enter();
+        match result {
+            Ok(snap) => {
+                tracing::info!(snapshot = %snap.snap_name, revision = snap.last_revision, "final snapshot stored and recorded");
+                self.succeed();
+                self.status
+                    .send_modify(|s| s.final_snapshot = Some(snap.snap_name.clone()));
+                true
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "final snapshot failed; checking the store again before another");
+                self.fail(&format!("final snapshot: {e}"));
+                false
             }
         }
     }

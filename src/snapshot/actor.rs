@@ -1,9 +1,12 @@
-//! The one snapshot actor: scheduled full snapshots, periodic deltas, retention, on-demand and
-//! final requests all go through one task, so two snapshots never run at once.
+//! The one snapshot actor: scheduled full snapshots, periodic deltas, retention, requested and
+//! final snapshots all go through one task, so two snapshots never run at once.
 //!
-//! Regular work (schedule, deltas, retention) runs only while the owner allows it
-//! ([`ActorHandle::set_regular`]) and this sidecar's member leads the raft group; requests are
-//! served whenever they come.
+//! What the actor may do is the [`Gate`] the ownership watchdog sets: regular work (schedule,
+//! deltas, retention) and requested snapshots only while it is open and this sidecar's member leads
+//! the raft group; the hand-off's final snapshot only once it says "final". The gate is read, never
+//! waited for: when it changes, the operation in flight is dropped at once if the new gate forbids
+//! it (an upload dropped before it completes never becomes visible), and queued requests it
+//! forbids are refused. So losing ownership never waits behind a slow store.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -14,19 +17,45 @@ use serde::Serialize;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
+use super::full::FullError;
+use super::gate::{Gate, Operation};
 use super::metrics::SnapshotMetrics;
+use crate::backoff::Backoff;
+use crate::store::StoreError;
 use crate::store::gc::GcReport;
 use crate::store::layout::{Kind, Snapshot};
 
-/// An engine failure, described for logs and callers.
-pub type EngineError = Box<dyn std::error::Error + Send + Sync>;
+/// Why the engine failed.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// A full snapshot failed (etcd, the store, the codec, or the member is behind).
+    #[error(transparent)]
+    Full(#[from] FullError),
+    /// A delta snapshot could not be written.
+    #[error(transparent)]
+    Delta(#[from] super::delta::DeltaError),
+    /// The watch for deltas failed.
+    #[error(transparent)]
+    Watch(#[from] super::watcher::WatchError),
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// etcd failed.
+    #[error("etcd: {0}")]
+    Etcd(#[from] etcd_client::Error),
+}
 
 /// The work the actor schedules: etcd and the store in production, a fake in tests.
 #[async_trait]
 pub trait Engine: Send + 'static {
     /// Takes a full snapshot (named final when asked) and returns it once stored; later deltas
-    /// start after its revision.
-    async fn full(&mut self, is_final: bool) -> Result<Snapshot, EngineError>;
+    /// start after its revision. With `min_revision`, the snapshot is refused (nothing stored)
+    /// when the member's revision is below it.
+    async fn full(
+        &mut self,
+        is_final: bool,
+        min_revision: Option<i64>,
+    ) -> Result<Snapshot, EngineError>;
     /// Waits for watch events and buffers them. Cancel-safe: the actor drops this future
     /// whenever something else is due.
     async fn collect(&mut self) -> Result<Collected, EngineError>;
@@ -57,54 +86,71 @@ pub enum Collected {
 }
 
 /// Why a request to the actor failed.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum ActorError {
     /// The actor has shut down.
     #[error("the snapshot actor has stopped")]
     Stopped,
-    /// The snapshot failed; the message says why.
+    /// The gate does not allow it.
+    #[error("refused: {reason}")]
+    Refused {
+        /// The gate at the time.
+        gate: Gate,
+        /// Why, in words.
+        reason: &'static str,
+    },
+    /// The gate changed while it ran, and the new one forbids it; nothing was stored.
+    #[error("cancelled: ownership changed while it ran; nothing was stored")]
+    Cancelled,
+    /// Deltas are not being collected (not the snapshot leader, paused, or disabled).
+    #[error("deltas are not being collected (not the snapshot leader, paused, or disabled)")]
+    NoDeltas,
+    /// The snapshot failed.
     #[error("{0}")]
-    Failed(String),
+    Failed(Arc<EngineError>),
 }
 
 /// When and how the actor works.
 #[derive(Debug, Clone)]
 pub struct ActorConfig {
+    /// Full snapshots (cron).
     pub schedule: croner::Cron,
     /// Zero disables deltas.
     pub delta_period: Duration,
+    /// Buffered event bytes that trigger a delta before the period.
     pub delta_memory_limit: u64,
+    /// Time between retention passes.
     pub gc_period: Duration,
+    /// Time between raft leadership checks.
     pub leader_check_interval: Duration,
-    /// Regular work on from the start (no owner check configured).
-    pub regular_at_start: bool,
 }
 
 /// What the actor is doing, for `/status`.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ActorStatus {
-    /// Regular snapshots allowed by the owner.
-    pub regular: bool,
+    /// What the gate allows.
+    pub gate: Gate,
     /// This sidecar's member leads the raft group.
     pub leader: bool,
+    /// The last full snapshot stored by this process.
     pub last_full: Option<Snapshot>,
+    /// The last delta snapshot stored by this process.
     pub last_delta: Option<Snapshot>,
+    /// When the next scheduled full snapshot is due.
     pub next_full_at: Option<DateTime<Utc>>,
+    /// The last failure, cleared by the next success.
     pub last_error: Option<String>,
 }
 
 enum Command {
     Full {
         is_final: bool,
+        min_revision: Option<i64>,
         reply: oneshot::Sender<Result<Snapshot, ActorError>>,
     },
     Delta {
         reply: oneshot::Sender<Result<Option<Snapshot>, ActorError>>,
-    },
-    Regular {
-        on: bool,
-        reply: oneshot::Sender<()>,
     },
 }
 
@@ -116,35 +162,43 @@ pub struct ActorHandle {
 }
 
 impl ActorHandle {
-    /// Takes a full snapshot now (after whatever the actor is doing).
-    pub async fn full(&self, is_final: bool) -> Result<Snapshot, ActorError> {
+    async fn ask<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<Result<T, ActorError>>) -> Command,
+    ) -> Result<T, ActorError> {
         let (reply, rx) = oneshot::channel();
         self.tx
-            .send(Command::Full { is_final, reply })
+            .send(make(reply))
             .await
             .map_err(|_| ActorError::Stopped)?;
         rx.await.map_err(|_| ActorError::Stopped)?
     }
 
-    /// Writes the buffered events as a delta now.
+    /// Takes a full (non-final) snapshot now, after whatever the actor is doing; refused unless
+    /// the gate is open.
+    pub async fn full(&self) -> Result<Snapshot, ActorError> {
+        self.ask(|reply| Command::Full {
+            is_final: false,
+            min_revision: None,
+            reply,
+        })
+        .await
+    }
+
+    /// Takes the hand-off's final full snapshot at `min_revision` or later; refused unless the
+    /// gate says "final".
+    pub async fn final_snapshot(&self, min_revision: i64) -> Result<Snapshot, ActorError> {
+        self.ask(|reply| Command::Full {
+            is_final: true,
+            min_revision: Some(min_revision),
+            reply,
+        })
+        .await
+    }
+
+    /// Writes the buffered events as a delta now; refused unless the gate is open.
     pub async fn delta(&self) -> Result<Option<Snapshot>, ActorError> {
-        let (reply, rx) = oneshot::channel();
-        self.tx
-            .send(Command::Delta { reply })
-            .await
-            .map_err(|_| ActorError::Stopped)?;
-        rx.await.map_err(|_| ActorError::Stopped)?
-    }
-
-    /// Turns regular work on or off; returns once the actor has done so (so after
-    /// `set_regular(false)` no regular snapshot is running or will start).
-    pub async fn set_regular(&self, on: bool) -> Result<(), ActorError> {
-        let (reply, rx) = oneshot::channel();
-        self.tx
-            .send(Command::Regular { on, reply })
-            .await
-            .map_err(|_| ActorError::Stopped)?;
-        rx.await.map_err(|_| ActorError::Stopped)
+        self.ask(|reply| Command::Delta { reply }).await
     }
 
     /// The actor's current status.
@@ -158,29 +212,59 @@ impl ActorHandle {
     }
 }
 
+/// Runs `op` while `gate` allows `kind`: `None` when the gate forbids it at the start or changes
+/// to forbid it before `op` finishes (then `op` is dropped, which cancels it).
+async fn while_allowed<T>(
+    gate: &mut watch::Receiver<Gate>,
+    kind: Operation,
+    op: impl std::future::Future<Output = T>,
+) -> Option<T> {
+    if !gate.borrow_and_update().allows(kind) {
+        return None;
+    }
+    let forbidden = async {
+        // A dropped sender means the gate never changes again.
+        if gate.wait_for(|g| !g.allows(kind)).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::select! {
+        biased;
+        _ = forbidden => None,
+        r = op => Some(r),
+    }
+}
+
 /// Starts the actor on the current runtime; it stops when `cancel` fires (flushing a pending
-/// delta first) or every handle is dropped.
+/// delta first, while the gate allows it) or every handle is dropped. `gate` is what the
+/// ownership watchdog allows (always open without ownership checks).
 pub fn spawn<E: Engine>(
     engine: E,
     config: ActorConfig,
+    gate: watch::Receiver<Gate>,
     metrics: SnapshotMetrics,
     cancel: CancellationToken,
 ) -> (ActorHandle, tokio::task::JoinHandle<()>) {
     let (tx, rx) = mpsc::channel(16);
     let status = ActorStatus {
-        regular: config.regular_at_start,
-        ..Default::default()
+        gate: *gate.borrow(),
+        leader: false,
+        last_full: None,
+        last_delta: None,
+        next_full_at: None,
+        last_error: None,
     };
     let (status_tx, status_rx) = watch::channel(status);
     let actor = Actor {
-        regular: config.regular_at_start,
         engine,
         config,
         metrics,
         status: Arc::new(status_tx),
+        gate,
         leader: false,
         next_full: None,
         watching: false,
+        was_active: false,
     };
     let task = tokio::spawn(actor.run(rx, cancel));
     (
@@ -197,18 +281,19 @@ struct Actor<E: Engine> {
     config: ActorConfig,
     metrics: SnapshotMetrics,
     status: Arc<watch::Sender<ActorStatus>>,
-    regular: bool,
+    gate: watch::Receiver<Gate>,
     leader: bool,
     /// When the next scheduled full snapshot is due (None until first computed).
     next_full: Option<DateTime<Utc>>,
     /// The engine's watch is running.
     watching: bool,
+    /// Regular work was allowed at the last look (gate open and leader).
+    was_active: bool,
 }
 
-/// Wait before retrying a failed scheduled full snapshot.
-const FULL_RETRY: Duration = Duration::from_secs(60);
-/// Wait after a watch failure before watching again.
-const WATCH_RETRY: Duration = Duration::from_secs(1);
+/// Retries after a failed scheduled full snapshot (first) and a watch failure (every time).
+const FULL_RETRY: Backoff = Backoff::new(Duration::from_secs(60), Duration::from_secs(60));
+const WATCH_RETRY: Backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(1));
 
 fn until(at: DateTime<Utc>) -> tokio::time::Instant {
     let d = (at - Utc::now()).to_std().unwrap_or(Duration::ZERO);
@@ -217,7 +302,7 @@ fn until(at: DateTime<Utc>) -> tokio::time::Instant {
 
 impl<E: Engine> Actor<E> {
     fn active(&self) -> bool {
-        self.regular && self.leader
+        self.gate.borrow().allows(Operation::Regular) && self.leader
     }
 
     fn deltas_on(&self) -> bool {
@@ -234,7 +319,7 @@ impl<E: Engine> Actor<E> {
     fn publish(&self, f: impl FnOnce(&mut ActorStatus)) {
         self.status.send_modify(|s| {
             f(s);
-            s.regular = self.regular;
+            s.gate = *self.gate.borrow();
             s.leader = self.leader;
             s.next_full_at = if self.active() { self.next_full } else { None };
         });
@@ -249,6 +334,9 @@ impl<E: Engine> Actor<E> {
             t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         }
         let mut watch_retry_at: Option<tokio::time::Instant> = None;
+        let mut gate = self.gate.clone();
+        // Without ownership checks nobody holds the sender: the gate stays as it is.
+        let mut gate_live = true;
         loop {
             let active = self.active();
             let full_at = self.next_full.map(until);
@@ -258,6 +346,13 @@ impl<E: Engine> Actor<E> {
             tokio::select! {
                 biased;
                 _ = cancel.cancelled() => break,
+                // The gate first: a change is acted on before anything else is started.
+                changed = gate.changed(), if gate_live => {
+                    if changed.is_err() {
+                        gate_live = false;
+                    }
+                    self.on_activity_change().await;
+                }
                 cmd = rx.recv() => match cmd {
                     None => break,
                     Some(cmd) => self.handle(cmd).await,
@@ -266,18 +361,18 @@ impl<E: Engine> Actor<E> {
                 _ = async { tokio::time::sleep_until(full_at.unwrap_or_else(tokio::time::Instant::now)).await }, if active && full_at.is_some() => {
                     self.scheduled_full().await;
                 }
-                _ = delta_tick.tick(), if active && self.deltas_on() => { let _ = self.delta().await; }
+                _ = delta_tick.tick(), if active && self.deltas_on() => { let _ = self.delta(Operation::Regular).await; }
                 r = self.engine.collect(), if can_collect && self.watching => match r {
                     Ok(Collected::Events) => {
                         if self.engine.buffered_bytes() >= self.config.delta_memory_limit {
-                            let _ = self.delta().await;
+                            let _ = self.delta(Operation::Regular).await;
                         }
                     }
                     Ok(Collected::Compacted) => self.next_full = Some(Utc::now()),
                     Err(e) => {
                         tracing::warn!(error = %e, "watching etcd for deltas failed; resuming from the latest snapshot");
                         self.watching = false;
-                        watch_retry_at = Some(tokio::time::Instant::now() + WATCH_RETRY);
+                        watch_retry_at = Some(tokio::time::Instant::now() + WATCH_RETRY.delay(1));
                         self.publish(|s| s.last_error = Some(format!("watch: {e}")));
                     }
                 },
@@ -288,9 +383,10 @@ impl<E: Engine> Actor<E> {
                 _ = gc_tick.tick(), if active => self.gc().await,
             }
         }
-        // Shutting down: what was buffered is written, so a restart loses nothing.
+        // Shutting down: what was buffered is written (if the gate still allows it), so a restart
+        // loses nothing.
         if self.active() && self.watching && self.engine.buffered_bytes() > 0 {
-            let _ = self.delta().await;
+            let _ = self.delta(Operation::Regular).await;
         }
         self.engine.pause();
         tracing::info!("snapshot actor stopped");
@@ -298,31 +394,37 @@ impl<E: Engine> Actor<E> {
 
     async fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Full { is_final, reply } => {
-                let r = self.full(is_final).await;
+            Command::Full {
+                is_final,
+                min_revision,
+                reply,
+            } => {
+                let kind = if is_final {
+                    Operation::Final
+                } else {
+                    Operation::Requested
+                };
+                let r = self.full(kind, min_revision).await;
                 let _ = reply.send(r);
             }
             Command::Delta { reply } => {
-                let r = if self.watching {
-                    self.delta().await
+                let r = if !self.gate.borrow().allows(Operation::Requested) {
+                    Err(self.refused(Operation::Requested))
+                } else if self.watching {
+                    self.delta(Operation::Requested).await
                 } else {
-                    Err(ActorError::Failed("deltas are not being collected (not the snapshot leader, paused, or disabled)".into()))
+                    Err(ActorError::NoDeltas)
                 };
                 let _ = reply.send(r);
             }
-            Command::Regular { on, reply } => {
-                if on != self.regular {
-                    tracing::info!(
-                        regular = on,
-                        "regular snapshots {}",
-                        if on { "resumed" } else { "stopped" }
-                    );
-                }
-                let was = self.active();
-                self.regular = on;
-                self.on_activity_change(was).await;
-                let _ = reply.send(());
-            }
+        }
+    }
+
+    fn refused(&self, op: Operation) -> ActorError {
+        let gate = *self.gate.borrow();
+        ActorError::Refused {
+            gate,
+            reason: gate.refusal(op),
         }
     }
 
@@ -342,14 +444,14 @@ impl<E: Engine> Actor<E> {
             );
             self.metrics.set_leader(leader);
         }
-        let was = self.active();
         self.leader = leader;
-        self.on_activity_change(was).await;
+        self.on_activity_change().await;
     }
 
-    /// Starts or stops regular work when `active()` changed from `was`.
-    async fn on_activity_change(&mut self, was: bool) {
+    /// Starts or stops regular work when `active()` changed since the last look.
+    async fn on_activity_change(&mut self) {
         let now = self.active();
+        let was = std::mem::replace(&mut self.was_active, now);
         if now && !was {
             self.start_watch().await;
             self.next_full = self.first_full_due().await;
@@ -397,10 +499,12 @@ impl<E: Engine> Actor<E> {
     }
 
     async fn scheduled_full(&mut self) {
-        match self.full(false).await {
+        match self.full(Operation::Regular, None).await {
             Ok(_) => self.next_full = self.next_occurrence(Utc::now()),
+            Err(ActorError::Cancelled | ActorError::Refused { .. }) => {}
             Err(_) => {
-                let retry = Utc::now() + chrono::Duration::from_std(FULL_RETRY).unwrap_or_default();
+                let retry = Utc::now()
+                    + chrono::Duration::from_std(FULL_RETRY.delay(1)).unwrap_or_default();
                 self.next_full = Some(
                     self.next_occurrence(Utc::now())
                         .map_or(retry, |n| n.min(retry)),
@@ -410,13 +514,28 @@ impl<E: Engine> Actor<E> {
         self.publish(|_| {});
     }
 
-    async fn full(&mut self, is_final: bool) -> Result<Snapshot, ActorError> {
+    async fn full(
+        &mut self,
+        kind: Operation,
+        min_revision: Option<i64>,
+    ) -> Result<Snapshot, ActorError> {
+        if !self.gate.borrow().allows(kind) {
+            return Err(self.refused(kind));
+        }
+        let is_final = kind == Operation::Final;
+        let span = tracing::info_span!("full_snapshot", is_final, min_revision);
         let started = Instant::now();
-        tracing::info!(is_final, "taking full snapshot");
-        let result = self.engine.full(is_final).await;
+        let op =
+            tracing::Instrument::instrument(self.engine.full(is_final, min_revision), span.clone());
+        let result = while_allowed(&mut self.gate, kind, op).await;
         let took = started.elapsed().as_secs_f64();
+        let _in = span.enter();
         match result {
-            Ok(snap) => {
+            None => {
+                tracing::warn!("full snapshot dropped: ownership changed while it ran");
+                Err(ActorError::Cancelled)
+            }
+            Some(Ok(snap)) => {
                 self.metrics.stored(&snap, took);
                 self.publish(|s| {
                     s.last_full = Some(snap.clone());
@@ -424,44 +543,53 @@ impl<E: Engine> Actor<E> {
                 });
                 Ok(snap)
             }
-            Err(e) => {
+            Some(Err(e)) => {
                 self.metrics.failed(Kind::Full, took);
-                tracing::error!(error = %e, is_final, "full snapshot failed");
+                tracing::error!(error = %e, "full snapshot failed");
                 let msg = format!("full snapshot: {e}");
-                self.publish(|s| s.last_error = Some(msg.clone()));
-                Err(ActorError::Failed(msg))
+                self.publish(|s| s.last_error = Some(msg));
+                Err(ActorError::Failed(Arc::new(e)))
             }
         }
     }
 
-    async fn delta(&mut self) -> Result<Option<Snapshot>, ActorError> {
+    async fn delta(&mut self, kind: Operation) -> Result<Option<Snapshot>, ActorError> {
         let started = Instant::now();
-        let result = self.engine.flush_delta().await;
+        let result = while_allowed(&mut self.gate, kind, self.engine.flush_delta()).await;
         match result {
-            Ok(None) => Ok(None),
-            Ok(Some(snap)) => {
+            None => Err(ActorError::Cancelled),
+            Some(Ok(None)) => Ok(None),
+            Some(Ok(Some(snap))) => {
                 self.metrics.stored(&snap, started.elapsed().as_secs_f64());
+                tracing::debug!(snapshot = %snap.snap_name, revision = snap.last_revision, "delta snapshot stored");
                 self.publish(|s| {
                     s.last_delta = Some(snap.clone());
                     s.last_error = None;
                 });
                 Ok(Some(snap))
             }
-            Err(e) => {
+            Some(Err(e)) => {
                 self.metrics
                     .failed(Kind::Incr, started.elapsed().as_secs_f64());
                 tracing::warn!(error = %e, "delta snapshot failed; events stay buffered for the next attempt");
                 let msg = format!("delta snapshot: {e}");
-                self.publish(|s| s.last_error = Some(msg.clone()));
-                Err(ActorError::Failed(msg))
+                self.publish(|s| s.last_error = Some(msg));
+                Err(ActorError::Failed(Arc::new(e)))
             }
         }
     }
 
     async fn gc(&mut self) {
-        match self.engine.gc(Utc::now()).await {
-            Ok(report) => self.metrics.gc(&report),
-            Err(e) => tracing::warn!(error = %e, "retention failed; will retry"),
+        match while_allowed(
+            &mut self.gate,
+            Operation::Regular,
+            self.engine.gc(Utc::now()),
+        )
+        .await
+        {
+            None => tracing::info!("retention pass dropped: ownership changed while it ran"),
+            Some(Ok(report)) => self.metrics.gc(&report),
+            Some(Err(e)) => tracing::warn!(error = %e, "retention failed; will retry"),
         }
     }
 }

@@ -6,7 +6,7 @@ use chrono::{DateTime, Utc};
 
 use super::actor::{Collected, Engine, EngineError};
 use super::delta::DeltaWriter;
-use super::full::take_full;
+use super::full::take_full_from;
 use super::watcher::{DeltaWatch, WatchError};
 use crate::store::gc::{self, GcReport, Retention};
 use crate::store::{Codec, Kind, Snapshot, SnapshotStore};
@@ -55,13 +55,17 @@ impl EtcdEngine {
 
 #[async_trait]
 impl Engine for EtcdEngine {
-    async fn full(&mut self, is_final: bool) -> Result<Snapshot, EngineError> {
+    async fn full(
+        &mut self,
+        is_final: bool,
+        min_revision: Option<i64>,
+    ) -> Result<Snapshot, EngineError> {
         let client = self.etcd.client().await;
-        let snap = take_full(&client, &self.store, self.codec, is_final).await?;
+        let snap = take_full_from(&client, &self.store, self.codec, is_final, min_revision).await?;
         match self.writer.as_mut() {
             // The running watch goes on; what the full snapshot covers is dropped.
             Some(w) => w.rebase(snap.last_revision),
-            None if self.want_deltas => self.watch_after(snap.last_revision).await?,
+            None if self.want_deltas && !is_final => self.watch_after(snap.last_revision).await?,
             None => {}
         }
         Ok(snap)

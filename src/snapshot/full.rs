@@ -32,6 +32,15 @@ pub enum FullError {
     /// The codec cannot write.
     #[error(transparent)]
     Codec(#[from] crate::store::compression::CodecError),
+    /// The member is behind the revision the snapshot must reach (a final after a hand-off);
+    /// nothing was stored.
+    #[error("the member is at revision {have}; this snapshot must reach {need}")]
+    Behind {
+        /// The member's revision.
+        have: i64,
+        /// The revision asked for.
+        need: i64,
+    },
 }
 
 /// Takes a full snapshot of the member `client` talks to and stores it. The snapshot is named
@@ -42,12 +51,32 @@ pub async fn take_full(
     codec: Codec,
     is_final: bool,
 ) -> Result<Snapshot, FullError> {
+    take_full_from(client, store, codec, is_final, None).await
+}
+
+/// [`take_full`]; with `min_revision`, a member below it is refused before anything is streamed
+/// (the hand-off's final must reach the revision every member's fence froze).
+pub async fn take_full_from(
+    client: &etcd_client::Client,
+    store: &SnapshotStore,
+    codec: Codec,
+    is_final: bool,
+    min_revision: Option<i64>,
+) -> Result<Snapshot, FullError> {
     let mut maintenance = client.maintenance_client();
     let revision = maintenance
         .status()
         .await?
         .header()
         .map_or(0, |h| h.revision());
+    if let Some(need) = min_revision
+        && revision < need
+    {
+        return Err(FullError::Behind {
+            have: revision,
+            need,
+        });
+    }
     let started = std::time::Instant::now();
     let stream = maintenance.snapshot().await?;
     let raw = futures::stream::unfold(stream, |mut s| async move {

@@ -8,6 +8,7 @@ pub mod actor;
 pub mod delta;
 pub mod engine;
 pub mod full;
+pub mod gate;
 pub mod metrics;
 pub mod verify;
 pub mod watcher;

@@ -1,0 +1,182 @@
+//! The watchdog's traits over the rest of the crate: DNS through hickory, etcd found in `/proc`,
+//! etcd's API through its client, the hand-off's objects in the store, the final snapshot through
+//! the one snapshot actor, and readiness into the HTTP server's channel.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use super::handoff::{FenceMarker, HandOffObjects, HandOffRecord, Member};
+use super::resolve::{OwnerResolver, ResolveError};
+use super::watchdog::{Context, EtcdView, SeamError, Snapshots, WatchdogStatus};
+use crate::config::{EtcdConfig, KillConfig, OwnerConfig};
+use crate::health::{Health, HealthCheck};
+use crate::process::ProcKiller;
+use crate::server::{Readiness, StatusSource};
+use crate::snapshot::actor::ActorHandle;
+use crate::snapshot::gate::Gate;
+use crate::store::{Snapshot, SnapshotStore};
+
+/// A key read only to learn the cluster's revision linearizably; it need not exist.
+const REVISION_PROBE_KEY: &str = "/etcd-warden/revision-probe";
+
+/// etcd through the health check's client (made again after a failure, so a restarted etcd and
+/// its new auth token are picked up), every call bounded by `timeout`.
+pub struct EtcdApi {
+    check: HealthCheck,
+    timeout: Duration,
+}
+
+impl EtcdApi {
+    /// The member at `config`'s endpoints.
+    pub fn new(config: EtcdConfig, timeout: Duration) -> Self {
+        EtcdApi {
+            check: HealthCheck::new(config, timeout),
+            timeout,
+        }
+    }
+
+    async fn call<T, F>(
+        &self,
+        what: &'static str,
+        f: impl FnOnce(etcd_client::Client) -> F,
+    ) -> Result<T, SeamError>
+    where
+        F: std::future::Future<Output = Result<T, etcd_client::Error>>,
+    {
+        let client = self
+            .check
+            .client()
+            .await
+            .map_err(SeamError::EtcdUnreachable)?;
+        match tokio::time::timeout(self.timeout, f(client)).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => {
+                self.check.reset().await;
+                Err(SeamError::Etcd(e))
+            }
+            Err(_) => {
+                self.check.reset().await;
+                Err(SeamError::Timeout {
+                    what,
+                    after: self.timeout,
+                })
+            }
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl EtcdView for EtcdApi {
+    async fn health(&self) -> Health {
+        self.check.check().await
+    }
+
+    async fn members(&self) -> Result<Vec<Member>, SeamError> {
+        let list = self
+            .call("member list", |mut c| async move { c.member_list().await })
+            .await?;
+        Ok(list
+            .members()
+            .iter()
+            .map(|m| Member {
+                id: m.id(),
+                name: m.name().to_string(),
+                started: !m.client_urls().is_empty(),
+            })
+            .collect())
+    }
+
+    async fn revision(&self) -> Result<i64, SeamError> {
+        let got = self
+            .call("a linearizable read", |mut c| async move {
+                c.get(REVISION_PROBE_KEY, None).await
+            })
+            .await?;
+        Ok(got.header().map_or(0, |h| h.revision()))
+    }
+}
+
+/// The hand-off's objects in the store, and the final snapshot through the actor.
+pub struct StoreSnapshots {
+    objects: HandOffObjects,
+    actor: ActorHandle,
+}
+
+impl StoreSnapshots {
+    /// Objects in `store`, finals through `actor`.
+    pub fn new(store: SnapshotStore, actor: ActorHandle) -> Self {
+        StoreSnapshots {
+            objects: HandOffObjects::new(store),
+            actor,
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Snapshots for StoreSnapshots {
+    async fn write_fence(&self, member: u64, marker: &FenceMarker) -> Result<(), SeamError> {
+        Ok(self.objects.write_fence(member, marker).await?)
+    }
+
+    async fn fence(&self, member: u64) -> Result<Option<FenceMarker>, SeamError> {
+        Ok(self.objects.fence(member).await?)
+    }
+
+    async fn fenced(&self) -> Result<BTreeSet<u64>, SeamError> {
+        Ok(self.objects.fenced().await?)
+    }
+
+    async fn finals(&self) -> Result<Vec<Snapshot>, SeamError> {
+        Ok(self.objects.finals().await?)
+    }
+
+    async fn latest_full(&self) -> Result<Option<Snapshot>, SeamError> {
+        Ok(self.objects.latest_unreclaimed_full().await?)
+    }
+
+    async fn record(&self) -> Result<Option<HandOffRecord>, SeamError> {
+        Ok(self.objects.record().await?)
+    }
+
+    async fn write_record(&self, record: &HandOffRecord) -> Result<(), SeamError> {
+        Ok(self.objects.write_record(record).await?)
+    }
+
+    async fn take_final(&self, min_revision: i64) -> Result<Snapshot, SeamError> {
+        Ok(self.actor.final_snapshot(min_revision).await?)
+    }
+}
+
+/// The watchdog's status for `GET /status`.
+#[derive(Debug, Clone)]
+pub struct OwnerStatus(pub watch::Receiver<WatchdogStatus>);
+
+impl StatusSource for OwnerStatus {
+    fn status(&self) -> serde_json::Value {
+        serde_json::to_value(&*self.0.borrow()).unwrap_or(serde_json::Value::Null)
+    }
+}
+
+/// The production context: DNS through hickory, etcd found in `/proc`, etcd's API, the store and
+/// the actor, readiness into the server's channel, the actor's gate.
+pub fn context(
+    owner: &OwnerConfig,
+    kill: &KillConfig,
+    etcd: &EtcdConfig,
+    actor: ActorHandle,
+    store: SnapshotStore,
+    readiness: watch::Sender<Readiness>,
+    gate: watch::Sender<Gate>,
+) -> Result<Context, ResolveError> {
+    Ok(Context {
+        lookup: Arc::new(OwnerResolver::new(owner)?),
+        process: Arc::new(ProcKiller::new(kill)),
+        etcd: Arc::new(EtcdApi::new(etcd.clone(), crate::health::TIMEOUT)),
+        snapshots: Arc::new(StoreSnapshots::new(store, actor)),
+        readiness: Arc::new(readiness),
+        gate,
+    })
+}
