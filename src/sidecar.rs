@@ -181,6 +181,39 @@ impl StatusSource for Status {
     }
 }
 
+/// A task the sidecar cannot do without, by name.
+type Critical = (&'static str, tokio::task::JoinHandle<()>);
+
+/// The first critical task to end, and how.
+async fn first_to_end(tasks: &mut [Critical]) -> (&'static str, String) {
+    let (result, i, _) =
+        futures::future::select_all(tasks.iter_mut().map(|(_, handle)| handle)).await;
+    (tasks[i].0, ended(result))
+}
+
+/// Waits for every critical task (after they were told to stop).
+async fn join_all(tasks: &mut [Critical]) {
+    for (_, handle) in tasks.iter_mut() {
+        if !handle.is_finished() {
+            let _ = handle.await;
+        }
+    }
+}
+
+/// A critical task ended: etcd unready and the sidecar not live, with the reason, so probes say
+/// why while the process stops.
+fn fail_closed(
+    readiness: &watch::Sender<Readiness>,
+    liveness: &watch::Sender<Liveness>,
+    task: &str,
+    how: &str,
+) {
+    tracing::error!(task, %how, "a critical task ended; etcd made unready, stopping");
+    let reason = format!("critical task {task} {how}");
+    server::set_readiness(readiness, false, "Failed", &reason);
+    liveness.send_replace(Some(reason));
+}
+
 /// How a critical task ended.
 fn ended(result: Result<(), tokio::task::JoinError>) -> String {
     match result {
@@ -314,45 +347,77 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
         }
     };
     tokio::pin!(served);
-    let (guard_name, mut guard_task) = guard_task;
-    let mut actor_task = actor_task;
+    let mut critical = vec![("snapshot actor", actor_task), guard_task];
     // Whichever ends first: the server (shutdown, or an error), or a critical task (a failure,
     // unless shutdown was asked for).
-    let died = tokio::select! {
+    let (task, how) = tokio::select! {
         result = &mut served => {
             tasks.cancel();
-            let _ = tokio::time::timeout(SHUTDOWN_GRACE, async {
-                let _ = (&mut actor_task).await;
-                let _ = (&mut guard_task).await;
-            })
-            .await;
+            let _ = tokio::time::timeout(SHUTDOWN_GRACE, join_all(&mut critical)).await;
             return result.map_err(SidecarError::Serve);
         }
-        r = &mut actor_task => ("snapshot actor", ended(r)),
-        r = &mut guard_task => (guard_name, ended(r)),
+        died = first_to_end(&mut critical) => died,
     };
     if cancel.is_cancelled() {
         // Shutting down: the tasks ended because they were told to.
         let _ = tokio::time::timeout(SHUTDOWN_GRACE, served).await;
         return Ok(());
     }
-    let (task, how) = died;
-    tracing::error!(task, %how, "a critical task ended; etcd made unready, stopping");
-    server::set_readiness(
-        &readiness_tx,
-        false,
-        "Failed",
-        &format!("critical task {task} {how}"),
-    );
-    liveness_tx.send_replace(Some(format!("critical task {task} {how}")));
+    fail_closed(&readiness_tx, &liveness_tx, task, &how);
     tasks.cancel();
     // Let probes see the 503 for a moment while the rest stops.
-    let _ = tokio::time::timeout(Duration::from_secs(2), async {
-        let _ = (&mut actor_task).await;
-        let _ = (&mut guard_task).await;
-    })
-    .await;
+    let _ = tokio::time::timeout(Duration::from_secs(2), join_all(&mut critical)).await;
     server_cancel.cancel();
     let _ = tokio::time::timeout(SHUTDOWN_GRACE, served).await;
     Err(SidecarError::TaskEnded { task, how })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_panicking_critical_task_fails_closed() {
+        let (readiness_tx, readiness) = watch::channel(Readiness {
+            ready: true,
+            state: "Active".into(),
+            reason: "owner, etcd healthy".into(),
+        });
+        let (liveness_tx, liveness) = watch::channel::<Liveness>(None);
+        let forever = tokio::spawn(std::future::pending::<()>());
+        let doomed = tokio::spawn(async {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            panic!("injected failure");
+        });
+        let mut critical = vec![("snapshot actor", forever), ("ownership watchdog", doomed)];
+        let (task, how) = first_to_end(&mut critical).await;
+        assert_eq!(task, "ownership watchdog");
+        assert_eq!(how, "panicked: injected failure");
+        fail_closed(&readiness_tx, &liveness_tx, task, &how);
+        assert!(!readiness.borrow().ready);
+        assert!(
+            readiness
+                .borrow()
+                .reason
+                .contains("ownership watchdog panicked")
+        );
+        assert_eq!(
+            liveness.borrow().as_deref(),
+            Some("critical task ownership watchdog panicked: injected failure")
+        );
+        critical[0].1.abort();
+    }
+
+    #[tokio::test]
+    async fn a_task_that_returns_is_an_ended_critical_task_too() {
+        let mut critical = vec![
+            ("readiness", tokio::spawn(async {})),
+            ("snapshot actor", tokio::spawn(std::future::pending::<()>())),
+        ];
+        assert_eq!(
+            first_to_end(&mut critical).await,
+            ("readiness", "ended".into())
+        );
+        critical[1].1.abort();
+    }
 }

@@ -239,3 +239,261 @@ async fn losing_ownership_kills_real_etcd_and_snapshots_it_after_it_comes_back()
     kubelet_stop.cancel();
     kubelet.await.expect("kubelet");
 }
+
+/// The owner lookup, remembering when it first said "someone else".
+struct TimedLookup {
+    inner: OwnerResolver,
+    not_owner_at: Mutex<Option<std::time::Instant>>,
+}
+
+#[async_trait::async_trait]
+impl etcd_warden::owner::resolve::OwnerLookup for TimedLookup {
+    async fn check(&self) -> etcd_warden::owner::resolve::CheckResult {
+        let result = self.inner.check().await;
+        if result.verdict() == Some(etcd_warden::owner::protocol::Verdict::NotOwner) {
+            self.not_owner_at
+                .lock()
+                .expect("lock")
+                .get_or_insert_with(std::time::Instant::now);
+        }
+        result
+    }
+}
+
+/// The real killer, remembering when the kill began (SIGTERM follows within microseconds: a
+/// /proc scan and the signal).
+struct TimedKiller {
+    inner: ProcKiller,
+    first_kill_at: Mutex<Option<std::time::Instant>>,
+}
+
+#[async_trait::async_trait]
+impl etcd_warden::process::ProcessControl for TimedKiller {
+    async fn probe(
+        &self,
+    ) -> Result<Vec<etcd_warden::process::ProcessId>, etcd_warden::process::ProcessError> {
+        self.inner.probe().await
+    }
+    async fn kill_etcd(
+        &self,
+        earlier: &[etcd_warden::process::ProcessId],
+    ) -> Result<etcd_warden::process::KillReport, etcd_warden::process::ProcessError> {
+        self.first_kill_at
+            .lock()
+            .expect("lock")
+            .get_or_insert_with(std::time::Instant::now);
+        self.inner.kill_etcd(earlier).await
+    }
+}
+
+/// An S3 endpoint that accepts connections and never answers.
+async fn blackhole() -> (String, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let task = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((conn, _)) = listener.accept().await {
+            held.push(conn);
+        }
+    });
+    (format!("http://{addr}"), task)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_kill_never_waits_behind_snapshots_queued_against_a_store_that_does_not_answer() {
+    use etcd_warden::snapshot::actor::{self, ActorConfig};
+    use etcd_warden::snapshot::engine::EtcdEngine;
+    use etcd_warden::snapshot::metrics::SnapshotMetrics;
+    use etcd_warden::store::SnapshotStore;
+
+    let cluster = EtcdCluster::single(Release::V35).await;
+    let endpoint = cluster.endpoints()[0].clone();
+    let data_dir = cluster.members[0].data_dir.display().to_string();
+    let mut writer = cluster.client().await;
+    for i in 0..200 {
+        writer
+            .put(format!("/bulk/{i}"), vec![b'v'; 4096], None)
+            .await
+            .expect("put");
+    }
+    let cluster = Arc::new(Mutex::new(cluster));
+    let kubelet_stop = CancellationToken::new();
+    let kubelet = tokio::spawn({
+        let (cluster, stop) = (cluster.clone(), kubelet_stop.clone());
+        async move {
+            while !stop.is_cancelled() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                let mut cluster = cluster.lock().expect("lock");
+                if !cluster.members[0].is_running() {
+                    cluster.members[0].kill();
+                    cluster.members[0].start();
+                }
+            }
+        }
+    });
+
+    let etcd = EtcdConfig {
+        endpoints: vec![endpoint.clone()],
+        tls: None,
+        username: None,
+        password: None,
+        connect_timeout: Duration::from_secs(1),
+        request_timeout: Duration::from_secs(2),
+    };
+    // The snapshot actor writes to an S3 endpoint that never answers; the hand-off's own objects
+    // go to a local directory, so the watchdog gets as far as the kill and its fence.
+    let (s3_endpoint, hole) = blackhole().await;
+    let s3 = object_store::aws::AmazonS3Builder::new()
+        .with_endpoint(&s3_endpoint)
+        .with_allow_http(true)
+        .with_region("us-east-1")
+        .with_bucket_name("backups")
+        .with_access_key_id("k")
+        .with_secret_access_key("s")
+        .build()
+        .expect("s3 client");
+    let hanging = SnapshotStore::new(Arc::new(s3), "etcd");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let local = SnapshotStore::new(
+        Arc::new(object_store::local::LocalFileSystem::new_with_prefix(dir.path()).expect("fs")),
+        "etcd",
+    );
+    let (gate, gate_rx) = watch::channel(Gate::Closed);
+    let engine = EtcdEngine::new(
+        etcd_warden::etcd::RotatingClient::connect(&etcd)
+            .await
+            .expect("client"),
+        hanging,
+        Codec::Gzip,
+        etcd_warden::store::gc::Retention {
+            policy: etcd_warden::config::GcPolicy::LimitBased { max_backups: 10 },
+            delta_retention: Duration::ZERO,
+        },
+    );
+    let cancel = CancellationToken::new();
+    let (actor, actor_task) = actor::spawn(
+        engine,
+        ActorConfig {
+            schedule: std::str::FromStr::from_str("0 0 1 1 *").expect("cron"),
+            delta_period: Duration::ZERO,
+            delta_memory_limit: 1 << 20,
+            gc_period: Duration::from_secs(3600),
+            leader_check_interval: Duration::from_millis(100),
+        },
+        gate_rx,
+        SnapshotMetrics::default(),
+        cancel.child_token(),
+    );
+
+    let dns = DnsServer::start().await;
+    dns.set_txt(NAME, &[ID]).await;
+    let owner = OwnerConfig {
+        name: NAME.into(),
+        id: ID.into(),
+        interval: Duration::from_millis(100),
+        timeout: Duration::from_millis(500),
+        nameservers: vec![dns.addr()],
+        failure_threshold: 2,
+        ttl_cap: Duration::ZERO,
+    };
+    let lookup = Arc::new(TimedLookup {
+        inner: OwnerResolver::new(&owner).expect("resolver"),
+        not_owner_at: Mutex::new(None),
+    });
+    let killer = Arc::new(TimedKiller {
+        inner: ProcKiller::new(&KillConfig {
+            process_name: "etcd".into(),
+            cmdline_contains: Some(data_dir),
+            grace: Duration::from_secs(10),
+        }),
+        first_kill_at: Mutex::new(None),
+    });
+    let (readiness_tx, mut readiness) = watch::channel(Readiness::starting());
+    let ctx = Context {
+        lookup: lookup.clone(),
+        process: killer.clone(),
+        etcd: Arc::new(EtcdApi::new(etcd, Duration::from_secs(1))),
+        snapshots: Arc::new(etcd_warden::owner::production::StoreSnapshots::new(
+            local,
+            actor.clone(),
+        )),
+        readiness: Arc::new(readiness_tx),
+        gate,
+    };
+    let config = WatchdogConfig {
+        owner_id: ID.into(),
+        interval: owner.interval,
+        failure_threshold: owner.failure_threshold,
+        health_interval: Duration::from_millis(100),
+        backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(1)),
+    };
+    let watchdog = Watchdog::new(config, ctx, OwnerMetrics::default());
+    let mut status = watchdog.status();
+    let task = tokio::spawn(watchdog.run(cancel.child_token()));
+    tokio::time::timeout(Duration::from_secs(20), readiness.wait_for(|r| r.ready))
+        .await
+        .expect("active")
+        .expect("readiness");
+
+    // Three full snapshots queued: the first streams etcd into a store that never answers.
+    let queued: Vec<_> = (0..3)
+        .map(|_| {
+            let actor = actor.clone();
+            tokio::spawn(async move { actor.full().await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        queued.iter().all(|q| !q.is_finished()),
+        "the store must hang them"
+    );
+
+    dns.set_txt(NAME, &["seed-b"]).await;
+    let killed = tokio::time::timeout(
+        Duration::from_secs(10),
+        status.wait_for(|s| s.kill.is_some()),
+    )
+    .await
+    .is_ok();
+    assert!(killed, "no kill; status {:?}", *status.borrow());
+    let verdict_at = lookup
+        .not_owner_at
+        .lock()
+        .expect("lock")
+        .expect("verdict seen");
+    let kill_at = killer
+        .first_kill_at
+        .lock()
+        .expect("lock")
+        .expect("kill begun");
+    let latency = kill_at.saturating_duration_since(verdict_at);
+    assert!(
+        latency < Duration::from_millis(200),
+        "verdict -> SIGTERM took {latency:?}"
+    );
+    // The queued snapshots were dropped or refused, not left waiting on the store.
+    for q in queued {
+        let answer = tokio::time::timeout(Duration::from_secs(2), q)
+            .await
+            .expect("answered at once")
+            .expect("task");
+        assert!(
+            matches!(
+                answer,
+                Err(etcd_warden::snapshot::actor::ActorError::Cancelled
+                    | etcd_warden::snapshot::actor::ActorError::Refused { .. })
+            ),
+            "{answer:?}"
+        );
+    }
+    println!("verdict -> SIGTERM: {latency:?}");
+
+    cancel.cancel();
+    let _ = task.await;
+    let _ = actor_task.await;
+    hole.abort();
+    kubelet_stop.cancel();
+    kubelet.await.expect("kubelet");
+}

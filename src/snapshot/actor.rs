@@ -212,6 +212,26 @@ impl ActorHandle {
     }
 }
 
+/// Runs `op` until the gate changes at all: `None` when it changed first (then `op` is dropped).
+/// For the actor's housekeeping (leader checks, listing the store, starting the watch), so a slow
+/// etcd or store never keeps the actor from seeing that ownership changed.
+async fn until_gate_changes<T>(
+    gate: &mut watch::Receiver<Gate>,
+    op: impl std::future::Future<Output = T>,
+) -> Option<T> {
+    let at_start = *gate.borrow_and_update();
+    let changed = async {
+        if gate.wait_for(|g| *g != at_start).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::select! {
+        biased;
+        _ = changed => None,
+        r = op => Some(r),
+    }
+}
+
 /// Runs `op` while `gate` allows `kind`: `None` when the gate forbids it at the start or changes
 /// to forbid it before `op` finishes (then `op` is dropped, which cancels it).
 async fn while_allowed<T>(
@@ -429,9 +449,11 @@ impl<E: Engine> Actor<E> {
     }
 
     async fn check_leader(&mut self) {
-        let leader = match self.engine.is_leader().await {
-            Ok(l) => l,
-            Err(e) => {
+        let leader = match until_gate_changes(&mut self.gate, self.engine.is_leader()).await {
+            // The loop sees the change next and acts on it.
+            None => return,
+            Some(Ok(l)) => l,
+            Some(Err(e)) => {
                 tracing::debug!(error = %e, "leader check failed");
                 false
             }
@@ -467,9 +489,10 @@ impl<E: Engine> Actor<E> {
         if !self.deltas_on() {
             return;
         }
-        match self.engine.resume().await {
-            Ok(()) => self.watching = true,
-            Err(e) => {
+        match until_gate_changes(&mut self.gate, self.engine.resume()).await {
+            None => self.watching = false,
+            Some(Ok(())) => self.watching = true,
+            Some(Err(e)) => {
                 tracing::warn!(error = %e, "cannot start watching etcd for deltas");
                 self.watching = false;
                 self.publish(|s| s.last_error = Some(format!("watch: {e}")));
@@ -482,16 +505,17 @@ impl<E: Engine> Actor<E> {
     async fn first_full_due(&mut self) -> Option<DateTime<Utc>> {
         let now = Utc::now();
         let next = self.next_occurrence(now);
-        match self.engine.latest_full().await {
-            Ok(Some(last)) => {
+        match until_gate_changes(&mut self.gate, self.engine.latest_full()).await {
+            None => None,
+            Some(Ok(Some(last))) => {
                 let due_after_last = self.next_occurrence(last.created_on);
                 match due_after_last {
                     Some(d) if d <= now => Some(now),
                     _ => next,
                 }
             }
-            Ok(None) => Some(now),
-            Err(e) => {
+            Some(Ok(None)) => Some(now),
+            Some(Err(e)) => {
                 tracing::warn!(error = %e, "cannot list the store; taking a full snapshot now");
                 Some(now)
             }

@@ -159,25 +159,75 @@ fn gzip_parallel(input: ByteStream, parallelism: usize) -> ByteStream {
         .boxed()
 }
 
+/// What flows through the channels between a stream's producer task or thread and its consumer:
+/// a chunk, or the producer saying it is done. A channel that closes without `End` means the
+/// producer died (a panic in a compression thread, an aborted task): that is an error, never a
+/// clean end, so a truncated payload can not be stored as a complete one.
+enum Piece {
+    Chunk(io::Result<Bytes>),
+    End,
+}
+
+fn abnormal_end() -> io::Error {
+    io::Error::other("the stream's producer stopped without finishing (it panicked or was aborted)")
+}
+
+/// The consumer side of a [`Piece`] channel as a stream: ends at `End` or after an error; a
+/// channel closed before either is an error.
+fn pieces(mut rx: mpsc::Receiver<Piece>, guard: AbortOnDrop) -> ByteStream {
+    let mut done = false;
+    futures::stream::poll_fn(move |cx| {
+        let _keep = &guard;
+        if done {
+            return std::task::Poll::Ready(None);
+        }
+        let item = match rx.poll_recv(cx) {
+            std::task::Poll::Pending => return std::task::Poll::Pending,
+            std::task::Poll::Ready(Some(Piece::Chunk(Ok(b)))) => Some(Ok(b)),
+            std::task::Poll::Ready(Some(Piece::Chunk(Err(e)))) => {
+                done = true;
+                Some(Err(e))
+            }
+            std::task::Poll::Ready(Some(Piece::End)) => {
+                done = true;
+                None
+            }
+            std::task::Poll::Ready(None) => {
+                done = true;
+                Some(Err(abnormal_end()))
+            }
+        };
+        std::task::Poll::Ready(item)
+    })
+    .boxed()
+}
+
+/// Sends every item of `input` and then `End` (nothing after an error); stops early when the
+/// receiver is gone.
+async fn forward(mut input: ByteStream, tx: mpsc::Sender<Piece>) {
+    loop {
+        match input.next().await {
+            Some(item) => {
+                let failed = item.is_err();
+                if tx.send(Piece::Chunk(item)).await.is_err() || failed {
+                    return;
+                }
+            }
+            None => {
+                let _ = tx.send(Piece::End).await;
+                return;
+            }
+        }
+    }
+}
+
 /// Reads up to `depth` items of a stream ahead on a task, so a slow consumer does not stall
 /// the producer (an etcd snapshot stream, a network download). Dropping the returned stream
 /// stops the task. Must be called within a Tokio runtime.
-pub fn prefetch(mut input: ByteStream, depth: usize) -> ByteStream {
-    let (tx, mut rx) = mpsc::channel::<io::Result<Bytes>>(depth.max(1));
-    let task = tokio::spawn(async move {
-        while let Some(item) = input.next().await {
-            let failed = item.is_err();
-            if tx.send(item).await.is_err() || failed {
-                break;
-            }
-        }
-    });
-    let guard = AbortOnDrop(task);
-    futures::stream::poll_fn(move |cx| {
-        let _keep = &guard;
-        rx.poll_recv(cx)
-    })
-    .boxed()
+pub fn prefetch(input: ByteStream, depth: usize) -> ByteStream {
+    let (tx, rx) = mpsc::channel::<Piece>(depth.max(1));
+    let task = tokio::spawn(forward(input, tx));
+    pieces(rx, AbortOnDrop(task))
 }
 
 fn gzip_member(block: &[u8]) -> io::Result<Bytes> {
@@ -227,47 +277,41 @@ pub fn rechunk(input: ByteStream, size: usize) -> ByteStream {
 /// Runs a `Read`-side transform (an encoder or decoder over a reader) on a blocking thread:
 /// the input stream is fed through a bounded channel and the output comes back through another,
 /// so at most a few chunks are held at once.
-fn blocking_transform<F>(mut input: ByteStream, make: F) -> ByteStream
+fn blocking_transform<F>(input: ByteStream, make: F) -> ByteStream
 where
     F: FnOnce(ChannelReader) -> Box<dyn Read + Send> + Send + 'static,
 {
-    let (in_tx, in_rx) = mpsc::channel::<io::Result<Bytes>>(4);
-    let (out_tx, mut out_rx) = mpsc::channel::<io::Result<Bytes>>(4);
+    let (in_tx, in_rx) = mpsc::channel::<Piece>(4);
+    let (out_tx, out_rx) = mpsc::channel::<Piece>(4);
     // Feeding runs as a task so the caller only polls the output; it ends when the reader side is
     // dropped (send fails) or the input ends.
-    let feeder = tokio::spawn(async move {
-        while let Some(item) = input.next().await {
-            let failed = item.is_err();
-            if in_tx.send(item).await.is_err() || failed {
-                break;
-            }
-        }
-    });
+    let feeder = tokio::spawn(forward(input, in_tx));
     tokio::task::spawn_blocking(move || {
         let mut reader = make(ChannelReader::new(in_rx));
         loop {
             let mut buf = vec![0u8; READ_CHUNK];
             match read_full(&mut reader, &mut buf) {
-                Ok(0) => break,
+                Ok(0) => {
+                    let _ = out_tx.blocking_send(Piece::End);
+                    break;
+                }
                 Ok(n) => {
                     buf.truncate(n);
-                    if out_tx.blocking_send(Ok(Bytes::from(buf))).is_err() {
+                    if out_tx
+                        .blocking_send(Piece::Chunk(Ok(Bytes::from(buf))))
+                        .is_err()
+                    {
                         break;
                     }
                 }
                 Err(e) => {
-                    let _ = out_tx.blocking_send(Err(e));
+                    let _ = out_tx.blocking_send(Piece::Chunk(Err(e)));
                     break;
                 }
             }
         }
     });
-    let guard = AbortOnDrop(feeder);
-    futures::stream::poll_fn(move |cx| {
-        let _keep = &guard;
-        out_rx.poll_recv(cx)
-    })
-    .boxed()
+    pieces(out_rx, AbortOnDrop(feeder))
 }
 
 /// Aborts the feeding task when the output stream is dropped early.
@@ -293,17 +337,20 @@ fn read_full(r: &mut dyn Read, buf: &mut [u8]) -> io::Result<usize> {
     Ok(n)
 }
 
-/// A blocking `Read` over a channel of chunks (used only on blocking threads).
+/// A blocking `Read` over a channel of chunks (used only on blocking threads); the channel
+/// closing before its `End` is an error, not the end of the input.
 pub struct ChannelReader {
-    rx: mpsc::Receiver<io::Result<Bytes>>,
+    rx: mpsc::Receiver<Piece>,
     current: Bytes,
+    ended: bool,
 }
 
 impl ChannelReader {
-    fn new(rx: mpsc::Receiver<io::Result<Bytes>>) -> Self {
+    fn new(rx: mpsc::Receiver<Piece>) -> Self {
         Self {
             rx,
             current: Bytes::new(),
+            ended: false,
         }
     }
 }
@@ -311,10 +358,14 @@ impl ChannelReader {
 impl Read for ChannelReader {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         while self.current.is_empty() {
+            if self.ended {
+                return Ok(0);
+            }
             match self.rx.blocking_recv() {
-                Some(Ok(b)) => self.current = b,
-                Some(Err(e)) => return Err(e),
-                None => return Ok(0),
+                Some(Piece::Chunk(Ok(b))) => self.current = b,
+                Some(Piece::Chunk(Err(e))) => return Err(e),
+                Some(Piece::End) => self.ended = true,
+                None => return Err(abnormal_end()),
             }
         }
         let n = buf.len().min(self.current.len());
@@ -441,6 +492,47 @@ mod tests {
             .map(|c| Ok(Bytes::copy_from_slice(c)))
             .collect();
         futures::stream::iter(v).boxed()
+    }
+
+    /// A stream whose producer panics after `good` chunks (what a bug in a codec, or a poisoned
+    /// state, does to a compression thread).
+    fn panics_after(good: usize) -> ByteStream {
+        let data = sample(64 * 1024);
+        let mut n = 0;
+        futures::stream::poll_fn(move |_| {
+            n += 1;
+            assert!(n <= good, "injected panic in the stream's producer");
+            std::task::Poll::Ready(Some(Ok(Bytes::copy_from_slice(&data))))
+        })
+        .boxed()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_panicking_producer_is_a_stream_error_never_a_clean_end() {
+        // Through the read-ahead task.
+        let e = collect(prefetch(panics_after(3), 2)).await.unwrap_err();
+        assert!(e.to_string().contains("without finishing"), "{e}");
+        // Through every encoder (the panic happens in the task feeding the compressor).
+        for codec in [Codec::Gzip, Codec::Zlib] {
+            let out = collect(codec.encode(panics_after(3), 2).unwrap()).await;
+            assert!(out.is_err(), "{codec}: a truncated payload ended cleanly");
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_panic_in_the_compression_thread_is_a_stream_error() {
+        struct Panics;
+        impl Read for Panics {
+            fn read(&mut self, _: &mut [u8]) -> io::Result<usize> {
+                panic!("injected panic in the compression thread")
+            }
+        }
+        let out = blocking_transform(chunks(&sample(1 << 20), 65536), |_| Box::new(Panics));
+        let e = collect(out).await.unwrap_err();
+        assert!(e.to_string().contains("without finishing"), "{e}");
+        // A reader that stops half-way on its own is fine: that is its output.
+        let half = blocking_transform(chunks(&sample(1 << 20), 65536), |r| Box::new(r.take(1000)));
+        assert_eq!(collect(half).await.unwrap().len(), 1000);
     }
 
     #[test]

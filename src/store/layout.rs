@@ -235,10 +235,13 @@ pub fn version_prefix(store_prefix: &str) -> String {
     }
 }
 
-/// The reference's order: by last revision, then creation time.
+/// The reference's order (by last revision, then creation time), except that at equal revision a
+/// final orders after a non-final: the final is the last word of its revision whatever the clocks
+/// of the sidecars that named them said, so it stays the latest full snapshot.
 pub fn compare(a: &Snapshot, b: &Snapshot) -> Ordering {
     a.last_revision
         .cmp(&b.last_revision)
+        .then(a.is_final.cmp(&b.is_final))
         .then(a.created_on.cmp(&b.created_on))
 }
 
@@ -379,6 +382,23 @@ mod tests {
             .map(|s| (s.last_revision, s.created_on.timestamp()))
             .collect();
         assert_eq!(order, vec![(5, 9), (10, 2), (10, 5), (20, 1)]);
+    }
+
+    #[test]
+    fn at_equal_revision_a_final_orders_after_a_non_final_whatever_the_clock_says() {
+        let full = |t, fin| Snapshot::new("", Kind::Full, 0, 50, at(t), Codec::Gzip, fin);
+        // The final's clock was behind the other sidecar's.
+        let mut v = vec![full(200, false), full(100, true), full(150, false)];
+        sort(&mut v);
+        assert!(v.last().unwrap().is_final, "{v:?}");
+        assert!(latest_chain(&v).full_snapshot.unwrap().is_final);
+        // A later revision still wins over a final.
+        let mut v = vec![
+            full(100, true),
+            Snapshot::new("", Kind::Full, 0, 51, at(1), Codec::Gzip, false),
+        ];
+        sort(&mut v);
+        assert!(!v.last().unwrap().is_final);
     }
 
     #[test]
