@@ -8,7 +8,11 @@
 //! - `raw.rs`: the serde types of the merged layers and the lenient text parsers.
 //! - `merge.rs`: the layers, the environment variable of each key, and every value's origin.
 //! - `validate.rs`: each section checked into its validated form.
+//! - `location.rs`: store URLs parsed into a [`StoreLocation`].
+//!
+//! `config` imports nothing else from this crate: every capability reads its section from here.
 
+mod location;
 mod merge;
 mod raw;
 mod validate;
@@ -20,8 +24,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::store::location::StoreLocation;
-
+pub use location::{LocationError, StoreLocation};
 pub use merge::{EnvSource, Override, ProcessEnv, Sources, env_var_for};
 pub use raw::{
     RawConfig, RawCopy, RawEtcd, RawKill, RawLog, RawOwner, RawRestore, RawServer, RawSnapshot,

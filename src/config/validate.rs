@@ -13,9 +13,8 @@ use super::raw::{
 use super::{
     Compression, Config, ConfigError, CopyConfig, EtcdConfig, GcPolicy, KillConfig, LogConfig,
     LogFormat, OwnerConfig, RestoreConfig, Secret, ServerConfig, SnapshotConfig, StoreConfig,
-    TlsFiles,
+    StoreLocation, TlsFiles,
 };
-use crate::store::location::StoreLocation;
 
 /// Validates `raw`; `merged` says where each value came from.
 pub(super) fn validate(raw: &RawConfig, merged: &Merged) -> Result<Config, ConfigError> {
