@@ -6,7 +6,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use etcd_warden::config::{
-    Compression, Config, ConfigError, GcPolicy, Override, Secret, Sources, env_var_for,
+    Compression, Config, ConfigError, GcPolicy, Override, Purpose, Secret, Sources, env_var_for,
 };
 
 fn env(pairs: &[(&str, &str)]) -> HashMap<String, String> {
@@ -21,16 +21,28 @@ fn load(
     e: &[(&str, &str)],
     flags: &[(&str, &str)],
 ) -> Result<Config, ConfigError> {
+    load_for(Purpose::Any, file, e, flags)
+}
+
+fn load_for(
+    purpose: Purpose,
+    file: Option<&Path>,
+    e: &[(&str, &str)],
+    flags: &[(&str, &str)],
+) -> Result<Config, ConfigError> {
     let env = env(e);
     let overrides = flags
         .iter()
         .map(|(k, v)| Override::flag(k, *v, &format!("--{k}")))
         .collect();
-    Config::load(&Sources {
-        file,
-        env: &env,
-        overrides,
-    })
+    Config::load_for(
+        &Sources {
+            file,
+            env: &env,
+            overrides,
+        },
+        purpose,
+    )
     .map(|(c, _)| c)
 }
 
@@ -406,9 +418,36 @@ fn every_error_names_its_key() {
             "not valid TOML",
         ),
     ];
-    for (what, file, e, key, needle) in cases {
+    // What one subcommand requires (valid for the others).
+    let for_subcommands: Vec<(Purpose, Case)> = vec![
+        (
+            Purpose::Copy,
+            (
+                "copy without a source store",
+                None,
+                vec![("ETCD_WARDEN_STORE_URL", "s3://new/p")],
+                "source_store.url",
+                "required for copy",
+            ),
+        ),
+        (
+            Purpose::Restore,
+            (
+                "restore without a data dir",
+                None,
+                vec![("ETCD_WARDEN_RESTORE_DATA_DIR", "")],
+                "restore.data_dir",
+                "required value missing",
+            ),
+        ),
+    ];
+    let cases = cases
+        .into_iter()
+        .map(|c| (Purpose::Any, c))
+        .chain(for_subcommands);
+    for (purpose, (what, file, e, key, needle)) in cases {
         let path = file.map(|t| write(&dir, t));
-        let err = load(path.as_deref(), &e, &[]).expect_err(what);
+        let err = load_for(purpose, path.as_deref(), &e, &[]).expect_err(what);
         assert!(
             err.key.ends_with(key),
             "{what}: key {:?}, want {key:?} ({err})",
@@ -423,6 +462,10 @@ fn every_error_names_its_key() {
         // A value that came from the environment is traced back to its variable.
         if let Some((var, _)) = e.iter().find(|(v, _)| *v == env_var_for(&err.key)) {
             assert_eq!(err.origin, format!(" (from {var})"), "{what}: {err}");
+        }
+        if purpose != Purpose::Any {
+            load(path.as_deref(), &e, &[])
+                .unwrap_or_else(|e| panic!("{what}: only {purpose:?} requires it: {e}"));
         }
     }
 }
@@ -491,6 +534,29 @@ fn config_command_exits_64_naming_a_misspelt_key() {
     assert_eq!(out.status.code(), Some(64));
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("kill.grace (from ETCD_WARDEN_KILL_GRACE)")
+    );
+}
+
+#[test]
+fn a_subcommand_missing_what_it_requires_exits_64_before_it_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("file://{}", dir.path().join("store").display());
+    for (args, key) in [
+        (vec!["restore", "--store", &store], "restore.data_dir"),
+        (vec!["copy", "--dest-store", &store], "source_store.url"),
+    ] {
+        let out = warden().args(&args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(64), "{args:?}: {stderr}");
+        assert!(
+            stderr.starts_with(&format!("etcd-warden: invalid configuration: {key}")),
+            "{args:?}: {stderr}"
+        );
+        assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
+    }
+    assert!(
+        !dir.path().join("store").exists(),
+        "nothing ran: the store was not even created"
     );
 }
 

@@ -289,12 +289,35 @@ pub enum LogFormat {
     Json,
 }
 
+/// What a configuration is loaded for. Each subcommand's own requirements are validated with
+/// everything else, so a subcommand starts only on a configuration that is complete for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Purpose {
+    /// What every subcommand needs: `config`, `snapshot`, `ls`, `verify`, and [`Config::load`].
+    #[default]
+    Any,
+    /// `serve`: the sidecar.
+    Serve,
+    /// `copy`: also a source store (`source_store.url`).
+    Copy,
+    /// `restore`: also a data directory (`restore.data_dir`).
+    Restore,
+}
+
 impl Config {
-    /// Loads every layer and validates the result.
+    /// Loads every layer and validates the result for any use ([`Purpose::Any`]).
     pub fn load(sources: &Sources<'_>) -> Result<(Config, RawConfig), ConfigError> {
+        Self::load_for(sources, Purpose::Any)
+    }
+
+    /// Loads every layer and validates the result, with what `purpose` requires.
+    pub fn load_for(
+        sources: &Sources<'_>,
+        purpose: Purpose,
+    ) -> Result<(Config, RawConfig), ConfigError> {
         let merged = merge::Merged::from_sources(sources)?;
         let raw = merged.raw()?;
-        let config = validate::validate(&raw, &merged)?;
+        let config = validate::validate(&raw, &merged, purpose)?;
         Ok((config, raw))
     }
 }

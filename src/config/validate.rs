@@ -12,13 +12,20 @@ use super::raw::{
 };
 use super::{
     Compression, Config, ConfigError, CopyConfig, EtcdConfig, GcPolicy, KillConfig, LogConfig,
-    LogFormat, OwnerConfig, RestoreConfig, Secret, ServerConfig, SnapshotConfig, StoreConfig,
-    StoreLocation, TlsFiles,
+    LogFormat, OwnerConfig, Purpose, RestoreConfig, Secret, ServerConfig, SnapshotConfig,
+    StoreConfig, StoreLocation, TlsFiles,
 };
 
-/// Validates `raw`; `merged` says where each value came from.
-pub(super) fn validate(raw: &RawConfig, merged: &Merged) -> Result<Config, ConfigError> {
-    Validator { m: merged }.validate(raw)
+/// Validates `raw` for `purpose`; `merged` says where each value came from.
+pub(super) fn validate(
+    raw: &RawConfig,
+    merged: &Merged,
+    purpose: Purpose,
+) -> Result<Config, ConfigError> {
+    let v = Validator { m: merged };
+    let config = v.validate(raw)?;
+    v.purpose(&config, purpose)?;
+    Ok(config)
 }
 
 struct Validator<'a> {
@@ -109,6 +116,22 @@ impl Validator<'_> {
             log: self.log(&raw.log)?,
             restore: self.restore(&raw.restore)?,
         })
+    }
+
+    /// What `purpose` needs beyond what every use needs: values that are optional in general
+    /// but required by one subcommand.
+    fn purpose(&self, c: &Config, purpose: Purpose) -> Result<(), ConfigError> {
+        match purpose {
+            Purpose::Copy if c.source_store.is_none() => Err(self.err(
+                "source_store.url",
+                "required for copy: give --source-store URL",
+            )),
+            Purpose::Restore if c.restore.data_dir.is_none() => Err(self.err(
+                "restore.data_dir",
+                "required value missing: give --data-dir",
+            )),
+            Purpose::Any | Purpose::Serve | Purpose::Copy | Purpose::Restore => Ok(()),
+        }
     }
 
     fn restore(&self, r: &RawRestore) -> Result<RestoreConfig, ConfigError> {
