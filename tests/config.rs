@@ -417,6 +417,27 @@ fn every_error_names_its_key() {
             "config.toml",
             "not valid TOML",
         ),
+        (
+            "retention past chrono's range",
+            None,
+            vec![("ETCD_WARDEN_SNAPSHOT_DELTA_RETENTION", "1000000y")],
+            "snapshot.delta_retention",
+            "maximum of 100 years",
+        ),
+        (
+            "max age past the bound",
+            None,
+            vec![("ETCD_WARDEN_COPY_MAX_AGE", "101y")],
+            "copy.max_age",
+            "maximum of 100 years",
+        ),
+        (
+            "grace past the bound",
+            Some("[kill]\ngrace = \"36526d\"\n"),
+            vec![],
+            "kill.grace",
+            "maximum of 100 years",
+        ),
     ];
     // What one subcommand requires (valid for the others).
     let for_subcommands: Vec<(Purpose, Case)> = vec![
@@ -558,6 +579,30 @@ fn a_subcommand_missing_what_it_requires_exits_64_before_it_runs() {
         !dir.path().join("store").exists(),
         "nothing ran: the store was not even created"
     );
+}
+
+#[test]
+fn a_max_age_past_the_bound_exits_64_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = |name: &str| format!("file://{}", dir.path().join(name).display());
+    let out = warden()
+        .args([
+            "copy",
+            "--source-store",
+            &url("src"),
+            "--dest-store",
+            &url("dst"),
+        ])
+        .args(["--max-age", "1000000y"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
+    assert!(
+        stderr.contains("copy.max_age (from --max-age): \"1000000y\" is longer than the maximum"),
+        "{stderr}"
+    );
+    assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
 }
 
 #[test]

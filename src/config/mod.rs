@@ -27,8 +27,8 @@ use serde::Serialize;
 pub use location::{LocationError, StoreLocation};
 pub use merge::{EnvSource, Override, ProcessEnv, Sources, env_var_for};
 pub use raw::{
-    RawConfig, RawCopy, RawEtcd, RawKill, RawLog, RawOwner, RawRestore, RawServer, RawSnapshot,
-    RawStore, parse_bytes,
+    MAX_DURATION, RawConfig, RawCopy, RawEtcd, RawKill, RawLog, RawOwner, RawRestore, RawServer,
+    RawSnapshot, RawStore, parse_bytes,
 };
 
 /// The embedded defaults: the first layer, and a complete description of every key's default.

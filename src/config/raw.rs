@@ -5,6 +5,7 @@
 //! flags (always text) feed the same code as the file. Unknown keys are rejected by serde.
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use serde::{Deserialize, Deserializer, Serialize};
 
@@ -297,6 +298,29 @@ impl RawConfig {
     }
 }
 
+/// The longest duration any key accepts: 100 years (of 365.25 days, humantime's `y`, so `"100y"`
+/// itself is accepted).
+///
+/// One bound for every key, because what it prevents depends on the size of a duration, not on
+/// its key: a duration past chrono's range (dates end about 262,000 years from now) panicked the
+/// snapshot actor's retention and the copy job's selection in `now - d`. A century is longer than
+/// any meaningful period, timeout, age or retention (zero or empty already means "off" or "keep
+/// all") and keeps `now - d` and `Instant::now() + d` far inside their ranges.
+pub const MAX_DURATION: Duration = Duration::from_secs(100 * 31_557_600);
+
+/// Parses a duration such as `"500ms"`, `"30s"`, `"1h30m"` or `"7d"`, at most [`MAX_DURATION`].
+pub(super) fn parse_duration(text: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(text.trim()).map_err(|e| {
+        format!("invalid duration {text:?} ({e}); write e.g. \"30s\", \"5m\", \"1h30m\"")
+    })?;
+    if d > MAX_DURATION {
+        return Err(format!(
+            "{text:?} is longer than the maximum of 100 years (\"100y\")"
+        ));
+    }
+    Ok(d)
+}
+
 /// An IP address with an optional port (53 when absent).
 pub(super) fn parse_nameserver(s: &str) -> Option<SocketAddr> {
     let s = s.trim();
@@ -348,6 +372,22 @@ mod tests {
                 .contains("unknown unit")
         );
         assert!(parse_bytes("MiB").is_err());
+    }
+
+    #[test]
+    fn durations_are_bounded_at_a_century() {
+        assert_eq!(parse_duration("1h30m"), Ok(Duration::from_secs(5400)));
+        assert_eq!(parse_duration("100y"), Ok(MAX_DURATION));
+        assert_eq!(parse_duration("36525d"), Ok(MAX_DURATION));
+        for text in ["36525d 1s", "101y", "1000000y", "500000000000d"] {
+            let e = parse_duration(text).unwrap_err();
+            assert!(e.contains("maximum of 100 years"), "{text}: {e}");
+        }
+        assert!(
+            parse_duration("99999999999999999999y")
+                .unwrap_err()
+                .contains("invalid duration")
+        );
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::time::Duration;
 use super::merge::Merged;
 use super::raw::{
     RawConfig, RawCopy, RawEtcd, RawKill, RawLog, RawOwner, RawRestore, RawServer, RawSnapshot,
-    RawStore, parse_bytes, parse_nameserver,
+    RawStore, parse_bytes, parse_duration, parse_nameserver,
 };
 use super::{
     Compression, Config, ConfigError, CopyConfig, EtcdConfig, GcPolicy, KillConfig, LogConfig,
@@ -38,12 +38,7 @@ impl Validator<'_> {
     }
 
     fn duration(&self, key: &str, text: &str) -> Result<Duration, ConfigError> {
-        humantime::parse_duration(text.trim()).map_err(|e| {
-            self.err(
-                key,
-                format!("invalid duration {text:?} ({e}); write e.g. \"30s\", \"5m\", \"1h30m\""),
-            )
-        })
+        parse_duration(text).map_err(|m| self.err(key, m))
     }
 
     fn positive_duration(&self, key: &str, text: &str) -> Result<Duration, ConfigError> {
