@@ -461,6 +461,36 @@ fn every_error_names_its_key() {
                 "required value missing",
             ),
         ),
+        (
+            Purpose::Serve,
+            (
+                "serve on every address without a token",
+                None,
+                vec![("ETCD_WARDEN_SERVER_LISTEN", "0.0.0.0:8080")],
+                "server.token",
+                "server.listen (from ETCD_WARDEN_SERVER_LISTEN) = \"0.0.0.0:8080\"",
+            ),
+        ),
+        (
+            Purpose::Serve,
+            (
+                "serve on every IPv6 address without a token",
+                Some("[server]\nlisten = \"[::]:8080\"\n"),
+                vec![],
+                "server.token",
+                "set server.token or server.token_file",
+            ),
+        ),
+        (
+            Purpose::Serve,
+            (
+                "serve on a pod IP without a token",
+                None,
+                vec![("ETCD_WARDEN_SERVER_LISTEN", "10.1.2.3:8080")],
+                "server.token",
+                "not a loopback address",
+            ),
+        ),
     ];
     let cases = cases
         .into_iter()
@@ -578,6 +608,99 @@ fn a_subcommand_missing_what_it_requires_exits_64_before_it_runs() {
     assert!(
         !dir.path().join("store").exists(),
         "nothing ran: the store was not even created"
+    );
+}
+
+#[test]
+fn serve_needs_a_token_only_beyond_loopback() {
+    let c = load_for(Purpose::Serve, None, &[], &[]).expect("embedded defaults serve");
+    assert_eq!(c.server.listen, "127.0.0.1:8080".parse().unwrap());
+    assert!(c.server.loopback_only() && c.server.token.is_none());
+    for listen in [
+        "127.0.0.1:0",
+        "127.1.2.3:8080",
+        "[::1]:8080",
+        "[::ffff:127.0.0.1]:8080",
+    ] {
+        let c = load_for(
+            Purpose::Serve,
+            None,
+            &[("ETCD_WARDEN_SERVER_LISTEN", listen)],
+            &[],
+        )
+        .unwrap_or_else(|e| panic!("{listen}: {e}"));
+        assert!(c.server.loopback_only(), "{listen}");
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "t\n").unwrap();
+    let everywhere = ("ETCD_WARDEN_SERVER_LISTEN", "0.0.0.0:8080");
+    for token in [
+        ("ETCD_WARDEN_SERVER_TOKEN", "t"),
+        (
+            "ETCD_WARDEN_SERVER_TOKEN_FILE",
+            token_file.to_str().unwrap(),
+        ),
+    ] {
+        let c = load_for(Purpose::Serve, None, &[everywhere, token], &[])
+            .unwrap_or_else(|e| panic!("{token:?}: {e}"));
+        assert!(!c.server.loopback_only() && c.server.token.is_some());
+    }
+    // The subcommands that never bind the server do not need it.
+    for purpose in [Purpose::Any, Purpose::Copy, Purpose::Restore] {
+        let e = [
+            everywhere,
+            ("ETCD_WARDEN_SOURCE_STORE_URL", "s3://old/p"),
+            ("ETCD_WARDEN_RESTORE_DATA_DIR", "/var/lib/etcd/data"),
+        ];
+        load_for(purpose, None, &e, &[]).unwrap_or_else(|e| panic!("{purpose:?}: {e}"));
+    }
+}
+
+#[test]
+fn serve_beyond_loopback_without_a_token_exits_64_and_config_still_prints() {
+    let mut child = warden()
+        .arg("serve")
+        .env("ETCD_WARDEN_SERVER_LISTEN", "0.0.0.0:0")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            panic!("serve started without a token on 0.0.0.0");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_eq!(status.code(), Some(64), "{stderr}");
+    assert!(
+        stderr.starts_with(
+            "etcd-warden: invalid configuration: server.token: required when \
+             server.listen (from ETCD_WARDEN_SERVER_LISTEN) = \"0.0.0.0:0\""
+        ),
+        "{stderr}"
+    );
+    assert!(stderr.contains("server.token_file"), "{stderr}");
+    assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
+
+    let out = warden()
+        .arg("config")
+        .env("ETCD_WARDEN_SERVER_LISTEN", "0.0.0.0:0")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
     );
 }
 

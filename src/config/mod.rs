@@ -246,10 +246,19 @@ pub struct KillConfig {
 /// The HTTP server.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
+    /// Loopback by default; `serve` requires a token to listen beyond it.
     pub listen: SocketAddr,
     /// Bearer token required by mutating endpoints, when set.
     pub token: Option<Secret>,
     pub tls: Option<(PathBuf, PathBuf)>,
+}
+
+impl ServerConfig {
+    /// Whether only this host can connect: `listen` is a loopback address (127.0.0.0/8, `::1`,
+    /// or `::ffff:127.x.y.z`), not `0.0.0.0`, `::` or an interface's address.
+    pub fn loopback_only(&self) -> bool {
+        self.listen.ip().to_canonical().is_loopback()
+    }
 }
 
 /// Restoring a data directory from the store (`restore`, and `serve` with `initialize`).
@@ -296,7 +305,8 @@ pub enum Purpose {
     /// What every subcommand needs: `config`, `snapshot`, `ls`, `verify`, and [`Config::load`].
     #[default]
     Any,
-    /// `serve`: the sidecar.
+    /// `serve`: also a bearer token (`server.token` or `server.token_file`) when `server.listen`
+    /// is beyond loopback, for the mutating endpoints.
     Serve,
     /// `copy`: also a source store (`source_store.url`).
     Copy,

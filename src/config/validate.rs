@@ -125,6 +125,18 @@ impl Validator<'_> {
                 "restore.data_dir",
                 "required value missing: give --data-dir",
             )),
+            // Other subcommands never bind the server, so only `serve` needs the token.
+            Purpose::Serve if c.server.token.is_none() && !c.server.loopback_only() => Err(self
+                .err(
+                    "server.token",
+                    format!(
+                        "required when server.listen{} = \"{}\" is not a loopback address, or \
+                         anyone who reaches the port can POST /snapshot/*: set server.token or \
+                         server.token_file, or listen on 127.0.0.1",
+                        self.m.origin_of("server.listen"),
+                        c.server.listen
+                    ),
+                )),
             Purpose::Any | Purpose::Serve | Purpose::Copy | Purpose::Restore => Ok(()),
         }
     }
@@ -426,7 +438,7 @@ impl Validator<'_> {
             self.err(
                 "server.listen",
                 format!(
-                    "{:?} is not an address with a port, e.g. \"0.0.0.0:8080\"",
+                    "{:?} is not an address with a port, e.g. \"127.0.0.1:8080\"",
                     s.listen
                 ),
             )
