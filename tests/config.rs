@@ -6,7 +6,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use etcd_warden::config::{
-    Compression, Config, ConfigError, GcPolicy, Override, Secret, Sources, env_var_for,
+    Compression, Config, ConfigError, GcPolicy, Override, Purpose, Secret, Sources, env_var_for,
 };
 
 fn env(pairs: &[(&str, &str)]) -> HashMap<String, String> {
@@ -21,16 +21,28 @@ fn load(
     e: &[(&str, &str)],
     flags: &[(&str, &str)],
 ) -> Result<Config, ConfigError> {
+    load_for(Purpose::Any, file, e, flags)
+}
+
+fn load_for(
+    purpose: Purpose,
+    file: Option<&Path>,
+    e: &[(&str, &str)],
+    flags: &[(&str, &str)],
+) -> Result<Config, ConfigError> {
     let env = env(e);
     let overrides = flags
         .iter()
         .map(|(k, v)| Override::flag(k, *v, &format!("--{k}")))
         .collect();
-    Config::load(&Sources {
-        file,
-        env: &env,
-        overrides,
-    })
+    Config::load_for(
+        &Sources {
+            file,
+            env: &env,
+            overrides,
+        },
+        purpose,
+    )
     .map(|(c, _)| c)
 }
 
@@ -405,10 +417,88 @@ fn every_error_names_its_key() {
             "config.toml",
             "not valid TOML",
         ),
+        (
+            "retention past chrono's range",
+            None,
+            vec![("ETCD_WARDEN_SNAPSHOT_DELTA_RETENTION", "1000000y")],
+            "snapshot.delta_retention",
+            "maximum of 100 years",
+        ),
+        (
+            "max age past the bound",
+            None,
+            vec![("ETCD_WARDEN_COPY_MAX_AGE", "101y")],
+            "copy.max_age",
+            "maximum of 100 years",
+        ),
+        (
+            "grace past the bound",
+            Some("[kill]\ngrace = \"36526d\"\n"),
+            vec![],
+            "kill.grace",
+            "maximum of 100 years",
+        ),
     ];
-    for (what, file, e, key, needle) in cases {
+    // What one subcommand requires (valid for the others).
+    let for_subcommands: Vec<(Purpose, Case)> = vec![
+        (
+            Purpose::Copy,
+            (
+                "copy without a source store",
+                None,
+                vec![("ETCD_WARDEN_STORE_URL", "s3://new/p")],
+                "source_store.url",
+                "required for copy",
+            ),
+        ),
+        (
+            Purpose::Restore,
+            (
+                "restore without a data dir",
+                None,
+                vec![("ETCD_WARDEN_RESTORE_DATA_DIR", "")],
+                "restore.data_dir",
+                "required value missing",
+            ),
+        ),
+        (
+            Purpose::Serve,
+            (
+                "serve on every address without a token",
+                None,
+                vec![("ETCD_WARDEN_SERVER_LISTEN", "0.0.0.0:8080")],
+                "server.token",
+                "server.listen (from ETCD_WARDEN_SERVER_LISTEN) = \"0.0.0.0:8080\"",
+            ),
+        ),
+        (
+            Purpose::Serve,
+            (
+                "serve on every IPv6 address without a token",
+                Some("[server]\nlisten = \"[::]:8080\"\n"),
+                vec![],
+                "server.token",
+                "set server.token or server.token_file",
+            ),
+        ),
+        (
+            Purpose::Serve,
+            (
+                "serve on a pod IP without a token",
+                None,
+                vec![("ETCD_WARDEN_SERVER_LISTEN", "10.1.2.3:8080")],
+                "server.token",
+                "not a loopback address",
+            ),
+        ),
+    ];
+    let cases = cases
+        .into_iter()
+        .map(|c| (Purpose::Any, c))
+        .chain(for_subcommands);
+    for (purpose, (what, file, e, key, needle)) in cases {
         let path = file.map(|t| write(&dir, t));
-        let err = load(path.as_deref(), &e, &[]).expect_err(what);
+        let err = load_for(purpose, path.as_deref(), &e, &[]).expect_err(what);
         assert!(
             err.key.ends_with(key),
             "{what}: key {:?}, want {key:?} ({err})",
@@ -423,6 +513,10 @@ fn every_error_names_its_key() {
         // A value that came from the environment is traced back to its variable.
         if let Some((var, _)) = e.iter().find(|(v, _)| *v == env_var_for(&err.key)) {
             assert_eq!(err.origin, format!(" (from {var})"), "{what}: {err}");
+        }
+        if purpose != Purpose::Any {
+            load(path.as_deref(), &e, &[])
+                .unwrap_or_else(|e| panic!("{what}: only {purpose:?} requires it: {e}"));
         }
     }
 }
@@ -492,6 +586,146 @@ fn config_command_exits_64_naming_a_misspelt_key() {
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("kill.grace (from ETCD_WARDEN_KILL_GRACE)")
     );
+}
+
+#[test]
+fn a_subcommand_missing_what_it_requires_exits_64_before_it_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("file://{}", dir.path().join("store").display());
+    for (args, key) in [
+        (vec!["restore", "--store", &store], "restore.data_dir"),
+        (vec!["copy", "--dest-store", &store], "source_store.url"),
+    ] {
+        let out = warden().args(&args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(64), "{args:?}: {stderr}");
+        assert!(
+            stderr.starts_with(&format!("etcd-warden: invalid configuration: {key}")),
+            "{args:?}: {stderr}"
+        );
+        assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
+    }
+    assert!(
+        !dir.path().join("store").exists(),
+        "nothing ran: the store was not even created"
+    );
+}
+
+#[test]
+fn serve_needs_a_token_only_beyond_loopback() {
+    let c = load_for(Purpose::Serve, None, &[], &[]).expect("embedded defaults serve");
+    assert_eq!(c.server.listen, "127.0.0.1:8080".parse().unwrap());
+    assert!(c.server.loopback_only() && c.server.token.is_none());
+    for listen in [
+        "127.0.0.1:0",
+        "127.1.2.3:8080",
+        "[::1]:8080",
+        "[::ffff:127.0.0.1]:8080",
+    ] {
+        let c = load_for(
+            Purpose::Serve,
+            None,
+            &[("ETCD_WARDEN_SERVER_LISTEN", listen)],
+            &[],
+        )
+        .unwrap_or_else(|e| panic!("{listen}: {e}"));
+        assert!(c.server.loopback_only(), "{listen}");
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "t\n").unwrap();
+    let everywhere = ("ETCD_WARDEN_SERVER_LISTEN", "0.0.0.0:8080");
+    for token in [
+        ("ETCD_WARDEN_SERVER_TOKEN", "t"),
+        (
+            "ETCD_WARDEN_SERVER_TOKEN_FILE",
+            token_file.to_str().unwrap(),
+        ),
+    ] {
+        let c = load_for(Purpose::Serve, None, &[everywhere, token], &[])
+            .unwrap_or_else(|e| panic!("{token:?}: {e}"));
+        assert!(!c.server.loopback_only() && c.server.token.is_some());
+    }
+    // The subcommands that never bind the server do not need it.
+    for purpose in [Purpose::Any, Purpose::Copy, Purpose::Restore] {
+        let e = [
+            everywhere,
+            ("ETCD_WARDEN_SOURCE_STORE_URL", "s3://old/p"),
+            ("ETCD_WARDEN_RESTORE_DATA_DIR", "/var/lib/etcd/data"),
+        ];
+        load_for(purpose, None, &e, &[]).unwrap_or_else(|e| panic!("{purpose:?}: {e}"));
+    }
+}
+
+#[test]
+fn serve_beyond_loopback_without_a_token_exits_64_and_config_still_prints() {
+    let mut child = warden()
+        .arg("serve")
+        .env("ETCD_WARDEN_SERVER_LISTEN", "0.0.0.0:0")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            panic!("serve started without a token on 0.0.0.0");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_eq!(status.code(), Some(64), "{stderr}");
+    assert!(
+        stderr.starts_with(
+            "etcd-warden: invalid configuration: server.token: required when \
+             server.listen (from ETCD_WARDEN_SERVER_LISTEN) = \"0.0.0.0:0\""
+        ),
+        "{stderr}"
+    );
+    assert!(stderr.contains("server.token_file"), "{stderr}");
+    assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
+
+    let out = warden()
+        .arg("config")
+        .env("ETCD_WARDEN_SERVER_LISTEN", "0.0.0.0:0")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn a_max_age_past_the_bound_exits_64_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = |name: &str| format!("file://{}", dir.path().join(name).display());
+    let out = warden()
+        .args([
+            "copy",
+            "--source-store",
+            &url("src"),
+            "--dest-store",
+            &url("dst"),
+        ])
+        .args(["--max-age", "1000000y"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
+    assert!(
+        stderr.contains("copy.max_age (from --max-age): \"1000000y\" is longer than the maximum"),
+        "{stderr}"
+    );
+    assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
 }
 
 #[test]

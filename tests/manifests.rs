@@ -2,17 +2,19 @@
 //! the type does not know), every kustomization refers to files that exist, and the invariants
 //! the sidecar depends on hold: a shared PID namespace, etcd's readiness probe on the sidecar's
 //! `/healthz` port, the sidecar's config mounted where its args say and accepted by the real
-//! `etcd-warden config`, credential files on Secret mounts, no capability beyond what the kill
-//! needs, the copy Job waiting for the final snapshot. Mutated manifests show the checks bite.
+//! `etcd-warden config` and by its subcommand (`serve` beyond loopback needs the bearer token),
+//! credential files on Secret mounts, no capability beyond what the kill needs, the copy Job
+//! waiting for the final snapshot. Mutated manifests show the checks bite.
 //! Also: the Containerfile builds what Cargo.toml names and carries etcd's version, and every
 //! metric the alert rules in docs/operations.md use is exported.
 
 mod support;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
+use etcd_warden::config::{Config, Purpose, Sources};
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{ConfigMap, Container, PodSpec, Secret, Service};
@@ -507,9 +509,16 @@ fn statefulset_problems(
     };
     let etcd_line = command_line(etcd);
 
-    // Readiness: etcd's probe is the sidecar's /healthz on server.listen's port.
+    // Readiness: etcd's probe is the sidecar's /healthz on server.listen's port, which the
+    // kubelet reaches on the pod's IP: not on loopback (where no token is needed).
     let listen: Option<SocketAddr> = get_str(effective, "server.listen").parse().ok();
     let listen_port = listen.map(|a| i32::from(a.port()));
+    if listen.is_some_and(|a| a.ip().to_canonical().is_loopback()) {
+        out.push(format!(
+            "server.listen {listen:?} is loopback: neither the kubelet's probe nor the Service \
+             reaches it"
+        ));
+    }
     match etcd
         .readiness_probe
         .as_ref()
@@ -543,7 +552,8 @@ fn statefulset_problems(
         ));
     }
 
-    // The config file the sidecar reads, and the Secret files it names.
+    // The config file the sidecar reads, the Secret files it names, and what `serve` requires
+    // of it (beyond loopback, the bearer token of POST /snapshot/*).
     match mounted_config(pod, side, config_maps) {
         Err(e) => out.push(format!("sidecar config: {e}")),
         Ok((_, text)) => match text.parse::<toml::Table>() {
@@ -552,6 +562,7 @@ fn statefulset_problems(
                 for (key, path) in file_keys(&raw) {
                     out.extend(secret_file_problem(pod, side, &key, &path, None, secrets));
                 }
+                out.extend(subcommand_config_problem(side, &text));
             }
         },
     }
@@ -775,6 +786,7 @@ fn job_problems(
                         ));
                     }
                 }
+                out.extend(subcommand_config_problem(c, &text));
             }
         },
     }
@@ -798,15 +810,13 @@ fn job_problems(
     out
 }
 
-/// Runs the real `etcd-warden config` on a config file as `c` would see it: its environment, and
-/// each `*_file` (a Secret file in the pod) replaced by a file of the same name in a temp dir.
-/// Returns the effective configuration it prints.
-fn effective_config(c: &Container, text: &str) -> toml::Table {
-    let dir = tempfile::tempdir().expect("temp dir");
+/// A config file as a container would see it, written into `dir`: each `*_file` (a Secret file
+/// in the pod) replaced by a file of the same name in `dir`. Returns the config file's path.
+fn local_config(dir: &Path, text: &str) -> PathBuf {
     let mut raw: toml::Table = text.parse().expect("config is TOML");
     for (dotted, path) in file_keys(&raw) {
         let (section, key) = dotted.split_once('.').expect("dotted");
-        let local = dir.path().join(section).join(file_name(&path));
+        let local = dir.join(section).join(file_name(&path));
         std::fs::create_dir_all(local.parent().expect("parent")).expect("mkdir");
         std::fs::write(&local, "placeholder").expect("write secret file");
         let table = raw
@@ -815,8 +825,44 @@ fn effective_config(c: &Container, text: &str) -> toml::Table {
             .expect("section");
         table.insert(key.into(), toml::Value::String(local.display().to_string()));
     }
-    let file = dir.path().join("config.toml");
+    let file = dir.join("config.toml");
     std::fs::write(&file, toml::to_string(&raw).expect("TOML")).expect("write config");
+    file
+}
+
+/// Whether the container's subcommand would start on this config: what it requires beyond any
+/// use (`serve`: a token when listening beyond loopback; `copy`: a source store) is validated
+/// as the binary validates it, with the container's environment.
+fn subcommand_config_problem(c: &Container, text: &str) -> Option<String> {
+    let line = command_line(c);
+    let (subcommand, purpose) = match line.first().map(String::as_str) {
+        Some("serve") => ("serve", Purpose::Serve),
+        Some("copy") => ("copy", Purpose::Copy),
+        Some("restore") => ("restore", Purpose::Restore),
+        _ => ("(other)", Purpose::Any),
+    };
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = local_config(dir.path(), text);
+    let env: HashMap<String, String> = environment(c).into_iter().collect();
+    let sources = Sources {
+        file: Some(&file),
+        env: &env,
+        overrides: vec![],
+    };
+    Config::load_for(&sources, purpose).err().map(|e| {
+        format!(
+            "`etcd-warden {subcommand}` in {} refuses to start: {e}",
+            c.name
+        )
+    })
+}
+
+/// Runs the real `etcd-warden config` on a config file as `c` would see it: its environment, and
+/// each `*_file` (a Secret file in the pod) replaced by a file of the same name in a temp dir.
+/// Returns the effective configuration it prints.
+fn effective_config(c: &Container, text: &str) -> toml::Table {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = local_config(dir.path(), text);
     let out = support::warden::command()
         .arg("config")
         .arg("--config")
@@ -1124,6 +1170,44 @@ fn a_broken_statefulset_is_rejected() {
             "{what}: expected a problem mentioning {expected:?}, got {problems:#?}"
         );
     }
+}
+
+#[test]
+fn the_sidecar_listens_beyond_loopback_only_with_a_token() {
+    let b = base();
+    let secrets = example_secrets();
+    let listen: SocketAddr = get_str(&b.effective, "server.listen")
+        .parse()
+        .expect("address");
+    assert!(!listen.ip().is_loopback(), "the probe reaches {listen}");
+    assert!(get(&b.effective, "server.token_file").is_some());
+
+    let edit = |from: &str, to: &str| {
+        let mut maps = b.config_maps.clone();
+        let mut edited = false;
+        for text in maps.values_mut().flat_map(|m| m.values_mut()) {
+            if text.contains(from) {
+                *text = text.replace(from, to);
+                edited = true;
+            }
+        }
+        assert!(edited, "no config holds {from:?}");
+        statefulset_problems(&b.sts, &b.services, &maps, &secrets, &b.effective)
+    };
+    let problems = edit("token_file = ", "# token_file = ");
+    assert!(
+        problems.iter().any(|p| p.contains("`etcd-warden serve` in")
+            && p.contains("server.token: required when server.listen")),
+        "{problems:#?}"
+    );
+
+    let mut effective = b.effective.clone();
+    effective["server"]["listen"] = toml::Value::String("127.0.0.1:8080".into());
+    let problems = statefulset_problems(&b.sts, &b.services, &b.config_maps, &secrets, &effective);
+    assert!(
+        problems.iter().any(|p| p.contains("is loopback")),
+        "{problems:#?}"
+    );
 }
 
 #[test]

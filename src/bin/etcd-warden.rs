@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
-use etcd_warden::config::{Config, ConfigError, Override, ProcessEnv, Sources};
+use etcd_warden::config::{Config, ConfigError, Override, ProcessEnv, Purpose, Sources};
 use tokio_util::sync::CancellationToken;
 
 /// Exit status for bad configuration (EX_USAGE).
@@ -210,6 +210,19 @@ impl Command {
             _ => Vec::new(),
         }
     }
+
+    /// What the subcommand needs of the configuration, validated with the rest.
+    fn purpose(&self) -> Purpose {
+        match self {
+            Command::Serve => Purpose::Serve,
+            Command::Copy(_) => Purpose::Copy,
+            Command::Restore { .. } => Purpose::Restore,
+            Command::Config
+            | Command::Snapshot { .. }
+            | Command::Ls { .. }
+            | Command::Verify { .. } => Purpose::Any,
+        }
+    }
 }
 
 impl Global {
@@ -284,7 +297,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         env: &ProcessEnv,
         overrides,
     };
-    let (config, raw) = Config::load(&sources)?;
+    let (config, raw) = Config::load_for(&sources, cli.command.purpose())?;
     etcd_warden::telemetry::init(&config.log);
     if let Command::Config = cli.command {
         print!("{}", raw.to_redacted_toml());
@@ -380,13 +393,6 @@ mod ops {
     }
 
     pub async fn copy(config: &Config) -> anyhow::Result<()> {
-        if config.source_store.is_none() {
-            return Err(etcd_warden::config::ConfigError::new(
-                "source_store.url",
-                "required for copy: give --source-store URL",
-            )
-            .into());
-        }
         let report = etcd_warden::copy::run_from_config(config)
             .await
             .context("copy failed")?;
@@ -398,14 +404,12 @@ mod ops {
     }
 
     pub async fn restore(config: &Config) -> anyhow::Result<()> {
-        let Some(data_dir) = &config.restore.data_dir else {
-            return Err(etcd_warden::config::ConfigError {
-                key: "restore.data_dir".into(),
-                origin: String::new(),
-                message: "required value missing: give --data-dir".into(),
-            }
-            .into());
-        };
+        // Purpose::Restore has required it; this only unwraps the Option.
+        let data_dir = config
+            .restore
+            .data_dir
+            .as_deref()
+            .context("restore.data_dir is not set")?;
         let store = SnapshotStore::from_config(&config.store)?;
         let opts = etcd_warden::restore::RestoreOptions::from_config(&config.restore, data_dir);
         let report = etcd_warden::restore::restore(&store, &opts).await?;

@@ -1,0 +1,333 @@
+//! Layered configuration: embedded defaults → TOML file → `ETCD_WARDEN_*` environment → flags.
+//!
+//! Every layer is a TOML table; the layers are merged key by key and deserialized once into
+//! [`RawConfig`] (unknown keys rejected), then validated into the immutable [`Config`] before
+//! anything starts. Every error names the dotted key at fault and where its value came from.
+//!
+//! - `mod.rs`: the immutable [`Config`], its sections, [`ConfigError`], [`Config::load`].
+//! - `raw.rs`: the serde types of the merged layers and the lenient text parsers.
+//! - `merge.rs`: the layers, the environment variable of each key, and every value's origin.
+//! - `validate.rs`: each section checked into its validated form.
+//! - `location.rs`: store URLs parsed into a [`StoreLocation`].
+//!
+//! `config` imports nothing else from this crate: every capability reads its section from here.
+
+mod location;
+mod merge;
+mod raw;
+mod validate;
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Serialize;
+
+pub use location::{LocationError, StoreLocation};
+pub use merge::{EnvSource, Override, ProcessEnv, Sources, env_var_for};
+pub use raw::{
+    MAX_DURATION, RawConfig, RawCopy, RawEtcd, RawKill, RawLog, RawOwner, RawRestore, RawServer,
+    RawSnapshot, RawStore, parse_bytes,
+};
+
+/// The embedded defaults: the first layer, and a complete description of every key's default.
+pub const DEFAULTS: &str = include_str!("../config_defaults.toml");
+
+/// Prefix of every environment variable that sets a configuration key.
+pub const ENV_PREFIX: &str = "ETCD_WARDEN_";
+
+/// What is shown instead of a secret's value.
+pub const REDACTED: &str = "<redacted>";
+
+/// A configuration error: one line naming the key (or variable) at fault.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid configuration: {key}{origin}: {message}")]
+pub struct ConfigError {
+    /// The dotted key (`snapshot.delta_period`), file, or environment variable at fault.
+    pub key: String,
+    /// ` (from ETCD_WARDEN_…)` or empty: where the offending value came from.
+    pub origin: String,
+    /// What is wrong with it.
+    pub message: String,
+}
+
+impl ConfigError {
+    /// An error about `key`.
+    pub fn new(key: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            key: key.into(),
+            origin: String::new(),
+            message: message.into(),
+        }
+    }
+}
+
+/// A secret: given inline, or read from a file (re-read by its users when the file changes).
+#[derive(Clone, PartialEq, Eq)]
+pub enum Secret {
+    /// The value itself.
+    Value(String),
+    /// A file holding the value (trailing newline trimmed).
+    File(PathBuf),
+}
+
+impl Secret {
+    /// The current value: read from the file each time for [`Secret::File`].
+    pub fn read(&self) -> std::io::Result<String> {
+        match self {
+            Secret::Value(v) => Ok(v.clone()),
+            Secret::File(p) => Ok(std::fs::read_to_string(p)?
+                .trim_end_matches(['\r', '\n'])
+                .to_string()),
+        }
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Secret::Value(_) => f.write_str(REDACTED),
+            Secret::File(p) => write!(f, "File({})", p.display()),
+        }
+    }
+}
+
+/// The validated, immutable configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub etcd: EtcdConfig,
+    pub store: StoreConfig,
+    /// The copy job's source; `None` when `[source_store]` is absent.
+    pub source_store: Option<StoreConfig>,
+    pub copy: CopyConfig,
+    pub snapshot: SnapshotConfig,
+    /// `None` when the `[owner]` section is absent: a plain backup sidecar.
+    pub owner: Option<OwnerConfig>,
+    pub kill: KillConfig,
+    pub server: ServerConfig,
+    pub log: LogConfig,
+    pub restore: RestoreConfig,
+}
+
+/// How to reach the etcd member next to the sidecar.
+#[derive(Debug, Clone)]
+pub struct EtcdConfig {
+    pub endpoints: Vec<String>,
+    /// Client TLS, when the endpoints are `https://`.
+    pub tls: Option<TlsFiles>,
+    pub username: Option<String>,
+    pub password: Option<Secret>,
+    pub connect_timeout: Duration,
+    pub request_timeout: Duration,
+}
+
+/// TLS material as files, re-read when they change (certificate rotation).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    pub ca_file: Option<PathBuf>,
+    pub cert_file: Option<PathBuf>,
+    pub key_file: Option<PathBuf>,
+}
+
+/// Where snapshots are kept, and the credentials to get there.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    pub location: StoreLocation,
+    pub endpoint: Option<String>,
+    pub region: Option<String>,
+    pub path_style: bool,
+    pub allow_http: bool,
+    pub access_key_id: Option<Secret>,
+    pub secret_access_key: Option<Secret>,
+    pub service_account_file: Option<PathBuf>,
+    pub account_name: Option<String>,
+    pub account_key: Option<Secret>,
+    pub use_emulator: bool,
+}
+
+impl StoreConfig {
+    /// A store at `location` with the defaults of an empty `[store]` section (path-style, no
+    /// explicit credentials: the provider's environment variables still apply).
+    pub fn at(location: StoreLocation) -> Self {
+        StoreConfig {
+            location,
+            endpoint: None,
+            region: None,
+            path_style: true,
+            allow_http: false,
+            access_key_id: None,
+            secret_access_key: None,
+            service_account_file: None,
+            account_name: None,
+            account_key: None,
+            use_emulator: false,
+        }
+    }
+}
+
+/// The copy job (`etcd-warden copy`): source is `source_store`, destination is `store`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CopyConfig {
+    /// Wait for the source's final snapshot before copying.
+    pub wait_for_final: bool,
+    /// How long to wait for it before copying anyway.
+    pub final_timeout: Duration,
+    /// How often to look for it.
+    pub poll_interval: Duration,
+    /// Copy only the newest this many full snapshots (and their deltas); 0 copies all.
+    pub max_backups: u64,
+    /// Copy only snapshots younger than this; `None` copies all.
+    pub max_age: Option<Duration>,
+    /// Objects copied at once (at least 1).
+    pub parallel: usize,
+}
+
+/// Payload compression of new snapshots (all are readable whatever this says).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Compression {
+    None,
+    Gzip,
+    Zlib,
+}
+
+/// Which full snapshots retention keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GcPolicy {
+    /// Keep the newest `max_backups` full snapshots and their deltas.
+    LimitBased { max_backups: u64 },
+    /// Hourly for 24 h, daily for 7 days, weekly for 5 weeks.
+    Exponential,
+}
+
+/// Snapshot schedule, deltas and retention.
+#[derive(Debug, Clone)]
+pub struct SnapshotConfig {
+    /// Cron expression for full snapshots.
+    pub schedule: croner::Cron,
+    /// Zero disables deltas.
+    pub delta_period: Duration,
+    pub delta_memory_limit: u64,
+    pub compression: Compression,
+    pub gc_policy: GcPolicy,
+    pub gc_period: Duration,
+    /// Deltas older than this are deleted even when their full snapshot is kept; zero keeps them
+    /// as long as their full snapshot.
+    pub delta_retention: Duration,
+    pub leader_check_interval: Duration,
+}
+
+/// The owner DNS record this sidecar checks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OwnerConfig {
+    /// DNS name of the TXT record.
+    pub name: String,
+    /// This seed's owner ID: the record's value when we own etcd.
+    pub id: String,
+    pub interval: Duration,
+    /// Per-lookup timeout.
+    pub timeout: Duration,
+    /// Empty means the system resolver configuration.
+    pub nameservers: Vec<SocketAddr>,
+    /// Consecutive failed lookups before the verdict is "unresolvable".
+    pub failure_threshold: u32,
+    /// Longest time a looked-up record is trusted, whatever its TTL says.
+    pub ttl_cap: Duration,
+}
+
+/// How to find and stop etcd in the shared PID namespace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KillConfig {
+    pub process_name: String,
+    pub cmdline_contains: Option<String>,
+    pub grace: Duration,
+}
+
+/// The HTTP server.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Loopback by default; `serve` requires a token to listen beyond it.
+    pub listen: SocketAddr,
+    /// Bearer token required by mutating endpoints, when set.
+    pub token: Option<Secret>,
+    pub tls: Option<(PathBuf, PathBuf)>,
+}
+
+impl ServerConfig {
+    /// Whether only this host can connect: `listen` is a loopback address (127.0.0.0/8, `::1`,
+    /// or `::ffff:127.x.y.z`), not `0.0.0.0`, `::` or an interface's address.
+    pub fn loopback_only(&self) -> bool {
+        self.listen.ip().to_canonical().is_loopback()
+    }
+}
+
+/// Restoring a data directory from the store (`restore`, and `serve` with `initialize`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RestoreConfig {
+    /// The data directory to create; required by `restore` and by `initialize`.
+    pub data_dir: Option<PathBuf>,
+    pub name: String,
+    /// `name=peerURL,...`; empty means this member alone.
+    pub initial_cluster: String,
+    pub initial_cluster_token: String,
+    pub initial_advertise_peer_urls: String,
+    /// Directory of `etcd` and `etcdutl`/`etcdctl`; `None` searches `PATH`.
+    pub etcd_bin: Option<PathBuf>,
+    /// Deltas fetched ahead of the one being replayed (at least 1).
+    pub parallel_fetch: usize,
+    /// Move a non-empty data directory aside instead of refusing.
+    pub force: bool,
+    /// `serve` restores a missing or invalid data directory before it starts.
+    pub initialize: bool,
+    /// Written next to the data directory; a different value there refuses to restore.
+    pub guard: Option<String>,
+}
+
+/// Log output.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogConfig {
+    pub format: LogFormat,
+    /// An `EnvFilter` directive such as `info` or `etcd_warden=debug,info`.
+    pub level: String,
+}
+
+/// Human-readable or JSON lines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    Human,
+    Json,
+}
+
+/// What a configuration is loaded for. Each subcommand's own requirements are validated with
+/// everything else, so a subcommand starts only on a configuration that is complete for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Purpose {
+    /// What every subcommand needs: `config`, `snapshot`, `ls`, `verify`, and [`Config::load`].
+    #[default]
+    Any,
+    /// `serve`: also a bearer token (`server.token` or `server.token_file`) when `server.listen`
+    /// is beyond loopback, for the mutating endpoints.
+    Serve,
+    /// `copy`: also a source store (`source_store.url`).
+    Copy,
+    /// `restore`: also a data directory (`restore.data_dir`).
+    Restore,
+}
+
+impl Config {
+    /// Loads every layer and validates the result for any use ([`Purpose::Any`]).
+    pub fn load(sources: &Sources<'_>) -> Result<(Config, RawConfig), ConfigError> {
+        Self::load_for(sources, Purpose::Any)
+    }
+
+    /// Loads every layer and validates the result, with what `purpose` requires.
+    pub fn load_for(
+        sources: &Sources<'_>,
+        purpose: Purpose,
+    ) -> Result<(Config, RawConfig), ConfigError> {
+        let merged = merge::Merged::from_sources(sources)?;
+        let raw = merged.raw()?;
+        let config = validate::validate(&raw, &merged, purpose)?;
+        Ok((config, raw))
+    }
+}

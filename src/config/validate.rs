@@ -1,0 +1,489 @@
+//! Validation: the raw layer checked section by section into the immutable [`Config`]. Every
+//! error names the dotted key at fault and, through [`Merged`], where its value came from.
+
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use super::merge::Merged;
+use super::raw::{
+    RawConfig, RawCopy, RawEtcd, RawKill, RawLog, RawOwner, RawRestore, RawServer, RawSnapshot,
+    RawStore, parse_bytes, parse_duration, parse_nameserver,
+};
+use super::{
+    Compression, Config, ConfigError, CopyConfig, EtcdConfig, GcPolicy, KillConfig, LogConfig,
+    LogFormat, OwnerConfig, Purpose, RestoreConfig, Secret, ServerConfig, SnapshotConfig,
+    StoreConfig, StoreLocation, TlsFiles,
+};
+
+/// Validates `raw` for `purpose`; `merged` says where each value came from.
+pub(super) fn validate(
+    raw: &RawConfig,
+    merged: &Merged,
+    purpose: Purpose,
+) -> Result<Config, ConfigError> {
+    let v = Validator { m: merged };
+    let config = v.validate(raw)?;
+    v.purpose(&config, purpose)?;
+    Ok(config)
+}
+
+struct Validator<'a> {
+    m: &'a Merged,
+}
+
+impl Validator<'_> {
+    fn err(&self, key: &str, message: impl Into<String>) -> ConfigError {
+        self.m.err(key, message)
+    }
+
+    fn duration(&self, key: &str, text: &str) -> Result<Duration, ConfigError> {
+        parse_duration(text).map_err(|m| self.err(key, m))
+    }
+
+    fn positive_duration(&self, key: &str, text: &str) -> Result<Duration, ConfigError> {
+        let d = self.duration(key, text)?;
+        if d.is_zero() {
+            return Err(self.err(key, "must be greater than zero"));
+        }
+        Ok(d)
+    }
+
+    fn path(
+        &self,
+        key: &str,
+        p: &Option<String>,
+        must_exist: bool,
+    ) -> Result<Option<PathBuf>, ConfigError> {
+        let Some(p) = p else { return Ok(None) };
+        if p.trim().is_empty() {
+            return Err(self.err(key, "is empty; remove the key or give a path"));
+        }
+        let path = PathBuf::from(p);
+        if must_exist && !path.is_file() {
+            return Err(self.err(
+                key,
+                format!("file {p:?} does not exist or is not a regular file"),
+            ));
+        }
+        Ok(Some(path))
+    }
+
+    /// A secret given as `key` or `key_file`, not both.
+    fn secret(
+        &self,
+        key: &str,
+        value: &Option<String>,
+        file: &Option<String>,
+    ) -> Result<Option<Secret>, ConfigError> {
+        let file_key = format!("{key}_file");
+        match (value, file) {
+            (Some(_), Some(_)) => {
+                Err(self.err(key, format!("both {key} and {file_key} are set; give one")))
+            }
+            (Some(v), None) => Ok(Some(Secret::Value(v.clone()))),
+            (None, Some(_)) => {
+                let path = self.path(&file_key, file, true)?.expect("checked Some");
+                let secret = Secret::File(path);
+                secret
+                    .read()
+                    .map_err(|e| self.err(&file_key, format!("cannot read: {e}")))?;
+                Ok(Some(secret))
+            }
+            (None, None) => Ok(None),
+        }
+    }
+
+    fn validate(&self, raw: &RawConfig) -> Result<Config, ConfigError> {
+        Ok(Config {
+            etcd: self.etcd(&raw.etcd)?,
+            store: self.store("store", &raw.store)?,
+            source_store: raw
+                .source_store
+                .as_ref()
+                .map(|s| self.store("source_store", s))
+                .transpose()?,
+            copy: self.copy(&raw.copy)?,
+            snapshot: self.snapshot(&raw.snapshot)?,
+            owner: raw.owner.as_ref().map(|o| self.owner(o)).transpose()?,
+            kill: self.kill(&raw.kill)?,
+            server: self.server(&raw.server)?,
+            log: self.log(&raw.log)?,
+            restore: self.restore(&raw.restore)?,
+        })
+    }
+
+    /// What `purpose` needs beyond what every use needs: values that are optional in general
+    /// but required by one subcommand.
+    fn purpose(&self, c: &Config, purpose: Purpose) -> Result<(), ConfigError> {
+        match purpose {
+            Purpose::Copy if c.source_store.is_none() => Err(self.err(
+                "source_store.url",
+                "required for copy: give --source-store URL",
+            )),
+            Purpose::Restore if c.restore.data_dir.is_none() => Err(self.err(
+                "restore.data_dir",
+                "required value missing: give --data-dir",
+            )),
+            // Other subcommands never bind the server, so only `serve` needs the token.
+            Purpose::Serve if c.server.token.is_none() && !c.server.loopback_only() => Err(self
+                .err(
+                    "server.token",
+                    format!(
+                        "required when server.listen{} = \"{}\" is not a loopback address, or \
+                         anyone who reaches the port can POST /snapshot/*: set server.token or \
+                         server.token_file, or listen on 127.0.0.1",
+                        self.m.origin_of("server.listen"),
+                        c.server.listen
+                    ),
+                )),
+            Purpose::Any | Purpose::Serve | Purpose::Copy | Purpose::Restore => Ok(()),
+        }
+    }
+
+    fn restore(&self, r: &RawRestore) -> Result<RestoreConfig, ConfigError> {
+        let name = r.name.trim();
+        if name.is_empty() {
+            return Err(self.err("restore.name", "required value missing"));
+        }
+        if r.parallel_fetch == 0 {
+            return Err(self.err("restore.parallel_fetch", "must be at least 1"));
+        }
+        for member in r
+            .initial_cluster
+            .split(',')
+            .filter(|m| !m.trim().is_empty())
+        {
+            if !member.contains('=') {
+                return Err(self.err(
+                    "restore.initial_cluster",
+                    format!("{member:?} is not name=peerURL"),
+                ));
+            }
+        }
+        let data_dir = r
+            .data_dir
+            .as_deref()
+            .filter(|d| !d.trim().is_empty())
+            .map(PathBuf::from);
+        Ok(RestoreConfig {
+            data_dir,
+            name: name.to_string(),
+            initial_cluster: r.initial_cluster.trim().to_string(),
+            initial_cluster_token: r.initial_cluster_token.clone(),
+            initial_advertise_peer_urls: r.initial_advertise_peer_urls.clone(),
+            etcd_bin: r
+                .etcd_bin
+                .as_deref()
+                .filter(|d| !d.trim().is_empty())
+                .map(PathBuf::from),
+            parallel_fetch: usize::try_from(r.parallel_fetch).unwrap_or(usize::MAX),
+            force: r.force,
+            initialize: r.initialize,
+            guard: r.guard.clone().filter(|g| !g.is_empty()),
+        })
+    }
+
+    fn etcd(&self, e: &RawEtcd) -> Result<EtcdConfig, ConfigError> {
+        if e.endpoints.is_empty() {
+            return Err(self.err(
+                "etcd.endpoints",
+                "required value missing: give at least one endpoint",
+            ));
+        }
+        let mut any_https = false;
+        for ep in &e.endpoints {
+            let url = url::Url::parse(ep).map_err(|err| {
+                self.err(
+                    "etcd.endpoints",
+                    format!("{ep:?} is not a URL ({err}); write e.g. \"http://127.0.0.1:2379\""),
+                )
+            })?;
+            match url.scheme() {
+                "http" => {}
+                "https" => any_https = true,
+                other => {
+                    return Err(self.err(
+                        "etcd.endpoints",
+                        format!("{ep:?}: scheme {other:?} is not http or https"),
+                    ));
+                }
+            }
+            if url.host_str().is_none() || url.port_or_known_default().is_none() {
+                return Err(self.err("etcd.endpoints", format!("{ep:?} has no host or port")));
+            }
+        }
+        let tls = TlsFiles {
+            ca_file: self.path("etcd.ca_file", &e.ca_file, true)?,
+            cert_file: self.path("etcd.cert_file", &e.cert_file, true)?,
+            key_file: self.path("etcd.key_file", &e.key_file, true)?,
+        };
+        if tls.cert_file.is_some() != tls.key_file.is_some() {
+            let missing = if tls.cert_file.is_some() {
+                "etcd.key_file"
+            } else {
+                "etcd.cert_file"
+            };
+            return Err(self.err(
+                missing,
+                "required when the other half of the client certificate is set",
+            ));
+        }
+        let has_tls = tls.ca_file.is_some() || tls.cert_file.is_some();
+        if has_tls && !any_https {
+            return Err(self.err(
+                "etcd.endpoints",
+                "TLS files are set but no endpoint is https://",
+            ));
+        }
+        let password = self.secret("etcd.password", &e.password, &e.password_file)?;
+        if password.is_some() != e.username.is_some() {
+            let missing = if password.is_some() {
+                "etcd.username"
+            } else {
+                "etcd.password"
+            };
+            return Err(self.err(
+                missing,
+                "required when the other half of the credentials is set",
+            ));
+        }
+        Ok(EtcdConfig {
+            endpoints: e.endpoints.clone(),
+            tls: has_tls.then_some(tls),
+            username: e.username.clone(),
+            password,
+            connect_timeout: self.positive_duration("etcd.connect_timeout", &e.connect_timeout)?,
+            request_timeout: self.positive_duration("etcd.request_timeout", &e.request_timeout)?,
+        })
+    }
+
+    /// Validates a store section (`store`, or another section of the same shape).
+    fn store(&self, section: &str, s: &RawStore) -> Result<StoreConfig, ConfigError> {
+        let key = |k: &str| format!("{section}.{k}");
+        let location =
+            StoreLocation::parse(&s.url).map_err(|e| self.err(&key("url"), e.to_string()))?;
+        if let Some(ep) = &s.endpoint {
+            url::Url::parse(ep)
+                .map_err(|e| self.err(&key("endpoint"), format!("{ep:?} is not a URL ({e})")))?;
+        }
+        let allow_http = s.allow_http.unwrap_or_else(|| {
+            s.endpoint
+                .as_deref()
+                .is_some_and(|e| e.starts_with("http://"))
+        });
+        Ok(StoreConfig {
+            location,
+            endpoint: s.endpoint.clone(),
+            region: s.region.clone(),
+            path_style: s.path_style,
+            allow_http,
+            access_key_id: self.secret(
+                &key("access_key_id"),
+                &s.access_key_id,
+                &s.access_key_id_file,
+            )?,
+            secret_access_key: self.secret(
+                &key("secret_access_key"),
+                &s.secret_access_key,
+                &s.secret_access_key_file,
+            )?,
+            service_account_file: self.path(
+                &key("service_account_file"),
+                &s.service_account_file,
+                true,
+            )?,
+            account_name: s.account_name.clone(),
+            account_key: self.secret(&key("account_key"), &s.account_key, &s.account_key_file)?,
+            use_emulator: s.use_emulator,
+        })
+    }
+
+    fn copy(&self, c: &RawCopy) -> Result<CopyConfig, ConfigError> {
+        let max_age = match c.max_age.trim() {
+            "" => None,
+            text => Some(self.positive_duration("copy.max_age", text)?),
+        };
+        let parallel = usize::try_from(c.parallel)
+            .ok()
+            .filter(|n| (1..=1000).contains(n))
+            .ok_or_else(|| self.err("copy.parallel", "must be between 1 and 1000"))?;
+        Ok(CopyConfig {
+            wait_for_final: c.wait_for_final,
+            final_timeout: self.duration("copy.final_timeout", &c.final_timeout)?,
+            poll_interval: self.positive_duration("copy.poll_interval", &c.poll_interval)?,
+            max_backups: c.max_backups,
+            max_age,
+            parallel,
+        })
+    }
+
+    fn snapshot(&self, s: &RawSnapshot) -> Result<SnapshotConfig, ConfigError> {
+        let schedule = croner::Cron::from_str(s.schedule.trim()).map_err(|e| {
+            self.err(
+                "snapshot.schedule",
+                format!(
+                    "invalid cron expression {:?} ({e}); write e.g. \"0 */1 * * *\"",
+                    s.schedule
+                ),
+            )
+        })?;
+        let compression = match s.compression.trim().to_ascii_lowercase().as_str() {
+            "none" | "" => Compression::None,
+            "gzip" | "gz" => Compression::Gzip,
+            "zlib" => Compression::Zlib,
+            other => {
+                return Err(self.err(
+                    "snapshot.compression",
+                    format!("unknown compression {other:?}; one of gzip, zlib, none"),
+                ));
+            }
+        };
+        let gc_policy = match s.gc_policy.trim() {
+            "LimitBased" => {
+                if s.max_backups == 0 {
+                    return Err(self.err(
+                        "snapshot.max_backups",
+                        "must be at least 1 with gc_policy = \"LimitBased\"",
+                    ));
+                }
+                GcPolicy::LimitBased {
+                    max_backups: s.max_backups,
+                }
+            }
+            "Exponential" => GcPolicy::Exponential,
+            other => {
+                return Err(self.err(
+                    "snapshot.gc_policy",
+                    format!("unknown policy {other:?}; one of LimitBased, Exponential"),
+                ));
+            }
+        };
+        Ok(SnapshotConfig {
+            schedule,
+            delta_period: self.duration("snapshot.delta_period", &s.delta_period)?,
+            delta_memory_limit: parse_bytes(&s.delta_memory_limit)
+                .map_err(|m| self.err("snapshot.delta_memory_limit", m))?,
+            compression,
+            gc_policy,
+            gc_period: self.positive_duration("snapshot.gc_period", &s.gc_period)?,
+            delta_retention: self.duration("snapshot.delta_retention", &s.delta_retention)?,
+            leader_check_interval: self
+                .positive_duration("snapshot.leader_check_interval", &s.leader_check_interval)?,
+        })
+    }
+
+    fn owner(&self, o: &RawOwner) -> Result<OwnerConfig, ConfigError> {
+        if o.name.trim().is_empty() {
+            return Err(self.err(
+                "owner.name",
+                "required value missing: the owner DNS record's name",
+            ));
+        }
+        if o.id.trim().is_empty() {
+            return Err(self.err("owner.id", "required value missing: this seed's owner ID"));
+        }
+        let nameservers = o
+            .nameservers
+            .iter()
+            .map(|ns| {
+                parse_nameserver(ns).ok_or_else(|| {
+                    self.err(
+                        "owner.nameservers",
+                        format!(
+                            "{ns:?} is not an IP address with optional port, e.g. \"10.0.0.10:53\""
+                        ),
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let failure_threshold = u32::try_from(o.failure_threshold)
+            .ok()
+            .filter(|n| *n >= 1)
+            .ok_or_else(|| {
+                self.err(
+                    "owner.failure_threshold",
+                    "must be between 1 and 4294967295",
+                )
+            })?;
+        Ok(OwnerConfig {
+            name: o.name.trim().to_string(),
+            id: o.id.clone(),
+            interval: self.positive_duration("owner.interval", &o.interval)?,
+            timeout: self.positive_duration("owner.timeout", &o.timeout)?,
+            nameservers,
+            failure_threshold,
+            ttl_cap: self.duration("owner.ttl_cap", &o.ttl_cap)?,
+        })
+    }
+
+    fn kill(&self, k: &RawKill) -> Result<KillConfig, ConfigError> {
+        let name = k.process_name.trim();
+        if name.is_empty() {
+            return Err(self.err("kill.process_name", "required value missing"));
+        }
+        // The kernel keeps 15 bytes of a process name in /proc/<pid>/comm.
+        if name.len() > 15 {
+            return Err(self.err("kill.process_name", format!("{name:?} is longer than the 15 bytes the kernel keeps in /proc/<pid>/comm; use kill.cmdline_contains for the rest")));
+        }
+        Ok(KillConfig {
+            process_name: name.to_string(),
+            cmdline_contains: k.cmdline_contains.clone().filter(|s| !s.is_empty()),
+            grace: self.duration("kill.grace", &k.grace)?,
+        })
+    }
+
+    fn server(&self, s: &RawServer) -> Result<ServerConfig, ConfigError> {
+        let listen = s.listen.trim().parse().map_err(|_| {
+            self.err(
+                "server.listen",
+                format!(
+                    "{:?} is not an address with a port, e.g. \"127.0.0.1:8080\"",
+                    s.listen
+                ),
+            )
+        })?;
+        let cert = self.path("server.tls_cert_file", &s.tls_cert_file, true)?;
+        let key = self.path("server.tls_key_file", &s.tls_key_file, true)?;
+        let tls = match (cert, key) {
+            (Some(c), Some(k)) => Some((c, k)),
+            (None, None) => None,
+            (Some(_), None) => {
+                return Err(self.err(
+                    "server.tls_key_file",
+                    "required when server.tls_cert_file is set",
+                ));
+            }
+            (None, Some(_)) => {
+                return Err(self.err(
+                    "server.tls_cert_file",
+                    "required when server.tls_key_file is set",
+                ));
+            }
+        };
+        Ok(ServerConfig {
+            listen,
+            token: self.secret("server.token", &s.token, &s.token_file)?,
+            tls,
+        })
+    }
+
+    fn log(&self, l: &RawLog) -> Result<LogConfig, ConfigError> {
+        let format = match l.format.trim().to_ascii_lowercase().as_str() {
+            "human" | "text" => LogFormat::Human,
+            "json" => LogFormat::Json,
+            other => {
+                return Err(self.err(
+                    "log.format",
+                    format!("unknown format {other:?}; one of human, json"),
+                ));
+            }
+        };
+        tracing_subscriber::EnvFilter::try_new(l.level.trim())
+            .map_err(|e| self.err("log.level", format!("invalid level {:?} ({e})", l.level)))?;
+        Ok(LogConfig {
+            format,
+            level: l.level.trim().to_string(),
+        })
+    }
+}
