@@ -45,9 +45,17 @@ enum Command {
     Config,
     /// Take one full snapshot now and print its name.
     Snapshot {
-        /// Mark it final (the last snapshot of this etcd before it changes owner).
+        /// Mark it final (the last snapshot of this etcd before it changes owner). With an
+        /// [owner] section, refused unless the owner record names another seed or none.
         #[arg(long)]
         r#final: bool,
+    },
+    /// Undo a hand-off in the store: remove the fence markers and the hand-off record, mark the
+    /// finals reclaimed, so this cluster's sidecars may become Active again after a restart.
+    /// With an [owner] section, refused unless the owner record names this seed.
+    Reclaim {
+        #[command(flatten)]
+        store: StoreArg,
     },
     /// List the snapshots in a store, oldest first.
     Ls {
@@ -195,11 +203,13 @@ struct StoreArg {
 impl Command {
     fn overrides(&self) -> Vec<Override> {
         match self {
-            Command::Ls { store, .. } | Command::Verify { store } => store
-                .store
-                .iter()
-                .map(|u| Override::flag("store.url", u, "--store"))
-                .collect(),
+            Command::Ls { store, .. } | Command::Verify { store } | Command::Reclaim { store } => {
+                store
+                    .store
+                    .iter()
+                    .map(|u| Override::flag("store.url", u, "--store"))
+                    .collect()
+            }
             Command::Copy(args) => args.overrides(),
             Command::Restore { store, restore } => store
                 .store
@@ -220,7 +230,8 @@ impl Command {
             Command::Config
             | Command::Snapshot { .. }
             | Command::Ls { .. }
-            | Command::Verify { .. } => Purpose::Any,
+            | Command::Verify { .. }
+            | Command::Reclaim { .. } => Purpose::Any,
         }
     }
 }
@@ -318,6 +329,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Command::Snapshot { r#final } => ops::snapshot(&config, r#final).await,
             Command::Ls { json, .. } => ops::ls(&config, json).await,
             Command::Verify { .. } => ops::verify(&config).await,
+            Command::Reclaim { .. } => ops::reclaim(&config).await,
             Command::Copy(_) => ops::copy(&config).await,
             Command::Restore { .. } => ops::restore(&config).await,
         }
@@ -345,11 +357,33 @@ async fn cancel_on_signal(cancel: CancellationToken) {
 mod ops {
     use anyhow::{Context, bail};
     use etcd_warden::config::Config;
+    use etcd_warden::owner::handoff;
+    use etcd_warden::owner::protocol::Verdict;
+    use etcd_warden::owner::resolve::{CheckResult, OwnerLookup, OwnerResolver};
     use etcd_warden::sidecar::codec;
     use etcd_warden::snapshot::{take_full, verify::verify as verify_one};
     use etcd_warden::store::SnapshotStore;
 
+    /// What the owner record says now, when ownership checks are configured.
+    async fn owner_record(config: &Config) -> anyhow::Result<Option<CheckResult>> {
+        let Some(owner) = &config.owner else {
+            return Ok(None);
+        };
+        let resolver = OwnerResolver::new(owner)?;
+        Ok(Some(resolver.check().await))
+    }
+
     pub async fn snapshot(config: &Config, is_final: bool) -> anyhow::Result<()> {
+        if is_final && let Some(found) = owner_record(config).await? {
+            // A final taken while this seed still owns etcd would stand in for a hand-off that
+            // has not happened (the copy Job takes the latest final).
+            if found.verdict() != Some(Verdict::NotOwner) {
+                bail!(
+                    "refusing a final snapshot: the owner record {} says {found}; a final is only taken once it names another seed or none (the sidecar takes it itself then)",
+                    config.owner.as_ref().map_or("", |o| o.name.as_str())
+                );
+            }
+        }
         let store = SnapshotStore::from_config(&config.store)?;
         let client = etcd_warden::etcd::connect(&config.etcd).await?;
         let snap = take_full(
@@ -361,6 +395,32 @@ mod ops {
         .await
         .context("full snapshot failed")?;
         println!("{}", snap.snap_name);
+        Ok(())
+    }
+
+    pub async fn reclaim(config: &Config) -> anyhow::Result<()> {
+        if let Some(found) = owner_record(config).await?
+            && found.verdict() != Some(Verdict::Owner)
+        {
+            bail!(
+                "refusing to reclaim: the owner record {} says {found}; reclaiming while it does not name this seed ({}) would leave two seeds serving the same data",
+                config.owner.as_ref().map_or("", |o| o.name.as_str()),
+                config.owner.as_ref().map_or("", |o| o.id.as_str())
+            );
+        }
+        let store = SnapshotStore::from_config(&config.store)?;
+        let done = handoff::reclaim(&handoff::HandOffObjects::new(store))
+            .await
+            .with_context(|| format!("reclaiming the hand-off in {}", config.store.location))?;
+        for f in &done.fences_removed {
+            println!("removed fence marker {f}");
+        }
+        for f in &done.finals_reclaimed {
+            println!("reclaimed final snapshot {f}");
+        }
+        println!(
+            "reclaimed: restart the sidecars of this cluster; they become Active when the owner record names them"
+        );
         Ok(())
     }
 

@@ -1,10 +1,11 @@
 //! The copy job: wait for the source's final snapshot, then copy snapshots between stores.
 //!
-//! - **Waiting** (`wait_for_final`): the source store is listed every `poll_interval` until its
-//!   latest full snapshot is marked final ([`plan::final_snapshot`] says why "latest" and not
-//!   "newer than the wait"), or `final_timeout` passes. On timeout the job logs an error and
-//!   copies what is there: proceeding is safe because the source sidecar deactivates itself once
-//!   the owner record moves, so nothing newer can be lost by a copy that goes ahead.
+//! - **Waiting** (`wait_for_final`): the source store is listed every `poll_interval` until it
+//!   holds the hand-off's final snapshot ([`plan::final_snapshot`]: the one etcd-warden's hand-off
+//!   record names, or for a store of the reference tool its newest snapshot when that is a final
+//!   full one), or `final_timeout` passes. On timeout the job logs an error and copies what is
+//!   there, as seed 001 says, so the destination is not left without data; writes the source
+//!   acknowledged after its newest snapshot are then not in the copy, and the log says so.
 //! - **Selection**: [`plan::select`] (all, newest N full snapshots, younger than an age; the
 //!   final snapshot and its deltas always).
 //! - **Streaming**: each object flows from the source's GET into the destination's upload; a tee
@@ -311,10 +312,22 @@ pub async fn wait_for_final(
         timeout_seconds = timeout.as_secs_f64(),
         "waiting for the source's final snapshot"
     );
+    let hand_off = crate::owner::handoff::HandOffObjects::new(source.clone());
     loop {
-        match source.list().await {
-            Ok(list) => {
-                if let Some(f) = plan::final_snapshot(&list) {
+        let listed = async {
+            let record = hand_off.record().await?;
+            let fenced = hand_off.fenced().await?;
+            let list = source.list().await?;
+            Ok::<_, crate::owner::handoff::HandOffError>((list, record, fenced))
+        };
+        match listed.await {
+            Ok((list, record, fenced)) => {
+                let seen = match &record {
+                    Some(r) => plan::HandOffSeen::Recorded(&r.final_snapshot),
+                    None if !fenced.is_empty() => plan::HandOffSeen::InProgress,
+                    None => plan::HandOffSeen::Nothing,
+                };
+                if let Some(f) = plan::final_snapshot(&list, seen) {
                     tracing::info!(
                         snapshot = %f.snap_name,
                         revision = f.last_revision,
@@ -330,8 +343,10 @@ pub async fn wait_for_final(
         if left.is_zero() {
             tracing::error!(
                 waited_seconds = started.elapsed().as_secs_f64(),
-                "NO FINAL SNAPSHOT in the source within the timeout; copying the latest snapshots \
-                 available (the source deactivates itself, so nothing newer is written there)"
+                "NO FINAL SNAPSHOT in the source within the timeout; copying the snapshots there \
+                 are. Writes the source acknowledged after its newest snapshot are NOT in this \
+                 copy: the source may not be fenced yet (see its sidecars' /status) or could not \
+                 store its final snapshot"
             );
             return None;
         }

@@ -27,19 +27,35 @@ pub struct Selection {
     pub max_age: Option<Duration>,
 }
 
-/// The final snapshot the wait is for: the source's latest full snapshot, when it is marked final.
+/// What the source store says of a hand-off (etcd-warden's own objects beside the snapshots).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HandOffSeen<'a> {
+    /// No hand-off objects: a store written by etcd-backup-restore, or no hand-off began.
+    Nothing,
+    /// Fence markers but no record yet: the hand-off is under way.
+    InProgress,
+    /// The hand-off record names this final snapshot.
+    Recorded(&'a str),
+}
+
+/// The final snapshot the wait is for.
 ///
-/// "Latest full is final" rather than "a final one newer than the start of the wait": the
-/// source may have deactivated before this Job started (or before a retried Job's pod), and
-/// that snapshot is exactly the one to copy; a final snapshot followed by newer full ones is a
-/// leftover of an earlier migration that the source recovered from, not the end of its data.
-/// It is also the rule the sidecar itself uses to decide it already took its final snapshot.
-pub fn final_snapshot(sorted: &[Snapshot]) -> Option<&Snapshot> {
-    sorted
-        .iter()
-        .rev()
-        .find(|s| s.is_full())
-        .filter(|s| s.is_final)
+/// With etcd-warden's hand-off record, the final it names: that one holds every write the
+/// source acknowledged (its sidecars took it only once every member was fenced). While fence
+/// markers exist without a record, none yet. Without either (a store of the reference tool),
+/// the source's newest snapshot when it is a full one marked final: a final followed by any
+/// later snapshot (a delta, a newer full one) has writes after it and is a leftover, not the end
+/// of the source's data. "Newest" rather than "newer than the start of the wait": the source may
+/// have deactivated before this Job (or a retried Job's pod) started.
+pub fn final_snapshot<'a>(
+    sorted: &'a [Snapshot],
+    hand_off: HandOffSeen<'_>,
+) -> Option<&'a Snapshot> {
+    match hand_off {
+        HandOffSeen::Recorded(name) => sorted.iter().find(|s| s.snap_name == name),
+        HandOffSeen::InProgress => None,
+        HandOffSeen::Nothing => sorted.last().filter(|s| s.is_full() && s.is_final),
+    }
 }
 
 /// The snapshots to copy from a sorted listing, in the same order.
@@ -188,14 +204,43 @@ mod tests {
     }
 
     #[test]
-    fn the_final_snapshot_is_the_latest_full_one_when_marked() {
-        assert!(final_snapshot(&history(false)).is_none());
-        assert_eq!(final_snapshot(&history(true)).unwrap().last_revision, 30);
+    fn without_a_hand_off_record_the_final_is_the_newest_snapshot_when_marked() {
+        let nothing = HandOffSeen::Nothing;
+        assert!(final_snapshot(&history(false), nothing).is_none());
+        // A final followed by a delta has writes after it: not the end of the source's data.
+        assert!(final_snapshot(&history(true), nothing).is_none());
+        let mut h = history(true);
+        h.pop();
+        assert_eq!(final_snapshot(&h, nothing).unwrap().last_revision, 30);
         // A final snapshot followed by a newer full one is a leftover.
         let mut h = history(false);
         h[2].is_final = true;
-        assert!(final_snapshot(&h).is_none());
-        assert!(final_snapshot(&[]).is_none());
+        assert!(final_snapshot(&h, nothing).is_none());
+        assert!(final_snapshot(&[], nothing).is_none());
+    }
+
+    #[test]
+    fn with_etcd_warden_objects_the_recorded_final_counts_and_nothing_else() {
+        let mut h = history(true);
+        h.pop();
+        let name = h[4].snap_name.clone();
+        assert!(
+            final_snapshot(&h, HandOffSeen::InProgress).is_none(),
+            "fenced, not recorded"
+        );
+        assert_eq!(
+            final_snapshot(&h, HandOffSeen::Recorded(&name))
+                .unwrap()
+                .last_revision,
+            30
+        );
+        assert!(
+            final_snapshot(
+                &h,
+                HandOffSeen::Recorded("Full-00000000-00000099-1.gz.final")
+            )
+            .is_none()
+        );
     }
 
     #[test]
