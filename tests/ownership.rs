@@ -470,3 +470,383 @@ async fn f_an_etcd_that_ignores_sigterm_gets_sigkill_after_the_grace() {
             .join("\n")
     );
 }
+
+/// The sidecar's `/status` owner object.
+async fn owner_status(w: &Warden) -> serde_json::Value {
+    w.get("/status")
+        .await
+        .map(|(_, s)| s["owner"].clone())
+        .unwrap_or_default()
+}
+
+/// Writes through a client that stays connected (what an open client connection of the
+/// kube-apiserver does); returns the acknowledged revisions.
+async fn write_through(client: &mut etcd_client::Client, tag: &str, n: usize) -> Vec<i64> {
+    let mut revs = Vec::new();
+    for i in 0..n {
+        if let Ok(r) = client.put(format!("/{tag}/{i}"), "v", None).await {
+            revs.push(r.header().map_or(0, |h| h.revision()));
+        }
+    }
+    revs
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn g_a_process_name_that_matches_nothing_never_becomes_active_and_takes_no_final() {
+    let dns = DnsServer::start().await;
+    dns.set_txt(RECORD, &[US]).await;
+    let pod = Pod::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (url, store) = file_store(&dir);
+    let mut keys = sidecar_keys(&pod, &dns, &url).await;
+    // An image whose etcd runs as `etcd-wrapper`: the configured name matches nothing.
+    keys.retain(|(k, _)| *k != "kill.process_name");
+    keys.push(("kill.process_name", "etcd-wrapper".into()));
+    let w = Warden::start(&keys);
+    w.wait_up().await;
+    tokio::time::sleep(INTERVAL * 6).await;
+    assert_eq!(
+        healthz(&w).await,
+        503,
+        "never ready: it could not kill etcd"
+    );
+    let owner = owner_status(&w).await;
+    assert_eq!(owner["state"], "starting", "{owner}");
+    let reason = owner["reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.contains("not visible") && reason.contains("etcd-wrapper"),
+        "{reason}"
+    );
+    assert!(
+        store.list().await.unwrap().is_empty(),
+        "no snapshot while not Active"
+    );
+
+    // The flip: deactivated, but the kill is not verified, so no final and no fence.
+    let mut open = etcd_client::Client::connect([pod.endpoint().await], None)
+        .await
+        .unwrap();
+    dns.set_txt(RECORD, &[THEM]).await;
+    let stuck = eventually(Duration::from_secs(10), || async {
+        owner_status(&w).await["kill"]["attempts"].as_u64() >= Some(3)
+    })
+    .await;
+    assert!(stuck, "kill not retried:\n{}", w.log_text());
+    let owner = owner_status(&w).await;
+    assert_eq!(owner["state"], "deactivated", "{owner}");
+    let reason = owner["reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.contains("not verified") && reason.contains("no etcd process found"),
+        "{reason}"
+    );
+    assert!(
+        finals(&store).await.is_empty(),
+        "no final while etcd may serve"
+    );
+    assert_eq!(pod.deaths(), 0, "etcd was not (could not be) killed");
+    // etcd still acknowledges writes on open connections: no final claims to hold them all.
+    assert_eq!(write_through(&mut open, "after-flip", 5).await.len(), 5);
+    let (_, metrics) = w.get("/metrics").await.unwrap();
+    assert!(
+        metrics
+            .as_str()
+            .unwrap_or_default()
+            .contains("etcd_warden_owner_kill_attempts_total{result=\"not_found\"}"),
+        "{metrics}"
+    );
+    assert!(w.log_text().contains("no final snapshot until it is"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn h_a_sidecar_that_may_not_signal_etcd_never_becomes_active_and_takes_no_final() {
+    let dns = DnsServer::start().await;
+    dns.set_txt(RECORD, &[US]).await;
+    let pod = Pod::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (url, store) = file_store(&dir);
+    // The sidecar runs as "nobody", etcd as root, and no CAP_KILL: every signal is EPERM.
+    for p in [dir.path().to_path_buf(), dir.path().join("backups")] {
+        std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    }
+    let w = Warden::start_as(&sidecar_keys(&pod, &dns, &url).await, Some(65534));
+    w.wait_up().await;
+    let explained = eventually(Duration::from_secs(10), || async {
+        owner_status(&w).await["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("EPERM"))
+    })
+    .await;
+    assert!(explained, "{}\n{}", owner_status(&w).await, w.log_text());
+    assert_eq!(healthz(&w).await, 503);
+    assert_eq!(owner_status(&w).await["state"], "starting");
+
+    dns.set_txt(RECORD, &[THEM]).await;
+    let retried = eventually(Duration::from_secs(10), || async {
+        owner_status(&w).await["kill"]["attempts"].as_u64() >= Some(3)
+    })
+    .await;
+    assert!(retried, "{}\n{}", owner_status(&w).await, w.log_text());
+    let owner = owner_status(&w).await;
+    let last = owner["kill"]["last"].as_str().unwrap_or_default();
+    assert!(
+        last.contains("EPERM") && last.contains("CAP_KILL"),
+        "{owner}"
+    );
+    assert_eq!(owner["kill"]["verified"], false);
+    assert!(finals(&store).await.is_empty());
+    assert_eq!(pod.deaths(), 0, "etcd was never signalled");
+    assert!(
+        pod.write("still-serving", 3).await > 0,
+        "etcd keeps serving: nothing claims otherwise"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn i_a_stale_final_never_stands_in_and_nothing_follows_the_hand_offs_final() {
+    let dns = DnsServer::start().await;
+    dns.set_txt(RECORD, &[US]).await;
+    let pod = Pod::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (url, store) = file_store(&dir);
+    let mut keys = sidecar_keys(&pod, &dns, &url).await;
+    keys.push(("server.token", "t0ken".into()));
+    let w = Warden::start(&keys);
+    until_active(&w, &store).await;
+    let http = reqwest::Client::new();
+    let post = |path: &str| http.post(w.url(path)).bearer_auth("t0ken").send();
+
+    // A final while Active is refused.
+    let r = post("/snapshot/full?final=true").await.unwrap();
+    assert_eq!(r.status().as_u16(), 409);
+    assert_eq!(
+        r.json::<serde_json::Value>().await.unwrap()["code"],
+        "not_deactivated"
+    );
+    // An old final in the store (an earlier hand-off, or one taken by hand): acknowledged
+    // writes follow it.
+    let before = pod.write("before-stale", 3).await;
+    let stale = store.new_snapshot(Kind::Full, 0, before, etcd_warden::store::Codec::Gzip, true);
+    store
+        .put_bytes(&stale, bytes::Bytes::from_static(b"an earlier final"))
+        .await
+        .unwrap();
+    let acknowledged = pod.write("after-stale", 20).await;
+
+    dns.set_txt(RECORD, &[THEM]).await;
+    let done = eventually(Duration::from_secs(20), || async {
+        owner_status(&w).await["finalSnapshot"].is_string()
+    })
+    .await;
+    assert!(done, "no final:\n{}", w.log_text());
+    let name = owner_status(&w).await["finalSnapshot"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_ne!(
+        name, stale.snap_name,
+        "the stale final stood in for the hand-off's"
+    );
+    let f = finals(&store).await;
+    let taken = f.iter().find(|s| s.snap_name == name).expect("listed");
+    assert!(
+        taken.last_revision >= acknowledged,
+        "the hand-off's final at {} misses writes up to {acknowledged}",
+        taken.last_revision
+    );
+    assert_eq!(
+        f.len(),
+        2,
+        "the stale one and exactly one of this hand-off: {f:?}"
+    );
+
+    // Deactivated: nothing but the final, so it stays the latest.
+    for path in ["/snapshot/full", "/snapshot/delta"] {
+        let r = post(path).await.unwrap();
+        assert_eq!(r.status().as_u16(), 409, "{path}");
+        assert_eq!(
+            r.json::<serde_json::Value>().await.unwrap()["code"],
+            "deactivated"
+        );
+    }
+    let r = post("/snapshot/full?final=true").await.unwrap();
+    assert_eq!(
+        r.status().as_u16(),
+        200,
+        "answers with the hand-off's final"
+    );
+    assert_eq!(
+        r.json::<serde_json::Value>().await.unwrap()["snapName"],
+        name.as_str()
+    );
+    let (_, latest) = w.get("/snapshot/latest").await.unwrap();
+    assert_eq!(
+        latest["fullSnapshot"]["snapName"],
+        name.as_str(),
+        "{latest}"
+    );
+    assert_eq!(latest["fullSnapshot"]["isFinal"], true);
+    assert_eq!(finals(&store).await.len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn j_a_restarted_sidecar_named_again_stays_handed_off_until_reclaimed() {
+    let dns = DnsServer::start().await;
+    dns.set_txt(RECORD, &[US]).await;
+    let pod = Pod::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (url, store) = file_store(&dir);
+    let keys = sidecar_keys(&pod, &dns, &url).await;
+    let mut w = Warden::start(&keys);
+    until_active(&w, &store).await;
+    dns.set_txt(RECORD, &[THEM]).await;
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            owner_status(&w).await["finalSnapshot"].is_string()
+        })
+        .await,
+        "no final:\n{}",
+        w.log_text()
+    );
+    let env: Vec<(String, String)> = keys
+        .iter()
+        .map(|(k, v)| {
+            (
+                format!("ETCD_WARDEN_{}", k.replace('.', "_").to_ascii_uppercase()),
+                v.clone(),
+            )
+        })
+        .collect();
+    let cli = |args: &[&str]| {
+        support::warden::command()
+            .args(args)
+            .envs(env.clone())
+            .output()
+            .unwrap()
+    };
+    // Undoing the hand-off while the record names another seed is refused.
+    let out = cli(&["reclaim"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("refusing to reclaim"));
+
+    // The record names us again (a rolled-back migration, a stale DNS answer) and the sidecar
+    // restarts: it must not serve, a destination may be running from the final.
+    dns.set_txt(RECORD, &[US]).await;
+    w.restart();
+    w.wait_up().await;
+    let fenced = eventually(Duration::from_secs(15), || async {
+        let o = owner_status(&w).await;
+        o["state"] == "deactivated" && o["finalSnapshot"].is_string()
+    })
+    .await;
+    assert!(fenced, "{}\n{}", owner_status(&w).await, w.log_text());
+    tokio::time::sleep(INTERVAL * 4).await;
+    assert_eq!(healthz(&w).await, 503);
+    assert_eq!(finals(&store).await.len(), 1, "no second final");
+    assert!(w.log_text().contains("handed off earlier"));
+    // A manual final while the record names this seed is refused too.
+    let out = cli(&["snapshot", "--final"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("refusing a final snapshot"));
+
+    // The deliberate undo: reclaim, restart, Active again.
+    let out = cli(&["reclaim"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        said.contains("removed fence marker") && said.contains("reclaimed final"),
+        "{said}"
+    );
+    w.restart();
+    let back = eventually(Duration::from_secs(20), || async {
+        healthz(&w).await == 200
+    })
+    .await;
+    assert!(back, "{}\n{}", owner_status(&w).await, w.log_text());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn k_a_member_that_still_serves_holds_the_final_back() {
+    // Two DNS servers: members 0 and 1 see the flip, member 2's sidecar still sees its seed
+    // (its resolver lags). Writes through member 2 keep committing.
+    let dns = DnsServer::start().await;
+    let lagging = DnsServer::start().await;
+    dns.set_txt(RECORD, &[US]).await;
+    lagging.set_txt(RECORD, &[US]).await;
+    let pod = Pod::cluster(3).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (url, store) = file_store(&dir);
+    let mut wardens = Vec::new();
+    for i in 0..3 {
+        let server = if i == 2 { &lagging } else { &dns };
+        wardens.push(Warden::start(&member_keys(&pod, i, server, &url).await));
+    }
+    for w in &wardens {
+        until_active(w, &store).await;
+    }
+    let member2 = pod.etcd.lock().await.members[2].client_url();
+    let mut open = etcd_client::Client::connect([member2], None).await.unwrap();
+    let logs = || {
+        wardens
+            .iter()
+            .map(Warden::log_text)
+            .collect::<Vec<_>>()
+            .join("\n-----\n")
+    };
+
+    dns.set_txt(RECORD, &[THEM]).await;
+    let two_fenced = eventually(Duration::from_secs(20), || async {
+        let mut n = 0;
+        for w in &wardens[..2] {
+            let o = owner_status(w).await;
+            if o["waitingFor"].as_array().is_some_and(|a| !a.is_empty()) {
+                n += 1;
+            }
+        }
+        n == 2
+    })
+    .await;
+    assert!(two_fenced, "{}", logs());
+    // Member 2 still serves: its writes commit, and no final is taken meanwhile.
+    let mut acknowledged = Vec::new();
+    for round in 0..4 {
+        acknowledged.extend(write_through(&mut open, &format!("lag{round}"), 10).await);
+        tokio::time::sleep(INTERVAL).await;
+    }
+    assert!(
+        acknowledged.len() >= 30,
+        "member 2 serves: {acknowledged:?}"
+    );
+    assert!(
+        finals(&store).await.is_empty(),
+        "a final while a member serves"
+    );
+    let waiting = owner_status(&wardens[0]).await;
+    assert!(
+        waiting["reason"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("waiting for"),
+        "{waiting}"
+    );
+
+    // Member 2's resolver catches up: it is fenced, and only now the final.
+    lagging.set_txt(RECORD, &[THEM]).await;
+    let one = eventually(Duration::from_secs(30), || async {
+        finals(&store).await.len() == 1
+    })
+    .await;
+    assert!(one, "{}", logs());
+    let last = *acknowledged.iter().max().unwrap();
+    let f = &finals(&store).await[0];
+    assert!(
+        f.last_revision >= last,
+        "final at {} misses writes acknowledged by the lagging member up to {last}",
+        f.last_revision
+    );
+    tokio::time::sleep(INTERVAL * 4).await;
+    assert_eq!(finals(&store).await.len(), 1);
+}

@@ -13,6 +13,8 @@ pub struct Warden {
     pub log: PathBuf,
     child: Option<Child>,
     env: BTreeMap<String, String>,
+    /// Run as this user ID instead of the test's.
+    uid: Option<u32>,
     pub dir: tempfile::TempDir,
 }
 
@@ -57,6 +59,12 @@ impl Warden {
     /// Starts `serve` with these configuration keys (dotted, e.g. `store.url`) on top of test
     /// defaults: a free listen port, quick leader checks.
     pub fn start(keys: &[(&str, String)]) -> Warden {
+        Self::start_as(keys, None)
+    }
+
+    /// [`Warden::start`] as another user (`uid`, e.g. 65534 "nobody"), as a sidecar that does not
+    /// share etcd's UID runs.
+    pub fn start_as(keys: &[(&str, String)], uid: Option<u32>) -> Warden {
         let port = free_port();
         let mut env = BTreeMap::new();
         env.insert("server.listen".to_string(), format!("127.0.0.1:{port}"));
@@ -74,6 +82,7 @@ impl Warden {
             log,
             child: None,
             env,
+            uid,
             dir,
         };
         w.spawn();
@@ -93,6 +102,10 @@ impl Warden {
                 format!("ETCD_WARDEN_{}", k.replace('.', "_").to_ascii_uppercase()),
                 v,
             );
+        }
+        if let Some(uid) = self.uid {
+            std::os::unix::process::CommandExt::uid(&mut cmd, uid);
+            std::os::unix::process::CommandExt::gid(&mut cmd, uid);
         }
         cmd.stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))
