@@ -81,7 +81,7 @@ pub type Latest = crate::store::Chain;
 
 /// What a snapshot request asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Take {
+pub enum SnapshotRequest {
     Full { is_final: bool },
     Delta,
 }
@@ -92,7 +92,7 @@ pub trait SnapshotApi: Send + Sync {
     /// The latest full snapshot and its later deltas, from the store.
     async fn latest(&self) -> Result<Latest, ApiError>;
     /// Takes a snapshot now; `None` for a delta when there was nothing to write.
-    async fn take(&self, what: Take) -> Result<Option<Snapshot>, ApiError>;
+    async fn take(&self, what: SnapshotRequest) -> Result<Option<Snapshot>, ApiError>;
 }
 
 /// What `/status` shows: assembled on request from the components.
@@ -236,7 +236,7 @@ async fn take_full(
     let _one = one_at_a_time(&s)?;
     let taken = s
         .snapshots
-        .take(Take::Full {
+        .take(SnapshotRequest::Full {
             is_final: q.r#final,
         })
         .await?;
@@ -253,7 +253,7 @@ async fn take_delta(
 ) -> Result<Response, ApiError> {
     authorize(&s, &headers)?;
     let _one = one_at_a_time(&s)?;
-    snapshot_answer(s.snapshots.take(Take::Delta).await?)
+    snapshot_answer(s.snapshots.take(SnapshotRequest::Delta).await?)
 }
 
 /// The permit of the one mutating request in flight, or 429.
@@ -404,7 +404,7 @@ mod tests {
     use tower::ServiceExt;
 
     struct Fake {
-        taken: Mutex<Vec<Take>>,
+        taken: Mutex<Vec<SnapshotRequest>>,
         /// Requests wait for this before answering.
         hold: tokio::sync::Notify,
         holding: std::sync::atomic::AtomicBool,
@@ -415,7 +415,7 @@ mod tests {
         async fn latest(&self) -> Result<Latest, ApiError> {
             Err(ApiError::unavailable("store unreachable"))
         }
-        async fn take(&self, what: Take) -> Result<Option<Snapshot>, ApiError> {
+        async fn take(&self, what: SnapshotRequest) -> Result<Option<Snapshot>, ApiError> {
             self.taken.lock().unwrap().push(what);
             if self.holding.load(std::sync::atomic::Ordering::SeqCst) {
                 self.hold.notified().await;
@@ -530,7 +530,10 @@ mod tests {
         );
         assert_eq!(
             *fake.taken.lock().unwrap(),
-            vec![Take::Full { is_final: true }, Take::Delta]
+            vec![
+                SnapshotRequest::Full { is_final: true },
+                SnapshotRequest::Delta
+            ]
         );
     }
 

@@ -16,7 +16,8 @@ use crate::owner::metrics::OwnerMetrics;
 use crate::owner::production::context;
 use crate::owner::watchdog::{Watchdog, WatchdogConfig, WatchdogStatus};
 use crate::server::{
-    self, ApiError, Latest, Liveness, Readiness, ServerState, SnapshotApi, StatusSource, Take,
+    self, ApiError, Latest, Liveness, Readiness, ServerState, SnapshotApi, SnapshotRequest,
+    StatusSource,
 };
 use crate::snapshot::actor::{self, ActorConfig, ActorError, ActorHandle};
 use crate::snapshot::engine::EtcdEngine;
@@ -154,13 +155,13 @@ impl SnapshotApi for Snapshots {
         })
     }
 
-    async fn take(&self, what: Take) -> Result<Option<Snapshot>, ApiError> {
+    async fn take(&self, what: SnapshotRequest) -> Result<Option<Snapshot>, ApiError> {
         match what {
-            Take::Full { is_final: true } => self.hand_off_final().await,
-            Take::Full { is_final: false } => {
+            SnapshotRequest::Full { is_final: true } => self.hand_off_final().await,
+            SnapshotRequest::Full { is_final: false } => {
                 self.actor.full().await.map(Some).map_err(actor_error)
             }
-            Take::Delta => self.actor.delta().await.map_err(actor_error),
+            SnapshotRequest::Delta => self.actor.delta().await.map_err(actor_error),
         }
     }
 }

@@ -18,6 +18,7 @@ pub fn init(log: &LogConfig) {
             .json()
             .flatten_event(true)
             .with_current_span(true)
+            .with_span_list(true)
             .try_init(),
     };
 }

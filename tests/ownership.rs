@@ -850,3 +850,43 @@ async fn k_a_member_that_still_serves_holds_the_final_back() {
     tokio::time::sleep(INTERVAL * 4).await;
     assert_eq!(finals(&store).await.len(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_json_log_shows_spans_for_an_ownership_check_and_a_snapshot() {
+    let dns = DnsServer::start().await;
+    dns.set_txt(RECORD, &[US]).await;
+    let pod = Pod::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (url, store) = file_store(&dir);
+    let mut keys = sidecar_keys(&pod, &dns, &url).await;
+    keys.push(("log.format", "json".into()));
+    let w = Warden::start(&keys);
+    until_active(&w, &store).await;
+    let lines: Vec<serde_json::Value> = w
+        .log_text()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let in_span = |name: &str| {
+        lines.iter().find(|l| {
+            l["spans"]
+                .as_array()
+                .is_some_and(|s| s.iter().any(|s| s["name"] == name))
+        })
+    };
+    let check =
+        in_span("owner_check").unwrap_or_else(|| panic!("no owner_check span:\n{}", w.log_text()));
+    assert_eq!(check["span"]["owner_id"], US, "{check}");
+    let snapshot = in_span("full_snapshot")
+        .unwrap_or_else(|| panic!("no full_snapshot span:\n{}", w.log_text()));
+    assert!(snapshot["span"]["is_final"].is_boolean(), "{snapshot}");
+    assert!(
+        lines.iter().any(|l| l["snapshot"].is_string()
+            && l["revision"].is_number()
+            && l["spans"]
+                .as_array()
+                .is_some_and(|s| s.iter().any(|s| s["name"] == "full_snapshot"))),
+        "a stored snapshot's name and revision inside its span:\n{}",
+        w.log_text()
+    );
+}

@@ -13,5 +13,4 @@ pub mod metrics;
 pub mod verify;
 pub mod watcher;
 
-pub use delta::{DeltaWriter, Event, EventType, KeyValue, TimedEvent};
 pub use full::take_full;
