@@ -7,7 +7,7 @@
 //! - [`telemetry`]: `tracing` setup, human or JSON output.
 //! - [`store`]: object stores from URLs, the etcd-backup-restore bucket layout, retention.
 //! - [`snapshot`]: full and delta snapshots, their codecs, and the one snapshot actor.
-//! - [`etcd`]: the etcd seam (clients, TLS, status).
+//! - [`etcd`]: the etcd seam: clients (TLS, auth, rotation), and running etcd members.
 //! - [`owner`]: owner DNS lookups, the pure ownership state machine, and its watchdog.
 //! - [`process`]: finding and killing etcd in a shared PID namespace.
 //! - [`server`]: the HTTP API.

@@ -4,15 +4,14 @@
 mod support;
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use etcd_warden::config::{EtcdConfig, Secret, TlsFiles};
+use etcd_warden::etcd::process::{EtcdProcess, MemberSpec, ServerTls};
 use etcd_warden::snapshot::take_full;
 use etcd_warden::store::{Codec, SnapshotStore};
 use support::etcd::{EtcdCluster, Release};
-use support::free_port;
 use support::tls::make_certs;
 
 fn config(endpoint: String) -> EtcdConfig {
@@ -28,53 +27,40 @@ fn config(endpoint: String) -> EtcdConfig {
 
 /// etcd 3.5 serving clients over TLS, requiring a client certificate; killed on drop.
 struct TlsEtcd {
-    child: Child,
+    _process: EtcdProcess,
     endpoint: String,
+    ports: (u16, u16),
 }
 
 impl TlsEtcd {
     fn start(dir: &Path) -> TlsEtcd {
-        Self::start_on(dir, free_port(), free_port())
+        Self::start_on(dir, 0, 0)
     }
 
-    /// On given ports, so a restarted server keeps its endpoint.
+    /// On given ports (0: chosen), so a restarted server keeps its endpoint; `dir` holds the
+    /// certificates and the data directory `data`.
     fn start_on(dir: &Path, client: u16, peer: u16) -> TlsEtcd {
-        let curl = format!("https://127.0.0.1:{client}");
-        let purl = format!("http://127.0.0.1:{peer}");
-        let child = Command::new(Release::V35.bin("etcd"))
-            .current_dir(dir)
-            .args(["--name", "tls", "--data-dir", "data"])
-            .args([
-                "--listen-client-urls",
-                &curl,
-                "--advertise-client-urls",
-                &curl,
-            ])
-            .args([
-                "--listen-peer-urls",
-                &purl,
-                "--initial-advertise-peer-urls",
-                &purl,
-            ])
-            .args(["--initial-cluster", &format!("tls={purl}")])
-            .args(["--cert-file", "server.pem", "--key-file", "server.key"])
-            .args(["--client-cert-auth", "--trusted-ca-file", "ca.pem"])
-            .args(["--unsafe-no-fsync", "--log-level", "error"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn etcd");
+        let mut spec = MemberSpec {
+            client_port: client,
+            peer_port: peer,
+            client_tls: Some(ServerTls {
+                cert_file: dir.join("server.pem"),
+                key_file: dir.join("server.key"),
+                trusted_ca_file: Some(dir.join("ca.pem")),
+                client_cert_auth: true,
+            }),
+            no_fsync: true,
+            log_level: "error".into(),
+            ..MemberSpec::new("tls", dir.join("data"))
+        };
+        let process = spec
+            .spawn(Release::V35.binaries())
+            .unwrap_or_else(|e| panic!("{e}"));
         TlsEtcd {
-            child,
-            endpoint: curl,
+            _process: process,
+            endpoint: spec.client_url(),
+            ports: (spec.client_port, spec.peer_port),
         }
-    }
-}
-
-impl Drop for TlsEtcd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -179,8 +165,8 @@ async fn rotated_certificates_are_picked_up_without_a_restart() {
         }
     };
     install(old.path());
-    let (cport, pport) = (free_port(), free_port());
-    let mut etcd = TlsEtcd::start_on(old.path(), cport, pport);
+    let mut etcd = TlsEtcd::start(old.path());
+    let (cport, pport) = etcd.ports;
     let mut cfg = config(etcd.endpoint.clone());
     cfg.tls = Some(tls(live.path(), true));
     let deadline = Instant::now() + Duration::from_secs(15);
