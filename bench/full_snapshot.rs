@@ -69,14 +69,7 @@ async fn main() {
         .unwrap_or(128);
     let bins = bin_dir();
     let dir = tempfile::tempdir().unwrap();
-    let etcd = EtcdMember::launch(
-        Release::V35,
-        "b",
-        dir.path().join("data"),
-        dir.path().join("etcd.log"),
-        &["--quota-backend-bytes", "8589934592"],
-    )
-    .await;
+    let etcd = EtcdMember::launch_bulk("b", dir.path().join("data")).await;
     let curl = etcd.client_url();
     let mut client = etcd_client::Client::connect([&curl], None).await.unwrap();
     client.put("warmup", "1", None).await.unwrap();

@@ -10,19 +10,12 @@
 mod support;
 use etcd_warden::restore::replay::{self, ReplayOp, RevisionGroup};
 use std::time::Instant;
-use support::etcd::{EtcdMember, Release};
+use support::etcd::EtcdMember;
 
 #[tokio::main(flavor = "multi_thread")]
 async fn main() {
     let dir = tempfile::tempdir().unwrap();
-    let etcd = EtcdMember::launch(
-        Release::V35,
-        "x",
-        dir.path().join("data"),
-        dir.path().join("etcd.log"),
-        &["--quota-backend-bytes", "8589934592"],
-    )
-    .await;
+    let etcd = EtcdMember::launch_bulk("x", dir.path().join("data")).await;
     let mut client = etcd_client::Client::connect([etcd.client_url()], None)
         .await
         .unwrap();

@@ -34,14 +34,7 @@ fn bin_dir() -> PathBuf {
 
 /// etcd on `data` (existing or new) on loopback ports of its own; returns it and its client URL.
 async fn start_etcd(data: &Path, name: &str) -> (EtcdMember, String) {
-    let etcd = EtcdMember::launch(
-        Release::V35,
-        name,
-        data.to_path_buf(),
-        data.with_extension("log"),
-        &["--quota-backend-bytes", "8589934592"],
-    )
-    .await;
+    let etcd = EtcdMember::launch_bulk(name, data.to_path_buf()).await;
     let url = etcd.client_url();
     (etcd, url)
 }

@@ -122,18 +122,26 @@ impl EtcdMember {
         extra_args: &[&str],
     ) -> EtcdMember {
         let mut spec = MemberSpec {
+            bootstrap: Some(Bootstrap {
+                token: format!("t-{}-{name}", std::process::id()),
+                ..new_cluster()
+            }),
             extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
             ..member_spec(name, &data_dir, &log)
         };
-        spec.bootstrap = Some(Bootstrap {
-            token: format!("t-{}-{name}", std::process::id()),
-            ..new_cluster()
-        });
         let process = spec
             .start(release.binaries(), START_TIMEOUT)
             .await
             .unwrap_or_else(|e| panic!("etcd {name} did not start: {e}; log:\n{}", read(&log)));
         EtcdMember::running(release, spec, process)
+    }
+
+    /// A running etcd 3.5 for bulk loads (the benchmarks): an 8 GiB quota, its log beside
+    /// `data_dir` (new, or holding a member named `name`).
+    pub async fn launch_bulk(name: &str, data_dir: PathBuf) -> EtcdMember {
+        let log = data_dir.with_extension("log");
+        let quota = ["--quota-backend-bytes", "8589934592"];
+        EtcdMember::launch(Release::V35, name, data_dir, log, &quota).await
     }
 
     /// The member `spec` describes, running as `process`.
