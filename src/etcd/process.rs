@@ -671,8 +671,9 @@ fn empty_dir(dir: &Path) -> Result<(), ProcessError> {
 
 /// Starts `members` together and waits until every one is healthy. A member whose
 /// `bootstrap.initial_cluster` is `None` gets all of them as its initial cluster (when there is
-/// more than one). Ports left at 0 are chosen; when one of them turns out to be taken, the
-/// members are stopped and started again on new ports, at most [`START_ATTEMPTS`] times. With
+/// more than one). Ports left at 0 are chosen; when one of them turns out to be taken (as the
+/// member's log says: without a log it is an [`ProcessError::Exited`]), the members are stopped
+/// and started again on new ports, at most [`START_ATTEMPTS`] times. With
 /// more than one member, that needs every member new on a data directory empty at the start,
 /// which is emptied again: another member may have initialised it with the lost peer URL (a
 /// restored cluster cannot start again elsewhere). On return the specs hold the ports used.
