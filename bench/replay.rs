@@ -9,51 +9,16 @@
 #[allow(unused_imports)]
 mod support;
 use etcd_warden::restore::replay::{self, ReplayOp, RevisionGroup};
-use std::process::{Command, Stdio};
 use std::time::Instant;
+use support::etcd::EtcdMember;
 
 #[tokio::main(flavor = "multi_thread")]
 async fn main() {
-    let bins = support::etcd::Release::V35.bin_dir();
     let dir = tempfile::tempdir().unwrap();
-    let (c, p) = (support::free_port(), support::free_port());
-    let curl = format!("http://127.0.0.1:{c}");
-    let purl = format!("http://127.0.0.1:{p}");
-    let mut child = Command::new(bins.join("etcd"))
-        .args(["--name", "x", "--data-dir"])
-        .arg(dir.path())
-        .args([
-            "--listen-client-urls",
-            &curl,
-            "--advertise-client-urls",
-            &curl,
-        ])
-        .args([
-            "--listen-peer-urls",
-            &purl,
-            "--initial-advertise-peer-urls",
-            &purl,
-        ])
-        .args(["--initial-cluster", &format!("x={purl}")])
-        .args([
-            "--unsafe-no-fsync",
-            "--quota-backend-bytes",
-            "8589934592",
-            "--log-level",
-            "error",
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
+    let etcd = EtcdMember::launch_bulk("x", dir.path().join("data")).await;
+    let mut client = etcd_client::Client::connect([etcd.client_url()], None)
+        .await
         .unwrap();
-    let mut client = loop {
-        if let Ok(mut c) = etcd_client::Client::connect([&curl], None).await
-            && c.status().await.is_ok()
-        {
-            break c;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    };
     let windows: Vec<usize> = std::env::args()
         .skip(1)
         .filter_map(|a| a.parse().ok())
@@ -111,6 +76,5 @@ async fn main() {
             done.rounds
         );
     }
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(etcd);
 }

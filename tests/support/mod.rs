@@ -17,7 +17,9 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-/// A free TCP port on 127.0.0.1 (bound then released; the caller binds it again at once).
+/// A free TCP port on 127.0.0.1 (bound then released; the caller binds it again at once), for
+/// servers that cannot report a port of their own. Not for etcd: its members get their ports
+/// from `etcd_warden::etcd::process`, which also starts them again when a port is lost.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())

@@ -1,7 +1,15 @@
-//! The etcd seam: clients built from configuration (endpoints, TLS, auth).
+//! Clients built from configuration (endpoints, TLS, auth).
 //!
 //! TLS files and the password file are read on every [`connect`], so reconnecting picks up a
 //! rotated certificate or password.
+//!
+//! etcd forgets its auth tokens: a simple token when etcd restarts (the sidecar kills etcd, the
+//! kubelet starts it again), any token once its TTL passes. A client with credentials
+//! authenticates again when etcd refuses its token in a unary call (etcd-client's automatic
+//! refresh). That does not cover what the sidecar streams: etcd refuses a stale token in a
+//! snapshot stream with an error the refresh does not recognise, and in a watch only in the
+//! watch's first response, after the call succeeded. So [`RotatingClient::client`] has etcd check
+//! the token with a small read first, which the refresh does cover.
 
 use crate::config::EtcdConfig;
 
@@ -54,7 +62,9 @@ pub fn connect_options(config: &EtcdConfig) -> Result<etcd_client::ConnectOption
             },
             source,
         })?;
-        opts = opts.with_user(user, password);
+        // etcd forgets a token when it restarts, or when the token's TTL passes: unary calls
+        // refused for it authenticate again and are retried once.
+        opts = opts.with_user(user, password).with_auto_token_refresh(true);
     }
     if let Some(tls) = &config.tls {
         let mut t = etcd_client::TlsOptions::new();
@@ -84,7 +94,8 @@ pub async fn connect(config: &EtcdConfig) -> Result<etcd_client::Client, EtcdErr
 }
 
 /// A client rebuilt when its TLS files or password file change, so a long-running sidecar
-/// follows certificate and password rotation without a restart.
+/// follows certificate and password rotation without a restart, and whose auth token is
+/// renewed when etcd no longer knows it.
 pub struct RotatingClient {
     config: EtcdConfig,
     client: etcd_client::Client,
@@ -120,8 +131,9 @@ impl RotatingClient {
         })
     }
 
-    /// The client, rebuilt first when a file it was built from changed since. When the new
-    /// files cannot be used yet (half written), the old client is kept and the error logged.
+    /// The client, rebuilt first when a file it was built from changed since, and with
+    /// credentials, its token checked (see the module docs). When the new files cannot be used
+    /// yet (half written), the old client is kept and the error logged.
     pub async fn client(&mut self) -> etcd_client::Client {
         let now = stamp(&self.config);
         if now != self.stamp {
@@ -130,15 +142,43 @@ impl RotatingClient {
                     tracing::info!("etcd credentials changed on disk; reconnected");
                     self.client = c;
                     self.stamp = now;
+                    return self.client.clone();
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "etcd credentials changed but cannot be used yet")
                 }
             }
         }
+        if self.config.username.is_some() {
+            self.check_token().await;
+        }
         self.client.clone()
     }
+
+    /// A serializable, count-only read of one key, answered by the member itself: etcd checks
+    /// the token before anything else, and a refusal makes the client authenticate again (the
+    /// clones of a client share its token). Any other outcome (no permission on the key, etcd
+    /// down) is left to the caller's own call; the check waits [`TOKEN_CHECK_TIMEOUT`] at most.
+    async fn check_token(&self) {
+        let opts = etcd_client::GetOptions::new()
+            .with_serializable()
+            .with_count_only()
+            .with_limit(1);
+        let mut kv = self.client.kv_client();
+        let limit = self.config.request_timeout.min(TOKEN_CHECK_TIMEOUT);
+        match tokio::time::timeout(limit, kv.get(TOKEN_CHECK_KEY, Some(opts))).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(error)) => tracing::debug!(%error, "etcd token check failed"),
+            Err(_) => tracing::debug!(?limit, "etcd token check timed out"),
+        }
+    }
 }
+
+/// The key [`RotatingClient`] reads to have etcd check its token (it need not exist).
+const TOKEN_CHECK_KEY: &str = "/etcd-warden/token-check";
+
+/// How long a token check may delay a call.
+const TOKEN_CHECK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
 #[cfg(test)]
 mod tests {
