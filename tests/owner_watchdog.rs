@@ -1,33 +1,41 @@
-//! The ownership watchdog end to end: real DNS (hickory-server on loopback) and the real resolver,
-//! in-memory fakes for the etcd process, etcd's API, the store's hand-off objects and readiness.
-//! The fakes record every call, so each test checks the order of what the watchdog did.
-//! (What the fakes do not check: real signals and `/proc` — tests/process_kill.rs and
-//! tests/ownership.rs; a real store and snapshot actor — tests/ownership.rs.)
+//! The ownership watchdog end to end, with real DNS (hickory-server on loopback) and the real
+//! resolver:
+//! - with in-memory fakes for the etcd process, etcd's API, the store's hand-off objects and
+//!   readiness, which record every call, so each test checks the order of what the watchdog did
+//!   (what they do not check: real signals and `/proc`, a real store and snapshot actor);
+//! - against a real etcd process: the real process killer SIGTERMs it, a stand-in for the kubelet
+//!   restarts it, the real etcd API (health, members, a linearizable revision) sees it come back,
+//!   and only then is the final snapshot requested; and against the real snapshot actor with a
+//!   store that never answers, to bound verdict -> SIGTERM.
 
-#[path = "support/dns.rs"]
-mod dns;
+mod support;
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use dns::{DnsServer, Mode};
 use etcd_warden::backoff::Backoff;
 use etcd_warden::config::OwnerConfig;
+use etcd_warden::config::{EtcdConfig, KillConfig};
 use etcd_warden::health::Health;
 use etcd_warden::owner::handoff::{FenceMarker, HandOffRecord, Member};
 use etcd_warden::owner::metrics::OwnerMetrics;
+use etcd_warden::owner::production::{EtcdApi, OwnerStatus};
 use etcd_warden::owner::protocol::State;
 use etcd_warden::owner::resolve::OwnerResolver;
 use etcd_warden::owner::watchdog::{
     Context, EtcdView, ReadinessSink, SeamError, Snapshots, Watchdog, WatchdogConfig,
     WatchdogStatus,
 };
+use etcd_warden::process::ProcKiller;
 use etcd_warden::process::{KillReport, Outcome, ProcessControl, ProcessError, ProcessId};
+use etcd_warden::server::{Readiness, StatusSource};
 use etcd_warden::snapshot::gate::Gate;
 use etcd_warden::store::{Codec, Kind, Snapshot};
 use prometheus_client::registry::Registry;
+use support::dns::{DnsServer, Mode};
+use support::etcd::{EtcdCluster, Release};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -273,6 +281,22 @@ impl ReadinessSink for Fake {
     }
 }
 
+/// A DNS server whose owner record holds `record`, and a watchdog over `world` checking it.
+async fn running(record: &[&str], world: Arc<World>) -> (DnsServer, Running) {
+    let server = DnsServer::start().await;
+    server.set_txt(NAME, record).await;
+    let run = Running::start(&server, world).await;
+    (server, run)
+}
+
+/// [`running`] naming us, once the watchdog is Active and ready.
+async fn running_ready(world: Arc<World>) -> (DnsServer, Running) {
+    let (server, mut run) = running(&[ID], world).await;
+    run.until("active and ready", |s| s.state == "active" && s.ready)
+        .await;
+    (server, run)
+}
+
 struct Running {
     world: Arc<World>,
     registry: Registry,
@@ -283,22 +307,16 @@ struct Running {
 
 impl Running {
     async fn start(server: &DnsServer, world: Arc<World>) -> Running {
-        let owner = OwnerConfig {
-            name: NAME.into(),
-            id: ID.into(),
-            interval: Duration::from_millis(50),
-            timeout: Duration::from_millis(200),
-            nameservers: vec![server.addr()],
-            failure_threshold: 2,
-            ttl_cap: Duration::ZERO,
-        };
-        let config = WatchdogConfig {
-            owner_id: ID.into(),
-            interval: owner.interval,
-            failure_threshold: owner.failure_threshold,
-            health_interval: Duration::from_millis(20),
-            backoff: Backoff::new(Duration::from_millis(20), Duration::from_millis(80)),
-        };
+        let owner = owner_config(
+            server,
+            Duration::from_millis(50),
+            Duration::from_millis(200),
+        );
+        let config = watchdog_config(
+            &owner,
+            Duration::from_millis(20),
+            Backoff::new(Duration::from_millis(20), Duration::from_millis(80)),
+        );
         let fake = Arc::new(Fake(world.clone()));
         let ctx = Context {
             lookup: Arc::new(OwnerResolver::new(&owner).expect("resolver")),
@@ -340,6 +358,21 @@ impl Running {
         }
     }
 
+    /// Final snapshots requested.
+    fn finals(&self) -> usize {
+        self.world.count(|c| matches!(c, Call::Final(_)))
+    }
+
+    /// Kills requested.
+    fn kills(&self) -> usize {
+        self.world.count(|c| *c == Call::Kill)
+    }
+
+    /// What readiness says now.
+    fn ready(&self) -> bool {
+        self.world.ready.load(Ordering::SeqCst)
+    }
+
     fn metrics(&self) -> String {
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &self.registry).expect("encode");
@@ -354,9 +387,7 @@ impl Running {
 
 #[tokio::test]
 async fn owner_then_other_owner_deactivates_for_good_with_one_final_snapshot() {
-    let server = DnsServer::start().await;
-    server.set_txt(NAME, &[ID]).await;
-    let mut run = Running::start(&server, World::new()).await;
+    let (server, mut run) = running(&[ID], World::new()).await;
     run.until("active and ready", |s| s.state == "active" && s.ready)
         .await;
     assert_eq!(
@@ -390,9 +421,9 @@ async fn owner_then_other_owner_deactivates_for_good_with_one_final_snapshot() {
     run.until("more checks", |s| s.last_check_at > checks_before)
         .await;
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert!(!run.world.ready.load(Ordering::SeqCst));
-    assert_eq!(run.world.count(|c| matches!(c, Call::Final(_))), 1);
-    assert_eq!(run.world.count(|c| *c == Call::Kill), 1);
+    assert!(!run.ready());
+    assert_eq!(run.finals(), 1);
+    assert_eq!(run.kills(), 1);
     let metrics = run.metrics();
     for line in [
         "etcd_warden_owner_state{state=\"deactivated\"} 1",
@@ -407,35 +438,29 @@ async fn owner_then_other_owner_deactivates_for_good_with_one_final_snapshot() {
 
 #[tokio::test]
 async fn a_removed_record_deactivates_and_takes_the_final_snapshot() {
-    let server = DnsServer::start().await;
-    server.set_txt(NAME, &[ID]).await;
-    let mut run = Running::start(&server, World::new()).await;
-    run.until("ready", |s| s.ready).await;
+    let (server, mut run) = running_ready(World::new()).await;
     server.remove_txt(NAME).await;
     run.until("final snapshot stored", |s| s.final_snapshot.is_some())
         .await;
-    assert_eq!(run.world.count(|c| matches!(c, Call::Final(_))), 1);
-    assert!(!run.world.ready.load(Ordering::SeqCst));
+    assert_eq!(run.finals(), 1);
+    assert!(!run.ready());
     run.stop().await;
 }
 
 #[tokio::test]
 async fn an_unresolvable_record_suspends_without_final_snapshot_and_resumes() {
-    let server = DnsServer::start().await;
-    server.set_txt(NAME, &[ID]).await;
-    let mut run = Running::start(&server, World::new()).await;
-    run.until("ready", |s| s.ready).await;
+    let (server, mut run) = running_ready(World::new()).await;
 
     server.set_mode(Mode::ServFail);
     run.until("suspended", |s| s.state == "suspended").await;
-    assert!(!run.world.ready.load(Ordering::SeqCst));
+    assert!(!run.ready());
     // Several more failed checks: still one kill, never a fence or final snapshot.
     let failures = run.status.borrow().consecutive_failures;
     run.until("more failures", |s| s.consecutive_failures >= failures + 3)
         .await;
-    assert_eq!(run.world.count(|c| *c == Call::Kill), 1);
+    assert_eq!(run.kills(), 1);
     assert_eq!(run.world.count(|c| *c == Call::Fence), 0);
-    assert_eq!(run.world.count(|c| matches!(c, Call::Final(_))), 0);
+    assert_eq!(run.finals(), 0);
 
     server.set_mode(Mode::Silent);
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -445,16 +470,13 @@ async fn an_unresolvable_record_suspends_without_final_snapshot_and_resumes() {
     run.until("active and ready again", |s| s.state == "active" && s.ready)
         .await;
     assert_eq!(run.world.count(|c| *c == Call::Gate(Gate::Open)), 2);
-    assert_eq!(run.world.count(|c| matches!(c, Call::Final(_))), 0);
+    assert_eq!(run.finals(), 0);
     run.stop().await;
 }
 
 #[tokio::test]
 async fn one_failed_lookup_below_the_threshold_changes_nothing() {
-    let server = DnsServer::start().await;
-    server.set_txt(NAME, &[ID]).await;
-    let mut run = Running::start(&server, World::new()).await;
-    run.until("ready", |s| s.ready).await;
+    let (server, mut run) = running_ready(World::new()).await;
     server.set_mode(Mode::ServFail);
     run.until("one failure", |s| s.consecutive_failures == 1)
         .await;
@@ -462,17 +484,15 @@ async fn one_failed_lookup_below_the_threshold_changes_nothing() {
     run.until("recovered", |s| s.consecutive_failures == 0)
         .await;
     assert_eq!(run.status.borrow().state, "active");
-    assert_eq!(run.world.count(|c| *c == Call::Kill), 0);
-    assert!(run.world.ready.load(Ordering::SeqCst));
+    assert_eq!(run.kills(), 0);
+    assert!(run.ready());
     run.stop().await;
 }
 
 #[tokio::test]
 async fn a_restart_after_the_hand_off_stays_fenced_and_takes_no_second_final() {
-    let server = DnsServer::start().await;
     // The record names us again (the migration was rolled back by hand, or DNS is stale), but
     // this member's fence marker and the hand-off's record are in the store.
-    server.set_txt(NAME, &[ID]).await;
     let world = World::new();
     world.fences.lock().unwrap().insert(ME);
     let fin = final_at(40);
@@ -484,7 +504,7 @@ async fn a_restart_after_the_hand_off_stays_fenced_and_takes_no_second_final() {
         owner_id: ID.into(),
         recorded_at: chrono::Utc::now(),
     });
-    let mut run = Running::start(&server, world).await;
+    let (_server, mut run) = running(&[ID], world).await;
     run.until("final found in store", |s| {
         s.final_snapshot.as_deref() == Some(fin.snap_name.as_str())
     })
@@ -496,18 +516,16 @@ async fn a_restart_after_the_hand_off_stays_fenced_and_takes_no_second_final() {
         vec![Call::Gate(Gate::Final), Call::Kill, Call::Fence]
     );
     assert_eq!(run.status.borrow().state, "deactivated");
-    assert!(!run.world.ready.load(Ordering::SeqCst));
+    assert!(!run.ready());
     run.stop().await;
 }
 
 #[tokio::test]
 async fn a_stale_final_never_stands_in_for_the_hand_offs_final() {
-    let server = DnsServer::start().await;
-    server.set_txt(NAME, &["seed-b"]).await;
     let world = World::new();
     // A final from earlier (20 revisions behind etcd), with no hand-off record.
     world.finals.lock().unwrap().push(final_at(22));
-    let mut run = Running::start(&server, world).await;
+    let (_server, mut run) = running(&["seed-b"], world).await;
     run.until("final snapshot stored", |s| {
         s.final_snapshot.is_some() && s.state == "deactivated"
     })
@@ -520,37 +538,25 @@ async fn a_stale_final_never_stands_in_for_the_hand_offs_final() {
 
 #[tokio::test]
 async fn a_failing_store_is_retried_until_the_final_snapshot_is_stored() {
-    let server = DnsServer::start().await;
-    server.set_txt(NAME, &["seed-b"]).await;
     let world = World::new();
     world.final_failures.store(3, Ordering::SeqCst);
     let started = Instant::now();
-    let mut run = Running::start(&server, world).await;
+    let (_server, mut run) = running(&["seed-b"], world).await;
     run.until("final snapshot stored", |s| s.final_snapshot.is_some())
         .await;
-    assert_eq!(
-        run.world.count(|c| matches!(c, Call::Final(_))),
-        4,
-        "three failures, then stored"
-    );
+    assert_eq!(run.finals(), 4, "three failures, then stored");
     // Backoff 20 + 40 + 80 ms before the last attempt.
     assert!(started.elapsed() >= Duration::from_millis(140));
-    assert!(!run.world.ready.load(Ordering::SeqCst));
+    assert!(!run.ready());
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(
-        run.world.count(|c| matches!(c, Call::Final(_))),
-        4,
-        "nothing after it is stored"
-    );
+    assert_eq!(run.finals(), 4, "nothing after it is stored");
     run.stop().await;
 }
 
 #[tokio::test]
 async fn readiness_follows_etcd_health_while_active() {
-    let server = DnsServer::start().await;
-    server.set_txt(NAME, &[ID]).await;
     let world = World::new();
-    let mut run = Running::start(&server, world.clone()).await;
+    let (_server, mut run) = running(&[ID], world.clone()).await;
     run.until("ready", |s| s.state == "active" && s.ready).await;
     world.healthy.store(false, Ordering::SeqCst);
     run.until("not ready", |s| !s.ready).await;
@@ -562,10 +568,8 @@ async fn readiness_follows_etcd_health_while_active() {
 
 /// Deactivated with a kill that never happens: no fence, no final, and `/status` says why.
 async fn unverified_kill(mode: KillMode, expect_in_reason: &str, metric: &str) {
-    let server = DnsServer::start().await;
-    server.set_txt(NAME, &[ID]).await;
     let world = World::new();
-    let mut run = Running::start(&server, world.clone()).await;
+    let (server, mut run) = running(&[ID], world.clone()).await;
     run.until("ready", |s| s.ready).await;
     *world.kill.lock().unwrap() = mode;
     server.set_txt(NAME, &["seed-b"]).await;
@@ -621,11 +625,9 @@ async fn a_refused_signal_means_no_final_and_retries() {
 
 #[tokio::test]
 async fn never_active_while_the_etcd_process_cannot_be_seen() {
-    let server = DnsServer::start().await;
-    server.set_txt(NAME, &[ID]).await;
     let world = World::new();
     world.visible.store(false, Ordering::SeqCst);
-    let mut run = Running::start(&server, world.clone()).await;
+    let (_server, mut run) = running(&[ID], world.clone()).await;
     run.until("several checks", |s| s.last_check.is_some())
         .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -651,12 +653,10 @@ async fn never_active_while_the_etcd_process_cannot_be_seen() {
 
 #[tokio::test]
 async fn in_a_cluster_the_final_waits_for_every_member_and_only_the_lowest_takes_it() {
-    let server = DnsServer::start().await;
-    server.set_txt(NAME, &["seed-b"]).await;
     let world = World::new();
     // Another member with a lower ID: it takes the final; we only fence and wait.
     *world.members.lock().unwrap() = vec![member(ME), member(0x01)];
-    let mut run = Running::start(&server, world.clone()).await;
+    let (_server, mut run) = running(&["seed-b"], world.clone()).await;
     run.until("waiting for the other member", |s| {
         s.waiting_for.iter().any(|w| w == "m1")
     })
@@ -687,4 +687,488 @@ async fn in_a_cluster_the_final_waits_for_every_member_and_only_the_lowest_takes
         "never two takers"
     );
     run.stop().await;
+}
+
+// ---- Against a real etcd process. ----
+
+/// The owner section for a record on `dns`, checked every `interval`.
+fn owner_config(dns: &DnsServer, interval: Duration, timeout: Duration) -> OwnerConfig {
+    OwnerConfig {
+        name: NAME.into(),
+        id: ID.into(),
+        interval,
+        timeout,
+        nameservers: vec![dns.addr()],
+        failure_threshold: 2,
+        ttl_cap: Duration::ZERO,
+    }
+}
+
+/// The watchdog's timing for `owner`, with a faster health poll and backoff than production.
+fn watchdog_config(owner: &OwnerConfig, health: Duration, backoff: Backoff) -> WatchdogConfig {
+    WatchdogConfig {
+        health_interval: health,
+        backoff,
+        ..WatchdogConfig::from_owner(owner)
+    }
+}
+
+/// One real member as the watchdog reaches it, a killer that matches only it (its data dir is
+/// unique on the machine), and a kubelet that restarts it whenever it died, counting restarts.
+struct RealEtcd {
+    cluster: Arc<Mutex<EtcdCluster>>,
+    config: EtcdConfig,
+    killer: ProcKiller,
+    restarts: Arc<AtomicU32>,
+    stop: CancellationToken,
+    kubelet: tokio::task::JoinHandle<()>,
+}
+
+impl RealEtcd {
+    async fn start() -> RealEtcd {
+        let cluster = EtcdCluster::single(Release::V35).await;
+        let config = EtcdConfig {
+            endpoints: vec![cluster.endpoints()[0].clone()],
+            tls: None,
+            username: None,
+            password: None,
+            connect_timeout: Duration::from_secs(1),
+            request_timeout: Duration::from_secs(2),
+        };
+        let killer = ProcKiller::new(&KillConfig {
+            process_name: "etcd".into(),
+            cmdline_contains: Some(cluster.members[0].data_dir.display().to_string()),
+            grace: Duration::from_secs(10),
+        });
+        let cluster = Arc::new(Mutex::new(cluster));
+        let restarts = Arc::new(AtomicU32::new(0));
+        let stop = CancellationToken::new();
+        let kubelet = tokio::spawn({
+            let (cluster, restarts, stop) = (cluster.clone(), restarts.clone(), stop.clone());
+            async move {
+                while !stop.is_cancelled() {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    let mut cluster = cluster.lock().expect("lock");
+                    let member = &mut cluster.members[0];
+                    if !member.is_running() {
+                        member.kill();
+                        member.start();
+                        restarts.fetch_add(1, Ordering::SeqCst);
+                    }
+                }
+            }
+        });
+        RealEtcd {
+            cluster,
+            config,
+            killer,
+            restarts,
+            stop,
+            kubelet,
+        }
+    }
+
+    fn endpoint(&self) -> String {
+        self.config.endpoints[0].clone()
+    }
+
+    async fn client(&self) -> etcd_client::Client {
+        etcd_client::Client::connect([self.endpoint()], None)
+            .await
+            .expect("connect")
+    }
+
+    fn pid(&self) -> Option<u32> {
+        self.cluster.lock().expect("lock").members[0].pid()
+    }
+
+    async fn stop(self) {
+        self.stop.cancel();
+        self.kubelet.await.expect("kubelet");
+    }
+
+    /// A watchdog over this member with `owner`'s record and a fast health poll and backoff.
+    fn watchdog(
+        &self,
+        owner: &OwnerConfig,
+        lookup: Arc<dyn etcd_warden::owner::resolve::OwnerLookup>,
+        process: Arc<dyn ProcessControl>,
+        snapshots: Arc<dyn Snapshots>,
+        readiness: watch::Sender<Readiness>,
+        gate: watch::Sender<Gate>,
+    ) -> Watchdog {
+        let ctx = Context {
+            lookup,
+            process,
+            etcd: Arc::new(EtcdApi::new(self.config.clone(), Duration::from_secs(1))),
+            snapshots,
+            readiness: Arc::new(readiness),
+            gate,
+        };
+        let config = watchdog_config(
+            owner,
+            Duration::from_millis(100),
+            Backoff::new(Duration::from_millis(100), Duration::from_secs(1)),
+        );
+        Watchdog::new(config, ctx, OwnerMetrics::default())
+    }
+}
+
+/// In-memory hand-off objects; the final is a real etcd snapshot stream, counted.
+struct StreamingSnapshots {
+    endpoint: String,
+    fences: Mutex<BTreeSet<u64>>,
+    finals: Mutex<Vec<Snapshot>>,
+    record: Mutex<Option<HandOffRecord>>,
+    taken: AtomicU32,
+    bytes: AtomicU32,
+}
+
+#[async_trait::async_trait]
+impl Snapshots for StreamingSnapshots {
+    async fn write_fence(&self, member: u64, _: &FenceMarker) -> Result<(), SeamError> {
+        self.fences.lock().expect("lock").insert(member);
+        Ok(())
+    }
+    async fn fence(&self, member: u64) -> Result<Option<FenceMarker>, SeamError> {
+        assert!(!self.fences.lock().expect("lock").contains(&member));
+        Ok(None)
+    }
+    async fn fenced(&self) -> Result<BTreeSet<u64>, SeamError> {
+        Ok(self.fences.lock().expect("lock").clone())
+    }
+    async fn finals(&self) -> Result<Vec<Snapshot>, SeamError> {
+        Ok(self.finals.lock().expect("lock").clone())
+    }
+    async fn latest_full(&self) -> Result<Option<Snapshot>, SeamError> {
+        Ok(self.finals.lock().expect("lock").last().cloned())
+    }
+    async fn record(&self) -> Result<Option<HandOffRecord>, SeamError> {
+        Ok(self.record.lock().expect("lock").clone())
+    }
+    async fn write_record(&self, record: &HandOffRecord) -> Result<(), SeamError> {
+        *self.record.lock().expect("lock") = Some(record.clone());
+        Ok(())
+    }
+    async fn take_final(&self, min_revision: i64) -> Result<Snapshot, SeamError> {
+        let mut client = etcd_client::Client::connect([&self.endpoint], None).await?;
+        let revision = client.status().await?.header().map_or(0, |h| h.revision());
+        assert!(revision >= min_revision, "{revision} < {min_revision}");
+        let mut stream = client.snapshot().await?;
+        let mut total = 0usize;
+        while let Some(chunk) = stream.message().await? {
+            total += chunk.blob().len();
+        }
+        self.bytes.store(total as u32, Ordering::SeqCst);
+        self.taken.fetch_add(1, Ordering::SeqCst);
+        let snap = final_at(revision);
+        self.finals.lock().expect("lock").push(snap.clone());
+        Ok(snap)
+    }
+}
+
+#[tokio::test]
+async fn losing_ownership_kills_real_etcd_and_snapshots_it_after_it_comes_back() {
+    let etcd = RealEtcd::start().await;
+    let endpoint = etcd.endpoint();
+    let first_pid = etcd.pid().expect("etcd running");
+    let mut writer = etcd.client().await;
+    let dns = DnsServer::start().await;
+    dns.set_txt(NAME, &[ID]).await;
+    let owner = owner_config(&dns, Duration::from_millis(100), Duration::from_millis(500));
+    let snapshots = Arc::new(StreamingSnapshots {
+        endpoint: endpoint.clone(),
+        fences: Mutex::new(BTreeSet::new()),
+        finals: Mutex::new(Vec::new()),
+        record: Mutex::new(None),
+        taken: AtomicU32::new(0),
+        bytes: AtomicU32::new(0),
+    });
+    let (readiness_tx, mut readiness) = watch::channel(Readiness::starting());
+    let (gate, gates) = watch::channel(Gate::Closed);
+    let watchdog = etcd.watchdog(
+        &owner,
+        Arc::new(OwnerResolver::new(&owner).expect("resolver")),
+        Arc::new(etcd.killer.clone()),
+        snapshots.clone(),
+        readiness_tx,
+        gate,
+    );
+    let mut status = watchdog.status();
+    let status_source = OwnerStatus(watchdog.status());
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(watchdog.run(cancel.clone()));
+
+    let wait = Duration::from_secs(20);
+    tokio::time::timeout(wait, readiness.wait_for(|r| r.ready))
+        .await
+        .expect("ready as owner with a healthy etcd")
+        .expect("readiness channel");
+    assert_eq!(readiness.borrow().state, "Active");
+    assert_eq!(*gates.borrow(), Gate::Open);
+    let acknowledged = writer
+        .put("/before/flip", "v", None)
+        .await
+        .expect("put")
+        .header()
+        .expect("header")
+        .revision();
+
+    dns.set_txt(NAME, &["seed-b"]).await;
+    let stored = tokio::time::timeout(wait, status.wait_for(|s| s.final_snapshot.is_some()))
+        .await
+        .is_ok();
+    assert!(stored, "no final snapshot; status {:?}", *status.borrow());
+
+    assert!(!readiness.borrow().ready);
+    assert_eq!(readiness.borrow().state, "Deactivated");
+    assert_eq!(*gates.borrow(), Gate::Final);
+    assert_eq!(
+        etcd.restarts.load(Ordering::SeqCst),
+        1,
+        "etcd was killed once and came back"
+    );
+    let new_pid = etcd.pid().expect("etcd restarted");
+    assert_ne!(new_pid, first_pid);
+    assert_eq!(snapshots.taken.load(Ordering::SeqCst), 1);
+    assert!(
+        snapshots.bytes.load(Ordering::SeqCst) > 0,
+        "a real snapshot stream"
+    );
+    let fin = snapshots.finals.lock().expect("lock")[0].clone();
+    assert!(
+        fin.last_revision >= acknowledged,
+        "{fin:?} misses {acknowledged}"
+    );
+    let s = status.borrow().clone();
+    assert_eq!(
+        snapshots.fences.lock().expect("lock").len(),
+        1,
+        "one member fenced"
+    );
+    assert!(s.kill.as_ref().is_some_and(|k| k.verified), "{s:?}");
+    assert!(s.member_id.is_some(), "{s:?}");
+    assert_eq!(status_source.status()["state"], "deactivated");
+
+    // Sticky: our ID again changes nothing, and etcd is left alone.
+    dns.set_txt(NAME, &[ID]).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!readiness.borrow().ready);
+    assert_eq!(etcd.restarts.load(Ordering::SeqCst), 1);
+    assert_eq!(snapshots.taken.load(Ordering::SeqCst), 1);
+
+    cancel.cancel();
+    task.await.expect("watchdog");
+    etcd.stop().await;
+}
+
+/// The owner lookup, remembering when it first said "someone else".
+struct TimedLookup {
+    inner: OwnerResolver,
+    not_owner_at: Mutex<Option<std::time::Instant>>,
+}
+
+#[async_trait::async_trait]
+impl etcd_warden::owner::resolve::OwnerLookup for TimedLookup {
+    async fn check(&self) -> etcd_warden::owner::resolve::CheckResult {
+        let result = self.inner.check().await;
+        if result.verdict() == Some(etcd_warden::owner::protocol::Verdict::NotOwner) {
+            self.not_owner_at
+                .lock()
+                .expect("lock")
+                .get_or_insert_with(std::time::Instant::now);
+        }
+        result
+    }
+}
+
+/// The real killer, remembering when the kill began (SIGTERM follows within microseconds: a
+/// /proc scan and the signal).
+struct TimedKiller {
+    inner: ProcKiller,
+    first_kill_at: Mutex<Option<std::time::Instant>>,
+}
+
+#[async_trait::async_trait]
+impl etcd_warden::process::ProcessControl for TimedKiller {
+    async fn probe(
+        &self,
+    ) -> Result<Vec<etcd_warden::process::ProcessId>, etcd_warden::process::ProcessError> {
+        self.inner.probe().await
+    }
+    async fn kill_etcd(
+        &self,
+        earlier: &[etcd_warden::process::ProcessId],
+    ) -> Result<etcd_warden::process::KillReport, etcd_warden::process::ProcessError> {
+        self.first_kill_at
+            .lock()
+            .expect("lock")
+            .get_or_insert_with(std::time::Instant::now);
+        self.inner.kill_etcd(earlier).await
+    }
+}
+
+/// An S3 endpoint that accepts connections and never answers.
+async fn blackhole() -> (String, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let task = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((conn, _)) = listener.accept().await {
+            held.push(conn);
+        }
+    });
+    (format!("http://{addr}"), task)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_kill_never_waits_behind_snapshots_queued_against_a_store_that_does_not_answer() {
+    use etcd_warden::snapshot::actor::{self, ActorConfig};
+    use etcd_warden::snapshot::engine::EtcdEngine;
+    use etcd_warden::snapshot::metrics::SnapshotMetrics;
+    use etcd_warden::store::SnapshotStore;
+
+    let etcd = RealEtcd::start().await;
+    let mut writer = etcd.client().await;
+    for i in 0..200 {
+        writer
+            .put(format!("/bulk/{i}"), vec![b'v'; 4096], None)
+            .await
+            .expect("put");
+    }
+    // The snapshot actor writes to an S3 endpoint that never answers; the hand-off's own objects
+    // go to a local directory, so the watchdog gets as far as the kill and its fence.
+    let (s3_endpoint, hole) = blackhole().await;
+    let s3 = object_store::aws::AmazonS3Builder::new()
+        .with_endpoint(&s3_endpoint)
+        .with_allow_http(true)
+        .with_region("us-east-1")
+        .with_bucket_name("backups")
+        .with_access_key_id("k")
+        .with_secret_access_key("s")
+        .build()
+        .expect("s3 client");
+    let hanging = SnapshotStore::new(Arc::new(s3), "etcd");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let local = SnapshotStore::new(
+        Arc::new(object_store::local::LocalFileSystem::new_with_prefix(dir.path()).expect("fs")),
+        "etcd",
+    );
+    let (gate, gate_rx) = watch::channel(Gate::Closed);
+    let engine = EtcdEngine::new(
+        etcd_warden::etcd::RotatingClient::connect(&etcd.config)
+            .await
+            .expect("client"),
+        hanging,
+        Codec::Gzip,
+        etcd_warden::store::gc::Retention {
+            policy: etcd_warden::config::GcPolicy::LimitBased { max_backups: 10 },
+            delta_retention: Duration::ZERO,
+        },
+    );
+    let cancel = CancellationToken::new();
+    let (actor, actor_task) = actor::spawn(
+        engine,
+        ActorConfig {
+            schedule: std::str::FromStr::from_str("0 0 1 1 *").expect("cron"),
+            delta_period: Duration::ZERO,
+            delta_memory_limit: 1 << 20,
+            gc_period: Duration::from_secs(3600),
+            leader_check_interval: Duration::from_millis(100),
+        },
+        gate_rx,
+        SnapshotMetrics::default(),
+        cancel.child_token(),
+    );
+
+    let dns = DnsServer::start().await;
+    dns.set_txt(NAME, &[ID]).await;
+    let owner = owner_config(&dns, Duration::from_millis(100), Duration::from_millis(500));
+    let lookup = Arc::new(TimedLookup {
+        inner: OwnerResolver::new(&owner).expect("resolver"),
+        not_owner_at: Mutex::new(None),
+    });
+    let killer = Arc::new(TimedKiller {
+        inner: etcd.killer.clone(),
+        first_kill_at: Mutex::new(None),
+    });
+    let (readiness_tx, mut readiness) = watch::channel(Readiness::starting());
+    let watchdog = etcd.watchdog(
+        &owner,
+        lookup.clone(),
+        killer.clone(),
+        Arc::new(etcd_warden::owner::production::StoreSnapshots::new(
+            local,
+            actor.clone(),
+        )),
+        readiness_tx,
+        gate,
+    );
+    let mut status = watchdog.status();
+    let task = tokio::spawn(watchdog.run(cancel.child_token()));
+    tokio::time::timeout(Duration::from_secs(20), readiness.wait_for(|r| r.ready))
+        .await
+        .expect("active")
+        .expect("readiness");
+
+    // Three full snapshots queued: the first streams etcd into a store that never answers.
+    let queued: Vec<_> = (0..3)
+        .map(|_| {
+            let actor = actor.clone();
+            tokio::spawn(async move { actor.full().await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        queued.iter().all(|q| !q.is_finished()),
+        "the store must hang them"
+    );
+
+    dns.set_txt(NAME, &["seed-b"]).await;
+    let killed = tokio::time::timeout(
+        Duration::from_secs(10),
+        status.wait_for(|s| s.kill.is_some()),
+    )
+    .await
+    .is_ok();
+    assert!(killed, "no kill; status {:?}", *status.borrow());
+    let verdict_at = lookup
+        .not_owner_at
+        .lock()
+        .expect("lock")
+        .expect("verdict seen");
+    let kill_at = killer
+        .first_kill_at
+        .lock()
+        .expect("lock")
+        .expect("kill begun");
+    let latency = kill_at.saturating_duration_since(verdict_at);
+    assert!(
+        latency < Duration::from_millis(200),
+        "verdict -> SIGTERM took {latency:?}"
+    );
+    // The queued snapshots were dropped or refused, not left waiting on the store.
+    for q in queued {
+        let answer = tokio::time::timeout(Duration::from_secs(2), q)
+            .await
+            .expect("answered at once")
+            .expect("task");
+        assert!(
+            matches!(
+                answer,
+                Err(etcd_warden::snapshot::actor::ActorError::Cancelled
+                    | etcd_warden::snapshot::actor::ActorError::Refused { .. })
+            ),
+            "{answer:?}"
+        );
+    }
+    println!("verdict -> SIGTERM: {latency:?}");
+
+    cancel.cancel();
+    let _ = task.await;
+    let _ = actor_task.await;
+    hole.abort();
+    etcd.stop().await;
 }

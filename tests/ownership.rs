@@ -7,13 +7,13 @@ mod support;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use etcd_warden::store::{Kind, Snapshot, SnapshotStore};
+use etcd_warden::store::{Kind, SnapshotStore};
 use support::dns::{DnsServer, Mode};
 use support::etcd::{EtcdCluster, Release};
-use support::eventually;
 use support::pod::Pod;
 use support::s3::S3Server;
 use support::warden::Warden;
+use support::{eventually, finals};
 
 const RECORD: &str = "owner.shoot.warden.test";
 const US: &str = "seed-a";
@@ -63,16 +63,6 @@ async fn healthz(w: &Warden) -> u16 {
     w.get("/healthz").await.map(|(c, _)| c).unwrap_or(0)
 }
 
-async fn finals(store: &SnapshotStore) -> Vec<Snapshot> {
-    store
-        .list()
-        .await
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|s| s.kind == Kind::Full && s.is_final)
-        .collect()
-}
-
 fn file_store(dir: &tempfile::TempDir) -> (String, SnapshotStore) {
     let root = dir.path().join("backups");
     std::fs::create_dir_all(&root).unwrap();
@@ -82,6 +72,50 @@ fn file_store(dir: &tempfile::TempDir) -> (String, SnapshotStore) {
         "",
     );
     (url, store)
+}
+
+/// A seed's parts: a DNS server whose owner record names us, etcd in a pod of one or more
+/// members restarted by a kubelet, and a local store (its URL, the store, the directory that
+/// holds it).
+async fn seed(members: usize) -> (DnsServer, Pod, String, SnapshotStore, tempfile::TempDir) {
+    let dns = DnsServer::start().await;
+    dns.set_txt(RECORD, &[US]).await;
+    let pod = if members == 1 {
+        Pod::start().await
+    } else {
+        Pod::cluster(members).await
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (url, store) = file_store(&dir);
+    (dns, pod, url, store, dir)
+}
+
+/// Waits up to `secs` for exactly one final snapshot in the store.
+async fn until_one_final(store: &SnapshotStore, w: &Warden, secs: u64) {
+    let one = eventually(Duration::from_secs(secs), || async {
+        finals(store).await.len() == 1
+    })
+    .await;
+    assert!(one, "no final snapshot:\n{}", w.log_text());
+}
+
+/// Waits until the pod's etcd was killed (and restarted by the kubelet) at least once.
+async fn until_killed(pod: &Pod, w: &Warden) {
+    let killed = eventually(Duration::from_secs(15), || async { pod.deaths() >= 1 }).await;
+    assert!(killed, "etcd was not killed:\n{}", w.log_text());
+}
+
+/// A sidecar for `pod`'s first member with `changes` to its keys, once Active.
+async fn active(
+    pod: &Pod,
+    dns: &DnsServer,
+    url: &str,
+    store: &SnapshotStore,
+    changes: &[(&'static str, &str)],
+) -> Warden {
+    let w = Warden::start(&changed(sidecar_keys(pod, dns, url).await, changes));
+    until_active(&w, store).await;
+    w
 }
 
 /// Waits for Active (200) with at least one regular full snapshot stored.
@@ -117,13 +151,8 @@ async fn time_to_503(w: &Warden, since: Instant) -> Duration {
 
 /// Scenario a (and b with `delete`): the record names another owner, or disappears.
 async fn losing_ownership(delete: bool) {
-    let dns = DnsServer::start().await;
-    dns.set_txt(RECORD, &[US]).await;
-    let pod = Pod::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let (url, store) = file_store(&dir);
-    let w = Warden::start(&sidecar_keys(&pod, &dns, &url).await);
-    until_active(&w, &store).await;
+    let (dns, pod, url, store, _dir) = seed(1).await;
+    let w = active(&pod, &dns, &url, &store, &[]).await;
 
     let acknowledged = pod.write("before-flip", 20).await;
     let flip = Instant::now();
@@ -138,19 +167,8 @@ async fn losing_ownership(delete: bool) {
         "503 after {latency:?}"
     );
 
-    assert!(
-        eventually(Duration::from_secs(15), || async { pod.deaths() >= 1 }).await,
-        "etcd was not killed:\n{}",
-        w.log_text()
-    );
-    assert!(
-        eventually(Duration::from_secs(20), || async {
-            finals(&store).await.len() == 1
-        })
-        .await,
-        "no final snapshot:\n{}",
-        w.log_text()
-    );
+    until_killed(&pod, &w).await;
+    until_one_final(&store, &w, 20).await;
     let fin = &finals(&store).await[0];
     assert!(
         fin.last_revision >= acknowledged,
@@ -185,21 +203,12 @@ async fn b_a_deleted_record_deactivates_with_exactly_one_final_snapshot() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn c_unresolvable_suspends_without_final_then_resumes_or_deactivates() {
-    let dns = DnsServer::start().await;
-    dns.set_txt(RECORD, &[US]).await;
-    let pod = Pod::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let (url, store) = file_store(&dir);
-    let w = Warden::start(&sidecar_keys(&pod, &dns, &url).await);
-    until_active(&w, &store).await;
+    let (dns, pod, url, store, _dir) = seed(1).await;
+    let w = active(&pod, &dns, &url, &store, &[]).await;
 
     dns.stop().await;
     time_to_503(&w, Instant::now()).await;
-    assert!(
-        eventually(Duration::from_secs(15), || async { pod.deaths() >= 1 }).await,
-        "etcd was not killed:\n{}",
-        w.log_text()
-    );
+    until_killed(&pod, &w).await;
     tokio::time::sleep(INTERVAL * 4).await;
     assert!(
         finals(&store).await.is_empty(),
@@ -239,14 +248,7 @@ async fn c_unresolvable_suspends_without_final_then_resumes_or_deactivates() {
     time_to_503(&w, Instant::now()).await;
     dns.set_txt(RECORD, &[THEM]).await;
     dns.set_mode(Mode::Normal);
-    assert!(
-        eventually(Duration::from_secs(20), || async {
-            finals(&store).await.len() == 1
-        })
-        .await,
-        "no final:\n{}",
-        w.log_text()
-    );
+    until_one_final(&store, &w, 20).await;
     tokio::time::sleep(INTERVAL * 3).await;
     assert_eq!(finals(&store).await.len(), 1);
     assert_eq!(healthz(&w).await, 503);
@@ -271,11 +273,7 @@ async fn d_store_down_at_the_flip_final_snapshot_once_it_is_back() {
     s3.stop();
     dns.set_txt(RECORD, &[THEM]).await;
     time_to_503(&w, Instant::now()).await;
-    assert!(
-        eventually(Duration::from_secs(15), || async { pod.deaths() >= 1 }).await,
-        "etcd was not killed:\n{}",
-        w.log_text()
-    );
+    until_killed(&pod, &w).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(
         healthz(&w).await,
@@ -284,14 +282,7 @@ async fn d_store_down_at_the_flip_final_snapshot_once_it_is_back() {
     );
 
     s3.resume();
-    assert!(
-        eventually(Duration::from_secs(30), || async {
-            finals(&store).await.len() == 1
-        })
-        .await,
-        "no final after S3 came back:\n{}",
-        w.log_text()
-    );
+    until_one_final(&store, &w, 30).await;
     assert!(finals(&store).await[0].last_revision >= acknowledged);
     tokio::time::sleep(INTERVAL * 3).await;
     assert_eq!(finals(&store).await.len(), 1, "exactly one");
@@ -299,22 +290,10 @@ async fn d_store_down_at_the_flip_final_snapshot_once_it_is_back() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn e_a_restarted_sidecar_takes_no_second_final_snapshot() {
-    let dns = DnsServer::start().await;
-    dns.set_txt(RECORD, &[US]).await;
-    let pod = Pod::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let (url, store) = file_store(&dir);
-    let mut w = Warden::start(&sidecar_keys(&pod, &dns, &url).await);
-    until_active(&w, &store).await;
+    let (dns, pod, url, store, _dir) = seed(1).await;
+    let mut w = active(&pod, &dns, &url, &store, &[]).await;
     dns.set_txt(RECORD, &[THEM]).await;
-    assert!(
-        eventually(Duration::from_secs(20), || async {
-            finals(&store).await.len() == 1
-        })
-        .await,
-        "no final:\n{}",
-        w.log_text()
-    );
+    until_one_final(&store, &w, 20).await;
 
     w.restart();
     w.wait_up().await;
@@ -332,11 +311,7 @@ async fn e_a_restarted_sidecar_takes_no_second_final_snapshot() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn every_member_of_a_cluster_deactivates_but_only_one_final_snapshot_is_taken() {
-    let dns = DnsServer::start().await;
-    dns.set_txt(RECORD, &[US]).await;
-    let pod = Pod::cluster(3).await;
-    let dir = tempfile::tempdir().unwrap();
-    let (url, store) = file_store(&dir);
+    let (dns, pod, url, store, _dir) = seed(3).await;
     let mut wardens = Vec::new();
     for i in 0..3 {
         wardens.push(Warden::start(&member_keys(&pod, i, &dns, &url).await));
@@ -479,6 +454,34 @@ async fn owner_status(w: &Warden) -> serde_json::Value {
         .unwrap_or_default()
 }
 
+/// Waits up to `secs` until the sidecar's owner status satisfies `done`; fails with the status
+/// and the log otherwise.
+async fn until_owner(w: &Warden, what: &str, secs: u64, done: impl Fn(&serde_json::Value) -> bool) {
+    let ok = eventually(Duration::from_secs(secs), || async {
+        done(&owner_status(w).await)
+    })
+    .await;
+    assert!(ok, "{what}: {}\n{}", owner_status(w).await, w.log_text());
+}
+
+/// The owner status, after checking its state and that its reason names every one of `parts`.
+async fn owner_is(w: &Warden, state: &str, parts: &[&str]) -> serde_json::Value {
+    let owner = owner_status(w).await;
+    let reason = owner["reason"].as_str().unwrap_or_default();
+    assert_eq!(owner["state"], state, "{owner}");
+    assert!(
+        parts.iter().all(|p| reason.contains(p)),
+        "{parts:?} not in {reason:?}"
+    );
+    owner
+}
+
+/// The sidecar's metrics text.
+async fn metrics(w: &Warden) -> String {
+    let (_, m) = w.get("/metrics").await.unwrap();
+    m.as_str().unwrap_or_default().to_string()
+}
+
 /// Writes through a client that stays connected (what an open client connection of the
 /// kube-apiserver does); returns the acknowledged revisions.
 async fn write_through(client: &mut etcd_client::Client, tag: &str, n: usize) -> Vec<i64> {
@@ -491,54 +494,64 @@ async fn write_through(client: &mut etcd_client::Client, tag: &str, n: usize) ->
     revs
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn g_a_process_name_that_matches_nothing_never_becomes_active_and_takes_no_final() {
-    let dns = DnsServer::start().await;
-    dns.set_txt(RECORD, &[US]).await;
-    let pod = Pod::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let (url, store) = file_store(&dir);
-    let mut keys = sidecar_keys(&pod, &dns, &url).await;
-    // An image whose etcd runs as `etcd-wrapper`: the configured name matches nothing.
-    keys.retain(|(k, _)| *k != "kill.process_name");
-    keys.push(("kill.process_name", "etcd-wrapper".into()));
-    let w = Warden::start(&keys);
+/// `keys` with `changes` applied: an existing key is replaced, a new one added.
+fn changed(
+    mut keys: Vec<(&'static str, String)>,
+    changes: &[(&'static str, &str)],
+) -> Vec<(&'static str, String)> {
+    for (k, v) in changes {
+        keys.retain(|(have, _)| have != k);
+        keys.push((k, v.to_string()));
+    }
+    keys
+}
+
+/// A sidecar that cannot kill etcd (`changes` break it, `uid` runs it as another user): never
+/// Active, the reason names `starting`; after the flip the kill is retried and not verified
+/// (`deactivated`), no final is stored, etcd is never killed and keeps acknowledging writes.
+async fn a_kill_that_cannot_happen(
+    changes: &[(&'static str, &str)],
+    uid: Option<u32>,
+    starting: &[&str],
+    deactivated: &[&str],
+    metric: &str,
+) {
+    let (dns, pod, url, store, dir) = seed(1).await;
+    if uid.is_some() {
+        for p in [dir.path().to_path_buf(), dir.path().join("backups")] {
+            std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o777))
+                .unwrap();
+        }
+    }
+    let w = Warden::start_as(&changed(sidecar_keys(&pod, &dns, &url).await, changes), uid);
     w.wait_up().await;
-    tokio::time::sleep(INTERVAL * 6).await;
+    until_owner(&w, "a reason for not becoming Active", 10, |o| {
+        let r = o["reason"].as_str().unwrap_or_default();
+        starting.iter().all(|p| r.contains(p))
+    })
+    .await;
+    tokio::time::sleep(INTERVAL * 3).await;
     assert_eq!(
         healthz(&w).await,
         503,
         "never ready: it could not kill etcd"
     );
-    let owner = owner_status(&w).await;
-    assert_eq!(owner["state"], "starting", "{owner}");
-    let reason = owner["reason"].as_str().unwrap_or_default();
-    assert!(
-        reason.contains("not visible") && reason.contains("etcd-wrapper"),
-        "{reason}"
-    );
+    owner_is(&w, "starting", starting).await;
     assert!(
         store.list().await.unwrap().is_empty(),
         "no snapshot while not Active"
     );
 
-    // The flip: deactivated, but the kill is not verified, so no final and no fence.
     let mut open = etcd_client::Client::connect([pod.endpoint().await], None)
         .await
         .unwrap();
     dns.set_txt(RECORD, &[THEM]).await;
-    let stuck = eventually(Duration::from_secs(10), || async {
-        owner_status(&w).await["kill"]["attempts"].as_u64() >= Some(3)
+    until_owner(&w, "kill retried", 10, |o| {
+        o["kill"]["attempts"].as_u64() >= Some(3)
     })
     .await;
-    assert!(stuck, "kill not retried:\n{}", w.log_text());
-    let owner = owner_status(&w).await;
-    assert_eq!(owner["state"], "deactivated", "{owner}");
-    let reason = owner["reason"].as_str().unwrap_or_default();
-    assert!(
-        reason.contains("not verified") && reason.contains("no etcd process found"),
-        "{reason}"
-    );
+    let owner = owner_is(&w, "deactivated", deactivated).await;
+    assert_eq!(owner["kill"]["verified"], false, "{owner}");
     assert!(
         finals(&store).await.is_empty(),
         "no final while etcd may serve"
@@ -546,82 +559,57 @@ async fn g_a_process_name_that_matches_nothing_never_becomes_active_and_takes_no
     assert_eq!(pod.deaths(), 0, "etcd was not (could not be) killed");
     // etcd still acknowledges writes on open connections: no final claims to hold them all.
     assert_eq!(write_through(&mut open, "after-flip", 5).await.len(), 5);
-    let (_, metrics) = w.get("/metrics").await.unwrap();
-    assert!(
-        metrics
-            .as_str()
-            .unwrap_or_default()
-            .contains("etcd_warden_owner_kill_attempts_total{result=\"not_found\"}"),
-        "{metrics}"
-    );
+    assert!(metrics(&w).await.contains(metric), "{}", metrics(&w).await);
     assert!(w.log_text().contains("no final snapshot until it is"));
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn h_a_sidecar_that_may_not_signal_etcd_never_becomes_active_and_takes_no_final() {
-    let dns = DnsServer::start().await;
-    dns.set_txt(RECORD, &[US]).await;
-    let pod = Pod::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let (url, store) = file_store(&dir);
-    // The sidecar runs as "nobody", etcd as root, and no CAP_KILL: every signal is EPERM.
-    for p in [dir.path().to_path_buf(), dir.path().join("backups")] {
-        std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
-    }
-    let w = Warden::start_as(&sidecar_keys(&pod, &dns, &url).await, Some(65534));
-    w.wait_up().await;
-    let explained = eventually(Duration::from_secs(10), || async {
-        owner_status(&w).await["reason"]
-            .as_str()
-            .is_some_and(|r| r.contains("EPERM"))
-    })
+async fn g_a_process_name_that_matches_nothing_never_becomes_active_and_takes_no_final() {
+    // An image whose etcd runs as `etcd-wrapper`: the configured name matches nothing.
+    a_kill_that_cannot_happen(
+        &[("kill.process_name", "etcd-wrapper")],
+        None,
+        &["not visible", "etcd-wrapper"],
+        &["not verified", "no etcd process found"],
+        "etcd_warden_owner_kill_attempts_total{result=\"not_found\"}",
+    )
     .await;
-    assert!(explained, "{}\n{}", owner_status(&w).await, w.log_text());
-    assert_eq!(healthz(&w).await, 503);
-    assert_eq!(owner_status(&w).await["state"], "starting");
+}
 
-    dns.set_txt(RECORD, &[THEM]).await;
-    let retried = eventually(Duration::from_secs(10), || async {
-        owner_status(&w).await["kill"]["attempts"].as_u64() >= Some(3)
-    })
+#[tokio::test(flavor = "multi_thread")]
+async fn h_a_sidecar_that_may_not_signal_etcd_never_becomes_active_and_takes_no_final() {
+    // The sidecar runs as "nobody", etcd as root, and no CAP_KILL: every signal is EPERM.
+    a_kill_that_cannot_happen(
+        &[],
+        Some(65534),
+        &["EPERM"],
+        &["not verified", "EPERM", "CAP_KILL"],
+        "etcd_warden_owner_kill_attempts_total{result=\"refused\"}",
+    )
     .await;
-    assert!(retried, "{}\n{}", owner_status(&w).await, w.log_text());
-    let owner = owner_status(&w).await;
-    let last = owner["kill"]["last"].as_str().unwrap_or_default();
-    assert!(
-        last.contains("EPERM") && last.contains("CAP_KILL"),
-        "{owner}"
-    );
-    assert_eq!(owner["kill"]["verified"], false);
-    assert!(finals(&store).await.is_empty());
-    assert_eq!(pod.deaths(), 0, "etcd was never signalled");
-    assert!(
-        pod.write("still-serving", 3).await > 0,
-        "etcd keeps serving: nothing claims otherwise"
-    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn i_a_stale_final_never_stands_in_and_nothing_follows_the_hand_offs_final() {
-    let dns = DnsServer::start().await;
-    dns.set_txt(RECORD, &[US]).await;
-    let pod = Pod::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let (url, store) = file_store(&dir);
-    let mut keys = sidecar_keys(&pod, &dns, &url).await;
-    keys.push(("server.token", "t0ken".into()));
-    let w = Warden::start(&keys);
-    until_active(&w, &store).await;
+    let (dns, pod, url, store, _dir) = seed(1).await;
+    let w = active(&pod, &dns, &url, &store, &[("server.token", "t0ken")]).await;
     let http = reqwest::Client::new();
     let post = |path: &str| http.post(w.url(path)).bearer_auth("t0ken").send();
+    let refused = |code: &'static str, path: &'static str| {
+        let post = &post;
+        async move {
+            let r = post(path).await.unwrap();
+            assert_eq!(r.status().as_u16(), 409, "{path}");
+            assert_eq!(
+                r.json::<serde_json::Value>().await.unwrap()["code"],
+                code,
+                "{path}"
+            );
+        }
+    };
 
     // A final while Active is refused.
-    let r = post("/snapshot/full?final=true").await.unwrap();
-    assert_eq!(r.status().as_u16(), 409);
-    assert_eq!(
-        r.json::<serde_json::Value>().await.unwrap()["code"],
-        "not_deactivated"
-    );
+    refused("not_deactivated", "/snapshot/full?final=true").await;
     // An old final in the store (an earlier hand-off, or one taken by hand): acknowledged
     // writes follow it.
     let before = pod.write("before-stale", 3).await;
@@ -633,11 +621,10 @@ async fn i_a_stale_final_never_stands_in_and_nothing_follows_the_hand_offs_final
     let acknowledged = pod.write("after-stale", 20).await;
 
     dns.set_txt(RECORD, &[THEM]).await;
-    let done = eventually(Duration::from_secs(20), || async {
-        owner_status(&w).await["finalSnapshot"].is_string()
+    until_owner(&w, "the hand-off's final", 20, |o| {
+        o["finalSnapshot"].is_string()
     })
     .await;
-    assert!(done, "no final:\n{}", w.log_text());
     let name = owner_status(&w).await["finalSnapshot"]
         .as_str()
         .unwrap()
@@ -660,14 +647,8 @@ async fn i_a_stale_final_never_stands_in_and_nothing_follows_the_hand_offs_final
     );
 
     // Deactivated: nothing but the final, so it stays the latest.
-    for path in ["/snapshot/full", "/snapshot/delta"] {
-        let r = post(path).await.unwrap();
-        assert_eq!(r.status().as_u16(), 409, "{path}");
-        assert_eq!(
-            r.json::<serde_json::Value>().await.unwrap()["code"],
-            "deactivated"
-        );
-    }
+    refused("deactivated", "/snapshot/full").await;
+    refused("deactivated", "/snapshot/delta").await;
     let r = post("/snapshot/full?final=true").await.unwrap();
     assert_eq!(
         r.status().as_u16(),
@@ -690,72 +671,51 @@ async fn i_a_stale_final_never_stands_in_and_nothing_follows_the_hand_offs_final
 
 #[tokio::test(flavor = "multi_thread")]
 async fn j_a_restarted_sidecar_named_again_stays_handed_off_until_reclaimed() {
-    let dns = DnsServer::start().await;
-    dns.set_txt(RECORD, &[US]).await;
-    let pod = Pod::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let (url, store) = file_store(&dir);
+    let (dns, pod, url, store, _dir) = seed(1).await;
     let keys = sidecar_keys(&pod, &dns, &url).await;
     let mut w = Warden::start(&keys);
     until_active(&w, &store).await;
     dns.set_txt(RECORD, &[THEM]).await;
-    assert!(
-        eventually(Duration::from_secs(20), || async {
-            owner_status(&w).await["finalSnapshot"].is_string()
-        })
-        .await,
-        "no final:\n{}",
-        w.log_text()
-    );
-    let env: Vec<(String, String)> = keys
-        .iter()
-        .map(|(k, v)| {
-            (
-                format!("ETCD_WARDEN_{}", k.replace('.', "_").to_ascii_uppercase()),
-                v.clone(),
-            )
-        })
-        .collect();
+    until_owner(&w, "the hand-off's final", 20, |o| {
+        o["finalSnapshot"].is_string()
+    })
+    .await;
     let cli = |args: &[&str]| {
-        support::warden::command()
-            .args(args)
-            .envs(env.clone())
-            .output()
-            .unwrap()
+        let mut c = support::warden::command();
+        for (k, v) in &keys {
+            c.env(
+                format!("ETCD_WARDEN_{}", k.replace('.', "_").to_ascii_uppercase()),
+                v,
+            );
+        }
+        let out = c.args(args).output().unwrap();
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        (out.status.success(), text(&out.stdout), text(&out.stderr))
     };
     // Undoing the hand-off while the record names another seed is refused.
-    let out = cli(&["reclaim"]);
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("refusing to reclaim"));
+    let (ok, _, err) = cli(&["reclaim"]);
+    assert!(!ok && err.contains("refusing to reclaim"), "{err}");
 
     // The record names us again (a rolled-back migration, a stale DNS answer) and the sidecar
     // restarts: it must not serve, a destination may be running from the final.
     dns.set_txt(RECORD, &[US]).await;
     w.restart();
     w.wait_up().await;
-    let fenced = eventually(Duration::from_secs(15), || async {
-        let o = owner_status(&w).await;
+    until_owner(&w, "handed off after a restart", 15, |o| {
         o["state"] == "deactivated" && o["finalSnapshot"].is_string()
     })
     .await;
-    assert!(fenced, "{}\n{}", owner_status(&w).await, w.log_text());
     tokio::time::sleep(INTERVAL * 4).await;
     assert_eq!(healthz(&w).await, 503);
     assert_eq!(finals(&store).await.len(), 1, "no second final");
     assert!(w.log_text().contains("handed off earlier"));
     // A manual final while the record names this seed is refused too.
-    let out = cli(&["snapshot", "--final"]);
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("refusing a final snapshot"));
+    let (ok, _, err) = cli(&["snapshot", "--final"]);
+    assert!(!ok && err.contains("refusing a final snapshot"), "{err}");
 
     // The deliberate undo: reclaim, restart, Active again.
-    let out = cli(&["reclaim"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let said = String::from_utf8_lossy(&out.stdout);
+    let (ok, said, err) = cli(&["reclaim"]);
+    assert!(ok, "{err}");
     assert!(
         said.contains("removed fence marker") && said.contains("reclaimed final"),
         "{said}"
@@ -772,13 +732,9 @@ async fn j_a_restarted_sidecar_named_again_stays_handed_off_until_reclaimed() {
 async fn k_a_member_that_still_serves_holds_the_final_back() {
     // Two DNS servers: members 0 and 1 see the flip, member 2's sidecar still sees its seed
     // (its resolver lags). Writes through member 2 keep committing.
-    let dns = DnsServer::start().await;
+    let (dns, pod, url, store, _dir) = seed(3).await;
     let lagging = DnsServer::start().await;
-    dns.set_txt(RECORD, &[US]).await;
     lagging.set_txt(RECORD, &[US]).await;
-    let pod = Pod::cluster(3).await;
-    let dir = tempfile::tempdir().unwrap();
-    let (url, store) = file_store(&dir);
     let mut wardens = Vec::new();
     for i in 0..3 {
         let server = if i == 2 { &lagging } else { &dns };
@@ -789,27 +745,14 @@ async fn k_a_member_that_still_serves_holds_the_final_back() {
     }
     let member2 = pod.etcd.lock().await.members[2].client_url();
     let mut open = etcd_client::Client::connect([member2], None).await.unwrap();
-    let logs = || {
-        wardens
-            .iter()
-            .map(Warden::log_text)
-            .collect::<Vec<_>>()
-            .join("\n-----\n")
-    };
 
     dns.set_txt(RECORD, &[THEM]).await;
-    let two_fenced = eventually(Duration::from_secs(20), || async {
-        let mut n = 0;
-        for w in &wardens[..2] {
-            let o = owner_status(w).await;
-            if o["waitingFor"].as_array().is_some_and(|a| !a.is_empty()) {
-                n += 1;
-            }
-        }
-        n == 2
-    })
-    .await;
-    assert!(two_fenced, "{}", logs());
+    for w in &wardens[..2] {
+        until_owner(w, "fenced and waiting for member 2", 20, |o| {
+            o["waitingFor"].as_array().is_some_and(|a| !a.is_empty())
+        })
+        .await;
+    }
     // Member 2 still serves: its writes commit, and no final is taken meanwhile.
     let mut acknowledged = Vec::new();
     for round in 0..4 {
@@ -824,14 +767,7 @@ async fn k_a_member_that_still_serves_holds_the_final_back() {
         finals(&store).await.is_empty(),
         "a final while a member serves"
     );
-    let waiting = owner_status(&wardens[0]).await;
-    assert!(
-        waiting["reason"]
-            .as_str()
-            .unwrap_or_default()
-            .contains("waiting for"),
-        "{waiting}"
-    );
+    owner_is(&wardens[0], "deactivated", &["waiting for"]).await;
 
     // Member 2's resolver catches up: it is fenced, and only now the final.
     lagging.set_txt(RECORD, &[THEM]).await;
@@ -839,7 +775,8 @@ async fn k_a_member_that_still_serves_holds_the_final_back() {
         finals(&store).await.len() == 1
     })
     .await;
-    assert!(one, "{}", logs());
+    let logs: Vec<String> = wardens.iter().map(Warden::log_text).collect();
+    assert!(one, "{}", logs.join("\n-----\n"));
     let last = *acknowledged.iter().max().unwrap();
     let f = &finals(&store).await[0];
     assert!(
@@ -853,15 +790,8 @@ async fn k_a_member_that_still_serves_holds_the_final_back() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_json_log_shows_spans_for_an_ownership_check_and_a_snapshot() {
-    let dns = DnsServer::start().await;
-    dns.set_txt(RECORD, &[US]).await;
-    let pod = Pod::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let (url, store) = file_store(&dir);
-    let mut keys = sidecar_keys(&pod, &dns, &url).await;
-    keys.push(("log.format", "json".into()));
-    let w = Warden::start(&keys);
-    until_active(&w, &store).await;
+    let (dns, pod, url, store, _dir) = seed(1).await;
+    let w = active(&pod, &dns, &url, &store, &[("log.format", "json")]).await;
     let lines: Vec<serde_json::Value> = w
         .log_text()
         .lines()

@@ -115,17 +115,26 @@ async fn find_soon(killer: &ProcKiller) -> Vec<ProcessId> {
     }
 }
 
-fn signal_of(status: std::process::ExitStatus) -> Option<i32> {
+/// A fake etcd (`sleep 30`) running under a name of its own, a killer for it with `grace`, and
+/// the process as the killer found it.
+async fn fake_etcd(tag: &str, grace: Duration) -> (FakeEtcd, Child, ProcKiller, Vec<ProcessId>) {
+    let fake = FakeEtcd::new(tag);
+    let child = fake.spawn(&["30"]);
+    let killer = killer(&fake.name(), None, grace);
+    let found = find_soon(&killer).await;
+    (fake, child, killer, found)
+}
+
+/// Waits for `child` and checks that `signal` ended it.
+async fn died_of(child: &mut Child, signal: Signal) {
     use std::os::unix::process::ExitStatusExt;
-    status.signal()
+    let status = child.wait().await.expect("wait");
+    assert_eq!(status.signal(), Some(signal as i32), "{status:?}");
 }
 
 #[tokio::test]
 async fn sigterm_stops_a_process_found_by_name() {
-    let fake = FakeEtcd::new("t");
-    let mut child = fake.spawn(&["30"]);
-    let killer = killer(&fake.name(), None, Duration::from_secs(5));
-    let found = find_soon(&killer).await;
+    let (_fake, mut child, killer, found) = fake_etcd("t", Duration::from_secs(5)).await;
     assert_eq!(found.len(), 1);
     assert_eq!(found[0].pid, child.id().expect("pid") as i32);
 
@@ -137,8 +146,7 @@ async fn sigterm_stops_a_process_found_by_name() {
         started.elapsed() < Duration::from_secs(3),
         "SIGTERM should be enough"
     );
-    let status = child.wait().await.expect("wait");
-    assert_eq!(signal_of(status), Some(Signal::SIGTERM as i32));
+    died_of(&mut child, Signal::SIGTERM).await;
 }
 
 #[tokio::test]
@@ -157,8 +165,7 @@ async fn a_process_ignoring_sigterm_gets_sigkill_after_the_grace() {
     assert_eq!(report.processes, vec![(found[0], Outcome::Killed)]);
     assert_eq!(report.signals_sent(), (1, 1));
     assert!(started.elapsed() >= grace, "SIGKILL only after the grace");
-    let status = child.wait().await.expect("wait");
-    assert_eq!(signal_of(status), Some(Signal::SIGKILL as i32));
+    died_of(&mut child, Signal::SIGKILL).await;
 }
 
 #[tokio::test]
@@ -198,10 +205,7 @@ async fn no_process_found_is_a_kill_that_did_not_happen() {
 
 #[tokio::test]
 async fn a_retry_after_the_process_went_away_on_its_own_is_verified() {
-    let fake = FakeEtcd::new("g");
-    let mut child = fake.spawn(&["30"]);
-    let killer = killer(&fake.name(), None, Duration::from_millis(200));
-    let found = find_soon(&killer).await;
+    let (_fake, mut child, killer, found) = fake_etcd("g", Duration::from_millis(200)).await;
     assert_eq!(
         killer.probe().await.expect("visible and signallable"),
         found
@@ -248,16 +252,12 @@ async fn a_process_still_there_after_sigkill_is_not_verified() {
         started.elapsed() >= Duration::from_secs(5),
         "waited for it after SIGKILL"
     );
-    let status = child.wait().await.expect("wait");
-    assert_eq!(signal_of(status), Some(Signal::SIGKILL as i32));
+    died_of(&mut child, Signal::SIGKILL).await;
 }
 
 #[tokio::test]
 async fn a_reused_pid_is_never_signalled() {
-    let fake = FakeEtcd::new("r");
-    let mut child = fake.spawn(&["30"]);
-    let killer = killer(&fake.name(), None, Duration::from_millis(100));
-    let found = find_soon(&killer).await;
+    let (_fake, mut child, killer, found) = fake_etcd("r", Duration::from_millis(100)).await;
     // Same PID, another start time: what a reused PID looks like.
     let impostor = ProcessId {
         pid: found[0].pid,
@@ -288,10 +288,7 @@ async fn own_process_and_zombies_never_match() {
     let own_pid = std::process::id() as i32;
     assert!(own.find().expect("find").iter().all(|p| p.pid != own_pid));
 
-    let fake = FakeEtcd::new("z");
-    let mut child = fake.spawn(&["30"]);
-    let killer = killer(&fake.name(), None, Duration::from_millis(100));
-    let found = find_soon(&killer).await;
+    let (_fake, mut child, killer, found) = fake_etcd("z", Duration::from_millis(100)).await;
     // Kill it without reaping: it stays a zombie until `wait`.
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(found[0].pid), Signal::SIGKILL)
         .expect("kill");

@@ -31,6 +31,7 @@ use etcd_warden::store::{Kind, Snapshot, SnapshotStore};
 
 use super::dns::DnsServer;
 use super::etcd::{EtcdMember, Release, member_healthy};
+use super::finals;
 use super::pod::Pod;
 use super::s3::S3Server;
 use super::warden::{Warden, command};
@@ -506,16 +507,6 @@ async fn write(
         model.remove(&k);
     }
     Ok(revision)
-}
-
-async fn finals(store: &SnapshotStore) -> Vec<Snapshot> {
-    store
-        .list()
-        .await
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|s| s.kind == Kind::Full && s.is_final)
-        .collect()
 }
 
 /// What the flip sets off, watched until the copy Job exits.

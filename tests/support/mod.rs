@@ -76,3 +76,16 @@ where
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
 }
+
+/// The final full snapshots in a store (none when it cannot be listed).
+pub async fn finals(
+    store: &etcd_warden::store::SnapshotStore,
+) -> Vec<etcd_warden::store::Snapshot> {
+    store
+        .list()
+        .await
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|s| s.kind == etcd_warden::store::Kind::Full && s.is_final)
+        .collect()
+}
