@@ -553,36 +553,31 @@ mod tests {
         assert!(!Stat::parse(STAT).expect("parses").is_dead());
     }
 
+    fn matcher(name: impl Into<String>, cmdline_contains: Option<&str>) -> Matcher {
+        Matcher {
+            name: name.into(),
+            cmdline_contains: cmdline_contains.map(String::from),
+        }
+    }
+
     #[test]
     fn name_and_cmdline_matching() {
-        let by_name = Matcher {
-            name: "etcd".into(),
-            cmdline_contains: None,
-        };
+        let by_name = matcher("etcd", None);
         assert!(by_name.matches("etcd", b""));
         assert!(!by_name.matches("etcd-warden", b"etcd-warden\0serve\0"));
         assert!(!by_name.matches("etc", b""));
 
-        let with_cmdline = Matcher {
-            name: "etcd".into(),
-            cmdline_contains: Some("--name main".into()),
-        };
+        let with_cmdline = matcher("etcd", Some("--name main"));
         assert!(with_cmdline.matches("etcd", b"/usr/bin/etcd\0--name\0main\0"));
         assert!(!with_cmdline.matches("etcd", b"/usr/bin/etcd\0--name\0events\0"));
 
-        let any_name = Matcher {
-            name: String::new(),
-            cmdline_contains: Some("etcd --data-dir".into()),
-        };
+        let any_name = matcher("", Some("etcd --data-dir"));
         assert!(any_name.matches("whatever", b"etcd\0--data-dir\0/var/etcd\0"));
     }
 
     #[test]
     fn long_names_compare_as_the_kernel_truncates_them() {
-        let m = Matcher {
-            name: "etcd-main-member-0".into(),
-            cmdline_contains: None,
-        };
+        let m = matcher("etcd-main-member-0", None);
         assert!(m.matches("etcd-main-membe", b""));
         assert_eq!(truncate_comm("ééééééééé"), "ééééééé");
     }

@@ -267,6 +267,12 @@ impl Watchdog {
             .set_ready(false, protocol.state().name(), protocol.reason());
         set_gate(&ctx.gate, protocol.gate());
         let (tx, rx) = mpsc::channel(64);
+        let parts = Parts {
+            config: &config,
+            ctx: &ctx,
+            metrics: &metrics,
+            status: &status,
+        };
         let mut driver = Driver {
             config: &config,
             ctx: &ctx,
@@ -282,8 +288,8 @@ impl Watchdog {
         };
         tokio::select! {
             _ = cancel.cancelled() => {}
-            _ = lookups(&config, &ctx, &metrics, &status, tx.clone()) => {}
-            _ = observe_etcd(&config, &ctx, &metrics, &status, tx) => {}
+            _ = lookups(parts, tx.clone()) => {}
+            _ = observe_etcd(parts, tx) => {}
             _ = driver.drive(rx) => {}
         }
         driver.protocol.state()
@@ -302,25 +308,34 @@ fn timing(config: &WatchdogConfig) -> Timing {
     }
 }
 
-/// Looks the owner record up every interval and sends each verdict.
-async fn lookups(
-    config: &WatchdogConfig,
-    ctx: &Context,
-    metrics: &OwnerMetrics,
-    status: &watch::Sender<WatchdogStatus>,
-    tx: mpsc::Sender<Observation>,
-) {
-    let mut tick = tokio::time::interval(config.interval);
+/// What the watchdog's loops share.
+#[derive(Clone, Copy)]
+struct Parts<'a> {
+    config: &'a WatchdogConfig,
+    ctx: &'a Context,
+    metrics: &'a OwnerMetrics,
+    status: &'a watch::Sender<WatchdogStatus>,
+}
+
+/// A tick every `period`, late ticks delayed rather than bunched.
+fn every(period: Duration) -> tokio::time::Interval {
+    let mut tick = tokio::time::interval(period);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    let mut failures = FailureCounter::new(config.failure_threshold);
+    tick
+}
+
+/// Looks the owner record up every interval and sends each verdict.
+async fn lookups(parts: Parts<'_>, tx: mpsc::Sender<Observation>) {
+    let mut tick = every(parts.config.interval);
+    let mut failures = FailureCounter::new(parts.config.failure_threshold);
     let mut last_label = "";
     loop {
         tick.tick().await;
-        let span = tracing::info_span!("owner_check", owner_id = %config.owner_id);
-        let result = tracing::Instrument::instrument(ctx.lookup.check(), span.clone()).await;
+        let span = tracing::info_span!("owner_check", owner_id = %parts.config.owner_id);
+        let result = tracing::Instrument::instrument(parts.ctx.lookup.check(), span.clone()).await;
         let verdict = failures.observe(&result);
         let consecutive = failures.consecutive();
-        metrics.record_check(&result, consecutive);
+        parts.metrics.record_check(&result, consecutive);
         {
             let _in = span.enter();
             match &result {
@@ -336,7 +351,7 @@ async fn lookups(
         }
         last_label = result.label();
         let now = Utc::now();
-        status.send_modify(|s| {
+        parts.status.send_modify(|s| {
             s.last_check_at = Some(now);
             s.last_check = Some(result.to_string());
             s.consecutive_failures = consecutive;
@@ -356,22 +371,15 @@ async fn lookups(
 }
 
 /// Checks etcd's health and process every health interval and sends both.
-async fn observe_etcd(
-    config: &WatchdogConfig,
-    ctx: &Context,
-    metrics: &OwnerMetrics,
-    status: &watch::Sender<WatchdogStatus>,
-    tx: mpsc::Sender<Observation>,
-) {
-    let mut tick = tokio::time::interval(config.health_interval);
-    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+async fn observe_etcd(parts: Parts<'_>, tx: mpsc::Sender<Observation>) {
+    let mut tick = every(parts.config.health_interval);
     loop {
         tick.tick().await;
         let started = Instant::now();
-        let health = ctx.etcd.health().await;
-        let process = ctx.process.probe().await.map_err(|e| e.to_string());
-        metrics.set_process_visible(process.is_ok());
-        status.send_modify(|s| {
+        let health = parts.ctx.etcd.health().await;
+        let process = parts.ctx.process.probe().await.map_err(|e| e.to_string());
+        parts.metrics.set_process_visible(process.is_ok());
+        parts.status.send_modify(|s| {
             s.etcd_process = Some(match &process {
                 Ok(found) => found
                     .iter()
