@@ -47,13 +47,14 @@ const EMULATOR_ACCOUNT_KEY: &str =
 /// Store errors.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    /// The backend could not be built from the configuration.
-    #[error("cannot set up store {url}: {message}")]
+    /// The backend could not be built from the configuration. The message includes the cause,
+    /// so it is not also the error's source (which would print it twice).
+    #[error("cannot set up store {url}: {cause}")]
     Build {
         /// The store URL.
         url: String,
-        /// What failed.
-        message: String,
+        /// What failed (boxed: a store error is passed around far more often than built).
+        cause: Box<BuildError>,
     },
     /// A backend operation failed.
     #[error(transparent)]
@@ -61,6 +62,29 @@ pub enum StoreError {
     /// Reading the payload failed (the upload was aborted).
     #[error("snapshot payload failed: {0}")]
     Payload(#[source] std::io::Error),
+}
+
+/// Why a store's backend could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    /// The local store's directory could not be created.
+    #[error("cannot create {}: {source}", path.display())]
+    CreateDir {
+        /// The directory.
+        path: std::path::PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// Only one half of a static S3 key pair is configured.
+    #[error("give both access_key_id and secret_access_key, or neither")]
+    HalfKeyPair,
+    /// `object_store` refused the configuration (a missing bucket, an unreadable service
+    /// account file, …).
+    #[error(transparent)]
+    Backend(#[from] object_store::Error),
+    /// The HTTP client for single `PUT`s could not be built.
+    #[error("HTTP client: {0}")]
+    Http(#[from] reqwest::Error),
 }
 
 /// Builds the backend for a store from its configuration and the process environment.
@@ -76,31 +100,33 @@ pub fn build_with_env(
     env: &dyn EnvSource,
     env_prefix: Option<&str>,
 ) -> Result<Arc<dyn ObjectStore>, StoreError> {
-    let url = config.location.to_string();
-    let fail = |message: String| StoreError::Build {
-        url: url.clone(),
-        message,
+    let fail = |cause: BuildError| StoreError::Build {
+        url: config.location.to_string(),
+        cause: Box::new(cause),
     };
     let provider_vars = |family: &str| provider_env(env, env_prefix, family);
     let store: Arc<dyn ObjectStore> = match &config.location {
         StoreLocation::File { root } => {
-            std::fs::create_dir_all(root)
-                .map_err(|e| fail(format!("cannot create {}: {e}", root.display())))?;
-            Arc::new(LocalFileSystem::new_with_prefix(root).map_err(|e| fail(e.to_string()))?)
+            std::fs::create_dir_all(root).map_err(|source| {
+                fail(BuildError::CreateDir {
+                    path: root.clone(),
+                    source,
+                })
+            })?;
+            Arc::new(LocalFileSystem::new_with_prefix(root).map_err(|e| fail(e.into()))?)
         }
         StoreLocation::Memory { .. } => Arc::new(InMemory::new()),
         StoreLocation::S3 { bucket, .. } => {
             let b = s3_builder(config, bucket, &provider_vars("AWS_")).map_err(fail)?;
-            Arc::new(b.build().map_err(|e| fail(e.to_string()))?)
+            Arc::new(b.build().map_err(|e| fail(e.into()))?)
         }
         StoreLocation::Gcs { bucket, .. } => {
-            let mut b = GoogleCloudStorageBuilder::new();
-            for (key, value) in provider_vars("GOOGLE_") {
-                if let Ok(k) = key.to_ascii_lowercase().parse() {
-                    b = b.with_config(k, value);
-                }
-            }
-            b = b.with_bucket_name(bucket);
+            let mut b = with_vars(
+                GoogleCloudStorageBuilder::new(),
+                &provider_vars("GOOGLE_"),
+                |b, k, v| b.with_config(k, v),
+            )
+            .with_bucket_name(bucket);
             if let Some(sa) = &config.service_account_file {
                 b = b.with_service_account_path(sa.to_string_lossy());
             }
@@ -111,21 +137,20 @@ pub fn build_with_env(
             match file {
                 Some(file) => Arc::new(
                     reload::Reloading::new(vec![file], move || {
-                        Ok(Arc::new(b.clone().build().map_err(|e| e.to_string())?) as _)
+                        Ok(Arc::new(b.clone().build()?) as _)
                     })
-                    .map_err(fail)?,
+                    .map_err(|e| fail(e.into()))?,
                 ),
-                None => Arc::new(b.build().map_err(|e| fail(e.to_string()))?),
+                None => Arc::new(b.build().map_err(|e| fail(e.into()))?),
             }
         }
         StoreLocation::Azure { container, .. } => {
-            let mut b = MicrosoftAzureBuilder::new();
-            for (key, value) in provider_vars("AZURE_") {
-                if let Ok(k) = key.to_ascii_lowercase().parse() {
-                    b = b.with_config(k, value);
-                }
-            }
-            b = b.with_container_name(container);
+            let mut b = with_vars(
+                MicrosoftAzureBuilder::new(),
+                &provider_vars("AZURE_"),
+                |b, k, v| b.with_config(k, v),
+            )
+            .with_container_name(container);
             if let Some(a) = &config.account_name {
                 b = b.with_account(a);
             }
@@ -156,7 +181,7 @@ pub fn build_with_env(
                 }
                 None => {}
             }
-            Arc::new(b.build().map_err(|e| fail(e.to_string()))?)
+            Arc::new(b.build().map_err(|e| fail(e.into()))?)
         }
     };
     Ok(store)
@@ -172,9 +197,9 @@ pub fn single_put_with_env(
     let StoreLocation::S3 { bucket, .. } = &config.location else {
         return Ok(None);
     };
-    let fail = |message: String| StoreError::Build {
+    let fail = |cause| StoreError::Build {
         url: config.location.to_string(),
-        message,
+        cause: Box::new(cause),
     };
     let b = s3_builder(config, bucket, &provider_env(env, env_prefix, "AWS_")).map_err(fail)?;
     SinglePut::for_s3(&b).map_err(fail)
@@ -185,16 +210,12 @@ fn s3_builder(
     config: &StoreConfig,
     bucket: &str,
     vars: &[(String, String)],
-) -> Result<AmazonS3Builder, String> {
-    let mut b = AmazonS3Builder::new();
-    let mut env_sets_style = false;
-    for (key, value) in vars {
-        env_sets_style |= key == "AWS_VIRTUAL_HOSTED_STYLE_REQUEST";
-        if let Ok(k) = key.to_ascii_lowercase().parse() {
-            b = b.with_config(k, value);
-        }
-    }
-    b = b.with_bucket_name(bucket);
+) -> Result<AmazonS3Builder, BuildError> {
+    let env_sets_style = vars
+        .iter()
+        .any(|(key, _)| key == "AWS_VIRTUAL_HOSTED_STYLE_REQUEST");
+    let mut b = with_vars(AmazonS3Builder::new(), vars, |b, k, v| b.with_config(k, v))
+        .with_bucket_name(bucket);
     if let Some(ep) = &config.endpoint {
         b = b.with_endpoint(ep);
     }
@@ -220,9 +241,24 @@ fn s3_builder(
             )));
         }
         (None, None) => {}
-        _ => return Err("give both access_key_id and secret_access_key, or neither".into()),
+        _ => return Err(BuildError::HalfKeyPair),
     }
     Ok(b)
+}
+
+/// `builder` given every variable of `vars` it has a key for (`AWS_REGION` is `aws_region`);
+/// the others are ignored.
+fn with_vars<B, K: std::str::FromStr>(
+    builder: B,
+    vars: &[(String, String)],
+    set: impl Fn(B, K, &str) -> B,
+) -> B {
+    vars.iter().fold(builder, |b, (key, value)| {
+        match key.to_ascii_lowercase().parse() {
+            Ok(k) => set(b, k, value),
+            Err(_) => b,
+        }
+    })
 }
 
 /// Provider variables of one family (`AWS_`), the `env_prefix`ed names overriding plain ones.

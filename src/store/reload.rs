@@ -17,7 +17,7 @@ use object_store::{
 };
 
 type Stamp = Option<(SystemTime, u64)>;
-type Build = dyn Fn() -> std::result::Result<Arc<dyn ObjectStore>, String> + Send + Sync;
+type Build = dyn Fn() -> Result<Arc<dyn ObjectStore>> + Send + Sync;
 
 fn stamps(files: &[PathBuf]) -> Vec<Stamp> {
     files
@@ -42,8 +42,8 @@ impl Reloading {
     /// `files` changes.
     pub fn new(
         files: Vec<PathBuf>,
-        build: impl Fn() -> std::result::Result<Arc<dyn ObjectStore>, String> + Send + Sync + 'static,
-    ) -> std::result::Result<Reloading, String> {
+        build: impl Fn() -> Result<Arc<dyn ObjectStore>> + Send + Sync + 'static,
+    ) -> Result<Reloading> {
         let seen = stamps(&files);
         let store = build()?;
         Ok(Reloading {
@@ -150,7 +150,10 @@ mod tests {
                 Ok(s) if s.starts_with('v') => {
                     Ok(Arc::new(InMemory::new()) as Arc<dyn ObjectStore>)
                 }
-                _ => Err("unreadable service account".into()),
+                _ => Err(object_store::Error::Generic {
+                    store: "test",
+                    source: "unreadable service account".into(),
+                }),
             }
         })
         .unwrap();
