@@ -515,7 +515,7 @@ impl Machines for Crashing {
     }
     async fn add_hook(&self, machine: &str) -> Result<(), BackendError> {
         if self.fail_new_hooks && !["m1", "m2", "m3"].contains(&machine) {
-            return Err(BackendError::Failed("operator killed".into()));
+            return Err(BackendError::Unavailable("operator killed".into()));
         }
         self.inner.add_hook(machine).await
     }
@@ -524,7 +524,7 @@ impl Machines for Crashing {
     }
     async fn start_member(&self, machine: &str, join: &Join) -> Result<bool, BackendError> {
         if self.fail_start {
-            return Err(BackendError::Failed("operator killed".into()));
+            return Err(BackendError::Unavailable("operator killed".into()));
         }
         self.inner.start_member(machine, join).await
     }

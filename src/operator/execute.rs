@@ -38,9 +38,19 @@ pub enum BackendError {
         #[source]
         source: std::io::Error,
     },
-    /// Anything else the backend reports.
-    #[error("{0}")]
-    Failed(String),
+    /// A machine's member could not be started.
+    #[error("starting the member of {machine}: {source}")]
+    Start {
+        /// The machine.
+        machine: String,
+        /// What running etcd reported.
+        #[source]
+        source: crate::etcd::process::ProcessError,
+    },
+    /// The backend itself is unavailable (its API cannot be reached, or it is shutting down);
+    /// the next step tries again.
+    #[error("machine backend unavailable: {0}")]
+    Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
 /// Errors of one executor step.
