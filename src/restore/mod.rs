@@ -23,36 +23,105 @@ use std::time::Instant;
 use futures::StreamExt;
 use tokio::io::AsyncWriteExt;
 
-use crate::snapshot::delta::{self, EventType};
+use crate::etcd::process::ProcessError;
+use crate::snapshot::delta::{self, DeltaError, EventType};
 use crate::snapshot::full::verify_sha256;
-use crate::store::{ByteStream, Snapshot, SnapshotStore};
+use crate::store::{ByteStream, Snapshot, SnapshotStore, StoreError};
 
 use direct::Outcome;
 use replay::{ReplayOp, RevisionGroup};
 pub use tools::{EtcdTools, MemberParams, TempEtcd};
 
-/// What went wrong in a restore; each says which step.
+/// What went wrong in a restore; each says which step. Where a message includes a cause, the
+/// cause is not also the error's source (which would print it twice).
 #[derive(Debug, thiserror::Error)]
 pub enum RestoreError {
+    /// etcd's binaries could not be found.
     #[error("{0}")]
-    Tools(String),
+    Locate(ProcessError),
+    /// No snapshot restore tool beside the etcd binary.
+    #[error("no {tool} beside {}; point --etcd-bin at a directory holding etcd and {tool}", etcd.display())]
+    NoRestorer {
+        /// `etcdutl` or `etcdctl`.
+        tool: &'static str,
+        /// The etcd binary found.
+        etcd: PathBuf,
+    },
+    /// etcd's snapshot restore tool could not be run.
+    #[error("running {}: {cause}", tool.display())]
+    RunTool {
+        tool: PathBuf,
+        cause: std::io::Error,
+    },
+    /// etcd's snapshot restore tool failed; `stderr` is the last line it printed.
+    #[error("{tool} snapshot restore failed ({status}): {stderr}")]
+    ToolFailed {
+        tool: String,
+        status: std::process::ExitStatus,
+        stderr: String,
+    },
+    /// The temporary etcd could not be started or stopped.
+    #[error("temporary etcd: {0}")]
+    TempEtcd(ProcessError),
+    /// A blocking task of the restore panicked or was cancelled.
+    #[error("{what}: {cause}")]
+    Task {
+        what: &'static str,
+        cause: tokio::task::JoinError,
+    },
+    /// `restore.initialize` without `restore.data_dir`.
+    #[error("restore.initialize needs restore.data_dir")]
+    NoDataDir,
+    /// A delta could not be fetched or decoded (its hash, its JSON).
+    #[error("delta {name}: {cause}")]
+    Delta { name: String, cause: DeltaError },
+    /// The deltas do not fit the full snapshot or each other (a gap, an order, a revision).
     #[error("{0}")]
     Deltas(String),
+    /// An etcd request failed.
     #[error("etcd: {0}")]
-    Etcd(String),
-    /// The message includes the I/O error, so it is not also the error's source.
+    Etcd(etcd_client::Error),
+    /// etcd answered a status request without a header.
+    #[error("etcd: status without a header")]
+    NoHeader,
+    /// Replaying a round of revisions through the temporary etcd failed.
+    #[error("etcd: replaying revisions {first} to {last}: {cause}")]
+    Replay {
+        first: i64,
+        last: i64,
+        cause: etcd_client::Error,
+    },
+    /// The temporary etcd opened the restored database at another revision than the deltas'.
+    #[error(
+        "etcd: etcd opened the restored database at revision {seen}, the deltas end at {expected}"
+    )]
+    RevisionMismatch { seen: i64, expected: i64 },
     #[error("{path}: {cause}")]
     Io { path: String, cause: std::io::Error },
+    /// Reading the store failed.
     #[error("{0}")]
-    Store(String),
+    Store(StoreError),
+    /// The store has no full snapshot to restore.
+    #[error("the store has no full snapshot")]
+    NoFullSnapshot,
+    /// The store holds deltas but no full snapshot: starting etcd empty would lose them.
+    #[error("the store holds deltas but no full snapshot; refusing to start etcd empty")]
+    DeltasWithoutFull,
     /// The target directory is in use and `--force` was not given.
     #[error("{0} exists and is not empty; pass --force to move it aside")]
     TargetNotEmpty(String),
     /// The guard file next to the data directory names another etcd.
-    #[error("{0}")]
-    Guard(String),
-    /// A step of the restore failed; nothing was moved into place. The message includes the
-    /// cause, so it is not also given as the error's source (which would print it twice).
+    #[error(
+        "{} holds {found:?} but this sidecar's restore.guard is {expected:?}: the volume belongs \
+         to another etcd; refusing to restore into it",
+        file.display()
+    )]
+    Guard {
+        file: PathBuf,
+        found: String,
+        expected: String,
+    },
+    /// A step of the restore failed; nothing was moved into place.
     #[error("restore failed while {step}: {cause}")]
     Step {
         step: &'static str,
@@ -197,15 +266,13 @@ pub async fn restore(
     let chain = store
         .latest_chain()
         .await
-        .map_err(|e| RestoreError::Store(e.to_string()))
+        .map_err(RestoreError::Store)
         .step("listing the store")?;
     let full = chain
         .full_snapshot
         .clone()
-        .ok_or_else(|| RestoreError::Step {
-            step: "listing the store",
-            cause: Box::new(RestoreError::Store("the store has no full snapshot".into())),
-        })?;
+        .ok_or(RestoreError::NoFullSnapshot)
+        .step("listing the store")?;
     let tools = EtcdTools::locate(opts.etcd_bin.as_deref())
         .await
         .step("locating etcd's tools")?;
@@ -290,7 +357,7 @@ async fn build(
     let stream = store
         .get_decoded(full)
         .await
-        .map_err(|e| RestoreError::Store(e.to_string()))
+        .map_err(RestoreError::Store)
         .step("fetching the full snapshot")?;
     let bytes = write_verified(stream, &db)
         .await
@@ -391,19 +458,18 @@ async fn build(
     let seen = async {
         let mut client = etcd_client::Client::connect([&temp.client_url], None)
             .await
-            .map_err(|e| RestoreError::Etcd(e.to_string()))?;
+            .map_err(RestoreError::Etcd)?;
         current_revision(&mut client).await
     }
     .await;
     temp.stop().await.step("stopping the temporary etcd")?;
     let seen = seen.step("reading the restored revision")?;
     if seen != revision {
-        return Err(RestoreError::Step {
-            step: "checking the final revision",
-            cause: Box::new(RestoreError::Etcd(format!(
-                "etcd opened the restored database at revision {seen}, the deltas end at {revision}"
-            ))),
-        });
+        return Err(RestoreError::RevisionMismatch {
+            seen,
+            expected: revision,
+        })
+        .step("checking the final revision");
     }
     if multi {
         tools
@@ -510,7 +576,7 @@ async fn replay_all(
 ) -> Result<(u64, i64), RestoreError> {
     let mut client = etcd_client::Client::connect([&temp.client_url], None)
         .await
-        .map_err(|e| RestoreError::Etcd(e.to_string()))
+        .map_err(RestoreError::Etcd)
         .step("connecting to the temporary etcd")?;
     let restored = current_revision(&mut client)
         .await
@@ -535,7 +601,10 @@ async fn replay_all(
     let mut held: Vec<(i64, ReplayOp)> = Vec::new();
     while let Some((d, events)) = fetched.next().await {
         let events = events
-            .map_err(|e| RestoreError::Deltas(format!("delta {}: {e}", d.snap_name)))
+            .map_err(|cause| RestoreError::Delta {
+                name: d.snap_name.clone(),
+                cause,
+            })
             .step("fetching and verifying deltas")?;
         let mut ops = std::mem::take(&mut held);
         for te in events {
@@ -599,14 +668,11 @@ fn to_op(event: &delta::Event, d: &Snapshot) -> Result<(i64, ReplayOp), RestoreE
 }
 
 async fn current_revision(client: &mut etcd_client::Client) -> Result<i64, RestoreError> {
-    let status = client
-        .status()
-        .await
-        .map_err(|e| RestoreError::Etcd(e.to_string()))?;
+    let status = client.status().await.map_err(RestoreError::Etcd)?;
     status
         .header()
         .map(|h| h.revision())
-        .ok_or_else(|| RestoreError::Etcd("status without a header".into()))
+        .ok_or(RestoreError::NoHeader)
 }
 
 /// Writes a stream to `path`, checking etcd's trailing SHA-256 as it passes, and syncs it.
@@ -633,12 +699,12 @@ async fn write_verified(stream: ByteStream, path: &Path) -> Result<u64, RestoreE
 async fn snapshot_to_file(url: &str, path: &Path) -> Result<u64, RestoreError> {
     let client = etcd_client::Client::connect([url], None)
         .await
-        .map_err(|e| RestoreError::Etcd(e.to_string()))?;
+        .map_err(RestoreError::Etcd)?;
     let stream = client
         .maintenance_client()
         .snapshot()
         .await
-        .map_err(|e| RestoreError::Etcd(e.to_string()))?;
+        .map_err(RestoreError::Etcd)?;
     let raw = futures::stream::unfold(stream, |mut s| async move {
         match s.message().await {
             Ok(Some(msg)) => Some((Ok(bytes::Bytes::copy_from_slice(msg.blob())), s)),
@@ -655,7 +721,10 @@ async fn sync_tree(dir: &Path) -> Result<(), RestoreError> {
     let dir = dir.to_path_buf();
     tokio::task::spawn_blocking(move || sync_tree_blocking(&dir))
         .await
-        .map_err(|e| RestoreError::Tools(format!("sync task failed: {e}")))?
+        .map_err(|cause| RestoreError::Task {
+            what: "sync task failed",
+            cause,
+        })?
 }
 
 fn sync_tree_blocking(dir: &Path) -> Result<(), RestoreError> {

@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::process::Command;
 
 use super::RestoreError;
-use crate::etcd::process::{EtcdBinaries, EtcdProcess, MemberSpec, ProcessError};
+use crate::etcd::process::{EtcdBinaries, EtcdProcess, MemberSpec};
 
 /// Where the etcd binaries are and what they can do.
 #[derive(Debug, Clone)]
@@ -69,10 +69,6 @@ impl MemberParams {
     }
 }
 
-fn tools_error(e: ProcessError) -> RestoreError {
-    RestoreError::Tools(e.to_string())
-}
-
 impl EtcdTools {
     /// Finds the tools in `dir` (`restore.etcd_bin`, `--etcd-bin`), else where
     /// [`EtcdBinaries::locate`] looks.
@@ -80,8 +76,11 @@ impl EtcdTools {
         let dir = dir.map(Path::to_path_buf);
         let binaries = tokio::task::spawn_blocking(move || EtcdBinaries::locate(dir.as_deref()))
             .await
-            .map_err(|e| RestoreError::Tools(format!("locating etcd: {e}")))?
-            .map_err(tools_error)?;
+            .map_err(|cause| RestoreError::Task {
+                what: "locating etcd",
+                cause,
+            })?
+            .map_err(RestoreError::Locate)?;
         let restorer = match (&binaries.etcdutl, &binaries.etcdctl) {
             (Some(u), _) if binaries.version >= (3, 5, 0) => Restorer::Etcdutl(u.clone()),
             (_, Some(c)) if binaries.version < (3, 6, 0) => Restorer::Etcdctl(c.clone()),
@@ -91,10 +90,10 @@ impl EtcdTools {
                 } else {
                     "etcdctl"
                 };
-                return Err(RestoreError::Tools(format!(
-                    "no {tool} beside {}; point --etcd-bin at a directory holding etcd and {tool}",
-                    binaries.etcd.display()
-                )));
+                return Err(RestoreError::NoRestorer {
+                    tool,
+                    etcd: binaries.etcd,
+                });
             }
         };
         Ok(EtcdTools { binaries, restorer })
@@ -155,10 +154,10 @@ impl EtcdTools {
         if let Some((k, v)) = env_api {
             cmd.env(k, v);
         }
-        let out = cmd
-            .output()
-            .await
-            .map_err(|e| RestoreError::Tools(format!("running {}: {e}", bin.display())))?;
+        let out = cmd.output().await.map_err(|cause| RestoreError::RunTool {
+            tool: bin.clone(),
+            cause,
+        })?;
         if !out.status.success() {
             let stderr = String::from_utf8_lossy(&out.stderr);
             let last = stderr
@@ -167,13 +166,15 @@ impl EtcdTools {
                 .find(|l| !l.trim().is_empty())
                 .unwrap_or("")
                 .trim();
-            return Err(RestoreError::Tools(format!(
-                "{} snapshot restore failed ({}): {last}",
-                bin.file_name()
+            return Err(RestoreError::ToolFailed {
+                tool: bin
+                    .file_name()
                     .and_then(|n| n.to_str())
-                    .unwrap_or("etcd tool"),
-                out.status
-            )));
+                    .unwrap_or("etcd tool")
+                    .to_owned(),
+                status: out.status,
+                stderr: last.to_owned(),
+            });
         }
         Ok(())
     }
@@ -218,7 +219,7 @@ impl TempEtcd {
         let process = spec
             .start(&tools.binaries, Duration::from_secs(60))
             .await
-            .map_err(|e| RestoreError::Tools(format!("temporary etcd: {e}")))?;
+            .map_err(RestoreError::TempEtcd)?;
         Ok(TempEtcd {
             client_url: spec.client_url(),
             process,
@@ -230,7 +231,7 @@ impl TempEtcd {
         self.process
             .terminate(Duration::from_secs(60))
             .await
-            .map_err(|e| RestoreError::Tools(format!("temporary etcd: {e}")))
+            .map_err(RestoreError::TempEtcd)
     }
 }
 
