@@ -425,6 +425,55 @@ async fn without_a_final_snapshot_the_wait_times_out_and_copies_the_latest() {
     assert_eq!(verified_names(&stores.dest).await, dest_names(&src[4..]));
 }
 
+/// A JSON log line's span of this name, if it is inside one.
+fn span_named<'a>(line: &'a serde_json::Value, name: &str) -> Option<&'a serde_json::Value> {
+    line["spans"].as_array()?.iter().find(|s| s["name"] == name)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_json_log_shows_a_copy_object_span_per_snapshot() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = |sub: &str| format!("file://{}", dir.path().join(sub).display());
+    let c = load(vec![
+        ("source_store.url".into(), url("src")),
+        ("store.url".into(), url("dst")),
+    ]);
+    let stores = Stores::from_config(c.source_store.as_ref().unwrap(), &c.store).unwrap();
+    let src = history(&stores.source, false).await;
+    let out = support::warden::command()
+        .args([
+            "copy",
+            "--source-store",
+            &url("src"),
+            "--dest-store",
+            &url("dst"),
+        ])
+        .args(["--log-format", "json"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let lines: Vec<serde_json::Value> = stderr
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let copied = verified_names(&stores.dest).await;
+    assert_eq!(copied, dest_names(&src));
+    for s in &src {
+        let line = lines
+            .iter()
+            .find(|l| span_named(l, "copy_object").is_some_and(|o| o["snapshot"] == s.snap_name))
+            .unwrap_or_else(|| panic!("no copy_object span for {}:\n{stderr}", s.snap_name));
+        let span = span_named(line, "copy_object").unwrap();
+        assert_eq!(span["kind"], s.kind.as_str(), "{span}");
+        assert_eq!(span["revision"], s.last_revision, "{span}");
+        assert!(span["size"].as_u64().is_some_and(|n| n > 0), "{span}");
+        // The event inside says what happened; the span says to which snapshot.
+        assert!(line["snapshot"].is_null(), "{line}");
+        assert!(span_named(line, "copy").is_some(), "{line}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn selection_by_count_age_and_the_final_snapshot() {
     let dir = tempfile::tempdir().unwrap();

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
+use crate::store::Snapshot;
 use crate::store::layout::FINAL_SUFFIX;
-use crate::store::{Kind, Snapshot};
 
 /// A source snapshot and its stored (compressed) size.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -158,21 +158,10 @@ pub fn pending(selected: Vec<Listed>, dest: &HashMap<String, u64>) -> (Vec<Liste
     })
 }
 
-/// A one-line description of a snapshot for logs.
-pub fn describe(s: &Snapshot) -> String {
-    match s.kind {
-        Kind::Full => format!("{} (full, revision {})", s.snap_name, s.last_revision),
-        Kind::Incr => format!(
-            "{} (delta, revisions {}..={})",
-            s.snap_name, s.start_revision, s.last_revision
-        ),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::Codec;
+    use crate::store::{Codec, Kind};
     use chrono::TimeZone;
 
     fn t(secs: i64) -> DateTime<Utc> {
