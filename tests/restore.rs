@@ -281,6 +281,59 @@ async fn a_corrupt_delta_fails_and_leaves_the_target_untouched() {
     assert_eq!(std::fs::read(target.join("precious")).unwrap(), b"keep me");
 }
 
+/// `etcd-warden restore` of the file store at `store_dir` into `target`, as member m1 of etcd 3.5.
+fn restore_command(store_dir: &Path, target: &Path) -> std::process::Command {
+    let mut c = support::warden::command();
+    c.args(["restore", "--store"])
+        .arg(format!("file://{}", store_dir.display()))
+        .arg("--data-dir")
+        .arg(target)
+        .arg("--etcd-bin")
+        .arg(Release::V35.bin_dir())
+        .args(["--name", "m1"]);
+    c
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_json_log_shows_each_restore_step_in_its_span() {
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut client = etcd.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let store = file_store(&dir.path().join("store"));
+    let last = build_store(&mut client, &store, 2).await;
+    let chain = store.latest_chain().await.unwrap();
+    let full = chain.full_snapshot.unwrap();
+    let out = restore_command(&dir.path().join("store"), &dir.path().join("data"))
+        .args(["--log-format", "json"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let lines: Vec<serde_json::Value> = stderr
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    // The innermost span of the first event inside a span of this name.
+    let span = |name: &str| {
+        lines
+            .iter()
+            .find_map(|l| l["spans"].as_array()?.iter().find(|s| s["name"] == name))
+            .unwrap_or_else(|| panic!("no {name} span:\n{stderr}"))
+    };
+    assert!(span("restore")["store"].is_string(), "{stderr}");
+    let fetch = span("fetch_full_snapshot");
+    assert_eq!(fetch["snapshot"], full.snap_name, "{fetch}");
+    assert_eq!(fetch["revision"], full.last_revision, "{fetch}");
+    let write = span("write_deltas");
+    assert_eq!(
+        write["first_revision"], chain.delta_snapshots[0].start_revision,
+        "{write}"
+    );
+    assert_eq!(write["last_revision"], last, "{write}");
+    assert_eq!(span("temp_etcd_check")["expected"], last, "{stderr}");
+    assert_eq!(span("etcd_restore_tool")["tool"], "etcdutl", "{stderr}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn force_moves_the_old_directory_aside_via_the_binary() {
     let etcd = EtcdCluster::single(Release::V35).await;
@@ -293,14 +346,7 @@ async fn force_moves_the_old_directory_aside_via_the_binary() {
     std::fs::create_dir_all(&target).unwrap();
     std::fs::write(target.join("old"), b"old").unwrap();
     let run = |force: bool| {
-        let mut c = support::warden::command();
-        c.args(["restore", "--store"])
-            .arg(format!("file://{}", dir.path().join("store").display()))
-            .arg("--data-dir")
-            .arg(&target)
-            .arg("--etcd-bin")
-            .arg(Release::V35.bin_dir())
-            .args(["--name", "m1"]);
+        let mut c = restore_command(&dir.path().join("store"), &target);
         if force {
             c.arg("--force");
         }

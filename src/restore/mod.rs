@@ -22,6 +22,7 @@ use std::time::Instant;
 
 use futures::StreamExt;
 use tokio::io::AsyncWriteExt;
+use tracing::Instrument as _;
 
 use crate::etcd::process::ProcessError;
 use crate::snapshot::delta::{self, DeltaError, EventType};
@@ -259,6 +260,19 @@ pub async fn restore(
     store: &SnapshotStore,
     opts: &RestoreOptions,
 ) -> Result<RestoreReport, RestoreError> {
+    let span = tracing::info_span!(
+        "restore",
+        store = %store.prefix(),
+        data_dir = %opts.data_dir.display()
+    );
+    restore_into(store, opts).instrument(span).await
+}
+
+/// [`restore`] inside its span.
+async fn restore_into(
+    store: &SnapshotStore,
+    opts: &RestoreOptions,
+) -> Result<RestoreReport, RestoreError> {
     let target = &opts.data_dir;
     if is_non_empty_dir(target)? && !opts.force {
         return Err(RestoreError::TargetNotEmpty(target.display().to_string()));
@@ -332,7 +346,6 @@ pub async fn restore(
         moved_aside,
     };
     tracing::info!(
-        data_dir = %target.display(),
         full_snapshot = %report.full_snapshot,
         deltas = report.deltas,
         events = report.events_applied,
@@ -353,16 +366,13 @@ async fn build(
     work: &Path,
 ) -> Result<Built, RestoreError> {
     let db = work.join("snapshot.db");
-    let started = Instant::now();
-    let stream = store
-        .get_decoded(full)
-        .await
-        .map_err(RestoreError::Store)
-        .step("fetching the full snapshot")?;
-    let bytes = write_verified(stream, &db)
-        .await
-        .step("fetching and verifying the full snapshot")?;
-    tracing::info!(snapshot = %full.snap_name, bytes, seconds = started.elapsed().as_secs_f64(), "full snapshot fetched and verified");
+    let bytes = fetch_full(store, full, &db)
+        .instrument(tracing::info_span!(
+            "fetch_full_snapshot",
+            snapshot = %full.snap_name,
+            revision = full.last_revision
+        ))
+        .await?;
 
     if deltas.is_empty() {
         tools
@@ -401,8 +411,16 @@ async fn build(
     let written = work.join("with-deltas.db");
     let db_len = bytes.saturating_sub(crate::snapshot::delta::HASH_LEN as u64);
     let parallel = opts.parallel_fetch.max(1);
+    let (first, last) = revision_range(deltas);
+    let span = tracing::info_span!(
+        "write_deltas",
+        deltas = deltas.len(),
+        first_revision = first,
+        last_revision = last
+    );
     let write_started = Instant::now();
     let outcome = direct::write(store, deltas, parallel, &db, db_len, &written)
+        .instrument(span.clone())
         .await
         .step("writing the deltas into the database")?;
     let write_time = write_started.elapsed();
@@ -413,11 +431,13 @@ async fn build(
             restored,
         } => (events, revision, restored),
         Outcome::Unsupported(reason) => {
-            tracing::warn!(
-                %reason,
-                "cannot write these deltas into the database directly; replaying them through \
-                 a temporary etcd instead"
-            );
+            span.in_scope(|| {
+                tracing::warn!(
+                    %reason,
+                    "cannot write these deltas into the database directly; replaying them \
+                     through a temporary etcd instead"
+                )
+            });
             let _ = std::fs::remove_file(&written);
             return replay_through_etcd(
                 store,
@@ -430,47 +450,35 @@ async fn build(
                 &scratch,
                 &scratch_member,
             )
+            .instrument(tracing::info_span!(
+                "replay_deltas",
+                deltas = deltas.len(),
+                first_revision = first,
+                last_revision = last
+            ))
             .await;
         }
     };
     let _ = std::fs::remove_file(&db);
-    check_final_revision(revision, restored, deltas).step("checking the final revision")?;
-    tracing::info!(
-        events,
-        revision,
-        seconds = write_time.as_secs_f64(),
-        events_per_second = events as f64 / write_time.as_secs_f64().max(1e-9),
-        "deltas written into the database"
-    );
+    span.in_scope(|| {
+        check_final_revision(revision, restored, deltas).step("checking the final revision")?;
+        tracing::info!(
+            events,
+            revision,
+            seconds = write_time.as_secs_f64(),
+            events_per_second = events as f64 / write_time.as_secs_f64().max(1e-9),
+            "deltas written into the database"
+        );
+        Ok::<_, RestoreError>(())
+    })?;
     // etcd itself must open the result and agree on the revision before it is used.
     tools
         .restore_unhashed(&written, &scratch, &scratch_member)
         .await
         .step("restoring the database with the deltas")?;
-    let temp = TempEtcd::start(
-        tools,
-        &scratch,
-        &scratch_member.name,
-        work.join("temp-etcd.log"),
-    )
-    .await
-    .step("starting the temporary etcd")?;
-    let seen = async {
-        let mut client = etcd_client::Client::connect([&temp.client_url], None)
-            .await
-            .map_err(RestoreError::Etcd)?;
-        current_revision(&mut client).await
-    }
-    .await;
-    temp.stop().await.step("stopping the temporary etcd")?;
-    let seen = seen.step("reading the restored revision")?;
-    if seen != revision {
-        return Err(RestoreError::RevisionMismatch {
-            seen,
-            expected: revision,
-        })
-        .step("checking the final revision");
-    }
+    check_in_temp_etcd(tools, &scratch, &scratch_member.name, work, revision)
+        .instrument(tracing::info_span!("temp_etcd_check", expected = revision))
+        .await?;
     if multi {
         tools
             .restore_unhashed(&written, part, &opts.member)
@@ -486,6 +494,66 @@ async fn build(
         replay_time: write_time,
         replay: Replay::Direct,
     })
+}
+
+/// Fetches the full snapshot into `db`, checking its hash on the way. Returns its length.
+async fn fetch_full(
+    store: &SnapshotStore,
+    full: &Snapshot,
+    db: &Path,
+) -> Result<u64, RestoreError> {
+    let started = Instant::now();
+    let stream = store
+        .get_decoded(full)
+        .await
+        .map_err(RestoreError::Store)
+        .step("fetching the full snapshot")?;
+    let bytes = write_verified(stream, db)
+        .await
+        .step("fetching and verifying the full snapshot")?;
+    tracing::info!(
+        bytes,
+        seconds = started.elapsed().as_secs_f64(),
+        "full snapshot fetched and verified"
+    );
+    Ok(bytes)
+}
+
+/// The revisions the deltas cover: the first one's start and the last one's end.
+fn revision_range(deltas: &[Snapshot]) -> (i64, i64) {
+    (
+        deltas.first().map_or(0, |d| d.start_revision),
+        deltas.last().map_or(0, |d| d.last_revision),
+    )
+}
+
+/// Starts a temporary etcd on the restored `data_dir` and checks it opens the database at
+/// `expected`: etcd itself must agree before the result is used.
+async fn check_in_temp_etcd(
+    tools: &EtcdTools,
+    data_dir: &Path,
+    name: &str,
+    work: &Path,
+    expected: i64,
+) -> Result<(), RestoreError> {
+    let temp = TempEtcd::start(tools, data_dir, name, work.join("temp-etcd.log"))
+        .await
+        .step("starting the temporary etcd")?;
+    let seen = async {
+        let mut client = etcd_client::Client::connect([&temp.client_url], None)
+            .await
+            .map_err(RestoreError::Etcd)?;
+        current_revision(&mut client).await
+    }
+    .await;
+    temp.stop().await.step("stopping the temporary etcd")?;
+    let seen = seen.step("reading the restored revision")?;
+    if seen != expected {
+        return Err(RestoreError::RevisionMismatch { seen, expected })
+            .step("checking the final revision");
+    }
+    tracing::info!("etcd opened the restored database at the expected revision");
+    Ok(())
 }
 
 /// The restore must end where the last delta ends (or, when the full snapshot holds writes
@@ -583,11 +651,7 @@ async fn replay_all(
         .step("reading the restored revision")?;
     let mut current = restored;
     let started = Instant::now();
-    tracing::info!(
-        revision = restored,
-        deltas = deltas.len(),
-        "replaying deltas"
-    );
+    tracing::info!(revision = restored, "replaying deltas");
     let mut fetched = futures::stream::iter(deltas.iter().cloned())
         .map(|d| async move {
             let events = delta::read(store, &d).await;

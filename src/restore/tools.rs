@@ -7,6 +7,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use tokio::process::Command;
+use tracing::Instrument as _;
 
 use super::RestoreError;
 use crate::etcd::process::{EtcdBinaries, EtcdProcess, MemberSpec};
@@ -128,6 +129,29 @@ impl EtcdTools {
         member: &MemberParams,
         hashed: bool,
     ) -> Result<(), RestoreError> {
+        let tool = match &self.restorer {
+            Restorer::Etcdutl(_) => "etcdutl",
+            Restorer::Etcdctl(_) => "etcdctl",
+        };
+        let span = tracing::info_span!(
+            "etcd_restore_tool",
+            tool,
+            data_dir = %data_dir.display(),
+            name = %member.name
+        );
+        self.run_restore(db, data_dir, member, hashed)
+            .instrument(span)
+            .await
+    }
+
+    /// [`EtcdTools::restore_db`] inside its span.
+    async fn run_restore(
+        &self,
+        db: &Path,
+        data_dir: &Path,
+        member: &MemberParams,
+        hashed: bool,
+    ) -> Result<(), RestoreError> {
         let (bin, env_api) = match &self.restorer {
             Restorer::Etcdutl(p) => (p, None),
             Restorer::Etcdctl(p) => (p, Some(("ETCDCTL_API", "3"))),
@@ -176,6 +200,7 @@ impl EtcdTools {
                 stderr: last.to_owned(),
             });
         }
+        tracing::debug!("snapshot restored into the data directory");
         Ok(())
     }
 }
