@@ -632,6 +632,8 @@ async fn local_binary_replaces_a_member_through_its_api() {
             "--no-fsync",
             "--interval",
             "200ms",
+            "--log-format",
+            "json",
         ])
         .arg("--dir")
         .arg(dir.path().join("run"))
@@ -639,7 +641,7 @@ async fn local_binary_replaces_a_member_through_its_api() {
         .arg(&etcd_dir)
         .args(["--listen", &api])
         .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
+        .stderr(std::fs::File::create(dir.path().join("operator.log")).unwrap())
         .kill_on_drop(true)
         .spawn()
         .unwrap();
@@ -693,6 +695,21 @@ async fn local_binary_replaces_a_member_through_its_api() {
         .collect();
     member_names.sort();
     assert_eq!(member_names, ["m2", "m3", "m4"]);
+
+    // The JSON log: each action in its own span, naming the machine and member, inside a step.
+    let log = std::fs::read_to_string(dir.path().join("operator.log")).unwrap();
+    let promoted = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|l| l["span"]["name"] == "operator_action" && l["span"]["action"] == "promote")
+        .unwrap_or_else(|| panic!("no promote action span:\n{log}"));
+    assert_eq!(promoted["span"]["machine"], "m4", "{promoted}");
+    assert!(promoted["span"]["member_id"].is_string(), "{promoted}");
+    assert!(
+        promoted["spans"][0]["name"] == "operator_step"
+            && promoted["spans"][0]["condition"].is_string(),
+        "{promoted}"
+    );
 
     let metrics = http
         .get(format!("{url}/metrics"))

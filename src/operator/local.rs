@@ -447,7 +447,8 @@ impl Machines for LocalCluster {
                 machine: machine.to_owned(),
                 source,
             })?;
-        info!(machine = %m.spec.name, state = "existing", pid = p.pid(), "started etcd");
+        // The operator's action span names the machine.
+        info!(state = "existing", pid = p.pid(), "started etcd");
         m.process = Some(Arc::new(p));
         m.member_id = Some(join.member_id);
         Ok(true)
