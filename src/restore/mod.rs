@@ -31,7 +31,7 @@ use crate::store::{ByteStream, Snapshot, SnapshotStore, StoreError};
 
 use direct::Outcome;
 use replay::{ReplayOp, RevisionGroup};
-pub use tools::{EtcdTools, MemberParams, TempEtcd};
+pub use tools::{DbHash, EtcdTools, MemberParams, TempEtcd};
 
 /// What went wrong in a restore; each says which step. Where a message includes a cause, the
 /// cause is not also the error's source (which would print it twice).
@@ -256,20 +256,12 @@ fn remove_if_exists(path: &Path) -> Result<(), RestoreError> {
 }
 
 /// Restores `opts.data_dir` from the latest full snapshot in `store` and every later delta.
+#[tracing::instrument(
+    name = "restore",
+    skip_all,
+    fields(store = %store.prefix(), data_dir = %opts.data_dir.display())
+)]
 pub async fn restore(
-    store: &SnapshotStore,
-    opts: &RestoreOptions,
-) -> Result<RestoreReport, RestoreError> {
-    let span = tracing::info_span!(
-        "restore",
-        store = %store.prefix(),
-        data_dir = %opts.data_dir.display()
-    );
-    restore_into(store, opts).instrument(span).await
-}
-
-/// [`restore`] inside its span.
-async fn restore_into(
     store: &SnapshotStore,
     opts: &RestoreOptions,
 ) -> Result<RestoreReport, RestoreError> {
@@ -305,7 +297,7 @@ async fn restore_into(
         .map_err(|e| RestoreError::io(&work, e))
         .step("creating the work directory")?;
 
-    let result = build(
+    let built = build(
         store,
         &tools,
         opts,
@@ -316,21 +308,28 @@ async fn restore_into(
     )
     .await;
     let _ = std::fs::remove_dir_all(&work);
-    let Built {
-        events: events_applied,
-        revision,
-        replay_time,
-        replay,
-    } = match result {
+    // Every path of `build` ends here: the temporary etcd may have run without fsync, so the
+    // result is synced once, then moved into place. A failure removes `part` and nothing else.
+    let installed = async {
+        let built = built?;
+        sync_tree(&part)
+            .await
+            .step("syncing the restored directory")?;
+        let moved_aside =
+            install(&part, target, opts.force).step("moving the result into place")?;
+        Ok::<_, RestoreError>((built, moved_aside))
+    }
+    .await;
+    let (
+        Built {
+            events: events_applied,
+            revision,
+            replay_time,
+            replay,
+        },
+        moved_aside,
+    ) = match installed {
         Ok(r) => r,
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(&part);
-            return Err(e);
-        }
-    };
-    let moved_aside = match install(&part, target, opts.force).step("moving the result into place")
-    {
-        Ok(m) => m,
         Err(e) => {
             let _ = std::fs::remove_dir_all(&part);
             return Err(e);
@@ -355,7 +354,7 @@ async fn restore_into(
     Ok(report)
 }
 
-/// Builds the restored directory in `part`.
+/// Builds the restored directory in `part` (not yet synced).
 async fn build(
     store: &SnapshotStore,
     tools: &EtcdTools,
@@ -366,22 +365,13 @@ async fn build(
     work: &Path,
 ) -> Result<Built, RestoreError> {
     let db = work.join("snapshot.db");
-    let bytes = fetch_full(store, full, &db)
-        .instrument(tracing::info_span!(
-            "fetch_full_snapshot",
-            snapshot = %full.snap_name,
-            revision = full.last_revision
-        ))
-        .await?;
+    let bytes = fetch_full(store, full, &db).await?;
 
     if deltas.is_empty() {
         tools
-            .restore_file(&db, part, &opts.member)
+            .restore_db(&db, DbHash::Appended, part, &opts.member)
             .await
             .step("restoring the full snapshot")?;
-        sync_tree(part)
-            .await
-            .step("syncing the restored directory")?;
         // Without deltas the revision is the snapshot's; reading it would need an etcd.
         return Ok(Built {
             events: 0,
@@ -473,21 +463,16 @@ async fn build(
     })?;
     // etcd itself must open the result and agree on the revision before it is used.
     tools
-        .restore_unhashed(&written, &scratch, &scratch_member)
+        .restore_db(&written, DbHash::None, &scratch, &scratch_member)
         .await
         .step("restoring the database with the deltas")?;
-    check_in_temp_etcd(tools, &scratch, &scratch_member.name, work, revision)
-        .instrument(tracing::info_span!("temp_etcd_check", expected = revision))
-        .await?;
+    check_in_temp_etcd(tools, &scratch, &scratch_member.name, work, revision).await?;
     if multi {
         tools
-            .restore_unhashed(&written, part, &opts.member)
+            .restore_db(&written, DbHash::None, part, &opts.member)
             .await
             .step("restoring the database with the cluster's parameters")?;
     }
-    sync_tree(part)
-        .await
-        .step("syncing the restored directory")?;
     Ok(Built {
         events,
         revision,
@@ -497,6 +482,11 @@ async fn build(
 }
 
 /// Fetches the full snapshot into `db`, checking its hash on the way. Returns its length.
+#[tracing::instrument(
+    name = "fetch_full_snapshot",
+    skip_all,
+    fields(snapshot = %full.snap_name, revision = full.last_revision)
+)]
 async fn fetch_full(
     store: &SnapshotStore,
     full: &Snapshot,
@@ -529,6 +519,7 @@ fn revision_range(deltas: &[Snapshot]) -> (i64, i64) {
 
 /// Starts a temporary etcd on the restored `data_dir` and checks it opens the database at
 /// `expected`: etcd itself must agree before the result is used.
+#[tracing::instrument(name = "temp_etcd_check", skip_all, fields(expected = expected))]
 async fn check_in_temp_etcd(
     tools: &EtcdTools,
     data_dir: &Path,
@@ -587,7 +578,7 @@ async fn replay_through_etcd(
     scratch_member: &MemberParams,
 ) -> Result<Built, RestoreError> {
     tools
-        .restore_file(db, scratch, scratch_member)
+        .restore_db(db, DbHash::Appended, scratch, scratch_member)
         .await
         .step("restoring the full snapshot")?;
     let _ = std::fs::remove_file(db);
@@ -618,15 +609,12 @@ async fn replay_through_etcd(
         temp.stop().await.step("stopping the temporary etcd")?;
         saved?;
         tools
-            .restore_file(&snap, part, &opts.member)
+            .restore_db(&snap, DbHash::Appended, part, &opts.member)
             .await
             .step("restoring the replayed snapshot with the cluster's parameters")?;
     } else {
         temp.stop().await.step("stopping the temporary etcd")?;
     }
-    sync_tree(part)
-        .await
-        .step("syncing the restored directory")?;
     Ok(Built {
         events: applied,
         revision,

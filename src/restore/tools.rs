@@ -7,7 +7,6 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use tokio::process::Command;
-use tracing::Instrument as _;
 
 use super::RestoreError;
 use crate::etcd::process::{EtcdBinaries, EtcdProcess, MemberSpec};
@@ -26,6 +25,25 @@ pub struct EtcdTools {
 pub enum Restorer {
     Etcdutl(PathBuf),
     Etcdctl(PathBuf),
+}
+
+impl Restorer {
+    /// The tool's name.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Restorer::Etcdutl(_) => "etcdutl",
+            Restorer::Etcdctl(_) => "etcdctl",
+        }
+    }
+}
+
+/// Whether a database file ends in etcd's SHA-256.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DbHash {
+    /// A snapshot as etcd streams it, hash appended.
+    Appended,
+    /// A database this program wrote, no hash.
+    None,
 }
 
 /// How the restored member is named and which cluster it belongs to.
@@ -100,57 +118,19 @@ impl EtcdTools {
         Ok(EtcdTools { binaries, restorer })
     }
 
-    /// Restores the snapshot file `db` (etcd's format, hash appended) into the new directory
-    /// `data_dir` with etcd's own tool, which checks the hash.
-    pub async fn restore_file(
+    /// Restores the database file `db` into the new directory `data_dir` with etcd's own tool,
+    /// which checks the hash when there is one.
+    #[tracing::instrument(
+        name = "etcd_restore_tool",
+        skip_all,
+        fields(tool = self.restorer.name(), data_dir = %data_dir.display(), name = %member.name)
+    )]
+    pub async fn restore_db(
         &self,
         db: &Path,
+        hash: DbHash,
         data_dir: &Path,
         member: &MemberParams,
-    ) -> Result<(), RestoreError> {
-        self.restore_db(db, data_dir, member, true).await
-    }
-
-    /// Restores the database file `db`, which has no hash appended (one this program wrote),
-    /// into the new directory `data_dir` with etcd's own tool.
-    pub async fn restore_unhashed(
-        &self,
-        db: &Path,
-        data_dir: &Path,
-        member: &MemberParams,
-    ) -> Result<(), RestoreError> {
-        self.restore_db(db, data_dir, member, false).await
-    }
-
-    async fn restore_db(
-        &self,
-        db: &Path,
-        data_dir: &Path,
-        member: &MemberParams,
-        hashed: bool,
-    ) -> Result<(), RestoreError> {
-        let tool = match &self.restorer {
-            Restorer::Etcdutl(_) => "etcdutl",
-            Restorer::Etcdctl(_) => "etcdctl",
-        };
-        let span = tracing::info_span!(
-            "etcd_restore_tool",
-            tool,
-            data_dir = %data_dir.display(),
-            name = %member.name
-        );
-        self.run_restore(db, data_dir, member, hashed)
-            .instrument(span)
-            .await
-    }
-
-    /// [`EtcdTools::restore_db`] inside its span.
-    async fn run_restore(
-        &self,
-        db: &Path,
-        data_dir: &Path,
-        member: &MemberParams,
-        hashed: bool,
     ) -> Result<(), RestoreError> {
         let (bin, env_api) = match &self.restorer {
             Restorer::Etcdutl(p) => (p, None),
@@ -172,7 +152,7 @@ impl EtcdTools {
             .arg(&member.initial_advertise_peer_urls)
             .stdin(Stdio::null())
             .kill_on_drop(true);
-        if !hashed {
+        if hash == DbHash::None {
             cmd.arg("--skip-hash-check");
         }
         if let Some((k, v)) = env_api {
