@@ -64,6 +64,16 @@ pub enum StoreError {
     Payload(#[source] std::io::Error),
 }
 
+impl StoreError {
+    /// The store of `config` could not be set up.
+    fn build(config: &StoreConfig, cause: BuildError) -> StoreError {
+        StoreError::Build {
+            url: config.location.to_string(),
+            cause: Box::new(cause),
+        }
+    }
+}
+
 /// Why a store's backend could not be built.
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
@@ -100,91 +110,103 @@ pub fn build_with_env(
     env: &dyn EnvSource,
     env_prefix: Option<&str>,
 ) -> Result<Arc<dyn ObjectStore>, StoreError> {
-    let fail = |cause: BuildError| StoreError::Build {
-        url: config.location.to_string(),
-        cause: Box::new(cause),
-    };
-    let provider_vars = |family: &str| provider_env(env, env_prefix, family);
-    let store: Arc<dyn ObjectStore> = match &config.location {
+    backend(config, &|family| provider_env(env, env_prefix, family))
+        .map_err(|cause| StoreError::build(config, cause))
+}
+
+/// The backend of [`build_with_env`]; `vars` gives one family's provider variables.
+fn backend(
+    config: &StoreConfig,
+    vars: &dyn Fn(&str) -> Vec<(String, String)>,
+) -> Result<Arc<dyn ObjectStore>, BuildError> {
+    Ok(match &config.location {
         StoreLocation::File { root } => {
-            std::fs::create_dir_all(root).map_err(|source| {
-                fail(BuildError::CreateDir {
-                    path: root.clone(),
-                    source,
-                })
+            std::fs::create_dir_all(root).map_err(|source| BuildError::CreateDir {
+                path: root.clone(),
+                source,
             })?;
-            Arc::new(LocalFileSystem::new_with_prefix(root).map_err(|e| fail(e.into()))?)
+            Arc::new(LocalFileSystem::new_with_prefix(root)?)
         }
         StoreLocation::Memory { .. } => Arc::new(InMemory::new()),
         StoreLocation::S3 { bucket, .. } => {
-            let b = s3_builder(config, bucket, &provider_vars("AWS_")).map_err(fail)?;
-            Arc::new(b.build().map_err(|e| fail(e.into()))?)
+            Arc::new(s3_builder(config, bucket, &vars("AWS_"))?.build()?)
         }
         StoreLocation::Gcs { bucket, .. } => {
-            let mut b = with_vars(
-                GoogleCloudStorageBuilder::new(),
-                &provider_vars("GOOGLE_"),
-                |b, k, v| b.with_config(k, v),
-            )
-            .with_bucket_name(bucket);
-            if let Some(sa) = &config.service_account_file {
-                b = b.with_service_account_path(sa.to_string_lossy());
-            }
+            let b = gcs_builder(config, bucket, &vars("GOOGLE_"));
             // The builder reads the service account file once; rebuild when it changes.
             let file = b
                 .get_config_value(&object_store::gcp::GoogleConfigKey::ServiceAccount)
                 .map(std::path::PathBuf::from);
             match file {
-                Some(file) => Arc::new(
-                    reload::Reloading::new(vec![file], move || {
-                        Ok(Arc::new(b.clone().build()?) as _)
-                    })
-                    .map_err(|e| fail(e.into()))?,
-                ),
-                None => Arc::new(b.build().map_err(|e| fail(e.into()))?),
+                Some(file) => Arc::new(reload::Reloading::new(vec![file], move || {
+                    Ok(Arc::new(b.clone().build()?) as _)
+                })?),
+                None => Arc::new(b.build()?),
             }
         }
         StoreLocation::Azure { container, .. } => {
-            let mut b = with_vars(
-                MicrosoftAzureBuilder::new(),
-                &provider_vars("AZURE_"),
-                |b, k, v| b.with_config(k, v),
-            )
-            .with_container_name(container);
-            if let Some(a) = &config.account_name {
-                b = b.with_account(a);
-            }
-            match (config.use_emulator, &config.endpoint) {
-                // object_store's emulator mode takes its URL only from AZURITE_BLOB_STORAGE_URL;
-                // with an explicit endpoint, address the emulator's account path-style instead.
-                (true, Some(ep)) => {
-                    let account = config.account_name.as_deref().unwrap_or(EMULATOR_ACCOUNT);
-                    b = b
-                        .with_account(account)
-                        .with_endpoint(format!("{}/{account}", ep.trim_end_matches('/')))
-                        .with_allow_http(true);
-                    if config.account_key.is_none() {
-                        b = b.with_access_key(EMULATOR_ACCOUNT_KEY);
-                    }
-                }
-                (true, None) => b = b.with_use_emulator(true),
-                (false, Some(ep)) => b = b.with_endpoint(ep.clone()),
-                (false, None) => {}
-            }
-            if config.allow_http {
-                b = b.with_allow_http(true);
-            }
-            match &config.account_key {
-                Some(Secret::Value(k)) => b = b.with_access_key(k),
-                Some(file @ Secret::File(_)) => {
-                    b = b.with_credentials(Arc::new(credentials::AzureFromFile::new(file.clone())));
-                }
-                None => {}
-            }
-            Arc::new(b.build().map_err(|e| fail(e.into()))?)
+            Arc::new(azure_builder(config, container, &vars("AZURE_")).build()?)
         }
-    };
-    Ok(store)
+    })
+}
+
+/// The GCS builder: environment first, explicit configuration over it.
+fn gcs_builder(
+    config: &StoreConfig,
+    bucket: &str,
+    vars: &[(String, String)],
+) -> GoogleCloudStorageBuilder {
+    let b = with_vars(GoogleCloudStorageBuilder::new(), vars, |b, k, v| {
+        b.with_config(k, v)
+    })
+    .with_bucket_name(bucket);
+    match &config.service_account_file {
+        Some(sa) => b.with_service_account_path(sa.to_string_lossy()),
+        None => b,
+    }
+}
+
+/// The Azure builder: environment first, explicit configuration over it.
+fn azure_builder(
+    config: &StoreConfig,
+    container: &str,
+    vars: &[(String, String)],
+) -> MicrosoftAzureBuilder {
+    let mut b = with_vars(MicrosoftAzureBuilder::new(), vars, |b, k, v| {
+        b.with_config(k, v)
+    })
+    .with_container_name(container);
+    if let Some(a) = &config.account_name {
+        b = b.with_account(a);
+    }
+    match (config.use_emulator, &config.endpoint) {
+        // object_store's emulator mode takes its URL only from AZURITE_BLOB_STORAGE_URL;
+        // with an explicit endpoint, address the emulator's account path-style instead.
+        (true, Some(ep)) => {
+            let account = config.account_name.as_deref().unwrap_or(EMULATOR_ACCOUNT);
+            b = b
+                .with_account(account)
+                .with_endpoint(format!("{}/{account}", ep.trim_end_matches('/')))
+                .with_allow_http(true);
+            if config.account_key.is_none() {
+                b = b.with_access_key(EMULATOR_ACCOUNT_KEY);
+            }
+        }
+        (true, None) => b = b.with_use_emulator(true),
+        (false, Some(ep)) => b = b.with_endpoint(ep.clone()),
+        (false, None) => {}
+    }
+    if config.allow_http {
+        b = b.with_allow_http(true);
+    }
+    match &config.account_key {
+        Some(Secret::Value(k)) => b = b.with_access_key(k),
+        Some(file @ Secret::File(_)) => {
+            b = b.with_credentials(Arc::new(credentials::AzureFromFile::new(file.clone())));
+        }
+        None => {}
+    }
+    b
 }
 
 /// Streamed single `PUT`s for a store, where its backend supports them (S3; see
@@ -197,12 +219,10 @@ pub fn single_put_with_env(
     let StoreLocation::S3 { bucket, .. } = &config.location else {
         return Ok(None);
     };
-    let fail = |cause| StoreError::Build {
-        url: config.location.to_string(),
-        cause: Box::new(cause),
-    };
-    let b = s3_builder(config, bucket, &provider_env(env, env_prefix, "AWS_")).map_err(fail)?;
-    SinglePut::for_s3(&b).map_err(fail)
+    let vars = provider_env(env, env_prefix, "AWS_");
+    s3_builder(config, bucket, &vars)
+        .and_then(|b| SinglePut::for_s3(&b))
+        .map_err(|cause| StoreError::build(config, cause))
 }
 
 /// The S3 builder: environment first, explicit configuration over it.
@@ -384,6 +404,16 @@ impl SnapshotStore {
     /// Every snapshot, sorted as the reference sorts (last revision, then creation time).
     /// Objects that are not snapshots (chunks, other tools' files) are logged and skipped.
     pub async fn list(&self) -> Result<Vec<Snapshot>, StoreError> {
+        Ok(self
+            .list_sized()
+            .await?
+            .into_iter()
+            .map(|(s, _)| s)
+            .collect())
+    }
+
+    /// Every snapshot with its stored size, sorted as [`SnapshotStore::list`] sorts.
+    pub async fn list_sized(&self) -> Result<Vec<(Snapshot, u64)>, StoreError> {
         let dir = layout::version_prefix(&self.prefix);
         let listing = Path::from(dir.trim_end_matches('/'));
         let mut objects = self.store.list(Some(&listing));
@@ -396,13 +426,13 @@ impl SnapshotStore {
                 continue;
             };
             match Snapshot::parse_name(&self.prefix, name) {
-                Ok(s) => out.push(s),
+                Ok(s) => out.push((s, meta.size)),
                 // Debug level: retention lists every minute, and a README or another tool's
                 // chunk objects would otherwise repeat in the log forever.
                 Err(e) => tracing::debug!(key, reason = %e.reason, "not a snapshot, ignored"),
             }
         }
-        layout::sort(&mut out);
+        out.sort_by(|a, b| layout::compare(&a.0, &b.0));
         Ok(out)
     }
 
