@@ -34,8 +34,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures::StreamExt;
-use object_store::path::Path;
-use object_store::{ObjectStore as _, ObjectStoreExt as _};
+use object_store::ObjectStoreExt as _;
 use tokio::sync::mpsc;
 use tracing::Instrument as _;
 
@@ -43,7 +42,7 @@ use crate::config::{Config, CopyConfig, ProcessEnv, StoreConfig};
 use crate::snapshot::full::verify_sha256;
 use crate::store::compression::ByteStream;
 use crate::store::location::StoreLocation;
-use crate::store::{Codec, Snapshot, SnapshotStore, StoreError, layout};
+use crate::store::{Codec, Snapshot, SnapshotStore, StoreError};
 
 pub use plan::{Listed, Selection};
 use progress::{Bar, Progress};
@@ -183,17 +182,12 @@ pub async fn run_from_config(config: &Config) -> Result<Report, CopyError> {
 
 /// Waits for the final snapshot if asked, then copies the selected snapshots. `Ok` only when
 /// every selected snapshot is at the destination.
+#[tracing::instrument(
+    name = "copy",
+    skip_all,
+    fields(source = %stores.source.prefix(), dest = %stores.dest.prefix())
+)]
 pub async fn run(stores: &Stores, config: &CopyConfig) -> Result<Report, CopyError> {
-    let span = tracing::info_span!(
-        "copy",
-        source = %stores.source.prefix(),
-        dest = %stores.dest.prefix()
-    );
-    copy_all(stores, config).instrument(span).await
-}
-
-/// [`run`] inside its span.
-async fn copy_all(stores: &Stores, config: &CopyConfig) -> Result<Report, CopyError> {
     let final_snapshot = if config.wait_for_final {
         wait_for_final(&stores.source, config.final_timeout, config.poll_interval).await
     } else {
@@ -393,24 +387,11 @@ pub async fn wait_for_final(
 
 /// Every snapshot in a store with its stored size, sorted.
 pub async fn list_sized(store: &SnapshotStore) -> Result<Vec<Listed>, StoreError> {
-    let dir = layout::version_prefix(store.prefix());
-    let listing = Path::from(dir.trim_end_matches('/'));
-    let mut objects = store.backend().list(Some(&listing));
-    let mut out = Vec::new();
-    while let Some(meta) = objects.next().await {
-        let meta = meta?;
-        let Some(name) = meta.location.as_ref().strip_prefix(dir.as_str()) else {
-            continue;
-        };
-        if let Ok(snapshot) = Snapshot::parse_name(store.prefix(), name) {
-            out.push(Listed {
-                snapshot,
-                size: meta.size,
-            });
-        }
-    }
-    out.sort_by(|a, b| layout::compare(&a.snapshot, &b.snapshot));
-    Ok(out)
+    let listed = store.list_sized().await?;
+    Ok(listed
+        .into_iter()
+        .map(|(snapshot, size)| Listed { snapshot, size })
+        .collect())
 }
 
 /// Copies one snapshot, verified, under its destination name. Returns the bytes stored.
