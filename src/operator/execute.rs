@@ -476,9 +476,9 @@ impl<M: Machines> Operator<M> {
 
     /// One step: observe, plan, apply the plan's actions in order (no membership change after
     /// a failed action). Returns the plan that was applied.
+    #[tracing::instrument(name = "operator_step", skip_all, fields(condition, actions))]
     pub async fn step(&self) -> Result<Plan, ExecuteError> {
-        let span = tracing::info_span!("operator_step", condition = Empty, actions = Empty);
-        let result = self.step_inner().instrument(span).await;
+        let result = self.step_inner().await;
         let mut st = lock(&self.status);
         st.last_error = result.as_ref().err().map(|e| e.to_string());
         result
