@@ -37,6 +37,28 @@ impl Validator<'_> {
         self.m.err(key, message)
     }
 
+    /// The value `text` names, case and surrounding space ignored. Each of `names` is a value's
+    /// spellings, the first of which the error lists.
+    fn one_of<T: Copy>(
+        &self,
+        key: &str,
+        what: &str,
+        text: &str,
+        names: &[(&[&str], T)],
+    ) -> Result<T, ConfigError> {
+        let text = text.trim().to_ascii_lowercase();
+        let found = names
+            .iter()
+            .find(|(spellings, _)| spellings.contains(&text.as_str()));
+        found.map(|&(_, value)| value).ok_or_else(|| {
+            let listed: Vec<&str> = names.iter().map(|(spellings, _)| spellings[0]).collect();
+            self.err(
+                key,
+                format!("unknown {what} {text:?}; one of {}", listed.join(", ")),
+            )
+        })
+    }
+
     fn duration(&self, key: &str, text: &str) -> Result<Duration, ConfigError> {
         parse_duration(text).map_err(|m| self.err(key, m))
     }
@@ -328,17 +350,16 @@ impl Validator<'_> {
                 ),
             )
         })?;
-        let compression = match s.compression.trim().to_ascii_lowercase().as_str() {
-            "none" | "" => Compression::None,
-            "gzip" | "gz" => Compression::Gzip,
-            "zlib" => Compression::Zlib,
-            other => {
-                return Err(self.err(
-                    "snapshot.compression",
-                    format!("unknown compression {other:?}; one of gzip, zlib, none"),
-                ));
-            }
-        };
+        let compression = self.one_of(
+            "snapshot.compression",
+            "compression",
+            &s.compression,
+            &[
+                (&["gzip", "gz"], Compression::Gzip),
+                (&["zlib"], Compression::Zlib),
+                (&["none", ""], Compression::None),
+            ],
+        )?;
         let gc_policy = match s.gc_policy.trim() {
             "LimitBased" => {
                 if s.max_backups == 0 {
@@ -469,16 +490,15 @@ impl Validator<'_> {
     }
 
     fn log(&self, l: &RawLog) -> Result<LogConfig, ConfigError> {
-        let format = match l.format.trim().to_ascii_lowercase().as_str() {
-            "human" | "text" => LogFormat::Human,
-            "json" => LogFormat::Json,
-            other => {
-                return Err(self.err(
-                    "log.format",
-                    format!("unknown format {other:?}; one of human, json"),
-                ));
-            }
-        };
+        let format = self.one_of(
+            "log.format",
+            "format",
+            &l.format,
+            &[
+                (&["human", "text"], LogFormat::Human),
+                (&["json"], LogFormat::Json),
+            ],
+        )?;
         tracing_subscriber::EnvFilter::try_new(l.level.trim())
             .map_err(|e| self.err("log.level", format!("invalid level {:?} ({e})", l.level)))?;
         Ok(LogConfig {
