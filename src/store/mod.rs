@@ -570,46 +570,45 @@ mod tests {
         .into_iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
+        // Each key of the builder `s3_builder` makes, checked against its expected value.
+        let check = |cfg: &StoreConfig, vars: &[(String, String)], want: &[(K, &str)]| {
+            let b = s3_builder(cfg, "bkt", vars).unwrap();
+            for (key, value) in want {
+                assert_eq!(b.get_config_value(key).as_deref(), Some(*value), "{key:?}");
+            }
+        };
         let mut cfg = config("s3://bkt/p");
-        let b = s3_builder(&cfg, "bkt", &vars).unwrap();
-        assert_eq!(
-            b.get_config_value(&K::Endpoint).as_deref(),
-            Some("http://from-env:9000")
-        );
-        assert_eq!(
-            b.get_config_value(&K::Region).as_deref(),
-            Some("eu-central-1")
-        );
-        assert_eq!(
-            b.get_config_value(&K::AccessKeyId).as_deref(),
-            Some("env-id")
-        );
-        // The default path_style leaves the environment's choice alone.
-        assert_eq!(
-            b.get_config_value(&K::VirtualHostedStyleRequest).as_deref(),
-            Some("true")
+        check(
+            &cfg,
+            &vars,
+            &[
+                (K::Endpoint, "http://from-env:9000"),
+                (K::Region, "eu-central-1"),
+                (K::AccessKeyId, "env-id"),
+                // The default path_style leaves the environment's choice alone.
+                (K::VirtualHostedStyleRequest, "true"),
+            ],
         );
         cfg.endpoint = Some("http://127.0.0.1:9000".into());
         cfg.region = Some("us-east-2".into());
         cfg.path_style = false;
         cfg.access_key_id = Some(Secret::Value("cfg-id".into()));
         cfg.secret_access_key = Some(Secret::Value("cfg-key".into()));
-        let b = s3_builder(&cfg, "bkt", &vars).unwrap();
-        assert_eq!(
-            b.get_config_value(&K::Endpoint).as_deref(),
-            Some("http://127.0.0.1:9000")
+        check(
+            &cfg,
+            &vars,
+            &[
+                (K::Endpoint, "http://127.0.0.1:9000"),
+                (K::Region, "us-east-2"),
+                (K::AccessKeyId, "cfg-id"),
+                (K::Bucket, "bkt"),
+            ],
         );
-        assert_eq!(b.get_config_value(&K::Region).as_deref(), Some("us-east-2"));
-        assert_eq!(
-            b.get_config_value(&K::AccessKeyId).as_deref(),
-            Some("cfg-id")
-        );
-        assert_eq!(b.get_config_value(&K::Bucket).as_deref(), Some("bkt"));
         // Without the environment, path-style is the default (S3-compatible services).
-        let b = s3_builder(&config("s3://bkt"), "bkt", &[]).unwrap();
-        assert_eq!(
-            b.get_config_value(&K::VirtualHostedStyleRequest).as_deref(),
-            Some("false")
+        check(
+            &config("s3://bkt"),
+            &[],
+            &[(K::VirtualHostedStyleRequest, "false")],
         );
     }
 
