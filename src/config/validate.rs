@@ -16,6 +16,19 @@ use super::{
     StoreConfig, StoreLocation, TlsFiles,
 };
 
+/// The spellings of each compression, the one errors list first.
+const COMPRESSIONS: &[(&[&str], Compression)] = &[
+    (&["gzip", "gz"], Compression::Gzip),
+    (&["zlib"], Compression::Zlib),
+    (&["none", ""], Compression::None),
+];
+
+/// The spellings of each log format, the one errors list first.
+const LOG_FORMATS: &[(&[&str], LogFormat)] = &[
+    (&["human", "text"], LogFormat::Human),
+    (&["json"], LogFormat::Json),
+];
+
 /// Validates `raw` for `purpose`; `merged` says where each value came from.
 pub(super) fn validate(
     raw: &RawConfig,
@@ -42,10 +55,11 @@ impl Validator<'_> {
     fn one_of<T: Copy>(
         &self,
         key: &str,
-        what: &str,
         text: &str,
         names: &[(&[&str], T)],
     ) -> Result<T, ConfigError> {
+        // "snapshot.compression" asks for a compression.
+        let what = key.rsplit('.').next().unwrap_or(key);
         let text = text.trim().to_ascii_lowercase();
         let found = names
             .iter()
@@ -350,16 +364,7 @@ impl Validator<'_> {
                 ),
             )
         })?;
-        let compression = self.one_of(
-            "snapshot.compression",
-            "compression",
-            &s.compression,
-            &[
-                (&["gzip", "gz"], Compression::Gzip),
-                (&["zlib"], Compression::Zlib),
-                (&["none", ""], Compression::None),
-            ],
-        )?;
+        let compression = self.one_of("snapshot.compression", &s.compression, COMPRESSIONS)?;
         let gc_policy = match s.gc_policy.trim() {
             "LimitBased" => {
                 if s.max_backups == 0 {
@@ -490,15 +495,7 @@ impl Validator<'_> {
     }
 
     fn log(&self, l: &RawLog) -> Result<LogConfig, ConfigError> {
-        let format = self.one_of(
-            "log.format",
-            "format",
-            &l.format,
-            &[
-                (&["human", "text"], LogFormat::Human),
-                (&["json"], LogFormat::Json),
-            ],
-        )?;
+        let format = self.one_of("log.format", &l.format, LOG_FORMATS)?;
         tracing_subscriber::EnvFilter::try_new(l.level.trim())
             .map_err(|e| self.err("log.level", format!("invalid level {:?} ({e})", l.level)))?;
         Ok(LogConfig {
