@@ -570,46 +570,48 @@ mod tests {
         .into_iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
-        // Each key of the builder `s3_builder` makes, checked against its expected value.
-        let check = |cfg: &StoreConfig, vars: &[(String, String)], want: &[(K, &str)]| {
+        let env_only = config("s3://bkt/p");
+        let explicit = StoreConfig {
+            endpoint: Some("http://127.0.0.1:9000".into()),
+            region: Some("us-east-2".into()),
+            path_style: false,
+            access_key_id: Some(Secret::Value("cfg-id".into())),
+            secret_access_key: Some(Secret::Value("cfg-key".into())),
+            ..config("s3://bkt/p")
+        };
+        // (configuration, environment, keys the builder must hold)
+        type Case<'a> = (&'a StoreConfig, &'a [(String, String)], &'a [(K, &'a str)]);
+        let cases: [Case; 3] = [
+            (
+                &env_only,
+                &vars,
+                &[
+                    (K::Endpoint, "http://from-env:9000"),
+                    (K::Region, "eu-central-1"),
+                    (K::AccessKeyId, "env-id"),
+                    // The default path_style leaves the environment's choice alone.
+                    (K::VirtualHostedStyleRequest, "true"),
+                ],
+            ),
+            (
+                &explicit,
+                &vars,
+                &[
+                    (K::Endpoint, "http://127.0.0.1:9000"),
+                    (K::Region, "us-east-2"),
+                    (K::AccessKeyId, "cfg-id"),
+                    (K::Bucket, "bkt"),
+                ],
+            ),
+            // Without the environment, path-style is the default (S3-compatible services).
+            (&env_only, &[], &[(K::VirtualHostedStyleRequest, "false")]),
+        ];
+        for (cfg, vars, want) in cases {
             let b = s3_builder(cfg, "bkt", vars).unwrap();
             for (key, value) in want {
                 assert_eq!(b.get_config_value(key).as_deref(), Some(*value), "{key:?}");
             }
-        };
-        let mut cfg = config("s3://bkt/p");
-        check(
-            &cfg,
-            &vars,
-            &[
-                (K::Endpoint, "http://from-env:9000"),
-                (K::Region, "eu-central-1"),
-                (K::AccessKeyId, "env-id"),
-                // The default path_style leaves the environment's choice alone.
-                (K::VirtualHostedStyleRequest, "true"),
-            ],
-        );
-        cfg.endpoint = Some("http://127.0.0.1:9000".into());
-        cfg.region = Some("us-east-2".into());
-        cfg.path_style = false;
-        cfg.access_key_id = Some(Secret::Value("cfg-id".into()));
-        cfg.secret_access_key = Some(Secret::Value("cfg-key".into()));
-        check(
-            &cfg,
-            &vars,
-            &[
-                (K::Endpoint, "http://127.0.0.1:9000"),
-                (K::Region, "us-east-2"),
-                (K::AccessKeyId, "cfg-id"),
-                (K::Bucket, "bkt"),
-            ],
-        );
-        // Without the environment, path-style is the default (S3-compatible services).
-        check(
-            &config("s3://bkt"),
-            &[],
-            &[(K::VirtualHostedStyleRequest, "false")],
-        );
+        }
     }
 
     /// Local stores upload in small parts (memory), cloud stores in S3's minimum; an object of
