@@ -88,6 +88,16 @@ impl Fixture {
         tokio::spawn(async move { op.run(cancel).await })
     }
 
+    /// Spawns `op` and waits until it has settled the cluster (every member protected).
+    async fn run_until_settled<M: Machines>(&self, op: &Arc<Operator<M>>) -> JoinHandle<()> {
+        let task = self.spawn(op);
+        wait_for("settled", Duration::from_secs(30), || {
+            settled(op).then_some(())
+        })
+        .await;
+        task
+    }
+
     fn machine(&self, name: &str) -> Option<etcd_warden::operator::local::MachineInfo> {
         self.cluster.machines().into_iter().find(|m| m.name == name)
     }
@@ -287,11 +297,8 @@ fn position(history: &[Action], pred: impl Fn(&Action) -> bool, what: &str) -> u
 async fn replacing_every_member_under_writes_loses_nothing() {
     let f = Fixture::start(true).await;
     let op = f.operator();
-    let _task = f.spawn(&op);
-    wait_for("hooks on every machine", Duration::from_secs(30), || {
-        settled(&op).then_some(())
-    })
-    .await;
+    // Settled: a hook on every machine.
+    let _task = f.run_until_settled(&op).await;
 
     let stop = CancellationToken::new();
     let w = tokio::spawn(writer(Arc::clone(&f.cluster), stop.clone()));
@@ -398,11 +405,7 @@ async fn replacing_every_member_under_writes_loses_nothing() {
 async fn replacement_works_on_etcd_3_4() {
     let f = Fixture::start_with(Release::V34.bin("etcd"), true).await;
     let op = f.operator();
-    let _task = f.spawn(&op);
-    wait_for("settled", Duration::from_secs(30), || {
-        settled(&op).then_some(())
-    })
-    .await;
+    let _task = f.run_until_settled(&op).await;
     f.cluster.replace_machine("m3").unwrap();
     wait_replaced(&f, &op, "m3").await;
     assert_eq!(names(&members(&f.cluster).await), ["m1", "m2", "m4"]);
@@ -412,11 +415,7 @@ async fn replacement_works_on_etcd_3_4() {
 async fn deleted_machine_without_replacement_keeps_its_member() {
     let f = Fixture::start(true).await;
     let op = f.operator();
-    let _task = f.spawn(&op);
-    wait_for("settled", Duration::from_secs(30), || {
-        settled(&op).then_some(())
-    })
-    .await;
+    let _task = f.run_until_settled(&op).await;
 
     f.cluster.delete_machine("m2").unwrap();
     let reason = wait_for("Waiting", Duration::from_secs(10), || {
@@ -445,11 +444,7 @@ async fn escape_hatch_hook_stays_off_and_membership_waits_for_the_admin() {
     // The machine API is driven by hand so the moment between hook removal and termination lasts.
     let f = Fixture::start(false).await;
     let op = f.operator();
-    let _task = f.spawn(&op);
-    wait_for("settled", Duration::from_secs(30), || {
-        settled(&op).then_some(())
-    })
-    .await;
+    let _task = f.run_until_settled(&op).await;
 
     f.cluster.delete_machine("m2").unwrap();
     wait_for("Waiting", Duration::from_secs(10), || {
@@ -542,11 +537,7 @@ async fn killed_operator_is_finished_by_a_new_one(fail_start: bool) {
         f.cluster.client_urls(),
         timing(),
     ));
-    let task = f.spawn(&first);
-    wait_for("settled", Duration::from_secs(30), || {
-        settled(&first).then_some(())
-    })
-    .await;
+    let task = f.run_until_settled(&first).await;
     f.cluster.replace_machine("m1").unwrap();
     wait_for_or(
         "learner added",
