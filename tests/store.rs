@@ -56,9 +56,16 @@ fn chunked(data: &[u8], size: usize) -> ByteStream {
     futures::stream::iter(v).boxed()
 }
 
+/// [`checks`] on the store `cfg` builds, without the process's provider variables.
+async fn conformance(cfg: &StoreConfig) {
+    let env = std::collections::HashMap::<String, String>::new();
+    let raw = etcd_warden::store::build_with_env(cfg, &env, None).unwrap();
+    checks(SnapshotStore::new(raw.clone(), cfg.location.prefix()), raw).await;
+}
+
 /// The checks every backend must pass. `raw` is the backend the store wraps, for planting
 /// objects that are not snapshots.
-async fn conformance(store: SnapshotStore, raw: Arc<dyn ObjectStore>) {
+async fn checks(store: SnapshotStore, raw: Arc<dyn ObjectStore>) {
     assert!(
         store.list().await.unwrap().is_empty(),
         "a new store is empty"
@@ -154,8 +161,7 @@ async fn conformance(store: SnapshotStore, raw: Arc<dyn ObjectStore>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conformance_in_memory() {
     let cfg = store_config("memory://pre/fix");
-    let raw = etcd_warden::store::build(&cfg).unwrap();
-    conformance(SnapshotStore::new(raw.clone(), cfg.location.prefix()), raw).await;
+    conformance(&cfg).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -163,8 +169,7 @@ async fn conformance_local_filesystem() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("backups");
     let cfg = store_config(&format!("file://{}", root.display()));
-    let raw = etcd_warden::store::build(&cfg).unwrap();
-    conformance(SnapshotStore::new(raw.clone(), cfg.location.prefix()), raw).await;
+    conformance(&cfg).await;
     // The layout on disk is the reference's (<dir>/v2/<name>), and the aborted upload left no
     // temporary file behind.
     let mut names: Vec<String> = std::fs::read_dir(root.join("v2"))
@@ -190,13 +195,7 @@ async fn conformance_local_filesystem() {
 async fn conformance_s3() {
     let server = S3Server::start(&["etcd-backups"]);
     let cfg = server.store_config("etcd-backups", "shoot/etcd-main");
-    let raw = etcd_warden::store::build_with_env(
-        &cfg,
-        &std::collections::HashMap::<String, String>::new(),
-        None,
-    )
-    .unwrap();
-    conformance(SnapshotStore::new(raw.clone(), cfg.location.prefix()), raw).await;
+    conformance(&cfg).await;
 }
 
 /// An S3 store's uploads of known length go in one streamed `PUT`: it stores exactly the
@@ -401,11 +400,5 @@ async fn conformance_azure_emulator() {
     let mut cfg = store_config("az://etcd-backups/shoot/etcd-main");
     cfg.use_emulator = true;
     cfg.endpoint = Some(server.endpoint());
-    let raw = etcd_warden::store::build_with_env(
-        &cfg,
-        &std::collections::HashMap::<String, String>::new(),
-        None,
-    )
-    .unwrap();
-    conformance(SnapshotStore::new(raw.clone(), cfg.location.prefix()), raw).await;
+    conformance(&cfg).await;
 }
