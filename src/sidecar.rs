@@ -10,7 +10,7 @@ use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{Compression, Config};
+use crate::config::Config;
 use crate::health::HealthCheck;
 use crate::owner::metrics::OwnerMetrics;
 use crate::owner::production::context;
@@ -57,15 +57,6 @@ pub enum SidecarError {
 
 /// How long shutdown waits for tasks to finish (a snapshot upload in flight, open requests).
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(20);
-
-/// The codec new snapshots are written with.
-pub fn codec(c: Compression) -> Codec {
-    match c {
-        Compression::None => Codec::None,
-        Compression::Gzip => Codec::Gzip,
-        Compression::Zlib => Codec::Zlib,
-    }
-}
 
 /// The actor's schedule from configuration.
 pub fn actor_config(config: &Config) -> ActorConfig {
@@ -267,7 +258,7 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
     let engine = EtcdEngine::new(
         crate::etcd::RotatingClient::connect(&config.etcd).await?,
         store.clone(),
-        codec(config.snapshot.compression),
+        Codec::from(config.snapshot.compression),
         retention,
     );
     let tasks = cancel.child_token();

@@ -1,5 +1,7 @@
 //! Configuration layering and every error case, through the library and the binary.
 
+mod support;
+
 use std::collections::HashMap;
 use std::path::Path;
 use std::process::Command;
@@ -534,19 +536,14 @@ fn warden() -> Command {
 
 #[test]
 fn config_command_prints_effective_config_with_secrets_redacted() {
-    let out = warden()
-        .args(["config", "--config"])
-        .arg(example())
-        .env("ETCD_WARDEN_STORE_SECRET_ACCESS_KEY", "do-not-print-me")
-        .env("ETCD_WARDEN_STORE_ACCESS_KEY_ID", "AKIDEXAMPLE")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = support::cli::succeeds(
+        warden()
+            .args(["config", "--config"])
+            .arg(example())
+            .env("ETCD_WARDEN_STORE_SECRET_ACCESS_KEY", "do-not-print-me")
+            .env("ETCD_WARDEN_STORE_ACCESS_KEY_ID", "AKIDEXAMPLE"),
     );
+    let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         !stdout.contains("do-not-print-me") && !stdout.contains("AKIDEXAMPLE"),
         "{stdout}"
@@ -692,15 +689,10 @@ fn serve_beyond_loopback_without_a_token_exits_64_and_config_still_prints() {
     assert!(stderr.contains("server.token_file"), "{stderr}");
     assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
 
-    let out = warden()
-        .arg("config")
-        .env("ETCD_WARDEN_SERVER_LISTEN", "0.0.0.0:0")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    support::cli::succeeds(
+        warden()
+            .arg("config")
+            .env("ETCD_WARDEN_SERVER_LISTEN", "0.0.0.0:0"),
     );
 }
 

@@ -15,6 +15,7 @@ use etcd_warden::snapshot::verify::verify;
 use etcd_warden::store::compression::{collect, once};
 use etcd_warden::store::{Codec, Kind, Snapshot, SnapshotStore};
 use sha2::{Digest, Sha256};
+use support::cli::span;
 use support::s3::S3Server;
 
 const SRC: &str = "source-bkt";
@@ -115,11 +116,26 @@ fn load(keys: Vec<(String, String)>) -> Config {
     .0
 }
 
+/// The stores of a configuration with these keys (`[source_store]` to `[store]`).
+fn stores_from(keys: Vec<(String, String)>) -> Stores {
+    let c = load(keys);
+    Stores::from_config(c.source_store.as_ref().unwrap(), &c.store).unwrap()
+}
+
 fn s3_stores(s3: &S3Server, src: (&str, &str), dst: (&str, &str)) -> Stores {
     let mut keys = s3.config_overrides("source_store", src.0, src.1);
     keys.extend(s3.config_overrides("store", dst.0, dst.1));
-    let c = load(keys);
-    Stores::from_config(c.source_store.as_ref().unwrap(), &c.store).unwrap()
+    stores_from(keys)
+}
+
+/// Stores in two directories of `dir` (`src` to `dst`), and their URLs.
+fn file_stores(dir: &tempfile::TempDir) -> (Stores, [String; 2]) {
+    let urls = ["src", "dst"].map(|sub| format!("file://{}", dir.path().join(sub).display()));
+    let keys = vec![
+        ("source_store.url".into(), urls[0].clone()),
+        ("store.url".into(), urls[1].clone()),
+    ];
+    (stores_from(keys), urls)
 }
 
 fn options() -> CopyConfig {
@@ -299,22 +315,8 @@ fn walk(p: &std::path::Path) -> Vec<std::path::PathBuf> {
 /// Environment for the binary: both stores on the test server, the source through the
 /// `[source_store]` variables.
 fn s3_env(s3: &S3Server) -> Vec<(String, String)> {
-    let mut env = Vec::new();
-    for section in ["STORE", "SOURCE_STORE"] {
-        env.push((format!("ETCD_WARDEN_{section}_ENDPOINT"), s3.endpoint()));
-        env.push((
-            format!("ETCD_WARDEN_{section}_REGION"),
-            support::s3::REGION.into(),
-        ));
-        env.push((
-            format!("ETCD_WARDEN_{section}_ACCESS_KEY_ID"),
-            support::s3::ACCESS_KEY.into(),
-        ));
-        env.push((
-            format!("ETCD_WARDEN_{section}_SECRET_ACCESS_KEY"),
-            support::s3::SECRET_KEY.into(),
-        ));
-    }
+    let mut env = s3.env("store");
+    env.extend(s3.env("source_store"));
     env
 }
 
@@ -400,17 +402,7 @@ async fn waits_for_a_final_snapshot_that_appears_then_copies_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_final_snapshot_the_wait_times_out_and_copies_the_latest() {
     let dir = tempfile::tempdir().unwrap();
-    let c = load(vec![
-        (
-            "source_store.url".into(),
-            format!("file://{}", dir.path().join("src").display()),
-        ),
-        (
-            "store.url".into(),
-            format!("file://{}", dir.path().join("dst").display()),
-        ),
-    ]);
-    let stores = Stores::from_config(c.source_store.as_ref().unwrap(), &c.store).unwrap();
+    let (stores, _) = file_stores(&dir);
     let src = history(&stores.source, false).await;
     let opts = CopyConfig {
         wait_for_final: true,
@@ -423,6 +415,38 @@ async fn without_a_final_snapshot_the_wait_times_out_and_copies_the_latest() {
     assert!(started.elapsed() >= Duration::from_millis(400));
     assert!(report.final_snapshot.is_none());
     assert_eq!(verified_names(&stores.dest).await, dest_names(&src[4..]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_json_log_shows_a_copy_object_span_per_snapshot() {
+    let dir = tempfile::tempdir().unwrap();
+    let (stores, [src_url, dst_url]) = file_stores(&dir);
+    let src = history(&stores.source, false).await;
+    let out = support::cli::succeeds(
+        support::warden::command()
+            .args(["copy", "--source-store", &src_url, "--dest-store", &dst_url])
+            .args(["--log-format", "json"]),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let lines = support::cli::json_lines(&stderr);
+    let copied = verified_names(&stores.dest).await;
+    assert_eq!(copied, dest_names(&src));
+    for s in &src {
+        let of_object = |l: &&serde_json::Value| {
+            span(l, "copy_object").is_some_and(|o| o["snapshot"] == s.snap_name)
+        };
+        let line = lines
+            .iter()
+            .find(of_object)
+            .unwrap_or_else(|| panic!("no copy_object span for {}:\n{stderr}", s.snap_name));
+        let object = span(line, "copy_object").unwrap();
+        assert_eq!(object["kind"], s.kind.as_str(), "{object}");
+        assert_eq!(object["revision"], s.last_revision, "{object}");
+        assert!(object["size"].as_u64().is_some_and(|n| n > 0), "{object}");
+        // The event inside says what happened; the span says to which snapshot.
+        assert!(line["snapshot"].is_null(), "{line}");
+        assert!(span(line, "copy").is_some(), "{line}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

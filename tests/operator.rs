@@ -88,6 +88,16 @@ impl Fixture {
         tokio::spawn(async move { op.run(cancel).await })
     }
 
+    /// Spawns `op` and waits until it has settled the cluster (every member protected).
+    async fn run_until_settled<M: Machines>(&self, op: &Arc<Operator<M>>) -> JoinHandle<()> {
+        let task = self.spawn(op);
+        wait_for("settled", Duration::from_secs(30), || {
+            settled(op).then_some(())
+        })
+        .await;
+        task
+    }
+
     fn machine(&self, name: &str) -> Option<etcd_warden::operator::local::MachineInfo> {
         self.cluster.machines().into_iter().find(|m| m.name == name)
     }
@@ -287,11 +297,8 @@ fn position(history: &[Action], pred: impl Fn(&Action) -> bool, what: &str) -> u
 async fn replacing_every_member_under_writes_loses_nothing() {
     let f = Fixture::start(true).await;
     let op = f.operator();
-    let _task = f.spawn(&op);
-    wait_for("hooks on every machine", Duration::from_secs(30), || {
-        settled(&op).then_some(())
-    })
-    .await;
+    // Settled: a hook on every machine.
+    let _task = f.run_until_settled(&op).await;
 
     let stop = CancellationToken::new();
     let w = tokio::spawn(writer(Arc::clone(&f.cluster), stop.clone()));
@@ -398,11 +405,7 @@ async fn replacing_every_member_under_writes_loses_nothing() {
 async fn replacement_works_on_etcd_3_4() {
     let f = Fixture::start_with(Release::V34.bin("etcd"), true).await;
     let op = f.operator();
-    let _task = f.spawn(&op);
-    wait_for("settled", Duration::from_secs(30), || {
-        settled(&op).then_some(())
-    })
-    .await;
+    let _task = f.run_until_settled(&op).await;
     f.cluster.replace_machine("m3").unwrap();
     wait_replaced(&f, &op, "m3").await;
     assert_eq!(names(&members(&f.cluster).await), ["m1", "m2", "m4"]);
@@ -412,11 +415,7 @@ async fn replacement_works_on_etcd_3_4() {
 async fn deleted_machine_without_replacement_keeps_its_member() {
     let f = Fixture::start(true).await;
     let op = f.operator();
-    let _task = f.spawn(&op);
-    wait_for("settled", Duration::from_secs(30), || {
-        settled(&op).then_some(())
-    })
-    .await;
+    let _task = f.run_until_settled(&op).await;
 
     f.cluster.delete_machine("m2").unwrap();
     let reason = wait_for("Waiting", Duration::from_secs(10), || {
@@ -445,11 +444,7 @@ async fn escape_hatch_hook_stays_off_and_membership_waits_for_the_admin() {
     // The machine API is driven by hand so the moment between hook removal and termination lasts.
     let f = Fixture::start(false).await;
     let op = f.operator();
-    let _task = f.spawn(&op);
-    wait_for("settled", Duration::from_secs(30), || {
-        settled(&op).then_some(())
-    })
-    .await;
+    let _task = f.run_until_settled(&op).await;
 
     f.cluster.delete_machine("m2").unwrap();
     wait_for("Waiting", Duration::from_secs(10), || {
@@ -515,7 +510,7 @@ impl Machines for Crashing {
     }
     async fn add_hook(&self, machine: &str) -> Result<(), BackendError> {
         if self.fail_new_hooks && !["m1", "m2", "m3"].contains(&machine) {
-            return Err(BackendError::Failed("operator killed".into()));
+            return Err(BackendError::Unavailable("operator killed".into()));
         }
         self.inner.add_hook(machine).await
     }
@@ -524,7 +519,7 @@ impl Machines for Crashing {
     }
     async fn start_member(&self, machine: &str, join: &Join) -> Result<bool, BackendError> {
         if self.fail_start {
-            return Err(BackendError::Failed("operator killed".into()));
+            return Err(BackendError::Unavailable("operator killed".into()));
         }
         self.inner.start_member(machine, join).await
     }
@@ -542,11 +537,7 @@ async fn killed_operator_is_finished_by_a_new_one(fail_start: bool) {
         f.cluster.client_urls(),
         timing(),
     ));
-    let task = f.spawn(&first);
-    wait_for("settled", Duration::from_secs(30), || {
-        settled(&first).then_some(())
-    })
-    .await;
+    let task = f.run_until_settled(&first).await;
     f.cluster.replace_machine("m1").unwrap();
     wait_for_or(
         "learner added",
@@ -632,6 +623,8 @@ async fn local_binary_replaces_a_member_through_its_api() {
             "--no-fsync",
             "--interval",
             "200ms",
+            "--log-format",
+            "json",
         ])
         .arg("--dir")
         .arg(dir.path().join("run"))
@@ -639,7 +632,7 @@ async fn local_binary_replaces_a_member_through_its_api() {
         .arg(&etcd_dir)
         .args(["--listen", &api])
         .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
+        .stderr(std::fs::File::create(dir.path().join("operator.log")).unwrap())
         .kill_on_drop(true)
         .spawn()
         .unwrap();
@@ -693,6 +686,21 @@ async fn local_binary_replaces_a_member_through_its_api() {
         .collect();
     member_names.sort();
     assert_eq!(member_names, ["m2", "m3", "m4"]);
+
+    // The JSON log: each action in its own span, naming the machine and member, inside a step.
+    let log = std::fs::read_to_string(dir.path().join("operator.log")).unwrap();
+    let promoted = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|l| l["span"]["name"] == "operator_action" && l["span"]["action"] == "promote")
+        .unwrap_or_else(|| panic!("no promote action span:\n{log}"));
+    assert_eq!(promoted["span"]["machine"], "m4", "{promoted}");
+    assert!(promoted["span"]["member_id"].is_string(), "{promoted}");
+    assert!(
+        promoted["spans"][0]["name"] == "operator_step"
+            && promoted["spans"][0]["condition"].is_string(),
+        "{promoted}"
+    );
 
     let metrics = http
         .get(format!("{url}/metrics"))

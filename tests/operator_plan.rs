@@ -2,7 +2,7 @@
 //! planned actions applied to a simulated cluster and every invariant checked at each step.
 
 use etcd_warden::operator::plan::{
-    Action, Condition, MachineState, MemberState, Observed, Spec, plan, quorum,
+    Action, Condition, MachineState, MemberState, Observed, RemoveReason, Spec, plan, quorum,
 };
 use proptest::prelude::*;
 
@@ -693,4 +693,28 @@ proptest! {
             }
         }
     }
+}
+
+#[test]
+fn an_action_names_the_machine_and_member_it_acts_on() {
+    let promote = Action::Promote {
+        member_id: 0x2a,
+        machine: "m4".into(),
+    };
+    assert_eq!(
+        (promote.machine(), promote.member_id()),
+        (Some("m4"), Some(0x2a))
+    );
+    let add = Action::AddLearner {
+        machine: "m5".into(),
+        peer_url: "http://127.0.0.1:2380".into(),
+    };
+    assert_eq!((add.machine(), add.member_id()), (Some("m5"), None));
+    // A learner that never started has no name yet.
+    let dangling = Action::RemoveMember {
+        member_id: 7,
+        name: String::new(),
+        reason: RemoveReason::DanglingLearner,
+    };
+    assert_eq!((dangling.machine(), dangling.member_id()), (None, Some(7)));
 }

@@ -11,6 +11,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use etcd_client::{Client, CompactionOptions, DeleteOptions, GetOptions, PutOptions, Txn, TxnOp};
 use etcd_warden::etcd::process::{self, Bootstrap, ClusterState, MemberSpec};
+use etcd_warden::restore::replay::{self, ReplayOp, RevisionGroup};
 use etcd_warden::restore::{
     EtcdTools, MemberParams, Replay, RestoreError, RestoreOptions, TempEtcd,
 };
@@ -281,6 +282,55 @@ async fn a_corrupt_delta_fails_and_leaves_the_target_untouched() {
     assert_eq!(std::fs::read(target.join("precious")).unwrap(), b"keep me");
 }
 
+/// `etcd-warden restore` of the file store at `store_dir` into `target`, as member m1 of etcd 3.5.
+fn restore_command(store_dir: &Path, target: &Path) -> std::process::Command {
+    let mut c = support::warden::command();
+    c.args(["restore", "--store"])
+        .arg(format!("file://{}", store_dir.display()))
+        .arg("--data-dir")
+        .arg(target)
+        .arg("--etcd-bin")
+        .arg(Release::V35.bin_dir())
+        .args(["--name", "m1"]);
+    c
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_json_log_shows_each_restore_step_in_its_span() {
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut client = etcd.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let store = file_store(&dir.path().join("store"));
+    let last = build_store(&mut client, &store, 2).await;
+    let chain = store.latest_chain().await.unwrap();
+    let full = chain.full_snapshot.unwrap();
+    let out = support::cli::succeeds(
+        restore_command(&dir.path().join("store"), &dir.path().join("data"))
+            .args(["--log-format", "json"]),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let lines = support::cli::json_lines(&stderr);
+    // The span of this name around the first event inside one.
+    let span = |name: &str| {
+        lines
+            .iter()
+            .find_map(|l| support::cli::span(l, name))
+            .unwrap_or_else(|| panic!("no {name} span:\n{stderr}"))
+    };
+    assert!(span("restore")["store"].is_string(), "{stderr}");
+    let fetch = span("fetch_full_snapshot");
+    assert_eq!(fetch["snapshot"], full.snap_name, "{fetch}");
+    assert_eq!(fetch["revision"], full.last_revision, "{fetch}");
+    let write = span("write_deltas");
+    assert_eq!(
+        write["first_revision"], chain.delta_snapshots[0].start_revision,
+        "{write}"
+    );
+    assert_eq!(write["last_revision"], last, "{write}");
+    assert_eq!(span("temp_etcd_check")["expected"], last, "{stderr}");
+    assert_eq!(span("etcd_restore_tool")["tool"], "etcdutl", "{stderr}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn force_moves_the_old_directory_aside_via_the_binary() {
     let etcd = EtcdCluster::single(Release::V35).await;
@@ -292,33 +342,15 @@ async fn force_moves_the_old_directory_aside_via_the_binary() {
     let target = dir.path().join("data");
     std::fs::create_dir_all(&target).unwrap();
     std::fs::write(target.join("old"), b"old").unwrap();
-    let run = |force: bool| {
-        let mut c = support::warden::command();
-        c.args(["restore", "--store"])
-            .arg(format!("file://{}", dir.path().join("store").display()))
-            .arg("--data-dir")
-            .arg(&target)
-            .arg("--etcd-bin")
-            .arg(Release::V35.bin_dir())
-            .args(["--name", "m1"]);
-        if force {
-            c.arg("--force");
-        }
-        c.output().unwrap()
-    };
-    let out = run(false);
+    let restore = || restore_command(&dir.path().join("store"), &target);
+    let out = restore().output().unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("--force"),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let out = run(true);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    support::cli::succeeds(restore().arg("--force"));
     let aside: Vec<PathBuf> = std::fs::read_dir(dir.path())
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -629,32 +661,45 @@ async fn initialize_starts_fresh_on_an_empty_store_and_keeps_a_valid_directory()
     assert!(e.contains("no full snapshot"), "{e}");
 }
 
+fn put(key: &str, value: &str) -> ReplayOp {
+    ReplayOp::Put {
+        key: key.into(),
+        value: value.into(),
+    }
+}
+
+fn del(key: &str) -> ReplayOp {
+    ReplayOp::Delete { key: key.into() }
+}
+
+/// A single etcd holding key `a` at revision `r`, and `ops` as the revision groups after it
+/// (r+1, r+2, …).
+async fn replay_fixture(ops: Vec<Vec<ReplayOp>>) -> (EtcdCluster, Client, i64, Vec<RevisionGroup>) {
+    let cluster = EtcdCluster::single(Release::V35).await;
+    let mut client = cluster.client().await;
+    client.put("a", "0", None).await.unwrap();
+    let r = revision(&mut client).await;
+    let groups = ops
+        .into_iter()
+        .zip(r + 1..)
+        .map(|(ops, revision)| RevisionGroup { revision, ops })
+        .collect();
+    (cluster, client, r, groups)
+}
+
 /// The replay's ordering guard against real etcd: a transaction that etcd takes before its
 /// predecessor changes nothing and takes no revision, and a pipelined replay with revisions that
 /// only delete lands every revision exactly where it was at the source.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replay_transactions_taken_out_of_order_change_nothing() {
-    use etcd_warden::restore::replay::{self, ReplayOp, RevisionGroup};
-    let cluster = EtcdCluster::single(Release::V35).await;
-    let mut client = cluster.client().await;
-    client.put("a", "0", None).await.unwrap();
-    let r = revision(&mut client).await;
-    let put = |k: &str, v: &str| ReplayOp::Put {
-        key: k.into(),
-        value: v.into(),
-    };
-    let del = |k: &str| ReplayOp::Delete { key: k.into() };
-    let groups: Vec<RevisionGroup> = [
+    let (_cluster, mut client, r, groups) = replay_fixture(vec![
         vec![put("b", "1")],
         vec![put("c", "2"), del("a")],
         vec![del("b")],
         vec![put("d", "4")],
         vec![put("c", "5")],
-    ]
-    .into_iter()
-    .zip(r + 1..)
-    .map(|(ops, revision)| RevisionGroup { revision, ops })
-    .collect();
+    ])
+    .await;
 
     let mut kv = client.kv_client();
     let early = kv
@@ -728,25 +773,13 @@ async fn replay_transactions_taken_out_of_order_change_nothing() {
 /// in the middle is passed in order too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chain_applies_whichever_revision_is_due() {
-    use etcd_warden::restore::replay::{self, ReplayOp, RevisionGroup};
-    let cluster = EtcdCluster::single(Release::V35).await;
-    let mut client = cluster.client().await;
-    client.put("a", "0", None).await.unwrap();
-    let r = revision(&mut client).await;
-    let put = |k: &str, v: &str| ReplayOp::Put {
-        key: k.into(),
-        value: v.into(),
-    };
-    let groups: Vec<RevisionGroup> = [
+    let (_cluster, mut client, r, groups) = replay_fixture(vec![
         vec![put("b", "1")],
-        vec![ReplayOp::Delete { key: "a".into() }],
+        vec![del("a")],
         vec![put("b", "3")],
         vec![put("c", "4")],
-    ]
-    .into_iter()
-    .zip(r + 1..)
-    .map(|(ops, revision)| RevisionGroup { revision, ops })
-    .collect();
+    ])
+    .await;
     assert_eq!(replay::round_len(&groups, 0, 8), 4);
     let chain = replay::chain(&groups, 0, 4);
     let mut kv = client.kv_client();

@@ -12,6 +12,7 @@ use etcd_warden::snapshot::delta::{self, EventType};
 use etcd_warden::snapshot::verify::verify;
 use etcd_warden::store::{Kind, Snapshot, SnapshotStore};
 use serde_json::Value;
+use support::cli::succeeds;
 use support::etcd::{EtcdCluster, Release};
 use support::eventually;
 use support::s3::S3Server;
@@ -200,22 +201,13 @@ async fn snapshots_flow_to_s3_with_verified_payloads_and_the_api_answers() {
         401,
         "mutating endpoints need the token"
     );
+    let post = |path: &str| http.post(w.url(path)).bearer_auth("t0ken").send();
     // A final snapshot belongs to a hand-off: refused while the sidecar serves etcd.
-    let r = http
-        .post(w.url("/snapshot/full?final=true"))
-        .bearer_auth("t0ken")
-        .send()
-        .await
-        .unwrap();
+    let r = post("/snapshot/full?final=true").await.unwrap();
     assert_eq!(r.status().as_u16(), 409);
     let refusal: Value = r.json().await.unwrap();
     assert_eq!(refusal["code"], "not_deactivated", "{refusal}");
-    let r = http
-        .post(w.url("/snapshot/full"))
-        .bearer_auth("t0ken")
-        .send()
-        .await
-        .unwrap();
+    let r = post("/snapshot/full").await.unwrap();
     assert_eq!(r.status().as_u16(), 201);
     let snap: Value = r.json().await.unwrap();
     assert_eq!(snap["isFinal"], false);
@@ -228,40 +220,15 @@ async fn snapshots_flow_to_s3_with_verified_payloads_and_the_api_answers() {
 
     // The ops commands see the same store.
     let url = "s3://backups/shoot--a/etcd-main".to_string();
-    let s3_env = [
-        ("ETCD_WARDEN_STORE_ENDPOINT", s3.endpoint()),
-        ("ETCD_WARDEN_STORE_REGION", support::s3::REGION.to_string()),
-        (
-            "ETCD_WARDEN_STORE_ACCESS_KEY_ID",
-            support::s3::ACCESS_KEY.to_string(),
-        ),
-        (
-            "ETCD_WARDEN_STORE_SECRET_ACCESS_KEY",
-            support::s3::SECRET_KEY.to_string(),
-        ),
-    ];
-    let out = command()
-        .args(["ls", "--json", "--store", &url])
-        .envs(s3_env.clone())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let s3_env = s3.env("store");
+    let out = succeeds(
+        command()
+            .args(["ls", "--json", "--store", &url])
+            .envs(s3_env.clone()),
     );
     let listed: Vec<Snapshot> = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(listed.len(), list.len() + 1);
-    let out = command()
-        .args(["verify", "--store", &url])
-        .envs(s3_env)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
-    );
+    succeeds(command().args(["verify", "--store", &url]).envs(s3_env));
 
     // SIGTERM: a clean, prompt exit.
     let status = w
@@ -277,31 +244,18 @@ async fn etcd_34_snapshots_to_a_local_directory_and_the_snapshot_command() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("file://{}/backups", dir.path().display());
     let rev = workload(&mut client, "v34").await;
-    let out = command()
-        .args(["snapshot", "--final"])
-        .env("ETCD_WARDEN_STORE_URL", &url)
-        .env("ETCD_WARDEN_ETCD_ENDPOINTS", etcd.endpoints()[0].clone())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = succeeds(
+        command()
+            .args(["snapshot", "--final"])
+            .env("ETCD_WARDEN_STORE_URL", &url)
+            .env("ETCD_WARDEN_ETCD_ENDPOINTS", etcd.endpoints()[0].clone()),
     );
     let name = String::from_utf8_lossy(&out.stdout).trim().to_string();
     assert!(
         name.starts_with(&format!("Full-00000000-{rev:08}-")) && name.ends_with(".gz.final"),
         "{name}"
     );
-    let out = command()
-        .args(["verify", "--store", &url])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
-    );
+    succeeds(command().args(["verify", "--store", &url]));
     // A corrupted payload is caught by verify: one byte of the database flipped, then
     // recompressed (gzip's own CRC then agrees, so only the snapshot's SHA-256 can tell).
     let path = dir.path().join("backups/v2").join(&name);
@@ -567,30 +521,15 @@ async fn retention_runs_in_the_sidecar_and_keeps_the_newest_full_snapshots() {
         assert_eq!(r.status().as_u16(), 201, "{}", w.log_text());
         taken.push(r.json::<Snapshot>().await.unwrap().snap_name);
     }
-    let kept = |want: Vec<String>| {
-        let store = store.clone();
-        async move {
-            let names: Vec<String> = store
-                .list()
-                .await
-                .unwrap()
-                .into_iter()
-                .map(|s| s.snap_name)
-                .collect();
-            names == want
-        }
+    let names = || async {
+        let list = store.list().await.unwrap();
+        list.into_iter().map(|s| s.snap_name).collect::<Vec<_>>()
     };
     let want = taken[2..].to_vec();
     assert!(
-        eventually(Duration::from_secs(10), || kept(want.clone())).await,
+        eventually(Duration::from_secs(10), || async { names().await == want }).await,
         "retention should keep only {want:?}: {:?}",
-        store
-            .list()
-            .await
-            .unwrap()
-            .iter()
-            .map(|s| &s.snap_name)
-            .collect::<Vec<_>>()
+        names().await
     );
     let (_, metrics) = w.get("/metrics").await.unwrap();
     assert!(

@@ -86,18 +86,13 @@ async fn full_snapshot_is_valid(release: Release) {
             Release::V35 => release.bin("etcdutl"),
             Release::V34 => release.bin("etcdctl"),
         };
-        let out = Command::new(tool)
-            .env("ETCDCTL_API", "3")
-            .args(["snapshot", "restore"])
-            .arg(&file)
-            .arg("--data-dir")
-            .arg(dir.path().join(format!("restored-{}", s.snap_name)))
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "etcdutl restore failed: {}",
-            String::from_utf8_lossy(&out.stderr)
+        support::cli::succeeds(
+            Command::new(tool)
+                .env("ETCDCTL_API", "3")
+                .args(["snapshot", "restore"])
+                .arg(&file)
+                .arg("--data-dir")
+                .arg(dir.path().join(format!("restored-{}", s.snap_name))),
         );
     }
 

@@ -56,9 +56,16 @@ fn chunked(data: &[u8], size: usize) -> ByteStream {
     futures::stream::iter(v).boxed()
 }
 
+/// [`checks`] on the store `cfg` builds, without the process's provider variables.
+async fn conformance(cfg: &StoreConfig) {
+    let env = std::collections::HashMap::<String, String>::new();
+    let raw = etcd_warden::store::build_with_env(cfg, &env, None).unwrap();
+    checks(SnapshotStore::new(raw.clone(), cfg.location.prefix()), raw).await;
+}
+
 /// The checks every backend must pass. `raw` is the backend the store wraps, for planting
 /// objects that are not snapshots.
-async fn conformance(store: SnapshotStore, raw: Arc<dyn ObjectStore>) {
+async fn checks(store: SnapshotStore, raw: Arc<dyn ObjectStore>) {
     assert!(
         store.list().await.unwrap().is_empty(),
         "a new store is empty"
@@ -154,8 +161,7 @@ async fn conformance(store: SnapshotStore, raw: Arc<dyn ObjectStore>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conformance_in_memory() {
     let cfg = store_config("memory://pre/fix");
-    let raw = etcd_warden::store::build(&cfg).unwrap();
-    conformance(SnapshotStore::new(raw.clone(), cfg.location.prefix()), raw).await;
+    conformance(&cfg).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -163,8 +169,7 @@ async fn conformance_local_filesystem() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("backups");
     let cfg = store_config(&format!("file://{}", root.display()));
-    let raw = etcd_warden::store::build(&cfg).unwrap();
-    conformance(SnapshotStore::new(raw.clone(), cfg.location.prefix()), raw).await;
+    conformance(&cfg).await;
     // The layout on disk is the reference's (<dir>/v2/<name>), and the aborted upload left no
     // temporary file behind.
     let mut names: Vec<String> = std::fs::read_dir(root.join("v2"))
@@ -189,19 +194,8 @@ async fn conformance_local_filesystem() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conformance_s3() {
     let server = S3Server::start(&["etcd-backups"]);
-    let mut cfg = store_config("s3://etcd-backups/shoot/etcd-main");
-    cfg.endpoint = Some(server.endpoint());
-    cfg.region = Some("us-east-1".into());
-    cfg.allow_http = true;
-    cfg.access_key_id = Some(Secret::Value(s3::ACCESS_KEY.into()));
-    cfg.secret_access_key = Some(Secret::Value(s3::SECRET_KEY.into()));
-    let raw = etcd_warden::store::build_with_env(
-        &cfg,
-        &std::collections::HashMap::<String, String>::new(),
-        None,
-    )
-    .unwrap();
-    conformance(SnapshotStore::new(raw.clone(), cfg.location.prefix()), raw).await;
+    let cfg = server.store_config("etcd-backups", "shoot/etcd-main");
+    conformance(&cfg).await;
 }
 
 /// An S3 store's uploads of known length go in one streamed `PUT`: it stores exactly the
@@ -210,17 +204,14 @@ async fn conformance_s3() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s3_single_put_stores_exactly_the_declared_length_or_nothing() {
     let server = S3Server::start(&["etcd-backups"]);
-    let mut cfg = store_config("s3://etcd-backups/one-put");
-    cfg.endpoint = Some(server.endpoint());
-    cfg.region = Some("us-east-1".into());
-    cfg.allow_http = true;
-    cfg.access_key_id = Some(Secret::Value(s3::ACCESS_KEY.into()));
-    cfg.secret_access_key = Some(Secret::Value(s3::SECRET_KEY.into()));
+    let cfg = server.store_config("etcd-backups", "one-put");
     let store = SnapshotStore::from_config(&cfg).unwrap();
     let data = payload(3 << 20);
     let len = data.len() as u64;
 
-    let ok = snap(&store, Kind::Full, 0, 1, 1_700_000_001);
+    // A full snapshot at revision `rev`, named distinctly.
+    let at = |rev: i64| snap(&store, Kind::Full, 0, rev, 1_700_000_000 + rev);
+    let ok = at(1);
     let stored = store
         .put_stream_sized(&ok, chunked(&data, 64 << 10), len)
         .await
@@ -229,40 +220,35 @@ async fn s3_single_put_stores_exactly_the_declared_length_or_nothing() {
     let back = collect(store.get_stream(&ok).await.unwrap());
     assert_eq!(back.await.unwrap(), data);
 
-    let short = snap(&store, Kind::Full, 0, 2, 1_700_000_002);
-    let e = store
-        .put_stream_sized(&short, chunked(&data[..1 << 20], 64 << 10), len)
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(&e, StoreError::Payload(p) if p.to_string().contains("shorter")),
-        "{e:?}"
-    );
-
-    let long = snap(&store, Kind::Full, 0, 3, 1_700_000_003);
-    let e = store
-        .put_stream_sized(&long, chunked(&data, 64 << 10), len - 1)
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(&e, StoreError::Payload(p) if p.to_string().contains("longer")),
-        "{e:?}"
-    );
-
-    let failing = snap(&store, Kind::Full, 0, 4, 1_700_000_004);
-    let mut items: Vec<io::Result<Bytes>> = data[..len as usize - 1000]
+    // Bodies that leave nothing: (revision, body, length declared, the payload error).
+    let mut failing: Vec<io::Result<Bytes>> = data[..len as usize - 1000]
         .chunks(64 << 10)
         .map(|c| Ok(Bytes::copy_from_slice(c)))
         .collect();
-    items.push(Err(io::Error::new(io::ErrorKind::InvalidData, "bad hash")));
-    let e = store
-        .put_stream_sized(&failing, futures::stream::iter(items).boxed(), len)
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(&e, StoreError::Payload(p) if p.to_string() == "bad hash"),
-        "{e:?}"
-    );
+    failing.push(Err(io::Error::new(io::ErrorKind::InvalidData, "bad hash")));
+    type Says = dyn Fn(&str) -> bool;
+    let cases: [(i64, ByteStream, u64, &Says); 3] = [
+        (2, chunked(&data[..1 << 20], 64 << 10), len, &|m| {
+            m.contains("shorter")
+        }),
+        (3, chunked(&data, 64 << 10), len - 1, &|m| {
+            m.contains("longer")
+        }),
+        (4, futures::stream::iter(failing).boxed(), len, &|m| {
+            m == "bad hash"
+        }),
+    ];
+    for (rev, body, declared, says) in cases {
+        let e = store
+            .put_stream_sized(&at(rev), body, declared)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, StoreError::Payload(p) if says(&p.to_string())),
+            "{e:?}"
+        );
+    }
+    let short = at(2);
 
     let names: Vec<String> = store
         .list()
@@ -414,11 +400,5 @@ async fn conformance_azure_emulator() {
     let mut cfg = store_config("az://etcd-backups/shoot/etcd-main");
     cfg.use_emulator = true;
     cfg.endpoint = Some(server.endpoint());
-    let raw = etcd_warden::store::build_with_env(
-        &cfg,
-        &std::collections::HashMap::<String, String>::new(),
-        None,
-    )
-    .unwrap();
-    conformance(SnapshotStore::new(raw.clone(), cfg.location.prefix()), raw).await;
+    conformance(&cfg).await;
 }

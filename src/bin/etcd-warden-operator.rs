@@ -158,32 +158,21 @@ fn main() -> ExitCode {
 }
 
 async fn run(command: Command) -> anyhow::Result<()> {
-    match command {
-        Command::Local(a) => local(a).await,
-        Command::Status(api) => call(reqwest::Method::GET, api.url("/status")).await,
+    use reqwest::Method;
+    // The client subcommands: one request each to the local API.
+    let (method, api, path) = match command {
+        Command::Local(a) => return local(a).await,
+        Command::Status(api) => (Method::GET, api, "/status".to_owned()),
         Command::Replace { machine, api } => {
-            call(
-                reqwest::Method::POST,
-                api.url(&format!("/machines/{machine}/replace")),
-            )
-            .await
+            (Method::POST, api, format!("/machines/{machine}/replace"))
         }
-        Command::Create(api) => call(reqwest::Method::POST, api.url("/machines")).await,
-        Command::Delete { machine, api } => {
-            call(
-                reqwest::Method::DELETE,
-                api.url(&format!("/machines/{machine}")),
-            )
-            .await
-        }
+        Command::Create(api) => (Method::POST, api, "/machines".to_owned()),
+        Command::Delete { machine, api } => (Method::DELETE, api, format!("/machines/{machine}")),
         Command::RemoveHook { machine, api } => {
-            call(
-                reqwest::Method::DELETE,
-                api.url(&format!("/machines/{machine}/hook")),
-            )
-            .await
+            (Method::DELETE, api, format!("/machines/{machine}/hook"))
         }
-    }
+    };
+    call(method, api.url(&path)).await
 }
 
 async fn local(a: LocalArgs) -> anyhow::Result<()> {

@@ -360,9 +360,8 @@ mod ops {
     use etcd_warden::owner::handoff;
     use etcd_warden::owner::protocol::Verdict;
     use etcd_warden::owner::resolve::{CheckResult, OwnerLookup, OwnerResolver};
-    use etcd_warden::sidecar::codec;
     use etcd_warden::snapshot::{take_full, verify::verify as verify_one};
-    use etcd_warden::store::SnapshotStore;
+    use etcd_warden::store::{Codec, SnapshotStore};
 
     /// What the owner record says now, when ownership checks are configured.
     async fn owner_record(config: &Config) -> anyhow::Result<Option<CheckResult>> {
@@ -389,7 +388,7 @@ mod ops {
         let snap = take_full(
             &client,
             &store,
-            codec(config.snapshot.compression),
+            Codec::from(config.snapshot.compression),
             is_final,
         )
         .await

@@ -127,44 +127,37 @@ mod tests {
 
     #[test]
     fn parses_every_scheme() {
-        assert_eq!(
-            StoreLocation::parse("file:///var/backups/etcd").unwrap(),
-            StoreLocation::File {
-                root: "/var/backups/etcd".into()
-            }
-        );
-        assert_eq!(
-            StoreLocation::parse("s3://bkt/a/b/").unwrap(),
-            StoreLocation::S3 {
-                bucket: "bkt".into(),
-                prefix: "a/b".into()
-            }
-        );
-        assert_eq!(
-            StoreLocation::parse("s3://bkt").unwrap(),
-            StoreLocation::S3 {
-                bucket: "bkt".into(),
-                prefix: String::new()
-            }
-        );
-        assert_eq!(
-            StoreLocation::parse("gs://b/p").unwrap(),
-            StoreLocation::Gcs {
-                bucket: "b".into(),
-                prefix: "p".into()
-            }
-        );
-        assert_eq!(
-            StoreLocation::parse("az://c/p").unwrap(),
-            StoreLocation::Azure {
-                container: "c".into(),
-                prefix: "p".into()
-            }
-        );
-        assert_eq!(
-            StoreLocation::parse("memory://x").unwrap(),
-            StoreLocation::Memory { prefix: "x".into() }
-        );
+        let s = |bucket: &str, prefix: &str| StoreLocation::S3 {
+            bucket: bucket.into(),
+            prefix: prefix.into(),
+        };
+        for (url, want) in [
+            (
+                "file:///var/backups/etcd",
+                StoreLocation::File {
+                    root: "/var/backups/etcd".into(),
+                },
+            ),
+            ("s3://bkt/a/b/", s("bkt", "a/b")),
+            ("s3://bkt", s("bkt", "")),
+            (
+                "gs://b/p",
+                StoreLocation::Gcs {
+                    bucket: "b".into(),
+                    prefix: "p".into(),
+                },
+            ),
+            (
+                "az://c/p",
+                StoreLocation::Azure {
+                    container: "c".into(),
+                    prefix: "p".into(),
+                },
+            ),
+            ("memory://x", StoreLocation::Memory { prefix: "x".into() }),
+        ] {
+            assert_eq!(StoreLocation::parse(url).unwrap(), want, "{url}");
+        }
     }
 
     #[test]

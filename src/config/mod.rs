@@ -28,7 +28,7 @@ pub use location::{LocationError, StoreLocation};
 pub use merge::{EnvSource, Override, ProcessEnv, Sources, env_var_for};
 pub use raw::{
     MAX_DURATION, RawConfig, RawCopy, RawEtcd, RawKill, RawLog, RawOwner, RawRestore, RawServer,
-    RawSnapshot, RawStore, parse_bytes,
+    RawSnapshot, RawStore,
 };
 
 /// The embedded defaults: the first layer, and a complete description of every key's default.

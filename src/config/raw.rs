@@ -332,7 +332,7 @@ pub(super) fn parse_nameserver(s: &str) -> Option<SocketAddr> {
 }
 
 /// Parses a byte size: `1048576`, `512KiB`, `100MiB`, `1GiB`, `10MB`.
-pub fn parse_bytes(s: &str) -> Result<u64, String> {
+pub(super) fn parse_bytes(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);

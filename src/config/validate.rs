@@ -16,6 +16,19 @@ use super::{
     StoreConfig, StoreLocation, TlsFiles,
 };
 
+/// The spellings of each compression, the one errors list first.
+const COMPRESSIONS: &[(&[&str], Compression)] = &[
+    (&["gzip", "gz"], Compression::Gzip),
+    (&["zlib"], Compression::Zlib),
+    (&["none", ""], Compression::None),
+];
+
+/// The spellings of each log format, the one errors list first.
+const LOG_FORMATS: &[(&[&str], LogFormat)] = &[
+    (&["human", "text"], LogFormat::Human),
+    (&["json"], LogFormat::Json),
+];
+
 /// Validates `raw` for `purpose`; `merged` says where each value came from.
 pub(super) fn validate(
     raw: &RawConfig,
@@ -35,6 +48,29 @@ struct Validator<'a> {
 impl Validator<'_> {
     fn err(&self, key: &str, message: impl Into<String>) -> ConfigError {
         self.m.err(key, message)
+    }
+
+    /// The value `text` names, case and surrounding space ignored. Each of `names` is a value's
+    /// spellings, the first of which the error lists.
+    fn one_of<T: Copy>(
+        &self,
+        key: &str,
+        text: &str,
+        names: &[(&[&str], T)],
+    ) -> Result<T, ConfigError> {
+        // "snapshot.compression" asks for a compression.
+        let what = key.rsplit('.').next().unwrap_or(key);
+        let text = text.trim().to_ascii_lowercase();
+        let found = names
+            .iter()
+            .find(|(spellings, _)| spellings.contains(&text.as_str()));
+        found.map(|&(_, value)| value).ok_or_else(|| {
+            let listed: Vec<&str> = names.iter().map(|(spellings, _)| spellings[0]).collect();
+            self.err(
+                key,
+                format!("unknown {what} {text:?}; one of {}", listed.join(", ")),
+            )
+        })
     }
 
     fn duration(&self, key: &str, text: &str) -> Result<Duration, ConfigError> {
@@ -328,17 +364,7 @@ impl Validator<'_> {
                 ),
             )
         })?;
-        let compression = match s.compression.trim().to_ascii_lowercase().as_str() {
-            "none" | "" => Compression::None,
-            "gzip" | "gz" => Compression::Gzip,
-            "zlib" => Compression::Zlib,
-            other => {
-                return Err(self.err(
-                    "snapshot.compression",
-                    format!("unknown compression {other:?}; one of gzip, zlib, none"),
-                ));
-            }
-        };
+        let compression = self.one_of("snapshot.compression", &s.compression, COMPRESSIONS)?;
         let gc_policy = match s.gc_policy.trim() {
             "LimitBased" => {
                 if s.max_backups == 0 {
@@ -469,16 +495,7 @@ impl Validator<'_> {
     }
 
     fn log(&self, l: &RawLog) -> Result<LogConfig, ConfigError> {
-        let format = match l.format.trim().to_ascii_lowercase().as_str() {
-            "human" | "text" => LogFormat::Human,
-            "json" => LogFormat::Json,
-            other => {
-                return Err(self.err(
-                    "log.format",
-                    format!("unknown format {other:?}; one of human, json"),
-                ));
-            }
-        };
+        let format = self.one_of("log.format", &l.format, LOG_FORMATS)?;
         tracing_subscriber::EnvFilter::try_new(l.level.trim())
             .map_err(|e| self.err("log.level", format!("invalid level {:?} ({e})", l.level)))?;
         Ok(LogConfig {

@@ -34,15 +34,15 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures::StreamExt;
-use object_store::path::Path;
-use object_store::{ObjectStore as _, ObjectStoreExt as _};
+use object_store::ObjectStoreExt as _;
 use tokio::sync::mpsc;
+use tracing::Instrument as _;
 
 use crate::config::{Config, CopyConfig, ProcessEnv, StoreConfig};
 use crate::snapshot::full::verify_sha256;
 use crate::store::compression::ByteStream;
 use crate::store::location::StoreLocation;
-use crate::store::{Codec, Snapshot, SnapshotStore, StoreError, layout};
+use crate::store::{Codec, Snapshot, SnapshotStore, StoreError};
 
 pub use plan::{Listed, Selection};
 use progress::{Bar, Progress};
@@ -81,8 +81,25 @@ pub enum CopyError {
         /// Snapshots selected.
         total: usize,
         /// Each failed snapshot's source name and why.
-        failures: Vec<(String, String)>,
+        failures: Vec<(String, ObjectError)>,
     },
+}
+
+/// Why one snapshot was not copied; nothing is stored for it at the destination.
+#[derive(Debug, thiserror::Error)]
+pub enum ObjectError {
+    /// The source object could not be opened.
+    #[error("cannot read: {0}")]
+    Read(StoreError),
+    /// The payload failed its hash check, or reading it failed on the way.
+    #[error("source object is corrupt or unreadable: {0}")]
+    Corrupt(io::Error),
+    /// The destination refused the server-side copy.
+    #[error("server-side copy failed: {0}")]
+    ServerSideCopy(object_store::Error),
+    /// The upload to the destination failed.
+    #[error("upload failed: {0}")]
+    Upload(StoreError),
 }
 
 /// What a successful copy did.
@@ -165,13 +182,12 @@ pub async fn run_from_config(config: &Config) -> Result<Report, CopyError> {
 
 /// Waits for the final snapshot if asked, then copies the selected snapshots. `Ok` only when
 /// every selected snapshot is at the destination.
+#[tracing::instrument(
+    name = "copy",
+    skip_all,
+    fields(source = %stores.source.prefix(), dest = %stores.dest.prefix())
+)]
 pub async fn run(stores: &Stores, config: &CopyConfig) -> Result<Report, CopyError> {
-    let span = tracing::info_span!(
-        "copy",
-        source = %stores.source.prefix(),
-        dest = %stores.dest.prefix()
-    );
-    let _enter = span.enter();
     let final_snapshot = if config.wait_for_final {
         wait_for_final(&stores.source, config.final_timeout, config.poll_interval).await
     } else {
@@ -225,13 +241,16 @@ pub async fn run(stores: &Stores, config: &CopyConfig) -> Result<Report, CopyErr
     let work = futures::stream::iter(todo)
         .map(|item| {
             let progress = &progress;
+            let span = object_span(&item);
+            let inside = span.clone();
             async move {
                 let result = copy_one(stores, &item, progress).await;
                 if result.is_ok() {
                     progress.objects.fetch_add(1, Ordering::Relaxed);
                 }
-                (item, result)
+                (span, item, result)
             }
+            .instrument(inside)
         })
         .buffer_unordered(config.parallel.max(1))
         .collect::<Vec<_>>();
@@ -264,17 +283,17 @@ pub async fn run(stores: &Stores, config: &CopyConfig) -> Result<Report, CopyErr
 
     let mut failures = Vec::new();
     let mut copied = 0;
-    for (item, result) in results {
+    for (span, item, result) in results {
         match result {
             Ok(_) => copied += 1,
             Err(e) => {
-                tracing::error!(snapshot = %item.snapshot.snap_name, error = %e, "copy failed; nothing stored for it");
+                span.in_scope(|| tracing::error!(error = %e, "copy failed; nothing stored for it"));
                 failures.push((item.snapshot.snap_name.clone(), e));
             }
         }
     }
     if !failures.is_empty() {
-        failures.sort();
+        failures.sort_by(|a, b| a.0.cmp(&b.0));
         return Err(CopyError::Incomplete { total, failures });
     }
     let report = Report {
@@ -292,6 +311,18 @@ pub async fn run(stores: &Stores, config: &CopyConfig) -> Result<Report, CopyErr
         "copy complete: every selected snapshot is at the destination"
     );
     Ok(report)
+}
+
+/// The span of one object's copy, with what an operator greps for.
+fn object_span(item: &Listed) -> tracing::Span {
+    let s = &item.snapshot;
+    tracing::info_span!(
+        "copy_object",
+        snapshot = %s.snap_name,
+        kind = %s.kind,
+        revision = s.last_revision,
+        size = item.size
+    )
 }
 
 fn store_error(which: &'static str, store: &SnapshotStore) -> impl FnOnce(StoreError) -> CopyError {
@@ -356,35 +387,22 @@ pub async fn wait_for_final(
 
 /// Every snapshot in a store with its stored size, sorted.
 pub async fn list_sized(store: &SnapshotStore) -> Result<Vec<Listed>, StoreError> {
-    let dir = layout::version_prefix(store.prefix());
-    let listing = Path::from(dir.trim_end_matches('/'));
-    let mut objects = store.backend().list(Some(&listing));
-    let mut out = Vec::new();
-    while let Some(meta) = objects.next().await {
-        let meta = meta?;
-        let Some(name) = meta.location.as_ref().strip_prefix(dir.as_str()) else {
-            continue;
-        };
-        if let Ok(snapshot) = Snapshot::parse_name(store.prefix(), name) {
-            out.push(Listed {
-                snapshot,
-                size: meta.size,
-            });
-        }
-    }
-    out.sort_by(|a, b| layout::compare(&a.snapshot, &b.snapshot));
-    Ok(out)
+    let listed = store.list_sized().await?;
+    Ok(listed
+        .into_iter()
+        .map(|(snapshot, size)| Listed { snapshot, size })
+        .collect())
 }
 
 /// Copies one snapshot, verified, under its destination name. Returns the bytes stored.
-async fn copy_one(stores: &Stores, item: &Listed, progress: &Progress) -> Result<u64, String> {
+async fn copy_one(stores: &Stores, item: &Listed, progress: &Progress) -> Result<u64, ObjectError> {
     let source = &item.snapshot;
     let target = plan::dest_snapshot(source);
     let raw = stores
         .source
         .get_stream(source)
         .await
-        .map_err(|e| format!("cannot read: {e}"))?;
+        .map_err(ObjectError::Read)?;
     let bytes = progress.bytes.clone();
     let counted = raw
         .inspect(move |chunk| {
@@ -397,7 +415,7 @@ async fn copy_one(stores: &Stores, item: &Listed, progress: &Progress) -> Result
     if stores.server_side {
         let mut checked = checked;
         while let Some(chunk) = checked.next().await {
-            chunk.map_err(|e| format!("source object is corrupt: {e}"))?;
+            chunk.map_err(ObjectError::Corrupt)?;
         }
         let from = stores.source.path_of(source);
         let to = stores.dest.path_of(&target);
@@ -406,7 +424,7 @@ async fn copy_one(stores: &Stores, item: &Listed, progress: &Progress) -> Result
             .backend()
             .copy(&from, &to)
             .await
-            .map_err(|e| format!("server-side copy failed: {e}"))?;
+            .map_err(ObjectError::ServerSideCopy)?;
         return Ok(item.size);
     }
     let written = stores
@@ -414,13 +432,17 @@ async fn copy_one(stores: &Stores, item: &Listed, progress: &Progress) -> Result
         .put_stream_sized(&target, checked, item.size)
         .await
         .map_err(|e| match e {
-            StoreError::Payload(e) => format!("source object is corrupt or unreadable: {e}"),
-            other => format!("upload failed: {other}"),
+            StoreError::Payload(e) => ObjectError::Corrupt(e),
+            other => ObjectError::Upload(other),
         })?;
     if written != item.size {
-        tracing::warn!(snapshot = %source.snap_name, listed = item.size, written, "the source object changed size while it was copied");
+        tracing::warn!(
+            listed = item.size,
+            written,
+            "the source object changed size while it was copied"
+        );
     }
-    tracing::debug!(snapshot = %plan::describe(source), bytes = written, "copied");
+    tracing::debug!(bytes = written, "copied");
     Ok(written)
 }
 

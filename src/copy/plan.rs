@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
+use crate::store::Snapshot;
 use crate::store::layout::FINAL_SUFFIX;
-use crate::store::{Kind, Snapshot};
 
 /// A source snapshot and its stored (compressed) size.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -158,21 +158,10 @@ pub fn pending(selected: Vec<Listed>, dest: &HashMap<String, u64>) -> (Vec<Liste
     })
 }
 
-/// A one-line description of a snapshot for logs.
-pub fn describe(s: &Snapshot) -> String {
-    match s.kind {
-        Kind::Full => format!("{} (full, revision {})", s.snap_name, s.last_revision),
-        Kind::Incr => format!(
-            "{} (delta, revisions {}..={})",
-            s.snap_name, s.start_revision, s.last_revision
-        ),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::Codec;
+    use crate::store::{Codec, Kind};
     use chrono::TimeZone;
 
     fn t(secs: i64) -> DateTime<Utc> {
@@ -243,54 +232,38 @@ mod tests {
         );
     }
 
+    /// The last revisions `select` keeps at t=20000 under these limits (0: no count limit).
+    fn kept(h: &[Snapshot], max_backups: u64, max_age_secs: Option<u64>) -> Vec<i64> {
+        let selection = Selection {
+            max_backups,
+            max_age: max_age_secs.map(Duration::from_secs),
+        };
+        names(&select(h, selection, t(20000)))
+    }
+
     #[test]
     fn selection_by_count_keeps_the_newest_full_snapshots_and_their_deltas() {
         let h = history(false);
-        let all = select(&h, Selection::default(), t(20000));
-        assert_eq!(names(&all), vec![10, 12, 20, 22, 30, 32]);
-        let two = Selection {
-            max_backups: 2,
-            ..Default::default()
-        };
-        assert_eq!(names(&select(&h, two, t(20000))), vec![20, 22, 30, 32]);
-        let many = Selection {
-            max_backups: 9,
-            ..Default::default()
-        };
-        assert_eq!(select(&h, many, t(20000)).len(), 6);
+        assert_eq!(kept(&h, 0, None), vec![10, 12, 20, 22, 30, 32]);
+        assert_eq!(kept(&h, 2, None), vec![20, 22, 30, 32]);
+        assert_eq!(kept(&h, 9, None).len(), 6);
     }
 
     #[test]
     fn selection_by_age_adds_the_base_of_each_young_delta() {
         let h = history(false);
         // Younger than 2.5 h at t=20000: d21-22 (10800), F30, d31-32; d21-22 needs F20.
-        let young = Selection {
-            max_age: Some(Duration::from_secs(9500)),
-            ..Default::default()
-        };
-        assert_eq!(names(&select(&h, young, t(20000))), vec![20, 22, 30, 32]);
-        let tiny = Selection {
-            max_age: Some(Duration::from_secs(1)),
-            ..Default::default()
-        };
-        assert!(select(&h, tiny, t(20000)).is_empty());
+        assert_eq!(kept(&h, 0, Some(9500)), vec![20, 22, 30, 32]);
+        assert!(kept(&h, 0, Some(1)).is_empty());
         // Both limits apply.
-        let both = Selection {
-            max_backups: 1,
-            max_age: Some(Duration::from_secs(9500)),
-        };
-        assert_eq!(names(&select(&h, both, t(20000))), vec![30, 32]);
+        assert_eq!(kept(&h, 1, Some(9500)), vec![30, 32]);
     }
 
     #[test]
     fn the_final_snapshot_and_its_deltas_are_always_selected() {
         let mut h = history(false);
         h[2].is_final = true;
-        let one = Selection {
-            max_backups: 1,
-            max_age: Some(Duration::from_secs(1)),
-        };
-        assert_eq!(names(&select(&h, one, t(20000))), vec![20, 22]);
+        assert_eq!(kept(&h, 1, Some(1)), vec![20, 22]);
     }
 
     #[test]

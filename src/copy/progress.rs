@@ -202,50 +202,66 @@ mod tests {
         &line[open + 1..line.len() - 1]
     }
 
-    #[test]
-    fn at_the_start_nothing_is_filled_and_the_rate_is_zero() {
-        let line = render(&counts(0, 50, 0.0, 886.0, 0.0), 100);
-        assert!(
-            line.starts_with("  0% 0/50 objects  0.0/886.0 MiB  0.0 MiB/s ["),
-            "{line}"
-        );
-        assert!(bar_of(&line).chars().all(|c| c == '-'), "{line}");
-        assert!(line.len() <= 100);
+    /// The line for `c` at `width`, checked to start with `prefix`.
+    fn rendered(c: Counts, width: usize, prefix: &str) -> String {
+        let line = render(&c, width);
+        assert!(line.starts_with(prefix), "{line}");
+        line
     }
 
     #[test]
-    fn part_way_the_bar_follows_the_bytes_and_the_rate_is_the_mean() {
-        // 25% of the bytes but 40/50 objects: the bar shows bytes, the count shows objects.
-        let line = render(&counts(40, 50, 221.5, 886.0, 3.0), 80);
-        assert!(
-            line.starts_with(" 25% 40/50 objects  221.5/886.0 MiB  73.8 MiB/s ["),
-            "{line}"
-        );
-        let bar = bar_of(&line);
-        let filled = bar.chars().filter(|&c| c == '#').count();
-        assert_eq!(filled, bar.len() / 4, "{line}");
-        assert_eq!(line.len(), 80, "the bar takes the room left: {line}");
-    }
-
-    #[test]
-    fn done_is_full_and_never_overflows() {
-        let line = render(&counts(50, 50, 886.0, 886.0, 4.0), 200);
-        assert!(line.starts_with("100% 50/50"), "{line}");
-        let bar = bar_of(&line);
-        assert_eq!(bar.len(), MAX_BAR, "{line}");
-        assert!(bar.chars().all(|c| c == '#'), "{line}");
+    fn the_bar_follows_the_bytes_and_the_count_the_objects() {
+        let start = counts(0, 50, 0.0, 886.0, 0.0);
+        // 25% of the bytes but 40/50 objects; the rate is the mean.
+        let part_way = counts(40, 50, 221.5, 886.0, 3.0);
+        let done = counts(50, 50, 886.0, 886.0, 4.0);
         // An object that grew while copied: more bytes than listed still shows 100%.
-        let line = render(&counts(50, 50, 900.0, 886.0, 4.0), 200);
-        assert!(line.starts_with("100% "), "{line}");
-        assert!(bar_of(&line).chars().all(|c| c == '#'), "{line}");
+        let grown = counts(50, 50, 900.0, 886.0, 4.0);
+        // (counts, width, how the line starts, quarters of the bar filled)
+        let cases = [
+            (
+                start,
+                100,
+                "  0% 0/50 objects  0.0/886.0 MiB  0.0 MiB/s [",
+                0,
+            ),
+            (
+                part_way,
+                80,
+                " 25% 40/50 objects  221.5/886.0 MiB  73.8 MiB/s [",
+                1,
+            ),
+            (done, 200, "100% 50/50", 4),
+            (grown, 200, "100% ", 4),
+        ];
+        for (c, width, prefix, quarters) in cases {
+            let line = rendered(c, width, prefix);
+            assert!(line.len() <= width, "{line}");
+            let bar = bar_of(&line);
+            assert!(bar.chars().all(|c| c == '#' || c == '-'), "{line}");
+            let filled = bar.chars().filter(|&c| c == '#').count();
+            assert_eq!(filled, bar.len() * quarters / 4, "{line}");
+        }
+        assert_eq!(
+            render(&part_way, 80).len(),
+            80,
+            "the bar takes the room left"
+        );
+        assert_eq!(
+            bar_of(&render(&done, 200)).len(),
+            MAX_BAR,
+            "and never overflows"
+        );
     }
 
     #[test]
     fn zero_bytes_to_copy_counts_objects_and_nothing_to_do_is_done() {
-        let line = render(&counts(1, 4, 0.0, 0.0, 1.0), 80);
-        assert!(line.starts_with(" 25% 1/4 objects  0.0/0.0 MiB"), "{line}");
-        let line = render(&counts(0, 0, 0.0, 0.0, 0.0), 80);
-        assert!(line.starts_with("100% 0/0 objects"), "{line}");
+        rendered(
+            counts(1, 4, 0.0, 0.0, 1.0),
+            80,
+            " 25% 1/4 objects  0.0/0.0 MiB",
+        );
+        rendered(counts(0, 0, 0.0, 0.0, 0.0), 80, "100% 0/0 objects");
     }
 
     #[test]

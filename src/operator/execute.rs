@@ -18,7 +18,8 @@ use chrono::{DateTime, Utc};
 use etcd_client::{Client, ConnectOptions, MemberAddOptions};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::field::Empty;
+use tracing::{Instrument as _, Span, debug, info, warn};
 
 use super::metrics::{MemberGauge, Metrics};
 use super::plan::{Action, Condition, MachineState, MemberState, Observed, Plan, Spec, plan};
@@ -38,9 +39,19 @@ pub enum BackendError {
         #[source]
         source: std::io::Error,
     },
-    /// Anything else the backend reports.
-    #[error("{0}")]
-    Failed(String),
+    /// A machine's member could not be started.
+    #[error("starting the member of {machine}: {source}")]
+    Start {
+        /// The machine.
+        machine: String,
+        /// What running etcd reported.
+        #[source]
+        source: crate::etcd::process::ProcessError,
+    },
+    /// The backend itself is unavailable (its API cannot be reached, or it is shutting down);
+    /// the next step tries again.
+    #[error("machine backend unavailable: {0}")]
+    Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
 /// Errors of one executor step.
@@ -402,7 +413,7 @@ impl<M: Machines> Operator<M> {
                 applied_index: applied,
             });
             details.push(MemberStatus {
-                id: format!("{:x}", m.id()),
+                id: hex(m.id()),
                 name: m.name().to_owned(),
                 peer_urls: m.peer_urls().to_vec(),
                 client_urls: m.client_urls().to_vec(),
@@ -465,6 +476,7 @@ impl<M: Machines> Operator<M> {
 
     /// One step: observe, plan, apply the plan's actions in order (no membership change after
     /// a failed action). Returns the plan that was applied.
+    #[tracing::instrument(name = "operator_step", skip_all, fields(condition, actions))]
     pub async fn step(&self) -> Result<Plan, ExecuteError> {
         let result = self.step_inner().await;
         let mut st = lock(&self.status);
@@ -475,6 +487,9 @@ impl<M: Machines> Operator<M> {
     async fn step_inner(&self) -> Result<Plan, ExecuteError> {
         let obs = self.observe().await?;
         let p = plan(self.spec, &obs.observed);
+        Span::current()
+            .record("condition", p.condition.kind())
+            .record("actions", p.actions.len());
         self.record_observation(&obs, &p);
         // Hook and start actions are independent of each other: one failing does not hold the
         // others back. The membership change is skipped after any failure, though: when the
@@ -484,22 +499,34 @@ impl<M: Machines> Operator<M> {
             if first_error.is_some() && action.is_membership_change() {
                 break;
             }
-            match self.apply(action, &obs).await {
-                Ok(true) => {
-                    self.record_action(action, Ok(()));
-                    info!(action = action.kind(), "{action}");
-                }
-                // Nothing to do after all (a member that was starting already runs).
-                Ok(false) => debug!(action = action.kind(), "{action}: already done"),
-                Err(e) => {
-                    self.record_action(action, Err(&e));
-                    first_error.get_or_insert(e);
-                }
+            let done = self.act(action, &obs).instrument(action_span(action)).await;
+            if let Err(e) = done {
+                first_error.get_or_insert(e);
             }
         }
         match first_error {
             Some(e) => Err(e),
             None => Ok(p),
+        }
+    }
+
+    /// Applies one action, records it in the status and logs it.
+    async fn act(&self, action: &Action, obs: &Observation) -> Result<(), ExecuteError> {
+        match self.apply(action, obs).await {
+            Ok(true) => {
+                self.record_action(action, Ok(()));
+                info!("{action}");
+                Ok(())
+            }
+            // Nothing to do after all (a member that was starting already runs).
+            Ok(false) => {
+                debug!("{action}: already done");
+                Ok(())
+            }
+            Err(e) => {
+                self.record_action(action, Err(&e));
+                Err(e)
+            }
         }
     }
 
@@ -550,9 +577,10 @@ impl<M: Machines> Operator<M> {
                     }
                 };
                 if let Some(id) = id {
+                    Span::current().record("member_id", hex(id).as_str());
                     // A failed start is retried by the next step (StartMember).
                     if let Err(e) = self.start(machine, id).await {
-                        warn!(machine = %machine, error = %e, "learner added, start failed");
+                        warn!(error = %e, "learner added, start failed");
                     }
                 }
                 Ok(true)
@@ -641,6 +669,28 @@ impl<M: Machines> Operator<M> {
             }
         }
     }
+}
+
+/// The span of one action: its kind, and the machine and member it acts on where known.
+fn action_span(action: &Action) -> Span {
+    let span = tracing::info_span!(
+        "operator_action",
+        action = action.kind(),
+        machine = Empty,
+        member_id = Empty
+    );
+    if let Some(machine) = action.machine() {
+        span.record("machine", machine);
+    }
+    if let Some(id) = action.member_id() {
+        span.record("member_id", hex(id).as_str());
+    }
+    span
+}
+
+/// A member ID as etcdctl prints it.
+fn hex(id: u64) -> String {
+    format!("{id:x}")
 }
 
 /// `name=peerURL,...` for every member, naming the one being started after its machine (etcd

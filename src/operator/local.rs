@@ -443,8 +443,12 @@ impl Machines for LocalCluster {
         let p = m
             .spec
             .spawn(&self.bins)
-            .map_err(|e| BackendError::Failed(e.to_string()))?;
-        info!(machine = %m.spec.name, state = "existing", pid = p.pid(), "started etcd");
+            .map_err(|source| BackendError::Start {
+                machine: machine.to_owned(),
+                source,
+            })?;
+        // The operator's action span names the machine.
+        info!(state = "existing", pid = p.pid(), "started etcd");
         m.process = Some(Arc::new(p));
         m.member_id = Some(join.member_id);
         Ok(true)
@@ -477,15 +481,26 @@ impl From<BackendError> for ApiError {
             BackendError::NotFound(_) => {
                 ApiError(StatusCode::NOT_FOUND, "not_found", e.to_string())
             }
-            other => {
-                warn!(error = %other, "machine operation failed");
-                ApiError(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "internal",
-                    "machine operation failed".into(),
-                )
-            }
+            other => ApiError::internal(&other),
         }
+    }
+}
+
+impl ApiError {
+    /// A failure the client cannot act on: logged here, a short message there.
+    fn internal(error: &dyn std::error::Error) -> ApiError {
+        warn!(error = %error, "machine operation failed");
+        ApiError(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "machine operation failed".into(),
+        )
+    }
+}
+
+impl From<LocalError> for ApiError {
+    fn from(e: LocalError) -> Self {
+        ApiError::internal(&e)
     }
 }
 
@@ -493,7 +508,7 @@ impl From<ReplaceError> for ApiError {
     fn from(e: ReplaceError) -> Self {
         match e {
             ReplaceError::Backend(b) => b.into(),
-            ReplaceError::Local(l) => BackendError::Failed(l.to_string()).into(),
+            ReplaceError::Local(l) => l.into(),
         }
     }
 }
@@ -553,10 +568,7 @@ async fn metrics(State(s): State<ApiState>) -> Result<Response, ApiError> {
 async fn create(
     State(s): State<ApiState>,
 ) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
-    let name = s
-        .cluster
-        .create_machine()
-        .map_err(|e| BackendError::Failed(e.to_string()))?;
+    let name = s.cluster.create_machine()?;
     Ok((StatusCode::CREATED, Json(json!({"machine": name}))))
 }
 

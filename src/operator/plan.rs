@@ -157,6 +157,29 @@ impl Action {
         )
     }
 
+    /// The machine acted on, where the action names one (a never-started learner's removal
+    /// names none).
+    pub fn machine(&self) -> Option<&str> {
+        match self {
+            Action::AddHook { machine }
+            | Action::ReleaseHook { machine }
+            | Action::AddLearner { machine, .. }
+            | Action::StartMember { machine, .. }
+            | Action::Promote { machine, .. } => Some(machine.as_str()),
+            Action::RemoveMember { name, .. } => Some(name.as_str()).filter(|n| !n.is_empty()),
+        }
+    }
+
+    /// The etcd member acted on, where it exists yet.
+    pub fn member_id(&self) -> Option<u64> {
+        match self {
+            Action::StartMember { member_id, .. }
+            | Action::Promote { member_id, .. }
+            | Action::RemoveMember { member_id, .. } => Some(*member_id),
+            Action::AddHook { .. } | Action::ReleaseHook { .. } | Action::AddLearner { .. } => None,
+        }
+    }
+
     /// Short stable name for logs and metric labels.
     pub fn kind(&self) -> &'static str {
         match self {

@@ -184,7 +184,7 @@ impl Cursor {
 enum Fail {
     /// A real error in the deltas or the files: the restore fails.
     Deltas(String),
-    Io(String),
+    Io(std::io::Error),
     /// Cannot be written directly: replay through etcd.
     Unsupported(String),
     /// The fetching side gave up (its own error is reported).
@@ -194,7 +194,7 @@ enum Fail {
 impl From<BoltError> for Fail {
     fn from(e: BoltError) -> Self {
         match e {
-            BoltError::Io(e) => Fail::Io(e.to_string()),
+            BoltError::Io(e) => Fail::Io(e),
             // etcd's own tool judges the file next; a layout this reader does not know is no
             // reason to fail a restore the replay through etcd can do.
             e @ (BoltError::Corrupt(_) | BoltError::Unsupported(_)) => {
@@ -236,16 +236,20 @@ pub async fn write(
                 }
             }
             Err(e) => {
-                fetch_error = Some(RestoreError::Deltas(format!("delta {}: {e}", d.snap_name)));
+                fetch_error = Some(RestoreError::Delta {
+                    name: d.snap_name.clone(),
+                    cause: e,
+                });
                 let _ = tx.send(Err(())).await;
                 break;
             }
         }
     }
     drop(tx);
-    let written = writer
-        .await
-        .map_err(|e| RestoreError::Tools(format!("the database writer failed: {e}")))?;
+    let written = writer.await.map_err(|cause| RestoreError::Task {
+        what: "the database writer failed",
+        cause,
+    })?;
     if let Some(e) = fetch_error {
         return Err(e).step("fetching and verifying deltas");
     }
@@ -257,10 +261,10 @@ pub async fn write(
         }),
         Err(Fail::Unsupported(reason)) => Ok(Outcome::Unsupported(reason)),
         Err(Fail::Deltas(e)) => Err(RestoreError::Deltas(e)),
-        Err(Fail::Io(e)) => Err(RestoreError::Tools(format!(
-            "writing {}: {e}",
-            out.display()
-        ))),
+        Err(Fail::Io(cause)) => Err(RestoreError::Io {
+            path: format!("writing {}", out.display()),
+            cause,
+        }),
         Err(Fail::Aborted) => Err(RestoreError::Deltas("fetching the deltas failed".into())),
     }
 }

@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::{RestoreError, RestoreOptions, restore};
+use super::{RestoreError, RestoreOptions, StepExt, restore};
 use crate::config::RestoreConfig;
 use crate::store::SnapshotStore;
 
@@ -25,7 +25,7 @@ pub enum Initialized {
 
 /// What to do, from what is on disk and in the store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Action {
+pub enum Decision {
     Keep,
     StartFresh,
     Restore,
@@ -34,12 +34,12 @@ pub enum Action {
 }
 
 /// Decides what initialization does (pure).
-pub fn decide(data_dir_valid: bool, store_has_full: bool, store_has_any: bool) -> Action {
+pub fn decide(data_dir_valid: bool, store_has_full: bool, store_has_any: bool) -> Decision {
     match (data_dir_valid, store_has_full, store_has_any) {
-        (true, _, _) => Action::Keep,
-        (false, true, _) => Action::Restore,
-        (false, false, false) => Action::StartFresh,
-        (false, false, true) => Action::Refuse,
+        (true, _, _) => Decision::Keep,
+        (false, true, _) => Decision::Restore,
+        (false, false, false) => Decision::StartFresh,
+        (false, false, true) => Decision::Refuse,
     }
 }
 
@@ -57,12 +57,11 @@ pub fn check_guard(data_dir: &Path, guard: &str) -> Result<(), RestoreError> {
     let file = parent.join(GUARD_FILE);
     match std::fs::read_to_string(&file) {
         Ok(found) if found.trim() == guard => Ok(()),
-        Ok(found) => Err(RestoreError::Guard(format!(
-            "{} holds {:?} but this sidecar's restore.guard is {guard:?}: the volume belongs to \
-             another etcd; refusing to restore into it",
-            file.display(),
-            found.trim()
-        ))),
+        Ok(found) => Err(RestoreError::Guard {
+            file,
+            found: found.trim().to_owned(),
+            expected: guard.to_owned(),
+        }),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             std::fs::create_dir_all(parent).map_err(|e| RestoreError::io(parent, e))?;
             std::fs::write(&file, format!("{guard}\n")).map_err(|e| RestoreError::io(&file, e))
@@ -76,10 +75,7 @@ pub async fn initialize(
     store: &SnapshotStore,
     config: &RestoreConfig,
 ) -> Result<Initialized, RestoreError> {
-    let data_dir = config
-        .data_dir
-        .as_deref()
-        .ok_or_else(|| RestoreError::Tools("restore.initialize needs restore.data_dir".into()))?;
+    let data_dir = config.data_dir.as_deref().ok_or(RestoreError::NoDataDir)?;
     if let Some(guard) = &config.guard {
         check_guard(data_dir, guard)?;
     }
@@ -90,22 +86,21 @@ pub async fn initialize(
         let list = store
             .list()
             .await
-            .map_err(|e| RestoreError::Store(format!("listing the store: {e}")))?;
+            .map_err(RestoreError::Store)
+            .step("listing the store")?;
         (list.iter().any(|s| s.is_full()), !list.is_empty())
     };
     match decide(valid, has_full, has_any) {
-        Action::Keep => {
+        Decision::Keep => {
             tracing::info!(data_dir = %data_dir.display(), "data directory valid; no restore");
             Ok(Initialized::Valid)
         }
-        Action::StartFresh => {
+        Decision::StartFresh => {
             tracing::info!(data_dir = %data_dir.display(), "store empty; etcd starts fresh");
             Ok(Initialized::Fresh)
         }
-        Action::Refuse => Err(RestoreError::Store(
-            "the store holds deltas but no full snapshot; refusing to start etcd empty".into(),
-        )),
-        Action::Restore => {
+        Decision::Refuse => Err(RestoreError::DeltasWithoutFull),
+        Decision::Restore => {
             tracing::warn!(data_dir = %data_dir.display(), "data directory missing or invalid; restoring from the store");
             let mut opts = RestoreOptions::from_config(config, data_dir);
             // An invalid directory is moved aside, never deleted.
@@ -124,11 +119,11 @@ mod tests {
 
     #[test]
     fn decisions() {
-        assert_eq!(decide(true, true, true), Action::Keep);
-        assert_eq!(decide(true, false, false), Action::Keep);
-        assert_eq!(decide(false, true, true), Action::Restore);
-        assert_eq!(decide(false, false, false), Action::StartFresh);
-        assert_eq!(decide(false, false, true), Action::Refuse);
+        assert_eq!(decide(true, true, true), Decision::Keep);
+        assert_eq!(decide(true, false, false), Decision::Keep);
+        assert_eq!(decide(false, true, true), Decision::Restore);
+        assert_eq!(decide(false, false, false), Decision::StartFresh);
+        assert_eq!(decide(false, false, true), Decision::Refuse);
     }
 
     #[test]

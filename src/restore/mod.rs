@@ -22,37 +22,107 @@ use std::time::Instant;
 
 use futures::StreamExt;
 use tokio::io::AsyncWriteExt;
+use tracing::Instrument as _;
 
-use crate::snapshot::delta::{self, EventType};
+use crate::etcd::process::ProcessError;
+use crate::snapshot::delta::{self, DeltaError, EventType};
 use crate::snapshot::full::verify_sha256;
-use crate::store::{ByteStream, Snapshot, SnapshotStore};
+use crate::store::{ByteStream, Snapshot, SnapshotStore, StoreError};
 
 use direct::Outcome;
 use replay::{ReplayOp, RevisionGroup};
-pub use tools::{EtcdTools, MemberParams, TempEtcd};
+pub use tools::{DbHash, EtcdTools, MemberParams, TempEtcd};
 
-/// What went wrong in a restore; each says which step.
+/// What went wrong in a restore; each says which step. Where a message includes a cause, the
+/// cause is not also the error's source (which would print it twice).
 #[derive(Debug, thiserror::Error)]
 pub enum RestoreError {
+    /// etcd's binaries could not be found.
     #[error("{0}")]
-    Tools(String),
+    Locate(ProcessError),
+    /// No snapshot restore tool beside the etcd binary.
+    #[error("no {tool} beside {}; point --etcd-bin at a directory holding etcd and {tool}", etcd.display())]
+    NoRestorer {
+        /// `etcdutl` or `etcdctl`.
+        tool: &'static str,
+        /// The etcd binary found.
+        etcd: PathBuf,
+    },
+    /// etcd's snapshot restore tool could not be run.
+    #[error("running {}: {cause}", tool.display())]
+    RunTool {
+        tool: PathBuf,
+        cause: std::io::Error,
+    },
+    /// etcd's snapshot restore tool failed; `stderr` is the last line it printed.
+    #[error("{tool} snapshot restore failed ({status}): {stderr}")]
+    ToolFailed {
+        tool: String,
+        status: std::process::ExitStatus,
+        stderr: String,
+    },
+    /// The temporary etcd could not be started or stopped.
+    #[error("temporary etcd: {0}")]
+    TempEtcd(ProcessError),
+    /// A blocking task of the restore panicked or was cancelled.
+    #[error("{what}: {cause}")]
+    Task {
+        what: &'static str,
+        cause: tokio::task::JoinError,
+    },
+    /// `restore.initialize` without `restore.data_dir`.
+    #[error("restore.initialize needs restore.data_dir")]
+    NoDataDir,
+    /// A delta could not be fetched or decoded (its hash, its JSON).
+    #[error("delta {name}: {cause}")]
+    Delta { name: String, cause: DeltaError },
+    /// The deltas do not fit the full snapshot or each other (a gap, an order, a revision).
     #[error("{0}")]
     Deltas(String),
+    /// An etcd request failed.
     #[error("etcd: {0}")]
-    Etcd(String),
-    /// The message includes the I/O error, so it is not also the error's source.
+    Etcd(etcd_client::Error),
+    /// etcd answered a status request without a header.
+    #[error("etcd: status without a header")]
+    NoHeader,
+    /// Replaying a round of revisions through the temporary etcd failed.
+    #[error("etcd: replaying revisions {first} to {last}: {cause}")]
+    Replay {
+        first: i64,
+        last: i64,
+        cause: etcd_client::Error,
+    },
+    /// The temporary etcd opened the restored database at another revision than the deltas'.
+    #[error(
+        "etcd: etcd opened the restored database at revision {seen}, the deltas end at {expected}"
+    )]
+    RevisionMismatch { seen: i64, expected: i64 },
     #[error("{path}: {cause}")]
     Io { path: String, cause: std::io::Error },
+    /// Reading the store failed.
     #[error("{0}")]
-    Store(String),
+    Store(StoreError),
+    /// The store has no full snapshot to restore.
+    #[error("the store has no full snapshot")]
+    NoFullSnapshot,
+    /// The store holds deltas but no full snapshot: starting etcd empty would lose them.
+    #[error("the store holds deltas but no full snapshot; refusing to start etcd empty")]
+    DeltasWithoutFull,
     /// The target directory is in use and `--force` was not given.
     #[error("{0} exists and is not empty; pass --force to move it aside")]
     TargetNotEmpty(String),
     /// The guard file next to the data directory names another etcd.
-    #[error("{0}")]
-    Guard(String),
-    /// A step of the restore failed; nothing was moved into place. The message includes the
-    /// cause, so it is not also given as the error's source (which would print it twice).
+    #[error(
+        "{} holds {found:?} but this sidecar's restore.guard is {expected:?}: the volume belongs \
+         to another etcd; refusing to restore into it",
+        file.display()
+    )]
+    Guard {
+        file: PathBuf,
+        found: String,
+        expected: String,
+    },
+    /// A step of the restore failed; nothing was moved into place.
     #[error("restore failed while {step}: {cause}")]
     Step {
         step: &'static str,
@@ -186,6 +256,11 @@ fn remove_if_exists(path: &Path) -> Result<(), RestoreError> {
 }
 
 /// Restores `opts.data_dir` from the latest full snapshot in `store` and every later delta.
+#[tracing::instrument(
+    name = "restore",
+    skip_all,
+    fields(store = %store.prefix(), data_dir = %opts.data_dir.display())
+)]
 pub async fn restore(
     store: &SnapshotStore,
     opts: &RestoreOptions,
@@ -197,15 +272,13 @@ pub async fn restore(
     let chain = store
         .latest_chain()
         .await
-        .map_err(|e| RestoreError::Store(e.to_string()))
+        .map_err(RestoreError::Store)
         .step("listing the store")?;
     let full = chain
         .full_snapshot
         .clone()
-        .ok_or_else(|| RestoreError::Step {
-            step: "listing the store",
-            cause: Box::new(RestoreError::Store("the store has no full snapshot".into())),
-        })?;
+        .ok_or(RestoreError::NoFullSnapshot)
+        .step("listing the store")?;
     let tools = EtcdTools::locate(opts.etcd_bin.as_deref())
         .await
         .step("locating etcd's tools")?;
@@ -224,7 +297,7 @@ pub async fn restore(
         .map_err(|e| RestoreError::io(&work, e))
         .step("creating the work directory")?;
 
-    let result = build(
+    let built = build(
         store,
         &tools,
         opts,
@@ -235,21 +308,28 @@ pub async fn restore(
     )
     .await;
     let _ = std::fs::remove_dir_all(&work);
-    let Built {
-        events: events_applied,
-        revision,
-        replay_time,
-        replay,
-    } = match result {
+    // Every path of `build` ends here: the temporary etcd may have run without fsync, so the
+    // result is synced once, then moved into place. A failure removes `part` and nothing else.
+    let installed = async {
+        let built = built?;
+        sync_tree(&part)
+            .await
+            .step("syncing the restored directory")?;
+        let moved_aside =
+            install(&part, target, opts.force).step("moving the result into place")?;
+        Ok::<_, RestoreError>((built, moved_aside))
+    }
+    .await;
+    let (
+        Built {
+            events: events_applied,
+            revision,
+            replay_time,
+            replay,
+        },
+        moved_aside,
+    ) = match installed {
         Ok(r) => r,
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(&part);
-            return Err(e);
-        }
-    };
-    let moved_aside = match install(&part, target, opts.force).step("moving the result into place")
-    {
-        Ok(m) => m,
         Err(e) => {
             let _ = std::fs::remove_dir_all(&part);
             return Err(e);
@@ -265,7 +345,6 @@ pub async fn restore(
         moved_aside,
     };
     tracing::info!(
-        data_dir = %target.display(),
         full_snapshot = %report.full_snapshot,
         deltas = report.deltas,
         events = report.events_applied,
@@ -275,7 +354,7 @@ pub async fn restore(
     Ok(report)
 }
 
-/// Builds the restored directory in `part`.
+/// Builds the restored directory in `part` (not yet synced).
 async fn build(
     store: &SnapshotStore,
     tools: &EtcdTools,
@@ -286,25 +365,13 @@ async fn build(
     work: &Path,
 ) -> Result<Built, RestoreError> {
     let db = work.join("snapshot.db");
-    let started = Instant::now();
-    let stream = store
-        .get_decoded(full)
-        .await
-        .map_err(|e| RestoreError::Store(e.to_string()))
-        .step("fetching the full snapshot")?;
-    let bytes = write_verified(stream, &db)
-        .await
-        .step("fetching and verifying the full snapshot")?;
-    tracing::info!(snapshot = %full.snap_name, bytes, seconds = started.elapsed().as_secs_f64(), "full snapshot fetched and verified");
+    let bytes = fetch_full(store, full, &db).await?;
 
     if deltas.is_empty() {
         tools
-            .restore_file(&db, part, &opts.member)
+            .restore_db(&db, DbHash::Appended, part, &opts.member)
             .await
             .step("restoring the full snapshot")?;
-        sync_tree(part)
-            .await
-            .step("syncing the restored directory")?;
         // Without deltas the revision is the snapshot's; reading it would need an etcd.
         return Ok(Built {
             events: 0,
@@ -334,8 +401,16 @@ async fn build(
     let written = work.join("with-deltas.db");
     let db_len = bytes.saturating_sub(crate::snapshot::delta::HASH_LEN as u64);
     let parallel = opts.parallel_fetch.max(1);
+    let (first, last) = revision_range(deltas);
+    let span = tracing::info_span!(
+        "write_deltas",
+        deltas = deltas.len(),
+        first_revision = first,
+        last_revision = last
+    );
     let write_started = Instant::now();
     let outcome = direct::write(store, deltas, parallel, &db, db_len, &written)
+        .instrument(span.clone())
         .await
         .step("writing the deltas into the database")?;
     let write_time = write_started.elapsed();
@@ -346,11 +421,13 @@ async fn build(
             restored,
         } => (events, revision, restored),
         Outcome::Unsupported(reason) => {
-            tracing::warn!(
-                %reason,
-                "cannot write these deltas into the database directly; replaying them through \
-                 a temporary etcd instead"
-            );
+            span.in_scope(|| {
+                tracing::warn!(
+                    %reason,
+                    "cannot write these deltas into the database directly; replaying them \
+                     through a temporary etcd instead"
+                )
+            });
             let _ = std::fs::remove_file(&written);
             return replay_through_etcd(
                 store,
@@ -363,63 +440,111 @@ async fn build(
                 &scratch,
                 &scratch_member,
             )
+            .instrument(tracing::info_span!(
+                "replay_deltas",
+                deltas = deltas.len(),
+                first_revision = first,
+                last_revision = last
+            ))
             .await;
         }
     };
     let _ = std::fs::remove_file(&db);
-    check_final_revision(revision, restored, deltas).step("checking the final revision")?;
-    tracing::info!(
-        events,
-        revision,
-        seconds = write_time.as_secs_f64(),
-        events_per_second = events as f64 / write_time.as_secs_f64().max(1e-9),
-        "deltas written into the database"
-    );
+    span.in_scope(|| {
+        check_final_revision(revision, restored, deltas).step("checking the final revision")?;
+        tracing::info!(
+            events,
+            revision,
+            seconds = write_time.as_secs_f64(),
+            events_per_second = events as f64 / write_time.as_secs_f64().max(1e-9),
+            "deltas written into the database"
+        );
+        Ok::<_, RestoreError>(())
+    })?;
     // etcd itself must open the result and agree on the revision before it is used.
     tools
-        .restore_unhashed(&written, &scratch, &scratch_member)
+        .restore_db(&written, DbHash::None, &scratch, &scratch_member)
         .await
         .step("restoring the database with the deltas")?;
-    let temp = TempEtcd::start(
-        tools,
-        &scratch,
-        &scratch_member.name,
-        work.join("temp-etcd.log"),
-    )
-    .await
-    .step("starting the temporary etcd")?;
-    let seen = async {
-        let mut client = etcd_client::Client::connect([&temp.client_url], None)
-            .await
-            .map_err(|e| RestoreError::Etcd(e.to_string()))?;
-        current_revision(&mut client).await
-    }
-    .await;
-    temp.stop().await.step("stopping the temporary etcd")?;
-    let seen = seen.step("reading the restored revision")?;
-    if seen != revision {
-        return Err(RestoreError::Step {
-            step: "checking the final revision",
-            cause: Box::new(RestoreError::Etcd(format!(
-                "etcd opened the restored database at revision {seen}, the deltas end at {revision}"
-            ))),
-        });
-    }
+    check_in_temp_etcd(tools, &scratch, &scratch_member.name, work, revision).await?;
     if multi {
         tools
-            .restore_unhashed(&written, part, &opts.member)
+            .restore_db(&written, DbHash::None, part, &opts.member)
             .await
             .step("restoring the database with the cluster's parameters")?;
     }
-    sync_tree(part)
-        .await
-        .step("syncing the restored directory")?;
     Ok(Built {
         events,
         revision,
         replay_time: write_time,
         replay: Replay::Direct,
     })
+}
+
+/// Fetches the full snapshot into `db`, checking its hash on the way. Returns its length.
+#[tracing::instrument(
+    name = "fetch_full_snapshot",
+    skip_all,
+    fields(snapshot = %full.snap_name, revision = full.last_revision)
+)]
+async fn fetch_full(
+    store: &SnapshotStore,
+    full: &Snapshot,
+    db: &Path,
+) -> Result<u64, RestoreError> {
+    let started = Instant::now();
+    let stream = store
+        .get_decoded(full)
+        .await
+        .map_err(RestoreError::Store)
+        .step("fetching the full snapshot")?;
+    let bytes = write_verified(stream, db)
+        .await
+        .step("fetching and verifying the full snapshot")?;
+    tracing::info!(
+        bytes,
+        seconds = started.elapsed().as_secs_f64(),
+        "full snapshot fetched and verified"
+    );
+    Ok(bytes)
+}
+
+/// The revisions the deltas cover: the first one's start and the last one's end.
+fn revision_range(deltas: &[Snapshot]) -> (i64, i64) {
+    (
+        deltas.first().map_or(0, |d| d.start_revision),
+        deltas.last().map_or(0, |d| d.last_revision),
+    )
+}
+
+/// Starts a temporary etcd on the restored `data_dir` and checks it opens the database at
+/// `expected`: etcd itself must agree before the result is used.
+#[tracing::instrument(name = "temp_etcd_check", skip_all, fields(expected = expected))]
+async fn check_in_temp_etcd(
+    tools: &EtcdTools,
+    data_dir: &Path,
+    name: &str,
+    work: &Path,
+    expected: i64,
+) -> Result<(), RestoreError> {
+    let temp = TempEtcd::start(tools, data_dir, name, work.join("temp-etcd.log"))
+        .await
+        .step("starting the temporary etcd")?;
+    let seen = async {
+        let mut client = etcd_client::Client::connect([&temp.client_url], None)
+            .await
+            .map_err(RestoreError::Etcd)?;
+        current_revision(&mut client).await
+    }
+    .await;
+    temp.stop().await.step("stopping the temporary etcd")?;
+    let seen = seen.step("reading the restored revision")?;
+    if seen != expected {
+        return Err(RestoreError::RevisionMismatch { seen, expected })
+            .step("checking the final revision");
+    }
+    tracing::info!("etcd opened the restored database at the expected revision");
+    Ok(())
 }
 
 /// The restore must end where the last delta ends (or, when the full snapshot holds writes
@@ -453,7 +578,7 @@ async fn replay_through_etcd(
     scratch_member: &MemberParams,
 ) -> Result<Built, RestoreError> {
     tools
-        .restore_file(db, scratch, scratch_member)
+        .restore_db(db, DbHash::Appended, scratch, scratch_member)
         .await
         .step("restoring the full snapshot")?;
     let _ = std::fs::remove_file(db);
@@ -484,15 +609,12 @@ async fn replay_through_etcd(
         temp.stop().await.step("stopping the temporary etcd")?;
         saved?;
         tools
-            .restore_file(&snap, part, &opts.member)
+            .restore_db(&snap, DbHash::Appended, part, &opts.member)
             .await
             .step("restoring the replayed snapshot with the cluster's parameters")?;
     } else {
         temp.stop().await.step("stopping the temporary etcd")?;
     }
-    sync_tree(part)
-        .await
-        .step("syncing the restored directory")?;
     Ok(Built {
         events: applied,
         revision,
@@ -510,18 +632,14 @@ async fn replay_all(
 ) -> Result<(u64, i64), RestoreError> {
     let mut client = etcd_client::Client::connect([&temp.client_url], None)
         .await
-        .map_err(|e| RestoreError::Etcd(e.to_string()))
+        .map_err(RestoreError::Etcd)
         .step("connecting to the temporary etcd")?;
     let restored = current_revision(&mut client)
         .await
         .step("reading the restored revision")?;
     let mut current = restored;
     let started = Instant::now();
-    tracing::info!(
-        revision = restored,
-        deltas = deltas.len(),
-        "replaying deltas"
-    );
+    tracing::info!(revision = restored, "replaying deltas");
     let mut fetched = futures::stream::iter(deltas.iter().cloned())
         .map(|d| async move {
             let events = delta::read(store, &d).await;
@@ -535,7 +653,10 @@ async fn replay_all(
     let mut held: Vec<(i64, ReplayOp)> = Vec::new();
     while let Some((d, events)) = fetched.next().await {
         let events = events
-            .map_err(|e| RestoreError::Deltas(format!("delta {}: {e}", d.snap_name)))
+            .map_err(|cause| RestoreError::Delta {
+                name: d.snap_name.clone(),
+                cause,
+            })
             .step("fetching and verifying deltas")?;
         let mut ops = std::mem::take(&mut held);
         for te in events {
@@ -599,14 +720,11 @@ fn to_op(event: &delta::Event, d: &Snapshot) -> Result<(i64, ReplayOp), RestoreE
 }
 
 async fn current_revision(client: &mut etcd_client::Client) -> Result<i64, RestoreError> {
-    let status = client
-        .status()
-        .await
-        .map_err(|e| RestoreError::Etcd(e.to_string()))?;
+    let status = client.status().await.map_err(RestoreError::Etcd)?;
     status
         .header()
         .map(|h| h.revision())
-        .ok_or_else(|| RestoreError::Etcd("status without a header".into()))
+        .ok_or(RestoreError::NoHeader)
 }
 
 /// Writes a stream to `path`, checking etcd's trailing SHA-256 as it passes, and syncs it.
@@ -633,12 +751,12 @@ async fn write_verified(stream: ByteStream, path: &Path) -> Result<u64, RestoreE
 async fn snapshot_to_file(url: &str, path: &Path) -> Result<u64, RestoreError> {
     let client = etcd_client::Client::connect([url], None)
         .await
-        .map_err(|e| RestoreError::Etcd(e.to_string()))?;
+        .map_err(RestoreError::Etcd)?;
     let stream = client
         .maintenance_client()
         .snapshot()
         .await
-        .map_err(|e| RestoreError::Etcd(e.to_string()))?;
+        .map_err(RestoreError::Etcd)?;
     let raw = futures::stream::unfold(stream, |mut s| async move {
         match s.message().await {
             Ok(Some(msg)) => Some((Ok(bytes::Bytes::copy_from_slice(msg.blob())), s)),
@@ -655,7 +773,10 @@ async fn sync_tree(dir: &Path) -> Result<(), RestoreError> {
     let dir = dir.to_path_buf();
     tokio::task::spawn_blocking(move || sync_tree_blocking(&dir))
         .await
-        .map_err(|e| RestoreError::Tools(format!("sync task failed: {e}")))?
+        .map_err(|cause| RestoreError::Task {
+            what: "sync task failed",
+            cause,
+        })?
 }
 
 fn sync_tree_blocking(dir: &Path) -> Result<(), RestoreError> {

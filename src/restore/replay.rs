@@ -263,12 +263,10 @@ pub async fn apply_rounds(
         let responses = futures::future::join_all(sent).await;
         let mut taken = vec![false; n];
         for resp in responses {
-            let resp = resp.map_err(|e| {
-                RestoreError::Etcd(format!(
-                    "replaying revisions {} to {}: {e}",
-                    round[0].revision,
-                    round[n - 1].revision
-                ))
+            let resp = resp.map_err(|cause| RestoreError::Replay {
+                first: round[0].revision,
+                last: round[n - 1].revision,
+                cause,
             })?;
             let landed = resp.header().map(|h| h.revision()).unwrap_or_default();
             let branch = branch_taken(&resp, n)

@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::process::Command;
 
 use super::RestoreError;
-use crate::etcd::process::{EtcdBinaries, EtcdProcess, MemberSpec, ProcessError};
+use crate::etcd::process::{EtcdBinaries, EtcdProcess, MemberSpec};
 
 /// Where the etcd binaries are and what they can do.
 #[derive(Debug, Clone)]
@@ -25,6 +25,25 @@ pub struct EtcdTools {
 pub enum Restorer {
     Etcdutl(PathBuf),
     Etcdctl(PathBuf),
+}
+
+impl Restorer {
+    /// The tool's name.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Restorer::Etcdutl(_) => "etcdutl",
+            Restorer::Etcdctl(_) => "etcdctl",
+        }
+    }
+}
+
+/// Whether a database file ends in etcd's SHA-256.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DbHash {
+    /// A snapshot as etcd streams it, hash appended.
+    Appended,
+    /// A database this program wrote, no hash.
+    None,
 }
 
 /// How the restored member is named and which cluster it belongs to.
@@ -69,10 +88,6 @@ impl MemberParams {
     }
 }
 
-fn tools_error(e: ProcessError) -> RestoreError {
-    RestoreError::Tools(e.to_string())
-}
-
 impl EtcdTools {
     /// Finds the tools in `dir` (`restore.etcd_bin`, `--etcd-bin`), else where
     /// [`EtcdBinaries::locate`] looks.
@@ -80,8 +95,11 @@ impl EtcdTools {
         let dir = dir.map(Path::to_path_buf);
         let binaries = tokio::task::spawn_blocking(move || EtcdBinaries::locate(dir.as_deref()))
             .await
-            .map_err(|e| RestoreError::Tools(format!("locating etcd: {e}")))?
-            .map_err(tools_error)?;
+            .map_err(|cause| RestoreError::Task {
+                what: "locating etcd",
+                cause,
+            })?
+            .map_err(RestoreError::Locate)?;
         let restorer = match (&binaries.etcdutl, &binaries.etcdctl) {
             (Some(u), _) if binaries.version >= (3, 5, 0) => Restorer::Etcdutl(u.clone()),
             (_, Some(c)) if binaries.version < (3, 6, 0) => Restorer::Etcdctl(c.clone()),
@@ -91,43 +109,28 @@ impl EtcdTools {
                 } else {
                     "etcdctl"
                 };
-                return Err(RestoreError::Tools(format!(
-                    "no {tool} beside {}; point --etcd-bin at a directory holding etcd and {tool}",
-                    binaries.etcd.display()
-                )));
+                return Err(RestoreError::NoRestorer {
+                    tool,
+                    etcd: binaries.etcd,
+                });
             }
         };
         Ok(EtcdTools { binaries, restorer })
     }
 
-    /// Restores the snapshot file `db` (etcd's format, hash appended) into the new directory
-    /// `data_dir` with etcd's own tool, which checks the hash.
-    pub async fn restore_file(
+    /// Restores the database file `db` into the new directory `data_dir` with etcd's own tool,
+    /// which checks the hash when there is one.
+    #[tracing::instrument(
+        name = "etcd_restore_tool",
+        skip_all,
+        fields(tool = self.restorer.name(), data_dir = %data_dir.display(), name = %member.name)
+    )]
+    pub async fn restore_db(
         &self,
         db: &Path,
+        hash: DbHash,
         data_dir: &Path,
         member: &MemberParams,
-    ) -> Result<(), RestoreError> {
-        self.restore_db(db, data_dir, member, true).await
-    }
-
-    /// Restores the database file `db`, which has no hash appended (one this program wrote),
-    /// into the new directory `data_dir` with etcd's own tool.
-    pub async fn restore_unhashed(
-        &self,
-        db: &Path,
-        data_dir: &Path,
-        member: &MemberParams,
-    ) -> Result<(), RestoreError> {
-        self.restore_db(db, data_dir, member, false).await
-    }
-
-    async fn restore_db(
-        &self,
-        db: &Path,
-        data_dir: &Path,
-        member: &MemberParams,
-        hashed: bool,
     ) -> Result<(), RestoreError> {
         let (bin, env_api) = match &self.restorer {
             Restorer::Etcdutl(p) => (p, None),
@@ -149,16 +152,16 @@ impl EtcdTools {
             .arg(&member.initial_advertise_peer_urls)
             .stdin(Stdio::null())
             .kill_on_drop(true);
-        if !hashed {
+        if hash == DbHash::None {
             cmd.arg("--skip-hash-check");
         }
         if let Some((k, v)) = env_api {
             cmd.env(k, v);
         }
-        let out = cmd
-            .output()
-            .await
-            .map_err(|e| RestoreError::Tools(format!("running {}: {e}", bin.display())))?;
+        let out = cmd.output().await.map_err(|cause| RestoreError::RunTool {
+            tool: bin.clone(),
+            cause,
+        })?;
         if !out.status.success() {
             let stderr = String::from_utf8_lossy(&out.stderr);
             let last = stderr
@@ -167,14 +170,17 @@ impl EtcdTools {
                 .find(|l| !l.trim().is_empty())
                 .unwrap_or("")
                 .trim();
-            return Err(RestoreError::Tools(format!(
-                "{} snapshot restore failed ({}): {last}",
-                bin.file_name()
+            return Err(RestoreError::ToolFailed {
+                tool: bin
+                    .file_name()
                     .and_then(|n| n.to_str())
-                    .unwrap_or("etcd tool"),
-                out.status
-            )));
+                    .unwrap_or("etcd tool")
+                    .to_owned(),
+                status: out.status,
+                stderr: last.to_owned(),
+            });
         }
+        tracing::debug!("snapshot restored into the data directory");
         Ok(())
     }
 }
@@ -218,7 +224,7 @@ impl TempEtcd {
         let process = spec
             .start(&tools.binaries, Duration::from_secs(60))
             .await
-            .map_err(|e| RestoreError::Tools(format!("temporary etcd: {e}")))?;
+            .map_err(RestoreError::TempEtcd)?;
         Ok(TempEtcd {
             client_url: spec.client_url(),
             process,
@@ -230,7 +236,7 @@ impl TempEtcd {
         self.process
             .terminate(Duration::from_secs(60))
             .await
-            .map_err(|e| RestoreError::Tools(format!("temporary etcd: {e}")))
+            .map_err(RestoreError::TempEtcd)
     }
 }
 

@@ -2,6 +2,7 @@
 //! restart). A file is re-read only when its modification time or length changed, so signing a
 //! request costs one `stat` per file.
 
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
@@ -12,15 +13,21 @@ use object_store::azure::{AzureAccessKey, AzureCredential};
 
 use crate::config::Secret;
 
-/// What identifies one version of a secret file.
-type Stamp = Option<(SystemTime, u64)>;
+/// What identifies one version of a file: its modification time and length (`None` while it
+/// cannot be read).
+pub(super) type Stamp = Option<(SystemTime, u64)>;
+
+/// The current [`Stamp`] of `path`.
+pub(super) fn file_stamp(path: &Path) -> Stamp {
+    std::fs::metadata(path)
+        .ok()
+        .and_then(|m| Some((m.modified().ok()?, m.len())))
+}
 
 fn stamp(secret: &Secret) -> Stamp {
     match secret {
         Secret::Value(_) => None,
-        Secret::File(p) => std::fs::metadata(p)
-            .ok()
-            .and_then(|m| Some((m.modified().ok()?, m.len()))),
+        Secret::File(p) => file_stamp(p),
     }
 }
 

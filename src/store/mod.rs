@@ -47,13 +47,14 @@ const EMULATOR_ACCOUNT_KEY: &str =
 /// Store errors.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    /// The backend could not be built from the configuration.
-    #[error("cannot set up store {url}: {message}")]
+    /// The backend could not be built from the configuration. The message includes the cause,
+    /// so it is not also the error's source (which would print it twice).
+    #[error("cannot set up store {url}: {cause}")]
     Build {
         /// The store URL.
         url: String,
-        /// What failed.
-        message: String,
+        /// What failed (boxed: a store error is passed around far more often than built).
+        cause: Box<BuildError>,
     },
     /// A backend operation failed.
     #[error(transparent)]
@@ -61,6 +62,39 @@ pub enum StoreError {
     /// Reading the payload failed (the upload was aborted).
     #[error("snapshot payload failed: {0}")]
     Payload(#[source] std::io::Error),
+}
+
+impl StoreError {
+    /// The store of `config` could not be set up.
+    fn build(config: &StoreConfig, cause: BuildError) -> StoreError {
+        StoreError::Build {
+            url: config.location.to_string(),
+            cause: Box::new(cause),
+        }
+    }
+}
+
+/// Why a store's backend could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    /// The local store's directory could not be created.
+    #[error("cannot create {}: {source}", path.display())]
+    CreateDir {
+        /// The directory.
+        path: std::path::PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// Only one half of a static S3 key pair is configured.
+    #[error("give both access_key_id and secret_access_key, or neither")]
+    HalfKeyPair,
+    /// `object_store` refused the configuration (a missing bucket, an unreadable service
+    /// account file, …).
+    #[error(transparent)]
+    Backend(#[from] object_store::Error),
+    /// The HTTP client for single `PUT`s could not be built.
+    #[error("HTTP client: {0}")]
+    Http(#[from] reqwest::Error),
 }
 
 /// Builds the backend for a store from its configuration and the process environment.
@@ -76,90 +110,103 @@ pub fn build_with_env(
     env: &dyn EnvSource,
     env_prefix: Option<&str>,
 ) -> Result<Arc<dyn ObjectStore>, StoreError> {
-    let url = config.location.to_string();
-    let fail = |message: String| StoreError::Build {
-        url: url.clone(),
-        message,
-    };
-    let provider_vars = |family: &str| provider_env(env, env_prefix, family);
-    let store: Arc<dyn ObjectStore> = match &config.location {
+    backend(config, &|family| provider_env(env, env_prefix, family))
+        .map_err(|cause| StoreError::build(config, cause))
+}
+
+/// The backend of [`build_with_env`]; `vars` gives one family's provider variables.
+fn backend(
+    config: &StoreConfig,
+    vars: &dyn Fn(&str) -> Vec<(String, String)>,
+) -> Result<Arc<dyn ObjectStore>, BuildError> {
+    Ok(match &config.location {
         StoreLocation::File { root } => {
-            std::fs::create_dir_all(root)
-                .map_err(|e| fail(format!("cannot create {}: {e}", root.display())))?;
-            Arc::new(LocalFileSystem::new_with_prefix(root).map_err(|e| fail(e.to_string()))?)
+            std::fs::create_dir_all(root).map_err(|source| BuildError::CreateDir {
+                path: root.clone(),
+                source,
+            })?;
+            Arc::new(LocalFileSystem::new_with_prefix(root)?)
         }
         StoreLocation::Memory { .. } => Arc::new(InMemory::new()),
         StoreLocation::S3 { bucket, .. } => {
-            let b = s3_builder(config, bucket, &provider_vars("AWS_")).map_err(fail)?;
-            Arc::new(b.build().map_err(|e| fail(e.to_string()))?)
+            Arc::new(s3_builder(config, bucket, &vars("AWS_"))?.build()?)
         }
         StoreLocation::Gcs { bucket, .. } => {
-            let mut b = GoogleCloudStorageBuilder::new();
-            for (key, value) in provider_vars("GOOGLE_") {
-                if let Ok(k) = key.to_ascii_lowercase().parse() {
-                    b = b.with_config(k, value);
-                }
-            }
-            b = b.with_bucket_name(bucket);
-            if let Some(sa) = &config.service_account_file {
-                b = b.with_service_account_path(sa.to_string_lossy());
-            }
+            let b = gcs_builder(config, bucket, &vars("GOOGLE_"));
             // The builder reads the service account file once; rebuild when it changes.
             let file = b
                 .get_config_value(&object_store::gcp::GoogleConfigKey::ServiceAccount)
                 .map(std::path::PathBuf::from);
             match file {
-                Some(file) => Arc::new(
-                    reload::Reloading::new(vec![file], move || {
-                        Ok(Arc::new(b.clone().build().map_err(|e| e.to_string())?) as _)
-                    })
-                    .map_err(fail)?,
-                ),
-                None => Arc::new(b.build().map_err(|e| fail(e.to_string()))?),
+                Some(file) => Arc::new(reload::Reloading::new(vec![file], move || {
+                    Ok(Arc::new(b.clone().build()?) as _)
+                })?),
+                None => Arc::new(b.build()?),
             }
         }
         StoreLocation::Azure { container, .. } => {
-            let mut b = MicrosoftAzureBuilder::new();
-            for (key, value) in provider_vars("AZURE_") {
-                if let Ok(k) = key.to_ascii_lowercase().parse() {
-                    b = b.with_config(k, value);
-                }
-            }
-            b = b.with_container_name(container);
-            if let Some(a) = &config.account_name {
-                b = b.with_account(a);
-            }
-            match (config.use_emulator, &config.endpoint) {
-                // object_store's emulator mode takes its URL only from AZURITE_BLOB_STORAGE_URL;
-                // with an explicit endpoint, address the emulator's account path-style instead.
-                (true, Some(ep)) => {
-                    let account = config.account_name.as_deref().unwrap_or(EMULATOR_ACCOUNT);
-                    b = b
-                        .with_account(account)
-                        .with_endpoint(format!("{}/{account}", ep.trim_end_matches('/')))
-                        .with_allow_http(true);
-                    if config.account_key.is_none() {
-                        b = b.with_access_key(EMULATOR_ACCOUNT_KEY);
-                    }
-                }
-                (true, None) => b = b.with_use_emulator(true),
-                (false, Some(ep)) => b = b.with_endpoint(ep.clone()),
-                (false, None) => {}
-            }
-            if config.allow_http {
-                b = b.with_allow_http(true);
-            }
-            match &config.account_key {
-                Some(Secret::Value(k)) => b = b.with_access_key(k),
-                Some(file @ Secret::File(_)) => {
-                    b = b.with_credentials(Arc::new(credentials::AzureFromFile::new(file.clone())));
-                }
-                None => {}
-            }
-            Arc::new(b.build().map_err(|e| fail(e.to_string()))?)
+            Arc::new(azure_builder(config, container, &vars("AZURE_")).build()?)
         }
-    };
-    Ok(store)
+    })
+}
+
+/// The GCS builder: environment first, explicit configuration over it.
+fn gcs_builder(
+    config: &StoreConfig,
+    bucket: &str,
+    vars: &[(String, String)],
+) -> GoogleCloudStorageBuilder {
+    let b = with_vars(GoogleCloudStorageBuilder::new(), vars, |b, k, v| {
+        b.with_config(k, v)
+    })
+    .with_bucket_name(bucket);
+    match &config.service_account_file {
+        Some(sa) => b.with_service_account_path(sa.to_string_lossy()),
+        None => b,
+    }
+}
+
+/// The Azure builder: environment first, explicit configuration over it.
+fn azure_builder(
+    config: &StoreConfig,
+    container: &str,
+    vars: &[(String, String)],
+) -> MicrosoftAzureBuilder {
+    let mut b = with_vars(MicrosoftAzureBuilder::new(), vars, |b, k, v| {
+        b.with_config(k, v)
+    })
+    .with_container_name(container);
+    if let Some(a) = &config.account_name {
+        b = b.with_account(a);
+    }
+    match (config.use_emulator, &config.endpoint) {
+        // object_store's emulator mode takes its URL only from AZURITE_BLOB_STORAGE_URL;
+        // with an explicit endpoint, address the emulator's account path-style instead.
+        (true, Some(ep)) => {
+            let account = config.account_name.as_deref().unwrap_or(EMULATOR_ACCOUNT);
+            b = b
+                .with_account(account)
+                .with_endpoint(format!("{}/{account}", ep.trim_end_matches('/')))
+                .with_allow_http(true);
+            if config.account_key.is_none() {
+                b = b.with_access_key(EMULATOR_ACCOUNT_KEY);
+            }
+        }
+        (true, None) => b = b.with_use_emulator(true),
+        (false, Some(ep)) => b = b.with_endpoint(ep.clone()),
+        (false, None) => {}
+    }
+    if config.allow_http {
+        b = b.with_allow_http(true);
+    }
+    match &config.account_key {
+        Some(Secret::Value(k)) => b = b.with_access_key(k),
+        Some(file @ Secret::File(_)) => {
+            b = b.with_credentials(Arc::new(credentials::AzureFromFile::new(file.clone())));
+        }
+        None => {}
+    }
+    b
 }
 
 /// Streamed single `PUT`s for a store, where its backend supports them (S3; see
@@ -172,12 +219,10 @@ pub fn single_put_with_env(
     let StoreLocation::S3 { bucket, .. } = &config.location else {
         return Ok(None);
     };
-    let fail = |message: String| StoreError::Build {
-        url: config.location.to_string(),
-        message,
-    };
-    let b = s3_builder(config, bucket, &provider_env(env, env_prefix, "AWS_")).map_err(fail)?;
-    SinglePut::for_s3(&b).map_err(fail)
+    let vars = provider_env(env, env_prefix, "AWS_");
+    s3_builder(config, bucket, &vars)
+        .and_then(|b| SinglePut::for_s3(&b))
+        .map_err(|cause| StoreError::build(config, cause))
 }
 
 /// The S3 builder: environment first, explicit configuration over it.
@@ -185,16 +230,12 @@ fn s3_builder(
     config: &StoreConfig,
     bucket: &str,
     vars: &[(String, String)],
-) -> Result<AmazonS3Builder, String> {
-    let mut b = AmazonS3Builder::new();
-    let mut env_sets_style = false;
-    for (key, value) in vars {
-        env_sets_style |= key == "AWS_VIRTUAL_HOSTED_STYLE_REQUEST";
-        if let Ok(k) = key.to_ascii_lowercase().parse() {
-            b = b.with_config(k, value);
-        }
-    }
-    b = b.with_bucket_name(bucket);
+) -> Result<AmazonS3Builder, BuildError> {
+    let env_sets_style = vars
+        .iter()
+        .any(|(key, _)| key == "AWS_VIRTUAL_HOSTED_STYLE_REQUEST");
+    let mut b = with_vars(AmazonS3Builder::new(), vars, |b, k, v| b.with_config(k, v))
+        .with_bucket_name(bucket);
     if let Some(ep) = &config.endpoint {
         b = b.with_endpoint(ep);
     }
@@ -220,9 +261,24 @@ fn s3_builder(
             )));
         }
         (None, None) => {}
-        _ => return Err("give both access_key_id and secret_access_key, or neither".into()),
+        _ => return Err(BuildError::HalfKeyPair),
     }
     Ok(b)
+}
+
+/// `builder` given every variable of `vars` it has a key for (`AWS_REGION` is `aws_region`);
+/// the others are ignored.
+fn with_vars<B, K: std::str::FromStr>(
+    builder: B,
+    vars: &[(String, String)],
+    set: impl Fn(B, K, &str) -> B,
+) -> B {
+    vars.iter().fold(builder, |b, (key, value)| {
+        match key.to_ascii_lowercase().parse() {
+            Ok(k) => set(b, k, value),
+            Err(_) => b,
+        }
+    })
 }
 
 /// Provider variables of one family (`AWS_`), the `env_prefix`ed names overriding plain ones.
@@ -348,6 +404,16 @@ impl SnapshotStore {
     /// Every snapshot, sorted as the reference sorts (last revision, then creation time).
     /// Objects that are not snapshots (chunks, other tools' files) are logged and skipped.
     pub async fn list(&self) -> Result<Vec<Snapshot>, StoreError> {
+        Ok(self
+            .list_sized()
+            .await?
+            .into_iter()
+            .map(|(s, _)| s)
+            .collect())
+    }
+
+    /// Every snapshot with its stored size, sorted as [`SnapshotStore::list`] sorts.
+    pub async fn list_sized(&self) -> Result<Vec<(Snapshot, u64)>, StoreError> {
         let dir = layout::version_prefix(&self.prefix);
         let listing = Path::from(dir.trim_end_matches('/'));
         let mut objects = self.store.list(Some(&listing));
@@ -360,13 +426,13 @@ impl SnapshotStore {
                 continue;
             };
             match Snapshot::parse_name(&self.prefix, name) {
-                Ok(s) => out.push(s),
+                Ok(s) => out.push((s, meta.size)),
                 // Debug level: retention lists every minute, and a README or another tool's
                 // chunk objects would otherwise repeat in the log forever.
                 Err(e) => tracing::debug!(key, reason = %e.reason, "not a snapshot, ignored"),
             }
         }
-        layout::sort(&mut out);
+        out.sort_by(|a, b| layout::compare(&a.0, &b.0));
         Ok(out)
     }
 
@@ -504,47 +570,48 @@ mod tests {
         .into_iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
-        let mut cfg = config("s3://bkt/p");
-        let b = s3_builder(&cfg, "bkt", &vars).unwrap();
-        assert_eq!(
-            b.get_config_value(&K::Endpoint).as_deref(),
-            Some("http://from-env:9000")
-        );
-        assert_eq!(
-            b.get_config_value(&K::Region).as_deref(),
-            Some("eu-central-1")
-        );
-        assert_eq!(
-            b.get_config_value(&K::AccessKeyId).as_deref(),
-            Some("env-id")
-        );
-        // The default path_style leaves the environment's choice alone.
-        assert_eq!(
-            b.get_config_value(&K::VirtualHostedStyleRequest).as_deref(),
-            Some("true")
-        );
-        cfg.endpoint = Some("http://127.0.0.1:9000".into());
-        cfg.region = Some("us-east-2".into());
-        cfg.path_style = false;
-        cfg.access_key_id = Some(Secret::Value("cfg-id".into()));
-        cfg.secret_access_key = Some(Secret::Value("cfg-key".into()));
-        let b = s3_builder(&cfg, "bkt", &vars).unwrap();
-        assert_eq!(
-            b.get_config_value(&K::Endpoint).as_deref(),
-            Some("http://127.0.0.1:9000")
-        );
-        assert_eq!(b.get_config_value(&K::Region).as_deref(), Some("us-east-2"));
-        assert_eq!(
-            b.get_config_value(&K::AccessKeyId).as_deref(),
-            Some("cfg-id")
-        );
-        assert_eq!(b.get_config_value(&K::Bucket).as_deref(), Some("bkt"));
-        // Without the environment, path-style is the default (S3-compatible services).
-        let b = s3_builder(&config("s3://bkt"), "bkt", &[]).unwrap();
-        assert_eq!(
-            b.get_config_value(&K::VirtualHostedStyleRequest).as_deref(),
-            Some("false")
-        );
+        let env_only = config("s3://bkt/p");
+        let explicit = StoreConfig {
+            endpoint: Some("http://127.0.0.1:9000".into()),
+            region: Some("us-east-2".into()),
+            path_style: false,
+            access_key_id: Some(Secret::Value("cfg-id".into())),
+            secret_access_key: Some(Secret::Value("cfg-key".into())),
+            ..config("s3://bkt/p")
+        };
+        // (configuration, environment, keys the builder must hold)
+        type Case<'a> = (&'a StoreConfig, &'a [(String, String)], &'a [(K, &'a str)]);
+        let cases: [Case; 3] = [
+            (
+                &env_only,
+                &vars,
+                &[
+                    (K::Endpoint, "http://from-env:9000"),
+                    (K::Region, "eu-central-1"),
+                    (K::AccessKeyId, "env-id"),
+                    // The default path_style leaves the environment's choice alone.
+                    (K::VirtualHostedStyleRequest, "true"),
+                ],
+            ),
+            (
+                &explicit,
+                &vars,
+                &[
+                    (K::Endpoint, "http://127.0.0.1:9000"),
+                    (K::Region, "us-east-2"),
+                    (K::AccessKeyId, "cfg-id"),
+                    (K::Bucket, "bkt"),
+                ],
+            ),
+            // Without the environment, path-style is the default (S3-compatible services).
+            (&env_only, &[], &[(K::VirtualHostedStyleRequest, "false")]),
+        ];
+        for (cfg, vars, want) in cases {
+            let b = s3_builder(cfg, "bkt", vars).unwrap();
+            for (key, value) in want {
+                assert_eq!(b.get_config_value(key).as_deref(), Some(*value), "{key:?}");
+            }
+        }
     }
 
     /// Local stores upload in small parts (memory), cloud stores in S3's minimum; an object of

@@ -6,8 +6,8 @@
 use std::fmt;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::SystemTime;
 
+use super::credentials::{Stamp, file_stamp};
 use async_trait::async_trait;
 use futures::stream::BoxStream;
 use object_store::path::Path;
@@ -16,18 +16,10 @@ use object_store::{
     PutMultipartOptions, PutOptions, PutPayload, PutResult, Result,
 };
 
-type Stamp = Option<(SystemTime, u64)>;
-type Build = dyn Fn() -> std::result::Result<Arc<dyn ObjectStore>, String> + Send + Sync;
+type Build = dyn Fn() -> Result<Arc<dyn ObjectStore>> + Send + Sync;
 
 fn stamps(files: &[PathBuf]) -> Vec<Stamp> {
-    files
-        .iter()
-        .map(|p| {
-            std::fs::metadata(p)
-                .ok()
-                .and_then(|m| Some((m.modified().ok()?, m.len())))
-        })
-        .collect()
+    files.iter().map(|p| file_stamp(p)).collect()
 }
 
 /// An object store that rebuilds itself when its credential files change.
@@ -42,8 +34,8 @@ impl Reloading {
     /// `files` changes.
     pub fn new(
         files: Vec<PathBuf>,
-        build: impl Fn() -> std::result::Result<Arc<dyn ObjectStore>, String> + Send + Sync + 'static,
-    ) -> std::result::Result<Reloading, String> {
+        build: impl Fn() -> Result<Arc<dyn ObjectStore>> + Send + Sync + 'static,
+    ) -> Result<Reloading> {
         let seen = stamps(&files);
         let store = build()?;
         Ok(Reloading {
@@ -150,7 +142,10 @@ mod tests {
                 Ok(s) if s.starts_with('v') => {
                     Ok(Arc::new(InMemory::new()) as Arc<dyn ObjectStore>)
                 }
-                _ => Err("unreadable service account".into()),
+                _ => Err(object_store::Error::Generic {
+                    store: "test",
+                    source: "unreadable service account".into(),
+                }),
             }
         })
         .unwrap();

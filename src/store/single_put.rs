@@ -21,7 +21,7 @@ use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::path::Path;
 use object_store::signer::{Method, Signer};
 
-use super::{ByteStream, StoreError};
+use super::{BuildError, ByteStream, StoreError};
 
 /// S3's limit for one `PUT`.
 const S3_PUT_MAX: u64 = 5 << 30;
@@ -53,7 +53,7 @@ impl SinglePut {
     /// For an S3 store built by `builder`, unless its configuration asks for what a presigned
     /// URL and a plain client cannot carry (server-side encryption, requester pays, checksums,
     /// anonymous access, a proxy): those stores keep uploading through `object_store`.
-    pub fn for_s3(builder: &AmazonS3Builder) -> Result<Option<SinglePut>, String> {
+    pub fn for_s3(builder: &AmazonS3Builder) -> Result<Option<SinglePut>, BuildError> {
         const KEYS: [&str; 8] = [
             "aws_server_side_encryption",
             "aws_sse_kms_key_id",
@@ -73,7 +73,7 @@ impl SinglePut {
         if KEYS.into_iter().any(set) {
             return Ok(None);
         }
-        let store = builder.clone().build().map_err(|e| e.to_string())?;
+        let store = builder.clone().build()?;
         let insecure = set("aws_allow_invalid_certificates");
         // No overall timeout: a 1 GiB body takes as long as the network needs. A dead peer is
         // found by TCP keepalive; a stalled copy by the Job's activeDeadlineSeconds.
@@ -81,8 +81,7 @@ impl SinglePut {
             .connect_timeout(CONNECT_TIMEOUT)
             .tcp_keepalive(Duration::from_secs(30))
             .danger_accept_invalid_certs(insecure)
-            .build()
-            .map_err(|e| format!("HTTP client: {e}"))?;
+            .build()?;
         Ok(Some(SinglePut {
             signer: Arc::new(store),
             http,

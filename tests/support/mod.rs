@@ -5,6 +5,7 @@
 //! never skip silently.
 #![allow(dead_code)]
 
+pub mod cli;
 pub mod dns;
 pub mod etcd;
 pub mod migration;

@@ -6,6 +6,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
+use etcd_warden::config::{Secret, StoreConfig, StoreLocation};
 use object_store::aws::{AmazonS3, AmazonS3Builder};
 
 use super::{free_port, on_path, require_bin, wait_for_port};
@@ -136,6 +137,29 @@ impl S3Server {
                 SECRET_KEY.to_string(),
             ),
         ]
+    }
+
+    /// The server's endpoint, region and keys for the configuration section `section` as the
+    /// binary's environment variables (`ETCD_WARDEN_STORE_ENDPOINT`, …); the URL is left out.
+    pub fn env(&self, section: &str) -> Vec<(String, String)> {
+        let keys = self.config_overrides(section, "", "");
+        keys.into_iter()
+            .filter(|(key, _)| !key.ends_with(".url"))
+            .map(|(key, value)| (etcd_warden::config::env_var_for(&key), value))
+            .collect()
+    }
+
+    /// A `[store]` configuration for `bucket` and `prefix` of this server.
+    pub fn store_config(&self, bucket: &str, prefix: &str) -> StoreConfig {
+        let location = StoreLocation::parse(&format!("s3://{bucket}/{prefix}")).unwrap();
+        StoreConfig {
+            endpoint: Some(self.endpoint()),
+            region: Some(REGION.into()),
+            allow_http: true,
+            access_key_id: Some(Secret::Value(ACCESS_KEY.into())),
+            secret_access_key: Some(Secret::Value(SECRET_KEY.into())),
+            ..StoreConfig::at(location)
+        }
     }
 }
 

@@ -1,0 +1,30 @@
+//! One-shot runs of the binaries: the output of a command that must succeed, and JSON logs.
+
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+/// Runs `command`, failing the test with what it printed unless it succeeds.
+pub fn succeeds(command: &mut Command) -> Output {
+    let out = command.output().expect("run the command");
+    assert!(
+        out.status.success(),
+        "{command:?}: {}\n{}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// The lines of a log that are JSON objects.
+pub fn json_lines(log: &str) -> Vec<Value> {
+    log.lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// The span named `name` around a JSON log line, if the line is inside one.
+pub fn span<'a>(line: &'a Value, name: &str) -> Option<&'a Value> {
+    line["spans"].as_array()?.iter().find(|s| s["name"] == name)
+}
