@@ -10,6 +10,7 @@ pub mod dns;
 pub mod etcd;
 pub mod migration;
 pub mod pod;
+pub mod podns;
 pub mod s3;
 pub mod tls;
 pub mod warden;
