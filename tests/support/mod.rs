@@ -8,10 +8,12 @@
 pub mod cli;
 pub mod dns;
 pub mod etcd;
+pub mod faultproxy;
 pub mod migration;
 pub mod pod;
 pub mod podns;
 pub mod s3;
+pub mod service;
 pub mod tls;
 pub mod warden;
 

@@ -1,0 +1,209 @@
+//! A fault proxy in front of a TCP server (the S3 store): pass, down, slow or blackholed,
+//! switchable while clients use it.
+//!
+//! - `Pass`: bytes go through.
+//! - `Down`: the listening socket is closed (new connections are refused) and open connections
+//!   are cut; on leaving `Down` it listens again on the same port.
+//! - `Slow(d)`: every chunk, each way, is held `d` before it is forwarded.
+//! - `Blackhole`: connections are accepted and read, nothing is forwarded either way, nothing
+//!   answers. When the mode leaves `Blackhole`, connections that lost bytes are cut (their
+//!   request or response is gone; a real partition would leave them to the client's timeout,
+//!   which for object_store is 30 s: longer than a schedule).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+/// How the proxy treats traffic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultMode {
+    Pass,
+    Down,
+    Slow(Duration),
+    Blackhole,
+}
+
+/// A running proxy; stops on drop.
+pub struct FaultProxy {
+    pub addr: SocketAddr,
+    mode: watch::Sender<FaultMode>,
+    stop: CancellationToken,
+}
+
+fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = TcpSocket::new_v4()?;
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(1024)
+}
+
+impl FaultProxy {
+    /// Forwards an ephemeral loopback port to `target`, in `Pass` mode.
+    pub async fn start(target: SocketAddr) -> FaultProxy {
+        let listener = listen(([127, 0, 0, 1], 0).into()).expect("bind the fault proxy");
+        let addr = listener.local_addr().expect("proxy address");
+        let (mode, _) = watch::channel(FaultMode::Pass);
+        let stop = CancellationToken::new();
+        tokio::spawn(accept(
+            listener,
+            addr,
+            target,
+            mode.subscribe(),
+            stop.clone(),
+        ));
+        FaultProxy { addr, mode, stop }
+    }
+
+    /// `http://127.0.0.1:<port>`.
+    pub fn endpoint(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Switches the mode for new and open connections.
+    pub fn set(&self, mode: FaultMode) {
+        self.mode.send_replace(mode);
+    }
+
+    /// The current mode.
+    pub fn mode(&self) -> FaultMode {
+        *self.mode.borrow()
+    }
+}
+
+impl Drop for FaultProxy {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+async fn accept(
+    listener: TcpListener,
+    addr: SocketAddr,
+    target: SocketAddr,
+    mut mode: watch::Receiver<FaultMode>,
+    stop: CancellationToken,
+) {
+    let mut listener = Some(listener);
+    loop {
+        let down = *mode.borrow_and_update() == FaultMode::Down;
+        if down {
+            listener = None;
+        } else if listener.is_none() {
+            // The port was ours a moment ago; the kernel may take a moment to let it go.
+            for _ in 0..250 {
+                match listen(addr) {
+                    Ok(l) => {
+                        listener = Some(l);
+                        break;
+                    }
+                    Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+                }
+            }
+            assert!(
+                listener.is_some(),
+                "fault proxy cannot listen on {addr} again"
+            );
+        }
+        let accepted = async {
+            match &listener {
+                Some(l) => l.accept().await.ok(),
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            r = mode.changed() => if r.is_err() { return },
+            c = accepted => if let Some((client, _)) = c {
+                tokio::spawn(connection(client, target, mode.clone(), stop.clone()));
+            },
+        }
+    }
+}
+
+async fn connection(
+    client: TcpStream,
+    target: SocketAddr,
+    mode: watch::Receiver<FaultMode>,
+    stop: CancellationToken,
+) {
+    // Blackholed when it arrives: read and drop until the client goes or the mode changes (then
+    // cut: what the client sent is lost).
+    let mut client = client;
+    if *mode.borrow() == FaultMode::Blackhole {
+        let mut m = mode.clone();
+        let mut sink = vec![0u8; 16 * 1024];
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = m.changed() => return,
+                n = client.read(&mut sink) => if matches!(n, Ok(0) | Err(_)) { return },
+            }
+        }
+    }
+    if *mode.borrow() == FaultMode::Down {
+        return;
+    }
+    let Ok(Ok(upstream)) =
+        tokio::time::timeout(Duration::from_secs(2), TcpStream::connect(target)).await
+    else {
+        return;
+    };
+    let tainted = Arc::new(AtomicBool::new(false));
+    let _ = client.set_nodelay(true);
+    let _ = upstream.set_nodelay(true);
+    let (cr, cw) = client.into_split();
+    let (ur, uw) = upstream.into_split();
+    tokio::select! {
+        _ = stop.cancelled() => {}
+        _ = pump(cr, uw, mode.clone(), tainted.clone()) => {}
+        _ = pump(ur, cw, mode.clone(), tainted.clone()) => {}
+    }
+}
+
+/// Forwards one direction according to the mode; returns when the connection must end.
+async fn pump(
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
+    mut mode: watch::Receiver<FaultMode>,
+    tainted: Arc<AtomicBool>,
+) {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = tokio::select! {
+            r = from.read(&mut buf) => match r {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            },
+            c = mode.changed() => {
+                if c.is_err() {
+                    return;
+                }
+                let m = *mode.borrow_and_update();
+                if m == FaultMode::Down || (tainted.load(Ordering::SeqCst) && m != FaultMode::Blackhole) {
+                    return;
+                }
+                continue;
+            }
+        };
+        let m = *mode.borrow_and_update();
+        match m {
+            FaultMode::Pass => {}
+            FaultMode::Slow(d) => tokio::time::sleep(d).await,
+            FaultMode::Blackhole => {
+                tainted.store(true, Ordering::SeqCst);
+                continue;
+            }
+            FaultMode::Down => return,
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
