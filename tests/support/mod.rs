@@ -13,9 +13,11 @@ pub mod migration;
 pub mod pod;
 pub mod podns;
 pub mod s3;
+pub mod schedule;
 pub mod service;
 pub mod tls;
 pub mod warden;
+pub mod writer;
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
