@@ -9,6 +9,8 @@ pub mod cli;
 pub mod dns;
 pub mod etcd;
 pub mod faultproxy;
+pub mod faultrun;
+pub mod invariants;
 pub mod migration;
 pub mod pod;
 pub mod podns;

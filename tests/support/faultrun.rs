@@ -1,0 +1,740 @@
+//! One fault schedule against real processes, judged by the invariant checker.
+//!
+//! The world of a run: an embedded DNS server holding the owner record, `s3s-fs` behind a
+//! [`FaultProxy`], one pod (a real PID namespace) per etcd member holding that member's etcd and
+//! its `etcd-warden serve`, a [`Kubelet`] restarting dead containers, a [`Service`] in front of
+//! etcd's client ports gated by the sidecars' `/healthz`, a [`Writer`] writing through the Service,
+//! and a [`Monitor`] polling every sidecar. The run waits until every sidecar is ready and the
+//! writer has written, plays the schedule, heals everything, leaves the record at the schedule's
+//! ending, lets the system settle (bounded), stops the writer and checks the invariants.
+
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicU32;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use etcd_warden::store::{Snapshot, SnapshotStore};
+use object_store::ObjectStore;
+use serde_json::Value;
+use tokio::task::JoinHandle;
+
+use super::dns::{DnsServer, Mode};
+use super::etcd::member_healthy;
+use super::faultproxy::{FaultMode, FaultProxy};
+use super::invariants::{
+    self, Evidence, MemberNames, Monitor, Probe, Violation, fence_prefix, get_json,
+};
+use super::podns::{EtcdSpec, Exit, Kubelet, Pod, etcd_command};
+use super::s3::{ACCESS_KEY, REGION, S3Server, SECRET_KEY};
+use super::schedule::{Ending, Fault, Schedule};
+use super::service::{Backend, Service};
+use super::writer::Writer;
+use super::{free_port, warden};
+
+/// The owner record every sidecar of a run watches.
+pub const RECORD: &str = "owner.fault.warden.test";
+/// This seed's owner ID.
+pub const US: &str = "seed-a";
+/// The other seed's.
+pub const THEM: &str = "seed-b";
+const BUCKET: &str = "backups";
+const PREFIX: &str = "etcd";
+/// Container indexes in a member's pod.
+const ETCD: usize = 0;
+const SIDECAR: usize = 1;
+/// How long the kubelet waits before starting a dead container again.
+const RESTART_DELAY: Duration = Duration::from_millis(200);
+/// Settle bound when the record ends naming someone else (a final snapshot must appear).
+const SETTLE_HANDOFF: Duration = Duration::from_secs(40);
+/// Settle bound when it ends naming us.
+const SETTLE_US: Duration = Duration::from_secs(20);
+
+/// What one run found.
+pub struct Outcome {
+    pub schedule: Schedule,
+    pub violations: Vec<Violation>,
+    /// Findings that are not violations (e.g. the reasons a sidecar gives for no final).
+    pub notes: Vec<String>,
+    /// One line for the summary.
+    pub summary: String,
+    /// Everything needed to understand a failure: schedule, events, timeline, store, log tails.
+    pub report: String,
+    pub elapsed: Duration,
+}
+
+impl Outcome {
+    pub fn passed(&self) -> bool {
+        self.violations.is_empty()
+    }
+}
+
+/// Shared event log of a run, with times since the run's epoch.
+#[derive(Clone)]
+struct Events {
+    epoch: Instant,
+    lines: Arc<Mutex<Vec<String>>>,
+}
+
+impl Events {
+    fn push(&self, line: impl AsRef<str>) {
+        let t = self.epoch.elapsed().as_secs_f64();
+        self.lines
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(format!("{t:8.3}s {}", line.as_ref()));
+    }
+
+    fn all(&self) -> Vec<String> {
+        self.lines.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+/// Everything a run started; dropped in field order (clients first, pods, then servers).
+struct World {
+    writer: Option<Writer>,
+    service: Option<Service>,
+    monitor: Option<Monitor>,
+    http: Vec<JoinHandle<()>>,
+    kubelet: Kubelet,
+    proxy: FaultProxy,
+    s3: S3Server,
+    dns: DnsServer,
+    dns_stopped: bool,
+    specs: Vec<EtcdSpec>,
+    sidecar_ports: Vec<u16>,
+    sidecar_logs: Vec<PathBuf>,
+    etcd_logs: Vec<PathBuf>,
+    incarnations: Vec<Arc<AtomicU32>>,
+    token: String,
+    store: SnapshotStore,
+    raw_store: Arc<dyn ObjectStore>,
+    events: Events,
+    http_client: reqwest::Client,
+    _dir: tempfile::TempDir,
+}
+
+/// Configuration keys of the sidecar next to `spec`.
+fn sidecar_keys(
+    spec: &EtcdSpec,
+    schedule: &Schedule,
+    port: u16,
+    dns: SocketAddr,
+    store_endpoint: &str,
+    token: &str,
+) -> Vec<(String, String)> {
+    let interval = format!("{}ms", schedule.interval_ms);
+    [
+        ("etcd.endpoints", spec.client_url()),
+        ("store.url", format!("s3://{BUCKET}/{PREFIX}")),
+        ("store.endpoint", store_endpoint.to_string()),
+        ("store.region", REGION.to_string()),
+        ("store.access_key_id", ACCESS_KEY.to_string()),
+        ("store.secret_access_key", SECRET_KEY.to_string()),
+        ("snapshot.delta_period", "300ms".into()),
+        ("snapshot.leader_check_interval", "200ms".into()),
+        ("owner.name", RECORD.into()),
+        ("owner.id", US.into()),
+        ("owner.interval", interval.clone()),
+        ("owner.timeout", interval),
+        ("owner.failure_threshold", "2".into()),
+        // The fixture's records say TTL 60 s: trust none of it, see every change at the next check.
+        ("owner.ttl_cap", "0s".into()),
+        ("owner.nameservers", dns.to_string()),
+        // The production configuration: the pod's PID namespace holds this member's etcd only.
+        ("kill.process_name", "etcd".into()),
+        ("kill.grace", "2s".into()),
+        ("server.listen", format!("127.0.0.1:{port}")),
+        ("server.token", token.to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}
+
+fn sidecar_command(keys: &[(String, String)]) -> std::process::Command {
+    let mut cmd = warden::command();
+    cmd.arg("serve");
+    for (k, v) in keys {
+        cmd.env(
+            format!("ETCD_WARDEN_{}", k.replace('.', "_").to_ascii_uppercase()),
+            v,
+        );
+    }
+    cmd
+}
+
+fn tail(text: &str, n: usize, skip_debug: bool) -> String {
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|l| !skip_debug || !l.contains("DEBUG"))
+        .collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+impl World {
+    async fn start(schedule: &Schedule, epoch: Instant) -> Result<World, (String, Option<World>)> {
+        let events = Events {
+            epoch,
+            lines: Arc::new(Mutex::new(Vec::new())),
+        };
+        let dir = tempfile::tempdir().expect("temp dir");
+        let dns = DnsServer::start().await;
+        dns.set_txt(RECORD, &[US]).await;
+        let s3 = S3Server::start(&[BUCKET]);
+        let s3_addr: SocketAddr = ([127, 0, 0, 1], s3.port).into();
+        let proxy = FaultProxy::start(s3_addr).await;
+        let token = format!("fault-token-{:x}", schedule.seed);
+        let specs = EtcdSpec::cluster(
+            schedule.members,
+            dir.path(),
+            &format!("fault-{}-{:x}", std::process::id(), schedule.seed),
+        );
+        let mut pods = Vec::new();
+        let mut sidecar_ports = Vec::new();
+        let mut sidecar_logs = Vec::new();
+        let mut etcd_logs = Vec::new();
+        let mut incarnations = Vec::new();
+        for spec in &specs {
+            let mut pod = Pod::new(&format!("pod-{}", spec.name));
+            let etcd_log = dir.path().join(format!("{}.etcd.log", spec.name));
+            let s = spec.clone();
+            pod.add("etcd", etcd_log.clone(), move || etcd_command(&s));
+            let port = free_port();
+            let keys = sidecar_keys(spec, schedule, port, dns.addr(), &proxy.endpoint(), &token);
+            let log = dir.path().join(format!("{}.sidecar.log", spec.name));
+            pod.add("sidecar", log.clone(), move || sidecar_command(&keys));
+            incarnations.push(pod.containers[SIDECAR].incarnation.clone());
+            pod.start(ETCD);
+            pods.push(pod);
+            sidecar_ports.push(port);
+            sidecar_logs.push(log);
+            etcd_logs.push(etcd_log);
+        }
+        let kubelet = Kubelet::start(pods, RESTART_DELAY);
+        let store = SnapshotStore::new(s3.object_store(BUCKET), PREFIX);
+        let raw_store: Arc<dyn ObjectStore> = s3.object_store(BUCKET);
+        let mut world = World {
+            writer: None,
+            service: None,
+            monitor: None,
+            http: Vec::new(),
+            kubelet,
+            proxy,
+            s3,
+            dns,
+            dns_stopped: false,
+            specs,
+            sidecar_ports,
+            sidecar_logs,
+            etcd_logs,
+            incarnations,
+            token,
+            store,
+            raw_store,
+            events,
+            http_client: reqwest::Client::builder()
+                .timeout(Duration::from_secs(20))
+                .build()
+                .expect("HTTP client"),
+            _dir: dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        for spec in &world.specs {
+            while !member_healthy(&spec.client_url()).await {
+                if Instant::now() > deadline {
+                    return Err((format!("etcd {} never healthy", spec.name), Some(world)));
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        let names = match member_names(&world.specs).await {
+            Ok(n) => n,
+            Err(e) => return Err((format!("member list: {e}"), Some(world))),
+        };
+        for m in 0..world.specs.len() {
+            world.kubelet.with_pod(m, |p| p.start(SIDECAR));
+        }
+        let probes = (0..world.specs.len())
+            .map(|m| Probe {
+                member: m,
+                port: world.sidecar_ports[m],
+                incarnation: world.incarnations[m].clone(),
+            })
+            .collect();
+        world.monitor = Some(Monitor::start(
+            probes,
+            world.raw_store.clone(),
+            fence_prefix(PREFIX),
+            names,
+            epoch,
+            Duration::from_millis(40),
+        ));
+        let all_ready = super::eventually(Duration::from_secs(30), || async {
+            world.monitor.as_ref().is_some_and(|mon| {
+                mon.with(|o| {
+                    (0..world.specs.len()).all(|m| {
+                        o.current(m)
+                            .and_then(|t| t.last_healthz.as_ref())
+                            .is_some_and(|(c, _)| *c == 200)
+                    })
+                })
+            })
+        })
+        .await;
+        if !all_ready {
+            return Err((
+                "not every sidecar became ready within 30 s".into(),
+                Some(world),
+            ));
+        }
+        let backends = (0..world.specs.len())
+            .map(|m| Backend {
+                target: ([127, 0, 0, 1], world.specs[m].client_port).into(),
+                health: format!("http://127.0.0.1:{}/healthz", world.sidecar_ports[m]),
+            })
+            .collect();
+        let service = Service::start(backends, Duration::from_millis(50)).await;
+        world.writer = Some(Writer::start(
+            service.endpoint(),
+            "/fault".into(),
+            epoch,
+            Duration::from_millis(5),
+        ));
+        world.service = Some(service);
+        let wrote = super::eventually(Duration::from_secs(15), || async {
+            world.writer.as_ref().is_some_and(|w| w.ack_count() >= 10)
+        })
+        .await;
+        if !wrote {
+            return Err((
+                "the writer got no acknowledged write through the Service within 15 s".into(),
+                Some(world),
+            ));
+        }
+        world
+            .events
+            .push("setup done: every sidecar ready, writer writing");
+        Ok(world)
+    }
+
+    fn monitor(&self) -> &Monitor {
+        self.monitor.as_ref().expect("monitor started")
+    }
+
+    async fn apply(&mut self, fault: Fault) {
+        self.events.push(fault.to_string());
+        match fault {
+            Fault::RecordOther => self.dns.set_txt(RECORD, &[THEM]).await,
+            Fault::RecordDeleted => self.dns.remove_txt(RECORD).await,
+            Fault::RecordUs => self.dns.set_txt(RECORD, &[US]).await,
+            Fault::DnsServFail => self.dns.set_mode(Mode::ServFail),
+            Fault::DnsSilent => self.dns.set_mode(Mode::Silent),
+            Fault::DnsStop => {
+                self.dns.stop().await;
+                self.dns_stopped = true;
+            }
+            Fault::DnsHeal => self.heal_dns().await,
+            Fault::StoreDown => self.proxy.set(FaultMode::Down),
+            Fault::StoreSlow(ms) => self.proxy.set(FaultMode::Slow(Duration::from_millis(ms))),
+            Fault::StoreBlackhole => self.proxy.set(FaultMode::Blackhole),
+            Fault::StoreHeal => self.proxy.set(FaultMode::Pass),
+            Fault::SidecarKill { member, down_ms } => {
+                let killed = self
+                    .kubelet
+                    .with_pod(member, |p| p.kill(SIDECAR, Duration::from_millis(down_ms)));
+                if !killed {
+                    self.events
+                        .push(format!("  m{member}'s sidecar was not running"));
+                }
+            }
+            Fault::SidecarKillWhenDeactivated { member, down_ms } => {
+                let url = format!("http://127.0.0.1:{}/status", self.sidecar_ports[member]);
+                let client = reqwest::Client::builder()
+                    .timeout(Duration::from_millis(300))
+                    .build()
+                    .expect("HTTP client");
+                let start = Instant::now();
+                let mut killed = false;
+                while start.elapsed() < Duration::from_secs(3) {
+                    if let Some((200, s)) = get_json(&client, &url).await
+                        && s["owner"]["state"] == "deactivated"
+                    {
+                        killed = self
+                            .kubelet
+                            .with_pod(member, |p| p.kill(SIDECAR, Duration::from_millis(down_ms)));
+                        self.events.push(format!(
+                            "  m{member} showed deactivated ({}): killed={killed}",
+                            s["owner"]["detail"]
+                        ));
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                if !killed {
+                    self.events.push(format!(
+                        "  m{member} not deactivated within 3 s: not killed"
+                    ));
+                }
+            }
+            Fault::EtcdKill { member } => {
+                let killed = self
+                    .kubelet
+                    .with_pod(member, |p| p.kill(ETCD, Duration::ZERO));
+                if !killed {
+                    self.events
+                        .push(format!("  m{member}'s etcd was not running"));
+                }
+            }
+            Fault::HttpFull { member } => self.post(member, "/snapshot/full"),
+            Fault::HttpFinal { member } => self.post(member, "/snapshot/full?final=true"),
+            Fault::HttpDelta { member } => self.post(member, "/snapshot/delta"),
+        }
+    }
+
+    /// POSTs in the background (a snapshot may take a while); the answer goes to the event log.
+    fn post(&mut self, member: usize, path: &str) {
+        let url = format!("http://127.0.0.1:{}{path}", self.sidecar_ports[member]);
+        let (client, token, events) = (
+            self.http_client.clone(),
+            self.token.clone(),
+            self.events.clone(),
+        );
+        let path = path.to_string();
+        self.http.push(tokio::spawn(async move {
+            let answer = match client.post(&url).bearer_auth(token).send().await {
+                Ok(r) => {
+                    let code = r.status().as_u16();
+                    let body = r.text().await.unwrap_or_default();
+                    format!("{code} {}", body.chars().take(200).collect::<String>())
+                }
+                Err(e) => format!("no answer: {e}"),
+            };
+            events.push(format!("  POST m{member} {path} → {answer}"));
+        }));
+    }
+
+    async fn heal_dns(&mut self) {
+        self.dns.set_mode(Mode::Normal);
+        if self.dns_stopped {
+            self.dns.restart().await;
+            self.dns_stopped = false;
+        }
+    }
+
+    /// Heals everything and leaves the record at `ending`.
+    async fn heal(&mut self, ending: Ending) {
+        self.heal_dns().await;
+        self.proxy.set(FaultMode::Pass);
+        match ending {
+            Ending::Other => self.dns.set_txt(RECORD, &[THEM]).await,
+            Ending::Deleted => self.dns.remove_txt(RECORD).await,
+            Ending::Us => self.dns.set_txt(RECORD, &[US]).await,
+        }
+        self.events.push(format!(
+            "healed: DNS answering, store passing, record → {ending:?}"
+        ));
+    }
+
+    /// Each member's current sidecar state as the monitor last saw it: (state, ready).
+    fn states(&self) -> Vec<(String, bool)> {
+        self.monitor().with(|o| {
+            (0..self.specs.len())
+                .map(|m| {
+                    o.current(m)
+                        .map(|t| {
+                            let state = t
+                                .last_status
+                                .as_ref()
+                                .and_then(|s| s["owner"]["state"].as_str())
+                                .unwrap_or("?")
+                                .to_string();
+                            let ready = t.last_healthz.as_ref().is_some_and(|(c, _)| *c == 200);
+                            (state, ready)
+                        })
+                        .unwrap_or(("?".into(), false))
+                })
+                .collect()
+        })
+    }
+
+    /// Waits (bounded) until the system has done what the ending asks for.
+    async fn settle(&mut self, ending: Ending) {
+        let start = Instant::now();
+        let bound = if ending.hands_off() {
+            SETTLE_HANDOFF
+        } else {
+            SETTLE_US
+        };
+        loop {
+            let snapshots = self.store.list().await.unwrap_or_default();
+            let final_latest = invariants::latest_full_is_final(&snapshots);
+            let states = self.states();
+            let all = |f: &dyn Fn(&(String, bool)) -> bool| states.iter().all(f);
+            let active = |s: &(String, bool)| s.0 == "active" && s.1;
+            let deactivated = |s: &(String, bool)| s.0 == "deactivated";
+            let done = if ending.hands_off() {
+                final_latest && all(&deactivated)
+            } else {
+                all(&active)
+                    || (all(&|s| active(s) || deactivated(s))
+                        && (final_latest || start.elapsed() > Duration::from_secs(10)))
+            };
+            if done {
+                self.events.push(format!(
+                    "settled after {:.1}s: {states:?}, latest full final: {final_latest}",
+                    start.elapsed().as_secs_f64()
+                ));
+                // Long enough for a late violation (a second final, a 200 after deactivation).
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+                return;
+            }
+            if start.elapsed() > bound {
+                self.events.push(format!(
+                    "not settled after {bound:?}: {states:?}, latest full final: {final_latest}"
+                ));
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    fn sidecar_exits(&self) -> Vec<Exit> {
+        (0..self.specs.len())
+            .flat_map(|m| {
+                self.kubelet
+                    .with_pod(m, |p| p.containers[SIDECAR].exits.clone())
+                    .into_iter()
+                    .map(move |mut x| {
+                        x.container = format!("m{m}/sidecar");
+                        x
+                    })
+            })
+            .collect()
+    }
+
+    fn restarts(&self, c: usize) -> Vec<u32> {
+        (0..self.specs.len())
+            .map(|m| self.kubelet.with_pod(m, |p| p.containers[c].restarts))
+            .collect()
+    }
+
+    /// The part of a report every outcome shares.
+    fn describe(&self, out: &mut String, snapshots: &[Snapshot]) {
+        let _ = writeln!(out, "events:");
+        for e in self.events.all() {
+            let _ = writeln!(out, "  {e}");
+        }
+        if let Some(mon) = &self.monitor {
+            mon.with(|o| {
+                let _ = writeln!(out, "sidecar timeline (state changes, last 150):");
+                for l in &o.timeline[o.timeline.len().saturating_sub(150)..] {
+                    let _ = writeln!(out, "  {l}");
+                }
+                let _ = writeln!(out, "fence markers: {:?}", o.fence_objects);
+            });
+        }
+        let _ = writeln!(out, "store listing ({PREFIX}/v2/):");
+        for s in snapshots {
+            let _ = writeln!(out, "  {}", s.snap_name);
+        }
+        if let Some(w) = &self.writer {
+            let acks = w.acks();
+            let _ = writeln!(
+                out,
+                "writer: {} acknowledged (max revision {:?}, last at {:?}), {} failures; recent errors:",
+                acks.len(),
+                acks.iter().map(|a| a.revision).max(),
+                acks.last().map(|a| a.at),
+                w.failures()
+            );
+            for (t, e) in w.recent_errors().iter().rev().take(8).rev() {
+                let _ = writeln!(out, "  {:8.3}s {e}", t.as_secs_f64());
+            }
+        }
+        if let Some(s) = &self.service {
+            let _ = writeln!(
+                out,
+                "service: forwarded {:?}, closed for want of a ready member {}",
+                s.forwarded(),
+                s.refused()
+            );
+        }
+        for m in 0..self.specs.len() {
+            let log = std::fs::read_to_string(&self.sidecar_logs[m]).unwrap_or_default();
+            let _ = writeln!(
+                out,
+                "---- m{m} sidecar log (tail, DEBUG lines left out) ----"
+            );
+            let _ = writeln!(out, "{}", tail(&log, 60, true));
+            let log = std::fs::read_to_string(&self.etcd_logs[m]).unwrap_or_default();
+            let _ = writeln!(out, "---- m{m} etcd log (tail) ----");
+            let _ = writeln!(out, "{}", tail(&log, 10, false));
+        }
+    }
+}
+
+async fn member_names(specs: &[EtcdSpec]) -> Result<MemberNames, etcd_client::Error> {
+    let endpoints: Vec<String> = specs.iter().map(EtcdSpec::client_url).collect();
+    let mut client = etcd_client::Client::connect(endpoints, None).await?;
+    let list = client.member_list().await?;
+    let ids = specs
+        .iter()
+        .map(|s| {
+            list.members()
+                .iter()
+                .find(|m| m.name() == s.name)
+                .map(|m| m.id())
+                .unwrap_or(0)
+        })
+        .collect();
+    Ok(MemberNames {
+        names: specs.iter().map(|s| s.name.clone()).collect(),
+        ids,
+    })
+}
+
+/// Runs `schedule` from scratch and judges it.
+pub async fn run(schedule: &Schedule) -> Outcome {
+    let epoch = Instant::now();
+    let mut world = match World::start(schedule, epoch).await {
+        Ok(w) => w,
+        Err((why, world)) => {
+            let mut report = format!("{schedule}\nsetup failed: {why}\n");
+            if let Some(w) = &world {
+                let snapshots = w.store.list().await.unwrap_or_default();
+                w.describe(&mut report, &snapshots);
+            }
+            let violations = vec![Violation {
+                kind: "setup",
+                detail: why,
+            }];
+            return Outcome {
+                summary: summary_line(schedule, &violations, "setup failed", epoch.elapsed()),
+                schedule: schedule.clone(),
+                violations,
+                notes: Vec::new(),
+                report,
+                elapsed: epoch.elapsed(),
+            };
+        }
+    };
+
+    for step in &schedule.steps {
+        tokio::time::sleep(Duration::from_millis(step.wait_ms)).await;
+        world.apply(step.fault).await;
+    }
+    world.heal(schedule.ending).await;
+    // etcd is running again in every pod (the kubelet restarts it within RESTART_DELAY + start).
+    world.settle(schedule.ending).await;
+
+    let mut writer = world.writer.take().expect("writer started");
+    writer.stop().await;
+    let acks = writer.acks();
+    for h in world.http.drain(..) {
+        h.abort();
+    }
+    world.monitor().stop();
+    let mut final_status = Vec::new();
+    for m in 0..world.specs.len() {
+        let url = format!("http://127.0.0.1:{}/status", world.sidecar_ports[m]);
+        final_status.push(
+            get_json(&world.http_client, &url)
+                .await
+                .filter(|(c, _)| *c == 200)
+                .map(|(_, v)| v),
+        );
+    }
+    let snapshots = world.store.list().await.unwrap_or_default();
+    let sidecar_exits = world.sidecar_exits();
+    world.kubelet.stop();
+    let sidecar_logs: Vec<String> = world
+        .sidecar_logs
+        .iter()
+        .map(|p| std::fs::read_to_string(p).unwrap_or_default())
+        .collect();
+    let etcd_ok =
+        (0..world.specs.len()).all(|m| world.kubelet.with_pod(m, |p| p.process(ETCD).is_some()));
+    let (violations, notes) = world.monitor().with(|observed| {
+        invariants::check(&Evidence {
+            ending: schedule.ending,
+            healed: etcd_ok,
+            acks: &acks,
+            snapshots: &snapshots,
+            observed,
+            final_status: &final_status,
+            sidecar_exits: &sidecar_exits,
+            sidecar_logs: &sidecar_logs,
+        })
+    });
+
+    let finals: Vec<String> = snapshots
+        .iter()
+        .filter(|s| s.is_final)
+        .map(|s| format!("@{}", s.last_revision))
+        .collect();
+    let detail = format!(
+        "acks={} max_rev={} finals=[{}] etcd_restarts={:?} sidecar_restarts={:?}",
+        acks.len(),
+        acks.iter().map(|a| a.revision).max().unwrap_or(0),
+        finals.join(","),
+        world.restarts(ETCD),
+        world.restarts(SIDECAR),
+    );
+    let mut report = format!("{schedule}\n");
+    let _ = writeln!(report, "violations:");
+    for v in &violations {
+        let _ = writeln!(report, "  - {v}");
+    }
+    for n in &notes {
+        let _ = writeln!(report, "  note: {n}");
+    }
+    let _ = writeln!(report, "final /status:");
+    for (m, s) in final_status.iter().enumerate() {
+        let _ = writeln!(
+            report,
+            "  m{m}: {}",
+            s.as_ref().map(Value::to_string).unwrap_or("-".into())
+        );
+    }
+    world.writer = Some(writer);
+    world.describe(&mut report, &snapshots);
+    let elapsed = epoch.elapsed();
+    Outcome {
+        summary: summary_line(schedule, &violations, &detail, elapsed),
+        schedule: schedule.clone(),
+        violations,
+        notes,
+        report,
+        elapsed,
+    }
+}
+
+fn summary_line(
+    schedule: &Schedule,
+    violations: &[Violation],
+    detail: &str,
+    elapsed: Duration,
+) -> String {
+    let mut kinds: Vec<&str> = violations.iter().map(|v| v.kind).collect();
+    kinds.dedup();
+    format!(
+        "{} seed={:#018x} members={} steps={} end={:?} {detail} {:.1}s{}",
+        if violations.is_empty() {
+            "PASS"
+        } else {
+            "FAIL"
+        },
+        schedule.seed,
+        schedule.members,
+        schedule.steps.len(),
+        schedule.ending,
+        elapsed.as_secs_f64(),
+        if kinds.is_empty() {
+            String::new()
+        } else {
+            format!(" violations: {}", kinds.join(","))
+        }
+    )
+}

@@ -1,0 +1,551 @@
+//! The ownership promise as checks over what a fault schedule left behind.
+//!
+//! A [`Monitor`] polls every sidecar's `/status` then `/healthz` (in that order, one request at a
+//! time per sidecar, so an answer received later was produced later) and lists the store's fence
+//! markers, all through the run; [`check`] then judges the evidence:
+//!
+//! - **no lost write**: every final snapshot's last revision is at least the revision of every
+//!   write the writer saw acknowledged;
+//! - **liveness**: when the record ends naming someone else and everything is healed, the latest
+//!   full snapshot is final by the end of the settle time, unless a sidecar's `/status` says why
+//!   it cannot (`owner.reason`, printed);
+//! - **at most one final** snapshot in the store;
+//! - **never ready after deactivation**: a sidecar process that said `deactivated` (in `/status`
+//!   or the `/healthz` body) never answers `/healthz` 200 again; once a member's fence marker is
+//!   in the store, no sidecar process of that member answers 200 again;
+//! - **no panic, no unexpected exit** of a sidecar;
+//! - **no stuck state without a reason**: at the end, a sidecar that is not active and ready says
+//!   why in `/status` (`owner.reason`).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use etcd_warden::store::{Kind, Snapshot};
+use futures::StreamExt;
+use object_store::ObjectStore;
+use object_store::path::Path as ObjectPath;
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+use super::podns::Exit;
+use super::schedule::Ending;
+use super::writer::Ack;
+
+/// One broken promise.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Violation {
+    /// A short stable name (`lost-write`, `two-finals`, …) for summaries.
+    pub kind: &'static str,
+    pub detail: String,
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "[{}] {}", self.kind, self.detail)
+    }
+}
+
+/// A sidecar as the monitor reaches it.
+#[derive(Debug, Clone)]
+pub struct Probe {
+    pub member: usize,
+    pub port: u16,
+    /// The container's incarnation counter: tells one process from the next.
+    pub incarnation: Arc<AtomicU32>,
+}
+
+/// What one sidecar process was seen doing.
+#[derive(Debug, Clone, Default)]
+pub struct ProcessTrack {
+    /// When `/status` or `/healthz` first said deactivated.
+    pub deactivated_at: Option<Duration>,
+    /// `/healthz` 200 answered to a request sent after the process said deactivated.
+    pub ready_after_deactivation: Vec<(Duration, String)>,
+    /// `/healthz` 200 answered to a request sent after the member's fence marker was listed.
+    pub ready_after_fence: Vec<(Duration, String)>,
+    pub last_status: Option<Value>,
+    pub last_healthz: Option<(u16, Value)>,
+    last_seen: Option<(String, bool)>,
+}
+
+/// Everything the monitor saw.
+#[derive(Debug, Default)]
+pub struct Observed {
+    /// Per (member, incarnation).
+    pub processes: BTreeMap<(usize, u32), ProcessTrack>,
+    /// When each member's fence marker was first listed.
+    pub fence_seen: BTreeMap<usize, Duration>,
+    /// Every fence marker key listed, with the member it was attributed to.
+    pub fence_objects: BTreeMap<String, Option<usize>>,
+    /// State changes, for reports: `t member#incarnation state ready`.
+    pub timeline: Vec<String>,
+}
+
+impl Observed {
+    /// The latest `/status` of the current process of `member`.
+    pub fn current(&self, member: usize) -> Option<&ProcessTrack> {
+        self.processes
+            .range((member, 0)..=(member, u32::MAX))
+            .next_back()
+            .map(|(_, t)| t)
+    }
+}
+
+/// How fence markers are told apart: the member's name (`m0`) or its etcd member ID (hex or
+/// decimal) as a whole token of the marker's key.
+#[derive(Debug, Clone)]
+pub struct MemberNames {
+    pub names: Vec<String>,
+    pub ids: Vec<u64>,
+}
+
+impl MemberNames {
+    /// The member a fence marker `key` belongs to, if it names exactly one. A single-member
+    /// cluster's markers are its member's.
+    pub fn attribute(&self, key: &str) -> Option<usize> {
+        if self.names.len() == 1 {
+            return Some(0);
+        }
+        let file = key.rsplit('/').next().unwrap_or(key);
+        let tokens: Vec<&str> = key
+            .split(|c: char| !c.is_ascii_alphanumeric())
+            .chain(std::iter::once(file))
+            .filter(|t| !t.is_empty())
+            .collect();
+        let hits: Vec<usize> = (0..self.names.len())
+            .filter(|i| {
+                let id = self.ids.get(*i).copied().unwrap_or(0);
+                let forms = [
+                    self.names[*i].clone(),
+                    format!("{id:x}"),
+                    format!("{id:016x}"),
+                    id.to_string(),
+                ];
+                tokens.iter().any(|t| forms.iter().any(|f| f == t))
+            })
+            .collect();
+        match hits.as_slice() {
+            [one] => Some(*one),
+            _ => None,
+        }
+    }
+}
+
+/// Polls sidecars and fence markers until stopped.
+pub struct Monitor {
+    pub observed: Arc<Mutex<Observed>>,
+    stop: CancellationToken,
+}
+
+/// `<store prefix>/etcd-warden/fence/`.
+pub fn fence_prefix(store_prefix: &str) -> String {
+    let p = store_prefix.trim_matches('/');
+    if p.is_empty() {
+        "etcd-warden/fence".into()
+    } else {
+        format!("{p}/etcd-warden/fence")
+    }
+}
+
+/// Keys of every object under `prefix` (None when the store cannot be listed).
+pub async fn list_keys(store: &dyn ObjectStore, prefix: &str) -> Option<Vec<String>> {
+    let path = ObjectPath::from(prefix);
+    let mut out = Vec::new();
+    let mut listing = store.list(Some(&path));
+    while let Some(item) = listing.next().await {
+        out.push(item.ok()?.location.to_string());
+    }
+    Some(out)
+}
+
+fn state_of(status: Option<&Value>, healthz: Option<&(u16, Value)>) -> (String, bool) {
+    let state = status
+        .and_then(|s| s["owner"]["state"].as_str())
+        .or_else(|| healthz.and_then(|(_, b)| b["state"].as_str()))
+        .unwrap_or("?")
+        .to_ascii_lowercase();
+    (state, healthz.is_some_and(|(c, _)| *c == 200))
+}
+
+impl Monitor {
+    /// Starts polling every `every`; fence markers under `fence_prefix` of `store`.
+    pub fn start(
+        probes: Vec<Probe>,
+        store: Arc<dyn ObjectStore>,
+        fence_prefix: String,
+        names: MemberNames,
+        epoch: Instant,
+        every: Duration,
+    ) -> Monitor {
+        let observed = Arc::new(Mutex::new(Observed::default()));
+        let stop = CancellationToken::new();
+        for probe in probes {
+            tokio::spawn(poll_sidecar(
+                probe,
+                observed.clone(),
+                epoch,
+                every,
+                stop.clone(),
+            ));
+        }
+        tokio::spawn(poll_fences(
+            store,
+            fence_prefix,
+            names,
+            observed.clone(),
+            epoch,
+            stop.clone(),
+        ));
+        Monitor { observed, stop }
+    }
+
+    /// Runs `f` over what was seen so far.
+    pub fn with<T>(&self, f: impl FnOnce(&Observed) -> T) -> T {
+        f(&self.observed.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    pub fn stop(&self) {
+        self.stop.cancel();
+    }
+}
+
+impl Drop for Monitor {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// GET `url`: (status, JSON body or the text as a string), None without an answer.
+pub async fn get_json(client: &reqwest::Client, url: &str) -> Option<(u16, Value)> {
+    let r = client.get(url).send().await.ok()?;
+    let code = r.status().as_u16();
+    let text = r.text().await.ok()?;
+    Some((
+        code,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    ))
+}
+
+async fn poll_sidecar(
+    probe: Probe,
+    observed: Arc<Mutex<Observed>>,
+    epoch: Instant,
+    every: Duration,
+    stop: CancellationToken,
+) {
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_millis(800))
+        .build()
+        .expect("HTTP client");
+    let base = format!("http://127.0.0.1:{}", probe.port);
+    while !stop.is_cancelled() {
+        let incarnation = probe.incarnation.load(Ordering::SeqCst);
+        let status = get_json(&client, &format!("{base}/status")).await;
+        let sent = epoch.elapsed();
+        let healthz = get_json(&client, &format!("{base}/healthz")).await;
+        let now = epoch.elapsed();
+        // A restart in between: the answers may belong to either process.
+        if incarnation != 0 && probe.incarnation.load(Ordering::SeqCst) == incarnation {
+            let mut o = observed.lock().unwrap_or_else(|e| e.into_inner());
+            let fence = o.fence_seen.get(&probe.member).copied();
+            let track = o.processes.entry((probe.member, incarnation)).or_default();
+            let status = status.filter(|(c, _)| *c == 200).map(|(_, v)| v);
+            let said_deactivated = status
+                .as_ref()
+                .is_some_and(|s| s["owner"]["state"] == "deactivated");
+            let healthz_deactivated = healthz.as_ref().is_some_and(|(_, b)| {
+                b["state"]
+                    .as_str()
+                    .is_some_and(|s| s.eq_ignore_ascii_case("deactivated"))
+            });
+            let ready = healthz.as_ref().is_some_and(|(c, _)| *c == 200);
+            // /status answered before this /healthz request was sent.
+            if said_deactivated {
+                track.deactivated_at.get_or_insert(sent);
+            }
+            if ready && track.deactivated_at.is_some() {
+                let body = healthz
+                    .as_ref()
+                    .map(|(_, b)| b.to_string())
+                    .unwrap_or_default();
+                track.ready_after_deactivation.push((now, body));
+            }
+            if ready && fence.is_some_and(|f| f <= sent) {
+                let body = healthz
+                    .as_ref()
+                    .map(|(_, b)| b.to_string())
+                    .unwrap_or_default();
+                track.ready_after_fence.push((now, body));
+            }
+            if healthz_deactivated {
+                track.deactivated_at.get_or_insert(now);
+            }
+            let seen = state_of(status.as_ref(), healthz.as_ref());
+            let changed = track.last_seen.as_ref() != Some(&seen);
+            if status.is_some() {
+                track.last_status = status;
+            }
+            track.last_healthz = healthz;
+            if changed {
+                track.last_seen = Some(seen.clone());
+                let line = format!(
+                    "{:8.3}s m{}#{} {} {}",
+                    now.as_secs_f64(),
+                    probe.member,
+                    incarnation,
+                    seen.0,
+                    if seen.1 { "ready" } else { "unready" }
+                );
+                o.timeline.push(line);
+            }
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(every) => {}
+        }
+    }
+}
+
+async fn poll_fences(
+    store: Arc<dyn ObjectStore>,
+    prefix: String,
+    names: MemberNames,
+    observed: Arc<Mutex<Observed>>,
+    epoch: Instant,
+    stop: CancellationToken,
+) {
+    while !stop.is_cancelled() {
+        if let Some(keys) = list_keys(store.as_ref(), &prefix).await {
+            let now = epoch.elapsed();
+            let mut o = observed.lock().unwrap_or_else(|e| e.into_inner());
+            for key in keys {
+                if o.fence_objects.contains_key(&key) {
+                    continue;
+                }
+                let member = names.attribute(&key);
+                if let Some(m) = member {
+                    o.fence_seen.entry(m).or_insert(now);
+                }
+                o.timeline.push(format!(
+                    "{:8.3}s fence marker {key} (member {member:?})",
+                    now.as_secs_f64()
+                ));
+                o.fence_objects.insert(key, member);
+            }
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+        }
+    }
+}
+
+/// What a run left behind, for [`check`].
+#[derive(Debug)]
+pub struct Evidence<'a> {
+    pub ending: Ending,
+    /// Whether everything was healed before the settle time (DNS, store, etcd running).
+    pub healed: bool,
+    pub acks: &'a [Ack],
+    /// The store's snapshots at the end.
+    pub snapshots: &'a [Snapshot],
+    pub observed: &'a Observed,
+    /// Every sidecar's `/status` at the end (None: no answer).
+    pub final_status: &'a [Option<Value>],
+    /// Every sidecar exit the kubelet saw.
+    pub sidecar_exits: &'a [Exit],
+    /// Each member's sidecar log (every process of it).
+    pub sidecar_logs: &'a [String],
+}
+
+/// Whether the newest full snapshot (by last revision; a final wins a tie) is final.
+pub fn latest_full_is_final(snapshots: &[Snapshot]) -> bool {
+    let fulls = snapshots.iter().filter(|s| s.kind == Kind::Full);
+    let top = fulls.clone().map(|s| s.last_revision).max();
+    top.is_some_and(|top| fulls.filter(|s| s.last_revision == top).any(|s| s.is_final))
+}
+
+fn reason_of(status: &Value) -> Option<&str> {
+    status["owner"]["reason"]
+        .as_str()
+        .filter(|r| !r.trim().is_empty())
+}
+
+fn active_and_ready(status: &Value) -> bool {
+    status["owner"]["state"] == "active" && status["readiness"]["ready"] == true
+}
+
+/// Judges the evidence; empty means the run kept every promise.
+pub fn check(e: &Evidence<'_>) -> (Vec<Violation>, Vec<String>) {
+    let mut v = Vec::new();
+    let mut notes = Vec::new();
+    let finals: Vec<&Snapshot> = e
+        .snapshots
+        .iter()
+        .filter(|s| s.kind == Kind::Full && s.is_final)
+        .collect();
+    let max_ack = e.acks.iter().map(|a| a.revision).max();
+
+    // No lost write.
+    for f in &finals {
+        let missed: Vec<&Ack> = e
+            .acks
+            .iter()
+            .filter(|a| a.revision > f.last_revision)
+            .collect();
+        if let (Some(first), Some(last)) = (missed.first(), missed.last()) {
+            v.push(Violation {
+                kind: "lost-write",
+                detail: format!(
+                    "final {} (revision {}) misses {} acknowledged writes: revisions {}..={} \
+                     ({} at {:.3}s .. {} at {:.3}s)",
+                    f.snap_name,
+                    f.last_revision,
+                    missed.len(),
+                    first.revision,
+                    last.revision,
+                    first.key,
+                    first.at.as_secs_f64(),
+                    last.key,
+                    last.at.as_secs_f64()
+                ),
+            });
+        }
+    }
+
+    // At most one final.
+    if finals.len() > 1 {
+        v.push(Violation {
+            kind: "two-finals",
+            detail: format!(
+                "{} final snapshots: {}",
+                finals.len(),
+                finals
+                    .iter()
+                    .map(|s| s.snap_name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        });
+    }
+
+    // Liveness of the hand-off.
+    if e.ending.hands_off() && e.healed && !latest_full_is_final(e.snapshots) {
+        let reasons: Vec<String> = e
+            .final_status
+            .iter()
+            .enumerate()
+            .filter_map(|(m, s)| {
+                let s = s.as_ref()?;
+                (!active_and_ready(s))
+                    .then(|| reason_of(s).map(|r| format!("m{m}: {r}")))
+                    .flatten()
+            })
+            .collect();
+        if reasons.is_empty() {
+            v.push(Violation {
+                kind: "no-final",
+                detail: format!(
+                    "the record ends naming another owner ({:?}) and everything healed, but the \
+                     latest full snapshot is not final after the settle time ({} finals), and no \
+                     sidecar's /status says why (max acknowledged revision {max_ack:?})",
+                    e.ending,
+                    finals.len()
+                ),
+            });
+        } else {
+            notes.push(format!(
+                "no final snapshot after the settle time; sidecars say: {}",
+                reasons.join("; ")
+            ));
+        }
+    }
+
+    // Never ready after deactivation or fencing.
+    for ((m, inc), t) in &e.observed.processes {
+        if let Some((at, body)) = t.ready_after_deactivation.first() {
+            v.push(Violation {
+                kind: "ready-after-deactivation",
+                detail: format!(
+                    "sidecar m{m}#{inc} said deactivated at {:.3}s, then /healthz 200 at {:.3}s \
+                     ({} times): {body}",
+                    t.deactivated_at.unwrap_or_default().as_secs_f64(),
+                    at.as_secs_f64(),
+                    t.ready_after_deactivation.len()
+                ),
+            });
+        }
+        if let Some((at, body)) = t.ready_after_fence.first() {
+            v.push(Violation {
+                kind: "ready-after-fence",
+                detail: format!(
+                    "member m{m}'s fence marker was listed at {:.3}s, then sidecar m{m}#{inc} \
+                     answered /healthz 200 at {:.3}s: {body}",
+                    e.observed
+                        .fence_seen
+                        .get(m)
+                        .copied()
+                        .unwrap_or_default()
+                        .as_secs_f64(),
+                    at.as_secs_f64()
+                ),
+            });
+        }
+    }
+    let unattributed: Vec<&String> = e
+        .observed
+        .fence_objects
+        .iter()
+        .filter(|(_, m)| m.is_none())
+        .map(|(k, _)| k)
+        .collect();
+    if !unattributed.is_empty() {
+        notes.push(format!(
+            "fence markers naming no single member (not checked): {unattributed:?}"
+        ));
+    }
+
+    // No panic, no unexpected exit.
+    for (m, log) in e.sidecar_logs.iter().enumerate() {
+        if let Some(line) = log.lines().find(|l| l.contains("panicked")) {
+            v.push(Violation {
+                kind: "panic",
+                detail: format!("sidecar m{m}: {line}"),
+            });
+        }
+    }
+    for x in e.sidecar_exits.iter().filter(|x| !x.expected) {
+        v.push(Violation {
+            kind: "unexpected-exit",
+            detail: format!(
+                "{}#{} exited on its own ({}) after {:.3}s",
+                x.container,
+                x.incarnation,
+                x.status,
+                x.after.as_secs_f64()
+            ),
+        });
+    }
+
+    // No stuck state without a reason.
+    for (m, s) in e.final_status.iter().enumerate() {
+        match s {
+            None => v.push(Violation {
+                kind: "no-status",
+                detail: format!("sidecar m{m} did not answer /status at the end"),
+            }),
+            Some(s) if !active_and_ready(s) && reason_of(s).is_none() => v.push(Violation {
+                kind: "no-reason",
+                detail: format!(
+                    "sidecar m{m} ends {} ({}) without owner.reason: {}",
+                    s["owner"]["state"], s["owner"]["detail"], s["readiness"]
+                ),
+            }),
+            Some(_) => {}
+        }
+    }
+    (v, notes)
+}
