@@ -15,10 +15,21 @@
 
 mod support;
 
+use std::net::SocketAddr;
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use nix::sys::signal::Signal;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use support::faultproxy::{FaultMode, FaultProxy};
 use support::faultrun::{self, Outcome};
+use support::podns::{PodNs, pid_ns_of, proc_stat};
 use support::schedule::{Ending, Fault, Schedule, SplitMix64};
+use support::service::{Backend, Service};
 
 /// The fixed set: (seed, members). Chosen so that together they cover an HTTP final while
 /// active, a kill at the worst moment, store and DNS faults across the flip, and both endings.
@@ -191,5 +202,236 @@ fn schedules_cover_every_fault_and_ending() {
     for ending in [Ending::Other, Ending::Deleted, Ending::Us] {
         assert!(all.iter().any(|s| s.ending == ending), "{ending:?}");
     }
-    let _ = Duration::ZERO;
+}
+
+#[test]
+fn a_pod_is_a_pid_namespace_that_dies_with_its_pause_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("c.log");
+    let mut pod = PodNs::start("selftest");
+    let mut cmd = Command::new("sh");
+    cmd.args([
+        "-c",
+        "echo pid=$$ procs=$(ls /proc | grep -c '^[0-9]'); exec sleep 30",
+    ]);
+    let mut p = pod.spawn(&cmd, &log);
+    let pid = p.pid().expect("running");
+    assert_eq!(pid_ns_of(pid), pid_ns_of(pod.pause_pid()));
+    assert_ne!(pid_ns_of(pid), pid_ns_of(std::process::id() as i32));
+    assert!(pod.processes().contains(&pid));
+    let start = Instant::now();
+    let text = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.contains("procs=") || start.elapsed() > Duration::from_secs(5) {
+            break text;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    // Inside, it is the pod's second process and sees only the pod's processes.
+    assert!(text.starts_with("pid=2 "), "{text}");
+    let procs: usize = text.trim().rsplit('=').next().unwrap().parse().unwrap();
+    assert!(procs <= 5, "{text}"); // pause, sh, the subshell, ls, grep
+
+    // A signal reaches the process itself; nsenter exits with its status.
+    assert!(p.signal(Signal::SIGKILL));
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = p.try_exit() {
+            break s;
+        }
+        assert!(start.elapsed() < Duration::from_secs(5), "still running");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(9)
+    );
+
+    // Killing the pause process takes the whole pod down.
+    let mut cmd = Command::new("sleep");
+    cmd.arg("30");
+    let mut q = pod.spawn(&cmd, &log);
+    let qpid = q.pid().expect("running");
+    pod.kill();
+    let start = Instant::now();
+    while q.try_exit().is_none() {
+        assert!(start.elapsed() < Duration::from_secs(5), "survived its pod");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(proc_stat(qpid).is_none_or(|s| s.state == 'Z'));
+    assert!(!pod.is_alive());
+}
+
+/// A readiness endpoint answering 200 or 503 as `ready` says.
+async fn health_server(ready: Arc<AtomicBool>) -> String {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            let ready = ready.clone();
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf).await;
+                let code = if ready.load(Ordering::SeqCst) {
+                    "200 OK"
+                } else {
+                    "503 Service Unavailable"
+                };
+                let _ = s
+                    .write_all(
+                        format!(
+                            "HTTP/1.1 {code}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                        )
+                        .as_bytes(),
+                    )
+                    .await;
+            });
+        }
+    });
+    format!("http://{addr}/healthz")
+}
+
+/// A server that says `id` on every connection, then echoes.
+async fn echo_server(id: u8) -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                if id != 0 && s.write_all(&[id]).await.is_err() {
+                    return;
+                }
+                let mut buf = [0u8; 1024];
+                while let Ok(n) = s.read(&mut buf).await {
+                    if n == 0 || s.write_all(&buf[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// Sends one byte and reads one back (None: no answer within 1.5 s, or the connection is gone).
+async fn roundtrip(s: &mut TcpStream) -> Option<u8> {
+    s.write_all(b"x").await.ok()?;
+    read_byte(s, Duration::from_millis(1500)).await
+}
+
+async fn read_byte(s: &mut TcpStream, within: Duration) -> Option<u8> {
+    let mut b = [0u8; 1];
+    match tokio::time::timeout(within, s.read(&mut b)).await {
+        Ok(Ok(1)) => Some(b[0]),
+        _ => None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_service_forwards_new_connections_only_to_ready_members() {
+    let (ready_a, ready_b) = (
+        Arc::new(AtomicBool::new(true)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let backends = vec![
+        Backend {
+            target: echo_server(b'A').await,
+            health: health_server(ready_a.clone()).await,
+        },
+        Backend {
+            target: echo_server(b'B').await,
+            health: health_server(ready_b.clone()).await,
+        },
+    ];
+    let service = Service::start(backends, Duration::from_millis(20)).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut old = TcpStream::connect(service.addr).await.unwrap();
+    assert_eq!(
+        read_byte(&mut old, Duration::from_secs(2)).await,
+        Some(b'A')
+    );
+
+    ready_a.store(false, Ordering::SeqCst);
+    ready_b.store(true, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(service.ready(), vec![false, true]);
+    for _ in 0..3 {
+        let mut new = TcpStream::connect(service.addr).await.unwrap();
+        assert_eq!(
+            read_byte(&mut new, Duration::from_secs(2)).await,
+            Some(b'B')
+        );
+    }
+    // The open connection still reaches A: readiness does not cut it.
+    old.write_all(b"x").await.unwrap();
+    assert_eq!(
+        read_byte(&mut old, Duration::from_secs(2)).await,
+        Some(b'x')
+    );
+
+    ready_b.store(false, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut none = TcpStream::connect(service.addr).await.unwrap();
+    assert_eq!(
+        read_byte(&mut none, Duration::from_secs(2)).await,
+        None,
+        "closed at once"
+    );
+    assert!(service.refused() >= 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_fault_proxy_passes_refuses_delays_and_blackholes() {
+    let proxy = FaultProxy::start(echo_server(0).await).await;
+    let mut open = TcpStream::connect(proxy.addr).await.unwrap();
+    assert_eq!(roundtrip(&mut open).await, Some(b'x'));
+
+    proxy.set(FaultMode::Slow(Duration::from_millis(150)));
+    let t = Instant::now();
+    assert_eq!(roundtrip(&mut open).await, Some(b'x'));
+    assert!(
+        t.elapsed() >= Duration::from_millis(300),
+        "{:?}",
+        t.elapsed()
+    );
+
+    proxy.set(FaultMode::Down);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(
+        TcpStream::connect(proxy.addr).await.is_err(),
+        "refused while down"
+    );
+    assert_eq!(roundtrip(&mut open).await, None, "open connections are cut");
+
+    proxy.set(FaultMode::Pass);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut again = TcpStream::connect(proxy.addr).await.unwrap();
+    assert_eq!(roundtrip(&mut again).await, Some(b'x'));
+
+    proxy.set(FaultMode::Blackhole);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut black = TcpStream::connect(proxy.addr).await.expect("accepted");
+    let mut b = [0u8; 1];
+    black.write_all(b"x").await.unwrap();
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), black.read(&mut b))
+            .await
+            .is_err()
+    );
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), again.write_all(b"y"))
+            .await
+            .is_ok()
+    );
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), again.read(&mut b))
+            .await
+            .is_err()
+    );
+
+    // Healed: connections that lost bytes are cut, new ones pass.
+    proxy.set(FaultMode::Pass);
+    assert_eq!(roundtrip(&mut black).await, None);
+    let mut fresh = TcpStream::connect(proxy.addr).await.unwrap();
+    assert_eq!(roundtrip(&mut fresh).await, Some(b'x'));
 }

@@ -361,11 +361,12 @@ pub struct Evidence<'a> {
     pub sidecar_logs: &'a [String],
 }
 
-/// Whether the newest full snapshot (by last revision; a final wins a tie) is final.
+/// Whether the latest full snapshot, in the library's order (what the copy job and a restarted
+/// sidecar go by), is final. `snapshots` sorted as `SnapshotStore::list` returns them.
 pub fn latest_full_is_final(snapshots: &[Snapshot]) -> bool {
-    let fulls = snapshots.iter().filter(|s| s.kind == Kind::Full);
-    let top = fulls.clone().map(|s| s.last_revision).max();
-    top.is_some_and(|top| fulls.filter(|s| s.last_revision == top).any(|s| s.is_final))
+    etcd_warden::store::layout::latest_chain(snapshots)
+        .full_snapshot
+        .is_some_and(|s| s.is_final)
 }
 
 fn reason_of(status: &Value) -> Option<&str> {
