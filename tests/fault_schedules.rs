@@ -31,15 +31,22 @@ use support::podns::{PodNs, pid_ns_of, proc_stat};
 use support::schedule::{Ending, Fault, Schedule, SplitMix64};
 use support::service::{Backend, Service};
 
-/// The fixed set: (seed, members). Chosen so that together they cover an HTTP final while
-/// active, a kill at the worst moment, store and DNS faults across the flip, and both endings.
+/// The fixed set: (seed, members), about two minutes against today's binary. Chosen (with
+/// `FAULT_DRY_RUN`) so that together they cover an HTTP final while active, a kill at the worst
+/// moment, store and DNS faults across the flip, sidecar and etcd kills, and every ending.
 const CI_SEEDS: &[(u64, usize)] = &[
+    (0x04, 1),
+    (0x07, 1),
+    (0x0b, 1),
     (0x11, 1),
-    (0x2a, 1),
-    (0x3c, 1),
-    (0x51, 1),
-    (0x64, 3),
-    (0x7d, 3),
+    (0x2b, 1),
+    (0x35, 1),
+    (0x3b, 1),
+    (0x01, 3),
+    (0x0a, 3),
+    (0x0c, 3),
+    (0x19, 3),
+    (0x3f, 3),
 ];
 
 /// Plays the schedules one after another (the machine has few cores: parallel worlds would
@@ -144,13 +151,19 @@ async fn many_schedules() {
     });
     let members = env_u64("FAULT_MEMBERS").map(|m| m as usize);
     println!("many_schedules: {count} schedules from FAULT_SEED={base} (members {members:?})");
-    let schedules = (0..count)
+    let schedules: Vec<Schedule> = (0..count)
         .map(|i| {
             let seed = base.wrapping_add(i);
             let n = members.unwrap_or(if seed % 3 == 0 { 3 } else { 1 });
             Schedule::generate(seed, n)
         })
         .collect();
+    if std::env::var_os("FAULT_DRY_RUN").is_some() {
+        for s in &schedules {
+            println!("{s}");
+        }
+        return;
+    }
     let outcomes = play(schedules).await;
     assert_all_passed(&outcomes);
 }
