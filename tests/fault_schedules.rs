@@ -448,3 +448,205 @@ async fn the_fault_proxy_passes_refuses_delays_and_blackholes() {
     let mut fresh = TcpStream::connect(proxy.addr).await.unwrap();
     assert_eq!(roundtrip(&mut fresh).await, Some(b'x'));
 }
+
+mod checker {
+    //! The invariant checker on made-up evidence: it must be able to fail.
+
+    use std::time::Duration;
+
+    use etcd_warden::store::{Codec, Kind, Snapshot};
+    use serde_json::json;
+
+    use crate::support::invariants::{Evidence, MemberNames, Observed, ProcessTrack, check};
+    use crate::support::podns::Exit;
+    use crate::support::schedule::Ending;
+    use crate::support::writer::Ack;
+
+    fn snap(last: i64, is_final: bool, secs: i64) -> Snapshot {
+        let at = chrono::DateTime::from_timestamp(1_700_000_000 + secs, 0).unwrap();
+        Snapshot::new("etcd", Kind::Full, 0, last, at, Codec::Gzip, is_final)
+    }
+
+    fn acks(revisions: &[i64]) -> Vec<Ack> {
+        revisions
+            .iter()
+            .map(|r| Ack {
+                key: format!("/fault/{r}"),
+                revision: *r,
+                at: Duration::from_millis(*r as u64),
+            })
+            .collect()
+    }
+
+    fn settled(reason: Option<&str>) -> serde_json::Value {
+        json!({"owner": {"state": "deactivated", "reason": reason}, "readiness": {"ready": false}})
+    }
+
+    fn kinds(
+        ending: Ending,
+        acks: &[Ack],
+        snapshots: &[Snapshot],
+        observed: &Observed,
+        status: &[Option<serde_json::Value>],
+        exits: &[Exit],
+        logs: &[String],
+    ) -> (Vec<&'static str>, Vec<String>) {
+        let (v, notes) = check(&Evidence {
+            ending,
+            healed: true,
+            acks,
+            snapshots,
+            observed,
+            final_status: status,
+            sidecar_exits: exits,
+            sidecar_logs: logs,
+        });
+        (v.iter().map(|v| v.kind).collect(), notes)
+    }
+
+    #[test]
+    fn a_clean_hand_off_passes() {
+        let status = [Some(settled(Some("final snapshot stored")))];
+        let (v, _) = kinds(
+            Ending::Other,
+            &acks(&[5, 9]),
+            &[snap(3, false, 0), snap(9, true, 5)],
+            &Observed::default(),
+            &status,
+            &[],
+            &[String::new()],
+        );
+        assert_eq!(v, Vec::<&str>::new());
+    }
+
+    #[test]
+    fn a_stale_final_a_second_final_and_a_missing_reason_are_violations() {
+        let status = [Some(settled(None))];
+        let (v, _) = kinds(
+            Ending::Other,
+            &acks(&[5, 9, 12]),
+            &[snap(9, true, 0), snap(12, true, 5)],
+            &Observed::default(),
+            &status,
+            &[],
+            &[String::new()],
+        );
+        assert_eq!(v, vec!["lost-write", "two-finals", "no-reason"]);
+    }
+
+    #[test]
+    fn no_final_after_a_hand_off_needs_a_reason() {
+        let snapshots = [snap(9, false, 0)];
+        let (v, _) = kinds(
+            Ending::Deleted,
+            &acks(&[9]),
+            &snapshots,
+            &Observed::default(),
+            &[Some(settled(None))],
+            &[],
+            &[String::new()],
+        );
+        assert!(v.contains(&"no-final"), "{v:?}");
+        let (v, notes) = kinds(
+            Ending::Deleted,
+            &acks(&[9]),
+            &snapshots,
+            &Observed::default(),
+            &[Some(settled(Some("waiting for m1 to be fenced")))],
+            &[],
+            &[String::new()],
+        );
+        assert!(v.is_empty(), "{v:?}");
+        assert!(notes[0].contains("waiting for m1"), "{notes:?}");
+        // Ending with us: no final is due.
+        let active = json!({"owner": {"state": "active"}, "readiness": {"ready": true}});
+        let (v, _) = kinds(
+            Ending::Us,
+            &acks(&[9]),
+            &snapshots,
+            &Observed::default(),
+            &[Some(active)],
+            &[],
+            &[String::new()],
+        );
+        assert!(v.is_empty(), "{v:?}");
+    }
+
+    #[test]
+    fn readiness_after_deactivation_or_fence_panics_and_exits_are_violations() {
+        let mut observed = Observed::default();
+        observed.processes.insert(
+            (0, 1),
+            ProcessTrack {
+                deactivated_at: Some(Duration::from_secs(1)),
+                ready_after_deactivation: vec![(Duration::from_secs(2), "{}".into())],
+                ..Default::default()
+            },
+        );
+        observed.processes.insert(
+            (0, 2),
+            ProcessTrack {
+                ready_after_fence: vec![(Duration::from_secs(3), "{}".into())],
+                ..Default::default()
+            },
+        );
+        observed.fence_seen.insert(0, Duration::from_millis(2500));
+        let exits = [
+            Exit {
+                container: "m0/sidecar".into(),
+                incarnation: 1,
+                status: "signal: 9 (SIGKILL)".into(),
+                expected: true,
+                after: Duration::from_secs(1),
+            },
+            Exit {
+                container: "m0/sidecar".into(),
+                incarnation: 2,
+                status: "exit status: 1".into(),
+                expected: false,
+                after: Duration::from_secs(1),
+            },
+        ];
+        let logs = ["thread 'tokio-runtime-worker' panicked at src/x.rs:1:1".to_string()];
+        let (v, _) = kinds(
+            Ending::Us,
+            &[],
+            &[],
+            &observed,
+            &[Some(
+                json!({"owner": {"state": "active"}, "readiness": {"ready": true}}),
+            )],
+            &exits,
+            &logs,
+        );
+        assert_eq!(
+            v,
+            vec![
+                "ready-after-deactivation",
+                "ready-after-fence",
+                "panic",
+                "unexpected-exit"
+            ]
+        );
+    }
+
+    #[test]
+    fn fence_markers_are_attributed_by_member_name_or_id() {
+        let names = MemberNames {
+            names: vec!["m0".into(), "m1".into(), "m2".into()],
+            ids: vec![0x8e9e05c52164694d, 0x91bc3c398fb3c146, 42],
+        };
+        let p = "etcd/etcd-warden/fence";
+        assert_eq!(names.attribute(&format!("{p}/m1")), Some(1));
+        assert_eq!(names.attribute(&format!("{p}/m2.json")), Some(2));
+        assert_eq!(names.attribute(&format!("{p}/8e9e05c52164694d")), Some(0));
+        assert_eq!(names.attribute(&format!("{p}/member-42-fenced")), Some(2));
+        assert_eq!(names.attribute(&format!("{p}/m10")), None);
+        assert_eq!(names.attribute(&format!("{p}/m0-m1")), None, "two members");
+        let single = MemberNames {
+            names: vec!["m0".into()],
+            ids: vec![1],
+        };
+        assert_eq!(single.attribute(&format!("{p}/anything")), Some(0));
+    }
+}

@@ -68,7 +68,8 @@ pub struct ProcessTrack {
     pub ready_after_fence: Vec<(Duration, String)>,
     pub last_status: Option<Value>,
     pub last_healthz: Option<(u16, Value)>,
-    last_seen: Option<(String, bool)>,
+    /// The (state, ready) last put on the timeline.
+    pub last_seen: Option<(String, bool)>,
 }
 
 /// Everything the monitor saw.
