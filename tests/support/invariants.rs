@@ -452,9 +452,12 @@ pub fn check(e: &Evidence<'_>) -> (Vec<Violation>, Vec<String>) {
                 kind: "no-final",
                 detail: format!(
                     "the record ends naming another owner ({:?}) and everything healed, but the \
-                     latest full snapshot is not final after the settle time ({} finals), and no \
-                     sidecar's /status says why (max acknowledged revision {max_ack:?})",
+                     latest full snapshot ({}) is not final after the settle time ({} finals), \
+                     and no sidecar's /status says why (max acknowledged revision {max_ack:?})",
                     e.ending,
+                    etcd_warden::store::layout::latest_chain(e.snapshots)
+                        .full_snapshot
+                        .map_or("none".to_string(), |s| s.snap_name),
                     finals.len()
                 ),
             });
