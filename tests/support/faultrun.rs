@@ -675,11 +675,24 @@ pub async fn run(schedule: &Schedule) -> Outcome {
         .filter(|s| s.is_final)
         .map(|s| format!("@{}", s.last_revision))
         .collect();
+    let fences = world.monitor().with(|o| {
+        (
+            o.fence_seen.len(),
+            o.fence_objects.values().filter(|m| m.is_none()).count(),
+        )
+    });
     let detail = format!(
-        "acks={} max_rev={} finals=[{}] etcd_restarts={:?} sidecar_restarts={:?}",
+        "acks={} max_rev={} finals=[{}] fenced={}/{}{} etcd_restarts={:?} sidecar_restarts={:?}",
         acks.len(),
         acks.iter().map(|a| a.revision).max().unwrap_or(0),
         finals.join(","),
+        fences.0,
+        schedule.members,
+        if fences.1 > 0 {
+            format!(" (+{} unattributed markers)", fences.1)
+        } else {
+            String::new()
+        },
         world.restarts(ETCD),
         world.restarts(SIDECAR),
     );
