@@ -228,7 +228,8 @@ fn ended(result: Result<(), tokio::task::JoinError>) -> String {
 /// before that turns `/healthz` and `/livez` 503, stops everything and returns
 /// [`SidecarError::TaskEnded`], so the process exits non-zero and is restarted.
 pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), SidecarError> {
-    let store = SnapshotStore::from_config(&config.store)?;
+    let store =
+        SnapshotStore::from_config(&config.store)?.with_encryption(config.encryption.clone());
     if config.restore.initialize {
         // Before anything talks to etcd: it may be waiting for its data directory.
         crate::restore::initialize::initialize(&store, &config.restore).await?;

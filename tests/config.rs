@@ -729,3 +729,82 @@ fn help_and_version_work() {
     assert!(out.status.success());
     assert!(String::from_utf8_lossy(&out.stdout).contains("config"));
 }
+
+/// `[encryption]`: keys parsed and key files read at load, each error naming its key; the
+/// section's absence encrypts nothing.
+#[test]
+fn encryption_keys_are_checked_at_load_naming_the_key_at_fault() {
+    let dir = tempfile::tempdir().unwrap();
+    let plain = load(None, &[], &[]).unwrap();
+    assert!(!plain.encryption.encrypts() && plain.encryption.identities.is_empty());
+
+    let id = age::x25519::Identity::generate();
+    let public = id.to_public().to_string();
+    let recipients = dir.path().join("recipients.txt");
+    std::fs::write(&recipients, format!("# team\n{public}\n")).unwrap();
+    let c = load(
+        None,
+        &[
+            (
+                "ETCD_WARDEN_ENCRYPTION_RECIPIENTS",
+                &format!("{public}, {public}"),
+            ),
+            (
+                "ETCD_WARDEN_ENCRYPTION_RECIPIENTS_FILES",
+                recipients.to_str().unwrap(),
+            ),
+        ],
+        &[],
+    )
+    .unwrap();
+    assert!(c.encryption.encrypts());
+    assert_eq!(c.encryption.load_recipients().unwrap().len(), 3);
+
+    let e = load(
+        None,
+        &[(
+            "ETCD_WARDEN_ENCRYPTION_RECIPIENTS",
+            &format!("{public},age1typo"),
+        )],
+        &[],
+    )
+    .unwrap_err();
+    assert_eq!(e.key, "encryption.recipients[1]");
+    assert!(
+        e.origin.contains("ETCD_WARDEN_ENCRYPTION_RECIPIENTS"),
+        "{e}"
+    );
+    assert!(e.message.contains("age1typo"), "{e}");
+
+    let e = load(
+        None,
+        &[("ETCD_WARDEN_ENCRYPTION_IDENTITIES", "/nonexistent/key.txt")],
+        &[],
+    )
+    .unwrap_err();
+    assert_eq!(e.key, "encryption.identities[0]");
+
+    // A public key where the private key belongs: named by file and line, never echoed.
+    let wrong = dir.path().join("identity.txt");
+    std::fs::write(&wrong, format!("{public}\n")).unwrap();
+    let e = load(
+        None,
+        &[("ETCD_WARDEN_ENCRYPTION_IDENTITIES", wrong.to_str().unwrap())],
+        &[],
+    )
+    .unwrap_err();
+    assert_eq!(e.key, "encryption.identities");
+    assert!(
+        e.message.contains("identity.txt:1") && e.message.contains("private key"),
+        "{e}"
+    );
+
+    let file = dir.path().join("c.toml");
+    std::fs::write(&file, "[encryption]\n").unwrap();
+    let e = load(Some(&file), &[], &[]).unwrap_err();
+    assert_eq!(e.key, "encryption");
+    assert!(e.message.contains("empty"), "{e}");
+    std::fs::write(&file, "[encryption]\nrecipient = \"x\"\n").unwrap();
+    let e = load(Some(&file), &[], &[]).unwrap_err();
+    assert_eq!(e.key, "encryption.recipient");
+}

@@ -383,7 +383,7 @@ mod ops {
                 );
             }
         }
-        let store = SnapshotStore::from_config(&config.store)?;
+        let store = snapshots(config)?;
         let client = etcd_warden::etcd::connect(&config.etcd).await?;
         let snap = take_full(
             &client,
@@ -397,6 +397,11 @@ mod ops {
         Ok(())
     }
 
+    /// The configured store, encrypting and decrypting with the configured keys.
+    fn snapshots(config: &Config) -> anyhow::Result<SnapshotStore> {
+        Ok(SnapshotStore::from_config(&config.store)?.with_encryption(config.encryption.clone()))
+    }
+
     pub async fn reclaim(config: &Config) -> anyhow::Result<()> {
         if let Some(found) = owner_record(config).await?
             && found.verdict() != Some(Verdict::Owner)
@@ -407,7 +412,7 @@ mod ops {
                 config.owner.as_ref().map_or("", |o| o.id.as_str())
             );
         }
-        let store = SnapshotStore::from_config(&config.store)?;
+        let store = snapshots(config)?;
         let done = handoff::reclaim(&handoff::HandOffObjects::new(store))
             .await
             .with_context(|| format!("reclaiming the hand-off in {}", config.store.location))?;
@@ -424,7 +429,7 @@ mod ops {
     }
 
     pub async fn ls(config: &Config, json: bool) -> anyhow::Result<()> {
-        let store = SnapshotStore::from_config(&config.store)?;
+        let store = snapshots(config)?;
         let list = store
             .list()
             .await
@@ -434,17 +439,18 @@ mod ops {
             return Ok(());
         }
         println!(
-            "{:<4} {:>10} {:>10}  {:<20}  {:<5}  NAME",
-            "KIND", "START", "LAST", "CREATED", "FINAL"
+            "{:<4} {:>10} {:>10}  {:<20}  {:<5}  {:<9}  NAME",
+            "KIND", "START", "LAST", "CREATED", "FINAL", "ENCRYPTED"
         );
         for s in &list {
             println!(
-                "{:<4} {:>10} {:>10}  {:<20}  {:<5}  {}",
+                "{:<4} {:>10} {:>10}  {:<20}  {:<5}  {:<9}  {}",
                 s.kind,
                 s.start_revision,
                 s.last_revision,
                 s.created_on.format("%Y-%m-%dT%H:%M:%SZ"),
                 if s.is_final { "yes" } else { "" },
+                if s.encrypted { "yes" } else { "" },
                 s.snap_name
             );
         }
@@ -469,7 +475,7 @@ mod ops {
             .data_dir
             .as_deref()
             .context("restore.data_dir is not set")?;
-        let store = SnapshotStore::from_config(&config.store)?;
+        let store = snapshots(config)?;
         let opts = etcd_warden::restore::RestoreOptions::from_config(&config.restore, data_dir);
         let report = etcd_warden::restore::restore(&store, &opts).await?;
         println!(
@@ -487,7 +493,7 @@ mod ops {
     }
 
     pub async fn verify(config: &Config) -> anyhow::Result<()> {
-        let store = SnapshotStore::from_config(&config.store)?;
+        let store = snapshots(config)?;
         let list = store
             .list()
             .await

@@ -74,8 +74,9 @@ pub(super) struct Merged {
 
 impl Merged {
     pub(super) fn origin_of(&self, key: &str) -> String {
-        // A key's own origin, else its section's (an override of a whole table).
-        let mut k = key;
+        // A key's own origin, else its section's (an override of a whole table); a list item
+        // (`key[2]`) comes from where its list came from.
+        let mut k = key.split('[').next().unwrap_or(key);
         loop {
             if let Some(o) = self.origins.get(k) {
                 return format!(" (from {o})");
@@ -136,6 +137,7 @@ const SECTIONS: &[&str] = &[
     "server",
     "log",
     "restore",
+    "encryption",
 ];
 
 /// Maps `ETCD_WARDEN_SNAPSHOT_DELTA_PERIOD` to `snapshot.delta_period`.

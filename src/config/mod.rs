@@ -9,9 +9,11 @@
 //! - `merge.rs`: the layers, the environment variable of each key, and every value's origin.
 //! - `validate.rs`: each section checked into its validated form.
 //! - `location.rs`: store URLs parsed into a [`StoreLocation`].
+//! - `keys.rs`: the `[encryption]` key files, read on every use.
 //!
 //! `config` imports nothing else from this crate: every capability reads its section from here.
 
+mod keys;
 mod location;
 mod merge;
 mod raw;
@@ -24,11 +26,12 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+pub use keys::{EncryptionConfig, KeyError, parse_recipient};
 pub use location::{LocationError, StoreLocation};
 pub use merge::{EnvSource, Override, ProcessEnv, Sources, env_var_for};
 pub use raw::{
-    MAX_DURATION, RawConfig, RawCopy, RawEtcd, RawKill, RawLog, RawOwner, RawRestore, RawServer,
-    RawSnapshot, RawStore,
+    MAX_DURATION, RawConfig, RawCopy, RawEncryption, RawEtcd, RawKill, RawLog, RawOwner,
+    RawRestore, RawServer, RawSnapshot, RawStore,
 };
 
 /// The embedded defaults: the first layer, and a complete description of every key's default.
@@ -108,6 +111,9 @@ pub struct Config {
     pub server: ServerConfig,
     pub log: LogConfig,
     pub restore: RestoreConfig,
+    /// Client-side encryption; empty (nothing encrypted, nothing to decrypt with) when the
+    /// `[encryption]` section is absent.
+    pub encryption: EncryptionConfig,
 }
 
 /// How to reach the etcd member next to the sidecar.

@@ -28,6 +28,8 @@ pub struct RawConfig {
     pub server: RawServer,
     pub log: RawLog,
     pub restore: RawRestore,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub encryption: Option<RawEncryption>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -193,6 +195,17 @@ pub struct RawRestore {
     pub initialize: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guard: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawEncryption {
+    #[serde(default, deserialize_with = "lenient::list")]
+    pub recipients: Vec<String>,
+    #[serde(default, deserialize_with = "lenient::list")]
+    pub recipients_files: Vec<String>,
+    #[serde(default, deserialize_with = "lenient::list")]
+    pub identities: Vec<String>,
 }
 
 /// Defaults of keys inside an optional section (the section's absence means "off").

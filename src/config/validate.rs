@@ -5,15 +5,16 @@ use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
+use super::keys::parse_recipient;
 use super::merge::Merged;
 use super::raw::{
-    RawConfig, RawCopy, RawEtcd, RawKill, RawLog, RawOwner, RawRestore, RawServer, RawSnapshot,
-    RawStore, parse_bytes, parse_duration, parse_nameserver,
+    RawConfig, RawCopy, RawEncryption, RawEtcd, RawKill, RawLog, RawOwner, RawRestore, RawServer,
+    RawSnapshot, RawStore, parse_bytes, parse_duration, parse_nameserver,
 };
 use super::{
-    Compression, Config, ConfigError, CopyConfig, EtcdConfig, GcPolicy, KillConfig, LogConfig,
-    LogFormat, OwnerConfig, Purpose, RestoreConfig, Secret, ServerConfig, SnapshotConfig,
-    StoreConfig, StoreLocation, TlsFiles,
+    Compression, Config, ConfigError, CopyConfig, EncryptionConfig, EtcdConfig, GcPolicy,
+    KillConfig, LogConfig, LogFormat, OwnerConfig, Purpose, RestoreConfig, Secret, ServerConfig,
+    SnapshotConfig, StoreConfig, StoreLocation, TlsFiles,
 };
 
 /// The spellings of each compression, the one errors list first.
@@ -146,6 +147,7 @@ impl Validator<'_> {
             server: self.server(&raw.server)?,
             log: self.log(&raw.log)?,
             restore: self.restore(&raw.restore)?,
+            encryption: self.encryption(raw.encryption.as_ref())?,
         })
     }
 
@@ -492,6 +494,51 @@ impl Validator<'_> {
             token: self.secret("server.token", &s.token, &s.token_file)?,
             tls,
         })
+    }
+
+    /// Every key parsed and every key file read once, so a typo stops the start and not the
+    /// first snapshot (the files are read again on every use, for rotation).
+    fn encryption(&self, e: Option<&RawEncryption>) -> Result<EncryptionConfig, ConfigError> {
+        let Some(e) = e else {
+            return Ok(EncryptionConfig::default());
+        };
+        let mut recipients = Vec::new();
+        for (i, text) in e.recipients.iter().enumerate() {
+            recipients.push(
+                parse_recipient(text)
+                    .map_err(|m| self.err(&format!("encryption.recipients[{i}]"), m))?,
+            );
+        }
+        let files = |key: &str, paths: &[String]| -> Result<Vec<PathBuf>, ConfigError> {
+            let mut out = Vec::new();
+            for (i, p) in paths.iter().enumerate() {
+                let at = format!("{key}[{i}]");
+                out.push(
+                    self.path(&at, &Some(p.clone()), true)?
+                        .expect("checked Some"),
+                );
+            }
+            Ok(out)
+        };
+        let config = EncryptionConfig {
+            recipients,
+            recipients_files: files("encryption.recipients_files", &e.recipients_files)?,
+            identities: files("encryption.identities", &e.identities)?,
+        };
+        config
+            .load_recipients()
+            .map_err(|k| self.err("encryption.recipients_files", k.to_string()))?;
+        config
+            .load_identities()
+            .map_err(|k| self.err("encryption.identities", k.to_string()))?;
+        if !config.encrypts() && config.identities.is_empty() {
+            return Err(self.err(
+                "encryption",
+                "the section is empty: set recipients or recipients_files (to encrypt new \
+                 snapshots) and/or identities (to read encrypted ones), or remove it",
+            ));
+        }
+        Ok(config)
     }
 
     fn log(&self, l: &RawLog) -> Result<LogConfig, ConfigError> {

@@ -42,7 +42,7 @@ use crate::config::{Config, CopyConfig, ProcessEnv, StoreConfig};
 use crate::snapshot::full::verify_sha256;
 use crate::store::compression::ByteStream;
 use crate::store::location::StoreLocation;
-use crate::store::{Codec, Snapshot, SnapshotStore, StoreError};
+use crate::store::{Codec, Snapshot, SnapshotStore, StoreError, encryption};
 
 pub use plan::{Listed, Selection};
 use progress::{Bar, Progress};
@@ -411,7 +411,11 @@ async fn copy_one(stores: &Stores, item: &Listed, progress: &Progress) -> Result
             }
         })
         .boxed();
-    let checked = verified(counted, source.compression);
+    let checked = if source.encrypted {
+        verified_encrypted(counted)
+    } else {
+        verified(counted, source.compression)
+    };
     if stores.server_side {
         let mut checked = checked;
         while let Some(chunk) = checked.next().await {
@@ -451,12 +455,54 @@ async fn copy_one(stores: &Stores, item: &Listed, progress: &Progress) -> Result
 /// with an error in that chunk's place, so an upload fed by it never receives the whole object
 /// (a multipart upload is aborted, a single `PUT` falls short of its length and is discarded).
 pub fn verified(input: ByteStream, codec: Codec) -> ByteStream {
+    verified_by(input, move |side| verify_sha256(codec.decode(side)))
+}
+
+/// [`verified`] for an encrypted payload, copied as ciphertext without a key: only its start is
+/// checked (an age header). Its contents are authenticated when it is read with an identity
+/// (`verify`, `restore`), which fail on any altered or truncated byte.
+pub fn verified_encrypted(input: ByteStream) -> ByteStream {
+    verified_by(input, |side| {
+        let magic = encryption::AGE_MAGIC;
+        futures::stream::unfold(
+            (side, Vec::with_capacity(magic.len()), false),
+            move |(mut side, mut head, done)| async move {
+                if done {
+                    return None;
+                }
+                let not_age = || {
+                    io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        "named as encrypted (.age) but not an age file",
+                    )
+                };
+                match side.next().await {
+                    Some(Ok(chunk)) => {
+                        let take = chunk.len().min(magic.len() - head.len());
+                        head.extend_from_slice(&chunk[..take]);
+                        if !magic.starts_with(&head) {
+                            return Some((Err(not_age()), (side, head, true)));
+                        }
+                        Some((Ok(chunk), (side, head, false)))
+                    }
+                    Some(Err(e)) => Some((Err(e), (side, head, true))),
+                    None if head.len() < magic.len() => Some((Err(not_age()), (side, head, true))),
+                    None => None,
+                }
+            },
+        )
+        .boxed()
+    })
+}
+
+/// Passes `input` through while `check` consumes a copy: see [`verified`].
+fn verified_by(input: ByteStream, check: impl FnOnce(ByteStream) -> ByteStream) -> ByteStream {
     let (tx, rx) = mpsc::channel::<io::Result<Bytes>>(TEE_DEPTH);
     let side = futures::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|item| (item, rx))
     })
     .boxed();
-    let mut checked = verify_sha256(codec.decode(side));
+    let mut checked = check(side);
     let check = tokio::spawn(async move {
         while let Some(chunk) = checked.next().await {
             chunk?;

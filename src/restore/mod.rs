@@ -279,6 +279,16 @@ pub async fn restore(
         .clone()
         .ok_or(RestoreError::NoFullSnapshot)
         .step("listing the store")?;
+    // An encrypted chain without a key that opens every snapshot fails here, before anything
+    // is written (reading only each snapshot's header).
+    let chained: Vec<&Snapshot> = std::iter::once(&full)
+        .chain(chain.delta_snapshots.iter())
+        .collect();
+    store
+        .check_decryptable(&chained)
+        .await
+        .map_err(RestoreError::Store)
+        .step("checking the snapshots can be decrypted")?;
     let tools = EtcdTools::locate(opts.etcd_bin.as_deref())
         .await
         .step("locating etcd's tools")?;

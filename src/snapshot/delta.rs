@@ -340,10 +340,13 @@ impl DeltaWriter {
             store.new_snapshot(Kind::Incr, self.previous_last + 1, last, self.codec, false);
         // Serialised and compressed in one pass on a blocking thread: the JSON is never held
         // uncompressed, and a large buffer does not stall the runtime.
+        // Encryption too (the recipients' key files are read here, so a rotated key applies).
         let events = std::mem::take(&mut self.events);
         let codec = self.codec;
+        let (sealer, named) = (store.clone(), snapshot.clone());
         let (events, stored) = tokio::task::spawn_blocking(move || {
-            let stored = encode_compressed(&events, codec);
+            let stored = encode_compressed(&events, codec)
+                .and_then(|plain| Ok(sealer.seal_bytes(&named, plain)?));
             (events, stored)
         })
         .await

@@ -101,7 +101,7 @@ pub async fn take_full_from(
     Ok(snapshot)
 }
 
-/// Verifies, compresses and uploads a raw etcd snapshot stream under `snapshot`'s name.
+/// Verifies, compresses, encrypts (when the store encrypts) and uploads a raw etcd snapshot stream under `snapshot`'s name.
 /// Returns the stored (compressed) size. Nothing appears in the store on any failure.
 pub async fn store_payload(
     store: &SnapshotStore,
@@ -111,7 +111,8 @@ pub async fn store_payload(
 ) -> Result<u64, FullError> {
     let parallelism = std::thread::available_parallelism().map_or(2, |n| n.get());
     let compressed = codec.encode(verify_sha256(raw), parallelism)?;
-    Ok(store.put_stream(snapshot, compressed).await?)
+    let sealed = store.seal(snapshot, compressed)?;
+    Ok(store.put_stream(snapshot, sealed).await?)
 }
 
 /// Passes a stream through unchanged while hashing all but its last 32 bytes; at the end the

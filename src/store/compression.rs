@@ -277,7 +277,7 @@ pub fn rechunk(input: ByteStream, size: usize) -> ByteStream {
 /// Runs a `Read`-side transform (an encoder or decoder over a reader) on a blocking thread:
 /// the input stream is fed through a bounded channel and the output comes back through another,
 /// so at most a few chunks are held at once.
-fn blocking_transform<F>(input: ByteStream, make: F) -> ByteStream
+pub(super) fn blocking_transform<F>(input: ByteStream, make: F) -> ByteStream
 where
     F: FnOnce(ChannelReader) -> Box<dyn Read + Send> + Send + 'static,
 {
@@ -312,6 +312,50 @@ where
         }
     });
     pieces(out_rx, AbortOnDrop(feeder))
+}
+
+/// Runs a `Write`-side transform (an encoder that writes into a writer) on a blocking thread:
+/// `run` reads the input from the reader it is given and writes its output into the writer,
+/// whose writes become the output stream's chunks. The output ends cleanly only when `run`
+/// returns `Ok`; an error from it ends the stream with that error.
+pub(super) fn blocking_pipe<F>(input: ByteStream, depth: usize, run: F) -> ByteStream
+where
+    F: FnOnce(&mut ChannelReader, &mut ChannelWriter) -> io::Result<()> + Send + 'static,
+{
+    let (in_tx, in_rx) = mpsc::channel::<Piece>(depth.max(1));
+    let (out_tx, out_rx) = mpsc::channel::<Piece>(depth.max(1));
+    let feeder = tokio::spawn(forward(input, in_tx));
+    tokio::task::spawn_blocking(move || {
+        let mut reader = ChannelReader::new(in_rx);
+        let mut writer = ChannelWriter { tx: out_tx };
+        let end = match run(&mut reader, &mut writer) {
+            Ok(()) => Piece::End,
+            Err(e) => Piece::Chunk(Err(e)),
+        };
+        let _ = writer.tx.blocking_send(end);
+    });
+    pieces(out_rx, AbortOnDrop(feeder))
+}
+
+/// A blocking `Write` into a channel of chunks (used only on blocking threads): each write is
+/// one chunk, so callers put a `BufWriter` in front of it.
+pub(super) struct ChannelWriter {
+    tx: mpsc::Sender<Piece>,
+}
+
+impl Write for ChannelWriter {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.tx
+            .blocking_send(Piece::Chunk(Ok(Bytes::copy_from_slice(buf))))
+            .map_err(|_| {
+                io::Error::new(io::ErrorKind::BrokenPipe, "the output stream was dropped")
+            })?;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
 }
 
 /// Aborts the feeding task when the output stream is dropped early.

@@ -3,6 +3,8 @@
 //!
 //! key: `<prefix>/v2/<name>`; name: `<Kind>-<start:08>-<last:08>-<unix-seconds><compression><final>`
 //! (Go: `fmt.Sprintf("%s-%08d-%08d-%d%s%s", ...)`), e.g. `Full-00000000-00001234-1700000000.gz.final`.
+//! An encrypted snapshot (etcd-warden's extension) carries `.age` after the compression suffix:
+//! `Full-00000000-00001234-1700000000.gz.age.final`. The reference's names parse unchanged.
 
 use std::cmp::Ordering;
 use std::fmt;
@@ -16,6 +18,8 @@ use super::compression::Codec;
 pub const LAYOUT_VERSION: &str = "v2";
 /// The suffix of a final snapshot's name, after the compression suffix.
 pub const FINAL_SUFFIX: &str = ".final";
+/// The suffix of an encrypted snapshot's name (an age file), after the compression suffix.
+pub const ENCRYPTED_SUFFIX: &str = ".age";
 
 /// Full snapshot (a whole database) or delta (events since the previous snapshot).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -63,6 +67,9 @@ pub struct Snapshot {
     pub created_on: DateTime<Utc>,
     /// Taken when this sidecar lost ownership: the last snapshot of its etcd.
     pub is_final: bool,
+    /// The payload is an age file (encrypted after compression); reading it needs an identity.
+    #[serde(default)]
+    pub encrypted: bool,
 }
 
 /// Why a name is not a snapshot name.
@@ -99,20 +106,29 @@ impl Snapshot {
             last_revision,
             created_on,
             is_final,
+            encrypted: false,
         };
         s.snap_name = s.format_name();
         s
     }
 
+    /// The same snapshot, encrypted or not, renamed to match.
+    pub fn with_encryption(mut self, encrypted: bool) -> Snapshot {
+        self.encrypted = encrypted;
+        self.snap_name = self.format_name();
+        self
+    }
+
     /// The name from the fields (Go: `%s-%08d-%08d-%d%s%s`).
     pub fn format_name(&self) -> String {
         format!(
-            "{}-{:08}-{:08}-{}{}{}",
+            "{}-{:08}-{:08}-{}{}{}{}",
             self.kind,
             self.start_revision,
             self.last_revision,
             self.created_on.timestamp(),
             self.compression.suffix(),
+            if self.encrypted { ENCRYPTED_SUFFIX } else { "" },
             if self.is_final { FINAL_SUFFIX } else { "" }
         )
     }
@@ -163,6 +179,10 @@ impl Snapshot {
             Some(r) => (r, true),
             None => (rest, false),
         };
+        let (rest, encrypted) = match rest.strip_suffix(ENCRYPTED_SUFFIX) {
+            Some(r) => (r, true),
+            None => (rest, false),
+        };
         let digits = rest.find('.').unwrap_or(rest.len());
         let (time, suffix) = rest.split_at(digits);
         let compression = Codec::from_suffix(suffix).ok_or_else(|| {
@@ -192,6 +212,7 @@ impl Snapshot {
             last_revision: last,
             created_on,
             is_final,
+            encrypted,
         };
         // Only canonical names are accepted, so a name and its parse are interchangeable.
         if s.format_name() != name {
@@ -335,6 +356,30 @@ mod tests {
         let s = Snapshot::parse_name("x", "Full-00000000-00000007-1700000000.final").unwrap();
         assert_eq!(s.compression, Codec::None);
         assert!(s.is_final);
+        assert!(!s.encrypted);
+    }
+
+    #[test]
+    fn encrypted_names_carry_age_after_the_compression() {
+        let s = Snapshot::new("p", Kind::Full, 0, 7, at(1_700_000_000), Codec::Gzip, true)
+            .with_encryption(true);
+        assert_eq!(
+            s.snap_name,
+            "Full-00000000-00000007-1700000000.gz.age.final"
+        );
+        assert_eq!(Snapshot::parse_name("p", &s.snap_name).unwrap(), s);
+        let plain = Snapshot::parse_name("p", "Incr-00000008-00000009-1700000001.age").unwrap();
+        assert!(plain.encrypted && plain.compression == Codec::None && !plain.is_final);
+        let v = serde_json::to_value(&s).unwrap();
+        assert_eq!(v["encrypted"], true);
+        assert_eq!(v["compressionSuffix"], ".gz");
+        for bad in [
+            "Full-00000000-00000007-1700000000.age.gz",
+            "Full-00000000-00000007-1700000000.gz.final.age",
+            "Full-00000000-00000007-1700000000.gz.age.age",
+        ] {
+            assert!(Snapshot::parse_name("p", bad).is_err(), "{bad}");
+        }
     }
 
     #[test]
@@ -440,14 +485,15 @@ mod tests {
             0i64..=253_402_300_799, // up to 9999-12-31
             prop::sample::select(crate::store::compression::ALL_CODECS.to_vec()),
             any::<bool>(),
+            any::<bool>(),
         )
-            .prop_map(|(kind, a, b, t, c, fin)| {
+            .prop_map(|(kind, a, b, t, c, fin, enc)| {
                 let (start, last) = if kind == Kind::Full {
                     (0, a.max(b))
                 } else {
                     (a.min(b), a.max(b))
                 };
-                Snapshot::new("pre/fix", kind, start, last, at(t), c, fin)
+                Snapshot::new("pre/fix", kind, start, last, at(t), c, fin).with_encryption(enc)
             })
     }
 
@@ -460,7 +506,7 @@ mod tests {
         }
 
         #[test]
-        fn accepted_names_format_back_identically(name in "(Full|Incr|Chunk|x)-[0-9]{7,10}-[0-9]{7,10}-[0-9]{0,11}(\\.gz|\\.zlib|\\.Z|\\.bz2|)(\\.final|)") {
+        fn accepted_names_format_back_identically(name in "(Full|Incr|Chunk|x)-[0-9]{7,10}-[0-9]{7,10}-[0-9]{0,11}(\\.gz|\\.zlib|\\.Z|\\.bz2|)(\\.age|)(\\.final|)") {
             match Snapshot::parse_name("p", &name) {
                 Ok(s) => prop_assert_eq!(s.format_name(), name),
                 Err(e) => prop_assert!(!e.reason.is_empty()),

@@ -5,6 +5,7 @@
 
 pub mod compression;
 mod credentials;
+pub mod encryption;
 pub mod gc;
 pub mod layout;
 pub mod location;
@@ -23,7 +24,8 @@ use object_store::memory::InMemory;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload, WriteMultipart};
 
-use crate::config::{EnvSource, Secret, StoreConfig};
+use crate::config::{EncryptionConfig, EnvSource, Secret, StoreConfig};
+use encryption::EncryptionError;
 
 pub use compression::{ByteStream, Codec};
 pub use layout::{Chain, Kind, Snapshot};
@@ -62,6 +64,15 @@ pub enum StoreError {
     /// Reading the payload failed (the upload was aborted).
     #[error("snapshot payload failed: {0}")]
     Payload(#[source] std::io::Error),
+    /// The snapshot cannot be encrypted or decrypted with the configured keys.
+    #[error(transparent)]
+    Encryption(Box<encryption::EncryptionError>),
+}
+
+impl From<EncryptionError> for StoreError {
+    fn from(e: EncryptionError) -> StoreError {
+        StoreError::Encryption(Box::new(e))
+    }
 }
 
 impl StoreError {
@@ -313,6 +324,8 @@ pub struct SnapshotStore {
     part_size: usize,
     /// Single streamed `PUT`s for payloads of known length, where the backend has them.
     single_put: Option<SinglePut>,
+    /// Keys: recipients encrypt new snapshots, identities read encrypted ones.
+    encryption: Arc<EncryptionConfig>,
 }
 
 impl SnapshotStore {
@@ -323,6 +336,7 @@ impl SnapshotStore {
             prefix: prefix.trim_matches('/').to_string(),
             part_size: PART_SIZE,
             single_put: None,
+            encryption: Arc::new(EncryptionConfig::default()),
         }
     }
 
@@ -350,6 +364,20 @@ impl SnapshotStore {
     /// Uploads payloads of known length through `single_put` where it takes them.
     pub fn with_single_put(self, single_put: Option<SinglePut>) -> Self {
         Self { single_put, ..self }
+    }
+
+    /// Encrypts new snapshots to `encryption`'s recipients (when it has any) and reads
+    /// encrypted ones with its identities.
+    pub fn with_encryption(self, encryption: EncryptionConfig) -> Self {
+        Self {
+            encryption: Arc::new(encryption),
+            ..self
+        }
+    }
+
+    /// Whether new snapshots are encrypted.
+    pub fn encrypts(&self) -> bool {
+        self.encryption.encrypts()
     }
 
     /// The store prefix (without `v2`).
@@ -380,6 +408,117 @@ impl SnapshotStore {
             compression,
             is_final,
         )
+        .with_encryption(self.encrypts())
+    }
+
+    /// The payload as it is stored: encrypted to the recipients as they are now when `snapshot`
+    /// is an encrypted one. A key file that cannot be read fails the snapshot; it is never
+    /// stored in clear instead.
+    pub fn seal(&self, snapshot: &Snapshot, payload: ByteStream) -> Result<ByteStream, StoreError> {
+        if !snapshot.encrypted {
+            return Ok(payload);
+        }
+        Ok(encryption::encrypt(payload, self.recipients(snapshot)?))
+    }
+
+    /// [`SnapshotStore::seal`] for a small payload held in memory (a delta).
+    pub fn seal_bytes(&self, snapshot: &Snapshot, payload: Vec<u8>) -> Result<Vec<u8>, StoreError> {
+        if !snapshot.encrypted {
+            return Ok(payload);
+        }
+        encryption::encrypt_bytes(&payload, &self.recipients(snapshot)?)
+            .map_err(StoreError::Payload)
+    }
+
+    fn recipients(&self, snapshot: &Snapshot) -> Result<Vec<age::x25519::Recipient>, StoreError> {
+        let recipients =
+            self.encryption
+                .load_recipients()
+                .map_err(|source| EncryptionError::Key {
+                    snapshot: snapshot.snap_name.clone(),
+                    source,
+                })?;
+        if recipients.is_empty() {
+            return Err(EncryptionError::NoRecipient {
+                snapshot: snapshot.snap_name.clone(),
+            }
+            .into());
+        }
+        Ok(recipients)
+    }
+
+    /// The identities that read `snapshot`, as the key files are now; an error names the
+    /// snapshot when there are none.
+    fn identities(&self, snapshot: &Snapshot) -> Result<Vec<age::x25519::Identity>, StoreError> {
+        let identities =
+            self.encryption
+                .load_identities()
+                .map_err(|source| EncryptionError::Key {
+                    snapshot: snapshot.snap_name.clone(),
+                    source,
+                })?;
+        if identities.is_empty() {
+            return Err(EncryptionError::NoIdentity {
+                snapshot: snapshot.snap_name.clone(),
+            }
+            .into());
+        }
+        Ok(identities)
+    }
+
+    /// Checks that every encrypted snapshot among `snapshots` can be decrypted with the
+    /// configured identities, reading only each one's header: what a restore checks before it
+    /// writes anything. Plain snapshots pass without a read.
+    pub async fn check_decryptable(&self, snapshots: &[&Snapshot]) -> Result<(), StoreError> {
+        let encrypted: Vec<&Snapshot> = snapshots.iter().copied().filter(|s| s.encrypted).collect();
+        let Some(first) = encrypted.first() else {
+            return Ok(());
+        };
+        let identities = Arc::new(self.identities(first)?);
+        let checks = encrypted.into_iter().map(|snapshot| {
+            let identities = identities.clone();
+            async move {
+                let range = object_store::GetRange::Bounded(0..encryption::HEADER_PROBE as u64);
+                let opts = object_store::GetOptions {
+                    range: Some(range),
+                    ..Default::default()
+                };
+                let head = self
+                    .store
+                    .get_opts(&self.path_of(snapshot), opts)
+                    .await?
+                    .bytes()
+                    .await?;
+                encryption::check_header(&head, &identities).map_err(|e| {
+                    StoreError::from(EncryptionError::Undecryptable {
+                        snapshot: snapshot.snap_name.clone(),
+                        files: self.identity_files(),
+                        reason: match e {
+                            age::DecryptError::NoMatchingKeys => {
+                                "it is encrypted to other keys".to_string()
+                            }
+                            other => format!("its header is damaged ({other})"),
+                        },
+                    })
+                })
+            }
+        });
+        futures::stream::iter(checks)
+            .buffer_unordered(8)
+            .collect::<Vec<_>>()
+            .await
+            .into_iter()
+            .collect()
+    }
+
+    fn identity_files(&self) -> String {
+        let files: Vec<String> = self
+            .encryption
+            .identities
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect();
+        files.join(", ")
     }
 
     /// Where a snapshot of this name lives in this store: `<prefix>/v2/<name>`. The store, not
@@ -511,11 +650,19 @@ impl SnapshotStore {
             .boxed())
     }
 
-    /// The payload, decompressed, as a stream.
+    /// The payload, decrypted (when encrypted) and decompressed, as a stream. Without an
+    /// identity an encrypted snapshot fails here, before anything is read.
     pub async fn get_decoded(&self, snapshot: &Snapshot) -> Result<ByteStream, StoreError> {
-        Ok(snapshot
-            .compression
-            .decode(self.get_stream(snapshot).await?))
+        let identities = match snapshot.encrypted {
+            true => Some(self.identities(snapshot)?),
+            false => None,
+        };
+        let stored = self.get_stream(snapshot).await?;
+        let compressed = match identities {
+            Some(ids) => encryption::decrypt(stored, ids),
+            None => stored,
+        };
+        Ok(snapshot.compression.decode(compressed))
     }
 
     /// Deletes a snapshot.
