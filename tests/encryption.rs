@@ -500,3 +500,59 @@ async fn serve_encrypts_its_full_and_delta_snapshots_and_says_so() {
         verify(&reader, &s).await.unwrap();
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_initializes_from_an_encrypted_store_only_with_a_key() {
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut client = etcd.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (id, id_file) = keygen(dir.path(), "team");
+    let store_dir = dir.path().join("store");
+    std::fs::create_dir_all(&store_dir).unwrap();
+    let backend = object_store::local::LocalFileSystem::new_with_prefix(&store_dir).unwrap();
+    let writer =
+        SnapshotStore::new(std::sync::Arc::new(backend), "").with_encryption(EncryptionConfig {
+            recipients: vec![id.to_public()],
+            ..Default::default()
+        });
+    let last = history(&mut client, &writer, 1).await;
+    let original = dump(&mut client).await;
+    drop(etcd);
+
+    let data = dir.path().join("vol/data");
+    let mut keys = vec![
+        ("store.url", format!("file://{}", store_dir.display())),
+        (
+            "etcd.endpoints",
+            format!("http://127.0.0.1:{}", support::free_port()),
+        ),
+        ("restore.initialize", "true".to_string()),
+        ("restore.data_dir", data.display().to_string()),
+        (
+            "restore.etcd_bin",
+            Release::V35.bin_dir().display().to_string(),
+        ),
+    ];
+    let full = writer.latest_chain().await.unwrap().full_snapshot.unwrap();
+    let mut keyless = support::warden::Warden::start(&keys);
+    let exited = keyless.exit_within(std::time::Duration::from_secs(30));
+    let log = keyless.log_text();
+    assert!(exited.is_some_and(|s| !s.success()), "{log}");
+    assert!(
+        log.contains(&full.snap_name) && log.contains("no identity is configured"),
+        "{log}"
+    );
+    assert!(!data.exists() && !dir.path().join("vol/data.part").exists());
+
+    keys.push(("encryption.identities", id_file.display().to_string()));
+    let warden = support::warden::Warden::start(&keys);
+    let done = support::eventually(std::time::Duration::from_secs(60), || async {
+        warden.log_text().contains("restore complete")
+    })
+    .await;
+    assert!(done, "no restore; log:\n{}", warden.log_text());
+    drop(warden);
+    let restored = dump_restored(&data).await;
+    assert_eq!(restored.1, last);
+    assert!(restored == original);
+}

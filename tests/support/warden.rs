@@ -150,11 +150,18 @@ impl Warden {
 
     /// Sends SIGTERM and waits up to `timeout` for a clean exit; returns the exit status.
     pub fn terminate(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
-        let mut child = self.child.take()?;
+        let child = self.child.as_ref()?;
         let _ = nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(child.id() as i32),
             nix::sys::signal::Signal::SIGTERM,
         );
+        self.exit_within(timeout)
+    }
+
+    /// Waits up to `timeout` for the process to exit (on its own: a start-up failure); returns
+    /// its exit status, or `None` (and kills it) when it is still running.
+    pub fn exit_within(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let mut child = self.child.take()?;
         let start = std::time::Instant::now();
         while start.elapsed() < timeout {
             if let Ok(Some(s)) = child.try_wait() {
