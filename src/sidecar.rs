@@ -67,6 +67,7 @@ pub fn actor_config(config: &Config) -> ActorConfig {
         delta_memory_limit: s.delta_memory_limit,
         gc_period: s.gc_period,
         leader_check_interval: s.leader_check_interval,
+        timeout: s.timeout,
     }
 }
 
