@@ -1362,11 +1362,11 @@ fn every_metric_in_the_alert_rules_is_exported() {
         .collect();
     assert!(exprs.len() >= 3, "too few alert rules: {exprs:?}");
 
-    // What the sidecar registers (sidecar::run registers exactly these two).
+    // What the sidecar registers (sidecar::run registers exactly these).
     let mut registry = prometheus_client::registry::Registry::default();
-    etcd_warden::snapshot::metrics::SnapshotMetrics::default().register(&mut registry);
-    let owner = etcd_warden::owner::metrics::OwnerMetrics::default();
-    owner.register(&mut registry);
+    let metrics = etcd_warden::sidecar::SidecarMetrics::new(true);
+    metrics.register(&mut registry);
+    let owner = metrics.owner.as_ref().expect("ownership metrics");
     // Labelled counters appear only once a label value was used: use one of each.
     owner.record_check(&etcd_warden::owner::resolve::CheckResult::Owner, 0);
     owner.record_kill(&etcd_warden::process::KillReport {
