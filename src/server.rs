@@ -4,7 +4,10 @@
 //! the sidecar's own liveness (503 once a critical task ended), `GET /status` what the sidecar is
 //! doing, `GET /snapshot/latest` the latest full snapshot and its deltas,
 //! `POST /snapshot/full[?final=true]` and `POST /snapshot/delta` take one now, and `GET /metrics`
-//! the Prometheus text. The mutating endpoints take a bearer token when one is configured
+//! the Prometheus text. The snapshot triggers also answer `GET`, as etcd-backup-restore's do
+//! (etcd-druid's compaction and Gardener's final-snapshot call use `GET` and expect 200): the
+//! same handler and rules, only the success status differs (200 with the snapshot JSON, `null`
+//! for a delta with nothing to write, where `POST` answers 201 or 204). The mutating endpoints take a bearer token when one is configured
 //! (configuration requires one whenever the server listens beyond loopback) and one request at a
 //! time (429 while one is in flight), so nobody can queue snapshots in front of a kill; what the
 //! ownership protocol forbids is refused with 409. Errors are JSON `{"code": …, "message": …}`;
@@ -14,7 +17,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use axum::extract::{Query, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -156,8 +159,8 @@ pub fn router(state: ServerState) -> Router {
         .route("/status", get(status))
         .route("/metrics", get(metrics))
         .route("/snapshot/latest", get(latest))
-        .route("/snapshot/full", post(take_full))
-        .route("/snapshot/delta", post(take_delta))
+        .route("/snapshot/full", post(take_full).get(take_full))
+        .route("/snapshot/delta", post(take_delta).get(take_delta))
         .fallback(|| async {
             ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
         })
@@ -229,6 +232,7 @@ struct FullQuery {
 
 async fn take_full(
     State(s): State<ServerState>,
+    method: Method,
     headers: HeaderMap,
     Query(q): Query<FullQuery>,
 ) -> Result<Response, ApiError> {
@@ -243,17 +247,18 @@ async fn take_full(
     match taken {
         // The hand-off's final is the watchdog's: this request found it, it created nothing.
         Some(snap) if q.r#final => Ok((StatusCode::OK, Json(snap)).into_response()),
-        other => snapshot_answer(other),
+        other => snapshot_answer(&method, other),
     }
 }
 
 async fn take_delta(
     State(s): State<ServerState>,
+    method: Method,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     authorize(&s, &headers)?;
     let _one = one_at_a_time(&s)?;
-    snapshot_answer(s.snapshots.take(SnapshotRequest::Delta).await?)
+    snapshot_answer(&method, s.snapshots.take(SnapshotRequest::Delta).await?)
 }
 
 /// The permit of the one mutating request in flight, or 429.
@@ -267,10 +272,14 @@ fn one_at_a_time(s: &ServerState) -> Result<tokio::sync::OwnedSemaphorePermit, A
     })
 }
 
-fn snapshot_answer(taken: Option<Snapshot>) -> Result<Response, ApiError> {
-    Ok(match taken {
-        Some(snap) => (StatusCode::CREATED, Json(snap)).into_response(),
-        None => StatusCode::NO_CONTENT.into_response(),
+/// The success answer: `POST` says what it created (201, or 204 for nothing); `GET` answers as
+/// etcd-backup-restore does, 200 with the snapshot JSON (`null` when there was nothing to write),
+/// because its callers accept nothing else.
+fn snapshot_answer(method: &Method, taken: Option<Snapshot>) -> Result<Response, ApiError> {
+    Ok(match (taken, *method == Method::GET) {
+        (taken, true) => (StatusCode::OK, Json(taken)).into_response(),
+        (Some(snap), false) => (StatusCode::CREATED, Json(snap)).into_response(),
+        (None, false) => StatusCode::NO_CONTENT.into_response(),
     })
 }
 
@@ -408,6 +417,8 @@ mod tests {
         /// Requests wait for this before answering.
         hold: tokio::sync::Notify,
         holding: std::sync::atomic::AtomicBool,
+        /// What `take` answers after recording the request (`Ok(None)` when unset).
+        answer: Mutex<Option<Result<Option<Snapshot>, ApiError>>>,
     }
 
     #[async_trait]
@@ -420,7 +431,7 @@ mod tests {
             if self.holding.load(std::sync::atomic::Ordering::SeqCst) {
                 self.hold.notified().await;
             }
-            Ok(None)
+            self.answer.lock().unwrap().clone().unwrap_or(Ok(None))
         }
     }
 
@@ -441,6 +452,7 @@ mod tests {
             taken: Mutex::new(vec![]),
             hold: tokio::sync::Notify::new(),
             holding: std::sync::atomic::AtomicBool::new(false),
+            answer: Mutex::new(None),
         });
         let (_live_tx, liveness) = watch::channel(None);
         let s = ServerState {
@@ -535,6 +547,115 @@ mod tests {
                 SnapshotRequest::Delta
             ]
         );
+    }
+
+    fn request(method: Method, auth: Option<&str>, path: &str) -> Request<Body> {
+        let mut b = Request::builder().method(method).uri(path);
+        if let Some(a) = auth {
+            b = b.header("authorization", a);
+        }
+        b.body(Body::empty()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn get_triggers_snapshots_under_the_rules_of_post() {
+        let (s, fake) = state(true, Some("sekrit"));
+        let ok = Some("Bearer sekrit");
+        // The token.
+        for path in [
+            "/snapshot/full",
+            "/snapshot/delta",
+            "/snapshot/full?final=true",
+        ] {
+            let (code, body) = call(s.clone(), request(Method::GET, None, path)).await;
+            assert_eq!(code, StatusCode::UNAUTHORIZED, "{path}");
+            assert_eq!(body["code"], "unauthorized");
+        }
+        assert!(fake.taken.lock().unwrap().is_empty());
+
+        // A stored full snapshot: GET answers 200 with its JSON (what etcd-druid requires), POST
+        // keeps answering 201.
+        let snap = Snapshot::new(
+            "v2/",
+            crate::store::Kind::Full,
+            0,
+            42,
+            chrono::DateTime::from_timestamp(1_700_000_000, 0).unwrap(),
+            crate::store::Codec::Gzip,
+            false,
+        );
+        *fake.answer.lock().unwrap() = Some(Ok(Some(snap.clone())));
+        let (code, body) = call(s.clone(), request(Method::GET, ok, "/snapshot/full")).await;
+        assert_eq!(code, StatusCode::OK);
+        assert_eq!(body, serde_json::to_value(&snap).unwrap());
+        let (code, body) = call(s.clone(), request(Method::POST, ok, "/snapshot/full")).await;
+        assert_eq!(code, StatusCode::CREATED);
+        assert_eq!(body, serde_json::to_value(&snap).unwrap());
+
+        // A delta with nothing to write: 200 and `null` for GET, 204 for POST.
+        *fake.answer.lock().unwrap() = None;
+        let (code, body) = call(s.clone(), request(Method::GET, ok, "/snapshot/delta")).await;
+        assert_eq!((code, body), (StatusCode::OK, serde_json::Value::Null));
+        let (code, _) = call(s.clone(), request(Method::POST, ok, "/snapshot/delta")).await;
+        assert_eq!(code, StatusCode::NO_CONTENT);
+
+        // `final=true` asks for the hand-off's final, and what the protocol refuses is 409.
+        *fake.answer.lock().unwrap() = Some(Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "not_deactivated",
+            "a final snapshot is only taken after ownership is lost",
+        )));
+        let (code, body) = call(
+            s.clone(),
+            request(Method::GET, ok, "/snapshot/full?final=true"),
+        )
+        .await;
+        assert_eq!(code, StatusCode::CONFLICT);
+        assert_eq!(body["code"], "not_deactivated");
+        assert_eq!(
+            *fake.taken.lock().unwrap(),
+            vec![
+                SnapshotRequest::Full { is_final: false },
+                SnapshotRequest::Full { is_final: false },
+                SnapshotRequest::Delta,
+                SnapshotRequest::Delta,
+                SnapshotRequest::Full { is_final: true },
+            ]
+        );
+
+        // One at a time, whatever the method: a GET while a POST is in flight is 429, and the
+        // other way round.
+        *fake.answer.lock().unwrap() = None;
+        fake.taken.lock().unwrap().clear();
+        fake.holding
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let first = tokio::spawn(call(s.clone(), request(Method::POST, ok, "/snapshot/full")));
+        while fake.taken.lock().unwrap().is_empty() {
+            tokio::task::yield_now().await;
+        }
+        for path in ["/snapshot/full", "/snapshot/delta"] {
+            let (code, body) = call(s.clone(), request(Method::GET, ok, path)).await;
+            assert_eq!(code, StatusCode::TOO_MANY_REQUESTS, "{path}");
+            assert_eq!(body["code"], "busy");
+        }
+        fake.holding
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        fake.hold.notify_one();
+        assert_eq!(first.await.unwrap().0, StatusCode::NO_CONTENT);
+
+        fake.holding
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        fake.taken.lock().unwrap().clear();
+        let first = tokio::spawn(call(s.clone(), request(Method::GET, ok, "/snapshot/delta")));
+        while fake.taken.lock().unwrap().is_empty() {
+            tokio::task::yield_now().await;
+        }
+        let (code, _) = call(s.clone(), request(Method::POST, ok, "/snapshot/full")).await;
+        assert_eq!(code, StatusCode::TOO_MANY_REQUESTS);
+        fake.holding
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        fake.hold.notify_one();
+        assert_eq!(first.await.unwrap().0, StatusCode::OK);
     }
 
     #[tokio::test]

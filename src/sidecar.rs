@@ -15,6 +15,7 @@ use crate::health::HealthCheck;
 use crate::owner::metrics::OwnerMetrics;
 use crate::owner::production::context;
 use crate::owner::watchdog::{Watchdog, WatchdogConfig, WatchdogStatus};
+use crate::restore::initialize::InitializeMetrics;
 use crate::server::{
     self, ApiError, Latest, Liveness, Readiness, ServerState, SnapshotApi, SnapshotRequest,
     StatusSource,
@@ -58,6 +59,37 @@ pub enum SidecarError {
 /// How long shutdown waits for tasks to finish (a snapshot upload in flight, open requests).
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(20);
 
+/// Every metric `serve` exposes, registered in one place, so the docs, the alert rules and the
+/// dashboard can be checked against what the binary really exposes.
+#[derive(Clone, Debug, Default)]
+pub struct SidecarMetrics {
+    /// The snapshot actor's (`etcdbr_…`, `etcd_warden_snapshot_…`).
+    pub snapshot: SnapshotMetrics,
+    /// `restore.initialize`'s validation and restore durations.
+    pub initialize: InitializeMetrics,
+    /// The ownership watchdog's, with ownership checks (`[owner]`) only.
+    pub owner: Option<OwnerMetrics>,
+}
+
+impl SidecarMetrics {
+    /// The metrics of a sidecar with or without ownership checks.
+    pub fn new(with_owner: bool) -> Self {
+        SidecarMetrics {
+            owner: with_owner.then(OwnerMetrics::default),
+            ..Default::default()
+        }
+    }
+
+    /// Registers all of them.
+    pub fn register(&self, registry: &mut Registry) {
+        self.snapshot.register(registry);
+        self.initialize.register(registry);
+        if let Some(owner) = &self.owner {
+            owner.register(registry);
+        }
+    }
+}
+
 /// The actor's schedule from configuration.
 pub fn actor_config(config: &Config) -> ActorConfig {
     let s = &config.snapshot;
@@ -67,6 +99,7 @@ pub fn actor_config(config: &Config) -> ActorConfig {
         delta_memory_limit: s.delta_memory_limit,
         gc_period: s.gc_period,
         leader_check_interval: s.leader_check_interval,
+        timeout: s.timeout,
     }
 }
 
@@ -230,9 +263,15 @@ fn ended(result: Result<(), tokio::task::JoinError>) -> String {
 pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), SidecarError> {
     let store =
         SnapshotStore::from_config(&config.store)?.with_encryption(config.encryption.clone());
+    let metrics = SidecarMetrics::new(config.owner.is_some());
     if config.restore.initialize {
         // Before anything talks to etcd: it may be waiting for its data directory.
-        crate::restore::initialize::initialize(&store, &config.restore).await?;
+        crate::restore::initialize::initialize_observed(
+            &store,
+            &config.restore,
+            &metrics.initialize,
+        )
+        .await?;
     }
     let listener = tokio::net::TcpListener::bind(config.server.listen)
         .await
@@ -243,8 +282,7 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
     tracing::info!(listen = %listener.local_addr().map_err(SidecarError::Serve)?, store = %config.store.location, "etcd-warden serving");
 
     let mut registry = Registry::default();
-    let actor_metrics = SnapshotMetrics::default();
-    actor_metrics.register(&mut registry);
+    metrics.register(&mut registry);
 
     // Without ownership checks the gate is open for good; with them the watchdog opens it.
     let (gate_tx, gate_rx) = watch::channel(if config.owner.is_none() {
@@ -267,7 +305,7 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
         engine,
         actor_config(&config),
         gate_rx.clone(),
-        actor_metrics,
+        metrics.snapshot.clone(),
         tasks.child_token(),
     );
 
@@ -285,8 +323,7 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
             (None, ("readiness", task))
         }
         Some(owner) => {
-            let owner_metrics = OwnerMetrics::default();
-            owner_metrics.register(&mut registry);
+            let owner_metrics = metrics.owner.clone().unwrap_or_default();
             let ctx = context(
                 owner,
                 &config.kill,

@@ -6,7 +6,8 @@
 //! credential files on Secret mounts, no capability beyond what the kill needs, the copy Job
 //! waiting for the final snapshot. Mutated manifests show the checks bite.
 //! Also: the Containerfile builds what Cargo.toml names and carries etcd's version, and every
-//! metric the alert rules in docs/operations.md use is exported.
+//! metric the alert rules in docs/operations.md, the `PrometheusRule` and the Grafana dashboard
+//! in deploy/monitoring use is exported; the `PrometheusRule` holds exactly the documented rules.
 
 mod support;
 
@@ -75,6 +76,50 @@ enum Object {
     // Typed (so checked) but no invariant reads one.
     #[allow(dead_code)]
     ConfigMap(Box<ConfigMap>),
+    PrometheusRule(Box<PrometheusRule>),
+}
+
+/// prometheus-operator's `PrometheusRule` (monitoring.coreos.com/v1), as much of it as
+/// deploy/monitoring uses; k8s-openapi has no type for a custom resource, and an unknown field
+/// is refused like everywhere else.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct PrometheusRule {
+    api_version: String,
+    kind: String,
+    metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    spec: RuleSpec,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RuleSpec {
+    groups: Vec<RuleGroup>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RuleGroup {
+    name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    interval: Option<String>,
+    rules: Vec<Rule>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Rule {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    alert: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    record: Option<String>,
+    expr: String,
+    #[serde(rename = "for", default, skip_serializing_if = "Option::is_none")]
+    for_: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    labels: Option<BTreeMap<String, String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    annotations: Option<BTreeMap<String, String>>,
 }
 
 /// The first places where two JSON values differ (a field the type dropped or rewrote).
@@ -129,6 +174,9 @@ fn typed(json: &serde_json::Value) -> Result<Object, String> {
         ("batch/v1", "Job") => Object::Job(Box::new(strict(json)?)),
         ("v1", "Secret") => Object::Secret(Box::new(strict(json)?)),
         ("v1", "ConfigMap") => Object::ConfigMap(Box::new(strict(json)?)),
+        ("monitoring.coreos.com/v1", "PrometheusRule") => {
+            Object::PrometheusRule(Box::new(strict(json)?))
+        }
         _ => return Err(format!("unexpected apiVersion/kind {api:?}/{kind:?}")),
     })
 }
@@ -969,7 +1017,10 @@ fn every_manifest_parses_into_its_kubernetes_type() {
             typed(&doc).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
         }
     }
-    assert_eq!(kustomizations, 2, "deploy/base and deploy/copy-job");
+    assert_eq!(
+        kustomizations, 3,
+        "deploy/base, deploy/copy-job and deploy/monitoring"
+    );
 }
 
 #[test]
@@ -1333,40 +1384,14 @@ fn metric_names(text: &str) -> BTreeSet<String> {
     out
 }
 
-#[test]
-fn every_metric_in_the_alert_rules_is_exported() {
-    let doc = read(&repo().join("docs/operations.md"));
-    let section = doc
-        .split("## Alert rules")
-        .nth(1)
-        .expect("docs/operations.md: ## Alert rules");
-    let yaml = section
-        .split("```yaml")
-        .nth(1)
-        .and_then(|s| s.split("```").next())
-        .expect("a ```yaml block of alert rules");
-    let rules: serde_json::Value =
-        serde_json::to_value(serde_yaml::from_str::<serde_yaml::Value>(yaml).expect("alert YAML"))
-            .expect("JSON");
-    let exprs: Vec<String> = rules["groups"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .flat_map(|g| g["rules"].as_array().into_iter().flatten())
-        .map(|r| {
-            r["expr"]
-                .as_str()
-                .expect("every rule has an expr")
-                .to_string()
-        })
-        .collect();
-    assert!(exprs.len() >= 3, "too few alert rules: {exprs:?}");
-
-    // What the sidecar registers (sidecar::run registers exactly these two).
+/// Every sample name `serve` exposes (a counter's `_total`, a histogram's `_bucket`, `_sum`,
+/// `_count`), from the registry `sidecar::run` builds.
+fn exported_metrics() -> BTreeSet<String> {
+    // What the sidecar registers (sidecar::run registers exactly these).
     let mut registry = prometheus_client::registry::Registry::default();
-    etcd_warden::snapshot::metrics::SnapshotMetrics::default().register(&mut registry);
-    let owner = etcd_warden::owner::metrics::OwnerMetrics::default();
-    owner.register(&mut registry);
+    let metrics = etcd_warden::sidecar::SidecarMetrics::new(true);
+    metrics.register(&mut registry);
+    let owner = metrics.owner.as_ref().expect("ownership metrics");
     // Labelled counters appear only once a label value was used: use one of each.
     owner.record_check(&etcd_warden::owner::resolve::CheckResult::Owner, 0);
     owner.record_kill(&etcd_warden::process::KillReport {
@@ -1396,6 +1421,177 @@ fn every_metric_in_the_alert_rules_is_exported() {
         };
         exported.extend(samples.iter().map(|s| format!("{name}{s}")));
     }
+    exported
+}
+
+/// The metric names in a PromQL expression: every `etcd_warden_…`/`etcdbr_…` name, and every
+/// name a selector `{…}` follows, so a metric of another exporter cannot slip in unchecked.
+fn promql_metrics(expr: &str) -> BTreeSet<String> {
+    let mut out = metric_names(expr);
+    for (i, _) in expr.match_indices('{') {
+        let head = &expr[..i];
+        let start = head
+            .rfind(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
+            .map_or(0, |j| j + 1);
+        let name = &head[start..];
+        if !name.is_empty() && !name.starts_with(|c: char| c.is_ascii_digit()) {
+            out.insert(name.to_string());
+        }
+    }
+    out
+}
+
+/// Every `"expr"` string in a JSON document (a Grafana dashboard's targets), wherever it is.
+fn json_exprs(v: &serde_json::Value, out: &mut Vec<String>) {
+    match v {
+        serde_json::Value::Object(o) => {
+            for (k, v) in o {
+                match (k.as_str(), v) {
+                    ("expr", serde_json::Value::String(e)) => out.push(e.clone()),
+                    _ => json_exprs(v, out),
+                }
+            }
+        }
+        serde_json::Value::Array(a) => a.iter().for_each(|v| json_exprs(v, out)),
+        _ => {}
+    }
+}
+
+/// The ```yaml block of docs/operations.md's "Alert rules", as JSON.
+fn documented_rules() -> serde_json::Value {
+    let doc = read(&repo().join("docs/operations.md"));
+    let section = doc
+        .split("## Alert rules")
+        .nth(1)
+        .expect("docs/operations.md: ## Alert rules");
+    let yaml = section
+        .split("```yaml")
+        .nth(1)
+        .and_then(|s| s.split("```").next())
+        .expect("a ```yaml block of alert rules");
+    serde_json::to_value(serde_yaml::from_str::<serde_yaml::Value>(yaml).expect("alert YAML"))
+        .expect("JSON")
+}
+
+#[test]
+fn the_monitoring_manifests_use_only_exposed_metrics() {
+    let exported = exported_metrics();
+    let dir = repo().join("deploy/monitoring");
+    let k = kustomization(&dir).unwrap_or_else(|e| panic!("{e}"));
+
+    // The PrometheusRule is the documented rules, exactly.
+    let rules: Vec<&PrometheusRule> = k
+        .objects
+        .iter()
+        .filter_map(|o| match o {
+            Object::PrometheusRule(r) => Some(r.as_ref()),
+            _ => None,
+        })
+        .collect();
+    let [rule] = rules.as_slice() else {
+        panic!(
+            "deploy/monitoring: expected one PrometheusRule, found {}",
+            rules.len()
+        );
+    };
+    let documented = documented_rules();
+    let deployed = serde_json::to_value(&rule.spec).expect("JSON");
+    assert_eq!(
+        deployed["groups"], documented["groups"],
+        "deploy/monitoring/prometheusrule.yaml differs from docs/operations.md's alert rules"
+    );
+
+    // The dashboard: shipped by the kustomization, and every query on an exposed metric.
+    let dashboards = &k.config_maps["etcd-warden-dashboard"];
+    let text = &dashboards["etcd-warden-dashboard.json"];
+    let dashboard: serde_json::Value = serde_json::from_str(text).expect("the dashboard is JSON");
+    let mut exprs = Vec::new();
+    json_exprs(&dashboard, &mut exprs);
+    for expr in rule
+        .spec
+        .groups
+        .iter()
+        .flat_map(|g| &g.rules)
+        .map(|r| &r.expr)
+        .chain(&exprs)
+    {
+        let names = promql_metrics(expr);
+        assert!(!names.is_empty(), "a query without a metric: {expr}");
+        for name in names {
+            assert!(
+                exported.contains(&name),
+                "{expr:?} uses {name}, which serve does not expose; exposed: {exported:?}"
+            );
+        }
+    }
+    // What the dashboard is for: snapshot age, size and duration, delta lag, ownership state
+    // and kills, restore durations.
+    let used: BTreeSet<String> = exprs.iter().flat_map(|e| promql_metrics(e)).collect();
+    for needed in [
+        "etcdbr_snapshot_latest_timestamp",
+        "etcd_warden_snapshot_latest_size_bytes",
+        "etcdbr_snapshot_duration_seconds_bucket",
+        "etcdbr_snapstore_latest_deltas_revisions_total",
+        "etcd_warden_owner_state",
+        "etcd_warden_owner_kills_total",
+        "etcdbr_restoration_duration_seconds_sum",
+    ] {
+        assert!(used.contains(needed), "the dashboard shows no {needed}");
+    }
+}
+
+#[test]
+fn a_query_on_a_metric_serve_does_not_expose_is_caught() {
+    let exported = exported_metrics();
+    for expr in [
+        "etcd_mvcc_db_total_size_in_bytes{job=\"etcd\"}",
+        "rate(etcdbr_defragmentation_duration_seconds_count[5m])",
+        "etcd_warden_snapshot_latest_size{kind=\"Full\"}",
+    ] {
+        let names = promql_metrics(expr);
+        assert!(
+            names.iter().any(|n| !exported.contains(n)),
+            "{expr}: {names:?} all exposed?"
+        );
+    }
+    assert_eq!(
+        promql_metrics(
+            "histogram_quantile(0.9, sum by (le) (rate(etcdbr_snapshot_duration_seconds_bucket{kind=\"Full\"}[5m])))"
+        ),
+        BTreeSet::from(["etcdbr_snapshot_duration_seconds_bucket".to_string()])
+    );
+}
+
+#[test]
+fn every_metric_in_the_alert_rules_is_exported() {
+    let doc = read(&repo().join("docs/operations.md"));
+    let section = doc
+        .split("## Alert rules")
+        .nth(1)
+        .expect("docs/operations.md: ## Alert rules");
+    let yaml = section
+        .split("```yaml")
+        .nth(1)
+        .and_then(|s| s.split("```").next())
+        .expect("a ```yaml block of alert rules");
+    let rules: serde_json::Value =
+        serde_json::to_value(serde_yaml::from_str::<serde_yaml::Value>(yaml).expect("alert YAML"))
+            .expect("JSON");
+    let exprs: Vec<String> = rules["groups"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|g| g["rules"].as_array().into_iter().flatten())
+        .map(|r| {
+            r["expr"]
+                .as_str()
+                .expect("every rule has an expr")
+                .to_string()
+        })
+        .collect();
+    assert!(exprs.len() >= 3, "too few alert rules: {exprs:?}");
+
+    let exported = exported_metrics();
     for expr in &exprs {
         let names = metric_names(expr);
         assert!(

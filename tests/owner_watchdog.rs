@@ -1077,6 +1077,7 @@ async fn the_kill_never_waits_behind_snapshots_queued_against_a_store_that_does_
             delta_memory_limit: 1 << 20,
             gc_period: Duration::from_secs(3600),
             leader_check_interval: Duration::from_millis(100),
+            timeout: Duration::from_secs(60),
         },
         gate_rx,
         SnapshotMetrics::default(),

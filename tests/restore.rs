@@ -603,6 +603,28 @@ async fn serve_initializes_a_missing_data_directory_from_the_store() {
     })
     .await;
     assert!(done, "no restore; log:\n{}", warden.log_text());
+    // The sidecar serves once the data directory is there; /metrics shows the validation and
+    // the restore, under the reference's names.
+    let scraped = eventually(Duration::from_secs(20), || async {
+        matches!(warden.get("/metrics").await, Some((200, _)))
+    })
+    .await;
+    assert!(scraped, "no /metrics; log:\n{}", warden.log_text());
+    let metrics = match warden.get("/metrics").await {
+        Some((200, serde_json::Value::String(text))) => text,
+        other => panic!("/metrics: {other:?}"),
+    };
+    for line in [
+        r#"etcdbr_validation_duration_seconds_count{succeeded="true"} 1"#,
+        r#"etcdbr_validation_duration_seconds_count{succeeded="false"} 0"#,
+        r#"etcdbr_restoration_duration_seconds_count{restore="single_node",succeeded="true"} 1"#,
+        r#"etcdbr_restoration_duration_seconds_count{restore="single_node",succeeded="false"} 0"#,
+    ] {
+        assert!(
+            metrics.lines().any(|l| l == line),
+            "no {line} in\n{metrics}"
+        );
+    }
     drop(warden);
     assert_eq!(
         std::fs::read_to_string(dir.path().join("vol/.etcd-warden-guard")).unwrap(),
@@ -626,7 +648,20 @@ async fn serve_initializes_a_missing_data_directory_from_the_store() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn initialize_starts_fresh_on_an_empty_store_and_keeps_a_valid_directory() {
-    use etcd_warden::restore::initialize::{Initialized, initialize};
+    use etcd_warden::restore::initialize::{InitializeMetrics, Initialized, initialize_observed};
+    let metrics = InitializeMetrics::default();
+    let mut registry = prometheus_client::registry::Registry::default();
+    metrics.register(&mut registry);
+    let initialize = |store, config| initialize_observed(store, config, &metrics);
+    let count = |succeeded: &str| {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        let series =
+            format!(r#"etcdbr_validation_duration_seconds_count{{succeeded="{succeeded}"}} "#);
+        text.lines()
+            .find_map(|l| l.strip_prefix(series.as_str())?.parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("no {series} in\n{text}"))
+    };
     let dir = tempfile::tempdir().unwrap();
     let store = file_store(&dir.path().join("store"));
     let data = dir.path().join("data");
@@ -653,12 +688,14 @@ async fn initialize_starts_fresh_on_an_empty_store_and_keeps_a_valid_directory()
         initialize(&store, &config).await.unwrap(),
         Initialized::Valid
     );
+    assert_eq!((count("true"), count("false")), (2, 0));
     // Deltas without a full snapshot: refuse rather than start empty.
     std::fs::remove_dir_all(data.join("member/wal")).unwrap();
     let d = store.new_snapshot(Kind::Incr, 1, 2, Codec::None, false);
     store.put_bytes(&d, Bytes::from_static(b"x")).await.unwrap();
     let e = initialize(&store, &config).await.unwrap_err().to_string();
     assert!(e.contains("no full snapshot"), "{e}");
+    assert_eq!((count("true"), count("false")), (2, 1));
 }
 
 fn put(key: &str, value: &str) -> ReplayOp {

@@ -124,38 +124,97 @@ async fn actor_on(
     delta_period: Duration,
     delta_memory_limit: u64,
 ) -> (ActorHandle, tokio::task::JoinHandle<()>, CancellationToken) {
-    let endpoints = etcd.endpoints();
-    let store = store.clone();
-    let cancel = CancellationToken::new();
-    let config = ActorConfig {
-        schedule: std::str::FromStr::from_str("0 0 1 1 *").unwrap(),
+    actor_with(etcd, store, codec, delta_period, delta_memory_limit)
+        .spawn(SnapshotMetrics::default())
+        .await
+}
+
+/// How [`actor_on`] builds the actor, for tests that set the timeout and read the metrics.
+struct ActorSetup<'a> {
+    etcd: &'a EtcdCluster,
+    store: SnapshotStore,
+    codec: Codec,
+    delta_period: Duration,
+    delta_memory_limit: u64,
+    timeout: Duration,
+    request_timeout: Duration,
+}
+
+fn actor_with<'a>(
+    etcd: &'a EtcdCluster,
+    store: &SnapshotStore,
+    codec: Codec,
+    delta_period: Duration,
+    delta_memory_limit: u64,
+) -> ActorSetup<'a> {
+    ActorSetup {
+        etcd,
+        store: store.clone(),
+        codec,
         delta_period,
         delta_memory_limit,
-        gc_period: Duration::from_secs(3600),
-        leader_check_interval: Duration::from_millis(100),
-    };
-    let c = cancel.clone();
-    let engine = {
-        let etcd = RotatingClient::connect(&EtcdConfig {
-            endpoints,
-            tls: None,
-            username: None,
-            password: None,
-            connect_timeout: Duration::from_secs(2),
-            request_timeout: Duration::from_secs(5),
-        })
-        .await
-        .unwrap();
-        let retention = Retention {
-            policy: GcPolicy::LimitBased { max_backups: 100 },
-            delta_retention: Duration::ZERO,
+        timeout: Duration::from_secs(60),
+        request_timeout: Duration::from_secs(5),
+    }
+}
+
+impl ActorSetup<'_> {
+    fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    fn request_timeout(mut self, request_timeout: Duration) -> Self {
+        self.request_timeout = request_timeout;
+        self
+    }
+
+    async fn spawn(
+        self,
+        metrics: SnapshotMetrics,
+    ) -> (ActorHandle, tokio::task::JoinHandle<()>, CancellationToken) {
+        let ActorSetup {
+            etcd,
+            store,
+            codec,
+            delta_period,
+            delta_memory_limit,
+            timeout,
+            request_timeout,
+        } = self;
+        let endpoints = etcd.endpoints();
+        let cancel = CancellationToken::new();
+        let config = ActorConfig {
+            schedule: std::str::FromStr::from_str("0 0 1 1 *").unwrap(),
+            delta_period,
+            delta_memory_limit,
+            gc_period: Duration::from_secs(3600),
+            leader_check_interval: Duration::from_millis(100),
+            timeout,
         };
-        EtcdEngine::new(etcd, store, codec, retention)
-    };
-    // No ownership checks: the gate is open for good (nobody keeps the sender).
-    let (_, gate_rx) = tokio::sync::watch::channel(Gate::Open);
-    let (handle, task) = actor::spawn(engine, config, gate_rx, SnapshotMetrics::default(), c);
-    (handle, task, cancel)
+        let c = cancel.clone();
+        let engine = {
+            let etcd = RotatingClient::connect(&EtcdConfig {
+                endpoints,
+                tls: None,
+                username: None,
+                password: None,
+                connect_timeout: Duration::from_secs(2),
+                request_timeout,
+            })
+            .await
+            .unwrap();
+            let retention = Retention {
+                policy: GcPolicy::LimitBased { max_backups: 100 },
+                delta_retention: Duration::ZERO,
+            };
+            EtcdEngine::new(etcd, store, codec, retention)
+        };
+        // No ownership checks: the gate is open for good (nobody keeps the sender).
+        let (_, gate_rx) = tokio::sync::watch::channel(Gate::Open);
+        let (handle, task) = actor::spawn(engine, config, gate_rx, metrics, c);
+        (handle, task, cancel)
+    }
 }
 
 /// Waits until the actor has stored a delta reaching `revision`.
@@ -273,8 +332,13 @@ async fn memory_limit_flushes_early() {
         .await
         .unwrap();
     // The period is an hour: only the limit can flush each write on its own.
+    let metrics = SnapshotMetrics::default();
+    let mut registry = prometheus_client::registry::Registry::default();
+    metrics.register(&mut registry);
     let (actor, task, cancel) =
-        actor_on(&etcd, &store, Codec::None, Duration::from_secs(3600), 1).await;
+        actor_with(&etcd, &store, Codec::None, Duration::from_secs(3600), 1)
+            .spawn(metrics)
+            .await;
     for i in 0..3 {
         let r = client
             .put(format!("k{i}"), "v", None)
@@ -291,4 +355,130 @@ async fn memory_limit_flushes_early() {
     assert_eq!(deltas.len(), 3, "{deltas:?}");
     assert_eq!(deltas[0].start_revision, base.last_revision + 1);
     assert!(deltas.iter().all(|d| d.start_revision == d.last_revision));
+    // The reference's chain gauges: three deltas since the full snapshot, spanning from the
+    // first one's start to the last one's revision; nothing left to write.
+    assert_eq!(
+        metric_value(&registry, "etcdbr_snapstore_latest_deltas_total"),
+        3.0
+    );
+    assert_eq!(
+        metric_value(&registry, "etcdbr_snapstore_latest_deltas_revisions_total"),
+        (deltas[2].last_revision - deltas[0].start_revision) as f64
+    );
+    assert_eq!(
+        metric_value(&registry, r#"etcdbr_snapshot_required{kind="Incr"}"#),
+        0.0
+    );
+}
+
+/// Resumes a process stopped with SIGSTOP when dropped, so a failing test leaves no frozen etcd.
+struct Frozen(nix::unistd::Pid);
+
+impl Frozen {
+    fn freeze(pid: u32) -> Frozen {
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(pid).unwrap());
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
+        Frozen(pid)
+    }
+}
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(self.0, nix::sys::signal::Signal::SIGCONT);
+    }
+}
+
+fn metric_value(registry: &prometheus_client::registry::Registry, series: &str) -> f64 {
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {series} in\n{text}"))
+}
+
+/// etcd frozen (SIGSTOP: its socket still accepts, nothing answers) with `snapshot.timeout`
+/// shorter than `etcd.request_timeout`: each full snapshot fails after the snapshot timeout with
+/// an error naming it, counts as a failure, and the actor answers the next request; once etcd
+/// runs again the next snapshot is stored. Also the member's place in the cluster, from etcd.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_etcd_times_out_snapshots_and_the_actor_goes_on() {
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut client = etcd.client().await;
+    client.put("k", "v", None).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let store = file_store(dir.path());
+    let metrics = SnapshotMetrics::default();
+    let mut registry = prometheus_client::registry::Registry::default();
+    metrics.register(&mut registry);
+    let (actor, task, cancel) = actor_with(&etcd, &store, Codec::Gzip, Duration::ZERO, u64::MAX)
+        .timeout(Duration::from_secs(1))
+        .request_timeout(Duration::from_secs(4))
+        .spawn(metrics)
+        .await;
+    // The empty store makes a full snapshot due at once.
+    let mut status = actor.watch_status();
+    let first = tokio::time::timeout(
+        Duration::from_secs(20),
+        status.wait_for(|s| s.last_full.is_some()),
+    )
+    .await
+    .is_ok();
+    assert!(first, "no first full snapshot: {:?}", actor.status());
+    assert_eq!(metric_value(&registry, "etcdbr_cluster_size"), 1.0);
+    assert_eq!(metric_value(&registry, "etcdbr_is_learner"), 0.0);
+    assert!(
+        metric_value(
+            &registry,
+            r#"etcd_warden_snapshot_latest_size_bytes{kind="Full"}"#
+        ) > 0.0
+    );
+
+    let frozen = Frozen::freeze(etcd.members[0].pid().expect("etcd runs"));
+    for attempt in 1..=2 {
+        let started = std::time::Instant::now();
+        let e = actor.full().await.unwrap_err().to_string();
+        assert!(
+            e.contains("full snapshot took longer than snapshot.timeout (1s)"),
+            "attempt {attempt}: {e}"
+        );
+        // The snapshot timeout fired, not etcd's request timeout (4 s) nor the leader check's.
+        assert!(
+            started.elapsed() < Duration::from_secs(9),
+            "attempt {attempt} took {:?}",
+            started.elapsed()
+        );
+    }
+    assert_eq!(
+        metric_value(&registry, r#"etcdbr_snapshotter_failure{error="timeout"}"#),
+        2.0
+    );
+    assert_eq!(
+        metric_value(
+            &registry,
+            r#"etcdbr_snapshot_duration_seconds_count{kind="Full",succeeded="false"}"#
+        ),
+        2.0
+    );
+    assert!(
+        actor
+            .status()
+            .last_error
+            .is_some_and(|e| e.contains("snapshot.timeout"))
+    );
+
+    drop(frozen);
+    let stored = tokio::time::timeout(Duration::from_secs(30), actor.full())
+        .await
+        .expect("the actor answers")
+        .expect("etcd runs again: the snapshot is stored");
+    assert!(store.list().await.unwrap().contains(&stored));
+    assert_eq!(
+        metric_value(
+            &registry,
+            r#"etcdbr_snapshot_duration_seconds_count{kind="Full",succeeded="true"}"#
+        ),
+        2.0
+    );
+    cancel.cancel();
+    task.await.unwrap();
 }

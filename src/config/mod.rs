@@ -221,6 +221,9 @@ pub struct SnapshotConfig {
     /// as long as their full snapshot.
     pub delta_retention: Duration,
     pub leader_check_interval: Duration,
+    /// Longest a full snapshot or a delta may take before it is abandoned as failed, so a hung
+    /// etcd stream cannot stall the snapshot actor.
+    pub timeout: Duration,
 }
 
 /// The owner DNS record this sidecar checks.

@@ -121,6 +121,7 @@ pub struct RawSnapshot {
     pub gc_period: String,
     pub delta_retention: String,
     pub leader_check_interval: String,
+    pub timeout: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -398,6 +398,7 @@ impl Validator<'_> {
             delta_retention: self.duration("snapshot.delta_retention", &s.delta_retention)?,
             leader_check_interval: self
                 .positive_duration("snapshot.leader_check_interval", &s.leader_check_interval)?,
+            timeout: self.positive_duration("snapshot.timeout", &s.timeout)?,
         })
     }
 

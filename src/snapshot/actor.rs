@@ -21,9 +21,9 @@ use super::full::FullError;
 use super::gate::{Gate, Operation};
 use super::metrics::SnapshotMetrics;
 use crate::backoff::Backoff;
-use crate::store::StoreError;
 use crate::store::gc::GcReport;
 use crate::store::layout::{Kind, Snapshot};
+use crate::store::{Chain, StoreError};
 
 /// Why the engine failed.
 #[derive(Debug, thiserror::Error)]
@@ -43,6 +43,53 @@ pub enum EngineError {
     /// etcd failed.
     #[error("etcd: {0}")]
     Etcd(#[from] etcd_client::Error),
+    /// The operation took longer than `snapshot.timeout` and was abandoned (dropped, so an
+    /// upload in flight is aborted and nothing is stored).
+    #[error("{operation} took longer than snapshot.timeout ({after:?}); abandoned, nothing stored")]
+    TimedOut {
+        /// What timed out.
+        operation: &'static str,
+        /// The timeout.
+        after: Duration,
+    },
+}
+
+impl EngineError {
+    /// The failure's class, the `error` label of `etcdbr_snapshotter_failure`.
+    pub fn class(&self) -> &'static str {
+        use super::delta::DeltaError;
+        match self {
+            EngineError::Full(FullError::Etcd(_)) | EngineError::Etcd(_) => "etcd",
+            EngineError::Full(FullError::Store(_))
+            | EngineError::Delta(DeltaError::Store(_))
+            | EngineError::Store(_) => "store",
+            EngineError::Full(FullError::Codec(_)) => "codec",
+            EngineError::Full(FullError::Behind { .. }) => "behind",
+            EngineError::Delta(_) => "delta",
+            EngineError::Watch(_) => "watch",
+            EngineError::TimedOut { .. } => "timeout",
+        }
+    }
+}
+
+/// A snapshot the engine stored, and its size in the store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stored {
+    /// The snapshot.
+    pub snapshot: Snapshot,
+    /// Bytes stored (compressed).
+    pub bytes: u64,
+}
+
+/// This sidecar's member as etcd reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Membership {
+    /// It leads the raft group.
+    pub leader: bool,
+    /// It is a learner (not yet a voting member).
+    pub learner: bool,
+    /// Members in etcd's member list; `None` when the list could not be read.
+    pub cluster_size: Option<u64>,
 }
 
 /// The work the actor schedules: etcd and the store in production, a fake in tests.
@@ -55,23 +102,24 @@ pub trait Engine: Send + 'static {
         &mut self,
         is_final: bool,
         min_revision: Option<i64>,
-    ) -> Result<Snapshot, EngineError>;
+    ) -> Result<Stored, EngineError>;
     /// Waits for watch events and buffers them. Cancel-safe: the actor drops this future
     /// whenever something else is due.
     async fn collect(&mut self) -> Result<Collected, EngineError>;
     /// Bytes of events buffered for the next delta.
     fn buffered_bytes(&self) -> u64;
     /// Writes the buffered events as a delta snapshot; `None` when there were none.
-    async fn flush_delta(&mut self) -> Result<Option<Snapshot>, EngineError>;
+    async fn flush_delta(&mut self) -> Result<Option<Stored>, EngineError>;
     /// Drops buffered events and restarts the watch after the latest stored snapshot (after a
     /// pause, or when this sidecar becomes the snapshot leader), so the revision stream has no gap.
     async fn resume(&mut self) -> Result<(), EngineError>;
     /// Stops watching (regular work paused).
     fn pause(&mut self);
-    /// Whether this sidecar's member is the raft leader.
-    async fn is_leader(&mut self) -> Result<bool, EngineError>;
-    /// The newest full snapshot in the store.
-    async fn latest_full(&mut self) -> Result<Option<Snapshot>, EngineError>;
+    /// Whether this sidecar's member is the raft leader, whether it is a learner, and how many
+    /// members the cluster has.
+    async fn membership(&mut self) -> Result<Membership, EngineError>;
+    /// The newest full snapshot in the store and the deltas after it.
+    async fn latest_chain(&mut self) -> Result<Chain, EngineError>;
     /// Applies retention at `now`; reports what was deleted.
     async fn gc(&mut self, now: DateTime<Utc>) -> Result<GcReport, EngineError>;
 }
@@ -123,6 +171,9 @@ pub struct ActorConfig {
     pub gc_period: Duration,
     /// Time between raft leadership checks.
     pub leader_check_interval: Duration,
+    /// Longest a full snapshot, a delta, or opening the watch for deltas may take; then it fails
+    /// with [`EngineError::TimedOut`] and the actor goes on.
+    pub timeout: Duration,
 }
 
 /// What the actor is doing, for `/status`.
@@ -229,6 +280,22 @@ async fn until_gate_changes<T>(
         biased;
         _ = changed => None,
         r = op => Some(r),
+    }
+}
+
+/// Runs `op` for at most `limit`: a hung etcd stream (or store) fails the operation instead of
+/// stalling the actor; dropping `op` cancels it.
+async fn bounded<T>(
+    limit: Duration,
+    operation: &'static str,
+    op: impl std::future::Future<Output = Result<T, EngineError>>,
+) -> Result<T, EngineError> {
+    match tokio::time::timeout(limit, op).await {
+        Ok(r) => r,
+        Err(_) => Err(EngineError::TimedOut {
+            operation,
+            after: limit,
+        }),
     }
 }
 
@@ -384,12 +451,18 @@ impl<E: Engine> Actor<E> {
                 _ = delta_tick.tick(), if active && self.deltas_on() => { let _ = self.delta(Operation::Regular).await; }
                 r = self.engine.collect(), if can_collect && self.watching => match r {
                     Ok(Collected::Events) => {
-                        if self.engine.buffered_bytes() >= self.config.delta_memory_limit {
+                        let buffered = self.engine.buffered_bytes();
+                        self.metrics.set_required(Kind::Incr, buffered > 0);
+                        if buffered >= self.config.delta_memory_limit {
                             let _ = self.delta(Operation::Regular).await;
                         }
                     }
-                    Ok(Collected::Compacted) => self.next_full = Some(Utc::now()),
+                    Ok(Collected::Compacted) => {
+                        self.metrics.set_required(Kind::Full, true);
+                        self.next_full = Some(Utc::now());
+                    }
                     Err(e) => {
+                        self.metrics.failure(e.class());
                         tracing::warn!(error = %e, "watching etcd for deltas failed; resuming from the latest snapshot");
                         self.watching = false;
                         watch_retry_at = Some(tokio::time::Instant::now() + WATCH_RETRY.delay(1));
@@ -449,10 +522,13 @@ impl<E: Engine> Actor<E> {
     }
 
     async fn check_leader(&mut self) {
-        let leader = match until_gate_changes(&mut self.gate, self.engine.is_leader()).await {
+        let leader = match until_gate_changes(&mut self.gate, self.engine.membership()).await {
             // The loop sees the change next and acts on it.
             None => return,
-            Some(Ok(l)) => l,
+            Some(Ok(m)) => {
+                self.metrics.membership(m.learner, m.cluster_size);
+                m.leader
+            }
             Some(Err(e)) => {
                 tracing::debug!(error = %e, "leader check failed");
                 false
@@ -489,10 +565,16 @@ impl<E: Engine> Actor<E> {
         if !self.deltas_on() {
             return;
         }
-        match until_gate_changes(&mut self.gate, self.engine.resume()).await {
+        let resume = bounded(
+            self.config.timeout,
+            "opening the watch for deltas",
+            self.engine.resume(),
+        );
+        match until_gate_changes(&mut self.gate, resume).await {
             None => self.watching = false,
             Some(Ok(())) => self.watching = true,
             Some(Err(e)) => {
+                self.metrics.failure(e.class());
                 tracing::warn!(error = %e, "cannot start watching etcd for deltas");
                 self.watching = false;
                 self.publish(|s| s.last_error = Some(format!("watch: {e}")));
@@ -505,16 +587,21 @@ impl<E: Engine> Actor<E> {
     async fn first_full_due(&mut self) -> Option<DateTime<Utc>> {
         let now = Utc::now();
         let next = self.next_occurrence(now);
-        match until_gate_changes(&mut self.gate, self.engine.latest_full()).await {
+        match until_gate_changes(&mut self.gate, self.engine.latest_chain()).await {
             None => None,
-            Some(Ok(Some(last))) => {
-                let due_after_last = self.next_occurrence(last.created_on);
-                match due_after_last {
-                    Some(d) if d <= now => Some(now),
-                    _ => next,
-                }
+            Some(Ok(chain)) => {
+                self.metrics.chain(&chain);
+                let due = match &chain.full_snapshot {
+                    Some(last) => match self.next_occurrence(last.created_on) {
+                        Some(d) if d <= now => Some(now),
+                        _ => next,
+                    },
+                    None => Some(now),
+                };
+                self.metrics
+                    .set_required(Kind::Full, due.is_some_and(|d| d <= now));
+                due
             }
-            Some(Ok(None)) => Some(now),
             Some(Err(e)) => {
                 tracing::warn!(error = %e, "cannot list the store; taking a full snapshot now");
                 Some(now)
@@ -523,6 +610,7 @@ impl<E: Engine> Actor<E> {
     }
 
     async fn scheduled_full(&mut self) {
+        self.metrics.set_required(Kind::Full, true);
         match self.full(Operation::Regular, None).await {
             Ok(_) => self.next_full = self.next_occurrence(Utc::now()),
             Err(ActorError::Cancelled | ActorError::Refused { .. }) => {}
@@ -549,8 +637,12 @@ impl<E: Engine> Actor<E> {
         let is_final = kind == Operation::Final;
         let span = tracing::info_span!("full_snapshot", is_final, min_revision);
         let started = Instant::now();
-        let op =
-            tracing::Instrument::instrument(self.engine.full(is_final, min_revision), span.clone());
+        let op = bounded(
+            self.config.timeout,
+            "full snapshot",
+            self.engine.full(is_final, min_revision),
+        );
+        let op = tracing::Instrument::instrument(op, span.clone());
         let result = while_allowed(&mut self.gate, kind, op).await;
         let took = started.elapsed().as_secs_f64();
         let _in = span.enter();
@@ -559,8 +651,14 @@ impl<E: Engine> Actor<E> {
                 tracing::warn!("full snapshot dropped: ownership changed while it ran");
                 Err(ActorError::Cancelled)
             }
-            Some(Ok(snap)) => {
-                self.metrics.stored(&snap, took);
+            Some(Ok(Stored {
+                snapshot: snap,
+                bytes,
+            })) => {
+                self.metrics.stored(&snap, bytes, took);
+                // Events after the full snapshot's revision stay buffered for the next delta.
+                self.metrics
+                    .set_required(Kind::Incr, self.engine.buffered_bytes() > 0);
                 self.publish(|s| {
                     s.last_full = Some(snap.clone());
                     s.last_error = None;
@@ -569,6 +667,7 @@ impl<E: Engine> Actor<E> {
             }
             Some(Err(e)) => {
                 self.metrics.failed(Kind::Full, took);
+                self.metrics.failure(e.class());
                 tracing::error!(error = %e, "full snapshot failed");
                 let msg = format!("full snapshot: {e}");
                 self.publish(|s| s.last_error = Some(msg));
@@ -579,12 +678,23 @@ impl<E: Engine> Actor<E> {
 
     async fn delta(&mut self, kind: Operation) -> Result<Option<Snapshot>, ActorError> {
         let started = Instant::now();
-        let result = while_allowed(&mut self.gate, kind, self.engine.flush_delta()).await;
+        let flush = bounded(
+            self.config.timeout,
+            "delta snapshot",
+            self.engine.flush_delta(),
+        );
+        let result = while_allowed(&mut self.gate, kind, flush).await;
         match result {
             None => Err(ActorError::Cancelled),
             Some(Ok(None)) => Ok(None),
-            Some(Ok(Some(snap))) => {
-                self.metrics.stored(&snap, started.elapsed().as_secs_f64());
+            Some(Ok(Some(Stored {
+                snapshot: snap,
+                bytes,
+            }))) => {
+                self.metrics
+                    .stored(&snap, bytes, started.elapsed().as_secs_f64());
+                self.metrics
+                    .set_required(Kind::Incr, self.engine.buffered_bytes() > 0);
                 tracing::debug!(snapshot = %snap.snap_name, revision = snap.last_revision, "delta snapshot stored");
                 self.publish(|s| {
                     s.last_delta = Some(snap.clone());
@@ -595,6 +705,13 @@ impl<E: Engine> Actor<E> {
             Some(Err(e)) => {
                 self.metrics
                     .failed(Kind::Incr, started.elapsed().as_secs_f64());
+                self.metrics.failure(e.class());
+                if matches!(e, EngineError::TimedOut { .. }) {
+                    // The flush was dropped part-way and may have taken its buffered events
+                    // with it: continue from what the store holds, so the chain has no gap.
+                    self.engine.pause();
+                    self.watching = false;
+                }
                 tracing::warn!(error = %e, "delta snapshot failed; events stay buffered for the next attempt");
                 let msg = format!("delta snapshot: {e}");
                 self.publish(|s| s.last_error = Some(msg));
@@ -615,5 +732,215 @@ impl<E: Engine> Actor<E> {
             Some(Ok(report)) => self.metrics.gc(&report),
             Some(Err(e)) => tracing::warn!(error = %e, "retention failed; will retry"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+    use prometheus_client::registry::Registry;
+
+    use crate::store::Codec;
+
+    /// An engine whose etcd (and store) may hang: while `hang` is set, a full snapshot and a
+    /// delta never finish, as when etcd stops answering in the middle of its stream.
+    struct HangingEtcd {
+        hang: Arc<AtomicBool>,
+        buffered: Arc<AtomicU64>,
+        revision: i64,
+    }
+
+    impl HangingEtcd {
+        async fn maybe_hang(&self) {
+            if self.hang.load(Ordering::SeqCst) {
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+
+    #[async_trait]
+    impl Engine for HangingEtcd {
+        async fn full(
+            &mut self,
+            is_final: bool,
+            _min_revision: Option<i64>,
+        ) -> Result<Stored, EngineError> {
+            self.maybe_hang().await;
+            self.revision += 1;
+            Ok(Stored {
+                snapshot: Snapshot::new(
+                    "",
+                    Kind::Full,
+                    0,
+                    self.revision,
+                    Utc::now(),
+                    Codec::None,
+                    is_final,
+                ),
+                bytes: 4096,
+            })
+        }
+        async fn collect(&mut self) -> Result<Collected, EngineError> {
+            std::future::pending().await
+        }
+        fn buffered_bytes(&self) -> u64 {
+            self.buffered.load(Ordering::SeqCst)
+        }
+        async fn flush_delta(&mut self) -> Result<Option<Stored>, EngineError> {
+            // Nothing buffered: nothing to write, etcd and the store are not asked.
+            if self.buffered.load(Ordering::SeqCst) == 0 {
+                return Ok(None);
+            }
+            self.maybe_hang().await;
+            self.buffered.store(0, Ordering::SeqCst);
+            self.revision += 1;
+            Ok(Some(Stored {
+                snapshot: Snapshot::new(
+                    "",
+                    Kind::Incr,
+                    self.revision,
+                    self.revision,
+                    Utc::now(),
+                    Codec::None,
+                    false,
+                ),
+                bytes: 100,
+            }))
+        }
+        async fn resume(&mut self) -> Result<(), EngineError> {
+            Ok(())
+        }
+        fn pause(&mut self) {}
+        async fn membership(&mut self) -> Result<Membership, EngineError> {
+            Ok(Membership {
+                leader: true,
+                learner: false,
+                cluster_size: Some(3),
+            })
+        }
+        async fn latest_chain(&mut self) -> Result<Chain, EngineError> {
+            // No full snapshot yet: one is due at once.
+            Ok(Chain {
+                full_snapshot: None,
+                delta_snapshots: vec![],
+            })
+        }
+        async fn gc(&mut self, _now: DateTime<Utc>) -> Result<GcReport, EngineError> {
+            Ok(GcReport {
+                deleted: vec![],
+                failed: vec![],
+            })
+        }
+    }
+
+    fn render(reg: &Registry) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, reg).unwrap();
+        out
+    }
+
+    fn assert_has(reg: &Registry, line: &str) {
+        let out = render(reg);
+        assert!(out.lines().any(|l| l == line), "no {line:?} in\n{out}");
+    }
+
+    fn timed_out(r: Result<impl std::fmt::Debug, ActorError>) {
+        match r {
+            Err(ActorError::Failed(e)) => {
+                assert!(matches!(*e, EngineError::TimedOut { .. }), "{e:?}");
+                assert!(e.to_string().contains("snapshot.timeout (200ms)"), "{e}");
+            }
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_hung_etcd_stream_times_out_and_the_actor_takes_the_next_command() {
+        let hang = Arc::new(AtomicBool::new(true));
+        let buffered = Arc::new(AtomicU64::new(0));
+        let engine = HangingEtcd {
+            hang: hang.clone(),
+            buffered: buffered.clone(),
+            revision: 10,
+        };
+        let metrics = SnapshotMetrics::default();
+        let mut reg = Registry::default();
+        metrics.register(&mut reg);
+        let config = ActorConfig {
+            schedule: std::str::FromStr::from_str("0 0 1 1 *").unwrap(),
+            delta_period: Duration::from_secs(3600),
+            delta_memory_limit: u64::MAX,
+            gc_period: Duration::from_secs(3600),
+            leader_check_interval: Duration::from_millis(20),
+            timeout: Duration::from_millis(200),
+        };
+        let (_gate, gate_rx) = watch::channel(Gate::Open);
+        let cancel = CancellationToken::new();
+        let (actor, task) = spawn(engine, config, gate_rx, metrics, cancel.clone());
+
+        // The first full snapshot is due at once (empty store) and hangs: it times out, counts
+        // as a failure, and stays required.
+        let mut status = actor.watch_status();
+        // `is_ok()` drops the borrow `wait_for` returns: holding it would block the actor.
+        let failed = tokio::time::timeout(
+            Duration::from_secs(5),
+            status.wait_for(|s| s.last_error.is_some()),
+        )
+        .await
+        .is_ok();
+        assert!(failed, "{:?}", actor.status());
+        let error = actor.status().last_error.unwrap_or_default();
+        assert!(error.contains("snapshot.timeout"), "{error}");
+        assert_has(&reg, r#"etcdbr_snapshot_required{kind="Full"} 1"#);
+        assert_has(&reg, r#"etcdbr_snapshotter_failure{error="timeout"} 1"#);
+        assert_has(
+            &reg,
+            r#"etcdbr_snapshot_duration_seconds_count{kind="Full",succeeded="false"} 1"#,
+        );
+        assert_has(&reg, "etcdbr_cluster_size 3");
+        assert_has(&reg, "etcdbr_is_learner 0");
+
+        // Requested snapshots while etcd still hangs: each one is answered with the timeout.
+        buffered.store(1, Ordering::SeqCst);
+        let started = Instant::now();
+        timed_out(actor.full().await);
+        timed_out(actor.delta().await);
+        assert!(started.elapsed() < Duration::from_secs(3));
+        assert_has(&reg, r#"etcdbr_snapshotter_failure{error="timeout"} 3"#);
+        assert_has(
+            &reg,
+            r#"etcdbr_snapshot_duration_seconds_count{kind="Incr",succeeded="false"} 1"#,
+        );
+
+        // etcd answers again: the next commands succeed.
+        hang.store(false, Ordering::SeqCst);
+        let full = actor.full().await.unwrap();
+        assert_eq!(full.kind, Kind::Full);
+        assert_has(&reg, r#"etcdbr_snapshot_required{kind="Full"} 0"#);
+        // An event is still buffered after the full snapshot's revision.
+        assert_has(&reg, r#"etcdbr_snapshot_required{kind="Incr"} 1"#);
+        assert_has(
+            &reg,
+            r#"etcd_warden_snapshot_latest_size_bytes{kind="Full"} 4096"#,
+        );
+        // The timed-out delta restarted the watch from the store; once it runs again a delta
+        // goes through.
+        let delta = loop {
+            match actor.delta().await {
+                Err(ActorError::NoDeltas) => tokio::time::sleep(Duration::from_millis(10)).await,
+                other => break other.unwrap(),
+            }
+        };
+        assert_eq!(delta.map(|d| d.kind), Some(Kind::Incr));
+        assert_has(&reg, r#"etcdbr_snapshot_required{kind="Incr"} 0"#);
+        assert_has(&reg, "etcdbr_snapstore_latest_deltas_total 1");
+        assert_has(&reg, "etcdbr_snapstore_latest_deltas_revisions_total 0");
+        assert_has(&reg, r#"etcdbr_snapshotter_failure{error="timeout"} 3"#);
+        assert!(buffered.load(Ordering::SeqCst) == 0);
+
+        cancel.cancel();
+        task.await.unwrap();
     }
 }

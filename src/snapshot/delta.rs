@@ -333,6 +333,14 @@ impl DeltaWriter {
     /// Stores the buffered events as one delta snapshot; `None` when there is nothing to store.
     /// On failure the events stay buffered for the next try.
     pub async fn flush(&mut self, store: &SnapshotStore) -> Result<Option<Snapshot>, DeltaError> {
+        Ok(self.flush_sized(store).await?.map(|(snapshot, _)| snapshot))
+    }
+
+    /// [`DeltaWriter::flush`], also returning the bytes stored.
+    pub async fn flush_sized(
+        &mut self,
+        store: &SnapshotStore,
+    ) -> Result<Option<(Snapshot, u64)>, DeltaError> {
         let Some(last) = self.events.last().map(|e| e.event.revision()) else {
             return Ok(None);
         };
@@ -353,6 +361,7 @@ impl DeltaWriter {
         .map_err(std::io::Error::other)?;
         self.events = events;
         let stored = stored?;
+        let bytes = stored.len() as u64;
         store.put_bytes(&snapshot, Bytes::from(stored)).await?;
         tracing::info!(
             snapshot = %snapshot.snap_name,
@@ -364,7 +373,7 @@ impl DeltaWriter {
         self.previous_last = last;
         self.events.clear();
         self.buffered = 0;
-        Ok(Some(snapshot))
+        Ok(Some((snapshot, bytes)))
     }
 }
 

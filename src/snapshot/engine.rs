@@ -4,12 +4,12 @@ use crate::etcd::RotatingClient;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 
-use super::actor::{Collected, Engine, EngineError};
+use super::actor::{Collected, Engine, EngineError, Membership, Stored};
 use super::delta::DeltaWriter;
-use super::full::take_full_from;
+use super::full::take_full_sized;
 use super::watcher::{DeltaWatch, WatchError};
 use crate::store::gc::{self, GcReport, Retention};
-use crate::store::{Codec, Kind, Snapshot, SnapshotStore};
+use crate::store::{Chain, Codec, SnapshotStore};
 
 /// Snapshots of the etcd member `etcd` talks to, stored in `store`.
 pub struct EtcdEngine {
@@ -59,16 +59,20 @@ impl Engine for EtcdEngine {
         &mut self,
         is_final: bool,
         min_revision: Option<i64>,
-    ) -> Result<Snapshot, EngineError> {
+    ) -> Result<Stored, EngineError> {
         let client = self.etcd.client().await;
-        let snap = take_full_from(&client, &self.store, self.codec, is_final, min_revision).await?;
+        let (snap, bytes) =
+            take_full_sized(&client, &self.store, self.codec, is_final, min_revision).await?;
         match self.writer.as_mut() {
             // The running watch goes on; what the full snapshot covers is dropped.
             Some(w) => w.rebase(snap.last_revision),
             None if self.want_deltas && !is_final => self.watch_after(snap.last_revision).await?,
             None => {}
         }
-        Ok(snap)
+        Ok(Stored {
+            snapshot: snap,
+            bytes,
+        })
     }
 
     async fn collect(&mut self) -> Result<Collected, EngineError> {
@@ -105,9 +109,12 @@ impl Engine for EtcdEngine {
             .map_or(0, |w| w.buffered_bytes() as u64)
     }
 
-    async fn flush_delta(&mut self) -> Result<Option<Snapshot>, EngineError> {
+    async fn flush_delta(&mut self) -> Result<Option<Stored>, EngineError> {
         match self.writer.as_mut() {
-            Some(w) => Ok(w.flush(&self.store).await?),
+            Some(w) => Ok(w
+                .flush_sized(&self.store)
+                .await?
+                .map(|(snapshot, bytes)| Stored { snapshot, bytes })),
             None => Ok(None),
         }
     }
@@ -136,15 +143,28 @@ impl Engine for EtcdEngine {
         self.writer = None;
     }
 
-    async fn is_leader(&mut self) -> Result<bool, EngineError> {
-        let status = self.etcd.client().await.status().await?;
+    async fn membership(&mut self) -> Result<Membership, EngineError> {
+        let mut client = self.etcd.client().await;
+        let status = client.status().await?;
         let me = status.header().map(|h| h.member_id()).unwrap_or_default();
-        Ok(me != 0 && status.leader() == me)
+        // Both are unary calls, bounded by etcd.request_timeout. A learner may be refused the
+        // member list; its size is then unknown, which is no reason to doubt the status.
+        let cluster_size = match client.member_list().await {
+            Ok(list) => Some(list.members().len() as u64),
+            Err(error) => {
+                tracing::debug!(%error, "reading etcd's member list failed");
+                None
+            }
+        };
+        Ok(Membership {
+            leader: me != 0 && status.leader() == me,
+            learner: status.is_learner(),
+            cluster_size,
+        })
     }
 
-    async fn latest_full(&mut self) -> Result<Option<Snapshot>, EngineError> {
-        let list = self.store.list().await?;
-        Ok(list.into_iter().rev().find(|s| s.kind == Kind::Full))
+    async fn latest_chain(&mut self) -> Result<Chain, EngineError> {
+        Ok(self.store.latest_chain().await?)
     }
 
     async fn gc(&mut self, now: DateTime<Utc>) -> Result<GcReport, EngineError> {

@@ -63,6 +63,18 @@ pub async fn take_full_from(
     is_final: bool,
     min_revision: Option<i64>,
 ) -> Result<Snapshot, FullError> {
+    let (snapshot, _) = take_full_sized(client, store, codec, is_final, min_revision).await?;
+    Ok(snapshot)
+}
+
+/// [`take_full_from`], also returning the bytes stored (compressed).
+pub async fn take_full_sized(
+    client: &etcd_client::Client,
+    store: &SnapshotStore,
+    codec: Codec,
+    is_final: bool,
+    min_revision: Option<i64>,
+) -> Result<(Snapshot, u64), FullError> {
     let mut maintenance = client.maintenance_client();
     let revision = maintenance
         .status()
@@ -98,7 +110,7 @@ pub async fn take_full_from(
         seconds = started.elapsed().as_secs_f64(),
         "full snapshot stored"
     );
-    Ok(snapshot)
+    Ok((snapshot, size))
 }
 
 /// Verifies, compresses, encrypts (when the store encrypts) and uploads a raw etcd snapshot stream under `snapshot`'s name.

@@ -1,5 +1,7 @@
-//! Snapshot metrics, named as etcd-backup-restore names them (`etcdbr_snapshot_…`) so existing
-//! dashboards and alerts keep working.
+//! Snapshot metrics, named as etcd-backup-restore names them (`etcdbr_…`) so existing
+//! dashboards and alerts keep working; what the reference has no metric for is
+//! `etcd_warden_snapshot_…`. The member's place in the cluster (`etcdbr_cluster_size`,
+//! `etcdbr_is_learner`) is here too: the actor's leadership poll is what reads it.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -16,6 +18,19 @@ pub struct KindLabel {
     /// `Full` or `Incr`.
     pub kind: String,
 }
+
+/// `error` label: a bounded class of the failure (the reference puts the whole message there,
+/// one series per distinct message; a class keeps the series few and still says where to look).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabel {
+    /// One of [`FAILURE_CLASSES`].
+    pub error: String,
+}
+
+/// Every value of the `error` label of `etcdbr_snapshotter_failure`, created at zero.
+pub const FAILURE_CLASSES: [&str; 7] = [
+    "etcd", "store", "codec", "behind", "delta", "watch", "timeout",
+];
 
 /// `kind` and `succeeded` labels.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -47,6 +62,13 @@ pub struct SnapshotMetrics {
     latest_timestamp: Family<KindLabel, Gauge>,
     gc: Family<OutcomeLabels, Counter>,
     leader: Gauge,
+    required: Family<KindLabel, Gauge>,
+    failures: Family<ErrorLabel, Gauge>,
+    latest_deltas: Gauge,
+    latest_deltas_revisions: Gauge,
+    latest_size: Family<KindLabel, Gauge>,
+    cluster_size: Gauge,
+    is_learner: Gauge,
 }
 
 impl Default for SnapshotMetrics {
@@ -60,6 +82,13 @@ impl Default for SnapshotMetrics {
             latest_timestamp: Family::default(),
             gc: Family::default(),
             leader: Gauge::default(),
+            required: Family::default(),
+            failures: Family::default(),
+            latest_deltas: Gauge::default(),
+            latest_deltas_revisions: Gauge::default(),
+            latest_size: Family::default(),
+            cluster_size: Gauge::default(),
+            is_learner: Gauge::default(),
         }
     }
 }
@@ -69,29 +98,73 @@ impl SnapshotMetrics {
     pub fn register(&self, registry: &mut Registry) {
         registry.register(
             "etcdbr_snapshot_duration_seconds",
-            "Total latency distribution of saving snapshot to object store.",
+            "Total latency distribution of saving snapshot to object store",
             self.duration.clone(),
         );
         registry.register(
             "etcdbr_snapshot_latest_revision",
-            "Revision number of latest snapshot taken.",
+            "Revision number of latest snapshot taken",
             self.latest_revision.clone(),
         );
         registry.register(
             "etcdbr_snapshot_latest_timestamp",
-            "Timestamp of latest snapshot taken.",
+            "Timestamp of latest snapshot taken",
             self.latest_timestamp.clone(),
         );
         registry.register(
             "etcdbr_snapshot_gc",
-            "Total number of garbage collected snapshots.",
+            "Total number of garbage collected snapshots",
             self.gc.clone(),
         );
         registry.register(
             "etcd_warden_snapshot_leader",
-            "1 while this sidecar's member leads the raft group, so it is the one taking snapshots.",
+            "1 while this sidecar's member leads the raft group, so it is the one taking snapshots",
             self.leader.clone(),
         );
+        registry.register(
+            "etcdbr_snapshot_required",
+            "Indicates whether a snapshot is required to be taken: 1 while a full snapshot is due \
+             and not stored, or watch events are buffered and not yet in a delta",
+            self.required.clone(),
+        );
+        // A gauge that only grows: the reference's counter is exposed without `_total`, which
+        // OpenMetrics requires of a counter; this keeps the name dashboards query.
+        registry.register(
+            "etcdbr_snapshotter_failure",
+            "Total number of snapshotter errors (full, delta, watch), by class",
+            self.failures.clone(),
+        );
+        registry.register(
+            "etcdbr_snapstore_latest_deltas_total",
+            "Total number of delta snapshots taken since the latest full snapshot",
+            self.latest_deltas.clone(),
+        );
+        registry.register(
+            "etcdbr_snapstore_latest_deltas_revisions_total",
+            "Total number of revisions stored in delta snapshots taken since the latest full \
+             snapshot (last delta's last revision minus first delta's start revision)",
+            self.latest_deltas_revisions.clone(),
+        );
+        registry.register(
+            "etcd_warden_snapshot_latest_size_bytes",
+            "Stored (compressed) size of the latest snapshot stored by this sidecar",
+            self.latest_size.clone(),
+        );
+        registry.register(
+            "etcdbr_cluster_size",
+            "Current Etcd cluster size (members in etcd's member list)",
+            self.cluster_size.clone(),
+        );
+        registry.register(
+            "etcdbr_is_learner",
+            "Whether or not this member is a learner: 1 if it is, 0 otherwise",
+            self.is_learner.clone(),
+        );
+        for class in FAILURE_CLASSES {
+            drop(self.failures.get_or_create(&ErrorLabel {
+                error: class.into(),
+            }));
+        }
         for k in [Kind::Full, Kind::Incr] {
             for ok in [true, false] {
                 // Created at zero so every series is there from the start (as the reference).
@@ -100,11 +173,14 @@ impl SnapshotMetrics {
             }
             drop(self.latest_revision.get_or_create(&kind(k)));
             drop(self.latest_timestamp.get_or_create(&kind(k)));
+            drop(self.required.get_or_create(&kind(k)));
+            drop(self.latest_size.get_or_create(&kind(k)));
         }
     }
 
-    /// Records a stored snapshot.
-    pub fn stored(&self, s: &Snapshot, seconds: f64) {
+    /// Records a stored snapshot of `bytes` in the store. A full snapshot starts a new chain:
+    /// no deltas since it, nothing required.
+    pub fn stored(&self, s: &Snapshot, bytes: u64, seconds: f64) {
         self.duration
             .get_or_create(&outcome(s.kind, true))
             .observe(seconds);
@@ -114,6 +190,65 @@ impl SnapshotMetrics {
         self.latest_timestamp
             .get_or_create(&kind(s.kind))
             .set(s.created_on.timestamp());
+        self.latest_size
+            .get_or_create(&kind(s.kind))
+            .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+        match s.kind {
+            Kind::Full => {
+                self.latest_deltas.set(0);
+                self.latest_deltas_revisions.set(0);
+                self.set_required(Kind::Full, false);
+            }
+            Kind::Incr => {
+                // The chain's first delta starts right after its full snapshot, so the span
+                // grows by what this delta adds.
+                let first = self.latest_deltas.inc() == 0;
+                let added = s.last_revision - s.start_revision;
+                if first {
+                    self.latest_deltas_revisions.set(added);
+                } else {
+                    self.latest_deltas_revisions.inc_by(added + 1);
+                }
+            }
+        }
+    }
+
+    /// Sets the delta gauges from the store's latest chain (when the actor starts or becomes
+    /// the snapshot leader), as the reference does whenever it reads the chain.
+    pub fn chain(&self, chain: &crate::store::Chain) {
+        let deltas = &chain.delta_snapshots;
+        self.latest_deltas
+            .set(i64::try_from(deltas.len()).unwrap_or(i64::MAX));
+        let span = match (deltas.first(), deltas.last()) {
+            (Some(first), Some(last)) => last.last_revision - first.start_revision,
+            _ => 0,
+        };
+        self.latest_deltas_revisions.set(span);
+    }
+
+    /// Whether a snapshot of `k` is due and not stored yet.
+    pub fn set_required(&self, k: Kind, required: bool) {
+        self.required
+            .get_or_create(&kind(k))
+            .set(i64::from(required));
+    }
+
+    /// Counts a failed snapshotter operation by class (one of [`FAILURE_CLASSES`]).
+    pub fn failure(&self, class: &'static str) {
+        self.failures
+            .get_or_create(&ErrorLabel {
+                error: class.into(),
+            })
+            .inc();
+    }
+
+    /// Records the member's place in the cluster; `cluster_size` is `None` when the member list
+    /// could not be read (the last value stays).
+    pub fn membership(&self, is_learner: bool, cluster_size: Option<u64>) {
+        self.is_learner.set(i64::from(is_learner));
+        if let Some(n) = cluster_size {
+            self.cluster_size.set(i64::try_from(n).unwrap_or(i64::MAX));
+        }
     }
 
     /// Records whether this sidecar is the snapshot leader.
@@ -158,13 +293,12 @@ mod tests {
             Codec::Gzip,
             false,
         );
-        m.stored(&s, 1.5);
+        m.stored(&s, 1234, 1.5);
         m.gc(&crate::store::gc::GcReport {
             deleted: vec![s.clone()],
             failed: vec![],
         });
-        let mut out = String::new();
-        prometheus_client::encoding::text::encode(&mut out, &reg).unwrap();
+        let out = render(&reg);
         assert!(
             out.contains(r#"etcdbr_snapshot_latest_revision{kind="Full"} 42"#),
             "{out}"
@@ -177,5 +311,106 @@ mod tests {
             )
         );
         assert!(out.contains(r#"etcdbr_snapshot_gc_total{kind="Incr",succeeded="false"} 0"#));
+        assert!(out.contains(r#"etcd_warden_snapshot_latest_size_bytes{kind="Full"} 1234"#));
+        // Every series of the reference's newer metrics is there from the start.
+        for line in [
+            r#"etcdbr_snapshot_required{kind="Incr"} 0"#,
+            r#"etcdbr_snapshotter_failure{error="timeout"} 0"#,
+            "etcdbr_snapstore_latest_deltas_total 0",
+            "etcdbr_snapstore_latest_deltas_revisions_total 0",
+            "etcdbr_cluster_size 0",
+            "etcdbr_is_learner 0",
+        ] {
+            assert!(out.contains(line), "{line} missing:\n{out}");
+        }
+    }
+
+    fn render(reg: &Registry) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, reg).unwrap();
+        out
+    }
+
+    fn snap(kind: Kind, start: i64, last: i64) -> Snapshot {
+        Snapshot::new(
+            "",
+            kind,
+            start,
+            last,
+            chrono::DateTime::from_timestamp(1_700_000_000 + last, 0).unwrap(),
+            Codec::Gzip,
+            false,
+        )
+    }
+
+    #[test]
+    fn delta_gauges_count_the_chain_since_the_latest_full_snapshot() {
+        let m = SnapshotMetrics::default();
+        let mut reg = Registry::default();
+        m.register(&mut reg);
+        m.stored(&snap(Kind::Full, 0, 10), 100, 1.0);
+        m.stored(&snap(Kind::Incr, 11, 15), 10, 0.1);
+        m.stored(&snap(Kind::Incr, 16, 16), 10, 0.1);
+        m.stored(&snap(Kind::Incr, 17, 30), 10, 0.1);
+        let out = render(&reg);
+        assert!(
+            out.contains("etcdbr_snapstore_latest_deltas_total 3\n"),
+            "{out}"
+        );
+        // As the reference computes it from the store: last delta's last minus first's start.
+        assert!(
+            out.contains("etcdbr_snapstore_latest_deltas_revisions_total 19\n"),
+            "{out}"
+        );
+        // The same from the store's chain (what a restarted sidecar reports).
+        let m2 = SnapshotMetrics::default();
+        let mut reg2 = Registry::default();
+        m2.register(&mut reg2);
+        m2.chain(&crate::store::Chain {
+            full_snapshot: Some(snap(Kind::Full, 0, 10)),
+            delta_snapshots: vec![
+                snap(Kind::Incr, 11, 15),
+                snap(Kind::Incr, 16, 16),
+                snap(Kind::Incr, 17, 30),
+            ],
+        });
+        let out2 = render(&reg2);
+        assert!(
+            out2.contains("etcdbr_snapstore_latest_deltas_total 3\n"),
+            "{out2}"
+        );
+        assert!(out2.contains("etcdbr_snapstore_latest_deltas_revisions_total 19\n"));
+        // A new full snapshot starts a new chain.
+        m.set_required(Kind::Full, true);
+        assert!(render(&reg).contains(r#"etcdbr_snapshot_required{kind="Full"} 1"#));
+        m.stored(&snap(Kind::Full, 0, 31), 100, 1.0);
+        let out = render(&reg);
+        assert!(
+            out.contains("etcdbr_snapstore_latest_deltas_total 0\n"),
+            "{out}"
+        );
+        assert!(out.contains("etcdbr_snapstore_latest_deltas_revisions_total 0\n"));
+        assert!(out.contains(r#"etcdbr_snapshot_required{kind="Full"} 0"#));
+    }
+
+    #[test]
+    fn failures_by_class_and_membership() {
+        let m = SnapshotMetrics::default();
+        let mut reg = Registry::default();
+        m.register(&mut reg);
+        m.failure("timeout");
+        m.failure("timeout");
+        m.failure("store");
+        m.membership(true, Some(3));
+        m.membership(true, None);
+        let out = render(&reg);
+        assert!(
+            out.contains(r#"etcdbr_snapshotter_failure{error="timeout"} 2"#),
+            "{out}"
+        );
+        assert!(out.contains(r#"etcdbr_snapshotter_failure{error="store"} 1"#));
+        assert!(out.contains(r#"etcdbr_snapshotter_failure{error="etcd"} 0"#));
+        assert!(out.contains("etcdbr_cluster_size 3\n"), "{out}");
+        assert!(out.contains("etcdbr_is_learner 1\n"));
     }
 }
