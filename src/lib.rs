@@ -18,6 +18,7 @@
 #![forbid(unsafe_code)]
 
 pub mod backoff;
+pub mod compact;
 pub mod config;
 pub mod copy;
 pub mod etcd;

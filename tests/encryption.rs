@@ -10,17 +10,16 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use age::secrecy::ExposeSecret;
-use etcd_client::{Client, GetOptions};
+use etcd_client::Client;
 use etcd_warden::config::EncryptionConfig;
 use etcd_warden::restore::{EtcdTools, MemberParams, RestoreOptions, TempEtcd};
-use etcd_warden::snapshot::delta::{DeltaWriter, Event};
 use etcd_warden::snapshot::take_full;
 use etcd_warden::snapshot::verify::verify;
-use etcd_warden::snapshot::watcher::DeltaWatch;
 use etcd_warden::store::compression::collect;
 use etcd_warden::store::encryption::AGE_MAGIC;
 use etcd_warden::store::{Codec, Kind, SnapshotStore};
 use support::etcd::{EtcdCluster, Release};
+use support::history::{Dump, dump, writes};
 use support::s3::S3Server;
 
 const SRC: &str = "enc-src";
@@ -50,62 +49,8 @@ fn reading_with(identities: &[&Path]) -> EncryptionConfig {
     }
 }
 
-/// Every key and value, and the revision.
-async fn dump(client: &mut Client) -> (Vec<(Vec<u8>, Vec<u8>, i64)>, i64) {
-    let resp = client
-        .get(vec![0u8], Some(GetOptions::new().with_from_key()))
-        .await
-        .unwrap();
-    let kvs = resp
-        .kvs()
-        .iter()
-        .map(|kv| (kv.key().to_vec(), kv.value().to_vec(), kv.mod_revision()))
-        .collect();
-    (kvs, resp.header().unwrap().revision())
-}
-
-/// Writes `n` keys of phase `phase` (some overwritten, one deleted) and returns the revision.
-async fn writes(client: &mut Client, phase: usize, n: usize) -> i64 {
-    for i in 0..n {
-        client
-            .put(
-                format!("/registry/secrets/p{phase}-{i:04}"),
-                format!("secret-{phase}-{i}-{}", "x".repeat(200)),
-                None,
-            )
-            .await
-            .unwrap();
-    }
-    client
-        .put(format!("/registry/secrets/p{phase}-0000"), "rotated", None)
-        .await
-        .unwrap();
-    let r = client
-        .delete(format!("/registry/secrets/p{phase}-0001"), None)
-        .await
-        .unwrap();
-    r.header().unwrap().revision()
-}
-
-/// A full snapshot and `deltas` deltas of the etcd behind `client`, written by `store`.
 async fn history(client: &mut Client, store: &SnapshotStore, deltas: usize) -> i64 {
-    let mut rev = writes(client, 0, 300).await;
-    let full = take_full(client, store, Codec::Gzip, false).await.unwrap();
-    assert_eq!(full.last_revision, rev);
-    let mut writer = DeltaWriter::new(Codec::Gzip, full.last_revision);
-    let mut watch = DeltaWatch::open(client, full.last_revision + 1)
-        .await
-        .unwrap();
-    for phase in 1..=deltas {
-        rev = writes(client, phase, 50).await;
-        let mut events: Vec<Event> = Vec::new();
-        while events.last().map_or(0, Event::revision) < rev {
-            events.extend(watch.next().await.unwrap());
-        }
-        writer.push(events, chrono::Utc::now());
-        writer.flush(store).await.unwrap().unwrap();
-    }
-    rev
+    support::history::build(client, store, 300, deltas, 50).await
 }
 
 fn restore_options(data_dir: &Path) -> RestoreOptions {
@@ -118,7 +63,7 @@ fn restore_options(data_dir: &Path) -> RestoreOptions {
     }
 }
 
-async fn dump_restored(data_dir: &Path) -> (Vec<(Vec<u8>, Vec<u8>, i64)>, i64) {
+async fn dump_restored(data_dir: &Path) -> Dump {
     let tools = EtcdTools::locate(Some(&Release::V35.bin_dir()))
         .await
         .unwrap();

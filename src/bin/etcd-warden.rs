@@ -72,6 +72,20 @@ enum Command {
     },
     /// Copy snapshots from a source store to this one, optionally after the source's final one.
     Copy(CopyArgs),
+    /// Fold the latest full snapshot and its deltas into one new full snapshot (restored into a
+    /// temporary etcd, compacted at its head revision, defragmented), so later restores replay
+    /// no long delta chain. Runnable as a Job (deploy/compact-job).
+    Compact {
+        #[command(flatten)]
+        store: StoreArg,
+        /// Where the temporary data directory goes (needs about twice the database's size);
+        /// default the system's temporary directory.
+        #[arg(long, value_name = "DIR")]
+        work_dir: Option<PathBuf>,
+        /// Directory of etcd and etcdutl/etcdctl (restore.etcd_bin); default PATH.
+        #[arg(long, value_name = "DIR")]
+        etcd_bin: Option<String>,
+    },
     /// Build an etcd data directory from the latest full snapshot and every later delta.
     Restore {
         #[command(flatten)]
@@ -211,6 +225,18 @@ impl Command {
                     .collect()
             }
             Command::Copy(args) => args.overrides(),
+            Command::Compact {
+                store, etcd_bin, ..
+            } => store
+                .store
+                .iter()
+                .map(|u| Override::flag("store.url", u, "--store"))
+                .chain(
+                    etcd_bin
+                        .iter()
+                        .map(|d| Override::flag("restore.etcd_bin", d, "--etcd-bin")),
+                )
+                .collect(),
             Command::Restore { store, restore } => store
                 .store
                 .iter()
@@ -231,7 +257,8 @@ impl Command {
             | Command::Snapshot { .. }
             | Command::Ls { .. }
             | Command::Verify { .. }
-            | Command::Reclaim { .. } => Purpose::Any,
+            | Command::Reclaim { .. }
+            | Command::Compact { .. } => Purpose::Any,
         }
     }
 }
@@ -332,6 +359,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Command::Reclaim { .. } => ops::reclaim(&config).await,
             Command::Copy(_) => ops::copy(&config).await,
             Command::Restore { .. } => ops::restore(&config).await,
+            Command::Compact { work_dir, .. } => {
+                ops::compact(&config, work_dir.unwrap_or_else(std::env::temp_dir)).await
+            }
         }
     })
 }
@@ -488,6 +518,43 @@ mod ops {
         );
         if let Some(old) = &report.moved_aside {
             println!("the previous data directory is at {}", old.display());
+        }
+        Ok(())
+    }
+
+    pub async fn compact(config: &Config, work_dir: std::path::PathBuf) -> anyhow::Result<()> {
+        use etcd_warden::compact::{CompactOptions, CompactReport};
+        let store = snapshots(config)?;
+        let opts = CompactOptions {
+            work_dir,
+            etcd_bin: config.restore.etcd_bin.clone(),
+            codec: Codec::from(config.snapshot.compression),
+            parallel_fetch: config.restore.parallel_fetch,
+        };
+        match etcd_warden::compact::compact(&store, &opts)
+            .await
+            .context("compact failed")?
+        {
+            CompactReport::NothingToDo { latest_full } => println!(
+                "nothing to compact: {}",
+                latest_full.map_or("the store has no full snapshot".into(), |f| format!(
+                    "no delta after {f}"
+                ))
+            ),
+            CompactReport::Compacted {
+                from_full,
+                deltas,
+                snapshot,
+                db_size_before,
+                db_size_after,
+                seconds,
+            } => println!(
+                "stored {} (revision {}): {from_full} and {deltas} deltas, database {} → {} MiB, {seconds:.1}s",
+                snapshot.snap_name,
+                snapshot.last_revision,
+                db_size_before >> 20,
+                db_size_after >> 20
+            ),
         }
         Ok(())
     }

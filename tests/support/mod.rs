@@ -10,6 +10,7 @@ pub mod dns;
 pub mod etcd;
 pub mod faultproxy;
 pub mod faultrun;
+pub mod history;
 pub mod invariants;
 pub mod migration;
 pub mod pod;

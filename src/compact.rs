@@ -1,0 +1,230 @@
+//! `etcd-warden compact`: folds the latest full snapshot and its deltas into one new full
+//! snapshot, so later restores start from it instead of replaying a long delta chain, and
+//! retention can drop the chain before it.
+//!
+//! The chain is restored into a temporary data directory (the restore's own checks: hashes,
+//! revisions that follow on, decryption with the configured identities), a temporary etcd is
+//! started on it, compacted at its head revision and defragmented, and a full snapshot of it is
+//! stored (encrypted when the store encrypts). The new full snapshot has the head revision of the
+//! chain, so it orders after the chain's last delta and becomes the store's latest full snapshot;
+//! deltas written meanwhile by a running sidecar start after that revision and stay in the chain.
+//!
+//! Disk: the temporary directory holds the restored database about twice while it is built
+//! (the snapshot and the database written from it), then once; memory is the restore's and the
+//! snapshot stream's (bounded, independent of the database size).
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use crate::restore::{self, EtcdTools, MemberParams, RestoreError, RestoreOptions, TempEtcd};
+use crate::snapshot::full::{FullError, take_full_from};
+use crate::store::{Codec, Snapshot, SnapshotStore, StoreError};
+
+/// Why compaction failed; nothing was stored.
+#[derive(Debug, thiserror::Error)]
+pub enum CompactError {
+    /// Listing the store failed.
+    #[error("listing the store: {0}")]
+    Store(#[source] StoreError),
+    /// Restoring the chain failed.
+    #[error("restoring the chain: {0}")]
+    Restore(#[source] RestoreError),
+    /// The temporary etcd refused a request.
+    #[error("{what} on the temporary etcd: {source}")]
+    Etcd {
+        /// Which request.
+        what: &'static str,
+        #[source]
+        source: etcd_client::Error,
+    },
+    /// Taking or storing the compacted snapshot failed.
+    #[error("storing the compacted snapshot: {0}")]
+    Snapshot(#[source] FullError),
+    /// The work directory could not be prepared or cleaned.
+    #[error("work directory {}: {source}", path.display())]
+    WorkDir {
+        /// The directory.
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// How to compact.
+#[derive(Debug, Clone)]
+pub struct CompactOptions {
+    /// A directory for the temporary data directory (created and removed inside it).
+    pub work_dir: PathBuf,
+    /// Where etcd's binaries are; `None` searches as a restore does.
+    pub etcd_bin: Option<PathBuf>,
+    /// Compression of the new full snapshot.
+    pub codec: Codec,
+    /// Deltas fetched ahead during the restore.
+    pub parallel_fetch: usize,
+}
+
+/// What compaction did.
+#[derive(Debug, Clone)]
+pub enum CompactReport {
+    /// The latest full snapshot has no deltas after it: nothing to fold.
+    NothingToDo {
+        /// The latest full snapshot, if any.
+        latest_full: Option<String>,
+    },
+    /// A new full snapshot holds the chain.
+    Compacted {
+        /// The full snapshot the chain started from.
+        from_full: String,
+        /// Deltas folded in.
+        deltas: usize,
+        /// The new full snapshot (at the chain's head revision).
+        snapshot: Snapshot,
+        /// Database size before and after compaction and defragmentation, bytes.
+        db_size_before: i64,
+        db_size_after: i64,
+        /// Wall time of the whole run, seconds.
+        seconds: f64,
+    },
+}
+
+/// Folds the store's latest chain into a new full snapshot.
+#[tracing::instrument(name = "compact", skip_all, fields(work_dir = %opts.work_dir.display()))]
+pub async fn compact(
+    store: &SnapshotStore,
+    opts: &CompactOptions,
+) -> Result<CompactReport, CompactError> {
+    let started = Instant::now();
+    let chain = store.latest_chain().await.map_err(CompactError::Store)?;
+    let Some(full) = chain.full_snapshot.as_ref() else {
+        return Ok(CompactReport::NothingToDo { latest_full: None });
+    };
+    if chain.delta_snapshots.is_empty() {
+        return Ok(CompactReport::NothingToDo {
+            latest_full: Some(full.snap_name.clone()),
+        });
+    }
+    let work = WorkDir::create(&opts.work_dir)?;
+    let data_dir = work.path.join("data");
+    let restored = restore::restore(
+        store,
+        &RestoreOptions {
+            data_dir: data_dir.clone(),
+            member: MemberParams::default(),
+            etcd_bin: opts.etcd_bin.clone(),
+            force: false,
+            parallel_fetch: opts.parallel_fetch,
+        },
+    )
+    .await
+    .map_err(CompactError::Restore)?;
+    tracing::info!(
+        from = %restored.full_snapshot,
+        deltas = restored.deltas,
+        revision = restored.revision,
+        "chain restored; compacting"
+    );
+
+    let tools = EtcdTools::locate(opts.etcd_bin.as_deref())
+        .await
+        .map_err(CompactError::Restore)?;
+    let etcd = TempEtcd::start(
+        &tools,
+        &data_dir,
+        &MemberParams::default().name,
+        work.path.join("etcd.log"),
+    )
+    .await
+    .map_err(CompactError::Restore)?;
+    let result = compact_and_store(store, &etcd.client_url, restored.revision, opts.codec).await;
+    if let Err(e) = etcd.stop().await {
+        tracing::warn!(error = %e, "stopping the temporary etcd failed");
+    }
+    let (snapshot, db_size_before, db_size_after) = result?;
+    let report = CompactReport::Compacted {
+        from_full: restored.full_snapshot,
+        deltas: restored.deltas,
+        snapshot,
+        db_size_before,
+        db_size_after,
+        seconds: started.elapsed().as_secs_f64(),
+    };
+    tracing::info!(?report, "compacted");
+    Ok(report)
+}
+
+/// Compacts the temporary etcd at `revision`, defragments it and stores its full snapshot,
+/// which must reach `revision`. Returns it with the database size before and after.
+async fn compact_and_store(
+    store: &SnapshotStore,
+    url: &str,
+    revision: i64,
+    codec: Codec,
+) -> Result<(Snapshot, i64, i64), CompactError> {
+    let etcd = |what| move |source| CompactError::Etcd { what, source };
+    let client = etcd_client::Client::connect([url], None)
+        .await
+        .map_err(etcd("connecting"))?;
+    let mut maintenance = client.maintenance_client();
+    let before = maintenance
+        .status()
+        .await
+        .map_err(etcd("status"))?
+        .db_size();
+    let mut kv = client.kv_client();
+    match kv
+        .compact(
+            revision,
+            Some(etcd_client::CompactionOptions::new().with_physical()),
+        )
+        .await
+    {
+        Ok(_) => {}
+        // Already compacted at this revision (the full snapshot was taken after a compaction
+        // and no delta followed): nothing older to drop.
+        Err(etcd_client::Error::GRpcStatus(s)) if s.message().contains("compacted") => {}
+        Err(e) => return Err(etcd("compacting")(e)),
+    }
+    maintenance
+        .defragment()
+        .await
+        .map_err(etcd("defragmenting"))?;
+    let after = maintenance
+        .status()
+        .await
+        .map_err(etcd("status"))?
+        .db_size();
+    let snapshot = take_full_from(&client, store, codec, false, Some(revision))
+        .await
+        .map_err(CompactError::Snapshot)?;
+    Ok((snapshot, before, after))
+}
+
+/// A fresh directory inside the work directory, removed when dropped (also on failure).
+struct WorkDir {
+    path: PathBuf,
+}
+
+impl WorkDir {
+    fn create(parent: &Path) -> Result<WorkDir, CompactError> {
+        let fail = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| CompactError::WorkDir { path, source }
+        };
+        std::fs::create_dir_all(parent).map_err(fail(parent))?;
+        let path = parent.join(format!(
+            "etcd-warden-compact-{}-{}",
+            std::process::id(),
+            chrono::Utc::now().timestamp_millis()
+        ));
+        std::fs::create_dir(&path).map_err(fail(&path))?;
+        Ok(WorkDir { path })
+    }
+}
+
+impl Drop for WorkDir {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_dir_all(&self.path) {
+            tracing::warn!(path = %self.path.display(), error = %e, "removing the compaction's work directory failed");
+        }
+    }
+}

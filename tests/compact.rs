@@ -1,0 +1,204 @@
+//! `etcd-warden compact` against etcd 3.5 and the S3 server: a full snapshot and 200 deltas fold
+//! into one full snapshot at the chain's head revision; a restore then starts from it, replays
+//! nothing, and gives the same keys, values, revisions and revision as the chain did.
+
+mod support;
+
+use std::path::Path;
+use std::time::Instant;
+
+use etcd_client::Client;
+use etcd_warden::config::EncryptionConfig;
+use etcd_warden::restore::{EtcdTools, MemberParams, RestoreOptions, TempEtcd};
+use etcd_warden::store::{Kind, SnapshotStore};
+use support::etcd::{EtcdCluster, Release};
+use support::history::{Dump, dump};
+use support::s3::S3Server;
+
+const BUCKET: &str = "compact";
+const PREFIX: &str = "etcd-main";
+
+fn restore_options(data_dir: &Path) -> RestoreOptions {
+    RestoreOptions {
+        data_dir: data_dir.to_path_buf(),
+        member: MemberParams::default(),
+        etcd_bin: Some(Release::V35.bin_dir()),
+        force: false,
+        parallel_fetch: 4,
+    }
+}
+
+async fn dump_restored(data_dir: &Path) -> Dump {
+    let tools = EtcdTools::locate(Some(&Release::V35.bin_dir()))
+        .await
+        .unwrap();
+    let etcd = TempEtcd::start(&tools, data_dir, "default", data_dir.with_extension("log"))
+        .await
+        .unwrap();
+    let mut client = Client::connect([&etcd.client_url], None).await.unwrap();
+    let d = dump(&mut client).await;
+    etcd.stop().await.unwrap();
+    d
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_deltas_fold_into_one_full_snapshot_that_restores_the_same_etcd() {
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut client = etcd.client().await;
+    let s3 = S3Server::start(&[BUCKET]);
+    let dir = tempfile::tempdir().unwrap();
+    // Encrypted, so compact also shows it reads with the identity and writes to the recipient.
+    let id = age::x25519::Identity::generate();
+    let key = dir.path().join("team.key");
+    std::fs::write(
+        &key,
+        format!(
+            "{}\n",
+            age::secrecy::ExposeSecret::expose_secret(&id.to_string())
+        ),
+    )
+    .unwrap();
+    let keys = EncryptionConfig {
+        recipients: vec![id.to_public()],
+        identities: vec![key.clone()],
+        ..Default::default()
+    };
+    let store = SnapshotStore::new(s3.object_store(BUCKET), PREFIX).with_encryption(keys);
+    let last = support::history::build(&mut client, &store, 500, 200, 20).await;
+    let original = dump(&mut client).await;
+    assert_eq!(original.1, last);
+
+    let before_target = dir.path().join("before.etcd");
+    let t = Instant::now();
+    let before = etcd_warden::restore::restore(&store, &restore_options(&before_target))
+        .await
+        .unwrap();
+    let before_time = t.elapsed();
+    assert_eq!((before.deltas, before.revision), (200, last));
+
+    // The binary, as the CronJob runs it, with the keys from the environment.
+    let work = dir.path().join("work");
+    let t = Instant::now();
+    let out = support::warden::command()
+        .args(["compact", "--store", &format!("s3://{BUCKET}/{PREFIX}")])
+        .arg("--work-dir")
+        .arg(&work)
+        .arg("--etcd-bin")
+        .arg(Release::V35.bin_dir())
+        .envs(s3.env("store"))
+        .env(
+            "ETCD_WARDEN_ENCRYPTION_RECIPIENTS",
+            id.to_public().to_string(),
+        )
+        .env("ETCD_WARDEN_ENCRYPTION_IDENTITIES", &key)
+        .output()
+        .unwrap();
+    let compact_time = t.elapsed();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("and 200 deltas"), "{stdout}");
+    assert_eq!(
+        std::fs::read_dir(&work).unwrap().count(),
+        0,
+        "the work directory is left empty"
+    );
+
+    let chain = store.latest_chain().await.unwrap();
+    let compacted = chain.full_snapshot.unwrap();
+    assert_eq!(compacted.last_revision, last);
+    assert!(compacted.encrypted && !compacted.is_final, "{compacted:?}");
+    assert!(chain.delta_snapshots.is_empty());
+    assert!(stdout.contains(&compacted.snap_name), "{stdout}");
+
+    let after_target = dir.path().join("after.etcd");
+    let t = Instant::now();
+    let after = etcd_warden::restore::restore(&store, &restore_options(&after_target))
+        .await
+        .unwrap();
+    let after_time = t.elapsed();
+    assert_eq!(after.full_snapshot, compacted.snap_name);
+    assert_eq!((after.deltas, after.revision), (0, last));
+    println!(
+        "restore before compact: {:.2}s (200 deltas); compact: {:.2}s; restore after: {:.2}s",
+        before_time.as_secs_f64(),
+        compact_time.as_secs_f64(),
+        after_time.as_secs_f64()
+    );
+    let restored = dump_restored(&after_target).await;
+    assert_eq!(restored.1, last, "revision");
+    assert!(
+        restored == original,
+        "the compacted restore differs from etcd"
+    );
+    assert!(dump_restored(&before_target).await == original);
+
+    // A second run has nothing to fold, and says so.
+    let out = support::warden::command()
+        .args(["compact", "--store", &format!("s3://{BUCKET}/{PREFIX}")])
+        .arg("--work-dir")
+        .arg(&work)
+        .envs(s3.env("store"))
+        .env("ETCD_WARDEN_ENCRYPTION_IDENTITIES", &key)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("nothing to compact"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let fulls = store
+        .list()
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|s| s.kind == Kind::Full)
+        .count();
+    assert_eq!(fulls, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chain_that_fails_to_restore_stores_nothing_and_cleans_up() {
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut client = etcd.client().await;
+    let s3 = S3Server::start(&[BUCKET]);
+    let store = SnapshotStore::new(s3.object_store(BUCKET), PREFIX);
+    support::history::build(&mut client, &store, 50, 3, 10).await;
+    // The middle delta is lost: the chain has a gap.
+    let lost = store
+        .list()
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|s| s.kind == Kind::Incr)
+        .nth(1)
+        .unwrap();
+    store.delete(&lost).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let work = dir.path().join("work");
+    let out = support::warden::command()
+        .args(["compact", "--store", &format!("s3://{BUCKET}/{PREFIX}")])
+        .arg("--work-dir")
+        .arg(&work)
+        .arg("--etcd-bin")
+        .arg(Release::V35.bin_dir())
+        .envs(s3.env("store"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("compact failed"), "{stderr}");
+    assert_eq!(std::fs::read_dir(&work).unwrap().count(), 0);
+    let fulls = store
+        .list()
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|s| s.kind == Kind::Full)
+        .count();
+    assert_eq!(fulls, 1, "nothing stored");
+}

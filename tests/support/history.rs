@@ -1,0 +1,77 @@
+//! A store's history written from a real etcd: a full snapshot, then deltas taken from a watch,
+//! each after a phase of puts, overwrites and a delete; and etcd's content to compare restores with.
+
+use etcd_client::{Client, GetOptions};
+use etcd_warden::snapshot::delta::{DeltaWriter, Event};
+use etcd_warden::snapshot::take_full;
+use etcd_warden::snapshot::watcher::DeltaWatch;
+use etcd_warden::store::{Codec, SnapshotStore};
+
+/// Every key as (key, value, mod revision), and the revision.
+pub type Dump = (Vec<(Vec<u8>, Vec<u8>, i64)>, i64);
+
+/// Every key and value with its mod revision, and the revision.
+pub async fn dump(client: &mut Client) -> Dump {
+    let resp = client
+        .get(vec![0u8], Some(GetOptions::new().with_from_key()))
+        .await
+        .unwrap();
+    let kvs = resp
+        .kvs()
+        .iter()
+        .map(|kv| (kv.key().to_vec(), kv.value().to_vec(), kv.mod_revision()))
+        .collect();
+    (kvs, resp.header().unwrap().revision())
+}
+
+/// Writes `n` keys of phase `phase` (~200-byte values), overwrites the first, deletes the
+/// second; returns the revision after.
+pub async fn writes(client: &mut Client, phase: usize, n: usize) -> i64 {
+    for i in 0..n {
+        client
+            .put(
+                format!("/registry/secrets/p{phase}-{i:04}"),
+                format!("secret-{phase}-{i}-{}", "x".repeat(200)),
+                None,
+            )
+            .await
+            .unwrap();
+    }
+    client
+        .put(format!("/registry/secrets/p{phase}-0000"), "rotated", None)
+        .await
+        .unwrap();
+    let r = client
+        .delete(format!("/registry/secrets/p{phase}-0001"), None)
+        .await
+        .unwrap();
+    r.header().unwrap().revision()
+}
+
+/// A full snapshot after `first` writes, then `deltas` deltas of `per_delta` writes each, written
+/// by `store`. Returns the last revision.
+pub async fn build(
+    client: &mut Client,
+    store: &SnapshotStore,
+    first: usize,
+    deltas: usize,
+    per_delta: usize,
+) -> i64 {
+    let mut rev = writes(client, 0, first).await;
+    let full = take_full(client, store, Codec::Gzip, false).await.unwrap();
+    assert_eq!(full.last_revision, rev);
+    let mut writer = DeltaWriter::new(Codec::Gzip, full.last_revision);
+    let mut watch = DeltaWatch::open(client, full.last_revision + 1)
+        .await
+        .unwrap();
+    for phase in 1..=deltas {
+        rev = writes(client, phase, per_delta).await;
+        let mut events: Vec<Event> = Vec::new();
+        while events.last().map_or(0, Event::revision) < rev {
+            events.extend(watch.next().await.unwrap());
+        }
+        writer.push(events, chrono::Utc::now());
+        writer.flush(store).await.unwrap().unwrap();
+    }
+    rev
+}
