@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 
 use etcd_warden::config::{Config, Purpose, Sources};
 use k8s_openapi::api::apps::v1::StatefulSet;
-use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::batch::v1::{CronJob, Job};
 use k8s_openapi::api::core::v1::{ConfigMap, Container, PodSpec, Secret, Service};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use serde::Deserialize;
@@ -72,6 +72,7 @@ enum Object {
     StatefulSet(Box<StatefulSet>),
     Service(Box<Service>),
     Job(Box<Job>),
+    CronJob(Box<CronJob>),
     Secret(Box<Secret>),
     // Typed (so checked) but no invariant reads one.
     #[allow(dead_code)]
@@ -172,6 +173,7 @@ fn typed(json: &serde_json::Value) -> Result<Object, String> {
         ("apps/v1", "StatefulSet") => Object::StatefulSet(Box::new(strict(json)?)),
         ("v1", "Service") => Object::Service(Box::new(strict(json)?)),
         ("batch/v1", "Job") => Object::Job(Box::new(strict(json)?)),
+        ("batch/v1", "CronJob") => Object::CronJob(Box::new(strict(json)?)),
         ("v1", "Secret") => Object::Secret(Box::new(strict(json)?)),
         ("v1", "ConfigMap") => Object::ConfigMap(Box::new(strict(json)?)),
         ("monitoring.coreos.com/v1", "PrometheusRule") => {
@@ -887,6 +889,7 @@ fn subcommand_config_problem(c: &Container, text: &str) -> Option<String> {
         Some("serve") => ("serve", Purpose::Serve),
         Some("copy") => ("copy", Purpose::Copy),
         Some("restore") => ("restore", Purpose::Restore),
+        Some("compact") => ("compact", Purpose::Any),
         _ => ("(other)", Purpose::Any),
     };
     let dir = tempfile::tempdir().expect("temp dir");
@@ -1018,8 +1021,8 @@ fn every_manifest_parses_into_its_kubernetes_type() {
         }
     }
     assert_eq!(
-        kustomizations, 3,
-        "deploy/base, deploy/copy-job and deploy/monitoring"
+        kustomizations, 4,
+        "deploy/base, deploy/copy-job, deploy/compact-job and deploy/monitoring"
     );
 }
 
@@ -1618,4 +1621,124 @@ fn every_metric_in_the_alert_rules_is_exported() {
             "docs/operations.md lists {name}, which is not exported; exported: {exported:?}"
         );
     }
+}
+
+/// Everything wrong with the compaction CronJob: one `compact` at a time, its work directory on
+/// a size-limited emptyDir, the store's credentials from the etcd-backup Secret, a configuration
+/// the binary accepts, and the pod's hardening.
+fn compact_cronjob_problems(
+    cron: &CronJob,
+    config_maps: &BTreeMap<String, BTreeMap<String, String>>,
+    secrets: &BTreeMap<String, BTreeSet<String>>,
+) -> Vec<String> {
+    let mut out = Vec::new();
+    let Some(spec) = cron.spec.as_ref() else {
+        return vec!["CronJob has no spec".into()];
+    };
+    if spec.concurrency_policy.as_deref() != Some("Forbid") {
+        out.push("two compactions at once would store the same chain twice: concurrencyPolicy must be Forbid".into());
+    }
+    let Some(pod) = spec
+        .job_template
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+    else {
+        return vec!["CronJob has no pod spec".into()];
+    };
+    let [c] = pod.containers.as_slice() else {
+        return vec!["the compact Job has exactly one container".into()];
+    };
+    let line = command_line(c);
+    if line.first().map(String::as_str) != Some("compact") {
+        out.push(format!("the CronJob runs {line:?}, not `compact`"));
+    }
+    match arg_after(&line, "--work-dir") {
+        None => out.push("no --work-dir: the temporary etcd would fill the node's /tmp".into()),
+        Some(dir) => {
+            let mount = c
+                .volume_mounts
+                .iter()
+                .flatten()
+                .find(|m| m.mount_path == dir);
+            let sized = mount
+                .and_then(|m| volume(pod, &m.name))
+                .and_then(|v| v.empty_dir.as_ref())
+                .is_some_and(|e| e.size_limit.is_some());
+            if !sized {
+                out.push(format!(
+                    "--work-dir {dir} is not an emptyDir with a sizeLimit (it holds about twice the database)"
+                ));
+            }
+        }
+    }
+    match mounted_config(pod, c, config_maps) {
+        Err(e) => out.push(format!("compact config: {e}")),
+        Ok((_, text)) => match text.parse::<toml::Table>() {
+            Err(e) => out.push(format!("compact config is not TOML: {e}")),
+            Ok(raw) => {
+                let files = file_keys(&raw);
+                if !files.iter().any(|(k, _)| k.starts_with("store.")) {
+                    out.push("[store] reads no credentials from etcd-backup".into());
+                }
+                for (key, path) in files.iter().filter(|(k, _)| k.starts_with("store.")) {
+                    out.extend(secret_file_problem(
+                        pod,
+                        c,
+                        key,
+                        path,
+                        Some("etcd-backup"),
+                        secrets,
+                    ));
+                }
+                out.extend(subcommand_config_problem(c, &text));
+            }
+        },
+    }
+    out.extend(security_problems(pod, c, &[]));
+    out
+}
+
+#[test]
+fn the_compact_cronjob_runs_one_compaction_at_a_time_with_room_to_work() {
+    let k = kustomization(&repo().join("deploy/compact-job")).unwrap_or_else(|e| panic!("{e}"));
+    let crons: Vec<CronJob> = k
+        .objects
+        .into_iter()
+        .map(|o| match o {
+            Object::CronJob(j) => *j,
+            other => panic!("deploy/compact-job: unexpected {other:?}"),
+        })
+        .collect();
+    let [cron] = <[CronJob; 1]>::try_from(crons).expect("one CronJob in deploy/compact-job");
+    let secrets = example_secrets();
+    let problems = compact_cronjob_problems(&cron, &k.config_maps, &secrets);
+    assert!(problems.is_empty(), "{problems:#?}");
+
+    let mut parallel = cron.clone();
+    parallel.spec.as_mut().expect("spec").concurrency_policy = Some("Allow".into());
+    let problems = compact_cronjob_problems(&parallel, &k.config_maps, &secrets);
+    assert!(
+        problems.iter().any(|p| p.contains("Forbid")),
+        "{problems:#?}"
+    );
+
+    let mut unbounded = cron.clone();
+    for v in unbounded
+        .spec
+        .as_mut()
+        .and_then(|s| s.job_template.spec.as_mut())
+        .and_then(|s| s.template.spec.as_mut())
+        .and_then(|p| p.volumes.as_mut())
+        .expect("volumes")
+    {
+        if let Some(e) = v.empty_dir.as_mut() {
+            e.size_limit = None;
+        }
+    }
+    let problems = compact_cronjob_problems(&unbounded, &k.config_maps, &secrets);
+    assert!(
+        problems.iter().any(|p| p.contains("sizeLimit")),
+        "{problems:#?}"
+    );
 }
