@@ -4,42 +4,16 @@
 
 mod support;
 
-use std::path::Path;
 use std::time::Instant;
 
-use etcd_client::Client;
 use etcd_warden::config::EncryptionConfig;
-use etcd_warden::restore::{EtcdTools, MemberParams, RestoreOptions, TempEtcd};
 use etcd_warden::store::{Kind, SnapshotStore};
 use support::etcd::{EtcdCluster, Release};
-use support::history::{Dump, dump};
+use support::history::{dump, dump_restored, restore_options};
 use support::s3::S3Server;
 
 const BUCKET: &str = "compact";
 const PREFIX: &str = "etcd-main";
-
-fn restore_options(data_dir: &Path) -> RestoreOptions {
-    RestoreOptions {
-        data_dir: data_dir.to_path_buf(),
-        member: MemberParams::default(),
-        etcd_bin: Some(Release::V35.bin_dir()),
-        force: false,
-        parallel_fetch: 4,
-    }
-}
-
-async fn dump_restored(data_dir: &Path) -> Dump {
-    let tools = EtcdTools::locate(Some(&Release::V35.bin_dir()))
-        .await
-        .unwrap();
-    let etcd = TempEtcd::start(&tools, data_dir, "default", data_dir.with_extension("log"))
-        .await
-        .unwrap();
-    let mut client = Client::connect([&etcd.client_url], None).await.unwrap();
-    let d = dump(&mut client).await;
-    etcd.stop().await.unwrap();
-    d
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_hundred_deltas_fold_into_one_full_snapshot_that_restores_the_same_etcd() {

@@ -12,14 +12,13 @@ use std::process::Command;
 use age::secrecy::ExposeSecret;
 use etcd_client::Client;
 use etcd_warden::config::EncryptionConfig;
-use etcd_warden::restore::{EtcdTools, MemberParams, RestoreOptions, TempEtcd};
 use etcd_warden::snapshot::take_full;
 use etcd_warden::snapshot::verify::verify;
 use etcd_warden::store::compression::collect;
 use etcd_warden::store::encryption::AGE_MAGIC;
 use etcd_warden::store::{Codec, Kind, SnapshotStore};
 use support::etcd::{EtcdCluster, Release};
-use support::history::{Dump, dump, writes};
+use support::history::{dump, dump_restored, restore_options, writes};
 use support::s3::S3Server;
 
 const SRC: &str = "enc-src";
@@ -51,29 +50,6 @@ fn reading_with(identities: &[&Path]) -> EncryptionConfig {
 
 async fn history(client: &mut Client, store: &SnapshotStore, deltas: usize) -> i64 {
     support::history::build(client, store, 300, deltas, 50).await
-}
-
-fn restore_options(data_dir: &Path) -> RestoreOptions {
-    RestoreOptions {
-        data_dir: data_dir.to_path_buf(),
-        member: MemberParams::default(),
-        etcd_bin: Some(Release::V35.bin_dir()),
-        force: false,
-        parallel_fetch: 3,
-    }
-}
-
-async fn dump_restored(data_dir: &Path) -> Dump {
-    let tools = EtcdTools::locate(Some(&Release::V35.bin_dir()))
-        .await
-        .unwrap();
-    let etcd = TempEtcd::start(&tools, data_dir, "default", data_dir.with_extension("log"))
-        .await
-        .unwrap();
-    let mut client = Client::connect([&etcd.client_url], None).await.unwrap();
-    let d = dump(&mut client).await;
-    etcd.stop().await.unwrap();
-    d
 }
 
 fn s3_env(s3: &S3Server) -> Vec<(String, String)> {

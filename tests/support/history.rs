@@ -75,3 +75,34 @@ pub async fn build(
     }
     rev
 }
+
+/// Restoring into `data_dir` with etcd 3.5's tools, as member "default" of a new cluster.
+pub fn restore_options(data_dir: &std::path::Path) -> etcd_warden::restore::RestoreOptions {
+    etcd_warden::restore::RestoreOptions {
+        data_dir: data_dir.to_path_buf(),
+        member: etcd_warden::restore::MemberParams::default(),
+        etcd_bin: Some(super::etcd::Release::V35.bin_dir()),
+        force: false,
+        parallel_fetch: 4,
+    }
+}
+
+/// Starts etcd 3.5 on a restored `data_dir`, dumps it and stops it.
+pub async fn dump_restored(data_dir: &std::path::Path) -> Dump {
+    let bin = super::etcd::Release::V35.bin_dir();
+    let tools = etcd_warden::restore::EtcdTools::locate(Some(&bin))
+        .await
+        .unwrap();
+    let etcd = etcd_warden::restore::TempEtcd::start(
+        &tools,
+        data_dir,
+        "default",
+        data_dir.with_extension("log"),
+    )
+    .await
+    .unwrap();
+    let mut client = Client::connect([&etcd.client_url], None).await.unwrap();
+    let d = dump(&mut client).await;
+    etcd.stop().await.unwrap();
+    d
+}
