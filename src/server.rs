@@ -34,7 +34,7 @@ use crate::store::layout::Snapshot;
 pub struct Readiness {
     /// 200 when true, 503 otherwise.
     pub ready: bool,
-    /// The sidecar's state (`Starting`, `Active`, `Suspended`, `Deactivated`).
+    /// The sidecar's state (`Starting`, `Active`, `Suspended`, `Deactivated`, or [`FAILED`]).
     pub state: String,
     /// Why it is (not) ready, for whoever reads the probe's body.
     pub reason: String,
@@ -51,24 +51,36 @@ impl Readiness {
     }
 }
 
+/// The readiness state a sidecar ends in once a critical task ended: final, see [`set_readiness`].
+pub const FAILED: &str = "Failed";
+
 /// Publishes readiness (the one place it is set): `state` is shown capitalised (`Active`), and a
 /// change is logged.
+///
+/// [`FAILED`] is sticky and never ready: the sidecar is failing closed and stops its tasks only
+/// after publishing it, so a task still running (the watchdog finishing a check) must not turn
+/// `/healthz` back to 200 in between.
 pub fn set_readiness(tx: &watch::Sender<Readiness>, ready: bool, state: &str, reason: &str) {
     let mut chars = state.chars();
     let state: String = chars
         .next()
         .map(|c| c.to_uppercase().chain(chars).collect())
         .unwrap_or_default();
+    let failing = state == FAILED;
     let r = Readiness {
-        ready,
+        ready: ready && !failing,
         state,
         reason: reason.to_string(),
     };
     tx.send_if_modified(|cur| {
+        if cur.state == FAILED && !failing {
+            tracing::debug!(ready, state = %r.state, reason, "readiness is Failed for good; not changed");
+            return false;
+        }
         let changed = *cur != r;
         if changed {
             if cur.ready != r.ready || cur.state != r.state {
-                tracing::info!(ready, state = %r.state, reason, "readiness changed");
+                tracing::info!(ready = r.ready, state = %r.state, reason, "readiness changed");
             }
             *cur = r.clone();
         }
@@ -701,6 +713,26 @@ mod tests {
         let (code, body) = call(s, get("/livez")).await;
         assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(body["message"], "the ownership watchdog panicked");
+    }
+
+    #[test]
+    fn failed_readiness_is_sticky_and_never_ready() {
+        let (tx, rx) = watch::channel(Readiness::starting());
+        set_readiness(&tx, true, "active", "owner");
+        assert!(rx.borrow().ready);
+        set_readiness(&tx, false, FAILED, "critical task snapshot actor ended");
+        // The watchdog, still running until it is cancelled, finishes a check.
+        set_readiness(&tx, true, "active", "owner");
+        set_readiness(&tx, false, "deactivated", "not owner");
+        let r = rx.borrow().clone();
+        assert!(!r.ready);
+        assert_eq!(r.state, FAILED);
+        assert_eq!(r.reason, "critical task snapshot actor ended");
+        // Failed is never ready, whoever asks.
+        set_readiness(&tx, true, FAILED, "a second task ended");
+        let r = rx.borrow().clone();
+        assert!(!r.ready);
+        assert_eq!(r.reason, "a second task ended");
     }
 
     #[test]

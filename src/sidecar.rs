@@ -235,7 +235,7 @@ fn fail_closed(
 ) {
     tracing::error!(task, %how, "a critical task ended; etcd made unready, stopping");
     let reason = format!("critical task {task} {how}");
-    server::set_readiness(readiness, false, "Failed", &reason);
+    server::set_readiness(readiness, false, server::FAILED, &reason);
     liveness.send_replace(Some(reason));
 }
 

@@ -136,13 +136,23 @@ fn layers_apply_in_order_defaults_file_env_flags() {
 
 #[test]
 fn environment_text_is_parsed_into_each_keys_type() {
+    // A list (several endpoints are refused with [owner], so parsed without it).
+    let c = load(
+        None,
+        &[(
+            "ETCD_WARDEN_ETCD_ENDPOINTS",
+            "http://10.0.0.1:2379, http://10.0.0.2:2379",
+        )],
+        &[],
+    )
+    .unwrap();
+    assert_eq!(
+        c.etcd.endpoints,
+        vec!["http://10.0.0.1:2379", "http://10.0.0.2:2379"]
+    );
     let c = load(
         None,
         &[
-            (
-                "ETCD_WARDEN_ETCD_ENDPOINTS",
-                "http://10.0.0.1:2379, http://10.0.0.2:2379",
-            ),
             ("ETCD_WARDEN_STORE_PATH_STYLE", "false"),
             ("ETCD_WARDEN_SNAPSHOT_GC_POLICY", "LimitBased"),
             ("ETCD_WARDEN_SNAPSHOT_MAX_BACKUPS", "4"),
@@ -153,10 +163,6 @@ fn environment_text_is_parsed_into_each_keys_type() {
         &[],
     )
     .unwrap();
-    assert_eq!(
-        c.etcd.endpoints,
-        vec!["http://10.0.0.1:2379", "http://10.0.0.2:2379"]
-    );
     assert!(!c.store.path_style);
     assert_eq!(
         c.snapshot.gc_policy,
@@ -211,6 +217,39 @@ fn secrets_come_from_a_value_or_a_file_never_both() {
     )
     .unwrap_err();
     assert_eq!(e.key, "etcd.password_file");
+}
+
+#[test]
+fn with_owner_only_one_etcd_endpoint_is_accepted() {
+    let dir = tempfile::tempdir().unwrap();
+    let owner = "[owner]\nname = \"owner.example\"\nid = \"seed-a\"\n";
+    let two = "[etcd]\nendpoints = [\"http://127.0.0.1:2379\", \"http://10.0.0.2:2379\"]\n";
+    let e = load(Some(&write(&dir, &format!("{two}{owner}"))), &[], &[]).unwrap_err();
+    assert_eq!(e.key, "etcd.endpoints");
+    for words in [
+        "2 endpoints",
+        "10.0.0.2:2379",
+        "[owner]",
+        "this pod's own member",
+    ] {
+        assert!(e.to_string().contains(words), "{words:?} missing: {e}");
+    }
+    // From the environment too, and the error says where the value came from.
+    let e = load(
+        Some(&write(&dir, owner)),
+        &[(
+            "ETCD_WARDEN_ETCD_ENDPOINTS",
+            "http://127.0.0.1:2379,http://10.0.0.2:2379",
+        )],
+        &[],
+    )
+    .unwrap_err();
+    assert_eq!(e.key, "etcd.endpoints");
+    assert!(e.to_string().contains("ETCD_WARDEN_ETCD_ENDPOINTS"), "{e}");
+    // One endpoint with [owner], or several without it, are fine.
+    let one = "[etcd]\nendpoints = [\"http://127.0.0.1:2379\"]\n";
+    assert!(load(Some(&write(&dir, &format!("{one}{owner}"))), &[], &[]).is_ok());
+    assert!(load(Some(&write(&dir, two)), &[], &[]).is_ok());
 }
 
 /// Each bad input is rejected naming its key (and where the value came from).

@@ -10,6 +10,7 @@ use bytes::Bytes;
 use chrono::{TimeZone, Utc};
 use etcd_warden::config::{Config, CopyConfig, Override, Sources};
 use etcd_warden::copy::{self, CopyError, Stores};
+use etcd_warden::owner::handoff;
 use etcd_warden::snapshot::delta::{self, Event, KeyValue, TimedEvent};
 use etcd_warden::snapshot::verify::verify;
 use etcd_warden::store::compression::{collect, once};
@@ -415,6 +416,126 @@ async fn without_a_final_snapshot_the_wait_times_out_and_copies_the_latest() {
     assert!(started.elapsed() >= Duration::from_millis(400));
     assert!(report.final_snapshot.is_none());
     assert_eq!(verified_names(&stores.dest).await, dest_names(&src[4..]));
+}
+
+fn hand_off_record(of: &Snapshot) -> handoff::HandOffRecord {
+    handoff::HandOffRecord {
+        final_snapshot: of.snap_name.clone(),
+        revision: of.last_revision,
+        members: vec!["m1".into()],
+        owner_id: "seed-a".into(),
+        recorded_at: Utc::now(),
+    }
+}
+
+fn fence_marker() -> handoff::FenceMarker {
+    handoff::FenceMarker {
+        member_id: "1".into(),
+        owner_id: "seed-a".into(),
+        reason: "owned by seed-b".into(),
+        killed: vec![],
+        fenced_at: Utc::now(),
+    }
+}
+
+/// The copy Job's wait over a source of these stores, with `timeout`: what it found, how long.
+async fn wait(stores: &Stores, timeout: Duration) -> (Option<Snapshot>, Duration) {
+    let started = std::time::Instant::now();
+    let found = copy::wait_for_final(&stores.source, timeout, Duration::from_millis(100)).await;
+    (found, started.elapsed())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_reclaim_the_wait_times_out_instead_of_taking_the_stale_final() {
+    let s3 = S3Server::start(&[SRC, DST]);
+    let stores = s3_stores(&s3, (SRC, "old"), (DST, "new"));
+    let mut src = history(&stores.source, false).await;
+    let fin = put_full(
+        &stores.source,
+        40,
+        Utc::now().timestamp(),
+        100_000,
+        Codec::Gzip,
+        true,
+    )
+    .await;
+    src.push(fin.clone());
+    let objects = handoff::HandOffObjects::new(stores.source.clone());
+    objects.write_fence(1, &fence_marker()).await.unwrap();
+    objects.write_record(&hand_off_record(&fin)).await.unwrap();
+    // The hand-off as recorded: its final counts.
+    let (found, _) = wait(&stores, Duration::from_secs(5)).await;
+    assert_eq!(found.map(|s| s.snap_name), Some(fin.snap_name.clone()));
+
+    // Undone: the final stays the newest snapshot, marked reclaimed, without record or markers.
+    let done = handoff::reclaim(&objects).await.unwrap();
+    assert_eq!(done.finals_reclaimed, vec![fin.snap_name.clone()]);
+    let newest = stores
+        .source
+        .list()
+        .await
+        .unwrap()
+        .pop()
+        .map(|s| s.snap_name);
+    assert_eq!(newest, Some(fin.snap_name.clone()));
+    let (found, waited) = wait(&stores, Duration::from_millis(600)).await;
+    assert_eq!(found, None, "the reclaimed final stood in for a hand-off");
+    assert!(waited >= Duration::from_millis(600), "{waited:?}");
+
+    // A final taken by hand afterwards (`etcd-warden snapshot --final`) does not count either:
+    // this store's hand-offs end with a record.
+    let by_hand = put_full(
+        &stores.source,
+        50,
+        Utc::now().timestamp() + 1,
+        100_000,
+        Codec::Gzip,
+        true,
+    )
+    .await;
+    src.push(by_hand.clone());
+    let (found, _) = wait(&stores, Duration::from_millis(400)).await;
+    assert_eq!(
+        found, None,
+        "a final without a record stood in for a hand-off"
+    );
+
+    // The Job then copies what is there and says no final was found.
+    let opts = CopyConfig {
+        wait_for_final: true,
+        final_timeout: Duration::from_millis(400),
+        ..options()
+    };
+    let report = copy::run(&stores, &opts).await.unwrap();
+    assert_eq!(report.final_snapshot, None);
+    assert_eq!(verified_names(&stores.dest).await, dest_names(&src));
+
+    // The next hand-off's recorded final counts again.
+    objects
+        .write_record(&hand_off_record(&by_hand))
+        .await
+        .unwrap();
+    let (found, _) = wait(&stores, Duration::from_secs(5)).await;
+    assert_eq!(found.map(|s| s.snap_name), Some(by_hand.snap_name));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reference_tool_store_keeps_the_newest_final_rule() {
+    // No etcd-warden/ object at all: the newest snapshot, a final full one, is the final.
+    let s3 = S3Server::start(&[SRC, DST]);
+    let stores = s3_stores(&s3, (SRC, "old"), (DST, "new"));
+    history(&stores.source, false).await;
+    let fin = put_full(
+        &stores.source,
+        40,
+        Utc::now().timestamp(),
+        100_000,
+        Codec::Gzip,
+        true,
+    )
+    .await;
+    let (found, _) = wait(&stores, Duration::from_secs(5)).await;
+    assert_eq!(found.map(|s| s.snap_name), Some(fin.snap_name));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -728,6 +728,85 @@ async fn j_a_restarted_sidecar_named_again_stays_handed_off_until_reclaimed() {
     assert!(back, "{}\n{}", owner_status(&w).await, w.log_text());
 }
 
+/// Runs `etcd-warden args` with `keys` in its environment: (succeeded, stdout, stderr).
+fn run_cli(keys: &[(&str, String)], args: &[&str]) -> (bool, String, String) {
+    let mut c = support::warden::command();
+    for (k, v) in keys {
+        c.env(
+            format!("ETCD_WARDEN_{}", k.replace('.', "_").to_ascii_uppercase()),
+            v,
+        );
+    }
+    let out = c.args(args).output().unwrap();
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (out.status.success(), text(&out.stdout), text(&out.stderr))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn j2_the_snapshot_command_is_refused_while_a_hand_off_is_in_the_store() {
+    use etcd_warden::owner::handoff::{self, FenceMarker, HandOffObjects, HandOffRecord};
+    let (dns, pod, url, store, _dir) = seed(1).await;
+    let keys = sidecar_keys(&pod, &dns, &url).await;
+    let objects = HandOffObjects::new(store.clone());
+    // No hand-off objects: a plain snapshot is taken as always.
+    let (ok, said, err) = run_cli(&keys, &["snapshot"]);
+    assert!(ok, "{err}");
+    assert!(said.starts_with("Full-"), "{said}");
+
+    // A member fenced: neither form runs, even when DNS says another seed owns etcd (the DNS
+    // rule alone let `--final` through here).
+    let marker = FenceMarker {
+        member_id: "1".into(),
+        owner_id: US.into(),
+        reason: "owned by seed-b".into(),
+        killed: vec![],
+        fenced_at: chrono::Utc::now(),
+    };
+    objects.write_fence(1, &marker).await.unwrap();
+    let (ok, _, err) = run_cli(&keys, &["snapshot"]);
+    assert!(!ok, "a snapshot was taken during a hand-off");
+    assert!(
+        err.contains("refusing a snapshot") && err.contains("1 fence marker(s)"),
+        "{err}"
+    );
+    dns.set_txt(RECORD, &[THEM]).await;
+    let (ok, _, err) = run_cli(&keys, &["snapshot", "--final"]);
+    assert!(!ok, "a final was taken by hand during a hand-off");
+    assert!(
+        err.contains("refusing a final snapshot") && err.contains("fence marker"),
+        "{err}"
+    );
+
+    // The hand-off recorded: the record is named.
+    let taken = store.list().await.unwrap().pop().unwrap();
+    objects
+        .write_record(&HandOffRecord {
+            final_snapshot: taken.snap_name.clone(),
+            revision: taken.last_revision,
+            members: vec!["m1".into()],
+            owner_id: US.into(),
+            recorded_at: chrono::Utc::now(),
+        })
+        .await
+        .unwrap();
+    let (ok, _, err) = run_cli(&keys, &["snapshot"]);
+    assert!(!ok && err.contains("handoff.json"), "{err}");
+    assert_eq!(store.list().await.unwrap().len(), 1, "nothing was stored");
+
+    // Reclaimed (the record names us again): snapshots run again.
+    dns.set_txt(RECORD, &[US]).await;
+    handoff::reclaim(&objects).await.unwrap();
+    // A write first, so the new snapshot's name (its revision) differs from the first one's.
+    let endpoint = pod.etcd.lock().await.members[0].client_url();
+    let mut client = etcd_client::Client::connect([endpoint], None)
+        .await
+        .unwrap();
+    write_through(&mut client, "after-reclaim", 1).await;
+    let (ok, said, err) = run_cli(&keys, &["snapshot"]);
+    assert!(ok, "{err}");
+    assert_eq!(store.list().await.unwrap().len(), 2, "{said}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn k_a_member_that_still_serves_holds_the_final_back() {
     // Two DNS servers: members 0 and 1 see the flip, member 2's sidecar still sees its seed

@@ -405,7 +405,8 @@ mod ops {
     pub async fn snapshot(config: &Config, is_final: bool) -> anyhow::Result<()> {
         if is_final && let Some(found) = owner_record(config).await? {
             // A final taken while this seed still owns etcd would stand in for a hand-off that
-            // has not happened (the copy Job takes the latest final).
+            // has not happened (in a store without etcd-warden objects the copy Job takes the
+            // newest final).
             if found.verdict() != Some(Verdict::NotOwner) {
                 bail!(
                     "refusing a final snapshot: the owner record {} says {found}; a final is only taken once it names another seed or none (the sidecar takes it itself then)",
@@ -414,6 +415,9 @@ mod ops {
             }
         }
         let store = snapshots(config)?;
+        if config.owner.is_some() {
+            refuse_during_hand_off(config, &store, is_final).await?;
+        }
         let client = etcd_warden::etcd::connect(&config.etcd).await?;
         let snap = take_full(
             &client,
@@ -425,6 +429,53 @@ mod ops {
         .context("full snapshot failed")?;
         println!("{}", snap.snap_name);
         Ok(())
+    }
+
+    /// Refuses a manual snapshot while the store holds a fence marker or the hand-off record.
+    /// During a hand-off a newer full snapshot would hide its final from `/snapshot/latest` and
+    /// from the start check's "latest full is final" rule, and a final taken by hand is not the
+    /// one every member was fenced for. After it, the record ends the seed's data; `reclaim`
+    /// undoes it first.
+    async fn refuse_during_hand_off(
+        config: &Config,
+        store: &SnapshotStore,
+        is_final: bool,
+    ) -> anyhow::Result<()> {
+        let objects = handoff::HandOffObjects::new(store.clone());
+        let record = objects
+            .record()
+            .await
+            .with_context(|| format!("reading the hand-off record in {}", config.store.location))?;
+        let fenced = objects
+            .fence_keys()
+            .await
+            .with_context(|| format!("listing fence markers in {}", config.store.location))?;
+        if record.is_none() && fenced.is_empty() {
+            return Ok(());
+        }
+        let what = if is_final {
+            "a final snapshot"
+        } else {
+            "a snapshot"
+        };
+        let held = match &record {
+            Some(r) => format!(
+                "the hand-off record {}/{}/handoff.json (final {})",
+                config.store.location,
+                handoff::DIR,
+                r.final_snapshot
+            ),
+            None => format!(
+                "{} fence marker(s) under {}/{}/fence/",
+                fenced.len(),
+                config.store.location,
+                handoff::DIR
+            ),
+        };
+        bail!(
+            "refusing {what}: the store holds {held}, so a hand-off of owner record {} is under way or done; the sidecars take its final themselves, and a snapshot taken now would stand in front of it. To serve from this seed again, run `etcd-warden reclaim` while the owner record names it",
+            config.owner.as_ref().map_or("", |o| o.name.as_str())
+        )
     }
 
     /// The configured store, encrypting and decrypting with the configured keys.

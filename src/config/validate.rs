@@ -132,7 +132,7 @@ impl Validator<'_> {
     }
 
     fn validate(&self, raw: &RawConfig) -> Result<Config, ConfigError> {
-        Ok(Config {
+        let config = Config {
             etcd: self.etcd(&raw.etcd)?,
             store: self.store("store", &raw.store)?,
             source_store: raw
@@ -148,7 +148,30 @@ impl Validator<'_> {
             log: self.log(&raw.log)?,
             restore: self.restore(&raw.restore)?,
             encryption: self.encryption(raw.encryption.as_ref())?,
-        })
+        };
+        self.owner_endpoints(&config)?;
+        Ok(config)
+    }
+
+    /// With `[owner]`, etcd must be this pod's member alone: the watchdog reads the member ID it
+    /// fences under, and the final's revision, from whichever endpoint answers, so with several
+    /// it could mark another (still serving) member fenced instead of the one it killed, or
+    /// stream the final from a member lagging behind the frozen revision.
+    fn owner_endpoints(&self, c: &Config) -> Result<(), ConfigError> {
+        if c.owner.is_none() || c.etcd.endpoints.len() <= 1 {
+            return Ok(());
+        }
+        Err(self.err(
+            "etcd.endpoints",
+            format!(
+                "{} endpoints ({}) with [owner] set: give only this pod's own member \
+                 (e.g. \"http://127.0.0.1:2379\"); the ownership watchdog fences the member that \
+                 answers and must be the one whose etcd it kills, and the final snapshot must come \
+                 from it",
+                c.etcd.endpoints.len(),
+                c.etcd.endpoints.join(", ")
+            ),
+        ))
     }
 
     /// What `purpose` needs beyond what every use needs: values that are optional in general

@@ -2,7 +2,8 @@
 //!
 //! - **Waiting** (`wait_for_final`): the source store is listed every `poll_interval` until it
 //!   holds the hand-off's final snapshot ([`plan::final_snapshot`]: the one etcd-warden's hand-off
-//!   record names, or for a store of the reference tool its newest snapshot when that is a final
+//!   record names, never a final `etcd-warden reclaim` marked reclaimed; only for a store without
+//!   any etcd-warden object, i.e. of the reference tool, its newest snapshot when that is a final
 //!   full one), or `final_timeout` passes. On timeout the job logs an error and copies what is
 //!   there, as seed 001 says, so the destination is not left without data; writes the source
 //!   acknowledged after its newest snapshot are then not in the copy, and the log says so.
@@ -330,7 +331,8 @@ fn store_error(which: &'static str, store: &SnapshotStore) -> impl FnOnce(StoreE
     move |source| CopyError::Store { which, url, source }
 }
 
-/// Polls until the source's latest full snapshot is final or `timeout` passes. Listing errors
+/// Polls until the source holds the hand-off's final ([`plan::final_snapshot`]) or `timeout`
+/// passes. Listing errors
 /// are logged and polled through: the source store being briefly unreachable is no reason to
 /// give up the wait early.
 pub async fn wait_for_final(
@@ -347,18 +349,22 @@ pub async fn wait_for_final(
     loop {
         let listed = async {
             let record = hand_off.record().await?;
-            let fenced = hand_off.fenced().await?;
+            let ours = hand_off.any().await?;
+            let reclaimed = hand_off.reclaimed().await?;
             let list = source.list().await?;
-            Ok::<_, crate::owner::handoff::HandOffError>((list, record, fenced))
+            Ok::<_, crate::owner::handoff::HandOffError>((list, record, ours, reclaimed))
         };
         match listed.await {
-            Ok((list, record, fenced)) => {
+            Ok((list, record, ours, reclaimed)) => {
+                // Any etcd-warden object (a fence marker, a reclaimed mark) makes this a store
+                // whose hand-off ends with a record: without one, the newest final is a
+                // reclaimed or hand-taken one and says nothing of the writes after it.
                 let seen = match &record {
                     Some(r) => plan::HandOffSeen::Recorded(&r.final_snapshot),
-                    None if !fenced.is_empty() => plan::HandOffSeen::InProgress,
+                    None if ours => plan::HandOffSeen::NotRecorded,
                     None => plan::HandOffSeen::Nothing,
                 };
-                if let Some(f) = plan::final_snapshot(&list, seen) {
+                if let Some(f) = plan::final_snapshot(&list, seen, &reclaimed) {
                     tracing::info!(
                         snapshot = %f.snap_name,
                         revision = f.last_revision,
@@ -376,8 +382,9 @@ pub async fn wait_for_final(
                 waited_seconds = started.elapsed().as_secs_f64(),
                 "NO FINAL SNAPSHOT in the source within the timeout; copying the snapshots there \
                  are. Writes the source acknowledged after its newest snapshot are NOT in this \
-                 copy: the source may not be fenced yet (see its sidecars' /status) or could not \
-                 store its final snapshot"
+                 copy: the source may not be fenced yet (see its sidecars' /status), could not \
+                 store its final snapshot, or its last hand-off was undone by etcd-warden \
+                 reclaim (a reclaimed final never counts)"
             );
             return None;
         }

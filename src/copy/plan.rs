@@ -1,7 +1,7 @@
 //! The copy job's decisions as pure functions: is the final snapshot there, which snapshots to
 //! copy, what each is called at the destination, and which are already there.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -30,32 +30,42 @@ pub struct Selection {
 /// What the source store says of a hand-off (etcd-warden's own objects beside the snapshots).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HandOffSeen<'a> {
-    /// No hand-off objects: a store written by etcd-backup-restore, or no hand-off began.
+    /// No etcd-warden objects at all: a store written by etcd-backup-restore (or by sidecars
+    /// without `[owner]`).
     Nothing,
-    /// Fence markers but no record yet: the hand-off is under way.
-    InProgress,
+    /// etcd-warden objects (fence markers, reclaimed marks) but no hand-off record: a hand-off
+    /// under way, or one undone by `etcd-warden reclaim`.
+    NotRecorded,
     /// The hand-off record names this final snapshot.
     Recorded(&'a str),
 }
 
-/// The final snapshot the wait is for.
+/// The final snapshot the wait is for. `reclaimed` holds the names `etcd-warden reclaim`
+/// marked: such a final ended a hand-off that was undone, and the source has served writes
+/// since, so it never counts.
 ///
 /// With etcd-warden's hand-off record, the final it names: that one holds every write the
-/// source acknowledged (its sidecars took it only once every member was fenced). While fence
-/// markers exist without a record, none yet. Without either (a store of the reference tool),
-/// the source's newest snapshot when it is a full one marked final: a final followed by any
-/// later snapshot (a delta, a newer full one) has writes after it and is a leftover, not the end
-/// of the source's data. "Newest" rather than "newer than the start of the wait": the source may
-/// have deactivated before this Job (or a retried Job's pod) started.
+/// source acknowledged (its sidecars took it only once every member was fenced). In a store
+/// with etcd-warden objects but no record, none: the hand-off is under way or was reclaimed,
+/// and a final lying there (the reclaimed one, one taken by `etcd-warden snapshot --final`)
+/// proves nothing about the writes after it. Only without any etcd-warden object (a store of
+/// the reference tool), the source's newest snapshot when it is a full one marked final: a
+/// final followed by any later snapshot (a delta, a newer full one) has writes after it and is
+/// a leftover, not the end of the source's data. "Newest" rather than "newer than the start of
+/// the wait": the source may have deactivated before this Job (or a retried Job's pod) started.
 pub fn final_snapshot<'a>(
     sorted: &'a [Snapshot],
     hand_off: HandOffSeen<'_>,
+    reclaimed: &BTreeSet<String>,
 ) -> Option<&'a Snapshot> {
-    match hand_off {
+    let found = match hand_off {
         HandOffSeen::Recorded(name) => sorted.iter().find(|s| s.snap_name == name),
-        HandOffSeen::InProgress => None,
+        HandOffSeen::NotRecorded => None,
         HandOffSeen::Nothing => sorted.last().filter(|s| s.is_full() && s.is_final),
-    }
+    };
+    // A record naming a reclaimed final is what an interrupted reclaim leaves (it marks the
+    // finals before deleting the record): that hand-off was undone.
+    found.filter(|s| !reclaimed.contains(&s.snap_name))
 }
 
 /// The snapshots to copy from a sorted listing, in the same order.
@@ -180,6 +190,11 @@ mod tests {
         v.iter().map(|s| s.last_revision).collect()
     }
 
+    /// [`final_snapshot`] with nothing reclaimed.
+    fn unreclaimed<'a>(sorted: &'a [Snapshot], seen: HandOffSeen<'_>) -> Option<&'a Snapshot> {
+        final_snapshot(sorted, seen, &BTreeSet::new())
+    }
+
     /// F10 d11-12 F20 d21-22 F30 d31-32, one hour apart.
     fn history(final_last: bool) -> Vec<Snapshot> {
         vec![
@@ -195,17 +210,38 @@ mod tests {
     #[test]
     fn without_a_hand_off_record_the_final_is_the_newest_snapshot_when_marked() {
         let nothing = HandOffSeen::Nothing;
-        assert!(final_snapshot(&history(false), nothing).is_none());
+        assert!(unreclaimed(&history(false), nothing).is_none());
         // A final followed by a delta has writes after it: not the end of the source's data.
-        assert!(final_snapshot(&history(true), nothing).is_none());
+        assert!(unreclaimed(&history(true), nothing).is_none());
         let mut h = history(true);
         h.pop();
-        assert_eq!(final_snapshot(&h, nothing).unwrap().last_revision, 30);
+        assert_eq!(unreclaimed(&h, nothing).unwrap().last_revision, 30);
         // A final snapshot followed by a newer full one is a leftover.
         let mut h = history(false);
         h[2].is_final = true;
-        assert!(final_snapshot(&h, nothing).is_none());
-        assert!(final_snapshot(&[], nothing).is_none());
+        assert!(unreclaimed(&h, nothing).is_none());
+        assert!(unreclaimed(&[], nothing).is_none());
+    }
+
+    #[test]
+    fn a_reclaimed_final_never_counts() {
+        let mut h = history(true);
+        h.pop();
+        let name = h[4].snap_name.clone();
+        let reclaimed = BTreeSet::from([name.clone()]);
+        assert!(final_snapshot(&h, HandOffSeen::Nothing, &reclaimed).is_none());
+        // An interrupted reclaim: the record still names the final it marked.
+        assert!(final_snapshot(&h, HandOffSeen::Recorded(&name), &reclaimed).is_none());
+        // A later hand-off's final is another object and counts.
+        let mut later = h.clone();
+        later.push(full(40, 20000, true));
+        let next = later[5].snap_name.clone();
+        assert_eq!(
+            final_snapshot(&later, HandOffSeen::Recorded(&next), &reclaimed)
+                .unwrap()
+                .last_revision,
+            40
+        );
     }
 
     #[test]
@@ -214,17 +250,17 @@ mod tests {
         h.pop();
         let name = h[4].snap_name.clone();
         assert!(
-            final_snapshot(&h, HandOffSeen::InProgress).is_none(),
-            "fenced, not recorded"
+            unreclaimed(&h, HandOffSeen::NotRecorded).is_none(),
+            "fenced or reclaimed, not recorded: the newest final does not count"
         );
         assert_eq!(
-            final_snapshot(&h, HandOffSeen::Recorded(&name))
+            unreclaimed(&h, HandOffSeen::Recorded(&name))
                 .unwrap()
                 .last_revision,
             30
         );
         assert!(
-            final_snapshot(
+            unreclaimed(
                 &h,
                 HandOffSeen::Recorded("Full-00000000-00000099-1.gz.final")
             )

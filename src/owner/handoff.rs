@@ -30,8 +30,10 @@
 //! Undoing a hand-off is an operator's deliberate act (`etcd-warden reclaim`, [`reclaim`]): it
 //! marks the existing finals reclaimed (`<prefix>/etcd-warden/reclaimed/<final name>`), deletes
 //! the hand-off record and the fence markers, so they no longer fence a restarted sidecar.
-//! Nothing here is under `<prefix>/v2/`, so etcd-backup-restore, `ls`, retention and the copy Job
-//! never see these objects.
+//! Nothing here is under `<prefix>/v2/`, so etcd-backup-restore, `ls` and retention never take
+//! these objects for snapshots. The copy Job reads them: the record names the final it waits
+//! for, a reclaimed mark rules a final out, and any of them at all means "this store's hand-offs
+//! end with a record".
 
 use std::collections::BTreeSet;
 
@@ -358,9 +360,29 @@ impl HandOffObjects {
             .collect())
     }
 
+    /// The names of the finals `etcd-warden reclaim` marked reclaimed.
+    pub async fn reclaimed(&self) -> Result<BTreeSet<String>, HandOffError> {
+        Ok(self.keys("reclaimed").await?.into_iter().collect())
+    }
+
+    /// Whether the store holds any of etcd-warden's own objects (a fence marker, the hand-off
+    /// record, a reclaimed mark): then it is written by etcd-warden's sidecars, whose hand-off
+    /// ends with a record, rather than by the reference tool.
+    pub async fn any(&self) -> Result<bool, HandOffError> {
+        let prefix = self.store.prefix().trim_matches('/');
+        let dir = if prefix.is_empty() {
+            Path::from(DIR)
+        } else {
+            Path::from(format!("{prefix}/{DIR}"))
+        };
+        // One object answers the question; the listing is not read further.
+        let first = self.store.backend().list(Some(&dir)).try_next().await?;
+        Ok(first.is_some())
+    }
+
     /// The final full snapshots in the store that were not reclaimed, oldest first.
     pub async fn finals(&self) -> Result<Vec<Snapshot>, HandOffError> {
-        let reclaimed: BTreeSet<String> = self.keys("reclaimed").await?.into_iter().collect();
+        let reclaimed = self.reclaimed().await?;
         Ok(self
             .store
             .list()
@@ -375,7 +397,7 @@ impl HandOffObjects {
         let latest = self.store.latest_chain().await?.full_snapshot;
         match latest {
             Some(s) if s.is_final => {
-                let reclaimed = self.keys("reclaimed").await?;
+                let reclaimed = self.reclaimed().await?;
                 Ok((!reclaimed.contains(&s.snap_name)).then_some(s))
             }
             other => Ok(other),
