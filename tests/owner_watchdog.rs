@@ -19,7 +19,7 @@ use etcd_warden::backoff::Backoff;
 use etcd_warden::config::OwnerConfig;
 use etcd_warden::config::{EtcdConfig, KillConfig};
 use etcd_warden::health::Health;
-use etcd_warden::owner::handoff::{FenceMarker, HandOffRecord, Member};
+use etcd_warden::owner::handoff::{FenceMarker, HandOffError, HandOffRecord, Member};
 use etcd_warden::owner::metrics::OwnerMetrics;
 use etcd_warden::owner::production::{EtcdApi, OwnerStatus};
 use etcd_warden::owner::protocol::State;
@@ -64,8 +64,20 @@ enum KillMode {
     Refused,
 }
 
+/// How reading this member's fence marker (the start check) goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FenceRead {
+    /// As stored.
+    Works,
+    /// The store cannot be reached.
+    Fails,
+    /// This member's marker is there but is not JSON.
+    Unreadable,
+}
+
 struct World {
     calls: Mutex<Vec<Call>>,
+    fence_read: Mutex<FenceRead>,
     healthy: AtomicBool,
     ready: AtomicBool,
     visible: AtomicBool,
@@ -87,6 +99,7 @@ impl World {
     fn new() -> Arc<World> {
         Arc::new(World {
             calls: Mutex::new(Vec::new()),
+            fence_read: Mutex::new(FenceRead::Works),
             healthy: AtomicBool::new(true),
             ready: AtomicBool::new(false),
             visible: AtomicBool::new(true),
@@ -227,6 +240,23 @@ impl Snapshots for Fake {
         Ok(())
     }
     async fn fence(&self, member: u64) -> Result<Option<FenceMarker>, SeamError> {
+        match *self.0.fence_read.lock().expect("lock") {
+            FenceRead::Works => {}
+            FenceRead::Fails => {
+                return Err(SeamError::Timeout {
+                    what: "the store",
+                    after: Duration::from_millis(1),
+                });
+            }
+            FenceRead::Unreadable => {
+                let source =
+                    serde_json::from_slice::<FenceMarker>(b"not json").expect_err("not a marker");
+                return Err(SeamError::HandOff(HandOffError::Marker {
+                    key: format!("etcd-warden/fence/{member:016x}.json"),
+                    source,
+                }));
+            }
+        }
         Ok(self
             .0
             .fences
@@ -686,6 +716,47 @@ async fn in_a_cluster_the_final_waits_for_every_member_and_only_the_lowest_takes
         0,
         "never two takers"
     );
+    run.stop().await;
+}
+
+#[tokio::test]
+async fn a_start_check_that_keeps_failing_never_starves_a_not_owner_verdict() {
+    let world = World::new();
+    *world.fence_read.lock().unwrap() = FenceRead::Fails;
+    let (server, mut run) = running(&[ID], world.clone()).await;
+    run.until("the start check failing", |s| {
+        s.last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("start check"))
+    })
+    .await;
+    // Checks go on while the start check keeps failing (it is retried, not looped on).
+    let checks_before = run.status.borrow().last_check_at;
+    run.until("more owner checks", |s| s.last_check_at > checks_before)
+        .await;
+    assert_eq!(run.status.borrow().state, "starting");
+    assert!(!run.ready());
+
+    server.set_txt(NAME, &["seed-b"]).await;
+    run.until("deactivated and killed", |s| {
+        s.state == "deactivated" && s.kill.as_ref().is_some_and(|k| k.verified)
+    })
+    .await;
+    assert_eq!(run.kills(), 1);
+    assert!(!run.ready());
+    run.stop().await;
+}
+
+#[tokio::test]
+async fn an_unreadable_fence_marker_of_this_member_counts_as_fenced() {
+    let world = World::new();
+    *world.fence_read.lock().unwrap() = FenceRead::Unreadable;
+    let (_server, mut run) = running(&[ID], world.clone()).await;
+    run.until("deactivated", |s| s.state == "deactivated").await;
+    assert_eq!(world.count(|c| *c == Call::Gate(Gate::Open)), 0);
+    assert!(!run.ready());
+    run.until("killed", |s| s.kill.as_ref().is_some_and(|k| k.verified))
+        .await;
     run.stop().await;
 }
 

@@ -57,7 +57,8 @@ pub enum StartCheck {
     /// An earlier hand-off fenced this member (its marker is in the store, or the store's latest
     /// full snapshot is a final at or after etcd's revision): it stays handed off.
     Fenced,
-    /// The store or etcd could not be asked; asked again at the next owner verdict.
+    /// The store or etcd could not be asked; asked again after `kill_retry` or at the next owner
+    /// verdict, whichever comes first.
     Failed,
 }
 
@@ -233,6 +234,10 @@ impl fmt::Display for State {
 enum Start {
     Unchecked,
     Checking,
+    /// The last check failed: it runs again only at [`Event::RetryDue`] or the next owner
+    /// verdict, so the watchdog returns to its observations in between (a NotOwner verdict must
+    /// never wait behind a check that keeps failing).
+    Failed,
     Clear,
 }
 
@@ -359,6 +364,11 @@ impl Protocol {
             Event::Verdict(v) => self.owner = v == Verdict::Owner,
             _ => {}
         }
+        if self.start == Start::Failed
+            && matches!(event, Event::RetryDue | Event::Verdict(Verdict::Owner))
+        {
+            self.start = Start::Unchecked;
+        }
         match (self.state, event) {
             (State::Deactivated(step), event) => self.hand_off(step, event, &mut actions),
             (_, Event::Verdict(Verdict::NotOwner)) => self.deactivate(&mut actions),
@@ -369,7 +379,12 @@ impl Protocol {
             }
             (_, Event::StartChecked(check)) if self.start == Start::Checking => match check {
                 StartCheck::Clear => self.start = Start::Clear,
-                StartCheck::Failed => self.start = Start::Unchecked,
+                StartCheck::Failed => {
+                    self.start = Start::Failed;
+                    actions.push(Action::ScheduleRetry {
+                        delay: self.timing.kill_retry,
+                    });
+                }
                 StartCheck::Fenced => {
                     self.start = Start::Unchecked;
                     self.deactivate(&mut actions);
@@ -424,7 +439,7 @@ impl Protocol {
                 self.start = Start::Checking;
                 actions.push(Action::CheckStart);
             }
-            Start::Checking => {}
+            Start::Checking | Start::Failed => {}
         }
     }
 
@@ -609,15 +624,46 @@ mod tests {
 
     #[test]
     fn a_failed_start_check_is_asked_again_at_the_next_verdict() {
-        let (p, actions) = run(&[
+        let (p, actions) = run(&[HEALTHY, VISIBLE, OWNER]);
+        assert_eq!(actions, vec![CheckStart]);
+        // The failure itself asks nothing: it only schedules a retry, so the watchdog goes back
+        // to its observations instead of running the check again at once.
+        let (p, actions) = p.step(StartChecked(StartCheck::Failed));
+        assert_eq!(p.state(), State::Starting);
+        assert_eq!(
+            actions,
+            vec![ScheduleRetry {
+                delay: Duration::from_millis(300)
+            }]
+        );
+        // Neither do observations of etcd.
+        let (p, actions) = p.step(HEALTHY);
+        assert!(actions.is_empty(), "{actions:?}");
+        // The next owner verdict asks again.
+        let (by_verdict, actions) = p.step(OWNER);
+        assert_eq!(by_verdict.state(), State::Starting);
+        assert_eq!(actions, vec![CheckStart]);
+        // So does the retry, whichever comes first; the other then finds the check running.
+        let (by_retry, actions) = p.step(RetryDue);
+        assert_eq!(actions, vec![CheckStart]);
+        let (_, actions) = by_retry.step(OWNER);
+        assert!(actions.is_empty(), "{actions:?}");
+    }
+
+    #[test]
+    fn a_not_owner_verdict_kills_while_the_start_check_keeps_failing() {
+        let (p, _) = run(&[
             HEALTHY,
             VISIBLE,
             OWNER,
             StartChecked(StartCheck::Failed),
-            OWNER,
+            RetryDue,
+            StartChecked(StartCheck::Failed),
         ]);
         assert_eq!(p.state(), State::Starting);
-        assert_eq!(actions, vec![CheckStart, CheckStart]);
+        let (p, actions) = p.step(NOT_OWNER);
+        assert_eq!(p.state(), State::Deactivated(FinalStep::Killing));
+        assert_eq!(actions, vec![SetGate(Gate::Final), KillEtcd]);
     }
 
     #[test]

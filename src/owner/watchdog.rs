@@ -671,7 +671,18 @@ impl Driver<'_> {
     async fn fenced_at_start(&mut self) -> Result<Option<String>, SeamError> {
         let me = self.member().await?;
         let snapshots = &self.ctx.snapshots;
-        let own = snapshots.fence(me).await?;
+        let own = match snapshots.fence(me).await {
+            Ok(own) => own,
+            // Only a hand-off writes this member's marker, so one that is there but unreadable
+            // (truncated, edited by hand) still says "handed off": failing closed means counting
+            // it, not retrying a check that can never succeed while a destination may be live.
+            Err(SeamError::HandOff(HandOffError::Marker { key, source })) => {
+                return Ok(Some(format!(
+                    "the store holds this member's fence marker {key}, unreadable ({source}): counted as fenced"
+                )));
+            }
+            Err(e) => return Err(e),
+        };
         let record = snapshots.record().await?;
         let latest = snapshots.latest_full().await?;
         let revision = match &latest {
