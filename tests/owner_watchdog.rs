@@ -89,6 +89,9 @@ struct World {
     members: Mutex<Vec<Member>>,
     /// How many final snapshot requests fail before one succeeds.
     final_failures: AtomicU32,
+    /// How many hand-off record writes fail before one succeeds; each failure also moves etcd's
+    /// revision on, as lease expiry does after every member was fenced.
+    record_failures: AtomicU32,
     gate: watch::Sender<Gate>,
     /// The gate as last logged: a change is logged before the next call, which is the order
     /// the watchdog set it in (it never waits between setting the gate and its next action).
@@ -110,6 +113,7 @@ impl World {
             record: Mutex::new(None),
             members: Mutex::new(vec![member(ME)]),
             final_failures: AtomicU32::new(0),
+            record_failures: AtomicU32::new(0),
             gate: watch::channel(Gate::Closed).0,
             seen_gate: Mutex::new(Gate::Closed),
         })
@@ -284,6 +288,15 @@ impl Snapshots for Fake {
         Ok(self.0.record.lock().expect("lock").clone())
     }
     async fn write_record(&self, record: &HandOffRecord) -> Result<(), SeamError> {
+        let left = self.0.record_failures.load(Ordering::SeqCst);
+        if left > 0 {
+            self.0.record_failures.store(left - 1, Ordering::SeqCst);
+            self.0.revision.fetch_add(3, Ordering::SeqCst);
+            return Err(SeamError::Timeout {
+                what: "the store",
+                after: Duration::from_millis(1),
+            });
+        }
         *self.0.record.lock().expect("lock") = Some(record.clone());
         Ok(())
     }
@@ -580,6 +593,32 @@ async fn a_failing_store_is_retried_until_the_final_snapshot_is_stored() {
     assert!(!run.ready());
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(run.finals(), 4, "nothing after it is stored");
+    run.stop().await;
+}
+
+#[tokio::test]
+async fn a_failed_record_write_records_the_stored_final_and_takes_no_second() {
+    let world = World::new();
+    world.record_failures.store(2, Ordering::SeqCst);
+    let (_server, mut run) = running(&["seed-b"], world.clone()).await;
+    run.until("final snapshot stored and recorded", |s| {
+        s.final_snapshot.is_some() && s.state == "deactivated" && s.detail.contains("Done")
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Leases moved the revision on (42 -> 48) while the record could not be written: the final
+    // stored at 42 still is the hand-off's, and the record names it.
+    assert_eq!(world.revision.load(Ordering::SeqCst), 48);
+    assert_eq!(run.finals(), 1, "{:?}", world.calls());
+    let finals = world.finals.lock().unwrap().clone();
+    assert_eq!(finals.len(), 1);
+    let record = world.record.lock().unwrap().clone().expect("recorded");
+    assert_eq!(record.final_snapshot, finals[0].snap_name);
+    assert_eq!(record.revision, 42);
+    assert_eq!(
+        run.status.borrow().final_snapshot.as_deref(),
+        Some(finals[0].snap_name.as_str())
+    );
     run.stop().await;
 }
 

@@ -285,6 +285,7 @@ impl Watchdog {
             killed: Vec::new(),
             kill_done_at: None,
             last_verdict: String::new(),
+            taken: None,
         };
         tokio::select! {
             _ = cancel.cancelled() => {}
@@ -415,6 +416,11 @@ struct Driver<'a> {
     killed: Vec<ProcessId>,
     kill_done_at: Option<Instant>,
     last_verdict: String,
+    /// The final this process stored and the revision it had to reach, once stored: if writing
+    /// its hand-off record fails, the next check records this one instead of deciding again
+    /// (etcd's revision moves on as leases expire, so a new decision would not count it and
+    /// would take a second final).
+    taken: Option<(Snapshot, i64)>,
 }
 
 impl Driver<'_> {
@@ -793,8 +799,13 @@ impl Driver<'_> {
     async fn decide(&mut self) -> Result<(Decision, bool), SeamError> {
         let me = self.member().await?;
         tracing::Span::current().record("member_id", tracing::field::display(format!("{me:x}")));
-        let snapshots = &self.ctx.snapshots;
         let members = self.ctx.etcd.members().await?;
+        if let Some((taken, min_revision)) = &self.taken {
+            self.record(taken, *min_revision, &members).await?;
+            tracing::info!(snapshot = %taken.snap_name, "the hand-off record for the final stored earlier is written");
+            return Ok((Decision::Done(taken.clone()), true));
+        }
+        let snapshots = &self.ctx.snapshots;
         let fenced = snapshots.fenced().await?;
         let all_fenced = handoff::unfenced(&members, &fenced).is_empty();
         let (revision, finals, record) = if all_fenced {
@@ -857,6 +868,7 @@ impl Driver<'_> {
         let result = tracing::Instrument::instrument(
             async {
                 let snap = self.ctx.snapshots.take_final(min_revision).await?;
+                self.taken = Some((snap.clone(), min_revision));
                 let members = self.ctx.etcd.members().await.unwrap_or_default();
                 self.record(&snap, min_revision, &members).await?;
                 Ok::<_, SeamError>(snap)
