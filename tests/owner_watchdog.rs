@@ -350,6 +350,11 @@ struct Running {
 
 impl Running {
     async fn start(server: &DnsServer, world: Arc<World>) -> Running {
+        Running::start_with(server, world, Duration::ZERO).await
+    }
+
+    /// [`Running::start`] with `kill.settle` = `settle`.
+    async fn start_with(server: &DnsServer, world: Arc<World>, settle: Duration) -> Running {
         let owner = owner_config(
             server,
             Duration::from_millis(50),
@@ -359,6 +364,7 @@ impl Running {
             &owner,
             Duration::from_millis(20),
             Backoff::new(Duration::from_millis(20), Duration::from_millis(80)),
+            settle,
         );
         let fake = Arc::new(Fake(world.clone()));
         let ctx = Context {
@@ -623,6 +629,39 @@ async fn a_failed_record_write_records_the_stored_final_and_takes_no_second() {
 }
 
 #[tokio::test]
+async fn with_a_settle_etcd_is_killed_again_before_the_fence() {
+    let world = World::new();
+    let server = DnsServer::start().await;
+    server.set_txt(NAME, &[ID]).await;
+    let settle = Duration::from_millis(400);
+    let mut run = Running::start_with(&server, world.clone(), settle).await;
+    run.until("active and ready", |s| s.state == "active" && s.ready)
+        .await;
+    server.set_txt(NAME, &["seed-b"]).await;
+    run.until("not ready", |s| !s.ready).await;
+    let unready_at = Instant::now();
+    run.until("killed", |s| s.kill.is_some()).await;
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(run.kills(), 1, "one kill until the settle ends");
+    assert_eq!(world.count(|c| *c == Call::Fence), 0, "no fence during it");
+    run.until("final snapshot stored", |s| s.final_snapshot.is_some())
+        .await;
+    assert!(unready_at.elapsed() >= settle - Duration::from_millis(50));
+    assert_eq!(
+        world.calls()[2..],
+        [
+            Call::Ready(false),
+            Call::Gate(Gate::Final),
+            Call::Kill,
+            Call::Kill,
+            Call::Fence,
+            Call::Final(42),
+        ]
+    );
+    run.stop().await;
+}
+
+#[tokio::test]
 async fn readiness_follows_etcd_health_while_active() {
     let world = World::new();
     let (_server, mut run) = running(&[ID], world.clone()).await;
@@ -815,11 +854,22 @@ fn owner_config(dns: &DnsServer, interval: Duration, timeout: Duration) -> Owner
 }
 
 /// The watchdog's timing for `owner`, with a faster health poll and backoff than production.
-fn watchdog_config(owner: &OwnerConfig, health: Duration, backoff: Backoff) -> WatchdogConfig {
+fn watchdog_config(
+    owner: &OwnerConfig,
+    health: Duration,
+    backoff: Backoff,
+    settle: Duration,
+) -> WatchdogConfig {
+    let kill = KillConfig {
+        process_name: "etcd".into(),
+        cmdline_contains: None,
+        grace: Duration::from_secs(1),
+        settle,
+    };
     WatchdogConfig {
         health_interval: health,
         backoff,
-        ..WatchdogConfig::from_owner(owner)
+        ..WatchdogConfig::from_config(owner, &kill)
     }
 }
 
@@ -832,6 +882,8 @@ struct RealEtcd {
     restarts: Arc<AtomicU32>,
     stop: CancellationToken,
     kubelet: tokio::task::JoinHandle<()>,
+    /// `kill.settle` of the watchdogs made by [`RealEtcd::watchdog`] (zero unless a test sets it).
+    settle: Duration,
 }
 
 impl RealEtcd {
@@ -849,6 +901,7 @@ impl RealEtcd {
             process_name: "etcd".into(),
             cmdline_contains: Some(cluster.members[0].data_dir.display().to_string()),
             grace: Duration::from_secs(10),
+            settle: Duration::ZERO,
         });
         let cluster = Arc::new(Mutex::new(cluster));
         let restarts = Arc::new(AtomicU32::new(0));
@@ -875,6 +928,7 @@ impl RealEtcd {
             restarts,
             stop,
             kubelet,
+            settle: Duration::ZERO,
         }
     }
 
@@ -919,6 +973,7 @@ impl RealEtcd {
             owner,
             Duration::from_millis(100),
             Backoff::new(Duration::from_millis(100), Duration::from_secs(1)),
+            self.settle,
         );
         Watchdog::new(config, ctx, OwnerMetrics::default())
     }
@@ -1066,6 +1121,161 @@ async fn losing_ownership_kills_real_etcd_and_snapshots_it_after_it_comes_back()
     assert!(!readiness.borrow().ready);
     assert_eq!(etcd.restarts.load(Ordering::SeqCst), 1);
     assert_eq!(snapshots.taken.load(Ordering::SeqCst), 1);
+
+    cancel.cancel();
+    task.await.expect("watchdog");
+    etcd.stop().await;
+}
+
+/// [`StreamingSnapshots`] that, when the fence marker is written, notes how often the kubelet
+/// restarted etcd so far and which etcd processes are alive.
+struct FenceWatch {
+    inner: Arc<StreamingSnapshots>,
+    killer: ProcKiller,
+    restarts: Arc<AtomicU32>,
+    at_fence: Mutex<Option<(u32, Vec<i32>)>>,
+}
+
+#[async_trait::async_trait]
+impl Snapshots for FenceWatch {
+    async fn write_fence(&self, member: u64, marker: &FenceMarker) -> Result<(), SeamError> {
+        let alive = self
+            .killer
+            .find()
+            .expect("proc")
+            .iter()
+            .map(|p| p.pid)
+            .collect();
+        self.at_fence
+            .lock()
+            .expect("lock")
+            .get_or_insert((self.restarts.load(Ordering::SeqCst), alive));
+        self.inner.write_fence(member, marker).await
+    }
+    async fn fence(&self, member: u64) -> Result<Option<FenceMarker>, SeamError> {
+        self.inner.fence(member).await
+    }
+    async fn fenced(&self) -> Result<BTreeSet<u64>, SeamError> {
+        self.inner.fenced().await
+    }
+    async fn finals(&self) -> Result<Vec<Snapshot>, SeamError> {
+        self.inner.finals().await
+    }
+    async fn latest_full(&self) -> Result<Option<Snapshot>, SeamError> {
+        self.inner.latest_full().await
+    }
+    async fn record(&self) -> Result<Option<HandOffRecord>, SeamError> {
+        self.inner.record().await
+    }
+    async fn write_record(&self, record: &HandOffRecord) -> Result<(), SeamError> {
+        self.inner.write_record(record).await
+    }
+    async fn take_final(&self, min_revision: i64) -> Result<Snapshot, SeamError> {
+        self.inner.take_final(min_revision).await
+    }
+}
+
+#[tokio::test]
+async fn an_etcd_restarted_after_the_first_kill_is_killed_again_before_the_fence() {
+    let mut etcd = RealEtcd::start().await;
+    let settle = Duration::from_secs(3);
+    etcd.settle = settle;
+    let first_pid = etcd.pid().expect("etcd running");
+    let dns = DnsServer::start().await;
+    dns.set_txt(NAME, &[ID]).await;
+    let owner = owner_config(&dns, Duration::from_millis(100), Duration::from_millis(500));
+    let streaming = Arc::new(StreamingSnapshots {
+        endpoint: etcd.endpoint(),
+        fences: Mutex::new(BTreeSet::new()),
+        finals: Mutex::new(Vec::new()),
+        record: Mutex::new(None),
+        taken: AtomicU32::new(0),
+        bytes: AtomicU32::new(0),
+    });
+    let watch_fence = Arc::new(FenceWatch {
+        inner: streaming.clone(),
+        killer: etcd.killer.clone(),
+        restarts: etcd.restarts.clone(),
+        at_fence: Mutex::new(None),
+    });
+    let (readiness_tx, mut readiness) = watch::channel(Readiness::starting());
+    let (gate, _gates) = watch::channel(Gate::Closed);
+    let watchdog = etcd.watchdog(
+        &owner,
+        Arc::new(OwnerResolver::new(&owner).expect("resolver")),
+        Arc::new(etcd.killer.clone()),
+        watch_fence.clone(),
+        readiness_tx,
+        gate,
+    );
+    let mut status = watchdog.status();
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(watchdog.run(cancel.clone()));
+    tokio::time::timeout(Duration::from_secs(20), readiness.wait_for(|r| r.ready))
+        .await
+        .expect("ready as owner")
+        .expect("readiness");
+
+    dns.set_txt(NAME, &["seed-b"]).await;
+    let unready_at = tokio::time::Instant::now();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        status.wait_for(|s| s.kill.as_ref().is_some_and(|k| k.verified)),
+    )
+    .await
+    .expect("first kill verified")
+    .expect("status");
+    // The kubelet restarts etcd while the Service may still route to it: a new process a client
+    // could have connected to.
+    let restarted = tokio::time::timeout(Duration::from_secs(2), async {
+        loop {
+            match etcd.pid() {
+                Some(pid) if pid != first_pid => return pid,
+                _ => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+    })
+    .await
+    .expect("etcd restarted within the settle");
+    assert!(
+        unready_at.elapsed() < settle,
+        "the restart must come before the settle ends"
+    );
+    assert!(
+        watch_fence.at_fence.lock().expect("lock").is_none(),
+        "no fence during the settle"
+    );
+
+    let stored = tokio::time::timeout(
+        Duration::from_secs(30),
+        status.wait_for(|s| s.final_snapshot.is_some()),
+    )
+    .await
+    .is_ok();
+    assert!(stored, "no final snapshot; status {:?}", *status.borrow());
+    assert!(
+        unready_at.elapsed() >= settle,
+        "fenced before the settle ended"
+    );
+    let (restarts_at_fence, alive_at_fence) = watch_fence
+        .at_fence
+        .lock()
+        .expect("lock")
+        .clone()
+        .expect("fenced");
+    assert!(restarts_at_fence >= 1, "{restarts_at_fence}");
+    assert!(
+        !alive_at_fence.contains(&(restarted as i32)),
+        "pid {restarted} (the etcd restarted after the first kill) alive at the fence: {alive_at_fence:?}"
+    );
+    assert_eq!(streaming.taken.load(Ordering::SeqCst), 1);
+    // Killed twice: the first etcd and the one restarted after it.
+    assert!(etcd.restarts.load(Ordering::SeqCst) >= 2);
+    let kill = status.borrow().kill.clone().expect("kill status");
+    assert!(
+        kill.verified && kill.last.contains(&format!("pid {restarted} ")),
+        "{kill:?}"
+    );
 
     cancel.cancel();
     task.await.expect("watchdog");

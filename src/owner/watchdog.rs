@@ -29,7 +29,7 @@ use super::metrics::OwnerMetrics;
 use super::protocol::{Action, Event, HandOff, Protocol, StartCheck, State, Timing, Verdict};
 use super::resolve::{CheckResult, FailureCounter, OwnerLookup};
 use crate::backoff::Backoff;
-use crate::config::OwnerConfig;
+use crate::config::{KillConfig, OwnerConfig};
 use crate::health::Health;
 use crate::process::{ProcessControl, ProcessId};
 use crate::server::Readiness;
@@ -122,17 +122,21 @@ pub struct WatchdogConfig {
     pub health_interval: Duration,
     /// Retry delays for the hand-off's steps.
     pub backoff: Backoff,
+    /// How long after readiness went 503 the hand-off kills etcd again before fencing (`kill.settle`).
+    pub settle: Duration,
 }
 
 impl WatchdogConfig {
-    /// The timing from the `[owner]` section, with a 2 s health poll and a 1 s…30 s backoff.
-    pub fn from_owner(config: &OwnerConfig) -> Self {
+    /// The timing from the `[owner]` and `[kill]` sections, with a 2 s health poll and a 1 s…30 s
+    /// backoff.
+    pub fn from_config(owner: &OwnerConfig, kill: &KillConfig) -> Self {
         WatchdogConfig {
-            owner_id: config.id.clone(),
-            interval: config.interval,
-            failure_threshold: config.failure_threshold,
+            owner_id: owner.id.clone(),
+            interval: owner.interval,
+            failure_threshold: owner.failure_threshold,
             health_interval: crate::health::INTERVAL,
             backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(30)),
+            settle: kill.settle,
         }
     }
 }
@@ -286,6 +290,7 @@ impl Watchdog {
             kill_done_at: None,
             last_verdict: String::new(),
             taken: None,
+            not_ready_since: Instant::now(),
         };
         tokio::select! {
             _ = cancel.cancelled() => {}
@@ -306,6 +311,7 @@ fn timing(config: &WatchdogConfig) -> Timing {
     Timing {
         kill_retry: config.interval,
         backoff: config.backoff,
+        settle: config.settle,
     }
 }
 
@@ -421,6 +427,9 @@ struct Driver<'a> {
     /// (etcd's revision moves on as leases expire, so a new decision would not count it and
     /// would take a second final).
     taken: Option<(Snapshot, i64)>,
+    /// When readiness last went 503 (set 503 at start): the settle before the second kill of a
+    /// hand-off counts from here, since that is when the Service began to drop this member.
+    not_ready_since: Instant,
 }
 
 impl Driver<'_> {
@@ -538,6 +547,9 @@ impl Driver<'_> {
     async fn execute(&mut self, action: Action) -> Option<Event> {
         match action {
             Action::SetReady(ready) => {
+                if !ready {
+                    self.not_ready_since = Instant::now();
+                }
                 let state = self.protocol.state();
                 self.ctx
                     .readiness
@@ -549,7 +561,14 @@ impl Driver<'_> {
                 tracing::info!(?gate, "snapshot gate set");
                 None
             }
-            Action::KillEtcd => Some(Event::Killed(self.kill().await)),
+            Action::KillEtcd => Some(Event::Killed(self.kill(false).await)),
+            Action::KillAgain => Some(Event::Killed(self.kill(true).await)),
+            Action::AwaitSettle { settle } => {
+                let at = (self.not_ready_since + settle).max(Instant::now());
+                tracing::info!(settle = ?settle, after = ?at.saturating_duration_since(Instant::now()), "etcd killed; killing it again after kill.settle before fencing (a restarted etcd may still get clients from the Service)");
+                self.retry_at = Some(at);
+                None
+            }
             Action::CheckStart => Some(Event::StartChecked(self.start_check().await)),
             Action::WriteFence => Some(Event::Fenced(self.write_fence().await)),
             Action::CheckHandOff => Some(Event::HandOff(self.check_hand_off().await)),
@@ -566,8 +585,10 @@ impl Driver<'_> {
         }
     }
 
-    /// Kills etcd; true when verified.
-    async fn kill(&mut self) -> bool {
+    /// Kills etcd; true when verified. `again`: the kill after the settle, which counts the
+    /// processes the last verified kill stopped as found, so it verifies by their absence when
+    /// etcd was not restarted (and the process table could be read), and stops any restarted one.
+    async fn kill(&mut self, again: bool) -> bool {
         let attempts = self
             .status
             .borrow()
@@ -576,10 +597,13 @@ impl Driver<'_> {
             .map_or(0, |k| if k.verified { 0 } else { k.attempts })
             + 1;
         if attempts == 1 {
-            self.kill_targets.clear();
+            self.kill_targets = if again {
+                self.killed.clone()
+            } else {
+                Vec::new()
+            };
         }
-        let span =
-            tracing::info_span!("kill_etcd", owner_id = %self.config.owner_id, attempt = attempts);
+        let span = tracing::info_span!("kill_etcd", owner_id = %self.config.owner_id, attempt = attempts, again);
         let report = tracing::Instrument::instrument(
             self.ctx.process.kill_etcd(&self.kill_targets),
             span.clone(),
