@@ -334,7 +334,11 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
                 gate_tx,
             )?;
             tracing::info!(record = %owner.name, id = %owner.id, interval = ?owner.interval, "checking ownership");
-            let dog = Watchdog::new(WatchdogConfig::from_owner(owner), ctx, owner_metrics);
+            let dog = Watchdog::new(
+                WatchdogConfig::from_config(owner, &config.kill),
+                ctx,
+                owner_metrics,
+            );
             let status = dog.status();
             let token = tasks.child_token();
             let task = tokio::spawn(async move {

@@ -19,7 +19,7 @@ use etcd_warden::backoff::Backoff;
 use etcd_warden::config::OwnerConfig;
 use etcd_warden::config::{EtcdConfig, KillConfig};
 use etcd_warden::health::Health;
-use etcd_warden::owner::handoff::{FenceMarker, HandOffRecord, Member};
+use etcd_warden::owner::handoff::{FenceMarker, HandOffError, HandOffRecord, Member};
 use etcd_warden::owner::metrics::OwnerMetrics;
 use etcd_warden::owner::production::{EtcdApi, OwnerStatus};
 use etcd_warden::owner::protocol::State;
@@ -64,8 +64,20 @@ enum KillMode {
     Refused,
 }
 
+/// How reading this member's fence marker (the start check) goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FenceRead {
+    /// As stored.
+    Works,
+    /// The store cannot be reached.
+    Fails,
+    /// This member's marker is there but is not JSON.
+    Unreadable,
+}
+
 struct World {
     calls: Mutex<Vec<Call>>,
+    fence_read: Mutex<FenceRead>,
     healthy: AtomicBool,
     ready: AtomicBool,
     visible: AtomicBool,
@@ -77,6 +89,9 @@ struct World {
     members: Mutex<Vec<Member>>,
     /// How many final snapshot requests fail before one succeeds.
     final_failures: AtomicU32,
+    /// How many hand-off record writes fail before one succeeds; each failure also moves etcd's
+    /// revision on, as lease expiry does after every member was fenced.
+    record_failures: AtomicU32,
     gate: watch::Sender<Gate>,
     /// The gate as last logged: a change is logged before the next call, which is the order
     /// the watchdog set it in (it never waits between setting the gate and its next action).
@@ -87,6 +102,7 @@ impl World {
     fn new() -> Arc<World> {
         Arc::new(World {
             calls: Mutex::new(Vec::new()),
+            fence_read: Mutex::new(FenceRead::Works),
             healthy: AtomicBool::new(true),
             ready: AtomicBool::new(false),
             visible: AtomicBool::new(true),
@@ -97,6 +113,7 @@ impl World {
             record: Mutex::new(None),
             members: Mutex::new(vec![member(ME)]),
             final_failures: AtomicU32::new(0),
+            record_failures: AtomicU32::new(0),
             gate: watch::channel(Gate::Closed).0,
             seen_gate: Mutex::new(Gate::Closed),
         })
@@ -227,6 +244,23 @@ impl Snapshots for Fake {
         Ok(())
     }
     async fn fence(&self, member: u64) -> Result<Option<FenceMarker>, SeamError> {
+        match *self.0.fence_read.lock().expect("lock") {
+            FenceRead::Works => {}
+            FenceRead::Fails => {
+                return Err(SeamError::Timeout {
+                    what: "the store",
+                    after: Duration::from_millis(1),
+                });
+            }
+            FenceRead::Unreadable => {
+                let source =
+                    serde_json::from_slice::<FenceMarker>(b"not json").expect_err("not a marker");
+                return Err(SeamError::HandOff(HandOffError::Marker {
+                    key: format!("etcd-warden/fence/{member:016x}.json"),
+                    source,
+                }));
+            }
+        }
         Ok(self
             .0
             .fences
@@ -254,6 +288,15 @@ impl Snapshots for Fake {
         Ok(self.0.record.lock().expect("lock").clone())
     }
     async fn write_record(&self, record: &HandOffRecord) -> Result<(), SeamError> {
+        let left = self.0.record_failures.load(Ordering::SeqCst);
+        if left > 0 {
+            self.0.record_failures.store(left - 1, Ordering::SeqCst);
+            self.0.revision.fetch_add(3, Ordering::SeqCst);
+            return Err(SeamError::Timeout {
+                what: "the store",
+                after: Duration::from_millis(1),
+            });
+        }
         *self.0.record.lock().expect("lock") = Some(record.clone());
         Ok(())
     }
@@ -307,6 +350,11 @@ struct Running {
 
 impl Running {
     async fn start(server: &DnsServer, world: Arc<World>) -> Running {
+        Running::start_with(server, world, Duration::ZERO).await
+    }
+
+    /// [`Running::start`] with `kill.settle` = `settle`.
+    async fn start_with(server: &DnsServer, world: Arc<World>, settle: Duration) -> Running {
         let owner = owner_config(
             server,
             Duration::from_millis(50),
@@ -316,6 +364,7 @@ impl Running {
             &owner,
             Duration::from_millis(20),
             Backoff::new(Duration::from_millis(20), Duration::from_millis(80)),
+            settle,
         );
         let fake = Arc::new(Fake(world.clone()));
         let ctx = Context {
@@ -554,6 +603,65 @@ async fn a_failing_store_is_retried_until_the_final_snapshot_is_stored() {
 }
 
 #[tokio::test]
+async fn a_failed_record_write_records_the_stored_final_and_takes_no_second() {
+    let world = World::new();
+    world.record_failures.store(2, Ordering::SeqCst);
+    let (_server, mut run) = running(&["seed-b"], world.clone()).await;
+    run.until("final snapshot stored and recorded", |s| {
+        s.final_snapshot.is_some() && s.state == "deactivated" && s.detail.contains("Done")
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Leases moved the revision on (42 -> 48) while the record could not be written: the final
+    // stored at 42 still is the hand-off's, and the record names it.
+    assert_eq!(world.revision.load(Ordering::SeqCst), 48);
+    assert_eq!(run.finals(), 1, "{:?}", world.calls());
+    let finals = world.finals.lock().unwrap().clone();
+    assert_eq!(finals.len(), 1);
+    let record = world.record.lock().unwrap().clone().expect("recorded");
+    assert_eq!(record.final_snapshot, finals[0].snap_name);
+    assert_eq!(record.revision, 42);
+    assert_eq!(
+        run.status.borrow().final_snapshot.as_deref(),
+        Some(finals[0].snap_name.as_str())
+    );
+    run.stop().await;
+}
+
+#[tokio::test]
+async fn with_a_settle_etcd_is_killed_again_before_the_fence() {
+    let world = World::new();
+    let server = DnsServer::start().await;
+    server.set_txt(NAME, &[ID]).await;
+    let settle = Duration::from_millis(400);
+    let mut run = Running::start_with(&server, world.clone(), settle).await;
+    run.until("active and ready", |s| s.state == "active" && s.ready)
+        .await;
+    server.set_txt(NAME, &["seed-b"]).await;
+    run.until("not ready", |s| !s.ready).await;
+    let unready_at = Instant::now();
+    run.until("killed", |s| s.kill.is_some()).await;
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(run.kills(), 1, "one kill until the settle ends");
+    assert_eq!(world.count(|c| *c == Call::Fence), 0, "no fence during it");
+    run.until("final snapshot stored", |s| s.final_snapshot.is_some())
+        .await;
+    assert!(unready_at.elapsed() >= settle - Duration::from_millis(50));
+    assert_eq!(
+        world.calls()[2..],
+        [
+            Call::Ready(false),
+            Call::Gate(Gate::Final),
+            Call::Kill,
+            Call::Kill,
+            Call::Fence,
+            Call::Final(42),
+        ]
+    );
+    run.stop().await;
+}
+
+#[tokio::test]
 async fn readiness_follows_etcd_health_while_active() {
     let world = World::new();
     let (_server, mut run) = running(&[ID], world.clone()).await;
@@ -689,6 +797,47 @@ async fn in_a_cluster_the_final_waits_for_every_member_and_only_the_lowest_takes
     run.stop().await;
 }
 
+#[tokio::test]
+async fn a_start_check_that_keeps_failing_never_starves_a_not_owner_verdict() {
+    let world = World::new();
+    *world.fence_read.lock().unwrap() = FenceRead::Fails;
+    let (server, mut run) = running(&[ID], world.clone()).await;
+    run.until("the start check failing", |s| {
+        s.last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("start check"))
+    })
+    .await;
+    // Checks go on while the start check keeps failing (it is retried, not looped on).
+    let checks_before = run.status.borrow().last_check_at;
+    run.until("more owner checks", |s| s.last_check_at > checks_before)
+        .await;
+    assert_eq!(run.status.borrow().state, "starting");
+    assert!(!run.ready());
+
+    server.set_txt(NAME, &["seed-b"]).await;
+    run.until("deactivated and killed", |s| {
+        s.state == "deactivated" && s.kill.as_ref().is_some_and(|k| k.verified)
+    })
+    .await;
+    assert_eq!(run.kills(), 1);
+    assert!(!run.ready());
+    run.stop().await;
+}
+
+#[tokio::test]
+async fn an_unreadable_fence_marker_of_this_member_counts_as_fenced() {
+    let world = World::new();
+    *world.fence_read.lock().unwrap() = FenceRead::Unreadable;
+    let (_server, mut run) = running(&[ID], world.clone()).await;
+    run.until("deactivated", |s| s.state == "deactivated").await;
+    assert_eq!(world.count(|c| *c == Call::Gate(Gate::Open)), 0);
+    assert!(!run.ready());
+    run.until("killed", |s| s.kill.as_ref().is_some_and(|k| k.verified))
+        .await;
+    run.stop().await;
+}
+
 // ---- Against a real etcd process. ----
 
 /// The owner section for a record on `dns`, checked every `interval`.
@@ -705,11 +854,22 @@ fn owner_config(dns: &DnsServer, interval: Duration, timeout: Duration) -> Owner
 }
 
 /// The watchdog's timing for `owner`, with a faster health poll and backoff than production.
-fn watchdog_config(owner: &OwnerConfig, health: Duration, backoff: Backoff) -> WatchdogConfig {
+fn watchdog_config(
+    owner: &OwnerConfig,
+    health: Duration,
+    backoff: Backoff,
+    settle: Duration,
+) -> WatchdogConfig {
+    let kill = KillConfig {
+        process_name: "etcd".into(),
+        cmdline_contains: None,
+        grace: Duration::from_secs(1),
+        settle,
+    };
     WatchdogConfig {
         health_interval: health,
         backoff,
-        ..WatchdogConfig::from_owner(owner)
+        ..WatchdogConfig::from_config(owner, &kill)
     }
 }
 
@@ -722,6 +882,8 @@ struct RealEtcd {
     restarts: Arc<AtomicU32>,
     stop: CancellationToken,
     kubelet: tokio::task::JoinHandle<()>,
+    /// `kill.settle` of the watchdogs made by [`RealEtcd::watchdog`] (zero unless a test sets it).
+    settle: Duration,
 }
 
 impl RealEtcd {
@@ -739,6 +901,7 @@ impl RealEtcd {
             process_name: "etcd".into(),
             cmdline_contains: Some(cluster.members[0].data_dir.display().to_string()),
             grace: Duration::from_secs(10),
+            settle: Duration::ZERO,
         });
         let cluster = Arc::new(Mutex::new(cluster));
         let restarts = Arc::new(AtomicU32::new(0));
@@ -765,6 +928,7 @@ impl RealEtcd {
             restarts,
             stop,
             kubelet,
+            settle: Duration::ZERO,
         }
     }
 
@@ -809,6 +973,7 @@ impl RealEtcd {
             owner,
             Duration::from_millis(100),
             Backoff::new(Duration::from_millis(100), Duration::from_secs(1)),
+            self.settle,
         );
         Watchdog::new(config, ctx, OwnerMetrics::default())
     }
@@ -956,6 +1121,161 @@ async fn losing_ownership_kills_real_etcd_and_snapshots_it_after_it_comes_back()
     assert!(!readiness.borrow().ready);
     assert_eq!(etcd.restarts.load(Ordering::SeqCst), 1);
     assert_eq!(snapshots.taken.load(Ordering::SeqCst), 1);
+
+    cancel.cancel();
+    task.await.expect("watchdog");
+    etcd.stop().await;
+}
+
+/// [`StreamingSnapshots`] that, when the fence marker is written, notes how often the kubelet
+/// restarted etcd so far and which etcd processes are alive.
+struct FenceWatch {
+    inner: Arc<StreamingSnapshots>,
+    killer: ProcKiller,
+    restarts: Arc<AtomicU32>,
+    at_fence: Mutex<Option<(u32, Vec<i32>)>>,
+}
+
+#[async_trait::async_trait]
+impl Snapshots for FenceWatch {
+    async fn write_fence(&self, member: u64, marker: &FenceMarker) -> Result<(), SeamError> {
+        let alive = self
+            .killer
+            .find()
+            .expect("proc")
+            .iter()
+            .map(|p| p.pid)
+            .collect();
+        self.at_fence
+            .lock()
+            .expect("lock")
+            .get_or_insert((self.restarts.load(Ordering::SeqCst), alive));
+        self.inner.write_fence(member, marker).await
+    }
+    async fn fence(&self, member: u64) -> Result<Option<FenceMarker>, SeamError> {
+        self.inner.fence(member).await
+    }
+    async fn fenced(&self) -> Result<BTreeSet<u64>, SeamError> {
+        self.inner.fenced().await
+    }
+    async fn finals(&self) -> Result<Vec<Snapshot>, SeamError> {
+        self.inner.finals().await
+    }
+    async fn latest_full(&self) -> Result<Option<Snapshot>, SeamError> {
+        self.inner.latest_full().await
+    }
+    async fn record(&self) -> Result<Option<HandOffRecord>, SeamError> {
+        self.inner.record().await
+    }
+    async fn write_record(&self, record: &HandOffRecord) -> Result<(), SeamError> {
+        self.inner.write_record(record).await
+    }
+    async fn take_final(&self, min_revision: i64) -> Result<Snapshot, SeamError> {
+        self.inner.take_final(min_revision).await
+    }
+}
+
+#[tokio::test]
+async fn an_etcd_restarted_after_the_first_kill_is_killed_again_before_the_fence() {
+    let mut etcd = RealEtcd::start().await;
+    let settle = Duration::from_secs(3);
+    etcd.settle = settle;
+    let first_pid = etcd.pid().expect("etcd running");
+    let dns = DnsServer::start().await;
+    dns.set_txt(NAME, &[ID]).await;
+    let owner = owner_config(&dns, Duration::from_millis(100), Duration::from_millis(500));
+    let streaming = Arc::new(StreamingSnapshots {
+        endpoint: etcd.endpoint(),
+        fences: Mutex::new(BTreeSet::new()),
+        finals: Mutex::new(Vec::new()),
+        record: Mutex::new(None),
+        taken: AtomicU32::new(0),
+        bytes: AtomicU32::new(0),
+    });
+    let watch_fence = Arc::new(FenceWatch {
+        inner: streaming.clone(),
+        killer: etcd.killer.clone(),
+        restarts: etcd.restarts.clone(),
+        at_fence: Mutex::new(None),
+    });
+    let (readiness_tx, mut readiness) = watch::channel(Readiness::starting());
+    let (gate, _gates) = watch::channel(Gate::Closed);
+    let watchdog = etcd.watchdog(
+        &owner,
+        Arc::new(OwnerResolver::new(&owner).expect("resolver")),
+        Arc::new(etcd.killer.clone()),
+        watch_fence.clone(),
+        readiness_tx,
+        gate,
+    );
+    let mut status = watchdog.status();
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(watchdog.run(cancel.clone()));
+    tokio::time::timeout(Duration::from_secs(20), readiness.wait_for(|r| r.ready))
+        .await
+        .expect("ready as owner")
+        .expect("readiness");
+
+    dns.set_txt(NAME, &["seed-b"]).await;
+    let unready_at = tokio::time::Instant::now();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        status.wait_for(|s| s.kill.as_ref().is_some_and(|k| k.verified)),
+    )
+    .await
+    .expect("first kill verified")
+    .expect("status");
+    // The kubelet restarts etcd while the Service may still route to it: a new process a client
+    // could have connected to.
+    let restarted = tokio::time::timeout(Duration::from_secs(2), async {
+        loop {
+            match etcd.pid() {
+                Some(pid) if pid != first_pid => return pid,
+                _ => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+    })
+    .await
+    .expect("etcd restarted within the settle");
+    assert!(
+        unready_at.elapsed() < settle,
+        "the restart must come before the settle ends"
+    );
+    assert!(
+        watch_fence.at_fence.lock().expect("lock").is_none(),
+        "no fence during the settle"
+    );
+
+    let stored = tokio::time::timeout(
+        Duration::from_secs(30),
+        status.wait_for(|s| s.final_snapshot.is_some()),
+    )
+    .await
+    .is_ok();
+    assert!(stored, "no final snapshot; status {:?}", *status.borrow());
+    assert!(
+        unready_at.elapsed() >= settle,
+        "fenced before the settle ended"
+    );
+    let (restarts_at_fence, alive_at_fence) = watch_fence
+        .at_fence
+        .lock()
+        .expect("lock")
+        .clone()
+        .expect("fenced");
+    assert!(restarts_at_fence >= 1, "{restarts_at_fence}");
+    assert!(
+        !alive_at_fence.contains(&(restarted as i32)),
+        "pid {restarted} (the etcd restarted after the first kill) alive at the fence: {alive_at_fence:?}"
+    );
+    assert_eq!(streaming.taken.load(Ordering::SeqCst), 1);
+    // Killed twice: the first etcd and the one restarted after it.
+    assert!(etcd.restarts.load(Ordering::SeqCst) >= 2);
+    let kill = status.borrow().kill.clone().expect("kill status");
+    assert!(
+        kill.verified && kill.last.contains(&format!("pid {restarted} ")),
+        "{kill:?}"
+    );
 
     cancel.cancel();
     task.await.expect("watchdog");

@@ -56,6 +56,7 @@ async fn member_keys(
         // Only this test's etcd: others run beside it on the machine.
         ("kill.cmdline_contains", data_dir),
         ("kill.grace", "3s".into()),
+        ("kill.settle", "1s".into()),
     ]
 }
 
@@ -400,6 +401,7 @@ async fn f_an_etcd_that_ignores_sigterm_gets_sigkill_after_the_grace() {
         ("kill.process_name", "sh".into()),
         ("kill.cmdline_contains", token.clone()),
         ("kill.grace", "1s".into()),
+        ("kill.settle", "1s".into()),
     ]);
     until_active(&w, &store).await;
     dns.set_txt(RECORD, &[THEM]).await;

@@ -96,6 +96,7 @@ fn killer(name: &str, cmdline: Option<&str>, grace: Duration) -> ProcKiller {
         process_name: name.into(),
         cmdline_contains: cmdline.map(String::from),
         grace,
+        settle: Duration::ZERO,
     })
 }
 

@@ -250,6 +250,9 @@ pub struct KillConfig {
     pub process_name: String,
     pub cmdline_contains: Option<String>,
     pub grace: Duration,
+    /// After the first verified kill of a hand-off, how long after readiness went 503 etcd is
+    /// killed again before the fence is written; zero: no second kill.
+    pub settle: Duration,
 }
 
 /// The HTTP server.

@@ -153,6 +153,7 @@ pub struct RawKill {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cmdline_contains: Option<String>,
     pub grace: String,
+    pub settle: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

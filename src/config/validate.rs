@@ -482,6 +482,7 @@ impl Validator<'_> {
             process_name: name.to_string(),
             cmdline_contains: k.cmdline_contains.clone().filter(|s| !s.is_empty()),
             grace: self.duration("kill.grace", &k.grace)?,
+            settle: self.duration("kill.settle", &k.settle)?,
         })
     }
 

@@ -20,12 +20,19 @@
 //! it), kill etcd. Then:
 //! 1. the kill must be **verified** (the process that was serving is gone); a failed kill (none
 //!    found, no permission, still alive) is retried every `kill_retry` and nothing else happens;
-//! 2. this member's **fence marker** goes to the store (retried with backoff);
-//! 3. once etcd answers again, the **hand-off check** looks at the cluster: every member fenced?
+//! 2. unless `settle` is zero, **kill again**: once `settle` has passed since readiness went 503,
+//!    etcd is killed a second time, verified like the first (the processes the first kill stopped
+//!    count as found, so nothing restarted verifies by their absence). The kubelet restarts etcd
+//!    within seconds while the pod may still be in the Service's endpoints; a client connecting to
+//!    the restarted etcd then keeps its connection after the endpoint is removed, and its writes
+//!    after the frozen revision would be acknowledged but missing from the final. After `settle`
+//!    no new connection reaches this member, so the second kill ends the last ones;
+//! 3. this member's **fence marker** goes to the store (retried with backoff);
+//! 4. once etcd answers again, the **hand-off check** looks at the cluster: every member fenced?
 //!    a final at or after the cluster's revision already stored? are we the member that takes it?
 //!    It answers Done, Take (with the revision the final must reach), Wait (poll again after
 //!    `kill_retry`) or Failed (backoff);
-//! 4. **take the final**; a failure goes back to the check, so an upload that succeeded although
+//! 5. **take the final**; a failure goes back to the check, so an upload that succeeded although
 //!    its caller saw an error is found instead of repeated.
 //!
 //! Events that make no sense in the current state (a result nobody asked for) are ignored, so the
@@ -57,7 +64,8 @@ pub enum StartCheck {
     /// An earlier hand-off fenced this member (its marker is in the store, or the store's latest
     /// full snapshot is a final at or after etcd's revision): it stays handed off.
     Fenced,
-    /// The store or etcd could not be asked; asked again at the next owner verdict.
+    /// The store or etcd could not be asked; asked again after `kill_retry` or at the next owner
+    /// verdict, whichever comes first.
     Failed,
 }
 
@@ -124,6 +132,16 @@ pub enum Action {
         /// 1-based count of takes in this process (a higher one follows a failed take).
         attempt: u32,
     },
+    /// Report [`Event::RetryDue`] once `settle` has passed since readiness last went 503 (at once
+    /// if it already has); replaces a pending retry as [`Action::ScheduleRetry`] does.
+    AwaitSettle {
+        /// How long after readiness went 503.
+        settle: Duration,
+    },
+    /// Kill etcd again after the settle: every etcd process running now (one the kubelet
+    /// restarted) is stopped, and the processes the last verified kill stopped count as found,
+    /// so the kill verifies when none was restarted and those stay gone; report [`Event::Killed`].
+    KillAgain,
     /// Report [`Event::RetryDue`] after `delay`.
     ScheduleRetry {
         /// How long to wait.
@@ -162,6 +180,12 @@ pub enum FinalStep {
     Killing,
     /// The kill was not verified; it is tried again after `kill_retry`.
     KillRetry,
+    /// Killed and verified; waiting until `settle` has passed since readiness went 503.
+    Settling,
+    /// The second kill (after the settle) is running.
+    KillingAgain,
+    /// The second kill was not verified; it is tried again after `kill_retry`.
+    KillAgainRetry,
     /// This member's fence marker is being stored.
     Fencing,
     /// Fenced; waiting for etcd to answer a health check again (the kubelet restarts it).
@@ -233,6 +257,10 @@ impl fmt::Display for State {
 enum Start {
     Unchecked,
     Checking,
+    /// The last check failed: it runs again only at [`Event::RetryDue`] or the next owner
+    /// verdict, so the watchdog returns to its observations in between (a NotOwner verdict must
+    /// never wait behind a check that keeps failing).
+    Failed,
     Clear,
 }
 
@@ -244,6 +272,9 @@ pub struct Timing {
     pub kill_retry: Duration,
     /// Delays after failed fence writes, hand-off checks and takes.
     pub backoff: Backoff,
+    /// How long after readiness went 503 the hand-off kills etcd a second time before fencing;
+    /// zero: no second kill.
+    pub settle: Duration,
 }
 
 /// The whole ownership state plus what the protocol knows about the world; small and `Copy`, so
@@ -328,6 +359,15 @@ impl Protocol {
                 FinalStep::KillRetry => {
                     "not the owner; the kill of etcd is not verified yet, retrying (no final snapshot until it is)"
                 }
+                FinalStep::Settling => {
+                    "not the owner; etcd killed, waiting for kill.settle to kill it again before fencing"
+                }
+                FinalStep::KillingAgain => {
+                    "not the owner; killing etcd again after kill.settle (a restarted etcd may have taken clients)"
+                }
+                FinalStep::KillAgainRetry => {
+                    "not the owner; the second kill of etcd is not verified yet, retrying (no final snapshot until it is)"
+                }
                 FinalStep::Fencing => "not the owner; storing this member's fence marker",
                 FinalStep::AwaitingEtcd => "not the owner; fenced, waiting for etcd to restart",
                 FinalStep::Checking => "not the owner; checking the hand-off",
@@ -359,6 +399,11 @@ impl Protocol {
             Event::Verdict(v) => self.owner = v == Verdict::Owner,
             _ => {}
         }
+        if self.start == Start::Failed
+            && matches!(event, Event::RetryDue | Event::Verdict(Verdict::Owner))
+        {
+            self.start = Start::Unchecked;
+        }
         match (self.state, event) {
             (State::Deactivated(step), event) => self.hand_off(step, event, &mut actions),
             (_, Event::Verdict(Verdict::NotOwner)) => self.deactivate(&mut actions),
@@ -369,7 +414,12 @@ impl Protocol {
             }
             (_, Event::StartChecked(check)) if self.start == Start::Checking => match check {
                 StartCheck::Clear => self.start = Start::Clear,
-                StartCheck::Failed => self.start = Start::Unchecked,
+                StartCheck::Failed => {
+                    self.start = Start::Failed;
+                    actions.push(Action::ScheduleRetry {
+                        delay: self.timing.kill_retry,
+                    });
+                }
                 StartCheck::Fenced => {
                     self.start = Start::Unchecked;
                     self.deactivate(&mut actions);
@@ -424,7 +474,7 @@ impl Protocol {
                 self.start = Start::Checking;
                 actions.push(Action::CheckStart);
             }
-            Start::Checking => {}
+            Start::Checking | Start::Failed => {}
         }
     }
 
@@ -458,9 +508,31 @@ impl Protocol {
     /// Move the hand-off along; verdicts are ignored because Deactivated is sticky.
     fn hand_off(&mut self, step: FinalStep, event: Event, actions: &mut Vec<Action>) {
         let next = match (step, event) {
-            (FinalStep::Killing, Event::Killed(true)) => {
+            (FinalStep::Killing, Event::Killed(true)) if self.timing.settle.is_zero() => {
                 actions.push(Action::WriteFence);
                 FinalStep::Fencing
+            }
+            (FinalStep::Killing, Event::Killed(true)) => {
+                actions.push(Action::AwaitSettle {
+                    settle: self.timing.settle,
+                });
+                FinalStep::Settling
+            }
+            (FinalStep::Settling | FinalStep::KillAgainRetry, Event::RetryDue) => {
+                // etcd goes down again; only a health check after this counts as "back".
+                self.etcd_healthy = false;
+                actions.push(Action::KillAgain);
+                FinalStep::KillingAgain
+            }
+            (FinalStep::KillingAgain, Event::Killed(true)) => {
+                actions.push(Action::WriteFence);
+                FinalStep::Fencing
+            }
+            (FinalStep::KillingAgain, Event::Killed(false)) => {
+                actions.push(Action::ScheduleRetry {
+                    delay: self.timing.kill_retry,
+                });
+                FinalStep::KillAgainRetry
             }
             (FinalStep::Killing, Event::Killed(false)) => {
                 actions.push(Action::ScheduleRetry {
@@ -554,11 +626,18 @@ mod tests {
         Timing {
             kill_retry: Duration::from_millis(300),
             backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(8)),
+            settle: SETTLE,
         }
     }
 
+    const SETTLE: Duration = Duration::from_secs(2);
+
     fn run(events: &[Event]) -> (Protocol, Vec<Action>) {
-        let mut p = Protocol::new(timing());
+        run_with(timing(), events)
+    }
+
+    fn run_with(timing: Timing, events: &[Event]) -> (Protocol, Vec<Action>) {
+        let mut p = Protocol::new(timing);
         let mut all = Vec::new();
         for &e in events {
             let (next, actions) = p.step(e);
@@ -609,15 +688,46 @@ mod tests {
 
     #[test]
     fn a_failed_start_check_is_asked_again_at_the_next_verdict() {
-        let (p, actions) = run(&[
+        let (p, actions) = run(&[HEALTHY, VISIBLE, OWNER]);
+        assert_eq!(actions, vec![CheckStart]);
+        // The failure itself asks nothing: it only schedules a retry, so the watchdog goes back
+        // to its observations instead of running the check again at once.
+        let (p, actions) = p.step(StartChecked(StartCheck::Failed));
+        assert_eq!(p.state(), State::Starting);
+        assert_eq!(
+            actions,
+            vec![ScheduleRetry {
+                delay: Duration::from_millis(300)
+            }]
+        );
+        // Neither do observations of etcd.
+        let (p, actions) = p.step(HEALTHY);
+        assert!(actions.is_empty(), "{actions:?}");
+        // The next owner verdict asks again.
+        let (by_verdict, actions) = p.step(OWNER);
+        assert_eq!(by_verdict.state(), State::Starting);
+        assert_eq!(actions, vec![CheckStart]);
+        // So does the retry, whichever comes first; the other then finds the check running.
+        let (by_retry, actions) = p.step(RetryDue);
+        assert_eq!(actions, vec![CheckStart]);
+        let (_, actions) = by_retry.step(OWNER);
+        assert!(actions.is_empty(), "{actions:?}");
+    }
+
+    #[test]
+    fn a_not_owner_verdict_kills_while_the_start_check_keeps_failing() {
+        let (p, _) = run(&[
             HEALTHY,
             VISIBLE,
             OWNER,
             StartChecked(StartCheck::Failed),
-            OWNER,
+            RetryDue,
+            StartChecked(StartCheck::Failed),
         ]);
         assert_eq!(p.state(), State::Starting);
-        assert_eq!(actions, vec![CheckStart, CheckStart]);
+        let (p, actions) = p.step(NOT_OWNER);
+        assert_eq!(p.state(), State::Deactivated(FinalStep::Killing));
+        assert_eq!(actions, vec![SetGate(Gate::Final), KillEtcd]);
     }
 
     #[test]
@@ -670,6 +780,8 @@ mod tests {
             &[
                 NOT_OWNER,
                 Killed(true),
+                RetryDue,
+                Killed(true),
                 Fenced(true),
                 HEALTHY,
                 TAKE,
@@ -686,6 +798,8 @@ mod tests {
                 SetReady(false),
                 SetGate(Gate::Final),
                 KillEtcd,
+                AwaitSettle { settle: SETTLE },
+                KillAgain,
                 WriteFence,
                 CheckHandOff,
                 TakeFinal {
@@ -698,9 +812,61 @@ mod tests {
     }
 
     #[test]
+    fn etcd_is_killed_again_after_the_settle_before_the_fence() {
+        let (p, actions) = run(&[NOT_OWNER, Killed(true)]);
+        assert_eq!(p.state(), State::Deactivated(FinalStep::Settling));
+        assert_eq!(
+            actions,
+            vec![
+                SetGate(Gate::Final),
+                KillEtcd,
+                AwaitSettle { settle: SETTLE }
+            ]
+        );
+        // Nothing but the settle's end moves it on: no fence while etcd may have been restarted
+        // and taken a client.
+        for e in [HEALTHY, Killed(true), Fenced(true), NOT_OWNER, TAKE] {
+            let (same, actions) = p.step(e);
+            assert_eq!(same.state(), p.state(), "{e:?}");
+            assert!(actions.is_empty(), "{e:?}: {actions:?}");
+        }
+        // The second kill is verified like the first: retried until it is, then the fence.
+        let (p, actions) = p.step(RetryDue);
+        assert_eq!(actions, vec![KillAgain]);
+        let (p, actions) = p.step(Killed(false));
+        assert_eq!(p.state(), State::Deactivated(FinalStep::KillAgainRetry));
+        assert_eq!(
+            actions,
+            vec![ScheduleRetry {
+                delay: Duration::from_millis(300)
+            }]
+        );
+        let (p, actions) = p.step(Fenced(true));
+        assert!(actions.is_empty(), "{actions:?}");
+        let (p, actions) = p.step(RetryDue);
+        assert_eq!(actions, vec![KillAgain]);
+        let (p, actions) = p.step(Killed(true));
+        assert_eq!(p.state(), State::Deactivated(FinalStep::Fencing));
+        assert_eq!(actions, vec![WriteFence]);
+    }
+
+    #[test]
+    fn a_zero_settle_fences_right_after_the_first_kill() {
+        let timing = Timing {
+            settle: Duration::ZERO,
+            ..timing()
+        };
+        let (p, actions) = run_with(timing, &[NOT_OWNER, Killed(true)]);
+        assert_eq!(p.state(), State::Deactivated(FinalStep::Fencing));
+        assert_eq!(actions, vec![SetGate(Gate::Final), KillEtcd, WriteFence]);
+    }
+
+    #[test]
     fn a_member_that_does_not_take_the_final_waits_for_it() {
         let (p, actions) = run(&[
             NOT_OWNER,
+            Killed(true),
+            RetryDue,
             Killed(true),
             HEALTHY,
             Fenced(true),
@@ -719,6 +885,8 @@ mod tests {
     fn a_failed_take_checks_the_store_again_before_another_take() {
         let (p, actions) = run(&[
             NOT_OWNER,
+            Killed(true),
+            RetryDue,
             Killed(true),
             Fenced(true),
             HEALTHY,
@@ -822,10 +990,25 @@ mod tests {
         takes: u8,
         take_failures: u8,
         retry_pending: bool,
+        /// An AwaitSettle is the pending retry.
+        settle_waiting: bool,
+        /// The settle's RetryDue came.
+        settle_elapsed: bool,
+        /// The pending kill is the second one.
+        again_pending: bool,
+        /// The second kill was verified.
+        settle_verified: bool,
     }
 
     impl Observer {
-        fn check(&mut self, before: State, event: Event, after: State, actions: &[Action]) {
+        fn check(
+            &mut self,
+            timing: Timing,
+            before: State,
+            event: Event,
+            after: State,
+            actions: &[Action],
+        ) {
             let ctx = || format!("{before:?} + {event:?} -> {after:?} {actions:?}");
             let deactivated = |s: State| matches!(s, State::Deactivated(_));
             match event {
@@ -847,6 +1030,10 @@ mod tests {
                     if ok && deactivated(before) {
                         self.verified_in_deactivated = true;
                     }
+                    if ok && self.again_pending {
+                        self.settle_verified = true;
+                    }
+                    self.again_pending = false;
                 }
                 Fenced(ok) if self.fence_pending => {
                     self.fence_pending = false;
@@ -870,7 +1057,11 @@ mod tests {
                         self.take_failures = (self.take_failures + 1).min(3);
                     }
                 }
-                RetryDue if self.retry_pending => self.retry_pending = false,
+                RetryDue if self.retry_pending => {
+                    self.retry_pending = false;
+                    self.settle_elapsed |= self.settle_waiting;
+                    self.settle_waiting = false;
+                }
                 _ => {}
             }
 
@@ -949,6 +1140,11 @@ mod tests {
                             "fence before a verified kill: {}",
                             ctx()
                         );
+                        assert!(
+                            timing.settle.is_zero() || self.settle_verified,
+                            "fence before the kill after the settle is verified: {}",
+                            ctx()
+                        );
                         assert!(!self.fence_pending && !self.fenced, "{}", ctx());
                         self.fence_pending = true;
                     }
@@ -990,15 +1186,43 @@ mod tests {
                         self.takes = (self.takes + 1).min(3);
                         self.take_pending = true;
                     }
+                    AwaitSettle { settle } => {
+                        assert!(deactivated(after), "{}", ctx());
+                        assert!(!timing.settle.is_zero(), "settle disabled: {}", ctx());
+                        assert_eq!(settle, timing.settle, "{}", ctx());
+                        assert!(
+                            event == Killed(true) && self.verified_in_deactivated,
+                            "the settle starts at the first verified kill: {}",
+                            ctx()
+                        );
+                        assert!(!self.fenced && !self.fence_pending, "{}", ctx());
+                        self.retry_pending = true;
+                        self.settle_waiting = true;
+                    }
+                    KillAgain => {
+                        assert!(deactivated(after), "{}", ctx());
+                        assert!(
+                            self.settle_elapsed && self.verified_in_deactivated,
+                            "second kill before the settle: {}",
+                            ctx()
+                        );
+                        assert!(!self.kill_pending && !self.fenced, "{}", ctx());
+                        assert!(!self.ready, "kill while ready: {}", ctx());
+                        self.kill_pending = true;
+                        self.again_pending = true;
+                        self.healthy = false;
+                        self.healthy_after_kill = false;
+                    }
                     // The watchdog keeps one timer: a new retry replaces a pending one.
                     ScheduleRetry { delay } => {
                         assert!(
-                            delay >= timing().kill_retry.min(timing().backoff.initial)
-                                && delay <= timing().backoff.max.max(timing().kill_retry),
+                            delay >= timing.kill_retry.min(timing.backoff.initial)
+                                && delay <= timing.backoff.max.max(timing.kill_retry),
                             "{}",
                             ctx()
                         );
                         self.retry_pending = true;
+                        self.settle_waiting = false;
                     }
                 }
             }
@@ -1020,8 +1244,32 @@ mod tests {
 
     #[test]
     fn every_reachable_state_keeps_the_invariants_for_every_event() {
+        explore(
+            timing(),
+            &[
+                State::Deactivated(FinalStep::Settling),
+                State::Deactivated(FinalStep::KillingAgain),
+                State::Deactivated(FinalStep::KillAgainRetry),
+            ],
+        );
+    }
+
+    #[test]
+    fn every_reachable_state_keeps_the_invariants_without_a_settle() {
+        explore(
+            Timing {
+                settle: Duration::ZERO,
+                ..timing()
+            },
+            &[],
+        );
+    }
+
+    /// Breadth-first over every reachable (protocol, observer) pair with every event; `extra`
+    /// are states this timing must reach besides the common ones.
+    fn explore(timing: Timing, extra: &[State]) {
         let events = all_events();
-        let start = (Protocol::new(timing()), Observer::default());
+        let start = (Protocol::new(timing), Observer::default());
         let mut seen: HashSet<(Protocol, Observer)> = HashSet::from([start.clone()]);
         let mut queue = VecDeque::from([start]);
         let mut transitions = 0u64;
@@ -1031,7 +1279,7 @@ mod tests {
             for &event in &events {
                 let (next, actions) = p.step(event);
                 let mut o = observer.clone();
-                o.check(p.state(), event, next.state(), &actions);
+                o.check(timing, p.state(), event, next.state(), &actions);
                 transitions += 1;
                 // Counters beyond a few failures only repeat what was explored.
                 let mut capped = next;
@@ -1060,8 +1308,11 @@ mod tests {
             State::Deactivated(FinalStep::Backoff(Retry::Check)),
             State::Deactivated(FinalStep::Done(FinalOutcome::Taken)),
             State::Deactivated(FinalStep::Done(FinalOutcome::FoundInStore)),
-        ] {
-            assert!(states.contains(&s), "{s:?} never reached");
+        ]
+        .iter()
+        .chain(extra)
+        {
+            assert!(states.contains(s), "{s:?} never reached");
         }
         assert!(
             transitions > 100_000,

@@ -29,7 +29,7 @@ use super::metrics::OwnerMetrics;
 use super::protocol::{Action, Event, HandOff, Protocol, StartCheck, State, Timing, Verdict};
 use super::resolve::{CheckResult, FailureCounter, OwnerLookup};
 use crate::backoff::Backoff;
-use crate::config::OwnerConfig;
+use crate::config::{KillConfig, OwnerConfig};
 use crate::health::Health;
 use crate::process::{ProcessControl, ProcessId};
 use crate::server::Readiness;
@@ -122,17 +122,21 @@ pub struct WatchdogConfig {
     pub health_interval: Duration,
     /// Retry delays for the hand-off's steps.
     pub backoff: Backoff,
+    /// How long after readiness went 503 the hand-off kills etcd again before fencing (`kill.settle`).
+    pub settle: Duration,
 }
 
 impl WatchdogConfig {
-    /// The timing from the `[owner]` section, with a 2 s health poll and a 1 s…30 s backoff.
-    pub fn from_owner(config: &OwnerConfig) -> Self {
+    /// The timing from the `[owner]` and `[kill]` sections, with a 2 s health poll and a 1 s…30 s
+    /// backoff.
+    pub fn from_config(owner: &OwnerConfig, kill: &KillConfig) -> Self {
         WatchdogConfig {
-            owner_id: config.id.clone(),
-            interval: config.interval,
-            failure_threshold: config.failure_threshold,
+            owner_id: owner.id.clone(),
+            interval: owner.interval,
+            failure_threshold: owner.failure_threshold,
             health_interval: crate::health::INTERVAL,
             backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(30)),
+            settle: kill.settle,
         }
     }
 }
@@ -285,6 +289,8 @@ impl Watchdog {
             killed: Vec::new(),
             kill_done_at: None,
             last_verdict: String::new(),
+            taken: None,
+            not_ready_since: Instant::now(),
         };
         tokio::select! {
             _ = cancel.cancelled() => {}
@@ -305,6 +311,7 @@ fn timing(config: &WatchdogConfig) -> Timing {
     Timing {
         kill_retry: config.interval,
         backoff: config.backoff,
+        settle: config.settle,
     }
 }
 
@@ -415,6 +422,14 @@ struct Driver<'a> {
     killed: Vec<ProcessId>,
     kill_done_at: Option<Instant>,
     last_verdict: String,
+    /// The final this process stored and the revision it had to reach, once stored: if writing
+    /// its hand-off record fails, the next check records this one instead of deciding again
+    /// (etcd's revision moves on as leases expire, so a new decision would not count it and
+    /// would take a second final).
+    taken: Option<(Snapshot, i64)>,
+    /// When readiness last went 503 (set 503 at start): the settle before the second kill of a
+    /// hand-off counts from here, since that is when the Service began to drop this member.
+    not_ready_since: Instant,
 }
 
 impl Driver<'_> {
@@ -532,6 +547,9 @@ impl Driver<'_> {
     async fn execute(&mut self, action: Action) -> Option<Event> {
         match action {
             Action::SetReady(ready) => {
+                if !ready {
+                    self.not_ready_since = Instant::now();
+                }
                 let state = self.protocol.state();
                 self.ctx
                     .readiness
@@ -543,7 +561,14 @@ impl Driver<'_> {
                 tracing::info!(?gate, "snapshot gate set");
                 None
             }
-            Action::KillEtcd => Some(Event::Killed(self.kill().await)),
+            Action::KillEtcd => Some(Event::Killed(self.kill(false).await)),
+            Action::KillAgain => Some(Event::Killed(self.kill(true).await)),
+            Action::AwaitSettle { settle } => {
+                let at = (self.not_ready_since + settle).max(Instant::now());
+                tracing::info!(settle = ?settle, after = ?at.saturating_duration_since(Instant::now()), "etcd killed; killing it again after kill.settle before fencing (a restarted etcd may still get clients from the Service)");
+                self.retry_at = Some(at);
+                None
+            }
             Action::CheckStart => Some(Event::StartChecked(self.start_check().await)),
             Action::WriteFence => Some(Event::Fenced(self.write_fence().await)),
             Action::CheckHandOff => Some(Event::HandOff(self.check_hand_off().await)),
@@ -560,8 +585,10 @@ impl Driver<'_> {
         }
     }
 
-    /// Kills etcd; true when verified.
-    async fn kill(&mut self) -> bool {
+    /// Kills etcd; true when verified. `again`: the kill after the settle, which counts the
+    /// processes the last verified kill stopped as found, so it verifies by their absence when
+    /// etcd was not restarted (and the process table could be read), and stops any restarted one.
+    async fn kill(&mut self, again: bool) -> bool {
         let attempts = self
             .status
             .borrow()
@@ -570,10 +597,13 @@ impl Driver<'_> {
             .map_or(0, |k| if k.verified { 0 } else { k.attempts })
             + 1;
         if attempts == 1 {
-            self.kill_targets.clear();
+            self.kill_targets = if again {
+                self.killed.clone()
+            } else {
+                Vec::new()
+            };
         }
-        let span =
-            tracing::info_span!("kill_etcd", owner_id = %self.config.owner_id, attempt = attempts);
+        let span = tracing::info_span!("kill_etcd", owner_id = %self.config.owner_id, attempt = attempts, again);
         let report = tracing::Instrument::instrument(
             self.ctx.process.kill_etcd(&self.kill_targets),
             span.clone(),
@@ -671,7 +701,18 @@ impl Driver<'_> {
     async fn fenced_at_start(&mut self) -> Result<Option<String>, SeamError> {
         let me = self.member().await?;
         let snapshots = &self.ctx.snapshots;
-        let own = snapshots.fence(me).await?;
+        let own = match snapshots.fence(me).await {
+            Ok(own) => own,
+            // Only a hand-off writes this member's marker, so one that is there but unreadable
+            // (truncated, edited by hand) still says "handed off": failing closed means counting
+            // it, not retrying a check that can never succeed while a destination may be live.
+            Err(SeamError::HandOff(HandOffError::Marker { key, source })) => {
+                return Ok(Some(format!(
+                    "the store holds this member's fence marker {key}, unreadable ({source}): counted as fenced"
+                )));
+            }
+            Err(e) => return Err(e),
+        };
         let record = snapshots.record().await?;
         let latest = snapshots.latest_full().await?;
         let revision = match &latest {
@@ -782,8 +823,13 @@ impl Driver<'_> {
     async fn decide(&mut self) -> Result<(Decision, bool), SeamError> {
         let me = self.member().await?;
         tracing::Span::current().record("member_id", tracing::field::display(format!("{me:x}")));
-        let snapshots = &self.ctx.snapshots;
         let members = self.ctx.etcd.members().await?;
+        if let Some((taken, min_revision)) = &self.taken {
+            self.record(taken, *min_revision, &members).await?;
+            tracing::info!(snapshot = %taken.snap_name, "the hand-off record for the final stored earlier is written");
+            return Ok((Decision::Done(taken.clone()), true));
+        }
+        let snapshots = &self.ctx.snapshots;
         let fenced = snapshots.fenced().await?;
         let all_fenced = handoff::unfenced(&members, &fenced).is_empty();
         let (revision, finals, record) = if all_fenced {
@@ -846,6 +892,7 @@ impl Driver<'_> {
         let result = tracing::Instrument::instrument(
             async {
                 let snap = self.ctx.snapshots.take_final(min_revision).await?;
+                self.taken = Some((snap.clone(), min_revision));
                 let members = self.ctx.etcd.members().await.unwrap_or_default();
                 self.record(&snap, min_revision, &members).await?;
                 Ok::<_, SeamError>(snap)

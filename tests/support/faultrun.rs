@@ -146,6 +146,7 @@ fn sidecar_keys(
         // The production configuration: the pod's PID namespace holds this member's etcd only.
         ("kill.process_name", "etcd".into()),
         ("kill.grace", "2s".into()),
+        ("kill.settle", "1s".into()),
         ("server.listen", format!("127.0.0.1:{port}")),
         ("server.token", token.to_string()),
     ]

@@ -414,6 +414,7 @@ fn owner_keys(id: &str, dns: &DnsServer, data_dir: &Path) -> Vec<(String, String
         // Only this seed's etcd: other etcd processes run beside it on the machine.
         ("kill.cmdline_contains", data_dir.display().to_string()),
         ("kill.grace", "3s".to_string()),
+        ("kill.settle", "1s".to_string()),
         ("snapshot.delta_period", "300ms".to_string()),
     ]
     .into_iter()
