@@ -15,6 +15,18 @@ use support::s3::S3Server;
 const BUCKET: &str = "compact";
 const PREFIX: &str = "etcd-main";
 
+/// `etcd-warden compact` of the test bucket, as the CronJob runs it, working in `work`.
+fn compact_command(s3: &S3Server, work: &std::path::Path) -> std::process::Command {
+    let mut c = support::warden::command();
+    c.args(["compact", "--store", &format!("s3://{BUCKET}/{PREFIX}")])
+        .arg("--work-dir")
+        .arg(work)
+        .arg("--etcd-bin")
+        .arg(Release::V35.bin_dir())
+        .envs(s3.env("store"));
+    c
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_hundred_deltas_fold_into_one_full_snapshot_that_restores_the_same_etcd() {
     let etcd = EtcdCluster::single(Release::V35).await;
@@ -53,13 +65,7 @@ async fn two_hundred_deltas_fold_into_one_full_snapshot_that_restores_the_same_e
     // The binary, as the CronJob runs it, with the keys from the environment.
     let work = dir.path().join("work");
     let t = Instant::now();
-    let out = support::warden::command()
-        .args(["compact", "--store", &format!("s3://{BUCKET}/{PREFIX}")])
-        .arg("--work-dir")
-        .arg(&work)
-        .arg("--etcd-bin")
-        .arg(Release::V35.bin_dir())
-        .envs(s3.env("store"))
+    let out = compact_command(&s3, &work)
         .env(
             "ETCD_WARDEN_ENCRYPTION_RECIPIENTS",
             id.to_public().to_string(),
@@ -111,11 +117,7 @@ async fn two_hundred_deltas_fold_into_one_full_snapshot_that_restores_the_same_e
     assert!(dump_restored(&before_target).await == original);
 
     // A second run has nothing to fold, and says so.
-    let out = support::warden::command()
-        .args(["compact", "--store", &format!("s3://{BUCKET}/{PREFIX}")])
-        .arg("--work-dir")
-        .arg(&work)
-        .envs(s3.env("store"))
+    let out = compact_command(&s3, &work)
         .env("ETCD_WARDEN_ENCRYPTION_IDENTITIES", &key)
         .output()
         .unwrap();
@@ -154,15 +156,7 @@ async fn a_chain_that_fails_to_restore_stores_nothing_and_cleans_up() {
     store.delete(&lost).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let work = dir.path().join("work");
-    let out = support::warden::command()
-        .args(["compact", "--store", &format!("s3://{BUCKET}/{PREFIX}")])
-        .arg("--work-dir")
-        .arg(&work)
-        .arg("--etcd-bin")
-        .arg(Release::V35.bin_dir())
-        .envs(s3.env("store"))
-        .output()
-        .unwrap();
+    let out = compact_command(&s3, &work).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("compact failed"), "{stderr}");
