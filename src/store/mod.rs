@@ -431,39 +431,35 @@ impl SnapshotStore {
     }
 
     fn recipients(&self, snapshot: &Snapshot) -> Result<Vec<age::x25519::Recipient>, StoreError> {
-        let recipients =
-            self.encryption
-                .load_recipients()
-                .map_err(|source| EncryptionError::Key {
-                    snapshot: snapshot.snap_name.clone(),
-                    source,
-                })?;
-        if recipients.is_empty() {
-            return Err(EncryptionError::NoRecipient {
-                snapshot: snapshot.snap_name.clone(),
-            }
-            .into());
-        }
-        Ok(recipients)
+        self.keys(snapshot, EncryptionConfig::load_recipients, |snapshot| {
+            EncryptionError::NoRecipient { snapshot }
+        })
     }
 
     /// The identities that read `snapshot`, as the key files are now; an error names the
     /// snapshot when there are none.
     fn identities(&self, snapshot: &Snapshot) -> Result<Vec<age::x25519::Identity>, StoreError> {
-        let identities =
-            self.encryption
-                .load_identities()
-                .map_err(|source| EncryptionError::Key {
-                    snapshot: snapshot.snap_name.clone(),
-                    source,
-                })?;
-        if identities.is_empty() {
-            return Err(EncryptionError::NoIdentity {
-                snapshot: snapshot.snap_name.clone(),
-            }
-            .into());
+        self.keys(snapshot, EncryptionConfig::load_identities, |snapshot| {
+            EncryptionError::NoIdentity { snapshot }
+        })
+    }
+
+    /// Keys loaded by `load` for `snapshot`: a key file that cannot be read, or no key at all
+    /// (`none`), is an error naming the snapshot.
+    fn keys<K>(
+        &self,
+        snapshot: &Snapshot,
+        load: impl FnOnce(&EncryptionConfig) -> Result<Vec<K>, crate::config::KeyError>,
+        none: impl FnOnce(String) -> EncryptionError,
+    ) -> Result<Vec<K>, StoreError> {
+        let keys = load(&self.encryption).map_err(|source| EncryptionError::Key {
+            snapshot: snapshot.snap_name.clone(),
+            source,
+        })?;
+        if keys.is_empty() {
+            return Err(none(snapshot.snap_name.clone()).into());
         }
-        Ok(identities)
+        Ok(keys)
     }
 
     /// Checks that every encrypted snapshot among `snapshots` can be decrypted with the
