@@ -227,6 +227,29 @@ mod tests {
     }
 
     #[test]
+    fn encrypted_snapshots_are_kept_and_deleted_like_plain_ones() {
+        let now = t("2024-05-10T12:00:00Z");
+        let h = |n| now - TimeDelta::hours(n);
+        let plain = vec![
+            full(10, h(9)),
+            incr(11, 15, h(8)),
+            full(20, h(7)),
+            incr(21, 25, h(6)),
+            full(30, h(5)),
+        ];
+        // Encryption switched on after the first full snapshot: a mixed store.
+        let mixed: Vec<Snapshot> = plain
+            .iter()
+            .cloned()
+            .enumerate()
+            .map(|(i, s)| s.with_encryption(i > 0))
+            .collect();
+        for r in [limit(2, 0), limit(1, 0), EXP] {
+            assert_eq!(names(&plan(&mixed, now, r)), names(&plan(&plain, now, r)));
+        }
+    }
+
+    #[test]
     fn never_deletes_the_newest_full_or_a_final_chain() {
         let now = t("2024-05-10T12:00:00Z");
         let mut fin = full(10, now - TimeDelta::days(100));
