@@ -232,7 +232,8 @@ pub struct SnapshotConfig {
 pub struct DefragConfig {
     /// Cron expression; `None` (an empty `defrag.schedule`) turns scheduled defragmentation off.
     pub schedule: Option<croner::Cron>,
-    /// Longest one member's defragmentation may take before the pass is abandoned as failed.
+    /// Longest one member's step (every member's status, then its defragmentation) may take
+    /// before the pass is abandoned as failed.
     pub timeout: Duration,
     /// A member whose free fraction of its database file, (dbSize - dbSizeInUse) / dbSize, is
     /// below this is skipped: there is too little to gain.

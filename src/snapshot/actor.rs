@@ -245,6 +245,8 @@ pub struct ActorStatus {
     pub last_delta: Option<Snapshot>,
     /// When the next scheduled full snapshot is due.
     pub next_full_at: Option<DateTime<Utc>>,
+    /// When the next scheduled defragmentation is due (none while inactive or off).
+    pub next_defrag_at: Option<DateTime<Utc>>,
     /// The last failure, cleared by the next success.
     pub last_error: Option<String>,
 }
@@ -404,6 +406,7 @@ pub fn spawn<E: Engine>(
         last_full: None,
         last_delta: None,
         next_full_at: None,
+        next_defrag_at: None,
         last_error: None,
     };
     let (status_tx, status_rx) = watch::channel(status);
@@ -477,6 +480,11 @@ impl<E: Engine> Actor<E> {
             s.gate = *self.gate.borrow();
             s.leader = self.leader;
             s.next_full_at = if self.active() { self.next_full } else { None };
+            s.next_defrag_at = if self.active() {
+                self.next_defrag
+            } else {
+                None
+            };
         });
     }
 
@@ -834,9 +842,9 @@ impl<E: Engine> Actor<E> {
                 return Err(ActorError::Cancelled);
             }
             let started = Instant::now();
-            // The bound covers the status reads too; etcd's own request deadline is `timeout`.
+            // One bound for the step: the status reads and the member's defragmentation.
             let step = bounded(
-                timeout + self.config.leader_check_interval,
+                timeout,
                 "defragmentation",
                 self.engine.defrag_step(&done, min_free, timeout),
             );
@@ -942,6 +950,7 @@ mod tests {
         hang: Arc<AtomicBool>,
         buffered: Arc<AtomicU64>,
         revision: i64,
+        defrag_steps: Arc<AtomicU64>,
     }
 
     impl HangingEtcd {
@@ -1031,6 +1040,7 @@ mod tests {
             _min_free_fraction: f64,
             _timeout: Duration,
         ) -> Result<DefragStep, EngineError> {
+            self.defrag_steps.fetch_add(1, Ordering::SeqCst);
             self.maybe_hang().await;
             // Followers 2 and 3, then the leader 1, as the plan orders them.
             Ok(match [2, 3, 1].into_iter().find(|m| !done.contains(m)) {
@@ -1089,6 +1099,7 @@ mod tests {
             hang: hang.clone(),
             buffered: Arc::new(AtomicU64::new(0)),
             revision: 10,
+            defrag_steps: Arc::new(AtomicU64::new(0)),
         };
         let metrics = SnapshotMetrics::default();
         let mut reg = Registry::default();
@@ -1151,6 +1162,65 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn scheduled_defragmentation_runs_only_while_active() {
+        let steps = Arc::new(AtomicU64::new(0));
+        let engine = HangingEtcd {
+            hang: Arc::new(AtomicBool::new(false)),
+            buffered: Arc::new(AtomicU64::new(0)),
+            revision: 10,
+            defrag_steps: steps.clone(),
+        };
+        let mut config = quiet_config(Duration::from_secs(5));
+        // Every second (croner reads a sixth, leading field as seconds when asked to).
+        config.defrag.schedule = Some(
+            croner::parser::CronParser::builder()
+                .seconds(croner::parser::Seconds::Optional)
+                .build()
+                .parse("* * * * * *")
+                .unwrap(),
+        );
+        let (gate, gate_rx) = watch::channel(Gate::Closed);
+        let cancel = CancellationToken::new();
+        let metrics = SnapshotMetrics::default();
+        let (actor, task) = spawn(engine, config, gate_rx, metrics, cancel.clone());
+
+        // Not Active: the schedule never fires, nothing is due.
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        assert_eq!(steps.load(Ordering::SeqCst), 0);
+        assert_eq!(actor.status().next_defrag_at, None);
+
+        // Active: a pass within a couple of seconds (three members and the final "done").
+        gate.send_replace(Gate::Open);
+        let mut status = actor.watch_status();
+        let due = tokio::time::timeout(
+            Duration::from_secs(5),
+            status.wait_for(|s| s.next_defrag_at.is_some()),
+        )
+        .await
+        .is_ok();
+        assert!(due, "{:?}", actor.status());
+        let started = Instant::now();
+        while steps.load(Ordering::SeqCst) < 4 {
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "no scheduled pass"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+
+        // Deactivated: no further pass.
+        gate.send_replace(Gate::Final);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let after = steps.load(Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        assert_eq!(steps.load(Ordering::SeqCst), after);
+        assert_eq!(actor.status().next_defrag_at, None);
+
+        cancel.cancel();
+        task.await.unwrap();
+    }
+
+    #[tokio::test]
     async fn a_hung_etcd_stream_times_out_and_the_actor_takes_the_next_command() {
         let hang = Arc::new(AtomicBool::new(true));
         let buffered = Arc::new(AtomicU64::new(0));
@@ -1158,6 +1228,7 @@ mod tests {
             hang: hang.clone(),
             buffered: buffered.clone(),
             revision: 10,
+            defrag_steps: Arc::new(AtomicU64::new(0)),
         };
         let metrics = SnapshotMetrics::default();
         let mut reg = Registry::default();
