@@ -100,6 +100,7 @@ pub fn actor_config(config: &Config) -> ActorConfig {
         gc_period: s.gc_period,
         leader_check_interval: s.leader_check_interval,
         timeout: s.timeout,
+        defrag: config.defrag.clone(),
     }
 }
 
@@ -130,6 +131,7 @@ fn actor_error(e: ActorError) -> ApiError {
             "ownership changed while the snapshot ran; nothing was stored",
         ),
         ActorError::NoDeltas => ApiError::new(StatusCode::CONFLICT, "no_deltas", e.to_string()),
+        ActorError::Unhealthy { .. } => ApiError::unavailable(e.to_string()),
         ActorError::Failed(err) => ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             "snapshot_failed",

@@ -70,6 +70,24 @@ fn defaults_alone_are_valid() {
         "no [owner] section means no ownership checks"
     );
     assert_eq!(c.kill.grace, Duration::from_secs(30));
+    assert!(
+        c.defrag.schedule.is_none(),
+        "defragmentation is off by default"
+    );
+    assert_eq!(c.defrag.timeout, Duration::from_secs(300));
+    assert_eq!(c.defrag.min_free_fraction, 0.1);
+    // From the environment: text, parsed as the file's values are.
+    let c = load(
+        None,
+        &[
+            ("ETCD_WARDEN_DEFRAG_SCHEDULE", "0 3 * * 0"),
+            ("ETCD_WARDEN_DEFRAG_MIN_FREE_FRACTION", "0.25"),
+        ],
+        &[],
+    )
+    .unwrap();
+    assert!(c.defrag.schedule.is_some());
+    assert_eq!(c.defrag.min_free_fraction, 0.25);
 }
 
 #[test]
@@ -285,6 +303,34 @@ fn every_error_names_its_key() {
             vec![],
             "owner.interval",
             "invalid duration",
+        ),
+        (
+            "bad defrag cron",
+            Some("[defrag]\nschedule = \"every sunday\"\n"),
+            vec![],
+            "defrag.schedule",
+            "invalid cron expression",
+        ),
+        (
+            "zero defrag timeout",
+            Some("[defrag]\ntimeout = \"0s\"\n"),
+            vec![],
+            "defrag.timeout",
+            "greater than zero",
+        ),
+        (
+            "free fraction above 1",
+            Some("[defrag]\nmin_free_fraction = 1.5\n"),
+            vec![],
+            "defrag.min_free_fraction",
+            "between 0 and 1",
+        ),
+        (
+            "free fraction not a number",
+            None,
+            vec![("ETCD_WARDEN_DEFRAG_MIN_FREE_FRACTION", "ten percent")],
+            "defrag.min_free_fraction",
+            "expected a number",
         ),
         (
             "duration as a number",

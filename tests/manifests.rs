@@ -1548,7 +1548,7 @@ fn a_query_on_a_metric_serve_does_not_expose_is_caught() {
     let exported = exported_metrics();
     for expr in [
         "etcd_mvcc_db_total_size_in_bytes{job=\"etcd\"}",
-        "rate(etcdbr_defragmentation_duration_seconds_count[5m])",
+        "rate(etcdbr_add_learner_duration_seconds_count[5m])",
         "etcd_warden_snapshot_latest_size{kind=\"Full\"}",
     ] {
         let names = promql_metrics(expr);

@@ -1398,6 +1398,11 @@ async fn the_kill_never_waits_behind_snapshots_queued_against_a_store_that_does_
             gc_period: Duration::from_secs(3600),
             leader_check_interval: Duration::from_millis(100),
             timeout: Duration::from_secs(60),
+            defrag: etcd_warden::config::DefragConfig {
+                schedule: None,
+                timeout: Duration::from_secs(60),
+                min_free_fraction: 0.1,
+            },
         },
         gate_rx,
         SnapshotMetrics::default(),

@@ -191,6 +191,11 @@ impl ActorSetup<'_> {
             gc_period: Duration::from_secs(3600),
             leader_check_interval: Duration::from_millis(100),
             timeout,
+            defrag: etcd_warden::config::DefragConfig {
+                schedule: None,
+                timeout: Duration::from_secs(60),
+                min_free_fraction: 0.1,
+            },
         };
         let c = cancel.clone();
         let engine = {

@@ -132,6 +132,7 @@ const SECTIONS: &[&str] = &[
     "source_store",
     "copy",
     "snapshot",
+    "defrag",
     "owner",
     "kill",
     "server",

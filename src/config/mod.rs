@@ -30,7 +30,7 @@ pub use keys::{EncryptionConfig, KeyError, parse_recipient};
 pub use location::{LocationError, StoreLocation};
 pub use merge::{EnvSource, Override, ProcessEnv, Sources, env_var_for};
 pub use raw::{
-    MAX_DURATION, RawConfig, RawCopy, RawEncryption, RawEtcd, RawKill, RawLog, RawOwner,
+    MAX_DURATION, RawConfig, RawCopy, RawDefrag, RawEncryption, RawEtcd, RawKill, RawLog, RawOwner,
     RawRestore, RawServer, RawSnapshot, RawStore,
 };
 
@@ -105,6 +105,7 @@ pub struct Config {
     pub source_store: Option<StoreConfig>,
     pub copy: CopyConfig,
     pub snapshot: SnapshotConfig,
+    pub defrag: DefragConfig,
     /// `None` when the `[owner]` section is absent: a plain backup sidecar.
     pub owner: Option<OwnerConfig>,
     pub kill: KillConfig,
@@ -224,6 +225,19 @@ pub struct SnapshotConfig {
     /// Longest a full snapshot or a delta may take before it is abandoned as failed, so a hung
     /// etcd stream cannot stall the snapshot actor.
     pub timeout: Duration,
+}
+
+/// Scheduled defragmentation of every member, run by the snapshot leader's sidecar.
+#[derive(Debug, Clone)]
+pub struct DefragConfig {
+    /// Cron expression; `None` (an empty `defrag.schedule`) turns scheduled defragmentation off.
+    pub schedule: Option<croner::Cron>,
+    /// Longest one member's step (every member's status, then its defragmentation) may take
+    /// before the pass is abandoned as failed.
+    pub timeout: Duration,
+    /// A member whose free fraction of its database file, (dbSize - dbSizeInUse) / dbSize, is
+    /// below this is skipped: there is too little to gain.
+    pub min_free_fraction: f64,
 }
 
 /// The owner DNS record this sidecar checks.

@@ -22,6 +22,7 @@ pub struct RawConfig {
     pub source_store: Option<RawStore>,
     pub copy: RawCopy,
     pub snapshot: RawSnapshot,
+    pub defrag: RawDefrag,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<RawOwner>,
     pub kill: RawKill,
@@ -122,6 +123,15 @@ pub struct RawSnapshot {
     pub delta_retention: String,
     pub leader_check_interval: String,
     pub timeout: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawDefrag {
+    pub schedule: String,
+    pub timeout: String,
+    #[serde(deserialize_with = "lenient::number")]
+    pub min_free_fraction: f64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -268,6 +278,16 @@ mod lenient {
             TextOr::Text(s) => s.trim().parse().map_err(|_| {
                 serde::de::Error::custom(format!("expected a non-negative whole number, got {s:?}"))
             }),
+        }
+    }
+
+    pub fn number<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+        match TextOr::<f64>::deserialize(d)? {
+            TextOr::Value(n) => Ok(n),
+            TextOr::Text(s) => s
+                .trim()
+                .parse()
+                .map_err(|_| serde::de::Error::custom(format!("expected a number, got {s:?}"))),
         }
     }
 

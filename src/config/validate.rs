@@ -8,13 +8,13 @@ use std::time::Duration;
 use super::keys::parse_recipient;
 use super::merge::Merged;
 use super::raw::{
-    RawConfig, RawCopy, RawEncryption, RawEtcd, RawKill, RawLog, RawOwner, RawRestore, RawServer,
-    RawSnapshot, RawStore, parse_bytes, parse_duration, parse_nameserver,
+    RawConfig, RawCopy, RawDefrag, RawEncryption, RawEtcd, RawKill, RawLog, RawOwner, RawRestore,
+    RawServer, RawSnapshot, RawStore, parse_bytes, parse_duration, parse_nameserver,
 };
 use super::{
-    Compression, Config, ConfigError, CopyConfig, EncryptionConfig, EtcdConfig, GcPolicy,
-    KillConfig, LogConfig, LogFormat, OwnerConfig, Purpose, RestoreConfig, Secret, ServerConfig,
-    SnapshotConfig, StoreConfig, StoreLocation, TlsFiles,
+    Compression, Config, ConfigError, CopyConfig, DefragConfig, EncryptionConfig, EtcdConfig,
+    GcPolicy, KillConfig, LogConfig, LogFormat, OwnerConfig, Purpose, RestoreConfig, Secret,
+    ServerConfig, SnapshotConfig, StoreConfig, StoreLocation, TlsFiles,
 };
 
 /// The spellings of each compression, the one errors list first.
@@ -142,6 +142,7 @@ impl Validator<'_> {
                 .transpose()?,
             copy: self.copy(&raw.copy)?,
             snapshot: self.snapshot(&raw.snapshot)?,
+            defrag: self.defrag(&raw.defrag)?,
             owner: raw.owner.as_ref().map(|o| self.owner(o)).transpose()?,
             kill: self.kill(&raw.kill)?,
             server: self.server(&raw.server)?,
@@ -422,6 +423,35 @@ impl Validator<'_> {
             leader_check_interval: self
                 .positive_duration("snapshot.leader_check_interval", &s.leader_check_interval)?,
             timeout: self.positive_duration("snapshot.timeout", &s.timeout)?,
+        })
+    }
+
+    fn defrag(&self, d: &RawDefrag) -> Result<DefragConfig, ConfigError> {
+        let text = d.schedule.trim();
+        let schedule = if text.is_empty() {
+            None
+        } else {
+            Some(croner::Cron::from_str(text).map_err(|e| {
+                self.err(
+                    "defrag.schedule",
+                    format!(
+                        "invalid cron expression {:?} ({e}); write e.g. \"0 3 * * 0\", or \"\" for off",
+                        d.schedule
+                    ),
+                )
+            })?)
+        };
+        let f = d.min_free_fraction;
+        if !(0.0..=1.0).contains(&f) {
+            return Err(self.err(
+                "defrag.min_free_fraction",
+                format!("{f} is not a fraction between 0 and 1 (e.g. 0.1 for 10% free)"),
+            ));
+        }
+        Ok(DefragConfig {
+            schedule,
+            timeout: self.positive_duration("defrag.timeout", &d.timeout)?,
+            min_free_fraction: f,
         })
     }
 

@@ -131,6 +131,12 @@ impl RotatingClient {
         })
     }
 
+    /// The configuration it was built from (for clients to other members with the same TLS
+    /// material and credentials).
+    pub fn config(&self) -> &EtcdConfig {
+        &self.config
+    }
+
     /// The client, rebuilt first when a file it was built from changed since, and with
     /// credentials, its token checked (see the module docs). When the new files cannot be used
     /// yet (half written), the old client is kept and the error logged.

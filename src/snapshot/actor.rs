@@ -43,6 +43,9 @@ pub enum EngineError {
     /// etcd failed.
     #[error("etcd: {0}")]
     Etcd(#[from] etcd_client::Error),
+    /// A client to another member could not be built.
+    #[error(transparent)]
+    Connect(#[from] crate::etcd::EtcdError),
     /// The operation took longer than `snapshot.timeout` and was abandoned (dropped, so an
     /// upload in flight is aborted and nothing is stored).
     #[error("{operation} took longer than snapshot.timeout ({after:?}); abandoned, nothing stored")]
@@ -59,7 +62,9 @@ impl EngineError {
     pub fn class(&self) -> &'static str {
         use super::delta::DeltaError;
         match self {
-            EngineError::Full(FullError::Etcd(_)) | EngineError::Etcd(_) => "etcd",
+            EngineError::Full(FullError::Etcd(_))
+            | EngineError::Etcd(_)
+            | EngineError::Connect(_) => "etcd",
             EngineError::Full(FullError::Store(_))
             | EngineError::Delta(DeltaError::Store(_))
             | EngineError::Store(_) => "store",
@@ -122,6 +127,45 @@ pub trait Engine: Send + 'static {
     async fn latest_chain(&mut self) -> Result<Chain, EngineError>;
     /// Applies retention at `now`; reports what was deleted.
     async fn gc(&mut self, now: DateTime<Utc>) -> Result<GcReport, EngineError>;
+    /// One step of a defragmentation pass: reads every member's status and, when
+    /// [`defrag::plan`](super::defrag::plan) names a next member (none of `done`, this member
+    /// leading, every member healthy), defragments it through a client to its own URLs whose
+    /// request may take `timeout`.
+    async fn defrag_step(
+        &mut self,
+        done: &[u64],
+        min_free_fraction: f64,
+        timeout: Duration,
+    ) -> Result<DefragStep, EngineError>;
+}
+
+/// What one [`Engine::defrag_step`] did.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DefragStep {
+    /// This member was defragmented.
+    Defragmented {
+        /// Its ID.
+        member: u64,
+        /// Its database file's size before.
+        db_size_before: i64,
+        /// Its database file's size after, when its status could be read.
+        db_size_after: Option<i64>,
+        /// How long etcd took.
+        took: Duration,
+    },
+    /// Nothing is left: every member is done or has too little free space.
+    Done,
+    /// The cluster is not healthy (or this member no longer leads): the pass stops.
+    Stopped(String),
+}
+
+/// What a defragmentation pass did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DefragReport {
+    /// The members defragmented, in order.
+    pub defragmented: Vec<u64>,
+    /// The full snapshot taken after (none when no member was defragmented).
+    pub snapshot: Option<Snapshot>,
 }
 
 /// What one [`Engine::collect`] call found.
@@ -150,6 +194,15 @@ pub enum ActorError {
     /// The gate changed while it ran, and the new one forbids it; nothing was stored.
     #[error("cancelled: ownership changed while it ran; nothing was stored")]
     Cancelled,
+    /// A defragmentation pass stopped because the cluster is not healthy (or this member no
+    /// longer leads); the members in `done` were defragmented before.
+    #[error("defragmentation stopped after {done:x?}: {reason}")]
+    Unhealthy {
+        /// Why.
+        reason: String,
+        /// Members defragmented before it stopped.
+        done: Vec<u64>,
+    },
     /// Deltas are not being collected (not the snapshot leader, paused, or disabled).
     #[error("deltas are not being collected (not the snapshot leader, paused, or disabled)")]
     NoDeltas,
@@ -174,6 +227,8 @@ pub struct ActorConfig {
     /// Longest a full snapshot, a delta, or opening the watch for deltas may take; then it fails
     /// with [`EngineError::TimedOut`] and the actor goes on.
     pub timeout: Duration,
+    /// Scheduled defragmentation (off without a schedule).
+    pub defrag: crate::config::DefragConfig,
 }
 
 /// What the actor is doing, for `/status`.
@@ -190,6 +245,8 @@ pub struct ActorStatus {
     pub last_delta: Option<Snapshot>,
     /// When the next scheduled full snapshot is due.
     pub next_full_at: Option<DateTime<Utc>>,
+    /// When the next scheduled defragmentation is due (none while inactive or off).
+    pub next_defrag_at: Option<DateTime<Utc>>,
     /// The last failure, cleared by the next success.
     pub last_error: Option<String>,
 }
@@ -202,6 +259,9 @@ enum Command {
     },
     Delta {
         reply: oneshot::Sender<Result<Option<Snapshot>, ActorError>>,
+    },
+    Defrag {
+        reply: oneshot::Sender<Result<DefragReport, ActorError>>,
     },
 }
 
@@ -250,6 +310,13 @@ impl ActorHandle {
     /// Writes the buffered events as a delta now; refused unless the gate is open.
     pub async fn delta(&self) -> Result<Option<Snapshot>, ActorError> {
         self.ask(|reply| Command::Delta { reply }).await
+    }
+
+    /// Runs a defragmentation pass now (then a full snapshot), after whatever the actor is
+    /// doing; refused unless regular work is allowed: the gate is open and this sidecar's member
+    /// leads.
+    pub async fn defrag(&self) -> Result<DefragReport, ActorError> {
+        self.ask(|reply| Command::Defrag { reply }).await
     }
 
     /// The actor's current status.
@@ -339,6 +406,7 @@ pub fn spawn<E: Engine>(
         last_full: None,
         last_delta: None,
         next_full_at: None,
+        next_defrag_at: None,
         last_error: None,
     };
     let (status_tx, status_rx) = watch::channel(status);
@@ -350,6 +418,7 @@ pub fn spawn<E: Engine>(
         gate,
         leader: false,
         next_full: None,
+        next_defrag: None,
         watching: false,
         was_active: false,
     };
@@ -372,6 +441,8 @@ struct Actor<E: Engine> {
     leader: bool,
     /// When the next scheduled full snapshot is due (None until first computed).
     next_full: Option<DateTime<Utc>>,
+    /// When the next scheduled defragmentation is due (None while inactive or off).
+    next_defrag: Option<DateTime<Utc>>,
     /// The engine's watch is running.
     watching: bool,
     /// Regular work was allowed at the last look (gate open and leader).
@@ -409,6 +480,11 @@ impl<E: Engine> Actor<E> {
             s.gate = *self.gate.borrow();
             s.leader = self.leader;
             s.next_full_at = if self.active() { self.next_full } else { None };
+            s.next_defrag_at = if self.active() {
+                self.next_defrag
+            } else {
+                None
+            };
         });
     }
 
@@ -427,6 +503,7 @@ impl<E: Engine> Actor<E> {
         loop {
             let active = self.active();
             let full_at = self.next_full.map(until);
+            let defrag_at = self.next_defrag.map(until);
             let can_collect = active
                 && self.deltas_on()
                 && watch_retry_at.is_none_or(|t| t <= tokio::time::Instant::now());
@@ -447,6 +524,9 @@ impl<E: Engine> Actor<E> {
                 _ = leader_tick.tick() => self.check_leader().await,
                 _ = async { tokio::time::sleep_until(full_at.unwrap_or_else(tokio::time::Instant::now)).await }, if active && full_at.is_some() => {
                     self.scheduled_full().await;
+                }
+                _ = async { tokio::time::sleep_until(defrag_at.unwrap_or_else(tokio::time::Instant::now)).await }, if active && defrag_at.is_some() => {
+                    self.scheduled_defrag().await;
                 }
                 _ = delta_tick.tick(), if active && self.deltas_on() => { let _ = self.delta(Operation::Regular).await; }
                 r = self.engine.collect(), if can_collect && self.watching => match r {
@@ -510,6 +590,10 @@ impl<E: Engine> Actor<E> {
                 };
                 let _ = reply.send(r);
             }
+            Command::Defrag { reply } => {
+                let r = self.defrag().await;
+                let _ = reply.send(r);
+            }
         }
     }
 
@@ -553,10 +637,12 @@ impl<E: Engine> Actor<E> {
         if now && !was {
             self.start_watch().await;
             self.next_full = self.first_full_due().await;
+            self.next_defrag = self.next_defrag_occurrence(Utc::now());
         } else if !now && was {
             self.engine.pause();
             self.watching = false;
             self.next_full = None;
+            self.next_defrag = None;
         }
         self.publish(|_| {});
     }
@@ -720,6 +806,120 @@ impl<E: Engine> Actor<E> {
         }
     }
 
+    fn next_defrag_occurrence(&self, after: DateTime<Utc>) -> Option<DateTime<Utc>> {
+        let schedule = self.config.defrag.schedule.as_ref()?;
+        schedule.find_next_occurrence(&after, false).ok()
+    }
+
+    async fn scheduled_defrag(&mut self) {
+        // The next occurrence whatever the outcome: a failed pass waits for the schedule, as
+        // defragmenting again at once would only pause members again.
+        self.next_defrag = self.next_defrag_occurrence(Utc::now());
+        match self.defrag().await {
+            Ok(report) => {
+                tracing::info!(members = ?report.defragmented, "scheduled defragmentation done")
+            }
+            Err(e) => tracing::warn!(error = %e, "scheduled defragmentation did not complete"),
+        }
+        self.publish(|_| {});
+    }
+
+    /// A defragmentation pass: one member at a time, each only after every member's status
+    /// says the cluster is healthy, and only while regular work stays allowed (a gate change
+    /// drops the step in flight); then a full snapshot.
+    async fn defrag(&mut self) -> Result<DefragReport, ActorError> {
+        let span = tracing::info_span!("defragmentation");
+        let min_free = self.config.defrag.min_free_fraction;
+        let timeout = self.config.defrag.timeout;
+        let mut done: Vec<u64> = Vec::new();
+        loop {
+            if !self.active() {
+                let _in = span.enter();
+                if done.is_empty() {
+                    return Err(self.refused_regular());
+                }
+                tracing::warn!(done = ?done, "defragmentation dropped: no longer active");
+                return Err(ActorError::Cancelled);
+            }
+            let started = Instant::now();
+            // One bound for the step: the status reads and the member's defragmentation.
+            let step = bounded(
+                timeout,
+                "defragmentation",
+                self.engine.defrag_step(&done, min_free, timeout),
+            );
+            let step = tracing::Instrument::instrument(step, span.clone());
+            let result = while_allowed(&mut self.gate, Operation::Regular, step).await;
+            let _in = span.enter();
+            match result {
+                None => {
+                    self.metrics
+                        .defragmented(false, started.elapsed().as_secs_f64());
+                    tracing::warn!(done = ?done, "defragmentation dropped: ownership changed while it ran");
+                    return Err(ActorError::Cancelled);
+                }
+                Some(Ok(DefragStep::Defragmented {
+                    member,
+                    db_size_before,
+                    db_size_after,
+                    took,
+                })) => {
+                    self.metrics.defragmented(true, took.as_secs_f64());
+                    tracing::info!(
+                        member = format_args!("{member:x}"),
+                        db_size_before,
+                        db_size_after,
+                        seconds = took.as_secs_f64(),
+                        "member defragmented"
+                    );
+                    done.push(member);
+                }
+                Some(Ok(DefragStep::Done)) => break,
+                Some(Ok(DefragStep::Stopped(reason))) => {
+                    tracing::warn!(%reason, done = ?done, "defragmentation stopped");
+                    let msg = format!("defragmentation stopped: {reason}");
+                    self.publish(|s| s.last_error = Some(msg));
+                    return Err(ActorError::Unhealthy { reason, done });
+                }
+                Some(Err(e)) => {
+                    self.metrics
+                        .defragmented(false, started.elapsed().as_secs_f64());
+                    self.metrics.failure(e.class());
+                    tracing::error!(error = %e, done = ?done, "defragmentation failed");
+                    let msg = format!("defragmentation: {e}");
+                    self.publish(|s| s.last_error = Some(msg));
+                    return Err(ActorError::Failed(Arc::new(e)));
+                }
+            }
+        }
+        drop(span);
+        if done.is_empty() {
+            return Ok(DefragReport {
+                defragmented: done,
+                snapshot: None,
+            });
+        }
+        // The reference follows a defragmentation with a full snapshot: a fresh base, taken
+        // from the compacted database.
+        let snap = self.full(Operation::Regular, None).await?;
+        Ok(DefragReport {
+            defragmented: done,
+            snapshot: Some(snap),
+        })
+    }
+
+    /// Refusal of regular work: by the gate, or because another sidecar's member leads.
+    fn refused_regular(&self) -> ActorError {
+        let gate = *self.gate.borrow();
+        if !gate.allows(Operation::Regular) {
+            return self.refused(Operation::Regular);
+        }
+        ActorError::Refused {
+            gate,
+            reason: "this sidecar's member does not lead the raft group; the leader's sidecar defragments",
+        }
+    }
+
     async fn gc(&mut self) {
         match while_allowed(
             &mut self.gate,
@@ -750,6 +950,7 @@ mod tests {
         hang: Arc<AtomicBool>,
         buffered: Arc<AtomicU64>,
         revision: i64,
+        defrag_steps: Arc<AtomicU64>,
     }
 
     impl HangingEtcd {
@@ -833,6 +1034,25 @@ mod tests {
                 failed: vec![],
             })
         }
+        async fn defrag_step(
+            &mut self,
+            done: &[u64],
+            _min_free_fraction: f64,
+            _timeout: Duration,
+        ) -> Result<DefragStep, EngineError> {
+            self.defrag_steps.fetch_add(1, Ordering::SeqCst);
+            self.maybe_hang().await;
+            // Followers 2 and 3, then the leader 1, as the plan orders them.
+            Ok(match [2, 3, 1].into_iter().find(|m| !done.contains(m)) {
+                Some(member) => DefragStep::Defragmented {
+                    member,
+                    db_size_before: 100,
+                    db_size_after: Some(10),
+                    took: Duration::from_millis(1),
+                },
+                None => DefragStep::Done,
+            })
+        }
     }
 
     fn render(reg: &Registry) -> String {
@@ -856,6 +1076,150 @@ mod tests {
         }
     }
 
+    fn quiet_config(timeout: Duration) -> ActorConfig {
+        ActorConfig {
+            schedule: std::str::FromStr::from_str("0 0 1 1 *").unwrap(),
+            delta_period: Duration::ZERO,
+            delta_memory_limit: u64::MAX,
+            gc_period: Duration::from_secs(3600),
+            leader_check_interval: Duration::from_millis(20),
+            timeout,
+            defrag: crate::config::DefragConfig {
+                schedule: None,
+                timeout,
+                min_free_fraction: 0.1,
+            },
+        }
+    }
+
+    #[tokio::test]
+    async fn defragmentation_only_while_the_gate_is_open_and_cancelled_when_it_changes() {
+        let hang = Arc::new(AtomicBool::new(false));
+        let engine = HangingEtcd {
+            hang: hang.clone(),
+            buffered: Arc::new(AtomicU64::new(0)),
+            revision: 10,
+            defrag_steps: Arc::new(AtomicU64::new(0)),
+        };
+        let metrics = SnapshotMetrics::default();
+        let mut reg = Registry::default();
+        metrics.register(&mut reg);
+        let (gate, gate_rx) = watch::channel(Gate::Closed);
+        let cancel = CancellationToken::new();
+        let (actor, task) = spawn(
+            engine,
+            quiet_config(Duration::from_secs(5)),
+            gate_rx,
+            metrics,
+            cancel.clone(),
+        );
+        let mut status = actor.watch_status();
+        let _ = tokio::time::timeout(Duration::from_secs(5), status.wait_for(|s| s.leader)).await;
+
+        // Not Active (no verdict yet, then deactivated): refused, nothing defragmented.
+        for g in [Gate::Closed, Gate::Final] {
+            gate.send_replace(g);
+            match actor.defrag().await {
+                Err(ActorError::Refused { gate: got, .. }) => assert_eq!(got, g),
+                other => panic!("{g:?}: expected a refusal, got {other:?}"),
+            }
+        }
+        assert_has(
+            &reg,
+            r#"etcdbr_defragmentation_duration_seconds_count{succeeded="true"} 0"#,
+        );
+
+        // Open: every member in the plan's order, then a full snapshot.
+        gate.send_replace(Gate::Open);
+        let report = actor.defrag().await.unwrap();
+        assert_eq!(report.defragmented, vec![2, 3, 1]);
+        assert_eq!(report.snapshot.map(|s| s.kind), Some(Kind::Full));
+        assert_has(
+            &reg,
+            r#"etcdbr_defragmentation_duration_seconds_count{succeeded="true"} 3"#,
+        );
+
+        // The gate closes while a member's defragmentation hangs: the pass is dropped at once.
+        hang.store(true, Ordering::SeqCst);
+        let pass = tokio::spawn({
+            let actor = actor.clone();
+            async move { actor.defrag().await }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        gate.send_replace(Gate::Closed);
+        let r = tokio::time::timeout(Duration::from_secs(2), pass)
+            .await
+            .expect("the pass ends when the gate closes")
+            .unwrap();
+        assert!(matches!(r, Err(ActorError::Cancelled)), "{r:?}");
+        assert_has(
+            &reg,
+            r#"etcdbr_defragmentation_duration_seconds_count{succeeded="false"} 1"#,
+        );
+
+        cancel.cancel();
+        task.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn scheduled_defragmentation_runs_only_while_active() {
+        let steps = Arc::new(AtomicU64::new(0));
+        let engine = HangingEtcd {
+            hang: Arc::new(AtomicBool::new(false)),
+            buffered: Arc::new(AtomicU64::new(0)),
+            revision: 10,
+            defrag_steps: steps.clone(),
+        };
+        let mut config = quiet_config(Duration::from_secs(5));
+        // Every second (croner reads a sixth, leading field as seconds when asked to).
+        config.defrag.schedule = Some(
+            croner::parser::CronParser::builder()
+                .seconds(croner::parser::Seconds::Optional)
+                .build()
+                .parse("* * * * * *")
+                .unwrap(),
+        );
+        let (gate, gate_rx) = watch::channel(Gate::Closed);
+        let cancel = CancellationToken::new();
+        let metrics = SnapshotMetrics::default();
+        let (actor, task) = spawn(engine, config, gate_rx, metrics, cancel.clone());
+
+        // Not Active: the schedule never fires, nothing is due.
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        assert_eq!(steps.load(Ordering::SeqCst), 0);
+        assert_eq!(actor.status().next_defrag_at, None);
+
+        // Active: a pass within a couple of seconds (three members and the final "done").
+        gate.send_replace(Gate::Open);
+        let mut status = actor.watch_status();
+        let due = tokio::time::timeout(
+            Duration::from_secs(5),
+            status.wait_for(|s| s.next_defrag_at.is_some()),
+        )
+        .await
+        .is_ok();
+        assert!(due, "{:?}", actor.status());
+        let started = Instant::now();
+        while steps.load(Ordering::SeqCst) < 4 {
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "no scheduled pass"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+
+        // Deactivated: no further pass.
+        gate.send_replace(Gate::Final);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let after = steps.load(Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        assert_eq!(steps.load(Ordering::SeqCst), after);
+        assert_eq!(actor.status().next_defrag_at, None);
+
+        cancel.cancel();
+        task.await.unwrap();
+    }
+
     #[tokio::test]
     async fn a_hung_etcd_stream_times_out_and_the_actor_takes_the_next_command() {
         let hang = Arc::new(AtomicBool::new(true));
@@ -864,6 +1228,7 @@ mod tests {
             hang: hang.clone(),
             buffered: buffered.clone(),
             revision: 10,
+            defrag_steps: Arc::new(AtomicU64::new(0)),
         };
         let metrics = SnapshotMetrics::default();
         let mut reg = Registry::default();
@@ -875,6 +1240,11 @@ mod tests {
             gc_period: Duration::from_secs(3600),
             leader_check_interval: Duration::from_millis(20),
             timeout: Duration::from_millis(200),
+            defrag: crate::config::DefragConfig {
+                schedule: None,
+                timeout: Duration::from_secs(60),
+                min_free_fraction: 0.1,
+            },
         };
         let (_gate, gate_rx) = watch::channel(Gate::Open);
         let cancel = CancellationToken::new();

@@ -4,7 +4,10 @@ use crate::etcd::RotatingClient;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 
-use super::actor::{Collected, Engine, EngineError, Membership, Stored};
+use std::time::{Duration, Instant};
+
+use super::actor::{Collected, DefragStep, Engine, EngineError, Membership, Stored};
+use super::defrag::{self, DefragPlan, MemberState};
 use super::delta::DeltaWriter;
 use super::full::take_full_sized;
 use super::watcher::{DeltaWatch, WatchError};
@@ -170,4 +173,101 @@ impl Engine for EtcdEngine {
     async fn gc(&mut self, now: DateTime<Utc>) -> Result<GcReport, EngineError> {
         Ok(gc::run(&self.store, now, self.retention).await?)
     }
+
+    async fn defrag_step(
+        &mut self,
+        done: &[u64],
+        min_free_fraction: f64,
+        timeout: Duration,
+    ) -> Result<DefragStep, EngineError> {
+        let mut client = self.etcd.client().await;
+        let me = client
+            .status()
+            .await?
+            .header()
+            .map(|h| h.member_id())
+            .unwrap_or_default();
+        let list = client.member_list().await?;
+        let base = self.etcd.config().clone();
+        let mut members = Vec::new();
+        for m in list.members() {
+            members.push(member_state(&base, m.id(), m.client_urls(), m.is_learner()).await);
+        }
+        let next = match defrag::plan(&members, me, done, min_free_fraction) {
+            DefragPlan::Stop(reason) => return Ok(DefragStep::Stopped(reason)),
+            DefragPlan::Defragment(order) => order.first().copied(),
+        };
+        let Some(member) = next.and_then(|id| members.iter().find(|m| m.id == id)) else {
+            return Ok(DefragStep::Done);
+        };
+        // A client to that member alone, whose requests may take as long as a defragmentation.
+        let config = crate::config::EtcdConfig {
+            endpoints: member.client_urls.clone(),
+            request_timeout: timeout,
+            ..base
+        };
+        let mut one = crate::etcd::connect(&config).await?;
+        tracing::info!(
+            member = format_args!("{:x}", member.id),
+            db_size = member.db_size,
+            db_size_in_use = member.db_size_in_use,
+            "defragmenting"
+        );
+        let started = Instant::now();
+        one.defragment().await?;
+        let took = started.elapsed();
+        let db_size_after = one.status().await.ok().map(|s| s.db_size());
+        Ok(DefragStep::Defragmented {
+            member: member.id,
+            db_size_before: member.db_size,
+            db_size_after,
+            took,
+        })
+    }
+}
+
+/// A member's state from its own status (a client to its URLs alone); unhealthy when it does not
+/// answer, reports an error other than running out of space (which defragmentation is for), or
+/// knows no leader.
+async fn member_state(
+    base: &crate::config::EtcdConfig,
+    id: u64,
+    client_urls: &[String],
+    is_learner: bool,
+) -> MemberState {
+    let mut state = MemberState {
+        id,
+        client_urls: client_urls.to_vec(),
+        is_leader: false,
+        is_learner,
+        db_size: 0,
+        db_size_in_use: 0,
+        healthy: false,
+    };
+    let config = crate::config::EtcdConfig {
+        endpoints: client_urls.to_vec(),
+        ..base.clone()
+    };
+    if client_urls.is_empty() {
+        return state;
+    }
+    let status = match crate::etcd::connect(&config).await {
+        Ok(mut c) => c.status().await,
+        Err(error) => {
+            tracing::debug!(%error, member = format_args!("{id:x}"), "no client to member");
+            return state;
+        }
+    };
+    match status {
+        Ok(s) => {
+            state.is_leader = s.leader() == id;
+            state.db_size = s.db_size();
+            state.db_size_in_use = s.raft_used_db_size();
+            state.healthy = s.leader() != 0 && s.errors().iter().all(|e| e.contains("NOSPACE"));
+        }
+        Err(error) => {
+            tracing::debug!(%error, member = format_args!("{id:x}"), "member status failed")
+        }
+    }
+    state
 }

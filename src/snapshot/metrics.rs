@@ -41,6 +41,13 @@ pub struct OutcomeLabels {
     pub succeeded: String,
 }
 
+/// `succeeded` label alone (`etcdbr_defragmentation_duration_seconds`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SucceededLabel {
+    /// `true` or `false`.
+    pub succeeded: String,
+}
+
 fn outcome(kind: Kind, ok: bool) -> OutcomeLabels {
     OutcomeLabels {
         kind: kind.to_string(),
@@ -69,6 +76,7 @@ pub struct SnapshotMetrics {
     latest_size: Family<KindLabel, Gauge>,
     cluster_size: Gauge,
     is_learner: Gauge,
+    defrag: Family<SucceededLabel, Histogram>,
 }
 
 impl Default for SnapshotMetrics {
@@ -89,6 +97,10 @@ impl Default for SnapshotMetrics {
             latest_size: Family::default(),
             cluster_size: Gauge::default(),
             is_learner: Gauge::default(),
+            // 0.1 s … ~1.9 h, as snapshots: a small database takes a second, a large one minutes.
+            defrag: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.1, 2.0, 16))
+            }),
         }
     }
 }
@@ -160,6 +172,16 @@ impl SnapshotMetrics {
             "Whether or not this member is a learner: 1 if it is, 0 otherwise",
             self.is_learner.clone(),
         );
+        registry.register(
+            "etcdbr_defragmentation_duration_seconds",
+            "Total latency distribution of defragmentation of etcd (one member's defragmentation)",
+            self.defrag.clone(),
+        );
+        for ok in [true, false] {
+            drop(self.defrag.get_or_create(&SucceededLabel {
+                succeeded: ok.to_string(),
+            }));
+        }
         for class in FAILURE_CLASSES {
             drop(self.failures.get_or_create(&ErrorLabel {
                 error: class.into(),
@@ -249,6 +271,15 @@ impl SnapshotMetrics {
         if let Some(n) = cluster_size {
             self.cluster_size.set(i64::try_from(n).unwrap_or(i64::MAX));
         }
+    }
+
+    /// Records one member's defragmentation (or its failure) that took `seconds`.
+    pub fn defragmented(&self, ok: bool, seconds: f64) {
+        self.defrag
+            .get_or_create(&SucceededLabel {
+                succeeded: ok.to_string(),
+            })
+            .observe(seconds);
     }
 
     /// Records whether this sidecar is the snapshot leader.

@@ -5,6 +5,7 @@
 //! [`crate::store::SnapshotStore`].
 
 pub mod actor;
+pub mod defrag;
 pub mod delta;
 pub mod engine;
 pub mod full;
