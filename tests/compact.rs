@@ -15,6 +15,12 @@ use support::s3::S3Server;
 const BUCKET: &str = "compact";
 const PREFIX: &str = "etcd-main";
 
+/// How many full snapshots the store holds.
+async fn full_snapshots(store: &SnapshotStore) -> usize {
+    let listed = store.list().await.unwrap();
+    listed.iter().filter(|s| s.kind == Kind::Full).count()
+}
+
 /// `etcd-warden compact` of the test bucket, as the CronJob runs it, working in `work`.
 fn compact_command(s3: &S3Server, work: &std::path::Path) -> std::process::Command {
     let mut c = support::warden::command();
@@ -127,14 +133,7 @@ async fn two_hundred_deltas_fold_into_one_full_snapshot_that_restores_the_same_e
         "{}",
         String::from_utf8_lossy(&out.stdout)
     );
-    let fulls = store
-        .list()
-        .await
-        .unwrap()
-        .into_iter()
-        .filter(|s| s.kind == Kind::Full)
-        .count();
-    assert_eq!(fulls, 2);
+    assert_eq!(full_snapshots(&store).await, 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -161,12 +160,5 @@ async fn a_chain_that_fails_to_restore_stores_nothing_and_cleans_up() {
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("compact failed"), "{stderr}");
     assert_eq!(std::fs::read_dir(&work).unwrap().count(), 0);
-    let fulls = store
-        .list()
-        .await
-        .unwrap()
-        .into_iter()
-        .filter(|s| s.kind == Kind::Full)
-        .count();
-    assert_eq!(fulls, 1, "nothing stored");
+    assert_eq!(full_snapshots(&store).await, 1, "nothing stored");
 }
