@@ -16,8 +16,9 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use crate::owner::handoff::{HandOffError, HandOffObjects};
 use crate::restore::{self, EtcdTools, MemberParams, RestoreError, RestoreOptions, TempEtcd};
-use crate::snapshot::full::{FullError, take_full_from};
+use crate::snapshot::full::{FullError, take_full_at};
 use crate::store::{Codec, Snapshot, SnapshotStore, StoreError};
 
 /// Why compaction failed; nothing was stored.
@@ -40,6 +41,26 @@ pub enum CompactError {
     /// Taking or storing the compacted snapshot failed.
     #[error("storing the compacted snapshot: {0}")]
     Snapshot(#[source] FullError),
+    /// The chain is encrypted but the store has no recipients: the compacted snapshot would be
+    /// stored in clear.
+    #[error(
+        "{snapshot} is encrypted but encryption.recipients is empty: the compacted snapshot would be stored unencrypted; configure the recipients the sidecar encrypts to"
+    )]
+    WouldDecrypt {
+        /// The first encrypted snapshot of the chain.
+        snapshot: String,
+    },
+    /// The store is in a hand-off (or after one): a new full snapshot would hide its final.
+    #[error(
+        "the store is in a hand-off ({what}); a compacted full snapshot would stand in front of its final; nothing was stored"
+    )]
+    HandOff {
+        /// What was found.
+        what: String,
+    },
+    /// The hand-off objects could not be read.
+    #[error("reading the store's hand-off objects: {0}")]
+    HandOffObjects(#[source] HandOffError),
     /// The work directory could not be prepared or cleaned.
     #[error("work directory {}: {source}", path.display())]
     WorkDir {
@@ -103,6 +124,17 @@ pub async fn compact(
             latest_full: Some(full.snap_name.clone()),
         });
     }
+    if !store.encrypts()
+        && let Some(encrypted) = std::iter::once(full)
+            .chain(&chain.delta_snapshots)
+            .find(|s| s.encrypted)
+    {
+        return Err(CompactError::WouldDecrypt {
+            snapshot: encrypted.snap_name.clone(),
+        });
+    }
+    let head = chain.delta_snapshots.last().map_or(0, |d| d.last_revision);
+    refuse_during_hand_off(store, head).await?;
     let work = WorkDir::create(&opts.work_dir)?;
     let data_dir = work.path.join("data");
     let restored = restore::restore(
@@ -123,6 +155,13 @@ pub async fn compact(
         revision = restored.revision,
         "chain restored; compacting"
     );
+    // The store changed between the listing and the restore: a sidecar stored a newer full
+    // snapshot, so the chain restored is that one alone and there is nothing to fold.
+    if restored.deltas == 0 {
+        return Ok(CompactReport::NothingToDo {
+            latest_full: Some(restored.full_snapshot),
+        });
+    }
 
     let tools = EtcdTools::locate(opts.etcd_bin.as_deref())
         .await
@@ -136,6 +175,7 @@ pub async fn compact(
     .await
     .map_err(CompactError::Restore)?;
     let result = compact_and_store(store, &etcd.client_url, restored.revision, opts.codec).await;
+
     if let Err(e) = etcd.stop().await {
         tracing::warn!(error = %e, "stopping the temporary etcd failed");
     }
@@ -164,6 +204,8 @@ async fn compact_and_store(
     let client = etcd_client::Client::connect([url], None)
         .await
         .map_err(etcd("connecting"))?;
+    // The temporary etcd renews its restored leases while it runs; should one expire anyway,
+    // the exact-revision snapshot below fails rather than store a later revision.
     let mut maintenance = client.maintenance_client();
     let before = maintenance
         .status()
@@ -193,10 +235,52 @@ async fn compact_and_store(
         .await
         .map_err(etcd("status"))?
         .db_size();
-    let snapshot = take_full_from(&client, store, codec, false, Some(revision))
+    // A hand-off that began while the chain was restored must not get a newer full snapshot in
+    // front of its final.
+    refuse_during_hand_off(store, revision).await?;
+    let snapshot = take_full_at(&client, store, codec, revision)
         .await
         .map_err(CompactError::Snapshot)?;
     Ok((snapshot, before, after))
+}
+
+/// Refuses while the store holds the hand-off record or a fence marker, or an unreclaimed final
+/// at or after `revision`: a compacted full snapshot stored after it would become the latest
+/// full snapshot and hide the final from the sidecars' start check and from `/snapshot/latest`.
+async fn refuse_during_hand_off(store: &SnapshotStore, revision: i64) -> Result<(), CompactError> {
+    let objects = HandOffObjects::new(store.clone());
+    if let Some(record) = objects
+        .record()
+        .await
+        .map_err(CompactError::HandOffObjects)?
+    {
+        return Err(CompactError::HandOff {
+            what: format!("a hand-off record, final {}", record.final_snapshot),
+        });
+    }
+    if let Some(marker) = objects
+        .fence_keys()
+        .await
+        .map_err(CompactError::HandOffObjects)?
+        .first()
+    {
+        return Err(CompactError::HandOff {
+            what: format!("fence marker {marker}"),
+        });
+    }
+    let finals = objects
+        .finals()
+        .await
+        .map_err(CompactError::HandOffObjects)?;
+    if let Some(last) = finals.iter().rev().find(|f| f.last_revision >= revision) {
+        return Err(CompactError::HandOff {
+            what: format!(
+                "final {} at revision {}, not reclaimed",
+                last.snap_name, last.last_revision
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// A fresh directory inside the work directory, removed when dropped (also on failure).

@@ -6,8 +6,11 @@ mod support;
 
 use std::time::Instant;
 
+use etcd_warden::compact::{CompactError, CompactOptions, CompactReport, compact};
 use etcd_warden::config::EncryptionConfig;
-use etcd_warden::store::{Kind, SnapshotStore};
+use etcd_warden::owner::handoff::{FenceMarker, HandOffObjects};
+use etcd_warden::restore::{self, EtcdTools, TempEtcd};
+use etcd_warden::store::{Codec, Kind, SnapshotStore};
 use support::etcd::{EtcdCluster, Release};
 use support::history::{dump, dump_restored, restore_options};
 use support::s3::S3Server;
@@ -161,4 +164,156 @@ async fn a_chain_that_fails_to_restore_stores_nothing_and_cleans_up() {
     assert!(stderr.contains("compact failed"), "{stderr}");
     assert_eq!(std::fs::read_dir(&work).unwrap().count(), 0);
     assert_eq!(full_snapshots(&store).await, 1, "nothing stored");
+}
+
+fn compact_options(work: &std::path::Path) -> CompactOptions {
+    CompactOptions {
+        work_dir: work.to_path_buf(),
+        etcd_bin: Some(Release::V35.bin_dir()),
+        codec: Codec::Gzip,
+        parallel_fetch: 4,
+    }
+}
+
+/// An age identity written as `age-keygen` writes it; returns the key file's path.
+fn write_identity(dir: &std::path::Path, id: &age::x25519::Identity) -> std::path::PathBuf {
+    let key = dir.join("team.key");
+    let secret = age::secrecy::ExposeSecret::expose_secret(&id.to_string()).to_string();
+    std::fs::write(&key, format!("{secret}\n")).unwrap();
+    key
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_encrypted_chain_is_never_compacted_into_a_clear_snapshot() {
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut client = etcd.client().await;
+    let s3 = S3Server::start(&[BUCKET]);
+    let dir = tempfile::tempdir().unwrap();
+    let id = age::x25519::Identity::generate();
+    let key = write_identity(dir.path(), &id);
+    let writer =
+        SnapshotStore::new(s3.object_store(BUCKET), PREFIX).with_encryption(EncryptionConfig {
+            recipients: vec![id.to_public()],
+            ..Default::default()
+        });
+    support::history::build(&mut client, &writer, 20, 2, 5).await;
+    // The key to read the chain, but no recipient to write the result to.
+    let reader =
+        SnapshotStore::new(s3.object_store(BUCKET), PREFIX).with_encryption(EncryptionConfig {
+            identities: vec![key],
+            ..Default::default()
+        });
+    let work = dir.path().join("work");
+    let e = compact(&reader, &compact_options(&work)).await.unwrap_err();
+    assert!(matches!(e, CompactError::WouldDecrypt { .. }), "{e}");
+    assert!(e.to_string().contains("encryption.recipients"), "{e}");
+    assert_eq!(full_snapshots(&reader).await, 1, "nothing stored");
+    assert!(!work.exists() || std::fs::read_dir(&work).unwrap().count() == 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_in_a_hand_off_is_not_compacted() {
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut client = etcd.client().await;
+    let s3 = S3Server::start(&[BUCKET]);
+    let store = SnapshotStore::new(s3.object_store(BUCKET), PREFIX);
+    support::history::build(&mut client, &store, 20, 2, 5).await;
+    let objects = HandOffObjects::new(store.clone());
+    objects
+        .write_fence(
+            0xabc,
+            &FenceMarker {
+                member_id: "abc".into(),
+                owner_id: "seed-a".into(),
+                reason: "the owner record names seed-b".into(),
+                killed: vec![],
+                fenced_at: chrono::Utc::now(),
+            },
+        )
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let e = compact(&store, &compact_options(&dir.path().join("work")))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, CompactError::HandOff { .. }), "{e}");
+    assert!(e.to_string().contains("fence marker"), "{e}");
+    assert_eq!(full_snapshots(&store).await, 1, "nothing stored");
+
+    // Reclaimed (the markers gone), it compacts.
+    etcd_warden::owner::handoff::reclaim(&objects)
+        .await
+        .unwrap();
+    let report = compact(&store, &compact_options(&dir.path().join("work")))
+        .await
+        .unwrap();
+    assert!(
+        matches!(report, CompactReport::Compacted { .. }),
+        "{report:?}"
+    );
+}
+
+/// Keys under a short lease in the full snapshot: the temporary etcd counts the lease down from
+/// its start, so without renewal it would expire there, delete the keys and move the revision.
+/// The compacted snapshot holds exactly the chain's head with the leased keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leased_keys_survive_compaction_and_the_revision_is_exact() {
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut client = etcd.client().await;
+    let s3 = S3Server::start(&[BUCKET]);
+    let store = SnapshotStore::new(s3.object_store(BUCKET), PREFIX);
+    let lease = client.lease_grant(3, None).await.unwrap().id();
+    client
+        .put(
+            "/registry/masterleases/10.0.0.1",
+            "endpoint",
+            Some(etcd_client::PutOptions::new().with_lease(lease)),
+        )
+        .await
+        .unwrap();
+    // The source keeps its lease alive for the whole test.
+    let (mut keeper, _responses) = client.lease_keep_alive(lease).await.unwrap();
+    let keep = tokio::spawn(async move {
+        loop {
+            if keeper.keep_alive().await.is_err() {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        }
+    });
+    let head = support::history::build(&mut client, &store, 20, 3, 5).await;
+    let original = dump(&mut client).await;
+
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("restored");
+    restore::restore(&store, &restore_options(&data))
+        .await
+        .unwrap();
+    // A temporary etcd on the restored chain, run past the lease's TTL: renewed, nothing moves.
+    let tools = EtcdTools::locate(Some(&Release::V35.bin_dir()))
+        .await
+        .unwrap();
+    let temp = TempEtcd::start(&tools, &data, "default", dir.path().join("t.log"))
+        .await
+        .unwrap();
+    tokio::time::sleep(std::time::Duration::from_secs(7)).await;
+    let mut temp_client = etcd_client::Client::connect([&temp.client_url], None)
+        .await
+        .unwrap();
+    assert_eq!(dump(&mut temp_client).await, original, "the lease expired");
+    temp.stop().await.unwrap();
+
+    let report = compact(&store, &compact_options(&dir.path().join("work")))
+        .await
+        .unwrap();
+    let CompactReport::Compacted { snapshot, .. } = report else {
+        panic!("{report:?}")
+    };
+    assert_eq!(snapshot.last_revision, head);
+    let again = dir.path().join("again");
+    restore::restore(&store, &restore_options(&again))
+        .await
+        .unwrap();
+    assert_eq!(dump_restored(&again).await, original);
+    keep.abort();
 }

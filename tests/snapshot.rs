@@ -487,3 +487,60 @@ async fn a_frozen_etcd_times_out_snapshots_and_the_actor_goes_on() {
     cancel.cancel();
     task.await.unwrap();
 }
+
+/// A snapshot that must hold exactly one revision is refused, with nothing stored, when a write
+/// lands while etcd streams it: the revision is read again after the last byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exact_revision_snapshot_moved_by_a_write_during_its_stream_stores_nothing() {
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut client = etcd.client().await;
+    // Big enough (~40 MB) that streaming and compressing it takes far longer than one put.
+    let value = "v".repeat(20_000);
+    for i in 0..2000 {
+        client
+            .put(format!("/registry/k{i:05}"), value.clone(), None)
+            .await
+            .unwrap();
+    }
+    let revision = client
+        .get("warmup", None)
+        .await
+        .unwrap()
+        .header()
+        .unwrap()
+        .revision();
+    let dir = tempfile::tempdir().unwrap();
+    let store = file_store(&dir.path().join("store"));
+
+    // Unmoved, it is stored at that revision.
+    let quiet = full::take_full_at(&client, &store, Codec::Gzip, revision)
+        .await
+        .unwrap();
+    assert_eq!(quiet.last_revision, revision);
+    store.delete(&quiet).await.unwrap();
+
+    let mut writer = client.clone();
+    let (taken, _) = tokio::join!(
+        full::take_full_at(&client, &store, Codec::Gzip, revision),
+        async move {
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            writer.put("/registry/late", "x", None).await.unwrap();
+        }
+    );
+    match taken {
+        Err(full::FullError::Moved { expected, found }) => {
+            assert_eq!((expected, found), (revision, revision + 1));
+        }
+        other => panic!("expected Moved, got {other:?}"),
+    }
+    assert!(store.list().await.unwrap().is_empty(), "nothing stored");
+
+    // Asked for a revision it has already passed, it refuses before streaming.
+    let e = full::take_full_at(&client, &store, Codec::Gzip, revision)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, full::FullError::Moved { found, .. } if found == revision + 1),
+        "{e}"
+    );
+}

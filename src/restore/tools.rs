@@ -7,6 +7,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use tokio::process::Command;
+use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::RestoreError;
 use crate::etcd::process::{EtcdBinaries, EtcdProcess, MemberSpec};
@@ -185,12 +186,17 @@ impl EtcdTools {
     }
 }
 
+/// How often a temporary etcd's leases are renewed while it runs.
+const LEASE_RENEWAL: Duration = Duration::from_secs(1);
+
 /// A temporary etcd on a restored data directory, on loopback ports of its own, for replaying
-/// deltas; killed if dropped.
+/// deltas; killed if dropped. Its leases are renewed while it runs: they count down from its
+/// start, and one expiring would delete its keys at a revision no delta has.
 pub struct TempEtcd {
     process: EtcdProcess,
     /// `http://127.0.0.1:<port>`.
     pub client_url: String,
+    _renewal: DropGuard,
 }
 
 impl TempEtcd {
@@ -225,18 +231,78 @@ impl TempEtcd {
             .start(&tools.binaries, Duration::from_secs(60))
             .await
             .map_err(RestoreError::TempEtcd)?;
+        let client_url = spec.client_url();
+        let renewal = CancellationToken::new();
+        tokio::spawn(renew_leases(client_url.clone(), renewal.clone()));
         Ok(TempEtcd {
-            client_url: spec.client_url(),
+            client_url,
             process,
+            _renewal: renewal.drop_guard(),
         })
     }
 
     /// Stops etcd cleanly (SIGTERM, so it closes its database) and waits for it.
     pub async fn stop(self) -> Result<(), RestoreError> {
-        self.process
+        let TempEtcd {
+            process, _renewal, ..
+        } = self;
+        // Renewal ends first, so it does not log the stopping etcd's refusals.
+        drop(_renewal);
+        process
             .terminate(Duration::from_secs(60))
             .await
             .map_err(RestoreError::TempEtcd)
+    }
+}
+
+/// Renews every lease of the etcd at `url` each [`LEASE_RENEWAL`] until `stop`. Failures are
+/// logged only: the revision checks after a replay and of a compacted snapshot catch a lease
+/// that expired anyway.
+async fn renew_leases(url: String, stop: CancellationToken) {
+    let client = match etcd_client::Client::connect([url.as_str()], None).await {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(error = %e, "connecting to the temporary etcd to renew its leases failed");
+            return;
+        }
+    };
+    let mut lease = client.lease_client();
+    let ids: Vec<i64> = match lease.leases().await {
+        Ok(r) => r.leases().iter().map(|l| l.id()).collect(),
+        Err(e) => {
+            tracing::warn!(error = %e, "listing the temporary etcd's leases failed");
+            return;
+        }
+    };
+    if ids.is_empty() {
+        return;
+    }
+    tracing::info!(
+        leases = ids.len(),
+        "renewing the restored leases while the temporary etcd runs"
+    );
+    let mut keepers = Vec::with_capacity(ids.len());
+    for id in ids {
+        match lease.keep_alive(id).await {
+            // The responses are not needed; the stream is kept so the call stays open.
+            Ok(pair) => keepers.push(pair),
+            Err(e) => tracing::warn!(lease = id, error = %e, "renewing a lease failed"),
+        }
+    }
+    let mut tick = tokio::time::interval(LEASE_RENEWAL);
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        for (keeper, responses) in &mut keepers {
+            if let Err(e) = keeper.keep_alive().await {
+                tracing::warn!(lease = keeper.id(), error = %e, "renewing a lease failed");
+                continue;
+            }
+            // Drain the answer so the stream's buffer does not grow.
+            let _ = tokio::time::timeout(LEASE_RENEWAL, responses.message()).await;
+        }
     }
 }
 

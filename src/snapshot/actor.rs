@@ -69,7 +69,7 @@ impl EngineError {
             | EngineError::Delta(DeltaError::Store(_))
             | EngineError::Store(_) => "store",
             EngineError::Full(FullError::Codec(_)) => "codec",
-            EngineError::Full(FullError::Behind { .. }) => "behind",
+            EngineError::Full(FullError::Behind { .. } | FullError::Moved { .. }) => "behind",
             EngineError::Delta(_) => "delta",
             EngineError::Watch(_) => "watch",
             EngineError::TimedOut { .. } => "timeout",

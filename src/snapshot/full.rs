@@ -41,6 +41,17 @@ pub enum FullError {
         /// The revision asked for.
         need: i64,
     },
+    /// The member was not at exactly the revision the snapshot must hold, before or after its
+    /// stream (a write, or a lease expiring, moved it); nothing was stored.
+    #[error(
+        "the member was at revision {found} while this snapshot must hold exactly revision {expected}; nothing was stored"
+    )]
+    Moved {
+        /// The revision the snapshot must hold.
+        expected: i64,
+        /// The revision the member reported.
+        found: i64,
+    },
 }
 
 /// Takes a full snapshot of the member `client` talks to and stores it. The snapshot is named
@@ -75,19 +86,55 @@ pub async fn take_full_sized(
     is_final: bool,
     min_revision: Option<i64>,
 ) -> Result<(Snapshot, u64), FullError> {
+    let reach = min_revision.map_or(Reach::Any, Reach::AtLeast);
+    take(client, store, codec, is_final, reach).await
+}
+
+/// A full snapshot that holds exactly `revision`: the member must report it before the stream
+/// starts and still report it after the stream ends (revisions only grow, so the stream is of
+/// that revision); otherwise the upload is aborted with [`FullError::Moved`]. For a member no
+/// client writes to (`compact`'s temporary etcd), where only an expiring lease can move it.
+pub async fn take_full_at(
+    client: &etcd_client::Client,
+    store: &SnapshotStore,
+    codec: Codec,
+    revision: i64,
+) -> Result<Snapshot, FullError> {
+    let (snapshot, _) = take(client, store, codec, false, Reach::Exactly(revision)).await?;
+    Ok(snapshot)
+}
+
+/// Which revisions a snapshot may hold.
+#[derive(Clone, Copy, Debug)]
+enum Reach {
+    Any,
+    AtLeast(i64),
+    Exactly(i64),
+}
+
+async fn take(
+    client: &etcd_client::Client,
+    store: &SnapshotStore,
+    codec: Codec,
+    is_final: bool,
+    reach: Reach,
+) -> Result<(Snapshot, u64), FullError> {
     let mut maintenance = client.maintenance_client();
-    let revision = maintenance
-        .status()
-        .await?
-        .header()
-        .map_or(0, |h| h.revision());
-    if let Some(need) = min_revision
-        && revision < need
-    {
-        return Err(FullError::Behind {
-            have: revision,
-            need,
-        });
+    let revision = status_revision(&mut maintenance).await?;
+    match reach {
+        Reach::AtLeast(need) if revision < need => {
+            return Err(FullError::Behind {
+                have: revision,
+                need,
+            });
+        }
+        Reach::Exactly(expected) if revision != expected => {
+            return Err(FullError::Moved {
+                expected,
+                found: revision,
+            });
+        }
+        _ => {}
     }
     let started = std::time::Instant::now();
     let stream = maintenance.snapshot().await?;
@@ -99,10 +146,41 @@ pub async fn take_full_sized(
         }
     })
     .boxed();
+    // For an exact revision, the member is asked again once etcd has sent the last byte; a
+    // moved revision ends the payload with an error, which aborts the upload.
+    let moved = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let raw = match reach {
+        Reach::Exactly(expected) => {
+            let mut maintenance = client.maintenance_client();
+            let moved = moved.clone();
+            let check = futures::stream::once(async move {
+                match status_revision(&mut maintenance).await {
+                    Ok(found) if found == expected => None,
+                    Ok(found) => {
+                        *moved.lock().unwrap_or_else(|p| p.into_inner()) = Some(found);
+                        Some(Err(io::Error::other(format!(
+                            "the member moved to revision {found} during the snapshot of revision {expected}"
+                        ))))
+                    }
+                    Err(e) => Some(Err(io::Error::other(e))),
+                }
+            })
+            .filter_map(futures::future::ready);
+            raw.chain(check).boxed()
+        }
+        _ => raw,
+    };
     // etcd keeps streaming while compression or the upload is momentarily behind.
     let raw = compression::prefetch(raw, PREFETCH_MESSAGES);
     let snapshot = store.new_snapshot(Kind::Full, 0, revision, codec, is_final);
-    let size = store_payload(store, &snapshot, raw, codec).await?;
+    let stored = store_payload(store, &snapshot, raw, codec).await;
+    if let Some(found) = *moved.lock().unwrap_or_else(|p| p.into_inner()) {
+        return Err(FullError::Moved {
+            expected: revision,
+            found,
+        });
+    }
+    let size = stored?;
     tracing::info!(
         snapshot = %snapshot.snap_name,
         revision,
@@ -111,6 +189,17 @@ pub async fn take_full_sized(
         "full snapshot stored"
     );
     Ok((snapshot, size))
+}
+
+/// The revision the member reports.
+async fn status_revision(
+    maintenance: &mut etcd_client::MaintenanceClient,
+) -> Result<i64, etcd_client::Error> {
+    Ok(maintenance
+        .status()
+        .await?
+        .header()
+        .map_or(0, |h| h.revision()))
 }
 
 /// Verifies, compresses, encrypts (when the store encrypts) and uploads a raw etcd snapshot stream under `snapshot`'s name.
