@@ -317,3 +317,65 @@ async fn leased_keys_survive_compaction_and_the_revision_is_exact() {
     assert_eq!(dump_restored(&again).await, original);
     keep.abort();
 }
+
+/// Processes whose command line mentions `path`.
+fn processes_mentioning(path: &std::path::Path) -> Vec<String> {
+    let needle = path.to_string_lossy().into_owned();
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        if let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) {
+            let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+            if cmdline.contains(&needle) && !cmdline.contains("compact --store") {
+                found.push(cmdline);
+            }
+        }
+    }
+    found
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_compaction_with_its_etcd_killed_and_work_directory_removed() {
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut client = etcd.client().await;
+    let s3 = S3Server::start(&[BUCKET]);
+    let store = SnapshotStore::new(s3.object_store(BUCKET), PREFIX);
+    support::history::build(&mut client, &store, 200, 60, 20).await;
+    let dir = tempfile::tempdir().unwrap();
+    let work = dir.path().join("work");
+    let mut child = compact_command(&s3, &work)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Signalled while the chain is being restored (a temporary etcd runs under the work dir).
+    let deadline = Instant::now() + std::time::Duration::from_secs(60);
+    while processes_mentioning(&work).is_empty() {
+        assert!(Instant::now() < deadline, "no temporary etcd started");
+        assert!(child.try_wait().unwrap().is_none(), "compact ended first");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("stopped by a signal"), "{stderr}");
+    assert_eq!(
+        std::fs::read_dir(&work).unwrap().count(),
+        0,
+        "work dir left"
+    );
+    // kill_on_drop reaps asynchronously: allow it a moment.
+    let deadline = Instant::now() + std::time::Duration::from_secs(5);
+    while !processes_mentioning(&work).is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "left running: {:?}",
+            processes_mentioning(&work)
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert_eq!(full_snapshots(&store).await, 1, "nothing stored");
+}

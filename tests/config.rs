@@ -893,3 +893,47 @@ fn encryption_keys_are_checked_at_load_naming_the_key_at_fault() {
     let e = load(Some(&file), &[], &[]).unwrap_err();
     assert_eq!(e.key, "encryption.recipient");
 }
+
+/// A private key pasted where a public key or a key file's path belongs is refused without
+/// being repeated, in the error and in `etcd-warden config`'s printout.
+#[test]
+fn a_private_key_pasted_into_the_encryption_keys_is_never_echoed() {
+    let id = age::x25519::Identity::generate();
+    let secret = age::secrecy::ExposeSecret::expose_secret(&id.to_string()).to_string();
+    let tail = &secret[20..40];
+    for var in [
+        "ETCD_WARDEN_ENCRYPTION_RECIPIENTS",
+        "ETCD_WARDEN_ENCRYPTION_IDENTITIES",
+        "ETCD_WARDEN_ENCRYPTION_RECIPIENTS_FILES",
+    ] {
+        // Lower case too: Bech32 is case-insensitive, and so is the check.
+        for pasted in [secret.clone(), secret.to_lowercase()] {
+            let e = load(None, &[(var, &pasted)], &[]).unwrap_err();
+            let shown = format!("{e} {e:?}");
+            assert!(
+                !shown.to_uppercase().contains(&tail.to_uppercase()),
+                "{var}: {shown}"
+            );
+            assert!(shown.contains("not shown"), "{var}: {shown}");
+        }
+    }
+    // `config` prints the layered configuration; a pasted key is redacted there as well
+    // (an identity file path is kept, so this one is valid to load only as far as printing).
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("c.toml");
+    std::fs::write(
+        &file,
+        format!("[encryption]\nrecipients = [{:?}]\n", secret),
+    )
+    .unwrap();
+    let out = warden()
+        .args(["--config", file.to_str().unwrap(), "config"])
+        .output()
+        .unwrap();
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!all.contains(tail), "{all}");
+}

@@ -341,27 +341,40 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         print!("{}", raw.to_redacted_toml());
         return Ok(());
     }
+    let is_serve = matches!(cli.command, Command::Serve);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
     runtime.block_on(async move {
-        match cli.command {
-            Command::Config => Ok(()),
-            Command::Serve => {
-                let cancel = CancellationToken::new();
-                tokio::spawn(cancel_on_signal(cancel.clone()));
-                etcd_warden::sidecar::run(config, cancel).await?;
-                Ok(())
+        let cancel = CancellationToken::new();
+        tokio::spawn(cancel_on_signal(cancel.clone()));
+        let one_shot = async {
+            match cli.command {
+                Command::Config => Ok(()),
+                Command::Serve => {
+                    etcd_warden::sidecar::run(config, cancel.clone()).await?;
+                    Ok(())
+                }
+                Command::Snapshot { r#final } => ops::snapshot(&config, r#final).await,
+                Command::Ls { json, .. } => ops::ls(&config, json).await,
+                Command::Verify { .. } => ops::verify(&config).await,
+                Command::Reclaim { .. } => ops::reclaim(&config).await,
+                Command::Copy(_) => ops::copy(&config).await,
+                Command::Restore { .. } => ops::restore(&config).await,
+                Command::Compact { work_dir, .. } => {
+                    ops::compact(&config, work_dir.unwrap_or_else(std::env::temp_dir)).await
+                }
             }
-            Command::Snapshot { r#final } => ops::snapshot(&config, r#final).await,
-            Command::Ls { json, .. } => ops::ls(&config, json).await,
-            Command::Verify { .. } => ops::verify(&config).await,
-            Command::Reclaim { .. } => ops::reclaim(&config).await,
-            Command::Copy(_) => ops::copy(&config).await,
-            Command::Restore { .. } => ops::restore(&config).await,
-            Command::Compact { work_dir, .. } => {
-                ops::compact(&config, work_dir.unwrap_or_else(std::env::temp_dir)).await
-            }
+        };
+        if is_serve {
+            return one_shot.await;
+        }
+        // A one-shot command stopped by a signal is dropped where it is: its temporary etcd is
+        // killed and its work directories removed (a compaction's holds a decrypted database;
+        // a restore's partial directory is discarded by the next one), then it exits 1.
+        tokio::select! {
+            result = one_shot => result,
+            () = cancel.cancelled() => anyhow::bail!("stopped by a signal before it finished"),
         }
     })
 }

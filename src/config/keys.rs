@@ -91,13 +91,30 @@ impl EncryptionConfig {
     }
 }
 
-/// Parses one inline public key; the error says what one looks like.
+/// Parses one inline public key; the error says what one looks like (and never repeats a
+/// private key pasted by mistake).
 pub fn parse_recipient(text: &str) -> Result<age::x25519::Recipient, String> {
     age::x25519::Recipient::from_str(text.trim()).map_err(|_| {
         format!(
-            "{text:?} is not an age X25519 public key (\"{RECIPIENT_PREFIX}…\", as age-keygen -y prints)"
+            "{} is not an age X25519 public key (\"{RECIPIENT_PREFIX}…\", as age-keygen -y prints)",
+            shown(text)
         )
     })
+}
+
+/// Whether `text` holds an age private key (`AGE-SECRET-KEY-1…`; Bech32 is case-insensitive).
+pub fn holds_private_key(text: &str) -> bool {
+    text.to_ascii_uppercase().contains("AGE-SECRET-KEY-")
+}
+
+/// `text` quoted for an error message or a printed configuration, unless it holds a private
+/// key: a key pasted where a public key or a path belongs must not reach logs.
+pub fn shown(text: &str) -> String {
+    if holds_private_key(text) {
+        "(an age private key, not shown)".to_owned()
+    } else {
+        format!("{text:?}")
+    }
 }
 
 /// The keys in a file: one per line, blank lines and `#` comments skipped (`age-keygen`'s

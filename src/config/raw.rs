@@ -324,6 +324,19 @@ impl RawConfig {
             hide(&mut s.account_key);
         }
         hide(&mut c.server.token);
+        // A private key pasted into a key list instead of a public key or a path.
+        if let Some(e) = &mut c.encryption {
+            for text in e
+                .recipients
+                .iter_mut()
+                .chain(&mut e.recipients_files)
+                .chain(&mut e.identities)
+            {
+                if super::keys::holds_private_key(text) {
+                    *text = REDACTED.into();
+                }
+            }
+        }
         c
     }
 

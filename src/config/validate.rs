@@ -100,7 +100,10 @@ impl Validator<'_> {
         if must_exist && !path.is_file() {
             return Err(self.err(
                 key,
-                format!("file {p:?} does not exist or is not a regular file"),
+                format!(
+                    "file {} does not exist or is not a regular file",
+                    super::keys::shown(p)
+                ),
             ));
         }
         Ok(Some(path))

@@ -349,18 +349,18 @@ impl DeltaWriter {
         // Serialised and compressed in one pass on a blocking thread: the JSON is never held
         // uncompressed, and a large buffer does not stall the runtime.
         // Encryption too (the recipients' key files are read here, so a rotated key applies).
-        let events = std::mem::take(&mut self.events);
+        // Shared with the blocking task, so the events come back even when it panics or the
+        // runtime drops it unstarted (its reference goes with it): a failed flush loses nothing.
+        let events = std::sync::Arc::new(std::mem::take(&mut self.events));
         let codec = self.codec;
-        let (sealer, named) = (store.clone(), snapshot.clone());
-        let (events, stored) = tokio::task::spawn_blocking(move || {
-            let stored = encode_compressed(&events, codec)
-                .and_then(|plain| Ok(sealer.seal_bytes(&named, plain)?));
-            (events, stored)
+        let (sealer, named, shared) = (store.clone(), snapshot.clone(), events.clone());
+        let stored = tokio::task::spawn_blocking(move || {
+            encode_compressed(&shared, codec)
+                .and_then(|plain| Ok(sealer.seal_bytes(&named, plain)?))
         })
-        .await
-        .map_err(std::io::Error::other)?;
-        self.events = events;
-        let stored = stored?;
+        .await;
+        self.events = std::sync::Arc::try_unwrap(events).unwrap_or_else(|still| (*still).clone());
+        let stored = stored.map_err(std::io::Error::other)??;
         let bytes = stored.len() as u64;
         store.put_bytes(&snapshot, Bytes::from(stored)).await?;
         tracing::info!(
