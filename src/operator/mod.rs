@@ -2,9 +2,11 @@
 //!
 //! - [`plan`]: pure decisions from observed members and machines.
 //! - [`execute`]: observes etcd and a [`execute::Machines`] backend, applies planned actions.
+//! - [`control_plane_set`]: the ControlPlaneSet planner (pure): Machines kept at the template.
 //! - [`local`]: a backend whose machines are etcd processes on loopback (demo and tests).
 //! - [`metrics`]: Prometheus metrics of the operator.
 
+pub mod control_plane_set;
 pub mod execute;
 pub mod local;
 pub mod metrics;
