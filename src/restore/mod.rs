@@ -865,14 +865,15 @@ async fn write_verified(stream: ByteStream, path: &Path, name: &str) -> Result<u
     let mut written = 0u64;
     while let Some(chunk) = verified.next().await {
         let chunk = chunk.map_err(|cause| match cause.kind() {
-            // The hash, the decompressor and the decryption say InvalidData or UnexpectedEof;
-            // a store that fails mid-read says anything else, and is no corrupt snapshot.
-            std::io::ErrorKind::InvalidData | std::io::ErrorKind::UnexpectedEof => {
-                RestoreError::CorruptSnapshot {
-                    name: name.to_owned(),
-                    cause,
-                }
-            }
+            // The hash and the decryption say InvalidData, flate2 InvalidInput (a corrupt
+            // deflate stream, a bad header or footer), a short payload UnexpectedEof; a store
+            // failing mid-read says Other (object_store's errors), and is no corrupt snapshot.
+            std::io::ErrorKind::InvalidData
+            | std::io::ErrorKind::InvalidInput
+            | std::io::ErrorKind::UnexpectedEof => RestoreError::CorruptSnapshot {
+                name: name.to_owned(),
+                cause,
+            },
             _ => RestoreError::io(path, cause),
         })?;
         written += chunk.len() as u64;
