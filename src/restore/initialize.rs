@@ -1,6 +1,6 @@
-//! `serve` with `restore.initialize`: before etcd is used, restore its data directory from the
-//! store when it is missing or invalid, or leave it for etcd to start fresh when the store is
-//! empty. A guard file next to the data directory keeps one cluster's backups out of another
+//! `serve` with `restore.initialize`: before etcd is used, validate its data directory
+//! ([`datadir`]) and restore it from the store when it is missing, corrupt or behind the store
+//! (moving the old one aside), or leave it for etcd to start fresh when the store is empty. A guard file next to the data directory keeps one cluster's backups out of another
 //! cluster's volume.
 
 use std::path::{Path, PathBuf};
@@ -75,11 +75,13 @@ pub enum Decision {
 /// Decides what initialization does (pure). A directory at or ahead of the store is kept: it
 /// is newer than any backup. A directory behind it is restored (moved aside, never deleted):
 /// its database may lag its WAL, but not by what a delta period collects (see
-/// docs/operations.md, "Data directory validation").
-pub fn decide(dir: &DataDir, store: StoreState) -> Decision {
+/// docs/operations.md, "Data directory validation and snapshot fallback"). One member of
+/// several (`multi_member`) behind the store is kept: it catches up from the leader, whereas a
+/// restore would make it a new cluster of its own.
+pub fn decide(dir: &DataDir, store: StoreState, multi_member: bool) -> Decision {
     match (dir, store) {
         (DataDir::Valid { revision }, StoreState::Latest { revision: latest })
-            if *revision < latest =>
+            if *revision < latest && !multi_member =>
         {
             Decision::Restore(Why::Behind {
                 dir: *revision,
@@ -249,7 +251,7 @@ pub async fn initialize_observed(
     let dir = data_dir.display();
     let why = match decision {
         Decision::Keep => {
-            tracing::info!(data_dir = %dir, validation = ?config.validation, ?found, "data directory valid and not behind the store; no restore");
+            tracing::info!(data_dir = %dir, validation = ?config.validation, ?found, "data directory valid; kept");
             return Ok(Initialized::Valid);
         }
         Decision::StartFresh => {
@@ -330,7 +332,10 @@ async fn validate(
         .await
         .map_err(RestoreError::Store)
         .step("listing the store")?;
-    Ok((decide(&found, store_state(&list)), found))
+    let multi_member = RestoreOptions::from_config(config, data_dir)
+        .member
+        .is_multi_member();
+    Ok((decide(&found, store_state(&list), multi_member), found))
 }
 
 #[cfg(test)]
@@ -360,7 +365,17 @@ mod tests {
             (at(11), latest(10), Keep),
         ];
         for (dir, store, want) in cases {
-            assert_eq!(decide(&dir, store), want, "{dir:?} with {store:?}");
+            assert_eq!(decide(&dir, store, false), want, "{dir:?} with {store:?}");
+            // One member of several: the same, except that behind is kept (raft catches it up).
+            let multi = match want {
+                Restore(Why::Behind { .. }) => Keep,
+                other => other,
+            };
+            assert_eq!(
+                decide(&dir, store, true),
+                multi,
+                "{dir:?} with {store:?}, multi"
+            );
         }
     }
 
