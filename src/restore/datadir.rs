@@ -28,7 +28,8 @@ const META_BUCKET: &[u8] = b"meta";
 /// What a data directory holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DataDir {
-    /// Nothing: the directory is absent or empty.
+    /// Nothing of etcd's: the directory is absent, empty, or has no `member` directory (a
+    /// volume's `lost+found`, say), where etcd would start a new member.
     Missing,
     /// Something etcd should not start on; why.
     Corrupt(String),
@@ -43,6 +44,9 @@ pub fn check(dir: &Path, mode: Validation) -> DataDir {
         Ok(false) => return DataDir::Missing,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return DataDir::Missing,
         Err(e) => return DataDir::Corrupt(format!("{}: {e}", dir.display())),
+    }
+    if !dir.join("member").exists() {
+        return DataDir::Missing;
     }
     match check_present(dir, mode) {
         Ok(revision) => DataDir::Valid { revision },
@@ -247,6 +251,12 @@ mod tests {
             DataDir::Missing
         );
         assert_eq!(check(dir.path(), Validation::Sanity), DataDir::Missing);
+        std::fs::create_dir_all(dir.path().join("lost+found")).unwrap();
+        assert_eq!(check(dir.path(), Validation::Sanity), DataDir::Missing);
+        std::fs::create_dir_all(dir.path().join("member")).unwrap();
+        assert!(
+            matches!(check(dir.path(), Validation::Sanity), DataDir::Corrupt(w) if w.contains("member/snap"))
+        );
         std::fs::create_dir_all(dir.path().join("member/snap")).unwrap();
         std::fs::create_dir_all(dir.path().join("member/wal")).unwrap();
         let why = |d: DataDir| match d {
