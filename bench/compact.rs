@@ -33,6 +33,8 @@ async fn timed_restores(store: &SnapshotStore, dir: &std::path::Path) -> (Durati
             etcd_bin: Some(Release::V35.bin_dir()),
             force: false,
             parallel_fetch: 4,
+            fallback: false,
+            must_exceed: None,
         };
         let t = Instant::now();
         let report = etcd_warden::restore::restore(store, &opts).await.unwrap();

@@ -133,6 +133,8 @@ async fn main() {
             etcd_bin: Some(bins.clone()),
             force: false,
             parallel_fetch: 4,
+            fallback: false,
+            must_exceed: None,
         },
     )
     .await

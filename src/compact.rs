@@ -145,6 +145,10 @@ pub async fn compact(
             etcd_bin: opts.etcd_bin.clone(),
             force: false,
             parallel_fetch: opts.parallel_fetch,
+            // Folding an older chain would name a new full snapshot below the one that failed,
+            // which stays the latest: compaction must fail instead.
+            fallback: false,
+            must_exceed: None,
         },
     )
     .await

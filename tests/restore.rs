@@ -156,6 +156,8 @@ fn options(data_dir: &Path, release: Release) -> RestoreOptions {
         etcd_bin: Some(release.bin_dir()),
         force: false,
         parallel_fetch: 3,
+        fallback: false,
+        must_exceed: None,
     }
 }
 
@@ -647,7 +649,7 @@ async fn serve_initializes_a_missing_data_directory_from_the_store() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn initialize_starts_fresh_on_an_empty_store_and_keeps_a_valid_directory() {
+async fn initialize_starts_fresh_on_an_empty_store_and_refuses_what_it_cannot_restore() {
     use etcd_warden::restore::initialize::{InitializeMetrics, Initialized, initialize_observed};
     let metrics = InitializeMetrics::default();
     let mut registry = prometheus_client::registry::Registry::default();
@@ -675,6 +677,8 @@ async fn initialize_starts_fresh_on_an_empty_store_and_keeps_a_valid_directory()
         parallel_fetch: 2,
         force: false,
         initialize: true,
+        validation: etcd_warden::config::Validation::Sanity,
+        fallback: true,
         guard: None,
     };
     assert_eq!(
@@ -682,20 +686,20 @@ async fn initialize_starts_fresh_on_an_empty_store_and_keeps_a_valid_directory()
         Initialized::Fresh
     );
     assert!(!data.exists());
+    // A directory etcd cannot start on and nothing to restore: refuse, touch nothing.
     std::fs::create_dir_all(data.join("member/snap")).unwrap();
     std::fs::create_dir_all(data.join("member/wal")).unwrap();
-    assert_eq!(
-        initialize(&store, &config).await.unwrap(),
-        Initialized::Valid
-    );
-    assert_eq!((count("true"), count("false")), (2, 0));
+    let e = initialize(&store, &config).await.unwrap_err().to_string();
+    assert!(e.contains("corrupt") && e.contains("WAL"), "{e}");
+    assert!(data.join("member/snap").is_dir());
+    assert_eq!((count("true"), count("false")), (1, 1));
     // Deltas without a full snapshot: refuse rather than start empty.
-    std::fs::remove_dir_all(data.join("member/wal")).unwrap();
+    std::fs::remove_dir_all(&data).unwrap();
     let d = store.new_snapshot(Kind::Incr, 1, 2, Codec::None, false);
     store.put_bytes(&d, Bytes::from_static(b"x")).await.unwrap();
     let e = initialize(&store, &config).await.unwrap_err().to_string();
     assert!(e.contains("no full snapshot"), "{e}");
-    assert_eq!((count("true"), count("false")), (2, 1));
+    assert_eq!((count("true"), count("false")), (1, 2));
 }
 
 fn put(key: &str, value: &str) -> ReplayOp {

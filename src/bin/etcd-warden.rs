@@ -172,6 +172,10 @@ struct RestoreArgs {
     /// Move a non-empty data directory aside instead of refusing (restore.force).
     #[arg(long)]
     force: bool,
+    /// Fail when the latest full snapshot fails verification instead of falling back to the
+    /// previous one (restore.fallback = false).
+    #[arg(long)]
+    no_fallback: bool,
 }
 
 impl RestoreArgs {
@@ -202,6 +206,9 @@ impl RestoreArgs {
             .collect();
         if self.force {
             o.push(Override::flag("restore.force", "true", "--force"));
+        }
+        if self.no_fallback {
+            o.push(Override::flag("restore.fallback", "false", "--no-fallback"));
         }
         o
     }
@@ -580,6 +587,21 @@ mod ops {
             report.events_applied,
             report.revision
         );
+        for skipped in &report.skipped {
+            println!(
+                "skipped full snapshot {}: {}",
+                skipped.snapshot, skipped.reason
+            );
+        }
+        if report.revision < report.store_revision {
+            println!(
+                "reached revision {} of the store's {}: revisions {} to {} are not restored",
+                report.revision,
+                report.store_revision,
+                report.revision + 1,
+                report.store_revision
+            );
+        }
         if let Some(old) = &report.moved_aside {
             println!("the previous data directory is at {}", old.display());
         }

@@ -207,6 +207,15 @@ pub enum GcPolicy {
     Exponential,
 }
 
+/// How `restore.initialize` checks an existing data directory's database (`restore.validation`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Validation {
+    /// The meta pages, the bucket pages and the path to the last revision: a few reads.
+    Sanity,
+    /// Every page of every bucket and every revision record: reads the whole database.
+    Full,
+}
+
 /// Snapshot schedule, deltas and retention.
 #[derive(Debug, Clone)]
 pub struct SnapshotConfig {
@@ -304,8 +313,13 @@ pub struct RestoreConfig {
     pub parallel_fetch: usize,
     /// Move a non-empty data directory aside instead of refusing.
     pub force: bool,
-    /// `serve` restores a missing or invalid data directory before it starts.
+    /// `serve` restores a missing, invalid or outdated data directory before it starts.
     pub initialize: bool,
+    /// How `initialize` checks an existing data directory's database.
+    pub validation: Validation,
+    /// A latest full snapshot that fails verification is skipped for the previous one (and its
+    /// deltas) instead of failing the restore.
+    pub fallback: bool,
     /// Written next to the data directory; a different value there refuses to restore.
     pub guard: Option<String>,
 }

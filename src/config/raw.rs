@@ -205,6 +205,9 @@ pub struct RawRestore {
     pub force: bool,
     #[serde(deserialize_with = "lenient::boolean")]
     pub initialize: bool,
+    pub validation: String,
+    #[serde(deserialize_with = "lenient::boolean")]
+    pub fallback: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guard: Option<String>,
 }

@@ -14,7 +14,7 @@ use super::raw::{
 use super::{
     Compression, Config, ConfigError, CopyConfig, DefragConfig, EncryptionConfig, EtcdConfig,
     GcPolicy, KillConfig, LogConfig, LogFormat, OwnerConfig, Purpose, RestoreConfig, Secret,
-    ServerConfig, SnapshotConfig, StoreConfig, StoreLocation, TlsFiles,
+    ServerConfig, SnapshotConfig, StoreConfig, StoreLocation, TlsFiles, Validation,
 };
 
 /// The spellings of each compression, the one errors list first.
@@ -231,6 +231,16 @@ impl Validator<'_> {
             .as_deref()
             .filter(|d| !d.trim().is_empty())
             .map(PathBuf::from);
+        let validation = match r.validation.trim().to_ascii_lowercase().as_str() {
+            "sanity" => Validation::Sanity,
+            "full" => Validation::Full,
+            _ => {
+                return Err(self.err(
+                    "restore.validation",
+                    format!("unknown mode {:?}; one of sanity, full", r.validation),
+                ));
+            }
+        };
         Ok(RestoreConfig {
             data_dir,
             name: name.to_string(),
@@ -245,6 +255,8 @@ impl Validator<'_> {
             parallel_fetch: usize::try_from(r.parallel_fetch).unwrap_or(usize::MAX),
             force: r.force,
             initialize: r.initialize,
+            validation,
+            fallback: r.fallback,
             guard: r.guard.clone().filter(|g| !g.is_empty()),
         })
     }

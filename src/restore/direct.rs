@@ -22,7 +22,7 @@ use std::path::Path;
 use futures::StreamExt;
 use tokio::sync::mpsc;
 
-use super::bolt::{BoltError, Reader, Writer};
+use super::bolt::{BoltError, Bucket, Reader, Writer};
 use super::{RestoreError, StepExt};
 use crate::snapshot::delta::{self, Event, EventType};
 use crate::store::{Snapshot, SnapshotStore};
@@ -269,18 +269,13 @@ pub async fn write(
     }
 }
 
-fn write_blocking(
-    input: &Path,
-    db_len: u64,
-    out: &Path,
-    mut rx: mpsc::Receiver<Batch>,
-) -> Result<(u64, i64, i64), Fail> {
-    let reader = Reader::open(input, db_len)?;
-    let buckets = reader.buckets()?;
+/// The revision etcd starts at on this database: the highest main revision in the `key` bucket,
+/// or the finished compaction if higher (a compaction can remove the last revision, a delete).
+pub fn database_revision(reader: &Reader, buckets: &[Bucket]) -> Result<i64, BoltError> {
     let key_bucket = buckets
         .iter()
         .find(|b| b.name == KEY_BUCKET)
-        .ok_or_else(|| Fail::Unsupported("the snapshot has no `key` bucket".into()))?;
+        .ok_or_else(|| BoltError::Unsupported("no `key` bucket".into()))?;
     let last = match reader.last_key(&key_bucket.root)? {
         Some(k) => main_revision(&k)?,
         None => 0,
@@ -293,7 +288,18 @@ fn write_blocking(
         None => 0,
     };
     // An etcd starts at revision 1 with no record of it: a snapshot of an empty etcd is at 1.
-    let restored = last.max(compacted).max(1);
+    Ok(last.max(compacted).max(1))
+}
+
+fn write_blocking(
+    input: &Path,
+    db_len: u64,
+    out: &Path,
+    mut rx: mpsc::Receiver<Batch>,
+) -> Result<(u64, i64, i64), Fail> {
+    let reader = Reader::open(input, db_len)?;
+    let buckets = reader.buckets()?;
+    let restored = database_revision(&reader, &buckets)?;
     let mut cursor = Cursor {
         restored,
         revision: restored,

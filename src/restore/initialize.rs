@@ -1,6 +1,6 @@
-//! `serve` with `restore.initialize`: before etcd is used, restore its data directory from the
-//! store when it is missing or invalid, or leave it for etcd to start fresh when the store is
-//! empty. A guard file next to the data directory keeps one cluster's backups out of another
+//! `serve` with `restore.initialize`: before etcd is used, validate its data directory
+//! ([`datadir`]) and restore it from the store when it is missing, corrupt or behind the store
+//! (moving the old one aside), or leave it for etcd to start fresh when the store is empty. A guard file next to the data directory keeps one cluster's backups out of another
 //! cluster's volume.
 
 use std::path::{Path, PathBuf};
@@ -11,6 +11,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
+use super::datadir::{self, DataDir};
 use super::{RestoreError, RestoreOptions, StepExt, restore};
 use crate::config::RestoreConfig;
 use crate::store::SnapshotStore;
@@ -21,12 +22,41 @@ pub const GUARD_FILE: &str = ".etcd-warden-guard";
 /// What initialization found and did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Initialized {
-    /// The data directory was valid and left alone.
+    /// The data directory was valid and at or ahead of the store: left alone.
     Valid,
     /// The store holds no snapshot: etcd starts with an empty data directory.
     Fresh,
-    /// Restored from the store; a previous invalid directory was moved aside.
-    Restored { moved_aside: Option<PathBuf> },
+    /// Restored from the store, for this reason; a previous directory was moved aside.
+    Restored {
+        why: Why,
+        /// The revision restored.
+        revision: i64,
+        /// Full snapshots skipped because they failed verification.
+        skipped: Vec<String>,
+        moved_aside: Option<PathBuf>,
+    },
+}
+
+/// What the store offers a data directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreState {
+    /// No snapshot at all.
+    Empty,
+    /// Deltas but no full snapshot: nothing restorable.
+    DeltasOnly,
+    /// A full snapshot; its chain (full and later deltas) reaches this revision.
+    Latest { revision: i64 },
+}
+
+/// Why a data directory is restored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Why {
+    /// There is none.
+    Missing,
+    /// It failed validation.
+    Corrupt,
+    /// Its database is behind the store's latest chain.
+    Behind { dir: i64, store: i64 },
 }
 
 /// What to do, from what is on disk and in the store.
@@ -34,24 +64,55 @@ pub enum Initialized {
 pub enum Decision {
     Keep,
     StartFresh,
-    Restore,
+    Restore(Why),
     /// Deltas without a full snapshot cannot be restored, and starting empty would lose them.
-    Refuse,
+    RefuseDeltasOnly,
+    /// A corrupt directory and nothing to restore: starting etcd on it, or empty, is not ours
+    /// to decide.
+    RefuseCorrupt,
 }
 
-/// Decides what initialization does (pure).
-pub fn decide(data_dir_valid: bool, store_has_full: bool, store_has_any: bool) -> Decision {
-    match (data_dir_valid, store_has_full, store_has_any) {
-        (true, _, _) => Decision::Keep,
-        (false, true, _) => Decision::Restore,
-        (false, false, false) => Decision::StartFresh,
-        (false, false, true) => Decision::Refuse,
+/// Decides what initialization does (pure). A directory at or ahead of the store is kept: it
+/// is newer than any backup. A directory behind it is restored (moved aside, never deleted):
+/// its database may lag its WAL, but not by what a delta period collects (see
+/// docs/operations.md, "Data directory validation and snapshot fallback"). One member of
+/// several (`multi_member`) behind the store is kept: it catches up from the leader, whereas a
+/// restore would make it a new cluster of its own.
+pub fn decide(dir: &DataDir, store: StoreState, multi_member: bool) -> Decision {
+    match (dir, store) {
+        (DataDir::Valid { revision }, StoreState::Latest { revision: latest })
+            if *revision < latest && !multi_member =>
+        {
+            Decision::Restore(Why::Behind {
+                dir: *revision,
+                store: latest,
+            })
+        }
+        (DataDir::Valid { .. }, _) => Decision::Keep,
+        (DataDir::Missing, StoreState::Latest { .. }) => Decision::Restore(Why::Missing),
+        (DataDir::Missing, StoreState::Empty) => Decision::StartFresh,
+        (DataDir::Missing, StoreState::DeltasOnly) => Decision::RefuseDeltasOnly,
+        (DataDir::Corrupt(_), StoreState::Latest { .. }) => Decision::Restore(Why::Corrupt),
+        (DataDir::Corrupt(_), StoreState::Empty | StoreState::DeltasOnly) => {
+            Decision::RefuseCorrupt
+        }
     }
 }
 
-/// Whether `dir` looks like an etcd data directory (`member/snap` and `member/wal`).
-pub fn is_valid_data_dir(dir: &Path) -> bool {
-    dir.join("member/snap").is_dir() && dir.join("member/wal").is_dir()
+/// What the store's listing offers.
+pub fn store_state(list: &[crate::store::Snapshot]) -> StoreState {
+    let chain = crate::store::layout::latest_chain(list);
+    match &chain.full_snapshot {
+        Some(full) => StoreState::Latest {
+            revision: chain
+                .delta_snapshots
+                .iter()
+                .map(|d| d.last_revision)
+                .fold(full.last_revision, i64::max),
+        },
+        None if list.is_empty() => StoreState::Empty,
+        None => StoreState::DeltasOnly,
+    }
 }
 
 /// Checks (and on first use writes) the guard file next to `data_dir`.
@@ -160,7 +221,7 @@ impl InitializeMetrics {
     }
 }
 
-/// Restores `config.data_dir` from `store` if it is missing or invalid.
+/// Restores `config.data_dir` from `store` if it is missing, invalid or behind the store.
 pub async fn initialize(
     store: &SnapshotStore,
     config: &RestoreConfig,
@@ -178,70 +239,164 @@ pub async fn initialize_observed(
     let data_dir = config.data_dir.as_deref().ok_or(RestoreError::NoDataDir)?;
     let started = Instant::now();
     let decision = validate(store, config, data_dir).await;
-    // Deltas without a full snapshot: validation found nothing etcd could start from.
+    // Succeeded: validation came to something etcd can start from.
     metrics.validated(
-        matches!(&decision, Ok(d) if *d != Decision::Refuse),
+        matches!(
+            &decision,
+            Ok((d, _)) if !matches!(d, Decision::RefuseDeltasOnly | Decision::RefuseCorrupt)
+        ),
         started,
     );
-    match decision? {
+    let (decision, found) = decision?;
+    let dir = data_dir.display();
+    let why = match decision {
         Decision::Keep => {
-            tracing::info!(data_dir = %data_dir.display(), "data directory valid; no restore");
-            Ok(Initialized::Valid)
+            tracing::info!(data_dir = %dir, validation = ?config.validation, ?found, "data directory valid; kept");
+            return Ok(Initialized::Valid);
         }
         Decision::StartFresh => {
-            tracing::info!(data_dir = %data_dir.display(), "store empty; etcd starts fresh");
-            Ok(Initialized::Fresh)
+            tracing::info!(data_dir = %dir, "store empty; etcd starts fresh");
+            return Ok(Initialized::Fresh);
         }
-        Decision::Refuse => Err(RestoreError::DeltasWithoutFull),
-        Decision::Restore => {
-            tracing::warn!(data_dir = %data_dir.display(), "data directory missing or invalid; restoring from the store");
-            let mut opts = RestoreOptions::from_config(config, data_dir);
-            // An invalid directory is moved aside, never deleted.
-            opts.force = true;
-            let started = Instant::now();
-            let report = restore(store, &opts).await;
-            metrics.restored(report.is_ok(), started);
-            Ok(Initialized::Restored {
-                moved_aside: report?.moved_aside,
-            })
+        Decision::RefuseDeltasOnly => return Err(RestoreError::DeltasWithoutFull),
+        Decision::RefuseCorrupt => {
+            let reason = match found {
+                DataDir::Corrupt(reason) => reason,
+                other => format!("{other:?}"),
+            };
+            return Err(RestoreError::CorruptWithoutBackup { reason });
         }
+        Decision::Restore(why) => why,
+    };
+    let mut opts = RestoreOptions::from_config(config, data_dir);
+    // The old directory is moved aside, never deleted.
+    opts.force = true;
+    match why {
+        Why::Missing => {
+            tracing::warn!(data_dir = %dir, "no data directory; restoring from the store");
+        }
+        Why::Corrupt => {
+            let reason = match &found {
+                DataDir::Corrupt(reason) => reason.as_str(),
+                _ => "",
+            };
+            tracing::error!(data_dir = %dir, validation = ?config.validation, %reason, "data directory fails validation; restoring from the store, the old one is moved aside");
+        }
+        Why::Behind {
+            dir: at,
+            store: latest,
+        } => {
+            tracing::warn!(data_dir = %dir, dir_revision = at, store_revision = latest, "data directory is behind the store; restoring from the store, the old one is moved aside");
+            // A fallback that reaches no further than the directory must not replace it.
+            opts.must_exceed = Some(at);
+        }
+    }
+    let started = Instant::now();
+    let report = restore(store, &opts).await;
+    metrics.restored(report.is_ok(), started);
+    match report {
+        Ok(report) => Ok(Initialized::Restored {
+            why,
+            revision: report.revision,
+            skipped: report.skipped.into_iter().map(|s| s.snapshot).collect(),
+            moved_aside: report.moved_aside,
+        }),
+        Err(RestoreError::NotNewer { reached, current }) => {
+            tracing::error!(data_dir = %dir, dir_revision = current, reached, "the store's latest chain could not be restored beyond the data directory's revision; keeping the data directory");
+            Ok(Initialized::Valid)
+        }
+        Err(e) => Err(e),
     }
 }
 
-/// The guard, the data directory and (when that is invalid) the store: what to do.
+/// The guard, the data directory and the store: what to do, and what the directory held.
 async fn validate(
     store: &SnapshotStore,
     config: &RestoreConfig,
     data_dir: &Path,
-) -> Result<Decision, RestoreError> {
+) -> Result<(Decision, DataDir), RestoreError> {
     if let Some(guard) = &config.guard {
         check_guard(data_dir, guard)?;
     }
-    let valid = is_valid_data_dir(data_dir);
-    let (has_full, has_any) = if valid {
-        (false, false)
-    } else {
-        let list = store
-            .list()
-            .await
-            .map_err(RestoreError::Store)
-            .step("listing the store")?;
-        (list.iter().any(|s| s.is_full()), !list.is_empty())
-    };
-    Ok(decide(valid, has_full, has_any))
+    let (dir, mode) = (data_dir.to_path_buf(), config.validation);
+    let found = tokio::task::spawn_blocking(move || datadir::check(&dir, mode))
+        .await
+        .map_err(|cause| RestoreError::Task {
+            what: "validating the data directory",
+            cause,
+        })?;
+    // Even a valid directory needs the store's revision: an unreachable store fails
+    // initialization (and the sidecar, which is restarted) rather than guess.
+    let list = store
+        .list()
+        .await
+        .map_err(RestoreError::Store)
+        .step("listing the store")?;
+    let multi_member = RestoreOptions::from_config(config, data_dir)
+        .member
+        .is_multi_member();
+    Ok((decide(&found, store_state(&list), multi_member), found))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// Every kind of directory against every kind of store.
     #[test]
     fn decisions() {
-        assert_eq!(decide(true, true, true), Decision::Keep);
-        assert_eq!(decide(true, false, false), Decision::Keep);
-        assert_eq!(decide(false, true, true), Decision::Restore);
-        assert_eq!(decide(false, false, false), Decision::StartFresh);
-        assert_eq!(decide(false, false, true), Decision::Refuse);
+        use Decision::*;
+        let corrupt = DataDir::Corrupt("truncated".into());
+        let at = |revision| DataDir::Valid { revision };
+        let latest = |revision| StoreState::Latest { revision };
+        let behind = |dir, store| Restore(Why::Behind { dir, store });
+        let cases = [
+            (DataDir::Missing, StoreState::Empty, StartFresh),
+            (DataDir::Missing, StoreState::DeltasOnly, RefuseDeltasOnly),
+            (DataDir::Missing, latest(10), Restore(Why::Missing)),
+            (corrupt.clone(), StoreState::Empty, RefuseCorrupt),
+            (corrupt.clone(), StoreState::DeltasOnly, RefuseCorrupt),
+            (corrupt.clone(), latest(10), Restore(Why::Corrupt)),
+            (at(10), StoreState::Empty, Keep),
+            (at(10), StoreState::DeltasOnly, Keep),
+            (at(9), latest(10), behind(9, 10)),
+            (at(1), latest(10), behind(1, 10)),
+            (at(10), latest(10), Keep),
+            (at(11), latest(10), Keep),
+        ];
+        for (dir, store, want) in cases {
+            assert_eq!(decide(&dir, store, false), want, "{dir:?} with {store:?}");
+            // One member of several: the same, except that behind is kept (raft catches it up).
+            let multi = match want {
+                Restore(Why::Behind { .. }) => Keep,
+                other => other,
+            };
+            assert_eq!(
+                decide(&dir, store, true),
+                multi,
+                "{dir:?} with {store:?}, multi"
+            );
+        }
+    }
+
+    #[test]
+    fn the_store_offers_its_latest_chain_end() {
+        use crate::store::{Codec, Kind, Snapshot};
+        let at = chrono::DateTime::from_timestamp(1_700_000_000, 0).unwrap();
+        let snap = |kind, start, last| Snapshot::new("", kind, start, last, at, Codec::None, false);
+        assert_eq!(store_state(&[]), StoreState::Empty);
+        assert_eq!(
+            store_state(&[snap(Kind::Incr, 1, 5)]),
+            StoreState::DeltasOnly
+        );
+        assert_eq!(
+            store_state(&[snap(Kind::Full, 0, 5)]),
+            StoreState::Latest { revision: 5 }
+        );
+        assert_eq!(
+            store_state(&[snap(Kind::Full, 0, 5), snap(Kind::Incr, 6, 9)]),
+            StoreState::Latest { revision: 9 }
+        );
     }
 
     #[test]
@@ -256,15 +411,5 @@ mod tests {
         check_guard(&data, "ns-a").unwrap();
         let e = check_guard(&data, "ns-b").unwrap_err().to_string();
         assert!(e.contains("ns-a") && e.contains("ns-b"), "{e}");
-    }
-
-    #[test]
-    fn validity_needs_snap_and_wal() {
-        let dir = tempfile::tempdir().unwrap();
-        assert!(!is_valid_data_dir(dir.path()));
-        std::fs::create_dir_all(dir.path().join("member/snap")).unwrap();
-        assert!(!is_valid_data_dir(dir.path()));
-        std::fs::create_dir_all(dir.path().join("member/wal")).unwrap();
-        assert!(is_valid_data_dir(dir.path()));
     }
 }

@@ -12,6 +12,7 @@
 //! keys written under a lease after the full snapshot live until deleted.
 
 pub mod bolt;
+pub mod datadir;
 pub mod direct;
 pub mod initialize;
 pub mod replay;
@@ -27,7 +28,7 @@ use tracing::Instrument as _;
 use crate::etcd::process::ProcessError;
 use crate::snapshot::delta::{self, DeltaError, EventType};
 use crate::snapshot::full::verify_sha256;
-use crate::store::{ByteStream, Snapshot, SnapshotStore, StoreError};
+use crate::store::{ByteStream, Snapshot, SnapshotStore, StoreError, layout};
 
 use direct::Outcome;
 use replay::{ReplayOp, RevisionGroup};
@@ -105,6 +106,23 @@ pub enum RestoreError {
     /// The store has no full snapshot to restore.
     #[error("the store has no full snapshot")]
     NoFullSnapshot,
+    /// A snapshot's payload fails verification: its hash, its compression or its encryption
+    /// (truncated or changed in the store).
+    #[error("snapshot {name} fails verification: {cause}")]
+    CorruptSnapshot { name: String, cause: std::io::Error },
+    /// Every full snapshot that could be fallen back to failed verification too.
+    #[error("{cause}; the store holds no earlier full snapshot to fall back to")]
+    NothingToFallBackTo { cause: Box<RestoreError> },
+    /// The restore would not bring the data directory forward (see
+    /// [`RestoreOptions::must_exceed`]); nothing was moved into place.
+    #[error("the restore reaches revision {reached}, not beyond the data directory's {current}")]
+    NotNewer { reached: i64, current: i64 },
+    /// `restore.initialize` found a corrupt data directory and no full snapshot to restore.
+    #[error(
+        "the data directory is corrupt ({reason}) and the store holds no full snapshot; refusing \
+         to start etcd on it or empty. Move it aside by hand to start empty"
+    )]
+    CorruptWithoutBackup { reason: String },
     /// The store holds deltas but no full snapshot: starting etcd empty would lose them.
     #[error("the store holds deltas but no full snapshot; refusing to start etcd empty")]
     DeltasWithoutFull,
@@ -131,6 +149,15 @@ pub enum RestoreError {
 }
 
 impl RestoreError {
+    /// The snapshot whose payload failed verification, if that is what this error is.
+    pub fn corrupt_snapshot(&self) -> Option<&str> {
+        match self {
+            RestoreError::CorruptSnapshot { name, .. } => Some(name),
+            RestoreError::Step { cause, .. } => cause.corrupt_snapshot(),
+            _ => None,
+        }
+    }
+
     /// An I/O error on `path`.
     pub fn io(path: &Path, source: std::io::Error) -> Self {
         RestoreError::Io {
@@ -171,6 +198,13 @@ pub struct RestoreOptions {
     pub force: bool,
     /// Deltas fetched ahead of the one being replayed.
     pub parallel_fetch: usize,
+    /// A full snapshot that fails verification is skipped for the previous one and the deltas
+    /// that continue it; without this it fails the restore.
+    pub fallback: bool,
+    /// Install the result only if its revision is above this one (the revision of a data
+    /// directory being replaced because it is behind the store): a fallback must not replace a
+    /// directory with an older one.
+    pub must_exceed: Option<i64>,
 }
 
 impl RestoreOptions {
@@ -187,6 +221,8 @@ impl RestoreOptions {
             etcd_bin: c.etcd_bin.clone(),
             force: c.force,
             parallel_fetch: c.parallel_fetch,
+            fallback: c.fallback,
+            must_exceed: None,
         }
     }
 }
@@ -210,6 +246,20 @@ pub struct RestoreReport {
     pub replay: Replay,
     /// Where a previous data directory was moved (`--force`).
     pub moved_aside: Option<PathBuf>,
+    /// Full snapshots skipped because they failed verification, newest first.
+    pub skipped: Vec<Skipped>,
+    /// The newest revision any snapshot in the store reaches (above `revision` when a
+    /// fallback could not reach it).
+    pub store_revision: i64,
+}
+
+/// A full snapshot a restore did not use, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Skipped {
+    /// Its name.
+    pub snapshot: String,
+    /// What its verification found.
+    pub reason: String,
 }
 
 /// How a restore applied the deltas.
@@ -269,29 +319,84 @@ pub async fn restore(
     if is_non_empty_dir(target)? && !opts.force {
         return Err(RestoreError::TargetNotEmpty(target.display().to_string()));
     }
-    let chain = store
-        .latest_chain()
+    let list = store
+        .list()
         .await
         .map_err(RestoreError::Store)
         .step("listing the store")?;
-    let full = chain
-        .full_snapshot
-        .clone()
-        .ok_or(RestoreError::NoFullSnapshot)
-        .step("listing the store")?;
+    let store_revision = list.iter().map(|s| s.last_revision).max().unwrap_or(0);
+    let mut chain = layout::latest_chain(&list);
+    let mut skipped: Vec<Skipped> = Vec::new();
+    let mut tools: Option<EtcdTools> = None;
+    loop {
+        // A fallback chain always has a base: the loop ends below when none is left.
+        let Some(full) = chain.full_snapshot.clone() else {
+            return Err(RestoreError::NoFullSnapshot).step("listing the store");
+        };
+        let attempt = restore_chain(store, opts, &mut tools, &full, &chain.delta_snapshots).await;
+        let error = match attempt {
+            Ok(built) => {
+                return Ok(report(built, &full, &chain, skipped, store_revision));
+            }
+            Err(e) => e,
+        };
+        // Only a full snapshot whose own payload fails verification is skipped: a store that
+        // cannot be read, a missing key or a broken delta fails as it is.
+        if error.corrupt_snapshot() != Some(full.snap_name.as_str()) || !opts.fallback {
+            return Err(error);
+        }
+        tracing::error!(
+            snapshot = %full.snap_name,
+            revision = full.last_revision,
+            %error,
+            "the full snapshot fails verification; falling back to the previous full snapshot"
+        );
+        skipped.push(Skipped {
+            snapshot: full.snap_name.clone(),
+            reason: error.to_string(),
+        });
+        let names: Vec<String> = skipped.iter().map(|s| s.snapshot.clone()).collect();
+        chain = layout::fallback_chain(&list, &names);
+        if chain.full_snapshot.is_none() {
+            return Err(RestoreError::NothingToFallBackTo {
+                cause: Box::new(error),
+            });
+        }
+    }
+}
+
+/// What [`restore_chain`] installed.
+struct Installed {
+    built: Built,
+    moved_aside: Option<PathBuf>,
+}
+
+/// Restores `full` and `deltas` into `opts.data_dir`: built beside it, checked, synced, then
+/// moved into place. A failure leaves the data directory as it was.
+async fn restore_chain(
+    store: &SnapshotStore,
+    opts: &RestoreOptions,
+    tools: &mut Option<EtcdTools>,
+    full: &Snapshot,
+    deltas: &[Snapshot],
+) -> Result<Installed, RestoreError> {
+    let target = &opts.data_dir;
     // An encrypted chain without a key that opens every snapshot fails here, before anything
     // is written (reading only each snapshot's header).
-    let chained: Vec<&Snapshot> = std::iter::once(&full)
-        .chain(chain.delta_snapshots.iter())
-        .collect();
+    let chained: Vec<&Snapshot> = std::iter::once(full).chain(deltas.iter()).collect();
     store
         .check_decryptable(&chained)
         .await
         .map_err(RestoreError::Store)
         .step("checking the snapshots can be decrypted")?;
-    let tools = EtcdTools::locate(opts.etcd_bin.as_deref())
-        .await
-        .step("locating etcd's tools")?;
+    let tools = match tools {
+        Some(t) => t,
+        None => tools.insert(
+            EtcdTools::locate(opts.etcd_bin.as_deref())
+                .await
+                .step("locating etcd's tools")?,
+        ),
+    };
 
     let part = sibling(target, ".part");
     let work = sibling(target, ".restore-work");
@@ -307,61 +412,74 @@ pub async fn restore(
         .map_err(|e| RestoreError::io(&work, e))
         .step("creating the work directory")?;
 
-    let built = build(
-        store,
-        &tools,
-        opts,
-        &full,
-        &chain.delta_snapshots,
-        &part,
-        &work,
-    )
-    .await;
+    let built = build(store, tools, opts, full, deltas, &part, &work).await;
     let _ = std::fs::remove_dir_all(&work);
     // Every path of `build` ends here: the temporary etcd may have run without fsync, so the
     // result is synced once, then moved into place. A failure removes `part` and nothing else.
     let installed = async {
         let built = built?;
+        if let Some(current) = opts.must_exceed.filter(|c| built.revision <= *c) {
+            return Err(RestoreError::NotNewer {
+                reached: built.revision,
+                current,
+            });
+        }
         sync_tree(&part)
             .await
             .step("syncing the restored directory")?;
         let moved_aside =
             install(&part, target, opts.force).step("moving the result into place")?;
-        Ok::<_, RestoreError>((built, moved_aside))
+        Ok::<_, RestoreError>(Installed { built, moved_aside })
     }
     .await;
-    let (
-        Built {
-            events: events_applied,
-            revision,
-            replay_time,
-            replay,
-        },
-        moved_aside,
-    ) = match installed {
-        Ok(r) => r,
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(&part);
-            return Err(e);
-        }
-    };
+    if installed.is_err() {
+        let _ = std::fs::remove_dir_all(&part);
+    }
+    installed
+}
+
+/// The report of a restore of `full` and `chain`'s deltas, logged.
+fn report(
+    installed: Installed,
+    full: &Snapshot,
+    chain: &layout::Chain,
+    skipped: Vec<Skipped>,
+    store_revision: i64,
+) -> RestoreReport {
+    let Installed { built, moved_aside } = installed;
     let report = RestoreReport {
         full_snapshot: full.snap_name.clone(),
         deltas: chain.delta_snapshots.len(),
-        events_applied,
-        revision,
-        replay_time,
-        replay,
+        events_applied: built.events,
+        revision: built.revision,
+        replay_time: built.replay_time,
+        replay: built.replay,
         moved_aside,
+        skipped,
+        store_revision,
     };
-    tracing::info!(
-        full_snapshot = %report.full_snapshot,
-        deltas = report.deltas,
-        events = report.events_applied,
-        revision,
-        "restore complete"
-    );
-    Ok(report)
+    if report.skipped.is_empty() {
+        tracing::info!(
+            full_snapshot = %report.full_snapshot,
+            deltas = report.deltas,
+            events = report.events_applied,
+            revision = report.revision,
+            "restore complete"
+        );
+    } else {
+        let skipped: Vec<&str> = report.skipped.iter().map(|s| s.snapshot.as_str()).collect();
+        tracing::warn!(
+            full_snapshot = %report.full_snapshot,
+            skipped = %skipped.join(", "),
+            deltas = report.deltas,
+            events = report.events_applied,
+            revision = report.revision,
+            store_revision,
+            "restore complete from an earlier full snapshot; revisions after `revision` up to \
+             `store_revision` are not restored"
+        );
+    }
+    report
 }
 
 /// Builds the restored directory in `part` (not yet synced).
@@ -508,7 +626,7 @@ async fn fetch_full(
         .await
         .map_err(RestoreError::Store)
         .step("fetching the full snapshot")?;
-    let bytes = write_verified(stream, db)
+    let bytes = write_verified(stream, db, &full.snap_name)
         .await
         .step("fetching and verifying the full snapshot")?;
     tracing::info!(
@@ -737,15 +855,27 @@ async fn current_revision(client: &mut etcd_client::Client) -> Result<i64, Resto
         .ok_or(RestoreError::NoHeader)
 }
 
-/// Writes a stream to `path`, checking etcd's trailing SHA-256 as it passes, and syncs it.
-async fn write_verified(stream: ByteStream, path: &Path) -> Result<u64, RestoreError> {
+/// Writes a stream to `path`, checking etcd's trailing SHA-256 as it passes, and syncs it. A
+/// payload that fails its check or its decoding is [`RestoreError::CorruptSnapshot`] `name`.
+async fn write_verified(stream: ByteStream, path: &Path, name: &str) -> Result<u64, RestoreError> {
     let mut verified = verify_sha256(stream);
     let mut file = tokio::fs::File::create(path)
         .await
         .map_err(|e| RestoreError::io(path, e))?;
     let mut written = 0u64;
     while let Some(chunk) = verified.next().await {
-        let chunk = chunk.map_err(|e| RestoreError::io(path, e))?;
+        let chunk = chunk.map_err(|cause| match cause.kind() {
+            // The hash and the decryption say InvalidData, flate2 InvalidInput (a corrupt
+            // deflate stream, a bad header or footer), a short payload UnexpectedEof; a store
+            // failing mid-read says Other (object_store's errors), and is no corrupt snapshot.
+            std::io::ErrorKind::InvalidData
+            | std::io::ErrorKind::InvalidInput
+            | std::io::ErrorKind::UnexpectedEof => RestoreError::CorruptSnapshot {
+                name: name.to_owned(),
+                cause,
+            },
+            _ => RestoreError::io(path, cause),
+        })?;
         written += chunk.len() as u64;
         file.write_all(&chunk)
             .await
@@ -775,7 +905,7 @@ async fn snapshot_to_file(url: &str, path: &Path) -> Result<u64, RestoreError> {
         }
     })
     .boxed();
-    write_verified(raw, path).await
+    write_verified(raw, path, "of the temporary etcd").await
 }
 
 /// Syncs every file and directory under `dir` (the temporary etcd may have run without fsync).

@@ -297,6 +297,40 @@ pub fn latest_chain(sorted: &[Snapshot]) -> Chain {
     }
 }
 
+/// The chain to restore when the full snapshots named in `skipped` failed verification: the
+/// latest other full snapshot and the deltas after it, as far as each continues the previous
+/// one exactly (a delta wholly covered is passed over; a gap or an overlap ends the chain).
+/// Across a skipped full snapshot the chain usually ends at the last delta before it: the events
+/// between that delta and the full snapshot's revision are in the full snapshot only.
+pub fn fallback_chain(sorted: &[Snapshot], skipped: &[String]) -> Chain {
+    let base = sorted
+        .iter()
+        .rposition(|s| s.is_full() && !skipped.contains(&s.snap_name));
+    let Some(base) = base else {
+        return Chain {
+            full_snapshot: None,
+            delta_snapshots: Vec::new(),
+        };
+    };
+    let full = sorted[base].clone();
+    let mut reach = full.last_revision;
+    let mut deltas = Vec::new();
+    for d in sorted[base + 1..].iter().filter(|s| s.kind == Kind::Incr) {
+        if d.last_revision <= reach {
+            continue;
+        }
+        if d.start_revision != reach + 1 {
+            break;
+        }
+        reach = d.last_revision;
+        deltas.push(d.clone());
+    }
+    Chain {
+        full_snapshot: Some(full),
+        delta_snapshots: deltas,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -444,6 +478,64 @@ mod tests {
         ];
         sort(&mut v);
         assert!(!v.last().unwrap().is_final);
+    }
+
+    #[test]
+    fn a_fallback_chain_skips_named_fulls_and_stops_at_the_first_gap() {
+        let full = |last, t| Snapshot::new("", Kind::Full, 0, last, at(t), Codec::Gzip, false);
+        let incr = |s, last, t| Snapshot::new("", Kind::Incr, s, last, at(t), Codec::Gzip, false);
+        let names = |c: &Chain| -> (Option<i64>, Vec<(i64, i64)>) {
+            (
+                c.full_snapshot.as_ref().map(|f| f.last_revision),
+                c.delta_snapshots
+                    .iter()
+                    .map(|d| (d.start_revision, d.last_revision))
+                    .collect(),
+            )
+        };
+        // Deltas 11-20 and 21-25 lead up to the full at 30; revisions 26-30 are in that full
+        // only, so skipping it reaches 25.
+        let mut v = vec![
+            full(10, 1),
+            incr(11, 20, 2),
+            incr(21, 25, 3),
+            full(30, 4),
+            incr(31, 40, 5),
+        ];
+        sort(&mut v);
+        let latest = v[3].snap_name.clone();
+        assert_eq!(names(&fallback_chain(&v, &[])), (Some(30), vec![(31, 40)]));
+        assert_eq!(
+            names(&fallback_chain(&v, std::slice::from_ref(&latest))),
+            (Some(10), vec![(11, 20), (21, 25)])
+        );
+        // A delta that ends exactly at the skipped full's revision: the chain continues past it.
+        let mut w = vec![
+            full(10, 1),
+            incr(11, 30, 2),
+            full(30, 3),
+            incr(31, 40, 4),
+            incr(45, 50, 5),
+        ];
+        sort(&mut w);
+        let skipped = w
+            .iter()
+            .find(|s| s.is_full() && s.last_revision == 30)
+            .unwrap();
+        assert_eq!(
+            names(&fallback_chain(
+                &w,
+                std::slice::from_ref(&skipped.snap_name)
+            )),
+            (Some(10), vec![(11, 30), (31, 40)])
+        );
+        // Both fulls skipped: nothing to restore.
+        let all: Vec<String> = w
+            .iter()
+            .filter(|s| s.is_full())
+            .map(|s| s.snap_name.clone())
+            .collect();
+        assert_eq!(names(&fallback_chain(&w, &all)), (None, vec![]));
     }
 
     #[test]

@@ -84,6 +84,9 @@ pub fn restore_options(data_dir: &std::path::Path) -> etcd_warden::restore::Rest
         etcd_bin: Some(super::etcd::Release::V35.bin_dir()),
         force: false,
         parallel_fetch: 4,
+        // A corrupt snapshot in these tests is a failure, not something to work around.
+        fallback: false,
+        must_exceed: None,
     }
 }
 

@@ -1,0 +1,336 @@
+//! What an existing etcd data directory holds, read before etcd starts on it: missing, corrupt,
+//! or a database at a revision.
+//!
+//! bbolt keeps no page checksums, so no check finds every damaged byte: what is checked is the
+//! structure etcd depends on. [`Validation::Sanity`] reads the meta pages (magic, version,
+//! checksum, and that the pages they count fit in the file: a truncated file fails here), the
+//! root page listing the buckets, and the rightmost path of the `key` bucket to read the revision
+//! (a few pages, whatever the database's size). [`Validation::Full`] also walks every page of
+//! every bucket (each reached once, each a branch or a leaf, its elements inside it, keys in
+//! strictly ascending order, no nested bucket) and decodes every revision record of the `key`
+//! bucket (its bbolt key a revision, its value a `mvccpb.KeyValue` of that revision): a damaged
+//! page anywhere in a tree, or a damaged record, fails; a changed byte inside a value's payload
+//! does not.
+
+use std::path::Path;
+
+use super::bolt::{BoltError, Reader, Root};
+use super::direct::database_revision;
+pub use crate::config::Validation;
+
+/// The bbolt file of a data directory.
+const DB: &str = "member/snap/db";
+/// etcd's bucket of revisions.
+const KEY_BUCKET: &[u8] = b"key";
+/// etcd's bucket of bookkeeping (`consistent_index`, compaction marks).
+const META_BUCKET: &[u8] = b"meta";
+
+/// What a data directory holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DataDir {
+    /// Nothing of etcd's: the directory is absent, empty, or has no `member` directory (a
+    /// volume's `lost+found`, say), where etcd would start a new member.
+    Missing,
+    /// Something etcd should not start on; why.
+    Corrupt(String),
+    /// A database that passed validation, at this revision (as etcd would start on it).
+    Valid { revision: i64 },
+}
+
+/// Reads `dir` as [`Validation`] says (blocking: call it off the async runtime).
+pub fn check(dir: &Path, mode: Validation) -> DataDir {
+    match std::fs::read_dir(dir).map(|mut entries| entries.next().is_some()) {
+        Ok(true) => {}
+        Ok(false) => return DataDir::Missing,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return DataDir::Missing,
+        Err(e) => return DataDir::Corrupt(format!("{}: {e}", dir.display())),
+    }
+    if !dir.join("member").exists() {
+        return DataDir::Missing;
+    }
+    match check_present(dir, mode) {
+        Ok(revision) => DataDir::Valid { revision },
+        Err(reason) => DataDir::Corrupt(reason),
+    }
+}
+
+fn check_present(dir: &Path, mode: Validation) -> Result<i64, String> {
+    for sub in ["member/snap", "member/wal"] {
+        if !dir.join(sub).is_dir() {
+            return Err(format!("no {sub} directory"));
+        }
+    }
+    // etcd treats a WAL directory without a segment as no WAL at all: a new member.
+    let has_wal = std::fs::read_dir(dir.join("member/wal"))
+        .map_err(|e| format!("member/wal: {e}"))?
+        .filter_map(Result::ok)
+        .any(|e| e.file_name().to_string_lossy().ends_with(".wal"));
+    if !has_wal {
+        return Err("no WAL segment (*.wal) in member/wal".into());
+    }
+    let db = dir.join(DB);
+    let len = std::fs::metadata(&db)
+        .map_err(|e| format!("{DB}: {e}"))?
+        .len();
+    database(&db, len, mode).map_err(|e| format!("{DB}: {e}"))
+}
+
+/// Validates the bbolt file at `path` (its first `len` bytes) as etcd's database; its revision.
+pub fn database(path: &Path, len: u64, mode: Validation) -> Result<i64, BoltError> {
+    let reader = Reader::open(path, len)?;
+    let buckets = reader.buckets()?;
+    for name in [KEY_BUCKET, META_BUCKET] {
+        if !buckets.iter().any(|b| b.name == name) {
+            return Err(BoltError::Corrupt(format!(
+                "no `{}` bucket",
+                String::from_utf8_lossy(name)
+            )));
+        }
+    }
+    let revision = database_revision(&reader, &buckets).map_err(as_corrupt)?;
+    if mode == Validation::Full {
+        for bucket in &buckets {
+            walk(&reader, &bucket.name, &bucket.root)?;
+        }
+    }
+    Ok(revision)
+}
+
+/// In an existing data directory, a shape the reader does not know is damage, not a variant.
+fn as_corrupt(e: BoltError) -> BoltError {
+    match e {
+        BoltError::Unsupported(m) => BoltError::Corrupt(m),
+        e => e,
+    }
+}
+
+/// Every element of one bucket: in order, no nested bucket, and for `key` each a revision record.
+fn walk(reader: &Reader, name: &[u8], root: &Root) -> Result<(), BoltError> {
+    let bucket = String::from_utf8_lossy(name).into_owned();
+    let is_key = name == KEY_BUCKET;
+    let mut previous: Option<Vec<u8>> = None;
+    reader
+        .visit(root, &mut |flags, k, v| {
+            if flags != 0 {
+                return Err(BoltError::Corrupt(format!(
+                    "bucket {bucket}: an element with flags {flags:#x} (etcd nests no buckets)"
+                )));
+            }
+            if previous.as_deref().is_some_and(|p| p >= k) {
+                return Err(BoltError::Corrupt(format!(
+                    "bucket {bucket}: keys out of order"
+                )));
+            }
+            if is_key {
+                revision_record(k, v).map_err(|e| {
+                    BoltError::Corrupt(format!("bucket key: record {}: {e}", hex(k)))
+                })?;
+            }
+            previous = Some(k.to_vec());
+            Ok(())
+        })
+        .map_err(as_corrupt)
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// A record of the `key` bucket: the key is (main `u64` BE, `_`, sub `u64` BE, optional `t`),
+/// the value a `mvccpb.KeyValue` with a key and, unless a tombstone, this main revision.
+fn revision_record(key: &[u8], value: &[u8]) -> Result<(), String> {
+    let tombstone = match key.len() {
+        17 => false,
+        18 if key[17] == b't' => true,
+        _ => return Err("not a revision key".into()),
+    };
+    if key[8] != b'_' {
+        return Err("not a revision key".into());
+    }
+    let main = i64::from_be_bytes(key[..8].try_into().map_err(|_| "short key")?);
+    let (kv_key, mod_revision) = key_value(value)?;
+    if kv_key.is_empty() {
+        return Err("a value without a key".into());
+    }
+    if !tombstone && mod_revision != main {
+        return Err(format!(
+            "the value's mod revision {mod_revision} is not its key's {main}"
+        ));
+    }
+    Ok(())
+}
+
+/// The key (field 1) and mod revision (field 3) of a protobuf `mvccpb.KeyValue`.
+fn key_value(mut b: &[u8]) -> Result<(&[u8], i64), String> {
+    let (mut key, mut mod_revision) = (&b""[..], 0i64);
+    while !b.is_empty() {
+        let tag = varint(&mut b)?;
+        match tag & 7 {
+            0 => {
+                let v = varint(&mut b)?;
+                if tag >> 3 == 3 {
+                    mod_revision = v as i64;
+                }
+            }
+            2 => {
+                let len = usize::try_from(varint(&mut b)?).map_err(|_| "a huge length")?;
+                let field = b.get(..len).ok_or("a field past the value's end")?;
+                if tag >> 3 == 1 {
+                    key = field;
+                }
+                b = &b[len..];
+            }
+            wire => return Err(format!("protobuf wire type {wire} in a KeyValue")),
+        }
+    }
+    Ok((key, mod_revision))
+}
+
+fn varint(b: &mut &[u8]) -> Result<u64, String> {
+    let mut v = 0u64;
+    for shift in (0..64).step_by(7) {
+        let (&byte, rest) = b.split_first().ok_or("a varint past the value's end")?;
+        *b = rest;
+        v |= u64::from(byte & 0x7f) << shift;
+        if byte & 0x80 == 0 {
+            return Ok(v);
+        }
+    }
+    Err("a varint longer than 10 bytes".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::restore::bolt::Writer;
+    use crate::restore::direct::{encode_kv, revision_key};
+
+    /// A data directory whose database holds `revisions` puts of key `k`, page size 4096.
+    fn data_dir(dir: &Path, revisions: i64) -> std::path::PathBuf {
+        std::fs::create_dir_all(dir.join("member/snap")).unwrap();
+        std::fs::create_dir_all(dir.join("member/wal")).unwrap();
+        std::fs::write(
+            dir.join("member/wal/0000000000000000-0000000000000000.wal"),
+            b"",
+        )
+        .unwrap();
+        let db = dir.join(DB);
+        let mut w = Writer::create(&db, 4096).unwrap();
+        let mut roots = Vec::new();
+        let mut key = w.tree();
+        for rev in 2..=revisions + 1 {
+            let value = vec![b'v'; 200];
+            key.push(
+                &revision_key(rev, 0, false),
+                &encode_kv(b"k", 2, rev, rev - 1, &value),
+            )
+            .unwrap();
+        }
+        roots.push((KEY_BUCKET.to_vec(), key.finish().unwrap(), 0));
+        let mut meta = w.tree();
+        meta.push(b"consistent_index", &7u64.to_be_bytes()).unwrap();
+        roots.push((META_BUCKET.to_vec(), meta.finish().unwrap(), 0));
+        w.finish(&roots, 1).unwrap();
+        db
+    }
+
+    #[test]
+    fn a_good_directory_is_valid_at_its_last_revision_in_both_modes() {
+        let dir = tempfile::tempdir().unwrap();
+        data_dir(dir.path(), 500);
+        for mode in [Validation::Sanity, Validation::Full] {
+            assert_eq!(check(dir.path(), mode), DataDir::Valid { revision: 501 });
+        }
+    }
+
+    #[test]
+    fn absent_or_empty_is_missing_and_a_partial_layout_is_corrupt() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(
+            check(&dir.path().join("nope"), Validation::Sanity),
+            DataDir::Missing
+        );
+        assert_eq!(check(dir.path(), Validation::Sanity), DataDir::Missing);
+        std::fs::create_dir_all(dir.path().join("lost+found")).unwrap();
+        assert_eq!(check(dir.path(), Validation::Sanity), DataDir::Missing);
+        std::fs::create_dir_all(dir.path().join("member")).unwrap();
+        assert!(
+            matches!(check(dir.path(), Validation::Sanity), DataDir::Corrupt(w) if w.contains("member/snap"))
+        );
+        std::fs::create_dir_all(dir.path().join("member/snap")).unwrap();
+        std::fs::create_dir_all(dir.path().join("member/wal")).unwrap();
+        let why = |d: DataDir| match d {
+            DataDir::Corrupt(why) => why,
+            other => panic!("{other:?}"),
+        };
+        assert!(why(check(dir.path(), Validation::Sanity)).contains("WAL"));
+        std::fs::write(dir.path().join("member/wal/0-0.wal"), b"").unwrap();
+        assert!(why(check(dir.path(), Validation::Sanity)).contains("member/snap/db"));
+    }
+
+    #[test]
+    fn a_truncated_database_is_corrupt_in_both_modes() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = data_dir(dir.path(), 500);
+        let len = std::fs::metadata(&db).unwrap().len();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&db)
+            .unwrap()
+            .set_len(len / 2)
+            .unwrap();
+        for mode in [Validation::Sanity, Validation::Full] {
+            assert!(
+                matches!(check(dir.path(), mode), DataDir::Corrupt(ref w) if w.contains("pages")),
+                "{mode:?}"
+            );
+        }
+    }
+
+    /// A damaged leaf away from the rightmost path: sanity does not read it, full does.
+    #[test]
+    fn a_flipped_byte_in_an_inner_leaf_is_found_by_full_only() {
+        for what in ["page flags", "a record's key"] {
+            let dir = tempfile::tempdir().unwrap();
+            let db = data_dir(dir.path(), 500);
+            let mut bytes = std::fs::read(&db).unwrap();
+            // The first leaf holds revision 2, the leftmost record of the `key` bucket.
+            let at = bytes
+                .windows(17)
+                .position(|w| w == revision_key(2, 0, false).as_slice())
+                .unwrap();
+            // The leaf's flags (0x02 becomes 0x00), or the `_` of that record's key.
+            let target = match what {
+                "page flags" => at / 4096 * 4096 + 8,
+                _ => at + 8,
+            };
+            bytes[target] ^= 0x02;
+            std::fs::write(&db, &bytes).unwrap();
+            assert_eq!(
+                check(dir.path(), Validation::Sanity),
+                DataDir::Valid { revision: 501 },
+                "{what}"
+            );
+            assert!(
+                matches!(check(dir.path(), Validation::Full), DataDir::Corrupt(_)),
+                "{what}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_record_whose_value_disagrees_with_its_key_is_corrupt_in_full() {
+        assert!(
+            revision_record(&revision_key(5, 0, false), &encode_kv(b"k", 5, 5, 1, b"v")).is_ok()
+        );
+        assert!(revision_record(&revision_key(5, 1, true), &encode_kv(b"k", 0, 0, 0, b"")).is_ok());
+        assert!(
+            revision_record(&revision_key(5, 0, false), &encode_kv(b"k", 5, 6, 1, b"v")).is_err()
+        );
+        assert!(
+            revision_record(&revision_key(5, 0, false), &encode_kv(b"", 5, 5, 1, b"v")).is_err()
+        );
+        assert!(revision_record(b"short", &encode_kv(b"k", 5, 5, 1, b"v")).is_err());
+        assert!(revision_record(&revision_key(5, 0, false), &[0x0a, 0x05, b'k']).is_err());
+    }
+}

@@ -1,0 +1,386 @@
+//! `restore.initialize` validating an existing data directory against etcd 3.5 and the S3
+//! server: a truncated database and a damaged page are restored over (the old directory moved
+//! aside with its bytes), a directory from an older backup is brought forward, a current one is
+//! kept without reading a snapshot; and `restore` falling back past a latest full snapshot that
+//! fails verification, or refusing to with `--no-fallback`.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+
+use bytes::Bytes;
+use etcd_client::{Client, GetOptions};
+use etcd_warden::config::{RestoreConfig, Validation};
+use etcd_warden::restore::direct::revision_key;
+use etcd_warden::restore::initialize::{InitializeMetrics, Initialized, Why, initialize_observed};
+use etcd_warden::snapshot::delta::{DeltaWriter, Event};
+use etcd_warden::snapshot::take_full;
+use etcd_warden::snapshot::watcher::DeltaWatch;
+use etcd_warden::store::{Codec, Snapshot, SnapshotStore};
+use futures::StreamExt;
+use support::etcd::{EtcdCluster, Release};
+use support::history::{Dump, dump, dump_restored, restore_options, writes};
+use support::s3::S3Server;
+
+const BUCKET: &str = "validate";
+const PREFIX: &str = "etcd-main";
+
+fn s3_store(s3: &S3Server) -> SnapshotStore {
+    SnapshotStore::new(s3.object_store(BUCKET), PREFIX)
+}
+
+/// `[restore]` for `initialize` into `data` with etcd 3.5's tools.
+fn config(data: &Path, validation: Validation) -> RestoreConfig {
+    RestoreConfig {
+        data_dir: Some(data.to_path_buf()),
+        name: "default".into(),
+        initial_cluster: String::new(),
+        initial_cluster_token: "etcd-cluster".into(),
+        initial_advertise_peer_urls: "http://localhost:2380".into(),
+        etcd_bin: Some(Release::V35.bin_dir()),
+        parallel_fetch: 2,
+        force: false,
+        initialize: true,
+        validation,
+        fallback: true,
+        guard: None,
+    }
+}
+
+/// A delta of everything etcd wrote after revision `after`, up to now.
+async fn delta_after(client: &mut Client, store: &SnapshotStore, after: i64) -> Snapshot {
+    let now = dump(client).await.1;
+    let mut watch = DeltaWatch::open(client, after + 1).await.unwrap();
+    let mut events: Vec<Event> = Vec::new();
+    while events.last().map_or(0, Event::revision) < now {
+        events.extend(watch.next().await.unwrap());
+    }
+    let mut writer = DeltaWriter::new(Codec::Gzip, after);
+    writer.push(events, chrono::Utc::now());
+    writer.flush(store).await.unwrap().unwrap()
+}
+
+/// etcd's keys as they were at `revision` (in [`dump`]'s shape).
+async fn dump_at(client: &mut Client, revision: i64) -> Dump {
+    let resp = client
+        .get(
+            vec![0u8],
+            Some(GetOptions::new().with_from_key().with_revision(revision)),
+        )
+        .await
+        .unwrap();
+    let kvs = resp
+        .kvs()
+        .iter()
+        .map(|kv| (kv.key().to_vec(), kv.value().to_vec(), kv.mod_revision()))
+        .collect();
+    (kvs, revision)
+}
+
+/// Replaces a stored snapshot's payload with itself, a few bytes in the middle flipped.
+async fn damage(store: &SnapshotStore, snapshot: &Snapshot) {
+    let mut raw: Vec<u8> = Vec::new();
+    let mut stream = store.get_stream(snapshot).await.unwrap();
+    while let Some(chunk) = stream.next().await {
+        raw.extend_from_slice(&chunk.unwrap());
+    }
+    let mid = raw.len() / 2;
+    for b in &mut raw[mid..mid + 8] {
+        *b ^= 0xff;
+    }
+    store.put_bytes(snapshot, Bytes::from(raw)).await.unwrap();
+}
+
+/// The directories beside `data` whose names start with its name and `.old-`.
+fn moved_aside(data: &Path) -> Vec<PathBuf> {
+    let name = format!("{}.old-", data.file_name().unwrap().to_string_lossy());
+    std::fs::read_dir(data.parent().unwrap())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with(&name))
+        .collect()
+}
+
+/// How many restores `metrics` counted, successful or not.
+fn restorations(metrics: &InitializeMetrics) -> u64 {
+    let mut registry = prometheus_client::registry::Registry::default();
+    metrics.register(&mut registry);
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    text.lines()
+        .filter(|l| l.starts_with("etcdbr_restoration_duration_seconds_count"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+fn db(data: &Path) -> PathBuf {
+    data.join("member/snap/db")
+}
+
+/// A truncated database (sanity finds it) and a damaged leaf page (only full finds it) are
+/// restored over; the old directory is moved aside byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_truncated_or_damaged_database_is_restored_and_moved_aside_intact() {
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut client = etcd.client().await;
+    let s3 = S3Server::start(&[BUCKET]);
+    let store = s3_store(&s3);
+    let dir = tempfile::tempdir().unwrap();
+    // Enough keys for the `key` bucket to span many leaf pages.
+    let last = writes(&mut client, 0, 300).await;
+    let full = take_full(&client, &store, Codec::Gzip, false)
+        .await
+        .unwrap();
+    assert_eq!(full.last_revision, last);
+    let early = client
+        .get("/registry/secrets/p0-0002", None)
+        .await
+        .unwrap()
+        .kvs()[0]
+        .mod_revision();
+    let original = dump(&mut client).await;
+    let metrics = InitializeMetrics::default();
+
+    // Truncated: the meta page counts more pages than the file holds.
+    let data = dir.path().join("truncated/data");
+    etcd_warden::restore::restore(&store, &restore_options(&data))
+        .await
+        .unwrap();
+    let len = std::fs::metadata(db(&data)).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(db(&data))
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+    let damaged = std::fs::read(db(&data)).unwrap();
+    let done = initialize_observed(&store, &config(&data, Validation::Sanity), &metrics)
+        .await
+        .unwrap();
+    let Initialized::Restored {
+        why,
+        revision,
+        skipped,
+        moved_aside: Some(aside),
+    } = done
+    else {
+        panic!("not restored: {done:?}");
+    };
+    assert_eq!((why, revision, skipped.len()), (Why::Corrupt, last, 0));
+    assert_eq!(std::fs::read(db(&aside)).unwrap(), damaged);
+    assert_eq!(moved_aside(&data), vec![aside]);
+    assert_eq!(dump_restored(&data).await, original);
+
+    // A leaf page of early revisions, off the path to the last revision, no longer a leaf.
+    let data = dir.path().join("flipped/data");
+    etcd_warden::restore::restore(&store, &restore_options(&data))
+        .await
+        .unwrap();
+    let mut bytes = std::fs::read(db(&data)).unwrap();
+    let needle = revision_key(early, 0, false);
+    let pages: Vec<usize> = bytes
+        .windows(needle.len())
+        .enumerate()
+        .filter(|(_, w)| *w == needle.as_slice())
+        .map(|(at, _)| at / 4096 * 4096)
+        .collect();
+    assert!(
+        !pages.is_empty(),
+        "revision {early} not found in the database"
+    );
+    for page in pages {
+        bytes[page + 8] ^= 0x02;
+    }
+    std::fs::write(db(&data), &bytes).unwrap();
+    // Sanity reads the meta pages, the bucket list and the rightmost path only: it keeps this.
+    let done = initialize_observed(&store, &config(&data, Validation::Sanity), &metrics)
+        .await
+        .unwrap();
+    assert_eq!(done, Initialized::Valid);
+    assert!(moved_aside(&data).is_empty());
+    let done = initialize_observed(&store, &config(&data, Validation::Full), &metrics)
+        .await
+        .unwrap();
+    let Initialized::Restored {
+        why: Why::Corrupt,
+        moved_aside: Some(aside),
+        ..
+    } = done
+    else {
+        panic!("not restored as corrupt: {done:?}");
+    };
+    assert_eq!(std::fs::read(db(&aside)).unwrap(), bytes);
+    assert_eq!(dump_restored(&data).await, original);
+    assert_eq!(restorations(&metrics), 2);
+}
+
+/// A directory restored from an older backup is brought forward to the store's latest chain;
+/// then, current, it is kept without a snapshot being read (the full snapshot is damaged by then
+/// and restorations are not counted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_directory_behind_the_store_is_restored_and_a_current_one_kept() {
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut client = etcd.client().await;
+    let s3 = S3Server::start(&[BUCKET]);
+    let store = s3_store(&s3);
+    let dir = tempfile::tempdir().unwrap();
+    writes(&mut client, 0, 50).await;
+    let full = take_full(&client, &store, Codec::Gzip, false)
+        .await
+        .unwrap();
+    writes(&mut client, 1, 50).await;
+    let d1 = delta_after(&mut client, &store, full.last_revision).await;
+    let data = dir.path().join("data");
+    etcd_warden::restore::restore(&store, &restore_options(&data))
+        .await
+        .unwrap();
+    let old = std::fs::read(db(&data)).unwrap();
+
+    // The store moves on; the directory stays at d1.
+    let now = writes(&mut client, 2, 50).await;
+    let d2 = delta_after(&mut client, &store, d1.last_revision).await;
+    assert_eq!(d2.last_revision, now);
+    let original = dump(&mut client).await;
+    let metrics = InitializeMetrics::default();
+    let cfg = config(&data, Validation::Full);
+    let done = initialize_observed(&store, &cfg, &metrics).await.unwrap();
+    let Initialized::Restored {
+        why,
+        revision,
+        moved_aside: Some(aside),
+        ..
+    } = done
+    else {
+        panic!("not restored: {done:?}");
+    };
+    assert_eq!(
+        why,
+        Why::Behind {
+            dir: d1.last_revision,
+            store: now
+        }
+    );
+    assert_eq!(revision, now);
+    assert_eq!(std::fs::read(db(&aside)).unwrap(), old);
+    assert_eq!(dump_restored(&data).await, original);
+
+    // Current now: kept, nothing fetched (a fetch of the damaged full snapshot would fail).
+    damage(&store, &full).await;
+    let before = std::fs::read(db(&data)).unwrap();
+    let done = initialize_observed(&store, &cfg, &metrics).await.unwrap();
+    assert_eq!(done, Initialized::Valid);
+    assert_eq!(std::fs::read(db(&data)).unwrap(), before);
+    assert_eq!(moved_aside(&data).len(), 1);
+    assert_eq!(restorations(&metrics), 1);
+}
+
+/// `etcd-warden restore` of the test bucket into `target`, as member "default" of etcd 3.5.
+fn restore_command(s3: &S3Server, target: &Path) -> std::process::Command {
+    let mut c = support::warden::command();
+    c.args(["restore", "--store", &format!("s3://{BUCKET}/{PREFIX}")])
+        .arg("--data-dir")
+        .arg(target)
+        .arg("--etcd-bin")
+        .arg(Release::V35.bin_dir())
+        .envs(s3.env("store"));
+    c
+}
+
+/// The latest full snapshot fails verification: `restore` falls back to the previous one and
+/// the deltas that continue it (up to the last delta before the skipped snapshot: what was
+/// written between that delta and the skipped snapshot is in no delta), and says so;
+/// `--no-fallback` fails naming it and writes nothing; `initialize` falls back too, and does not
+/// replace a directory with one no newer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_latest_full_snapshot_falls_back_to_the_previous_one() {
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut client = etcd.client().await;
+    let s3 = S3Server::start(&[BUCKET]);
+    let store = s3_store(&s3);
+    let dir = tempfile::tempdir().unwrap();
+    writes(&mut client, 0, 40).await;
+    let f0 = take_full(&client, &store, Codec::Gzip, false)
+        .await
+        .unwrap();
+    writes(&mut client, 1, 40).await;
+    let d1 = delta_after(&mut client, &store, f0.last_revision).await;
+    writes(&mut client, 2, 40).await;
+    let d2 = delta_after(&mut client, &store, d1.last_revision).await;
+    // Written between the last delta and the next full snapshot: in that snapshot only.
+    writes(&mut client, 3, 10).await;
+    let f1 = take_full(&client, &store, Codec::Gzip, false)
+        .await
+        .unwrap();
+    writes(&mut client, 4, 40).await;
+    let d3 = delta_after(&mut client, &store, f1.last_revision).await;
+    damage(&store, &f1).await;
+    let reached = d2.last_revision;
+    let expected = dump_at(&mut client, reached).await;
+
+    // --no-fallback: an error naming the snapshot, nothing written.
+    let refused = dir.path().join("refused");
+    let out = restore_command(&s3, &refused)
+        .arg("--no-fallback")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&f1.snap_name) && stderr.contains("fails verification"),
+        "{stderr}"
+    );
+    let mut left: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert!(left.is_empty(), "written: {left:?}");
+
+    // The default: the previous full snapshot and its deltas, up to d2.
+    let target = dir.path().join("data");
+    let out = support::cli::succeeds(&mut restore_command(&s3, &target));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stdout.contains(&format!("skipped full snapshot {}", f1.snap_name)),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(&format!("from {} and 2 deltas", f0.snap_name))
+            && stdout.contains(&format!(
+                "reached revision {reached} of the store's {}",
+                d3.last_revision
+            )),
+        "{stdout}"
+    );
+    assert!(
+        stderr.contains("falling back to the previous full snapshot"),
+        "{stderr}"
+    );
+    assert_eq!(dump_restored(&target).await, expected);
+
+    // initialize: a directory no newer than what the fallback reaches is kept, not replaced.
+    let metrics = InitializeMetrics::default();
+    let before = std::fs::read(db(&target)).unwrap();
+    let done = initialize_observed(&store, &config(&target, Validation::Sanity), &metrics)
+        .await
+        .unwrap();
+    assert_eq!(done, Initialized::Valid);
+    assert_eq!(std::fs::read(db(&target)).unwrap(), before);
+    assert!(moved_aside(&target).is_empty());
+    // A missing directory is restored the same way, the skipped snapshot reported.
+    let fresh = dir.path().join("fresh");
+    let done = initialize_observed(&store, &config(&fresh, Validation::Sanity), &metrics)
+        .await
+        .unwrap();
+    assert_eq!(
+        done,
+        Initialized::Restored {
+            why: Why::Missing,
+            revision: reached,
+            skipped: vec![f1.snap_name.clone()],
+            moved_aside: None,
+        }
+    );
+    assert_eq!(dump_restored(&fresh).await, expected);
+}
