@@ -384,3 +384,66 @@ async fn a_corrupt_latest_full_snapshot_falls_back_to_the_previous_one() {
     );
     assert_eq!(dump_restored(&fresh).await, expected);
 }
+
+/// A member that crashed before its database's periodic commit: the database is behind the
+/// store, but its WAL holds the writes (and more) that etcd applies on start. Kept: a restore
+/// would have dropped writes the store does not have.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_lagging_its_own_wal_is_kept_though_the_store_is_ahead() {
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut client = etcd.client().await;
+    let s3 = S3Server::start(&[BUCKET]);
+    let store = s3_store(&s3);
+    let dir = tempfile::tempdir().unwrap();
+    writes(&mut client, 0, 30).await;
+    let full = take_full(&client, &store, Codec::Gzip, false)
+        .await
+        .unwrap();
+    let data = dir.path().join("data");
+    etcd_warden::restore::restore(&store, &restore_options(&data))
+        .await
+        .unwrap();
+    let tools = etcd_warden::restore::EtcdTools::locate(Some(&Release::V35.bin_dir()))
+        .await
+        .unwrap();
+    let start = || {
+        etcd_warden::restore::TempEtcd::start(&tools, &data, "default", dir.path().join("m.log"))
+    };
+    // The database as committed before the last writes...
+    start().await.unwrap().stop().await.unwrap();
+    let committed = std::fs::read(db(&data)).unwrap();
+    // ...then writes the WAL records and the database commits, and the database goes back:
+    // the shape a crash between the WAL's fsync and the database's commit leaves.
+    let member = start().await.unwrap();
+    let mut m = Client::connect([&member.client_url], None).await.unwrap();
+    for i in 0..40 {
+        m.put(format!("/registry/after-crash/{i:03}"), "v", None)
+            .await
+            .unwrap();
+    }
+    let wal_head = dump(&mut m).await;
+    member.stop().await.unwrap();
+    std::fs::write(db(&data), &committed).unwrap();
+    let found = etcd_warden::restore::datadir::check(&data, Validation::Full);
+    assert!(
+        matches!(found, etcd_warden::restore::datadir::DataDir::Valid { revision, wal_ahead: true } if revision == full.last_revision),
+        "{found:?}"
+    );
+
+    // The store moves past the database's revision.
+    writes(&mut client, 1, 10).await;
+    let ahead = delta_after(&mut client, &store, full.last_revision).await;
+    assert!(ahead.last_revision > full.last_revision);
+    let metrics = InitializeMetrics::default();
+    let done = initialize_observed(&store, &config(&data, Validation::Full), &metrics)
+        .await
+        .unwrap();
+    assert_eq!(done, Initialized::Valid);
+    assert!(moved_aside(&data).is_empty());
+    assert_eq!(restorations(&metrics), 0);
+    // etcd applies its WAL: every write of it is back.
+    let member = start().await.unwrap();
+    let mut m = Client::connect([&member.client_url], None).await.unwrap();
+    assert_eq!(dump(&mut m).await, wal_head);
+    member.stop().await.unwrap();
+}

@@ -34,7 +34,14 @@ pub enum DataDir {
     /// Something etcd should not start on; why.
     Corrupt(String),
     /// A database that passed validation, at this revision (as etcd would start on it).
-    Valid { revision: i64 },
+    Valid {
+        /// The database's revision.
+        revision: i64,
+        /// The WAL holds entries past the database's consistent index: etcd applies them on
+        /// start, so the member will be ahead of `revision` (a crash before the database's
+        /// periodic commit). Such a directory is not behind the store by its revision alone.
+        wal_ahead: bool,
+    },
 }
 
 /// Reads `dir` as [`Validation`] says (blocking: call it off the async runtime).
@@ -49,12 +56,15 @@ pub fn check(dir: &Path, mode: Validation) -> DataDir {
         return DataDir::Missing;
     }
     match check_present(dir, mode) {
-        Ok(revision) => DataDir::Valid { revision },
+        Ok((revision, wal_ahead)) => DataDir::Valid {
+            revision,
+            wal_ahead,
+        },
         Err(reason) => DataDir::Corrupt(reason),
     }
 }
 
-fn check_present(dir: &Path, mode: Validation) -> Result<i64, String> {
+fn check_present(dir: &Path, mode: Validation) -> Result<(i64, bool), String> {
     for sub in ["member/snap", "member/wal"] {
         if !dir.join(sub).is_dir() {
             return Err(format!("no {sub} directory"));
@@ -72,11 +82,24 @@ fn check_present(dir: &Path, mode: Validation) -> Result<i64, String> {
     let len = std::fs::metadata(&db)
         .map_err(|e| format!("{DB}: {e}"))?
         .len();
-    database(&db, len, mode).map_err(|e| format!("{DB}: {e}"))
+    let (revision, consistent_index) =
+        database(&db, len, mode).map_err(|e| format!("{DB}: {e}"))?;
+    // A WAL that cannot be read is etcd's to judge (it repairs a torn tail); counted as not
+    // ahead, so the revision decides.
+    let wal_ahead = match super::wal::last_entry_index(&dir.join("member/wal")) {
+        Ok(Some(last)) => last > consistent_index,
+        Ok(None) => false,
+        Err(e) => {
+            tracing::warn!(error = %e, "reading the WAL's last entry failed");
+            false
+        }
+    };
+    Ok((revision, wal_ahead))
 }
 
-/// Validates the bbolt file at `path` (its first `len` bytes) as etcd's database; its revision.
-pub fn database(path: &Path, len: u64, mode: Validation) -> Result<i64, BoltError> {
+/// Validates the bbolt file at `path` (its first `len` bytes) as etcd's database; its revision
+/// and its consistent index (the last raft entry applied to it; 0 when not recorded).
+pub fn database(path: &Path, len: u64, mode: Validation) -> Result<(i64, u64), BoltError> {
     let reader = Reader::open(path, len)?;
     let buckets = reader.buckets()?;
     for name in [KEY_BUCKET, META_BUCKET] {
@@ -88,12 +111,29 @@ pub fn database(path: &Path, len: u64, mode: Validation) -> Result<i64, BoltErro
         }
     }
     let revision = database_revision(&reader, &buckets).map_err(as_corrupt)?;
+    let meta = buckets
+        .iter()
+        .find(|b| b.name == META_BUCKET)
+        .expect("checked above");
+    let consistent_index = match reader
+        .get(&meta.root, b"consistent_index")
+        .map_err(as_corrupt)?
+    {
+        Some(v) if v.len() == 8 => u64::from_be_bytes(v[..].try_into().expect("8 bytes")),
+        Some(v) => {
+            return Err(BoltError::Corrupt(format!(
+                "meta consistent_index has {} bytes, not 8",
+                v.len()
+            )));
+        }
+        None => 0,
+    };
     if mode == Validation::Full {
         for bucket in &buckets {
             walk(&reader, &bucket.name, &bucket.root)?;
         }
     }
-    Ok(revision)
+    Ok((revision, consistent_index))
 }
 
 /// In an existing data directory, a shape the reader does not know is damage, not a variant.
@@ -239,7 +279,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         data_dir(dir.path(), 500);
         for mode in [Validation::Sanity, Validation::Full] {
-            assert_eq!(check(dir.path(), mode), DataDir::Valid { revision: 501 });
+            assert_eq!(
+                check(dir.path(), mode),
+                DataDir::Valid {
+                    revision: 501,
+                    wal_ahead: false
+                }
+            );
         }
     }
 
@@ -308,7 +354,10 @@ mod tests {
             std::fs::write(&db, &bytes).unwrap();
             assert_eq!(
                 check(dir.path(), Validation::Sanity),
-                DataDir::Valid { revision: 501 },
+                DataDir::Valid {
+                    revision: 501,
+                    wal_ahead: false
+                },
                 "{what}"
             );
             assert!(

@@ -73,21 +73,23 @@ pub enum Decision {
 }
 
 /// Decides what initialization does (pure). A directory at or ahead of the store is kept: it
-/// is newer than any backup. A directory behind it is restored (moved aside, never deleted):
-/// its database may lag its WAL, but not by what a delta period collects (see
-/// docs/operations.md, "Data directory validation and snapshot fallback"). One member of
-/// several (`multi_member`) behind the store is kept: it catches up from the leader, whereas a
-/// restore would make it a new cluster of its own.
+/// is newer than any backup. A directory behind it is restored (moved aside, never deleted),
+/// unless its WAL holds entries past its database (a crash before the database's periodic
+/// commit: etcd applies them on start, and they may hold writes newer than the store's; a
+/// restore would drop them). One member of several (`multi_member`) behind the store is kept:
+/// it catches up from the leader, whereas a restore would make it a new cluster of its own.
 pub fn decide(dir: &DataDir, store: StoreState, multi_member: bool) -> Decision {
     match (dir, store) {
-        (DataDir::Valid { revision }, StoreState::Latest { revision: latest })
-            if *revision < latest && !multi_member =>
-        {
-            Decision::Restore(Why::Behind {
-                dir: *revision,
-                store: latest,
-            })
-        }
+        (
+            DataDir::Valid {
+                revision,
+                wal_ahead: false,
+            },
+            StoreState::Latest { revision: latest },
+        ) if *revision < latest && !multi_member => Decision::Restore(Why::Behind {
+            dir: *revision,
+            store: latest,
+        }),
         (DataDir::Valid { .. }, _) => Decision::Keep,
         (DataDir::Missing, StoreState::Latest { .. }) => Decision::Restore(Why::Missing),
         (DataDir::Missing, StoreState::Empty) => Decision::StartFresh,
@@ -251,6 +253,13 @@ pub async fn initialize_observed(
     let dir = data_dir.display();
     let why = match decision {
         Decision::Keep => {
+            if let DataDir::Valid {
+                revision,
+                wal_ahead: true,
+            } = found
+            {
+                tracing::warn!(data_dir = %dir, db_revision = revision, "the database lags its WAL (a crash before its commit); kept: etcd applies the WAL's entries on start");
+            }
             tracing::info!(data_dir = %dir, validation = ?config.validation, ?found, "data directory valid; kept");
             return Ok(Initialized::Valid);
         }
@@ -347,7 +356,14 @@ mod tests {
     fn decisions() {
         use Decision::*;
         let corrupt = DataDir::Corrupt("truncated".into());
-        let at = |revision| DataDir::Valid { revision };
+        let at = |revision| DataDir::Valid {
+            revision,
+            wal_ahead: false,
+        };
+        let ahead = |revision| DataDir::Valid {
+            revision,
+            wal_ahead: true,
+        };
         let latest = |revision| StoreState::Latest { revision };
         let behind = |dir, store| Restore(Why::Behind { dir, store });
         let cases = [
@@ -363,6 +379,10 @@ mod tests {
             (at(1), latest(10), behind(1, 10)),
             (at(10), latest(10), Keep),
             (at(11), latest(10), Keep),
+            // The WAL holds entries past the database: etcd will be further on; never restored.
+            (ahead(9), latest(10), Keep),
+            (ahead(1), latest(10), Keep),
+            (ahead(10), StoreState::Empty, Keep),
         ];
         for (dir, store, want) in cases {
             assert_eq!(decide(&dir, store, false), want, "{dir:?} with {store:?}");

@@ -17,6 +17,7 @@ pub mod direct;
 pub mod initialize;
 pub mod replay;
 pub mod tools;
+pub mod wal;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
