@@ -676,6 +676,8 @@ async fn initialize_starts_fresh_on_an_empty_store_and_keeps_a_valid_directory()
         force: false,
         initialize: true,
         guard: None,
+        cluster: None,
+        rejoin_timeout: Duration::from_secs(60),
     };
     assert_eq!(
         initialize(&store, &config).await.unwrap(),
