@@ -594,6 +594,11 @@ async fn serve_initializes_a_missing_data_directory_from_the_store() {
                 Release::V35.bin_dir().display().to_string(),
             ),
             ("restore.guard", guard.to_string()),
+            // A single-member cluster restores from the store even with cluster endpoints.
+            (
+                "restore.cluster_endpoints",
+                format!("http://127.0.0.1:{}", free_port()),
+            ),
         ]
     };
     let data = dir.path().join("vol/data");
