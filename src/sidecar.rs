@@ -45,6 +45,8 @@ pub enum SidecarError {
     Owner(#[from] crate::owner::resolve::ResolveError),
     #[error("initializing the data directory: {0}")]
     Initialize(#[from] crate::restore::RestoreError),
+    #[error("rejoining the cluster: {0}")]
+    Rejoin(#[from] crate::restore::rejoin::RejoinError),
     /// A task the sidecar cannot run without ended: readiness went 503 and the process exits so
     /// the kubelet restarts it.
     #[error("critical task {task} {how}; etcd made unready and the sidecar stops")]
@@ -266,8 +268,11 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
     let store =
         SnapshotStore::from_config(&config.store)?.with_encryption(config.encryption.clone());
     let metrics = SidecarMetrics::new(config.owner.is_some());
-    if config.restore.initialize {
-        // Before anything talks to etcd: it may be waiting for its data directory.
+    // Before anything talks to etcd: it may be waiting for its data directory. A lost member
+    // of a running multi-member cluster rejoins it (restore::rejoin); otherwise the store.
+    if config.restore.initialize
+        && !crate::restore::rejoin::initialize(&config.restore, &metrics.initialize).await?
+    {
         crate::restore::initialize::initialize_observed(
             &store,
             &config.restore,

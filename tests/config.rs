@@ -284,6 +284,43 @@ fn every_error_names_its_key() {
     );
     let cases: Vec<Case> = vec![
         (
+            "rejoin endpoint not a URL",
+            None,
+            vec![("ETCD_WARDEN_RESTORE_CLUSTER_ENDPOINTS", "etcd-0:2379")],
+            "restore.cluster_endpoints",
+            "\"etcd-0:2379\"",
+        ),
+        (
+            "rejoin endpoint not http",
+            Some("[restore]\ncluster_endpoints = [\"unix:///run/etcd.sock\"]\n"),
+            vec![],
+            "restore.cluster_endpoints",
+            "not http or https",
+        ),
+        (
+            "rejoin with https peers",
+            None,
+            vec![
+                (
+                    "ETCD_WARDEN_RESTORE_CLUSTER_ENDPOINTS",
+                    "http://10.0.0.1:2379",
+                ),
+                (
+                    "ETCD_WARDEN_RESTORE_INITIAL_ADVERTISE_PEER_URLS",
+                    "https://10.0.0.3:2380",
+                ),
+            ],
+            "restore.initial_advertise_peer_urls",
+            "http://",
+        ),
+        (
+            "zero rejoin timeout",
+            Some("[restore]\nrejoin_timeout = \"0s\"\n"),
+            vec![],
+            "restore.rejoin_timeout",
+            "",
+        ),
+        (
             "unknown key in file",
             Some("[snapshot]\ndelta_perod = \"1s\"\n"),
             vec![],

@@ -596,6 +596,11 @@ async fn serve_initializes_a_missing_data_directory_from_the_store() {
                 Release::V35.bin_dir().display().to_string(),
             ),
             ("restore.guard", guard.to_string()),
+            // A single-member cluster restores from the store even with cluster endpoints.
+            (
+                "restore.cluster_endpoints",
+                format!("http://127.0.0.1:{}", free_port()),
+            ),
         ]
     };
     let data = dir.path().join("vol/data");
@@ -680,6 +685,8 @@ async fn initialize_starts_fresh_on_an_empty_store_and_refuses_what_it_cannot_re
         validation: etcd_warden::config::Validation::Sanity,
         fallback: true,
         guard: None,
+        cluster: None,
+        rejoin_timeout: Duration::from_secs(60),
     };
     assert_eq!(
         initialize(&store, &config).await.unwrap(),

@@ -44,6 +44,8 @@ fn config(data: &Path, validation: Validation) -> RestoreConfig {
         validation,
         fallback: true,
         guard: None,
+        cluster: None,
+        rejoin_timeout: std::time::Duration::from_secs(60),
     }
 }
 

@@ -118,7 +118,7 @@ pub struct Config {
 }
 
 /// How to reach the etcd member next to the sidecar.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EtcdConfig {
     pub endpoints: Vec<String>,
     /// Client TLS, when the endpoints are `https://`.
@@ -322,6 +322,12 @@ pub struct RestoreConfig {
     pub fallback: bool,
     /// Written next to the data directory; a different value there refuses to restore.
     pub guard: Option<String>,
+    /// `initialize` in a multi-member cluster: the running cluster a lost member rejoins as a
+    /// learner instead of being restored from the store (`restore.cluster_endpoints`, with
+    /// `[etcd]`'s TLS, credentials and timeouts); `None`: off.
+    pub cluster: Option<EtcdConfig>,
+    /// How long a rejoin may take, catching up included, before `serve` fails.
+    pub rejoin_timeout: Duration,
 }
 
 /// Log output.

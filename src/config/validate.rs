@@ -135,8 +135,10 @@ impl Validator<'_> {
     }
 
     fn validate(&self, raw: &RawConfig) -> Result<Config, ConfigError> {
+        let etcd = self.etcd(&raw.etcd)?;
         let config = Config {
-            etcd: self.etcd(&raw.etcd)?,
+            restore: self.restore(&raw.restore, &etcd)?,
+            etcd,
             store: self.store("store", &raw.store)?,
             source_store: raw
                 .source_store
@@ -150,7 +152,6 @@ impl Validator<'_> {
             kill: self.kill(&raw.kill)?,
             server: self.server(&raw.server)?,
             log: self.log(&raw.log)?,
-            restore: self.restore(&raw.restore)?,
             encryption: self.encryption(raw.encryption.as_ref())?,
         };
         self.owner_endpoints(&config)?;
@@ -206,7 +207,7 @@ impl Validator<'_> {
         }
     }
 
-    fn restore(&self, r: &RawRestore) -> Result<RestoreConfig, ConfigError> {
+    fn restore(&self, r: &RawRestore, etcd: &EtcdConfig) -> Result<RestoreConfig, ConfigError> {
         let name = r.name.trim();
         if name.is_empty() {
             return Err(self.err("restore.name", "required value missing"));
@@ -258,7 +259,62 @@ impl Validator<'_> {
             validation,
             fallback: r.fallback,
             guard: r.guard.clone().filter(|g| !g.is_empty()),
+            cluster: self.rejoin_cluster(r, etcd)?,
+            rejoin_timeout: self.positive_duration("restore.rejoin_timeout", &r.rejoin_timeout)?,
         })
+    }
+
+    /// `restore.cluster_endpoints` as a client configuration with `[etcd]`'s TLS material,
+    /// credentials and timeouts; `None` when empty. The rejoining member's peer URLs must be
+    /// `http://` (its temporary etcd has no peer TLS flags).
+    fn rejoin_cluster(
+        &self,
+        r: &RawRestore,
+        etcd: &EtcdConfig,
+    ) -> Result<Option<EtcdConfig>, ConfigError> {
+        let key = "restore.cluster_endpoints";
+        let endpoints: Vec<String> = r
+            .cluster_endpoints
+            .iter()
+            .map(|e| e.trim().to_string())
+            .filter(|e| !e.is_empty())
+            .collect();
+        if endpoints.is_empty() {
+            return Ok(None);
+        }
+        for ep in &endpoints {
+            let url = url::Url::parse(ep).map_err(|err| {
+                self.err(
+                    key,
+                    format!("{ep:?} is not a URL ({err}); write e.g. \"http://etcd-0.etcd:2379\""),
+                )
+            })?;
+            if !matches!(url.scheme(), "http" | "https") {
+                return Err(self.err(
+                    key,
+                    format!("{ep:?}: scheme {:?} is not http or https", url.scheme()),
+                ));
+            }
+            if url.host_str().is_none() || url.port_or_known_default().is_none() {
+                return Err(self.err(key, format!("{ep:?} has no host or port")));
+            }
+        }
+        for peer in r.initial_advertise_peer_urls.split(',').map(str::trim) {
+            let scheme = url::Url::parse(peer).map(|u| u.scheme().to_string());
+            if scheme.as_deref() != Ok("http") {
+                return Err(self.err(
+                    "restore.initial_advertise_peer_urls",
+                    format!(
+                        "{peer:?}: with {key} set, the peer URLs must be http:// URLs (a rejoining \
+                         member has no peer TLS settings)"
+                    ),
+                ));
+            }
+        }
+        Ok(Some(EtcdConfig {
+            endpoints,
+            ..etcd.clone()
+        }))
     }
 
     fn etcd(&self, e: &RawEtcd) -> Result<EtcdConfig, ConfigError> {

@@ -465,6 +465,16 @@ pub struct ServerTls {
     pub client_cert_auth: bool,
 }
 
+/// Peer URLs of a member that joins a cluster beyond this host: it advertises `advertise` (what
+/// the other members dial) and listens on `listen` (etcd binds IP addresses only).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerUrls {
+    /// `--listen-peer-urls`.
+    pub listen: String,
+    /// `--initial-advertise-peer-urls`.
+    pub advertise: String,
+}
+
 /// One member as it is to run: on 127.0.0.1, ports and flags. [`MemberSpec::command`] is what
 /// runs; [`MemberSpec::spawn`] and [`MemberSpec::start`] run it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -488,6 +498,8 @@ pub struct MemberSpec {
     pub client_tls: Option<ServerTls>,
     /// More flags, after the others.
     pub extra_args: Vec<String>,
+    /// Peer URLs instead of `http://127.0.0.1:<peer port>` (the peer port is then unused).
+    pub peer_urls: Option<PeerUrls>,
     /// Where stdout and stderr go (appended), and where a failure's reason is read; `None`
     /// discards them.
     pub log: Option<PathBuf>,
@@ -511,6 +523,7 @@ impl MemberSpec {
             log_level: "warn".into(),
             client_tls: None,
             extra_args: Vec::new(),
+            peer_urls: None,
             log: None,
         }
     }
@@ -557,14 +570,18 @@ impl MemberSpec {
                 cmd.env_remove(&key);
             }
         }
-        let (client, peer) = (self.client_url(), self.peer_url());
+        let client = self.client_url();
+        let (listen_peer, peer) = match &self.peer_urls {
+            Some(p) => (p.listen.clone(), p.advertise.clone()),
+            None => (self.peer_url(), self.peer_url()),
+        };
         cmd.arg("--name")
             .arg(&self.name)
             .arg("--data-dir")
             .arg(&self.data_dir)
             .args(["--listen-client-urls", &client])
             .args(["--advertise-client-urls", &client])
-            .args(["--listen-peer-urls", &peer]);
+            .args(["--listen-peer-urls", &listen_peer]);
         if let Some(b) = &self.bootstrap {
             let alone = format!("{}={peer}", self.name);
             cmd.args(["--initial-advertise-peer-urls", &peer])

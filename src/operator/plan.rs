@@ -258,6 +258,22 @@ pub fn quorum(voters: usize) -> usize {
     voters / 2 + 1
 }
 
+/// Whether the voters among `members` have a healthy majority: the planner's rule before any
+/// membership change (no voters at all is no quorum).
+pub fn has_quorum<'a>(members: impl IntoIterator<Item = &'a MemberState>) -> bool {
+    let (voters, healthy) = members
+        .into_iter()
+        .filter(|m| !m.is_learner)
+        .fold((0, 0), |(v, h), m| (v + 1, h + usize::from(m.healthy)));
+    voters > 0 && healthy >= quorum(voters)
+}
+
+/// Whether removing member `id` leaves voters with a healthy majority ([`has_quorum`] of the
+/// others).
+pub fn removal_keeps_quorum(members: &[MemberState], id: u64) -> bool {
+    has_quorum(members.iter().filter(|m| m.id != id))
+}
+
 fn same_url(a: &str, b: &str) -> bool {
     a.trim_end_matches('/') == b.trim_end_matches('/')
 }
@@ -296,7 +312,7 @@ pub fn plan(spec: Spec, obs: &Observed) -> Plan {
             condition: Condition::Degraded("no voting members observed".into()),
         };
     }
-    if healthy_voters < quorum(voters.len()) {
+    if !has_quorum(&obs.members) {
         return Plan {
             actions: vec![],
             condition: Condition::Degraded(format!(
@@ -542,5 +558,37 @@ fn membership_action(
                 )
             }))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn voter(id: u64, healthy: bool) -> MemberState {
+        MemberState {
+            id,
+            name: format!("m{id}"),
+            peer_urls: vec![format!("http://10.0.0.{id}:2380")],
+            is_learner: false,
+            healthy,
+            applied_index: 0,
+        }
+    }
+
+    #[test]
+    fn quorum_counts_healthy_voters_only() {
+        let mut ms = vec![voter(1, true), voter(2, true), voter(3, false)];
+        assert!(has_quorum(&ms));
+        // An unhealthy voter goes: 2 of 2. A healthy one goes: 1 of 2.
+        assert!(removal_keeps_quorum(&ms, 3));
+        assert!(!removal_keeps_quorum(&ms, 1));
+        ms[1].healthy = false;
+        assert!(!has_quorum(&ms));
+        // Learners do not vote.
+        ms[1].is_learner = true;
+        ms[2].is_learner = true;
+        assert!(has_quorum(&ms));
+        assert!(!has_quorum(&[]));
     }
 }

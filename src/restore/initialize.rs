@@ -160,10 +160,12 @@ pub struct InitializeMetrics {
     restoration: Family<RestorationLabels, Histogram>,
 }
 
-/// The reference's `restore` label for a member rebuilt from snapshots; its other value,
-/// `single_member` (a member re-joining a running cluster as a learner), is not something this
-/// sidecar does.
+/// The reference's `restore` label for a member rebuilt from snapshots.
 const SINGLE_NODE: &str = "single_node";
+
+/// The reference's `restore` label for a member that re-joined a running cluster as a learner
+/// ([`super::rejoin`]).
+const SINGLE_MEMBER: &str = "single_member";
 
 impl Default for InitializeMetrics {
     fn default() -> Self {
@@ -198,10 +200,12 @@ impl InitializeMetrics {
                 self.validation
                     .get_or_create(&SucceededLabel { succeeded: ok }),
             );
-            drop(self.restoration.get_or_create(&RestorationLabels {
-                restore: SINGLE_NODE,
-                succeeded: ok,
-            }));
+            for restore in [SINGLE_NODE, SINGLE_MEMBER] {
+                drop(self.restoration.get_or_create(&RestorationLabels {
+                    restore,
+                    succeeded: ok,
+                }));
+            }
         }
     }
 
@@ -214,9 +218,18 @@ impl InitializeMetrics {
     }
 
     fn restored(&self, ok: bool, started: Instant) {
+        self.restoration_as(SINGLE_NODE, ok, started);
+    }
+
+    /// A rejoin as a learner ([`super::rejoin`]) took from `started` until now.
+    pub fn rejoined(&self, ok: bool, started: Instant) {
+        self.restoration_as(SINGLE_MEMBER, ok, started);
+    }
+
+    fn restoration_as(&self, restore: &'static str, ok: bool, started: Instant) {
         self.restoration
             .get_or_create(&RestorationLabels {
-                restore: SINGLE_NODE,
+                restore,
                 succeeded: if ok { "true" } else { "false" },
             })
             .observe(started.elapsed().as_secs_f64());

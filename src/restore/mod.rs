@@ -15,6 +15,7 @@ pub mod bolt;
 pub mod datadir;
 pub mod direct;
 pub mod initialize;
+pub mod rejoin;
 pub mod replay;
 pub mod tools;
 pub mod wal;
@@ -283,7 +284,7 @@ struct Built {
 }
 
 /// `<dir><suffix>` next to `dir`.
-fn sibling(dir: &Path, suffix: &str) -> PathBuf {
+pub(super) fn sibling(dir: &Path, suffix: &str) -> PathBuf {
     let mut s = dir.as_os_str().to_owned();
     s.push(suffix);
     PathBuf::from(s)
@@ -298,7 +299,7 @@ fn is_non_empty_dir(dir: &Path) -> Result<bool, RestoreError> {
     }
 }
 
-fn remove_if_exists(path: &Path) -> Result<(), RestoreError> {
+pub(super) fn remove_if_exists(path: &Path) -> Result<(), RestoreError> {
     match std::fs::remove_dir_all(path) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -910,7 +911,7 @@ async fn snapshot_to_file(url: &str, path: &Path) -> Result<u64, RestoreError> {
 }
 
 /// Syncs every file and directory under `dir` (the temporary etcd may have run without fsync).
-async fn sync_tree(dir: &Path) -> Result<(), RestoreError> {
+pub(super) async fn sync_tree(dir: &Path) -> Result<(), RestoreError> {
     let dir = dir.to_path_buf();
     tokio::task::spawn_blocking(move || sync_tree_blocking(&dir))
         .await
@@ -942,7 +943,11 @@ fn sync_dir(dir: &Path) -> Result<(), RestoreError> {
 
 /// Renames `part` to `target`, first moving a non-empty `target` aside when `force` is set.
 /// Returns where the old directory went.
-fn install(part: &Path, target: &Path, force: bool) -> Result<Option<PathBuf>, RestoreError> {
+pub(super) fn install(
+    part: &Path,
+    target: &Path,
+    force: bool,
+) -> Result<Option<PathBuf>, RestoreError> {
     let mut moved = None;
     if is_non_empty_dir(target)? {
         if !force {
