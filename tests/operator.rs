@@ -35,7 +35,10 @@ fn timing() -> Timing {
     }
 }
 
-const SPEC: Spec = Spec { desired_voters: 3 };
+const SPEC: Spec = Spec {
+    desired_voters: 3,
+    replacement: etcd_warden::operator::plan::Replacement::OnDeletion,
+};
 
 /// A running local cluster; its etcd processes die with it.
 struct Fixture {

@@ -2,7 +2,8 @@
 //! planned actions applied to a simulated cluster and every invariant checked at each step.
 
 use etcd_warden::operator::plan::{
-    Action, Condition, MachineState, MemberState, Observed, RemoveReason, Spec, plan, quorum,
+    Action, Condition, MachineState, MemberState, Observed, RemoveReason, Replacement, Spec, plan,
+    quorum,
 };
 use proptest::prelude::*;
 
@@ -10,6 +11,7 @@ use proptest::prelude::*;
 #[derive(Debug, Clone)]
 struct Sim {
     desired: usize,
+    replacement: Replacement,
     members: Vec<MemberState>,
     machines: Vec<MachineState>,
     leader_applied: u64,
@@ -41,8 +43,13 @@ fn peer(n: usize) -> String {
 
 impl Sim {
     fn new(desired: usize) -> Self {
+        Sim::with(desired, Replacement::OnDeletion)
+    }
+
+    fn with(desired: usize, replacement: Replacement) -> Self {
         let mut s = Sim {
             desired,
+            replacement,
             members: vec![],
             machines: vec![],
             leader_applied: 100,
@@ -115,10 +122,27 @@ impl Sim {
             .find(|mc| mc.peer_url == m.peer_urls[0])
     }
 
+    fn spec(&self) -> Spec {
+        Spec {
+            desired_voters: self.desired,
+            replacement: self.replacement,
+        }
+    }
+
+    /// The fewest voters a replacement may leave: desired, or one fewer while Recreate's
+    /// deleted machine has no successor yet.
+    fn floor(&self) -> usize {
+        match self.replacement {
+            Replacement::ShrinkFirst => self.desired - 1,
+            Replacement::OnDeletion | Replacement::Surge => self.desired,
+        }
+    }
+
     fn check_invariants(&self) -> Result<(), TestCaseError> {
         prop_assert!(
-            self.voters() >= self.desired,
-            "voters below desired: {self:?}"
+            self.voters() >= self.floor(),
+            "voters below {}: {self:?}",
+            self.floor()
         );
         prop_assert!(
             self.voters() <= self.desired + 1,
@@ -132,12 +156,7 @@ impl Sim {
     /// `limit` actions (checking each against the current state) and returns the plan.
     fn step(&mut self, limit: usize) -> Result<Vec<Action>, TestCaseError> {
         let obs = self.observed();
-        let p = plan(
-            Spec {
-                desired_voters: self.desired,
-            },
-            &obs,
-        );
+        let p = plan(self.spec(), &obs);
         let membership: Vec<&Action> = p
             .actions
             .iter()
@@ -263,8 +282,16 @@ impl Sim {
                     .unwrap()
                     .clone();
                 if !m.is_learner {
+                    let shrink = self.replacement == Replacement::ShrinkFirst
+                        && self.voters() == self.desired
+                        && self.members.iter().all(|m| m.healthy && !m.is_learner)
+                        && self.machine_of(&m).is_some_and(|mc| mc.deleting)
+                        && self
+                            .machines
+                            .iter()
+                            .all(|mc| mc.deleting || self.member_on(mc).is_some());
                     prop_assert!(
-                        self.voters() > self.desired,
+                        self.voters() > self.desired || shrink,
                         "voter removed without a replacement voter"
                     );
                 }
@@ -363,13 +390,7 @@ impl Sim {
             self.finalize_unhooked();
             if actions.is_empty() && before == self.machines.len() {
                 let obs = self.observed();
-                return Ok(plan(
-                    Spec {
-                        desired_voters: self.desired,
-                    },
-                    &obs,
-                )
-                .condition);
+                return Ok(plan(self.spec(), &obs).condition);
             }
         }
         prop_assert!(false, "planner did not settle: {self:?}");
@@ -394,6 +415,14 @@ fn desired() -> impl Strategy<Value = usize> {
     prop_oneof![Just(3usize), Just(5usize)]
 }
 
+fn replacement() -> impl Strategy<Value = Replacement> {
+    prop_oneof![
+        Just(Replacement::OnDeletion),
+        Just(Replacement::Surge),
+        Just(Replacement::ShrinkFirst)
+    ]
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
 
@@ -401,9 +430,10 @@ proptest! {
     #[test]
     fn invariants_hold_under_any_event_sequence(
         desired in desired(),
+        replacement in replacement(),
         events in prop::collection::vec(event(), 1..80),
     ) {
-        let mut sim = Sim::new(desired);
+        let mut sim = Sim::with(desired, replacement);
         for e in &events {
             sim.event(e)?;
             sim.check_invariants()?;
@@ -415,10 +445,11 @@ proptest! {
     #[test]
     fn replacements_complete(
         desired in desired(),
+        replacement in replacement(),
         to_replace in prop::collection::vec(any::<usize>(), 1..6),
         create_first in any::<bool>(),
     ) {
-        let mut sim = Sim::new(desired);
+        let mut sim = Sim::with(desired, replacement);
         for i in to_replace {
             let live: Vec<usize> = (0..sim.machines.len()).filter(|&j| !sim.machines[j].deleting).collect();
             let victim = live[i % live.len()];
@@ -446,9 +477,10 @@ proptest! {
     #[test]
     fn interrupted_replacement_completes(
         desired in desired(),
+        replacement in replacement(),
         limits in prop::collection::vec(0usize..3, 1..30),
     ) {
-        let mut sim = Sim::new(desired);
+        let mut sim = Sim::with(desired, replacement);
         sim.settle()?;
         sim.machines[0].deleting = true;
         sim.create_machine();
@@ -488,7 +520,7 @@ fn escape_hatch_hook_is_not_put_back() {
     sim.machines[1].deleting = true;
     sim.machines[1].has_hook = false;
     sim.machines[1].hook_removed_by_other = true;
-    let p = plan(Spec { desired_voters: 3 }, &sim.observed());
+    let p = plan(Spec::new(3).unwrap(), &sim.observed());
     assert!(
         !p.actions
             .iter()
@@ -497,7 +529,7 @@ fn escape_hatch_hook_is_not_put_back() {
     );
     // The machine API then deletes it; its member dies; membership stays, reported Degraded.
     sim.event(&Event::Finalize(1)).unwrap();
-    let p = plan(Spec { desired_voters: 3 }, &sim.observed());
+    let p = plan(Spec::new(3).unwrap(), &sim.observed());
     assert!(p.actions.iter().all(|a| !a.is_membership_change()), "{p:?}");
     assert!(matches!(p.condition, Condition::Degraded(_)), "{p:?}");
 }
@@ -508,7 +540,7 @@ fn briefly_missing_member_is_not_a_scale_in() {
     sim.settle().unwrap();
     let mut obs = sim.observed();
     obs.members.remove(2);
-    let p = plan(Spec { desired_voters: 5 }, &obs);
+    let p = plan(Spec::new(5).unwrap(), &obs);
     assert!(
         !p.actions
             .iter()
@@ -532,7 +564,7 @@ fn quorum_loss_is_reported_not_acted_on() {
     sim.members[1].healthy = false;
     sim.machines[0].deleting = true;
     sim.create_machine();
-    let p = plan(Spec { desired_voters: 3 }, &sim.observed());
+    let p = plan(Spec::new(3).unwrap(), &sim.observed());
     assert!(p.actions.is_empty());
     let Condition::Degraded(reason) = p.condition else {
         panic!("{p:?}")
@@ -636,8 +668,11 @@ proptest! {
 
     /// Whatever the observed state, each planned action is safe in that state.
     #[test]
-    fn every_planned_action_is_safe_in_any_state((desired, obs) in arbitrary_state()) {
-        let p = plan(Spec { desired_voters: desired }, &obs);
+    fn every_planned_action_is_safe_in_any_state(
+        (desired, obs) in arbitrary_state(),
+        replacement in replacement(),
+    ) {
+        let p = plan(Spec { desired_voters: desired, replacement }, &obs);
         let voters = obs.members.iter().filter(|m| !m.is_learner).count();
         let healthy_voters = obs.members.iter().filter(|m| !m.is_learner && m.healthy).count();
         let learners = obs.members.len() - voters;
@@ -679,7 +714,16 @@ proptest! {
                 Action::RemoveMember { member_id, .. } => {
                     let m = member(*member_id);
                     if !m.is_learner {
-                        prop_assert!(voters > desired, "no replacement voter: {p:?}");
+                        // Recreate's shrink: the last resort, with everyone healthy, no machine
+                        // to host a replacement, and desired - 1 voters left.
+                        let shrink = replacement == Replacement::ShrinkFirst
+                            && voters == desired
+                            && all_healthy
+                            && learners == 0
+                            && obs.machines.iter().all(|mc| {
+                                mc.deleting || obs.members.iter().any(|x| x.peer_urls[0] == mc.peer_url)
+                            });
+                        prop_assert!(voters > desired || shrink, "no replacement voter: {p:?}");
                         prop_assert!(machine_of(m).is_none_or(|mc| mc.deleting));
                         let healthy_after = healthy_voters - usize::from(m.healthy);
                         prop_assert!(healthy_after >= quorum(voters - 1), "below quorum");

@@ -21,6 +21,26 @@ const IN_SYNC_PERCENT: u64 = 90;
 pub struct Spec {
     /// Desired number of voting members (3 or 5).
     pub desired_voters: usize,
+    /// How a replacement's membership changes are ordered.
+    pub replacement: Replacement,
+}
+
+/// How a replacement's membership changes are ordered, after what drives the machines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Replacement {
+    /// The machine API (or a person) deletes a machine and creates another: a new machine's
+    /// learner is promoted only when a voter's machine is being deleted or voters are missing.
+    #[default]
+    OnDeletion,
+    /// A ControlPlaneSet's RollingUpdate creates the new machine first and deletes the old one
+    /// only once the new member votes: a learner is promoted while there are `desired` voters,
+    /// so there are `desired + 1` until the old machine is deleted.
+    Surge,
+    /// A ControlPlaneSet's Recreate deletes first, with no room for another machine: a deleting
+    /// machine's voter is removed without a replacement when no machine is there to host one,
+    /// every member is healthy, and at least `desired - 1` voters stay.
+    ShrinkFirst,
 }
 
 /// A desired voter count the operator cannot keep safely.
@@ -33,7 +53,10 @@ impl Spec {
     /// replacement story and 7 or more only slow writes down.
     pub fn new(desired_voters: usize) -> Result<Spec, SpecError> {
         match desired_voters {
-            3 | 5 => Ok(Spec { desired_voters }),
+            3 | 5 => Ok(Spec {
+                desired_voters,
+                replacement: Replacement::OnDeletion,
+            }),
             n => Err(SpecError(n)),
         }
     }
@@ -99,6 +122,9 @@ pub enum RemoveReason {
     LearnerOnDeletingMachine,
     /// A learner whose peer URL matches no machine (an add whose machine went away).
     DanglingLearner,
+    /// A voter on a deleting machine removed before its replacement exists
+    /// ([`Replacement::ShrinkFirst`]).
+    ShrunkFirst,
 }
 
 /// One step the executor carries out.
@@ -481,6 +507,10 @@ fn membership_action(
                 name: v.name.clone(),
                 reason: RemoveReason::Replaced,
             }),
+            None if spec.replacement == Replacement::Surge => Err(Condition::Waiting(format!(
+                "{} voters: the new member votes; waiting for the machine it replaces to be deleted",
+                voters.len()
+            ))),
             None => Err(Condition::Degraded(format!(
                 "{} voters but {desired} desired and no voter's machine is being deleted; not removing any",
                 voters.len()
@@ -489,6 +519,9 @@ fn membership_action(
     }
 
     let needed = voters.len() < desired || !deleting_voters.is_empty();
+    // Surge adds and promotes a new machine's learner before the old machine is deleted (at
+    // most desired + 1 voters: more returned above).
+    let surge = spec.replacement == Replacement::Surge;
     if let Some(l) = learners.first() {
         if learners.len() > 1 {
             return Err(Condition::Degraded(format!(
@@ -499,7 +532,7 @@ fn membership_action(
         let mc = machine_of(obs, l).ok_or_else(|| {
             Condition::Degraded(format!("learner {} matches no machine", label(l)))
         })?;
-        if !needed {
+        if !needed && !surge {
             return Err(Condition::Waiting(format!(
                 "learner {} has no member to replace",
                 label(l)
@@ -530,7 +563,8 @@ fn membership_action(
         .filter(|mc| !mc.deleting && member_on(obs, mc).is_none())
         .collect();
     spare.sort_by(|a, b| a.name.cmp(&b.name));
-    if !needed {
+    let surge_add = surge && !spare.is_empty();
+    if !needed && !surge_add {
         return Err(match spare.first() {
             None => Condition::Settled,
             Some(mc) => Condition::Waiting(format!(
@@ -544,6 +578,19 @@ fn membership_action(
             machine: mc.name.clone(),
             peer_url: mc.peer_url.clone(),
         }),
+        // Recreate: no machine can host a replacement until the deleting one is gone. Every
+        // member is healthy here (an unhealthy one returned above), so the voters left keep
+        // quorum; never fewer than desired - 1 of them.
+        None if spec.replacement == Replacement::ShrinkFirst
+            && voters.len() >= desired
+            && let Some(v) = deleting_voters.first() =>
+        {
+            Ok(Action::RemoveMember {
+                member_id: v.id,
+                name: v.name.clone(),
+                reason: RemoveReason::ShrunkFirst,
+            })
+        }
         None => {
             let names: Vec<String> = deleting_voters.iter().map(|m| label(m)).collect();
             Err(Condition::Waiting(if names.is_empty() {
