@@ -61,6 +61,7 @@ impl Fixture {
             dir: dir.path().join("cluster"),
             etcd,
             no_fsync: true,
+            set: None,
         })
         .await
         .unwrap();
@@ -779,9 +780,273 @@ async fn cluster_size_must_be_3_or_5() {
         dir: dir.path().join("c"),
         etcd: etcd(),
         no_fsync: true,
+        set: None,
     })
     .await
     .err()
     .expect("4 members accepted");
     assert!(err.to_string().contains("3 or 5"), "{err}");
+}
+
+// ControlPlaneSet over the local backend: a template change rolls every machine, with the quorum
+// operator keeping its voters, under a writer.
+
+use etcd_warden::operator::control_plane_set::Strategy;
+use etcd_warden::operator::control_plane_set::controller::{
+    Controller, SetConfig, replacement_for,
+};
+use etcd_warden::operator::local::{LOCAL_DOMAIN, LocalSetOptions, local_template};
+
+/// Samples what a rollout may never exceed: (min voters, max voters, max learners, max
+/// machines, samples).
+async fn monitor_rollout(
+    cluster: Arc<LocalCluster>,
+    stop: CancellationToken,
+) -> (usize, usize, usize, usize, usize) {
+    let (mut min_v, mut max_v, mut max_l, mut max_m, mut n) = (usize::MAX, 0, 0, 0, 0);
+    let mut c: Option<Client> = None;
+    while !stop.is_cancelled() {
+        max_m = max_m.max(cluster.machines().len());
+        if c.is_none() {
+            c = client(&cluster.client_urls()).await;
+        }
+        if let Some(cl) = c.as_mut() {
+            match cl.member_list().await {
+                Ok(r) => {
+                    let voters = r.members().iter().filter(|m| !m.is_learner()).count();
+                    min_v = min_v.min(voters);
+                    max_v = max_v.max(voters);
+                    max_l = max_l.max(r.members().len() - voters);
+                    n += 1;
+                }
+                Err(_) => c = None,
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    (min_v, max_v, max_l, max_m, n)
+}
+
+/// The command line of a running process.
+fn cmdline(pid: u32) -> String {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
+        .unwrap_or_default()
+}
+
+/// Starts `members` machines under a ControlPlaneSet with `strategy` over three domains,
+/// changes the template's etcd flags under a writer, and checks the rollout: every machine
+/// replaced and running the new flag, balanced over the domains, no acknowledged write lost,
+/// voters never below what the strategy allows, one learner and one replacement at a time.
+async fn roll(strategy: Strategy, members: usize) {
+    let domains: Vec<String> = ["zone-a", "zone-b", "zone-c"].map(String::from).to_vec();
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = LocalCluster::start(LocalOptions {
+        members,
+        dir: dir.path().join("cluster"),
+        etcd: etcd(),
+        no_fsync: true,
+        set: Some(LocalSetOptions {
+            strategy,
+            failure_domains: domains.clone(),
+            etcd_args: vec![],
+        }),
+    })
+    .await
+    .unwrap();
+    cluster.wait_ready(Duration::from_secs(30)).await.unwrap();
+    let cancel = CancellationToken::new();
+    let _stop_all = cancel.clone().drop_guard();
+    tokio::spawn(Arc::clone(&cluster).run_machine_api(cancel.child_token()));
+    let op = Arc::new(Operator::new(
+        Spec {
+            desired_voters: members,
+            replacement: replacement_for(strategy),
+        },
+        Arc::clone(&cluster),
+        cluster.client_urls(),
+        timing(),
+    ));
+    {
+        let (op, c) = (Arc::clone(&op), cancel.child_token());
+        tokio::spawn(async move { op.run(c).await });
+    }
+    wait_for("settled", Duration::from_secs(30), || {
+        settled(&op).then_some(())
+    })
+    .await;
+    let set = Arc::new(Controller::new(
+        SetConfig {
+            replicas: members,
+            strategy,
+            failure_domains: domains.clone(),
+            template: local_template(&[]).unwrap(),
+        },
+        LOCAL_DOMAIN,
+        Arc::clone(&cluster),
+        Arc::clone(&op),
+    ));
+    {
+        let (set, c) = (Arc::clone(&set), cancel.child_token());
+        tokio::spawn(async move { set.run(Duration::from_millis(100), c).await });
+    }
+    // The installer's machines are adopted and already up to date.
+    wait_for("adoption", Duration::from_secs(30), || {
+        let st = set.status();
+        (st.counts.updated_replicas == members && st.history.len() == members).then_some(())
+    })
+    .await;
+    let first: Vec<String> = cluster.machines().into_iter().map(|m| m.name).collect();
+
+    let stop = CancellationToken::new();
+    let w = tokio::spawn(writer(Arc::clone(&cluster), stop.clone()));
+    let m = tokio::spawn(monitor_rollout(Arc::clone(&cluster), stop.clone()));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let flag = "--heartbeat-interval=110";
+    set.update(local_template(&[flag.into()]).unwrap(), domains.clone());
+    let deadline = Duration::from_secs(if members == 5 { 240 } else { 150 });
+    let describe_all = || {
+        format!(
+            "set: {:#?}; operator: {}",
+            serde_json::to_string(&set.status()).unwrap(),
+            describe(&op)
+        )
+    };
+    let started = Instant::now();
+    loop {
+        let st = set.status();
+        let machines = cluster.machines();
+        let done = st.observed_generation == st.generation
+            && st.counts.updated_replicas == members
+            && machines.len() == members
+            && machines.iter().all(|m| !m.deleting)
+            && settled(&op)
+            && st.machines.iter().all(|m| m.updated);
+        if done {
+            break;
+        }
+        // OnDelete: a person deletes one outdated machine at a time.
+        if strategy == Strategy::OnDelete
+            && st.observed_generation == st.generation
+            && !machines.iter().any(|m| m.deleting)
+            && machines.len() == members
+            && settled(&op)
+            && let Some(old) = st
+                .machines
+                .iter()
+                .find(|m| !m.updated && machines.iter().any(|x| x.name == m.name))
+        {
+            cluster.delete_machine(&old.name).unwrap();
+        }
+        assert!(
+            started.elapsed() < deadline,
+            "rollout not done in {deadline:?}: {}",
+            describe_all()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let rolled_in = started.elapsed();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.cancel();
+    let report = w.await.unwrap();
+    let (min_v, max_v, max_l, max_m, samples) = m.await.unwrap();
+    eprintln!(
+        "{strategy:?} x{members}: rolled in {rolled_in:?}; writer {} acked, {} put errors; voters {min_v}..={max_v}, learners <= {max_l}, machines <= {max_m} ({samples} samples)",
+        report.acked.len(),
+        report.put_errors
+    );
+
+    // Every machine replaced, running the new flag, balanced over the domains.
+    let machines = cluster.machines();
+    assert!(
+        machines.iter().all(|m| !first.contains(&m.name)),
+        "not replaced: {machines:?}"
+    );
+    for m in &machines {
+        let pid = m.pid.expect("running");
+        assert!(
+            cmdline(pid).contains(flag),
+            "{} runs {}",
+            m.name,
+            cmdline(pid)
+        );
+    }
+    let mut per_domain = BTreeMap::new();
+    for m in &machines {
+        *per_domain
+            .entry(m.spec["failureDomain"].as_str().unwrap().to_owned())
+            .or_insert(0) += 1;
+    }
+    let want: BTreeMap<String, usize> = if members == 5 {
+        [("zone-a", 2), ("zone-b", 2), ("zone-c", 1)]
+    } else {
+        [("zone-a", 1), ("zone-b", 1), ("zone-c", 1)]
+    }
+    .map(|(d, n)| (d.to_owned(), n))
+    .into();
+    assert_eq!(per_domain, want);
+
+    // Quorum kept, one change at a time.
+    let floor = if strategy == Strategy::Recreate {
+        members - 1
+    } else {
+        members
+    };
+    assert!(samples > 50, "monitor only got {samples} samples");
+    assert!(min_v >= floor, "{min_v} voters seen, floor {floor}");
+    assert!(max_v <= members + 1, "{max_v} voters seen");
+    assert!(max_l <= 1, "{max_l} learners seen");
+    let max_machines = if strategy == Strategy::Recreate {
+        members
+    } else {
+        members + 1
+    };
+    assert!(max_m <= max_machines, "{max_m} machines seen");
+
+    // No acknowledged write lost.
+    assert!(
+        report.acked.len() > 100,
+        "writer only got {} acks",
+        report.acked.len()
+    );
+    assert!(report.stale_reads.is_empty(), "{:?}", report.stale_reads);
+    let mut c = client(&cluster.client_urls()).await.unwrap();
+    let r = c
+        .get("w/", Some(GetOptions::new().with_prefix()))
+        .await
+        .unwrap();
+    let stored: BTreeMap<String, String> = r
+        .kvs()
+        .iter()
+        .map(|kv| {
+            (
+                kv.key_str().unwrap().to_owned(),
+                kv.value_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    for (k, v) in &report.acked {
+        assert_eq!(stored.get(k), Some(v), "acknowledged write {k} lost");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_plane_set_rolling_update_rolls_three_members() {
+    roll(Strategy::RollingUpdate, 3).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_plane_set_recreate_rolls_three_members() {
+    roll(Strategy::Recreate, 3).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_plane_set_on_delete_rolls_three_members() {
+    roll(Strategy::OnDelete, 3).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_plane_set_rolling_update_rolls_five_members() {
+    roll(Strategy::RollingUpdate, 5).await;
 }

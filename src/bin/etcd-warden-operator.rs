@@ -11,8 +11,11 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
 use etcd_warden::config::{LogConfig, LogFormat};
+use etcd_warden::operator::control_plane_set::Strategy;
 use etcd_warden::operator::execute::Timing;
-use etcd_warden::operator::local::{LocalError, LocalOptions, locate_etcd, run_local};
+use etcd_warden::operator::local::{
+    LocalError, LocalOptions, LocalSetOptions, locate_etcd, run_local,
+};
 use tokio_util::sync::CancellationToken;
 
 /// Exit status for bad usage (EX_USAGE).
@@ -77,6 +80,32 @@ enum Command {
         #[command(flatten)]
         api: ApiArgs,
     },
+    /// Print the ControlPlaneSet (spec, counts, conditions, machines) as JSON.
+    ControlPlaneSet(ApiArgs),
+    /// Change the ControlPlaneSet's template or failure domains; the machines roll per its
+    /// strategy.
+    SetTemplate {
+        /// The template's etcd flags, e.g. --etcd-arg=--heartbeat-interval=150 (repeatable;
+        /// none given leaves the flags as they are; --clear-etcd-args empties them).
+        #[arg(long = "etcd-arg", value_name = "FLAG", allow_hyphen_values = true)]
+        etcd_args: Vec<String>,
+        /// Remove every etcd flag from the template.
+        #[arg(long, conflicts_with = "etcd_args")]
+        clear_etcd_args: bool,
+        /// Failure domains, comma-separated (none given leaves them as they are).
+        #[arg(long, value_delimiter = ',')]
+        failure_domains: Option<Vec<String>>,
+        #[command(flatten)]
+        api: ApiArgs,
+    },
+}
+
+/// `--control-plane-set` values.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum SetStrategy {
+    RollingUpdate,
+    Recreate,
+    OnDelete,
 }
 
 #[derive(Args)]
@@ -99,6 +128,21 @@ struct LocalArgs {
     /// Time between operator steps when there is nothing to do.
     #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
     interval: Duration,
+    /// Run a ControlPlaneSet over the machines with this update strategy.
+    #[arg(long, value_enum, value_name = "STRATEGY")]
+    control_plane_set: Option<SetStrategy>,
+    /// The ControlPlaneSet's failure domains, comma-separated (names only, all on this host).
+    #[arg(long, value_delimiter = ',', requires = "control_plane_set")]
+    failure_domains: Vec<String>,
+    /// An etcd flag of the ControlPlaneSet's template (repeatable), e.g.
+    /// --etcd-arg=--heartbeat-interval=100.
+    #[arg(
+        long = "etcd-arg",
+        value_name = "FLAG",
+        allow_hyphen_values = true,
+        requires = "control_plane_set"
+    )]
+    etcd_args: Vec<String>,
 }
 
 #[derive(Args)]
@@ -171,6 +215,27 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::RemoveHook { machine, api } => {
             (Method::DELETE, api, format!("/machines/{machine}/hook"))
         }
+        Command::ControlPlaneSet(api) => (Method::GET, api, "/controlplaneset".to_owned()),
+        Command::SetTemplate {
+            etcd_args,
+            clear_etcd_args,
+            failure_domains,
+            api,
+        } => {
+            let mut body = serde_json::Map::new();
+            if clear_etcd_args || !etcd_args.is_empty() {
+                body.insert("etcdArgs".into(), serde_json::json!(etcd_args));
+            }
+            if let Some(d) = failure_domains {
+                body.insert("failureDomains".into(), serde_json::json!(d));
+            }
+            return call_with(
+                Method::PUT,
+                api.url("/controlplaneset"),
+                Some(serde_json::Value::Object(body)),
+            )
+            .await;
+        }
     };
     call(method, api.url(&path)).await
 }
@@ -182,6 +247,15 @@ async fn local(a: LocalArgs) -> anyhow::Result<()> {
         dir: a.dir,
         etcd,
         no_fsync: a.no_fsync,
+        set: a.control_plane_set.map(|s| LocalSetOptions {
+            strategy: match s {
+                SetStrategy::RollingUpdate => Strategy::RollingUpdate,
+                SetStrategy::Recreate => Strategy::Recreate,
+                SetStrategy::OnDelete => Strategy::OnDelete,
+            },
+            failure_domains: a.failure_domains,
+            etcd_args: a.etcd_args,
+        }),
     };
     let timing = Timing {
         interval: a.interval,
@@ -224,8 +298,20 @@ async fn shutdown_signal() {
 
 /// Calls the local API and prints the JSON answer; a non-2xx answer is an error.
 async fn call(method: reqwest::Method, url: String) -> anyhow::Result<()> {
-    let resp = reqwest::Client::new()
-        .request(method, &url)
+    call_with(method, url, None).await
+}
+
+/// [`call`] with a JSON body.
+async fn call_with(
+    method: reqwest::Method,
+    url: String,
+    body: Option<serde_json::Value>,
+) -> anyhow::Result<()> {
+    let mut request = reqwest::Client::new().request(method, &url);
+    if let Some(body) = body {
+        request = request.json(&body);
+    }
+    let resp = request
         .send()
         .await
         .with_context(|| format!("calling {url} (is `etcd-warden-operator local` running?)"))?;

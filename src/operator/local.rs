@@ -23,6 +23,10 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use super::control_plane_set::controller::{
+    Controller, SetConfig, SetMachine, SetMachines, SetStatus, replacement_for,
+};
+use super::control_plane_set::{DomainField, Strategy, domain_targets};
 use super::execute::{BackendError, Join, Machines, Operator, OperatorStatus, Timing};
 use super::plan::{Condition, MachineState, Spec, SpecError};
 use crate::etcd::process::{
@@ -98,6 +102,70 @@ pub struct LocalOptions {
     pub etcd: PathBuf,
     /// Pass `--unsafe-no-fsync` where the binary supports it (tests, demos).
     pub no_fsync: bool,
+    /// Run a ControlPlaneSet over the machines.
+    pub set: Option<LocalSetOptions>,
+}
+
+/// The local ControlPlaneSet: a machine's spec is `{"etcdArgs": [...], "failureDomain": ...}`.
+#[derive(Debug, Clone)]
+pub struct LocalSetOptions {
+    /// How outdated machines are replaced.
+    pub strategy: Strategy,
+    /// Failure domains (names only: every local machine is on this host).
+    pub failure_domains: Vec<String>,
+    /// Extra etcd flags of the template.
+    pub etcd_args: Vec<String>,
+}
+
+/// Where a local machine's spec keeps its failure domain.
+pub const LOCAL_DOMAIN: DomainField = DomainField("/failureDomain");
+
+/// Flags the local backend sets itself; a template may not.
+const OWN_FLAGS: &[&str] = &[
+    "--name",
+    "--data-dir",
+    "--listen-client-urls",
+    "--advertise-client-urls",
+    "--listen-peer-urls",
+    "--initial-advertise-peer-urls",
+    "--initial-cluster",
+    "--initial-cluster-state",
+    "--initial-cluster-token",
+    "--unsafe-no-fsync",
+    "--logger",
+    "--log-level",
+    "--log-outputs",
+];
+
+/// A local machine template from its etcd flags, checked: each `--flag` or `--flag=value`, none
+/// of the flags the backend sets. The error names the argument at fault.
+pub fn local_template(etcd_args: &[String]) -> Result<serde_json::Value, String> {
+    for (i, arg) in etcd_args.iter().enumerate() {
+        let flag = arg.split('=').next().unwrap_or(arg);
+        if !arg.starts_with("--") || flag.len() < 3 {
+            return Err(format!(
+                "etcdArgs[{i}] {arg:?} is not an etcd flag (\"--flag=value\")"
+            ));
+        }
+        if OWN_FLAGS.contains(&flag) {
+            return Err(format!(
+                "etcdArgs[{i}] {arg:?}: {flag} is set by the local backend, not the template"
+            ));
+        }
+    }
+    Ok(json!({ "etcdArgs": etcd_args }))
+}
+
+/// The etcd flags of a local machine spec.
+fn etcd_args(spec: &serde_json::Value) -> Vec<String> {
+    spec.get("etcdArgs")
+        .and_then(|a| a.as_array())
+        .map(|a| {
+            a.iter()
+                .filter_map(|v| v.as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 struct LocalMachine {
@@ -110,6 +178,10 @@ struct LocalMachine {
     member_id: Option<u64>,
     /// Its etcd, killed when dropped.
     process: Option<Arc<EtcdProcess>>,
+    /// Its spec as a ControlPlaneSet sees it (etcd flags, failure domain).
+    set_spec: serde_json::Value,
+    /// Carries the ControlPlaneSet's owner reference.
+    owned: bool,
 }
 
 impl LocalMachine {
@@ -145,6 +217,8 @@ pub struct MachineInfo {
     pub hook_removed_by_other: bool,
     /// PID of its running etcd.
     pub pid: Option<u32>,
+    /// Its spec (etcd flags, failure domain).
+    pub spec: serde_json::Value,
 }
 
 struct Inner {
@@ -190,11 +264,36 @@ impl LocalCluster {
         let mut specs: Vec<MemberSpec> = (0..cluster.opts.members)
             .map(|_| cluster.member_spec())
             .collect();
+        // With a set, the first machines are built from its template, spread over its
+        // domains as it would spread them (the installer's machines, adopted on its first step).
+        let set_specs: Vec<serde_json::Value> = match &cluster.opts.set {
+            None => vec![serde_json::Value::Null; specs.len()],
+            Some(set) => {
+                let template = local_template(&set.etcd_args).map_err(|m| LocalError::Io {
+                    what: "the control plane set's template".into(),
+                    source: std::io::Error::new(std::io::ErrorKind::InvalidInput, m),
+                })?;
+                let mut domains: Vec<Option<String>> = Vec::new();
+                for (domain, n) in domain_targets(specs.len(), &set.failure_domains) {
+                    domains.extend(std::iter::repeat_n(domain, n));
+                }
+                domains
+                    .into_iter()
+                    .map(|d| match d {
+                        Some(d) => LOCAL_DOMAIN.inject(&template, &d),
+                        None => template.clone(),
+                    })
+                    .collect()
+            }
+        };
+        for (spec, set_spec) in specs.iter_mut().zip(&set_specs) {
+            spec.extra_args = etcd_args(set_spec);
+        }
         let started = process::start_cluster(&cluster.bins, &mut specs, START_TIMEOUT)
             .await
             .map_err(|e| LocalError::from_process(e, &cluster.opts.dir))?;
         let mut inner = cluster.lock();
-        for (spec, p) in specs.into_iter().zip(started) {
+        for ((spec, p), set_spec) in specs.into_iter().zip(started).zip(set_specs) {
             info!(machine = %spec.name, pid = p.pid(), "started etcd");
             inner.machines.push(LocalMachine {
                 spec,
@@ -203,6 +302,8 @@ impl LocalCluster {
                 hook_removed_by_other: false,
                 member_id: None,
                 process: Some(Arc::new(p)),
+                set_spec,
+                owned: false,
             });
         }
         drop(inner);
@@ -247,7 +348,18 @@ impl LocalCluster {
 
     /// Creates a machine (ports and data dir chosen, nothing running); returns its name.
     pub fn create_machine(&self) -> Result<String, LocalError> {
+        self.create_machine_with(serde_json::Value::Null, false)
+    }
+
+    /// [`LocalCluster::create_machine`] with a set's machine spec (its etcd flags apply when
+    /// its member starts).
+    fn create_machine_with(
+        &self,
+        set_spec: serde_json::Value,
+        owned: bool,
+    ) -> Result<String, LocalError> {
         let mut spec = self.member_spec();
+        spec.extra_args = etcd_args(&set_spec);
         // Chosen now: the operator announces the peer URL before the member starts.
         spec.choose_ports()
             .map_err(|e| LocalError::from_process(e, &self.opts.dir))?;
@@ -259,6 +371,8 @@ impl LocalCluster {
             hook_removed_by_other: false,
             member_id: None,
             process: None,
+            set_spec,
+            owned,
         });
         info!(machine = %name, "machine created");
         Ok(name)
@@ -322,6 +436,7 @@ impl LocalCluster {
                     .as_ref()
                     .filter(|p| p.is_running())
                     .map(|p| p.pid()),
+                spec: m.set_spec.clone(),
             })
             .collect()
     }
@@ -455,6 +570,44 @@ impl Machines for LocalCluster {
     }
 }
 
+#[async_trait]
+impl SetMachines for LocalCluster {
+    async fn list_set(&self) -> Result<Vec<SetMachine>, BackendError> {
+        Ok(self
+            .lock()
+            .machines
+            .iter()
+            .map(|m| SetMachine {
+                name: m.spec.name.clone(),
+                spec: m.set_spec.clone(),
+                peer_url: m.spec.peer_url(),
+                // A local "node" is up as soon as the machine exists.
+                ready: true,
+                failed: false,
+                deleting: m.deleting,
+                owned: m.owned,
+            })
+            .collect())
+    }
+
+    async fn adopt(&self, machine: &str) -> Result<(), BackendError> {
+        find(&mut self.lock(), machine)?.owned = true;
+        Ok(())
+    }
+
+    async fn create(&self, spec: &serde_json::Value) -> Result<String, BackendError> {
+        self.create_machine_with(spec.clone(), true)
+            .map_err(|e| BackendError::Unavailable(Box::new(e)))
+    }
+
+    async fn delete(&self, machine: &str) -> Result<(), BackendError> {
+        self.delete_machine(machine)
+    }
+}
+
+/// The ControlPlaneSet controller of a local cluster.
+pub type LocalSet = Controller<LocalCluster, LocalCluster>;
+
 /// Shared state of the local HTTP API.
 #[derive(Clone)]
 pub struct ApiState {
@@ -464,6 +617,8 @@ pub struct ApiState {
     pub status: Arc<Mutex<OperatorStatus>>,
     /// Metrics registry.
     pub registry: Arc<Registry>,
+    /// The ControlPlaneSet, when one runs.
+    pub set: Option<Arc<LocalSet>>,
 }
 
 /// An API error: status code plus a short JSON body.
@@ -535,7 +690,62 @@ pub fn router(state: ApiState) -> Router {
         .route("/machines/{name}", delete(delete_machine))
         .route("/machines/{name}/replace", post(replace))
         .route("/machines/{name}/hook", delete(remove_hook))
+        .route("/controlplaneset", get(get_set).put(put_set))
         .with_state(state)
+}
+
+/// Body of `PUT /controlplaneset`: what may change (replicas and strategy may not).
+#[derive(Debug, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SetUpdate {
+    /// The template's etcd flags.
+    pub etcd_args: Option<Vec<String>>,
+    /// The failure domains.
+    pub failure_domains: Option<Vec<String>>,
+}
+
+fn no_set() -> ApiError {
+    ApiError(
+        StatusCode::NOT_FOUND,
+        "not_found",
+        "no control plane set runs here; start `local` with --control-plane-set".into(),
+    )
+}
+
+async fn get_set(State(s): State<ApiState>) -> Result<Json<SetStatus>, ApiError> {
+    let set = s.set.as_ref().ok_or_else(no_set)?;
+    Ok(Json(set.status()))
+}
+
+async fn put_set(
+    State(s): State<ApiState>,
+    body: Result<Json<SetUpdate>, axum::extract::rejection::JsonRejection>,
+) -> Result<Json<SetStatus>, ApiError> {
+    let set = s.set.as_ref().ok_or_else(no_set)?;
+    let Json(update) =
+        body.map_err(|e| ApiError(StatusCode::BAD_REQUEST, "bad_request", e.body_text()))?;
+    let bad = |m: String| ApiError(StatusCode::BAD_REQUEST, "bad_request", m);
+    let current = set.config();
+    let template = match &update.etcd_args {
+        Some(args) => local_template(args).map_err(bad)?,
+        None => current.template,
+    };
+    let domains = match update.failure_domains {
+        Some(d) => {
+            for (i, name) in d.iter().enumerate() {
+                if name.trim().is_empty() {
+                    return Err(bad(format!("failureDomains[{i}] is empty")));
+                }
+                if d[..i].contains(name) {
+                    return Err(bad(format!("failureDomains[{i}] {name:?} is listed twice")));
+                }
+            }
+            d
+        }
+        None => current.failure_domains,
+    };
+    set.update(template, domains);
+    Ok(Json(set.status()))
 }
 
 async fn status(State(s): State<ApiState>) -> Json<LocalStatus> {
@@ -608,7 +818,16 @@ pub async fn run_local(
     cancel: CancellationToken,
     on_listening: impl FnOnce(SocketAddr),
 ) -> Result<(), LocalError> {
-    let spec = Spec::new(opts.members)?;
+    let mut spec = Spec::new(opts.members)?;
+    let set_options = opts.set.clone();
+    if let Some(set) = &set_options {
+        spec.replacement = replacement_for(set.strategy);
+        local_template(&set.etcd_args).map_err(|m| LocalError::Io {
+            what: "--etcd-arg".into(),
+            source: std::io::Error::new(std::io::ErrorKind::InvalidInput, m),
+        })?;
+    }
+    let members = opts.members;
     let cluster = LocalCluster::start(opts).await?;
     let listener = tokio::net::TcpListener::bind(listen)
         .await
@@ -635,6 +854,23 @@ pub async fn run_local(
         let c = child.clone();
         tasks.spawn(async move { op.run(c).await });
     }
+    let set = set_options.map(|o| {
+        let template = local_template(&o.etcd_args).unwrap_or_default();
+        let set = Arc::new(Controller::new(
+            SetConfig {
+                replicas: members,
+                strategy: o.strategy,
+                failure_domains: o.failure_domains,
+                template,
+            },
+            LOCAL_DOMAIN,
+            Arc::clone(&cluster),
+            Arc::clone(&operator),
+        ));
+        let (s, c) = (Arc::clone(&set), child.clone());
+        tasks.spawn(async move { s.run(Duration::from_millis(500), c).await });
+        set
+    });
     tasks.close();
 
     // Serve once every member is protected, so a machine deleted right away is held by its hook.
@@ -650,6 +886,7 @@ pub async fn run_local(
         cluster: Arc::clone(&cluster),
         status: operator.status_handle(),
         registry: Arc::new(registry),
+        set,
     };
     on_listening(addr);
     let served = axum::serve(listener, router(state))
@@ -665,4 +902,32 @@ pub async fn run_local(
     }
     drop(cluster);
     served
+}
+
+#[cfg(test)]
+mod set_tests {
+    use super::*;
+
+    #[test]
+    fn a_template_takes_etcd_flags_but_none_the_backend_sets() {
+        let t = local_template(&[
+            "--heartbeat-interval=150".into(),
+            "--auto-compaction-retention=1h".into(),
+        ])
+        .unwrap();
+        assert_eq!(
+            etcd_args(&t),
+            ["--heartbeat-interval=150", "--auto-compaction-retention=1h"]
+        );
+        let e = local_template(&["--snapshot-count=5".into(), "heartbeat".into()]).unwrap_err();
+        assert!(e.contains("etcdArgs[1]") && e.contains("heartbeat"), "{e}");
+        let e = local_template(&["--data-dir=/tmp/x".into()]).unwrap_err();
+        assert!(e.contains("etcdArgs[0]") && e.contains("--data-dir"), "{e}");
+        let e = local_template(&["--".into()]).unwrap_err();
+        assert!(e.contains("etcdArgs[0]"), "{e}");
+        // The domain rides beside the flags and is not one of them.
+        let placed = LOCAL_DOMAIN.inject(&t, "zone-b");
+        assert_eq!(LOCAL_DOMAIN.get(&placed).as_deref(), Some("zone-b"));
+        assert_eq!(etcd_args(&placed), etcd_args(&t));
+    }
 }

@@ -20,6 +20,8 @@
 //! reused in alphabetical order when there are fewer than replicas ([`domain_targets`]); a
 //! domain added or removed makes Machines misplaced, and they are replaced like outdated ones.
 
+pub mod controller;
+
 use std::collections::BTreeMap;
 use std::fmt;
 
