@@ -182,6 +182,7 @@ pub struct Condition {
 
 /// The status counts of seed 004.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
+#[serde(rename_all = "camelCase")]
 pub struct Counts {
     /// Machines of the set, deleting ones included.
     pub replicas: usize,
