@@ -37,11 +37,40 @@ pub enum DataDir {
     Valid {
         /// The database's revision.
         revision: i64,
-        /// The WAL holds entries past the database's consistent index: etcd applies them on
-        /// start, so the member will be ahead of `revision` (a crash before the database's
-        /// periodic commit). Such a directory is not behind the store by its revision alone.
-        wal_ahead: bool,
+        /// Raft entries in the WAL past the database's consistent index: etcd applies them on
+        /// start (a crash before the database's periodic commit, or entries that write no key:
+        /// elections, membership, leases). Each adds at most one revision, so the member starts
+        /// at `revision + wal_ahead` at most.
+        wal_ahead: u64,
     },
+}
+
+/// Whether etcd has `dir`'s database open: bbolt holds an exclusive `flock` on
+/// `member/snap/db` for as long as it is open (in this pod's other container as well: the lock
+/// is on the file).
+#[derive(Debug)]
+pub enum DbLock {
+    /// No database file: nothing can be running on the directory.
+    Absent,
+    /// The lock is ours until this is dropped: etcd cannot open the database meanwhile.
+    Held(nix::fcntl::Flock<std::fs::File>),
+    /// Someone (etcd) holds it: the directory is in use and must be left alone.
+    Busy,
+}
+
+/// Tries to take the database's lock without waiting.
+pub fn lock_db(dir: &Path) -> Result<DbLock, String> {
+    let path = dir.join(DB);
+    let file = match std::fs::OpenOptions::new().read(true).open(&path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(DbLock::Absent),
+        Err(e) => return Err(format!("{}: {e}", path.display())),
+    };
+    match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+        Ok(lock) => Ok(DbLock::Held(lock)),
+        Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(DbLock::Busy),
+        Err((_, e)) => Err(format!("locking {}: {e}", path.display())),
+    }
 }
 
 /// Reads `dir` as [`Validation`] says (blocking: call it off the async runtime).
@@ -64,7 +93,7 @@ pub fn check(dir: &Path, mode: Validation) -> DataDir {
     }
 }
 
-fn check_present(dir: &Path, mode: Validation) -> Result<(i64, bool), String> {
+fn check_present(dir: &Path, mode: Validation) -> Result<(i64, u64), String> {
     for sub in ["member/snap", "member/wal"] {
         if !dir.join(sub).is_dir() {
             return Err(format!("no {sub} directory"));
@@ -87,11 +116,11 @@ fn check_present(dir: &Path, mode: Validation) -> Result<(i64, bool), String> {
     // A WAL that cannot be read is etcd's to judge (it repairs a torn tail); counted as not
     // ahead, so the revision decides.
     let wal_ahead = match super::wal::last_entry_index(&dir.join("member/wal")) {
-        Ok(Some(last)) => last > consistent_index,
-        Ok(None) => false,
+        Ok(Some(last)) => last.saturating_sub(consistent_index),
+        Ok(None) => 0,
         Err(e) => {
             tracing::warn!(error = %e, "reading the WAL's last entry failed");
-            false
+            0
         }
     };
     Ok((revision, wal_ahead))
@@ -283,7 +312,7 @@ mod tests {
                 check(dir.path(), mode),
                 DataDir::Valid {
                     revision: 501,
-                    wal_ahead: false
+                    wal_ahead: 0
                 }
             );
         }
@@ -356,7 +385,7 @@ mod tests {
                 check(dir.path(), Validation::Sanity),
                 DataDir::Valid {
                     revision: 501,
-                    wal_ahead: false
+                    wal_ahead: 0
                 },
                 "{what}"
             );

@@ -11,7 +11,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use super::datadir::{self, DataDir};
+use super::datadir::{self, DataDir, DbLock};
 use super::{RestoreError, RestoreOptions, StepExt, restore};
 use crate::config::RestoreConfig;
 use crate::store::SnapshotStore;
@@ -74,22 +74,27 @@ pub enum Decision {
 
 /// Decides what initialization does (pure). A directory at or ahead of the store is kept: it
 /// is newer than any backup. A directory behind it is restored (moved aside, never deleted),
-/// unless its WAL holds entries past its database (a crash before the database's periodic
-/// commit: etcd applies them on start, and they may hold writes newer than the store's; a
-/// restore would drop them). One member of several (`multi_member`) behind the store is kept:
+/// unless the entries its WAL holds past its database could bring it level: etcd applies them
+/// on start (a crash before the database's periodic commit), each adds at most one revision,
+/// and they may hold writes newer than the store's that a restore would drop. One member of several (`multi_member`) behind the store is kept:
 /// it catches up from the leader, whereas a restore would make it a new cluster of its own.
 pub fn decide(dir: &DataDir, store: StoreState, multi_member: bool) -> Decision {
     match (dir, store) {
+        // Behind even if every WAL entry past the database wrote a revision.
         (
             DataDir::Valid {
                 revision,
-                wal_ahead: false,
+                wal_ahead,
             },
             StoreState::Latest { revision: latest },
-        ) if *revision < latest && !multi_member => Decision::Restore(Why::Behind {
-            dir: *revision,
-            store: latest,
-        }),
+        ) if revision.saturating_add(i64::try_from(*wal_ahead).unwrap_or(i64::MAX)) < latest
+            && !multi_member =>
+        {
+            Decision::Restore(Why::Behind {
+                dir: *revision,
+                store: latest,
+            })
+        }
         (DataDir::Valid { .. }, _) => Decision::Keep,
         (DataDir::Missing, StoreState::Latest { .. }) => Decision::Restore(Why::Missing),
         (DataDir::Missing, StoreState::Empty) => Decision::StartFresh,
@@ -253,6 +258,23 @@ pub async fn initialize_observed(
 ) -> Result<Initialized, RestoreError> {
     let data_dir = config.data_dir.as_deref().ok_or(RestoreError::NoDataDir)?;
     let started = Instant::now();
+    // etcd already runs on the directory (this sidecar restarted alone): nothing to decide, and
+    // nothing may be moved under it. Otherwise the lock is held until the end, so etcd cannot
+    // open the database while it is checked and perhaps replaced.
+    let _lock = match datadir::lock_db(data_dir) {
+        Ok(DbLock::Busy) => {
+            tracing::info!(data_dir = %data_dir.display(), "etcd holds the database open; the data directory is left alone");
+            metrics.validated(true, started);
+            return Ok(Initialized::Valid);
+        }
+        Ok(lock) => lock,
+        Err(cause) => {
+            return Err(RestoreError::Io {
+                path: data_dir.display().to_string(),
+                cause: std::io::Error::other(cause),
+            });
+        }
+    };
     let decision = validate(store, config, data_dir).await;
     // Succeeded: validation came to something etcd can start from.
     metrics.validated(
@@ -268,10 +290,11 @@ pub async fn initialize_observed(
         Decision::Keep => {
             if let DataDir::Valid {
                 revision,
-                wal_ahead: true,
+                wal_ahead,
             } = found
+                && wal_ahead > 0
             {
-                tracing::warn!(data_dir = %dir, db_revision = revision, "the database lags its WAL (a crash before its commit); kept: etcd applies the WAL's entries on start");
+                tracing::info!(data_dir = %dir, db_revision = revision, wal_entries_ahead = wal_ahead, "the WAL holds entries past the database; etcd applies them on start");
             }
             tracing::info!(data_dir = %dir, validation = ?config.validation, ?found, "data directory valid; kept");
             return Ok(Initialized::Valid);
@@ -371,11 +394,11 @@ mod tests {
         let corrupt = DataDir::Corrupt("truncated".into());
         let at = |revision| DataDir::Valid {
             revision,
-            wal_ahead: false,
+            wal_ahead: 0,
         };
-        let ahead = |revision| DataDir::Valid {
+        let ahead = |revision, wal_ahead| DataDir::Valid {
             revision,
-            wal_ahead: true,
+            wal_ahead,
         };
         let latest = |revision| StoreState::Latest { revision };
         let behind = |dir, store| Restore(Why::Behind { dir, store });
@@ -392,10 +415,12 @@ mod tests {
             (at(1), latest(10), behind(1, 10)),
             (at(10), latest(10), Keep),
             (at(11), latest(10), Keep),
-            // The WAL holds entries past the database: etcd will be further on; never restored.
-            (ahead(9), latest(10), Keep),
-            (ahead(1), latest(10), Keep),
-            (ahead(10), StoreState::Empty, Keep),
+            // WAL entries past the database may bring it level: kept; too few cannot.
+            (ahead(9, 1), latest(10), Keep),
+            (ahead(7, 5), latest(10), Keep),
+            (ahead(1, 3), latest(10), behind(1, 10)),
+            (ahead(8, 1), latest(10), behind(8, 10)),
+            (ahead(10, 2), StoreState::Empty, Keep),
         ];
         for (dir, store, want) in cases {
             assert_eq!(decide(&dir, store, false), want, "{dir:?} with {store:?}");

@@ -257,6 +257,15 @@ pub async fn initialize(
     if let Some(guard) = &config.guard {
         check_guard(data_dir, guard)?;
     }
+    // etcd already runs on it: left alone. Else the lock is held until the rejoin is done.
+    let _lock = match datadir::lock_db(data_dir) {
+        Ok(datadir::DbLock::Busy) => {
+            tracing::info!(data_dir = %data_dir.display(), "etcd holds the database open; no rejoin");
+            return Ok(false);
+        }
+        Ok(lock) => lock,
+        Err(e) => return Err(RejoinError::Validate(e)),
+    };
     // The same validation as a restore's (restore.validation): a valid directory is kept (one
     // member of several catches up from the leader), a missing or corrupt one is rebuilt.
     let (dir, mode) = (data_dir.to_path_buf(), config.validation);

@@ -94,6 +94,10 @@ fn fields(b: &[u8]) -> Option<Vec<(u64, Field<'_>)>> {
     let mut out = Vec::new();
     while at < b.len() {
         let tag = varint(b, &mut at)?;
+        // Field 0 does not exist: zeros where a record was cut short.
+        if tag >> 3 == 0 {
+            return None;
+        }
         let field = match tag & 7 {
             0 => Field::Varint(varint(b, &mut at)?),
             1 => {
