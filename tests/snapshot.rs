@@ -544,3 +544,148 @@ async fn an_exact_revision_snapshot_moved_by_a_write_during_its_stream_stores_no
         "{e}"
     );
 }
+
+/// etcd restored to an older state than the store's newest snapshot: the store's snapshots
+/// after etcd's revision are another history. `resume` sets them aside (kept, out of the
+/// layout) and asks for a new base; the next restore gives exactly what the restored etcd then
+/// holds, new writes included, and nothing of the abandoned history.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_restored_behind_the_store_sets_the_newer_history_aside_and_starts_a_new_base() {
+    use etcd_warden::snapshot::actor::Engine;
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut client = etcd.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let store = file_store(&dir.path().join("store"));
+    for i in 0..20 {
+        client.put(format!("/k/{i:03}"), "v0", None).await.unwrap();
+    }
+    let full = take_full(&client, &store, Codec::Gzip, false)
+        .await
+        .unwrap();
+    // An etcd restored from the full snapshot alone: older than what the store will hold.
+    let old = dir.path().join("old");
+    let opts = support::history::restore_options(&old);
+    etcd_warden::restore::restore(&store, &opts).await.unwrap();
+    // The original etcd goes on, and its deltas reach the store.
+    let mut writer = delta::DeltaWriter::new(Codec::Gzip, full.last_revision);
+    let mut watch =
+        etcd_warden::snapshot::watcher::DeltaWatch::open(&client, full.last_revision + 1)
+            .await
+            .unwrap();
+    for i in 0..30 {
+        client
+            .put(format!("/k/{i:03}"), "abandoned", None)
+            .await
+            .unwrap();
+    }
+    let head = client
+        .get("x", None)
+        .await
+        .unwrap()
+        .header()
+        .unwrap()
+        .revision();
+    let mut events = Vec::new();
+    while events.last().map_or(0, delta::Event::revision) < head {
+        events.extend(watch.next().await.unwrap());
+    }
+    writer.push(events, chrono::Utc::now());
+    writer.flush(&store).await.unwrap().unwrap();
+    assert_eq!(store.list().await.unwrap().len(), 2);
+
+    let tools = etcd_warden::restore::EtcdTools::locate(Some(&Release::V35.bin_dir()))
+        .await
+        .unwrap();
+    let restored =
+        etcd_warden::restore::TempEtcd::start(&tools, &old, "default", dir.path().join("b.log"))
+            .await
+            .unwrap();
+    let rotating = RotatingClient::connect(&EtcdConfig {
+        endpoints: vec![restored.client_url.clone()],
+        tls: None,
+        username: None,
+        password: None,
+        connect_timeout: Duration::from_secs(2),
+        request_timeout: Duration::from_secs(5),
+    })
+    .await
+    .unwrap();
+    let retention = Retention {
+        policy: GcPolicy::LimitBased { max_backups: 100 },
+        delta_retention: Duration::ZERO,
+    };
+    let mut engine = EtcdEngine::new(rotating, store.clone(), Codec::Gzip, retention);
+    engine.resume().await.unwrap();
+    assert!(engine.base_needed());
+    let listed = store.list().await.unwrap();
+    assert_eq!(
+        listed.len(),
+        1,
+        "the newer history is out of the layout: {listed:?}"
+    );
+    assert_eq!(listed[0].snap_name, full.snap_name);
+    let aside: Vec<_> = futures::TryStreamExt::try_collect::<Vec<_>>(store.backend().list(Some(
+        &object_store::path::Path::from("etcd-warden/diverged"),
+    )))
+    .await
+    .unwrap();
+    assert_eq!(aside.len(), 1, "kept, not deleted");
+
+    // The restored etcd's own writes, at revisions the abandoned history also used.
+    let mut b = etcd_client::Client::connect([&restored.client_url], None)
+        .await
+        .unwrap();
+    for i in 0..5 {
+        b.put(format!("/k/{i:03}"), "new-history", None)
+            .await
+            .unwrap();
+    }
+    engine.full(false, None).await.unwrap();
+    assert!(!engine.base_needed());
+    for i in 5..10 {
+        b.put(format!("/k/{i:03}"), "after-the-new-base", None)
+            .await
+            .unwrap();
+    }
+    let want = b
+        .get("/k/", Some(etcd_client::GetOptions::new().with_prefix()))
+        .await
+        .unwrap();
+    let want_rev = want.header().unwrap().revision();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        engine.collect().await.unwrap();
+        let d = engine.flush_delta().await.unwrap();
+        if d.is_some_and(|d| d.snapshot.last_revision >= want_rev) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "delta never reached {want_rev}"
+        );
+    }
+    restored.stop().await.unwrap();
+
+    let again = dir.path().join("again");
+    etcd_warden::restore::restore(&store, &support::history::restore_options(&again))
+        .await
+        .unwrap();
+    let (kvs, revision) = support::history::dump_restored(&again).await;
+    assert_eq!(revision, want_rev);
+    let got: Vec<(String, String)> = kvs
+        .iter()
+        .map(|(k, v, _)| {
+            (
+                String::from_utf8_lossy(k).into(),
+                String::from_utf8_lossy(v).into(),
+            )
+        })
+        .collect();
+    let expected: Vec<(String, String)> = want
+        .kvs()
+        .iter()
+        .map(|kv| (kv.key_str().unwrap().into(), kv.value_str().unwrap().into()))
+        .collect();
+    assert_eq!(got, expected);
+    assert!(got.iter().all(|(_, v)| v != "abandoned"));
+}

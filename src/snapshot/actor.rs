@@ -120,6 +120,11 @@ pub trait Engine: Send + 'static {
     async fn resume(&mut self) -> Result<(), EngineError>;
     /// Stops watching (regular work paused).
     fn pause(&mut self);
+    /// Whether the store has no base this etcd continues (its history was set aside by
+    /// `resume`): a full snapshot is due now.
+    fn base_needed(&self) -> bool {
+        false
+    }
     /// Whether this sidecar's member is the raft leader, whether it is a learner, and how many
     /// members the cluster has.
     async fn membership(&mut self) -> Result<Membership, EngineError>;
@@ -672,6 +677,10 @@ impl<E: Engine> Actor<E> {
     /// previous occurrence; else the next occurrence.
     async fn first_full_due(&mut self) -> Option<DateTime<Utc>> {
         let now = Utc::now();
+        if self.engine.base_needed() {
+            self.metrics.set_required(Kind::Full, true);
+            return Some(now);
+        }
         let next = self.next_occurrence(now);
         match until_gate_changes(&mut self.gate, self.engine.latest_chain()).await {
             None => None,

@@ -25,9 +25,42 @@ pub struct EtcdEngine {
     /// Events since the latest stored snapshot; `None` until a base snapshot exists.
     writer: Option<DeltaWriter>,
     watch: Option<DeltaWatch>,
+    /// `resume` found etcd behind the store and set the store's newer history aside.
+    base_needed: bool,
 }
 
 impl EtcdEngine {
+    /// etcd is at `revision`, the store reaches `store_last`: every snapshot after `revision`
+    /// is moved out of the layout (kept under `etcd-warden/diverged/`), so no restore joins
+    /// the two histories and no delta of etcd's new writes is skipped as already stored; a full
+    /// snapshot is then due at once and starts the watch.
+    async fn set_history_aside(
+        &mut self,
+        revision: i64,
+        store_last: i64,
+    ) -> Result<(), EngineError> {
+        let label = format!("{}-etcd-at-{revision}", Utc::now().format("%Y%m%dT%H%M%SZ"));
+        tracing::error!(
+            etcd_revision = revision,
+            store_revision = store_last,
+            aside = %self.store.aside_prefix(&label),
+            "etcd is behind the store's newest snapshot: it was restored to an older state; the store's snapshots after its revision are set aside and a full snapshot starts a new base"
+        );
+        let newer: Vec<_> = self
+            .store
+            .list()
+            .await?
+            .into_iter()
+            .filter(|s| s.last_revision > revision)
+            .collect();
+        for snapshot in &newer {
+            self.store.set_aside(snapshot, &label).await?;
+            tracing::warn!(snapshot = %snapshot.snap_name, "set aside");
+        }
+        self.base_needed = true;
+        Ok(())
+    }
+
     /// An engine over a client of the local member only (leadership is judged by it).
     pub fn new(
         etcd: RotatingClient,
@@ -43,6 +76,7 @@ impl EtcdEngine {
             want_deltas: false,
             writer: None,
             watch: None,
+            base_needed: false,
         }
     }
 
@@ -66,6 +100,7 @@ impl Engine for EtcdEngine {
         let client = self.etcd.client().await;
         let (snap, bytes) =
             take_full_sized(&client, &self.store, self.codec, is_final, min_revision).await?;
+        self.base_needed = false;
         match self.writer.as_mut() {
             // The running watch goes on; what the full snapshot covers is dropped.
             Some(w) => w.rebase(snap.last_revision),
@@ -133,11 +168,35 @@ impl Engine for EtcdEngine {
             .chain(chain.full_snapshot.iter())
             .map(|s| s.last_revision)
             .max();
-        match last {
-            Some(last) => self.watch_after(last).await,
+        let Some(last) = last else {
             // No base yet: the first full snapshot starts the watch.
-            None => Ok(()),
+            return Ok(());
+        };
+        // The cluster's revision, read linearizably (a member still catching up answers with
+        // the cluster's): below the store's newest, etcd was restored to an older state, and
+        // the store's snapshots after its revision belong to a history etcd no longer has.
+        let mut client = self.etcd.client().await;
+        let revision = client
+            .get(
+                "\0",
+                Some(
+                    etcd_client::GetOptions::new()
+                        .with_keys_only()
+                        .with_limit(1),
+                ),
+            )
+            .await?
+            .header()
+            .map_or(0, |h| h.revision());
+        if revision < last {
+            self.set_history_aside(revision, last).await?;
+            return Ok(());
         }
+        self.watch_after(last).await
+    }
+
+    fn base_needed(&self) -> bool {
+        self.base_needed
     }
 
     fn pause(&mut self) {

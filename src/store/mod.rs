@@ -666,6 +666,37 @@ impl SnapshotStore {
         self.store.delete(&self.path_of(snapshot)).await?;
         Ok(())
     }
+
+    /// Where [`SnapshotStore::set_aside`] keeps snapshots of history `label`:
+    /// `<prefix>/etcd-warden/diverged/<label>/`.
+    pub fn aside_prefix(&self, label: &str) -> String {
+        let prefix = self.prefix.trim_matches('/');
+        let base = format!("etcd-warden/diverged/{label}/");
+        if prefix.is_empty() {
+            base
+        } else {
+            format!("{prefix}/{base}")
+        }
+    }
+
+    /// Moves `snapshot` out of the layout (copied under [`SnapshotStore::aside_prefix`], then
+    /// deleted), so no restore or retention sees it and nothing of it is lost. A snapshot
+    /// already gone (an earlier, interrupted move) is not an error.
+    pub async fn set_aside(&self, snapshot: &Snapshot, label: &str) -> Result<(), StoreError> {
+        let from = self.path_of(snapshot);
+        let to = Path::from(format!(
+            "{}{}",
+            self.aside_prefix(label),
+            snapshot.snap_name
+        ));
+        match self.store.copy(&from, &to).await {
+            Ok(()) => {}
+            Err(object_store::Error::NotFound { .. }) => return Ok(()),
+            Err(e) => return Err(e.into()),
+        }
+        self.store.delete(&from).await?;
+        Ok(())
+    }
 }
 
 #[cfg(test)]
