@@ -261,6 +261,28 @@ async fn writer(cluster: Arc<LocalCluster>, stop: CancellationToken) -> WriterRe
     report
 }
 
+/// Every write the writer saw acknowledged is there, read linearizably from the members now.
+async fn assert_acked_present(cluster: &LocalCluster, report: &WriterReport) {
+    let mut c = client(&cluster.client_urls()).await.unwrap();
+    let r = c
+        .get("w/", Some(GetOptions::new().with_prefix()))
+        .await
+        .unwrap();
+    let stored: BTreeMap<String, String> = r
+        .kvs()
+        .iter()
+        .map(|kv| {
+            (
+                kv.key_str().unwrap().to_owned(),
+                kv.value_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    for (k, v) in &report.acked {
+        assert_eq!(stored.get(k), Some(v), "acknowledged write {k} lost");
+    }
+}
+
 /// Samples the member list continuously: (min voters, max voters, max learners, samples).
 async fn monitor(
     cluster: Arc<LocalCluster>,
@@ -347,24 +369,7 @@ async fn replacing_every_member_under_writes_loses_nothing() {
     assert!(max_l <= 1, "cluster reported {max_l} learners");
 
     // Every acknowledged write is there, read linearizably from the new members.
-    let mut c = client(&f.cluster.client_urls()).await.unwrap();
-    let r = c
-        .get("w/", Some(GetOptions::new().with_prefix()))
-        .await
-        .unwrap();
-    let stored: BTreeMap<String, String> = r
-        .kvs()
-        .iter()
-        .map(|kv| {
-            (
-                kv.key_str().unwrap().to_owned(),
-                kv.value_str().unwrap().to_owned(),
-            )
-        })
-        .collect();
-    for (k, v) in &report.acked {
-        assert_eq!(stored.get(k), Some(v), "acknowledged write {k} lost");
-    }
+    assert_acked_present(&f.cluster, &report).await;
 
     let final_members = members(&f.cluster).await;
     assert_eq!(names(&final_members), ["m4", "m5", "m6"]);
@@ -1011,24 +1016,7 @@ async fn roll(strategy: Strategy, members: usize) {
         report.acked.len()
     );
     assert!(report.stale_reads.is_empty(), "{:?}", report.stale_reads);
-    let mut c = client(&cluster.client_urls()).await.unwrap();
-    let r = c
-        .get("w/", Some(GetOptions::new().with_prefix()))
-        .await
-        .unwrap();
-    let stored: BTreeMap<String, String> = r
-        .kvs()
-        .iter()
-        .map(|kv| {
-            (
-                kv.key_str().unwrap().to_owned(),
-                kv.value_str().unwrap().to_owned(),
-            )
-        })
-        .collect();
-    for (k, v) in &report.acked {
-        assert_eq!(stored.get(k), Some(v), "acknowledged write {k} lost");
-    }
+    assert_acked_present(&cluster, &report).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

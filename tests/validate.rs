@@ -387,6 +387,32 @@ async fn a_corrupt_latest_full_snapshot_falls_back_to_the_previous_one() {
     assert_eq!(dump_restored(&fresh).await, expected);
 }
 
+/// `n` writes, a full snapshot of them, and a data directory restored from it (under `dir`).
+async fn restored_full(
+    client: &mut Client,
+    store: &SnapshotStore,
+    dir: &Path,
+    n: usize,
+) -> (Snapshot, PathBuf) {
+    writes(client, 0, n).await;
+    let full = take_full(client, store, Codec::Gzip, false).await.unwrap();
+    let data = dir.join("data");
+    etcd_warden::restore::restore(store, &restore_options(&data))
+        .await
+        .unwrap();
+    (full, data)
+}
+
+/// etcd 3.5 started on `data` (a temporary member, stopped by the caller).
+async fn run_on(data: &Path, log: PathBuf) -> etcd_warden::restore::TempEtcd {
+    let tools = etcd_warden::restore::EtcdTools::locate(Some(&Release::V35.bin_dir()))
+        .await
+        .unwrap();
+    etcd_warden::restore::TempEtcd::start(&tools, data, "default", log)
+        .await
+        .unwrap()
+}
+
 /// A member that crashed before its database's periodic commit: the database is behind the
 /// store, but its WAL holds the writes (and more) that etcd applies on start. Kept: a restore
 /// would have dropped writes the store does not have.
@@ -397,26 +423,14 @@ async fn a_database_lagging_its_own_wal_is_kept_though_the_store_is_ahead() {
     let s3 = S3Server::start(&[BUCKET]);
     let store = s3_store(&s3);
     let dir = tempfile::tempdir().unwrap();
-    writes(&mut client, 0, 30).await;
-    let full = take_full(&client, &store, Codec::Gzip, false)
-        .await
-        .unwrap();
-    let data = dir.path().join("data");
-    etcd_warden::restore::restore(&store, &restore_options(&data))
-        .await
-        .unwrap();
-    let tools = etcd_warden::restore::EtcdTools::locate(Some(&Release::V35.bin_dir()))
-        .await
-        .unwrap();
-    let start = || {
-        etcd_warden::restore::TempEtcd::start(&tools, &data, "default", dir.path().join("m.log"))
-    };
+    let (full, data) = restored_full(&mut client, &store, dir.path(), 30).await;
+    let start = || run_on(&data, dir.path().join("m.log"));
     // The database as committed before the last writes...
-    start().await.unwrap().stop().await.unwrap();
+    start().await.stop().await.unwrap();
     let committed = std::fs::read(db(&data)).unwrap();
     // ...then writes the WAL records and the database commits, and the database goes back:
     // the shape a crash between the WAL's fsync and the database's commit leaves.
-    let member = start().await.unwrap();
+    let member = start().await;
     let mut m = Client::connect([&member.client_url], None).await.unwrap();
     for i in 0..40 {
         m.put(format!("/registry/after-crash/{i:03}"), "v", None)
@@ -444,7 +458,7 @@ async fn a_database_lagging_its_own_wal_is_kept_though_the_store_is_ahead() {
     assert!(moved_aside(&data).is_empty());
     assert_eq!(restorations(&metrics), 0);
     // etcd applies its WAL: every write of it is back.
-    let member = start().await.unwrap();
+    let member = start().await;
     let mut m = Client::connect([&member.client_url], None).await.unwrap();
     assert_eq!(dump(&mut m).await, wal_head);
     member.stop().await.unwrap();
@@ -459,24 +473,11 @@ async fn a_directory_etcd_runs_on_is_left_alone() {
     let s3 = S3Server::start(&[BUCKET]);
     let store = s3_store(&s3);
     let dir = tempfile::tempdir().unwrap();
-    writes(&mut client, 0, 20).await;
-    let full = take_full(&client, &store, Codec::Gzip, false)
-        .await
-        .unwrap();
-    let data = dir.path().join("data");
-    etcd_warden::restore::restore(&store, &restore_options(&data))
-        .await
-        .unwrap();
+    let (full, data) = restored_full(&mut client, &store, dir.path(), 20).await;
     // The store moves far past the directory (more revisions than the WAL could hold).
     writes(&mut client, 1, 200).await;
     delta_after(&mut client, &store, full.last_revision).await;
-    let tools = etcd_warden::restore::EtcdTools::locate(Some(&Release::V35.bin_dir()))
-        .await
-        .unwrap();
-    let running =
-        etcd_warden::restore::TempEtcd::start(&tools, &data, "default", dir.path().join("m.log"))
-            .await
-            .unwrap();
+    let running = run_on(&data, dir.path().join("m.log")).await;
     let metrics = InitializeMetrics::default();
     let cfg = config(&data, Validation::Full);
     let done = initialize_observed(&store, &cfg, &metrics).await.unwrap();
