@@ -5,6 +5,7 @@
 //! never skip silently.
 #![allow(dead_code)]
 
+pub mod apiserver;
 pub mod cli;
 pub mod dns;
 pub mod etcd;
