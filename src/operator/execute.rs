@@ -52,6 +52,39 @@ pub enum BackendError {
     /// the next step tries again.
     #[error("machine backend unavailable: {0}")]
     Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// Our hook is not put on a machine being deleted that does not carry it: someone took it
+    /// off (the administrator's escape hatch), and it stays off.
+    #[error("machine {0} is being deleted without our hook; it is not put back")]
+    Deleting(String),
+    /// Every attempt to change a machine met a concurrent change (409); the next step reads
+    /// it again.
+    #[error("machine {machine}: still conflicting after {attempts} attempts")]
+    Conflict {
+        /// The machine.
+        machine: String,
+        /// Attempts made.
+        attempts: u32,
+    },
+    /// The backend refused the request for good (forbidden, invalid, an object it cannot
+    /// read): retrying the same request will not help.
+    #[error("{what}: {source}")]
+    Rejected {
+        /// What was being done.
+        what: String,
+        /// What the backend answered.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+}
+
+impl BackendError {
+    /// Whether trying again later may succeed without anyone changing anything.
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            BackendError::Unavailable(_) | BackendError::Conflict { .. }
+        )
+    }
 }
 
 /// Errors of one executor step.
@@ -100,7 +133,7 @@ impl ExecuteError {
         match self {
             ExecuteError::NoEndpoint { .. } | ExecuteError::MemberGone(_) => true,
             ExecuteError::Etcd { source, .. } => is_transient_etcd(source),
-            ExecuteError::Backend(_) => false,
+            ExecuteError::Backend(e) => e.is_transient(),
         }
     }
 }
@@ -139,17 +172,28 @@ pub struct Join {
 }
 
 /// The seam to whatever hosts members: Kubernetes Machines, or local processes.
+///
+/// Both backends pass one conformance suite (`tests/machines_conformance.rs`) for `list`,
+/// `add_hook` and `release_hook`.
 #[async_trait]
 pub trait Machines: Send + Sync + 'static {
     /// Every control-plane machine with its deletion state and hook.
     async fn list(&self) -> Result<Vec<MachineState>, BackendError>;
-    /// Puts our pre-drain deletion hook on a machine (idempotent).
+    /// Puts our pre-drain deletion hook on a machine (idempotent). Never puts it back on a
+    /// machine being deleted whose hook someone else took off: [`BackendError::Deleting`].
     async fn add_hook(&self, machine: &str) -> Result<(), BackendError>;
-    /// Takes our hook off a machine (idempotent).
+    /// Takes our hook, and only ours, off a machine (idempotent).
     async fn release_hook(&self, machine: &str) -> Result<(), BackendError>;
     /// Starts the member of a machine whose learner was just added. Idempotent: a member already
     /// running is left alone and `false` returned.
-    async fn start_member(&self, machine: &str, join: &Join) -> Result<bool, BackendError>;
+    ///
+    /// Only a backend that runs etcd itself starts members (the local one). On Kubernetes the
+    /// platform starts a new machine's etcd (its pod, with the initial cluster taken from the
+    /// `etcd-endpoints` ConfigMap), so that backend keeps this default: nothing to do.
+    async fn start_member(&self, machine: &str, join: &Join) -> Result<bool, BackendError> {
+        let _ = (machine, join);
+        Ok(false)
+    }
 }
 
 /// One member as shown in the status.

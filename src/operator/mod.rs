@@ -3,9 +3,11 @@
 //! - [`plan`]: pure decisions from observed members and machines.
 //! - [`execute`]: observes etcd and a [`execute::Machines`] backend, applies planned actions.
 //! - [`local`]: a backend whose machines are etcd processes on loopback (demo and tests).
+//! - [`kube`]: the backend on Kubernetes (Machines and their deletion hooks).
 //! - [`metrics`]: Prometheus metrics of the operator.
 
 pub mod execute;
+pub mod kube;
 pub mod local;
 pub mod metrics;
 pub mod plan;
