@@ -3,8 +3,12 @@
 //!
 //! - [`machine`]: the typed `Machine` (only the fields read).
 //! - [`machines`]: [`KubeMachines`], the seam's Kubernetes backend.
+//! - [`endpoints`]: the `etcd-endpoints` ConfigMap built from etcd's member list (pure).
+//! - [`quorum_guard`]: the quorum-guard PodDisruptionBudget (pure).
 
+pub mod endpoints;
 pub mod machine;
 pub mod machines;
+pub mod quorum_guard;
 
 pub use machines::{KubeMachines, KubeMachinesConfig};
