@@ -8,6 +8,7 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
+use ::kube::api::Api;
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::{Map, Value};
@@ -86,6 +87,25 @@ pub fn merge_patch(
         "metadata": {"resourceVersion": resource_version},
         "data": changes,
     }))
+}
+
+/// Makes the ConfigMap in `api`'s namespace list exactly `members`; returns whether it wrote.
+pub async fn sync(
+    api: &Api<ConfigMap>,
+    namespace: &str,
+    members: &[MemberState],
+) -> Result<bool, super::sync::SyncError> {
+    let want = data(members)?;
+    super::sync::upsert(
+        api,
+        NAME,
+        || config_map(namespace, want.clone()),
+        |cm| {
+            let rv = cm.metadata.resource_version.clone().unwrap_or_default();
+            merge_patch(&cm.data.clone().unwrap_or_default(), &want, &rv)
+        },
+    )
+    .await
 }
 
 #[cfg(test)]

@@ -63,29 +63,38 @@ pub struct KubeCall {
     pub source: ::kube::Error,
 }
 
-/// `e` in the seam's terms: unreachable, throttled, or server errors are transient; a refusal
-/// (forbidden, invalid, unreadable) is not.
+impl KubeCall {
+    /// Unreachable, throttled, conflicting or failing servers may answer next time; a refusal
+    /// (forbidden, invalid, unreadable) will not.
+    pub fn is_transient(&self) -> bool {
+        match &self.source {
+            ::kube::Error::Api(s) => {
+                s.code == 409 || s.code == 410 || s.code == 429 || s.code >= 500
+            }
+            ::kube::Error::HyperError(_)
+            | ::kube::Error::Service(_)
+            | ::kube::Error::ReadEvents(_) => true,
+            _ => false,
+        }
+    }
+}
+
+/// `e` in the seam's terms, transient or permanent as [`KubeCall::is_transient`] judges.
 pub fn backend_error(what: impl Into<String>, e: ::kube::Error) -> BackendError {
     let what = what.into();
-    let transient = match &e {
-        ::kube::Error::Api(s) => s.code == 409 || s.code == 410 || s.code == 429 || s.code >= 500,
-        ::kube::Error::HyperError(_) | ::kube::Error::Service(_) | ::kube::Error::ReadEvents(_) => {
-            true
-        }
-        _ => false,
-    };
     let call = Box::new(KubeCall {
         what: what.clone(),
         source: e,
     });
-    if transient {
+    if call.is_transient() {
         BackendError::Unavailable(call)
     } else {
         BackendError::Rejected { what, source: call }
     }
 }
 
-fn is_status(e: &::kube::Error, code: u16) -> bool {
+/// Whether `e` is an API answer with HTTP status `code`.
+pub fn is_status(e: &::kube::Error, code: u16) -> bool {
     matches!(e, ::kube::Error::Api(s) if s.code == code)
 }
 

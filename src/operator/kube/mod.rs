@@ -5,10 +5,12 @@
 //! - [`machines`]: [`KubeMachines`], the seam's Kubernetes backend.
 //! - [`endpoints`]: the `etcd-endpoints` ConfigMap built from etcd's member list (pure).
 //! - [`quorum_guard`]: the quorum-guard PodDisruptionBudget (pure).
+//! - [`sync`]: create-or-patch with optimistic concurrency, for the ConfigMap and the PDB.
 
 pub mod endpoints;
 pub mod machine;
 pub mod machines;
 pub mod quorum_guard;
+pub mod sync;
 
 pub use machines::{KubeMachines, KubeMachinesConfig};

@@ -10,6 +10,7 @@
 
 use std::collections::BTreeMap;
 
+use ::kube::api::Api;
 use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -74,6 +75,35 @@ impl QuorumGuard {
             })
         };
         spec(current) == spec(&want)
+    }
+}
+
+impl QuorumGuard {
+    /// Makes the budget in `api`'s namespace the one for `machines`; returns whether it wrote.
+    pub async fn sync(
+        &self,
+        api: &Api<PodDisruptionBudget>,
+        machines: usize,
+    ) -> Result<bool, super::sync::SyncError> {
+        super::sync::upsert(
+            api,
+            &self.name,
+            || self.budget(machines),
+            |current| {
+                if self.is_current(current, machines) {
+                    return None;
+                }
+                Some(serde_json::json!({
+                    "metadata": {"resourceVersion": current.metadata.resource_version},
+                    "spec": {
+                        "minAvailable": min_available(machines),
+                        "maxUnavailable": null,
+                        "selector": {"matchLabels": self.pod_labels, "matchExpressions": null},
+                    },
+                }))
+            },
+        )
+        .await
     }
 }
 
