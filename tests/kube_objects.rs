@@ -137,3 +137,13 @@ async fn the_quorum_guard_follows_the_machine_count() {
     let pdb = api.get(&guard.name).await.unwrap();
     assert!(guard.is_current(&pdb, 3));
 }
+
+#[test]
+fn the_kube_client_builds_its_tls_connector_with_one_crypto_provider() {
+    // rustls panics when two crypto providers are compiled in and none is installed; building
+    // an https client constructs the rustls configuration kube uses.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let _guard = rt.enter();
+    let config = kube::Config::new("https://127.0.0.1:6443".parse().unwrap());
+    kube::Client::try_from(config).expect("an https kube client");
+}
