@@ -147,3 +147,99 @@ fn the_kube_client_builds_its_tls_connector_with_one_crypto_provider() {
     let config = kube::Config::new("https://127.0.0.1:6443".parse().unwrap());
     kube::Client::try_from(config).expect("an https kube client");
 }
+
+#[tokio::test]
+async fn every_recorded_action_becomes_an_event_on_its_machine() {
+    use etcd_warden::operator::execute::ActionRecord;
+    use etcd_warden::operator::kube::events;
+    use etcd_warden::operator::plan::Action;
+    use k8s_openapi::api::core::v1::ObjectReference;
+    use k8s_openapi::api::events::v1::Event;
+    use kube::runtime::events::{Recorder, Reporter};
+
+    let server = ApiServer::start().await;
+    let client = server.client();
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: "etcd-warden-operator".into(),
+            instance: Some("op-0".into()),
+        },
+    );
+    let (tx, rx) = tokio::sync::broadcast::channel(16);
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let fallback = ObjectReference {
+        kind: Some("ConfigMap".into()),
+        name: Some("etcd-endpoints".into()),
+        namespace: Some(NS.into()),
+        ..ObjectReference::default()
+    };
+    let task = tokio::spawn(events::publish(
+        rx,
+        recorder,
+        "openshift-machine-api".into(),
+        fallback,
+        cancel.clone(),
+    ));
+    let rec = |action: Action, error: Option<&str>| ActionRecord {
+        text: action.to_string(),
+        action,
+        at: chrono::Utc::now(),
+        error: error.map(String::from),
+    };
+    tx.send(rec(
+        Action::AddHook {
+            machine: "cp-0".into(),
+        },
+        None,
+    ))
+    .unwrap();
+    tx.send(rec(
+        Action::ReleaseHook {
+            machine: "cp-0".into(),
+        },
+        Some("machine backend unavailable"),
+    ))
+    .unwrap();
+
+    let api: Api<Event> = Api::namespaced(client, "openshift-machine-api");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let list = loop {
+        let list = api.list(&Default::default()).await.unwrap().items;
+        if list.len() >= 2 || std::time::Instant::now() > deadline {
+            break list;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    let mut got: Vec<(String, String, String)> = list
+        .iter()
+        .map(|e| {
+            (
+                e.reason.clone().unwrap_or_default(),
+                e.type_.clone().unwrap_or_default(),
+                e.regarding
+                    .as_ref()
+                    .and_then(|r| r.name.clone())
+                    .unwrap_or_default(),
+            )
+        })
+        .collect();
+    got.sort();
+    assert_eq!(
+        got,
+        vec![
+            ("DeletionHookAdded".into(), "Normal".into(), "cp-0".into()),
+            (
+                "ReleaseDeletionHookFailed".into(),
+                "Warning".into(),
+                "cp-0".into()
+            ),
+        ]
+    );
+    assert!(
+        list.iter()
+            .all(|e| e.reporting_controller.as_deref() == Some("etcd-warden-operator"))
+    );
+    cancel.cancel();
+    task.await.unwrap();
+}

@@ -301,6 +301,8 @@ pub struct Operator<M: Machines> {
     timing: Timing,
     metrics: Metrics,
     status: Arc<Mutex<OperatorStatus>>,
+    /// Every applied or failed action, for whoever reports them (Kubernetes Events).
+    actions: tokio::sync::broadcast::Sender<ActionRecord>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -321,7 +323,14 @@ impl<M: Machines> Operator<M> {
             timing,
             metrics: Metrics::default(),
             status: Arc::new(Mutex::new(OperatorStatus::default())),
+            actions: tokio::sync::broadcast::channel(HISTORY).0,
         }
+    }
+
+    /// Every action applied or attempted from now on, as it is recorded in the status. A
+    /// receiver that falls more than the status history behind loses the oldest.
+    pub fn subscribe_actions(&self) -> tokio::sync::broadcast::Receiver<ActionRecord> {
+        self.actions.subscribe()
     }
 
     /// The metrics handles (register them once).
@@ -511,6 +520,8 @@ impl<M: Machines> Operator<M> {
             at: Utc::now(),
             error: result.err().map(|e| e.to_string()),
         };
+        // No receiver is fine: nobody reports actions outside the status.
+        let _ = self.actions.send(rec.clone());
         let mut st = lock(&self.status);
         st.last_action = Some(rec.clone());
         st.history.push(rec);

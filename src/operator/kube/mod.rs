@@ -5,10 +5,12 @@
 //! - [`machines`]: [`KubeMachines`], the seam's Kubernetes backend.
 //! - [`endpoints`]: the `etcd-endpoints` ConfigMap built from etcd's member list (pure).
 //! - [`quorum_guard`]: the quorum-guard PodDisruptionBudget (pure).
+//! - [`events`]: a Kubernetes Event for every action the executor records.
 //! - [`lease`]: leader election through a Lease, so two replicas never both act.
 //! - [`sync`]: create-or-patch with optimistic concurrency, for the ConfigMap and the PDB.
 
 pub mod endpoints;
+pub mod events;
 pub mod lease;
 pub mod machine;
 pub mod machines;
