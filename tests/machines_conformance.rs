@@ -18,10 +18,11 @@ use etcd_warden::operator::kube::machine::{HOOK_NAME, HOOK_OWNER, Machine};
 use etcd_warden::operator::kube::{KubeMachines, KubeMachinesConfig};
 use etcd_warden::operator::local::{LocalCluster, LocalOptions};
 use etcd_warden::operator::plan::MachineState;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams};
 use serde_json::json;
 use support::apiserver::ApiServer;
 use support::etcd::Release;
+use support::machine_api::{self, MachineApi, create_machine};
 use tempfile::TempDir;
 
 type Hook = (String, String);
@@ -285,6 +286,7 @@ const NAMESPACE: &str = "openshift-machine-api";
 struct KubeHarness {
     server: ApiServer,
     api: Api<Machine>,
+    raw: Api<DynamicObject>,
     backend: KubeMachines,
     next: AtomicUsize,
 }
@@ -295,6 +297,7 @@ impl KubeHarness {
         let client = server.client();
         let backend = KubeMachines::new(client.clone(), KubeMachinesConfig::default());
         KubeHarness {
+            raw: machine_api::machines(client.clone(), NAMESPACE),
             api: Api::namespaced(client, NAMESPACE),
             server,
             backend,
@@ -311,31 +314,6 @@ impl KubeHarness {
     }
 }
 
-/// A control-plane Machine as the Machine API creates one (the fields that matter here).
-pub async fn create_machine(api: &Api<Machine>, name: &str, role: &str, ip: Option<&str>) {
-    let m: Machine = serde_json::from_value(json!({
-        "apiVersion": "machine.openshift.io/v1beta1",
-        "kind": "Machine",
-        "metadata": {
-            "name": name,
-            "labels": {"machine.openshift.io/cluster-api-machine-role": role},
-            "finalizers": ["machine.machine.openshift.io"],
-        },
-        "spec": {},
-    }))
-    .unwrap();
-    api.create(&PostParams::default(), &m).await.unwrap();
-    if let Some(ip) = ip {
-        let p = json!({"status": {"phase": "Running", "addresses": [
-            {"type": "Hostname", "address": name},
-            {"type": "InternalIP", "address": ip},
-        ]}});
-        api.patch_status(name, &PatchParams::default(), &Patch::Merge(&p))
-            .await
-            .unwrap();
-    }
-}
-
 #[async_trait]
 impl Harness for KubeHarness {
     fn machines(&self) -> &dyn Machines {
@@ -345,13 +323,8 @@ impl Harness for KubeHarness {
     async fn create(&self) -> String {
         let n = self.next.fetch_add(1, Ordering::SeqCst);
         let name = format!("cp-{n}");
-        create_machine(
-            &self.api,
-            &name,
-            "master",
-            Some(&format!("10.0.0.{}", n + 10)),
-        )
-        .await;
+        let ip = format!("10.0.0.{}", n + 10);
+        create_machine(&self.raw, &name, "master", Some(&ip)).await;
         name
     }
 
@@ -420,10 +393,10 @@ impl Harness for KubeHarness {
 #[tokio::test]
 async fn kube_lists_only_selected_machines_with_an_address() {
     let h = KubeHarness::start().await;
-    create_machine(&h.api, "cp-a", "master", Some("10.0.0.1")).await;
-    create_machine(&h.api, "worker-a", "worker", Some("10.0.1.1")).await;
-    create_machine(&h.api, "cp-provisioning", "master", None).await;
-    create_machine(&h.api, "cp-v6", "master", Some("fd00::5")).await;
+    create_machine(&h.raw, "cp-a", "master", Some("10.0.0.1")).await;
+    create_machine(&h.raw, "worker-a", "worker", Some("10.0.1.1")).await;
+    create_machine(&h.raw, "cp-provisioning", "master", None).await;
+    create_machine(&h.raw, "cp-v6", "master", Some("fd00::5")).await;
     let mut listed = h.backend.list().await.unwrap();
     listed.sort_by(|a, b| a.name.cmp(&b.name));
     let names: Vec<&str> = listed.iter().map(|m| m.name.as_str()).collect();
@@ -488,4 +461,44 @@ async fn kube_api_errors_map_to_transient_or_permanent() {
     let backend = KubeMachines::new(client, KubeMachinesConfig::default());
     let e = backend.list().await.unwrap_err();
     assert!(e.is_transient(), "{e}");
+}
+
+#[tokio::test]
+async fn kube_a_deleting_machine_goes_only_once_its_hook_is_released() {
+    let h = KubeHarness::start().await;
+    let terminated = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let _machine_api = MachineApi::start(h.raw.clone(), {
+        let t = terminated.clone();
+        move |name| t.lock().unwrap().push(name.to_owned())
+    });
+    let (a, b) = (h.create().await, h.create().await);
+    h.backend.add_hook(&a).await.unwrap();
+    h.backend.add_hook(&b).await.unwrap();
+    h.delete(&a).await;
+    h.delete(&b).await;
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert!(terminated.lock().unwrap().is_empty(), "hooks hold both");
+    assert!(state(&h, &a).await.is_some() && state(&h, &b).await.is_some());
+
+    // The operator releases a's hook; an administrator takes b's off (the escape hatch).
+    h.backend.release_hook(&a).await.unwrap();
+    h.admin_remove_hook(&b).await;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while h
+        .backend
+        .list()
+        .await
+        .unwrap()
+        .iter()
+        .any(|m| m.name == a || m.name == b)
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "machines not terminated"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let mut t = terminated.lock().unwrap().clone();
+    t.sort();
+    assert_eq!(t, vec![a, b]);
 }

@@ -13,6 +13,7 @@ pub mod faultproxy;
 pub mod faultrun;
 pub mod history;
 pub mod invariants;
+pub mod machine_api;
 pub mod migration;
 pub mod pod;
 pub mod podns;
