@@ -502,3 +502,21 @@ async fn kube_a_deleting_machine_goes_only_once_its_hook_is_released() {
     t.sort();
     assert_eq!(t, vec![a, b]);
 }
+
+#[tokio::test]
+async fn kube_census_counts_every_selected_machine_and_the_running_ones() {
+    let h = KubeHarness::start().await;
+    let c = h.backend.census().await.unwrap();
+    assert_eq!((c.total, c.running), (0, 0));
+    assert!(
+        !c.machine_api_functional(),
+        "no Machines: the Machine API does not work here"
+    );
+    create_machine(&h.raw, "cp-a", "master", Some("10.0.0.1")).await;
+    create_machine(&h.raw, "cp-new", "master", None).await;
+    create_machine(&h.raw, "worker-a", "worker", Some("10.0.1.1")).await;
+    h.delete("cp-a").await;
+    let c = h.backend.census().await.unwrap();
+    assert_eq!((c.total, c.running), (2, 1));
+    assert!(c.machine_api_functional());
+}

@@ -143,6 +143,8 @@ struct Store {
 struct Shared {
     store: Mutex<Store>,
     events: broadcast::Sender<Arc<Change>>,
+    /// Cancelled when the double is dropped: open watches end with it.
+    stopped: CancellationToken,
 }
 
 impl Shared {
@@ -184,12 +186,13 @@ impl ApiServer {
                 requests: Vec::new(),
             }),
             events,
+            stopped: CancellationToken::new(),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind the API server double");
         let addr = listener.local_addr().expect("bound address");
-        let cancel = CancellationToken::new();
+        let cancel = shared.stopped.clone();
         let app = Router::new()
             .fallback(handle)
             .with_state(Arc::clone(&shared));
@@ -753,7 +756,8 @@ fn watch(shared: &Arc<Shared>, t: &Target, q: &Query) -> Response {
             line.push(b'\n');
             Ok::<_, Infallible>(Bytes::from(line))
         })
-        .take_until(tokio::time::sleep(timeout));
+        .take_until(tokio::time::sleep(timeout))
+        .take_until(shared.stopped.clone().cancelled_owned());
     Response::builder()
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, "application/json")

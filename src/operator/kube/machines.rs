@@ -98,6 +98,22 @@ pub fn is_status(e: &::kube::Error, code: u16) -> bool {
     matches!(e, ::kube::Error::Api(s) if s.code == code)
 }
 
+/// How many control-plane Machines there are, and how many run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Census {
+    /// Every Machine the selector picks, deleting and provisioning ones included.
+    pub total: usize,
+    /// Those in phase `Running`.
+    pub running: usize,
+}
+
+impl Census {
+    /// Seed 000's test of a functional Machine API: at least one control-plane Machine runs.
+    pub fn machine_api_functional(&self) -> bool {
+        self.running > 0
+    }
+}
+
 /// The Machines of a Kubernetes cluster.
 pub struct KubeMachines {
     api: Api<Machine>,
@@ -142,6 +158,26 @@ impl KubeMachines {
             deleting,
             has_hook,
             hook_removed_by_other: deleting && !has_hook,
+        })
+    }
+
+    /// Every selected Machine, addressed or not: what the quorum guard counts, and whether the
+    /// Machine API works at all (seed 000: no Machine `Running` means it does not, and the hooks
+    /// protect nothing, so the operator should stay out).
+    pub async fn census(&self) -> Result<Census, BackendError> {
+        let lp = ListParams::default().labels(&self.config.selector);
+        let list = self
+            .api
+            .list(&lp)
+            .await
+            .map_err(|e| backend_error("listing machines", e))?;
+        Ok(Census {
+            total: list.items.len(),
+            running: list
+                .items
+                .iter()
+                .filter(|m| m.phase() == Some("Running"))
+                .count(),
         })
     }
 
