@@ -149,6 +149,9 @@ pub async fn run(client: ::kube::Client, settings: Settings, cancel: Cancellatio
 
     let tasks = TaskTracker::new();
     let child = cancel.child_token();
+    // Dropped (the task aborted) or returned: the tasks stop too. A Lease renewed by an orphaned
+    // task while nothing reconciles would keep every other replica from acting.
+    let _stop_tasks = child.clone().drop_guard();
     let (leader_tx, mut leader) = watch::channel(false);
     {
         let lock = LeaseLock::new(
