@@ -5,7 +5,8 @@
 //!
 //! Scenarios: every member replaced under a live writer; a hook an administrator removed from a
 //! deleting Machine stays off; a 409 on every first patch converges; of two replicas only the
-//! Lease holder acts, and killing it hands over.
+//! Lease holder acts, and killing it hands over; the `etcd-warden-operator kube` binary pointed
+//! at the double by a kubeconfig replaces a member and exits cleanly on SIGTERM.
 //!
 //! Every member runs on its own loopback address (127.0.0.11, .12, …) on one peer and one client
 //! port, as members on separate hosts do, so a Machine's InternalIP is all that names its member.
@@ -683,5 +684,71 @@ async fn of_two_replicas_only_the_lease_holder_acts_and_killing_it_hands_over() 
         acting,
         HashSet::from(["op-1".to_string()]),
         "the other replica took over"
+    );
+}
+
+/// The operator binary as a child, SIGKILLed when dropped.
+struct Binary(Option<Child>);
+
+impl Drop for Binary {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.as_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_pointed_at_the_double_by_kubeconfig_replaces_a_member() {
+    let mut w = World::start(true).await;
+    let kubeconfig = w.hosts.dir.join("kubeconfig");
+    w.server.write_kubeconfig(&kubeconfig, ETCD_NS);
+    let log = std::fs::File::create(w.hosts.dir.join("operator.log")).unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_etcd-warden-operator"))
+        .arg("kube")
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .args(["--namespace", ETCD_NS, "--machine-namespace", MACHINES_NS])
+        .args(["--etcd-endpoints", &w.client_urls().join(",")])
+        .args([
+            "--peer-scheme",
+            "http",
+            "--peer-port",
+            &w.hosts.peer.to_string(),
+        ])
+        .args(["--identity", "op-bin", "--resync", "200ms"])
+        .env_remove("ETCD_WARDEN_OPERATOR_KUBECONFIG")
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .expect("start etcd-warden-operator kube");
+    let mut op = Binary(Some(child));
+    w.protected(&["cp-0", "cp-1", "cp-2"]).await;
+    let new = w.replace("cp-0").await;
+    let members = w.settled(&["cp-1", "cp-2", &new], "cp-0").await;
+    w.objects_match(&members, 3).await;
+    let acting: HashSet<String> = w.events().await.into_iter().map(|(_, _, i)| i).collect();
+    assert_eq!(acting, HashSet::from(["op-bin".to_string()]));
+
+    // SIGTERM: stops acting, releases the Lease, exits 0.
+    let mut child = op.0.take().unwrap();
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    let status = eventually(
+        "the operator to exit",
+        Duration::from_secs(15),
+        async || child.try_wait().unwrap(),
+    )
+    .await;
+    let log = std::fs::read_to_string(w.hosts.dir.join("operator.log")).unwrap();
+    assert!(status.success(), "exit {status:?}; log:\n{log}");
+    let leases: Api<Lease> = Api::namespaced(w.kc.clone(), ETCD_NS);
+    let lease = leases.get("etcd-warden-operator").await.unwrap();
+    assert_eq!(
+        lease.spec.unwrap().holder_identity,
+        None,
+        "released on SIGTERM"
     );
 }
