@@ -68,6 +68,8 @@ struct Hosts {
     peer: u16,
     client: u16,
     running: Mutex<HashMap<String, Child>>,
+    /// Certificates (`ca.pem`, `server.*`, `client.*`) when clients must use mutual TLS.
+    tls: Option<PathBuf>,
 }
 
 impl Drop for Hosts {
@@ -85,7 +87,8 @@ impl Hosts {
     }
 
     fn client_url(&self, ip: &str) -> String {
-        format!("http://{ip}:{}", self.client)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{ip}:{}", self.client)
     }
 
     fn start(&self, name: &str, ip: &str, initial_cluster: &str, state: &str) {
@@ -102,6 +105,14 @@ impl Hosts {
             .args(["--initial-cluster-state", state])
             .args(["--initial-cluster-token", "kube-e2e"])
             .args(["--unsafe-no-fsync", "--log-level", "warn"])
+            .args(self.tls.iter().flat_map(|d| {
+                [
+                    "--client-cert-auth".to_owned(),
+                    format!("--trusted-ca-file={}", d.join("ca.pem").display()),
+                    format!("--cert-file={}", d.join("server.pem").display()),
+                    format!("--key-file={}", d.join("server.key").display()),
+                ]
+            }))
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)
@@ -122,10 +133,21 @@ impl Hosts {
     }
 }
 
-async fn client(urls: &[String]) -> Option<Client> {
-    let opts = ConnectOptions::new()
+async fn client(urls: &[String], tls: Option<&std::path::Path>) -> Option<Client> {
+    let mut opts = ConnectOptions::new()
         .with_timeout(Duration::from_secs(2))
         .with_connect_timeout(Duration::from_secs(1));
+    if let Some(d) = tls {
+        let read = |f: &str| std::fs::read(d.join(f)).unwrap();
+        opts = opts.with_tls(
+            etcd_client::TlsOptions::new()
+                .ca_certificate(etcd_client::Certificate::from_pem(read("ca.pem")))
+                .identity(etcd_client::Identity::from_pem(
+                    read("client.pem"),
+                    read("client.key"),
+                )),
+        );
+    }
     for u in urls {
         if let Ok(mut c) = Client::connect([u.as_str()], Some(opts.clone())).await
             && c.member_list().await.is_ok()
@@ -139,7 +161,7 @@ async fn client(urls: &[String]) -> Option<Client> {
 /// (id, name, peer URL, learner) of every member, through any member that answers.
 async fn members(hosts: &Hosts, ips: &[String]) -> Option<Vec<(u64, String, String, bool)>> {
     let urls: Vec<String> = ips.iter().map(|i| hosts.client_url(i)).collect();
-    let mut c = client(&urls).await?;
+    let mut c = client(&urls, hosts.tls.as_deref()).await?;
     let list = c.member_list().await.ok()?;
     Some(
         list.members()
@@ -232,12 +254,24 @@ impl Drop for World {
 impl World {
     /// cp-0..cp-2 running etcd and their Machines; the Machine API plays along when `machine_api`.
     async fn start(machine_api: bool) -> World {
+        World::start_with(machine_api, false).await
+    }
+
+    /// As [`World::start`]; with `tls`, etcd's clients must present a certificate (mutual TLS).
+    async fn start_with(machine_api: bool, tls: bool) -> World {
         let dir = tempfile::tempdir().unwrap();
+        let tls = tls.then(|| {
+            let d = dir.path().join("pki");
+            std::fs::create_dir_all(&d).unwrap();
+            make_certs(&d, &(0..8).map(ip).collect::<Vec<_>>());
+            d
+        });
         let hosts = Arc::new(Hosts {
             dir: dir.path().to_path_buf(),
             peer: common_port(),
             client: common_port(),
             running: Mutex::new(HashMap::new()),
+            tls,
         });
         let first: Vec<(String, String)> = (0..3).map(|n| (format!("cp-{n}"), ip(n))).collect();
         let initial: Vec<String> = first
@@ -302,6 +336,7 @@ impl World {
                 ..KubeMachinesConfig::default()
             },
             etcd_endpoints: self.client_urls(),
+            etcd_tls: None,
             namespace: ETCD_NS.into(),
             guard: QuorumGuard::default(),
             lease_name: "etcd-warden-operator".into(),
@@ -465,7 +500,7 @@ async fn writer(
                 .keys()
                 .map(|ip| hosts.client_url(ip))
                 .collect();
-            c = client(&urls).await;
+            c = client(&urls, hosts.tls.as_deref()).await;
         }
         let Some(cl) = c.as_mut() else {
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -552,7 +587,7 @@ async fn replacing_every_member_under_writes_loses_nothing() {
         writes.acked.len()
     );
     let urls: Vec<String> = (3..6).map(|n| w.hosts.client_url(&ip(n))).collect();
-    let mut c = client(&urls).await.unwrap();
+    let mut c = client(&urls, None).await.unwrap();
     let got = c
         .get("w/", Some(etcd_client::GetOptions::new().with_prefix()))
         .await
@@ -751,4 +786,99 @@ async fn the_binary_pointed_at_the_double_by_kubeconfig_replaces_a_member() {
         None,
         "released on SIGTERM"
     );
+}
+
+/// A CA, a server certificate for `ips`, and two client certificates (`client.*`, `client2.*`).
+fn make_certs(dir: &std::path::Path, ips: &[String]) {
+    use support::tls::openssl;
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    let mut ca = vec!["req", "-x509", "-days", "1", "-subj", "/CN=kube-e2e-ca"];
+    ca.extend(ec);
+    ca.extend(["-keyout", "ca.key", "-out", "ca.pem"]);
+    openssl(dir, &ca);
+    let sans: Vec<String> = ips.iter().map(|i| format!("IP:{i}")).collect();
+    std::fs::write(
+        dir.join("server.ext"),
+        format!(
+            "subjectAltName={}\nextendedKeyUsage=serverAuth,clientAuth\n",
+            sans.join(",")
+        ),
+    )
+    .unwrap();
+    std::fs::write(dir.join("client.ext"), "extendedKeyUsage=clientAuth\n").unwrap();
+    for (name, cn, ext) in [
+        ("server", "etcd", "server.ext"),
+        ("client", "operator", "client.ext"),
+        ("client2", "operator", "client.ext"),
+    ] {
+        let (subj, key, csr, pem) = (
+            format!("/CN={cn}"),
+            format!("{name}.key"),
+            format!("{name}.csr"),
+            format!("{name}.pem"),
+        );
+        let mut req = vec!["req", "-new", "-subj", subj.as_str()];
+        req.extend(ec);
+        req.extend(["-keyout", key.as_str(), "-out", csr.as_str()]);
+        openssl(dir, &req);
+        openssl(
+            dir,
+            &[
+                "x509",
+                "-req",
+                "-in",
+                &csr,
+                "-CA",
+                "ca.pem",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-days",
+                "1",
+                "-extfile",
+                ext,
+                "-out",
+                &pem,
+            ],
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutual_tls_to_etcd_with_certificates_read_again_without_a_restart() {
+    let mut w = World::start_with(true, true).await;
+    let pki = w.hosts.tls.clone().unwrap();
+    // The operator's certificate is not there yet: it cannot reach etcd, and keeps trying.
+    let own = w.hosts.dir.join("operator-certs");
+    std::fs::create_dir_all(&own).unwrap();
+    let mut settings = w.settings("op-0");
+    settings.etcd_tls = Some(etcd_warden::config::TlsFiles {
+        ca_file: Some(pki.join("ca.pem")),
+        cert_file: Some(own.join("tls.crt")),
+        key_file: Some(own.join("tls.key")),
+    });
+    let cancel = CancellationToken::new();
+    let _ctl = tokio::spawn(controller::run(w.kc.clone(), settings, cancel.clone()));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let m = w.raw.get("cp-0").await.unwrap();
+    assert!(pre_drain(&m).is_empty(), "acted without reaching etcd");
+
+    // Mounted (as a Secret volume would be): picked up on the next connection.
+    std::fs::copy(pki.join("client.pem"), own.join("tls.crt")).unwrap();
+    std::fs::copy(pki.join("client.key"), own.join("tls.key")).unwrap();
+    w.protected(&["cp-0", "cp-1", "cp-2"]).await;
+
+    // Rotated: the new member is reached on a new connection, with the new certificate only.
+    std::fs::copy(pki.join("client2.pem"), own.join("tls.crt")).unwrap();
+    std::fs::copy(pki.join("client2.key"), own.join("tls.key")).unwrap();
+    let new = w.replace("cp-0").await;
+    let members = w.settled(&["cp-1", "cp-2", &new], "cp-0").await;
+    w.objects_match(&members, 3).await;
+    cancel.cancel();
 }

@@ -59,7 +59,7 @@ enum Command {
     Local(LocalArgs),
     /// Run the operator against a Kubernetes cluster: control-plane Machines and their deletion
     /// hooks, the quorum-guard PDB, the etcd-endpoints ConfigMap, leader election by Lease.
-    Kube(KubeArgs),
+    Kube(Box<KubeArgs>),
     /// Print the operator's status (members, machines, condition, last action) as JSON.
     Status(ApiArgs),
     /// Replace a machine: create a new one and mark the old one for deletion.
@@ -146,6 +146,25 @@ struct KubeArgs {
         required = true
     )]
     etcd_endpoints: Vec<String>,
+    /// CA that signed etcd's server certificates (for https:// endpoints).
+    #[arg(long, env = "ETCD_WARDEN_OPERATOR_ETCD_CA_FILE", value_name = "FILE")]
+    etcd_ca_file: Option<PathBuf>,
+    /// Client certificate for etcd (mutual TLS), re-read on every new connection.
+    #[arg(
+        long,
+        env = "ETCD_WARDEN_OPERATOR_ETCD_CERT_FILE",
+        value_name = "FILE",
+        requires = "etcd_key_file"
+    )]
+    etcd_cert_file: Option<PathBuf>,
+    /// Its key.
+    #[arg(
+        long,
+        env = "ETCD_WARDEN_OPERATOR_ETCD_KEY_FILE",
+        value_name = "FILE",
+        requires = "etcd_cert_file"
+    )]
+    etcd_key_file: Option<PathBuf>,
     /// Scheme of etcd's peer URLs.
     #[arg(
         long,
@@ -223,6 +242,13 @@ impl KubeArgs {
                 ..KubeMachinesConfig::default()
             },
             etcd_endpoints: self.etcd_endpoints,
+            etcd_tls: (self.etcd_ca_file.is_some() || self.etcd_cert_file.is_some()).then_some(
+                etcd_warden::config::TlsFiles {
+                    ca_file: self.etcd_ca_file,
+                    cert_file: self.etcd_cert_file,
+                    key_file: self.etcd_key_file,
+                },
+            ),
             guard: QuorumGuard {
                 name: self.guard_pdb,
                 namespace: self.namespace.clone(),
@@ -303,7 +329,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
     // The client subcommands: one request each to the local API.
     let (method, api, path) = match command {
         Command::Local(a) => return local(a).await,
-        Command::Kube(a) => return kube(a).await,
+        Command::Kube(a) => return kube(*a).await,
         Command::Status(api) => (Method::GET, api, "/status".to_owned()),
         Command::Replace { machine, api } => {
             (Method::POST, api, format!("/machines/{machine}/replace"))

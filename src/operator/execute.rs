@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use etcd_client::{Client, ConnectOptions, MemberAddOptions};
+use etcd_client::{Client, MemberAddOptions};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 use tracing::field::Empty;
@@ -303,6 +303,8 @@ pub struct Operator<M: Machines> {
     status: Arc<Mutex<OperatorStatus>>,
     /// Every applied or failed action, for whoever reports them (Kubernetes Events).
     actions: tokio::sync::broadcast::Sender<ActionRecord>,
+    /// Client TLS for `https://` endpoints (mutual TLS with a certificate and key).
+    tls: Option<crate::config::TlsFiles>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -324,7 +326,14 @@ impl<M: Machines> Operator<M> {
             metrics: Metrics::default(),
             status: Arc::new(Mutex::new(OperatorStatus::default())),
             actions: tokio::sync::broadcast::channel(HISTORY).0,
+            tls: None,
         }
+    }
+
+    /// Reaches etcd with client TLS from these files, read again on every new connection.
+    pub fn with_tls(mut self, tls: Option<crate::config::TlsFiles>) -> Self {
+        self.tls = tls;
+        self
     }
 
     /// Every action applied or attempted from now on, as it is recorded in the status. A
@@ -364,9 +373,18 @@ impl<M: Machines> Operator<M> {
         if let Some(c) = lock(&self.clients).get(endpoint) {
             return Ok(c.clone());
         }
-        let opts = ConnectOptions::new()
-            .with_timeout(self.timing.request_timeout)
-            .with_connect_timeout(self.timing.request_timeout);
+        // The crate's etcd seam builds the options: TLS files are read on every connect, so a
+        // client dropped after an error reconnects with rotated certificates.
+        let config = crate::config::EtcdConfig {
+            endpoints: vec![endpoint.to_owned()],
+            tls: self.tls.clone(),
+            username: None,
+            password: None,
+            connect_timeout: self.timing.request_timeout,
+            request_timeout: self.timing.request_timeout,
+        };
+        let opts = crate::etcd::client::connect_options(&config)
+            .map_err(|e| etcd_client::Error::IoError(std::io::Error::other(e.to_string())))?;
         let c = Client::connect([endpoint], Some(opts)).await?;
         lock(&self.clients).insert(endpoint.to_owned(), c.clone());
         Ok(c)

@@ -40,6 +40,8 @@ pub struct Settings {
     pub machines: KubeMachinesConfig,
     /// etcd client URLs to start from.
     pub etcd_endpoints: Vec<String>,
+    /// Client TLS to etcd (a control plane's etcd wants mutual TLS); files re-read on reconnect.
+    pub etcd_tls: Option<crate::config::TlsFiles>,
     /// The operator's namespace: the Lease and the `etcd-endpoints` ConfigMap.
     pub namespace: String,
     /// The quorum-guard PDB.
@@ -175,12 +177,15 @@ impl Parts {
 /// within a few seconds.
 pub async fn run(client: ::kube::Client, settings: Settings, cancel: CancellationToken) {
     let machines = Arc::new(KubeMachines::new(client.clone(), settings.machines.clone()));
-    let operator = Arc::new(Operator::new(
-        settings.spec,
-        Arc::clone(&machines),
-        settings.etcd_endpoints.clone(),
-        settings.timing,
-    ));
+    let operator = Arc::new(
+        Operator::new(
+            settings.spec,
+            Arc::clone(&machines),
+            settings.etcd_endpoints.clone(),
+            settings.timing,
+        )
+        .with_tls(settings.etcd_tls.clone()),
+    );
     let parts = Parts {
         operator: Arc::clone(&operator),
         machines,
