@@ -848,6 +848,11 @@ fn make_certs(dir: &std::path::Path, ips: &[String]) {
             ],
         );
     }
+    // A self-signed client certificate etcd does not trust.
+    let mut rogue = vec!["req", "-x509", "-days", "1", "-subj", "/CN=rogue"];
+    rogue.extend(ec);
+    rogue.extend(["-keyout", "rogue.key", "-out", "rogue.pem"]);
+    openssl(dir, &rogue);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -879,6 +884,27 @@ async fn mutual_tls_to_etcd_with_certificates_read_again_without_a_restart() {
     std::fs::copy(pki.join("client2.key"), own.join("tls.key")).unwrap();
     let new = w.replace("cp-0").await;
     let members = w.settled(&["cp-1", "cp-2", &new], "cp-0").await;
+    w.objects_match(&members, 3).await;
+
+    // Rotated to a certificate etcd does not trust, while every connection is healthy: the
+    // operator drops its connections at once and cannot act; rotated back, it goes on. (etcd
+    // refuses a member add for ~5 s after a removal: wait that out first, so that an operator
+    // still on its old connections would visibly add a learner.)
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    std::fs::copy(pki.join("rogue.pem"), own.join("tls.crt")).unwrap();
+    std::fs::copy(pki.join("rogue.key"), own.join("tls.key")).unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let newer = w.replace("cp-1").await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let m = w.members().await.unwrap();
+    assert_eq!(
+        m.len(),
+        3,
+        "no learner added with an untrusted certificate: {m:?}"
+    );
+    std::fs::copy(pki.join("client.pem"), own.join("tls.crt")).unwrap();
+    std::fs::copy(pki.join("client.key"), own.join("tls.key")).unwrap();
+    let members = w.settled(&["cp-2", &new, &newer], "cp-1").await;
     w.objects_match(&members, 3).await;
     cancel.cancel();
 }

@@ -305,6 +305,8 @@ pub struct Operator<M: Machines> {
     actions: tokio::sync::broadcast::Sender<ActionRecord>,
     /// Client TLS for `https://` endpoints (mutual TLS with a certificate and key).
     tls: Option<crate::config::TlsFiles>,
+    /// When the TLS files were last seen modified; a change drops every cached client.
+    tls_stamp: Mutex<Vec<Option<std::time::SystemTime>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -327,13 +329,42 @@ impl<M: Machines> Operator<M> {
             status: Arc::new(Mutex::new(OperatorStatus::default())),
             actions: tokio::sync::broadcast::channel(HISTORY).0,
             tls: None,
+            tls_stamp: Mutex::new(Vec::new()),
         }
     }
 
     /// Reaches etcd with client TLS from these files, read again on every new connection.
     pub fn with_tls(mut self, tls: Option<crate::config::TlsFiles>) -> Self {
         self.tls = tls;
+        *lock(&self.tls_stamp) = crate::etcd::client::stamp(&self.etcd_config(""));
         self
+    }
+
+    /// The etcd seam's configuration for one endpoint.
+    fn etcd_config(&self, endpoint: &str) -> crate::config::EtcdConfig {
+        crate::config::EtcdConfig {
+            endpoints: vec![endpoint.to_owned()],
+            tls: self.tls.clone(),
+            username: None,
+            password: None,
+            connect_timeout: self.timing.request_timeout,
+            request_timeout: self.timing.request_timeout,
+        }
+    }
+
+    /// Drops every cached client when the TLS files changed on disk, so rotated certificates
+    /// are used from the next call on, not only after a connection fails.
+    fn follow_rotation(&self) {
+        if self.tls.is_none() {
+            return;
+        }
+        let now = crate::etcd::client::stamp(&self.etcd_config(""));
+        let mut seen = lock(&self.tls_stamp);
+        if *seen != now {
+            *seen = now;
+            lock(&self.clients).clear();
+            info!("etcd TLS files changed on disk; reconnecting with them");
+        }
     }
 
     /// Every action applied or attempted from now on, as it is recorded in the status. A
@@ -375,15 +406,7 @@ impl<M: Machines> Operator<M> {
         }
         // The crate's etcd seam builds the options: TLS files are read on every connect, so a
         // client dropped after an error reconnects with rotated certificates.
-        let config = crate::config::EtcdConfig {
-            endpoints: vec![endpoint.to_owned()],
-            tls: self.tls.clone(),
-            username: None,
-            password: None,
-            connect_timeout: self.timing.request_timeout,
-            request_timeout: self.timing.request_timeout,
-        };
-        let opts = crate::etcd::client::connect_options(&config)
+        let opts = crate::etcd::client::connect_options(&self.etcd_config(endpoint))
             .map_err(|e| etcd_client::Error::IoError(std::io::Error::other(e.to_string())))?;
         let c = Client::connect([endpoint], Some(opts)).await?;
         lock(&self.clients).insert(endpoint.to_owned(), c.clone());
@@ -397,6 +420,7 @@ impl<M: Machines> Operator<M> {
 
     /// Lists members through the first endpoint that answers.
     async fn member_list(&self) -> Result<Vec<etcd_client::Member>, ExecuteError> {
+        self.follow_rotation();
         let endpoints = self.endpoints();
         let mut last = String::from("no endpoints");
         for ep in &endpoints {
