@@ -414,10 +414,22 @@ async fn replacing_every_member_under_writes_loses_nothing() {
 async fn replacement_works_on_etcd_3_4() {
     let f = Fixture::start_with(Release::V34.bin("etcd"), true).await;
     let op = f.operator();
+    let mut reported = op.subscribe_actions();
     let _task = f.run_until_settled(&op).await;
     f.cluster.replace_machine("m3").unwrap();
     wait_replaced(&f, &op, "m3").await;
     assert_eq!(names(&members(&f.cluster).await), ["m1", "m2", "m4"]);
+    // Every recorded action is also reported to subscribers (Kubernetes Events), in order.
+    let history: Vec<Action> = op.status().history.into_iter().map(|r| r.action).collect();
+    let mut seen = Vec::new();
+    while let Ok(r) = reported.try_recv() {
+        seen.push(r.action);
+    }
+    assert_eq!(
+        seen[..history.len().min(seen.len())],
+        history[..history.len().min(seen.len())]
+    );
+    assert!(seen.len() >= history.len(), "{seen:#?}\n{history:#?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

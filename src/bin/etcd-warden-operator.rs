@@ -1,7 +1,7 @@
 //! `etcd-warden-operator`: quorum-safe etcd member replacement.
 //!
-//! `local` runs a real etcd cluster on loopback with the operator and a small HTTP API; the other
-//! subcommands call that API. Exit status 0 on success, 64 for bad usage, 1 otherwise.
+//! `kube` runs the operator against a Kubernetes cluster. `local` runs a real etcd cluster on
+//! loopback with the operator and a small HTTP API; the other subcommands call that API. Exit status 0 on success, 64 for bad usage, 1 otherwise.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -13,9 +13,14 @@ use clap::{Args, Parser, Subcommand};
 use etcd_warden::config::{LogConfig, LogFormat};
 use etcd_warden::operator::control_plane_set::Strategy;
 use etcd_warden::operator::execute::Timing;
+use etcd_warden::operator::kube::KubeMachinesConfig;
+use etcd_warden::operator::kube::controller::{self, Settings};
+use etcd_warden::operator::kube::lease::LeaseTiming;
+use etcd_warden::operator::kube::quorum_guard::QuorumGuard;
 use etcd_warden::operator::local::{
     LocalError, LocalOptions, LocalSetOptions, locate_etcd, run_local,
 };
+use etcd_warden::operator::plan::Spec;
 use tokio_util::sync::CancellationToken;
 
 /// Exit status for bad usage (EX_USAGE).
@@ -55,6 +60,9 @@ struct Cli {
 enum Command {
     /// Run a local etcd cluster on loopback, the operator, and its HTTP API.
     Local(LocalArgs),
+    /// Run the operator against a Kubernetes cluster: control-plane Machines and their deletion
+    /// hooks, the quorum-guard PDB, the etcd-endpoints ConfigMap, leader election by Lease.
+    Kube(Box<KubeArgs>),
     /// Print the operator's status (members, machines, condition, last action) as JSON.
     Status(ApiArgs),
     /// Replace a machine: create a new one and mark the old one for deletion.
@@ -146,6 +154,164 @@ struct LocalArgs {
 }
 
 #[derive(Args)]
+struct KubeArgs {
+    /// kubeconfig file (default: $KUBECONFIG, ~/.kube/config, then in-cluster).
+    #[arg(long, env = "ETCD_WARDEN_OPERATOR_KUBECONFIG", value_name = "FILE")]
+    kubeconfig: Option<PathBuf>,
+    /// The operator's namespace: its Lease and the etcd-endpoints ConfigMap.
+    #[arg(
+        long,
+        env = "ETCD_WARDEN_OPERATOR_NAMESPACE",
+        default_value = "openshift-etcd"
+    )]
+    namespace: String,
+    /// Namespace of the Machines.
+    #[arg(
+        long,
+        env = "ETCD_WARDEN_OPERATOR_MACHINE_NAMESPACE",
+        default_value = "openshift-machine-api"
+    )]
+    machine_namespace: String,
+    /// Label selector of the control-plane Machines.
+    #[arg(
+        long,
+        env = "ETCD_WARDEN_OPERATOR_MACHINE_SELECTOR",
+        default_value = etcd_warden::operator::kube::machine::CONTROL_PLANE_SELECTOR
+    )]
+    machine_selector: String,
+    /// Desired voting members: 3 or 5.
+    #[arg(long, env = "ETCD_WARDEN_OPERATOR_VOTERS", default_value_t = 3)]
+    voters: usize,
+    /// etcd client URLs to start from, comma-separated.
+    #[arg(
+        long,
+        env = "ETCD_WARDEN_OPERATOR_ETCD_ENDPOINTS",
+        value_delimiter = ',',
+        required = true
+    )]
+    etcd_endpoints: Vec<String>,
+    /// CA that signed etcd's server certificates (for https:// endpoints).
+    #[arg(long, env = "ETCD_WARDEN_OPERATOR_ETCD_CA_FILE", value_name = "FILE")]
+    etcd_ca_file: Option<PathBuf>,
+    /// Client certificate for etcd (mutual TLS), re-read on every new connection.
+    #[arg(
+        long,
+        env = "ETCD_WARDEN_OPERATOR_ETCD_CERT_FILE",
+        value_name = "FILE",
+        requires = "etcd_key_file"
+    )]
+    etcd_cert_file: Option<PathBuf>,
+    /// Its key.
+    #[arg(
+        long,
+        env = "ETCD_WARDEN_OPERATOR_ETCD_KEY_FILE",
+        value_name = "FILE",
+        requires = "etcd_cert_file"
+    )]
+    etcd_key_file: Option<PathBuf>,
+    /// Scheme of etcd's peer URLs.
+    #[arg(
+        long,
+        env = "ETCD_WARDEN_OPERATOR_PEER_SCHEME",
+        default_value = "https"
+    )]
+    peer_scheme: String,
+    /// etcd's peer port on every Machine.
+    #[arg(long, env = "ETCD_WARDEN_OPERATOR_PEER_PORT", default_value_t = 2380)]
+    peer_port: u16,
+    /// This replica's identity in the Lease (default: $POD_NAME, else the host name).
+    #[arg(long, env = "ETCD_WARDEN_OPERATOR_IDENTITY")]
+    identity: Option<String>,
+    /// The Lease's name.
+    #[arg(
+        long,
+        env = "ETCD_WARDEN_OPERATOR_LEASE",
+        default_value = "etcd-warden-operator"
+    )]
+    lease: String,
+    /// The quorum-guard PDB's name.
+    #[arg(
+        long,
+        env = "ETCD_WARDEN_OPERATOR_GUARD_PDB",
+        default_value = "etcd-guard-pdb"
+    )]
+    guard_pdb: String,
+    /// Labels of the etcd guard pods, k=v[,k=v].
+    #[arg(
+        long,
+        env = "ETCD_WARDEN_OPERATOR_GUARD_SELECTOR",
+        default_value = "app=guard"
+    )]
+    guard_selector: String,
+    /// Time between resyncs when nothing changes (etcd is observed, not watched).
+    #[arg(long, env = "ETCD_WARDEN_OPERATOR_RESYNC", default_value = "5s", value_parser = humantime::parse_duration)]
+    resync: Duration,
+}
+
+/// A usage error of `kube`: exit status 64.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct Usage(String);
+
+impl KubeArgs {
+    fn settings(self) -> Result<(Option<PathBuf>, Settings), Usage> {
+        let spec = Spec::new(self.voters).map_err(|e| Usage(format!("--voters: {e}")))?;
+        let mut pod_labels = std::collections::BTreeMap::new();
+        for kv in self.guard_selector.split(',').filter(|s| !s.is_empty()) {
+            let (k, v) = kv
+                .split_once('=')
+                .ok_or_else(|| Usage(format!("--guard-selector: {kv:?} is not k=v")))?;
+            pod_labels.insert(k.trim().to_owned(), v.trim().to_owned());
+        }
+        if self.etcd_endpoints.iter().all(|e| e.trim().is_empty()) {
+            return Err(Usage("--etcd-endpoints: at least one client URL".into()));
+        }
+        let identity = self
+            .identity
+            .or_else(|| std::env::var("POD_NAME").ok())
+            .or_else(|| {
+                std::fs::read_to_string("/proc/sys/kernel/hostname")
+                    .ok()
+                    .map(|h| h.trim().to_owned())
+                    .filter(|h| !h.is_empty())
+            })
+            .ok_or_else(|| Usage("--identity: none given and no host name".into()))?;
+        let settings = Settings {
+            spec,
+            machines: KubeMachinesConfig {
+                namespace: self.machine_namespace,
+                selector: self.machine_selector,
+                peer_scheme: self.peer_scheme,
+                peer_port: self.peer_port,
+                ..KubeMachinesConfig::default()
+            },
+            etcd_endpoints: self.etcd_endpoints,
+            etcd_tls: (self.etcd_ca_file.is_some() || self.etcd_cert_file.is_some()).then_some(
+                etcd_warden::config::TlsFiles {
+                    ca_file: self.etcd_ca_file,
+                    cert_file: self.etcd_cert_file,
+                    key_file: self.etcd_key_file,
+                },
+            ),
+            guard: QuorumGuard {
+                name: self.guard_pdb,
+                namespace: self.namespace.clone(),
+                pod_labels,
+            },
+            namespace: self.namespace,
+            lease_name: self.lease,
+            identity,
+            lease: LeaseTiming::default(),
+            timing: Timing {
+                interval: self.resync,
+                ..Timing::default()
+            },
+        };
+        Ok((self.kubeconfig, settings))
+    }
+}
+
+#[derive(Args)]
 struct ApiArgs {
     /// Address of `etcd-warden-operator local`'s HTTP API.
     #[arg(long, env = "ETCD_WARDEN_OPERATOR_API", default_value = DEFAULT_API)]
@@ -192,7 +358,8 @@ fn main() -> ExitCode {
             if matches!(
                 e.downcast_ref::<LocalError>(),
                 Some(LocalError::Members(_) | LocalError::DirNotEmpty(_))
-            ) {
+            ) || e.downcast_ref::<Usage>().is_some()
+            {
                 ExitCode::from(EXIT_USAGE)
             } else {
                 ExitCode::FAILURE
@@ -206,6 +373,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
     // The client subcommands: one request each to the local API.
     let (method, api, path) = match command {
         Command::Local(a) => return local(a).await,
+        Command::Kube(a) => return kube(*a).await,
         Command::Status(api) => (Method::GET, api, "/status".to_owned()),
         Command::Replace { machine, api } => {
             (Method::POST, api, format!("/machines/{machine}/replace"))
@@ -278,6 +446,22 @@ async fn local(a: LocalArgs) -> anyhow::Result<()> {
         );
     })
     .await?;
+    Ok(())
+}
+
+async fn kube(a: KubeArgs) -> anyhow::Result<()> {
+    let (kubeconfig, settings) = a.settings()?;
+    let client = controller::client(kubeconfig.as_deref()).await?;
+    let cancel = CancellationToken::new();
+    {
+        let cancel = cancel.clone();
+        tokio::spawn(async move {
+            shutdown_signal().await;
+            cancel.cancel();
+        });
+    }
+    tracing::info!(identity = %settings.identity, namespace = %settings.namespace, "operator starting");
+    controller::run(client, settings, cancel).await;
     Ok(())
 }
 

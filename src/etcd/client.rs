@@ -103,7 +103,9 @@ pub struct RotatingClient {
 }
 
 /// The modification times of the files a client is built from.
-fn stamp(config: &EtcdConfig) -> Vec<Option<std::time::SystemTime>> {
+/// When each TLS and password file of `config` was last modified: a change means the
+/// credentials were rotated and clients should connect again.
+pub fn stamp(config: &EtcdConfig) -> Vec<Option<std::time::SystemTime>> {
     let mut files: Vec<&std::path::Path> = Vec::new();
     if let Some(t) = &config.tls {
         files.extend(t.ca_file.as_deref());

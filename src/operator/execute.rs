@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use etcd_client::{Client, ConnectOptions, MemberAddOptions};
+use etcd_client::{Client, MemberAddOptions};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 use tracing::field::Empty;
@@ -52,6 +52,39 @@ pub enum BackendError {
     /// the next step tries again.
     #[error("machine backend unavailable: {0}")]
     Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// Our hook is not put on a machine being deleted that does not carry it: someone took it
+    /// off (the administrator's escape hatch), and it stays off.
+    #[error("machine {0} is being deleted without our hook; it is not put back")]
+    Deleting(String),
+    /// Every attempt to change a machine met a concurrent change (409); the next step reads
+    /// it again.
+    #[error("machine {machine}: still conflicting after {attempts} attempts")]
+    Conflict {
+        /// The machine.
+        machine: String,
+        /// Attempts made.
+        attempts: u32,
+    },
+    /// The backend refused the request for good (forbidden, invalid, an object it cannot
+    /// read): retrying the same request will not help.
+    #[error("{what}: {source}")]
+    Rejected {
+        /// What was being done.
+        what: String,
+        /// What the backend answered.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+}
+
+impl BackendError {
+    /// Whether trying again later may succeed without anyone changing anything.
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            BackendError::Unavailable(_) | BackendError::Conflict { .. }
+        )
+    }
 }
 
 /// Errors of one executor step.
@@ -100,7 +133,7 @@ impl ExecuteError {
         match self {
             ExecuteError::NoEndpoint { .. } | ExecuteError::MemberGone(_) => true,
             ExecuteError::Etcd { source, .. } => is_transient_etcd(source),
-            ExecuteError::Backend(_) => false,
+            ExecuteError::Backend(e) => e.is_transient(),
         }
     }
 }
@@ -139,17 +172,28 @@ pub struct Join {
 }
 
 /// The seam to whatever hosts members: Kubernetes Machines, or local processes.
+///
+/// Both backends pass one conformance suite (`tests/machines_conformance.rs`) for `list`,
+/// `add_hook` and `release_hook`.
 #[async_trait]
 pub trait Machines: Send + Sync + 'static {
     /// Every control-plane machine with its deletion state and hook.
     async fn list(&self) -> Result<Vec<MachineState>, BackendError>;
-    /// Puts our pre-drain deletion hook on a machine (idempotent).
+    /// Puts our pre-drain deletion hook on a machine (idempotent). Never puts it back on a
+    /// machine being deleted whose hook someone else took off: [`BackendError::Deleting`].
     async fn add_hook(&self, machine: &str) -> Result<(), BackendError>;
-    /// Takes our hook off a machine (idempotent).
+    /// Takes our hook, and only ours, off a machine (idempotent).
     async fn release_hook(&self, machine: &str) -> Result<(), BackendError>;
     /// Starts the member of a machine whose learner was just added. Idempotent: a member already
     /// running is left alone and `false` returned.
-    async fn start_member(&self, machine: &str, join: &Join) -> Result<bool, BackendError>;
+    ///
+    /// Only a backend that runs etcd itself starts members (the local one). On Kubernetes the
+    /// platform starts a new machine's etcd (its pod, with the initial cluster taken from the
+    /// `etcd-endpoints` ConfigMap), so that backend keeps this default: nothing to do.
+    async fn start_member(&self, machine: &str, join: &Join) -> Result<bool, BackendError> {
+        let _ = (machine, join);
+        Ok(false)
+    }
 }
 
 /// One member as shown in the status.
@@ -257,6 +301,12 @@ pub struct Operator<M: Machines> {
     timing: Timing,
     metrics: Metrics,
     status: Arc<Mutex<OperatorStatus>>,
+    /// Every applied or failed action, for whoever reports them (Kubernetes Events).
+    actions: tokio::sync::broadcast::Sender<ActionRecord>,
+    /// Client TLS for `https://` endpoints (mutual TLS with a certificate and key).
+    tls: Option<crate::config::TlsFiles>,
+    /// When the TLS files were last seen modified; a change drops every cached client.
+    tls_stamp: Mutex<Vec<Option<std::time::SystemTime>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -277,7 +327,50 @@ impl<M: Machines> Operator<M> {
             timing,
             metrics: Metrics::default(),
             status: Arc::new(Mutex::new(OperatorStatus::default())),
+            actions: tokio::sync::broadcast::channel(HISTORY).0,
+            tls: None,
+            tls_stamp: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Reaches etcd with client TLS from these files, read again on every new connection.
+    pub fn with_tls(mut self, tls: Option<crate::config::TlsFiles>) -> Self {
+        self.tls = tls;
+        *lock(&self.tls_stamp) = crate::etcd::client::stamp(&self.etcd_config(""));
+        self
+    }
+
+    /// The etcd seam's configuration for one endpoint.
+    fn etcd_config(&self, endpoint: &str) -> crate::config::EtcdConfig {
+        crate::config::EtcdConfig {
+            endpoints: vec![endpoint.to_owned()],
+            tls: self.tls.clone(),
+            username: None,
+            password: None,
+            connect_timeout: self.timing.request_timeout,
+            request_timeout: self.timing.request_timeout,
+        }
+    }
+
+    /// Drops every cached client when the TLS files changed on disk, so rotated certificates
+    /// are used from the next call on, not only after a connection fails.
+    fn follow_rotation(&self) {
+        if self.tls.is_none() {
+            return;
+        }
+        let now = crate::etcd::client::stamp(&self.etcd_config(""));
+        let mut seen = lock(&self.tls_stamp);
+        if *seen != now {
+            *seen = now;
+            lock(&self.clients).clear();
+            info!("etcd TLS files changed on disk; reconnecting with them");
+        }
+    }
+
+    /// Every action applied or attempted from now on, as it is recorded in the status. A
+    /// receiver that falls more than the status history behind loses the oldest.
+    pub fn subscribe_actions(&self) -> tokio::sync::broadcast::Receiver<ActionRecord> {
+        self.actions.subscribe()
     }
 
     /// The metrics handles (register them once).
@@ -311,9 +404,10 @@ impl<M: Machines> Operator<M> {
         if let Some(c) = lock(&self.clients).get(endpoint) {
             return Ok(c.clone());
         }
-        let opts = ConnectOptions::new()
-            .with_timeout(self.timing.request_timeout)
-            .with_connect_timeout(self.timing.request_timeout);
+        // The crate's etcd seam builds the options: TLS files are read on every connect, so a
+        // client dropped after an error reconnects with rotated certificates.
+        let opts = crate::etcd::client::connect_options(&self.etcd_config(endpoint))
+            .map_err(|e| etcd_client::Error::IoError(std::io::Error::other(e.to_string())))?;
         let c = Client::connect([endpoint], Some(opts)).await?;
         lock(&self.clients).insert(endpoint.to_owned(), c.clone());
         Ok(c)
@@ -326,6 +420,7 @@ impl<M: Machines> Operator<M> {
 
     /// Lists members through the first endpoint that answers.
     async fn member_list(&self) -> Result<Vec<etcd_client::Member>, ExecuteError> {
+        self.follow_rotation();
         let endpoints = self.endpoints();
         let mut last = String::from("no endpoints");
         for ep in &endpoints {
@@ -467,6 +562,8 @@ impl<M: Machines> Operator<M> {
             at: Utc::now(),
             error: result.err().map(|e| e.to_string()),
         };
+        // No receiver is fine: nobody reports actions outside the status.
+        let _ = self.actions.send(rec.clone());
         let mut st = lock(&self.status);
         st.last_action = Some(rec.clone());
         st.history.push(rec);

@@ -521,7 +521,12 @@ impl Machines for LocalCluster {
     }
 
     async fn add_hook(&self, machine: &str) -> Result<(), BackendError> {
-        find(&mut self.lock(), machine)?.has_hook = true;
+        let mut inner = self.lock();
+        let m = find(&mut inner, machine)?;
+        if m.hook_removed_by_other && !m.has_hook {
+            return Err(BackendError::Deleting(machine.to_owned()));
+        }
+        m.has_hook = true;
         Ok(())
     }
 

@@ -5,6 +5,7 @@
 //! never skip silently.
 #![allow(dead_code)]
 
+pub mod apiserver;
 pub mod cli;
 pub mod dns;
 pub mod etcd;
@@ -12,6 +13,7 @@ pub mod faultproxy;
 pub mod faultrun;
 pub mod history;
 pub mod invariants;
+pub mod machine_api;
 pub mod migration;
 pub mod pod;
 pub mod podns;

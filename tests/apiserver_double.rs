@@ -1,0 +1,467 @@
+//! The Kubernetes API server double (`support::apiserver`) against the real kube-rs client: the
+//! behaviours the operator's safety rests on (409 on a stale resourceVersion, watches resuming
+//! after a given version, finalizers holding a deletion) checked before anything relies on them.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use futures::{StreamExt as _, TryStreamExt as _};
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::api::{
+    Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch,
+    PatchParams, PostParams, WatchEvent, WatchParams,
+};
+use kube::runtime::watcher;
+use serde_json::json;
+use support::apiserver::{ApiServer, Res};
+
+fn cm(name: &str, data: &[(&str, &str)]) -> ConfigMap {
+    ConfigMap {
+        metadata: kube::api::ObjectMeta {
+            name: Some(name.into()),
+            ..Default::default()
+        },
+        data: Some(
+            data.iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect::<BTreeMap<_, _>>(),
+        ),
+        ..Default::default()
+    }
+}
+
+fn machines(client: kube::Client) -> Api<DynamicObject> {
+    let gvk = GroupVersionKind::gvk("machine.openshift.io", "v1beta1", "Machine");
+    Api::namespaced_with(client, "default", &ApiResource::from_gvk(&gvk))
+}
+
+fn api_error(e: kube::Error) -> kube::core::Status {
+    match e {
+        kube::Error::Api(s) => *s,
+        other => panic!("expected an API error, got {other}"),
+    }
+}
+
+/// Next watch event within 5 s.
+async fn next<S>(s: &mut S) -> WatchEvent<ConfigMap>
+where
+    S: futures::Stream<Item = kube::Result<WatchEvent<ConfigMap>>> + Unpin,
+{
+    tokio::time::timeout(Duration::from_secs(5), s.next())
+        .await
+        .expect("a watch event within 5s")
+        .expect("the stream is open")
+        .expect("a well-formed event")
+}
+
+fn name_of(ev: &WatchEvent<ConfigMap>) -> (&'static str, String) {
+    match ev {
+        WatchEvent::Added(o) => ("ADDED", o.metadata.name.clone().unwrap_or_default()),
+        WatchEvent::Modified(o) => ("MODIFIED", o.metadata.name.clone().unwrap_or_default()),
+        WatchEvent::Deleted(o) => ("DELETED", o.metadata.name.clone().unwrap_or_default()),
+        WatchEvent::Bookmark(_) => ("BOOKMARK", String::new()),
+        WatchEvent::Error(s) => panic!("watch error {s:?}"),
+    }
+}
+
+#[tokio::test]
+async fn stale_resource_version_is_a_409_conflict() {
+    let server = ApiServer::start().await;
+    let api: Api<ConfigMap> = Api::default_namespaced(server.client());
+    let created = api
+        .create(&PostParams::default(), &cm("a", &[("k", "1")]))
+        .await
+        .unwrap();
+    let stale = created.metadata.resource_version.clone().unwrap();
+
+    let again = api.create(&PostParams::default(), &cm("a", &[])).await;
+    assert!(api_error(again.unwrap_err()).is_already_exists());
+
+    let mut fresh = created.clone();
+    fresh.data = Some([("k".to_string(), "2".to_string())].into());
+    let updated = api
+        .replace("a", &PostParams::default(), &fresh)
+        .await
+        .unwrap();
+    let current = updated.metadata.resource_version.clone().unwrap();
+    assert!(current.parse::<u64>().unwrap() > stale.parse::<u64>().unwrap());
+
+    // PUT with the version read before the update.
+    let mut old = created.clone();
+    old.data = Some([("k".to_string(), "3".to_string())].into());
+    let s = api_error(
+        api.replace("a", &PostParams::default(), &old)
+            .await
+            .unwrap_err(),
+    );
+    assert!(s.is_conflict(), "{s:?}");
+    assert_eq!(s.code, 409);
+
+    // A merge patch carrying the stale version.
+    let p = json!({"metadata": {"resourceVersion": stale}, "data": {"k": "4"}});
+    let s = api_error(
+        api.patch("a", &PatchParams::default(), &Patch::Merge(&p))
+            .await
+            .unwrap_err(),
+    );
+    assert!(s.is_conflict(), "{s:?}");
+
+    // With the current version it goes through; the data is the last accepted write's.
+    let p = json!({"metadata": {"resourceVersion": current}, "data": {"k": "5"}});
+    let ok = api
+        .patch("a", &PatchParams::default(), &Patch::Merge(&p))
+        .await
+        .unwrap();
+    assert_eq!(ok.data.unwrap()["k"], "5");
+
+    // A delete precondition on a stale version.
+    let dp = DeleteParams {
+        preconditions: Some(kube::api::Preconditions {
+            resource_version: Some(stale),
+            uid: None,
+        }),
+        ..Default::default()
+    };
+    assert!(api_error(api.delete("a", &dp).await.unwrap_err()).is_conflict());
+    assert!(api.get_opt("a").await.unwrap().is_some());
+}
+
+#[tokio::test]
+async fn a_write_that_changes_nothing_keeps_the_version() {
+    let server = ApiServer::start().await;
+    let api: Api<ConfigMap> = Api::default_namespaced(server.client());
+    let c = api
+        .create(&PostParams::default(), &cm("a", &[("k", "1")]))
+        .await
+        .unwrap();
+    let p = json!({"data": {"k": "1"}});
+    let same = api
+        .patch("a", &PatchParams::default(), &Patch::Merge(&p))
+        .await
+        .unwrap();
+    assert_eq!(same.metadata.resource_version, c.metadata.resource_version);
+}
+
+#[tokio::test]
+async fn watch_from_a_version_delivers_only_later_events_then_live_ones() {
+    let server = ApiServer::start().await;
+    let api: Api<ConfigMap> = Api::default_namespaced(server.client());
+    api.create(&PostParams::default(), &cm("a", &[]))
+        .await
+        .unwrap();
+    api.create(&PostParams::default(), &cm("b", &[]))
+        .await
+        .unwrap();
+    let list = api.list(&ListParams::default()).await.unwrap();
+    let rv = list.metadata.resource_version.clone().unwrap();
+    assert_eq!(list.items.len(), 2);
+
+    let p = json!({"data": {"x": "1"}});
+    api.patch("a", &PatchParams::default(), &Patch::Merge(&p))
+        .await
+        .unwrap();
+    api.delete("b", &DeleteParams::default()).await.unwrap();
+
+    let mut w = api
+        .watch(&WatchParams::default(), &rv)
+        .await
+        .unwrap()
+        .boxed();
+    assert_eq!(name_of(&next(&mut w).await), ("MODIFIED", "a".into()));
+    assert_eq!(name_of(&next(&mut w).await), ("DELETED", "b".into()));
+    api.create(&PostParams::default(), &cm("c", &[]))
+        .await
+        .unwrap();
+    assert_eq!(name_of(&next(&mut w).await), ("ADDED", "c".into()));
+
+    // Without a version: the current state first.
+    let mut w0 = api
+        .watch(&WatchParams::default(), "0")
+        .await
+        .unwrap()
+        .boxed();
+    let mut names = vec![name_of(&next(&mut w0).await), name_of(&next(&mut w0).await)];
+    names.sort();
+    assert_eq!(names, vec![("ADDED", "a".into()), ("ADDED", "c".into())]);
+}
+
+#[tokio::test]
+async fn watch_with_a_label_selector_sees_objects_enter_and_leave() {
+    let server = ApiServer::start().await;
+    let api: Api<ConfigMap> = Api::default_namespaced(server.client());
+    let rv = server.resource_version().to_string();
+    let wp = WatchParams::default().labels("role=master");
+    let mut w = api.watch(&wp, &rv).await.unwrap().boxed();
+    api.create(&PostParams::default(), &cm("a", &[]))
+        .await
+        .unwrap();
+    let p = json!({"metadata": {"labels": {"role": "master"}}});
+    api.patch("a", &PatchParams::default(), &Patch::Merge(&p))
+        .await
+        .unwrap();
+    assert_eq!(name_of(&next(&mut w).await), ("ADDED", "a".into()));
+    let p = json!({"metadata": {"labels": {"role": null}}});
+    api.patch("a", &PatchParams::default(), &Patch::Merge(&p))
+        .await
+        .unwrap();
+    assert_eq!(name_of(&next(&mut w).await), ("DELETED", "a".into()));
+
+    let listed = api
+        .list(&ListParams::default().labels("role in (master,worker)"))
+        .await
+        .unwrap();
+    assert!(listed.items.is_empty());
+    let listed = api
+        .list(&ListParams::default().labels("!role"))
+        .await
+        .unwrap();
+    assert_eq!(listed.items.len(), 1);
+}
+
+#[tokio::test]
+async fn a_watch_from_before_a_compaction_is_410_gone() {
+    let server = ApiServer::start().await;
+    let api: Api<ConfigMap> = Api::default_namespaced(server.client());
+    let rv = server.resource_version().to_string();
+    api.create(&PostParams::default(), &cm("a", &[]))
+        .await
+        .unwrap();
+    server.compact();
+    let mut w = api
+        .watch(&WatchParams::default(), &rv)
+        .await
+        .unwrap()
+        .boxed();
+    let ev = tokio::time::timeout(Duration::from_secs(5), w.next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    match ev {
+        WatchEvent::Error(s) => assert_eq!(s.code, 410),
+        other => panic!("expected a 410, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn finalizers_hold_a_deletion_until_the_last_is_removed() {
+    let server = ApiServer::start().await;
+    let api: Api<ConfigMap> = Api::default_namespaced(server.client());
+    let mut obj = cm("a", &[]);
+    obj.metadata.finalizers = Some(vec!["example.com/one".into(), "example.com/two".into()]);
+    api.create(&PostParams::default(), &obj).await.unwrap();
+    let rv = server.resource_version().to_string();
+    let mut w = api
+        .watch(&WatchParams::default(), &rv)
+        .await
+        .unwrap()
+        .boxed();
+
+    api.delete("a", &DeleteParams::default()).await.unwrap();
+    let held = api.get("a").await.unwrap();
+    let ts = held
+        .metadata
+        .deletion_timestamp
+        .clone()
+        .expect("deletionTimestamp set");
+    assert_eq!(name_of(&next(&mut w).await), ("MODIFIED", "a".into()));
+
+    // A second delete changes nothing; the timestamp cannot be written.
+    api.delete("a", &DeleteParams::default()).await.unwrap();
+    let p = json!({"metadata": {"deletionTimestamp": null}});
+    api.patch("a", &PatchParams::default(), &Patch::Merge(&p))
+        .await
+        .unwrap();
+    assert_eq!(
+        api.get("a").await.unwrap().metadata.deletion_timestamp,
+        Some(ts)
+    );
+
+    // No new finalizer while deleting.
+    let p = json!({"metadata": {"finalizers": ["example.com/one", "example.com/two", "example.com/three"]}});
+    let s = api_error(
+        api.patch("a", &PatchParams::default(), &Patch::Merge(&p))
+            .await
+            .unwrap_err(),
+    );
+    assert!(s.is_invalid(), "{s:?}");
+
+    let p = json!({"metadata": {"finalizers": ["example.com/two"]}});
+    api.patch("a", &PatchParams::default(), &Patch::Merge(&p))
+        .await
+        .unwrap();
+    assert!(api.get_opt("a").await.unwrap().is_some());
+    assert_eq!(name_of(&next(&mut w).await), ("MODIFIED", "a".into()));
+
+    let p = json!({"metadata": {"finalizers": null}});
+    api.patch("a", &PatchParams::default(), &Patch::Merge(&p))
+        .await
+        .unwrap();
+    assert!(api.get_opt("a").await.unwrap().is_none());
+    assert_eq!(name_of(&next(&mut w).await), ("MODIFIED", "a".into()));
+    assert_eq!(name_of(&next(&mut w).await), ("DELETED", "a".into()));
+}
+
+#[tokio::test]
+async fn status_subresource_separates_spec_and_status_writes() {
+    let server = ApiServer::start().await;
+    let api = machines(server.client());
+    let m: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "machine.openshift.io/v1beta1",
+        "kind": "Machine",
+        "metadata": {"name": "m1"},
+        "spec": {"providerID": "p"},
+        "status": {"phase": "Running"},
+    }))
+    .unwrap();
+    let created = api.create(&PostParams::default(), &m).await.unwrap();
+    assert!(created.data.get("status").is_none(), "create drops status");
+    assert_eq!(created.metadata.generation, Some(1));
+
+    let p = json!({"status": {"phase": "Running"}, "spec": {"providerID": "q"}});
+    let s = api
+        .patch_status("m1", &PatchParams::default(), &Patch::Merge(&p))
+        .await
+        .unwrap();
+    assert_eq!(s.data["status"]["phase"], "Running");
+    assert_eq!(
+        s.data["spec"]["providerID"], "p",
+        "a status write leaves spec alone"
+    );
+    assert_eq!(s.metadata.generation, Some(1));
+
+    let p = json!({"status": {"phase": "Deleting"}, "spec": {"providerID": "q"}});
+    let s = api
+        .patch("m1", &PatchParams::default(), &Patch::Merge(&p))
+        .await
+        .unwrap();
+    assert_eq!(
+        s.data["status"]["phase"], "Running",
+        "a spec write leaves status alone"
+    );
+    assert_eq!(s.data["spec"]["providerID"], "q");
+    assert_eq!(s.metadata.generation, Some(2));
+    let stored = server
+        .get(
+            &Res::new("machine.openshift.io", "v1beta1", "machines"),
+            "default",
+            "m1",
+        )
+        .unwrap();
+    assert_eq!(stored["spec"]["providerID"], "q");
+}
+
+#[tokio::test]
+async fn json_patch_applies_and_a_failed_test_is_422() {
+    let server = ApiServer::start().await;
+    let api: Api<ConfigMap> = Api::default_namespaced(server.client());
+    let c = api
+        .create(&PostParams::default(), &cm("a", &[("k", "1")]))
+        .await
+        .unwrap();
+    let rv = c.metadata.resource_version.unwrap();
+    let ops: json_patch::Patch = serde_json::from_value(json!([
+        {"op": "test", "path": "/metadata/resourceVersion", "value": rv},
+        {"op": "add", "path": "/data/j", "value": "2"},
+        {"op": "remove", "path": "/data/k"},
+    ]))
+    .unwrap();
+    let ok = api
+        .patch(
+            "a",
+            &PatchParams::default(),
+            &Patch::<()>::Json(ops.clone()),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        ok.data.unwrap(),
+        [("j".to_string(), "2".to_string())].into()
+    );
+    let s = api_error(
+        api.patch("a", &PatchParams::default(), &Patch::<()>::Json(ops))
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(s.code, 422, "{s:?}");
+}
+
+#[tokio::test]
+async fn injected_conflicts_make_the_first_conditional_write_fail_once() {
+    let server = ApiServer::start().await;
+    let api: Api<ConfigMap> = Api::default_namespaced(server.client());
+    api.create(&PostParams::default(), &cm("a", &[]))
+        .await
+        .unwrap();
+    server.inject_conflicts(true);
+    let read = api.get("a").await.unwrap();
+    let p = json!({"metadata": {"resourceVersion": read.metadata.resource_version}, "data": {"k": "1"}});
+    let s = api_error(
+        api.patch("a", &PatchParams::default(), &Patch::Merge(&p))
+            .await
+            .unwrap_err(),
+    );
+    assert!(s.is_conflict());
+    let read = api.get("a").await.unwrap();
+    let p = json!({"metadata": {"resourceVersion": read.metadata.resource_version}, "data": {"k": "1"}});
+    api.patch("a", &PatchParams::default(), &Patch::Merge(&p))
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn the_runtime_watcher_lists_then_follows_changes() {
+    let server = ApiServer::start().await;
+    let api: Api<ConfigMap> = Api::default_namespaced(server.client());
+    api.create(&PostParams::default(), &cm("a", &[]))
+        .await
+        .unwrap();
+    let mut events = watcher(api.clone(), watcher::Config::default()).boxed();
+    let mut seen = Vec::new();
+    loop {
+        let ev = tokio::time::timeout(Duration::from_secs(5), events.try_next())
+            .await
+            .expect("an event within 5s")
+            .expect("no watcher error")
+            .expect("the stream is open");
+        match ev {
+            watcher::Event::InitApply(o) => seen.push(o.metadata.name.unwrap()),
+            watcher::Event::InitDone => break,
+            _ => {}
+        }
+    }
+    assert_eq!(seen, vec!["a".to_string()]);
+    api.create(&PostParams::default(), &cm("b", &[]))
+        .await
+        .unwrap();
+    let ev = tokio::time::timeout(Duration::from_secs(5), events.try_next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert!(matches!(ev, watcher::Event::Apply(o) if o.metadata.name.as_deref() == Some("b")));
+}
+
+#[tokio::test]
+async fn a_kubeconfig_names_the_double() {
+    let server = ApiServer::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("kubeconfig");
+    server.write_kubeconfig(&path, "etcd");
+    let kc = kube::config::Kubeconfig::read_from(&path).unwrap();
+    let config = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+        .await
+        .unwrap();
+    assert_eq!(config.default_namespace, "etcd");
+    let api: Api<ConfigMap> = Api::default_namespaced(kube::Client::try_from(config).unwrap());
+    api.create(&PostParams::default(), &cm("a", &[]))
+        .await
+        .unwrap();
+    assert!(
+        server
+            .get(&Res::new("", "v1", "configmaps"), "etcd", "a")
+            .is_some()
+    );
+}

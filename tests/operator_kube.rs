@@ -1,0 +1,910 @@
+//! The operator's Kubernetes controller (`operator::kube::controller::run`, in process) against
+//! the API server double and a real 3-member etcd 3.5: the test plays the Machine API
+//! (`support::machine_api`: a deleting Machine goes once no pre-drain hook holds it, its etcd
+//! killed) and the platform (a learner added for a Machine gets its etcd started there).
+//!
+//! Scenarios: every member replaced under a live writer; a hook an administrator removed from a
+//! deleting Machine stays off; a 409 on every first patch converges; of two replicas only the
+//! Lease holder acts, and killing it hands over; the `etcd-warden-operator kube` binary pointed
+//! at the double by a kubeconfig replaces a member and exits cleanly on SIGTERM.
+//!
+//! Every member runs on its own loopback address (127.0.0.11, .12, …) on one peer and one client
+//! port, as members on separate hosts do, so a Machine's InternalIP is all that names its member.
+
+mod support;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use etcd_client::{Client, ConnectOptions};
+use etcd_warden::operator::execute::Timing;
+use etcd_warden::operator::kube::KubeMachinesConfig;
+use etcd_warden::operator::kube::controller::{self, Settings};
+use etcd_warden::operator::kube::lease::LeaseTiming;
+use etcd_warden::operator::kube::quorum_guard::QuorumGuard;
+use etcd_warden::operator::plan::Spec;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::ConfigMap;
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::api::{Api, DeleteParams};
+use support::apiserver::ApiServer;
+use support::etcd::Release;
+use support::machine_api::{self, MachineApi, create_machine, pre_drain};
+use tokio_util::sync::CancellationToken;
+
+const MACHINES_NS: &str = "openshift-machine-api";
+const ETCD_NS: &str = "openshift-etcd";
+
+fn ip(n: usize) -> String {
+    format!("127.0.0.{}", 11 + n)
+}
+
+/// A port free on every address the test uses, and never handed to another test of this
+/// process (they run in parallel).
+fn common_port() -> u16 {
+    static GIVEN: Mutex<Vec<u16>> = Mutex::new(Vec::new());
+    loop {
+        let probe = std::net::TcpListener::bind("127.0.0.11:0").unwrap();
+        let port = probe.local_addr().unwrap().port();
+        drop(probe);
+        let mut given = GIVEN.lock().unwrap();
+        if !given.contains(&port)
+            && (0..8).all(|n| std::net::TcpListener::bind((ip(n).as_str(), port)).is_ok())
+        {
+            given.push(port);
+            return port;
+        }
+    }
+}
+
+/// etcd members on loopback "hosts", killed when dropped.
+struct Hosts {
+    dir: PathBuf,
+    peer: u16,
+    client: u16,
+    running: Mutex<HashMap<String, Child>>,
+    /// Certificates (`ca.pem`, `server.*`, `client.*`) when clients must use mutual TLS.
+    tls: Option<PathBuf>,
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for (_, mut c) in self.running.lock().unwrap().drain() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Hosts {
+    fn peer_url(&self, ip: &str) -> String {
+        format!("http://{ip}:{}", self.peer)
+    }
+
+    fn client_url(&self, ip: &str) -> String {
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{ip}:{}", self.client)
+    }
+
+    fn start(&self, name: &str, ip: &str, initial_cluster: &str, state: &str) {
+        let log = std::fs::File::create(self.dir.join(format!("{name}.log"))).unwrap();
+        let child = Command::new(Release::V35.bin("etcd"))
+            .args(["--name", name])
+            .arg("--data-dir")
+            .arg(self.dir.join(name))
+            .args(["--listen-peer-urls", &self.peer_url(ip)])
+            .args(["--initial-advertise-peer-urls", &self.peer_url(ip)])
+            .args(["--listen-client-urls", &self.client_url(ip)])
+            .args(["--advertise-client-urls", &self.client_url(ip)])
+            .args(["--initial-cluster", initial_cluster])
+            .args(["--initial-cluster-state", state])
+            .args(["--initial-cluster-token", "kube-e2e"])
+            .args(["--unsafe-no-fsync", "--log-level", "warn"])
+            .args(self.tls.iter().flat_map(|d| {
+                [
+                    "--client-cert-auth".to_owned(),
+                    format!("--trusted-ca-file={}", d.join("ca.pem").display()),
+                    format!("--cert-file={}", d.join("server.pem").display()),
+                    format!("--key-file={}", d.join("server.key").display()),
+                ]
+            }))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start etcd");
+        self.running.lock().unwrap().insert(name.to_owned(), child);
+    }
+
+    fn kill(&self, name: &str) {
+        if let Some(mut c) = self.running.lock().unwrap().remove(name) {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn is_running(&self, name: &str) -> bool {
+        self.running.lock().unwrap().contains_key(name)
+    }
+}
+
+async fn client(urls: &[String], tls: Option<&std::path::Path>) -> Option<Client> {
+    let mut opts = ConnectOptions::new()
+        .with_timeout(Duration::from_secs(2))
+        .with_connect_timeout(Duration::from_secs(1));
+    if let Some(d) = tls {
+        let read = |f: &str| std::fs::read(d.join(f)).unwrap();
+        opts = opts.with_tls(
+            etcd_client::TlsOptions::new()
+                .ca_certificate(etcd_client::Certificate::from_pem(read("ca.pem")))
+                .identity(etcd_client::Identity::from_pem(
+                    read("client.pem"),
+                    read("client.key"),
+                )),
+        );
+    }
+    for u in urls {
+        if let Ok(mut c) = Client::connect([u.as_str()], Some(opts.clone())).await
+            && c.member_list().await.is_ok()
+        {
+            return Some(c);
+        }
+    }
+    None
+}
+
+/// (id, name, peer URL, learner) of every member, through any member that answers.
+async fn members(hosts: &Hosts, ips: &[String]) -> Option<Vec<(u64, String, String, bool)>> {
+    let urls: Vec<String> = ips.iter().map(|i| hosts.client_url(i)).collect();
+    let mut c = client(&urls, hosts.tls.as_deref()).await?;
+    let list = c.member_list().await.ok()?;
+    Some(
+        list.members()
+            .iter()
+            .map(|m| {
+                (
+                    m.id(),
+                    m.name().to_owned(),
+                    m.peer_urls().first().cloned().unwrap_or_default(),
+                    m.is_learner(),
+                )
+            })
+            .collect(),
+    )
+}
+
+async fn eventually<T>(what: &str, timeout: Duration, mut f: impl AsyncFnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The platform: a learner added for a Machine's address gets its etcd started there.
+async fn platform(
+    hosts: Arc<Hosts>,
+    names: Arc<Mutex<BTreeMap<String, String>>>,
+    stop: CancellationToken,
+) {
+    while !stop.is_cancelled() {
+        let ips: Vec<String> = names.lock().unwrap().keys().cloned().collect();
+        if let Some(list) = members(&hosts, &ips).await {
+            for (_, _, peer, _) in list.iter().filter(|m| m.1.is_empty()) {
+                let Some((ip, machine)) = names
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .find(|(ip, _)| hosts.peer_url(ip) == *peer)
+                    .map(|(i, m)| (i.clone(), m.clone()))
+                else {
+                    continue;
+                };
+                if hosts.is_running(&machine) {
+                    continue;
+                }
+                let cluster: Vec<String> = list
+                    .iter()
+                    .map(|(_, n, p, _)| {
+                        let n = if p == peer {
+                            machine.clone()
+                        } else {
+                            n.clone()
+                        };
+                        format!("{n}={p}")
+                    })
+                    .filter(|s| !s.starts_with('='))
+                    .collect();
+                hosts.start(&machine, &ip, &cluster.join(","), "existing");
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Everything around the controller: etcd on loopback hosts, the double, the Machine API and the
+/// platform.
+struct World {
+    hosts: Arc<Hosts>,
+    /// IP → Machine name, for every Machine the test created.
+    names: Arc<Mutex<BTreeMap<String, String>>>,
+    server: ApiServer,
+    kc: kube::Client,
+    raw: Api<kube::api::DynamicObject>,
+    machine_api: Option<MachineApi>,
+    stop: CancellationToken,
+    next: usize,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+impl World {
+    /// cp-0..cp-2 running etcd and their Machines; the Machine API plays along when `machine_api`.
+    async fn start(machine_api: bool) -> World {
+        World::start_with(machine_api, false).await
+    }
+
+    /// As [`World::start`]; with `tls`, etcd's clients must present a certificate (mutual TLS).
+    async fn start_with(machine_api: bool, tls: bool) -> World {
+        let dir = tempfile::tempdir().unwrap();
+        let tls = tls.then(|| {
+            let d = dir.path().join("pki");
+            std::fs::create_dir_all(&d).unwrap();
+            make_certs(&d, &(0..8).map(ip).collect::<Vec<_>>());
+            d
+        });
+        let hosts = Arc::new(Hosts {
+            dir: dir.path().to_path_buf(),
+            peer: common_port(),
+            client: common_port(),
+            running: Mutex::new(HashMap::new()),
+            tls,
+        });
+        let first: Vec<(String, String)> = (0..3).map(|n| (format!("cp-{n}"), ip(n))).collect();
+        let initial: Vec<String> = first
+            .iter()
+            .map(|(n, i)| format!("{n}={}", hosts.peer_url(i)))
+            .collect();
+        for (n, i) in &first {
+            hosts.start(n, i, &initial.join(","), "new");
+        }
+        let ips: Vec<String> = first.iter().map(|(_, i)| i.clone()).collect();
+        eventually(
+            "etcd to form its cluster",
+            Duration::from_secs(30),
+            async || {
+                members(&hosts, &ips)
+                    .await
+                    .filter(|m| m.iter().all(|m| !m.1.is_empty()))
+            },
+        )
+        .await;
+        let server = ApiServer::start().await;
+        let kc = server.client();
+        let raw = machine_api::machines(kc.clone(), MACHINES_NS);
+        for (n, i) in &first {
+            create_machine(&raw, n, "master", Some(i)).await;
+        }
+        let names: Arc<Mutex<BTreeMap<String, String>>> = Arc::new(Mutex::new(
+            first.iter().map(|(n, i)| (i.clone(), n.clone())).collect(),
+        ));
+        let stop = CancellationToken::new();
+        tokio::spawn(platform(
+            Arc::clone(&hosts),
+            Arc::clone(&names),
+            stop.clone(),
+        ));
+        let machine_api = machine_api.then(|| {
+            MachineApi::start(raw.clone(), {
+                let hosts = Arc::clone(&hosts);
+                move |name| hosts.kill(name)
+            })
+        });
+        World {
+            hosts,
+            names,
+            server,
+            kc,
+            raw,
+            machine_api,
+            stop,
+            next: 3,
+            _dir: dir,
+        }
+    }
+
+    fn settings(&self, identity: &str) -> Settings {
+        Settings {
+            spec: Spec::new(3).unwrap(),
+            machines: KubeMachinesConfig {
+                namespace: MACHINES_NS.into(),
+                peer_scheme: "http".into(),
+                peer_port: self.hosts.peer,
+                ..KubeMachinesConfig::default()
+            },
+            etcd_endpoints: self.client_urls(),
+            etcd_tls: None,
+            namespace: ETCD_NS.into(),
+            guard: QuorumGuard::default(),
+            lease_name: "etcd-warden-operator".into(),
+            identity: identity.into(),
+            lease: LeaseTiming {
+                duration: Duration::from_secs(2),
+                renew_deadline: Duration::from_millis(1500),
+                retry: Duration::from_millis(200),
+            },
+            timing: Timing {
+                interval: Duration::from_millis(200),
+                min_backoff: Duration::from_millis(100),
+                max_backoff: Duration::from_secs(1),
+                request_timeout: Duration::from_secs(2),
+            },
+        }
+    }
+
+    /// Starts a controller replica named `identity`.
+    fn controller(&self, identity: &str) -> (tokio::task::JoinHandle<()>, CancellationToken) {
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(controller::run(
+            self.kc.clone(),
+            self.settings(identity),
+            cancel.clone(),
+        ));
+        (task, cancel)
+    }
+
+    fn ips(&self) -> Vec<String> {
+        self.names.lock().unwrap().keys().cloned().collect()
+    }
+
+    fn client_urls(&self) -> Vec<String> {
+        self.ips()
+            .iter()
+            .map(|i| self.hosts.client_url(i))
+            .collect()
+    }
+
+    async fn members(&self) -> Option<Vec<(u64, String, String, bool)>> {
+        members(&self.hosts, &self.ips()).await
+    }
+
+    /// Waits until every current Machine carries exactly our hook.
+    async fn protected(&self, machines: &[&str]) {
+        eventually(
+            "hooks on every machine",
+            Duration::from_secs(20),
+            async || {
+                let all = futures::future::join_all(machines.iter().map(|n| self.raw.get(n))).await;
+                all.iter()
+                    .all(|m| m.as_ref().is_ok_and(|m| pre_drain(m).len() == 1))
+                    .then_some(())
+            },
+        )
+        .await;
+    }
+
+    /// Creates the next Machine and deletes `old`; returns the new Machine's name.
+    async fn replace(&mut self, old: &str) -> String {
+        let (name, addr) = (format!("cp-{}", self.next), ip(self.next));
+        self.next += 1;
+        self.names
+            .lock()
+            .unwrap()
+            .insert(addr.clone(), name.clone());
+        create_machine(&self.raw, &name, "master", Some(&addr)).await;
+        self.raw
+            .delete(old, &DeleteParams::default())
+            .await
+            .unwrap();
+        name
+    }
+
+    /// Waits until the voters are exactly `voters`, with no learner, and `gone` is no Machine.
+    async fn settled(&self, voters: &[&str], gone: &str) -> Vec<(u64, String, String, bool)> {
+        eventually(
+            &format!("voters {voters:?}"),
+            Duration::from_secs(60),
+            async || {
+                let m = self.members().await?;
+                let mut v: Vec<String> = m.iter().filter(|m| !m.3).map(|m| m.1.clone()).collect();
+                v.sort();
+                let is_gone = self.raw.get_opt(gone).await.ok()?.is_none();
+                (v == voters && m.len() == voters.len() && is_gone).then_some(m)
+            },
+        )
+        .await
+    }
+
+    /// Checks etcd-endpoints lists exactly `members` and the PDB is for `machines`.
+    async fn objects_match(&self, members: &[(u64, String, String, bool)], machines: usize) {
+        let want: BTreeMap<String, String> = members
+            .iter()
+            .map(|(id, _, peer, _)| {
+                let ip = peer
+                    .trim_start_matches("http://")
+                    .split(':')
+                    .next()
+                    .unwrap();
+                (format!("{id:x}"), ip.to_owned())
+            })
+            .collect();
+        let cms: Api<ConfigMap> = Api::namespaced(self.kc.clone(), ETCD_NS);
+        let budgets: Api<PodDisruptionBudget> = Api::namespaced(self.kc.clone(), ETCD_NS);
+        let want_min = Some(IntOrString::Int(i32::try_from(machines).unwrap() - 1));
+        eventually(
+            "etcd-endpoints and the PDB",
+            Duration::from_secs(10),
+            async || {
+                let cm = cms.get_opt("etcd-endpoints").await.ok().flatten()?;
+                let pdb = budgets.get_opt("etcd-guard-pdb").await.ok().flatten()?;
+                let min = pdb.spec.and_then(|s| s.min_available);
+                (cm.data.unwrap_or_default() == want && min == want_min).then_some(())
+            },
+        )
+        .await;
+    }
+
+    /// (name, reason, reporting instance) of every Event on the Machines.
+    async fn events(&self) -> Vec<(String, String, String)> {
+        let events: Api<Event> = Api::namespaced(self.kc.clone(), MACHINES_NS);
+        events
+            .list(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .map(|e| {
+                (
+                    e.metadata.name.unwrap_or_default(),
+                    e.reason.unwrap_or_default(),
+                    e.reporting_instance.unwrap_or_default(),
+                )
+            })
+            .collect()
+    }
+}
+
+#[derive(Default, Debug)]
+struct Writes {
+    acked: BTreeMap<String, String>,
+    errors: usize,
+}
+
+/// Puts keys through whichever member answers, for as long as it runs.
+async fn writer(
+    hosts: Arc<Hosts>,
+    names: Arc<Mutex<BTreeMap<String, String>>>,
+    stop: CancellationToken,
+) -> Writes {
+    let mut w = Writes::default();
+    let mut c: Option<Client> = None;
+    let mut i = 0u64;
+    while !stop.is_cancelled() {
+        if c.is_none() {
+            let urls: Vec<String> = names
+                .lock()
+                .unwrap()
+                .keys()
+                .map(|ip| hosts.client_url(ip))
+                .collect();
+            c = client(&urls, hosts.tls.as_deref()).await;
+        }
+        let Some(cl) = c.as_mut() else {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        };
+        let (key, value) = (format!("w/{i:08}"), format!("v{i}"));
+        i += 1;
+        match cl.put(key.as_str(), value.as_str(), None).await {
+            Ok(_) => {
+                w.acked.insert(key, value);
+            }
+            Err(_) => {
+                w.errors += 1;
+                c = None;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    w
+}
+
+/// Samples the member list: (min voters, max voters, max learners, samples).
+async fn monitor(
+    hosts: Arc<Hosts>,
+    names: Arc<Mutex<BTreeMap<String, String>>>,
+    stop: CancellationToken,
+) -> (usize, usize, usize, usize) {
+    let (mut min_v, mut max_v, mut max_l, mut n) = (usize::MAX, 0, 0, 0);
+    while !stop.is_cancelled() {
+        let ips: Vec<String> = names.lock().unwrap().keys().cloned().collect();
+        if let Some(m) = members(&hosts, &ips).await {
+            let voters = m.iter().filter(|m| !m.3).count();
+            min_v = min_v.min(voters);
+            max_v = max_v.max(voters);
+            max_l = max_l.max(m.len() - voters);
+            n += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    (min_v, max_v, max_l, n)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replacing_every_member_under_writes_loses_nothing() {
+    let mut w = World::start(true).await;
+    let (ctl, cancel) = w.controller("op-0");
+    w.protected(&["cp-0", "cp-1", "cp-2"]).await;
+    w.objects_match(&w.members().await.unwrap(), 3).await;
+
+    let stop = CancellationToken::new();
+    let writes = tokio::spawn(writer(
+        Arc::clone(&w.hosts),
+        Arc::clone(&w.names),
+        stop.clone(),
+    ));
+    let watch = tokio::spawn(monitor(
+        Arc::clone(&w.hosts),
+        Arc::clone(&w.names),
+        stop.clone(),
+    ));
+    let mut voters = vec!["cp-0".to_string(), "cp-1".into(), "cp-2".into()];
+    for old in ["cp-0", "cp-1", "cp-2"] {
+        let new = w.replace(old).await;
+        voters.retain(|v| v != old);
+        voters.push(new);
+        voters.sort();
+        let want: Vec<&str> = voters.iter().map(String::as_str).collect();
+        let members = w.settled(&want, old).await;
+        assert!(!w.hosts.is_running(old), "the Machine API terminated {old}");
+        w.objects_match(&members, 3).await;
+    }
+    stop.cancel();
+    let writes = writes.await.unwrap();
+    let (min_v, max_v, max_l, samples) = watch.await.unwrap();
+    assert!(samples > 20, "monitor sampled {samples} times");
+    assert!(min_v >= 3, "voters fell to {min_v}");
+    assert!(max_v <= 4, "voters rose to {max_v}");
+    assert!(max_l <= 1, "{max_l} learners at once");
+
+    // Every acknowledged write is there, read linearizably from the final members.
+    assert!(
+        writes.acked.len() > 100,
+        "only {} writes acknowledged",
+        writes.acked.len()
+    );
+    let urls: Vec<String> = (3..6).map(|n| w.hosts.client_url(&ip(n))).collect();
+    let mut c = client(&urls, None).await.unwrap();
+    let got = c
+        .get("w/", Some(etcd_client::GetOptions::new().with_prefix()))
+        .await
+        .unwrap();
+    let stored: BTreeMap<String, String> = got
+        .kvs()
+        .iter()
+        .map(|kv| {
+            (
+                kv.key_str().unwrap().to_owned(),
+                kv.value_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    for (k, v) in &writes.acked {
+        assert_eq!(stored.get(k), Some(v), "acknowledged write {k} lost");
+    }
+
+    let reasons: HashSet<String> = w.events().await.into_iter().map(|(_, r, _)| r).collect();
+    for r in [
+        "DeletionHookAdded",
+        "LearnerAdded",
+        "LearnerPromoted",
+        "MemberRemoved",
+        "DeletionHookReleased",
+    ] {
+        assert!(reasons.contains(r), "no {r} event in {reasons:?}");
+    }
+    cancel.cancel();
+    tokio::time::timeout(Duration::from_secs(10), ctl)
+        .await
+        .expect("the controller stops")
+        .unwrap();
+    let leases: Api<Lease> = Api::namespaced(w.kc.clone(), ETCD_NS);
+    let lease = leases.get("etcd-warden-operator").await.unwrap();
+    assert_eq!(
+        lease.spec.unwrap().holder_identity,
+        None,
+        "released on shutdown"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hook_an_administrator_removed_from_a_deleting_machine_is_not_put_back() {
+    // No Machine API: the deleted Machine lingers, so a re-added hook would show.
+    let w = World::start(false).await;
+    let (_ctl, _cancel) = w.controller("op-0");
+    w.protected(&["cp-0", "cp-1", "cp-2"]).await;
+    w.raw
+        .delete("cp-0", &DeleteParams::default())
+        .await
+        .unwrap();
+    let p = serde_json::json!({"spec": {"lifecycleHooks": {"preDrain": []}}});
+    w.raw
+        .patch(
+            "cp-0",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&p),
+        )
+        .await
+        .unwrap();
+    // Many resyncs later: still off, and membership untouched (no replacement exists).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let m = w.raw.get("cp-0").await.unwrap();
+    assert!(
+        pre_drain(&m).is_empty(),
+        "hook put back: {:?}",
+        pre_drain(&m)
+    );
+    let members = w.members().await.unwrap();
+    assert_eq!(members.iter().filter(|m| !m.3).count(), 3);
+    assert!(w.machine_api.is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conflict_on_every_first_patch_is_retried_and_converges() {
+    let mut w = World::start(true).await;
+    w.server.inject_conflicts(true);
+    let (_ctl, _cancel) = w.controller("op-0");
+    w.protected(&["cp-0", "cp-1", "cp-2"]).await;
+    let new = w.replace("cp-0").await;
+    let members = w.settled(&["cp-1", "cp-2", &new], "cp-0").await;
+    w.objects_match(&members, 3).await;
+    // Every first hook patch met the concurrent writer and was sent again (the new Machine's
+    // injected conflict went to the test's own status write when it was created).
+    let requests = w.server.requests();
+    for m in ["cp-0", "cp-1", "cp-2"] {
+        let path = format!(
+            "PATCH /apis/machine.openshift.io/v1beta1/namespaces/{MACHINES_NS}/machines/{m}"
+        );
+        let n = requests
+            .iter()
+            .filter(|r| r.split('?').next() == Some(path.as_str()))
+            .count();
+        assert!(n >= 2, "{m}: {n} patches");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn of_two_replicas_only_the_lease_holder_acts_and_killing_it_hands_over() {
+    let mut w = World::start(true).await;
+    let (first, _c0) = w.controller("op-0");
+    w.protected(&["cp-0", "cp-1", "cp-2"]).await;
+    let (_second, _c1) = w.controller("op-1");
+    let new = w.replace("cp-0").await;
+    w.settled(&["cp-1", "cp-2", &new], "cp-0").await;
+    let acting: HashSet<String> = w.events().await.into_iter().map(|(_, _, i)| i).collect();
+    assert_eq!(
+        acting,
+        HashSet::from(["op-0".to_string()]),
+        "only the holder acts"
+    );
+
+    // Killed: its task is dropped mid-flight (its tasks stop with it and let the Lease go; a
+    // Lease left to expire is tests/kube_lease.rs's case).
+    first.abort();
+    let _ = first.await;
+    let before: HashSet<String> = w.events().await.into_iter().map(|(n, _, _)| n).collect();
+    let newer = w.replace("cp-1").await;
+    let members = w.settled(&["cp-2", &new, &newer], "cp-1").await;
+    w.objects_match(&members, 3).await;
+    let after = w.events().await;
+    let acting: HashSet<String> = after
+        .into_iter()
+        .filter(|(n, _, _)| !before.contains(n))
+        .map(|(_, _, i)| i)
+        .collect();
+    assert_eq!(
+        acting,
+        HashSet::from(["op-1".to_string()]),
+        "the other replica took over"
+    );
+}
+
+/// The operator binary as a child, SIGKILLed when dropped.
+struct Binary(Option<Child>);
+
+impl Drop for Binary {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.as_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_pointed_at_the_double_by_kubeconfig_replaces_a_member() {
+    let mut w = World::start(true).await;
+    let kubeconfig = w.hosts.dir.join("kubeconfig");
+    w.server.write_kubeconfig(&kubeconfig, ETCD_NS);
+    let log = std::fs::File::create(w.hosts.dir.join("operator.log")).unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_etcd-warden-operator"))
+        .arg("kube")
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .args(["--namespace", ETCD_NS, "--machine-namespace", MACHINES_NS])
+        .args(["--etcd-endpoints", &w.client_urls().join(",")])
+        .args([
+            "--peer-scheme",
+            "http",
+            "--peer-port",
+            &w.hosts.peer.to_string(),
+        ])
+        .args(["--identity", "op-bin", "--resync", "200ms"])
+        .env_remove("ETCD_WARDEN_OPERATOR_KUBECONFIG")
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .expect("start etcd-warden-operator kube");
+    let mut op = Binary(Some(child));
+    w.protected(&["cp-0", "cp-1", "cp-2"]).await;
+    let new = w.replace("cp-0").await;
+    let members = w.settled(&["cp-1", "cp-2", &new], "cp-0").await;
+    w.objects_match(&members, 3).await;
+    let acting: HashSet<String> = w.events().await.into_iter().map(|(_, _, i)| i).collect();
+    assert_eq!(acting, HashSet::from(["op-bin".to_string()]));
+
+    // SIGTERM: stops acting, releases the Lease, exits 0.
+    let mut child = op.0.take().unwrap();
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    let status = eventually(
+        "the operator to exit",
+        Duration::from_secs(15),
+        async || child.try_wait().unwrap(),
+    )
+    .await;
+    let log = std::fs::read_to_string(w.hosts.dir.join("operator.log")).unwrap();
+    assert!(status.success(), "exit {status:?}; log:\n{log}");
+    let leases: Api<Lease> = Api::namespaced(w.kc.clone(), ETCD_NS);
+    let lease = leases.get("etcd-warden-operator").await.unwrap();
+    assert_eq!(
+        lease.spec.unwrap().holder_identity,
+        None,
+        "released on SIGTERM"
+    );
+}
+
+/// A CA, a server certificate for `ips`, and two client certificates (`client.*`, `client2.*`).
+fn make_certs(dir: &std::path::Path, ips: &[String]) {
+    use support::tls::openssl;
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    let mut ca = vec!["req", "-x509", "-days", "1", "-subj", "/CN=kube-e2e-ca"];
+    ca.extend(ec);
+    ca.extend(["-keyout", "ca.key", "-out", "ca.pem"]);
+    openssl(dir, &ca);
+    let sans: Vec<String> = ips.iter().map(|i| format!("IP:{i}")).collect();
+    std::fs::write(
+        dir.join("server.ext"),
+        format!(
+            "subjectAltName={}\nextendedKeyUsage=serverAuth,clientAuth\n",
+            sans.join(",")
+        ),
+    )
+    .unwrap();
+    std::fs::write(dir.join("client.ext"), "extendedKeyUsage=clientAuth\n").unwrap();
+    for (name, cn, ext) in [
+        ("server", "etcd", "server.ext"),
+        ("client", "operator", "client.ext"),
+        ("client2", "operator", "client.ext"),
+    ] {
+        let (subj, key, csr, pem) = (
+            format!("/CN={cn}"),
+            format!("{name}.key"),
+            format!("{name}.csr"),
+            format!("{name}.pem"),
+        );
+        let mut req = vec!["req", "-new", "-subj", subj.as_str()];
+        req.extend(ec);
+        req.extend(["-keyout", key.as_str(), "-out", csr.as_str()]);
+        openssl(dir, &req);
+        openssl(
+            dir,
+            &[
+                "x509",
+                "-req",
+                "-in",
+                &csr,
+                "-CA",
+                "ca.pem",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-days",
+                "1",
+                "-extfile",
+                ext,
+                "-out",
+                &pem,
+            ],
+        );
+    }
+    // A self-signed client certificate etcd does not trust.
+    let mut rogue = vec!["req", "-x509", "-days", "1", "-subj", "/CN=rogue"];
+    rogue.extend(ec);
+    rogue.extend(["-keyout", "rogue.key", "-out", "rogue.pem"]);
+    openssl(dir, &rogue);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutual_tls_to_etcd_with_certificates_read_again_without_a_restart() {
+    let mut w = World::start_with(true, true).await;
+    let pki = w.hosts.tls.clone().unwrap();
+    // The operator's certificate is not there yet: it cannot reach etcd, and keeps trying.
+    let own = w.hosts.dir.join("operator-certs");
+    std::fs::create_dir_all(&own).unwrap();
+    let mut settings = w.settings("op-0");
+    settings.etcd_tls = Some(etcd_warden::config::TlsFiles {
+        ca_file: Some(pki.join("ca.pem")),
+        cert_file: Some(own.join("tls.crt")),
+        key_file: Some(own.join("tls.key")),
+    });
+    let cancel = CancellationToken::new();
+    let _ctl = tokio::spawn(controller::run(w.kc.clone(), settings, cancel.clone()));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let m = w.raw.get("cp-0").await.unwrap();
+    assert!(pre_drain(&m).is_empty(), "acted without reaching etcd");
+
+    // Mounted (as a Secret volume would be): picked up on the next connection.
+    std::fs::copy(pki.join("client.pem"), own.join("tls.crt")).unwrap();
+    std::fs::copy(pki.join("client.key"), own.join("tls.key")).unwrap();
+    w.protected(&["cp-0", "cp-1", "cp-2"]).await;
+
+    // Rotated: the new member is reached on a new connection, with the new certificate only.
+    std::fs::copy(pki.join("client2.pem"), own.join("tls.crt")).unwrap();
+    std::fs::copy(pki.join("client2.key"), own.join("tls.key")).unwrap();
+    let new = w.replace("cp-0").await;
+    let members = w.settled(&["cp-1", "cp-2", &new], "cp-0").await;
+    w.objects_match(&members, 3).await;
+
+    // Rotated to a certificate etcd does not trust, while every connection is healthy: the
+    // operator drops its connections at once and cannot act; rotated back, it goes on. (etcd
+    // refuses a member add for ~5 s after a removal: wait that out first, so that an operator
+    // still on its old connections would visibly add a learner.)
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    std::fs::copy(pki.join("rogue.pem"), own.join("tls.crt")).unwrap();
+    std::fs::copy(pki.join("rogue.key"), own.join("tls.key")).unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let newer = w.replace("cp-1").await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let m = w.members().await.unwrap();
+    assert_eq!(
+        m.len(),
+        3,
+        "no learner added with an untrusted certificate: {m:?}"
+    );
+    std::fs::copy(pki.join("client.pem"), own.join("tls.crt")).unwrap();
+    std::fs::copy(pki.join("client.key"), own.join("tls.key")).unwrap();
+    let members = w.settled(&["cp-2", &new, &newer], "cp-1").await;
+    w.objects_match(&members, 3).await;
+    cancel.cancel();
+}
