@@ -1,17 +1,27 @@
 //! `serve` with `restore.initialize` in a multi-member cluster: a member whose data directory is
 //! missing or invalid while the rest of the cluster has quorum is rebuilt by etcd, not from the
-//! store. The store is not read on this path.
+//! store. The store is not read on this path, except its listing for a first bootstrap (below).
 //!
 //! # When
 //! The store restores the directory (today's path, [`super::initialize`]) when
-//! `restore.cluster_endpoints` is empty or `restore.initial_cluster` names this member alone (a
-//! single-member cluster has nobody to replicate from). Otherwise the member rejoins, and only
-//! rejoins: when no endpoint answers, or the cluster has no quorum, it waits and retries until
-//! `restore.rejoin_timeout` and then fails, and the kubelet starts it again. An unreachable
-//! cluster is not proof of a lost cluster (a network partition looks the same), and a member
-//! restored from the store beside live members with data would fork the cluster's history.
-//! Recovering a cluster that lost quorum is an administrator's decision: empty
-//! `restore.cluster_endpoints` on every member to restore them all from the store.
+//! `restore.cluster_endpoints` is empty, or when the live member list (through any endpoint
+//! that answers one) names this member alone; only when no endpoint answers does the static
+//! `restore.initial_cluster` decide (a member grown by `member add` names itself alone there).
+//! Otherwise the member rejoins, and only rejoins: when no endpoint answers, or the cluster has
+//! no quorum, it waits and retries until `restore.rejoin_timeout` and then fails, and the
+//! kubelet starts it again. An unreachable cluster is not proof of a lost cluster (a network
+//! partition looks the same), and a member restored from the store beside live members with
+//! data would fork the cluster's history. Recovering a cluster that lost quorum is an
+//! administrator's decision: empty `restore.cluster_endpoints` on every member to restore them
+//! all from the store.
+//!
+//! One exception, a new cluster's first start ([`Outcome::FirstBootstrap`]): no endpoint
+//! answers a member list (each etcd waits for its own sidecar), the store lists no snapshot at
+//! all, and the directory is missing, not corrupt. Then [`super::initialize`] starts etcd fresh.
+//! A heuristic rather than a switch: a switch set for the first start and forgotten would start
+//! fresh after any later outage; a cluster that ever ran with backups has a snapshot in its
+//! store, and an unreachable store is not an empty one. What it cannot tell apart: a cluster
+//! that never stored a snapshot and whose members are all down or restarting without quorum.
 //!
 //! # How
 //! Each step starts from a fresh observation: a member list through an endpoint that first
@@ -27,13 +37,21 @@
 //! directory moved aside first, never deleted. The real etcd then starts on it as a voter; its
 //! static `--initial-cluster*` flags are ignored because the directory holds a member.
 //!
+//! `restore.rejoin_timeout` bounds the observe phase (until the learner is added); replication
+//! then runs for as long as it progresses (`.part` growing or the learner's applied index
+//! rising), and fails after `restore.rejoin_timeout` without progress ([`Progress`]).
+//!
 //! # Failures
 //! Until the promotion, a failure leaves at most a learner behind: it does not count towards
 //! quorum, and the next attempt removes it and adds a fresh one (its log, partly replicated to a
 //! directory that no longer exists, cannot be resumed: the leader would take its progress for
-//! granted). After the promotion, the steps left (stop, sync, rename) are local; should the
-//! process die among them, the next attempt finds our voter unhealthy and removes it as it
-//! removed the stale one, under the same quorum check.
+//! granted). A learner removed by someone else ends the attempt. After the promotion a journal
+//! (`<data_dir>.rejoin.json`, [`Journal`]) names the member; should the process die before the
+//! rename, the next attempt installs `.part` without any membership change when that member is
+//! still a voter in any answering endpoint's member list and `.part` passes validation (quorum
+//! may be missing precisely because this member is down). Otherwise the journal is dropped and
+//! the next attempt removes our voter as it removed the stale one, under the same quorum check.
+//! Cancellation (SIGTERM) stops the temporary member and ends the attempt.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
