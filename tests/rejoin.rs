@@ -497,3 +497,48 @@ async fn a_promoted_member_left_in_part_is_installed_from_its_journal() {
     let got = c.get("/w/before", None).await.unwrap();
     assert_eq!(got.kvs().len(), 1);
 }
+
+/// `restore.rejoin_timeout` bounds the observe phase only: replication that outlasts it while it
+/// progresses completes (here the timeout is shorter than one promotion retry, 2 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replication_may_outlast_rejoin_timeout_while_it_progresses() {
+    logs();
+    let mut etcd = EtcdCluster::start(3, Release::V35).await;
+    let mut client = connect(&etcd.endpoints()[..2]).await;
+    let value = vec![b'v'; 10_000];
+    for i in 0..1000 {
+        client
+            .put(format!("/w/{i:04}"), value.clone(), None)
+            .await
+            .unwrap();
+    }
+    etcd.members[2].kill();
+    let data = etcd.members[2].data_dir.clone();
+    std::fs::remove_dir_all(&data).unwrap();
+    // The stale voter removed beforehand: the observe phase is one learner addition.
+    let stale = members(&mut client)
+        .await
+        .into_iter()
+        .find(|m| m.0 == "m2")
+        .unwrap()
+        .1;
+    let removed = eventually(Duration::from_secs(20), || {
+        let mut c = client.clone();
+        async move { c.member_remove(stale).await.is_ok() }
+    })
+    .await;
+    assert!(removed);
+    // etcd refuses membership changes for 5 s after one ("unhealthy cluster").
+    tokio::time::sleep(Duration::from_secs(6)).await;
+
+    let timeout = Duration::from_secs(2);
+    let config = restore_config(&etcd, 2, timeout);
+    let begun = Instant::now();
+    let rejoined = initialize(&config).await;
+    assert!(matches!(rejoined, Ok(true)), "{rejoined:?}");
+    tracing::info!(elapsed = ?begun.elapsed(), "rejoined");
+    assert!(begun.elapsed() > timeout, "{:?}", begun.elapsed());
+    assert!(is_valid_data_dir(&data));
+    let after = members(&mut client).await;
+    assert_eq!(after.iter().filter(|m| !m.2).count(), 3, "{after:?}");
+}
