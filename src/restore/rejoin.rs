@@ -863,18 +863,14 @@ async fn replicate(
         }
         match bounded(client.member_promote(id)).await {
             Ok(_) => break,
-            // Already a voter: an earlier promotion got through.
-            Err(e) if e.contains("can only promote a learner member") && !e.contains("in sync") => {
-                break;
-            }
-            // Removed meanwhile (by an administrator): this attempt is over.
-            Err(e) if e.contains("member not found") => {
-                return Err(RejoinError::Removed { id });
-            }
-            Err(e) => {
-                tracing::debug!(error = %e, "promotion refused; retrying");
-                *last = format!("promoting learner {id:x}: {e}");
-            }
+            Err(e) => match refusal(&e) {
+                Refusal::AlreadyVoter => break,
+                Refusal::Removed => return Err(RejoinError::Removed { id }),
+                Refusal::Retry => {
+                    tracing::debug!(error = %e, "promotion refused; retrying");
+                    *last = format!("promoting learner {id:x}: {e}");
+                }
+            },
         }
         if progress.stalled(Instant::now(), stall) {
             return Err(RejoinError::Stalled {
@@ -887,6 +883,29 @@ async fn replicate(
     }
     tracing::info!(member_id = %format!("{id:x}"), "promoted to voter");
     Ok(())
+}
+
+/// What a refused promotion means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// Already a voter: an earlier promotion got through.
+    AlreadyVoter,
+    /// The learner was removed meanwhile (by an administrator): this attempt is over.
+    Removed,
+    /// Not in sync yet, or a transient error: tried again.
+    Retry,
+}
+
+/// Reads etcd's refusal of a promotion.
+pub fn refusal(message: &str) -> Refusal {
+    if message.contains("member not found") {
+        Refusal::Removed
+    } else if message.contains("can only promote a learner member") && !message.contains("in sync")
+    {
+        Refusal::AlreadyVoter
+    } else {
+        Refusal::Retry
+    }
 }
 
 /// The bytes of the files under `dir` (0 when it cannot be read).
@@ -1145,6 +1164,20 @@ mod tests {
         assert!(!p.note(t1 + Duration::from_secs(10), 90_000, 5));
         assert!(!p.stalled(t1 + Duration::from_secs(59), limit));
         assert!(p.stalled(t1 + Duration::from_secs(60), limit));
+    }
+
+    #[test]
+    fn a_removed_learner_ends_the_attempt_and_only_sync_is_retried() {
+        assert_eq!(refusal("etcdserver: member not found"), Refusal::Removed);
+        assert_eq!(
+            refusal("etcdserver: can only promote a learner member which is in sync with leader"),
+            Refusal::Retry
+        );
+        assert_eq!(
+            refusal("etcdserver: can only promote a learner member"),
+            Refusal::AlreadyVoter
+        );
+        assert_eq!(refusal("timed out after 10s"), Refusal::Retry);
     }
 
     #[test]
