@@ -270,9 +270,23 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
     let metrics = SidecarMetrics::new(config.owner.is_some());
     // Before anything talks to etcd: it may be waiting for its data directory. A lost member
     // of a running multi-member cluster rejoins it (restore::rejoin); otherwise the store.
-    if config.restore.initialize
-        && !crate::restore::rejoin::initialize(&config.restore, &metrics.initialize).await?
-    {
+    // A rejoin stops on SIGTERM (its temporary member with it); nothing else has started.
+    let rejoined = if config.restore.initialize {
+        match crate::restore::rejoin::initialize(
+            &config.restore,
+            &metrics.initialize,
+            &store,
+            &cancel,
+        )
+        .await
+        {
+            Err(crate::restore::rejoin::RejoinError::Cancelled) => return Ok(()),
+            r => r?,
+        }
+    } else {
+        false
+    };
+    if config.restore.initialize && !rejoined {
         crate::restore::initialize::initialize_observed(
             &store,
             &config.restore,

@@ -20,11 +20,13 @@ fn is_valid_data_dir(dir: &std::path::Path) -> bool {
         DataDir::Valid { .. }
     )
 }
-use etcd_warden::restore::rejoin::{self, RejoinError};
+use etcd_warden::restore::rejoin::{self, Journal, RejoinError};
+use etcd_warden::store::{Codec, Kind, SnapshotStore};
 use support::etcd::{EtcdCluster, Release};
 use support::warden::Warden;
 use support::writer::Writer;
 use support::{eventually, free_port};
+use tokio_util::sync::CancellationToken;
 
 /// The library's logs, shown with a failing test's output.
 fn logs() {
@@ -78,6 +80,26 @@ fn restore_config(etcd: &EtcdCluster, i: usize, timeout: Duration) -> RestoreCon
         }),
         rejoin_timeout: timeout,
     }
+}
+
+/// A store in memory, empty.
+fn empty_store() -> SnapshotStore {
+    SnapshotStore::new(
+        std::sync::Arc::new(object_store::memory::InMemory::new()),
+        "",
+    )
+}
+
+/// `rejoin::initialize` as `serve` calls it, with an empty store and a token never cancelled.
+async fn initialize(config: &RestoreConfig) -> Result<bool, RejoinError> {
+    let cancel = CancellationToken::new();
+    rejoin::initialize(
+        config,
+        &InitializeMetrics::default(),
+        &empty_store(),
+        &cancel,
+    )
+    .await
 }
 
 /// (ID, is learner) of every member, by name (an unstarted learner has an empty name).
@@ -283,8 +305,8 @@ async fn a_corrupt_directory_is_moved_aside_and_a_leftover_learner_replaced() {
     }
     let leftover = leftover.expect("a learner added");
     let config = restore_config(&etcd, 2, Duration::from_secs(120));
-    let metrics = InitializeMetrics::default();
-    assert!(rejoin::initialize(&config, &metrics).await.unwrap());
+    assert!(initialize(&config).await.unwrap());
+    assert!(!Journal::path(&data).exists(), "the journal is left behind");
 
     assert!(is_valid_data_dir(&data));
     let aside: Vec<_> = std::fs::read_dir(data.parent().unwrap())
@@ -326,9 +348,7 @@ async fn without_quorum_membership_is_left_alone_and_the_attempt_fails() {
     std::fs::remove_dir_all(&data).unwrap();
 
     let config = restore_config(&etcd, 2, Duration::from_secs(8));
-    let e = rejoin::initialize(&config, &InitializeMetrics::default())
-        .await
-        .unwrap_err();
+    let e = initialize(&config).await.unwrap_err();
     assert!(matches!(e, RejoinError::Timeout { .. }), "{e}");
     let text = e.to_string();
     assert!(text.contains("linearizable"), "{text}");
@@ -343,4 +363,182 @@ async fn without_quorum_membership_is_left_alone_and_the_attempt_fails() {
     after.sort();
     before.sort();
     assert_eq!(after, before);
+}
+
+/// A member grown by `member add` has a `restore.initial_cluster` naming it alone: the live
+/// member list, not that static value, sends it to rejoin (restored from the store instead, it
+/// would start a second cluster beside the running one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_whose_initial_cluster_names_it_alone_rejoins_the_running_cluster() {
+    logs();
+    let mut etcd = EtcdCluster::start(3, Release::V35).await;
+    let mut client = connect(&etcd.endpoints()[..2]).await;
+    client.put("/w/before", "1", None).await.unwrap();
+    etcd.members[2].kill();
+    let data = etcd.members[2].data_dir.clone();
+    std::fs::remove_dir_all(&data).unwrap();
+
+    let mut config = restore_config(&etcd, 2, Duration::from_secs(120));
+    config.initial_cluster = format!("m2={}", etcd.members[2].peer_url());
+    assert!(initialize(&config).await.unwrap(), "not rejoined");
+    assert!(is_valid_data_dir(&data));
+    let after = members(&mut client).await;
+    assert_eq!(after.iter().filter(|m| !m.2).count(), 3, "{after:?}");
+
+    etcd.members[2].start();
+    etcd.members[2].wait_healthy(Duration::from_secs(30)).await;
+    let mut c = connect(&[etcd.members[2].client_url()]).await;
+    let got = c
+        .get("/w/before", Some(GetOptions::new().with_serializable()))
+        .await
+        .unwrap();
+    assert_eq!(got.kvs().len(), 1);
+}
+
+/// A new cluster: no member answers (each etcd waits for its sidecar), the store holds no
+/// snapshot and the directory is missing, so the member starts fresh instead of waiting for a
+/// cluster that cannot exist yet. With a snapshot in the store the same silence fails closed
+/// (an unreachable cluster), until the timeout or until the sidecar is stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_cluster_starts_fresh_only_while_nobody_answers_and_the_store_is_empty() {
+    logs();
+    let mut etcd = EtcdCluster::start(3, Release::V35).await;
+    for m in &mut etcd.members {
+        m.kill();
+    }
+    let data = etcd.members[2].data_dir.clone();
+    std::fs::remove_dir_all(&data).unwrap();
+    let config = restore_config(&etcd, 2, Duration::from_secs(60));
+
+    let begun = Instant::now();
+    assert!(
+        !initialize(&config).await.unwrap(),
+        "a first bootstrap should be left to restore::initialize"
+    );
+    assert!(
+        begun.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        begun.elapsed()
+    );
+    assert!(!data.exists());
+
+    let store = empty_store();
+    let s = store.new_snapshot(Kind::Full, 0, 10, Codec::None, false);
+    store
+        .put_bytes(&s, bytes::Bytes::from_static(b"db"))
+        .await
+        .unwrap();
+    let mut config = config;
+    config.rejoin_timeout = Duration::from_secs(5);
+    let never = CancellationToken::new();
+    let e = rejoin::initialize(&config, &InitializeMetrics::default(), &store, &never)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, RejoinError::Timeout { .. }), "{e}");
+    assert!(!data.exists());
+
+    // Stopped (SIGTERM) while it waits: it returns at once.
+    config.rejoin_timeout = Duration::from_secs(600);
+    let cancel = CancellationToken::new();
+    let stop = cancel.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        stop.cancel();
+    });
+    let begun = Instant::now();
+    let e = rejoin::initialize(&config, &InitializeMetrics::default(), &store, &cancel)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, RejoinError::Cancelled), "{e}");
+    assert!(
+        begun.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        begun.elapsed()
+    );
+}
+
+/// The process died after the promotion, before the rename: its journal and a valid `.part`
+/// are installed without a membership change, even with another member down (no quorum
+/// until this one is back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_promoted_member_left_in_part_is_installed_from_its_journal() {
+    logs();
+    let mut etcd = EtcdCluster::start(3, Release::V35).await;
+    let mut client = connect(&[etcd.members[0].client_url()]).await;
+    client.put("/w/before", "1", None).await.unwrap();
+    let mut before = members(&mut client).await;
+    let id = before.iter().find(|m| m.0 == "m2").unwrap().1;
+    etcd.members[2].kill();
+    let data = etcd.members[2].data_dir.clone();
+    let part = std::path::PathBuf::from(format!("{}.part", data.display()));
+    std::fs::rename(&data, &part).unwrap();
+    Journal {
+        member_id: id,
+        peer_urls: vec![etcd.members[2].peer_url()],
+        promoted: true,
+    }
+    .write(&data)
+    .unwrap();
+    etcd.members[1].kill();
+
+    let config = restore_config(&etcd, 2, Duration::from_secs(20));
+    assert!(initialize(&config).await.unwrap());
+    assert!(is_valid_data_dir(&data));
+    assert!(!part.exists());
+    assert!(!Journal::path(&data).exists());
+    let mut after = members(&mut client).await;
+    after.sort();
+    before.sort();
+    assert_eq!(after, before, "membership changed");
+
+    etcd.members[2].start();
+    etcd.members[2].wait_healthy(Duration::from_secs(30)).await;
+    let mut c = connect(&[etcd.members[2].client_url()]).await;
+    let got = c.get("/w/before", None).await.unwrap();
+    assert_eq!(got.kvs().len(), 1);
+}
+
+/// `restore.rejoin_timeout` bounds the observe phase only: replication that outlasts it while it
+/// progresses completes (here the timeout is shorter than one promotion retry, 2 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replication_may_outlast_rejoin_timeout_while_it_progresses() {
+    logs();
+    let mut etcd = EtcdCluster::start(3, Release::V35).await;
+    let mut client = connect(&etcd.endpoints()[..2]).await;
+    let value = vec![b'v'; 10_000];
+    for i in 0..1000 {
+        client
+            .put(format!("/w/{i:04}"), value.clone(), None)
+            .await
+            .unwrap();
+    }
+    etcd.members[2].kill();
+    let data = etcd.members[2].data_dir.clone();
+    std::fs::remove_dir_all(&data).unwrap();
+    // The stale voter removed beforehand: the observe phase is one learner addition.
+    let stale = members(&mut client)
+        .await
+        .into_iter()
+        .find(|m| m.0 == "m2")
+        .unwrap()
+        .1;
+    let removed = eventually(Duration::from_secs(20), || {
+        let mut c = client.clone();
+        async move { c.member_remove(stale).await.is_ok() }
+    })
+    .await;
+    assert!(removed);
+    // etcd refuses membership changes for 5 s after one ("unhealthy cluster").
+    tokio::time::sleep(Duration::from_secs(6)).await;
+
+    let timeout = Duration::from_secs(2);
+    let config = restore_config(&etcd, 2, timeout);
+    let begun = Instant::now();
+    let rejoined = initialize(&config).await;
+    assert!(matches!(rejoined, Ok(true)), "{rejoined:?}");
+    tracing::info!(elapsed = ?begun.elapsed(), "rejoined");
+    assert!(begun.elapsed() > timeout, "{:?}", begun.elapsed());
+    assert!(is_valid_data_dir(&data));
+    let after = members(&mut client).await;
+    assert_eq!(after.iter().filter(|m| !m.2).count(), 3, "{after:?}");
 }

@@ -326,7 +326,8 @@ pub struct RestoreConfig {
     /// learner instead of being restored from the store (`restore.cluster_endpoints`, with
     /// `[etcd]`'s TLS, credentials and timeouts); `None`: off.
     pub cluster: Option<EtcdConfig>,
-    /// How long a rejoin may take, catching up included, before `serve` fails.
+    /// A rejoin's bound until a learner is added, then for each stretch of replication without
+    /// progress, before `serve` fails.
     pub rejoin_timeout: Duration,
 }
 

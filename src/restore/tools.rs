@@ -79,13 +79,16 @@ impl MemberParams {
         }
     }
 
-    /// Whether the cluster has more members than this one.
+    /// Whether the cluster has more members than this one: distinct names, since a member
+    /// with several peer URLs appears once per URL (`a=http://a1:2380,a=http://a2:2380`).
     pub fn is_multi_member(&self) -> bool {
-        self.initial_cluster()
+        let cluster = self.initial_cluster();
+        let names: std::collections::BTreeSet<&str> = cluster
             .split(',')
             .filter(|s| !s.trim().is_empty())
-            .count()
-            > 1
+            .map(|s| s.split_once('=').map_or(s, |(name, _)| name).trim())
+            .collect();
+        names.len() > 1
     }
 }
 
@@ -317,6 +320,20 @@ mod tests {
         assert!(!m.is_multi_member());
         let m = MemberParams {
             initial_cluster: "a=http://a:2380,b=http://b:2380".into(),
+            ..m
+        };
+        assert!(m.is_multi_member());
+    }
+
+    #[test]
+    fn a_member_with_two_peer_urls_is_still_one_member() {
+        let m = MemberParams {
+            initial_cluster: "a=http://a1:2380,a=http://a2:2380".into(),
+            ..MemberParams::default()
+        };
+        assert!(!m.is_multi_member());
+        let m = MemberParams {
+            initial_cluster: "a=http://a1:2380,a=http://a2:2380,b=http://b:2380".into(),
             ..m
         };
         assert!(m.is_multi_member());
