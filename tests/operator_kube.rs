@@ -788,71 +788,32 @@ async fn the_binary_pointed_at_the_double_by_kubeconfig_replaces_a_member() {
     );
 }
 
-/// A CA, a server certificate for `ips`, and two client certificates (`client.*`, `client2.*`).
+/// A CA, a server certificate for `ips`, two client certificates (`client.*`, `client2.*`), and
+/// a self-signed client certificate etcd does not trust (`rogue.*`).
 fn make_certs(dir: &std::path::Path, ips: &[String]) {
-    use support::tls::openssl;
-    let ec = [
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
-    ];
-    let mut ca = vec!["req", "-x509", "-days", "1", "-subj", "/CN=kube-e2e-ca"];
-    ca.extend(ec);
-    ca.extend(["-keyout", "ca.key", "-out", "ca.pem"]);
-    openssl(dir, &ca);
-    let sans: Vec<String> = ips.iter().map(|i| format!("IP:{i}")).collect();
-    std::fs::write(
-        dir.join("server.ext"),
-        format!(
-            "subjectAltName={}\nextendedKeyUsage=serverAuth,clientAuth\n",
-            sans.join(",")
-        ),
-    )
-    .unwrap();
-    std::fs::write(dir.join("client.ext"), "extendedKeyUsage=clientAuth\n").unwrap();
-    for (name, cn, ext) in [
-        ("server", "etcd", "server.ext"),
-        ("client", "operator", "client.ext"),
-        ("client2", "operator", "client.ext"),
-    ] {
-        let (subj, key, csr, pem) = (
-            format!("/CN={cn}"),
-            format!("{name}.key"),
-            format!("{name}.csr"),
-            format!("{name}.pem"),
-        );
-        let mut req = vec!["req", "-new", "-subj", subj.as_str()];
-        req.extend(ec);
-        req.extend(["-keyout", key.as_str(), "-out", csr.as_str()]);
-        openssl(dir, &req);
-        openssl(
-            dir,
-            &[
-                "x509",
-                "-req",
-                "-in",
-                &csr,
-                "-CA",
-                "ca.pem",
-                "-CAkey",
-                "ca.key",
-                "-CAcreateserial",
-                "-days",
-                "1",
-                "-extfile",
-                ext,
-                "-out",
-                &pem,
-            ],
-        );
-    }
+    let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
+    support::tls::make_certs_for(dir, &ips, &["client", "client2"]);
     // A self-signed client certificate etcd does not trust.
-    let mut rogue = vec!["req", "-x509", "-days", "1", "-subj", "/CN=rogue"];
-    rogue.extend(ec);
-    rogue.extend(["-keyout", "rogue.key", "-out", "rogue.pem"]);
-    openssl(dir, &rogue);
+    support::tls::openssl(
+        dir,
+        &[
+            "req",
+            "-x509",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=rogue",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            "rogue.key",
+            "-out",
+            "rogue.pem",
+        ],
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -21,6 +21,14 @@ pub fn openssl(dir: &Path, args: &[&str]) {
 /// Writes into `dir` a CA (`ca.pem`), a server certificate for 127.0.0.1 (`server.pem`,
 /// `server.key`) and a client certificate (`client.pem`, `client.key`).
 pub fn make_certs(dir: &Path) {
+    make_certs_for(dir, &["127.0.0.1"], &["client"]);
+}
+
+/// Writes into `dir` a CA (`ca.pem`), a server certificate for the IP addresses `ips`
+/// (`server.pem`, `server.key`) and one client certificate per name in `clients`
+/// (`<name>.pem`, `<name>.key`).
+#[allow(dead_code)] // each test crate uses one of the two
+pub fn make_certs_for(dir: &Path, ips: &[&str], clients: &[&str]) {
     let ec = [
         "-newkey",
         "ec",
@@ -32,22 +40,29 @@ pub fn make_certs(dir: &Path) {
     ca.extend(ec);
     ca.extend(["-keyout", "ca.key", "-out", "ca.pem"]);
     openssl(dir, &ca);
+    let sans: Vec<String> = ips.iter().map(|i| format!("IP:{i}")).collect();
     std::fs::write(
         dir.join("server.ext"),
-        "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n",
+        format!(
+            "subjectAltName={}\nextendedKeyUsage=serverAuth,clientAuth\n",
+            sans.join(",")
+        ),
     )
     .unwrap();
     std::fs::write(dir.join("client.ext"), "extendedKeyUsage=clientAuth\n").unwrap();
-    for (name, cn) in [("server", "127.0.0.1"), ("client", "warden")] {
-        let subj = format!("/CN={cn}");
-        let key = format!("{name}.key");
-        let csr = format!("{name}.csr");
+    let certs = std::iter::once(("server", "127.0.0.1", "server.ext"))
+        .chain(clients.iter().map(|c| (*c, "warden", "client.ext")));
+    for (name, cn, ext) in certs {
+        let (subj, key, csr, pem) = (
+            format!("/CN={cn}"),
+            format!("{name}.key"),
+            format!("{name}.csr"),
+            format!("{name}.pem"),
+        );
         let mut req = vec!["req", "-new", "-subj", subj.as_str()];
         req.extend(ec);
         req.extend(["-keyout", key.as_str(), "-out", csr.as_str()]);
         openssl(dir, &req);
-        let pem = format!("{name}.pem");
-        let ext = format!("{name}.ext");
         openssl(
             dir,
             &[
@@ -63,7 +78,7 @@ pub fn make_certs(dir: &Path) {
                 "-days",
                 "1",
                 "-extfile",
-                &ext,
+                ext,
                 "-out",
                 &pem,
             ],
