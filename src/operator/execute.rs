@@ -648,6 +648,34 @@ impl<M: Machines> Operator<M> {
         })
     }
 
+    /// Whether a member with `peer_url` is in the member list, read after a linearizable read on
+    /// the same member (so the list holds every membership change committed before it).
+    async fn member_on(&self, obs: &Observation, peer_url: &str) -> Result<bool, ExecuteError> {
+        let mut c = self.cluster_client(obs).await?;
+        c.get(
+            "\0",
+            Some(
+                etcd_client::GetOptions::new()
+                    .with_keys_only()
+                    .with_limit(1),
+            ),
+        )
+        .await
+        .map_err(|source| ExecuteError::Etcd {
+            op: "linearizable read",
+            source,
+        })?;
+        let list = c.member_list().await.map_err(|source| ExecuteError::Etcd {
+            op: "member list",
+            source,
+        })?;
+        Ok(list.members().iter().any(|m| {
+            m.peer_urls()
+                .iter()
+                .any(|u| super::plan::same_url(u, peer_url))
+        }))
+    }
+
     /// Applies one action; `false` when there turned out to be nothing to do.
     async fn apply(&self, action: &Action, obs: &Observation) -> Result<bool, ExecuteError> {
         match action {
@@ -656,6 +684,21 @@ impl<M: Machines> Operator<M> {
                 Ok(true)
             }
             Action::ReleaseHook { machine } => {
+                // The plan saw no member on this machine in a member list any member may have
+                // served from its own state; a follower that lags could still be missing a
+                // member that was just added. Released only once a member list read after a
+                // linearizable read (through the leader when known) agrees.
+                if let Some(peer_url) = obs
+                    .observed
+                    .machines
+                    .iter()
+                    .find(|m| &m.name == machine)
+                    .map(|m| m.peer_url.clone())
+                    && self.member_on(obs, &peer_url).await?
+                {
+                    info!(machine = %machine, "a linearizable member list still shows a member on it; hook kept");
+                    return Ok(false);
+                }
                 self.machines.release_hook(machine).await?;
                 Ok(true)
             }

@@ -300,7 +300,8 @@ pub fn removal_keeps_quorum(members: &[MemberState], id: u64) -> bool {
     has_quorum(members.iter().filter(|m| m.id != id))
 }
 
-fn same_url(a: &str, b: &str) -> bool {
+/// Whether two peer URLs name the same endpoint (a trailing slash aside).
+pub fn same_url(a: &str, b: &str) -> bool {
     a.trim_end_matches('/') == b.trim_end_matches('/')
 }
 
