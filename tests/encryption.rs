@@ -388,6 +388,14 @@ async fn serve_encrypts_its_full_and_delta_snapshots_and_says_so() {
         ("encryption.recipients", id.to_public().to_string()),
     ]);
     w.wait_up().await;
+    // The first full snapshot first: writes before it would be in it, not in a delta.
+    let based = support::eventually(std::time::Duration::from_secs(20), || async {
+        w.get("/snapshot/latest")
+            .await
+            .is_some_and(|(code, l)| code == 200 && l["fullSnapshot"].is_object())
+    })
+    .await;
+    assert!(based, "no full snapshot\n{}", w.log_text());
     let rev = writes(&mut client, 1, 10).await;
     let caught_up = support::eventually(std::time::Duration::from_secs(20), || async {
         w.get("/snapshot/latest").await.is_some_and(|(code, l)| {
