@@ -16,7 +16,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use crate::owner::handoff::{HandOffError, HandOffObjects};
+use crate::owner::handoff::{HandOffError, HandOffObjects, Hold};
 use crate::restore::{self, EtcdTools, MemberParams, RestoreError, RestoreOptions, TempEtcd};
 use crate::snapshot::full::{FullError, take_full_at};
 use crate::store::{Codec, Snapshot, SnapshotStore, StoreError};
@@ -253,24 +253,18 @@ async fn compact_and_store(
 /// full snapshot and hide the final from the sidecars' start check and from `/snapshot/latest`.
 async fn refuse_during_hand_off(store: &SnapshotStore, revision: i64) -> Result<(), CompactError> {
     let objects = HandOffObjects::new(store.clone());
-    if let Some(record) = objects
-        .record()
-        .await
-        .map_err(CompactError::HandOffObjects)?
-    {
-        return Err(CompactError::HandOff {
-            what: format!("a hand-off record, final {}", record.final_snapshot),
-        });
-    }
-    if let Some(marker) = objects
-        .fence_keys()
-        .await
-        .map_err(CompactError::HandOffObjects)?
-        .first()
-    {
-        return Err(CompactError::HandOff {
-            what: format!("fence marker {marker}"),
-        });
+    match objects.hold().await.map_err(CompactError::HandOffObjects)? {
+        Some(Hold::Record(record)) => {
+            return Err(CompactError::HandOff {
+                what: format!("a hand-off record, final {}", record.final_snapshot),
+            });
+        }
+        Some(Hold::Fenced(markers)) => {
+            return Err(CompactError::HandOff {
+                what: format!("fence marker {}", markers[0]),
+            });
+        }
+        None => {}
     }
     let finals = objects
         .finals()

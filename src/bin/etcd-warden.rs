@@ -461,33 +461,30 @@ mod ops {
         store: &SnapshotStore,
         is_final: bool,
     ) -> anyhow::Result<()> {
-        let objects = handoff::HandOffObjects::new(store.clone());
-        let record = objects
-            .record()
+        let hold = handoff::HandOffObjects::new(store.clone())
+            .hold()
             .await
-            .with_context(|| format!("reading the hand-off record in {}", config.store.location))?;
-        let fenced = objects
-            .fence_keys()
-            .await
-            .with_context(|| format!("listing fence markers in {}", config.store.location))?;
-        if record.is_none() && fenced.is_empty() {
+            .with_context(|| {
+                format!("reading the hand-off objects in {}", config.store.location)
+            })?;
+        let Some(hold) = hold else {
             return Ok(());
-        }
+        };
         let what = if is_final {
             "a final snapshot"
         } else {
             "a snapshot"
         };
-        let held = match &record {
-            Some(r) => format!(
+        let held = match &hold {
+            handoff::Hold::Record(r) => format!(
                 "the hand-off record {}/{}/handoff.json (final {})",
                 config.store.location,
                 handoff::DIR,
                 r.final_snapshot
             ),
-            None => format!(
+            handoff::Hold::Fenced(markers) => format!(
                 "{} fence marker(s) under {}/{}/fence/",
-                fenced.len(),
+                markers.len(),
                 config.store.location,
                 handoff::DIR
             ),

@@ -240,6 +240,15 @@ pub fn fenced_at_start(
     own_marker || record || latest_full.is_some_and(|s| s.is_final && s.last_revision >= revision)
 }
 
+/// What holds a store in a hand-off ([`HandOffObjects::hold`]).
+#[derive(Debug, Clone)]
+pub enum Hold {
+    /// The hand-off record.
+    Record(HandOffRecord),
+    /// Fence markers (their keys), without a record yet.
+    Fenced(Vec<Path>),
+}
+
 /// The hand-off's objects in one store.
 #[derive(Clone)]
 pub struct HandOffObjects {
@@ -378,6 +387,17 @@ impl HandOffObjects {
         // One object answers the question; the listing is not read further.
         let first = self.store.backend().list(Some(&dir)).try_next().await?;
         Ok(first.is_some())
+    }
+
+    /// What marks the store as in a hand-off (or after one): the record, else the fence
+    /// markers; `None` when neither is there. A snapshot stored now would stand in front of the
+    /// hand-off's final.
+    pub async fn hold(&self) -> Result<Option<Hold>, HandOffError> {
+        if let Some(record) = self.record().await? {
+            return Ok(Some(Hold::Record(record)));
+        }
+        let markers = self.fence_keys().await?;
+        Ok((!markers.is_empty()).then_some(Hold::Fenced(markers)))
     }
 
     /// The final full snapshots in the store that were not reclaimed, oldest first.

@@ -19,6 +19,7 @@ use super::{
     Strategy, plan, spec_hash,
 };
 use crate::operator::execute::{BackendError, ExecuteError, Machines, Operator};
+use crate::operator::plan::same_url;
 
 /// One Machine as a backend lists it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -195,12 +196,11 @@ impl<S: SetMachines, Q: Machines> Controller<S, Q> {
         let etcd = self.operator.observe().await?;
         let listed = self.machines.list_set().await?;
         let member_of = |peer_url: &str| -> MemberRole {
-            let same = |u: &str| u.trim_end_matches('/') == peer_url.trim_end_matches('/');
             match etcd
                 .observed
                 .members
                 .iter()
-                .find(|m| m.peer_urls.iter().any(|u| same(u)))
+                .find(|m| m.peer_urls.iter().any(|u| same_url(u, peer_url)))
             {
                 None => MemberRole::None,
                 Some(m) if m.is_learner => MemberRole::Learner,
