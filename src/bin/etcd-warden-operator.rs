@@ -63,6 +63,8 @@ enum Command {
     /// Run the operator against a Kubernetes cluster: control-plane Machines and their deletion
     /// hooks, the quorum-guard PDB, the etcd-endpoints ConfigMap, leader election by Lease.
     Kube(Box<KubeArgs>),
+    /// Print the operator's CustomResourceDefinitions as YAML (deploy/operator/crds.yaml).
+    Crdgen,
     /// Print the operator's status (members, machines, condition, last action) as JSON.
     Status(ApiArgs),
     /// Replace a machine: create a new one and mark the old one for deletion.
@@ -374,6 +376,10 @@ async fn run(command: Command) -> anyhow::Result<()> {
     let (method, api, path) = match command {
         Command::Local(a) => return local(a).await,
         Command::Kube(a) => return kube(*a).await,
+        Command::Crdgen => {
+            print!("{}", etcd_warden::operator::crd::yaml()?);
+            return Ok(());
+        }
         Command::Status(api) => (Method::GET, api, "/status".to_owned()),
         Command::Replace { machine, api } => {
             (Method::POST, api, format!("/machines/{machine}/replace"))

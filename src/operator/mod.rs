@@ -8,6 +8,7 @@
 //! - [`metrics`]: Prometheus metrics of the operator.
 
 pub mod control_plane_set;
+pub mod crd;
 pub mod execute;
 pub mod kube;
 pub mod local;
