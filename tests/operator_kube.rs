@@ -6,7 +6,9 @@
 //! Scenarios: every member replaced under a live writer; a hook an administrator removed from a
 //! deleting Machine stays off; a 409 on every first patch converges; of two replicas only the
 //! Lease holder acts, and killing it hands over; the `etcd-warden-operator kube` binary pointed
-//! at the double by a kubeconfig replaces a member and exits cleanly on SIGTERM.
+//! at the double by a kubeconfig replaces a member and exits cleanly on SIGTERM; ownership lost
+//! (the owner DNS record, served by a real DNS server on loopback) in the middle of a replacement
+//! stops every further action until the record names the operator again.
 //!
 //! Every member runs on its own loopback address (127.0.0.11, .12, …) on one peer and one client
 //! port, as members on separate hosts do, so a Machine's InternalIP is all that names its member.
@@ -70,6 +72,8 @@ struct Hosts {
     running: Mutex<HashMap<String, Child>>,
     /// Certificates (`ca.pem`, `server.*`, `client.*`) when clients must use mutual TLS.
     tls: Option<PathBuf>,
+    /// While set, the platform starts no etcd for a learner (it stays added but unstarted).
+    hold: std::sync::atomic::AtomicBool,
 }
 
 impl Drop for Hosts {
@@ -208,7 +212,9 @@ async fn platform(
                 else {
                     continue;
                 };
-                if hosts.is_running(&machine) {
+                if hosts.is_running(&machine)
+                    || hosts.hold.load(std::sync::atomic::Ordering::SeqCst)
+                {
                     continue;
                 }
                 let cluster: Vec<String> = list
@@ -272,6 +278,7 @@ impl World {
             client: common_port(),
             running: Mutex::new(HashMap::new()),
             tls,
+            hold: Default::default(),
         });
         let first: Vec<(String, String)> = (0..3).map(|n| (format!("cp-{n}"), ip(n))).collect();
         let initial: Vec<String> = first
@@ -352,6 +359,7 @@ impl World {
                 max_backoff: Duration::from_secs(1),
                 request_timeout: Duration::from_secs(2),
             },
+            owner: None,
         }
     }
 
@@ -720,6 +728,85 @@ async fn of_two_replicas_only_the_lease_holder_acts_and_killing_it_hands_over() 
         HashSet::from(["op-1".to_string()]),
         "the other replica took over"
     );
+}
+
+/// Seed 001's controller watchdog: the record moves to another owner in the middle of a
+/// replacement (a learner added, not yet started, so the reconcile loop is busy waiting to
+/// promote it), and from then on nothing is done: the learner, started and caught up, is not
+/// promoted, no member is removed, no hook released, no Event recorded. When the record names the
+/// operator again it finishes the replacement.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ownership_lost_mid_replacement_stops_every_action_until_it_returns() {
+    use etcd_warden::config::OwnerConfig;
+    use etcd_warden::owner::guard::GuardSettings;
+    use std::sync::atomic::Ordering;
+    const NAME: &str = "owner.operator.warden.test";
+    let dns = support::dns::DnsServer::start().await;
+    dns.set_txt(NAME, &["seed-a"]).await;
+    let mut w = World::start(true).await;
+    let mut settings = w.settings("op-0");
+    settings.owner = Some(
+        GuardSettings::new(&OwnerConfig {
+            name: NAME.into(),
+            id: "seed-a".into(),
+            interval: Duration::from_millis(50),
+            timeout: Duration::from_millis(500),
+            nameservers: vec![dns.addr()],
+            failure_threshold: 2,
+            ttl_cap: Duration::ZERO,
+        })
+        .unwrap(),
+    );
+    let cancel = CancellationToken::new();
+    let _ctl = tokio::spawn(controller::run(w.kc.clone(), settings, cancel.clone()));
+    let _stop = cancel.drop_guard();
+    w.protected(&["cp-0", "cp-1", "cp-2"]).await;
+
+    w.hosts.hold.store(true, Ordering::SeqCst);
+    let new = w.replace("cp-0").await;
+    eventually(
+        "a learner for the new machine",
+        Duration::from_secs(30),
+        async || {
+            let m = w.members().await?;
+            m.iter().any(|m| m.3).then_some(())
+        },
+    )
+    .await;
+    dns.set_txt(NAME, &["seed-b"]).await;
+    // The guard looks every 50 ms; one answer naming someone else ends ownership.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let events = w.events().await.len();
+    let old_hooks = pre_drain(&w.raw.get("cp-0").await.unwrap());
+    assert_eq!(old_hooks.len(), 1);
+    w.hosts.hold.store(false, Ordering::SeqCst);
+    let started = eventually(
+        "the learner's etcd started and caught up",
+        Duration::from_secs(30),
+        async || {
+            let m = w.members().await?;
+            m.iter().all(|m| !m.1.is_empty()).then_some(m)
+        },
+    )
+    .await;
+    // Long enough for the promotion, the removal and the release to follow several times over.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let mut now = w.members().await.expect("members");
+    let mut before = started.clone();
+    now.sort();
+    before.sort();
+    assert_eq!(now, before, "membership changed while not owner");
+    assert_eq!(now.iter().filter(|m| m.3).count(), 1, "the learner stays");
+    assert_eq!(
+        pre_drain(&w.raw.get("cp-0").await.unwrap()),
+        old_hooks,
+        "the old machine's hook released while not owner"
+    );
+    assert_eq!(w.events().await.len(), events, "acted while not owner");
+
+    dns.set_txt(NAME, &["seed-a"]).await;
+    let members = w.settled(&["cp-1", "cp-2", &new], "cp-0").await;
+    w.objects_match(&members, 3).await;
 }
 
 /// The operator binary as a child, SIGKILLed when dropped.

@@ -308,6 +308,7 @@ impl KubeArgs {
                 interval: self.resync,
                 ..Timing::default()
             },
+            owner: None,
         };
         Ok((self.kubeconfig, settings))
     }

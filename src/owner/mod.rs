@@ -5,8 +5,10 @@
 //! - [`protocol`]: the state machine, a pure transition function.
 //! - [`handoff`]: fence markers, the hand-off record and the pure "who takes the final, when".
 //! - [`watchdog`]: the loop that observes, steps the protocol and acts through its traits.
+//! - [`guard`]: ownership for controllers: a token per stretch of ownership, cancelled when it ends.
 //! - [`production`]: those traits over DNS, `/proc`, etcd, the store and the snapshot actor.
 
+pub mod guard;
 pub mod handoff;
 pub mod metrics;
 pub mod production;

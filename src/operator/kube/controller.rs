@@ -4,7 +4,8 @@
 //! etcd (which nothing watches). After each step the ConfigMap and the PDB are brought in step
 //! with the fresh member list and machine count; every action becomes an Event.
 //!
-//! Losing the Lease cancels the reconcile in flight (its future is dropped between two awaits:
+//! With an owner record configured (seed 001's controller watchdog, [`OwnerGuard`]), acting also
+//! needs the record to name us. Losing the Lease or ownership cancels the reconcile in flight (its future is dropped between two awaits:
 //! a membership call already sent completes in etcd, and the next leader observes it).
 
 use std::sync::Arc;
@@ -30,6 +31,7 @@ use super::sync::SyncError;
 use super::{endpoints, events};
 use crate::operator::execute::{BackendError, ExecuteError, Operator, Timing};
 use crate::operator::plan::Spec;
+use crate::owner::guard::{GuardSettings, OwnerGuard};
 
 /// Everything the controller needs besides a client.
 #[derive(Debug, Clone)]
@@ -54,6 +56,9 @@ pub struct Settings {
     pub lease: LeaseTiming,
     /// Executor timings; `interval` is the resync period.
     pub timing: Timing,
+    /// The owner record to check (seed 001's controller watchdog): nothing acts unless it names
+    /// us, and losing it cancels the reconcile in flight. `None`: no owner record.
+    pub owner: Option<GuardSettings>,
 }
 
 /// The kube client could not be built.
@@ -173,6 +178,25 @@ impl Parts {
     }
 }
 
+/// Keeps `tx` at "holds the Lease and owns" until `cancel` or the guard stops (then `false`).
+async fn may_act(
+    mut leader: watch::Receiver<bool>,
+    mut guard: OwnerGuard,
+    tx: watch::Sender<bool>,
+    cancel: CancellationToken,
+) {
+    loop {
+        let now = *leader.borrow_and_update() && guard.standing().owns();
+        tx.send_if_modified(|v| std::mem::replace(v, now) != now);
+        tokio::select! {
+            _ = cancel.cancelled() => break,
+            r = leader.changed() => if r.is_err() { break },
+            alive = guard.changed() => if !alive { break },
+        }
+    }
+    tx.send_replace(false);
+}
+
 /// Runs the controller until `cancel`; then stops acting, releases the Lease and returns
 /// within a few seconds.
 pub async fn run(client: ::kube::Client, settings: Settings, cancel: CancellationToken) {
@@ -199,7 +223,7 @@ pub async fn run(client: ::kube::Client, settings: Settings, cancel: Cancellatio
     // Dropped (the task aborted) or returned: the tasks stop too. A Lease renewed by an orphaned
     // task while nothing reconciles would keep every other replica from acting.
     let _stop_tasks = child.clone().drop_guard();
-    let (leader_tx, mut leader) = watch::channel(false);
+    let (leader_tx, leader) = watch::channel(false);
     {
         let lock = LeaseLock::new(
             Api::namespaced(client.clone(), &settings.namespace),
@@ -210,6 +234,16 @@ pub async fn run(client: ::kube::Client, settings: Settings, cancel: Cancellatio
         let c = child.clone();
         tasks.spawn(async move { lock.run(leader_tx, c).await });
     }
+    // Acting needs the Lease and, when an owner record is configured, ownership.
+    let mut acting = match &settings.owner {
+        None => leader,
+        Some(owner) => {
+            let (guard, _) = OwnerGuard::start(owner.lookup.clone(), owner.timing, child.clone());
+            let (tx, rx) = watch::channel(false);
+            tasks.spawn(may_act(leader, guard, tx, child.clone()));
+            rx
+        }
+    };
     let recorder = Recorder::new(
         client.clone(),
         Reporter {
@@ -257,18 +291,18 @@ pub async fn run(client: ::kube::Client, settings: Settings, cancel: Cancellatio
     let backoff = crate::backoff::Backoff::new(timing.min_backoff, timing.max_backoff);
     let mut failures = 0u32;
     'run: loop {
-        while !*leader.borrow_and_update() {
+        while !*acting.borrow_and_update() {
             tokio::select! {
                 _ = cancel.cancelled() => break 'run,
-                changed = leader.changed() => if changed.is_err() { break 'run },
+                changed = acting.changed() => if changed.is_err() { break 'run },
             }
         }
         info!(identity = %settings.identity, "leading: reconciling");
         loop {
             let result = tokio::select! {
                 _ = cancel.cancelled() => break 'run,
-                _ = leader.wait_for(|l| !*l) => {
-                    warn!("lease lost: reconcile cancelled, not acting");
+                _ = acting.wait_for(|l| !*l) => {
+                    warn!("lease or ownership lost: reconcile cancelled, not acting");
                     continue 'run;
                 }
                 r = parts.reconcile() => r,
@@ -291,8 +325,8 @@ pub async fn run(client: ::kube::Client, settings: Settings, cancel: Cancellatio
             };
             tokio::select! {
                 _ = cancel.cancelled() => break 'run,
-                _ = leader.wait_for(|l| !*l) => {
-                    warn!("lease lost: not acting");
+                _ = acting.wait_for(|l| !*l) => {
+                    warn!("lease or ownership lost: not acting");
                     continue 'run;
                 }
                 _ = wake.notified() => {}
