@@ -573,15 +573,23 @@ impl<M: Machines> Operator<M> {
 
     /// One step: observe, plan, apply the plan's actions in order (no membership change after
     /// a failed action). Returns the plan that was applied.
-    #[tracing::instrument(name = "operator_step", skip_all, fields(condition, actions))]
     pub async fn step(&self) -> Result<Plan, ExecuteError> {
+        self.step_acted().await.map(|(plan, _)| plan)
+    }
+
+    /// [`Operator::step`], also telling whether any action changed something. A planned action
+    /// can turn out to be nothing to do (a start the platform does itself, a hook kept because a
+    /// linearizable member list still shows a member): a loop that steps again at once after
+    /// every non-empty plan would spin while the platform starts a member.
+    #[tracing::instrument(name = "operator_step", skip_all, fields(condition, actions))]
+    pub async fn step_acted(&self) -> Result<(Plan, bool), ExecuteError> {
         let result = self.step_inner().await;
         let mut st = lock(&self.status);
         st.last_error = result.as_ref().err().map(|e| e.to_string());
         result
     }
 
-    async fn step_inner(&self) -> Result<Plan, ExecuteError> {
+    async fn step_inner(&self) -> Result<(Plan, bool), ExecuteError> {
         let obs = self.observe().await?;
         let p = plan(self.spec, &obs.observed);
         Span::current()
@@ -592,33 +600,37 @@ impl<M: Machines> Operator<M> {
         // others back. The membership change is skipped after any failure, though: when the
         // backend misbehaves, membership is better left alone.
         let mut first_error = None;
+        let mut acted = false;
         for action in &p.actions {
             if first_error.is_some() && action.is_membership_change() {
                 break;
             }
-            let done = self.act(action, &obs).instrument(action_span(action)).await;
-            if let Err(e) = done {
-                first_error.get_or_insert(e);
+            match self.act(action, &obs).instrument(action_span(action)).await {
+                Ok(changed) => acted |= changed,
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
             }
         }
         match first_error {
             Some(e) => Err(e),
-            None => Ok(p),
+            None => Ok((p, acted)),
         }
     }
 
-    /// Applies one action, records it in the status and logs it.
-    async fn act(&self, action: &Action, obs: &Observation) -> Result<(), ExecuteError> {
+    /// Applies one action, records it in the status and logs it; `false` when there was nothing
+    /// to do after all.
+    async fn act(&self, action: &Action, obs: &Observation) -> Result<bool, ExecuteError> {
         match self.apply(action, obs).await {
             Ok(true) => {
                 self.record_action(action, Ok(()));
                 info!("{action}");
-                Ok(())
+                Ok(true)
             }
             // Nothing to do after all (a member that was starting already runs).
             Ok(false) => {
                 debug!("{action}: already done");
-                Ok(())
+                Ok(false)
             }
             Err(e) => {
                 self.record_action(action, Err(&e));
@@ -772,8 +784,8 @@ impl<M: Machines> Operator<M> {
         Ok(self.machines.start_member(machine, &join).await?)
     }
 
-    /// Runs steps until cancelled: right away after a step that acted, after `interval` when
-    /// there was nothing to do, with doubling backoff after failures.
+    /// Runs steps until cancelled: right away after a step that changed something, after
+    /// `interval` when there was nothing to do (or nothing planned could be done yet), with doubling backoff after failures.
     pub async fn run(&self, cancel: CancellationToken) {
         let backoff =
             crate::backoff::Backoff::new(self.timing.min_backoff, self.timing.max_backoff);
@@ -781,15 +793,15 @@ impl<M: Machines> Operator<M> {
         loop {
             let result = tokio::select! {
                 _ = cancel.cancelled() => return,
-                r = self.step() => r,
+                r = self.step_acted() => r,
             };
             let wait = match result {
-                Ok(p) => {
+                Ok((_, acted)) => {
                     failures = 0;
-                    if p.actions.is_empty() {
-                        self.timing.interval
-                    } else {
+                    if acted {
                         Duration::from_millis(50)
+                    } else {
+                        self.timing.interval
                     }
                 }
                 Err(e) => {

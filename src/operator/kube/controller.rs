@@ -150,7 +150,7 @@ struct Parts {
 }
 
 impl Parts {
-    /// One reconcile: returns whether the plan acted.
+    /// One reconcile: returns whether an action changed something.
     async fn reconcile(&self) -> Result<bool, ReconcileError> {
         let census = self.machines.census().await?;
         if !census.machine_api_functional() {
@@ -160,7 +160,7 @@ impl Parts {
             );
             return Ok(false);
         }
-        let plan = self.operator.step().await?;
+        let (_, acted) = self.operator.step_acted().await?;
         // Fresh facts after the actions: a learner just added belongs in the ConfigMap.
         let obs = self.operator.observe().await?;
         endpoints::sync(
@@ -174,7 +174,7 @@ impl Parts {
             .guard
             .sync(&self.budgets, census.total)
             .await?;
-        Ok(!plan.actions.is_empty())
+        Ok(acted)
     }
 }
 
