@@ -6,7 +6,8 @@
 //! Scenarios: every member replaced under a live writer; a hook an administrator removed from a
 //! deleting Machine stays off; a 409 on every first patch converges; of two replicas only the
 //! Lease holder acts, and killing it hands over; the `etcd-warden-operator kube` binary pointed
-//! at the double by a kubeconfig replaces a member and exits cleanly on SIGTERM.
+//! at the double by a kubeconfig replaces a member and exits cleanly on SIGTERM; the
+//! `EtcdQuorum` status follows a replacement and a stopped member.
 //!
 //! Every member runs on its own loopback address (127.0.0.11, .12, …) on one peer and one client
 //! port, as members on separate hosts do, so a Machine's InternalIP is all that names its member.
@@ -24,6 +25,7 @@ use etcd_warden::operator::execute::Timing;
 use etcd_warden::operator::kube::KubeMachinesConfig;
 use etcd_warden::operator::kube::controller::{self, Settings};
 use etcd_warden::operator::kube::lease::LeaseTiming;
+use etcd_warden::operator::kube::quorum::{self, EtcdQuorum};
 use etcd_warden::operator::kube::quorum_guard::QuorumGuard;
 use etcd_warden::operator::plan::Spec;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -293,6 +295,7 @@ impl World {
         )
         .await;
         let server = ApiServer::start().await;
+        server.status_subresource("etcd-warden.io", "etcdquorums");
         let kc = server.client();
         let raw = machine_api::machines(kc.clone(), MACHINES_NS);
         for (n, i) in &first {
@@ -868,4 +871,141 @@ async fn mutual_tls_to_etcd_with_certificates_read_again_without_a_restart() {
     let members = w.settled(&["cp-2", &new, &newer], "cp-1").await;
     w.objects_match(&members, 3).await;
     cancel.cancel();
+}
+
+/// `type -> (status, reason)` of the EtcdQuorum's conditions, once it has some.
+async fn quorum_conditions(api: &Api<EtcdQuorum>) -> Option<BTreeMap<String, (String, String)>> {
+    let q = api.get_opt(quorum::NAME).await.ok()??;
+    let c: BTreeMap<String, (String, String)> = q
+        .status?
+        .conditions
+        .into_iter()
+        .map(|c| (c.type_, (c.status, c.reason)))
+        .collect();
+    (!c.is_empty()).then_some(c)
+}
+
+fn conditions_are(c: &BTreeMap<String, (String, String)>, want: [(&str, &str, &str); 3]) -> bool {
+    want.iter()
+        .all(|(t, s, r)| c.get(*t).is_some_and(|(cs, cr)| cs == s && cr == r))
+}
+
+const ALL_WELL: [(&str, &str, &str); 3] = [
+    ("Available", "True", "AsExpected"),
+    ("Progressing", "False", "AsExpected"),
+    ("Degraded", "False", "AsExpected"),
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_etcd_quorum_status_follows_a_replacement_and_a_stopped_member() {
+    let mut w = World::start(true).await;
+    let api: Api<EtcdQuorum> = Api::namespaced(w.kc.clone(), ETCD_NS);
+    let (_ctl, _cancel) = w.controller("op-0");
+    w.protected(&["cp-0", "cp-1", "cp-2"]).await;
+    eventually("all well", Duration::from_secs(20), async || {
+        quorum_conditions(&api)
+            .await
+            .filter(|c| conditions_are(c, ALL_WELL))
+    })
+    .await;
+
+    // Nothing changes: many resyncs write no status at all.
+    let status_path =
+        format!("/apis/etcd-warden.io/v1alpha1/namespaces/{ETCD_NS}/etcdquorums/cluster/status");
+    let writes = |w: &World| {
+        w.server
+            .requests()
+            .iter()
+            .filter(|r| {
+                (r.starts_with("PATCH ") || r.starts_with("PUT "))
+                    && r.contains("/etcdquorums/cluster")
+            })
+            .map(|r| r.split('?').next().unwrap_or_default().to_owned())
+            .collect::<Vec<_>>()
+    };
+    let before = writes(&w);
+    assert!(!before.is_empty());
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(writes(&w).len(), before.len(), "status rewritten unchanged");
+
+    // A replacement: Progressing while it runs, all well again after.
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let stop = CancellationToken::new();
+    let watcher = {
+        let (api, seen, stop) = (api.clone(), Arc::clone(&seen), stop.clone());
+        tokio::spawn(async move {
+            while !stop.is_cancelled() {
+                if let Some(c) = quorum_conditions(&api).await {
+                    seen.lock().unwrap().push(c);
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    };
+    let new = w.replace("cp-0").await;
+    w.settled(&["cp-1", "cp-2", &new], "cp-0").await;
+    eventually(
+        "all well after the replacement",
+        Duration::from_secs(20),
+        async || {
+            quorum_conditions(&api)
+                .await
+                .filter(|c| conditions_are(c, ALL_WELL))
+        },
+    )
+    .await;
+    stop.cancel();
+    watcher.await.unwrap();
+    let seen = seen.lock().unwrap().clone();
+    assert!(
+        seen.iter()
+            .any(|c| c["Progressing"] == ("True".into(), "ReplacingMember".into())),
+        "never Progressing/ReplacingMember: {seen:?}"
+    );
+    // Quorum held throughout.
+    assert!(seen.iter().all(|c| c["Available"].0 == "True"), "{seen:?}");
+    let q = api.get(quorum::NAME).await.unwrap();
+    let st = q.status.unwrap();
+    assert_eq!((st.voters, st.learners, st.desired_voters), (3, 0, 3));
+    assert!(st.last_action.is_some());
+    // The status went only through /status.
+    assert!(
+        writes(&w)
+            .iter()
+            .all(|p| p == &format!("PATCH {status_path}")),
+        "{:?}",
+        writes(&w)
+    );
+
+    // A stopped member: Degraded, UnhealthyMembers, naming it.
+    w.hosts.kill("cp-1");
+    eventually(
+        "Degraded/UnhealthyMembers",
+        Duration::from_secs(30),
+        async || {
+            quorum_conditions(&api).await.filter(|c| {
+                conditions_are(
+                    c,
+                    [
+                        ("Available", "True", "AsExpected"),
+                        ("Progressing", "False", "AsExpected"),
+                        ("Degraded", "True", "UnhealthyMembers"),
+                    ],
+                )
+            })
+        },
+    )
+    .await;
+    let st = api.get(quorum::NAME).await.unwrap().status.unwrap();
+    let degraded = st
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Degraded")
+        .unwrap();
+    assert!(degraded.message.contains("cp-1"), "{}", degraded.message);
+    assert!(
+        st.members
+            .iter()
+            .any(|m| m.name.is_empty() || (m.name == "cp-1" && !m.healthy))
+    );
 }

@@ -2,7 +2,8 @@
 //! acting only while this replica holds the Lease, woken by watches on the Machines, the
 //! `etcd-endpoints` ConfigMap and the quorum-guard PDB, and resyncing periodically to observe
 //! etcd (which nothing watches). After each step the ConfigMap and the PDB are brought in step
-//! with the fresh member list and machine count; every action becomes an Event.
+//! with the fresh member list and machine count, and the `EtcdQuorum` status with the
+//! conditions derived from it; every action becomes an Event.
 //!
 //! Losing the Lease cancels the reconcile in flight (its future is dropped between two awaits:
 //! a membership call already sent completes in etcd, and the next leader observes it).
@@ -25,10 +26,11 @@ use tracing::{info, warn};
 use super::lease::{LeaseLock, LeaseTiming};
 use super::machine::Machine;
 use super::machines::{KubeMachines, KubeMachinesConfig};
+use super::quorum::{self, EtcdQuorum};
 use super::quorum_guard::QuorumGuard;
 use super::sync::SyncError;
 use super::{endpoints, events};
-use crate::operator::execute::{BackendError, ExecuteError, Operator, Timing};
+use crate::operator::execute::{BackendError, ExecuteError, Observation, Operator, Timing};
 use crate::operator::plan::Spec;
 
 /// Everything the controller needs besides a client.
@@ -141,7 +143,13 @@ struct Parts {
     machines: Arc<KubeMachines>,
     config_maps: Api<ConfigMap>,
     budgets: Api<PodDisruptionBudget>,
+    quorums: Api<EtcdQuorum>,
+    learner: std::sync::Mutex<quorum::LearnerProgress>,
     settings: Settings,
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Parts {
@@ -153,6 +161,9 @@ impl Parts {
                 machines = census.total,
                 "no control-plane Machine is Running: the Machine API does not work here; not acting"
             );
+            // Observing changes nothing; the status says why nothing happens.
+            let obs = self.operator.observe().await?;
+            self.write_status(&obs, false).await?;
             return Ok(false);
         }
         let plan = self.operator.step().await?;
@@ -169,7 +180,37 @@ impl Parts {
             .guard
             .sync(&self.budgets, census.total)
             .await?;
+        self.write_status(&obs, census.machine_api_functional())
+            .await?;
         Ok(!plan.actions.is_empty())
+    }
+
+    /// Brings the EtcdQuorum's status in step with `obs` (nothing written when it already is).
+    async fn write_status(
+        &self,
+        obs: &Observation,
+        machine_api_functional: bool,
+    ) -> Result<(), SyncError> {
+        let stalled = lock(&self.learner).stalled(&obs.observed, std::time::Instant::now());
+        let facts = quorum::Facts {
+            spec: self.settings.spec,
+            observed: &obs.observed,
+            machine_api_functional,
+            stalled_learner: stalled.as_deref(),
+        };
+        let last = self.operator.status().last_action;
+        quorum::sync(&self.quorums, |previous, generation| {
+            quorum::status(
+                &facts,
+                &obs.members,
+                last.as_ref(),
+                previous,
+                generation,
+                chrono::Utc::now(),
+            )
+        })
+        .await?;
+        Ok(())
     }
 }
 
@@ -191,6 +232,8 @@ pub async fn run(client: ::kube::Client, settings: Settings, cancel: Cancellatio
         machines,
         config_maps: Api::namespaced(client.clone(), &settings.namespace),
         budgets: Api::namespaced(client.clone(), &settings.guard.namespace),
+        quorums: Api::namespaced(client.clone(), &settings.namespace),
+        learner: std::sync::Mutex::default(),
         settings: settings.clone(),
     };
 

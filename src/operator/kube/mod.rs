@@ -5,6 +5,7 @@
 //! - [`machine`]: the typed `Machine` (only the fields read).
 //! - [`machines`]: [`KubeMachines`], the seam's Kubernetes backend.
 //! - [`endpoints`]: the `etcd-endpoints` ConfigMap built from etcd's member list (pure).
+//! - [`quorum`]: the `EtcdQuorum` status object (conditions derived purely) and its sync.
 //! - [`quorum_guard`]: the quorum-guard PodDisruptionBudget (pure).
 //! - [`events`]: a Kubernetes Event for every action the executor records.
 //! - [`lease`]: leader election through a Lease, so two replicas never both act.
@@ -16,6 +17,7 @@ pub mod events;
 pub mod lease;
 pub mod machine;
 pub mod machines;
+pub mod quorum;
 pub mod quorum_guard;
 pub mod sync;
 
