@@ -1,6 +1,7 @@
 //! The operator on Kubernetes: the [`Machines`](super::execute::Machines) seam over
 //! `machine.openshift.io` Machines, and the objects the operator keeps in step with etcd.
 //!
+//! - [`config`]: `kube`'s layered configuration (file → environment → flags).
 //! - [`controller`]: the controller assembled: leader-gated reconciles woken by watches.
 //! - [`machine`]: the typed `Machine` (only the fields read).
 //! - [`machines`]: [`KubeMachines`], the seam's Kubernetes backend.
@@ -11,6 +12,7 @@
 //! - [`lease`]: leader election through a Lease, so two replicas never both act.
 //! - [`sync`]: create-or-patch with optimistic concurrency, for the ConfigMap and the PDB.
 
+pub mod config;
 pub mod controller;
 pub mod endpoints;
 pub mod events;
