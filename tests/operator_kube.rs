@@ -743,6 +743,10 @@ async fn the_binary_pointed_at_the_double_by_kubeconfig_replaces_a_member() {
     let kubeconfig = w.hosts.dir.join("kubeconfig");
     w.server.write_kubeconfig(&kubeconfig, ETCD_NS);
     let log = std::fs::File::create(w.hosts.dir.join("operator.log")).unwrap();
+    let http_port = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().port()
+    };
     let child = Command::new(env!("CARGO_BIN_EXE_etcd-warden-operator"))
         .arg("kube")
         .arg("--kubeconfig")
@@ -756,6 +760,7 @@ async fn the_binary_pointed_at_the_double_by_kubeconfig_replaces_a_member() {
             &w.hosts.peer.to_string(),
         ])
         .args(["--identity", "op-bin", "--resync", "200ms"])
+        .args(["--listen", &format!("127.0.0.1:{http_port}")])
         .env_remove("ETCD_WARDEN_OPERATOR_KUBECONFIG")
         .stdin(Stdio::null())
         .stdout(log.try_clone().unwrap())
@@ -769,6 +774,15 @@ async fn the_binary_pointed_at_the_double_by_kubeconfig_replaces_a_member() {
     w.objects_match(&members, 3).await;
     let acting: HashSet<String> = w.events().await.into_iter().map(|(_, _, i)| i).collect();
     assert_eq!(acting, HashSet::from(["op-bin".to_string()]));
+    // The binary serves health and metrics on --listen.
+    let base = format!("http://127.0.0.1:{http_port}");
+    let (code, body) = http_get(&format!("{base}/healthz")).await.unwrap();
+    assert_eq!(code, 200, "{body}");
+    let (_, metrics) = http_get(&format!("{base}/metrics")).await.unwrap();
+    assert!(
+        metrics.contains("etcd_warden_operator_is_leader 1"),
+        "{metrics}"
+    );
 
     // SIGTERM: stops acting, releases the Lease, exits 0.
     let mut child = op.0.take().unwrap();
@@ -1007,5 +1021,71 @@ async fn the_etcd_quorum_status_follows_a_replacement_and_a_stopped_member() {
         st.members
             .iter()
             .any(|m| m.name.is_empty() || (m.name == "cp-1" && !m.healthy))
+    );
+}
+
+async fn http_get(url: &str) -> Option<(u16, String)> {
+    let resp = reqwest::get(url).await.ok()?;
+    let code = resp.status().as_u16();
+    Some((code, resp.text().await.ok()?))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_and_metrics_over_http_follow_the_tasks_and_the_lease() {
+    let w = World::start(true).await;
+    let serve = |identity: &str| {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(controller::run_serving(
+            w.kc.clone(),
+            w.settings(identity),
+            Some(tokio::net::TcpListener::from_std(listener).unwrap()),
+            cancel.clone(),
+        ));
+        (format!("http://{addr}"), task, cancel)
+    };
+    let (a, a_task, a_cancel) = serve("op-0");
+    w.protected(&["cp-0", "cp-1", "cp-2"]).await;
+    let (b, _b_task, _b_cancel) = serve("op-1");
+    for base in [&a, &b] {
+        let (code, body) = eventually("/readyz", Duration::from_secs(10), async || {
+            http_get(&format!("{base}/readyz"))
+                .await
+                .filter(|(c, _)| *c == 200)
+        })
+        .await;
+        assert_eq!((code, body.trim()), (200, "ready"));
+        let (code, body) = http_get(&format!("{base}/healthz")).await.unwrap();
+        assert_eq!(code, 200, "{body}");
+        for task in [
+            "lease",
+            "events",
+            "reconcile",
+            "watch-machines",
+            "watch-configmap",
+            "watch-pdb",
+        ] {
+            assert!(body.contains(task), "{task} not supervised: {body}");
+        }
+    }
+    let metric = async |base: &str, line: &str| {
+        eventually(line, Duration::from_secs(10), async || {
+            let (_, m) = http_get(&format!("{base}/metrics")).await?;
+            m.lines().any(|l| l == line).then_some(())
+        })
+        .await
+    };
+    metric(&a, "etcd_warden_operator_is_leader 1").await;
+    metric(&a, "etcd_warden_voters 3").await;
+    metric(&b, "etcd_warden_operator_is_leader 0").await;
+    // The leader goes: the other takes the Lease and says so.
+    a_cancel.cancel();
+    a_task.await.unwrap();
+    metric(&b, "etcd_warden_operator_is_leader 1").await;
+    assert!(
+        http_get(&format!("{a}/healthz")).await.is_none(),
+        "still serving after shutdown"
     );
 }

@@ -404,10 +404,14 @@ async fn local(a: LocalArgs) -> anyhow::Result<()> {
 async fn kube(a: KubeArgs) -> anyhow::Result<()> {
     let KubeConfig {
         kubeconfig,
-        listen: _listen,
+        listen,
         settings,
     } = a.load()?;
     let client = controller::client(kubeconfig.as_deref()).await?;
+    let http = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("binding {listen} (listen)"))?;
+    let bound = http.local_addr().context("reading the bound address")?;
     let cancel = CancellationToken::new();
     {
         let cancel = cancel.clone();
@@ -416,8 +420,8 @@ async fn kube(a: KubeArgs) -> anyhow::Result<()> {
             cancel.cancel();
         });
     }
-    tracing::info!(identity = %settings.identity, namespace = %settings.namespace, "operator starting");
-    controller::run(client, settings, cancel).await;
+    tracing::info!(identity = %settings.identity, namespace = %settings.namespace, %bound, "operator starting; /healthz, /readyz and /metrics on {bound}");
+    controller::run_serving(client, settings, Some(http), cancel).await;
     Ok(())
 }
 

@@ -14,16 +14,18 @@ use std::time::Duration;
 use ::kube::api::Api;
 use ::kube::runtime::events::{Recorder, Reporter};
 use ::kube::runtime::watcher;
-use futures::StreamExt as _;
+use futures::{FutureExt as _, StreamExt as _};
 use k8s_openapi::api::core::v1::{ConfigMap, ObjectReference};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use prometheus_client::registry::Registry;
 use serde::de::DeserializeOwned;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
-use super::lease::{LeaseLock, LeaseTiming};
+use super::health::{self, HealthState, TaskHealth};
+use super::lease::{LeaseLock, LeaseMetrics, LeaseTiming};
 use super::machine::Machine;
 use super::machines::{KubeMachines, KubeMachinesConfig};
 use super::quorum::{self, EtcdQuorum};
@@ -114,11 +116,12 @@ pub enum ReconcileError {
     Sync(#[from] SyncError),
 }
 
-/// Wakes the loop on every change `api`'s watch reports.
+/// Wakes the loop on every change `api`'s watch reports; `synced` after each full listing.
 async fn trigger<K>(
     api: Api<K>,
     config: watcher::Config,
     wake: Arc<Notify>,
+    synced: impl Fn() + Send + 'static,
     cancel: CancellationToken,
 ) where
     K: ::kube::Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + 'static,
@@ -129,7 +132,12 @@ async fn trigger<K>(
         tokio::select! {
             _ = cancel.cancelled() => return,
             ev = events.next() => match ev {
-                Some(Ok(_)) => wake.notify_one(),
+                Some(Ok(e)) => {
+                    if matches!(e, watcher::Event::InitDone) {
+                        synced();
+                    }
+                    wake.notify_one();
+                }
                 // The watcher backs off and retries by itself.
                 Some(Err(e)) => warn!(error = %e, "watch failed"),
                 None => return,
@@ -217,6 +225,17 @@ impl Parts {
 /// Runs the controller until `cancel`; then stops acting, releases the Lease and returns
 /// within a few seconds.
 pub async fn run(client: ::kube::Client, settings: Settings, cancel: CancellationToken) {
+    run_serving(client, settings, None, cancel).await;
+}
+
+/// [`run`], serving `/healthz`, `/readyz` and `/metrics` on `http` when given (see
+/// [`health`](super::health)).
+pub async fn run_serving(
+    client: ::kube::Client,
+    settings: Settings,
+    http: Option<tokio::net::TcpListener>,
+    cancel: CancellationToken,
+) {
     let machines = Arc::new(KubeMachines::new(client.clone(), settings.machines.clone()));
     let operator = Arc::new(
         Operator::new(
@@ -236,22 +255,30 @@ pub async fn run(client: ::kube::Client, settings: Settings, cancel: Cancellatio
         learner: std::sync::Mutex::default(),
         settings: settings.clone(),
     };
+    let lease_metrics = LeaseMetrics::default();
+    let mut registry = Registry::default();
+    operator.metrics().register(&mut registry);
+    lease_metrics.register(&mut registry);
 
     let tasks = TaskTracker::new();
+    let health = TaskHealth::new();
     let child = cancel.child_token();
     // Dropped (the task aborted) or returned: the tasks stop too. A Lease renewed by an orphaned
     // task while nothing reconciles would keep every other replica from acting.
     let _stop_tasks = child.clone().drop_guard();
-    let (leader_tx, mut leader) = watch::channel(false);
+    let (leader_tx, leader) = watch::channel(false);
     {
         let lock = LeaseLock::new(
             Api::namespaced(client.clone(), &settings.namespace),
             &settings.lease_name,
             &settings.identity,
             settings.lease,
-        );
+        )
+        .with_metrics(lease_metrics);
         let c = child.clone();
-        tasks.spawn(async move { lock.run(leader_tx, c).await });
+        health.spawn(&tasks, "lease", false, async move {
+            lock.run(leader_tx, c).await
+        });
     }
     let recorder = Recorder::new(
         client.clone(),
@@ -267,35 +294,114 @@ pub async fn run(client: ::kube::Client, settings: Settings, cancel: Cancellatio
         namespace: Some(settings.namespace.clone()),
         ..ObjectReference::default()
     };
-    tasks.spawn(events::publish(
-        operator.subscribe_actions(),
-        recorder,
-        settings.machines.namespace.clone(),
-        fallback,
-        child.clone(),
-    ));
+    health.spawn(
+        &tasks,
+        "events",
+        false,
+        events::publish(
+            operator.subscribe_actions(),
+            recorder,
+            settings.machines.namespace.clone(),
+            fallback,
+            child.clone(),
+        ),
+    );
     let wake = Arc::new(Notify::new());
     let machine_api: Api<Machine> = Api::namespaced(client.clone(), &settings.machines.namespace);
-    tasks.spawn(trigger(
-        machine_api,
-        watcher::Config::default().labels(&settings.machines.selector),
-        Arc::clone(&wake),
-        child.clone(),
-    ));
-    tasks.spawn(trigger(
-        parts.config_maps.clone(),
-        watcher::Config::default().fields(&format!("metadata.name={}", endpoints::NAME)),
-        Arc::clone(&wake),
-        child.clone(),
-    ));
-    tasks.spawn(trigger(
-        parts.budgets.clone(),
-        watcher::Config::default().fields(&format!("metadata.name={}", settings.guard.name)),
-        Arc::clone(&wake),
-        child.clone(),
-    ));
+    let watches = [
+        (
+            "watch-machines",
+            trigger(
+                machine_api,
+                watcher::Config::default().labels(&settings.machines.selector),
+                Arc::clone(&wake),
+                synced(&health, "watch-machines"),
+                child.clone(),
+            )
+            .boxed(),
+        ),
+        (
+            "watch-configmap",
+            trigger(
+                parts.config_maps.clone(),
+                watcher::Config::default().fields(&format!("metadata.name={}", endpoints::NAME)),
+                Arc::clone(&wake),
+                synced(&health, "watch-configmap"),
+                child.clone(),
+            )
+            .boxed(),
+        ),
+        (
+            "watch-pdb",
+            trigger(
+                parts.budgets.clone(),
+                watcher::Config::default()
+                    .fields(&format!("metadata.name={}", settings.guard.name)),
+                Arc::clone(&wake),
+                synced(&health, "watch-pdb"),
+                child.clone(),
+            )
+            .boxed(),
+        ),
+    ];
+    for (name, fut) in watches {
+        health.spawn(&tasks, name, true, fut);
+    }
+    health.spawn(
+        &tasks,
+        "reconcile",
+        false,
+        reconcile_loop(parts, leader, wake, child.clone()),
+    );
+    if let Some(listener) = http {
+        let state = HealthState {
+            tasks: health.clone(),
+            registry: Arc::new(registry),
+        };
+        let c = child.clone();
+        // Not a health-checked task: it is what answers the checks.
+        tasks.spawn(async move {
+            let served = axum::serve(listener, health::router(state))
+                .with_graceful_shutdown(c.clone().cancelled_owned())
+                .await;
+            if let Err(e) = served {
+                warn!(error = %e, "serving health and metrics failed");
+            }
+        });
+    }
     tasks.close();
 
+    cancel.cancelled().await;
+    child.cancel();
+    if tokio::time::timeout(Duration::from_secs(5), tasks.wait())
+        .await
+        .is_err()
+    {
+        warn!("controller tasks did not stop within 5s");
+    }
+}
+
+/// Opens `name`'s readiness gate.
+fn synced(health: &TaskHealth, name: &'static str) -> impl Fn() + Send + 'static {
+    let health = health.clone();
+    move || health.ready(name)
+}
+
+/// Resolves when this replica stops leading; `true` when the Lease task is gone (it will never
+/// lead again).
+async fn lost(leader: &mut watch::Receiver<bool>) -> bool {
+    leader.wait_for(|l| !*l).await.is_err()
+}
+
+/// Reconciles while this replica leads, woken by `wake` or the resync period, until `cancel`
+/// or until the Lease task is gone.
+async fn reconcile_loop(
+    parts: Parts,
+    mut leader: watch::Receiver<bool>,
+    wake: Arc<Notify>,
+    cancel: CancellationToken,
+) {
+    let settings = &parts.settings;
     let timing = settings.timing;
     let backoff = crate::backoff::Backoff::new(timing.min_backoff, timing.max_backoff);
     let mut failures = 0u32;
@@ -310,7 +416,11 @@ pub async fn run(client: ::kube::Client, settings: Settings, cancel: Cancellatio
         loop {
             let result = tokio::select! {
                 _ = cancel.cancelled() => break 'run,
-                _ = leader.wait_for(|l| !*l) => {
+                gone = lost(&mut leader) => {
+                    if gone {
+                        warn!("the Lease task is gone: not acting");
+                        break 'run;
+                    }
                     warn!("lease lost: reconcile cancelled, not acting");
                     continue 'run;
                 }
@@ -334,7 +444,11 @@ pub async fn run(client: ::kube::Client, settings: Settings, cancel: Cancellatio
             };
             tokio::select! {
                 _ = cancel.cancelled() => break 'run,
-                _ = leader.wait_for(|l| !*l) => {
+                gone = lost(&mut leader) => {
+                    if gone {
+                        warn!("the Lease task is gone: not acting");
+                        break 'run;
+                    }
                     warn!("lease lost: not acting");
                     continue 'run;
                 }
@@ -342,12 +456,5 @@ pub async fn run(client: ::kube::Client, settings: Settings, cancel: Cancellatio
                 _ = tokio::time::sleep(wait) => {}
             }
         }
-    }
-    child.cancel();
-    if tokio::time::timeout(Duration::from_secs(5), tasks.wait())
-        .await
-        .is_err()
-    {
-        warn!("controller tasks did not stop within 5s");
     }
 }

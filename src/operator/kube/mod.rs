@@ -5,6 +5,7 @@
 //! - [`controller`]: the controller assembled: leader-gated reconciles woken by watches.
 //! - [`machine`]: the typed `Machine` (only the fields read).
 //! - [`machines`]: [`KubeMachines`], the seam's Kubernetes backend.
+//! - [`health`]: `/healthz` (every internal task alive), `/readyz`, `/metrics`.
 //! - [`endpoints`]: the `etcd-endpoints` ConfigMap built from etcd's member list (pure).
 //! - [`quorum`]: the `EtcdQuorum` status object (conditions derived purely) and its sync.
 //! - [`quorum_guard`]: the quorum-guard PodDisruptionBudget (pure).
@@ -16,6 +17,7 @@ pub mod config;
 pub mod controller;
 pub mod endpoints;
 pub mod events;
+pub mod health;
 pub mod lease;
 pub mod machine;
 pub mod machines;
