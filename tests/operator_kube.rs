@@ -1018,10 +1018,41 @@ async fn the_etcd_quorum_status_follows_a_replacement_and_a_stopped_member() {
         .unwrap();
     assert!(degraded.message.contains("cp-1"), "{}", degraded.message);
     assert!(
+        st.members.iter().any(|m| m.name == "cp-1" && !m.healthy),
+        "{:?}",
         st.members
-            .iter()
-            .any(|m| m.name.is_empty() || (m.name == "cp-1" && !m.healthy))
     );
+
+    // A second one: no quorum, and the operator says it does not act.
+    w.hosts.kill("cp-2");
+    eventually("NoQuorum", Duration::from_secs(30), async || {
+        quorum_conditions(&api).await.filter(|c| {
+            conditions_are(
+                c,
+                [
+                    ("Available", "False", "NoQuorum"),
+                    ("Progressing", "False", "NoQuorum"),
+                    ("Degraded", "True", "NoQuorum"),
+                ],
+            )
+        })
+    })
+    .await;
+    // The last one: nothing answers, reconciles fail, and the status says so.
+    w.hosts.kill(&new);
+    eventually("ReconcileFailed", Duration::from_secs(30), async || {
+        quorum_conditions(&api).await.filter(|c| {
+            conditions_are(
+                c,
+                [
+                    ("Available", "False", "NoQuorum"),
+                    ("Progressing", "False", "NoQuorum"),
+                    ("Degraded", "True", "ReconcileFailed"),
+                ],
+            )
+        })
+    })
+    .await;
 }
 
 async fn http_get(url: &str) -> Option<(u16, String)> {

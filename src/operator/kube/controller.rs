@@ -193,6 +193,18 @@ impl Parts {
         Ok(!plan.actions.is_empty())
     }
 
+    /// Says in the EtcdQuorum's status that reconciles keep failing with `error`.
+    async fn write_failure(&self, error: &ReconcileError) {
+        let text = error.to_string();
+        let written = quorum::sync(&self.quorums, |previous, generation| {
+            quorum::failed(previous, &text, generation, chrono::Utc::now())
+        })
+        .await;
+        if let Err(e) = written {
+            warn!(error = %e, "could not report the failure in the EtcdQuorum status");
+        }
+    }
+
     /// Brings the EtcdQuorum's status in step with `obs` (nothing written when it already is).
     async fn write_status(
         &self,
@@ -439,6 +451,9 @@ async fn reconcile_loop(
                     failures = failures.saturating_add(1);
                     let retry_in = backoff.delay(failures);
                     warn!(error = %e, ?retry_in, "reconcile failed");
+                    if failures >= quorum::FAILURES_REPORTED && *leader.borrow() {
+                        parts.write_failure(&e).await;
+                    }
                     retry_in
                 }
             };

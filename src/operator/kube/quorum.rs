@@ -173,7 +173,14 @@ pub mod reason {
     pub const REPLACING_MEMBER: &str = "ReplacingMember";
     /// Only deletion hooks are being added or released.
     pub const UPDATING_HOOKS: &str = "UpdatingDeletionHooks";
+    /// Reconciles keep failing (etcd or the API server unreachable, or refusing); the rest of
+    /// the status is the last one observed.
+    pub const RECONCILE_FAILED: &str = "ReconcileFailed";
 }
+
+/// Consecutive failed reconciles before the status says so: one failure (a conflict, a
+/// restarting member) is retried at once and is no news.
+pub const FAILURES_REPORTED: u32 = 3;
 
 /// What [`derive`] looks at.
 #[derive(Debug, Clone, Copy)]
@@ -481,6 +488,33 @@ pub fn status(
             error: a.error.clone(),
         }),
     }
+}
+
+/// The status after reconciles keep failing with `error`: `previous` (what was last observed)
+/// with Degraded True for [`reason::RECONCILE_FAILED`]. Pure.
+pub fn failed(
+    previous: Option<&EtcdQuorumStatus>,
+    error: &str,
+    generation: Option<i64>,
+    now: DateTime<Utc>,
+) -> EtcdQuorumStatus {
+    let mut st = previous.cloned().unwrap_or_default();
+    let degraded = cond(
+        TYPES[2],
+        true,
+        reason::RECONCILE_FAILED,
+        format!("reconciles keep failing: {error}"),
+    );
+    let merged = merge(
+        &st.conditions,
+        std::slice::from_ref(&degraded),
+        now,
+        generation,
+    );
+    st.conditions.retain(|c| c.type_ != TYPES[2]);
+    st.conditions.extend(merged);
+    st.observed_generation = generation;
+    st
 }
 
 /// Makes sure `namespace/cluster` exists and its status is what `make(previous, generation)`
@@ -882,6 +916,69 @@ mod tests {
         );
         assert_eq!(flipped[0].last_transition_time, "2026-01-01T00:05:00Z");
         assert_eq!(flipped[0].status, "True");
+    }
+
+    #[test]
+    fn failing_reconciles_mark_degraded_and_keep_what_was_observed() {
+        let t0 = DateTime::parse_from_rfc3339("2026-01-01T00:00:00Z")
+            .unwrap()
+            .with_timezone(&Utc);
+        let obs = world(
+            &[
+                (Slot::Voter { healthy: true }, false, true),
+                (Slot::Voter { healthy: true }, false, true),
+                (Slot::Voter { healthy: true }, false, true),
+            ],
+            false,
+        );
+        let f = Facts {
+            spec: Spec::new(3).unwrap(),
+            observed: &obs,
+            machine_api_functional: true,
+            stalled_learner: None,
+        };
+        let ok = status(&f, &[], None, None, Some(1), t0);
+        let t1 = t0 + chrono::Duration::minutes(1);
+        let bad = failed(Some(&ok), "etcd unreachable", Some(1), t1);
+        assert_eq!(bad.conditions.len(), 3);
+        let d = bad
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Degraded")
+            .unwrap();
+        assert_eq!(
+            (d.status.as_str(), d.reason.as_str()),
+            ("True", reason::RECONCILE_FAILED)
+        );
+        assert!(d.message.contains("etcd unreachable"));
+        assert_eq!(d.last_transition_time, "2026-01-01T00:01:00Z");
+        // Available and Progressing as last observed.
+        assert_eq!(bad.conditions[..2], ok.conditions[..2]);
+        // Failing again changes nothing (no write); recovering flips Degraded back.
+        assert_eq!(
+            failed(
+                Some(&bad),
+                "etcd unreachable",
+                Some(1),
+                t1 + chrono::Duration::minutes(1)
+            ),
+            bad
+        );
+        let back = status(
+            &f,
+            &[],
+            None,
+            Some(&bad),
+            Some(1),
+            t1 + chrono::Duration::minutes(2),
+        );
+        let d = back
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Degraded")
+            .unwrap();
+        assert_eq!(d.status, "False");
+        assert_eq!(d.last_transition_time, "2026-01-01T00:03:00Z");
     }
 
     #[test]
