@@ -417,6 +417,7 @@ async fn reconcile_loop(
     let timing = settings.timing;
     let backoff = crate::backoff::Backoff::new(timing.min_backoff, timing.max_backoff);
     let mut failures = 0u32;
+    let mut failing_since = None;
     'run: loop {
         while !*leader.borrow_and_update() {
             tokio::select! {
@@ -441,17 +442,22 @@ async fn reconcile_loop(
             let wait = match result {
                 Ok(true) => {
                     failures = 0;
+                    failing_since = None;
                     Duration::from_millis(50)
                 }
                 Ok(false) => {
                     failures = 0;
+                    failing_since = None;
                     timing.interval
                 }
                 Err(e) => {
                     failures = failures.saturating_add(1);
                     let retry_in = backoff.delay(failures);
                     warn!(error = %e, ?retry_in, "reconcile failed");
-                    if failures >= quorum::FAILURES_REPORTED && *leader.borrow() {
+                    let since = *failing_since.get_or_insert_with(std::time::Instant::now);
+                    if since.elapsed() >= quorum::failures_reported_after(timing.max_backoff)
+                        && *leader.borrow()
+                    {
                         parts.write_failure(&e).await;
                     }
                     retry_in
