@@ -6,8 +6,10 @@
 //! Scenarios: every member replaced under a live writer; a hook an administrator removed from a
 //! deleting Machine stays off; a 409 on every first patch converges; of two replicas only the
 //! Lease holder acts, and killing it hands over; the `etcd-warden-operator kube` binary pointed
-//! at the double by a kubeconfig replaces a member and exits cleanly on SIGTERM; the
-//! `EtcdQuorum` status follows a replacement and a stopped member.
+//! at the double by a kubeconfig (configured through a file, the environment and flags) replaces
+//! a member, serves health and metrics, and exits cleanly on SIGTERM; the `EtcdQuorum` status
+//! follows a replacement and the cluster going down; `/healthz`, `/readyz` and `/metrics` over
+//! HTTP follow the supervised tasks and the Lease.
 //!
 //! Every member runs on its own loopback address (127.0.0.11, .12, …) on one peer and one client
 //! port, as members on separate hosts do, so a Machine's InternalIP is all that names its member.
@@ -747,18 +749,28 @@ async fn the_binary_pointed_at_the_double_by_kubeconfig_replaces_a_member() {
         let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         probe.local_addr().unwrap().port()
     };
+    // Every layer of the configuration: the file, the environment, and flags over both (the
+    // file's resync and the environment's identity are overridden).
+    let config = w.hosts.dir.join("operator.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "namespace = \"{ETCD_NS}\"\nmachine_namespace = \"{MACHINES_NS}\"\n\
+             peer_scheme = \"http\"\npeer_port = {}\nresync = \"1h\"\nidentity = \"op-file\"\n",
+            w.hosts.peer
+        ),
+    )
+    .unwrap();
     let child = Command::new(env!("CARGO_BIN_EXE_etcd-warden-operator"))
         .arg("kube")
         .arg("--kubeconfig")
         .arg(&kubeconfig)
-        .args(["--namespace", ETCD_NS, "--machine-namespace", MACHINES_NS])
-        .args(["--etcd-endpoints", &w.client_urls().join(",")])
-        .args([
-            "--peer-scheme",
-            "http",
-            "--peer-port",
-            &w.hosts.peer.to_string(),
-        ])
+        .env("ETCD_WARDEN_OPERATOR_CONFIG", &config)
+        .env(
+            "ETCD_WARDEN_OPERATOR_ETCD_ENDPOINTS",
+            w.client_urls().join(","),
+        )
+        .env("ETCD_WARDEN_OPERATOR_IDENTITY", "op-env")
         .args(["--identity", "op-bin", "--resync", "200ms"])
         .args(["--listen", &format!("127.0.0.1:{http_port}")])
         .env_remove("ETCD_WARDEN_OPERATOR_KUBECONFIG")
