@@ -83,11 +83,11 @@ pub struct EtcdQuorumStatus {
     #[serde(default)]
     pub conditions: Vec<QuorumCondition>,
     /// Voting members the operator keeps (its configuration).
-    pub desired_voters: u32,
+    pub desired_voters: i32,
     /// Voting members observed.
-    pub voters: u32,
+    pub voters: i32,
     /// Learners observed.
-    pub learners: u32,
+    pub learners: i32,
     /// Every member in etcd's member list.
     #[serde(default)]
     pub members: Vec<QuorumMember>,
@@ -467,14 +467,15 @@ pub fn status(
     now: DateTime<Utc>,
 ) -> EtcdQuorumStatus {
     let prev = previous.map(|p| p.conditions.as_slice()).unwrap_or(&[]);
+    // int32, as Kubernetes API conventions have counts.
     let count = |learner: bool| {
-        u32::try_from(members.iter().filter(|m| m.is_learner == learner).count())
-            .unwrap_or(u32::MAX)
+        i32::try_from(members.iter().filter(|m| m.is_learner == learner).count())
+            .unwrap_or(i32::MAX)
     };
     EtcdQuorumStatus {
         observed_generation: generation,
         conditions: merge(prev, &derive(facts), now, generation),
-        desired_voters: u32::try_from(facts.spec.desired_voters).unwrap_or(u32::MAX),
+        desired_voters: i32::try_from(facts.spec.desired_voters).unwrap_or(i32::MAX),
         voters: count(false),
         learners: count(true),
         members: members
