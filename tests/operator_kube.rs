@@ -1134,3 +1134,58 @@ async fn health_and_metrics_over_http_follow_the_tasks_and_the_lease() {
         "still serving after shutdown"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_running_machine_the_status_says_the_machine_api_does_not_work() {
+    let w = World::start(false).await;
+    let phase = |p: &str| serde_json::json!({"status": {"phase": p}});
+    for m in ["cp-0", "cp-1", "cp-2"] {
+        w.raw
+            .patch_status(
+                m,
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(&phase("Provisioning")),
+            )
+            .await
+            .unwrap();
+    }
+    let api: Api<EtcdQuorum> = Api::namespaced(w.kc.clone(), ETCD_NS);
+    let (_ctl, _cancel) = w.controller("op-0");
+    eventually(
+        "MachineAPINotFunctional",
+        Duration::from_secs(20),
+        async || {
+            quorum_conditions(&api).await.filter(|c| {
+                conditions_are(
+                    c,
+                    [
+                        ("Available", "True", "AsExpected"),
+                        ("Progressing", "False", "MachineAPINotFunctional"),
+                        ("Degraded", "True", "MachineAPINotFunctional"),
+                    ],
+                )
+            })
+        },
+    )
+    .await;
+    // Not acting meanwhile: no hook on any Machine.
+    for m in ["cp-0", "cp-1", "cp-2"] {
+        assert!(pre_drain(&w.raw.get(m).await.unwrap()).is_empty(), "{m}");
+    }
+    // One Machine runs: the operator acts and all is well.
+    w.raw
+        .patch_status(
+            "cp-0",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&phase("Running")),
+        )
+        .await
+        .unwrap();
+    w.protected(&["cp-0", "cp-1", "cp-2"]).await;
+    eventually("all well", Duration::from_secs(20), async || {
+        quorum_conditions(&api)
+            .await
+            .filter(|c| conditions_are(c, ALL_WELL))
+    })
+    .await;
+}
