@@ -6,9 +6,12 @@
 //! Scenarios: every member replaced under a live writer; a hook an administrator removed from a
 //! deleting Machine stays off; a 409 on every first patch converges; of two replicas only the
 //! Lease holder acts, and killing it hands over; the `etcd-warden-operator kube` binary pointed
-//! at the double by a kubeconfig replaces a member and exits cleanly on SIGTERM; ownership lost
-//! (the owner DNS record, served by a real DNS server on loopback) in the middle of a replacement
-//! stops every further action until the record names the operator again.
+//! at the double by a kubeconfig (configured through a file, the environment and flags) replaces
+//! a member, serves health and metrics, and exits cleanly on SIGTERM; the `EtcdQuorum` status
+//! follows a replacement and the cluster going down; `/healthz`, `/readyz` and `/metrics` over
+//! HTTP follow the supervised tasks and the Lease; ownership lost (the owner DNS record, served
+//! by a real DNS server on loopback) in the middle of a replacement stops every further action
+//! until the record names the operator again.
 //!
 //! Every member runs on its own loopback address (127.0.0.11, .12, …) on one peer and one client
 //! port, as members on separate hosts do, so a Machine's InternalIP is all that names its member.
@@ -26,6 +29,7 @@ use etcd_warden::operator::execute::Timing;
 use etcd_warden::operator::kube::KubeMachinesConfig;
 use etcd_warden::operator::kube::controller::{self, Settings};
 use etcd_warden::operator::kube::lease::LeaseTiming;
+use etcd_warden::operator::kube::quorum::{self, EtcdQuorum};
 use etcd_warden::operator::kube::quorum_guard::QuorumGuard;
 use etcd_warden::operator::plan::Spec;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -300,6 +304,7 @@ impl World {
         )
         .await;
         let server = ApiServer::start().await;
+        server.status_subresource("etcd-warden.io", "etcdquorums");
         let kc = server.client();
         let raw = machine_api::machines(kc.clone(), MACHINES_NS);
         for (n, i) in &first {
@@ -827,19 +832,34 @@ async fn the_binary_pointed_at_the_double_by_kubeconfig_replaces_a_member() {
     let kubeconfig = w.hosts.dir.join("kubeconfig");
     w.server.write_kubeconfig(&kubeconfig, ETCD_NS);
     let log = std::fs::File::create(w.hosts.dir.join("operator.log")).unwrap();
+    let http_port = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().port()
+    };
+    // Every layer of the configuration: the file, the environment, and flags over both (the
+    // file's resync and the environment's identity are overridden).
+    let config = w.hosts.dir.join("operator.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "namespace = \"{ETCD_NS}\"\nmachine_namespace = \"{MACHINES_NS}\"\n\
+             peer_scheme = \"http\"\npeer_port = {}\nresync = \"1h\"\nidentity = \"op-file\"\n",
+            w.hosts.peer
+        ),
+    )
+    .unwrap();
     let child = Command::new(env!("CARGO_BIN_EXE_etcd-warden-operator"))
         .arg("kube")
         .arg("--kubeconfig")
         .arg(&kubeconfig)
-        .args(["--namespace", ETCD_NS, "--machine-namespace", MACHINES_NS])
-        .args(["--etcd-endpoints", &w.client_urls().join(",")])
-        .args([
-            "--peer-scheme",
-            "http",
-            "--peer-port",
-            &w.hosts.peer.to_string(),
-        ])
+        .env("ETCD_WARDEN_OPERATOR_CONFIG", &config)
+        .env(
+            "ETCD_WARDEN_OPERATOR_ETCD_ENDPOINTS",
+            w.client_urls().join(","),
+        )
+        .env("ETCD_WARDEN_OPERATOR_IDENTITY", "op-env")
         .args(["--identity", "op-bin", "--resync", "200ms"])
+        .args(["--listen", &format!("127.0.0.1:{http_port}")])
         .env_remove("ETCD_WARDEN_OPERATOR_KUBECONFIG")
         .stdin(Stdio::null())
         .stdout(log.try_clone().unwrap())
@@ -853,6 +873,15 @@ async fn the_binary_pointed_at_the_double_by_kubeconfig_replaces_a_member() {
     w.objects_match(&members, 3).await;
     let acting: HashSet<String> = w.events().await.into_iter().map(|(_, _, i)| i).collect();
     assert_eq!(acting, HashSet::from(["op-bin".to_string()]));
+    // The binary serves health and metrics on --listen.
+    let base = format!("http://127.0.0.1:{http_port}");
+    let (code, body) = http_get(&format!("{base}/healthz")).await.unwrap();
+    assert_eq!(code, 200, "{body}");
+    let (_, metrics) = http_get(&format!("{base}/metrics")).await.unwrap();
+    assert!(
+        metrics.contains("etcd_warden_operator_is_leader 1"),
+        "{metrics}"
+    );
 
     // SIGTERM: stops acting, releases the Lease, exits 0.
     let mut child = op.0.take().unwrap();
@@ -955,4 +984,295 @@ async fn mutual_tls_to_etcd_with_certificates_read_again_without_a_restart() {
     let members = w.settled(&["cp-2", &new, &newer], "cp-1").await;
     w.objects_match(&members, 3).await;
     cancel.cancel();
+}
+
+/// `type -> (status, reason)` of the EtcdQuorum's conditions, once it has some.
+async fn quorum_conditions(api: &Api<EtcdQuorum>) -> Option<BTreeMap<String, (String, String)>> {
+    let q = api.get_opt(quorum::NAME).await.ok()??;
+    let c: BTreeMap<String, (String, String)> = q
+        .status?
+        .conditions
+        .into_iter()
+        .map(|c| (c.type_, (c.status, c.reason)))
+        .collect();
+    (!c.is_empty()).then_some(c)
+}
+
+fn conditions_are(c: &BTreeMap<String, (String, String)>, want: [(&str, &str, &str); 3]) -> bool {
+    want.iter()
+        .all(|(t, s, r)| c.get(*t).is_some_and(|(cs, cr)| cs == s && cr == r))
+}
+
+const ALL_WELL: [(&str, &str, &str); 3] = [
+    ("Available", "True", "AsExpected"),
+    ("Progressing", "False", "AsExpected"),
+    ("Degraded", "False", "AsExpected"),
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_etcd_quorum_status_follows_a_replacement_and_a_stopped_member() {
+    let mut w = World::start(true).await;
+    let api: Api<EtcdQuorum> = Api::namespaced(w.kc.clone(), ETCD_NS);
+    let (_ctl, _cancel) = w.controller("op-0");
+    w.protected(&["cp-0", "cp-1", "cp-2"]).await;
+    eventually("all well", Duration::from_secs(20), async || {
+        quorum_conditions(&api)
+            .await
+            .filter(|c| conditions_are(c, ALL_WELL))
+    })
+    .await;
+
+    // Nothing changes: many resyncs write no status at all.
+    let status_path =
+        format!("/apis/etcd-warden.io/v1alpha1/namespaces/{ETCD_NS}/etcdquorums/cluster/status");
+    let writes = |w: &World| {
+        w.server
+            .requests()
+            .iter()
+            .filter(|r| {
+                (r.starts_with("PATCH ") || r.starts_with("PUT "))
+                    && r.contains("/etcdquorums/cluster")
+            })
+            .map(|r| r.split('?').next().unwrap_or_default().to_owned())
+            .collect::<Vec<_>>()
+    };
+    let before = writes(&w);
+    assert!(!before.is_empty());
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(writes(&w).len(), before.len(), "status rewritten unchanged");
+
+    // A replacement: Progressing while it runs, all well again after.
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let stop = CancellationToken::new();
+    let watcher = {
+        let (api, seen, stop) = (api.clone(), Arc::clone(&seen), stop.clone());
+        tokio::spawn(async move {
+            while !stop.is_cancelled() {
+                if let Some(c) = quorum_conditions(&api).await {
+                    seen.lock().unwrap().push(c);
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    };
+    let new = w.replace("cp-0").await;
+    w.settled(&["cp-1", "cp-2", &new], "cp-0").await;
+    eventually(
+        "all well after the replacement",
+        Duration::from_secs(20),
+        async || {
+            quorum_conditions(&api)
+                .await
+                .filter(|c| conditions_are(c, ALL_WELL))
+        },
+    )
+    .await;
+    stop.cancel();
+    watcher.await.unwrap();
+    let seen = seen.lock().unwrap().clone();
+    assert!(
+        seen.iter()
+            .any(|c| c["Progressing"] == ("True".into(), "ReplacingMember".into())),
+        "never Progressing/ReplacingMember: {seen:?}"
+    );
+    // Quorum held throughout, and a replacement going to plan is no degradation.
+    assert!(seen.iter().all(|c| c["Available"].0 == "True"), "{seen:?}");
+    assert!(seen.iter().all(|c| c["Degraded"].0 == "False"), "{seen:?}");
+    let q = api.get(quorum::NAME).await.unwrap();
+    let st = q.status.unwrap();
+    assert_eq!((st.voters, st.learners, st.desired_voters), (3, 0, 3));
+    assert!(st.last_action.is_some());
+    // The status went only through /status.
+    assert!(
+        writes(&w)
+            .iter()
+            .all(|p| p == &format!("PATCH {status_path}")),
+        "{:?}",
+        writes(&w)
+    );
+
+    // A stopped member: Degraded, UnhealthyMembers, naming it.
+    w.hosts.kill("cp-1");
+    eventually(
+        "Degraded/UnhealthyMembers",
+        Duration::from_secs(30),
+        async || {
+            quorum_conditions(&api).await.filter(|c| {
+                conditions_are(
+                    c,
+                    [
+                        ("Available", "True", "AsExpected"),
+                        ("Progressing", "False", "AsExpected"),
+                        ("Degraded", "True", "UnhealthyMembers"),
+                    ],
+                )
+            })
+        },
+    )
+    .await;
+    let st = api.get(quorum::NAME).await.unwrap().status.unwrap();
+    let degraded = st
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Degraded")
+        .unwrap();
+    assert!(degraded.message.contains("cp-1"), "{}", degraded.message);
+    assert!(
+        st.members.iter().any(|m| m.name == "cp-1" && !m.healthy),
+        "{:?}",
+        st.members
+    );
+
+    // A second one: no quorum, and the operator says it does not act.
+    w.hosts.kill("cp-2");
+    eventually("NoQuorum", Duration::from_secs(30), async || {
+        quorum_conditions(&api).await.filter(|c| {
+            conditions_are(
+                c,
+                [
+                    ("Available", "False", "NoQuorum"),
+                    ("Progressing", "False", "NoQuorum"),
+                    ("Degraded", "True", "NoQuorum"),
+                ],
+            )
+        })
+    })
+    .await;
+    // The last one: nothing answers, reconciles fail, and the status says so.
+    w.hosts.kill(&new);
+    // (after ten retries at the longest backoff, 1 s here)
+    eventually("ReconcileFailed", Duration::from_secs(40), async || {
+        quorum_conditions(&api).await.filter(|c| {
+            conditions_are(
+                c,
+                [
+                    ("Available", "False", "NoQuorum"),
+                    ("Progressing", "False", "NoQuorum"),
+                    ("Degraded", "True", "ReconcileFailed"),
+                ],
+            )
+        })
+    })
+    .await;
+}
+
+async fn http_get(url: &str) -> Option<(u16, String)> {
+    let resp = reqwest::get(url).await.ok()?;
+    let code = resp.status().as_u16();
+    Some((code, resp.text().await.ok()?))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_and_metrics_over_http_follow_the_tasks_and_the_lease() {
+    let w = World::start(true).await;
+    let serve = |identity: &str| {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(controller::run_serving(
+            w.kc.clone(),
+            w.settings(identity),
+            Some(tokio::net::TcpListener::from_std(listener).unwrap()),
+            cancel.clone(),
+        ));
+        (format!("http://{addr}"), task, cancel)
+    };
+    let (a, a_task, a_cancel) = serve("op-0");
+    w.protected(&["cp-0", "cp-1", "cp-2"]).await;
+    let (b, _b_task, _b_cancel) = serve("op-1");
+    for base in [&a, &b] {
+        let (code, body) = eventually("/readyz", Duration::from_secs(10), async || {
+            http_get(&format!("{base}/readyz"))
+                .await
+                .filter(|(c, _)| *c == 200)
+        })
+        .await;
+        assert_eq!((code, body.trim()), (200, "ready"));
+        let (code, body) = http_get(&format!("{base}/healthz")).await.unwrap();
+        assert_eq!(code, 200, "{body}");
+        for task in [
+            "lease",
+            "events",
+            "reconcile",
+            "watch-machines",
+            "watch-configmap",
+            "watch-pdb",
+        ] {
+            assert!(body.contains(task), "{task} not supervised: {body}");
+        }
+    }
+    let metric = async |base: &str, line: &str| {
+        eventually(line, Duration::from_secs(10), async || {
+            let (_, m) = http_get(&format!("{base}/metrics")).await?;
+            m.lines().any(|l| l == line).then_some(())
+        })
+        .await
+    };
+    metric(&a, "etcd_warden_operator_is_leader 1").await;
+    metric(&a, "etcd_warden_voters 3").await;
+    metric(&b, "etcd_warden_operator_is_leader 0").await;
+    // The leader goes: the other takes the Lease and says so.
+    a_cancel.cancel();
+    a_task.await.unwrap();
+    metric(&b, "etcd_warden_operator_is_leader 1").await;
+    assert!(
+        http_get(&format!("{a}/healthz")).await.is_none(),
+        "still serving after shutdown"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_running_machine_the_status_says_the_machine_api_does_not_work() {
+    let w = World::start(false).await;
+    let phase = |p: &str| serde_json::json!({"status": {"phase": p}});
+    for m in ["cp-0", "cp-1", "cp-2"] {
+        w.raw
+            .patch_status(
+                m,
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(&phase("Provisioning")),
+            )
+            .await
+            .unwrap();
+    }
+    let api: Api<EtcdQuorum> = Api::namespaced(w.kc.clone(), ETCD_NS);
+    let (_ctl, _cancel) = w.controller("op-0");
+    eventually(
+        "MachineAPINotFunctional",
+        Duration::from_secs(20),
+        async || {
+            quorum_conditions(&api).await.filter(|c| {
+                conditions_are(
+                    c,
+                    [
+                        ("Available", "True", "AsExpected"),
+                        ("Progressing", "False", "MachineAPINotFunctional"),
+                        ("Degraded", "True", "MachineAPINotFunctional"),
+                    ],
+                )
+            })
+        },
+    )
+    .await;
+    // Not acting meanwhile: no hook on any Machine.
+    for m in ["cp-0", "cp-1", "cp-2"] {
+        assert!(pre_drain(&w.raw.get(m).await.unwrap()).is_empty(), "{m}");
+    }
+    // One Machine runs: the operator acts and all is well.
+    w.raw
+        .patch_status(
+            "cp-0",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&phase("Running")),
+        )
+        .await
+        .unwrap();
+    w.protected(&["cp-0", "cp-1", "cp-2"]).await;
+    eventually("all well", Duration::from_secs(20), async || {
+        quorum_conditions(&api)
+            .await
+            .filter(|c| conditions_are(c, ALL_WELL))
+    })
+    .await;
 }

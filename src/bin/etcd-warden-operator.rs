@@ -10,17 +10,14 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
-use etcd_warden::config::{LogConfig, LogFormat};
+use etcd_warden::config::{ConfigError, LogConfig, LogFormat, Override, ProcessEnv, Sources};
 use etcd_warden::operator::control_plane_set::Strategy;
 use etcd_warden::operator::execute::Timing;
-use etcd_warden::operator::kube::KubeMachinesConfig;
-use etcd_warden::operator::kube::controller::{self, Settings};
-use etcd_warden::operator::kube::lease::LeaseTiming;
-use etcd_warden::operator::kube::quorum_guard::QuorumGuard;
+use etcd_warden::operator::kube::config::KubeConfig;
+use etcd_warden::operator::kube::controller;
 use etcd_warden::operator::local::{
     LocalError, LocalOptions, LocalSetOptions, locate_etcd, run_local,
 };
-use etcd_warden::operator::plan::Spec;
 use tokio_util::sync::CancellationToken;
 
 /// Exit status for bad usage (EX_USAGE).
@@ -155,162 +152,110 @@ struct LocalArgs {
     etcd_args: Vec<String>,
 }
 
+/// `kube`'s flags: each overrides its key of the `--config` file and of the
+/// `ETCD_WARDEN_OPERATOR_<KEY>` environment (config.operator.example.toml documents them).
 #[derive(Args)]
 struct KubeArgs {
+    /// TOML configuration file (keys as the flags below, with underscores).
+    #[arg(long, env = "ETCD_WARDEN_OPERATOR_CONFIG", value_name = "FILE")]
+    config: Option<PathBuf>,
     /// kubeconfig file (default: $KUBECONFIG, ~/.kube/config, then in-cluster).
-    #[arg(long, env = "ETCD_WARDEN_OPERATOR_KUBECONFIG", value_name = "FILE")]
-    kubeconfig: Option<PathBuf>,
-    /// The operator's namespace: its Lease and the etcd-endpoints ConfigMap.
-    #[arg(
-        long,
-        env = "ETCD_WARDEN_OPERATOR_NAMESPACE",
-        default_value = "openshift-etcd"
-    )]
-    namespace: String,
-    /// Namespace of the Machines.
-    #[arg(
-        long,
-        env = "ETCD_WARDEN_OPERATOR_MACHINE_NAMESPACE",
-        default_value = "openshift-machine-api"
-    )]
-    machine_namespace: String,
-    /// Label selector of the control-plane Machines.
-    #[arg(
-        long,
-        env = "ETCD_WARDEN_OPERATOR_MACHINE_SELECTOR",
-        default_value = etcd_warden::operator::kube::machine::CONTROL_PLANE_SELECTOR
-    )]
-    machine_selector: String,
-    /// Desired voting members: 3 or 5.
-    #[arg(long, env = "ETCD_WARDEN_OPERATOR_VOTERS", default_value_t = 3)]
-    voters: usize,
-    /// etcd client URLs to start from, comma-separated.
-    #[arg(
-        long,
-        env = "ETCD_WARDEN_OPERATOR_ETCD_ENDPOINTS",
-        value_delimiter = ',',
-        required = true
-    )]
-    etcd_endpoints: Vec<String>,
+    #[arg(long, value_name = "FILE")]
+    kubeconfig: Option<String>,
+    /// The operator's namespace: its Lease, the etcd-endpoints ConfigMap, the EtcdQuorum
+    /// [default: openshift-etcd].
+    #[arg(long)]
+    namespace: Option<String>,
+    /// Namespace of the Machines [default: openshift-machine-api].
+    #[arg(long)]
+    machine_namespace: Option<String>,
+    /// Label selector of the control-plane Machines [default: the master role label].
+    #[arg(long)]
+    machine_selector: Option<String>,
+    /// Desired voting members: 3 or 5 [default: 3].
+    #[arg(long)]
+    voters: Option<String>,
+    /// etcd client URLs to start from, comma-separated (required here or in the file).
+    #[arg(long)]
+    etcd_endpoints: Option<String>,
     /// CA that signed etcd's server certificates (for https:// endpoints).
-    #[arg(long, env = "ETCD_WARDEN_OPERATOR_ETCD_CA_FILE", value_name = "FILE")]
-    etcd_ca_file: Option<PathBuf>,
+    #[arg(long, value_name = "FILE")]
+    etcd_ca_file: Option<String>,
     /// Client certificate for etcd (mutual TLS), re-read on every new connection.
-    #[arg(
-        long,
-        env = "ETCD_WARDEN_OPERATOR_ETCD_CERT_FILE",
-        value_name = "FILE",
-        requires = "etcd_key_file"
-    )]
-    etcd_cert_file: Option<PathBuf>,
+    #[arg(long, value_name = "FILE")]
+    etcd_cert_file: Option<String>,
     /// Its key.
-    #[arg(
-        long,
-        env = "ETCD_WARDEN_OPERATOR_ETCD_KEY_FILE",
-        value_name = "FILE",
-        requires = "etcd_cert_file"
-    )]
-    etcd_key_file: Option<PathBuf>,
-    /// Scheme of etcd's peer URLs.
-    #[arg(
-        long,
-        env = "ETCD_WARDEN_OPERATOR_PEER_SCHEME",
-        default_value = "https"
-    )]
-    peer_scheme: String,
-    /// etcd's peer port on every Machine.
-    #[arg(long, env = "ETCD_WARDEN_OPERATOR_PEER_PORT", default_value_t = 2380)]
-    peer_port: u16,
+    #[arg(long, value_name = "FILE")]
+    etcd_key_file: Option<String>,
+    /// Scheme of etcd's peer URLs [default: https].
+    #[arg(long)]
+    peer_scheme: Option<String>,
+    /// etcd's peer port on every Machine [default: 2380].
+    #[arg(long)]
+    peer_port: Option<String>,
     /// This replica's identity in the Lease (default: $POD_NAME, else the host name).
-    #[arg(long, env = "ETCD_WARDEN_OPERATOR_IDENTITY")]
+    #[arg(long)]
     identity: Option<String>,
-    /// The Lease's name.
-    #[arg(
-        long,
-        env = "ETCD_WARDEN_OPERATOR_LEASE",
-        default_value = "etcd-warden-operator"
-    )]
-    lease: String,
-    /// The quorum-guard PDB's name.
-    #[arg(
-        long,
-        env = "ETCD_WARDEN_OPERATOR_GUARD_PDB",
-        default_value = "etcd-guard-pdb"
-    )]
-    guard_pdb: String,
-    /// Labels of the etcd guard pods, k=v[,k=v].
-    #[arg(
-        long,
-        env = "ETCD_WARDEN_OPERATOR_GUARD_SELECTOR",
-        default_value = "app=guard"
-    )]
-    guard_selector: String,
-    /// Time between resyncs when nothing changes (etcd is observed, not watched).
-    #[arg(long, env = "ETCD_WARDEN_OPERATOR_RESYNC", default_value = "5s", value_parser = humantime::parse_duration)]
-    resync: Duration,
+    /// The Lease's name [default: etcd-warden-operator].
+    #[arg(long)]
+    lease: Option<String>,
+    /// The quorum-guard PDB's name [default: etcd-guard-pdb].
+    #[arg(long)]
+    guard_pdb: Option<String>,
+    /// Labels of the etcd guard pods, k=v[,k=v] [default: app=guard].
+    #[arg(long)]
+    guard_selector: Option<String>,
+    /// Time between resyncs when nothing changes (etcd is observed, not watched) [default: 5s].
+    #[arg(long)]
+    resync: Option<String>,
+    /// Address of /healthz, /readyz and /metrics [default: 0.0.0.0:8080].
+    #[arg(long)]
+    listen: Option<String>,
 }
 
-/// A usage error of `kube`: exit status 64.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-struct Usage(String);
-
 impl KubeArgs {
-    fn settings(self) -> Result<(Option<PathBuf>, Settings), Usage> {
-        let spec = Spec::new(self.voters).map_err(|e| Usage(format!("--voters: {e}")))?;
-        let mut pod_labels = std::collections::BTreeMap::new();
-        for kv in self.guard_selector.split(',').filter(|s| !s.is_empty()) {
-            let (k, v) = kv
-                .split_once('=')
-                .ok_or_else(|| Usage(format!("--guard-selector: {kv:?} is not k=v")))?;
-            pod_labels.insert(k.trim().to_owned(), v.trim().to_owned());
-        }
-        if self.etcd_endpoints.iter().all(|e| e.trim().is_empty()) {
-            return Err(Usage("--etcd-endpoints: at least one client URL".into()));
-        }
-        let identity = self
-            .identity
-            .or_else(|| std::env::var("POD_NAME").ok())
-            .or_else(|| {
-                std::fs::read_to_string("/proc/sys/kernel/hostname")
-                    .ok()
-                    .map(|h| h.trim().to_owned())
-                    .filter(|h| !h.is_empty())
+    /// The flags given, as overrides of their keys.
+    fn overrides(&self) -> Vec<Override> {
+        let flags: [(&str, &Option<String>); 17] = [
+            ("kubeconfig", &self.kubeconfig),
+            ("namespace", &self.namespace),
+            ("machine_namespace", &self.machine_namespace),
+            ("machine_selector", &self.machine_selector),
+            ("voters", &self.voters),
+            ("etcd_endpoints", &self.etcd_endpoints),
+            ("etcd_ca_file", &self.etcd_ca_file),
+            ("etcd_cert_file", &self.etcd_cert_file),
+            ("etcd_key_file", &self.etcd_key_file),
+            ("peer_scheme", &self.peer_scheme),
+            ("peer_port", &self.peer_port),
+            ("identity", &self.identity),
+            ("lease", &self.lease),
+            ("guard_pdb", &self.guard_pdb),
+            ("guard_selector", &self.guard_selector),
+            ("resync", &self.resync),
+            ("listen", &self.listen),
+        ];
+        flags
+            .into_iter()
+            .filter_map(|(key, v)| {
+                let flag = format!("--{}", key.replace('_', "-"));
+                v.as_ref().map(|v| Override::flag(key, v.clone(), &flag))
             })
-            .ok_or_else(|| Usage("--identity: none given and no host name".into()))?;
-        let settings = Settings {
-            spec,
-            machines: KubeMachinesConfig {
-                namespace: self.machine_namespace,
-                selector: self.machine_selector,
-                peer_scheme: self.peer_scheme,
-                peer_port: self.peer_port,
-                ..KubeMachinesConfig::default()
+            .collect()
+    }
+
+    fn load(&self) -> Result<KubeConfig, ConfigError> {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .ok()
+            .map(|h| h.trim().to_owned());
+        KubeConfig::load(
+            &Sources {
+                file: self.config.as_deref(),
+                env: &ProcessEnv,
+                overrides: self.overrides(),
             },
-            etcd_endpoints: self.etcd_endpoints,
-            etcd_tls: (self.etcd_ca_file.is_some() || self.etcd_cert_file.is_some()).then_some(
-                etcd_warden::config::TlsFiles {
-                    ca_file: self.etcd_ca_file,
-                    cert_file: self.etcd_cert_file,
-                    key_file: self.etcd_key_file,
-                },
-            ),
-            guard: QuorumGuard {
-                name: self.guard_pdb,
-                namespace: self.namespace.clone(),
-                pod_labels,
-            },
-            namespace: self.namespace,
-            lease_name: self.lease,
-            identity,
-            lease: LeaseTiming::default(),
-            timing: Timing {
-                interval: self.resync,
-                ..Timing::default()
-            },
-            owner: None,
-        };
-        Ok((self.kubeconfig, settings))
+            host,
+        )
     }
 }
 
@@ -361,7 +306,7 @@ fn main() -> ExitCode {
             if matches!(
                 e.downcast_ref::<LocalError>(),
                 Some(LocalError::Members(_) | LocalError::DirNotEmpty(_))
-            ) || e.downcast_ref::<Usage>().is_some()
+            ) || e.downcast_ref::<ConfigError>().is_some()
             {
                 ExitCode::from(EXIT_USAGE)
             } else {
@@ -457,8 +402,16 @@ async fn local(a: LocalArgs) -> anyhow::Result<()> {
 }
 
 async fn kube(a: KubeArgs) -> anyhow::Result<()> {
-    let (kubeconfig, settings) = a.settings()?;
+    let KubeConfig {
+        kubeconfig,
+        listen,
+        settings,
+    } = a.load()?;
     let client = controller::client(kubeconfig.as_deref()).await?;
+    let http = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("binding {listen} (listen)"))?;
+    let bound = http.local_addr().context("reading the bound address")?;
     let cancel = CancellationToken::new();
     {
         let cancel = cancel.clone();
@@ -467,8 +420,8 @@ async fn kube(a: KubeArgs) -> anyhow::Result<()> {
             cancel.cancel();
         });
     }
-    tracing::info!(identity = %settings.identity, namespace = %settings.namespace, "operator starting");
-    controller::run(client, settings, cancel).await;
+    tracing::info!(identity = %settings.identity, namespace = %settings.namespace, %bound, "operator starting; /healthz, /readyz and /metrics on {bound}");
+    controller::run_serving(client, settings, Some(http), cancel).await;
     Ok(())
 }
 

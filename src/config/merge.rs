@@ -1,14 +1,42 @@
 //! The layers merged key by key (embedded defaults → file → `ETCD_WARDEN_*` environment → flags)
 //! into one TOML table, with where each key's value came from, so that every error can name it.
+//!
+//! The sidecar's [`SIDECAR`] layout is one use; another program (the operator) describes its own
+//! defaults and variable prefix in a [`Layout`] and gets the same layering, origins and errors
+//! through [`Layered`].
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
+use serde::de::DeserializeOwned;
+
 use super::raw::RawConfig;
 use super::{ConfigError, DEFAULTS, ENV_PREFIX};
 
-/// Environment variables with the prefix that are not configuration keys.
-const ENV_NOT_KEYS: &[&str] = &["ETCD_WARDEN_CONFIG"];
+/// How one program's configuration is layered.
+#[derive(Debug, Clone, Copy)]
+pub struct Layout {
+    /// The embedded defaults (TOML): the first layer.
+    pub defaults: &'static str,
+    /// Prefix of every environment variable that sets a key.
+    pub env_prefix: &'static str,
+    /// Variables with the prefix that are not keys (e.g. the one naming the file).
+    pub env_not_keys: &'static [&'static str],
+    /// Sections a `<PREFIX><SECTION>_<KEY>` variable can name.
+    pub sections: &'static [&'static str],
+    /// Whether a variable naming no section sets a top-level key (`<PREFIX><KEY>` sets `key`);
+    /// otherwise it is refused.
+    pub top_level: bool,
+}
+
+/// The sidecar's configuration (`etcd-warden`).
+pub const SIDECAR: Layout = Layout {
+    defaults: DEFAULTS,
+    env_prefix: ENV_PREFIX,
+    env_not_keys: &["ETCD_WARDEN_CONFIG"],
+    sections: SECTIONS,
+    top_level: false,
+};
 
 /// Where environment variables come from: the process, or a map in tests (so tests never mutate
 /// the process environment).
@@ -141,19 +169,22 @@ const SECTIONS: &[&str] = &[
     "encryption",
 ];
 
-/// Maps `ETCD_WARDEN_SNAPSHOT_DELTA_PERIOD` to `snapshot.delta_period`.
-fn env_key(var: &str) -> Option<String> {
-    let rest = var.strip_prefix(ENV_PREFIX)?.to_ascii_lowercase();
+/// Maps `ETCD_WARDEN_SNAPSHOT_DELTA_PERIOD` to `snapshot.delta_period` (with the sidecar's
+/// layout).
+fn env_key(layout: &Layout, var: &str) -> Option<String> {
+    let rest = var.strip_prefix(layout.env_prefix)?.to_ascii_lowercase();
     // The longest matching section wins, so a section named like another's prefix (`store`,
     // `store_x`) cannot capture its variables.
-    SECTIONS
+    let sectioned = layout
+        .sections
         .iter()
         .filter_map(|s| {
             let key = rest.strip_prefix(s)?.strip_prefix('_')?;
             (!key.is_empty()).then(|| (s.len(), format!("{s}.{key}")))
         })
         .max_by_key(|(len, _)| *len)
-        .map(|(_, key)| key)
+        .map(|(_, key)| key);
+    sectioned.or_else(|| (layout.top_level && !rest.is_empty()).then_some(rest))
 }
 
 /// The environment variable that sets a dotted key.
@@ -164,14 +195,41 @@ pub fn env_var_for(key: &str) -> String {
 impl RawConfig {
     /// Merges the layers and deserializes them; unknown keys and wrongly typed values fail here.
     pub fn load(sources: &Sources<'_>) -> Result<RawConfig, ConfigError> {
-        Merged::from_sources(sources)?.raw()
+        Merged::from_sources(&SIDECAR, sources)?.raw()
+    }
+}
+
+/// Every layer of a [`Layout`] merged, remembering where each value came from.
+pub struct Layered(Merged);
+
+impl Layered {
+    /// Merges `sources` over `layout`'s defaults.
+    pub fn load(layout: &Layout, sources: &Sources<'_>) -> Result<Layered, ConfigError> {
+        Merged::from_sources(layout, sources).map(Layered)
+    }
+
+    /// The merged table as `T`; unknown keys (with `deny_unknown_fields`) and wrongly typed
+    /// values fail naming the key and where its value came from.
+    pub fn deserialize<T: DeserializeOwned>(&self) -> Result<T, ConfigError> {
+        self.0.deserialize()
+    }
+
+    /// An error about `key`, naming where its value came from.
+    pub fn err(&self, key: &str, message: impl Into<String>) -> ConfigError {
+        self.0.err(key, message)
     }
 }
 
 impl Merged {
     /// Every layer merged over the embedded defaults, in order.
-    pub(super) fn from_sources(sources: &Sources<'_>) -> Result<Merged, ConfigError> {
-        let table: toml::Table = DEFAULTS.parse().expect("embedded defaults are valid TOML");
+    pub(super) fn from_sources(
+        layout: &Layout,
+        sources: &Sources<'_>,
+    ) -> Result<Merged, ConfigError> {
+        let table: toml::Table = layout
+            .defaults
+            .parse()
+            .expect("embedded defaults are valid TOML");
         let mut merged = Merged {
             table,
             origins: BTreeMap::new(),
@@ -194,15 +252,16 @@ impl Merged {
         let mut vars = sources.env.vars();
         vars.sort();
         for (var, value) in vars {
-            if !var.starts_with(ENV_PREFIX) || ENV_NOT_KEYS.contains(&var.as_str()) {
+            if !var.starts_with(layout.env_prefix) || layout.env_not_keys.contains(&var.as_str()) {
                 continue;
             }
-            let key = env_key(&var).ok_or_else(|| {
+            let key = env_key(layout, &var).ok_or_else(|| {
                 ConfigError::new(
                     var.clone(),
                     format!(
-                        "unknown environment variable (expected {ENV_PREFIX}<SECTION>_<KEY> with a section of {})",
-                        SECTIONS.join(", ")
+                        "unknown environment variable (expected {}<SECTION>_<KEY> with a section of {})",
+                        layout.env_prefix,
+                        layout.sections.join(", ")
                     ),
                 )
             })?;
@@ -217,9 +276,13 @@ impl Merged {
 
     /// The merged table deserialized; an error names the dotted key at fault.
     pub(super) fn raw(&self) -> Result<RawConfig, ConfigError> {
+        self.deserialize()
+    }
+
+    fn deserialize<T: DeserializeOwned>(&self) -> Result<T, ConfigError> {
         let m = self;
         let de = toml::Value::Table(m.table.clone());
-        serde_path_to_error::deserialize::<_, RawConfig>(de).map_err(|e| {
+        serde_path_to_error::deserialize::<_, T>(de).map_err(|e| {
             let path = e.path().to_string();
             let inner = e.into_inner().to_string();
             let inner = one_line(&inner);
@@ -280,6 +343,7 @@ mod tests {
 
     #[test]
     fn env_keys_map_to_sections() {
+        let env_key = |v| env_key(&SIDECAR, v);
         assert_eq!(
             env_key("ETCD_WARDEN_SNAPSHOT_DELTA_PERIOD").as_deref(),
             Some("snapshot.delta_period")

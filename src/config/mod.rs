@@ -28,11 +28,13 @@ use serde::Serialize;
 
 pub use keys::{EncryptionConfig, KeyError, parse_recipient};
 pub use location::{LocationError, StoreLocation};
-pub use merge::{EnvSource, Override, ProcessEnv, Sources, env_var_for};
+pub use merge::{EnvSource, Layered, Layout, Override, ProcessEnv, SIDECAR, Sources, env_var_for};
 pub use raw::{
     MAX_DURATION, RawConfig, RawCopy, RawDefrag, RawEncryption, RawEtcd, RawKill, RawLog, RawOwner,
     RawRestore, RawServer, RawSnapshot, RawStore,
 };
+pub use raw::{lenient, parse_duration};
+pub(crate) use validate::owner_config;
 
 /// The embedded defaults: the first layer, and a complete description of every key's default.
 pub const DEFAULTS: &str = include_str!("../config_defaults.toml");
@@ -373,7 +375,7 @@ impl Config {
         sources: &Sources<'_>,
         purpose: Purpose,
     ) -> Result<(Config, RawConfig), ConfigError> {
-        let merged = merge::Merged::from_sources(sources)?;
+        let merged = merge::Merged::from_sources(&merge::SIDECAR, sources)?;
         let raw = merged.raw()?;
         let config = validate::validate(&raw, &merged, purpose)?;
         Ok((config, raw))

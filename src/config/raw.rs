@@ -247,7 +247,7 @@ mod defaults {
 
 /// Deserializers that accept a value's text form too, because the environment and flags only
 /// carry text.
-mod lenient {
+pub mod lenient {
     use super::*;
 
     #[derive(Deserialize)]
@@ -363,7 +363,7 @@ impl RawConfig {
 pub const MAX_DURATION: Duration = Duration::from_secs(100 * 31_557_600);
 
 /// Parses a duration such as `"500ms"`, `"30s"`, `"1h30m"` or `"7d"`, at most [`MAX_DURATION`].
-pub(super) fn parse_duration(text: &str) -> Result<Duration, String> {
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let d = humantime::parse_duration(text.trim()).map_err(|e| {
         format!("invalid duration {text:?} ({e}); write e.g. \"30s\", \"5m\", \"1h30m\"")
     })?;

@@ -527,47 +527,7 @@ impl Validator<'_> {
     }
 
     fn owner(&self, o: &RawOwner) -> Result<OwnerConfig, ConfigError> {
-        if o.name.trim().is_empty() {
-            return Err(self.err(
-                "owner.name",
-                "required value missing: the owner DNS record's name",
-            ));
-        }
-        if o.id.trim().is_empty() {
-            return Err(self.err("owner.id", "required value missing: this seed's owner ID"));
-        }
-        let nameservers = o
-            .nameservers
-            .iter()
-            .map(|ns| {
-                parse_nameserver(ns).ok_or_else(|| {
-                    self.err(
-                        "owner.nameservers",
-                        format!(
-                            "{ns:?} is not an IP address with optional port, e.g. \"10.0.0.10:53\""
-                        ),
-                    )
-                })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let failure_threshold = u32::try_from(o.failure_threshold)
-            .ok()
-            .filter(|n| *n >= 1)
-            .ok_or_else(|| {
-                self.err(
-                    "owner.failure_threshold",
-                    "must be between 1 and 4294967295",
-                )
-            })?;
-        Ok(OwnerConfig {
-            name: o.name.trim().to_string(),
-            id: o.id.clone(),
-            interval: self.positive_duration("owner.interval", &o.interval)?,
-            timeout: self.positive_duration("owner.timeout", &o.timeout)?,
-            nameservers,
-            failure_threshold,
-            ttl_cap: self.duration("owner.ttl_cap", &o.ttl_cap)?,
-        })
+        owner_config(o, &|key, message| self.err(key, message))
     }
 
     fn kill(&self, k: &RawKill) -> Result<KillConfig, ConfigError> {
@@ -676,4 +636,64 @@ impl Validator<'_> {
             level: l.level.trim().to_string(),
         })
     }
+}
+
+/// An `[owner]` section validated, for the sidecar and for the operator's controllers; `err`
+/// makes the error for a dotted key (`owner.name`), naming where its value came from.
+pub(crate) fn owner_config(
+    o: &RawOwner,
+    err: &dyn Fn(&str, String) -> ConfigError,
+) -> Result<OwnerConfig, ConfigError> {
+    if o.name.trim().is_empty() {
+        return Err(err(
+            "owner.name",
+            "required value missing: the owner DNS record's name".into(),
+        ));
+    }
+    if o.id.trim().is_empty() {
+        return Err(err(
+            "owner.id",
+            "required value missing: this seed's owner ID".into(),
+        ));
+    }
+    let nameservers = o
+        .nameservers
+        .iter()
+        .map(|ns| {
+            parse_nameserver(ns).ok_or_else(|| {
+                err(
+                    "owner.nameservers",
+                    format!(
+                        "{ns:?} is not an IP address with optional port, e.g. \"10.0.0.10:53\""
+                    ),
+                )
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let failure_threshold = u32::try_from(o.failure_threshold)
+        .ok()
+        .filter(|n| *n >= 1)
+        .ok_or_else(|| {
+            err(
+                "owner.failure_threshold",
+                "must be between 1 and 4294967295".into(),
+            )
+        })?;
+    let duration = |key: &str, text: &str| parse_duration(text).map_err(|m| err(key, m));
+    let positive = |key: &str, text: &str| {
+        let d = duration(key, text)?;
+        if d.is_zero() {
+            return Err(err(key, "must be greater than zero".into()));
+        }
+        Ok(d)
+    };
+    Ok(OwnerConfig {
+        name: o.name.trim().to_string(),
+        id: o.id.clone(),
+        interval: positive("owner.interval", &o.interval)?,
+        timeout: positive("owner.timeout", &o.timeout)?,
+        nameservers,
+        failure_threshold,
+        ttl_cap: duration("owner.ttl_cap", &o.ttl_cap)?,
+    })
 }

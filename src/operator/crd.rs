@@ -17,7 +17,8 @@ pub const VERSION: &str = "v1alpha1";
 
 /// Every CustomResourceDefinition the operator needs, in a stable order.
 pub fn definitions() -> Vec<CustomResourceDefinition> {
-    Vec::new()
+    use ::kube::CustomResourceExt as _;
+    vec![super::kube::quorum::EtcdQuorum::crd()]
 }
 
 /// The definitions as one multi-document YAML stream, as `crdgen` prints it.

@@ -9,6 +9,10 @@
 //!   answers. When the mode leaves `Blackhole`, connections that lost bytes are cut (their
 //!   request or response is gone; a real partition would leave them to the client's timeout,
 //!   which for object_store is 30 s: longer than a schedule).
+//! - `RefuseFrom(id)`: connections whose first HTTP request carries `X-Server-From: <id in hex>`
+//!   (etcd's peer traffic names its sender so) are cut, open ones included; others pass. With
+//!   a proxy in front of every etcd member's peer port, one member can be cut off from the
+//!   others while they still talk to each other.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -28,6 +32,7 @@ pub enum FaultMode {
     Down,
     Slow(Duration),
     Blackhole,
+    RefuseFrom(u64),
 }
 
 /// A running proxy; stops on drop.
@@ -150,11 +155,18 @@ async fn connection(
     if *mode.borrow() == FaultMode::Down {
         return;
     }
-    let Ok(Ok(upstream)) =
+    let (head, from) = request_head(&mut client).await;
+    if matches!(*mode.borrow(), FaultMode::RefuseFrom(id) if Some(id) == from) {
+        return;
+    }
+    let Ok(Ok(mut upstream)) =
         tokio::time::timeout(Duration::from_secs(2), TcpStream::connect(target)).await
     else {
         return;
     };
+    if upstream.write_all(&head).await.is_err() {
+        return;
+    }
     let tainted = Arc::new(AtomicBool::new(false));
     let _ = client.set_nodelay(true);
     let _ = upstream.set_nodelay(true);
@@ -162,9 +174,31 @@ async fn connection(
     let (ur, uw) = upstream.into_split();
     tokio::select! {
         _ = stop.cancelled() => {}
-        _ = pump(cr, uw, mode.clone(), tainted.clone()) => {}
-        _ = pump(ur, cw, mode.clone(), tainted.clone()) => {}
+        _ = pump(cr, uw, mode.clone(), tainted.clone(), from) => {}
+        _ = pump(ur, cw, mode.clone(), tainted.clone(), from) => {}
     }
+}
+
+/// The first bytes the client sends, up to the end of an HTTP request head (or what arrives
+/// within a moment, for a client that waits to be spoken to), and the sender an etcd peer
+/// request names in `X-Server-From`.
+async fn request_head(client: &mut TcpStream) -> (Vec<u8>, Option<u64>) {
+    let mut head = Vec::new();
+    let mut buf = [0u8; 4096];
+    while head.len() < 16 * 1024 && !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        match tokio::time::timeout(Duration::from_millis(200), client.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => head.extend_from_slice(&buf[..n]),
+            _ => break,
+        }
+    }
+    let from = String::from_utf8_lossy(&head).lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.trim()
+            .eq_ignore_ascii_case("x-server-from")
+            .then(|| u64::from_str_radix(v.trim(), 16).ok())
+            .flatten()
+    });
+    (head, from)
 }
 
 /// Forwards one direction according to the mode; returns when the connection must end.
@@ -173,7 +207,9 @@ async fn pump(
     mut to: OwnedWriteHalf,
     mut mode: watch::Receiver<FaultMode>,
     tainted: Arc<AtomicBool>,
+    sender: Option<u64>,
 ) {
+    let refused = |m: FaultMode| matches!(m, FaultMode::RefuseFrom(id) if Some(id) == sender);
     let mut buf = vec![0u8; 64 * 1024];
     loop {
         let n = tokio::select! {
@@ -186,7 +222,10 @@ async fn pump(
                     return;
                 }
                 let m = *mode.borrow_and_update();
-                if m == FaultMode::Down || (tainted.load(Ordering::SeqCst) && m != FaultMode::Blackhole) {
+                if m == FaultMode::Down
+                    || refused(m)
+                    || (tainted.load(Ordering::SeqCst) && m != FaultMode::Blackhole)
+                {
                     return;
                 }
                 continue;
@@ -194,7 +233,8 @@ async fn pump(
         };
         let m = *mode.borrow_and_update();
         match m {
-            FaultMode::Pass => {}
+            m if refused(m) => return,
+            FaultMode::Pass | FaultMode::RefuseFrom(_) => {}
             FaultMode::Slow(d) => tokio::time::sleep(d).await,
             FaultMode::Blackhole => {
                 tainted.store(true, Ordering::SeqCst);

@@ -2,7 +2,8 @@
 //! acting only while this replica holds the Lease, woken by watches on the Machines, the
 //! `etcd-endpoints` ConfigMap and the quorum-guard PDB, and resyncing periodically to observe
 //! etcd (which nothing watches). After each step the ConfigMap and the PDB are brought in step
-//! with the fresh member list and machine count; every action becomes an Event.
+//! with the fresh member list and machine count, and the `EtcdQuorum` status with the
+//! conditions derived from it; every action becomes an Event.
 //!
 //! With an owner record configured (seed 001's controller watchdog, [`OwnerGuard`]), acting also
 //! needs the record to name us. Losing the Lease or ownership cancels the reconcile in flight (its future is dropped between two awaits:
@@ -14,22 +15,25 @@ use std::time::Duration;
 use ::kube::api::Api;
 use ::kube::runtime::events::{Recorder, Reporter};
 use ::kube::runtime::watcher;
-use futures::StreamExt as _;
+use futures::{FutureExt as _, StreamExt as _};
 use k8s_openapi::api::core::v1::{ConfigMap, ObjectReference};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use prometheus_client::registry::Registry;
 use serde::de::DeserializeOwned;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
-use super::lease::{LeaseLock, LeaseTiming};
+use super::health::{self, HealthState, TaskHealth};
+use super::lease::{LeaseLock, LeaseMetrics, LeaseTiming};
 use super::machine::Machine;
 use super::machines::{KubeMachines, KubeMachinesConfig};
+use super::quorum::{self, EtcdQuorum};
 use super::quorum_guard::QuorumGuard;
 use super::sync::SyncError;
 use super::{endpoints, events};
-use crate::operator::execute::{BackendError, ExecuteError, Operator, Timing};
+use crate::operator::execute::{BackendError, ExecuteError, Observation, Operator, Timing};
 use crate::operator::plan::Spec;
 use crate::owner::guard::{GuardSettings, OwnerGuard};
 
@@ -117,11 +121,12 @@ pub enum ReconcileError {
     Sync(#[from] SyncError),
 }
 
-/// Wakes the loop on every change `api`'s watch reports.
+/// Wakes the loop on every change `api`'s watch reports; `synced` after each full listing.
 async fn trigger<K>(
     api: Api<K>,
     config: watcher::Config,
     wake: Arc<Notify>,
+    synced: impl Fn() + Send + 'static,
     cancel: CancellationToken,
 ) where
     K: ::kube::Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + 'static,
@@ -132,7 +137,12 @@ async fn trigger<K>(
         tokio::select! {
             _ = cancel.cancelled() => return,
             ev = events.next() => match ev {
-                Some(Ok(_)) => wake.notify_one(),
+                Some(Ok(e)) => {
+                    if matches!(e, watcher::Event::InitDone) {
+                        synced();
+                    }
+                    wake.notify_one();
+                }
                 // The watcher backs off and retries by itself.
                 Some(Err(e)) => warn!(error = %e, "watch failed"),
                 None => return,
@@ -146,7 +156,13 @@ struct Parts {
     machines: Arc<KubeMachines>,
     config_maps: Api<ConfigMap>,
     budgets: Api<PodDisruptionBudget>,
+    quorums: Api<EtcdQuorum>,
+    learner: std::sync::Mutex<quorum::LearnerProgress>,
     settings: Settings,
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Parts {
@@ -158,6 +174,9 @@ impl Parts {
                 machines = census.total,
                 "no control-plane Machine is Running: the Machine API does not work here; not acting"
             );
+            // Observing changes nothing; the status says why nothing happens.
+            let obs = self.operator.observe().await?;
+            self.write_status(&obs, false).await?;
             return Ok(false);
         }
         let (_, acted) = self.operator.step_acted().await?;
@@ -174,7 +193,49 @@ impl Parts {
             .guard
             .sync(&self.budgets, census.total)
             .await?;
+        self.write_status(&obs, census.machine_api_functional())
+            .await?;
         Ok(acted)
+    }
+
+    /// Says in the EtcdQuorum's status that reconciles keep failing with `error`.
+    async fn write_failure(&self, error: &ReconcileError) {
+        let text = error.to_string();
+        let written = quorum::sync(&self.quorums, |previous, generation| {
+            quorum::failed(previous, &text, generation, chrono::Utc::now())
+        })
+        .await;
+        if let Err(e) = written {
+            warn!(error = %e, "could not report the failure in the EtcdQuorum status");
+        }
+    }
+
+    /// Brings the EtcdQuorum's status in step with `obs` (nothing written when it already is).
+    async fn write_status(
+        &self,
+        obs: &Observation,
+        machine_api_functional: bool,
+    ) -> Result<(), SyncError> {
+        let stalled = lock(&self.learner).stalled(&obs.observed, std::time::Instant::now());
+        let facts = quorum::Facts {
+            spec: self.settings.spec,
+            observed: &obs.observed,
+            machine_api_functional,
+            stalled_learner: stalled.as_deref(),
+        };
+        let last = self.operator.status().last_action;
+        quorum::sync(&self.quorums, |previous, generation| {
+            quorum::status(
+                &facts,
+                &obs.members,
+                last.as_ref(),
+                previous,
+                generation,
+                chrono::Utc::now(),
+            )
+        })
+        .await?;
+        Ok(())
     }
 }
 
@@ -200,6 +261,17 @@ async fn may_act(
 /// Runs the controller until `cancel`; then stops acting, releases the Lease and returns
 /// within a few seconds.
 pub async fn run(client: ::kube::Client, settings: Settings, cancel: CancellationToken) {
+    run_serving(client, settings, None, cancel).await;
+}
+
+/// [`run`], serving `/healthz`, `/readyz` and `/metrics` on `http` when given (see
+/// [`health`](super::health)).
+pub async fn run_serving(
+    client: ::kube::Client,
+    settings: Settings,
+    http: Option<tokio::net::TcpListener>,
+    cancel: CancellationToken,
+) {
     let machines = Arc::new(KubeMachines::new(client.clone(), settings.machines.clone()));
     let operator = Arc::new(
         Operator::new(
@@ -215,10 +287,17 @@ pub async fn run(client: ::kube::Client, settings: Settings, cancel: Cancellatio
         machines,
         config_maps: Api::namespaced(client.clone(), &settings.namespace),
         budgets: Api::namespaced(client.clone(), &settings.guard.namespace),
+        quorums: Api::namespaced(client.clone(), &settings.namespace),
+        learner: std::sync::Mutex::default(),
         settings: settings.clone(),
     };
+    let lease_metrics = LeaseMetrics::default();
+    let mut registry = Registry::default();
+    operator.metrics().register(&mut registry);
+    lease_metrics.register(&mut registry);
 
     let tasks = TaskTracker::new();
+    let health = TaskHealth::new();
     let child = cancel.child_token();
     // Dropped (the task aborted) or returned: the tasks stop too. A Lease renewed by an orphaned
     // task while nothing reconciles would keep every other replica from acting.
@@ -230,17 +309,27 @@ pub async fn run(client: ::kube::Client, settings: Settings, cancel: Cancellatio
             &settings.lease_name,
             &settings.identity,
             settings.lease,
-        );
+        )
+        .with_metrics(lease_metrics);
         let c = child.clone();
-        tasks.spawn(async move { lock.run(leader_tx, c).await });
+        health.spawn(&tasks, "lease", false, async move {
+            lock.run(leader_tx, c).await
+        });
     }
     // Acting needs the Lease and, when an owner record is configured, ownership.
-    let mut acting = match &settings.owner {
+    let acting = match &settings.owner {
         None => leader,
         Some(owner) => {
             let (guard, _) = OwnerGuard::start(owner.lookup.clone(), owner.timing, child.clone());
             let (tx, rx) = watch::channel(false);
-            tasks.spawn(may_act(leader, guard, tx, child.clone()));
+            // Ends when the guard stops: acting goes false for good, and the reconcile loop,
+            // seeing its sender gone, ends too (both show on /healthz).
+            health.spawn(
+                &tasks,
+                "owner",
+                false,
+                may_act(leader, guard, tx, child.clone()),
+            );
             rx
         }
     };
@@ -258,50 +347,134 @@ pub async fn run(client: ::kube::Client, settings: Settings, cancel: Cancellatio
         namespace: Some(settings.namespace.clone()),
         ..ObjectReference::default()
     };
-    tasks.spawn(events::publish(
-        operator.subscribe_actions(),
-        recorder,
-        settings.machines.namespace.clone(),
-        fallback,
-        child.clone(),
-    ));
+    health.spawn(
+        &tasks,
+        "events",
+        false,
+        events::publish(
+            operator.subscribe_actions(),
+            recorder,
+            settings.machines.namespace.clone(),
+            fallback,
+            child.clone(),
+        ),
+    );
     let wake = Arc::new(Notify::new());
     let machine_api: Api<Machine> = Api::namespaced(client.clone(), &settings.machines.namespace);
-    tasks.spawn(trigger(
-        machine_api,
-        watcher::Config::default().labels(&settings.machines.selector),
-        Arc::clone(&wake),
-        child.clone(),
-    ));
-    tasks.spawn(trigger(
-        parts.config_maps.clone(),
-        watcher::Config::default().fields(&format!("metadata.name={}", endpoints::NAME)),
-        Arc::clone(&wake),
-        child.clone(),
-    ));
-    tasks.spawn(trigger(
-        parts.budgets.clone(),
-        watcher::Config::default().fields(&format!("metadata.name={}", settings.guard.name)),
-        Arc::clone(&wake),
-        child.clone(),
-    ));
+    let watches = [
+        (
+            "watch-machines",
+            trigger(
+                machine_api,
+                watcher::Config::default().labels(&settings.machines.selector),
+                Arc::clone(&wake),
+                synced(&health, "watch-machines"),
+                child.clone(),
+            )
+            .boxed(),
+        ),
+        (
+            "watch-configmap",
+            trigger(
+                parts.config_maps.clone(),
+                watcher::Config::default().fields(&format!("metadata.name={}", endpoints::NAME)),
+                Arc::clone(&wake),
+                synced(&health, "watch-configmap"),
+                child.clone(),
+            )
+            .boxed(),
+        ),
+        (
+            "watch-pdb",
+            trigger(
+                parts.budgets.clone(),
+                watcher::Config::default()
+                    .fields(&format!("metadata.name={}", settings.guard.name)),
+                Arc::clone(&wake),
+                synced(&health, "watch-pdb"),
+                child.clone(),
+            )
+            .boxed(),
+        ),
+    ];
+    for (name, fut) in watches {
+        health.spawn(&tasks, name, true, fut);
+    }
+    health.spawn(
+        &tasks,
+        "reconcile",
+        false,
+        reconcile_loop(parts, acting, wake, child.clone()),
+    );
+    if let Some(listener) = http {
+        let state = HealthState {
+            tasks: health.clone(),
+            registry: Arc::new(registry),
+        };
+        let c = child.clone();
+        // Not a health-checked task: it is what answers the checks.
+        tasks.spawn(async move {
+            let served = axum::serve(listener, health::router(state))
+                .with_graceful_shutdown(c.clone().cancelled_owned())
+                .await;
+            if let Err(e) = served {
+                warn!(error = %e, "serving health and metrics failed");
+            }
+        });
+    }
     tasks.close();
 
+    cancel.cancelled().await;
+    child.cancel();
+    if tokio::time::timeout(Duration::from_secs(5), tasks.wait())
+        .await
+        .is_err()
+    {
+        warn!("controller tasks did not stop within 5s");
+    }
+}
+
+/// Opens `name`'s readiness gate.
+fn synced(health: &TaskHealth, name: &'static str) -> impl Fn() + Send + 'static {
+    let health = health.clone();
+    move || health.ready(name)
+}
+
+/// Resolves when this replica stops leading; `true` when the Lease task is gone (it will never
+/// lead again).
+async fn lost(leader: &mut watch::Receiver<bool>) -> bool {
+    leader.wait_for(|l| !*l).await.is_err()
+}
+
+/// Reconciles while this replica leads, woken by `wake` or the resync period, until `cancel`
+/// or until the Lease task is gone.
+async fn reconcile_loop(
+    parts: Parts,
+    mut leader: watch::Receiver<bool>,
+    wake: Arc<Notify>,
+    cancel: CancellationToken,
+) {
+    let settings = &parts.settings;
     let timing = settings.timing;
     let backoff = crate::backoff::Backoff::new(timing.min_backoff, timing.max_backoff);
     let mut failures = 0u32;
+    let mut failing_since = None;
     'run: loop {
-        while !*acting.borrow_and_update() {
+        while !*leader.borrow_and_update() {
             tokio::select! {
                 _ = cancel.cancelled() => break 'run,
-                changed = acting.changed() => if changed.is_err() { break 'run },
+                changed = leader.changed() => if changed.is_err() { break 'run },
             }
         }
         info!(identity = %settings.identity, "leading: reconciling");
         loop {
             let result = tokio::select! {
                 _ = cancel.cancelled() => break 'run,
-                _ = acting.wait_for(|l| !*l) => {
+                gone = lost(&mut leader) => {
+                    if gone {
+                        warn!("the Lease task is gone: not acting");
+                        break 'run;
+                    }
                     warn!("lease or ownership lost: reconcile cancelled, not acting");
                     continue 'run;
                 }
@@ -310,22 +483,34 @@ pub async fn run(client: ::kube::Client, settings: Settings, cancel: Cancellatio
             let wait = match result {
                 Ok(true) => {
                     failures = 0;
+                    failing_since = None;
                     Duration::from_millis(50)
                 }
                 Ok(false) => {
                     failures = 0;
+                    failing_since = None;
                     timing.interval
                 }
                 Err(e) => {
                     failures = failures.saturating_add(1);
                     let retry_in = backoff.delay(failures);
                     warn!(error = %e, ?retry_in, "reconcile failed");
+                    let since = *failing_since.get_or_insert_with(std::time::Instant::now);
+                    if since.elapsed() >= quorum::failures_reported_after(timing.max_backoff)
+                        && *leader.borrow()
+                    {
+                        parts.write_failure(&e).await;
+                    }
                     retry_in
                 }
             };
             tokio::select! {
                 _ = cancel.cancelled() => break 'run,
-                _ = acting.wait_for(|l| !*l) => {
+                gone = lost(&mut leader) => {
+                    if gone {
+                        warn!("the Lease task is gone: not acting");
+                        break 'run;
+                    }
                     warn!("lease or ownership lost: not acting");
                     continue 'run;
                 }
@@ -333,12 +518,5 @@ pub async fn run(client: ::kube::Client, settings: Settings, cancel: Cancellatio
                 _ = tokio::time::sleep(wait) => {}
             }
         }
-    }
-    child.cancel();
-    if tokio::time::timeout(Duration::from_secs(5), tasks.wait())
-        .await
-        .is_err()
-    {
-        warn!("controller tasks did not stop within 5s");
     }
 }

@@ -15,6 +15,8 @@ use std::time::Duration;
 
 use ::kube::api::{Api, Patch, PatchParams, PostParams};
 use k8s_openapi::api::coordination::v1::Lease;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 use serde_json::json;
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -55,6 +57,26 @@ pub struct LeaseLock {
     timing: LeaseTiming,
     /// The last record seen and when (by this replica's clock) it was first seen.
     observed: Mutex<Option<(Record, Instant)>>,
+    metrics: LeaseMetrics,
+}
+
+/// Whether this replica holds the Lease, as a metric; cheap to clone (a shared handle).
+#[derive(Debug, Clone, Default)]
+pub struct LeaseMetrics {
+    is_leader: Gauge,
+}
+
+impl LeaseMetrics {
+    /// Registers `etcd_warden_operator_is_leader`.
+    pub fn register(&self, registry: &mut Registry) {
+        registry
+            .sub_registry_with_prefix("etcd_warden_operator")
+            .register(
+                "is_leader",
+                "1 while this replica holds the Lease and may act",
+                self.is_leader.clone(),
+            );
+    }
 }
 
 fn now() -> String {
@@ -75,7 +97,14 @@ impl LeaseLock {
             identity: identity.into(),
             timing,
             observed: Mutex::new(None),
+            metrics: LeaseMetrics::default(),
         }
+    }
+
+    /// Reports leadership through `metrics` too.
+    pub fn with_metrics(mut self, metrics: LeaseMetrics) -> LeaseLock {
+        self.metrics = metrics;
+        self
     }
 
     /// This replica's identity.
@@ -245,6 +274,7 @@ impl LeaseLock {
             }
             let acting = acting_until.is_some_and(|t| Instant::now() < t);
             leader.send_if_modified(|l| std::mem::replace(l, acting) != acting);
+            self.metrics.is_leader.set(i64::from(acting));
             let wake = match acting_until {
                 Some(t) if acting => (started + self.timing.retry).min(t),
                 _ => started + self.timing.retry,
@@ -255,6 +285,7 @@ impl LeaseLock {
             }
         }
         leader.send_if_modified(|l| std::mem::replace(l, false));
+        self.metrics.is_leader.set(0);
         if let Err(e) = self.release().await {
             warn!(lease = %self.name, error = %e, "releasing the lease");
         }

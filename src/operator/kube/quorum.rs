@@ -1,0 +1,1055 @@
+//! `EtcdQuorum`: the status a user reads with `kubectl get etcdquorum` — conditions Available,
+//! Progressing and Degraded, the members, the last action.
+//!
+//! One object, `cluster`, in the operator's namespace. Its **spec is empty**: the desired voter
+//! count is the operator's configuration (`voters`), read once at start and validated with the
+//! rest of it. A spec field would be a second source of truth that anyone allowed to edit this
+//! object could use to change the quorum size behind the deployment's back; the status reports
+//! `desiredVoters` so the two can be compared.
+//!
+//! The conditions are derived by [`derive`], a pure function of the observation the planner
+//! sees (and the plan it makes of it), whether the Machine API works, and whether a learner has
+//! stopped catching up; [`merge`] keeps a condition's `lastTransitionTime` until its status
+//! flips. [`sync`] creates the object when missing and writes status only through the `/status`
+//! subresource, and only when something changed.
+
+use std::time::{Duration, Instant};
+
+use ::kube::CustomResource;
+use ::kube::api::{Api, Patch, PatchParams, PostParams};
+use chrono::{DateTime, SecondsFormat, Utc};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use tracing::debug;
+
+use super::machines::{FIELD_MANAGER, KubeCall, is_status};
+use super::sync::{ATTEMPTS, SyncError};
+use crate::operator::execute::{ActionRecord, MemberStatus};
+use crate::operator::plan::{Action, Condition, Observed, Spec, has_quorum, plan, same_url};
+
+/// The one object's name.
+pub const NAME: &str = "cluster";
+
+/// A learner whose applied index has not moved for this long while behind is reported as not
+/// catching up (Degraded); a healthy learner catches up a control plane's data in seconds.
+pub const LEARNER_STALL: Duration = Duration::from_secs(120);
+
+/// Empty: the desired voter count is the operator's configuration, not a field anyone who may
+/// edit this object could change.
+// Clippy reads the repeated `type_ = ...` of separate printcolumns as one duplicated attribute.
+#[allow(clippy::duplicated_attributes)]
+#[derive(CustomResource, Serialize, Deserialize, Debug, Clone, Default, PartialEq, JsonSchema)]
+#[kube(
+    group = "etcd-warden.io",
+    version = "v1alpha1",
+    kind = "EtcdQuorum",
+    namespaced,
+    status = "EtcdQuorumStatus",
+    doc = "The control plane's etcd quorum as the operator sees it; status only",
+    printcolumn(
+        name = "Available",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Available\")].status"
+    ),
+    printcolumn(
+        name = "Progressing",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Progressing\")].status"
+    ),
+    printcolumn(
+        name = "Degraded",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Degraded\")].status"
+    ),
+    printcolumn(name = "Voters", type_ = "integer", json_path = ".status.voters"),
+    printcolumn(name = "Learners", type_ = "integer", json_path = ".status.learners"),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+pub struct EtcdQuorumSpec {}
+
+/// What the operator last observed and concluded.
+#[derive(Serialize, Deserialize, Debug, Clone, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EtcdQuorumStatus {
+    /// The object's `metadata.generation` this status was written for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Available, Progressing and Degraded, in that order.
+    #[serde(default)]
+    pub conditions: Vec<QuorumCondition>,
+    /// Voting members the operator keeps (its configuration).
+    pub desired_voters: i32,
+    /// Voting members observed.
+    pub voters: i32,
+    /// Learners observed.
+    pub learners: i32,
+    /// Every member in etcd's member list.
+    #[serde(default)]
+    pub members: Vec<QuorumMember>,
+    /// The last action applied or attempted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_action: Option<LastAction>,
+}
+
+/// A condition, shaped as `metav1.Condition`.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct QuorumCondition {
+    /// Available, Progressing or Degraded.
+    #[serde(rename = "type")]
+    pub type_: String,
+    /// "True" or "False".
+    pub status: String,
+    /// CamelCase reason, e.g. `UnhealthyMembers`.
+    pub reason: String,
+    /// In words.
+    pub message: String,
+    /// When `status` last changed (RFC 3339).
+    pub last_transition_time: String,
+    /// The generation observed when this was set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+}
+
+/// One etcd member.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct QuorumMember {
+    /// Member ID in hex, as etcdctl prints it.
+    pub id: String,
+    /// Member name (empty until it starts).
+    pub name: String,
+    /// First peer URL.
+    pub peer_url: String,
+    /// `voter` or `learner`.
+    pub role: String,
+    /// Answers status and knows a leader.
+    pub healthy: bool,
+}
+
+/// The last action.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct LastAction {
+    /// Kind, e.g. `promote`.
+    pub action: String,
+    /// In words.
+    pub message: String,
+    /// When it finished (RFC 3339).
+    pub time: String,
+    /// Why it failed, when it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// Condition types, in the order they are written.
+pub const TYPES: [&str; 3] = ["Available", "Progressing", "Degraded"];
+
+/// Every reason [`derive`] gives.
+pub mod reason {
+    /// Nothing to report.
+    pub const AS_EXPECTED: &str = "AsExpected";
+    /// Fewer than a majority of voters are healthy (or none is seen).
+    pub const NO_QUORUM: &str = "NoQuorum";
+    /// A member other than a starting learner is unhealthy; membership changes pause.
+    pub const UNHEALTHY_MEMBERS: &str = "UnhealthyMembers";
+    /// A learner behind the leader has not advanced for [`super::LEARNER_STALL`].
+    pub const LEARNER_NOT_CATCHING_UP: &str = "LearnerNotCatchingUp";
+    /// A control-plane Machine hosts no member and nothing needs replacing: Degraded stays
+    /// False with this reason. A rolling update creates the new Machine before it deletes the
+    /// old one, and the operator waits for the deletion; only when the Machine stays is it worth
+    /// a look, and the cluster is not at risk meanwhile.
+    pub const MACHINE_WITHOUT_MEMBER: &str = "MachineWithoutMember";
+    /// No control-plane Machine is Running; the operator does not act.
+    pub const MACHINE_API_NOT_FUNCTIONAL: &str = "MachineAPINotFunctional";
+    /// Fewer voters than desired and no machine to add one on.
+    pub const TOO_FEW_VOTERS: &str = "TooFewVoters";
+    /// Membership is not what the operator can reconcile by itself (e.g. too many voters).
+    pub const UNEXPECTED_MEMBERSHIP: &str = "UnexpectedMembership";
+    /// A member is being replaced (learner added, promoted, old member removed, or waiting for
+    /// the replacement machine).
+    pub const REPLACING_MEMBER: &str = "ReplacingMember";
+    /// Only deletion hooks are being added or released.
+    pub const UPDATING_HOOKS: &str = "UpdatingDeletionHooks";
+    /// Reconciles keep failing (etcd or the API server unreachable, or refusing); the rest of
+    /// the status is the last one observed.
+    pub const RECONCILE_FAILED: &str = "ReconcileFailed";
+}
+
+/// How long reconciles must have kept failing before the status says so: ten retries at the
+/// longest backoff. A replacement meets failures that pass by themselves (etcd refuses a member
+/// change for some seconds after the last one), and those are no news.
+pub fn failures_reported_after(max_backoff: Duration) -> Duration {
+    max_backoff.saturating_mul(10)
+}
+
+/// What [`derive`] looks at.
+#[derive(Debug, Clone, Copy)]
+pub struct Facts<'a> {
+    /// Desired voters.
+    pub spec: Spec,
+    /// The planner's input, observed after the reconcile's actions.
+    pub observed: &'a Observed,
+    /// Whether at least one control-plane Machine runs.
+    pub machine_api_functional: bool,
+    /// A learner that has stopped catching up, by name (see [`LearnerProgress`]).
+    pub stalled_learner: Option<&'a str>,
+}
+
+/// A condition before its transition time is known.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Derived {
+    /// Available, Progressing or Degraded.
+    pub type_: &'static str,
+    /// True or False.
+    pub status: bool,
+    /// One of [`reason`].
+    pub reason: &'static str,
+    /// In words.
+    pub message: String,
+}
+
+fn cond(type_: &'static str, status: bool, reason: &'static str, message: String) -> Derived {
+    Derived {
+        type_,
+        status,
+        reason,
+        message,
+    }
+}
+
+fn label(name: &str, id: u64) -> String {
+    if name.is_empty() {
+        format!("{id:x}")
+    } else {
+        name.to_owned()
+    }
+}
+
+/// Available, Progressing and Degraded from what the planner knows. Pure.
+pub fn derive(f: &Facts<'_>) -> [Derived; 3] {
+    let obs = f.observed;
+    let p = plan(f.spec, obs);
+    let voters = obs.members.iter().filter(|m| !m.is_learner).count();
+    let healthy = obs
+        .members
+        .iter()
+        .filter(|m| !m.is_learner && m.healthy)
+        .count();
+    let quorum = has_quorum(&obs.members);
+    let condition_text = |c: &Condition| match c {
+        Condition::Settled => "membership matches the machines".to_owned(),
+        Condition::Progressing(m) | Condition::Waiting(m) | Condition::Degraded(m) => m.clone(),
+    };
+
+    let available = if quorum {
+        cond(
+            TYPES[0],
+            true,
+            reason::AS_EXPECTED,
+            format!("{healthy} of {voters} voters healthy"),
+        )
+    } else {
+        cond(
+            TYPES[0],
+            false,
+            reason::NO_QUORUM,
+            format!("{healthy} of {voters} voters healthy: no quorum"),
+        )
+    };
+
+    let machine_of = |peer_urls: &[String]| {
+        obs.machines
+            .iter()
+            .find(|mc| peer_urls.iter().any(|u| same_url(u, &mc.peer_url)))
+    };
+    // A learner on a live machine that has not answered yet is starting, not broken.
+    let unhealthy: Vec<String> = obs
+        .members
+        .iter()
+        .filter(|m| !m.healthy)
+        .filter(|m| !(m.is_learner && machine_of(&m.peer_urls).is_some_and(|mc| !mc.deleting)))
+        .map(|m| label(&m.name, m.id))
+        .collect();
+    let spare: Vec<&str> = obs
+        .machines
+        .iter()
+        .filter(|mc| {
+            !mc.deleting
+                && !obs
+                    .members
+                    .iter()
+                    .any(|m| m.peer_urls.iter().any(|u| same_url(u, &mc.peer_url)))
+        })
+        .map(|mc| mc.name.as_str())
+        .collect();
+    let membership_action = p.actions.iter().any(Action::is_membership_change)
+        || p.actions
+            .iter()
+            .any(|a| matches!(a, Action::StartMember { .. }));
+    let learner = obs.members.iter().any(|m| m.is_learner);
+    let deleting_member = obs.machines.iter().any(|mc| {
+        mc.deleting
+            && obs
+                .members
+                .iter()
+                .any(|m| m.peer_urls.iter().any(|u| same_url(u, &mc.peer_url)))
+    });
+
+    let degraded = if !f.machine_api_functional {
+        cond(
+            TYPES[2],
+            true,
+            reason::MACHINE_API_NOT_FUNCTIONAL,
+            "no control-plane Machine is Running; the operator does not act".into(),
+        )
+    } else if !quorum {
+        cond(
+            TYPES[2],
+            true,
+            reason::NO_QUORUM,
+            condition_text(&p.condition),
+        )
+    } else if !unhealthy.is_empty() {
+        cond(
+            TYPES[2],
+            true,
+            reason::UNHEALTHY_MEMBERS,
+            format!(
+                "unhealthy member(s) {}; membership changes paused",
+                unhealthy.join(", ")
+            ),
+        )
+    } else if let Some(l) = f.stalled_learner.filter(|_| learner) {
+        cond(
+            TYPES[2],
+            true,
+            reason::LEARNER_NOT_CATCHING_UP,
+            format!(
+                "learner {l} has not advanced for {}s",
+                LEARNER_STALL.as_secs()
+            ),
+        )
+    } else if let Condition::Degraded(m) = &p.condition {
+        cond(TYPES[2], true, reason::UNEXPECTED_MEMBERSHIP, m.clone())
+    } else if voters < f.spec.desired_voters && !membership_action && !learner && !deleting_member {
+        cond(
+            TYPES[2],
+            true,
+            reason::TOO_FEW_VOTERS,
+            condition_text(&p.condition),
+        )
+    } else if !spare.is_empty() && !membership_action && !learner && !deleting_member {
+        cond(
+            TYPES[2],
+            false,
+            reason::MACHINE_WITHOUT_MEMBER,
+            format!(
+                "machine(s) {} host no member and no member needs replacing; waiting for a machine to be deleted",
+                spare.join(", ")
+            ),
+        )
+    } else {
+        cond(
+            TYPES[2],
+            false,
+            reason::AS_EXPECTED,
+            "no problem seen".into(),
+        )
+    };
+
+    let progressing = if !f.machine_api_functional {
+        cond(
+            TYPES[1],
+            false,
+            reason::MACHINE_API_NOT_FUNCTIONAL,
+            "not acting while the Machine API does not work".into(),
+        )
+    } else if !quorum {
+        cond(
+            TYPES[1],
+            false,
+            reason::NO_QUORUM,
+            "not acting without quorum".into(),
+        )
+    } else if membership_action || learner || deleting_member || voters > f.spec.desired_voters {
+        cond(
+            TYPES[1],
+            true,
+            reason::REPLACING_MEMBER,
+            condition_text(&p.condition),
+        )
+    } else if !p.actions.is_empty() {
+        let what: Vec<String> = p.actions.iter().map(ToString::to_string).collect();
+        cond(TYPES[1], true, reason::UPDATING_HOOKS, what.join("; "))
+    } else {
+        cond(
+            TYPES[1],
+            false,
+            reason::AS_EXPECTED,
+            condition_text(&p.condition),
+        )
+    };
+    [available, progressing, degraded]
+}
+
+/// The conditions to write: `derived`, each keeping `previous`'s `lastTransitionTime` when its
+/// status did not change. Pure.
+pub fn merge(
+    previous: &[QuorumCondition],
+    derived: &[Derived],
+    now: DateTime<Utc>,
+    generation: Option<i64>,
+) -> Vec<QuorumCondition> {
+    derived
+        .iter()
+        .map(|d| {
+            let status = if d.status { "True" } else { "False" };
+            let since = previous
+                .iter()
+                .find(|c| c.type_ == d.type_ && c.status == status)
+                .map(|c| c.last_transition_time.clone())
+                .unwrap_or_else(|| now.to_rfc3339_opts(SecondsFormat::Secs, true));
+            QuorumCondition {
+                type_: d.type_.to_owned(),
+                status: status.to_owned(),
+                reason: d.reason.to_owned(),
+                message: d.message.clone(),
+                last_transition_time: since,
+                observed_generation: generation,
+            }
+        })
+        .collect()
+}
+
+/// Follows the learner's applied index between observations, to tell a learner still catching
+/// up from one that stopped.
+#[derive(Debug, Default)]
+pub struct LearnerProgress {
+    last: Option<(u64, u64, Instant)>,
+}
+
+impl LearnerProgress {
+    /// The name of a learner behind the leader whose applied index has not moved for
+    /// [`LEARNER_STALL`] as of `now`.
+    pub fn stalled(&mut self, obs: &Observed, now: Instant) -> Option<String> {
+        let Some(l) = obs.members.iter().find(|m| m.is_learner) else {
+            self.last = None;
+            return None;
+        };
+        let behind = obs
+            .leader_applied_index
+            .is_some_and(|leader| l.applied_index < leader);
+        match self.last {
+            Some((id, applied, since)) if id == l.id && applied == l.applied_index => {
+                (behind && now.duration_since(since) >= LEARNER_STALL).then(|| label(&l.name, l.id))
+            }
+            _ => {
+                self.last = Some((l.id, l.applied_index, now));
+                None
+            }
+        }
+    }
+}
+
+/// The status for `members` and `last_action`, with conditions merged onto `previous`.
+pub fn status(
+    facts: &Facts<'_>,
+    members: &[MemberStatus],
+    last_action: Option<&ActionRecord>,
+    previous: Option<&EtcdQuorumStatus>,
+    generation: Option<i64>,
+    now: DateTime<Utc>,
+) -> EtcdQuorumStatus {
+    let prev = previous.map(|p| p.conditions.as_slice()).unwrap_or(&[]);
+    // int32, as Kubernetes API conventions have counts.
+    let count = |learner: bool| {
+        i32::try_from(members.iter().filter(|m| m.is_learner == learner).count())
+            .unwrap_or(i32::MAX)
+    };
+    EtcdQuorumStatus {
+        observed_generation: generation,
+        conditions: merge(prev, &derive(facts), now, generation),
+        desired_voters: i32::try_from(facts.spec.desired_voters).unwrap_or(i32::MAX),
+        voters: count(false),
+        learners: count(true),
+        members: members
+            .iter()
+            .map(|m| QuorumMember {
+                id: m.id.clone(),
+                name: m.name.clone(),
+                peer_url: m.peer_urls.first().cloned().unwrap_or_default(),
+                role: if m.is_learner { "learner" } else { "voter" }.to_owned(),
+                healthy: m.healthy,
+            })
+            .collect(),
+        last_action: last_action.map(|a| LastAction {
+            action: a.action.kind().to_owned(),
+            message: a.text.clone(),
+            time: a.at.to_rfc3339_opts(SecondsFormat::Secs, true),
+            error: a.error.clone(),
+        }),
+    }
+}
+
+/// The status after reconciles keep failing with `error`: `previous` (what was last observed)
+/// with Degraded True for [`reason::RECONCILE_FAILED`]. Pure.
+pub fn failed(
+    previous: Option<&EtcdQuorumStatus>,
+    error: &str,
+    generation: Option<i64>,
+    now: DateTime<Utc>,
+) -> EtcdQuorumStatus {
+    let mut st = previous.cloned().unwrap_or_default();
+    let degraded = cond(
+        TYPES[2],
+        true,
+        reason::RECONCILE_FAILED,
+        format!("reconciles keep failing: {error}"),
+    );
+    let merged = merge(
+        &st.conditions,
+        std::slice::from_ref(&degraded),
+        now,
+        generation,
+    );
+    st.conditions.retain(|c| c.type_ != TYPES[2]);
+    st.conditions.extend(merged);
+    st.observed_generation = generation;
+    st
+}
+
+/// Makes sure `namespace/cluster` exists and its status is what `make(previous, generation)`
+/// returns, writing through `/status` only when that differs. Returns whether it wrote.
+pub async fn sync(
+    api: &Api<EtcdQuorum>,
+    make: impl Fn(Option<&EtcdQuorumStatus>, Option<i64>) -> EtcdQuorumStatus,
+) -> Result<bool, SyncError> {
+    let call = |what: &str, source| KubeCall {
+        what: format!("{what} EtcdQuorum {NAME}"),
+        source,
+    };
+    let params = PatchParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..PatchParams::default()
+    };
+    for attempt in 1..=ATTEMPTS {
+        let current = match api.get_opt(NAME).await.map_err(|e| call("reading", e))? {
+            Some(c) => c,
+            None => {
+                let pp = PostParams {
+                    field_manager: Some(FIELD_MANAGER.into()),
+                    ..PostParams::default()
+                };
+                match api
+                    .create(&pp, &EtcdQuorum::new(NAME, EtcdQuorumSpec {}))
+                    .await
+                {
+                    Ok(created) => created,
+                    Err(e) if is_status(&e, 409) => continue,
+                    Err(e) => return Err(call("creating", e).into()),
+                }
+            }
+        };
+        let desired = make(current.status.as_ref(), current.metadata.generation);
+        if current.status.as_ref() == Some(&desired) {
+            return Ok(false);
+        }
+        // On the version read: a write in between is read again, not overwritten.
+        let patch = json!({
+            "metadata": {"resourceVersion": current.metadata.resource_version},
+            "status": desired,
+        });
+        match api.patch_status(NAME, &params, &Patch::Merge(&patch)).await {
+            Ok(_) => return Ok(true),
+            Err(e) if is_status(&e, 409) || is_status(&e, 404) => {
+                debug!(attempt, error = %e, "EtcdQuorum changed meanwhile; reading again");
+                tokio::time::sleep(Duration::from_millis(20 * u64::from(attempt))).await;
+            }
+            Err(e) => return Err(call("writing the status of", e).into()),
+        }
+    }
+    Err(SyncError::Conflict {
+        what: format!("EtcdQuorum {NAME}"),
+        attempts: ATTEMPTS,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::operator::plan::{MachineState, MemberState};
+
+    /// What one of four machine slots holds.
+    #[derive(Debug, Clone, Copy)]
+    enum Slot {
+        Empty,
+        Voter { healthy: bool },
+        Learner { healthy: bool, applied: u64 },
+    }
+
+    const SLOTS: [Slot; 6] = [
+        Slot::Empty,
+        Slot::Voter { healthy: true },
+        Slot::Voter { healthy: false },
+        Slot::Learner {
+            healthy: true,
+            applied: 100,
+        },
+        Slot::Learner {
+            healthy: true,
+            applied: 10,
+        },
+        Slot::Learner {
+            healthy: false,
+            applied: 0,
+        },
+    ];
+
+    fn world(slots: &[(Slot, bool, bool)], orphan: bool) -> Observed {
+        let mut obs = Observed {
+            leader_applied_index: Some(100),
+            ..Observed::default()
+        };
+        for (i, (slot, deleting, hook)) in slots.iter().enumerate() {
+            let peer = format!("https://10.0.0.{i}:2380");
+            obs.machines.push(MachineState {
+                name: format!("cp-{i}"),
+                peer_url: peer.clone(),
+                deleting: *deleting,
+                has_hook: *hook,
+                hook_removed_by_other: false,
+            });
+            let (is_learner, healthy, applied) = match *slot {
+                Slot::Empty => continue,
+                Slot::Voter { healthy } => (false, healthy, 100),
+                Slot::Learner { healthy, applied } => (true, healthy, applied),
+            };
+            obs.members.push(MemberState {
+                id: 0x10 + i as u64,
+                name: if healthy {
+                    format!("cp-{i}")
+                } else {
+                    String::new()
+                },
+                peer_urls: vec![peer],
+                is_learner,
+                healthy,
+                applied_index: applied,
+            });
+        }
+        if orphan {
+            // A voter whose machine is gone (the escape hatch was used).
+            obs.members.push(MemberState {
+                id: 0xff,
+                name: "gone".into(),
+                peer_urls: vec!["https://10.0.9.9:2380".into()],
+                is_learner: false,
+                healthy: false,
+                applied_index: 1,
+            });
+        }
+        obs
+    }
+
+    fn get<'a>(c: &'a [Derived; 3], t: &str) -> &'a Derived {
+        c.iter().find(|d| d.type_ == t).unwrap()
+    }
+
+    /// Every combination of four slots (member kind × health × deleting × hook), with and
+    /// without an orphaned voter, a working Machine API and a stalled learner: the conditions
+    /// agree with quorum, with the planner and with each other.
+    #[test]
+    fn conditions_agree_with_quorum_and_the_planner_over_every_small_world() {
+        let spec = Spec::new(3).unwrap();
+        let mut per_slot = Vec::new();
+        for s in SLOTS {
+            for deleting in [false, true] {
+                for hook in [false, true] {
+                    per_slot.push((s, deleting, hook));
+                }
+            }
+        }
+        let known = [
+            reason::AS_EXPECTED,
+            reason::NO_QUORUM,
+            reason::UNHEALTHY_MEMBERS,
+            reason::LEARNER_NOT_CATCHING_UP,
+            reason::MACHINE_WITHOUT_MEMBER,
+            reason::MACHINE_API_NOT_FUNCTIONAL,
+            reason::UNEXPECTED_MEMBERSHIP,
+            reason::TOO_FEW_VOTERS,
+            reason::REPLACING_MEMBER,
+            reason::UPDATING_HOOKS,
+        ];
+        let mut seen = std::collections::BTreeSet::new();
+        let mut worlds = 0;
+        let n = per_slot.len();
+        for a in 0..n {
+            for b in a..n {
+                for c in b..n {
+                    for d in c..n {
+                        let slots = [per_slot[a], per_slot[b], per_slot[c], per_slot[d]];
+                        for orphan in [false, true] {
+                            let obs = world(&slots, orphan);
+                            for functional in [true, false] {
+                                for stalled in [None, Some("cp-3")] {
+                                    worlds += 1;
+                                    let f = Facts {
+                                        spec,
+                                        observed: &obs,
+                                        machine_api_functional: functional,
+                                        stalled_learner: stalled,
+                                    };
+                                    let c = derive(&f);
+                                    check(&f, &c, &known);
+                                    for d in &c {
+                                        seen.insert((d.type_, d.status, d.reason));
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(worlds > 10_000, "{worlds}");
+        // Every reason is reachable.
+        for r in known {
+            assert!(seen.iter().any(|s| s.2 == r), "{r} never derived");
+        }
+    }
+
+    fn check(f: &Facts<'_>, c: &[Derived; 3], known: &[&str]) {
+        let obs = f.observed;
+        let ctx = || format!("{obs:#?} functional={} -> {c:#?}", f.machine_api_functional);
+        let [av, pr, dg] = [
+            get(c, "Available"),
+            get(c, "Progressing"),
+            get(c, "Degraded"),
+        ];
+        assert_eq!(c.each_ref().map(|d| d.type_), TYPES, "{}", ctx());
+        for d in c {
+            assert!(known.contains(&d.reason), "{}", ctx());
+            assert!(!d.message.is_empty(), "{}", ctx());
+        }
+        let quorum = has_quorum(&obs.members);
+        let p = plan(f.spec, obs);
+        // Available is exactly quorum.
+        assert_eq!(av.status, quorum, "{}", ctx());
+        assert_eq!(av.reason == reason::NO_QUORUM, !quorum, "{}", ctx());
+        // Not acting (no Machine API, no quorum): not progressing, degraded, for that reason.
+        if !f.machine_api_functional {
+            assert!(dg.status && dg.reason == reason::MACHINE_API_NOT_FUNCTIONAL);
+            assert!(!pr.status, "{}", ctx());
+            return;
+        }
+        if !quorum {
+            assert!(dg.status && dg.reason == reason::NO_QUORUM, "{}", ctx());
+            assert!(!pr.status, "{}", ctx());
+            return;
+        }
+        // Any action the planner takes is progress.
+        assert_eq!(
+            pr.status,
+            !p.actions.is_empty() || pr.reason == reason::REPLACING_MEMBER
+        );
+        if !p.actions.is_empty() {
+            assert!(pr.status, "{}", ctx());
+        }
+        if p.actions.iter().any(Action::is_membership_change) {
+            assert_eq!(pr.reason, reason::REPLACING_MEMBER, "{}", ctx());
+        }
+        // An unhealthy voter is always Degraded, and for that reason.
+        if obs.members.iter().any(|m| !m.is_learner && !m.healthy) {
+            assert!(
+                dg.status && dg.reason == reason::UNHEALTHY_MEMBERS,
+                "{}",
+                ctx()
+            );
+        }
+        if f.stalled_learner.is_some() && obs.members.iter().any(|m| m.is_learner) {
+            assert!(dg.status, "{}", ctx());
+        }
+        if let Condition::Degraded(_) = p.condition {
+            assert!(dg.status, "{}", ctx());
+        }
+        // All quiet means the planner is settled, and the reverse.
+        let quiet = !pr.status && !dg.status;
+        let all_as_expected = c.iter().all(|d| d.reason == reason::AS_EXPECTED);
+        assert_eq!(
+            quiet && all_as_expected,
+            p.condition == Condition::Settled,
+            "{}",
+            ctx()
+        );
+        // A machine without a member is the one quiet state the planner does not call settled.
+        if quiet && !all_as_expected {
+            assert_eq!(dg.reason, reason::MACHINE_WITHOUT_MEMBER, "{}", ctx());
+            assert!(matches!(p.condition, Condition::Waiting(_)), "{}", ctx());
+        }
+        // Reasons match statuses.
+        assert_eq!(pr.reason == reason::AS_EXPECTED, !pr.status, "{}", ctx());
+        if dg.status {
+            assert_ne!(dg.reason, reason::AS_EXPECTED, "{}", ctx());
+        } else {
+            assert!(
+                [reason::AS_EXPECTED, reason::MACHINE_WITHOUT_MEMBER].contains(&dg.reason),
+                "{}",
+                ctx()
+            );
+        }
+    }
+
+    #[test]
+    fn each_reason_in_a_world_an_administrator_would_recognise() {
+        let spec = Spec::new(3).unwrap();
+        let v = Slot::Voter { healthy: true };
+        let derive_for = |slots: &[(Slot, bool, bool)], functional, stalled| {
+            let obs = world(slots, false);
+            let c = derive(&Facts {
+                spec,
+                observed: &obs,
+                machine_api_functional: functional,
+                stalled_learner: stalled,
+            });
+            c.map(|d| (d.status, d.reason))
+        };
+        let ok = (true, reason::AS_EXPECTED);
+        let settled = [(v, false, true), (v, false, true), (v, false, true)];
+        assert_eq!(
+            derive_for(&settled, true, None),
+            [
+                ok,
+                (false, reason::AS_EXPECTED),
+                (false, reason::AS_EXPECTED)
+            ]
+        );
+        // A replacement: new machine, old one deleting.
+        let replacing = [
+            (v, false, true),
+            (v, false, true),
+            (v, true, true),
+            (Slot::Empty, false, false),
+        ];
+        assert_eq!(
+            derive_for(&replacing, true, None)[1],
+            (true, reason::REPLACING_MEMBER)
+        );
+        let stopped = [
+            (v, false, true),
+            (v, false, true),
+            (Slot::Voter { healthy: false }, false, true),
+        ];
+        assert_eq!(
+            derive_for(&stopped, true, None)[2],
+            (true, reason::UNHEALTHY_MEMBERS)
+        );
+        let lost = [
+            (v, false, true),
+            (Slot::Voter { healthy: false }, false, true),
+            (Slot::Voter { healthy: false }, false, true),
+        ];
+        assert_eq!(
+            derive_for(&lost, true, None),
+            [
+                (false, reason::NO_QUORUM),
+                (false, reason::NO_QUORUM),
+                (true, reason::NO_QUORUM)
+            ]
+        );
+        let spare = [
+            (v, false, true),
+            (v, false, true),
+            (v, false, true),
+            (Slot::Empty, false, false),
+        ];
+        assert_eq!(
+            derive_for(&spare, true, None)[2],
+            (false, reason::MACHINE_WITHOUT_MEMBER)
+        );
+        let learner = [
+            (v, false, true),
+            (v, false, true),
+            (v, true, true),
+            (
+                Slot::Learner {
+                    healthy: true,
+                    applied: 10,
+                },
+                false,
+                true,
+            ),
+        ];
+        assert_eq!(
+            derive_for(&learner, true, Some("cp-3"))[2],
+            (true, reason::LEARNER_NOT_CATCHING_UP)
+        );
+        assert_eq!(
+            derive_for(&settled, false, None)[2],
+            (true, reason::MACHINE_API_NOT_FUNCTIONAL)
+        );
+        let unprotected = [(v, false, false), (v, false, true), (v, false, true)];
+        assert_eq!(
+            derive_for(&unprotected, true, None)[1],
+            (true, reason::UPDATING_HOOKS)
+        );
+    }
+
+    #[test]
+    fn transition_time_changes_only_when_the_status_flips() {
+        let t0 = DateTime::parse_from_rfc3339("2026-01-01T00:00:00Z")
+            .unwrap()
+            .with_timezone(&Utc);
+        let t1 = t0 + chrono::Duration::minutes(5);
+        let d = |status, reason: &'static str, message: &str| Derived {
+            type_: "Degraded",
+            status,
+            reason,
+            message: message.into(),
+        };
+        let first = merge(&[], &[d(false, reason::AS_EXPECTED, "fine")], t0, Some(1));
+        assert_eq!(first[0].last_transition_time, "2026-01-01T00:00:00Z");
+        // Same status, new reason and message: the time stays.
+        let same = merge(
+            &first,
+            &[d(false, reason::AS_EXPECTED, "still")],
+            t1,
+            Some(2),
+        );
+        assert_eq!(same[0].last_transition_time, "2026-01-01T00:00:00Z");
+        assert_eq!(
+            (same[0].message.as_str(), same[0].observed_generation),
+            ("still", Some(2))
+        );
+        let flipped = merge(
+            &same,
+            &[d(true, reason::UNHEALTHY_MEMBERS, "x")],
+            t1,
+            Some(2),
+        );
+        assert_eq!(flipped[0].last_transition_time, "2026-01-01T00:05:00Z");
+        assert_eq!(flipped[0].status, "True");
+    }
+
+    #[test]
+    fn failing_reconciles_mark_degraded_and_keep_what_was_observed() {
+        let t0 = DateTime::parse_from_rfc3339("2026-01-01T00:00:00Z")
+            .unwrap()
+            .with_timezone(&Utc);
+        let obs = world(
+            &[
+                (Slot::Voter { healthy: true }, false, true),
+                (Slot::Voter { healthy: true }, false, true),
+                (Slot::Voter { healthy: true }, false, true),
+            ],
+            false,
+        );
+        let f = Facts {
+            spec: Spec::new(3).unwrap(),
+            observed: &obs,
+            machine_api_functional: true,
+            stalled_learner: None,
+        };
+        let ok = status(&f, &[], None, None, Some(1), t0);
+        let t1 = t0 + chrono::Duration::minutes(1);
+        let bad = failed(Some(&ok), "etcd unreachable", Some(1), t1);
+        assert_eq!(bad.conditions.len(), 3);
+        let d = bad
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Degraded")
+            .unwrap();
+        assert_eq!(
+            (d.status.as_str(), d.reason.as_str()),
+            ("True", reason::RECONCILE_FAILED)
+        );
+        assert!(d.message.contains("etcd unreachable"));
+        assert_eq!(d.last_transition_time, "2026-01-01T00:01:00Z");
+        // Available and Progressing as last observed.
+        assert_eq!(bad.conditions[..2], ok.conditions[..2]);
+        // Failing again changes nothing (no write); recovering flips Degraded back.
+        assert_eq!(
+            failed(
+                Some(&bad),
+                "etcd unreachable",
+                Some(1),
+                t1 + chrono::Duration::minutes(1)
+            ),
+            bad
+        );
+        let back = status(
+            &f,
+            &[],
+            None,
+            Some(&bad),
+            Some(1),
+            t1 + chrono::Duration::minutes(2),
+        );
+        let d = back
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Degraded")
+            .unwrap();
+        assert_eq!(d.status, "False");
+        assert_eq!(d.last_transition_time, "2026-01-01T00:03:00Z");
+    }
+
+    #[test]
+    fn a_learner_is_stalled_only_after_its_index_stood_still_while_behind() {
+        let l = Slot::Learner {
+            healthy: true,
+            applied: 10,
+        };
+        let v = Slot::Voter { healthy: true };
+        let mut obs = world(&[(v, false, true), (l, false, true)], false);
+        let mut p = LearnerProgress::default();
+        let t = Instant::now();
+        assert_eq!(p.stalled(&obs, t), None);
+        assert_eq!(p.stalled(&obs, t + LEARNER_STALL / 2), None);
+        assert_eq!(p.stalled(&obs, t + LEARNER_STALL), Some("cp-1".into()));
+        // It moves: the clock starts again.
+        obs.members[1].applied_index = 11;
+        assert_eq!(p.stalled(&obs, t + LEARNER_STALL * 2), None);
+        assert_eq!(
+            p.stalled(&obs, t + LEARNER_STALL * 3 - Duration::from_secs(1)),
+            None
+        );
+        // Caught up: never stalled.
+        obs.leader_applied_index = Some(11);
+        assert_eq!(p.stalled(&obs, t + LEARNER_STALL * 9), None);
+    }
+
+    #[test]
+    fn the_crd_is_namespaced_with_a_status_subresource_and_the_columns() {
+        use ::kube::CustomResourceExt as _;
+        let crd = EtcdQuorum::crd();
+        assert_eq!(crd.spec.group, crate::operator::crd::GROUP);
+        assert_eq!(crd.spec.scope, "Namespaced");
+        let v = &crd.spec.versions[0];
+        assert_eq!(v.name, crate::operator::crd::VERSION);
+        assert!(v.subresources.as_ref().unwrap().status.is_some());
+        let cols: Vec<&str> = v
+            .additional_printer_columns
+            .iter()
+            .flatten()
+            .map(|c| c.name.as_str())
+            .collect();
+        assert_eq!(
+            cols,
+            [
+                "Available",
+                "Progressing",
+                "Degraded",
+                "Voters",
+                "Learners",
+                "Age"
+            ]
+        );
+    }
+}
