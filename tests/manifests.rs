@@ -8,6 +8,12 @@
 //! Also: the Containerfile builds what Cargo.toml names and carries etcd's version, and every
 //! metric the alert rules in docs/operations.md, the `PrometheusRule` and the Grafana dashboard
 //! in deploy/monitoring use is exported; the `PrometheusRule` holds exactly the documented rules.
+//! deploy/operator: its CRDs are exactly what `etcd-warden-operator crdgen` prints; the
+//! Deployment runs two replicas (Lease identity from the pod name) on different nodes with its
+//! own service account, non-root and without capabilities, its mounted `operator.toml` accepted
+//! by the real loader, the etcd certificates on the Secret's mount and the probes on `listen`;
+//! its RBAC is namespaced, wildcard-free, Secret-free and bound only to that account (which
+//! verbs the operator really needs is checked against its requests in tests/operator_kube.rs).
 
 mod support;
 
@@ -16,9 +22,12 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use etcd_warden::config::{Config, Purpose, Sources};
-use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::batch::v1::{CronJob, Job};
+use k8s_openapi::api::core::v1::ServiceAccount;
 use k8s_openapi::api::core::v1::{ConfigMap, Container, PodSpec, Secret, Service};
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use serde::Deserialize;
 use serde::Serialize;
@@ -78,6 +87,11 @@ enum Object {
     #[allow(dead_code)]
     ConfigMap(Box<ConfigMap>),
     PrometheusRule(Box<PrometheusRule>),
+    Deployment(Box<Deployment>),
+    ServiceAccount(Box<ServiceAccount>),
+    Role(Box<Role>),
+    RoleBinding(Box<RoleBinding>),
+    CustomResourceDefinition(Box<CustomResourceDefinition>),
 }
 
 /// prometheus-operator's `PrometheusRule` (monitoring.coreos.com/v1), as much of it as
@@ -178,6 +192,15 @@ fn typed(json: &serde_json::Value) -> Result<Object, String> {
         ("v1", "ConfigMap") => Object::ConfigMap(Box::new(strict(json)?)),
         ("monitoring.coreos.com/v1", "PrometheusRule") => {
             Object::PrometheusRule(Box::new(strict(json)?))
+        }
+        ("apps/v1", "Deployment") => Object::Deployment(Box::new(strict(json)?)),
+        ("v1", "ServiceAccount") => Object::ServiceAccount(Box::new(strict(json)?)),
+        ("rbac.authorization.k8s.io/v1", "Role") => Object::Role(Box::new(strict(json)?)),
+        ("rbac.authorization.k8s.io/v1", "RoleBinding") => {
+            Object::RoleBinding(Box::new(strict(json)?))
+        }
+        ("apiextensions.k8s.io/v1", "CustomResourceDefinition") => {
+            Object::CustomResourceDefinition(Box::new(strict(json)?))
         }
         _ => return Err(format!("unexpected apiVersion/kind {api:?}/{kind:?}")),
     })
@@ -1021,8 +1044,8 @@ fn every_manifest_parses_into_its_kubernetes_type() {
         }
     }
     assert_eq!(
-        kustomizations, 4,
-        "deploy/base, deploy/copy-job, deploy/compact-job and deploy/monitoring"
+        kustomizations, 5,
+        "deploy/base, deploy/copy-job, deploy/compact-job, deploy/monitoring and deploy/operator"
     );
 }
 
@@ -1741,4 +1764,255 @@ fn the_compact_cronjob_runs_one_compaction_at_a_time_with_room_to_work() {
         problems.iter().any(|p| p.contains("sizeLimit")),
         "{problems:#?}"
     );
+}
+
+/// deploy/operator, typed.
+struct OperatorDeploy {
+    deployment: Deployment,
+    service_accounts: Vec<ServiceAccount>,
+    roles: Vec<Role>,
+    bindings: Vec<RoleBinding>,
+    crds: Vec<CustomResourceDefinition>,
+    config_maps: BTreeMap<String, BTreeMap<String, String>>,
+}
+
+fn operator_deploy() -> OperatorDeploy {
+    let k = kustomization(&repo().join("deploy/operator")).unwrap_or_else(|e| panic!("{e}"));
+    let mut deployments = Vec::new();
+    let mut d = OperatorDeploy {
+        deployment: Deployment::default(),
+        service_accounts: Vec::new(),
+        roles: Vec::new(),
+        bindings: Vec::new(),
+        crds: Vec::new(),
+        config_maps: k.config_maps,
+    };
+    for o in k.objects {
+        match o {
+            Object::Deployment(x) => deployments.push(*x),
+            Object::ServiceAccount(x) => d.service_accounts.push(*x),
+            Object::Role(x) => d.roles.push(*x),
+            Object::RoleBinding(x) => d.bindings.push(*x),
+            Object::CustomResourceDefinition(x) => d.crds.push(*x),
+            other => panic!("deploy/operator: unexpected {other:?}"),
+        }
+    }
+    let [deployment] = <[Deployment; 1]>::try_from(deployments).expect("one Deployment");
+    d.deployment = deployment;
+    d
+}
+
+/// What is wrong with the operator's RBAC: a wildcard, a Secret readable, a verb the operator
+/// never sends, a binding to anyone but the Deployment's service account.
+fn operator_rbac_problems(d: &OperatorDeploy, sa: (&str, &str)) -> Vec<String> {
+    let mut out = Vec::new();
+    for r in &d.roles {
+        let name = r.metadata.name.clone().unwrap_or_default();
+        for rule in r.rules.iter().flatten() {
+            let lists = [
+                rule.api_groups.clone().unwrap_or_default(),
+                rule.resources.clone().unwrap_or_default(),
+                rule.verbs.clone(),
+            ];
+            if lists.iter().flatten().any(|x| x == "*") {
+                out.push(format!("Role {name}: a wildcard in {rule:?}"));
+            }
+            if rule.resources.iter().flatten().any(|x| x == "secrets") {
+                out.push(format!(
+                    "Role {name}: Secrets are not the operator's business"
+                ));
+            }
+            for v in &rule.verbs {
+                if !["get", "list", "watch", "create", "patch", "delete"].contains(&v.as_str()) {
+                    out.push(format!("Role {name}: verb {v} is never sent"));
+                }
+            }
+        }
+    }
+    for b in &d.bindings {
+        for s in b.subjects.iter().flatten() {
+            if (s.kind.as_str(), s.namespace.as_deref(), s.name.as_str())
+                != ("ServiceAccount", Some(sa.0), sa.1)
+            {
+                out.push(format!(
+                    "RoleBinding {:?} binds {s:?}",
+                    b.metadata.name.as_deref()
+                ));
+            }
+        }
+        if !d.roles.iter().any(|r| {
+            r.metadata.name.as_deref() == Some(&b.role_ref.name)
+                && r.metadata.namespace == b.metadata.namespace
+        }) {
+            out.push(format!(
+                "RoleBinding {:?} names a Role not in deploy/operator",
+                b.metadata.name
+            ));
+        }
+    }
+    out
+}
+
+#[test]
+fn the_operator_crds_are_what_crdgen_generates() {
+    let committed = read(&repo().join("deploy/operator/crds.yaml"));
+    let generated = etcd_warden::operator::crd::yaml().expect("generate");
+    assert!(
+        committed == generated,
+        "deploy/operator/crds.yaml differs from the generated CRDs; run \
+         `cargo run --bin etcd-warden-operator crdgen > deploy/operator/crds.yaml`"
+    );
+    let d = operator_deploy();
+    let mut names: Vec<String> = d
+        .crds
+        .iter()
+        .filter_map(|c| c.metadata.name.clone())
+        .collect();
+    names.sort();
+    let mut want: Vec<String> = etcd_warden::operator::crd::definitions()
+        .into_iter()
+        .filter_map(|c| c.metadata.name)
+        .collect();
+    want.sort();
+    assert_eq!(names, want, "the kustomization installs every CRD");
+}
+
+#[test]
+fn the_operator_deployment_runs_leader_elected_replicas_with_least_privilege() {
+    let d = operator_deploy();
+    let dep = &d.deployment;
+    let ns = dep.metadata.namespace.clone().expect("a namespace");
+    let spec = dep.spec.as_ref().expect("spec");
+    assert_eq!(
+        spec.replicas,
+        Some(2),
+        "two replicas, one acting (the Lease)"
+    );
+    let pod = spec.template.spec.as_ref().expect("pod spec");
+    let sa = pod
+        .service_account_name
+        .clone()
+        .expect("its own service account");
+    assert!(
+        d.service_accounts.iter().any(|s| {
+            s.metadata.name.as_deref() == Some(&sa) && s.metadata.namespace.as_deref() == Some(&ns)
+        }),
+        "ServiceAccount {ns}/{sa} is in deploy/operator"
+    );
+    let problems = operator_rbac_problems(&d, (&ns, &sa));
+    assert!(problems.is_empty(), "{problems:#?}");
+    // Bound in both namespaces it works in.
+    let mut bound: Vec<String> = d
+        .bindings
+        .iter()
+        .filter_map(|b| b.metadata.namespace.clone())
+        .collect();
+    bound.sort();
+    assert_eq!(bound, ["openshift-etcd", "openshift-machine-api"]);
+
+    let [c] = pod.containers.as_slice() else {
+        panic!("one container");
+    };
+    assert_eq!(command_line(c).get(1).map(String::as_str), Some("kube"));
+    let env = c.env.iter().flatten().find(|e| e.name == "POD_NAME");
+    let field = env
+        .and_then(|e| e.value_from.as_ref())
+        .and_then(|v| v.field_ref.as_ref())
+        .map(|f| f.field_path.as_str());
+    assert_eq!(
+        field,
+        Some("metadata.name"),
+        "the Lease identity is the pod's name"
+    );
+    let sec = security_problems(pod, c, &[]);
+    assert!(sec.is_empty(), "{sec:#?}");
+    let spread = pod
+        .affinity
+        .as_ref()
+        .and_then(|a| a.pod_anti_affinity.as_ref())
+        .and_then(|a| {
+            a.required_during_scheduling_ignored_during_execution
+                .as_ref()
+        })
+        .is_some_and(|t| t.iter().any(|t| t.topology_key == "kubernetes.io/hostname"));
+    assert!(spread, "the replicas run on different nodes");
+
+    // The mounted configuration is what the real loader accepts, its certificate files are on
+    // the Secret's mount, and the probes and the port are where it listens.
+    let (_, text) = mounted_config(pod, c, &d.config_maps).unwrap_or_else(|e| panic!("{e}"));
+    let table: toml::Table = text.parse().expect("operator.toml is TOML");
+    let secret_mount = c
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| {
+            volume(pod, &m.name).is_some_and(|v| {
+                v.secret.as_ref().and_then(|s| s.secret_name.as_deref())
+                    == Some("etcd-warden-operator-etcd-client")
+            })
+        })
+        .map(|m| m.mount_path.clone())
+        .expect("the etcd client certificate Secret is mounted");
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let mut local = text.clone();
+    for key in ["etcd_ca_file", "etcd_cert_file", "etcd_key_file"] {
+        let path = table[key]
+            .as_str()
+            .unwrap_or_else(|| panic!("{key} is set"));
+        assert!(
+            Path::new(path).starts_with(&secret_mount),
+            "{key} = {path} is not on the Secret's mount {secret_mount}"
+        );
+        let copy = tmp.path().join(file_name(path));
+        std::fs::write(&copy, "pem").expect("write");
+        local = local.replace(path, &copy.display().to_string());
+    }
+    let file = tmp.path().join("operator.toml");
+    std::fs::write(&file, local).expect("write");
+    let loaded = etcd_warden::operator::kube::config::KubeConfig::load(
+        &Sources {
+            file: Some(&file),
+            env: &HashMap::from([("POD_NAME".to_string(), "etcd-warden-operator-0".to_string())]),
+            overrides: Vec::new(),
+        },
+        None,
+    )
+    .unwrap_or_else(|e| panic!("deploy/operator/operator.toml: {e}"));
+    assert_eq!(loaded.settings.identity, "etcd-warden-operator-0");
+    assert_eq!(
+        loaded.settings.lease_name, "etcd-warden-operator",
+        "the Lease the Role names"
+    );
+    let port = i32::from(loaded.listen.port());
+    for (what, probe) in [
+        ("liveness", c.liveness_probe.as_ref()),
+        ("readiness", c.readiness_probe.as_ref()),
+    ] {
+        let get = probe
+            .and_then(|p| p.http_get.as_ref())
+            .unwrap_or_else(|| panic!("a {what} probe over HTTP"));
+        assert_eq!(
+            resolve_port(pod, &get.port),
+            Some(port),
+            "{what} probe port"
+        );
+        let want = if what == "liveness" {
+            "/healthz"
+        } else {
+            "/readyz"
+        };
+        assert_eq!(get.path.as_deref(), Some(want), "{what} probe path");
+    }
+}
+
+#[test]
+fn a_wildcard_or_a_foreign_binding_in_the_operator_rbac_is_refused() {
+    let mut d = operator_deploy();
+    let (ns, sa) = ("openshift-etcd", "etcd-warden-operator");
+    assert!(operator_rbac_problems(&d, (ns, sa)).is_empty());
+    d.roles[0].rules.as_mut().unwrap()[0].verbs.push("*".into());
+    d.bindings[0].subjects.as_mut().unwrap()[0].name = "default".into();
+    let problems = operator_rbac_problems(&d, (ns, sa)).join("\n");
+    assert!(problems.contains("wildcard"), "{problems}");
+    assert!(problems.contains("\"default\""), "{problems}");
 }

@@ -45,6 +45,21 @@ use tokio_util::sync::CancellationToken;
 
 const MACHINES_NS: &str = "openshift-machine-api";
 const ETCD_NS: &str = "openshift-etcd";
+/// Who the controller's requests come from, in the double's log.
+const OPERATOR: &str = "operator";
+
+/// Every request the operator made is one deploy/operator/rbac.yaml lets its service account make.
+fn assert_rbac_allows(server: &ApiServer) {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/operator");
+    let policy = support::rbac::Policy::load(&[&dir.join("rbac.yaml")]);
+    let made = server.requests_of(OPERATOR);
+    assert!(made.len() > 10, "the operator made {} requests", made.len());
+    let denied = policy.denied((ETCD_NS, "etcd-warden-operator"), &made);
+    assert!(
+        denied.is_empty(),
+        "deploy/operator/rbac.yaml denies {denied:#?}"
+    );
+}
 
 fn ip(n: usize) -> String {
     format!("127.0.0.{}", 11 + n)
@@ -372,7 +387,7 @@ impl World {
     fn controller(&self, identity: &str) -> (tokio::task::JoinHandle<()>, CancellationToken) {
         let cancel = CancellationToken::new();
         let task = tokio::spawn(controller::run(
-            self.kc.clone(),
+            self.server.client_as(OPERATOR),
             self.settings(identity),
             cancel.clone(),
         ));
@@ -634,6 +649,7 @@ async fn replacing_every_member_under_writes_loses_nothing() {
         .await
         .expect("the controller stops")
         .unwrap();
+    assert_rbac_allows(&w.server);
     let leases: Api<Lease> = Api::namespaced(w.kc.clone(), ETCD_NS);
     let lease = leases.get("etcd-warden-operator").await.unwrap();
     assert_eq!(
@@ -763,7 +779,11 @@ async fn ownership_lost_mid_replacement_stops_every_action_until_it_returns() {
         .unwrap(),
     );
     let cancel = CancellationToken::new();
-    let _ctl = tokio::spawn(controller::run(w.kc.clone(), settings, cancel.clone()));
+    let _ctl = tokio::spawn(controller::run(
+        w.server.client_as(OPERATOR),
+        settings,
+        cancel.clone(),
+    ));
     let _stop = cancel.drop_guard();
     w.protected(&["cp-0", "cp-1", "cp-2"]).await;
 
@@ -810,6 +830,51 @@ async fn ownership_lost_mid_replacement_stops_every_action_until_it_returns() {
     assert_eq!(w.events().await.len(), events, "acted while not owner");
 
     dns.set_txt(NAME, &["seed-a"]).await;
+    let members = w.settled(&["cp-1", "cp-2", &new], "cp-0").await;
+    w.objects_match(&members, 3).await;
+}
+
+/// On Kubernetes the platform starts a new member, so the executor's "start it" is nothing to
+/// do; while the platform takes its time, the controller resyncs at its interval instead of
+/// stepping again at once after every plan that named an action.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_learner_the_platform_has_not_started_is_waited_for_without_spinning() {
+    use std::sync::atomic::Ordering;
+    let mut w = World::start(true).await;
+    let (_ctl, _cancel) = w.controller("op-0");
+    w.protected(&["cp-0", "cp-1", "cp-2"]).await;
+    w.hosts.hold.store(true, Ordering::SeqCst);
+    let new = w.replace("cp-0").await;
+    eventually(
+        "a learner, not started",
+        Duration::from_secs(30),
+        async || {
+            let m = w.members().await?;
+            m.iter().any(|m| m.3 && m.1.is_empty()).then_some(())
+        },
+    )
+    .await;
+    // One read of etcd-endpoints per reconcile; the resync interval is 200 ms.
+    let reconciles = || {
+        w.server
+            .requests_of(OPERATOR)
+            .iter()
+            .filter(|r| {
+                r.starts_with(&format!(
+                    "GET /api/v1/namespaces/{ETCD_NS}/configmaps/etcd-endpoints"
+                ))
+            })
+            .count()
+    };
+    let before = reconciles();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let n = reconciles() - before;
+    assert!(
+        n <= 14,
+        "{n} reconciles in 2 s at a 200 ms resync: spinning"
+    );
+    assert!(n >= 5, "{n} reconciles in 2 s: not resyncing");
+    w.hosts.hold.store(false, Ordering::SeqCst);
     let members = w.settled(&["cp-1", "cp-2", &new], "cp-0").await;
     w.objects_match(&members, 3).await;
 }

@@ -68,6 +68,9 @@ use serde_json::{Map, Value, json};
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
+/// The header naming who made a request, for [`ApiServer::requests_of`].
+const USER_HEADER: &str = "x-double-user";
+
 /// Resources served with a status subresource unless told otherwise: (group, plural).
 const STATUS_SUBRESOURCES: &[(&str, &str)] = &[
     ("machine.openshift.io", "machines"),
@@ -138,6 +141,8 @@ struct Store {
     status_subresources: HashSet<(String, String)>,
     /// Every request as `METHOD path?query`, for tests that check what was asked.
     requests: Vec<String>,
+    /// (the `x-double-user` header, or empty; the request as in `requests`).
+    requests_by: Vec<(String, String)>,
 }
 
 struct Shared {
@@ -184,6 +189,7 @@ impl ApiServer {
                     .map(|(g, p)| (g.to_string(), p.to_string()))
                     .collect(),
                 requests: Vec::new(),
+                requests_by: Vec::new(),
             }),
             events,
             stopped: CancellationToken::new(),
@@ -274,6 +280,27 @@ impl ApiServer {
     /// Requests served so far, as `METHOD path?query`.
     pub fn requests(&self) -> Vec<String> {
         self.shared.lock().requests.clone()
+    }
+
+    /// A kube client whose requests the double attributes to `user` (see [`Self::requests_of`]),
+    /// so a test can tell the operator's requests from its own.
+    pub fn client_as(&self, user: &str) -> kube::Client {
+        let mut config = kube::Config::new(self.url().parse().expect("the double's URL"));
+        config.headers.push((
+            header::HeaderName::from_static(USER_HEADER),
+            header::HeaderValue::from_str(user).expect("a header value"),
+        ));
+        kube::Client::try_from(config).expect("a kube client for the double")
+    }
+
+    /// The requests made by clients from [`Self::client_as`]`(user)`, as in [`Self::requests`].
+    pub fn requests_of(&self, user: &str) -> Vec<String> {
+        let s = self.shared.lock();
+        s.requests_by
+            .iter()
+            .filter(|(u, _)| u == user)
+            .map(|(_, r)| r.clone())
+            .collect()
     }
 }
 
@@ -429,11 +456,21 @@ async fn handle(
                 .collect()
         })
         .unwrap_or_default();
-    shared.lock().requests.push(format!(
-        "{method} {}{}",
-        uri.path(),
-        uri.query().map(|q| format!("?{q}")).unwrap_or_default()
-    ));
+    {
+        let line = format!(
+            "{method} {}{}",
+            uri.path(),
+            uri.query().map(|q| format!("?{q}")).unwrap_or_default()
+        );
+        let user = headers
+            .get(USER_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned();
+        let mut s = shared.lock();
+        s.requests.push(line.clone());
+        s.requests_by.push((user, line));
+    }
     let Some(t) = parse_path(uri.path()) else {
         return ApiError::new(
             StatusCode::NOT_FOUND,

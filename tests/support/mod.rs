@@ -17,6 +17,7 @@ pub mod machine_api;
 pub mod migration;
 pub mod pod;
 pub mod podns;
+pub mod rbac;
 pub mod s3;
 pub mod schedule;
 pub mod service;
