@@ -21,18 +21,21 @@
 //! domain added or removed makes Machines misplaced, and they are replaced like outdated ones.
 
 pub mod controller;
+pub mod resource;
 
 use std::collections::BTreeMap;
 use std::fmt;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 use super::plan::quorum;
 
-/// How outdated Machines are replaced.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
+/// How outdated Machines are replaced (`spec.strategy.type` of the resource).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, schemars::JsonSchema,
+)]
 pub enum Strategy {
     /// Create the replacement, wait until it is Ready and votes, then delete the old Machine.
     #[default]
