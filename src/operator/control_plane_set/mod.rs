@@ -21,6 +21,7 @@
 //! domain added or removed makes Machines misplaced, and they are replaced like outdated ones.
 
 pub mod controller;
+pub mod kube;
 pub mod resource;
 
 use std::collections::BTreeMap;

@@ -231,6 +231,13 @@ pub async fn run(client: ::kube::Client, settings: Settings, cancel: Cancellatio
         fallback,
         child.clone(),
     ));
+    tasks.spawn(crate::operator::control_plane_set::kube::run(
+        client.clone(),
+        crate::operator::control_plane_set::kube::SetSettings::from_operator(&settings),
+        Arc::clone(&operator),
+        leader.clone(),
+        child.clone(),
+    ));
     let wake = Arc::new(Notify::new());
     let machine_api: Api<Machine> = Api::namespaced(client.clone(), &settings.machines.namespace);
     tasks.spawn(trigger(
