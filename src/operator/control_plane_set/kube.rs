@@ -36,7 +36,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
-use super::controller::{Controller, ControllerError, SetMachine, SetMachines, replacement_for};
+use super::controller::{Controller, ControllerError, SetMachine, SetMachines};
 use super::resource::{
     self, AcceptedSpec, ControlPlaneSet, ControlPlaneSetStatus, FINALIZER, NAME, Valid,
 };
@@ -66,7 +66,7 @@ pub struct SetSettings {
     /// This replica's identity, in Events.
     pub identity: String,
     /// How the quorum operator orders a replacement's membership changes; the set's strategy
-    /// must agree with it ([`replacement_for`]), else the set refuses to act.
+    /// must agree with it ([`resource::fits_quorum_operator`]), else the set refuses to act.
     pub replacement: Replacement,
 }
 
@@ -389,15 +389,9 @@ impl<Q: Machines> Parts<Q> {
                 return Ok(Outcome::Idle);
             }
         };
-        let needed = replacement_for(valid.config.strategy);
-        if needed != self.settings.replacement {
-            let e = resource::Invalid {
-                field: "spec.strategy.type".into(),
-                message: format!(
-                    "{:?} needs the quorum operator's replacement order {needed:?}, it runs with {:?}",
-                    valid.config.strategy, self.settings.replacement
-                ),
-            };
+        if let Err(e) =
+            resource::fits_quorum_operator(valid.config.strategy, self.settings.replacement)
+        {
             warn_once(set, &previous, &e.to_string());
             self.write_status(set, |s| self.refuse(s, set, &e)).await?;
             return Ok(Outcome::Idle);

@@ -17,6 +17,30 @@
 //! A Machine is up to date when its `providerSpec` (failure domain left out) hashes like the
 //! template's, as OpenShift's control-plane machine set compares: the other MachineSpec fields
 //! (`lifecycleHooks`, `providerID`, taints) are written by others and are not templated.
+//!
+//! ```yaml
+//! apiVersion: etcd-warden.io/v1alpha1
+//! kind: ControlPlaneSet
+//! metadata: {name: cluster, namespace: openshift-machine-api}
+//! spec:
+//!   replicas: 3                       # 3 or 5, immutable
+//!   strategy: {type: RollingUpdate}   # or Recreate, OnDelete
+//!   failureDomains:
+//!     platform: AWS                   # the zone goes to providerSpec.value.placement.availabilityZone
+//!     domains: [us-east-1a, us-east-1b, us-east-1c]
+//!   selector:                         # immutable; must match the template's labels
+//!     matchLabels: {machine.openshift.io/cluster-api-machine-role: master}
+//!   template:
+//!     metadata:
+//!       labels: {machine.openshift.io/cluster-api-machine-role: master}
+//!     spec:
+//!       providerSpec:
+//!         value: {instanceType: m6i.xlarge, placement: {region: us-east-1}}
+//! ```
+//!
+//! The quorum operator must order membership changes the way the strategy needs
+//! ([`fits_quorum_operator`]: RollingUpdate needs `Replacement::Surge`), else the set refuses
+//! to act with reason `QuorumOperatorMismatch`.
 
 use std::collections::BTreeMap;
 
@@ -62,7 +86,7 @@ pub const FINALIZER: &str = "etcd-warden.io/orphan-machines";
 pub struct ControlPlaneSetSpec {
     /// Control-plane Machines: 3 or 5. Immutable.
     #[serde(default = "default_replicas")]
-    #[schemars(extend("enum" = [3, 5]))]
+    #[schemars(schema_with = "three_or_five")]
     #[x_kube(validation = Rule::new("self == oldSelf").message("spec.replicas is immutable"))]
     pub replicas: i32,
     /// How Machines whose spec differs from the template are replaced.
@@ -80,6 +104,11 @@ pub struct ControlPlaneSetSpec {
 
 fn default_replicas() -> i32 {
     3
+}
+
+/// An integer enum keeps its `type` (a structural schema needs one on every field).
+fn three_or_five(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    json_schema!({"type": "integer", "format": "int32", "enum": [3, 5]})
 }
 
 /// `spec.strategy`.
@@ -211,6 +240,8 @@ pub struct AcceptedSpec {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{field}: {message}")]
 pub struct Invalid {
+    /// The Degraded condition's reason: `InvalidSpec`, or `QuorumOperatorMismatch`.
+    pub reason: &'static str,
     /// The offending field, as a path (`spec.replicas`).
     pub field: String,
     /// Why.
@@ -219,9 +250,31 @@ pub struct Invalid {
 
 fn invalid(field: &str, message: impl Into<String>) -> Invalid {
     Invalid {
+        reason: "InvalidSpec",
         field: field.to_owned(),
         message: message.into(),
     }
+}
+
+/// Whether the quorum operator, ordering a replacement's membership changes by `replacement`,
+/// can carry out `strategy`: a RollingUpdate waits for the new member to vote, which only a
+/// surging quorum operator does before the old Machine is deleted; a mismatch would stall the
+/// set or surprise the operator, so the set refuses to act and says so.
+pub fn fits_quorum_operator(
+    strategy: Strategy,
+    replacement: crate::operator::plan::Replacement,
+) -> Result<(), Invalid> {
+    let needed = super::controller::replacement_for(strategy);
+    if needed == replacement {
+        return Ok(());
+    }
+    Err(Invalid {
+        reason: "QuorumOperatorMismatch",
+        field: "spec.strategy.type".into(),
+        message: format!(
+            "{strategy:?} needs the quorum operator's replacement order {needed:?}; it runs with {replacement:?}"
+        ),
+    })
 }
 
 /// What the controller runs a valid set with.
@@ -260,6 +313,7 @@ pub fn validate(raw: &Value, accepted: Option<&AcceptedSpec>) -> Result<Valid, I
             format!("spec.{path}")
         };
         Invalid {
+            reason: "InvalidSpec",
             field,
             message: e.into_inner().to_string(),
         }
@@ -432,7 +486,7 @@ pub fn conditions(
         .collect()
 }
 
-/// The conditions of a refused spec: Degraded (reason `InvalidSpec`, the message naming the
+/// The conditions of a refused spec: Degraded (the refusal's reason, the message naming the
 /// field) and not Progressing; Available as it was.
 pub fn refused(
     e: &Invalid,
@@ -446,13 +500,13 @@ pub fn refused(
             Condition {
                 kind: "Progressing",
                 status: false,
-                reason: "InvalidSpec",
+                reason: e.reason,
                 message: text.clone(),
             },
             Condition {
                 kind: "Degraded",
                 status: true,
-                reason: "InvalidSpec",
+                reason: e.reason,
                 message: text,
             },
         ],
@@ -613,6 +667,23 @@ mod tests {
     }
 
     #[test]
+    fn a_strategy_the_quorum_operator_cannot_carry_out_is_refused() {
+        use crate::operator::plan::Replacement;
+        assert!(fits_quorum_operator(Strategy::RollingUpdate, Replacement::Surge).is_ok());
+        assert!(fits_quorum_operator(Strategy::OnDelete, Replacement::OnDeletion).is_ok());
+        let e = fits_quorum_operator(Strategy::RollingUpdate, Replacement::OnDeletion).unwrap_err();
+        assert_eq!(e.field, "spec.strategy.type");
+        let d = degraded(&e);
+        assert_eq!(d.reason, "QuorumOperatorMismatch");
+        assert!(
+            d.message
+                .starts_with("spec.strategy.type: RollingUpdate needs"),
+            "{}",
+            d.message
+        );
+    }
+
+    #[test]
     fn a_condition_keeps_its_transition_time_while_its_status_stays() {
         let then = Time(k8s_openapi::jiff::Timestamp::from_second(1_700_000_000).unwrap());
         let now = Time(k8s_openapi::jiff::Timestamp::now());
@@ -661,6 +732,7 @@ mod tests {
         let props = &spec["properties"];
         assert_eq!(rules(&props["replicas"]), ["self == oldSelf"]);
         assert_eq!(props["replicas"]["enum"], json!([3, 5]));
+        assert_eq!(props["replicas"]["type"], "integer");
         assert_eq!(props["replicas"]["default"], json!(3));
         assert_eq!(rules(&props["selector"]), ["self == oldSelf"]);
         assert_eq!(
