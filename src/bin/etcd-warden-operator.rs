@@ -12,6 +12,7 @@ use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
 use etcd_warden::config::{LogConfig, LogFormat};
 use etcd_warden::operator::control_plane_set::Strategy;
+use etcd_warden::operator::control_plane_set::controller::replacement_for;
 use etcd_warden::operator::execute::Timing;
 use etcd_warden::operator::kube::KubeMachinesConfig;
 use etcd_warden::operator::kube::controller::{self, Settings};
@@ -248,6 +249,12 @@ struct KubeArgs {
     /// Time between resyncs when nothing changes (etcd is observed, not watched).
     #[arg(long, env = "ETCD_WARDEN_OPERATOR_RESYNC", default_value = "5s", value_parser = humantime::parse_duration)]
     resync: Duration,
+    /// The ControlPlaneSet's update strategy, so membership changes are ordered as it needs
+    /// (RollingUpdate: the new member votes before the old Machine goes). Without it,
+    /// replacements are ordered by Machine deletion (what OnDelete needs) and a RollingUpdate
+    /// or Recreate ControlPlaneSet refuses to act.
+    #[arg(long, env = "ETCD_WARDEN_OPERATOR_SET_STRATEGY", value_enum)]
+    set_strategy: Option<SetStrategy>,
 }
 
 /// A usage error of `kube`: exit status 64.
@@ -257,7 +264,14 @@ struct Usage(String);
 
 impl KubeArgs {
     fn settings(self) -> Result<(Option<PathBuf>, Settings), Usage> {
-        let spec = Spec::new(self.voters).map_err(|e| Usage(format!("--voters: {e}")))?;
+        let mut spec = Spec::new(self.voters).map_err(|e| Usage(format!("--voters: {e}")))?;
+        if let Some(s) = self.set_strategy {
+            spec.replacement = replacement_for(match s {
+                SetStrategy::RollingUpdate => Strategy::RollingUpdate,
+                SetStrategy::Recreate => Strategy::Recreate,
+                SetStrategy::OnDelete => Strategy::OnDelete,
+            });
+        }
         let mut pod_labels = std::collections::BTreeMap::new();
         for kv in self.guard_selector.split(',').filter(|s| !s.is_empty()) {
             let (k, v) = kv
