@@ -9,7 +9,9 @@
 //! `cluster` (or no such resource type installed): it stays idle, quietly.
 //!
 //! Each reconcile reads the set, puts the orphaning finalizer on it, validates it
-//! ([`super::resource::validate`]; refused: a Degraded condition and nothing else), and runs one
+//! ([`super::resource::validate`]; on first sight also that as many Machines match as
+//! `replicas`, and always that the quorum operator can carry out the strategy; refused: a
+//! Degraded condition and nothing else), and runs one
 //! [`Controller`] step: adoptions, then at most one Machine created or deleted. The status is
 //! written only through `/status`, and only when it changed. A deleting set has its owner
 //! references taken off every Machine (never a Machine deleted), then its finalizer removed.
@@ -389,9 +391,25 @@ impl<Q: Machines> Parts<Q> {
                 return Ok(Outcome::Idle);
             }
         };
-        if let Err(e) =
+        // First sight: the set takes over the control plane as it is, never resizes it.
+        let first = match previous.accepted {
+            Some(_) => Ok(()),
+            None => {
+                let existing = self
+                    .machines
+                    .list(&ListParams::default().labels(&valid.selector))
+                    .await
+                    .map_err(call("listing the machines the set would adopt"))?
+                    .items
+                    .iter()
+                    .filter(|m| m.metadata.deletion_timestamp.is_none())
+                    .count();
+                resource::fits_existing(valid.config.replicas, existing)
+            }
+        };
+        if let Err(e) = first.and_then(|()| {
             resource::fits_quorum_operator(valid.config.strategy, self.settings.replacement)
-        {
+        }) {
             warn_once(set, &previous, &e.to_string());
             self.write_status(set, |s| self.refuse(s, set, &e)).await?;
             return Ok(Outcome::Idle);

@@ -256,6 +256,22 @@ fn invalid(field: &str, message: impl Into<String>) -> Invalid {
     }
 }
 
+/// Whether a set seen for the first time fits the control plane it takes over: as many
+/// Machines (not being deleted) as `replicas`. Seed 004: the set does not scale the control
+/// plane, and with no Machine at all (a cluster whose control plane the Machine API does not
+/// describe) it must not invent one.
+pub fn fits_existing(replicas: usize, existing: usize) -> Result<(), Invalid> {
+    if existing == replicas {
+        return Ok(());
+    }
+    Err(invalid(
+        "spec.replicas",
+        format!(
+            "is {replicas} but {existing} control-plane Machines match spec.selector; a ControlPlaneSet takes over the control plane at its size and never resizes it"
+        ),
+    ))
+}
+
 /// Whether the quorum operator, ordering a replacement's membership changes by `replacement`,
 /// can carry out `strategy`: a RollingUpdate waits for the new member to vote, which only a
 /// surging quorum operator does before the old Machine is deleted; a mismatch would stall the
@@ -664,6 +680,20 @@ mod tests {
             validate(&r, None).unwrap_err().field,
             "spec.template.spec.providerSpec.value"
         );
+    }
+
+    #[test]
+    fn a_new_set_must_fit_the_machines_it_takes_over() {
+        assert!(fits_existing(3, 3).is_ok());
+        for existing in [0, 2, 5] {
+            let e = fits_existing(3, existing).unwrap_err();
+            assert_eq!(e.field, "spec.replicas");
+            assert!(
+                degraded(&e)
+                    .message
+                    .contains(&format!("{existing} control-plane Machines"))
+            );
+        }
     }
 
     #[test]
