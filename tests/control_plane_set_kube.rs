@@ -7,9 +7,10 @@
 //! address. The quorum operator runs with `Replacement::Surge`, as a RollingUpdate needs.
 //!
 //! Scenarios: a template change rolls the 3 Machines one at a time under a live writer; a
-//! failure domain added moves one Machine into it; a change of `spec.replicas` and a set not
-//! named `cluster` are refused with a Degraded condition naming the field, and deleting the set
-//! leaves every Machine, owner references removed.
+//! failure domain added moves one Machine into it; a new set for 5 over 3 Machines, a change of
+//! `spec.replicas` or `spec.selector` and a set not named `cluster` are refused with a Degraded
+//! condition naming the field, and deleting the set leaves every Machine, owner references
+//! removed; while another replica holds the Lease the set is not touched.
 //!
 //! What the double does NOT check: it evaluates no CEL rule, no OpenAPI enum and no default of
 //! the CRD (no CRD is installed: any JSON is stored), and it garbage-collects nothing by owner
@@ -37,8 +38,9 @@ use etcd_warden::operator::kube::controller::{self, Settings};
 use etcd_warden::operator::kube::lease::LeaseTiming;
 use etcd_warden::operator::kube::quorum_guard::QuorumGuard;
 use etcd_warden::operator::plan::{Replacement, Spec};
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::events::v1::Event;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, MicroTime};
 use kube::ResourceExt as _;
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
@@ -374,6 +376,13 @@ impl World {
     /// cp-0..cp-2 running etcd, their Machines Running with a node (in `zones`' availability
     /// zones when given), and the operator leading.
     async fn start(zones: &[&str]) -> World {
+        let w = World::build(zones).await;
+        w.run_operator();
+        w
+    }
+
+    /// As [`World::start`], the operator not started.
+    async fn build(zones: &[&str]) -> World {
         let dir = tempfile::tempdir().unwrap();
         let hosts = Arc::new(Hosts {
             dir: dir.path().to_path_buf(),
@@ -437,7 +446,7 @@ impl World {
             let hosts = Arc::clone(&hosts);
             move |name| hosts.kill(name)
         });
-        let w = World {
+        World {
             sets: Api::namespaced(kc.clone(), MACHINES_NS),
             hosts,
             names,
@@ -447,14 +456,16 @@ impl World {
             _server: server,
             _machine_api: machine_api,
             _dir: dir,
-        };
-        let settings = w.settings();
+        }
+    }
+
+    /// Starts the quorum operator (and so the set's loop) as replica `op-0`.
+    fn run_operator(&self) {
         tokio::spawn(controller::run(
-            w.kc.clone(),
-            settings,
-            w.stop.child_token(),
+            self.kc.clone(),
+            self.settings(),
+            self.stop.child_token(),
         ));
-        w
     }
 
     fn settings(&self) -> Settings {
@@ -498,9 +509,14 @@ impl World {
 
     /// Creates the set `name` over the role=master Machines, at the harness's provider spec.
     async fn create_set(&self, name: &str, domains: Option<&[&str]>) {
+        self.create_set_of(name, domains, 3).await;
+    }
+
+    /// As [`World::create_set`], for `replicas`.
+    async fn create_set_of(&self, name: &str, domains: Option<&[&str]>, replicas: i32) {
         let labels = BTreeMap::from([(ROLE_LABEL.to_owned(), "master".to_owned())]);
         let spec = ControlPlaneSetSpec {
-            replicas: 3,
+            replicas,
             strategy: UpdateStrategy::default(),
             failure_domains: domains.map(|d| FailureDomains {
                 platform: Platform::AWS,
@@ -807,9 +823,26 @@ async fn a_failure_domain_added_moves_one_machine_into_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refusals_name_the_field_and_deleting_the_set_leaves_every_machine() {
     let w = World::start(&[]).await;
-    w.create_set("cluster", None).await;
-    w.settled().await;
     let before: Vec<String> = w.machines().await.iter().map(|m| m.name_any()).collect();
+    // A new set for 5 over a control plane of 3: it takes over, never resizes.
+    w.create_set_of("cluster", None, 5).await;
+    let status = w
+        .status_until("the resize refused", Duration::from_secs(20), |s| {
+            condition(s, "Degraded").0 == "True"
+        })
+        .await;
+    let (_, reason, message) = condition(&status, "Degraded");
+    assert_eq!(reason, "InvalidSpec");
+    assert!(
+        message.starts_with("spec.replicas: is 5 but 3 control-plane Machines"),
+        "{message}"
+    );
+    assert!(status["accepted"].is_null(), "nothing accepted: {status}");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let now: Vec<String> = w.machines().await.iter().map(|m| m.name_any()).collect();
+    assert_eq!(now, before, "nothing created while refused");
+    w.patch_set(json!({"replicas": 3})).await;
+    w.settled().await;
 
     // A second set, not named cluster: refused, never acted on.
     w.create_set("other", None).await;
@@ -898,4 +931,60 @@ async fn refusals_name_the_field_and_deleting_the_set_leaves_every_machine() {
         );
     }
     assert!(w.set_events().await.iter().any(|r| r == "MachineOrphaned"));
+}
+
+/// Renews a Lease held by `someone-else` until `stop`, as a live replica would.
+async fn hold_lease(kc: kube::Client, stop: CancellationToken) {
+    let leases: Api<Lease> = Api::namespaced(kc, ETCD_NS);
+    let now = || MicroTime(k8s_openapi::jiff::Timestamp::now());
+    let lease = Lease {
+        metadata: kube::api::ObjectMeta {
+            name: Some("etcd-warden-operator".into()),
+            ..Default::default()
+        },
+        spec: Some(LeaseSpec {
+            holder_identity: Some("someone-else".into()),
+            lease_duration_seconds: Some(2),
+            acquire_time: Some(now()),
+            renew_time: Some(now()),
+            ..Default::default()
+        }),
+    };
+    leases.create(&PostParams::default(), &lease).await.unwrap();
+    while !stop.is_cancelled() {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let p = json!({"spec": {"renewTime": now()}});
+        let _ = leases
+            .patch(
+                "etcd-warden-operator",
+                &PatchParams::default(),
+                &Patch::Merge(&p),
+            )
+            .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_lease_holder_acts_on_the_set() {
+    let w = World::build(&[]).await;
+    let other = CancellationToken::new();
+    let held = tokio::spawn(hold_lease(w.kc.clone(), other.clone()));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    w.run_operator();
+    w.create_set("cluster", None).await;
+    // Many resyncs later: another replica leads, so no finalizer, no status, nothing adopted.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let set = w.sets.get("cluster").await.unwrap();
+    assert!(set.finalizers().is_empty(), "{:?}", set.finalizers());
+    assert!(set.status.is_none(), "{:?}", set.status);
+    assert!(
+        w.machines()
+            .await
+            .iter()
+            .all(|m| m.owner_references().is_empty())
+    );
+    // The other replica stops renewing: this one takes over and acts.
+    other.cancel();
+    held.await.unwrap();
+    w.settled().await;
 }
