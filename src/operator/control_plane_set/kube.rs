@@ -414,6 +414,15 @@ impl<Q: Machines> Parts<Q> {
             self.write_status(set, |s| self.refuse(s, set, &e)).await?;
             return Ok(Outcome::Idle);
         }
+        // Accepted before anything is acted on: a surge Machine created by a step whose status
+        // write then failed must not make the next reconcile see a first sight over 4 Machines.
+        if previous.accepted.is_none() {
+            let accepted = valid.accepted.clone();
+            self.write_status(set, |s| s.accepted = Some(accepted))
+                .await?;
+            info!(set = %set.name_any(), replicas = valid.accepted.replicas, selector = %valid.selector, "ControlPlaneSet accepted");
+            return Ok(Outcome::Acted);
+        }
         let template: ControlPlaneSetTemplate = serde_json::from_value(raw["spec"].clone())
             .map_err(|e| KubeCall {
                 what: "reading spec.template.metadata".into(),
