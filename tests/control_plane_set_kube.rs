@@ -10,7 +10,9 @@
 //! failure domain added moves one Machine into it; a new set for 5 over 3 Machines, a change of
 //! `spec.replicas` or `spec.selector` and a set not named `cluster` are refused with a Degraded
 //! condition naming the field, and deleting the set leaves every Machine, owner references
-//! removed; while another replica holds the Lease the set is not touched.
+//! removed; while another replica holds the Lease the set is not touched; OnDelete (the quorum
+//! operator ordering by deletion) replaces only the Machine deleted by hand, and a RollingUpdate
+//! set over that quorum operator is refused.
 //!
 //! What the double does NOT check: it evaluates no CEL rule, no OpenAPI enum and no default of
 //! the CRD (no CRD is installed: any JSON is stored), and it garbage-collects nothing by owner
@@ -361,6 +363,8 @@ struct World {
     raw: Api<DynamicObject>,
     sets: Api<ControlPlaneSet>,
     stop: CancellationToken,
+    /// How the quorum operator orders membership changes (Surge unless a test says otherwise).
+    replacement: Replacement,
     _server: ApiServer,
     _machine_api: MachineApi,
     _dir: tempfile::TempDir,
@@ -453,6 +457,7 @@ impl World {
             kc,
             raw,
             stop,
+            replacement: Replacement::Surge,
             _server: server,
             _machine_api: machine_api,
             _dir: dir,
@@ -479,7 +484,7 @@ impl World {
         Settings {
             spec: Spec {
                 desired_voters: 3,
-                replacement: Replacement::Surge,
+                replacement: self.replacement,
             },
             machines: KubeMachinesConfig {
                 namespace: MACHINES_NS.into(),
@@ -987,4 +992,66 @@ async fn only_the_lease_holder_acts_on_the_set() {
     other.cancel();
     held.await.unwrap();
     w.settled().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_delete_replaces_a_machine_only_once_someone_deletes_it() {
+    let mut w = World::build(&[]).await;
+    w.replacement = Replacement::OnDeletion;
+    w.run_operator();
+    // A RollingUpdate set over a quorum operator ordering by deletion would stall: refused.
+    w.create_set("cluster", None).await;
+    let status = w
+        .status_until("the mismatch refused", Duration::from_secs(20), |s| {
+            condition(s, "Degraded").0 == "True"
+        })
+        .await;
+    let (_, reason, message) = condition(&status, "Degraded");
+    assert_eq!(reason, "QuorumOperatorMismatch");
+    assert!(message.starts_with("spec.strategy.type: "), "{message}");
+    w.patch_set(json!({"strategy": {"type": "OnDelete"}})).await;
+    w.settled().await;
+
+    w.patch_set(
+        json!({"template": {"spec": {"providerSpec": {"value": {"instanceType": "big"}}}}}),
+    )
+    .await;
+    let status = w
+        .status_until("waiting for a deletion", Duration::from_secs(20), |s| {
+            condition(s, "Progressing").1 == "WaitingForDeletion"
+        })
+        .await;
+    assert_eq!(status["updatedReplicas"], 0);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        w.machines().await.len(),
+        3,
+        "nothing replaced before a deletion"
+    );
+
+    w.raw
+        .delete("cp-1", &DeleteParams::default())
+        .await
+        .unwrap();
+    let ms = eventually("cp-1 replaced", Duration::from_secs(60), async || {
+        let ms = w.machines().await;
+        let names: Vec<String> = ms.iter().map(|m| m.name_any()).collect();
+        (ms.len() == 3 && !names.contains(&"cp-1".to_owned())).then_some(ms)
+    })
+    .await;
+    for m in &ms {
+        let want = if m.name_any().starts_with("cp-") {
+            "test"
+        } else {
+            "big"
+        };
+        assert_eq!(instance_type(m), want, "{}", m.name_any());
+    }
+    w.status_until("one machine updated", Duration::from_secs(30), |s| {
+        s["updatedReplicas"] == 1 && s["readyReplicas"] == 3
+    })
+    .await;
+    let ips: Vec<String> = w.names.lock().unwrap().keys().cloned().collect();
+    let list = members(&w.hosts, &ips).await.unwrap();
+    assert_eq!(list.iter().filter(|m| !m.3).count(), 3, "{list:?}");
 }
