@@ -165,14 +165,13 @@ impl KubeSetMachines {
         settings: &SetSettings,
         set: &DynamicObject,
         valid: &Valid,
-        template: &resource::TemplateMetadata,
     ) -> KubeSetMachines {
         KubeSetMachines {
             api: Api::namespaced_with(client, &settings.namespace, &machine_resource()),
             selector: valid.selector.clone(),
             owner: owner_reference(set),
-            labels: template.labels.clone(),
-            annotations: template.annotations.clone(),
+            labels: valid.metadata.labels.clone(),
+            annotations: valid.metadata.annotations.clone(),
             peer_scheme: settings.peer_scheme.clone(),
             peer_port: settings.peer_port,
         }
@@ -423,18 +422,7 @@ impl<Q: Machines> Parts<Q> {
             info!(set = %set.name_any(), replicas = valid.accepted.replicas, selector = %valid.selector, "ControlPlaneSet accepted");
             return Ok(Outcome::Acted);
         }
-        let template: ControlPlaneSetTemplate = serde_json::from_value(raw["spec"].clone())
-            .map_err(|e| KubeCall {
-                what: "reading spec.template.metadata".into(),
-                source: ::kube::Error::SerdeError(e),
-            })?;
-        let backend = KubeSetMachines::new(
-            self.client.clone(),
-            &self.settings,
-            set,
-            &valid,
-            &template.template.metadata,
-        );
+        let backend = KubeSetMachines::new(self.client.clone(), &self.settings, set, &valid);
         let controller = Controller::new(
             valid.config.clone(),
             valid.field,
@@ -443,6 +431,13 @@ impl<Q: Machines> Parts<Q> {
         );
         let plan = controller.step().await?;
         self.publish(set, &plan).await;
+        if let Some(d) = plan
+            .conditions
+            .iter()
+            .find(|c| c.kind == "Degraded" && c.status)
+        {
+            warn_once(set, &previous, &d.message);
+        }
         let generation = set.metadata.generation;
         let accepted = valid.accepted.clone();
         let replicas = valid.config.replicas;
@@ -612,12 +607,6 @@ impl<Q: Machines> Parts<Q> {
     }
 }
 
-/// The part of the spec the backend needs besides [`Valid`].
-#[derive(serde::Deserialize)]
-struct ControlPlaneSetTemplate {
-    template: resource::MachineTemplate,
-}
-
 /// The set's status as read (an unreadable one counts as empty and is rewritten).
 fn status_of(set: &DynamicObject) -> ControlPlaneSetStatus {
     set.data
@@ -627,14 +616,14 @@ fn status_of(set: &DynamicObject) -> ControlPlaneSetStatus {
         .unwrap_or_default()
 }
 
-/// Logs a refusal when it is new (not already the Degraded condition's message).
+/// Logs why the set is degraded when it is new (not already the Degraded condition's message).
 fn warn_once(set: &DynamicObject, previous: &ControlPlaneSetStatus, text: &str) {
     let known = previous
         .conditions
         .iter()
-        .any(|c| c.type_ == "Degraded" && c.message == text);
+        .any(|c| c.type_ == "Degraded" && c.status == "True" && c.message == text);
     if !known {
-        warn!(set = %set.name_any(), refused = %text, "ControlPlaneSet refused; not acting");
+        warn!(set = %set.name_any(), degraded = %text, "ControlPlaneSet degraded");
     }
 }
 

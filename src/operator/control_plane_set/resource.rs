@@ -304,6 +304,8 @@ pub struct Valid {
     pub selector: String,
     /// What goes into the status as accepted.
     pub accepted: AcceptedSpec,
+    /// Labels and annotations of new Machines.
+    pub metadata: TemplateMetadata,
 }
 
 /// Checks a set as read (raw JSON, so a bad enum is reported with its path rather than failing
@@ -415,6 +417,7 @@ pub fn validate(raw: &Value, accepted: Option<&AcceptedSpec>) -> Result<Valid, I
             replicas: spec.replicas,
             selector: spec.selector,
         },
+        metadata: spec.template.metadata,
     })
 }
 
