@@ -12,7 +12,8 @@
 //! condition naming the field, and deleting the set leaves every Machine, owner references
 //! removed; while another replica holds the Lease the set is not touched; OnDelete (the quorum
 //! operator ordering by deletion) replaces only the Machine deleted by hand, and a RollingUpdate
-//! set over that quorum operator is refused.
+//! set over that quorum operator is refused; Recreate (the quorum operator shrinking first) rolls
+//! the 3 Machines under a writer, never more than 3 Machines, never fewer than 2 voters.
 //!
 //! What the double does NOT check: it evaluates no CEL rule, no OpenAPI enum and no default of
 //! the CRD (no CRD is installed: any JSON is stored), and it garbage-collects nothing by owner
@@ -1054,4 +1055,87 @@ async fn on_delete_replaces_a_machine_only_once_someone_deletes_it() {
     let ips: Vec<String> = w.names.lock().unwrap().keys().cloned().collect();
     let list = members(&w.hosts, &ips).await.unwrap();
     assert_eq!(list.iter().filter(|m| !m.3).count(), 3, "{list:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recreate_rolls_three_machines_deleting_first_under_writes() {
+    let mut w = World::build(&[]).await;
+    w.replacement = Replacement::ShrinkFirst;
+    w.run_operator();
+    w.create_set("cluster", None).await;
+    w.patch_set(json!({"strategy": {"type": "Recreate"}})).await;
+    w.settled().await;
+
+    let stop = CancellationToken::new();
+    let writes = tokio::spawn(writer(
+        Arc::clone(&w.hosts),
+        Arc::clone(&w.names),
+        stop.clone(),
+    ));
+    let voters = tokio::spawn(monitor(
+        Arc::clone(&w.hosts),
+        Arc::clone(&w.names),
+        stop.clone(),
+    ));
+    let peak = tokio::spawn(machine_peak(w.raw.clone(), stop.clone()));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    w.patch_set(
+        json!({"template": {"spec": {"providerSpec": {"value": {"instanceType": "big"}}}}}),
+    )
+    .await;
+    eventually("the rollout", Duration::from_secs(180), async || {
+        let ms = w.machines().await;
+        let done = ms.len() == 3
+            && ms.iter().all(|m| {
+                instance_type(m) == "big"
+                    && m.metadata.deletion_timestamp.is_none()
+                    && !m.name_any().starts_with("cp-")
+            });
+        if !done {
+            return None;
+        }
+        let ips: Vec<String> = w.names.lock().unwrap().keys().cloned().collect();
+        let list = members(&w.hosts, &ips).await?;
+        (list.len() == 3 && list.iter().all(|m| !m.3)).then_some(())
+    })
+    .await;
+    stop.cancel();
+    let writes = writes.await.unwrap();
+    let (min_v, max_v, _max_l, samples) = voters.await.unwrap();
+    let peak = peak.await.unwrap();
+    assert!(samples > 20, "monitor sampled {samples} times");
+    // Recreate shrinks first: one voter fewer at a time, never more Machines than replicas.
+    assert!(min_v >= 2, "voters fell to {min_v}");
+    assert!(max_v <= 3, "voters rose to {max_v}");
+    assert!(peak <= 3, "{peak} machines at once (Recreate never surges)");
+    assert!(
+        writes.acked.len() > 100,
+        "only {} writes acknowledged",
+        writes.acked.len()
+    );
+    let urls: Vec<String> = w
+        .names
+        .lock()
+        .unwrap()
+        .keys()
+        .map(|i| w.hosts.client_url(i))
+        .collect();
+    let mut c = client(&urls, None).await.unwrap();
+    let got = c
+        .get("w/", Some(etcd_client::GetOptions::new().with_prefix()))
+        .await
+        .unwrap();
+    let stored: BTreeMap<String, String> = got
+        .kvs()
+        .iter()
+        .map(|kv| {
+            (
+                kv.key_str().unwrap().to_owned(),
+                kv.value_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    for (k, v) in &writes.acked {
+        assert_eq!(stored.get(k), Some(v), "acknowledged write {k} lost");
+    }
 }
