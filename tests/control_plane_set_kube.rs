@@ -9,7 +9,8 @@
 //! Scenarios: a template change rolls the 3 Machines one at a time under a live writer; a
 //! failure domain added moves one Machine into it; a new set for 5 over 3 Machines, a change of
 //! `spec.replicas` or `spec.selector` and a set not named `cluster` are refused with a Degraded
-//! condition naming the field, and deleting the set leaves every Machine, owner references
+//! condition naming the field, a Machine another controller owns is a Degraded condition
+//! (`MachineActionRefused`) until freed, and deleting the set leaves every Machine, owner references
 //! removed; while another replica holds the Lease the set is not touched; OnDelete (the quorum
 //! operator ordering by deletion) replaces only the Machine deleted by hand, and a RollingUpdate
 //! set over that quorum operator is refused; Recreate (the quorum operator shrinking first) rolls
@@ -847,7 +848,28 @@ async fn refusals_name_the_field_and_deleting_the_set_leaves_every_machine() {
     tokio::time::sleep(Duration::from_secs(1)).await;
     let now: Vec<String> = w.machines().await.iter().map(|m| m.name_any()).collect();
     assert_eq!(now, before, "nothing created while refused");
+    // cp-2 is controlled by something else: the set says so and adopts it once that is gone.
+    let foreign = json!({"metadata": {"ownerReferences": [{
+        "apiVersion": "machine.openshift.io/v1beta1", "kind": "MachineSet",
+        "name": "workers", "uid": "ms-uid", "controller": true,
+    }]}});
+    w.raw
+        .patch("cp-2", &PatchParams::default(), &Patch::Merge(&foreign))
+        .await
+        .unwrap();
     w.patch_set(json!({"replicas": 3})).await;
+    let status = w
+        .status_until("the adoption refused", Duration::from_secs(20), |s| {
+            condition(s, "Degraded").1 == "MachineActionRefused"
+        })
+        .await;
+    let message = condition(&status, "Degraded").2;
+    assert!(message.contains("MachineSet workers"), "{message}");
+    let p = json!({"metadata": {"ownerReferences": null}});
+    w.raw
+        .patch("cp-2", &PatchParams::default(), &Patch::Merge(&p))
+        .await
+        .unwrap();
     w.settled().await;
 
     // A second set, not named cluster: refused, never acted on.

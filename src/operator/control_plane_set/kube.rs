@@ -429,7 +429,23 @@ impl<Q: Machines> Parts<Q> {
             Arc::new(backend),
             Arc::clone(&self.operator),
         );
-        let plan = controller.step().await?;
+        let plan = match controller.step().await {
+            Ok(p) => p,
+            // Refused for good (a Machine another controller owns, a Machine the API server
+            // will not take): an administrator's matter, so a condition says it, not only a log.
+            Err(ControllerError::Backend(e @ BackendError::Rejected { .. })) => {
+                let refusal = resource::Invalid {
+                    reason: "MachineActionRefused",
+                    field: "machines".into(),
+                    message: e.to_string(),
+                };
+                warn_once(set, &previous, &refusal.to_string());
+                self.write_status(set, |s| self.refuse(s, set, &refusal))
+                    .await?;
+                return Err(ControllerError::Backend(e).into());
+            }
+            Err(e) => return Err(e.into()),
+        };
         self.publish(set, &plan).await;
         if let Some(d) = plan
             .conditions
