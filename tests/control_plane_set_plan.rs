@@ -498,6 +498,20 @@ fn the_spec_hash_ignores_the_failure_domain_key_order_and_nulls() {
         spec_hash(&a, DomainField::ZONE),
         spec_hash(&b, DomainField::ZONE)
     );
+    // A placement that held only the zone is no placement: a template without one matches.
+    let zoned = serde_json::json!({"providerSpec": {"value": {
+        "instanceType": "m6i.xlarge", "placement": {"availabilityZone": "us-east-1a"}
+    }}});
+    let bare = serde_json::json!({"providerSpec": {"value": {"instanceType": "m6i.xlarge"}}});
+    assert_eq!(
+        spec_hash(&zoned, DomainField::AWS),
+        spec_hash(&bare, DomainField::AWS)
+    );
+    // ...while a placement with anything else stays part of the spec.
+    assert_ne!(
+        spec_hash(&a, DomainField::AWS),
+        spec_hash(&bare, DomainField::AWS)
+    );
 
     let injected = DomainField::AWS.inject(&b, "us-east-1b");
     assert_eq!(

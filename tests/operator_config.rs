@@ -27,6 +27,7 @@ const KEYS: &[&str] = &[
     "guard_selector",
     "resync",
     "listen",
+    "set_strategy",
 ];
 
 fn example() -> PathBuf {
@@ -92,6 +93,7 @@ fn the_example_loads_and_documents_every_key() {
                 "resync" => "\"1s\"".to_owned(),
                 "peer_scheme" => "\"http\"".to_owned(),
                 "guard_selector" => "\"a=b\"".to_owned(),
+                "set_strategy" => "\"rolling-update\"".to_owned(),
                 k if k.ends_with("_file") => format!("{pem:?}"),
                 k => format!("\"{k}-value\""),
             };
@@ -277,4 +279,22 @@ fn the_owner_section_is_the_sidecars_and_the_environment_reaches_it() {
         assert!(e.contains(key), "{key}: {e}");
         assert!(e.contains(env.0) || key == "colour", "{e} names its origin");
     }
+}
+
+#[test]
+fn set_strategy_orders_the_quorum_operator_for_the_control_plane_set() {
+    use etcd_warden::operator::plan::Replacement;
+    let ep = ("ETCD_WARDEN_OPERATOR_ETCD_ENDPOINTS", "https://e:2379");
+    let replacement =
+        |v: &str| load(None, &[ep], &[("set_strategy", v)]).map(|c| c.settings.spec.replacement);
+    assert_eq!(replacement("RollingUpdate").unwrap(), Replacement::Surge);
+    assert_eq!(replacement("recreate").unwrap(), Replacement::ShrinkFirst);
+    assert_eq!(replacement("on-delete").unwrap(), Replacement::OnDeletion);
+    let unset = load(None, &[ep], &[]).unwrap();
+    assert_eq!(unset.settings.spec.replacement, Replacement::OnDeletion);
+    let e = replacement("Rolling").unwrap_err().to_string();
+    assert!(
+        e.contains("set_strategy") && e.contains("--set-strategy"),
+        "{e}"
+    );
 }

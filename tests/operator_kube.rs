@@ -45,21 +45,7 @@ use tokio_util::sync::CancellationToken;
 
 const MACHINES_NS: &str = "openshift-machine-api";
 const ETCD_NS: &str = "openshift-etcd";
-/// Who the controller's requests come from, in the double's log.
-const OPERATOR: &str = "operator";
-
-/// Every request the operator made is one deploy/operator/rbac.yaml lets its service account make.
-fn assert_rbac_allows(server: &ApiServer) {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/operator");
-    let policy = support::rbac::Policy::load(&[&dir.join("rbac.yaml")]);
-    let made = server.requests_of(OPERATOR);
-    assert!(made.len() > 10, "the operator made {} requests", made.len());
-    let denied = policy.denied((ETCD_NS, "etcd-warden-operator"), &made);
-    assert!(
-        denied.is_empty(),
-        "deploy/operator/rbac.yaml denies {denied:#?}"
-    );
-}
+use support::rbac::OPERATOR;
 
 fn ip(n: usize) -> String {
     format!("127.0.0.{}", 11 + n)
@@ -649,7 +635,7 @@ async fn replacing_every_member_under_writes_loses_nothing() {
         .await
         .expect("the controller stops")
         .unwrap();
-    assert_rbac_allows(&w.server);
+    support::rbac::assert_operator_allowed(&w.server);
     let leases: Api<Lease> = Api::namespaced(w.kc.clone(), ETCD_NS);
     let lease = leases.get("etcd-warden-operator").await.unwrap();
     assert_eq!(

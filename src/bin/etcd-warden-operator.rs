@@ -211,12 +211,17 @@ struct KubeArgs {
     /// Address of /healthz, /readyz and /metrics [default: 0.0.0.0:8080].
     #[arg(long)]
     listen: Option<String>,
+    /// The ControlPlaneSet's strategy (RollingUpdate, Recreate or OnDelete), so membership
+    /// changes are ordered as it needs; without it they follow Machine deletion (OnDelete) and
+    /// a RollingUpdate or Recreate set refuses to act.
+    #[arg(long)]
+    set_strategy: Option<String>,
 }
 
 impl KubeArgs {
     /// The flags given, as overrides of their keys.
     fn overrides(&self) -> Vec<Override> {
-        let flags: [(&str, &Option<String>); 17] = [
+        let flags: [(&str, &Option<String>); 18] = [
             ("kubeconfig", &self.kubeconfig),
             ("namespace", &self.namespace),
             ("machine_namespace", &self.machine_namespace),
@@ -234,6 +239,7 @@ impl KubeArgs {
             ("guard_selector", &self.guard_selector),
             ("resync", &self.resync),
             ("listen", &self.listen),
+            ("set_strategy", &self.set_strategy),
         ];
         flags
             .into_iter()

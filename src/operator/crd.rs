@@ -9,6 +9,7 @@
 //! platform's own. `v1alpha1` until the schemas have been through an upgrade.
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::CustomResourceExt as _;
 
 /// The API group of every resource defined here.
 pub const GROUP: &str = "etcd-warden.io";
@@ -17,8 +18,10 @@ pub const VERSION: &str = "v1alpha1";
 
 /// Every CustomResourceDefinition the operator needs, in a stable order.
 pub fn definitions() -> Vec<CustomResourceDefinition> {
-    use ::kube::CustomResourceExt as _;
-    vec![super::kube::quorum::EtcdQuorum::crd()]
+    vec![
+        super::kube::quorum::EtcdQuorum::crd(),
+        super::control_plane_set::resource::ControlPlaneSet::crd(),
+    ]
 }
 
 /// The definitions as one multi-document YAML stream, as `crdgen` prints it.

@@ -176,3 +176,21 @@ fn matches(rule: &PolicyRule, a: &Attributes) -> bool {
         && any(&rule.resources, &a.resource)
         && (names.is_empty() || (a.verb != "create" && names.contains(&a.name)))
 }
+
+/// Who the operator's requests come from in the API-server double's log (see
+/// `ApiServer::client_as`).
+pub const OPERATOR: &str = "operator";
+
+/// Every request the operator made to `server` (through `client_as(OPERATOR)`) is one
+/// deploy/operator/rbac.yaml lets its service account make.
+pub fn assert_operator_allowed(server: &super::apiserver::ApiServer) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/operator");
+    let policy = Policy::load(&[&dir.join("rbac.yaml")]);
+    let made = server.requests_of(OPERATOR);
+    assert!(made.len() > 10, "the operator made {} requests", made.len());
+    let denied = policy.denied(("openshift-etcd", "etcd-warden-operator"), &made);
+    assert!(
+        denied.is_empty(),
+        "deploy/operator/rbac.yaml denies {denied:#?}"
+    );
+}

@@ -21,18 +21,22 @@
 //! domain added or removed makes Machines misplaced, and they are replaced like outdated ones.
 
 pub mod controller;
+pub mod kube;
+pub mod resource;
 
 use std::collections::BTreeMap;
 use std::fmt;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 use super::plan::quorum;
 
-/// How outdated Machines are replaced.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
+/// How outdated Machines are replaced (`spec.strategy.type` of the resource).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, schemars::JsonSchema,
+)]
 pub enum Strategy {
     /// Create the replacement, wait until it is Ready and votes, then delete the old Machine.
     #[default]
@@ -263,12 +267,24 @@ impl DomainField {
         out
     }
 
-    /// `spec` without the failure domain.
+    /// `spec` without the failure domain, and without the objects that held only it (an AWS
+    /// spec whose `placement` carried just the zone equals a template without `placement`).
     fn strip(self, spec: &Value) -> Value {
         let mut out = spec.clone();
-        let (parent, leaf) = self.0.rsplit_once('/').unwrap_or(("", self.0));
-        if let Some(Value::Object(map)) = out.pointer_mut(parent) {
+        let mut path = self.0;
+        while let Some((parent, leaf)) = path.rsplit_once('/') {
+            let Some(Value::Object(map)) = out.pointer_mut(parent) else {
+                break;
+            };
+            if path != self.0
+                && !map
+                    .get(leaf)
+                    .is_some_and(|v| v.as_object().is_some_and(|o| o.is_empty()))
+            {
+                break;
+            }
             map.remove(leaf);
+            path = parent;
         }
         out
     }

@@ -16,6 +16,8 @@ use super::lease::LeaseTiming;
 use super::machines::KubeMachinesConfig;
 use super::quorum_guard::QuorumGuard;
 use crate::config::{ConfigError, Layered, Layout, Sources, TlsFiles, lenient, parse_duration};
+use crate::operator::control_plane_set::Strategy;
+use crate::operator::control_plane_set::controller::replacement_for;
 use crate::operator::execute::Timing;
 use crate::operator::plan::Spec;
 use crate::owner::guard::GuardSettings;
@@ -95,6 +97,8 @@ pub struct RawKubeConfig {
     pub listen: String,
     /// The owner record (seed 001's controller watchdog), as the sidecar's `[owner]`.
     pub owner: Option<crate::config::RawOwner>,
+    /// The ControlPlaneSet's strategy the quorum operator orders its changes for.
+    pub set_strategy: Option<String>,
 }
 
 /// `kube`'s validated configuration.
@@ -235,6 +239,26 @@ fn validate(
             Some(guard)
         }
     };
+    let mut spec = spec;
+    if let Some(text) = &raw.set_strategy {
+        let strategy = match text
+            .trim()
+            .to_ascii_lowercase()
+            .replace(['-', '_'], "")
+            .as_str()
+        {
+            "rollingupdate" => Strategy::RollingUpdate,
+            "recreate" => Strategy::Recreate,
+            "ondelete" => Strategy::OnDelete,
+            _ => {
+                return Err(l.err(
+                    "set_strategy",
+                    format!("{text:?}: one of RollingUpdate, Recreate, OnDelete"),
+                ));
+            }
+        };
+        spec.replacement = replacement_for(strategy);
+    }
     let settings = Settings {
         owner,
         spec,

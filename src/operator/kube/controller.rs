@@ -359,6 +359,19 @@ pub async fn run_serving(
             child.clone(),
         ),
     );
+    // The ControlPlaneSet acts on the same "holds the Lease and owns" as the quorum operator.
+    health.spawn(
+        &tasks,
+        "control-plane-set",
+        false,
+        crate::operator::control_plane_set::kube::run(
+            client.clone(),
+            crate::operator::control_plane_set::kube::SetSettings::from_operator(&settings),
+            Arc::clone(&operator),
+            acting.clone(),
+            child.clone(),
+        ),
+    );
     let wake = Arc::new(Notify::new());
     let machine_api: Api<Machine> = Api::namespaced(client.clone(), &settings.machines.namespace);
     let watches = [

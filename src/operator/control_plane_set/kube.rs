@@ -1,0 +1,761 @@
+//! The ControlPlaneSet on Kubernetes: [`KubeSetMachines`], the [`SetMachines`] backend over
+//! `machine.openshift.io` Machines, and [`run`], the loop that keeps the Machines at the
+//! `ControlPlaneSet` named `cluster` (see [`super::resource`]).
+//!
+//! The loop runs beside the quorum operator (spawned by `operator::kube::controller::run`),
+//! acts only while that replica holds the Lease, is woken by watches on the ControlPlaneSets and
+//! the Machines, and resyncs every `interval` (etcd, which the planner also looks at, is
+//! observed, not watched); a failed reconcile is retried with backoff. No ControlPlaneSet named
+//! `cluster` (or no such resource type installed): it stays idle, quietly.
+//!
+//! Each reconcile reads the set, puts the orphaning finalizer on it, validates it
+//! ([`super::resource::validate`]; on first sight also that as many Machines match as
+//! `replicas`, and always that the quorum operator can carry out the strategy; refused: a
+//! Degraded condition and nothing else), and runs one
+//! [`Controller`] step: adoptions, then at most one Machine created or deleted. The status is
+//! written only through `/status`, and only when it changed. A deleting set has its owner
+//! references taken off every Machine (never a Machine deleted), then its finalizer removed.
+//!
+//! Machines are read untyped (`DynamicObject`): the set compares and copies the provider spec,
+//! which the typed `Machine` drops. Every write is a merge patch naming only what it changes,
+//! carrying the resourceVersion read when it replaces a list (owner references, finalizers).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ::kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
+use ::kube::core::{ApiResource, GroupVersionKind};
+use ::kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use ::kube::runtime::{WatchStreamExt as _, watcher};
+use ::kube::{Resource as _, ResourceExt as _};
+use async_trait::async_trait;
+use futures::StreamExt as _;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
+use serde_json::{Value, json};
+use tokio::sync::{Notify, watch};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, info, warn};
+
+use super::controller::{Controller, ControllerError, SetMachine, SetMachines};
+use super::resource::{
+    self, AcceptedSpec, ControlPlaneSet, ControlPlaneSetStatus, FINALIZER, NAME, Valid,
+};
+use super::{Action, Plan};
+use crate::operator::execute::{BackendError, Machines, Operator};
+use crate::operator::kube::machines::{FIELD_MANAGER, KubeCall, backend_error, is_status};
+use crate::operator::plan::Replacement;
+
+/// Attempts at a list-replacing patch that meets concurrent changes (409).
+const ATTEMPTS: u32 = 5;
+
+/// What the set's loop needs besides a client and the quorum operator.
+#[derive(Debug, Clone)]
+pub struct SetSettings {
+    /// Namespace of the ControlPlaneSet and its Machines.
+    pub namespace: String,
+    /// Scheme of etcd's peer URLs.
+    pub peer_scheme: String,
+    /// etcd's peer port.
+    pub peer_port: u16,
+    /// Resync period.
+    pub interval: Duration,
+    /// First retry delay after a failed reconcile (doubling).
+    pub min_backoff: Duration,
+    /// Longest retry delay.
+    pub max_backoff: Duration,
+    /// This replica's identity, in Events.
+    pub identity: String,
+    /// How the quorum operator orders a replacement's membership changes; the set's strategy
+    /// must agree with it ([`resource::fits_quorum_operator`]), else the set refuses to act.
+    pub replacement: Replacement,
+}
+
+impl SetSettings {
+    /// The set's settings taken from the quorum operator's (same namespace as its Machines).
+    pub fn from_operator(s: &crate::operator::kube::controller::Settings) -> SetSettings {
+        SetSettings {
+            namespace: s.machines.namespace.clone(),
+            peer_scheme: s.machines.peer_scheme.clone(),
+            peer_port: s.machines.peer_port,
+            interval: s.timing.interval,
+            min_backoff: s.timing.min_backoff,
+            max_backoff: s.timing.max_backoff,
+            identity: s.identity.clone(),
+            replacement: s.spec.replacement,
+        }
+    }
+}
+
+/// Errors of one reconcile.
+#[derive(Debug, thiserror::Error)]
+pub enum SetError {
+    /// A call to the API server failed.
+    #[error(transparent)]
+    Api(#[from] KubeCall),
+    /// A controller step failed (etcd or the Machines).
+    #[error(transparent)]
+    Step(#[from] ControllerError),
+    /// A Machine could not be changed.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    /// A list-replacing patch kept meeting concurrent changes.
+    #[error("{0}: still conflicting after {ATTEMPTS} attempts")]
+    Conflict(String),
+}
+
+fn call(what: impl Into<String>) -> impl FnOnce(::kube::Error) -> KubeCall {
+    let what = what.into();
+    move |source| KubeCall { what, source }
+}
+
+/// `machine.openshift.io/v1beta1` Machines, untyped.
+pub fn machine_resource() -> ApiResource {
+    ApiResource::from_gvk(&GroupVersionKind::gvk(
+        "machine.openshift.io",
+        "v1beta1",
+        "Machine",
+    ))
+}
+
+fn set_resource() -> ApiResource {
+    ApiResource::erase::<ControlPlaneSet>(&())
+}
+
+fn params() -> PatchParams {
+    PatchParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..PatchParams::default()
+    }
+}
+
+/// The owner reference a set puts on its Machines.
+pub fn owner_reference(set: &DynamicObject) -> OwnerReference {
+    OwnerReference {
+        api_version: ControlPlaneSet::api_version(&()).into_owned(),
+        kind: ControlPlaneSet::kind(&()).into_owned(),
+        name: set.name_any(),
+        uid: set.uid().unwrap_or_default(),
+        controller: Some(true),
+        block_owner_deletion: Some(true),
+    }
+}
+
+/// Whether `m` carries an owner reference to the object with `uid`.
+fn owned_by(m: &DynamicObject, uid: &str) -> bool {
+    m.owner_references().iter().any(|o| o.uid == uid)
+}
+
+/// The Machines of one ControlPlaneSet.
+pub struct KubeSetMachines {
+    api: Api<DynamicObject>,
+    selector: String,
+    owner: OwnerReference,
+    labels: BTreeMap<String, String>,
+    annotations: BTreeMap<String, String>,
+    peer_scheme: String,
+    peer_port: u16,
+}
+
+impl KubeSetMachines {
+    /// The Machines `valid`'s selector picks in `settings.namespace`, owned by `set`.
+    pub fn new(
+        client: ::kube::Client,
+        settings: &SetSettings,
+        set: &DynamicObject,
+        valid: &Valid,
+    ) -> KubeSetMachines {
+        KubeSetMachines {
+            api: Api::namespaced_with(client, &settings.namespace, &machine_resource()),
+            selector: valid.selector.clone(),
+            owner: owner_reference(set),
+            labels: valid.metadata.labels.clone(),
+            annotations: valid.metadata.annotations.clone(),
+            peer_scheme: settings.peer_scheme.clone(),
+            peer_port: settings.peer_port,
+        }
+    }
+
+    fn peer_url(&self, m: &DynamicObject) -> String {
+        let ip = m
+            .data
+            .pointer("/status/addresses")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .find(|a| a.get("type").and_then(Value::as_str) == Some("InternalIP"))
+            .and_then(|a| a.get("address").and_then(Value::as_str));
+        match ip {
+            None => String::new(),
+            Some(ip) if ip.contains(':') => {
+                format!("{}://[{ip}]:{}", self.peer_scheme, self.peer_port)
+            }
+            Some(ip) => format!("{}://{ip}:{}", self.peer_scheme, self.peer_port),
+        }
+    }
+
+    fn view(&self, m: &DynamicObject) -> SetMachine {
+        let phase = m.data.pointer("/status/phase").and_then(Value::as_str);
+        let provider = m
+            .data
+            .pointer("/spec/providerSpec/value")
+            .cloned()
+            .unwrap_or(Value::Null);
+        SetMachine {
+            name: m.name_any(),
+            spec: resource::template_spec(&provider),
+            peer_url: self.peer_url(m),
+            ready: phase == Some("Running")
+                && m.data
+                    .pointer("/status/nodeRef")
+                    .is_some_and(Value::is_object),
+            failed: phase == Some("Failed"),
+            deleting: m.metadata.deletion_timestamp.is_some(),
+            owned: owned_by(m, &self.owner.uid),
+        }
+    }
+}
+
+#[async_trait]
+impl SetMachines for KubeSetMachines {
+    async fn list_set(&self) -> Result<Vec<SetMachine>, BackendError> {
+        let list = self
+            .api
+            .list(&ListParams::default().labels(&self.selector))
+            .await
+            .map_err(|e| backend_error("listing the set's machines", e))?;
+        Ok(list.items.iter().map(|m| self.view(m)).collect())
+    }
+
+    async fn adopt(&self, machine: &str) -> Result<(), BackendError> {
+        for attempt in 1..=ATTEMPTS {
+            let m = match self.api.get(machine).await {
+                Ok(m) => m,
+                Err(e) if is_status(&e, 404) => {
+                    return Err(BackendError::NotFound(machine.to_owned()));
+                }
+                Err(e) => return Err(backend_error(format!("reading machine {machine}"), e)),
+            };
+            if owned_by(&m, &self.owner.uid) {
+                return Ok(());
+            }
+            if let Some(other) = m
+                .owner_references()
+                .iter()
+                .find(|o| o.controller == Some(true))
+            {
+                return Err(BackendError::Rejected {
+                    what: format!("adopting machine {machine}"),
+                    source: format!(
+                        "it is controlled by {} {}; remove that owner reference to let the set adopt it",
+                        other.kind, other.name
+                    )
+                    .into(),
+                });
+            }
+            let mut refs = m.owner_references().to_vec();
+            refs.push(self.owner.clone());
+            let patch = json!({"metadata": {
+                "ownerReferences": refs,
+                "resourceVersion": m.metadata.resource_version,
+            }});
+            match self
+                .api
+                .patch(machine, &params(), &Patch::Merge(&patch))
+                .await
+            {
+                Ok(_) => return Ok(()),
+                Err(e) if is_status(&e, 409) => {
+                    debug!(
+                        machine,
+                        attempt, "machine changed meanwhile; reading it again"
+                    );
+                    tokio::time::sleep(Duration::from_millis(20 * u64::from(attempt))).await;
+                }
+                Err(e) => return Err(backend_error(format!("adopting machine {machine}"), e)),
+            }
+        }
+        Err(BackendError::Conflict {
+            machine: machine.to_owned(),
+            attempts: ATTEMPTS,
+        })
+    }
+
+    async fn create(&self, spec: &Value) -> Result<String, BackendError> {
+        let m: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "machine.openshift.io/v1beta1",
+            "kind": "Machine",
+            "metadata": {
+                "generateName": format!("{}-control-plane-", self.owner.name),
+                "labels": self.labels,
+                "annotations": self.annotations,
+                "ownerReferences": [self.owner],
+            },
+            "spec": spec,
+        }))
+        .map_err(|e| BackendError::Rejected {
+            what: "building a machine from the template".into(),
+            source: Box::new(e),
+        })?;
+        let pp = PostParams {
+            field_manager: Some(FIELD_MANAGER.into()),
+            ..PostParams::default()
+        };
+        let created = self
+            .api
+            .create(&pp, &m)
+            .await
+            .map_err(|e| backend_error("creating a machine", e))?;
+        Ok(created.name_any())
+    }
+
+    async fn delete(&self, machine: &str) -> Result<(), BackendError> {
+        match self.api.delete(machine, &DeleteParams::default()).await {
+            Ok(_) => Ok(()),
+            Err(e) if is_status(&e, 404) => Ok(()),
+            Err(e) => Err(backend_error(format!("deleting machine {machine}"), e)),
+        }
+    }
+}
+
+/// What one reconcile did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    /// Wrote or acted: look again soon.
+    Acted,
+    /// Nothing to do until something changes.
+    Idle,
+}
+
+struct Parts<Q: Machines> {
+    client: ::kube::Client,
+    sets: Api<DynamicObject>,
+    machines: Api<DynamicObject>,
+    operator: Arc<Operator<Q>>,
+    settings: SetSettings,
+    recorder: Recorder,
+}
+
+impl<Q: Machines> Parts<Q> {
+    async fn reconcile(&self, missing_logged: &mut bool) -> Result<Outcome, SetError> {
+        let sets = match self.sets.list(&ListParams::default()).await {
+            Ok(l) => l.items,
+            Err(e) if is_status(&e, 404) => {
+                if !*missing_logged {
+                    info!("no ControlPlaneSet resource type installed; the set's controller idles");
+                    *missing_logged = true;
+                }
+                return Ok(Outcome::Idle);
+            }
+            Err(e) => return Err(call("listing ControlPlaneSets")(e).into()),
+        };
+        *missing_logged = false;
+        let mut outcome = Outcome::Idle;
+        for other in sets.iter().filter(|s| s.name_any() != NAME) {
+            // Refused, whatever else it says: only `cluster` is ever acted on.
+            if let Err(e) =
+                resource::validate(&serde_json::to_value(other).unwrap_or_default(), None)
+                && self
+                    .write_status(other, |s| self.refuse(s, other, &e))
+                    .await?
+            {
+                outcome = Outcome::Acted;
+            }
+        }
+        let Some(set) = sets.iter().find(|s| s.name_any() == NAME) else {
+            return Ok(outcome);
+        };
+        if set.metadata.deletion_timestamp.is_some() {
+            return self.orphan(set).await;
+        }
+        if !set.finalizers().iter().any(|f| f == FINALIZER) {
+            let mut finalizers = set.finalizers().to_vec();
+            finalizers.push(FINALIZER.into());
+            self.patch_list(
+                set,
+                "adding the finalizer",
+                json!({"finalizers": finalizers}),
+            )
+            .await?;
+            return Ok(Outcome::Acted);
+        }
+        let raw = serde_json::to_value(set).unwrap_or_default();
+        let previous = status_of(set);
+        let valid = match resource::validate(&raw, previous.accepted.as_ref()) {
+            Ok(v) => v,
+            Err(e) => {
+                warn_once(set, &previous, &e.to_string());
+                self.write_status(set, |s| self.refuse(s, set, &e)).await?;
+                return Ok(Outcome::Idle);
+            }
+        };
+        // First sight: the set takes over the control plane as it is, never resizes it.
+        let first = match previous.accepted {
+            Some(_) => Ok(()),
+            None => {
+                let existing = self
+                    .machines
+                    .list(&ListParams::default().labels(&valid.selector))
+                    .await
+                    .map_err(call("listing the machines the set would adopt"))?
+                    .items
+                    .iter()
+                    .filter(|m| m.metadata.deletion_timestamp.is_none())
+                    .count();
+                resource::fits_existing(valid.config.replicas, existing)
+            }
+        };
+        if let Err(e) = first.and_then(|()| {
+            resource::fits_quorum_operator(valid.config.strategy, self.settings.replacement)
+        }) {
+            warn_once(set, &previous, &e.to_string());
+            self.write_status(set, |s| self.refuse(s, set, &e)).await?;
+            return Ok(Outcome::Idle);
+        }
+        // Accepted before anything is acted on: a surge Machine created by a step whose status
+        // write then failed must not make the next reconcile see a first sight over 4 Machines.
+        if previous.accepted.is_none() {
+            let accepted = valid.accepted.clone();
+            self.write_status(set, |s| s.accepted = Some(accepted))
+                .await?;
+            info!(set = %set.name_any(), replicas = valid.accepted.replicas, selector = %valid.selector, "ControlPlaneSet accepted");
+            return Ok(Outcome::Acted);
+        }
+        let backend = KubeSetMachines::new(self.client.clone(), &self.settings, set, &valid);
+        let controller = Controller::new(
+            valid.config.clone(),
+            valid.field,
+            Arc::new(backend),
+            Arc::clone(&self.operator),
+        );
+        let plan = match controller.step().await {
+            Ok(p) => p,
+            // Refused for good (a Machine another controller owns, a Machine the API server
+            // will not take): an administrator's matter, so a condition says it, not only a log.
+            Err(ControllerError::Backend(e @ BackendError::Rejected { .. })) => {
+                let refusal = resource::Invalid {
+                    reason: "MachineActionRefused",
+                    field: "machines".into(),
+                    message: e.to_string(),
+                };
+                warn_once(set, &previous, &refusal.to_string());
+                self.write_status(set, |s| self.refuse(s, set, &refusal))
+                    .await?;
+                return Err(ControllerError::Backend(e).into());
+            }
+            Err(e) => return Err(e.into()),
+        };
+        self.publish(set, &plan).await;
+        if let Some(d) = plan
+            .conditions
+            .iter()
+            .find(|c| c.kind == "Degraded" && c.status)
+        {
+            warn_once(set, &previous, &d.message);
+        }
+        let generation = set.metadata.generation;
+        let accepted = valid.accepted.clone();
+        let replicas = valid.config.replicas;
+        self.write_status(set, |s| {
+            let now = Time(k8s_openapi::jiff::Timestamp::now());
+            let (current, ready, updated, unavailable) = resource::counts(&plan.counts, replicas);
+            s.observed_generation = generation;
+            s.replicas = current;
+            s.ready_replicas = ready;
+            s.updated_replicas = updated;
+            s.unavailable_replicas = unavailable;
+            s.conditions = resource::conditions(&plan.conditions, &s.conditions, generation, &now);
+            s.accepted = Some(accepted.clone());
+        })
+        .await?;
+        Ok(if plan.actions.is_empty() {
+            Outcome::Idle
+        } else {
+            Outcome::Acted
+        })
+    }
+
+    /// `s` with the refusal's conditions (the accepted fields kept).
+    fn refuse(&self, s: &mut ControlPlaneSetStatus, set: &DynamicObject, e: &resource::Invalid) {
+        let now = Time(k8s_openapi::jiff::Timestamp::now());
+        s.observed_generation = set.metadata.generation;
+        s.conditions = resource::refused(e, &s.conditions, set.metadata.generation, &now);
+    }
+
+    /// Writes the status `change` makes of the current one through `/status`, when it differs;
+    /// returns whether it wrote.
+    async fn write_status(
+        &self,
+        set: &DynamicObject,
+        change: impl FnOnce(&mut ControlPlaneSetStatus),
+    ) -> Result<bool, SetError> {
+        let before = status_of(set);
+        let mut after = before.clone();
+        change(&mut after);
+        if after == before {
+            return Ok(false);
+        }
+        let patch = json!({"status": after});
+        let name = set.name_any();
+        self.sets
+            .patch_status(&name, &params(), &Patch::Merge(&patch))
+            .await
+            .map_err(call(format!(
+                "writing the status of ControlPlaneSet {name}"
+            )))?;
+        Ok(true)
+    }
+
+    /// Replaces one list under `metadata` of the set (finalizers), on the version read.
+    async fn patch_list(
+        &self,
+        set: &DynamicObject,
+        what: &str,
+        metadata: Value,
+    ) -> Result<(), SetError> {
+        let mut m = metadata;
+        m["resourceVersion"] = json!(set.metadata.resource_version);
+        let name = set.name_any();
+        match self
+            .sets
+            .patch(&name, &params(), &Patch::Merge(&json!({"metadata": m})))
+            .await
+        {
+            Ok(_) => {
+                info!(set = %name, "{what}");
+                Ok(())
+            }
+            // Changed meanwhile: the watch wakes the next reconcile, which reads it again.
+            Err(e) if is_status(&e, 409) => Err(SetError::Conflict(format!("{what} on {name}"))),
+            Err(e) => Err(call(format!("{what} on ControlPlaneSet {name}"))(e).into()),
+        }
+    }
+
+    /// A deleting set: takes its owner references off every Machine (leaving the Machines),
+    /// then its finalizer off.
+    async fn orphan(&self, set: &DynamicObject) -> Result<Outcome, SetError> {
+        if !set.finalizers().iter().any(|f| f == FINALIZER) {
+            return Ok(Outcome::Idle);
+        }
+        let uid = set.uid().unwrap_or_default();
+        'machine: for attempt in 1..=ATTEMPTS {
+            let list = self
+                .machines
+                .list(&ListParams::default())
+                .await
+                .map_err(call("listing machines to orphan"))?;
+            for m in list.items.iter().filter(|m| owned_by(m, &uid)) {
+                let rest: Vec<&OwnerReference> = m
+                    .owner_references()
+                    .iter()
+                    .filter(|o| o.uid != uid)
+                    .collect();
+                let patch = json!({"metadata": {
+                    "ownerReferences": rest,
+                    "resourceVersion": m.metadata.resource_version,
+                }});
+                let name = m.name_any();
+                match self
+                    .machines
+                    .patch(&name, &params(), &Patch::Merge(&patch))
+                    .await
+                {
+                    Ok(_) => {
+                        info!(machine = %name, "orphaned: the ControlPlaneSet is being deleted");
+                        self.event(
+                            set,
+                            "Orphan",
+                            "MachineOrphaned",
+                            format!("machine {name} left in place, owner reference removed"),
+                        )
+                        .await;
+                    }
+                    Err(e) if is_status(&e, 409) || is_status(&e, 404) => {
+                        tokio::time::sleep(Duration::from_millis(20 * u64::from(attempt))).await;
+                        continue 'machine;
+                    }
+                    Err(e) => {
+                        return Err(call(format!("orphaning machine {name}"))(e).into());
+                    }
+                }
+            }
+            let finalizers: Vec<&String> = set
+                .finalizers()
+                .iter()
+                .filter(|f| *f != FINALIZER)
+                .collect();
+            self.patch_list(
+                set,
+                "machines orphaned; finalizer removed",
+                json!({"finalizers": finalizers}),
+            )
+            .await?;
+            return Ok(Outcome::Acted);
+        }
+        Err(SetError::Conflict("orphaning the machines".into()))
+    }
+
+    async fn publish(&self, set: &DynamicObject, plan: &Plan) {
+        for a in &plan.actions {
+            let (action, reason) = match a {
+                Action::Adopt { .. } => ("Adopt", "MachineAdopted"),
+                Action::Create { .. } => ("Create", "MachineCreated"),
+                Action::Delete { .. } => ("Delete", "MachineDeleted"),
+            };
+            self.event(set, action, reason, a.to_string()).await;
+        }
+    }
+
+    /// An Event on the set; one that cannot be published is logged and dropped.
+    async fn event(&self, set: &DynamicObject, action: &str, reason: &str, note: String) {
+        let ev = Event {
+            type_: EventType::Normal,
+            reason: reason.into(),
+            note: Some(note),
+            action: action.into(),
+            secondary: None,
+        };
+        let about = set.object_ref(&set_resource());
+        if let Err(e) = self.recorder.publish(&ev, &about).await {
+            warn!(reason, error = %e, "publishing an event");
+        }
+    }
+}
+
+/// The set's status as read (an unreadable one counts as empty and is rewritten).
+fn status_of(set: &DynamicObject) -> ControlPlaneSetStatus {
+    set.data
+        .get("status")
+        .cloned()
+        .and_then(|s| serde_json::from_value(s).ok())
+        .unwrap_or_default()
+}
+
+/// Logs why the set is degraded when it is new (not already the Degraded condition's message).
+fn warn_once(set: &DynamicObject, previous: &ControlPlaneSetStatus, text: &str) {
+    let known = previous
+        .conditions
+        .iter()
+        .any(|c| c.type_ == "Degraded" && c.status == "True" && c.message == text);
+    if !known {
+        warn!(set = %set.name_any(), degraded = %text, "ControlPlaneSet degraded");
+    }
+}
+
+/// Wakes the loop on every change `api`'s watch reports; the first failure of a streak is a
+/// warning, the rest (a missing resource type, say) are quiet.
+async fn trigger(api: Api<DynamicObject>, wake: Arc<Notify>, cancel: CancellationToken) {
+    let mut events = Box::pin(watcher(api, watcher::Config::default()).default_backoff());
+    let mut failing = false;
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            ev = events.next() => match ev {
+                Some(Ok(_)) => {
+                    failing = false;
+                    wake.notify_one();
+                }
+                Some(Err(e)) if !failing => {
+                    failing = true;
+                    debug!(error = %e, "watch failed; retrying with backoff");
+                }
+                Some(Err(_)) => {}
+                None => return,
+            },
+        }
+    }
+}
+
+/// Runs the set's controller until `cancel`, acting only while `leader` is true.
+pub async fn run<Q: Machines>(
+    client: ::kube::Client,
+    settings: SetSettings,
+    operator: Arc<Operator<Q>>,
+    mut leader: watch::Receiver<bool>,
+    cancel: CancellationToken,
+) {
+    let parts = Parts {
+        sets: Api::namespaced_with(client.clone(), &settings.namespace, &set_resource()),
+        machines: Api::namespaced_with(client.clone(), &settings.namespace, &machine_resource()),
+        recorder: Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: "etcd-warden-operator".into(),
+                instance: Some(settings.identity.clone()),
+            },
+        ),
+        client,
+        operator,
+        settings,
+    };
+    let tasks = TaskTracker::new();
+    let child = cancel.child_token();
+    let _stop_tasks = child.clone().drop_guard();
+    let wake = Arc::new(Notify::new());
+    tasks.spawn(trigger(
+        parts.sets.clone(),
+        Arc::clone(&wake),
+        child.clone(),
+    ));
+    tasks.spawn(trigger(
+        parts.machines.clone(),
+        Arc::clone(&wake),
+        child.clone(),
+    ));
+    tasks.close();
+
+    let backoff =
+        crate::backoff::Backoff::new(parts.settings.min_backoff, parts.settings.max_backoff);
+    let mut failures = 0u32;
+    let mut missing_logged = false;
+    'run: loop {
+        while !*leader.borrow_and_update() {
+            tokio::select! {
+                _ = cancel.cancelled() => break 'run,
+                changed = leader.changed() => if changed.is_err() { break 'run },
+            }
+        }
+        loop {
+            let result = tokio::select! {
+                _ = cancel.cancelled() => break 'run,
+                _ = leader.wait_for(|l| !*l) => continue 'run,
+                r = parts.reconcile(&mut missing_logged) => r,
+            };
+            let wait = match result {
+                Ok(Outcome::Acted) => {
+                    failures = 0;
+                    Duration::from_millis(50)
+                }
+                Ok(Outcome::Idle) => {
+                    failures = 0;
+                    parts.settings.interval
+                }
+                Err(e) => {
+                    failures = failures.saturating_add(1);
+                    let retry_in = backoff.delay(failures);
+                    warn!(error = %e, ?retry_in, "ControlPlaneSet reconcile failed");
+                    retry_in
+                }
+            };
+            tokio::select! {
+                _ = cancel.cancelled() => break 'run,
+                _ = leader.wait_for(|l| !*l) => continue 'run,
+                _ = wake.notified() => {}
+                _ = tokio::time::sleep(wait) => {}
+            }
+        }
+    }
+    child.cancel();
+    if tokio::time::timeout(Duration::from_secs(5), tasks.wait())
+        .await
+        .is_err()
+    {
+        warn!("ControlPlaneSet watch tasks did not stop within 5s");
+    }
+}
+
+/// The accepted immutable fields of a set's status, if any (for tests and tools).
+pub fn accepted(set: &DynamicObject) -> Option<AcceptedSpec> {
+    status_of(set).accepted
+}

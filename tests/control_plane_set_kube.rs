@@ -1,0 +1,1166 @@
+//! The ControlPlaneSet on Kubernetes (`operator::control_plane_set::kube`, spawned by the quorum
+//! operator's `operator::kube::controller::run`, in process) against the API server double and a
+//! real 3-member etcd 3.5. The test plays the Machine API: a new Machine is "provisioned" (the
+//! machine controller's finalizer, the next loopback address, phase `Running` and a node
+//! reference); a deleting Machine goes once no pre-drain hook holds it, its etcd killed
+//! (`support::machine_api`); and the platform starts etcd for a learner added on a Machine's
+//! address. The quorum operator runs with `Replacement::Surge`, as a RollingUpdate needs.
+//!
+//! Scenarios: a template change rolls the 3 Machines one at a time under a live writer; a
+//! failure domain added moves one Machine into it; a new set for 5 over 3 Machines, a change of
+//! `spec.replicas` or `spec.selector` and a set not named `cluster` are refused with a Degraded
+//! condition naming the field, a Machine another controller owns is a Degraded condition
+//! (`MachineActionRefused`) until freed, and deleting the set leaves every Machine, owner references
+//! removed; while another replica holds the Lease the set is not touched; OnDelete (the quorum
+//! operator ordering by deletion) replaces only the Machine deleted by hand, and a RollingUpdate
+//! set over that quorum operator is refused; Recreate (the quorum operator shrinking first) rolls
+//! the 3 Machines under a writer, never more than 3 Machines, never fewer than 2 voters.
+//!
+//! What the double does NOT check: it evaluates no CEL rule, no OpenAPI enum and no default of
+//! the CRD (no CRD is installed: any JSON is stored), and it garbage-collects nothing by owner
+//! reference. So the refusals seen here are the controller's own checks
+//! (`control_plane_set::resource::validate`), and "deleting the set leaves the Machines" shows
+//! the owner references gone, not a garbage collector held back. The etcd harness mirrors
+//! tests/operator_kube.rs (loopback "hosts", one member each).
+
+mod support;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use etcd_client::{Client, ConnectOptions};
+use etcd_warden::operator::control_plane_set::resource::{
+    ControlPlaneSet, ControlPlaneSetSpec, FINALIZER as SET_FINALIZER, FailureDomains,
+    MachineTemplate, Platform, ProviderSpec, TemplateMachineSpec, TemplateMetadata, UpdateStrategy,
+};
+use etcd_warden::operator::execute::Timing;
+use etcd_warden::operator::kube::KubeMachinesConfig;
+use etcd_warden::operator::kube::controller::{self, Settings};
+use etcd_warden::operator::kube::lease::LeaseTiming;
+use etcd_warden::operator::kube::quorum_guard::QuorumGuard;
+use etcd_warden::operator::plan::{Replacement, Spec};
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, MicroTime};
+use kube::ResourceExt as _;
+use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
+use support::apiserver::ApiServer;
+use support::etcd::Release;
+use support::machine_api::{self, FINALIZER, MachineApi, ROLE_LABEL, create_machine};
+use tokio_util::sync::CancellationToken;
+
+const MACHINES_NS: &str = "openshift-machine-api";
+const ETCD_NS: &str = "openshift-etcd";
+
+fn ip(n: usize) -> String {
+    format!("127.0.0.{}", 11 + n)
+}
+
+/// A port free on every address the test uses, and never handed to another test of this
+/// process (they run in parallel).
+fn common_port() -> u16 {
+    static GIVEN: Mutex<Vec<u16>> = Mutex::new(Vec::new());
+    loop {
+        let probe = std::net::TcpListener::bind("127.0.0.11:0").unwrap();
+        let port = probe.local_addr().unwrap().port();
+        drop(probe);
+        let mut given = GIVEN.lock().unwrap();
+        if !given.contains(&port)
+            && (0..10).all(|n| std::net::TcpListener::bind((ip(n).as_str(), port)).is_ok())
+        {
+            given.push(port);
+            return port;
+        }
+    }
+}
+
+/// etcd members on loopback "hosts", killed when dropped.
+struct Hosts {
+    dir: PathBuf,
+    peer: u16,
+    client: u16,
+    running: Mutex<HashMap<String, Child>>,
+    /// Certificates (`ca.pem`, `server.*`, `client.*`) when clients must use mutual TLS.
+    tls: Option<PathBuf>,
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for (_, mut c) in self.running.lock().unwrap().drain() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Hosts {
+    fn peer_url(&self, ip: &str) -> String {
+        format!("http://{ip}:{}", self.peer)
+    }
+
+    fn client_url(&self, ip: &str) -> String {
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{ip}:{}", self.client)
+    }
+
+    fn start(&self, name: &str, ip: &str, initial_cluster: &str, state: &str) {
+        let log = std::fs::File::create(self.dir.join(format!("{name}.log"))).unwrap();
+        let child = Command::new(Release::V35.bin("etcd"))
+            .args(["--name", name])
+            .arg("--data-dir")
+            .arg(self.dir.join(name))
+            .args(["--listen-peer-urls", &self.peer_url(ip)])
+            .args(["--initial-advertise-peer-urls", &self.peer_url(ip)])
+            .args(["--listen-client-urls", &self.client_url(ip)])
+            .args(["--advertise-client-urls", &self.client_url(ip)])
+            .args(["--initial-cluster", initial_cluster])
+            .args(["--initial-cluster-state", state])
+            .args(["--initial-cluster-token", "kube-e2e"])
+            .args(["--unsafe-no-fsync", "--log-level", "warn"])
+            .args(self.tls.iter().flat_map(|d| {
+                [
+                    "--client-cert-auth".to_owned(),
+                    format!("--trusted-ca-file={}", d.join("ca.pem").display()),
+                    format!("--cert-file={}", d.join("server.pem").display()),
+                    format!("--key-file={}", d.join("server.key").display()),
+                ]
+            }))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start etcd");
+        self.running.lock().unwrap().insert(name.to_owned(), child);
+    }
+
+    fn kill(&self, name: &str) {
+        if let Some(mut c) = self.running.lock().unwrap().remove(name) {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn is_running(&self, name: &str) -> bool {
+        self.running.lock().unwrap().contains_key(name)
+    }
+}
+
+async fn client(urls: &[String], tls: Option<&std::path::Path>) -> Option<Client> {
+    let mut opts = ConnectOptions::new()
+        .with_timeout(Duration::from_secs(2))
+        .with_connect_timeout(Duration::from_secs(1));
+    if let Some(d) = tls {
+        let read = |f: &str| std::fs::read(d.join(f)).unwrap();
+        opts = opts.with_tls(
+            etcd_client::TlsOptions::new()
+                .ca_certificate(etcd_client::Certificate::from_pem(read("ca.pem")))
+                .identity(etcd_client::Identity::from_pem(
+                    read("client.pem"),
+                    read("client.key"),
+                )),
+        );
+    }
+    for u in urls {
+        if let Ok(mut c) = Client::connect([u.as_str()], Some(opts.clone())).await
+            && c.member_list().await.is_ok()
+        {
+            return Some(c);
+        }
+    }
+    None
+}
+
+/// (id, name, peer URL, learner) of every member, through any member that answers.
+async fn members(hosts: &Hosts, ips: &[String]) -> Option<Vec<(u64, String, String, bool)>> {
+    let urls: Vec<String> = ips.iter().map(|i| hosts.client_url(i)).collect();
+    let mut c = client(&urls, hosts.tls.as_deref()).await?;
+    let list = c.member_list().await.ok()?;
+    Some(
+        list.members()
+            .iter()
+            .map(|m| {
+                (
+                    m.id(),
+                    m.name().to_owned(),
+                    m.peer_urls().first().cloned().unwrap_or_default(),
+                    m.is_learner(),
+                )
+            })
+            .collect(),
+    )
+}
+
+async fn eventually<T>(what: &str, timeout: Duration, mut f: impl AsyncFnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The platform: a learner added for a Machine's address gets its etcd started there.
+async fn platform(
+    hosts: Arc<Hosts>,
+    names: Arc<Mutex<BTreeMap<String, String>>>,
+    stop: CancellationToken,
+) {
+    while !stop.is_cancelled() {
+        let ips: Vec<String> = names.lock().unwrap().keys().cloned().collect();
+        if let Some(list) = members(&hosts, &ips).await {
+            for (_, _, peer, _) in list.iter().filter(|m| m.1.is_empty()) {
+                let Some((ip, machine)) = names
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .find(|(ip, _)| hosts.peer_url(ip) == *peer)
+                    .map(|(i, m)| (i.clone(), m.clone()))
+                else {
+                    continue;
+                };
+                if hosts.is_running(&machine) {
+                    continue;
+                }
+                let cluster: Vec<String> = list
+                    .iter()
+                    .map(|(_, n, p, _)| {
+                        let n = if p == peer {
+                            machine.clone()
+                        } else {
+                            n.clone()
+                        };
+                        format!("{n}={p}")
+                    })
+                    .filter(|s| !s.starts_with('='))
+                    .collect();
+                hosts.start(&machine, &ip, &cluster.join(","), "existing");
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[derive(Default, Debug)]
+struct Writes {
+    acked: BTreeMap<String, String>,
+    errors: usize,
+}
+
+/// Puts keys through whichever member answers, for as long as it runs.
+async fn writer(
+    hosts: Arc<Hosts>,
+    names: Arc<Mutex<BTreeMap<String, String>>>,
+    stop: CancellationToken,
+) -> Writes {
+    let mut w = Writes::default();
+    let mut c: Option<Client> = None;
+    let mut i = 0u64;
+    while !stop.is_cancelled() {
+        if c.is_none() {
+            let urls: Vec<String> = names
+                .lock()
+                .unwrap()
+                .keys()
+                .map(|ip| hosts.client_url(ip))
+                .collect();
+            c = client(&urls, hosts.tls.as_deref()).await;
+        }
+        let Some(cl) = c.as_mut() else {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        };
+        let (key, value) = (format!("w/{i:08}"), format!("v{i}"));
+        i += 1;
+        match cl.put(key.as_str(), value.as_str(), None).await {
+            Ok(_) => {
+                w.acked.insert(key, value);
+            }
+            Err(_) => {
+                w.errors += 1;
+                c = None;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    w
+}
+
+/// Samples the member list: (min voters, max voters, max learners, samples).
+async fn monitor(
+    hosts: Arc<Hosts>,
+    names: Arc<Mutex<BTreeMap<String, String>>>,
+    stop: CancellationToken,
+) -> (usize, usize, usize, usize) {
+    let (mut min_v, mut max_v, mut max_l, mut n) = (usize::MAX, 0, 0, 0);
+    while !stop.is_cancelled() {
+        let ips: Vec<String> = names.lock().unwrap().keys().cloned().collect();
+        if let Some(m) = members(&hosts, &ips).await {
+            let voters = m.iter().filter(|m| !m.3).count();
+            min_v = min_v.min(voters);
+            max_v = max_v.max(voters);
+            max_l = max_l.max(m.len() - voters);
+            n += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    (min_v, max_v, max_l, n)
+}
+
+/// The machine controller: a Machine nobody has provisioned yet gets the machine controller's
+/// finalizer, the next free loopback address (recorded in `names`, so the platform and the
+/// writer find its member), phase `Running` and a node reference.
+async fn provisioner(
+    raw: Api<DynamicObject>,
+    names: Arc<Mutex<BTreeMap<String, String>>>,
+    mut next: usize,
+    stop: CancellationToken,
+) {
+    while !stop.is_cancelled() {
+        if let Ok(list) = raw.list(&ListParams::default()).await {
+            for m in list.items {
+                if m.data.pointer("/status/phase").is_some()
+                    || m.metadata.deletion_timestamp.is_some()
+                {
+                    continue;
+                }
+                let name = m.name_any();
+                let addr = ip(next);
+                next += 1;
+                names.lock().unwrap().insert(addr.clone(), name.clone());
+                let mut finalizers = m.finalizers().to_vec();
+                finalizers.push(FINALIZER.into());
+                let p = json!({"metadata": {
+                    "finalizers": finalizers,
+                    "resourceVersion": m.metadata.resource_version,
+                }});
+                raw.patch(&name, &PatchParams::default(), &Patch::Merge(&p))
+                    .await
+                    .expect("the machine controller's finalizer");
+                let p = json!({"status": {
+                    "phase": "Running",
+                    "addresses": [{"type": "InternalIP", "address": addr}],
+                    "nodeRef": {"kind": "Node", "name": name},
+                }});
+                raw.patch_status(&name, &PatchParams::default(), &Patch::Merge(&p))
+                    .await
+                    .expect("report the machine running");
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// etcd on loopback hosts, the double, the Machine API, the platform and the operator (whose
+/// controller runs the set's loop).
+struct World {
+    hosts: Arc<Hosts>,
+    names: Arc<Mutex<BTreeMap<String, String>>>,
+    kc: kube::Client,
+    raw: Api<DynamicObject>,
+    sets: Api<ControlPlaneSet>,
+    stop: CancellationToken,
+    /// How the quorum operator orders membership changes (Surge unless a test says otherwise).
+    replacement: Replacement,
+    server: ApiServer,
+    _machine_api: MachineApi,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+impl World {
+    /// cp-0..cp-2 running etcd, their Machines Running with a node (in `zones`' availability
+    /// zones when given), and the operator leading.
+    async fn start(zones: &[&str]) -> World {
+        let w = World::build(zones).await;
+        w.run_operator();
+        w
+    }
+
+    /// As [`World::start`], the operator not started.
+    async fn build(zones: &[&str]) -> World {
+        let dir = tempfile::tempdir().unwrap();
+        let hosts = Arc::new(Hosts {
+            dir: dir.path().to_path_buf(),
+            peer: common_port(),
+            client: common_port(),
+            running: Mutex::new(HashMap::new()),
+            tls: None,
+        });
+        let first: Vec<(String, String)> = (0..3).map(|n| (format!("cp-{n}"), ip(n))).collect();
+        let initial: Vec<String> = first
+            .iter()
+            .map(|(n, i)| format!("{n}={}", hosts.peer_url(i)))
+            .collect();
+        for (n, i) in &first {
+            hosts.start(n, i, &initial.join(","), "new");
+        }
+        let ips: Vec<String> = first.iter().map(|(_, i)| i.clone()).collect();
+        eventually(
+            "etcd to form its cluster",
+            Duration::from_secs(30),
+            async || {
+                members(&hosts, &ips)
+                    .await
+                    .filter(|m| m.iter().all(|m| !m.1.is_empty()))
+            },
+        )
+        .await;
+        let server = ApiServer::start().await;
+        server.status_subresource("etcd-warden.io", "controlplanesets");
+        let kc = server.client();
+        let raw = machine_api::machines(kc.clone(), MACHINES_NS);
+        for (i, (n, addr)) in first.iter().enumerate() {
+            create_machine(&raw, n, "master", Some(addr)).await;
+            let p = json!({"status": {"nodeRef": {"kind": "Node", "name": n}}});
+            raw.patch_status(n, &PatchParams::default(), &Patch::Merge(&p))
+                .await
+                .unwrap();
+            if let Some(z) = zones.get(i) {
+                let p = json!({"spec": {"providerSpec": {"value": {"placement": {"availabilityZone": z}}}}});
+                raw.patch(n, &PatchParams::default(), &Patch::Merge(&p))
+                    .await
+                    .unwrap();
+            }
+        }
+        let names: Arc<Mutex<BTreeMap<String, String>>> = Arc::new(Mutex::new(
+            first.iter().map(|(n, i)| (i.clone(), n.clone())).collect(),
+        ));
+        let stop = CancellationToken::new();
+        tokio::spawn(platform(
+            Arc::clone(&hosts),
+            Arc::clone(&names),
+            stop.clone(),
+        ));
+        tokio::spawn(provisioner(
+            raw.clone(),
+            Arc::clone(&names),
+            3,
+            stop.clone(),
+        ));
+        let machine_api = MachineApi::start(raw.clone(), {
+            let hosts = Arc::clone(&hosts);
+            move |name| hosts.kill(name)
+        });
+        World {
+            sets: Api::namespaced(kc.clone(), MACHINES_NS),
+            hosts,
+            names,
+            kc,
+            raw,
+            stop,
+            replacement: Replacement::Surge,
+            server,
+            _machine_api: machine_api,
+            _dir: dir,
+        }
+    }
+
+    /// Starts the quorum operator (and so the set's loop) as replica `op-0`.
+    fn run_operator(&self) {
+        tokio::spawn(controller::run(
+            self.server.client_as(support::rbac::OPERATOR),
+            self.settings(),
+            self.stop.child_token(),
+        ));
+    }
+
+    fn settings(&self) -> Settings {
+        let urls: Vec<String> = self
+            .names
+            .lock()
+            .unwrap()
+            .keys()
+            .map(|i| self.hosts.client_url(i))
+            .collect();
+        Settings {
+            spec: Spec {
+                desired_voters: 3,
+                replacement: self.replacement,
+            },
+            machines: KubeMachinesConfig {
+                namespace: MACHINES_NS.into(),
+                peer_scheme: "http".into(),
+                peer_port: self.hosts.peer,
+                ..KubeMachinesConfig::default()
+            },
+            etcd_endpoints: urls,
+            etcd_tls: None,
+            namespace: ETCD_NS.into(),
+            guard: QuorumGuard::default(),
+            lease_name: "etcd-warden-operator".into(),
+            identity: "op-0".into(),
+            lease: LeaseTiming {
+                duration: Duration::from_secs(2),
+                renew_deadline: Duration::from_millis(1500),
+                retry: Duration::from_millis(200),
+            },
+            timing: Timing {
+                interval: Duration::from_millis(200),
+                min_backoff: Duration::from_millis(100),
+                max_backoff: Duration::from_secs(1),
+                request_timeout: Duration::from_secs(2),
+            },
+            owner: None,
+        }
+    }
+
+    /// Creates the set `name` over the role=master Machines, at the harness's provider spec.
+    async fn create_set(&self, name: &str, domains: Option<&[&str]>) {
+        self.create_set_of(name, domains, 3).await;
+    }
+
+    /// As [`World::create_set`], for `replicas`.
+    async fn create_set_of(&self, name: &str, domains: Option<&[&str]>, replicas: i32) {
+        let labels = BTreeMap::from([(ROLE_LABEL.to_owned(), "master".to_owned())]);
+        let spec = ControlPlaneSetSpec {
+            replicas,
+            strategy: UpdateStrategy::default(),
+            failure_domains: domains.map(|d| FailureDomains {
+                platform: Platform::AWS,
+                domains: d.iter().map(|s| s.to_string()).collect(),
+            }),
+            selector: LabelSelector {
+                match_labels: Some(labels.clone()),
+                match_expressions: None,
+            },
+            template: MachineTemplate {
+                metadata: TemplateMetadata {
+                    labels,
+                    annotations: BTreeMap::new(),
+                },
+                spec: TemplateMachineSpec {
+                    provider_spec: ProviderSpec {
+                        value: json!({"instanceType": "test"}),
+                    },
+                },
+            },
+        };
+        self.sets
+            .create(&PostParams::default(), &ControlPlaneSet::new(name, spec))
+            .await
+            .unwrap();
+    }
+
+    async fn patch_set(&self, spec: Value) {
+        self.sets
+            .patch(
+                "cluster",
+                &PatchParams::default(),
+                &Patch::Merge(&json!({"spec": spec})),
+            )
+            .await
+            .unwrap();
+    }
+
+    async fn machines(&self) -> Vec<DynamicObject> {
+        self.raw.list(&ListParams::default()).await.unwrap().items
+    }
+
+    /// Waits until the set has seen its latest generation and `done` holds of its status.
+    async fn status_until(
+        &self,
+        what: &str,
+        timeout: Duration,
+        done: impl Fn(&Value) -> bool,
+    ) -> Value {
+        eventually(what, timeout, async || {
+            let set = self.sets.get_opt("cluster").await.ok().flatten()?;
+            let status = serde_json::to_value(set.status.as_ref()?).ok()?;
+            (status["observedGeneration"].as_i64() == set.metadata.generation && done(&status))
+                .then_some(status)
+        })
+        .await
+    }
+
+    /// Waits until the three Machines are adopted and the set settled at its template.
+    async fn settled(&self) -> Value {
+        let uid = self.sets.get("cluster").await.unwrap().uid().unwrap();
+        eventually(
+            "every machine adopted",
+            Duration::from_secs(30),
+            async || {
+                let ms = self.machines().await;
+                (ms.len() == 3
+                    && ms.iter().all(|m| {
+                        m.owner_references()
+                            .iter()
+                            .any(|o| o.uid == uid && o.controller == Some(true))
+                    }))
+                .then_some(())
+            },
+        )
+        .await;
+        self.status_until("the set settled", Duration::from_secs(60), |s| {
+            s["updatedReplicas"] == 3
+                && s["readyReplicas"] == 3
+                && condition(s, "Progressing").0 == "False"
+        })
+        .await
+    }
+
+    /// Reasons of the Events on the set, once per occurrence.
+    async fn set_events(&self) -> Vec<String> {
+        let events: Api<Event> = Api::namespaced(self.kc.clone(), MACHINES_NS);
+        events
+            .list(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .filter(|e| {
+                e.regarding
+                    .as_ref()
+                    .is_some_and(|r| r.kind.as_deref() == Some("ControlPlaneSet"))
+            })
+            // The recorder folds repeats of one reason into a series.
+            .flat_map(|e| {
+                let n = e.series.as_ref().map_or(1, |s| s.count.max(1)) as usize;
+                std::iter::repeat_n(e.reason.unwrap_or_default(), n)
+            })
+            .collect()
+    }
+}
+
+/// (status, reason, message) of the condition `kind`.
+fn condition(status: &Value, kind: &str) -> (String, String, String) {
+    let c = status["conditions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|c| c["type"] == kind);
+    let s = |k: &str| c.and_then(|c| c[k].as_str()).unwrap_or_default().to_owned();
+    (s("status"), s("reason"), s("message"))
+}
+
+fn zone(m: &DynamicObject) -> String {
+    m.data
+        .pointer("/spec/providerSpec/value/placement/availabilityZone")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_owned()
+}
+
+fn instance_type(m: &DynamicObject) -> String {
+    m.data
+        .pointer("/spec/providerSpec/value/instanceType")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// The most Machines (deleting ones included) seen at once, sampled until `stop`.
+async fn machine_peak(raw: Api<DynamicObject>, stop: CancellationToken) -> usize {
+    let mut peak = 0;
+    while !stop.is_cancelled() {
+        if let Ok(l) = raw.list(&ListParams::default()).await {
+            peak = peak.max(l.items.len());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    peak
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_template_change_rolls_three_machines_one_at_a_time_under_writes() {
+    let w = World::start(&[]).await;
+    w.create_set("cluster", None).await;
+    w.settled().await;
+    assert!(w.set_events().await.iter().all(|r| r == "MachineAdopted"));
+
+    let stop = CancellationToken::new();
+    let writes = tokio::spawn(writer(
+        Arc::clone(&w.hosts),
+        Arc::clone(&w.names),
+        stop.clone(),
+    ));
+    let voters = tokio::spawn(monitor(
+        Arc::clone(&w.hosts),
+        Arc::clone(&w.names),
+        stop.clone(),
+    ));
+    let peak = tokio::spawn(machine_peak(w.raw.clone(), stop.clone()));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    w.patch_set(
+        json!({"template": {"spec": {"providerSpec": {"value": {"instanceType": "big"}}}}}),
+    )
+    .await;
+
+    // Every Machine replaced: three new ones at the new spec, the old ones gone, their members
+    // the three voters.
+    let final_machines = eventually("the rollout", Duration::from_secs(180), async || {
+        let ms = w.machines().await;
+        let names: Vec<String> = ms.iter().map(|m| m.name_any()).collect();
+        let done = ms.len() == 3
+            && ms
+                .iter()
+                .all(|m| instance_type(m) == "big" && m.metadata.deletion_timestamp.is_none())
+            && !names.iter().any(|n| n.starts_with("cp-"));
+        if !done {
+            return None;
+        }
+        let ips: Vec<String> = w.names.lock().unwrap().keys().cloned().collect();
+        let list = members(&w.hosts, &ips).await?;
+        let mut voters: Vec<String> = list.iter().filter(|m| !m.3).map(|m| m.1.clone()).collect();
+        voters.sort();
+        let mut want = names.clone();
+        want.sort();
+        (voters == want && list.len() == 3).then_some(names)
+    })
+    .await;
+    w.status_until(
+        "the set's status at the new template",
+        Duration::from_secs(30),
+        |s| {
+            s["updatedReplicas"] == 3
+                && s["replicas"] == 3
+                && condition(s, "Progressing").0 == "False"
+        },
+    )
+    .await;
+    stop.cancel();
+    let writes = writes.await.unwrap();
+    let (min_v, _max_v, _max_l, samples) = voters.await.unwrap();
+    let peak = peak.await.unwrap();
+    assert!(samples > 20, "monitor sampled {samples} times");
+    assert!(min_v >= 3, "voters fell to {min_v}");
+    assert!(peak <= 4, "{peak} machines at once (replicas + 1 at most)");
+    for m in &final_machines {
+        assert!(
+            m.starts_with("cluster-control-plane-"),
+            "{m} made from the template"
+        );
+    }
+
+    assert!(
+        writes.acked.len() > 100,
+        "only {} writes acknowledged",
+        writes.acked.len()
+    );
+    let urls: Vec<String> = w
+        .names
+        .lock()
+        .unwrap()
+        .keys()
+        .map(|i| w.hosts.client_url(i))
+        .collect();
+    let mut c = client(&urls, None).await.unwrap();
+    let got = c
+        .get("w/", Some(etcd_client::GetOptions::new().with_prefix()))
+        .await
+        .unwrap();
+    let stored: BTreeMap<String, String> = got
+        .kvs()
+        .iter()
+        .map(|kv| {
+            (
+                kv.key_str().unwrap().to_owned(),
+                kv.value_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    for (k, v) in &writes.acked {
+        assert_eq!(stored.get(k), Some(v), "acknowledged write {k} lost");
+    }
+    let reasons = w.set_events().await;
+    let count = |r: &str| reasons.iter().filter(|x| *x == r).count();
+    assert_eq!(
+        (count("MachineCreated"), count("MachineDeleted")),
+        (3, 3),
+        "{reasons:?}"
+    );
+    support::rbac::assert_operator_allowed(&w.server);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failure_domain_added_moves_one_machine_into_it() {
+    let w = World::start(&["a", "b", "a"]).await;
+    w.create_set("cluster", Some(&["a", "b"])).await;
+    w.settled().await;
+    let peak = tokio::spawn(machine_peak(w.raw.clone(), w.stop.clone()));
+    w.patch_set(json!({"failureDomains": {"platform": "AWS", "domains": ["a", "b", "c"]}}))
+        .await;
+    let ms = eventually(
+        "one machine moved to c",
+        Duration::from_secs(120),
+        async || {
+            let ms = w.machines().await;
+            let mut zones: Vec<String> = ms.iter().map(zone).collect();
+            zones.sort();
+            (zones == ["a", "b", "c"] && ms.iter().all(|m| m.metadata.deletion_timestamp.is_none()))
+                .then_some(ms)
+        },
+    )
+    .await;
+    let names: Vec<String> = ms.iter().map(|m| m.name_any()).collect();
+    // The crowded domain gave up its last Machine by name; the others stayed.
+    assert!(
+        names.contains(&"cp-0".to_owned()) && names.contains(&"cp-1".to_owned()),
+        "{names:?}"
+    );
+    let moved = ms.iter().find(|m| zone(m) == "c").unwrap();
+    assert!(moved.name_any().starts_with("cluster-control-plane-"));
+    assert_eq!(
+        instance_type(moved),
+        "test",
+        "the template's spec, the domain injected"
+    );
+    w.status_until("the set balanced", Duration::from_secs(30), |s| {
+        s["updatedReplicas"] == 3 && condition(s, "Progressing").0 == "False"
+    })
+    .await;
+    w.stop.cancel();
+    assert!(peak.await.unwrap() <= 4);
+    let reasons = w.set_events().await;
+    assert_eq!(
+        reasons.iter().filter(|r| *r == "MachineCreated").count(),
+        1,
+        "{reasons:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_name_the_field_and_deleting_the_set_leaves_every_machine() {
+    let w = World::start(&[]).await;
+    let before: Vec<String> = w.machines().await.iter().map(|m| m.name_any()).collect();
+    // A new set for 5 over a control plane of 3: it takes over, never resizes.
+    w.create_set_of("cluster", None, 5).await;
+    let status = w
+        .status_until("the resize refused", Duration::from_secs(20), |s| {
+            condition(s, "Degraded").0 == "True"
+        })
+        .await;
+    let (_, reason, message) = condition(&status, "Degraded");
+    assert_eq!(reason, "InvalidSpec");
+    assert!(
+        message.starts_with("spec.replicas: is 5 but 3 control-plane Machines"),
+        "{message}"
+    );
+    assert!(status["accepted"].is_null(), "nothing accepted: {status}");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let now: Vec<String> = w.machines().await.iter().map(|m| m.name_any()).collect();
+    assert_eq!(now, before, "nothing created while refused");
+    // cp-2 is controlled by something else: the set says so and adopts it once that is gone.
+    let foreign = json!({"metadata": {"ownerReferences": [{
+        "apiVersion": "machine.openshift.io/v1beta1", "kind": "MachineSet",
+        "name": "workers", "uid": "ms-uid", "controller": true,
+    }]}});
+    w.raw
+        .patch("cp-2", &PatchParams::default(), &Patch::Merge(&foreign))
+        .await
+        .unwrap();
+    w.patch_set(json!({"replicas": 3})).await;
+    let status = w
+        .status_until("the adoption refused", Duration::from_secs(20), |s| {
+            condition(s, "Degraded").1 == "MachineActionRefused"
+        })
+        .await;
+    let message = condition(&status, "Degraded").2;
+    assert!(message.contains("MachineSet workers"), "{message}");
+    let p = json!({"metadata": {"ownerReferences": null}});
+    w.raw
+        .patch("cp-2", &PatchParams::default(), &Patch::Merge(&p))
+        .await
+        .unwrap();
+    w.settled().await;
+
+    // A second set, not named cluster: refused, never acted on.
+    w.create_set("other", None).await;
+    eventually(
+        "the other set refused",
+        Duration::from_secs(20),
+        async || {
+            let set = w.sets.get("other").await.ok()?;
+            let status = serde_json::to_value(set.status?).ok()?;
+            let (s, reason, message) = condition(&status, "Degraded");
+            (s == "True" && reason == "InvalidSpec" && message.starts_with("metadata.name:"))
+                .then_some(())
+        },
+    )
+    .await;
+    assert!(w.sets.get("other").await.unwrap().finalizers().is_empty());
+
+    // replicas is immutable: the controller refuses the change (the double runs no CEL).
+    w.patch_set(json!({"replicas": 5})).await;
+    let status = w
+        .status_until(
+            "the replicas change refused",
+            Duration::from_secs(20),
+            |s| condition(s, "Degraded").0 == "True",
+        )
+        .await;
+    let (_, reason, message) = condition(&status, "Degraded");
+    assert_eq!(reason, "InvalidSpec");
+    assert!(
+        message.starts_with("spec.replicas: is immutable"),
+        "{message}"
+    );
+    assert_eq!(status["accepted"]["replicas"], 3);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let now: Vec<String> = w.machines().await.iter().map(|m| m.name_any()).collect();
+    assert_eq!(now, before, "nothing acted on while refused");
+
+    // The selector too.
+    w.patch_set(
+        json!({"replicas": 3, "selector": {"matchLabels": {ROLE_LABEL: "master", "x": "y"}}}),
+    )
+    .await;
+    let status = w
+        .status_until(
+            "the selector change refused",
+            Duration::from_secs(20),
+            |s| {
+                condition(s, "Degraded")
+                    .2
+                    .starts_with("spec.selector: is immutable")
+            },
+        )
+        .await;
+    assert_eq!(condition(&status, "Degraded").1, "InvalidSpec");
+
+    // Deleting the set orphans the Machines, then the set goes.
+    let set = w.sets.get("cluster").await.unwrap();
+    assert!(set.finalizers().iter().any(|f| f == SET_FINALIZER));
+    let uid = set.uid().unwrap();
+    w.sets
+        .delete("cluster", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually("the set gone", Duration::from_secs(20), async || {
+        w.sets
+            .get_opt("cluster")
+            .await
+            .ok()?
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    let ms = w.machines().await;
+    let names: Vec<String> = ms.iter().map(|m| m.name_any()).collect();
+    assert_eq!(names, before, "every machine left in place");
+    for m in &ms {
+        assert!(
+            m.metadata.deletion_timestamp.is_none(),
+            "{} deleted",
+            m.name_any()
+        );
+        assert!(
+            m.owner_references().iter().all(|o| o.uid != uid),
+            "{} still owned",
+            m.name_any()
+        );
+    }
+    assert!(w.set_events().await.iter().any(|r| r == "MachineOrphaned"));
+    support::rbac::assert_operator_allowed(&w.server);
+}
+
+/// Renews a Lease held by `someone-else` until `stop`, as a live replica would.
+async fn hold_lease(kc: kube::Client, stop: CancellationToken) {
+    let leases: Api<Lease> = Api::namespaced(kc, ETCD_NS);
+    let now = || MicroTime(k8s_openapi::jiff::Timestamp::now());
+    let lease = Lease {
+        metadata: kube::api::ObjectMeta {
+            name: Some("etcd-warden-operator".into()),
+            ..Default::default()
+        },
+        spec: Some(LeaseSpec {
+            holder_identity: Some("someone-else".into()),
+            lease_duration_seconds: Some(2),
+            acquire_time: Some(now()),
+            renew_time: Some(now()),
+            ..Default::default()
+        }),
+    };
+    leases.create(&PostParams::default(), &lease).await.unwrap();
+    while !stop.is_cancelled() {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let p = json!({"spec": {"renewTime": now()}});
+        let _ = leases
+            .patch(
+                "etcd-warden-operator",
+                &PatchParams::default(),
+                &Patch::Merge(&p),
+            )
+            .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_lease_holder_acts_on_the_set() {
+    let w = World::build(&[]).await;
+    let other = CancellationToken::new();
+    let held = tokio::spawn(hold_lease(w.kc.clone(), other.clone()));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    w.run_operator();
+    w.create_set("cluster", None).await;
+    // Many resyncs later: another replica leads, so no finalizer, no status, nothing adopted.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let set = w.sets.get("cluster").await.unwrap();
+    assert!(set.finalizers().is_empty(), "{:?}", set.finalizers());
+    assert!(set.status.is_none(), "{:?}", set.status);
+    assert!(
+        w.machines()
+            .await
+            .iter()
+            .all(|m| m.owner_references().is_empty())
+    );
+    // The other replica stops renewing: this one takes over and acts.
+    other.cancel();
+    held.await.unwrap();
+    w.settled().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_delete_replaces_a_machine_only_once_someone_deletes_it() {
+    let mut w = World::build(&[]).await;
+    w.replacement = Replacement::OnDeletion;
+    w.run_operator();
+    // A RollingUpdate set over a quorum operator ordering by deletion would stall: refused.
+    w.create_set("cluster", None).await;
+    let status = w
+        .status_until("the mismatch refused", Duration::from_secs(20), |s| {
+            condition(s, "Degraded").0 == "True"
+        })
+        .await;
+    let (_, reason, message) = condition(&status, "Degraded");
+    assert_eq!(reason, "QuorumOperatorMismatch");
+    assert!(message.starts_with("spec.strategy.type: "), "{message}");
+    w.patch_set(json!({"strategy": {"type": "OnDelete"}})).await;
+    w.settled().await;
+
+    w.patch_set(
+        json!({"template": {"spec": {"providerSpec": {"value": {"instanceType": "big"}}}}}),
+    )
+    .await;
+    let status = w
+        .status_until("waiting for a deletion", Duration::from_secs(20), |s| {
+            condition(s, "Progressing").1 == "WaitingForDeletion"
+        })
+        .await;
+    assert_eq!(status["updatedReplicas"], 0);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        w.machines().await.len(),
+        3,
+        "nothing replaced before a deletion"
+    );
+
+    w.raw
+        .delete("cp-1", &DeleteParams::default())
+        .await
+        .unwrap();
+    let ms = eventually("cp-1 replaced", Duration::from_secs(60), async || {
+        let ms = w.machines().await;
+        let names: Vec<String> = ms.iter().map(|m| m.name_any()).collect();
+        (ms.len() == 3 && !names.contains(&"cp-1".to_owned())).then_some(ms)
+    })
+    .await;
+    for m in &ms {
+        let want = if m.name_any().starts_with("cp-") {
+            "test"
+        } else {
+            "big"
+        };
+        assert_eq!(instance_type(m), want, "{}", m.name_any());
+    }
+    w.status_until("one machine updated", Duration::from_secs(30), |s| {
+        s["updatedReplicas"] == 1 && s["readyReplicas"] == 3
+    })
+    .await;
+    let ips: Vec<String> = w.names.lock().unwrap().keys().cloned().collect();
+    let list = members(&w.hosts, &ips).await.unwrap();
+    assert_eq!(list.iter().filter(|m| !m.3).count(), 3, "{list:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recreate_rolls_three_machines_deleting_first_under_writes() {
+    let mut w = World::build(&[]).await;
+    w.replacement = Replacement::ShrinkFirst;
+    w.run_operator();
+    w.create_set("cluster", None).await;
+    w.patch_set(json!({"strategy": {"type": "Recreate"}})).await;
+    w.settled().await;
+
+    let stop = CancellationToken::new();
+    let writes = tokio::spawn(writer(
+        Arc::clone(&w.hosts),
+        Arc::clone(&w.names),
+        stop.clone(),
+    ));
+    let voters = tokio::spawn(monitor(
+        Arc::clone(&w.hosts),
+        Arc::clone(&w.names),
+        stop.clone(),
+    ));
+    let peak = tokio::spawn(machine_peak(w.raw.clone(), stop.clone()));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    w.patch_set(
+        json!({"template": {"spec": {"providerSpec": {"value": {"instanceType": "big"}}}}}),
+    )
+    .await;
+    eventually("the rollout", Duration::from_secs(180), async || {
+        let ms = w.machines().await;
+        let done = ms.len() == 3
+            && ms.iter().all(|m| {
+                instance_type(m) == "big"
+                    && m.metadata.deletion_timestamp.is_none()
+                    && !m.name_any().starts_with("cp-")
+            });
+        if !done {
+            return None;
+        }
+        let ips: Vec<String> = w.names.lock().unwrap().keys().cloned().collect();
+        let list = members(&w.hosts, &ips).await?;
+        (list.len() == 3 && list.iter().all(|m| !m.3)).then_some(())
+    })
+    .await;
+    stop.cancel();
+    let writes = writes.await.unwrap();
+    let (min_v, max_v, _max_l, samples) = voters.await.unwrap();
+    let peak = peak.await.unwrap();
+    assert!(samples > 20, "monitor sampled {samples} times");
+    // Recreate shrinks first: one voter fewer at a time, never more Machines than replicas.
+    assert!(min_v >= 2, "voters fell to {min_v}");
+    assert!(max_v <= 3, "voters rose to {max_v}");
+    assert!(peak <= 3, "{peak} machines at once (Recreate never surges)");
+    assert!(
+        writes.acked.len() > 100,
+        "only {} writes acknowledged",
+        writes.acked.len()
+    );
+    let urls: Vec<String> = w
+        .names
+        .lock()
+        .unwrap()
+        .keys()
+        .map(|i| w.hosts.client_url(i))
+        .collect();
+    let mut c = client(&urls, None).await.unwrap();
+    let got = c
+        .get("w/", Some(etcd_client::GetOptions::new().with_prefix()))
+        .await
+        .unwrap();
+    let stored: BTreeMap<String, String> = got
+        .kvs()
+        .iter()
+        .map(|kv| {
+            (
+                kv.key_str().unwrap().to_owned(),
+                kv.value_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    for (k, v) in &writes.acked {
+        assert_eq!(stored.get(k), Some(v), "acknowledged write {k} lost");
+    }
+}
