@@ -27,6 +27,7 @@ use k8s_openapi::api::batch::v1::{CronJob, Job};
 use k8s_openapi::api::core::v1::ServiceAccount;
 use k8s_openapi::api::core::v1::{ConfigMap, Container, PodSpec, Secret, Service};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use etcd_warden::operator::control_plane_set::resource::ControlPlaneSet;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use serde::Deserialize;
@@ -92,6 +93,7 @@ enum Object {
     Role(Box<Role>),
     RoleBinding(Box<RoleBinding>),
     CustomResourceDefinition(Box<CustomResourceDefinition>),
+    ControlPlaneSet(Box<ControlPlaneSet>),
 }
 
 /// prometheus-operator's `PrometheusRule` (monitoring.coreos.com/v1), as much of it as
@@ -201,6 +203,9 @@ fn typed(json: &serde_json::Value) -> Result<Object, String> {
         }
         ("apiextensions.k8s.io/v1", "CustomResourceDefinition") => {
             Object::CustomResourceDefinition(Box::new(strict(json)?))
+        }
+        ("etcd-warden.io/v1alpha1", "ControlPlaneSet") => {
+            Object::ControlPlaneSet(Box::new(strict(json)?))
         }
         _ => return Err(format!("unexpected apiVersion/kind {api:?}/{kind:?}")),
     })
@@ -2015,4 +2020,34 @@ fn a_wildcard_or_a_foreign_binding_in_the_operator_rbac_is_refused() {
     let problems = operator_rbac_problems(&d, (ns, sa)).join("\n");
     assert!(problems.contains("wildcard"), "{problems}");
     assert!(problems.contains("\"default\""), "{problems}");
+}
+
+/// The example set is one the controller accepts (its own checks, the ones CEL makes on a real
+/// API server), for AWS: the zone goes where AWS Machines carry it.
+#[test]
+fn the_example_control_plane_set_is_accepted_and_aws_shaped() {
+    use etcd_warden::operator::control_plane_set::resource::validate;
+    let path = repo().join("deploy/operator/examples/controlplaneset-aws.yaml");
+    let [doc] = <[serde_json::Value; 1]>::try_from(documents(&path)).expect("one document");
+    let Object::ControlPlaneSet(_) = typed(&doc).unwrap_or_else(|e| panic!("{e}")) else {
+        panic!("a ControlPlaneSet");
+    };
+    validate(&doc, None).unwrap_or_else(|e| panic!("{}: refused: {e:?}", path.display()));
+    assert_eq!(doc["spec"]["failureDomains"]["platform"], "AWS");
+    let provider = &doc["spec"]["template"]["spec"]["providerSpec"]["value"];
+    assert_eq!(provider["kind"], "AWSMachineProviderConfig");
+    assert!(provider["placement"]["availabilityZone"].is_null(), "the set injects the zone");
+    // The operator's configuration orders membership changes for this strategy.
+    let config: toml::Table = read(&repo().join("deploy/operator/operator.toml"))
+        .parse()
+        .expect("TOML");
+    assert_eq!(
+        config["set_strategy"].as_str(),
+        doc["spec"]["strategy"]["type"].as_str()
+    );
+    // A broken copy is refused naming the field.
+    let mut bad = doc.clone();
+    bad["spec"]["replicas"] = serde_json::json!(4);
+    let e = format!("{:?}", validate(&bad, None).expect_err("replicas 4"));
+    assert!(e.contains("spec.replicas"), "{e}");
 }
