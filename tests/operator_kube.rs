@@ -18,13 +18,11 @@
 
 mod support;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::PathBuf;
+use std::collections::{BTreeMap, HashSet};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use etcd_client::{Client, ConnectOptions};
 use etcd_warden::operator::execute::Timing;
 use etcd_warden::operator::kube::KubeMachinesConfig;
 use etcd_warden::operator::kube::controller::{self, Settings};
@@ -39,207 +37,13 @@ use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, DeleteParams};
 use support::apiserver::ApiServer;
-use support::etcd::Release;
+use support::hosts::{Hosts, client, eventually, ip, members, monitor, platform, writer};
 use support::machine_api::{self, MachineApi, create_machine, pre_drain};
 use tokio_util::sync::CancellationToken;
 
 const MACHINES_NS: &str = "openshift-machine-api";
 const ETCD_NS: &str = "openshift-etcd";
 use support::rbac::OPERATOR;
-
-fn ip(n: usize) -> String {
-    format!("127.0.0.{}", 11 + n)
-}
-
-/// A port free on every address the test uses, and never handed to another test of this
-/// process (they run in parallel).
-fn common_port() -> u16 {
-    static GIVEN: Mutex<Vec<u16>> = Mutex::new(Vec::new());
-    loop {
-        let probe = std::net::TcpListener::bind("127.0.0.11:0").unwrap();
-        let port = probe.local_addr().unwrap().port();
-        drop(probe);
-        let mut given = GIVEN.lock().unwrap();
-        if !given.contains(&port)
-            && (0..8).all(|n| std::net::TcpListener::bind((ip(n).as_str(), port)).is_ok())
-        {
-            given.push(port);
-            return port;
-        }
-    }
-}
-
-/// etcd members on loopback "hosts", killed when dropped.
-struct Hosts {
-    dir: PathBuf,
-    peer: u16,
-    client: u16,
-    running: Mutex<HashMap<String, Child>>,
-    /// Certificates (`ca.pem`, `server.*`, `client.*`) when clients must use mutual TLS.
-    tls: Option<PathBuf>,
-    /// While set, the platform starts no etcd for a learner (it stays added but unstarted).
-    hold: std::sync::atomic::AtomicBool,
-}
-
-impl Drop for Hosts {
-    fn drop(&mut self) {
-        for (_, mut c) in self.running.lock().unwrap().drain() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Hosts {
-    fn peer_url(&self, ip: &str) -> String {
-        format!("http://{ip}:{}", self.peer)
-    }
-
-    fn client_url(&self, ip: &str) -> String {
-        let scheme = if self.tls.is_some() { "https" } else { "http" };
-        format!("{scheme}://{ip}:{}", self.client)
-    }
-
-    fn start(&self, name: &str, ip: &str, initial_cluster: &str, state: &str) {
-        let log = std::fs::File::create(self.dir.join(format!("{name}.log"))).unwrap();
-        let child = Command::new(Release::V35.bin("etcd"))
-            .args(["--name", name])
-            .arg("--data-dir")
-            .arg(self.dir.join(name))
-            .args(["--listen-peer-urls", &self.peer_url(ip)])
-            .args(["--initial-advertise-peer-urls", &self.peer_url(ip)])
-            .args(["--listen-client-urls", &self.client_url(ip)])
-            .args(["--advertise-client-urls", &self.client_url(ip)])
-            .args(["--initial-cluster", initial_cluster])
-            .args(["--initial-cluster-state", state])
-            .args(["--initial-cluster-token", "kube-e2e"])
-            .args(["--unsafe-no-fsync", "--log-level", "warn"])
-            .args(self.tls.iter().flat_map(|d| {
-                [
-                    "--client-cert-auth".to_owned(),
-                    format!("--trusted-ca-file={}", d.join("ca.pem").display()),
-                    format!("--cert-file={}", d.join("server.pem").display()),
-                    format!("--key-file={}", d.join("server.key").display()),
-                ]
-            }))
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .expect("start etcd");
-        self.running.lock().unwrap().insert(name.to_owned(), child);
-    }
-
-    fn kill(&self, name: &str) {
-        if let Some(mut c) = self.running.lock().unwrap().remove(name) {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    fn is_running(&self, name: &str) -> bool {
-        self.running.lock().unwrap().contains_key(name)
-    }
-}
-
-async fn client(urls: &[String], tls: Option<&std::path::Path>) -> Option<Client> {
-    let mut opts = ConnectOptions::new()
-        .with_timeout(Duration::from_secs(2))
-        .with_connect_timeout(Duration::from_secs(1));
-    if let Some(d) = tls {
-        let read = |f: &str| std::fs::read(d.join(f)).unwrap();
-        opts = opts.with_tls(
-            etcd_client::TlsOptions::new()
-                .ca_certificate(etcd_client::Certificate::from_pem(read("ca.pem")))
-                .identity(etcd_client::Identity::from_pem(
-                    read("client.pem"),
-                    read("client.key"),
-                )),
-        );
-    }
-    for u in urls {
-        if let Ok(mut c) = Client::connect([u.as_str()], Some(opts.clone())).await
-            && c.member_list().await.is_ok()
-        {
-            return Some(c);
-        }
-    }
-    None
-}
-
-/// (id, name, peer URL, learner) of every member, through any member that answers.
-async fn members(hosts: &Hosts, ips: &[String]) -> Option<Vec<(u64, String, String, bool)>> {
-    let urls: Vec<String> = ips.iter().map(|i| hosts.client_url(i)).collect();
-    let mut c = client(&urls, hosts.tls.as_deref()).await?;
-    let list = c.member_list().await.ok()?;
-    Some(
-        list.members()
-            .iter()
-            .map(|m| {
-                (
-                    m.id(),
-                    m.name().to_owned(),
-                    m.peer_urls().first().cloned().unwrap_or_default(),
-                    m.is_learner(),
-                )
-            })
-            .collect(),
-    )
-}
-
-async fn eventually<T>(what: &str, timeout: Duration, mut f: impl AsyncFnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-/// The platform: a learner added for a Machine's address gets its etcd started there.
-async fn platform(
-    hosts: Arc<Hosts>,
-    names: Arc<Mutex<BTreeMap<String, String>>>,
-    stop: CancellationToken,
-) {
-    while !stop.is_cancelled() {
-        let ips: Vec<String> = names.lock().unwrap().keys().cloned().collect();
-        if let Some(list) = members(&hosts, &ips).await {
-            for (_, _, peer, _) in list.iter().filter(|m| m.1.is_empty()) {
-                let Some((ip, machine)) = names
-                    .lock()
-                    .unwrap()
-                    .iter()
-                    .find(|(ip, _)| hosts.peer_url(ip) == *peer)
-                    .map(|(i, m)| (i.clone(), m.clone()))
-                else {
-                    continue;
-                };
-                if hosts.is_running(&machine)
-                    || hosts.hold.load(std::sync::atomic::Ordering::SeqCst)
-                {
-                    continue;
-                }
-                let cluster: Vec<String> = list
-                    .iter()
-                    .map(|(_, n, p, _)| {
-                        let n = if p == peer {
-                            machine.clone()
-                        } else {
-                            n.clone()
-                        };
-                        format!("{n}={p}")
-                    })
-                    .filter(|s| !s.starts_with('='))
-                    .collect();
-                hosts.start(&machine, &ip, &cluster.join(","), "existing");
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 /// Everything around the controller: etcd on loopback hosts, the double, the Machine API and the
 /// platform.
@@ -277,33 +81,8 @@ impl World {
             make_certs(&d, &(0..8).map(ip).collect::<Vec<_>>());
             d
         });
-        let hosts = Arc::new(Hosts {
-            dir: dir.path().to_path_buf(),
-            peer: common_port(),
-            client: common_port(),
-            running: Mutex::new(HashMap::new()),
-            tls,
-            hold: Default::default(),
-        });
-        let first: Vec<(String, String)> = (0..3).map(|n| (format!("cp-{n}"), ip(n))).collect();
-        let initial: Vec<String> = first
-            .iter()
-            .map(|(n, i)| format!("{n}={}", hosts.peer_url(i)))
-            .collect();
-        for (n, i) in &first {
-            hosts.start(n, i, &initial.join(","), "new");
-        }
-        let ips: Vec<String> = first.iter().map(|(_, i)| i.clone()).collect();
-        eventually(
-            "etcd to form its cluster",
-            Duration::from_secs(30),
-            async || {
-                members(&hosts, &ips)
-                    .await
-                    .filter(|m| m.iter().all(|m| !m.1.is_empty()))
-            },
-        )
-        .await;
+        let hosts = Arc::new(Hosts::new(dir.path().to_path_buf(), tls));
+        let first = hosts.start_cluster(3).await;
         let server = ApiServer::start().await;
         server.status_subresource("etcd-warden.io", "etcdquorums");
         let kc = server.client();
@@ -489,72 +268,6 @@ impl World {
             })
             .collect()
     }
-}
-
-#[derive(Default, Debug)]
-struct Writes {
-    acked: BTreeMap<String, String>,
-    errors: usize,
-}
-
-/// Puts keys through whichever member answers, for as long as it runs.
-async fn writer(
-    hosts: Arc<Hosts>,
-    names: Arc<Mutex<BTreeMap<String, String>>>,
-    stop: CancellationToken,
-) -> Writes {
-    let mut w = Writes::default();
-    let mut c: Option<Client> = None;
-    let mut i = 0u64;
-    while !stop.is_cancelled() {
-        if c.is_none() {
-            let urls: Vec<String> = names
-                .lock()
-                .unwrap()
-                .keys()
-                .map(|ip| hosts.client_url(ip))
-                .collect();
-            c = client(&urls, hosts.tls.as_deref()).await;
-        }
-        let Some(cl) = c.as_mut() else {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            continue;
-        };
-        let (key, value) = (format!("w/{i:08}"), format!("v{i}"));
-        i += 1;
-        match cl.put(key.as_str(), value.as_str(), None).await {
-            Ok(_) => {
-                w.acked.insert(key, value);
-            }
-            Err(_) => {
-                w.errors += 1;
-                c = None;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    w
-}
-
-/// Samples the member list: (min voters, max voters, max learners, samples).
-async fn monitor(
-    hosts: Arc<Hosts>,
-    names: Arc<Mutex<BTreeMap<String, String>>>,
-    stop: CancellationToken,
-) -> (usize, usize, usize, usize) {
-    let (mut min_v, mut max_v, mut max_l, mut n) = (usize::MAX, 0, 0, 0);
-    while !stop.is_cancelled() {
-        let ips: Vec<String> = names.lock().unwrap().keys().cloned().collect();
-        if let Some(m) = members(&hosts, &ips).await {
-            let voters = m.iter().filter(|m| !m.3).count();
-            min_v = min_v.min(voters);
-            max_v = max_v.max(voters);
-            max_l = max_l.max(m.len() - voters);
-            n += 1;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    (min_v, max_v, max_l, n)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

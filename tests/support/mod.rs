@@ -12,6 +12,7 @@ pub mod etcd;
 pub mod faultproxy;
 pub mod faultrun;
 pub mod history;
+pub mod hosts;
 pub mod invariants;
 pub mod machine_api;
 pub mod migration;
