@@ -881,3 +881,58 @@ async fn recreate_rolls_three_machines_deleting_first_under_writes() {
         assert_eq!(stored.get(k), Some(v), "acknowledged write {k} lost");
     }
 }
+
+/// Seed 004: a control-plane Node no Machine backs stops every change. The set says
+/// `Degraded/NoMachineForNode` naming it and rolls nothing; once the Node is gone the roll goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_control_plane_node_without_a_machine_stops_every_change() {
+    use k8s_openapi::api::core::v1::Node;
+    let w = World::start(&[]).await;
+    w.create_set("cluster", None).await;
+    w.settled().await;
+    let nodes: Api<Node> = Api::all(w.kc.clone());
+    // The Machines' own nodes (their nodeRefs) and one more; a worker Node does not count.
+    for (name, role) in [
+        ("cp-0", "master"),
+        ("cp-1", "master"),
+        ("cp-2", "master"),
+        ("stray", "master"),
+        ("worker-0", "worker"),
+    ] {
+        let node: Node = serde_json::from_value(json!({
+            "metadata": {"name": name, "labels": {format!("node-role.kubernetes.io/{role}"): ""}}
+        }))
+        .unwrap();
+        nodes.create(&PostParams::default(), &node).await.unwrap();
+    }
+    w.patch_set(
+        json!({"template": {"spec": {"providerSpec": {"value": {"instanceType": "big"}}}}}),
+    )
+    .await;
+    let status = w
+        .status_until("NoMachineForNode", Duration::from_secs(30), |s| {
+            let (st, reason, _) = condition(s, "Degraded");
+            st == "True" && reason == "NoMachineForNode"
+        })
+        .await;
+    let (_, _, message) = condition(&status, "Degraded");
+    assert!(
+        message.contains("stray") && !message.contains("worker-0") && !message.contains("cp-0"),
+        "{message}"
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let names: Vec<String> = w.machines().await.iter().map(|m| m.name_any()).collect();
+    assert_eq!(names, ["cp-0", "cp-1", "cp-2"], "nothing rolled meanwhile");
+
+    nodes
+        .delete("stray", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually("the roll to start", Duration::from_secs(30), async || {
+        let ms = w.machines().await;
+        ms.iter()
+            .any(|m| m.name_any().starts_with("cluster-control-plane-"))
+            .then_some(())
+    })
+    .await;
+}

@@ -27,7 +27,7 @@ use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::batch::v1::{CronJob, Job};
 use k8s_openapi::api::core::v1::ServiceAccount;
 use k8s_openapi::api::core::v1::{ConfigMap, Container, PodSpec, Secret, Service};
-use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use serde::Deserialize;
@@ -92,6 +92,8 @@ enum Object {
     ServiceAccount(Box<ServiceAccount>),
     Role(Box<Role>),
     RoleBinding(Box<RoleBinding>),
+    ClusterRole(Box<ClusterRole>),
+    ClusterRoleBinding(Box<ClusterRoleBinding>),
     CustomResourceDefinition(Box<CustomResourceDefinition>),
     // Typed (so checked); the example's invariants read its JSON with the controller's checks.
     #[allow(dead_code)]
@@ -202,6 +204,12 @@ fn typed(json: &serde_json::Value) -> Result<Object, String> {
         ("rbac.authorization.k8s.io/v1", "Role") => Object::Role(Box::new(strict(json)?)),
         ("rbac.authorization.k8s.io/v1", "RoleBinding") => {
             Object::RoleBinding(Box::new(strict(json)?))
+        }
+        ("rbac.authorization.k8s.io/v1", "ClusterRole") => {
+            Object::ClusterRole(Box::new(strict(json)?))
+        }
+        ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding") => {
+            Object::ClusterRoleBinding(Box::new(strict(json)?))
         }
         ("apiextensions.k8s.io/v1", "CustomResourceDefinition") => {
             Object::CustomResourceDefinition(Box::new(strict(json)?))
@@ -1779,6 +1787,8 @@ struct OperatorDeploy {
     service_accounts: Vec<ServiceAccount>,
     roles: Vec<Role>,
     bindings: Vec<RoleBinding>,
+    cluster_roles: Vec<ClusterRole>,
+    cluster_bindings: Vec<ClusterRoleBinding>,
     crds: Vec<CustomResourceDefinition>,
     config_maps: BTreeMap<String, BTreeMap<String, String>>,
 }
@@ -1791,6 +1801,8 @@ fn operator_deploy() -> OperatorDeploy {
         service_accounts: Vec::new(),
         roles: Vec::new(),
         bindings: Vec::new(),
+        cluster_roles: Vec::new(),
+        cluster_bindings: Vec::new(),
         crds: Vec::new(),
         config_maps: k.config_maps,
     };
@@ -1800,6 +1812,8 @@ fn operator_deploy() -> OperatorDeploy {
             Object::ServiceAccount(x) => d.service_accounts.push(*x),
             Object::Role(x) => d.roles.push(*x),
             Object::RoleBinding(x) => d.bindings.push(*x),
+            Object::ClusterRole(x) => d.cluster_roles.push(*x),
+            Object::ClusterRoleBinding(x) => d.cluster_bindings.push(*x),
             Object::CustomResourceDefinition(x) => d.crds.push(*x),
             other => panic!("deploy/operator: unexpected {other:?}"),
         }
@@ -1810,9 +1824,35 @@ fn operator_deploy() -> OperatorDeploy {
 }
 
 /// What is wrong with the operator's RBAC: a wildcard, a Secret readable, a verb the operator
-/// never sends, a binding to anyone but the Deployment's service account.
+/// never sends, a binding to anyone but the Deployment's service account, a cluster-wide right
+/// beyond listing Nodes.
 fn operator_rbac_problems(d: &OperatorDeploy, sa: (&str, &str)) -> Vec<String> {
     let mut out = Vec::new();
+    for r in &d.cluster_roles {
+        for rule in r.rules.iter().flatten() {
+            let nodes_only = rule.api_groups.as_deref() == Some(&[String::new()][..])
+                && rule.resources.as_deref() == Some(&["nodes".to_string()][..])
+                && rule.verbs == ["list"];
+            if !nodes_only {
+                out.push(format!(
+                    "ClusterRole {:?}: cluster-wide {rule:?} (only listing Nodes is needed)",
+                    r.metadata.name
+                ));
+            }
+        }
+    }
+    for b in &d.cluster_bindings {
+        for s in b.subjects.iter().flatten() {
+            if (s.kind.as_str(), s.namespace.as_deref(), s.name.as_str())
+                != ("ServiceAccount", Some(sa.0), sa.1)
+            {
+                out.push(format!(
+                    "ClusterRoleBinding {:?} binds {s:?}",
+                    b.metadata.name.as_deref()
+                ));
+            }
+        }
+    }
     for r in &d.roles {
         let name = r.metadata.name.clone().unwrap_or_default();
         for rule in r.rules.iter().flatten() {
@@ -2019,7 +2059,11 @@ fn a_wildcard_or_a_foreign_binding_in_the_operator_rbac_is_refused() {
     assert!(operator_rbac_problems(&d, (ns, sa)).is_empty());
     d.roles[0].rules.as_mut().unwrap()[0].verbs.push("*".into());
     d.bindings[0].subjects.as_mut().unwrap()[0].name = "default".into();
+    d.cluster_roles[0].rules.as_mut().unwrap()[0]
+        .verbs
+        .push("watch".into());
     let problems = operator_rbac_problems(&d, (ns, sa)).join("\n");
+    assert!(problems.contains("cluster-wide"), "{problems}");
     assert!(problems.contains("wildcard"), "{problems}");
     assert!(problems.contains("\"default\""), "{problems}");
 }

@@ -591,6 +591,7 @@ impl SetMachines for LocalCluster {
                 failed: false,
                 deleting: m.deleting,
                 owned: m.owned,
+                node: None,
             })
             .collect())
     }

@@ -38,6 +38,8 @@ pub struct SetMachine {
     pub deleting: bool,
     /// Carries the set's owner reference.
     pub owned: bool,
+    /// The node it backs (`status.nodeRef`), once it has one.
+    pub node: Option<String>,
 }
 
 /// What the controller needs from the Machines' home (Kubernetes, or local processes).
@@ -51,6 +53,11 @@ pub trait SetMachines: Send + Sync + 'static {
     async fn create(&self, spec: &Value) -> Result<String, BackendError>;
     /// Marks a Machine for deletion (its hooks hold it until its member is gone).
     async fn delete(&self, machine: &str) -> Result<(), BackendError>;
+    /// The control-plane nodes, by name: a node no Machine backs stops every change (seed 004).
+    /// A backend without nodes (the local one) has none.
+    async fn control_plane_nodes(&self) -> Result<Vec<String>, BackendError> {
+        Ok(Vec::new())
+    }
 }
 
 /// The set's desired state, as a user writes it.
@@ -227,11 +234,21 @@ impl<S: SetMachines, Q: Machines> Controller<S, Q> {
             failure_domains: config.failure_domains.clone(),
             template_hash: template_hash.clone(),
         };
+        let backed: std::collections::BTreeSet<&str> =
+            listed.iter().filter_map(|m| m.node.as_deref()).collect();
+        let mut nodes_without_machine: Vec<String> = self
+            .machines
+            .control_plane_nodes()
+            .await?
+            .into_iter()
+            .filter(|n| !backed.contains(n.as_str()))
+            .collect();
+        nodes_without_machine.sort();
         let p = plan(
             &spec,
             &Observed {
                 machines: views.clone(),
-                nodes_without_machine: Vec::new(),
+                nodes_without_machine,
             },
         );
         let mut applied = Vec::new();

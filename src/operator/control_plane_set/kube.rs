@@ -150,6 +150,7 @@ fn owned_by(m: &DynamicObject, uid: &str) -> bool {
 /// The Machines of one ControlPlaneSet.
 pub struct KubeSetMachines {
     api: Api<DynamicObject>,
+    nodes: Api<k8s_openapi::api::core::v1::Node>,
     selector: String,
     owner: OwnerReference,
     labels: BTreeMap<String, String>,
@@ -167,6 +168,7 @@ impl KubeSetMachines {
         valid: &Valid,
     ) -> KubeSetMachines {
         KubeSetMachines {
+            nodes: Api::all(client.clone()),
             api: Api::namespaced_with(client, &settings.namespace, &machine_resource()),
             selector: valid.selector.clone(),
             owner: owner_reference(set),
@@ -213,12 +215,30 @@ impl KubeSetMachines {
             failed: phase == Some("Failed"),
             deleting: m.metadata.deletion_timestamp.is_some(),
             owned: owned_by(m, &self.owner.uid),
+            node: m
+                .data
+                .pointer("/status/nodeRef/name")
+                .and_then(Value::as_str)
+                .map(str::to_owned),
         }
     }
 }
 
+/// The label every control-plane Node carries (OpenShift sets both this and
+/// `node-role.kubernetes.io/control-plane`).
+pub const CONTROL_PLANE_NODES: &str = "node-role.kubernetes.io/master";
+
 #[async_trait]
 impl SetMachines for KubeSetMachines {
+    async fn control_plane_nodes(&self) -> Result<Vec<String>, BackendError> {
+        let list = self
+            .nodes
+            .list(&ListParams::default().labels(CONTROL_PLANE_NODES))
+            .await
+            .map_err(|e| backend_error("listing the control-plane nodes", e))?;
+        Ok(list.items.iter().map(|n| n.name_any()).collect())
+    }
+
     async fn list_set(&self) -> Result<Vec<SetMachine>, BackendError> {
         let list = self
             .api
