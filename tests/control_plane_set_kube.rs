@@ -46,7 +46,9 @@ use kube::ResourceExt as _;
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use support::apiserver::ApiServer;
-use support::hosts::{Hosts, client, eventually, ip, members, monitor, platform, writer};
+use support::hosts::{
+    Hosts, assert_writes_kept, eventually, ip, members, monitor, platform, writer,
+};
 use support::machine_api::{self, FINALIZER, MachineApi, ROLE_LABEL, create_machine};
 use tokio_util::sync::CancellationToken;
 
@@ -471,24 +473,7 @@ async fn a_template_change_rolls_three_machines_one_at_a_time_under_writes() {
         .keys()
         .map(|i| w.hosts.client_url(i))
         .collect();
-    let mut c = client(&urls, None).await.unwrap();
-    let got = c
-        .get("w/", Some(etcd_client::GetOptions::new().with_prefix()))
-        .await
-        .unwrap();
-    let stored: BTreeMap<String, String> = got
-        .kvs()
-        .iter()
-        .map(|kv| {
-            (
-                kv.key_str().unwrap().to_owned(),
-                kv.value_str().unwrap().to_owned(),
-            )
-        })
-        .collect();
-    for (k, v) in &writes.acked {
-        assert_eq!(stored.get(k), Some(v), "acknowledged write {k} lost");
-    }
+    assert_writes_kept(&urls, None, &writes).await;
     let reasons = w.set_events().await;
     let count = |r: &str| reasons.iter().filter(|x| *x == r).count();
     assert_eq!(
@@ -862,24 +847,7 @@ async fn recreate_rolls_three_machines_deleting_first_under_writes() {
         .keys()
         .map(|i| w.hosts.client_url(i))
         .collect();
-    let mut c = client(&urls, None).await.unwrap();
-    let got = c
-        .get("w/", Some(etcd_client::GetOptions::new().with_prefix()))
-        .await
-        .unwrap();
-    let stored: BTreeMap<String, String> = got
-        .kvs()
-        .iter()
-        .map(|kv| {
-            (
-                kv.key_str().unwrap().to_owned(),
-                kv.value_str().unwrap().to_owned(),
-            )
-        })
-        .collect();
-    for (k, v) in &writes.acked {
-        assert_eq!(stored.get(k), Some(v), "acknowledged write {k} lost");
-    }
+    assert_writes_kept(&urls, None, &writes).await;
 }
 
 /// Seed 004: a control-plane Node no Machine backs stops every change. The set says

@@ -37,7 +37,9 @@ use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, DeleteParams};
 use support::apiserver::ApiServer;
-use support::hosts::{Hosts, client, eventually, ip, members, monitor, platform, writer};
+use support::hosts::{
+    Hosts, assert_writes_kept, eventually, ip, members, monitor, platform, writer,
+};
 use support::machine_api::{self, MachineApi, create_machine, pre_drain};
 use tokio_util::sync::CancellationToken;
 
@@ -314,24 +316,7 @@ async fn replacing_every_member_under_writes_loses_nothing() {
         writes.acked.len()
     );
     let urls: Vec<String> = (3..6).map(|n| w.hosts.client_url(&ip(n))).collect();
-    let mut c = client(&urls, None).await.unwrap();
-    let got = c
-        .get("w/", Some(etcd_client::GetOptions::new().with_prefix()))
-        .await
-        .unwrap();
-    let stored: BTreeMap<String, String> = got
-        .kvs()
-        .iter()
-        .map(|kv| {
-            (
-                kv.key_str().unwrap().to_owned(),
-                kv.value_str().unwrap().to_owned(),
-            )
-        })
-        .collect();
-    for (k, v) in &writes.acked {
-        assert_eq!(stored.get(k), Some(v), "acknowledged write {k} lost");
-    }
+    assert_writes_kept(&urls, None, &writes).await;
 
     let reasons: HashSet<String> = w.events().await.into_iter().map(|(_, r, _)| r).collect();
     for r in [

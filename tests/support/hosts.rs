@@ -316,3 +316,27 @@ pub async fn monitor(
     }
     (min_v, max_v, max_l, n)
 }
+
+/// Every write `writes` saw acknowledged is in etcd, read through `urls`.
+pub async fn assert_writes_kept(urls: &[String], tls: Option<&std::path::Path>, writes: &Writes) {
+    let mut c = client(urls, tls)
+        .await
+        .expect("a client for the final members");
+    let got = c
+        .get("w/", Some(etcd_client::GetOptions::new().with_prefix()))
+        .await
+        .expect("reading the writes back");
+    let stored: BTreeMap<String, String> = got
+        .kvs()
+        .iter()
+        .map(|kv| {
+            (
+                kv.key_str().unwrap().to_owned(),
+                kv.value_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    for (k, v) in &writes.acked {
+        assert_eq!(stored.get(k), Some(v), "acknowledged write {k} lost");
+    }
+}
