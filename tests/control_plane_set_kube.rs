@@ -46,9 +46,7 @@ use kube::ResourceExt as _;
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use support::apiserver::ApiServer;
-use support::hosts::{
-    Hosts, assert_writes_kept, eventually, ip, members, monitor, platform, writer,
-};
+use support::hosts::{Hosts, Load, assert_writes_kept, eventually, ip, members, platform};
 use support::machine_api::{self, FINALIZER, MachineApi, ROLE_LABEL, create_machine};
 use tokio_util::sync::CancellationToken;
 
@@ -397,17 +395,8 @@ async fn a_template_change_rolls_three_machines_one_at_a_time_under_writes() {
     w.settled().await;
     assert!(w.set_events().await.iter().all(|r| r == "MachineAdopted"));
 
-    let stop = CancellationToken::new();
-    let writes = tokio::spawn(writer(
-        Arc::clone(&w.hosts),
-        Arc::clone(&w.names),
-        stop.clone(),
-    ));
-    let voters = tokio::spawn(monitor(
-        Arc::clone(&w.hosts),
-        Arc::clone(&w.names),
-        stop.clone(),
-    ));
+    let load = Load::start(&w.hosts, &w.names);
+    let stop = load.token();
     let peak = tokio::spawn(machine_peak(w.raw.clone(), stop.clone()));
     tokio::time::sleep(Duration::from_millis(300)).await;
     w.patch_set(
@@ -447,9 +436,7 @@ async fn a_template_change_rolls_three_machines_one_at_a_time_under_writes() {
         },
     )
     .await;
-    stop.cancel();
-    let writes = writes.await.unwrap();
-    let (min_v, _max_v, _max_l, samples) = voters.await.unwrap();
+    let (writes, (min_v, _max_v, _max_l, samples)) = load.finish().await;
     let peak = peak.await.unwrap();
     assert!(samples > 20, "monitor sampled {samples} times");
     assert!(min_v >= 3, "voters fell to {min_v}");
@@ -473,7 +460,7 @@ async fn a_template_change_rolls_three_machines_one_at_a_time_under_writes() {
         .keys()
         .map(|i| w.hosts.client_url(i))
         .collect();
-    assert_writes_kept(&urls, None, &writes).await;
+    assert_writes_kept(&urls, None, &writes.acked).await;
     let reasons = w.set_events().await;
     let count = |r: &str| reasons.iter().filter(|x| *x == r).count();
     assert_eq!(
@@ -793,17 +780,8 @@ async fn recreate_rolls_three_machines_deleting_first_under_writes() {
     w.patch_set(json!({"strategy": {"type": "Recreate"}})).await;
     w.settled().await;
 
-    let stop = CancellationToken::new();
-    let writes = tokio::spawn(writer(
-        Arc::clone(&w.hosts),
-        Arc::clone(&w.names),
-        stop.clone(),
-    ));
-    let voters = tokio::spawn(monitor(
-        Arc::clone(&w.hosts),
-        Arc::clone(&w.names),
-        stop.clone(),
-    ));
+    let load = Load::start(&w.hosts, &w.names);
+    let stop = load.token();
     let peak = tokio::spawn(machine_peak(w.raw.clone(), stop.clone()));
     tokio::time::sleep(Duration::from_millis(300)).await;
     w.patch_set(
@@ -826,9 +804,7 @@ async fn recreate_rolls_three_machines_deleting_first_under_writes() {
         (list.len() == 3 && list.iter().all(|m| !m.3)).then_some(())
     })
     .await;
-    stop.cancel();
-    let writes = writes.await.unwrap();
-    let (min_v, max_v, _max_l, samples) = voters.await.unwrap();
+    let (writes, (min_v, max_v, _max_l, samples)) = load.finish().await;
     let peak = peak.await.unwrap();
     assert!(samples > 20, "monitor sampled {samples} times");
     // Recreate shrinks first: one voter fewer at a time, never more Machines than replicas.
@@ -847,7 +823,7 @@ async fn recreate_rolls_three_machines_deleting_first_under_writes() {
         .keys()
         .map(|i| w.hosts.client_url(i))
         .collect();
-    assert_writes_kept(&urls, None, &writes).await;
+    assert_writes_kept(&urls, None, &writes.acked).await;
 }
 
 /// Seed 004: a control-plane Node no Machine backs stops every change. The set says

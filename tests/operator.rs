@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use etcd_client::{Client, ConnectOptions, GetOptions};
+use etcd_client::{Client, ConnectOptions};
 use etcd_warden::operator::execute::{BackendError, Join, Machines, Operator, Timing};
 use etcd_warden::operator::local::{LocalCluster, LocalOptions, locate_etcd};
 use etcd_warden::operator::plan::{Action, Condition, MachineState, Spec};
@@ -263,24 +263,7 @@ async fn writer(cluster: Arc<LocalCluster>, stop: CancellationToken) -> WriterRe
 
 /// Every write the writer saw acknowledged is there, read linearizably from the members now.
 async fn assert_acked_present(cluster: &LocalCluster, report: &WriterReport) {
-    let mut c = client(&cluster.client_urls()).await.unwrap();
-    let r = c
-        .get("w/", Some(GetOptions::new().with_prefix()))
-        .await
-        .unwrap();
-    let stored: BTreeMap<String, String> = r
-        .kvs()
-        .iter()
-        .map(|kv| {
-            (
-                kv.key_str().unwrap().to_owned(),
-                kv.value_str().unwrap().to_owned(),
-            )
-        })
-        .collect();
-    for (k, v) in &report.acked {
-        assert_eq!(stored.get(k), Some(v), "acknowledged write {k} lost");
-    }
+    support::hosts::assert_writes_kept(&cluster.client_urls(), None, &report.acked).await;
 }
 
 /// Samples the member list continuously: (min voters, max voters, max learners, samples).

@@ -265,6 +265,7 @@ fn the_owner_section_is_the_sidecars_and_the_environment_reaches_it() {
 
     for (env, key) in [
         (("ETCD_WARDEN_OPERATOR_OWNER_ID", " "), "owner.id"),
+        (("ETCD_WARDEN_OPERATOR_OWNER_NAME", "a..b"), "owner.name"),
         (
             ("ETCD_WARDEN_OPERATOR_OWNER_NAMESERVERS", "dns.example"),
             "owner.nameservers",

@@ -37,9 +37,7 @@ use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, DeleteParams};
 use support::apiserver::ApiServer;
-use support::hosts::{
-    Hosts, assert_writes_kept, eventually, ip, members, monitor, platform, writer,
-};
+use support::hosts::{Hosts, Load, assert_writes_kept, eventually, ip, members, platform};
 use support::machine_api::{self, MachineApi, create_machine, pre_drain};
 use tokio_util::sync::CancellationToken;
 
@@ -279,17 +277,7 @@ async fn replacing_every_member_under_writes_loses_nothing() {
     w.protected(&["cp-0", "cp-1", "cp-2"]).await;
     w.objects_match(&w.members().await.unwrap(), 3).await;
 
-    let stop = CancellationToken::new();
-    let writes = tokio::spawn(writer(
-        Arc::clone(&w.hosts),
-        Arc::clone(&w.names),
-        stop.clone(),
-    ));
-    let watch = tokio::spawn(monitor(
-        Arc::clone(&w.hosts),
-        Arc::clone(&w.names),
-        stop.clone(),
-    ));
+    let load = Load::start(&w.hosts, &w.names);
     let mut voters = vec!["cp-0".to_string(), "cp-1".into(), "cp-2".into()];
     for old in ["cp-0", "cp-1", "cp-2"] {
         let new = w.replace(old).await;
@@ -301,9 +289,7 @@ async fn replacing_every_member_under_writes_loses_nothing() {
         assert!(!w.hosts.is_running(old), "the Machine API terminated {old}");
         w.objects_match(&members, 3).await;
     }
-    stop.cancel();
-    let writes = writes.await.unwrap();
-    let (min_v, max_v, max_l, samples) = watch.await.unwrap();
+    let (writes, (min_v, max_v, max_l, samples)) = load.finish().await;
     assert!(samples > 20, "monitor sampled {samples} times");
     assert!(min_v >= 3, "voters fell to {min_v}");
     assert!(max_v <= 4, "voters rose to {max_v}");
@@ -316,7 +302,7 @@ async fn replacing_every_member_under_writes_loses_nothing() {
         writes.acked.len()
     );
     let urls: Vec<String> = (3..6).map(|n| w.hosts.client_url(&ip(n))).collect();
-    assert_writes_kept(&urls, None, &writes).await;
+    assert_writes_kept(&urls, None, &writes.acked).await;
 
     let reasons: HashSet<String> = w.events().await.into_iter().map(|(_, r, _)| r).collect();
     for r in [
@@ -752,6 +738,21 @@ fn conditions_are(c: &BTreeMap<String, (String, String)>, want: [(&str, &str, &s
         .all(|(t, s, r)| c.get(*t).is_some_and(|(cs, cr)| cs == s && cr == r))
 }
 
+/// Waits until the EtcdQuorum's conditions are `want` (type, status, reason).
+async fn conditions_become(
+    api: &Api<EtcdQuorum>,
+    what: &str,
+    timeout: Duration,
+    want: [(&str, &str, &str); 3],
+) {
+    eventually(what, timeout, async || {
+        quorum_conditions(api)
+            .await
+            .filter(|c| conditions_are(c, want))
+    })
+    .await;
+}
+
 const ALL_WELL: [(&str, &str, &str); 3] = [
     ("Available", "True", "AsExpected"),
     ("Progressing", "False", "AsExpected"),
@@ -764,12 +765,7 @@ async fn the_etcd_quorum_status_follows_a_replacement_and_a_stopped_member() {
     let api: Api<EtcdQuorum> = Api::namespaced(w.kc.clone(), ETCD_NS);
     let (_ctl, _cancel) = w.controller("op-0");
     w.protected(&["cp-0", "cp-1", "cp-2"]).await;
-    eventually("all well", Duration::from_secs(20), async || {
-        quorum_conditions(&api)
-            .await
-            .filter(|c| conditions_are(c, ALL_WELL))
-    })
-    .await;
+    conditions_become(&api, "all well", Duration::from_secs(20), ALL_WELL).await;
 
     // Nothing changes: many resyncs write no status at all.
     let status_path =
@@ -806,14 +802,11 @@ async fn the_etcd_quorum_status_follows_a_replacement_and_a_stopped_member() {
     };
     let new = w.replace("cp-0").await;
     w.settled(&["cp-1", "cp-2", &new], "cp-0").await;
-    eventually(
+    conditions_become(
+        &api,
         "all well after the replacement",
         Duration::from_secs(20),
-        async || {
-            quorum_conditions(&api)
-                .await
-                .filter(|c| conditions_are(c, ALL_WELL))
-        },
+        ALL_WELL,
     )
     .await;
     stop.cancel();
@@ -842,21 +835,15 @@ async fn the_etcd_quorum_status_follows_a_replacement_and_a_stopped_member() {
 
     // A stopped member: Degraded, UnhealthyMembers, naming it.
     w.hosts.kill("cp-1");
-    eventually(
+    conditions_become(
+        &api,
         "Degraded/UnhealthyMembers",
         Duration::from_secs(30),
-        async || {
-            quorum_conditions(&api).await.filter(|c| {
-                conditions_are(
-                    c,
-                    [
-                        ("Available", "True", "AsExpected"),
-                        ("Progressing", "False", "AsExpected"),
-                        ("Degraded", "True", "UnhealthyMembers"),
-                    ],
-                )
-            })
-        },
+        [
+            ("Available", "True", "AsExpected"),
+            ("Progressing", "False", "AsExpected"),
+            ("Degraded", "True", "UnhealthyMembers"),
+        ],
     )
     .await;
     let st = api.get(quorum::NAME).await.unwrap().status.unwrap();
@@ -874,34 +861,30 @@ async fn the_etcd_quorum_status_follows_a_replacement_and_a_stopped_member() {
 
     // A second one: no quorum, and the operator says it does not act.
     w.hosts.kill("cp-2");
-    eventually("NoQuorum", Duration::from_secs(30), async || {
-        quorum_conditions(&api).await.filter(|c| {
-            conditions_are(
-                c,
-                [
-                    ("Available", "False", "NoQuorum"),
-                    ("Progressing", "False", "NoQuorum"),
-                    ("Degraded", "True", "NoQuorum"),
-                ],
-            )
-        })
-    })
+    conditions_become(
+        &api,
+        "NoQuorum",
+        Duration::from_secs(30),
+        [
+            ("Available", "False", "NoQuorum"),
+            ("Progressing", "False", "NoQuorum"),
+            ("Degraded", "True", "NoQuorum"),
+        ],
+    )
     .await;
     // The last one: nothing answers, reconciles fail, and the status says so.
     w.hosts.kill(&new);
     // (after ten retries at the longest backoff, 1 s here)
-    eventually("ReconcileFailed", Duration::from_secs(40), async || {
-        quorum_conditions(&api).await.filter(|c| {
-            conditions_are(
-                c,
-                [
-                    ("Available", "False", "NoQuorum"),
-                    ("Progressing", "False", "NoQuorum"),
-                    ("Degraded", "True", "ReconcileFailed"),
-                ],
-            )
-        })
-    })
+    conditions_become(
+        &api,
+        "ReconcileFailed",
+        Duration::from_secs(40),
+        [
+            ("Available", "False", "NoQuorum"),
+            ("Progressing", "False", "NoQuorum"),
+            ("Degraded", "True", "ReconcileFailed"),
+        ],
+    )
     .await;
 }
 
@@ -987,21 +970,15 @@ async fn without_a_running_machine_the_status_says_the_machine_api_does_not_work
     }
     let api: Api<EtcdQuorum> = Api::namespaced(w.kc.clone(), ETCD_NS);
     let (_ctl, _cancel) = w.controller("op-0");
-    eventually(
+    conditions_become(
+        &api,
         "MachineAPINotFunctional",
         Duration::from_secs(20),
-        async || {
-            quorum_conditions(&api).await.filter(|c| {
-                conditions_are(
-                    c,
-                    [
-                        ("Available", "True", "AsExpected"),
-                        ("Progressing", "False", "MachineAPINotFunctional"),
-                        ("Degraded", "True", "MachineAPINotFunctional"),
-                    ],
-                )
-            })
-        },
+        [
+            ("Available", "True", "AsExpected"),
+            ("Progressing", "False", "MachineAPINotFunctional"),
+            ("Degraded", "True", "MachineAPINotFunctional"),
+        ],
     )
     .await;
     // Not acting meanwhile: no hook on any Machine.
@@ -1018,10 +995,5 @@ async fn without_a_running_machine_the_status_says_the_machine_api_does_not_work
         .await
         .unwrap();
     w.protected(&["cp-0", "cp-1", "cp-2"]).await;
-    eventually("all well", Duration::from_secs(20), async || {
-        quorum_conditions(&api)
-            .await
-            .filter(|c| conditions_are(c, ALL_WELL))
-    })
-    .await;
+    conditions_become(&api, "all well", Duration::from_secs(20), ALL_WELL).await;
 }

@@ -317,8 +317,12 @@ pub async fn monitor(
     (min_v, max_v, max_l, n)
 }
 
-/// Every write `writes` saw acknowledged is in etcd, read through `urls`.
-pub async fn assert_writes_kept(urls: &[String], tls: Option<&std::path::Path>, writes: &Writes) {
+/// Every acknowledged write (key → value) is in etcd, read through `urls`.
+pub async fn assert_writes_kept(
+    urls: &[String],
+    tls: Option<&std::path::Path>,
+    acked: &BTreeMap<String, String>,
+) {
     let mut c = client(urls, tls)
         .await
         .expect("a client for the final members");
@@ -336,7 +340,40 @@ pub async fn assert_writes_kept(urls: &[String], tls: Option<&std::path::Path>, 
             )
         })
         .collect();
-    for (k, v) in &writes.acked {
+    for (k, v) in acked {
         assert_eq!(stored.get(k), Some(v), "acknowledged write {k} lost");
+    }
+}
+
+/// A writer and a member-list monitor running against the hosts until [`Load::finish`].
+pub struct Load {
+    stop: CancellationToken,
+    writes: tokio::task::JoinHandle<Writes>,
+    voters: tokio::task::JoinHandle<(usize, usize, usize, usize)>,
+}
+
+impl Load {
+    /// Starts [`writer`] and [`monitor`] over the Machines in `names`.
+    pub fn start(hosts: &Arc<Hosts>, names: &Arc<Mutex<BTreeMap<String, String>>>) -> Load {
+        let stop = CancellationToken::new();
+        Load {
+            writes: tokio::spawn(writer(Arc::clone(hosts), Arc::clone(names), stop.clone())),
+            voters: tokio::spawn(monitor(Arc::clone(hosts), Arc::clone(names), stop.clone())),
+            stop,
+        }
+    }
+
+    /// Cancelled by [`Load::finish`], for other samplers to stop with the load.
+    pub fn token(&self) -> CancellationToken {
+        self.stop.clone()
+    }
+
+    /// Stops both: the writes, and the monitor's (min voters, max voters, max learners, samples).
+    pub async fn finish(self) -> (Writes, (usize, usize, usize, usize)) {
+        self.stop.cancel();
+        (
+            self.writes.await.expect("the writer"),
+            self.voters.await.expect("the monitor"),
+        )
     }
 }
