@@ -17,7 +17,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde::Serialize;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -27,8 +26,7 @@ use super::protocol::Verdict;
 use super::resolve::{CheckResult, Failure, FailureCounter, OwnerLookup};
 
 /// Where the guard stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Standing {
     /// No lookup has decided yet (start, or failures below the threshold since start).
     Unknown,
@@ -121,15 +119,6 @@ pub struct GuardTiming {
 }
 
 impl OwnerGuard {
-    /// A guard that always owns: for a controller run without an owner record. Its token is
-    /// never cancelled.
-    pub fn always() -> OwnerGuard {
-        let (tx, rx) = watch::channel(Epoch::new(Standing::Owner));
-        // The sender must outlive every receiver, or `owned` would read the guard as stopped.
-        std::mem::forget(tx);
-        OwnerGuard { rx }
-    }
-
     /// Starts looking the record up with `lookup` until `cancel`; the task's handle is returned
     /// so a caller can watch it (when it ends, the guard reads `Stopped`).
     pub fn start(
@@ -376,12 +365,5 @@ mod tests {
         let _ = task.await;
         assert_eq!(guard.standing(), Standing::Stopped);
         assert!(guard.token().is_cancelled());
-    }
-
-    #[tokio::test]
-    async fn always_owns() {
-        let mut guard = OwnerGuard::always();
-        assert!(!guard.owned().await.unwrap().is_cancelled());
-        assert_eq!(guard.standing(), Standing::Owner);
     }
 }

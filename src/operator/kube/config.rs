@@ -21,6 +21,7 @@ use crate::operator::control_plane_set::controller::replacement_for;
 use crate::operator::execute::Timing;
 use crate::operator::plan::Spec;
 use crate::owner::guard::GuardSettings;
+use crate::owner::resolve::ResolveError;
 
 /// The defaults: the first layer.
 pub const DEFAULTS: &str = r#"
@@ -234,8 +235,14 @@ fn validate(
         None => None,
         Some(o) => {
             let config = crate::config::owner_config(o, &|key, message| l.err(key, message))?;
-            let guard =
-                GuardSettings::new(&config).map_err(|e| l.err("owner.name", e.to_string()))?;
+            let guard = GuardSettings::new(&config).map_err(|e| {
+                // An unreadable resolv.conf only matters when no nameservers are given.
+                let key = match e {
+                    ResolveError::InvalidName { .. } => "owner.name",
+                    _ => "owner.nameservers",
+                };
+                l.err(key, e.to_string())
+            })?;
             Some(guard)
         }
     };
