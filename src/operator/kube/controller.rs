@@ -188,7 +188,13 @@ impl Parts {
             &obs.observed.members,
         )
         .await?;
-        let census = self.machines.census().await?;
+        // Only our own actions changed the Machines since the first count; anyone else's change
+        // is a watch event that wakes the next reconcile.
+        let census = if acted {
+            self.machines.census().await?
+        } else {
+            census
+        };
         self.settings
             .guard
             .sync(&self.budgets, census.total)
