@@ -177,10 +177,15 @@ impl Snapshots {
 #[async_trait]
 impl SnapshotApi for Snapshots {
     async fn latest(&self) -> Result<Latest, ApiError> {
-        self.store.latest_chain().await.map_err(|e| {
-            tracing::warn!(error = %e, "listing the store failed");
-            ApiError::unavailable("the store cannot be listed")
-        })
+        // `isFinal` as every reader decides it: a reclaimed or superseded final is a plain full
+        // snapshot here, so a flow polling for the final never takes an old one.
+        crate::owner::handoff::HandOffObjects::new(self.store.clone())
+            .latest_chain()
+            .await
+            .map_err(|e| {
+                tracing::warn!(error = %e, "listing the store failed");
+                ApiError::unavailable("the store cannot be listed")
+            })
     }
 
     async fn take(&self, what: SnapshotRequest) -> Result<Option<Snapshot>, ApiError> {
@@ -351,6 +356,7 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
                 &config.etcd,
                 actor.clone(),
                 store.clone(),
+                Codec::from(config.snapshot.compression),
                 (*readiness_tx).clone(),
                 gate_tx,
             )?;

@@ -445,6 +445,7 @@ async fn ownership_lost_mid_replacement_stops_every_action_until_it_returns() {
             nameservers: vec![dns.addr()],
             failure_threshold: 2,
             ttl_cap: Duration::ZERO,
+            takeover_after: Duration::from_secs(300),
         })
         .unwrap(),
     );

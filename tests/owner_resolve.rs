@@ -24,6 +24,7 @@ fn config(server: &DnsServer, ttl_cap: Duration) -> OwnerConfig {
         nameservers: vec![server.addr()],
         failure_threshold: 3,
         ttl_cap,
+        takeover_after: Duration::from_secs(300),
     }
 }
 

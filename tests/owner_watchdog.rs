@@ -19,7 +19,9 @@ use etcd_warden::backoff::Backoff;
 use etcd_warden::config::OwnerConfig;
 use etcd_warden::config::{EtcdConfig, KillConfig};
 use etcd_warden::health::Health;
-use etcd_warden::owner::handoff::{FenceMarker, HandOffError, HandOffRecord, Member};
+use etcd_warden::owner::handoff::{
+    Claim, Created, FenceMarker, FinalIntent, HandOffError, HandOffRecord, Member,
+};
 use etcd_warden::owner::metrics::OwnerMetrics;
 use etcd_warden::owner::production::{EtcdApi, OwnerStatus};
 use etcd_warden::owner::protocol::State;
@@ -86,6 +88,7 @@ struct World {
     fences: Mutex<BTreeSet<u64>>,
     finals: Mutex<Vec<Snapshot>>,
     record: Mutex<Option<HandOffRecord>>,
+    fixed: Fixed,
     members: Mutex<Vec<Member>>,
     /// How many final snapshot requests fail before one succeeds.
     final_failures: AtomicU32,
@@ -111,6 +114,7 @@ impl World {
             fences: Mutex::new(BTreeSet::new()),
             finals: Mutex::new(Vec::new()),
             record: Mutex::new(None),
+            fixed: Fixed::default(),
             members: Mutex::new(vec![member(ME)]),
             final_failures: AtomicU32::new(0),
             record_failures: AtomicU32::new(0),
@@ -157,6 +161,52 @@ fn final_at(revision: i64) -> Snapshot {
         Codec::Gzip,
         true,
     )
+}
+
+/// The hand-off's intent and claims, held in memory with create-if-absent semantics.
+#[derive(Default)]
+struct Fixed {
+    intent: Mutex<Option<FinalIntent>>,
+    claims: Mutex<Vec<Claim>>,
+}
+
+impl Fixed {
+    fn intent(&self) -> Option<FinalIntent> {
+        self.intent.lock().expect("lock").clone()
+    }
+    fn create_intent(&self, revision: i64, member: u64) -> Created {
+        let mut intent = self.intent.lock().expect("lock");
+        if intent.is_some() {
+            return Created::Exists;
+        }
+        *intent = Some(FinalIntent {
+            final_snapshot: final_at(revision).snap_name,
+            revision,
+            member_id: format!("{member:x}"),
+            owner_id: ID.into(),
+            fixed_at: chrono::Utc::now(),
+        });
+        Created::Created
+    }
+    fn claims(&self) -> Vec<Claim> {
+        self.claims.lock().expect("lock").clone()
+    }
+    fn create_claim(&self, claim: &Claim) -> Created {
+        let mut claims = self.claims.lock().expect("lock");
+        if claims.iter().any(|c| c.epoch == claim.epoch) {
+            return Created::Exists;
+        }
+        claims.push(claim.clone());
+        Created::Created
+    }
+    /// The snapshot the intent names, stored in `finals` (replacing an earlier one of the name).
+    fn store(intent: &FinalIntent, finals: &Mutex<Vec<Snapshot>>) -> Snapshot {
+        let snap = Snapshot::parse_name("", &intent.final_snapshot).expect("a snapshot name");
+        let mut finals = finals.lock().expect("lock");
+        finals.retain(|s| s.snap_name != snap.snap_name);
+        finals.push(snap.clone());
+        snap
+    }
 }
 
 struct Fake(Arc<World>);
@@ -300,8 +350,25 @@ impl Snapshots for Fake {
         *self.0.record.lock().expect("lock") = Some(record.clone());
         Ok(())
     }
-    async fn take_final(&self, min_revision: i64) -> Result<Snapshot, SeamError> {
-        self.0.log(Call::Final(min_revision));
+    async fn intent(&self) -> Result<Option<FinalIntent>, SeamError> {
+        Ok(self.0.fixed.intent())
+    }
+    async fn create_intent(
+        &self,
+        revision: i64,
+        member: u64,
+        _owner_id: &str,
+    ) -> Result<Created, SeamError> {
+        Ok(self.0.fixed.create_intent(revision, member))
+    }
+    async fn claims(&self) -> Result<Vec<Claim>, SeamError> {
+        Ok(self.0.fixed.claims())
+    }
+    async fn create_claim(&self, claim: &Claim) -> Result<Created, SeamError> {
+        Ok(self.0.fixed.create_claim(claim))
+    }
+    async fn take_final(&self, intent: &FinalIntent) -> Result<Snapshot, SeamError> {
+        self.0.log(Call::Final(intent.revision));
         let left = self.0.final_failures.load(Ordering::SeqCst);
         if left > 0 {
             self.0.final_failures.store(left - 1, Ordering::SeqCst);
@@ -310,9 +377,8 @@ impl Snapshots for Fake {
                 after: Duration::from_millis(1),
             });
         }
-        let snap = final_at(self.0.revision.load(Ordering::SeqCst));
-        self.0.finals.lock().expect("lock").push(snap.clone());
-        Ok(snap)
+        assert!(self.0.revision.load(Ordering::SeqCst) >= intent.revision);
+        Ok(Fixed::store(intent, &self.0.finals))
     }
 }
 
@@ -850,6 +916,7 @@ fn owner_config(dns: &DnsServer, interval: Duration, timeout: Duration) -> Owner
         nameservers: vec![dns.addr()],
         failure_threshold: 2,
         ttl_cap: Duration::ZERO,
+        takeover_after: Duration::from_secs(300),
     }
 }
 
@@ -985,6 +1052,7 @@ struct StreamingSnapshots {
     fences: Mutex<BTreeSet<u64>>,
     finals: Mutex<Vec<Snapshot>>,
     record: Mutex<Option<HandOffRecord>>,
+    fixed: Fixed,
     taken: AtomicU32,
     bytes: AtomicU32,
 }
@@ -1015,7 +1083,25 @@ impl Snapshots for StreamingSnapshots {
         *self.record.lock().expect("lock") = Some(record.clone());
         Ok(())
     }
-    async fn take_final(&self, min_revision: i64) -> Result<Snapshot, SeamError> {
+    async fn intent(&self) -> Result<Option<FinalIntent>, SeamError> {
+        Ok(self.fixed.intent())
+    }
+    async fn create_intent(
+        &self,
+        revision: i64,
+        member: u64,
+        _owner_id: &str,
+    ) -> Result<Created, SeamError> {
+        Ok(self.fixed.create_intent(revision, member))
+    }
+    async fn claims(&self) -> Result<Vec<Claim>, SeamError> {
+        Ok(self.fixed.claims())
+    }
+    async fn create_claim(&self, claim: &Claim) -> Result<Created, SeamError> {
+        Ok(self.fixed.create_claim(claim))
+    }
+    async fn take_final(&self, intent: &FinalIntent) -> Result<Snapshot, SeamError> {
+        let min_revision = intent.revision;
         let mut client = etcd_client::Client::connect([&self.endpoint], None).await?;
         let revision = client.status().await?.header().map_or(0, |h| h.revision());
         assert!(revision >= min_revision, "{revision} < {min_revision}");
@@ -1026,9 +1112,7 @@ impl Snapshots for StreamingSnapshots {
         }
         self.bytes.store(total as u32, Ordering::SeqCst);
         self.taken.fetch_add(1, Ordering::SeqCst);
-        let snap = final_at(revision);
-        self.finals.lock().expect("lock").push(snap.clone());
-        Ok(snap)
+        Ok(Fixed::store(intent, &self.finals))
     }
 }
 
@@ -1046,6 +1130,7 @@ async fn losing_ownership_kills_real_etcd_and_snapshots_it_after_it_comes_back()
         fences: Mutex::new(BTreeSet::new()),
         finals: Mutex::new(Vec::new()),
         record: Mutex::new(None),
+        fixed: Fixed::default(),
         taken: AtomicU32::new(0),
         bytes: AtomicU32::new(0),
     });
@@ -1170,8 +1255,25 @@ impl Snapshots for FenceWatch {
     async fn write_record(&self, record: &HandOffRecord) -> Result<(), SeamError> {
         self.inner.write_record(record).await
     }
-    async fn take_final(&self, min_revision: i64) -> Result<Snapshot, SeamError> {
-        self.inner.take_final(min_revision).await
+    async fn intent(&self) -> Result<Option<FinalIntent>, SeamError> {
+        self.inner.intent().await
+    }
+    async fn create_intent(
+        &self,
+        revision: i64,
+        member: u64,
+        owner_id: &str,
+    ) -> Result<Created, SeamError> {
+        self.inner.create_intent(revision, member, owner_id).await
+    }
+    async fn claims(&self) -> Result<Vec<Claim>, SeamError> {
+        self.inner.claims().await
+    }
+    async fn create_claim(&self, claim: &Claim) -> Result<Created, SeamError> {
+        self.inner.create_claim(claim).await
+    }
+    async fn take_final(&self, intent: &FinalIntent) -> Result<Snapshot, SeamError> {
+        self.inner.take_final(intent).await
     }
 }
 
@@ -1189,6 +1291,7 @@ async fn an_etcd_restarted_after_the_first_kill_is_killed_again_before_the_fence
         fences: Mutex::new(BTreeSet::new()),
         finals: Mutex::new(Vec::new()),
         record: Mutex::new(None),
+        fixed: Fixed::default(),
         taken: AtomicU32::new(0),
         bytes: AtomicU32::new(0),
     });
@@ -1428,6 +1531,7 @@ async fn the_kill_never_waits_behind_snapshots_queued_against_a_store_that_does_
         Arc::new(etcd_warden::owner::production::StoreSnapshots::new(
             local,
             actor.clone(),
+            Codec::Gzip,
         )),
         readiness_tx,
         gate,

@@ -640,7 +640,10 @@ async fn etcd_restored_behind_the_store_sets_the_newer_history_aside_and_starts_
             .await
             .unwrap();
     }
-    engine.full(false, None).await.unwrap();
+    engine
+        .full(&etcd_warden::snapshot::actor::FullKind::Regular)
+        .await
+        .unwrap();
     assert!(!engine.base_needed());
     for i in 5..10 {
         b.put(format!("/k/{i:03}"), "after-the-new-base", None)

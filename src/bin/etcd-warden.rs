@@ -407,11 +407,11 @@ async fn cancel_on_signal(cancel: CancellationToken) {
 mod ops {
     use anyhow::{Context, bail};
     use etcd_warden::config::Config;
-    use etcd_warden::owner::handoff;
+    use etcd_warden::owner::handoff::{self, HandOffObjects, the_final};
     use etcd_warden::owner::protocol::Verdict;
     use etcd_warden::owner::resolve::{CheckResult, OwnerLookup, OwnerResolver};
     use etcd_warden::snapshot::{take_full, verify::verify as verify_one};
-    use etcd_warden::store::{Codec, SnapshotStore};
+    use etcd_warden::store::{Codec, Snapshot, SnapshotStore};
 
     /// What the owner record says now, when ownership checks are configured.
     async fn owner_record(config: &Config) -> anyhow::Result<Option<CheckResult>> {
@@ -526,12 +526,36 @@ mod ops {
         Ok(())
     }
 
-    pub async fn ls(config: &Config, json: bool) -> anyhow::Result<()> {
-        let store = snapshots(config)?;
+    /// The store's snapshots with `is_final` as every reader decides it: true only for the
+    /// hand-off's final ([`the_final`]), never for a reclaimed or superseded `.final` object.
+    async fn listed_as_read(
+        config: &Config,
+        store: &SnapshotStore,
+    ) -> anyhow::Result<(Vec<Snapshot>, Option<String>)> {
         let list = store
             .list()
             .await
             .with_context(|| format!("listing {}", config.store.location))?;
+        let seen = HandOffObjects::new(store.clone())
+            .seen()
+            .await
+            .with_context(|| {
+                format!("reading the hand-off objects of {}", config.store.location)
+            })?;
+        let the = the_final(&list, &seen).map(|s| s.snap_name.clone());
+        let list = list
+            .into_iter()
+            .map(|mut s| {
+                s.is_final = the.as_deref() == Some(s.snap_name.as_str());
+                s
+            })
+            .collect();
+        Ok((list, the))
+    }
+
+    pub async fn ls(config: &Config, json: bool) -> anyhow::Result<()> {
+        let store = snapshots(config)?;
+        let (list, _) = listed_as_read(config, &store).await?;
         if json {
             println!("{}", serde_json::to_string_pretty(&list)?);
             return Ok(());
@@ -644,10 +668,7 @@ mod ops {
 
     pub async fn verify(config: &Config) -> anyhow::Result<()> {
         let store = snapshots(config)?;
-        let list = store
-            .list()
-            .await
-            .with_context(|| format!("listing {}", config.store.location))?;
+        let (list, the) = listed_as_read(config, &store).await?;
         let mut bad = 0;
         for s in &list {
             match verify_one(&store, s).await {
@@ -663,6 +684,10 @@ mod ops {
             bail!("{bad} of {} snapshots failed verification", list.len());
         }
         eprintln!("{} snapshots verified", list.len());
+        match the {
+            Some(name) => eprintln!("the hand-off's final snapshot: {name}"),
+            None => eprintln!("no hand-off's final snapshot in this store"),
+        }
         Ok(())
     }
 }

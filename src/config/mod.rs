@@ -267,6 +267,9 @@ pub struct OwnerConfig {
     pub failure_threshold: u32,
     /// Longest time a looked-up record is trusted, whatever its TTL says.
     pub ttl_cap: Duration,
+    /// How long a fenced member waits for the member taking the hand-off's final before it takes
+    /// over (times its rank among the others).
+    pub takeover_after: Duration,
 }
 
 /// How to find and stop etcd in the shared PID namespace.

@@ -154,6 +154,8 @@ pub struct RawOwner {
     pub failure_threshold: u64,
     #[serde(default = "defaults::ttl_cap")]
     pub ttl_cap: String,
+    #[serde(default = "defaults::takeover_after")]
+    pub takeover_after: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -242,6 +244,9 @@ mod defaults {
     }
     pub fn ttl_cap() -> String {
         "10s".into()
+    }
+    pub fn takeover_after() -> String {
+        "5m".into()
     }
 }
 

@@ -695,5 +695,6 @@ pub(crate) fn owner_config(
         nameservers,
         failure_threshold,
         ttl_cap: duration("owner.ttl_cap", &o.ttl_cap)?,
+        takeover_after: positive("owner.takeover_after", &o.takeover_after)?,
     })
 }

@@ -1,10 +1,11 @@
 //! The copy job: wait for the source's final snapshot, then copy snapshots between stores.
 //!
 //! - **Waiting** (`wait_for_final`): the source store is listed every `poll_interval` until it
-//!   holds the hand-off's final snapshot ([`plan::final_snapshot`]: the one etcd-warden's hand-off
-//!   record names, never a final `etcd-warden reclaim` marked reclaimed; only for a store without
-//!   any etcd-warden object, i.e. of the reference tool, its newest snapshot when that is a final
-//!   full one), or `final_timeout` passes. On timeout the job logs an error and copies what is
+//!   holds the hand-off's final snapshot ([`crate::owner::handoff::the_final`], the function every
+//!   reader uses: the one etcd-warden's hand-off record or intent names, never a final
+//!   `etcd-warden reclaim` marked reclaimed; only for a store without any etcd-warden object,
+//!   i.e. of the reference tool, its newest snapshot when that is a final full one), or
+//!   `final_timeout` passes. On timeout the job logs an error and copies what is
 //!   there, as seed 001 says, so the destination is not left without data; writes the source
 //!   acknowledged after its newest snapshot are then not in the copy, and the log says so.
 //! - **Selection**: [`plan::select`] (all, newest N full snapshots, younger than an age; the
@@ -331,7 +332,7 @@ fn store_error(which: &'static str, store: &SnapshotStore) -> impl FnOnce(StoreE
     move |source| CopyError::Store { which, url, source }
 }
 
-/// Polls until the source holds the hand-off's final ([`plan::final_snapshot`]) or `timeout`
+/// Polls until the source holds the hand-off's final ([`crate::owner::handoff::the_final`]) or `timeout`
 /// passes. Listing errors
 /// are logged and polled through: the source store being briefly unreachable is no reason to
 /// give up the wait early.
@@ -348,23 +349,13 @@ pub async fn wait_for_final(
     let hand_off = crate::owner::handoff::HandOffObjects::new(source.clone());
     loop {
         let listed = async {
-            let record = hand_off.record().await?;
-            let ours = hand_off.any().await?;
-            let reclaimed = hand_off.reclaimed().await?;
+            let seen = hand_off.seen().await?;
             let list = source.list().await?;
-            Ok::<_, crate::owner::handoff::HandOffError>((list, record, ours, reclaimed))
+            Ok::<_, crate::owner::handoff::HandOffError>((list, seen))
         };
         match listed.await {
-            Ok((list, record, ours, reclaimed)) => {
-                // Any etcd-warden object (a fence marker, a reclaimed mark) makes this a store
-                // whose hand-off ends with a record: without one, the newest final is a
-                // reclaimed or hand-taken one and says nothing of the writes after it.
-                let seen = match &record {
-                    Some(r) => plan::HandOffSeen::Recorded(&r.final_snapshot),
-                    None if ours => plan::HandOffSeen::NotRecorded,
-                    None => plan::HandOffSeen::Nothing,
-                };
-                if let Some(f) = plan::final_snapshot(&list, seen, &reclaimed) {
+            Ok((list, seen)) => {
+                if let Some(f) = crate::owner::handoff::the_final(&list, &seen) {
                     tracing::info!(
                         snapshot = %f.snap_name,
                         revision = f.last_revision,

@@ -1,7 +1,7 @@
 //! The copy job's decisions as pure functions: is the final snapshot there, which snapshots to
 //! copy, what each is called at the destination, and which are already there.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -25,47 +25,6 @@ pub struct Selection {
     pub max_backups: u64,
     /// Only snapshots younger than this (plus the full snapshots their deltas need).
     pub max_age: Option<Duration>,
-}
-
-/// What the source store says of a hand-off (etcd-warden's own objects beside the snapshots).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum HandOffSeen<'a> {
-    /// No etcd-warden objects at all: a store written by etcd-backup-restore (or by sidecars
-    /// without `[owner]`).
-    Nothing,
-    /// etcd-warden objects (fence markers, reclaimed marks) but no hand-off record: a hand-off
-    /// under way, or one undone by `etcd-warden reclaim`.
-    NotRecorded,
-    /// The hand-off record names this final snapshot.
-    Recorded(&'a str),
-}
-
-/// The final snapshot the wait is for. `reclaimed` holds the names `etcd-warden reclaim`
-/// marked: such a final ended a hand-off that was undone, and the source has served writes
-/// since, so it never counts.
-///
-/// With etcd-warden's hand-off record, the final it names: that one holds every write the
-/// source acknowledged (its sidecars took it only once every member was fenced). In a store
-/// with etcd-warden objects but no record, none: the hand-off is under way or was reclaimed,
-/// and a final lying there (the reclaimed one, one taken by `etcd-warden snapshot --final`)
-/// proves nothing about the writes after it. Only without any etcd-warden object (a store of
-/// the reference tool), the source's newest snapshot when it is a full one marked final: a
-/// final followed by any later snapshot (a delta, a newer full one) has writes after it and is
-/// a leftover, not the end of the source's data. "Newest" rather than "newer than the start of
-/// the wait": the source may have deactivated before this Job (or a retried Job's pod) started.
-pub fn final_snapshot<'a>(
-    sorted: &'a [Snapshot],
-    hand_off: HandOffSeen<'_>,
-    reclaimed: &BTreeSet<String>,
-) -> Option<&'a Snapshot> {
-    let found = match hand_off {
-        HandOffSeen::Recorded(name) => sorted.iter().find(|s| s.snap_name == name),
-        HandOffSeen::NotRecorded => None,
-        HandOffSeen::Nothing => sorted.last().filter(|s| s.is_full() && s.is_final),
-    };
-    // A record naming a reclaimed final is what an interrupted reclaim leaves (it marks the
-    // finals before deleting the record): that hand-off was undone.
-    found.filter(|s| !reclaimed.contains(&s.snap_name))
 }
 
 /// The snapshots to copy from a sorted listing, in the same order.
@@ -173,6 +132,7 @@ mod tests {
     use super::*;
     use crate::store::{Codec, Kind};
     use chrono::TimeZone;
+    use std::collections::BTreeSet;
 
     fn t(secs: i64) -> DateTime<Utc> {
         Utc.timestamp_opt(1_700_000_000 + secs, 0).unwrap()
@@ -190,8 +150,51 @@ mod tests {
         v.iter().map(|s| s.last_revision).collect()
     }
 
-    /// [`final_snapshot`] with nothing reclaimed.
-    fn unreclaimed<'a>(sorted: &'a [Snapshot], seen: HandOffSeen<'_>) -> Option<&'a Snapshot> {
+    // The copy Job's wait decides with the one function every reader uses.
+    use crate::owner::handoff::{HandOffRecord, StoreHandOff, the_final};
+
+    /// A store of the reference tool: no etcd-warden object.
+    const NOTHING: fn() -> StoreHandOff = StoreHandOff::default;
+
+    /// etcd-warden objects (fence markers, reclaimed marks) but no record and no intent: a
+    /// hand-off under way, or one undone by `etcd-warden reclaim`.
+    fn not_recorded() -> StoreHandOff {
+        StoreHandOff {
+            ours: true,
+            ..Default::default()
+        }
+    }
+
+    /// The hand-off record names `name`.
+    fn recorded(name: &str) -> StoreHandOff {
+        StoreHandOff {
+            ours: true,
+            record: Some(HandOffRecord {
+                final_snapshot: name.into(),
+                revision: 0,
+                members: vec![],
+                owner_id: "seed-a".into(),
+                recorded_at: t(0),
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn reclaiming(mut seen: StoreHandOff, reclaimed: &BTreeSet<String>) -> StoreHandOff {
+        seen.reclaimed = reclaimed.clone();
+        seen
+    }
+
+    fn final_snapshot<'a>(
+        sorted: &'a [Snapshot],
+        seen: StoreHandOff,
+        reclaimed: &BTreeSet<String>,
+    ) -> Option<&'a Snapshot> {
+        the_final(sorted, &reclaiming(seen, reclaimed))
+    }
+
+    /// [`the_final`] with nothing reclaimed.
+    fn unreclaimed(sorted: &[Snapshot], seen: StoreHandOff) -> Option<&Snapshot> {
         final_snapshot(sorted, seen, &BTreeSet::new())
     }
 
@@ -209,18 +212,18 @@ mod tests {
 
     #[test]
     fn without_a_hand_off_record_the_final_is_the_newest_snapshot_when_marked() {
-        let nothing = HandOffSeen::Nothing;
-        assert!(unreclaimed(&history(false), nothing).is_none());
+        let nothing = NOTHING;
+        assert!(unreclaimed(&history(false), nothing()).is_none());
         // A final followed by a delta has writes after it: not the end of the source's data.
-        assert!(unreclaimed(&history(true), nothing).is_none());
+        assert!(unreclaimed(&history(true), nothing()).is_none());
         let mut h = history(true);
         h.pop();
-        assert_eq!(unreclaimed(&h, nothing).unwrap().last_revision, 30);
+        assert_eq!(unreclaimed(&h, nothing()).unwrap().last_revision, 30);
         // A final snapshot followed by a newer full one is a leftover.
         let mut h = history(false);
         h[2].is_final = true;
-        assert!(unreclaimed(&h, nothing).is_none());
-        assert!(unreclaimed(&[], nothing).is_none());
+        assert!(unreclaimed(&h, nothing()).is_none());
+        assert!(unreclaimed(&[], nothing()).is_none());
     }
 
     #[test]
@@ -229,15 +232,15 @@ mod tests {
         h.pop();
         let name = h[4].snap_name.clone();
         let reclaimed = BTreeSet::from([name.clone()]);
-        assert!(final_snapshot(&h, HandOffSeen::Nothing, &reclaimed).is_none());
+        assert!(final_snapshot(&h, NOTHING(), &reclaimed).is_none());
         // An interrupted reclaim: the record still names the final it marked.
-        assert!(final_snapshot(&h, HandOffSeen::Recorded(&name), &reclaimed).is_none());
+        assert!(final_snapshot(&h, recorded(&name), &reclaimed).is_none());
         // A later hand-off's final is another object and counts.
         let mut later = h.clone();
         later.push(full(40, 20000, true));
         let next = later[5].snap_name.clone();
         assert_eq!(
-            final_snapshot(&later, HandOffSeen::Recorded(&next), &reclaimed)
+            final_snapshot(&later, recorded(&next), &reclaimed)
                 .unwrap()
                 .last_revision,
             40
@@ -250,22 +253,11 @@ mod tests {
         h.pop();
         let name = h[4].snap_name.clone();
         assert!(
-            unreclaimed(&h, HandOffSeen::NotRecorded).is_none(),
+            unreclaimed(&h, not_recorded()).is_none(),
             "fenced or reclaimed, not recorded: the newest final does not count"
         );
-        assert_eq!(
-            unreclaimed(&h, HandOffSeen::Recorded(&name))
-                .unwrap()
-                .last_revision,
-            30
-        );
-        assert!(
-            unreclaimed(
-                &h,
-                HandOffSeen::Recorded("Full-00000000-00000099-1.gz.final")
-            )
-            .is_none()
-        );
+        assert_eq!(unreclaimed(&h, recorded(&name)).unwrap().last_revision, 30);
+        assert!(unreclaimed(&h, recorded("Full-00000000-00000099-1.gz.final")).is_none());
     }
 
     /// The last revisions `select` keeps at t=20000 under these limits (0: no count limit).

@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use super::handoff::{FenceMarker, HandOffObjects, HandOffRecord, Member};
+use super::handoff::{
+    Claim, Created, FenceMarker, FinalIntent, HandOffError, HandOffObjects, HandOffRecord, Member,
+};
 use super::resolve::{OwnerResolver, ResolveError};
 use super::watchdog::{Context, EtcdView, SeamError, Snapshots, WatchdogStatus};
 use crate::config::{EtcdConfig, KillConfig, OwnerConfig};
@@ -17,7 +19,7 @@ use crate::process::ProcKiller;
 use crate::server::{Readiness, StatusSource};
 use crate::snapshot::actor::ActorHandle;
 use crate::snapshot::gate::Gate;
-use crate::store::{Snapshot, SnapshotStore};
+use crate::store::{Codec, Kind, Snapshot, SnapshotStore};
 
 /// A key read only to learn the cluster's revision linearizably; it need not exist.
 const REVISION_PROBE_KEY: &str = "/etcd-warden/revision-probe";
@@ -101,16 +103,20 @@ impl EtcdView for EtcdApi {
 
 /// The hand-off's objects in the store, and the final snapshot through the actor.
 pub struct StoreSnapshots {
+    store: SnapshotStore,
     objects: HandOffObjects,
     actor: ActorHandle,
+    codec: Codec,
 }
 
 impl StoreSnapshots {
-    /// Objects in `store`, finals through `actor`.
-    pub fn new(store: SnapshotStore, actor: ActorHandle) -> Self {
+    /// Objects in `store`, finals through `actor`, named with `codec`.
+    pub fn new(store: SnapshotStore, actor: ActorHandle, codec: Codec) -> Self {
         StoreSnapshots {
-            objects: HandOffObjects::new(store),
+            objects: HandOffObjects::new(store.clone()),
+            store,
             actor,
+            codec,
         }
     }
 }
@@ -134,7 +140,7 @@ impl Snapshots for StoreSnapshots {
     }
 
     async fn latest_full(&self) -> Result<Option<Snapshot>, SeamError> {
-        Ok(self.objects.latest_unreclaimed_full().await?)
+        Ok(self.objects.latest_full().await?)
     }
 
     async fn record(&self) -> Result<Option<HandOffRecord>, SeamError> {
@@ -145,8 +151,41 @@ impl Snapshots for StoreSnapshots {
         Ok(self.objects.write_record(record).await?)
     }
 
-    async fn take_final(&self, min_revision: i64) -> Result<Snapshot, SeamError> {
-        Ok(self.actor.final_snapshot(min_revision).await?)
+    async fn intent(&self) -> Result<Option<FinalIntent>, SeamError> {
+        Ok(self.objects.intent().await?)
+    }
+
+    async fn create_intent(
+        &self,
+        revision: i64,
+        member: u64,
+        owner_id: &str,
+    ) -> Result<Created, SeamError> {
+        let name = self
+            .store
+            .new_snapshot(Kind::Full, 0, revision, self.codec, true);
+        let intent = FinalIntent {
+            final_snapshot: name.snap_name,
+            revision,
+            member_id: format!("{member:x}"),
+            owner_id: owner_id.to_string(),
+            fixed_at: chrono::Utc::now(),
+        };
+        Ok(self.objects.create_intent(&intent).await?)
+    }
+
+    async fn claims(&self) -> Result<Vec<Claim>, SeamError> {
+        Ok(self.objects.claims().await?)
+    }
+
+    async fn create_claim(&self, claim: &Claim) -> Result<Created, SeamError> {
+        Ok(self.objects.create_claim(claim).await?)
+    }
+
+    async fn take_final(&self, intent: &FinalIntent) -> Result<Snapshot, SeamError> {
+        let name = Snapshot::parse_name(self.store.prefix(), &intent.final_snapshot)
+            .map_err(|e| SeamError::HandOff(HandOffError::Intent(e.to_string())))?;
+        Ok(self.actor.final_snapshot(name, intent.revision).await?)
     }
 }
 
@@ -162,12 +201,14 @@ impl StatusSource for OwnerStatus {
 
 /// The production context: DNS through hickory, etcd found in `/proc`, etcd's API, the store and
 /// the actor, readiness into the server's channel, the actor's gate.
+#[allow(clippy::too_many_arguments)]
 pub fn context(
     owner: &OwnerConfig,
     kill: &KillConfig,
     etcd: &EtcdConfig,
     actor: ActorHandle,
     store: SnapshotStore,
+    codec: Codec,
     readiness: watch::Sender<Readiness>,
     gate: watch::Sender<Gate>,
 ) -> Result<Context, ResolveError> {
@@ -175,7 +216,7 @@ pub fn context(
         lookup: Arc::new(OwnerResolver::new(owner)?),
         process: Arc::new(ProcKiller::new(kill)),
         etcd: Arc::new(EtcdApi::new(etcd.clone(), crate::health::TIMEOUT)),
-        snapshots: Arc::new(StoreSnapshots::new(store, actor)),
+        snapshots: Arc::new(StoreSnapshots::new(store, actor, codec)),
         readiness: Arc::new(readiness),
         gate,
     })

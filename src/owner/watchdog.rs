@@ -23,7 +23,8 @@ use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 
 use super::handoff::{
-    self, ClusterView, Decision, FenceMarker, HandOffError, HandOffRecord, KilledProcess, Member,
+    self, Claim, ClusterView, Created, Decision, FenceMarker, FinalIntent, HandOffError,
+    HandOffRecord, KilledProcess, Member,
 };
 use super::metrics::OwnerMetrics;
 use super::protocol::{Action, Event, HandOff, Protocol, StartCheck, State, Timing, Verdict};
@@ -87,14 +88,30 @@ pub trait Snapshots: Send + Sync {
     async fn fenced(&self) -> Result<BTreeSet<u64>, SeamError>;
     /// The final full snapshots that were not reclaimed.
     async fn finals(&self) -> Result<Vec<Snapshot>, SeamError>;
-    /// The newest full snapshot, unless it is a reclaimed final.
+    /// The newest full snapshot, final only when it is the hand-off's ([`handoff::the_final`]).
     async fn latest_full(&self) -> Result<Option<Snapshot>, SeamError>;
     /// The hand-off record, if stored.
     async fn record(&self) -> Result<Option<HandOffRecord>, SeamError>;
     /// Stores the hand-off record.
     async fn write_record(&self, record: &HandOffRecord) -> Result<(), SeamError>;
-    /// Takes the final full snapshot at `min_revision` or later (through the snapshot actor).
-    async fn take_final(&self, min_revision: i64) -> Result<Snapshot, SeamError>;
+    /// The final's intent, if fixed for this hand-off.
+    async fn intent(&self) -> Result<Option<FinalIntent>, SeamError>;
+    /// Fixes the final's identity, unless an intent is there: a final full snapshot's name at
+    /// `revision` (named as the snapshot actor names a final now), recorded with `member` and
+    /// `owner_id`.
+    async fn create_intent(
+        &self,
+        revision: i64,
+        member: u64,
+        owner_id: &str,
+    ) -> Result<Created, SeamError>;
+    /// The claims to take the final, by epoch.
+    async fn claims(&self) -> Result<Vec<Claim>, SeamError>;
+    /// Creates a claim unless its epoch is claimed.
+    async fn create_claim(&self, claim: &Claim) -> Result<Created, SeamError>;
+    /// Takes the final full snapshot the intent names, holding at least its revision (through
+    /// the snapshot actor); an earlier attempt's object of that name is replaced.
+    async fn take_final(&self, intent: &FinalIntent) -> Result<Snapshot, SeamError>;
 }
 
 /// Where readiness goes (what `/healthz` answers).
@@ -124,6 +141,9 @@ pub struct WatchdogConfig {
     pub backoff: Backoff,
     /// How long after readiness went 503 the hand-off kills etcd again before fencing (`kill.settle`).
     pub settle: Duration,
+    /// How long a fenced member waits for the member taking the final before it takes over
+    /// (`owner.takeover_after`, times its rank).
+    pub takeover_after: Duration,
 }
 
 impl WatchdogConfig {
@@ -137,6 +157,7 @@ impl WatchdogConfig {
             health_interval: crate::health::INTERVAL,
             backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(30)),
             settle: kill.settle,
+            takeover_after: owner.takeover_after,
         }
     }
 }
@@ -289,7 +310,8 @@ impl Watchdog {
             killed: Vec::new(),
             kill_done_at: None,
             last_verdict: String::new(),
-            taken: None,
+            intent: None,
+            taker_seen: None,
             not_ready_since: Instant::now(),
         };
         tokio::select! {
@@ -407,6 +429,9 @@ async fn observe_etcd(parts: Parts<'_>, tx: mpsc::Sender<Observation>) {
     }
 }
 
+/// The current taker's ID and the newest claim's epoch.
+type TakerSeen = (Option<u64>, Option<u32>);
+
 /// Steps the protocol and executes its actions.
 struct Driver<'a> {
     config: &'a WatchdogConfig,
@@ -422,11 +447,11 @@ struct Driver<'a> {
     killed: Vec<ProcessId>,
     kill_done_at: Option<Instant>,
     last_verdict: String,
-    /// The final this process stored and the revision it had to reach, once stored: if writing
-    /// its hand-off record fails, the next check records this one instead of deciding again
-    /// (etcd's revision moves on as leases expire, so a new decision would not count it and
-    /// would take a second final).
-    taken: Option<(Snapshot, i64)>,
+    /// The final's intent this member takes (from the last check that said Take).
+    intent: Option<FinalIntent>,
+    /// The taker (and newest claim epoch) this member saw once every member was fenced, and
+    /// since when: the take-over counts from there.
+    taker_seen: Option<(TakerSeen, Instant)>,
     /// When readiness last went 503 (set 503 at start): the settle before the second kill of a
     /// hand-off counts from here, since that is when the Service began to drop this member.
     not_ready_since: Instant,
@@ -485,6 +510,9 @@ impl Driver<'_> {
             if before != after {
                 tracing::info!(owner_id = %self.config.owner_id, from = %before, to = %after, event = ?event, "ownership state changed");
                 self.metrics.set_state(&after);
+                // `/status` shows the step while its actions run (the kill, the final's upload),
+                // not the step before it; readiness moves only through the actions, in order.
+                self.publish_status();
             }
             for action in actions {
                 if let Some(next) = self.execute(action).await {
@@ -504,6 +532,14 @@ impl Driver<'_> {
         self.ctx
             .readiness
             .set_ready(p.ready(), state.name(), &reason);
+        self.publish_status();
+    }
+
+    /// `/status`'s state, step and reason.
+    fn publish_status(&self) {
+        let p = self.protocol;
+        let state = p.state();
+        let reason = self.reason();
         self.status.send_modify(|s| {
             s.state = state.name().into();
             s.detail = state.to_string();
@@ -790,9 +826,14 @@ impl Driver<'_> {
                 });
                 HandOff::Done
             }
-            Ok((Decision::Take { min_revision }, _)) => {
-                self.status.send_modify(|s| s.waiting_for.clear());
-                HandOff::Take { min_revision }
+            Ok((Decision::Take(intent), _)) => {
+                self.status.send_modify(|s| {
+                    s.waiting_for.clear();
+                    s.final_snapshot = None;
+                });
+                HandOff::Take {
+                    min_revision: intent.revision,
+                }
             }
             Ok((Decision::WaitMembers(left), _)) => {
                 tracing::info!(members = ?left, "waiting for every member to be fenced before the final snapshot");
@@ -800,15 +841,22 @@ impl Driver<'_> {
                 self.status.send_modify(|s| s.waiting_for = left);
                 HandOff::Wait
             }
-            Ok((Decision::WaitTaker { taker }, _)) => {
-                tracing::debug!(%taker, "waiting for the member that takes the final snapshot");
+            Ok((Decision::WaitTaker { taker, takeover_in }, _)) => {
+                tracing::debug!(%taker, ?takeover_in, "waiting for the member that takes the final snapshot");
                 self.succeed();
                 self.status.send_modify(|s| {
-                    s.waiting_for = vec![format!("{taker} (takes the final snapshot)")]
+                    s.waiting_for = vec![format!(
+                        "{taker} (takes the final snapshot; this member takes over in {}s unless it is stored)",
+                        takeover_in.as_secs()
+                    )]
                 });
                 HandOff::Wait
             }
-            Ok((Decision::NeedRevision, _)) => HandOff::Failed,
+            // `decide` carries these out and asks again; one left over is a check that failed.
+            Ok((
+                Decision::NeedRevision | Decision::Claim { .. } | Decision::FixIntent { .. },
+                _,
+            )) => HandOff::Failed,
             Err(e) => {
                 tracing::warn!(error = %e, "the hand-off check failed; retrying");
                 self.fail(&format!("hand-off check: {e}"));
@@ -817,54 +865,124 @@ impl Driver<'_> {
         }
     }
 
-    /// Gathers the cluster view and decides; a Done without its record gets the record written
-    /// (a failure to write it is a failed check, so it is written before the hand-off is done).
-    /// Also says whether the record was already there.
+    /// Gathers the cluster view and decides, carrying out the steps that fix who takes the final
+    /// and what it is (a claim, the intent) and asking again after each; a Done without its
+    /// record gets the record written (a failure to write it is a failed check, so it is written
+    /// before the hand-off is done). Also says whether the record was already there.
     async fn decide(&mut self) -> Result<(Decision, bool), SeamError> {
         let me = self.member().await?;
         tracing::Span::current().record("member_id", tracing::field::display(format!("{me:x}")));
         let members = self.ctx.etcd.members().await?;
-        if let Some((taken, min_revision)) = &self.taken {
-            self.record(taken, *min_revision, &members).await?;
-            tracing::info!(snapshot = %taken.snap_name, "the hand-off record for the final stored earlier is written");
-            return Ok((Decision::Done(taken.clone()), true));
+        let snapshots = self.ctx.snapshots.clone();
+        let mut revision = None;
+        // Each round either ends the check or writes one object that changes the next round's
+        // view (a claim, the intent) or reads the revision; four rounds cover claim → revision →
+        // intent → take, and a fifth means the store does not keep what it was given.
+        for _ in 0..5 {
+            let fenced = snapshots.fenced().await?;
+            let all_fenced = handoff::unfenced(&members, &fenced).is_empty();
+            let (finals, record, intent, claims) = if all_fenced {
+                (
+                    snapshots.finals().await?,
+                    snapshots.record().await?,
+                    snapshots.intent().await?,
+                    snapshots.claims().await?,
+                )
+            } else {
+                (Vec::new(), None, None, Vec::new())
+            };
+            let waited = self.waited(all_fenced, &members, &claims);
+            let view = ClusterView {
+                members: members.clone(),
+                fenced,
+                revision,
+                finals,
+                record: record.clone(),
+                intent: intent.clone(),
+                claims,
+                me,
+                waited,
+                takeover_after: self.config.takeover_after,
+            };
+            let decision = handoff::decide(&view);
+            match &decision {
+                Decision::NeedRevision => {
+                    // Every member fenced and nothing fixed yet: nothing can write any more
+                    // but an expiring lease; the intent freezes what is read here.
+                    revision = Some(self.ctx.etcd.revision().await?);
+                    continue;
+                }
+                Decision::Claim { epoch } => {
+                    let claim = Claim {
+                        epoch: *epoch,
+                        member_id: format!("{me:x}"),
+                        claimed_at: Utc::now(),
+                    };
+                    let created = snapshots.create_claim(&claim).await?;
+                    if *epoch > 0 {
+                        tracing::warn!(
+                            epoch,
+                            ?created,
+                            "the member taking the final has not stored it within owner.takeover_after; claiming the take-over"
+                        );
+                    } else {
+                        tracing::info!(
+                            ?created,
+                            "claiming the final snapshot (this member takes it)"
+                        );
+                    }
+                    continue;
+                }
+                Decision::FixIntent { revision: r } => {
+                    let created = snapshots
+                        .create_intent(*r, me, &self.config.owner_id)
+                        .await?;
+                    tracing::info!(
+                        revision = r,
+                        ?created,
+                        "the final snapshot's identity is fixed before its upload"
+                    );
+                    continue;
+                }
+                Decision::Take(intent) => self.intent = Some(intent.clone()),
+                _ => {}
+            }
+            let recorded = record
+                .as_ref()
+                .zip(match &decision {
+                    Decision::Done(s) => Some(s),
+                    _ => None,
+                })
+                .is_some_and(|(r, s)| r.final_snapshot == s.snap_name);
+            if let Decision::Done(done) = &decision
+                && !recorded
+            {
+                let frozen = intent.as_ref().map_or(done.last_revision, |i| i.revision);
+                self.record(done, frozen, &members).await?;
+            }
+            return Ok((decision, recorded));
         }
-        let snapshots = &self.ctx.snapshots;
-        let fenced = snapshots.fenced().await?;
-        let all_fenced = handoff::unfenced(&members, &fenced).is_empty();
-        let (revision, finals, record) = if all_fenced {
-            // Every member fenced: nothing can write any more, the revision is frozen.
-            let revision = self.ctx.etcd.revision().await?;
-            (
-                Some(revision),
-                snapshots.finals().await?,
-                snapshots.record().await?,
-            )
-        } else {
-            (None, Vec::new(), None)
-        };
-        let view = ClusterView {
-            members: members.clone(),
-            fenced,
-            revision,
-            finals,
-            record: record.clone(),
-            me,
-        };
-        let decision = handoff::decide(&view);
-        let recorded = record
-            .as_ref()
-            .zip(match &decision {
-                Decision::Done(s) => Some(s),
-                _ => None,
-            })
-            .is_some_and(|(r, s)| r.final_snapshot == s.snap_name);
-        if let Decision::Done(done) = &decision
-            && !recorded
-        {
-            self.record(done, done.last_revision, &members).await?;
+        Err(SeamError::HandOff(HandOffError::Unsettled))
+    }
+
+    /// How long this member has seen the current taker without a stored final; restarts when the
+    /// taker changes (a claim) and is zero until every member is fenced.
+    fn waited(&mut self, all_fenced: bool, members: &[Member], claims: &[Claim]) -> Duration {
+        if !all_fenced {
+            self.taker_seen = None;
+            return Duration::ZERO;
         }
-        Ok((decision, recorded))
+        let current = (
+            handoff::current_taker(members, claims).map(|(id, _)| id),
+            claims.iter().map(|c| c.epoch).max(),
+        );
+        match self.taker_seen {
+            Some((seen, since)) if seen == current => since.elapsed(),
+            _ => {
+                self.taker_seen = Some((current, Instant::now()));
+                Duration::ZERO
+            }
+        }
     }
 
     async fn record(
@@ -888,13 +1006,16 @@ impl Driver<'_> {
     }
 
     async fn take_final(&mut self, min_revision: i64, attempt: u32) -> bool {
-        let span = tracing::info_span!("final_snapshot", owner_id = %self.config.owner_id, min_revision, attempt);
+        let span = tracing::info_span!("final_snapshot", owner_id = %self.config.owner_id, min_revision, attempt, snapshot = tracing::field::Empty);
         let result = tracing::Instrument::instrument(
             async {
-                let snap = self.ctx.snapshots.take_final(min_revision).await?;
-                self.taken = Some((snap.clone(), min_revision));
+                let Some(intent) = self.intent.clone() else {
+                    return Err(SeamError::HandOff(HandOffError::Unsettled));
+                };
+                tracing::Span::current().record("snapshot", intent.final_snapshot.as_str());
+                let snap = self.ctx.snapshots.take_final(&intent).await?;
                 let members = self.ctx.etcd.members().await.unwrap_or_default();
-                self.record(&snap, min_revision, &members).await?;
+                self.record(&snap, intent.revision, &members).await?;
                 Ok::<_, SeamError>(snap)
             },
             span.clone(),

@@ -97,17 +97,27 @@ pub struct Membership {
     pub cluster_size: Option<u64>,
 }
 
+/// What a full snapshot is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FullKind {
+    /// A regular (or requested) one, named when it is taken.
+    Regular,
+    /// The hand-off's final: exactly the object `name` (fixed before its first attempt, so every
+    /// attempt writes the same one), refused (nothing stored) when the member is below
+    /// `min_revision`.
+    Final {
+        /// The final's name, fixed by the hand-off's intent.
+        name: Snapshot,
+        /// The revision it must hold at least.
+        min_revision: i64,
+    },
+}
+
 /// The work the actor schedules: etcd and the store in production, a fake in tests.
 #[async_trait]
 pub trait Engine: Send + 'static {
-    /// Takes a full snapshot (named final when asked) and returns it once stored; later deltas
-    /// start after its revision. With `min_revision`, the snapshot is refused (nothing stored)
-    /// when the member's revision is below it.
-    async fn full(
-        &mut self,
-        is_final: bool,
-        min_revision: Option<i64>,
-    ) -> Result<Stored, EngineError>;
+    /// Takes a full snapshot and returns it once stored; later deltas start after its revision.
+    async fn full(&mut self, kind: &FullKind) -> Result<Stored, EngineError>;
     /// Waits for watch events and buffers them. Cancel-safe: the actor drops this future
     /// whenever something else is due.
     async fn collect(&mut self) -> Result<Collected, EngineError>;
@@ -258,8 +268,7 @@ pub struct ActorStatus {
 
 enum Command {
     Full {
-        is_final: bool,
-        min_revision: Option<i64>,
+        kind: FullKind,
         reply: oneshot::Sender<Result<Snapshot, ActorError>>,
     },
     Delta {
@@ -294,19 +303,21 @@ impl ActorHandle {
     /// the gate is open.
     pub async fn full(&self) -> Result<Snapshot, ActorError> {
         self.ask(|reply| Command::Full {
-            is_final: false,
-            min_revision: None,
+            kind: FullKind::Regular,
             reply,
         })
         .await
     }
 
-    /// Takes the hand-off's final full snapshot at `min_revision` or later; refused unless the
-    /// gate says "final".
-    pub async fn final_snapshot(&self, min_revision: i64) -> Result<Snapshot, ActorError> {
+    /// Takes the hand-off's final full snapshot as the object `name`, at `min_revision` or
+    /// later; refused unless the gate says "final".
+    pub async fn final_snapshot(
+        &self,
+        name: Snapshot,
+        min_revision: i64,
+    ) -> Result<Snapshot, ActorError> {
         self.ask(|reply| Command::Full {
-            is_final: true,
-            min_revision: Some(min_revision),
+            kind: FullKind::Final { name, min_revision },
             reply,
         })
         .await
@@ -572,17 +583,12 @@ impl<E: Engine> Actor<E> {
 
     async fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Full {
-                is_final,
-                min_revision,
-                reply,
-            } => {
-                let kind = if is_final {
-                    Operation::Final
-                } else {
-                    Operation::Requested
+            Command::Full { kind, reply } => {
+                let op = match kind {
+                    FullKind::Final { .. } => Operation::Final,
+                    FullKind::Regular => Operation::Requested,
                 };
-                let r = self.full(kind, min_revision).await;
+                let r = self.full(op, kind).await;
                 let _ = reply.send(r);
             }
             Command::Delta { reply } => {
@@ -706,7 +712,7 @@ impl<E: Engine> Actor<E> {
 
     async fn scheduled_full(&mut self) {
         self.metrics.set_required(Kind::Full, true);
-        match self.full(Operation::Regular, None).await {
+        match self.full(Operation::Regular, FullKind::Regular).await {
             Ok(_) => self.next_full = self.next_occurrence(Utc::now()),
             Err(ActorError::Cancelled | ActorError::Refused { .. }) => {}
             Err(_) => {
@@ -721,21 +727,21 @@ impl<E: Engine> Actor<E> {
         self.publish(|_| {});
     }
 
-    async fn full(
-        &mut self,
-        kind: Operation,
-        min_revision: Option<i64>,
-    ) -> Result<Snapshot, ActorError> {
+    async fn full(&mut self, kind: Operation, full: FullKind) -> Result<Snapshot, ActorError> {
         if !self.gate.borrow().allows(kind) {
             return Err(self.refused(kind));
         }
-        let is_final = kind == Operation::Final;
-        let span = tracing::info_span!("full_snapshot", is_final, min_revision);
+        let span = match &full {
+            FullKind::Regular => tracing::info_span!("full_snapshot", is_final = false),
+            FullKind::Final { name, min_revision } => {
+                tracing::info_span!("full_snapshot", is_final = true, snapshot = %name.snap_name, min_revision)
+            }
+        };
         let started = Instant::now();
         let op = bounded(
             self.config.timeout,
             "full snapshot",
-            self.engine.full(is_final, min_revision),
+            self.engine.full(&full),
         );
         let op = tracing::Instrument::instrument(op, span.clone());
         let result = while_allowed(&mut self.gate, kind, op).await;
@@ -910,7 +916,7 @@ impl<E: Engine> Actor<E> {
         }
         // The reference follows a defragmentation with a full snapshot: a fresh base, taken
         // from the compacted database.
-        let snap = self.full(Operation::Regular, None).await?;
+        let snap = self.full(Operation::Regular, FullKind::Regular).await?;
         Ok(DefragReport {
             defragmented: done,
             snapshot: Some(snap),
@@ -972,11 +978,8 @@ mod tests {
 
     #[async_trait]
     impl Engine for HangingEtcd {
-        async fn full(
-            &mut self,
-            is_final: bool,
-            _min_revision: Option<i64>,
-        ) -> Result<Stored, EngineError> {
+        async fn full(&mut self, kind: &FullKind) -> Result<Stored, EngineError> {
+            let is_final = matches!(kind, FullKind::Final { .. });
             self.maybe_hang().await;
             self.revision += 1;
             Ok(Stored {

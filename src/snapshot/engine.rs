@@ -6,10 +6,10 @@ use chrono::{DateTime, Utc};
 
 use std::time::{Duration, Instant};
 
-use super::actor::{Collected, DefragStep, Engine, EngineError, Membership, Stored};
+use super::actor::{Collected, DefragStep, Engine, EngineError, FullKind, Membership, Stored};
 use super::defrag::{self, DefragPlan, MemberState};
 use super::delta::DeltaWriter;
-use super::full::take_full_sized;
+use super::full::{take_full_named, take_full_sized};
 use super::watcher::{DeltaWatch, WatchError};
 use crate::store::gc::{self, GcReport, Retention};
 use crate::store::{Chain, Codec, SnapshotStore};
@@ -92,14 +92,17 @@ impl EtcdEngine {
 
 #[async_trait]
 impl Engine for EtcdEngine {
-    async fn full(
-        &mut self,
-        is_final: bool,
-        min_revision: Option<i64>,
-    ) -> Result<Stored, EngineError> {
+    async fn full(&mut self, kind: &FullKind) -> Result<Stored, EngineError> {
         let client = self.etcd.client().await;
-        let (snap, bytes) =
-            take_full_sized(&client, &self.store, self.codec, is_final, min_revision).await?;
+        let (snap, bytes) = match kind {
+            FullKind::Regular => {
+                take_full_sized(&client, &self.store, self.codec, false, None).await?
+            }
+            FullKind::Final { name, min_revision } => {
+                take_full_named(&client, &self.store, name, *min_revision).await?
+            }
+        };
+        let is_final = snap.is_final;
         self.base_needed = false;
         match self.writer.as_mut() {
             // The running watch goes on; what the full snapshot covers is dropped.

@@ -87,7 +87,7 @@ pub async fn take_full_sized(
     min_revision: Option<i64>,
 ) -> Result<(Snapshot, u64), FullError> {
     let reach = min_revision.map_or(Reach::Any, Reach::AtLeast);
-    take(client, store, codec, is_final, reach).await
+    take(client, store, codec, is_final, reach, None).await
 }
 
 /// A full snapshot that holds exactly `revision`: the member must report it before the stream
@@ -100,8 +100,30 @@ pub async fn take_full_at(
     codec: Codec,
     revision: i64,
 ) -> Result<Snapshot, FullError> {
-    let (snapshot, _) = take(client, store, codec, false, Reach::Exactly(revision)).await?;
+    let (snapshot, _) = take(client, store, codec, false, Reach::Exactly(revision), None).await?;
     Ok(snapshot)
+}
+
+/// The hand-off's final as the object `name` (fixed before the first attempt, so a retry writes
+/// the same object), holding at least `min_revision`: refused before anything is streamed when
+/// the member is below it. `name`'s revision is a lower bound of what it holds (an expiring lease
+/// may have moved etcd on since the name was fixed), as the reference tool's names are.
+pub async fn take_full_named(
+    client: &etcd_client::Client,
+    store: &SnapshotStore,
+    name: &Snapshot,
+    min_revision: i64,
+) -> Result<(Snapshot, u64), FullError> {
+    let target = store.adopt(name);
+    take(
+        client,
+        store,
+        target.compression,
+        target.is_final,
+        Reach::AtLeast(min_revision),
+        Some(target),
+    )
+    .await
 }
 
 /// Which revisions a snapshot may hold.
@@ -118,6 +140,7 @@ async fn take(
     codec: Codec,
     is_final: bool,
     reach: Reach,
+    named: Option<Snapshot>,
 ) -> Result<(Snapshot, u64), FullError> {
     let mut maintenance = client.maintenance_client();
     let revision = status_revision(&mut maintenance).await?;
@@ -172,7 +195,8 @@ async fn take(
     };
     // etcd keeps streaming while compression or the upload is momentarily behind.
     let raw = compression::prefetch(raw, PREFETCH_MESSAGES);
-    let snapshot = store.new_snapshot(Kind::Full, 0, revision, codec, is_final);
+    let snapshot =
+        named.unwrap_or_else(|| store.new_snapshot(Kind::Full, 0, revision, codec, is_final));
     let stored = store_payload(store, &snapshot, raw, codec).await;
     if let Some(found) = *moved.lock().unwrap_or_else(|p| p.into_inner()) {
         return Err(FullError::Moved {

@@ -328,6 +328,34 @@ pub struct SnapshotStore {
     encryption: Arc<EncryptionConfig>,
 }
 
+/// A multipart upload that is aborted when dropped unfinished: a snapshot that timed out or
+/// was cancelled leaves no parts behind, and no completion can follow once the abort landed.
+struct AbortOnDrop {
+    writer: Option<WriteMultipart>,
+    path: Path,
+}
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        let Some(writer) = self.writer.take() else {
+            return;
+        };
+        let path = std::mem::replace(&mut self.path, Path::from(""));
+        // Drop cannot wait: the abort runs on the runtime (there is always one where uploads
+        // run), and its outcome is logged.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                match writer.abort().await {
+                    Ok(()) => tracing::info!(key = %path, "abandoned upload aborted"),
+                    Err(e) => {
+                        tracing::warn!(key = %path, error = %e, "aborting an abandoned upload failed")
+                    }
+                }
+            });
+        }
+    }
+}
+
 impl SnapshotStore {
     /// Snapshots under `prefix` (the URL's path) of a backend.
     pub fn new(store: Arc<dyn ObjectStore>, prefix: &str) -> Self {
@@ -578,7 +606,9 @@ impl SnapshotStore {
 
     /// Uploads a payload as a multipart upload with bounded memory. An error item in `data`
     /// (e.g. a failed hash check) or a failed part aborts the upload, so nothing partial becomes
-    /// visible. Returns the number of bytes stored.
+    /// visible; so does dropping the future before the completion is sent (a timeout, a
+    /// cancelled snapshot): the store keeps no parts of an abandoned upload. Returns the number
+    /// of bytes stored.
     pub async fn put_stream(
         &self,
         snapshot: &Snapshot,
@@ -586,9 +616,15 @@ impl SnapshotStore {
     ) -> Result<u64, StoreError> {
         let path = self.path_of(snapshot);
         let upload = self.store.put_multipart(&path).await?;
-        let mut writer = WriteMultipart::new_with_chunk_size(upload, self.part_size);
+        let mut upload = AbortOnDrop {
+            writer: Some(WriteMultipart::new_with_chunk_size(upload, self.part_size)),
+            path: path.clone(),
+        };
         let mut written = 0u64;
         let failure = loop {
+            let Some(writer) = upload.writer.as_mut() else {
+                unreachable!("the writer is taken only to finish or abort");
+            };
             match data.next().await {
                 Some(Ok(chunk)) => {
                     if let Err(e) = writer.wait_for_capacity(PARTS_IN_FLIGHT).await {
@@ -599,12 +635,19 @@ impl SnapshotStore {
                 }
                 Some(Err(e)) => break StoreError::Payload(e),
                 None => {
-                    writer.finish().await?;
+                    // From here the completion may reach the store even if this future is
+                    // dropped; the name is the caller's to make that harmless (the hand-off's
+                    // final is written under one name fixed before its first attempt).
+                    if let Some(writer) = upload.writer.take() {
+                        writer.finish().await?;
+                    }
                     return Ok(written);
                 }
             }
         };
-        if let Err(e) = writer.abort().await {
+        if let Some(writer) = upload.writer.take()
+            && let Err(e) = writer.abort().await
+        {
             tracing::warn!(key = %path, error = %e, "aborting the failed upload failed");
         }
         Err(failure)
