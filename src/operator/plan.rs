@@ -126,7 +126,7 @@ pub enum RemoveReason {
     /// ([`Replacement::ShrinkFirst`]).
     ShrunkFirst,
     /// An unhealthy voter on a deleting machine (a dead host a machine health check deleted),
-    /// removed before its replacement joins: see [`dead_voter_removal`].
+    /// removed before its replacement joins: the only unhealthy member, no voter missing yet.
     UnhealthyOnDeletingMachine,
 }
 
