@@ -509,7 +509,17 @@ async fn escape_hatch_hook_stays_off_and_membership_waits_for_the_admin() {
 /// member(s) m2; membership changes paused" until someone runs `etcdctl member remove`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_machine_is_replaced_without_etcdctl() {
-    let f = Fixture::start(true).await;
+    dead_machine_replaced(etcd()).await;
+}
+
+/// The same on Debian's etcd 3.4.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_machine_is_replaced_on_etcd_3_4() {
+    dead_machine_replaced(Release::V34.bin("etcd")).await;
+}
+
+async fn dead_machine_replaced(etcd: PathBuf) {
+    let f = Fixture::start_with(etcd, true).await;
     let op = f.operator();
     let _task = f.run_until_settled(&op).await;
 
