@@ -1,6 +1,7 @@
 //! The operator against real etcd: 3-member clusters on loopback (the local backend), member
 //! replacement under a steady writer, a deleted machine without replacement, the escape hatch,
-//! an operator killed mid-replacement, and the `etcd-warden-operator local` binary end to end.
+//! an operator killed mid-replacement, a dead machine replaced (its voter removed first), and the
+//! `etcd-warden-operator local` binary end to end.
 //!
 //! Runs the tests' etcd 3.5 (`support::etcd::Release::V35`, as every other test does) and, where
 //! said, Debian's 3.4.
@@ -16,7 +17,7 @@ use async_trait::async_trait;
 use etcd_client::{Client, ConnectOptions};
 use etcd_warden::operator::execute::{BackendError, Join, Machines, Operator, Timing};
 use etcd_warden::operator::local::{LocalCluster, LocalOptions, locate_etcd};
-use etcd_warden::operator::plan::{Action, Condition, MachineState, Spec};
+use etcd_warden::operator::plan::{Action, Condition, MachineState, RemoveReason, Spec};
 use support::etcd::Release;
 use tempfile::TempDir;
 use tokio::task::JoinHandle;
@@ -497,6 +498,137 @@ async fn escape_hatch_hook_stays_off_and_membership_waits_for_the_admin() {
     })
     .await;
     assert_eq!(names(&members(&f.cluster).await), ["m1", "m3", "m4"]);
+}
+
+/// Seed 003: "The machine health check deletes unhealthy control plane machines so that they are
+/// replaced." m2's etcd is SIGKILLed for good under a writer, then m2 is replaced (what `replace
+/// m2` asks of the local API: a new machine, m2 marked for deletion). The operator removes the
+/// dead voter first (the only unhealthy member, its machine being deleted, 2 of 2 voters left
+/// healthy), releases m2's hook, and m4 joins as a learner and is promoted: three healthy voters
+/// again, no acknowledged write lost. Without that rule the operator stays at "unhealthy
+/// member(s) m2; membership changes paused" until someone runs `etcdctl member remove`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_machine_is_replaced_without_etcdctl() {
+    dead_machine_replaced(etcd()).await;
+}
+
+/// The same on Debian's etcd 3.4.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_machine_is_replaced_on_etcd_3_4() {
+    dead_machine_replaced(Release::V34.bin("etcd")).await;
+}
+
+async fn dead_machine_replaced(etcd: PathBuf) {
+    let f = Fixture::start_with(etcd, true).await;
+    let op = f.operator();
+    let _task = f.run_until_settled(&op).await;
+
+    let stop = CancellationToken::new();
+    let w = tokio::spawn(writer(Arc::clone(&f.cluster), stop.clone()));
+    let m = tokio::spawn(monitor(Arc::clone(&f.cluster), stop.clone()));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let pid = f.machine("m2").and_then(|m| m.pid).expect("m2 runs");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(pid).unwrap()),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    // Seen dead while its machine is not deleted: paused, as before.
+    let reason = wait_for("Degraded", Duration::from_secs(15), || {
+        match op.status().condition {
+            Some(Condition::Degraded(r)) => Some(r),
+            _ => None,
+        }
+    })
+    .await;
+    assert_eq!(reason, "unhealthy member(s) m2; membership changes paused");
+    let dead = members(&f.cluster)
+        .await
+        .into_iter()
+        .find(|m| m.0 == "m2")
+        .expect("m2 still a member")
+        .2;
+
+    let new = f.cluster.replace_machine("m2").unwrap();
+    assert_eq!(new, "m4");
+    wait_replaced(&f, &op, "m2").await;
+    wait_for_or(
+        "three healthy voters",
+        Duration::from_secs(30),
+        || {
+            let st = op.status();
+            (st.members.len() == 3 && st.members.iter().all(|m| m.healthy && !m.is_learner))
+                .then_some(())
+        },
+        || describe(&op),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.cancel();
+    let report = w.await.unwrap();
+    let (min_v, max_v, max_l, samples) = m.await.unwrap();
+    eprintln!(
+        "writer: {} acked, {} put errors; monitor: {samples} samples, voters {min_v}..={max_v}",
+        report.acked.len(),
+        report.put_errors
+    );
+
+    let final_members = members(&f.cluster).await;
+    assert_eq!(names(&final_members), ["m1", "m3", "m4"]);
+    assert!(final_members.iter().all(|m| !m.1), "{final_members:?}");
+    // One voter missing at most (the dead one, until m4 votes), one learner at most.
+    assert!(samples > 50, "monitor only got {samples} samples");
+    assert!(min_v >= 2, "cluster reported {min_v} voters");
+    assert!(max_v <= 3, "cluster reported {max_v} voters");
+    assert!(max_l <= 1, "cluster reported {max_l} learners");
+    assert!(
+        report.acked.len() > 100,
+        "writer only got {} acks",
+        report.acked.len()
+    );
+    assert!(report.stale_reads.is_empty(), "{:?}", report.stale_reads);
+    assert_acked_present(&f.cluster, &report).await;
+
+    // The dead voter went first, and it is the only member removed; then the usual joining.
+    let history: Vec<Action> = op.status().history.into_iter().map(|r| r.action).collect();
+    let removals: Vec<&Action> = history
+        .iter()
+        .filter(|a| matches!(a, Action::RemoveMember { .. }))
+        .collect();
+    assert_eq!(
+        removals,
+        [&Action::RemoveMember {
+            member_id: dead,
+            name: "m2".into(),
+            reason: RemoveReason::UnhealthyOnDeletingMachine,
+        }],
+        "{history:#?}"
+    );
+    let remove = position(
+        &history,
+        |a| matches!(a, Action::RemoveMember { .. }),
+        "remove",
+    );
+    let release = position(
+        &history,
+        |a| matches!(a, Action::ReleaseHook { machine } if machine == "m2"),
+        "release hook",
+    );
+    let add = position(
+        &history,
+        |a| matches!(a, Action::AddLearner { machine, .. } if machine == "m4"),
+        "add learner",
+    );
+    let promote = position(
+        &history,
+        |a| matches!(a, Action::Promote { machine, .. } if machine == "m4"),
+        "promote",
+    );
+    assert!(
+        remove < release && remove < add && add < promote,
+        "out of order: {history:#?}"
+    );
 }
 
 /// A backend that fails like an operator dying at a chosen point: it never starts members, or

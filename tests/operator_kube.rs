@@ -8,7 +8,8 @@
 //! Lease holder acts, and killing it hands over; the `etcd-warden-operator kube` binary pointed
 //! at the double by a kubeconfig (configured through a file, the environment and flags) replaces
 //! a member, serves health and metrics, and exits cleanly on SIGTERM; the `EtcdQuorum` status
-//! follows a replacement and the cluster going down; `/healthz`, `/readyz` and `/metrics` over
+//! follows a replacement and the cluster going down; a dead Machine deleted by a health check is
+//! replaced (its voter removed first); `/healthz`, `/readyz` and `/metrics` over
 //! HTTP follow the supervised tasks and the Lease; ownership lost (the owner DNS record, served
 //! by a real DNS server on loopback) in the middle of a replacement stops every further action
 //! until the record names the operator again.
@@ -887,6 +888,97 @@ async fn the_etcd_quorum_status_follows_a_replacement_and_a_stopped_member() {
         ],
     )
     .await;
+}
+
+/// Seed 003 on Kubernetes: "The machine health check deletes unhealthy control plane machines
+/// so that they are replaced." cp-1's host dies for good (its etcd SIGKILLed) under a writer; a
+/// health check deletes its Machine (the test deletes it), and only later is a new Machine
+/// created (as the ControlPlaneSet would; the test creates it). The operator removes the dead
+/// voter first, so its hook comes off and the Machine API lets the Machine go; the new Machine's
+/// member then joins as a learner and is promoted. Three healthy voters again, no acknowledged
+/// write lost, voters never below 2, and the `EtcdQuorum` all well. No `etcdctl` anywhere.
+///
+/// What the double and this test do not check: no MachineHealthCheck controller runs (nothing
+/// judges the Machine from its Node's conditions, and no Node goes NotReady: the test deletes
+/// the Machine itself); the dead Machine's status stays `Running`, as the double's Machine API
+/// never updates phases; no ControlPlaneSet controller creates the new Machine; the platform
+/// starts the new member's etcd when it sees the learner (no pod, no kubelet); no admission or
+/// RBAC on the requests (the RBAC check of the other scenarios is not repeated here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_machine_deleted_by_a_health_check_is_replaced_without_etcdctl() {
+    let w = World::start(true).await;
+    let api: Api<EtcdQuorum> = Api::namespaced(w.kc.clone(), ETCD_NS);
+    let (_ctl, _cancel) = w.controller("op-0");
+    w.protected(&["cp-0", "cp-1", "cp-2"]).await;
+    conditions_become(&api, "all well", Duration::from_secs(20), ALL_WELL).await;
+    let load = Load::start(&w.hosts, &w.names);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    w.hosts.kill("cp-1");
+    conditions_become(
+        &api,
+        "Degraded/UnhealthyMembers",
+        Duration::from_secs(30),
+        [
+            ("Available", "True", "AsExpected"),
+            ("Progressing", "False", "AsExpected"),
+            ("Degraded", "True", "UnhealthyMembers"),
+        ],
+    )
+    .await;
+
+    // The health check deletes the Machine; no replacement Machine exists yet.
+    w.raw
+        .delete("cp-1", &DeleteParams::default())
+        .await
+        .unwrap();
+    let left = w.settled(&["cp-0", "cp-2"], "cp-1").await;
+    assert_eq!(left.len(), 2, "{left:?}");
+
+    // The new Machine, where the ControlPlaneSet would create it.
+    let (name, addr) = ("cp-3".to_string(), ip(3));
+    w.names.lock().unwrap().insert(addr.clone(), name.clone());
+    create_machine(&w.raw, &name, "master", Some(&addr)).await;
+    let members = w.settled(&["cp-0", "cp-2", "cp-3"], "cp-1").await;
+    w.protected(&["cp-0", "cp-2", "cp-3"]).await;
+    w.objects_match(&members, 3).await;
+    conditions_become(
+        &api,
+        "all well after the replacement",
+        Duration::from_secs(30),
+        ALL_WELL,
+    )
+    .await;
+
+    let (writes, (min_v, max_v, max_l, samples)) = load.finish().await;
+    assert!(samples > 20, "monitor sampled {samples} times");
+    assert!(min_v >= 2, "voters fell to {min_v}");
+    assert!(max_v <= 3, "voters rose to {max_v}");
+    assert!(max_l <= 1, "{max_l} learners at once");
+    assert!(
+        writes.acked.len() > 100,
+        "only {} writes acknowledged",
+        writes.acked.len()
+    );
+    let urls: Vec<String> = [0, 2, 3].map(|n| w.hosts.client_url(&ip(n))).to_vec();
+    assert_writes_kept(&urls, None, &writes.acked).await;
+
+    // The removal was the dead voter's, for that reason, on its Machine's Event.
+    let events: Api<Event> = Api::namespaced(w.kc.clone(), MACHINES_NS);
+    let removed: Vec<String> = events
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some("MemberRemoved"))
+        .map(|e| e.note.unwrap_or_default())
+        .collect();
+    assert_eq!(removed.len(), 1, "{removed:?}");
+    assert!(
+        removed[0].contains("(cp-1)") && removed[0].contains("UnhealthyOnDeletingMachine"),
+        "{removed:?}"
+    );
 }
 
 async fn http_get(url: &str) -> Option<(u16, String)> {

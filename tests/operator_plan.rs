@@ -129,19 +129,27 @@ impl Sim {
         }
     }
 
-    /// The fewest voters a replacement may leave: desired, or one fewer while Recreate's
-    /// deleted machine has no successor yet.
+    /// The fewest voters a replacement may leave: one fewer than desired, while Recreate's
+    /// deleted machine or a dead voter's deleted machine has no successor yet. Which removals
+    /// may go below desired is checked where they are applied; this floor is what keeps them
+    /// one at a time.
     fn floor(&self) -> usize {
-        match self.replacement {
-            Replacement::ShrinkFirst => self.desired - 1,
-            Replacement::OnDeletion | Replacement::Surge => self.desired,
-        }
+        self.desired - 1
+    }
+
+    /// Whether removing voter `m` now is the dead-voter rule: `m` is the only unhealthy member,
+    /// its machine is being deleted, and no other voter is missing.
+    fn dead_voter_removal(&self, m: &MemberState) -> bool {
+        !m.healthy
+            && self.members.iter().filter(|x| !x.healthy).count() == 1
+            && self.machine_of(m).is_some_and(|mc| mc.deleting)
+            && self.voters() >= self.desired
     }
 
     fn check_invariants(&self) -> Result<(), TestCaseError> {
         prop_assert!(
             self.voters() >= self.floor(),
-            "voters below {}: {self:?}",
+            "voters below {} (two removals at once): {self:?}",
             self.floor()
         );
         prop_assert!(
@@ -281,7 +289,8 @@ impl Sim {
                     .find(|m| m.id == *member_id)
                     .unwrap()
                     .clone();
-                if !m.is_learner {
+                if !m.is_learner && m.healthy {
+                    // Only Recreate's shrink removes a healthy voter before its replacement votes.
                     let shrink = self.replacement == Replacement::ShrinkFirst
                         && self.voters() == self.desired
                         && self.members.iter().all(|m| m.healthy && !m.is_learner)
@@ -292,7 +301,13 @@ impl Sim {
                             .all(|mc| mc.deleting || self.member_on(mc).is_some());
                     prop_assert!(
                         self.voters() > self.desired || shrink,
-                        "voter removed without a replacement voter"
+                        "healthy voter removed before its replacement votes"
+                    );
+                }
+                if !m.is_learner && !m.healthy {
+                    prop_assert!(
+                        self.voters() > self.desired || self.dead_voter_removal(&m),
+                        "unhealthy voter removed without a replacement voter while another member is unhealthy or a voter is missing: {self:?}"
                     );
                 }
                 self.members.retain(|x| x.id != *member_id);
@@ -723,7 +738,14 @@ proptest! {
                             && obs.machines.iter().all(|mc| {
                                 mc.deleting || obs.members.iter().any(|x| x.peer_urls[0] == mc.peer_url)
                             });
-                        prop_assert!(voters > desired || shrink, "no replacement voter: {p:?}");
+                        // A dead voter of a deleting machine: the only unhealthy member, no
+                        // voter missing yet (never two removals at once).
+                        let dead = !m.healthy
+                            && obs.members.iter().filter(|x| !x.healthy).count() == 1
+                            && machine_of(m).is_some_and(|mc| mc.deleting)
+                            && voters >= desired;
+                        prop_assert!(voters > desired || shrink || dead, "no replacement voter: {p:?}");
+                        prop_assert!(!m.healthy || voters > desired || shrink, "healthy voter removed before its replacement votes: {p:?}");
                         prop_assert!(machine_of(m).is_none_or(|mc| mc.deleting));
                         let healthy_after = healthy_voters - usize::from(m.healthy);
                         prop_assert!(healthy_after >= quorum(voters - 1), "below quorum");
@@ -761,4 +783,266 @@ fn an_action_names_the_machine_and_member_it_acts_on() {
         reason: RemoveReason::DanglingLearner,
     };
     assert_eq!((dangling.machine(), dangling.member_id()), (None, Some(7)));
+}
+
+// A dead control-plane machine, deleted by a machine health check (seed 003): its voter is
+// removed first, then its replacement joins as a learner and is promoted.
+
+/// A settled cluster whose machine `victim` died (its member unhealthy for good) and was
+/// deleted.
+fn dead_and_deleted(desired: usize, replacement: Replacement, victim: usize) -> Sim {
+    let mut sim = Sim::with(desired, replacement);
+    sim.settle().unwrap();
+    sim.members[victim].healthy = false;
+    sim.machines[victim].deleting = true;
+    sim
+}
+
+fn membership_changes(p: &etcd_warden::operator::plan::Plan) -> Vec<&Action> {
+    p.actions
+        .iter()
+        .filter(|a| a.is_membership_change())
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    /// A dead voter's machine deleted and a new one created, in either order and with the
+    /// executor stopping anywhere: every step keeps the invariants (quorum, one removal at a
+    /// time, no healthy voter removed early), and the cluster ends with `desired` healthy voters
+    /// and the dead machine gone.
+    #[test]
+    fn a_dead_machine_is_replaced(
+        desired in desired(),
+        replacement in replacement(),
+        victim in any::<usize>(),
+        create_after in 0usize..4,
+        limits in prop::collection::vec(0usize..4, 0..12),
+    ) {
+        let victim = victim % desired;
+        let mut sim = dead_and_deleted(desired, replacement, victim);
+        let dead = sim.machines[victim].name.clone();
+        let mut created = false;
+        for (i, limit) in limits.into_iter().enumerate() {
+            if i == create_after {
+                sim.create_machine();
+                created = true;
+            }
+            sim.step(limit)?;
+            sim.check_invariants()?;
+            sim.finalize_unhooked();
+        }
+        if !created {
+            sim.create_machine();
+        }
+        prop_assert_eq!(sim.settle()?, Condition::Settled);
+        prop_assert!(sim.machine(&dead).is_none(), "{:?}", sim);
+        prop_assert_eq!(sim.voters(), desired);
+        prop_assert_eq!(sim.learners(), 0);
+        prop_assert!(sim.members.iter().all(|m| m.healthy), "{:?}", sim);
+    }
+
+    /// With the dead voter's machine deleted and any other member unhealthy, nothing changes
+    /// membership: Degraded, as before the rule existed.
+    #[test]
+    fn another_unhealthy_member_keeps_membership_paused(
+        desired in desired(),
+        replacement in replacement(),
+        victim in any::<usize>(),
+        other in any::<usize>(),
+        other_deleting in any::<bool>(),
+        new_machine in any::<bool>(),
+    ) {
+        let victim = victim % desired;
+        let other = (victim + 1 + other % (desired - 1)) % desired;
+        let mut sim = dead_and_deleted(desired, replacement, victim);
+        sim.members[other].healthy = false;
+        sim.machines[other].deleting = other_deleting;
+        if new_machine {
+            sim.create_machine();
+        }
+        let p = plan(sim.spec(), &sim.observed());
+        prop_assert!(membership_changes(&p).is_empty(), "{p:?}");
+        prop_assert!(matches!(p.condition, Condition::Degraded(_)), "{p:?}");
+    }
+}
+
+#[test]
+fn a_dead_voter_of_a_deleting_machine_goes_first_then_its_replacement_joins() {
+    let mut sim = dead_and_deleted(3, Replacement::OnDeletion, 1);
+    sim.create_machine();
+    let dead_id = sim.members[1].id;
+    let p = plan(sim.spec(), &sim.observed());
+    assert_eq!(
+        membership_changes(&p),
+        [&Action::RemoveMember {
+            member_id: dead_id,
+            name: "m1".into(),
+            reason: RemoveReason::UnhealthyOnDeletingMachine,
+        }]
+    );
+    let Condition::Progressing(reason) = &p.condition else {
+        panic!("{p:?}")
+    };
+    assert!(reason.contains("m1"), "{reason}");
+    let mut kinds = vec![];
+    for _ in 0..20 {
+        for m in &mut sim.members {
+            if m.started() {
+                m.applied_index = sim.leader_applied;
+            }
+        }
+        let actions = sim.step(usize::MAX).unwrap();
+        kinds.extend(actions.iter().map(|a| a.kind()));
+        sim.finalize_unhooked();
+    }
+    assert_eq!(
+        kinds,
+        [
+            "remove_member",
+            "release_hook",
+            "add_learner",
+            "add_hook",
+            "start_member",
+            "promote"
+        ]
+    );
+    assert!(sim.machine("m1").is_none());
+    assert_eq!(sim.voters(), 3);
+    assert_eq!(
+        plan(sim.spec(), &sim.observed()).condition,
+        Condition::Settled
+    );
+}
+
+#[test]
+fn a_dead_voter_goes_before_a_replacement_machine_exists() {
+    // The health check deletes first; the set (or a person) creates the new machine later. The
+    // dead voter is removed and its hook released meanwhile: 2 healthy voters of 2 are a
+    // quorum, and a dead third could only count against it.
+    let mut sim = dead_and_deleted(3, Replacement::OnDeletion, 0);
+    let p = plan(sim.spec(), &sim.observed());
+    assert!(
+        matches!(
+            membership_changes(&p)[..],
+            [Action::RemoveMember {
+                reason: RemoveReason::UnhealthyOnDeletingMachine,
+                ..
+            }]
+        ),
+        "{p:?}"
+    );
+    sim.step(usize::MAX).unwrap();
+    let p = plan(sim.spec(), &sim.observed());
+    assert_eq!(
+        p.actions,
+        [Action::ReleaseHook {
+            machine: "m0".into()
+        }]
+    );
+    sim.step(usize::MAX).unwrap();
+    sim.finalize_unhooked();
+    assert!(sim.machine("m0").is_none());
+    let p = plan(sim.spec(), &sim.observed());
+    assert!(p.actions.is_empty(), "{p:?}");
+    let Condition::Waiting(reason) = &p.condition else {
+        panic!("{p:?}")
+    };
+    assert!(reason.contains("2 voters, 3 desired"), "{reason}");
+    // The new machine appears: its learner is added.
+    sim.create_machine();
+    let p = plan(sim.spec(), &sim.observed());
+    assert!(
+        matches!(membership_changes(&p)[..], [Action::AddLearner { .. }]),
+        "{p:?}"
+    );
+}
+
+#[test]
+fn a_deleting_machine_whose_member_is_already_gone_is_released_and_replaced() {
+    // An administrator (or an operator that died after the removal) already removed the dead
+    // member: the hook comes off and a learner is added in the same step.
+    let mut sim = dead_and_deleted(3, Replacement::OnDeletion, 2);
+    let dead = sim.members[2].id;
+    sim.members.retain(|m| m.id != dead);
+    sim.create_machine();
+    let p = plan(sim.spec(), &sim.observed());
+    assert_eq!(
+        p.actions,
+        [
+            Action::ReleaseHook {
+                machine: "m2".into()
+            },
+            Action::AddLearner {
+                machine: "m3".into(),
+                peer_url: peer(3),
+            }
+        ]
+    );
+}
+
+#[test]
+fn a_dead_voter_on_a_live_machine_stays_degraded() {
+    // No machine is being deleted: nothing says the member is gone for good.
+    let mut sim = Sim::new(3);
+    sim.settle().unwrap();
+    sim.members[1].healthy = false;
+    sim.create_machine();
+    let p = plan(sim.spec(), &sim.observed());
+    assert!(membership_changes(&p).is_empty(), "{p:?}");
+    let Condition::Degraded(reason) = &p.condition else {
+        panic!("{p:?}")
+    };
+    assert_eq!(reason, "unhealthy member(s) m1; membership changes paused");
+}
+
+#[test]
+fn a_second_dead_voter_waits_for_the_first_ones_replacement() {
+    // 5 voters: the first dead voter goes; a second one dies and its machine is deleted before
+    // the first one's replacement votes. 3 of 4 voters healthy would keep quorum after it went
+    // too, but that would be two removals at once: Degraded until an administrator looks.
+    let mut sim = dead_and_deleted(5, Replacement::OnDeletion, 0);
+    sim.step(usize::MAX).unwrap();
+    assert_eq!(sim.voters(), 4);
+    sim.members
+        .iter_mut()
+        .find(|m| m.name == "m2")
+        .unwrap()
+        .healthy = false;
+    sim.machines
+        .iter_mut()
+        .find(|m| m.name == "m2")
+        .unwrap()
+        .deleting = true;
+    sim.create_machine();
+    let p = plan(sim.spec(), &sim.observed());
+    assert!(membership_changes(&p).is_empty(), "{p:?}");
+    let Condition::Degraded(reason) = &p.condition else {
+        panic!("{p:?}")
+    };
+    assert_eq!(reason, "unhealthy member(s) m2; membership changes paused");
+}
+
+#[test]
+fn a_dead_voter_with_another_member_unhealthy_is_not_removed() {
+    // 5 voters, two dead: quorum holds (3 of 5) but the rule wants every other member healthy.
+    let mut sim = dead_and_deleted(5, Replacement::OnDeletion, 0);
+    sim.members[3].healthy = false;
+    sim.create_machine();
+    let p = plan(sim.spec(), &sim.observed());
+    assert!(membership_changes(&p).is_empty(), "{p:?}");
+    let Condition::Degraded(reason) = &p.condition else {
+        panic!("{p:?}")
+    };
+    assert_eq!(
+        reason,
+        "unhealthy member(s) m0, m3; membership changes paused"
+    );
+    // With 3 voters, a second unhealthy one is quorum lost: nothing at all is done.
+    let mut sim = dead_and_deleted(3, Replacement::OnDeletion, 0);
+    sim.members[1].healthy = false;
+    let p = plan(sim.spec(), &sim.observed());
+    assert!(p.actions.is_empty(), "{p:?}");
+    assert!(matches!(p.condition, Condition::Degraded(_)), "{p:?}");
 }

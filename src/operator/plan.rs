@@ -125,6 +125,9 @@ pub enum RemoveReason {
     /// A voter on a deleting machine removed before its replacement exists
     /// ([`Replacement::ShrinkFirst`]).
     ShrunkFirst,
+    /// An unhealthy voter on a deleting machine (a dead host a machine health check deleted),
+    /// removed before its replacement joins: the only unhealthy member, no voter missing yet.
+    UnhealthyOnDeletingMachine,
 }
 
 /// One step the executor carries out.
@@ -423,8 +426,8 @@ fn membership_action(
     let deleting = |m: &MemberState| machine_of(obs, m).is_some_and(|mc| mc.deleting);
 
     // With any unhealthy member the only change allowed is removing an unhealthy member of a
-    // deleting machine (or of one already gone, e.g. through the escape hatch), and a voter only
-    // when a replacement already votes.
+    // deleting machine (or of one already gone, e.g. through the escape hatch): a learner, a
+    // voter whose replacement already votes, or the one dead voter of [`dead_voter_removal`].
     let unhealthy: Vec<&MemberState> = obs.members.iter().filter(|m| !m.healthy).collect();
     if !unhealthy.is_empty() {
         for m in &unhealthy {
@@ -445,6 +448,9 @@ fn membership_action(
                     reason: RemoveReason::Replaced,
                 });
             }
+        }
+        if let Some(action) = dead_voter_removal(spec, obs, voters, &unhealthy) {
+            return Ok(action);
         }
         let names: Vec<String> = unhealthy.iter().map(|m| label(m)).collect();
         let only_new_learners = unhealthy
@@ -607,6 +613,43 @@ fn membership_action(
             }))
         }
     }
+}
+
+/// The voter of a deleting machine that is dead, removed before its replacement joins.
+///
+/// A machine health check deletes a control-plane machine whose host died, expecting a
+/// replacement (seed 003). The usual order (learner, promotion, then removal) cannot start: no
+/// member is added while one is unhealthy, and a fourth voter with one dead would need three of
+/// four for quorum. So the dead voter goes first, and only when nothing else is wrong:
+/// - it is the only unhealthy member (any other keeps membership paused, Degraded);
+/// - its machine is there and being deleted (a member whose machine is gone, as after the escape
+///   hatch, is left to the administrator: a machine briefly missing from a list is not a death);
+/// - at least `desired` voters are there, so one voter at most is ever missing: never a second
+///   removal before the first one's replacement votes;
+/// - the voters left keep a healthy majority (all of them are healthy, so this holds whenever
+///   another voter is there).
+///
+/// Its process is dead, so the removal is agreed by the healthy voters alone; its machine's hook
+/// is released by the next plan (no member on it), and the replacement joins as usual.
+fn dead_voter_removal(
+    spec: Spec,
+    obs: &Observed,
+    voters: &[&MemberState],
+    unhealthy: &[&MemberState],
+) -> Option<Action> {
+    let [m] = unhealthy else {
+        return None;
+    };
+    let on_deleting_machine = machine_of(obs, m).is_some_and(|mc| mc.deleting);
+    (!m.is_learner
+        && on_deleting_machine
+        && voters.len() >= spec.desired_voters
+        && removal_keeps_quorum(&obs.members, m.id))
+    .then(|| Action::RemoveMember {
+        member_id: m.id,
+        name: m.name.clone(),
+        reason: RemoveReason::UnhealthyOnDeletingMachine,
+    })
 }
 
 #[cfg(test)]

@@ -26,7 +26,9 @@ use tracing::debug;
 use super::machines::{FIELD_MANAGER, KubeCall, is_status};
 use super::sync::{ATTEMPTS, SyncError};
 use crate::operator::execute::{ActionRecord, MemberStatus};
-use crate::operator::plan::{Action, Condition, Observed, Spec, has_quorum, plan, same_url};
+use crate::operator::plan::{
+    Action, Condition, Observed, RemoveReason, Spec, has_quorum, plan, same_url,
+};
 
 /// The one object's name.
 pub const NAME: &str = "cluster";
@@ -176,6 +178,10 @@ pub mod reason {
     pub const REPLACING_MEMBER: &str = "ReplacingMember";
     /// Only deletion hooks are being added or released.
     pub const UPDATING_HOOKS: &str = "UpdatingDeletionHooks";
+    /// The unhealthy voter of a deleting Machine (a dead host a machine health check deleted)
+    /// is being removed before its replacement joins. Not Degraded: the operator is repairing
+    /// it, and a removal that keeps failing shows as [`RECONCILE_FAILED`].
+    pub const REMOVING_UNHEALTHY_MEMBER: &str = "RemovingUnhealthyMember";
     /// Reconciles keep failing (etcd or the API server unreachable, or refusing); the rest of
     /// the status is the last one observed.
     pub const RECONCILE_FAILED: &str = "ReconcileFailed";
@@ -268,12 +274,28 @@ pub fn derive(f: &Facts<'_>) -> [Derived; 3] {
             .iter()
             .find(|mc| peer_urls.iter().any(|u| same_url(u, &mc.peer_url)))
     };
-    // A learner on a live machine that has not answered yet is starting, not broken.
+    // The dead voter of a deleting Machine the planner removes (only when every other member
+    // is healthy).
+    let removing_unhealthy = p.actions.iter().find_map(|a| match a {
+        Action::RemoveMember {
+            member_id,
+            name,
+            reason: RemoveReason::UnhealthyOnDeletingMachine,
+        } => Some((*member_id, label(name, *member_id))),
+        _ => None,
+    });
+    // A learner on a live machine that has not answered yet is starting, not broken; a dead
+    // voter being removed is being repaired.
     let unhealthy: Vec<String> = obs
         .members
         .iter()
         .filter(|m| !m.healthy)
         .filter(|m| !(m.is_learner && machine_of(&m.peer_urls).is_some_and(|mc| !mc.deleting)))
+        .filter(|m| {
+            removing_unhealthy
+                .as_ref()
+                .is_none_or(|(id, _)| *id != m.id)
+        })
         .map(|m| label(&m.name, m.id))
         .collect();
     let spare: Vec<&str> = obs
@@ -376,6 +398,15 @@ pub fn derive(f: &Facts<'_>) -> [Derived; 3] {
             false,
             reason::NO_QUORUM,
             "not acting without quorum".into(),
+        )
+    } else if let Some((_, name)) = &removing_unhealthy {
+        cond(
+            TYPES[1],
+            true,
+            reason::REMOVING_UNHEALTHY_MEMBER,
+            format!(
+                "removing unhealthy member {name} of a deleting Machine; its replacement joins next"
+            ),
         )
     } else if membership_action || learner || deleting_member || voters > f.spec.desired_voters {
         cond(
@@ -686,6 +717,7 @@ mod tests {
             reason::TOO_FEW_VOTERS,
             reason::REPLACING_MEMBER,
             reason::UPDATING_HOOKS,
+            reason::REMOVING_UNHEALTHY_MEMBER,
         ];
         let mut seen = std::collections::BTreeSet::new();
         let mut worlds = 0;
@@ -762,11 +794,24 @@ mod tests {
         if !p.actions.is_empty() {
             assert!(pr.status, "{}", ctx());
         }
-        if p.actions.iter().any(Action::is_membership_change) {
+        let removing_dead = p.actions.iter().find_map(|a| match a {
+            Action::RemoveMember {
+                member_id,
+                reason: RemoveReason::UnhealthyOnDeletingMachine,
+                ..
+            } => Some(*member_id),
+            _ => None,
+        });
+        if removing_dead.is_some() {
+            assert_eq!(pr.reason, reason::REMOVING_UNHEALTHY_MEMBER, "{}", ctx());
+        } else if p.actions.iter().any(Action::is_membership_change) {
             assert_eq!(pr.reason, reason::REPLACING_MEMBER, "{}", ctx());
         }
-        // An unhealthy voter is always Degraded, and for that reason.
-        if obs.members.iter().any(|m| !m.is_learner && !m.healthy) {
+        // An unhealthy voter is always Degraded, and for that reason, unless it is the dead
+        // voter being removed (then it is the only unhealthy member, and being repaired).
+        if removing_dead.is_some() {
+            assert_ne!(dg.reason, reason::UNHEALTHY_MEMBERS, "{}", ctx());
+        } else if obs.members.iter().any(|m| !m.is_learner && !m.healthy) {
             assert!(
                 dg.status && dg.reason == reason::UNHEALTHY_MEMBERS,
                 "{}",
@@ -898,6 +943,32 @@ mod tests {
         assert_eq!(
             derive_for(&unprotected, true, None)[1],
             (true, reason::UPDATING_HOOKS)
+        );
+        // A dead host's Machine deleted by a health check: its voter goes first.
+        let dead = [
+            (v, false, true),
+            (v, false, true),
+            (Slot::Voter { healthy: false }, true, true),
+            (Slot::Empty, false, false),
+        ];
+        assert_eq!(
+            derive_for(&dead, true, None),
+            [
+                ok,
+                (true, reason::REMOVING_UNHEALTHY_MEMBER),
+                (false, reason::AS_EXPECTED)
+            ]
+        );
+        // Its Machine not deleted: paused, Degraded as before.
+        let dead_live = [
+            (v, false, true),
+            (v, false, true),
+            (Slot::Voter { healthy: false }, false, true),
+            (Slot::Empty, false, false),
+        ];
+        assert_eq!(
+            derive_for(&dead_live, true, None)[2],
+            (true, reason::UNHEALTHY_MEMBERS)
         );
     }
 
