@@ -33,11 +33,16 @@ use etcd_warden::owner::watchdog::{
 use etcd_warden::process::ProcKiller;
 use etcd_warden::process::{KillReport, Outcome, ProcessControl, ProcessError, ProcessId};
 use etcd_warden::server::{Readiness, StatusSource};
+use etcd_warden::snapshot::actor::{self, ActorConfig, ActorHandle};
+use etcd_warden::snapshot::engine::EtcdEngine;
 use etcd_warden::snapshot::gate::Gate;
-use etcd_warden::store::{Codec, Kind, Snapshot};
+use etcd_warden::snapshot::metrics::SnapshotMetrics;
+use etcd_warden::store::{Codec, Kind, Snapshot, SnapshotStore};
 use prometheus_client::registry::Registry;
 use support::dns::{DnsServer, Mode};
 use support::etcd::{EtcdCluster, Release};
+use support::losing::{LosingStore, Loss};
+use support::s3::S3Server;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -1448,11 +1453,6 @@ async fn blackhole() -> (String, tokio::task::JoinHandle<()>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_kill_never_waits_behind_snapshots_queued_against_a_store_that_does_not_answer() {
-    use etcd_warden::snapshot::actor::{self, ActorConfig};
-    use etcd_warden::snapshot::engine::EtcdEngine;
-    use etcd_warden::snapshot::metrics::SnapshotMetrics;
-    use etcd_warden::store::SnapshotStore;
-
     let etcd = RealEtcd::start().await;
     let mut writer = etcd.client().await;
     for i in 0..200 {
@@ -1601,4 +1601,179 @@ async fn the_kill_never_waits_behind_snapshots_queued_against_a_store_that_does_
     let _ = actor_task.await;
     hole.abort();
     etcd.stop().await;
+}
+
+/// The snapshot actor over `etcd`, writing to `store`, each snapshot bounded by `timeout`.
+fn actor_over(
+    etcd: &RealEtcd,
+    client: etcd_warden::etcd::RotatingClient,
+    store: SnapshotStore,
+    timeout: Duration,
+    gate: watch::Receiver<Gate>,
+    cancel: &CancellationToken,
+) -> (ActorHandle, tokio::task::JoinHandle<()>) {
+    let _ = etcd;
+    let engine = EtcdEngine::new(
+        client,
+        store,
+        Codec::Gzip,
+        etcd_warden::store::gc::Retention {
+            policy: etcd_warden::config::GcPolicy::LimitBased { max_backups: 10 },
+            delta_retention: Duration::ZERO,
+        },
+    );
+    actor::spawn(
+        engine,
+        ActorConfig {
+            schedule: std::str::FromStr::from_str("0 0 1 1 *").expect("cron"),
+            delta_period: Duration::ZERO,
+            delta_memory_limit: 1 << 20,
+            gc_period: Duration::from_secs(3600),
+            leader_check_interval: Duration::from_millis(100),
+            timeout,
+            defrag: etcd_warden::config::DefragConfig {
+                schedule: None,
+                timeout: Duration::from_secs(60),
+                min_free_fraction: 0.1,
+            },
+        },
+        gate,
+        SnapshotMetrics::default(),
+        cancel.child_token(),
+    )
+}
+
+/// One member, its store on a real S3 server behind [`LosingStore`] (finals only); keys on
+/// short leases so the revision moves after the kill without any client write, as
+/// kube-apiserver's 15 s leases do. Plays the flip and returns the finals in the store once
+/// the hand-off is done and `linger` more has passed (for a late completion to land).
+async fn hand_off_losing(loss: Loss, snapshot_timeout: Duration, linger: Duration) {
+    let etcd = RealEtcd::start().await;
+    let mut writer = etcd.client().await;
+    let s3 = S3Server::start(&["backups"]);
+    let losing = Arc::new(LosingStore::new(
+        s3.object_store("backups"),
+        ".final",
+        loss,
+        1,
+    ));
+    let store = SnapshotStore::new(losing.clone(), "etcd");
+    let (gate, gate_rx) = watch::channel(Gate::Closed);
+    let cancel = CancellationToken::new();
+    let client = etcd_warden::etcd::RotatingClient::connect(&etcd.config)
+        .await
+        .expect("client");
+    let (actor, actor_task) = actor_over(
+        &etcd,
+        client,
+        store.clone(),
+        snapshot_timeout,
+        gate_rx,
+        &cancel,
+    );
+    let dns = DnsServer::start().await;
+    dns.set_txt(NAME, &[ID]).await;
+    let owner = owner_config(&dns, Duration::from_millis(100), Duration::from_millis(500));
+    let (readiness_tx, mut readiness) = watch::channel(Readiness::starting());
+    let watchdog = etcd.watchdog(
+        &owner,
+        Arc::new(OwnerResolver::new(&owner).expect("resolver")),
+        Arc::new(etcd.killer.clone()),
+        Arc::new(etcd_warden::owner::production::StoreSnapshots::new(
+            store.clone(),
+            actor.clone(),
+            Codec::Gzip,
+        )),
+        readiness_tx,
+        gate,
+    );
+    let mut status = watchdog.status();
+    let task = tokio::spawn(watchdog.run(cancel.child_token()));
+    tokio::time::timeout(Duration::from_secs(20), readiness.wait_for(|r| r.ready))
+        .await
+        .expect("active")
+        .expect("readiness");
+
+    let lease = writer.lease_grant(2, None).await.expect("lease").id();
+    for i in 0..20 {
+        let opts = etcd_client::PutOptions::new().with_lease(lease);
+        writer
+            .put(format!("/leased/{i}"), "x", Some(opts))
+            .await
+            .expect("put on a lease");
+    }
+    let mut acknowledged = 0;
+    for i in 0..50 {
+        acknowledged = writer
+            .put(format!("/k/{i}"), "v", None)
+            .await
+            .expect("put")
+            .header()
+            .map_or(0, |h| h.revision());
+    }
+
+    dns.set_txt(NAME, &["seed-b"]).await;
+    let done = tokio::time::timeout(
+        Duration::from_secs(60),
+        status.wait_for(|s| s.final_snapshot.is_some() && s.state == "deactivated"),
+    )
+    .await
+    .is_ok();
+    assert!(done, "no final; status {:?}", *status.borrow());
+    tokio::time::sleep(linger).await;
+    assert_eq!(losing.lost(), 1, "the fault was not injected");
+
+    let finals: Vec<Snapshot> = store
+        .list()
+        .await
+        .expect("list")
+        .into_iter()
+        .filter(|s| s.is_final)
+        .collect();
+    assert_eq!(finals.len(), 1, "one final for the hand-off: {finals:?}");
+    assert!(finals[0].last_revision >= acknowledged);
+    let objects = etcd_warden::owner::handoff::HandOffObjects::new(store.clone());
+    let record = objects.record().await.expect("record").expect("recorded");
+    assert_eq!(record.final_snapshot, finals[0].snap_name);
+    let seen = objects.seen().await.expect("hand-off objects");
+    assert_eq!(
+        etcd_warden::owner::handoff::the_final(&store.list().await.expect("list"), &seen),
+        Some(&finals[0])
+    );
+    // The revision did move after the fence (the leases expired): a final judged by a revision
+    // read again would not have counted the stored one.
+    let now = etcd.client().await.status().await.expect("status");
+    println!(
+        "final {} at {}, etcd now at {}",
+        finals[0].snap_name,
+        finals[0].last_revision,
+        now.header().map_or(0, |h| h.revision())
+    );
+
+    cancel.cancel();
+    let _ = task.await;
+    let _ = actor_task.await;
+    etcd.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_answer_for_the_final_while_leases_move_the_revision_leaves_one_final() {
+    hand_off_losing(
+        Loss::Answer,
+        Duration::from_secs(30),
+        Duration::from_secs(3),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_that_lands_after_the_timeout_is_the_same_one_final() {
+    // The first completion stalls past the snapshot timeout and lands 6 s later, after the
+    // retry stored the final: both write the object the intent named.
+    hand_off_losing(
+        Loss::Late(Duration::from_secs(6)),
+        Duration::from_secs(2),
+        Duration::from_secs(7),
+    )
+    .await;
 }

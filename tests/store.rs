@@ -3,6 +3,8 @@
 
 mod support;
 
+use etcd_warden::owner::handoff::{Claim, Created, HandOffObjects};
+
 use std::io;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -149,6 +151,27 @@ async fn checks(store: SnapshotStore, raw: Arc<dyn ObjectStore>) {
     let after = store.list().await.unwrap();
     assert_eq!(after, list, "a failed upload became visible");
     assert!(store.get_stream(&failing).await.is_err());
+
+    // Create-if-absent, as the hand-off's intent and claims use it: the second writer of a key
+    // finds the first one's object and nothing overwrites it. Every backend here has
+    // conditional writes; a store without them would answer `Unconditional`.
+    let objects = HandOffObjects::new(store.clone());
+    let claim = |member: &str| Claim {
+        epoch: 0,
+        member_id: member.into(),
+        claimed_at: chrono::Utc::now(),
+    };
+    assert_eq!(
+        objects.create_claim(&claim("a")).await.unwrap(),
+        Created::Created
+    );
+    assert_eq!(
+        objects.create_claim(&claim("b")).await.unwrap(),
+        Created::Exists
+    );
+    let claims = objects.claims().await.unwrap();
+    assert_eq!(claims.len(), 1);
+    assert_eq!(claims[0].member_id, "a", "the first claim stands");
 
     // Delete.
     store.delete(&d1).await.unwrap();

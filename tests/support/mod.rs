@@ -14,6 +14,7 @@ pub mod faultrun;
 pub mod history;
 pub mod hosts;
 pub mod invariants;
+pub mod losing;
 pub mod machine_api;
 pub mod migration;
 pub mod pod;
