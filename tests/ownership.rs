@@ -374,6 +374,78 @@ async fn every_member_of_a_cluster_deactivates_but_only_one_final_snapshot_is_ta
     }
 }
 
+/// The member that takes the final (the lowest started member ID) dies for good right after
+/// its fence: its sidecar and its etcd never come back. Another fenced member takes the final
+/// over once `owner.takeover_after` has passed, and it holds every acknowledged write.
+#[tokio::test(flavor = "multi_thread")]
+async fn k_a_taker_that_never_returns_is_taken_over_with_one_final() {
+    use etcd_warden::owner::handoff::HandOffObjects;
+    let (dns, pod, url, store, _dir) = seed(3).await;
+    let mut wardens = Vec::new();
+    for i in 0..3 {
+        let keys = member_keys(&pod, i, &dns, &url).await;
+        wardens.push(Warden::start(&changed(
+            keys,
+            &[("owner.takeover_after", "2s")],
+        )));
+    }
+    for w in &wardens {
+        until_active(w, &store).await;
+    }
+    // Which member takes the final: every sidecar computes the lowest started member ID.
+    let mut ids = Vec::new();
+    for w in &wardens {
+        let s = owner_status(w).await;
+        let id = s["memberId"].as_str().expect("member id").to_string();
+        ids.push(u64::from_str_radix(&id, 16).expect("hex"));
+    }
+    let taker = (0..3).min_by_key(|&i| ids[i]).expect("a taker");
+    let acknowledged = pod.write("before-flip", 30).await;
+
+    dns.set_txt(RECORD, &[THEM]).await;
+    let objects = HandOffObjects::new(store.clone());
+    let fenced = eventually(Duration::from_secs(30), || async {
+        objects
+            .fenced()
+            .await
+            .is_ok_and(|f| f.contains(&ids[taker]))
+    })
+    .await;
+    assert!(
+        fenced,
+        "the taker never fenced:\n{}",
+        wardens[taker].log_text()
+    );
+    wardens[taker].kill();
+    pod.bury(taker).await;
+
+    let one = eventually(Duration::from_secs(40), || async {
+        finals(&store).await.len() == 1
+    })
+    .await;
+    let logs = || {
+        wardens
+            .iter()
+            .map(Warden::log_text)
+            .collect::<Vec<_>>()
+            .join("\n-----\n")
+    };
+    assert!(one, "no final after the taker died:\n{}", logs());
+    let f = finals(&store).await;
+    assert!(f[0].last_revision >= acknowledged, "{f:?}");
+    let claims = objects.claims().await.unwrap();
+    assert!(
+        claims
+            .iter()
+            .any(|c| c.epoch >= 1 && c.member() != Some(ids[taker])),
+        "taken over by another member: {claims:?}"
+    );
+    // The survivors settle on it and no second final follows.
+    tokio::time::sleep(INTERVAL * 6).await;
+    assert_eq!(finals(&store).await.len(), 1, "{}", logs());
+    assert!(objects.record().await.unwrap().is_some());
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn f_an_etcd_that_ignores_sigterm_gets_sigkill_after_the_grace() {
     let dns = DnsServer::start().await;
@@ -728,6 +800,54 @@ async fn j_a_restarted_sidecar_named_again_stays_handed_off_until_reclaimed() {
     })
     .await;
     assert!(back, "{}\n{}", owner_status(&w).await, w.log_text());
+
+    // Serving again: the reclaimed final is a plain full snapshot to every reader, so a flow
+    // polling `/snapshot/latest` for `isFinal` never takes it for the next hand-off's final.
+    let reclaimed = finals(&store).await[0].snap_name.clone();
+    let (_, latest) = w.get("/snapshot/latest").await.unwrap();
+    assert_eq!(latest["fullSnapshot"]["isFinal"], false, "{latest}");
+    let acknowledged = pod.write("after-reclaim", 30).await;
+
+    // The second hand-off: until its own final is stored, nothing reads as final.
+    dns.set_txt(RECORD, &[THEM]).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let second = loop {
+        assert!(
+            Instant::now() < deadline,
+            "no second final:\n{}",
+            w.log_text()
+        );
+        let (_, latest) = w.get("/snapshot/latest").await.unwrap_or_default();
+        let full = &latest["fullSnapshot"];
+        if full["isFinal"] == true {
+            let name = full["snapName"].as_str().unwrap_or_default().to_string();
+            assert_ne!(
+                name, reclaimed,
+                "the reclaimed final read as final: {latest}"
+            );
+            break name;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let fin = store
+        .list()
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|s| s.snap_name == second)
+        .expect("listed");
+    assert!(
+        fin.last_revision >= acknowledged,
+        "the second final misses writes acknowledged after the reclaim"
+    );
+    let (ok, said, err) = cli(&["ls"]);
+    assert!(ok, "{err}");
+    let marked: Vec<&str> = said
+        .lines()
+        .filter(|l| l.split_whitespace().nth(4) == Some("yes"))
+        .collect();
+    assert_eq!(marked.len(), 1, "`ls` marks one final: {said}");
+    assert!(marked[0].ends_with(&second), "{said}");
 }
 
 /// Runs `etcd-warden args` with `keys` in its environment: (succeeded, stdout, stderr).

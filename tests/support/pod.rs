@@ -13,6 +13,8 @@ use super::etcd::{EtcdCluster, Release};
 pub struct Pod {
     pub etcd: Arc<Mutex<EtcdCluster>>,
     deaths: Arc<AtomicU32>,
+    /// Members that died for good: the kubelet no longer starts them.
+    buried: Arc<std::sync::Mutex<std::collections::BTreeSet<usize>>>,
     stop: tokio_util::sync::CancellationToken,
 }
 
@@ -27,13 +29,15 @@ impl Pod {
         let etcd = Arc::new(Mutex::new(EtcdCluster::start(n, Release::V35).await));
         let deaths = Arc::new(AtomicU32::new(0));
         let stop = tokio_util::sync::CancellationToken::new();
-        let (e, d, s) = (etcd.clone(), deaths.clone(), stop.clone());
+        let buried = Arc::new(std::sync::Mutex::new(std::collections::BTreeSet::new()));
+        let (e, d, s, b) = (etcd.clone(), deaths.clone(), stop.clone(), buried.clone());
         tokio::spawn(async move {
             while !s.is_cancelled() {
                 {
                     let mut cluster = e.lock().await;
-                    for m in &mut cluster.members {
-                        if !m.is_running() {
+                    for (i, m) in cluster.members.iter_mut().enumerate() {
+                        let gone = b.lock().map(|b| b.contains(&i)).unwrap_or(false);
+                        if !gone && !m.is_running() {
                             d.fetch_add(1, Ordering::SeqCst);
                             m.kill(); // reap
                             tokio::time::sleep(Duration::from_millis(200)).await;
@@ -44,7 +48,18 @@ impl Pod {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         });
-        Pod { etcd, deaths, stop }
+        Pod {
+            etcd,
+            deaths,
+            buried,
+            stop,
+        }
+    }
+
+    /// Member `i` dies for good (its machine is gone): killed, never started again.
+    pub async fn bury(&self, i: usize) {
+        self.buried.lock().expect("lock").insert(i);
+        self.etcd.lock().await.members[i].kill();
     }
 
     /// The first member's client URL.
