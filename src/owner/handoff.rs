@@ -1350,6 +1350,52 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_store_written_before_intents_reads_as_it_did() {
+        // What an etcd-warden without intents leaves: fence markers, a final, the record naming
+        // it, and nothing under final/.
+        let (_dir, store, objects) = objects();
+        objects.write_fence(1, &marker("1")).await.unwrap();
+        let fin = full(30, true);
+        store
+            .put_bytes(&store.adopt(&fin), Bytes::from_static(b"x"))
+            .await
+            .unwrap();
+        let record_json = br#"{"finalSnapshot":"Full-00000000-00000030-1700000030.gz.final","revision":30,"members":["m1"],"ownerId":"seed-a","recordedAt":"2023-11-14T22:13:50Z"}"#;
+        store
+            .backend()
+            .put(
+                &Path::from("shoot/etcd-main/etcd-warden/handoff.json"),
+                PutPayload::from(Bytes::from_static(record_json)),
+            )
+            .await
+            .unwrap();
+        let seen = objects.seen().await.unwrap();
+        assert_eq!(seen.intent, None);
+        let list = store.list().await.unwrap();
+        assert_eq!(
+            the_final(&list, &seen).map(|s| s.snap_name.as_str()),
+            Some(fin.snap_name.as_str())
+        );
+        assert_eq!(
+            objects.latest_full().await.unwrap().map(|s| s.is_final),
+            Some(true)
+        );
+        // A restarted member decides Done from the record, whatever the revision says now.
+        let v = ClusterView {
+            record: seen.record,
+            claims: objects.claims().await.unwrap(),
+            ..view(
+                vec![member(1, true)],
+                &[1],
+                Some(99),
+                objects.finals().await.unwrap(),
+                1,
+            )
+        };
+        assert!(matches!(decide(&v), Decision::Done(s) if s.snap_name == fin.snap_name));
+    }
+
+    #[tokio::test]
     async fn an_unreadable_marker_is_an_error_naming_its_key() {
         let (_dir, store, objects) = objects();
         let path = Path::from("shoot/etcd-main/etcd-warden/fence/0000000000000001.json");
