@@ -411,7 +411,7 @@ mod ops {
     use etcd_warden::owner::protocol::Verdict;
     use etcd_warden::owner::resolve::{CheckResult, OwnerLookup, OwnerResolver};
     use etcd_warden::snapshot::{take_full, verify::verify as verify_one};
-    use etcd_warden::store::{Codec, SnapshotStore};
+    use etcd_warden::store::{Codec, SnapshotStore, layout};
 
     /// What the owner record says now, when ownership checks are configured.
     async fn owner_record(config: &Config) -> anyhow::Result<Option<CheckResult>> {
@@ -528,19 +528,28 @@ mod ops {
 
     pub async fn ls(config: &Config, json: bool) -> anyhow::Result<()> {
         let store = snapshots(config)?;
-        let list = store
-            .list()
+        let listing = store
+            .listing()
             .await
             .with_context(|| format!("listing {}", config.store.location))?;
         if json {
-            println!("{}", serde_json::to_string_pretty(&list)?);
+            // One array, as before: the unrecognised objects (`"kind": "Unrecognised"`) first,
+            // so `.[-1]` stays the newest snapshot.
+            let mut entries: Vec<serde_json::Value> = Vec::new();
+            for u in &listing.unrecognised {
+                entries.push(serde_json::to_value(u)?);
+            }
+            for (s, _) in &listing.snapshots {
+                entries.push(serde_json::to_value(s)?);
+            }
+            println!("{}", serde_json::to_string_pretty(&entries)?);
             return Ok(());
         }
         println!(
             "{:<4} {:>10} {:>10}  {:<20}  {:<5}  {:<9}  NAME",
             "KIND", "START", "LAST", "CREATED", "FINAL", "ENCRYPTED"
         );
-        for s in &list {
+        for (s, _) in &listing.snapshots {
             println!(
                 "{:<4} {:>10} {:>10}  {:<20}  {:<5}  {:<9}  {}",
                 s.kind,
@@ -551,6 +560,16 @@ mod ops {
                 if s.encrypted { "yes" } else { "" },
                 s.snap_name
             );
+        }
+        if !listing.unrecognised.is_empty() {
+            println!();
+            println!(
+                "UNRECOGNISED: {} object(s) whose names are not snapshot names; restore, copy and retention ignore them",
+                listing.unrecognised.len()
+            );
+            for u in &listing.unrecognised {
+                println!("?    {}  ({})", u.name, u.reason);
+            }
         }
         Ok(())
     }
@@ -644,10 +663,11 @@ mod ops {
 
     pub async fn verify(config: &Config) -> anyhow::Result<()> {
         let store = snapshots(config)?;
-        let list = store
-            .list()
+        let listing = store
+            .listing()
             .await
             .with_context(|| format!("listing {}", config.store.location))?;
+        let list = listing.snapshots();
         let mut bad = 0;
         for s in &list {
             match verify_one(&store, s).await {
@@ -659,8 +679,26 @@ mod ops {
                 }
             }
         }
+        for u in &listing.unrecognised {
+            println!("FAIL  {}: not a snapshot name: {}", u.name, u.reason);
+        }
+        let mut problems = Vec::new();
         if bad > 0 {
-            bail!("{bad} of {} snapshots failed verification", list.len());
+            problems.push(format!(
+                "{bad} of {} snapshots failed verification",
+                list.len()
+            ));
+        }
+        if !listing.unrecognised.is_empty() {
+            problems.push(format!(
+                "{} object(s) under {} are not snapshots (nothing restores or copies them): {}",
+                listing.unrecognised.len(),
+                layout::version_prefix(store.prefix()),
+                listing.unrecognised_names().join(", ")
+            ));
+        }
+        if !problems.is_empty() {
+            bail!("{}", problems.join("; "));
         }
         eprintln!("{} snapshots verified", list.len());
         Ok(())
