@@ -845,3 +845,42 @@ async fn a_chain_applies_whichever_revision_is_due() {
         r + 4
     );
 }
+
+/// A delta lost after the newest full snapshot: `restore` fails before it fetches anything,
+/// naming the missing revisions and the snapshots around them (as `verify` and `copy` do), and
+/// warns naming the objects whose names are not snapshot names.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_in_the_chain_fails_the_restore_before_anything_is_fetched() {
+    let dir = tempfile::tempdir().unwrap();
+    let store_dir = dir.path().join("store");
+    let store = file_store(&store_dir);
+    support::stored::put_full(&store, 10, 1_700_000_000, 10_000, Codec::Gzip, false).await;
+    let before = support::stored::put_delta(&store, 11, 12, 1_700_000_100).await;
+    let after = support::stored::put_delta(&store, 15, 20, 1_700_000_200).await;
+    std::fs::write(store_dir.join("v2/Full-xyz"), b"x").unwrap();
+
+    let target = dir.path().join("data");
+    let out = restore_command(&store_dir, &target).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "restore failed while checking the chain: revision gap in the latest chain: \
+             revisions 13 to 14 are in no snapshot ({} ends at 12, the next delta {} starts at 15)",
+            before.snap_name, after.snap_name
+        )),
+        "{stderr}"
+    );
+    assert!(
+        stderr
+            .lines()
+            .any(|l| l.contains("WARN") && l.contains("Full-xyz") && l.contains("not restored")),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("fetching"), "nothing fetched: {stderr}");
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left, ["store"], "nothing written beside the target");
+}

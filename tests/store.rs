@@ -512,3 +512,32 @@ async fn ls_and_verify_name_objects_that_are_not_snapshots() {
     // The newest snapshot stays last, as scripts read it.
     assert_eq!(shown[3]["snapName"], snapshots[1]);
 }
+
+/// A delta missing after the newest full snapshot fails `verify` naming the revisions and the
+/// snapshots around them; a gap before the newest full snapshot does not (no restore reads it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_names_a_revision_gap_in_the_latest_chain() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, url) = file_store_with_a_chain(dir.path()).await;
+    // Delta 13-14 is lost.
+    let after_gap = support::stored::put_delta(&store, 15, 20, 1_700_000_200).await;
+    let out = warden_on(&["verify"], &url);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
+    let gap = format!(
+        "revisions 13 to 14 are in no snapshot (Incr-00000011-00000012-1700000100.gz ends at 12, \
+         the next delta {} starts at 15)",
+        after_gap.snap_name
+    );
+    assert!(
+        stdout.contains(&format!("FAIL  revision gap in the latest chain: {gap}")),
+        "{stdout}"
+    );
+    assert!(stderr.contains(&gap), "{stderr}");
+
+    // A newer full snapshot starts a chain without the gap.
+    support::stored::put_full(&store, 20, 1_700_000_300, 50_000, Codec::Gzip, false).await;
+    let out = warden_on(&["verify"], &url);
+    assert!(out.status.success(), "{out:?}");
+}

@@ -682,6 +682,10 @@ mod ops {
         for u in &listing.unrecognised {
             println!("FAIL  {}: not a snapshot name: {}", u.name, u.reason);
         }
+        let gap = layout::first_gap(&layout::latest_chain(&list));
+        if let Some(gap) = &gap {
+            println!("FAIL  {gap}");
+        }
         let mut problems = Vec::new();
         if bad > 0 {
             problems.push(format!(
@@ -696,6 +700,9 @@ mod ops {
                 layout::version_prefix(store.prefix()),
                 listing.unrecognised_names().join(", ")
             ));
+        }
+        if let Some(gap) = gap {
+            problems.push(gap.to_string());
         }
         if !problems.is_empty() {
             bail!("{}", problems.join("; "));
