@@ -628,3 +628,86 @@ fn source_store_variables_reach_their_own_section() {
     assert!(c.source_store.is_none());
     assert_eq!((c.copy.max_backups, c.copy.max_age), (0, None));
 }
+
+fn copy_command(urls: &[String; 2]) -> std::process::Command {
+    let mut c = support::warden::command();
+    c.args(["copy", "--source-store", &urls[0], "--dest-store", &urls[1]]);
+    c
+}
+
+/// A delta lost after the newest full snapshot: the copy still copies every selected snapshot
+/// (the destination loses nothing the source has), then fails naming the gap, so the Job never
+/// reports a destination whose restore would fail as done. A rerun copies nothing and fails the
+/// same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chain_with_a_revision_gap_is_copied_whole_and_fails_naming_the_gap() {
+    let dir = tempfile::tempdir().unwrap();
+    let (stores, urls) = file_stores(&dir);
+    let now = Utc::now().timestamp();
+    let source = vec![
+        put_full(&stores.source, 30, now - 300, 10_000, Codec::Gzip, false).await,
+        put_delta(&stores.source, 31, 32, now - 200).await,
+        put_delta(&stores.source, 35, 40, now - 100).await,
+    ];
+    let e = copy::run(&stores, &options()).await.unwrap_err();
+    match &e {
+        CopyError::Unrestorable {
+            copied: 3,
+            skipped: 0,
+            gap,
+        } => {
+            assert_eq!((gap.first, gap.last), (33, 34), "{e}");
+            assert_eq!(
+                (&gap.after, &gap.delta),
+                (&source[1].snap_name, &source[2].snap_name)
+            );
+        }
+        other => panic!("{other}"),
+    }
+    assert_eq!(verified_names(&stores.dest).await, dest_names(&source));
+
+    let out = copy_command(&urls).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let last = stderr.trim().lines().last().unwrap();
+    assert!(
+        last.starts_with(
+            "etcd-warden: copy failed: every selected snapshot is at the destination (0 copied \
+             now, 3 already there), but the destination cannot be restored: revision gap in the \
+             latest chain: revisions 33 to 34 are in no snapshot"
+        ),
+        "{stderr}"
+    );
+}
+
+/// Objects in the source whose names are not snapshot names: the copy warns naming each (they
+/// are not copied) and succeeds with the snapshots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn objects_that_are_not_snapshots_are_named_and_not_copied() {
+    let dir = tempfile::tempdir().unwrap();
+    let (stores, urls) = file_stores(&dir);
+    let source = history(&stores.source, false).await;
+    let bad = ["Full-00000000-0000001x-1700000000.gz", "Full-xyz"];
+    for name in bad {
+        std::fs::write(dir.path().join("src/v2").join(name), b"x").unwrap();
+    }
+    let out = support::cli::succeeds(&mut copy_command(&urls));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!(
+            "not copied: 2 object(s) in the source whose names are not snapshot names: {}",
+            bad.join(", ")
+        )),
+        "{stderr}"
+    );
+    assert!(
+        stderr.lines().any(|l| l.contains("WARN")
+            && bad.iter().all(|b| l.contains(b))
+            && l.contains("not copied")),
+        "{stderr}"
+    );
+    assert_eq!(verified_names(&stores.dest).await, dest_names(&source));
+    for name in bad {
+        assert!(!dir.path().join("dst/v2").join(name).exists(), "{name}");
+    }
+}

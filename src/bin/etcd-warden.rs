@@ -582,6 +582,13 @@ mod ops {
             "copied {} snapshots, {} already there ({} selected)",
             report.copied, report.skipped, report.selected
         );
+        if !report.unrecognised.is_empty() {
+            eprintln!(
+                "not copied: {} object(s) in the source whose names are not snapshot names: {}",
+                report.unrecognised.len(),
+                report.unrecognised.join(", ")
+            );
+        }
         Ok(())
     }
 
