@@ -1,5 +1,6 @@
 //! `etcd-warden`: parse flags, load and validate configuration, init telemetry, run a subcommand,
-//! map the outcome to an exit status (0 ok, 64 bad configuration, 1 anything else).
+//! map the outcome to an exit status (0 ok, 64 bad configuration, 3 a restore that fell back to an
+//! older full snapshot, 1 anything else).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -10,6 +11,25 @@ use tokio_util::sync::CancellationToken;
 
 /// Exit status for bad configuration (EX_USAGE).
 const EXIT_CONFIG: u8 = 64;
+/// Exit status of a restore that fell back past a full snapshot that fails verification: the
+/// data directory is in place, but older than the store's latest full snapshot. Not 2, which
+/// clap exits with on a usage error.
+const EXIT_RESTORED_OLDER: u8 = 3;
+
+/// A command that did its work but must not exit 0: the status it exits with, and why.
+#[derive(Debug)]
+struct Degraded {
+    status: u8,
+    message: String,
+}
+
+impl std::fmt::Display for Degraded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for Degraded {}
 
 #[derive(Parser)]
 #[command(
@@ -87,6 +107,11 @@ enum Command {
         etcd_bin: Option<String>,
     },
     /// Build an etcd data directory from the latest full snapshot and every later delta.
+    ///
+    /// Exit status: 0 restored from the latest full snapshot; 3 restored, but from an older
+    /// full snapshot because a newer one fails verification (the data directory is in place;
+    /// the output names the skipped snapshot and the revisions not restored; --no-fallback
+    /// fails instead); 1 failed, nothing moved into place; 64 bad configuration.
     Restore {
         #[command(flatten)]
         store: StoreArg,
@@ -327,6 +352,8 @@ fn main() -> ExitCode {
             eprintln!("etcd-warden: {}", msg.replace('\n', " "));
             if e.downcast_ref::<ConfigError>().is_some() {
                 ExitCode::from(EXIT_CONFIG)
+            } else if let Some(d) = e.downcast_ref::<Degraded>() {
+                ExitCode::from(d.status)
             } else {
                 ExitCode::FAILURE
             }
@@ -627,6 +654,22 @@ mod ops {
         }
         if let Some(old) = &report.moved_aside {
             println!("the previous data directory is at {}", old.display());
+        }
+        if let Some(newest) = report.skipped.first() {
+            // Done, yet not what a script asked for: it must not pass for a clean restore.
+            return Err(super::Degraded {
+                status: super::EXIT_RESTORED_OLDER,
+                message: format!(
+                    "restored {} from an older full snapshot, {}, at revision {}: {} full snapshot(s) fail verification, the newest {} (exit status {}; --no-fallback fails instead)",
+                    data_dir.display(),
+                    report.full_snapshot,
+                    report.revision,
+                    report.skipped.len(),
+                    newest.snapshot,
+                    super::EXIT_RESTORED_OLDER
+                ),
+            }
+            .into());
         }
         Ok(())
     }
