@@ -10,12 +10,15 @@
 //! for a delta with nothing to write, where `POST` answers 201 or 204). The mutating endpoints take a bearer token when one is configured
 //! (configuration requires one whenever the server listens beyond loopback) and one request at a
 //! time (429 while one is in flight), so nobody can queue snapshots in front of a kill; what the
-//! ownership protocol forbids is refused with 409. Errors are JSON `{"code": …, "message": …}`;
-//! internal details go to the log, not the client.
+//! ownership protocol forbids is refused with 409. The token is checked before the query is read,
+//! so a caller without it learns nothing from a 400. Every error is JSON
+//! `{"code": …, "message": …}`, axum's own answers included (404, 405, a query that does not
+//! parse); internal details go to the log, not the client.
 
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -176,17 +179,28 @@ pub fn router(state: ServerState) -> Router {
         .fallback(|| async {
             ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
         })
+        // axum keeps its `Allow` header on this answer.
+        .method_not_allowed_fallback(|method: Method| async move {
+            ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                format!("{method} is not allowed here; see the Allow header"),
+            )
+        })
         .with_state(state)
 }
 
 async fn healthz(State(s): State<ServerState>) -> Response {
     let r = s.readiness.borrow().clone();
-    let code = if r.ready {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
-    };
-    (code, Json(r)).into_response()
+    if r.ready {
+        return (StatusCode::OK, Json(r)).into_response();
+    }
+    // An error answer like every other: the readiness fields, and a code.
+    let mut body = serde_json::to_value(&r).unwrap_or_default();
+    if let Some(obj) = body.as_object_mut() {
+        obj.insert("code".into(), "not_ready".into());
+    }
+    (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
 }
 
 async fn livez(State(s): State<ServerState>) -> Response {
@@ -246,9 +260,11 @@ async fn take_full(
     State(s): State<ServerState>,
     method: Method,
     headers: HeaderMap,
-    Query(q): Query<FullQuery>,
+    query: Result<Query<FullQuery>, QueryRejection>,
 ) -> Result<Response, ApiError> {
+    // Who asks first, then what: an unauthenticated caller learns nothing about the query.
     authorize(&s, &headers)?;
+    let Query(q) = query.map_err(bad_query)?;
     let _one = one_at_a_time(&s)?;
     let taken = s
         .snapshots
@@ -271,6 +287,11 @@ async fn take_delta(
     authorize(&s, &headers)?;
     let _one = one_at_a_time(&s)?;
     snapshot_answer(&method, s.snapshots.take(SnapshotRequest::Delta).await?)
+}
+
+/// A query string the handler cannot read: 400 with axum's reason (it names the parameter).
+fn bad_query(rejection: QueryRejection) -> ApiError {
+    ApiError::new(StatusCode::BAD_REQUEST, "bad_query", rejection.body_text())
 }
 
 /// The permit of the one mutating request in flight, or 429.
@@ -515,6 +536,74 @@ mod tests {
         let (code, body) = call(s, get("/nope")).await;
         assert_eq!(code, StatusCode::NOT_FOUND);
         assert_eq!(body["code"], "not_found");
+    }
+
+    #[tokio::test]
+    async fn authorization_comes_before_the_query_and_every_error_is_json_with_a_code() {
+        let (s, fake) = state(false, Some("sekrit"));
+        // Whoever has no token learns nothing about the query: 401, not 400.
+        for method in [Method::POST, Method::GET] {
+            let (code, body) = call(
+                s.clone(),
+                request(method.clone(), None, "/snapshot/full?final=maybe"),
+            )
+            .await;
+            assert_eq!(code, StatusCode::UNAUTHORIZED, "{method}");
+            assert_eq!(body["code"], "unauthorized", "{method}");
+        }
+        // With the token, the bad query is 400 naming the parameter, and nothing is taken.
+        let (code, body) = call(
+            s.clone(),
+            request(
+                Method::POST,
+                Some("Bearer sekrit"),
+                "/snapshot/full?final=maybe",
+            ),
+        )
+        .await;
+        assert_eq!(code, StatusCode::BAD_REQUEST, "{body}");
+        assert_eq!(body["code"], "bad_query");
+        assert!(
+            body["message"].as_str().unwrap().contains("final"),
+            "{body}"
+        );
+        assert!(fake.taken.lock().unwrap().is_empty());
+
+        // A method a route does not take: 405 as JSON, axum's Allow header kept.
+        for (method, path, allowed) in [
+            (Method::DELETE, "/snapshot/full", "POST"),
+            (Method::PUT, "/snapshot/delta", "GET"),
+            (Method::POST, "/healthz", "GET"),
+            (Method::POST, "/snapshot/latest", "GET"),
+            (Method::PATCH, "/status", "GET"),
+        ] {
+            let resp = router(s.clone())
+                .oneshot(request(method.clone(), None, path))
+                .await
+                .unwrap();
+            assert_eq!(
+                resp.status(),
+                StatusCode::METHOD_NOT_ALLOWED,
+                "{method} {path}"
+            );
+            let allow = resp.headers()[header::ALLOW].to_str().unwrap().to_string();
+            assert!(allow.contains(allowed), "{method} {path}: Allow {allow}");
+            let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
+                .await
+                .unwrap();
+            let body: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+            assert_eq!(body["code"], "method_not_allowed", "{method} {path}");
+        }
+        // An unknown route, and readiness refused: JSON with a code too.
+        let (code, body) = call(s.clone(), get("/snapshot")).await;
+        assert_eq!(
+            (code, &body["code"]),
+            (StatusCode::NOT_FOUND, &"not_found".into())
+        );
+        let (code, body) = call(s, get("/healthz")).await;
+        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(body["code"], "not_ready");
+        assert_eq!(body["state"], "Active");
     }
 
     #[tokio::test]

@@ -493,6 +493,20 @@ fn every_error_names_its_key() {
             "IP address",
         ),
         (
+            "empty server token in the file",
+            Some("[server]\ntoken = \"\"\n"),
+            vec![],
+            "server.token",
+            "is empty",
+        ),
+        (
+            "empty server token from the environment",
+            None,
+            vec![("ETCD_WARDEN_SERVER_TOKEN", "")],
+            "server.token",
+            "is empty",
+        ),
+        (
             "long process name",
             None,
             vec![("ETCD_WARDEN_KILL_PROCESS_NAME", "a-very-long-process-name")],
@@ -816,6 +830,43 @@ fn serve_beyond_loopback_without_a_token_exits_64_and_config_still_prints() {
             .arg("config")
             .env("ETCD_WARDEN_SERVER_LISTEN", "0.0.0.0:0"),
     );
+}
+
+/// An empty bearer token matches no request yet passed for "a token is set", even beyond
+/// loopback: `serve` refuses it at start, naming the key.
+#[test]
+fn an_empty_server_token_exits_64_naming_the_key() {
+    let mut child = warden()
+        .arg("serve")
+        .env("ETCD_WARDEN_SERVER_LISTEN", "0.0.0.0:0")
+        .env("ETCD_WARDEN_SERVER_TOKEN", "")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            panic!("serve started with an empty token");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_eq!(status.code(), Some(64), "{stderr}");
+    assert!(
+        stderr.starts_with(
+            "etcd-warden: invalid configuration: server.token (from ETCD_WARDEN_SERVER_TOKEN): \
+             is empty"
+        ),
+        "{stderr}"
+    );
+    assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
 }
 
 #[test]

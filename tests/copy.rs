@@ -11,82 +11,15 @@ use chrono::{TimeZone, Utc};
 use etcd_warden::config::{Config, CopyConfig, Override, Sources};
 use etcd_warden::copy::{self, CopyError, Stores};
 use etcd_warden::owner::handoff;
-use etcd_warden::snapshot::delta::{self, Event, KeyValue, TimedEvent};
 use etcd_warden::snapshot::verify::verify;
-use etcd_warden::store::compression::{collect, once};
+use etcd_warden::store::compression::collect;
 use etcd_warden::store::{Codec, Kind, Snapshot, SnapshotStore};
-use sha2::{Digest, Sha256};
 use support::cli::span;
 use support::s3::S3Server;
+use support::stored::{db_payload, put_delta, put_full};
 
 const SRC: &str = "source-bkt";
 const DST: &str = "dest-bkt";
-
-/// A fake etcd snapshot: `len` bytes then their SHA-256, as etcd streams it.
-fn db_payload(len: usize, seed: u8) -> Vec<u8> {
-    let mut db: Vec<u8> = (0..len)
-        .map(|i| ((i as u64).wrapping_mul(2654435761) >> 13) as u8 ^ seed)
-        .collect();
-    let h = Sha256::digest(&db);
-    db.extend_from_slice(&h);
-    db
-}
-
-/// Stores a full snapshot; returns it.
-async fn put_full(
-    store: &SnapshotStore,
-    last: i64,
-    at: i64,
-    len: usize,
-    codec: Codec,
-    is_final: bool,
-) -> Snapshot {
-    let s = Snapshot::new(
-        store.prefix(),
-        Kind::Full,
-        0,
-        last,
-        Utc.timestamp_opt(at, 0).unwrap(),
-        codec,
-        is_final,
-    );
-    let raw = db_payload(len, last as u8);
-    let stored = collect(codec.encode(once(raw), 2).unwrap()).await.unwrap();
-    store.put_bytes(&s, Bytes::from(stored)).await.unwrap();
-    s
-}
-
-/// Stores a delta with one PUT per revision in `start..=last`.
-async fn put_delta(store: &SnapshotStore, start: i64, last: i64, at: i64) -> Snapshot {
-    let events: Vec<TimedEvent> = (start..=last)
-        .map(|rev| TimedEvent {
-            event: Event {
-                kv: Some(KeyValue {
-                    key: format!("/k/{rev}").into_bytes(),
-                    create_revision: rev,
-                    mod_revision: rev,
-                    version: 1,
-                    value: b"v".to_vec(),
-                    lease: 0,
-                }),
-                ..Default::default()
-            },
-            time: Utc.timestamp_opt(at, 0).unwrap(),
-        })
-        .collect();
-    let s = Snapshot::new(
-        store.prefix(),
-        Kind::Incr,
-        start,
-        last,
-        Utc.timestamp_opt(at, 0).unwrap(),
-        Codec::Gzip,
-        false,
-    );
-    let bytes = delta::encode_compressed(&events, Codec::Gzip).unwrap();
-    store.put_bytes(&s, Bytes::from(bytes)).await.unwrap();
-    s
-}
 
 /// F(10) d(11-12) F(20) d(21-22) F(30, final when asked) d(31-32), an hour apart, ending now.
 async fn history(store: &SnapshotStore, final_last: bool) -> Vec<Snapshot> {
@@ -694,4 +627,87 @@ fn source_store_variables_reach_their_own_section() {
     .unwrap();
     assert!(c.source_store.is_none());
     assert_eq!((c.copy.max_backups, c.copy.max_age), (0, None));
+}
+
+fn copy_command(urls: &[String; 2]) -> std::process::Command {
+    let mut c = support::warden::command();
+    c.args(["copy", "--source-store", &urls[0], "--dest-store", &urls[1]]);
+    c
+}
+
+/// A delta lost after the newest full snapshot: the copy still copies every selected snapshot
+/// (the destination loses nothing the source has), then fails naming the gap, so the Job never
+/// reports a destination whose restore would fail as done. A rerun copies nothing and fails the
+/// same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chain_with_a_revision_gap_is_copied_whole_and_fails_naming_the_gap() {
+    let dir = tempfile::tempdir().unwrap();
+    let (stores, urls) = file_stores(&dir);
+    let now = Utc::now().timestamp();
+    let source = vec![
+        put_full(&stores.source, 30, now - 300, 10_000, Codec::Gzip, false).await,
+        put_delta(&stores.source, 31, 32, now - 200).await,
+        put_delta(&stores.source, 35, 40, now - 100).await,
+    ];
+    let e = copy::run(&stores, &options()).await.unwrap_err();
+    match &e {
+        CopyError::Unrestorable {
+            copied: 3,
+            skipped: 0,
+            gap,
+        } => {
+            assert_eq!((gap.first, gap.last), (33, 34), "{e}");
+            assert_eq!(
+                (&gap.after, &gap.delta),
+                (&source[1].snap_name, &source[2].snap_name)
+            );
+        }
+        other => panic!("{other}"),
+    }
+    assert_eq!(verified_names(&stores.dest).await, dest_names(&source));
+
+    let out = copy_command(&urls).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let last = stderr.trim().lines().last().unwrap();
+    assert!(
+        last.starts_with(
+            "etcd-warden: copy failed: every selected snapshot is at the destination (0 copied \
+             now, 3 already there), but the destination cannot be restored: revision gap in the \
+             latest chain: revisions 33 to 34 are in no snapshot"
+        ),
+        "{stderr}"
+    );
+}
+
+/// Objects in the source whose names are not snapshot names: the copy warns naming each (they
+/// are not copied) and succeeds with the snapshots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn objects_that_are_not_snapshots_are_named_and_not_copied() {
+    let dir = tempfile::tempdir().unwrap();
+    let (stores, urls) = file_stores(&dir);
+    let source = history(&stores.source, false).await;
+    let bad = ["Full-00000000-0000001x-1700000000.gz", "Full-xyz"];
+    for name in bad {
+        std::fs::write(dir.path().join("src/v2").join(name), b"x").unwrap();
+    }
+    let out = support::cli::succeeds(&mut copy_command(&urls));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!(
+            "not copied: 2 object(s) in the source whose names are not snapshot names: {}",
+            bad.join(", ")
+        )),
+        "{stderr}"
+    );
+    assert!(
+        stderr.lines().any(|l| l.contains("WARN")
+            && bad.iter().all(|b| l.contains(b))
+            && l.contains("not copied")),
+        "{stderr}"
+    );
+    assert_eq!(verified_names(&stores.dest).await, dest_names(&source));
+    for name in bad {
+        assert!(!dir.path().join("dst/v2").join(name).exists(), "{name}");
+    }
 }

@@ -845,3 +845,91 @@ async fn a_chain_applies_whichever_revision_is_due() {
         r + 4
     );
 }
+
+/// The latest full snapshot fails verification: `restore` falls back to the previous one, puts
+/// the directory in place, and exits 3, not 0, naming the skipped snapshot, so a script cannot
+/// take the older state for a clean restore.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_that_falls_back_exits_3_naming_the_skipped_snapshot() {
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut client = etcd.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let store_dir = dir.path().join("store");
+    let store = file_store(&store_dir);
+    client.put("before", "1", None).await.unwrap();
+    let older = take_full(&client, &store, Codec::Gzip, false)
+        .await
+        .unwrap();
+    client.put("after", "2", None).await.unwrap();
+    let newest = take_full(&client, &store, Codec::Gzip, false)
+        .await
+        .unwrap();
+    // Cut short in the store: its gzip stream ends early.
+    let object = store_dir.join("v2").join(&newest.snap_name);
+    let bytes = std::fs::read(&object).unwrap();
+    std::fs::write(&object, &bytes[..bytes.len() / 2]).unwrap();
+
+    let target = dir.path().join("data");
+    let out = restore_command(&store_dir, &target).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stdout}{stderr}");
+    assert!(
+        stdout.contains(&format!("skipped full snapshot {}", newest.snap_name)),
+        "{stdout}"
+    );
+    let last = stderr.trim().lines().last().unwrap();
+    assert!(
+        last.starts_with(&format!(
+            "etcd-warden: restored {} from an older full snapshot, {}, at revision {}",
+            target.display(),
+            older.snap_name,
+            older.last_revision
+        )) && last.contains(&newest.snap_name),
+        "{stderr}"
+    );
+    // The older state is in place: "before" is there, "after" is not.
+    let (kvs, revision) = dump_restored(Release::V35, &target, "m1").await;
+    let keys: Vec<&[u8]> = kvs.iter().map(|kv| kv.0.as_slice()).collect();
+    assert_eq!(keys, [b"before".as_slice()]);
+    assert_eq!(revision, older.last_revision);
+}
+
+/// A delta lost after the newest full snapshot: `restore` fails before it fetches anything,
+/// naming the missing revisions and the snapshots around them (as `verify` and `copy` do), and
+/// warns naming the objects whose names are not snapshot names.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_in_the_chain_fails_the_restore_before_anything_is_fetched() {
+    let dir = tempfile::tempdir().unwrap();
+    let store_dir = dir.path().join("store");
+    let store = file_store(&store_dir);
+    support::stored::put_full(&store, 10, 1_700_000_000, 10_000, Codec::Gzip, false).await;
+    let before = support::stored::put_delta(&store, 11, 12, 1_700_000_100).await;
+    let after = support::stored::put_delta(&store, 15, 20, 1_700_000_200).await;
+    std::fs::write(store_dir.join("v2/Full-xyz"), b"x").unwrap();
+
+    let target = dir.path().join("data");
+    let out = restore_command(&store_dir, &target).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "restore failed while checking the chain: revision gap in the latest chain: \
+             revisions 13 to 14 are in no snapshot ({} ends at 12, the next delta {} starts at 15)",
+            before.snap_name, after.snap_name
+        )),
+        "{stderr}"
+    );
+    assert!(
+        stderr
+            .lines()
+            .any(|l| l.contains("WARN") && l.contains("Full-xyz") && l.contains("not restored")),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("fetching"), "nothing fetched: {stderr}");
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left, ["store"], "nothing written beside the target");
+}

@@ -107,8 +107,9 @@ async fn checks(store: SnapshotStore, raw: Arc<dyn ObjectStore>) {
         .await
         .unwrap();
 
-    // Objects that are not snapshots are ignored: other tools' files, chunk objects, and
-    // anything outside the layout directory.
+    // Objects that are not snapshots are not listed as snapshots: other tools' files, chunk
+    // objects, and anything outside the layout directory. The listing for operators names
+    // those in the layout directory.
     let v2 = etcd_warden::store::layout::version_prefix(store.prefix());
     for key in [
         format!("{v2}README"),
@@ -134,6 +135,18 @@ async fn checks(store: SnapshotStore, raw: Arc<dyn ObjectStore>) {
             d3.snap_name.as_str(),
         ]
     );
+    let listing = store.listing().await.unwrap();
+    assert_eq!(listing.snapshots(), list);
+    assert_eq!(
+        listing.unrecognised_names(),
+        [
+            "Full-00000000-00000200-1700000000.gz/0000001",
+            "Full-1-2-3",
+            "README"
+        ]
+    );
+    assert_eq!(listing.unrecognised[2].key, format!("{v2}README"));
+    assert_eq!(listing.unrecognised[2].size, 1);
     let chain = store.latest_chain().await.unwrap();
     assert_eq!(chain.full_snapshot.as_ref(), Some(&full2));
     assert_eq!(chain.delta_snapshots, vec![d3.clone()]);
@@ -424,4 +437,130 @@ async fn conformance_azure_emulator() {
     cfg.use_emulator = true;
     cfg.endpoint = Some(server.endpoint());
     conformance(&cfg).await;
+}
+
+/// A file store in `dir` with a full snapshot and a delta that verify, and the store's URL.
+async fn file_store_with_a_chain(dir: &std::path::Path) -> (SnapshotStore, String) {
+    let url = format!("file://{}", dir.display());
+    let store = SnapshotStore::from_config(&store_config(&url)).unwrap();
+    support::stored::put_full(&store, 10, 1_700_000_000, 50_000, Codec::Gzip, false).await;
+    support::stored::put_delta(&store, 11, 12, 1_700_000_100).await;
+    (store, url)
+}
+
+fn warden_on(args: &[&str], url: &str) -> std::process::Output {
+    support::warden::command()
+        .args(args)
+        .args(["--store", url])
+        .output()
+        .unwrap()
+}
+
+/// Objects under `v2/` whose names do not parse are named by `ls` (text and JSON) and fail
+/// `verify`; the snapshots around them are listed and verified as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ls_and_verify_name_objects_that_are_not_snapshots() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, url) = file_store_with_a_chain(dir.path()).await;
+    let snapshots: Vec<String> = store
+        .list()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| s.snap_name)
+        .collect();
+    let bad = ["Full-xyz", "Full-00000000-0000001x-1700000000.gz"];
+    for name in bad {
+        std::fs::write(dir.path().join("v2").join(name), b"x").unwrap();
+    }
+    // Healthy first: verify passes on the snapshots alone.
+    let (clean_dir, clean_url) = {
+        let d = tempfile::tempdir().unwrap();
+        let (_, u) = file_store_with_a_chain(d.path()).await;
+        (d, u)
+    };
+    let out = warden_on(&["verify"], &clean_url);
+    assert!(out.status.success(), "{out:?}");
+    drop(clean_dir);
+
+    let out = warden_on(&["verify"], &url);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
+    for name in bad {
+        assert!(
+            stdout.contains(&format!("FAIL  {name}: not a snapshot name")),
+            "{stdout}"
+        );
+        assert!(stderr.contains(name), "{stderr}");
+    }
+    for name in &snapshots {
+        assert!(stdout.contains(&format!("ok    {name}")), "{stdout}");
+    }
+    let last = stderr.trim().lines().last().unwrap();
+    assert!(
+        last.starts_with("etcd-warden: 2 object(s) under v2/ are not snapshots"),
+        "{stderr}"
+    );
+
+    let out = warden_on(&["ls"], &url);
+    assert!(out.status.success(), "{out:?}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("UNRECOGNISED: 2 object(s)"), "{stdout}");
+    assert!(stdout.contains("?    Full-xyz  (expected 4"), "{stdout}");
+    assert!(
+        stdout.contains("?    Full-00000000-0000001x-1700000000.gz  (last revision"),
+        "{stdout}"
+    );
+
+    let out = warden_on(&["ls", "--json"], &url);
+    assert!(out.status.success(), "{out:?}");
+    let shown: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let shown = shown.as_array().unwrap();
+    let kinds: Vec<&str> = shown.iter().map(|e| e["kind"].as_str().unwrap()).collect();
+    assert_eq!(kinds, ["Unrecognised", "Unrecognised", "Full", "Incr"]);
+    let mut unrecognised: Vec<&str> = shown[..2]
+        .iter()
+        .map(|e| e["name"].as_str().unwrap())
+        .collect();
+    unrecognised.sort();
+    let mut want = bad.to_vec();
+    want.sort();
+    assert_eq!(unrecognised, want);
+    assert_eq!(
+        shown[0]["key"],
+        format!("v2/{}", shown[0]["name"].as_str().unwrap())
+    );
+    assert!(shown[0]["reason"].as_str().is_some_and(|r| !r.is_empty()));
+    // The newest snapshot stays last, as scripts read it.
+    assert_eq!(shown[3]["snapName"], snapshots[1]);
+}
+
+/// A delta missing after the newest full snapshot fails `verify` naming the revisions and the
+/// snapshots around them; a gap before the newest full snapshot does not (no restore reads it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_names_a_revision_gap_in_the_latest_chain() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, url) = file_store_with_a_chain(dir.path()).await;
+    // Delta 13-14 is lost.
+    let after_gap = support::stored::put_delta(&store, 15, 20, 1_700_000_200).await;
+    let out = warden_on(&["verify"], &url);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
+    let gap = format!(
+        "revisions 13 to 14 are in no snapshot (Incr-00000011-00000012-1700000100.gz ends at 12, \
+         the next delta {} starts at 15)",
+        after_gap.snap_name
+    );
+    assert!(
+        stdout.contains(&format!("FAIL  revision gap in the latest chain: {gap}")),
+        "{stdout}"
+    );
+    assert!(stderr.contains(&gap), "{stderr}");
+
+    // A newer full snapshot starts a chain without the gap.
+    support::stored::put_full(&store, 20, 1_700_000_300, 50_000, Codec::Gzip, false).await;
+    let out = warden_on(&["verify"], &url);
+    assert!(out.status.success(), "{out:?}");
 }

@@ -290,7 +290,7 @@ fn restore_command(s3: &S3Server, target: &Path) -> std::process::Command {
 
 /// The latest full snapshot fails verification: `restore` falls back to the previous one and
 /// the deltas that continue it (up to the last delta before the skipped snapshot: what was
-/// written between that delta and the skipped snapshot is in no delta), and says so;
+/// written between that delta and the skipped snapshot is in no delta), says so and exits 3;
 /// `--no-fallback` fails naming it and writes nothing; `initialize` falls back too, and does not
 /// replace a directory with one no newer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -338,11 +338,13 @@ async fn a_corrupt_latest_full_snapshot_falls_back_to_the_previous_one() {
     left.sort();
     assert!(left.is_empty(), "written: {left:?}");
 
-    // The default: the previous full snapshot and its deltas, up to d2.
+    // The default: the previous full snapshot and its deltas, up to d2; exit status 3, so a
+    // script sees the older state.
     let target = dir.path().join("data");
-    let out = support::cli::succeeds(&mut restore_command(&s3, &target));
+    let out = restore_command(&s3, &target).output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stdout}{stderr}");
     assert!(
         stdout.contains(&format!("skipped full snapshot {}", f1.snap_name)),
         "{stdout}"

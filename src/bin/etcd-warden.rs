@@ -1,5 +1,6 @@
 //! `etcd-warden`: parse flags, load and validate configuration, init telemetry, run a subcommand,
-//! map the outcome to an exit status (0 ok, 64 bad configuration, 1 anything else).
+//! map the outcome to an exit status (0 ok, 64 bad configuration, 3 a restore that fell back to an
+//! older full snapshot, 1 anything else).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -10,6 +11,25 @@ use tokio_util::sync::CancellationToken;
 
 /// Exit status for bad configuration (EX_USAGE).
 const EXIT_CONFIG: u8 = 64;
+/// Exit status of a restore that fell back past a full snapshot that fails verification: the
+/// data directory is in place, but older than the store's latest full snapshot. Not 2, which
+/// clap exits with on a usage error.
+const EXIT_RESTORED_OLDER: u8 = 3;
+
+/// A command that did its work but must not exit 0: the status it exits with, and why.
+#[derive(Debug)]
+struct Degraded {
+    status: u8,
+    message: String,
+}
+
+impl std::fmt::Display for Degraded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for Degraded {}
 
 #[derive(Parser)]
 #[command(
@@ -87,6 +107,11 @@ enum Command {
         etcd_bin: Option<String>,
     },
     /// Build an etcd data directory from the latest full snapshot and every later delta.
+    ///
+    /// Exit status: 0 restored from the latest full snapshot; 3 restored, but from an older
+    /// full snapshot because a newer one fails verification (the data directory is in place;
+    /// the output names the skipped snapshot and the revisions not restored; --no-fallback
+    /// fails instead); 1 failed, nothing moved into place; 64 bad configuration.
     Restore {
         #[command(flatten)]
         store: StoreArg,
@@ -327,6 +352,8 @@ fn main() -> ExitCode {
             eprintln!("etcd-warden: {}", msg.replace('\n', " "));
             if e.downcast_ref::<ConfigError>().is_some() {
                 ExitCode::from(EXIT_CONFIG)
+            } else if let Some(d) = e.downcast_ref::<Degraded>() {
+                ExitCode::from(d.status)
             } else {
                 ExitCode::FAILURE
             }
@@ -411,7 +438,7 @@ mod ops {
     use etcd_warden::owner::protocol::Verdict;
     use etcd_warden::owner::resolve::{CheckResult, OwnerLookup, OwnerResolver};
     use etcd_warden::snapshot::{take_full, verify::verify as verify_one};
-    use etcd_warden::store::{Codec, Snapshot, SnapshotStore};
+    use etcd_warden::store::{Codec, Listing, SnapshotStore, layout};
 
     /// What the owner record says now, when ownership checks are configured.
     async fn owner_record(config: &Config) -> anyhow::Result<Option<CheckResult>> {
@@ -526,14 +553,14 @@ mod ops {
         Ok(())
     }
 
-    /// The store's snapshots with `is_final` as every reader decides it: true only for the
+    /// The store's listing with `is_final` as every reader decides it: true only for the
     /// hand-off's final ([`the_final`]), never for a reclaimed or superseded `.final` object.
     async fn listed_as_read(
         config: &Config,
         store: &SnapshotStore,
-    ) -> anyhow::Result<(Vec<Snapshot>, Option<String>)> {
-        let list = store
-            .list()
+    ) -> anyhow::Result<(Listing, Option<String>)> {
+        let mut listing = store
+            .listing()
             .await
             .with_context(|| format!("listing {}", config.store.location))?;
         let seen = HandOffObjects::new(store.clone())
@@ -542,29 +569,34 @@ mod ops {
             .with_context(|| {
                 format!("reading the hand-off objects of {}", config.store.location)
             })?;
-        let the = the_final(&list, &seen).map(|s| s.snap_name.clone());
-        let list = list
-            .into_iter()
-            .map(|mut s| {
-                s.is_final = the.as_deref() == Some(s.snap_name.as_str());
-                s
-            })
-            .collect();
-        Ok((list, the))
+        let the = the_final(&listing.snapshots(), &seen).map(|s| s.snap_name.clone());
+        for (s, _) in &mut listing.snapshots {
+            s.is_final = the.as_deref() == Some(s.snap_name.as_str());
+        }
+        Ok((listing, the))
     }
 
     pub async fn ls(config: &Config, json: bool) -> anyhow::Result<()> {
         let store = snapshots(config)?;
-        let (list, _) = listed_as_read(config, &store).await?;
+        let (listing, _) = listed_as_read(config, &store).await?;
         if json {
-            println!("{}", serde_json::to_string_pretty(&list)?);
+            // One array, as before: the unrecognised objects (`"kind": "Unrecognised"`) first,
+            // so `.[-1]` stays the newest snapshot.
+            let mut entries: Vec<serde_json::Value> = Vec::new();
+            for u in &listing.unrecognised {
+                entries.push(serde_json::to_value(u)?);
+            }
+            for (s, _) in &listing.snapshots {
+                entries.push(serde_json::to_value(s)?);
+            }
+            println!("{}", serde_json::to_string_pretty(&entries)?);
             return Ok(());
         }
         println!(
             "{:<4} {:>10} {:>10}  {:<20}  {:<5}  {:<9}  NAME",
             "KIND", "START", "LAST", "CREATED", "FINAL", "ENCRYPTED"
         );
-        for s in &list {
+        for (s, _) in &listing.snapshots {
             println!(
                 "{:<4} {:>10} {:>10}  {:<20}  {:<5}  {:<9}  {}",
                 s.kind,
@@ -575,6 +607,16 @@ mod ops {
                 if s.encrypted { "yes" } else { "" },
                 s.snap_name
             );
+        }
+        if !listing.unrecognised.is_empty() {
+            println!();
+            println!(
+                "UNRECOGNISED: {} object(s) whose names are not snapshot names; restore, copy and retention ignore them",
+                listing.unrecognised.len()
+            );
+            for u in &listing.unrecognised {
+                println!("?    {}  ({})", u.name, u.reason);
+            }
         }
         Ok(())
     }
@@ -587,6 +629,13 @@ mod ops {
             "copied {} snapshots, {} already there ({} selected)",
             report.copied, report.skipped, report.selected
         );
+        if !report.unrecognised.is_empty() {
+            eprintln!(
+                "not copied: {} object(s) in the source whose names are not snapshot names: {}",
+                report.unrecognised.len(),
+                report.unrecognised.join(", ")
+            );
+        }
         Ok(())
     }
 
@@ -625,6 +674,22 @@ mod ops {
         }
         if let Some(old) = &report.moved_aside {
             println!("the previous data directory is at {}", old.display());
+        }
+        if let Some(newest) = report.skipped.first() {
+            // Done, yet not what a script asked for: it must not pass for a clean restore.
+            return Err(super::Degraded {
+                status: super::EXIT_RESTORED_OLDER,
+                message: format!(
+                    "restored {} from an older full snapshot, {}, at revision {}: {} full snapshot(s) fail verification, the newest {} (exit status {}; --no-fallback fails instead)",
+                    data_dir.display(),
+                    report.full_snapshot,
+                    report.revision,
+                    report.skipped.len(),
+                    newest.snapshot,
+                    super::EXIT_RESTORED_OLDER
+                ),
+            }
+            .into());
         }
         Ok(())
     }
@@ -668,7 +733,8 @@ mod ops {
 
     pub async fn verify(config: &Config) -> anyhow::Result<()> {
         let store = snapshots(config)?;
-        let (list, the) = listed_as_read(config, &store).await?;
+        let (listing, the) = listed_as_read(config, &store).await?;
+        let list = listing.snapshots();
         let mut bad = 0;
         for s in &list {
             match verify_one(&store, s).await {
@@ -680,8 +746,33 @@ mod ops {
                 }
             }
         }
+        for u in &listing.unrecognised {
+            println!("FAIL  {}: not a snapshot name: {}", u.name, u.reason);
+        }
+        let gap = layout::first_gap(&layout::latest_chain(&list));
+        if let Some(gap) = &gap {
+            println!("FAIL  {gap}");
+        }
+        let mut problems = Vec::new();
         if bad > 0 {
-            bail!("{bad} of {} snapshots failed verification", list.len());
+            problems.push(format!(
+                "{bad} of {} snapshots failed verification",
+                list.len()
+            ));
+        }
+        if !listing.unrecognised.is_empty() {
+            problems.push(format!(
+                "{} object(s) under {} are not snapshots (nothing restores or copies them): {}",
+                listing.unrecognised.len(),
+                layout::version_prefix(store.prefix()),
+                listing.unrecognised_names().join(", ")
+            ));
+        }
+        if let Some(gap) = gap {
+            problems.push(gap.to_string());
+        }
+        if !problems.is_empty() {
+            bail!("{}", problems.join("; "));
         }
         eprintln!("{} snapshots verified", list.len());
         match the {

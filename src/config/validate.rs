@@ -575,11 +575,20 @@ impl Validator<'_> {
                 ));
             }
         };
-        Ok(ServerConfig {
-            listen,
-            token: self.secret("server.token", &s.token, &s.token_file)?,
-            tls,
-        })
+        let token = self.secret("server.token", &s.token, &s.token_file)?;
+        // An empty token matches no request (every POST would be 401) yet passes for "a token
+        // is set": an unset variable or secret reference, not a choice. Only a set value is
+        // checked here; a token file is read again on every request, for rotation.
+        if let Some(Secret::Value(v)) = &token
+            && v.trim().is_empty()
+        {
+            return Err(self.err(
+                "server.token",
+                "is empty; give the bearer token, set server.token_file, or remove the key \
+                 (without a token, serve listens on loopback only)",
+            ));
+        }
+        Ok(ServerConfig { listen, token, tls })
     }
 
     /// Every key parsed and every key file read once, so a typo stops the start and not the

@@ -9,7 +9,12 @@
 //!   there, as seed 001 says, so the destination is not left without data; writes the source
 //!   acknowledged after its newest snapshot are then not in the copy, and the log says so.
 //! - **Selection**: [`plan::select`] (all, newest N full snapshots, younger than an age; the
-//!   final snapshot and its deltas always).
+//!   final snapshot and its deltas always). Objects of the source whose names are not snapshot
+//!   names are named in a warning and the report, and not copied.
+//! - **Gaps**: when the deltas after the newest selected full snapshot have a revision gap
+//!   ([`layout::first_gap`], the rule `restore` applies), every selected snapshot is still
+//!   copied (the destination loses nothing the source has), then the job fails naming the gap:
+//!   a destination whose restore would fail must not be reported as done.
 //! - **Streaming**: each object flows from the source's GET into the destination's upload; a tee
 //!   feeds the same bytes to a decoder that checks the payload's trailing SHA-256 (etcd's for a
 //!   full snapshot, the writer's for a delta) and holds the last chunk back until the check has
@@ -44,7 +49,7 @@ use crate::config::{Config, CopyConfig, ProcessEnv, StoreConfig};
 use crate::snapshot::full::verify_sha256;
 use crate::store::compression::ByteStream;
 use crate::store::location::StoreLocation;
-use crate::store::{Codec, Snapshot, SnapshotStore, StoreError, encryption};
+use crate::store::{Codec, Snapshot, SnapshotStore, StoreError, encryption, layout};
 
 pub use plan::{Listed, Selection};
 use progress::{Bar, Progress};
@@ -85,6 +90,20 @@ pub enum CopyError {
         /// Each failed snapshot's source name and why.
         failures: Vec<(String, ObjectError)>,
     },
+    /// Every selected snapshot is at the destination, but the latest chain among them has a
+    /// revision gap: a restore there fails, so the job does not report success.
+    #[error(
+        "every selected snapshot is at the destination ({copied} copied now, {skipped} already \
+         there), but the destination cannot be restored: {gap}"
+    )]
+    Unrestorable {
+        /// Snapshots copied now.
+        copied: usize,
+        /// Snapshots already at the destination.
+        skipped: usize,
+        /// Where the chain breaks.
+        gap: layout::Gap,
+    },
 }
 
 /// Why one snapshot was not copied; nothing is stored for it at the destination.
@@ -117,6 +136,8 @@ pub struct Report {
     pub bytes: u64,
     /// The final snapshot found in the source, if any.
     pub final_snapshot: Option<String>,
+    /// Objects in the source whose names are not snapshot names (not copied).
+    pub unrecognised: Vec<String>,
 }
 
 /// The two stores of a copy.
@@ -196,9 +217,28 @@ pub async fn run(stores: &Stores, config: &CopyConfig) -> Result<Report, CopyErr
         None
     };
 
-    let listed = list_sized(&stores.source)
+    let listing = stores
+        .source
+        .listing()
         .await
         .map_err(store_error("source", &stores.source))?;
+    let unrecognised: Vec<String> = listing
+        .unrecognised
+        .iter()
+        .map(|u| u.name.clone())
+        .collect();
+    if !unrecognised.is_empty() {
+        // A damaged name may be a snapshot the destination needed.
+        tracing::warn!(
+            objects = %unrecognised.join(", "),
+            "objects in the source whose names are not snapshot names are not copied"
+        );
+    }
+    let listed: Vec<Listed> = listing
+        .snapshots
+        .into_iter()
+        .map(|(snapshot, size)| Listed { snapshot, size })
+        .collect();
     let snapshots: Vec<Snapshot> = listed.iter().map(|l| l.snapshot.clone()).collect();
     let selection = Selection {
         max_backups: config.max_backups,
@@ -217,6 +257,15 @@ pub async fn run(stores: &Stores, config: &CopyConfig) -> Result<Report, CopyErr
         })
         .collect();
     let total = selected.len();
+    let chosen: Vec<Snapshot> = selected.iter().map(|l| l.snapshot.clone()).collect();
+    let gap = layout::first_gap(&layout::latest_chain(&chosen));
+    if let Some(gap) = &gap {
+        tracing::error!(
+            %gap,
+            "copying every selected snapshot anyway, then failing: the destination's latest \
+             chain would not restore"
+        );
+    }
 
     let at_dest: HashMap<String, u64> = list_sized(&stores.dest)
         .await
@@ -298,12 +347,20 @@ pub async fn run(stores: &Stores, config: &CopyConfig) -> Result<Report, CopyErr
         failures.sort_by(|a, b| a.0.cmp(&b.0));
         return Err(CopyError::Incomplete { total, failures });
     }
+    if let Some(gap) = gap {
+        return Err(CopyError::Unrestorable {
+            copied,
+            skipped: skipped.len(),
+            gap,
+        });
+    }
     let report = Report {
         selected: total,
         copied,
         skipped: skipped.len(),
         bytes: progress.bytes.load(Ordering::Relaxed),
         final_snapshot: final_snapshot.map(|s| s.snap_name),
+        unrecognised,
     };
     tracing::info!(
         selected = report.selected,

@@ -31,7 +31,8 @@ pub struct Selection {
 ///
 /// `max_backups` keeps the newest N full snapshots and every delta after the oldest of them;
 /// `max_age` keeps snapshots created at or after `now - max_age`, plus the full snapshot each
-/// kept delta is based on (a delta without its base restores nothing). With both, a snapshot
+/// kept delta is based on and the deltas between them (a delta without its base, or after a
+/// missing one, restores nothing). With both, a snapshot
 /// must pass both. Any full snapshot marked final and the deltas after it are always kept: that
 /// is the data the migration moves.
 pub fn select(sorted: &[Snapshot], selection: Selection, now: DateTime<Utc>) -> Vec<Snapshot> {
@@ -65,7 +66,11 @@ pub fn select(sorted: &[Snapshot], selection: Selection, now: DateTime<Utc>) -> 
             if young[i]
                 && let Some(b) = base[i]
             {
-                needed[b] = true;
+                // The base and every delta between it and this one: an old delta left out
+                // would be a revision gap at the destination, and its restore would fail.
+                for k in &mut needed[b..i] {
+                    *k = true;
+                }
             }
         }
         for (k, needed) in keep.iter_mut().zip(needed) {
@@ -285,6 +290,21 @@ mod tests {
         assert!(kept(&h, 0, Some(1)).is_empty());
         // Both limits apply.
         assert_eq!(kept(&h, 1, Some(9500)), vec![30, 32]);
+    }
+
+    #[test]
+    fn selection_by_age_keeps_the_deltas_between_a_young_delta_and_its_base() {
+        // F30 at 0 s, d31-32 at 1 h, d33-34 at 5 h: only d33-34 is younger than 5000 s at
+        // t=20000; leaving d31-32 out would leave revisions 31-32 in no copied snapshot.
+        let h = vec![full(30, 0, false), incr(31, 32, 3600), incr(33, 34, 18000)];
+        let selection = Selection {
+            max_backups: 0,
+            max_age: Some(Duration::from_secs(5000)),
+        };
+        let chosen = select(&h, selection, t(20000));
+        assert_eq!(names(&chosen), vec![30, 32, 34]);
+        let chain = crate::store::layout::latest_chain(&chosen);
+        assert_eq!(crate::store::layout::first_gap(&chain), None);
     }
 
     #[test]

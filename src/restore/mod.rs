@@ -321,13 +321,26 @@ pub async fn restore(
     if is_non_empty_dir(target)? && !opts.force {
         return Err(RestoreError::TargetNotEmpty(target.display().to_string()));
     }
-    let list = store
-        .list()
+    let listing = store
+        .listing()
         .await
         .map_err(RestoreError::Store)
         .step("listing the store")?;
+    if !listing.unrecognised.is_empty() {
+        // A damaged name may be the snapshot this restore should have used.
+        tracing::warn!(
+            objects = %listing.unrecognised_names().join(", "),
+            "objects in the store whose names are not snapshot names are not restored"
+        );
+    }
+    let list = listing.snapshots();
     let store_revision = list.iter().map(|s| s.last_revision).max().unwrap_or(0);
     let mut chain = layout::latest_chain(&list);
+    // The deltas' events are checked again as they are written; this fails before anything
+    // is fetched, with the message `verify` and `copy` give.
+    if let Some(gap) = layout::first_gap(&chain) {
+        return Err(RestoreError::Deltas(gap.to_string())).step("checking the chain");
+    }
     let mut skipped: Vec<Skipped> = Vec::new();
     let mut tools: Option<EtcdTools> = None;
     loop {

@@ -297,6 +297,80 @@ pub fn latest_chain(sorted: &[Snapshot]) -> Chain {
     }
 }
 
+/// How a delta follows a chain that reaches revision `reach` (its full snapshot's, then each
+/// delta's last revision): the one rule [`fallback_chain`], [`first_gap`] and through it
+/// `verify`, `copy` and `restore` apply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Link {
+    /// It ends at or before `reach`: it adds nothing (passed over).
+    Covered,
+    /// It starts at `reach + 1`.
+    Continues,
+    /// It starts at or before `reach` and ends after it (events the chain already has).
+    Overlaps,
+    /// It starts after `reach + 1`: the revisions in between are in no snapshot of the chain.
+    Gap,
+}
+
+/// How `delta` follows a chain that reaches revision `reach`.
+pub fn link(reach: i64, delta: &Snapshot) -> Link {
+    if delta.last_revision <= reach {
+        Link::Covered
+    } else if delta.start_revision == reach + 1 {
+        Link::Continues
+    } else if delta.start_revision <= reach {
+        Link::Overlaps
+    } else {
+        Link::Gap
+    }
+}
+
+/// Revisions no snapshot of a chain holds: a delta is lost (or was never written), and a
+/// restore of the chain fails there.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "revision gap in the latest chain: revisions {first} to {last} are in no snapshot \
+     ({after} ends at {}, the next delta {delta} starts at {}); a delta is lost, and a restore \
+     of this chain fails",
+    first - 1,
+    last + 1
+)]
+pub struct Gap {
+    /// The snapshot the chain reaches `first - 1` with.
+    pub after: String,
+    /// The delta that starts at `last + 1`.
+    pub delta: String,
+    /// The first missing revision.
+    pub first: i64,
+    /// The last missing revision.
+    pub last: i64,
+}
+
+/// The first revision gap between `chain`'s full snapshot and its deltas, by their names
+/// (every delta starts where the previous snapshot ended, + 1). `None` without a full snapshot:
+/// there is nothing to restore then, and that is reported as such.
+pub fn first_gap(chain: &Chain) -> Option<Gap> {
+    let full = chain.full_snapshot.as_ref()?;
+    let (mut reach, mut after) = (full.last_revision, full);
+    for d in &chain.delta_snapshots {
+        match link(reach, d) {
+            Link::Covered => continue,
+            Link::Continues | Link::Overlaps => {}
+            Link::Gap => {
+                return Some(Gap {
+                    after: after.snap_name.clone(),
+                    delta: d.snap_name.clone(),
+                    first: reach + 1,
+                    last: d.start_revision - 1,
+                });
+            }
+        }
+        reach = d.last_revision;
+        after = d;
+    }
+    None
+}
+
 /// The chain to restore when the full snapshots named in `skipped` failed verification: the
 /// latest other full snapshot and the deltas after it, as far as each continues the previous
 /// one exactly (a delta wholly covered is passed over; a gap or an overlap ends the chain).
@@ -316,11 +390,10 @@ pub fn fallback_chain(sorted: &[Snapshot], skipped: &[String]) -> Chain {
     let mut reach = full.last_revision;
     let mut deltas = Vec::new();
     for d in sorted[base + 1..].iter().filter(|s| s.kind == Kind::Incr) {
-        if d.last_revision <= reach {
-            continue;
-        }
-        if d.start_revision != reach + 1 {
-            break;
+        match link(reach, d) {
+            Link::Covered => continue,
+            Link::Continues => {}
+            Link::Overlaps | Link::Gap => break,
         }
         reach = d.last_revision;
         deltas.push(d.clone());
@@ -536,6 +609,55 @@ mod tests {
             .map(|s| s.snap_name.clone())
             .collect();
         assert_eq!(names(&fallback_chain(&w, &all)), (None, vec![]));
+    }
+
+    #[test]
+    fn the_first_gap_is_named_by_the_snapshots_around_it() {
+        let full = |last, t| Snapshot::new("", Kind::Full, 0, last, at(t), Codec::Gzip, false);
+        let incr = |s, last, t| Snapshot::new("", Kind::Incr, s, last, at(t), Codec::Gzip, false);
+        let chain = |v: Vec<Snapshot>| {
+            let mut v = v;
+            sort(&mut v);
+            latest_chain(&v)
+        };
+        // Continuous, with a delta covered by the full snapshot and one overlapping it.
+        let ok = chain(vec![
+            full(10, 1),
+            incr(11, 20, 2),
+            full(30, 3),
+            incr(21, 25, 2),
+            incr(21, 35, 4),
+            incr(36, 40, 5),
+        ]);
+        assert_eq!(first_gap(&ok), None, "{ok:?}");
+        // A gap before the full snapshot does not matter: the latest chain starts there.
+        let before = chain(vec![full(10, 1), incr(15, 20, 2), full(30, 3)]);
+        assert_eq!(first_gap(&before), None);
+        // Delta 41-50 is lost.
+        let lost = chain(vec![
+            full(30, 3),
+            incr(31, 40, 4),
+            incr(51, 60, 5),
+            incr(61, 70, 6),
+        ]);
+        let gap = first_gap(&lost).unwrap();
+        assert_eq!((gap.first, gap.last), (41, 50));
+        assert_eq!(gap.after, "Incr-00000031-00000040-4.gz");
+        assert_eq!(gap.delta, "Incr-00000051-00000060-5.gz");
+        let msg = gap.to_string();
+        assert!(
+            msg.contains("revisions 41 to 50 are in no snapshot")
+                && msg.contains("Incr-00000031-00000040-4.gz ends at 40")
+                && msg.contains("Incr-00000051-00000060-5.gz starts at 51"),
+            "{msg}"
+        );
+        // Right after the full snapshot.
+        let first = chain(vec![full(30, 3), incr(32, 40, 4)]);
+        let gap = first_gap(&first).unwrap();
+        assert_eq!((gap.first, gap.last), (31, 31));
+        assert_eq!(gap.after, "Full-00000000-00000030-3.gz");
+        // No full snapshot: nothing to restore, no gap to name.
+        assert_eq!(first_gap(&chain(vec![incr(5, 9, 1)])), None);
     }
 
     #[test]

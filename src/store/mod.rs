@@ -314,6 +314,42 @@ fn provider_env(
     out.into_iter().collect()
 }
 
+/// What [`SnapshotStore::listing`] found under `<prefix>/v2/`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Listing {
+    /// The snapshots and their stored sizes, oldest first.
+    pub snapshots: Vec<(Snapshot, u64)>,
+    /// The objects whose names are not snapshot names, by key.
+    pub unrecognised: Vec<Unrecognised>,
+}
+
+impl Listing {
+    /// The snapshots without their sizes.
+    pub fn snapshots(&self) -> Vec<Snapshot> {
+        self.snapshots.iter().map(|(s, _)| s.clone()).collect()
+    }
+
+    /// The unrecognised objects' names (under `<prefix>/v2/`), for a message.
+    pub fn unrecognised_names(&self) -> Vec<&str> {
+        self.unrecognised.iter().map(|u| u.name.as_str()).collect()
+    }
+}
+
+/// An object under `<prefix>/v2/` whose name is not a snapshot name: nothing restores, copies,
+/// retains or deletes it. `ls --json` shows it with `kind` `"Unrecognised"`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase", tag = "kind", rename = "Unrecognised")]
+pub struct Unrecognised {
+    /// The object's key.
+    pub key: String,
+    /// Its name under `<prefix>/v2/` (`Full-xyz`, or `<name>/<chunk>` for a chunk object).
+    pub name: String,
+    /// Its stored size in bytes.
+    pub size: u64,
+    /// Why the name is not a snapshot name.
+    pub reason: String,
+}
+
 /// Snapshots in a store, in the etcd-backup-restore `v2` layout.
 #[derive(Clone, Debug)]
 pub struct SnapshotStore {
@@ -575,12 +611,28 @@ impl SnapshotStore {
             .collect())
     }
 
-    /// Every snapshot with its stored size, sorted as [`SnapshotStore::list`] sorts.
+    /// Every snapshot with its stored size, sorted as [`SnapshotStore::list`] sorts. Objects
+    /// under `<prefix>/v2/` that are not snapshots are logged at debug level only: retention
+    /// lists every minute, and a README or another tool's chunk objects would otherwise repeat
+    /// in the log forever. [`SnapshotStore::listing`] reports them.
     pub async fn list_sized(&self) -> Result<Vec<(Snapshot, u64)>, StoreError> {
+        let listing = self.listing().await?;
+        for u in &listing.unrecognised {
+            tracing::debug!(key = %u.key, reason = %u.reason, "not a snapshot, ignored");
+        }
+        Ok(listing.snapshots)
+    }
+
+    /// Every object under `<prefix>/v2/`: the snapshots with their sizes, sorted as
+    /// [`SnapshotStore::list`] sorts, and the objects whose names are not snapshot names, by
+    /// key. What an operator's command shows (`ls`, `verify`, `restore`, `copy`): a name that
+    /// does not parse may be a snapshot damaged by hand or by another tool, and nothing
+    /// restores, copies or retains it.
+    pub async fn listing(&self) -> Result<Listing, StoreError> {
         let dir = layout::version_prefix(&self.prefix);
         let listing = Path::from(dir.trim_end_matches('/'));
         let mut objects = self.store.list(Some(&listing));
-        let mut out = Vec::new();
+        let mut out = Listing::default();
         while let Some(meta) = objects.next().await {
             let meta = meta?;
             let key = meta.location.as_ref();
@@ -589,13 +641,17 @@ impl SnapshotStore {
                 continue;
             };
             match Snapshot::parse_name(&self.prefix, name) {
-                Ok(s) => out.push((s, meta.size)),
-                // Debug level: retention lists every minute, and a README or another tool's
-                // chunk objects would otherwise repeat in the log forever.
-                Err(e) => tracing::debug!(key, reason = %e.reason, "not a snapshot, ignored"),
+                Ok(s) => out.snapshots.push((s, meta.size)),
+                Err(e) => out.unrecognised.push(Unrecognised {
+                    key: key.to_string(),
+                    name: name.to_string(),
+                    size: meta.size,
+                    reason: e.reason,
+                }),
             }
         }
-        out.sort_by(|a, b| layout::compare(&a.0, &b.0));
+        out.snapshots.sort_by(|a, b| layout::compare(&a.0, &b.0));
+        out.unrecognised.sort_by(|a, b| a.key.cmp(&b.key));
         Ok(out)
     }
 

@@ -23,6 +23,7 @@ pub mod rbac;
 pub mod s3;
 pub mod schedule;
 pub mod service;
+pub mod stored;
 pub mod tls;
 pub mod warden;
 pub mod writer;
