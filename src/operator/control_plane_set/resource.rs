@@ -96,6 +96,7 @@ pub struct ControlPlaneSetSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure_domains: Option<FailureDomains>,
     /// Selects the Machines of the set; must match the template's labels. Immutable.
+    #[schemars(schema_with = "bounded_selector")]
     #[x_kube(validation = Rule::new("self == oldSelf").message("spec.selector is immutable"))]
     pub selector: LabelSelector,
     /// What new Machines are made from.
@@ -104,6 +105,83 @@ pub struct ControlPlaneSetSpec {
 
 fn default_replicas() -> i32 {
     3
+}
+
+/// Longest label value Kubernetes accepts.
+pub const LABEL_VALUE_MAX: u32 = 63;
+/// Longest label key Kubernetes accepts: a DNS-subdomain prefix (253), `/`, a name (63).
+pub const LABEL_KEY_MAX: u32 = 253 + 1 + 63;
+/// Most labels in `spec.selector.matchLabels`.
+pub const SELECTOR_LABELS_MAX: u32 = 32;
+/// Most requirements in `spec.selector.matchExpressions`.
+pub const SELECTOR_EXPRESSIONS_MAX: u32 = 32;
+/// Most values in one `matchExpressions` requirement.
+pub const SELECTOR_VALUES_MAX: u32 = 64;
+/// Most labels in `spec.template.metadata.labels`.
+pub const TEMPLATE_LABELS_MAX: u32 = 64;
+
+// A real API server estimates the cost of every CEL rule from the schema it reaches and refuses
+// the CRD when the worst case is over budget: an unbounded list, map or string counts as large
+// as a request can make it (3 MiB). So every list, map and string a rule reaches is bounded
+// here, by Kubernetes' own limits where it has one (label keys and values); tests/manifests.rs
+// walks the generated schema and fails on a rule that reaches an unbounded field.
+
+/// A map of label values (keys cannot carry a `maxLength` in a structural schema; the map's
+/// `maxProperties` bounds them for the cost estimate, the API server bounds them on Machines).
+fn label_map(max: u32) -> schemars::Schema {
+    json_schema!({
+        "type": "object",
+        "maxProperties": max,
+        "additionalProperties": {"type": "string", "maxLength": LABEL_VALUE_MAX},
+    })
+}
+
+/// `spec.template.metadata.labels`.
+fn template_labels(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    label_map(TEMPLATE_LABELS_MAX)
+}
+
+/// metav1.LabelSelector with every list, map and string bounded (see above).
+fn bounded_selector(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    let mut match_labels = label_map(SELECTOR_LABELS_MAX);
+    match_labels.insert(
+        "description".into(),
+        json!("matchLabels is a map of {key,value} pairs, ANDed, each equivalent to a matchExpressions requirement with operator In and that one value."),
+    );
+    json_schema!({
+        "type": "object",
+        "properties": {
+            "matchLabels": match_labels,
+            "matchExpressions": {
+                "description": "matchExpressions is a list of label selector requirements. The requirements are ANDed.",
+                "type": "array",
+                "maxItems": SELECTOR_EXPRESSIONS_MAX,
+                "items": {
+                    "description": "A label selector requirement: a key, an operator and values.",
+                    "type": "object",
+                    "required": ["key", "operator"],
+                    "properties": {
+                        "key": {
+                            "description": "key is the label key that the selector applies to.",
+                            "type": "string",
+                            "maxLength": LABEL_KEY_MAX,
+                        },
+                        "operator": {
+                            "description": "operator is In, NotIn, Exists or DoesNotExist.",
+                            "type": "string",
+                            "enum": ["In", "NotIn", "Exists", "DoesNotExist"],
+                        },
+                        "values": {
+                            "description": "values: non-empty for In and NotIn, empty for Exists and DoesNotExist.",
+                            "type": "array",
+                            "maxItems": SELECTOR_VALUES_MAX,
+                            "items": {"type": "string", "maxLength": LABEL_VALUE_MAX},
+                        },
+                    },
+                },
+            },
+        },
+    })
 }
 
 /// An integer enum keeps its `type` (a structural schema needs one on every field).
@@ -173,6 +251,7 @@ pub struct MachineTemplate {
 pub struct TemplateMetadata {
     /// Labels of new Machines (the selector must match them).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(schema_with = "template_labels")]
     pub labels: BTreeMap<String, String>,
     /// Annotations of new Machines.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
