@@ -376,6 +376,10 @@ pub async fn run_serving(
             Arc::clone(&operator),
             acting.clone(),
             child.clone(),
+            {
+                let health = health.clone();
+                move |detail: Option<&str>| health.detail("control-plane-set", detail)
+            },
         ),
     );
     let wake = Arc::new(Notify::new());
