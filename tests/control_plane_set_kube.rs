@@ -841,7 +841,8 @@ async fn a_control_plane_node_without_a_machine_stops_every_change() {
         ("cp-0", "master"),
         ("cp-1", "master"),
         ("cp-2", "master"),
-        ("stray", "master"),
+        // The deprecated label and its successor both make a control-plane Node.
+        ("stray", "control-plane"),
         ("worker-0", "worker"),
     ] {
         let node: Node = serde_json::from_value(json!({

@@ -258,19 +258,27 @@ impl KubeSetMachines {
     }
 }
 
-/// The label every control-plane Node carries (OpenShift sets both this and
-/// `node-role.kubernetes.io/control-plane`).
-pub const CONTROL_PLANE_NODES: &str = "node-role.kubernetes.io/master";
+/// The labels a control-plane Node carries: `control-plane`, and the deprecated `master` that
+/// older clusters (and OpenShift, beside the other) still set; a Node with either counts.
+pub const CONTROL_PLANE_NODES: [&str; 2] = [
+    "node-role.kubernetes.io/control-plane",
+    "node-role.kubernetes.io/master",
+];
 
 #[async_trait]
 impl SetMachines for KubeSetMachines {
     async fn control_plane_nodes(&self) -> Result<Vec<String>, BackendError> {
-        let list = self
-            .nodes
-            .list(&ListParams::default().labels(CONTROL_PLANE_NODES))
-            .await
-            .map_err(|e| backend_error("listing the control-plane nodes", e))?;
-        Ok(list.items.iter().map(|n| n.name_any()).collect())
+        // A label selector cannot say "either": one list per label, merged.
+        let mut names = std::collections::BTreeSet::new();
+        for label in CONTROL_PLANE_NODES {
+            let list = self
+                .nodes
+                .list(&ListParams::default().labels(label))
+                .await
+                .map_err(|e| backend_error("listing the control-plane nodes", e))?;
+            names.extend(list.items.iter().map(|n| n.name_any()));
+        }
+        Ok(names.into_iter().collect())
     }
 
     async fn list_set(&self) -> Result<Vec<SetMachine>, BackendError> {
