@@ -242,6 +242,7 @@ impl World {
     async fn create_set_of(&self, name: &str, domains: Option<&[&str]>, replicas: i32) {
         let labels = BTreeMap::from([(ROLE_LABEL.to_owned(), "master".to_owned())]);
         let spec = ControlPlaneSetSpec {
+            state: Default::default(),
             replicas,
             strategy: UpdateStrategy::default(),
             failure_domains: domains.map(|d| FailureDomains {
@@ -1001,4 +1002,130 @@ async fn without_the_crd_the_set_waits_quietly_and_starts_when_it_appears() {
         body.starts_with("ok: ") && !body.contains(WAITING_FOR_TYPE),
         "{body}"
     );
+}
+
+/// An Inactive set observes and reports (counts, conditions, what it would do) but never
+/// creates, deletes or patches a Machine, adoption included; set Active, it acts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inactive_set_reports_but_never_touches_a_machine_until_activated() {
+    let w = World::build(&[]).await;
+    w.create_set("cluster", None).await;
+    w.patch_set(json!({
+        "state": "Inactive",
+        "template": {"spec": {"providerSpec": {"value": {"instanceType": "big"}}}},
+    }))
+    .await;
+    w.run_operator();
+    let status = w
+        .status_until("the inactive set reported", Duration::from_secs(30), |s| {
+            condition(s, "Progressing").1 == "Inactive" && s["replicas"] == 3
+        })
+        .await;
+    let message = condition(&status, "Progressing").2;
+    assert!(message.contains("would"), "{message}");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let ms = w.machines().await;
+    let names: Vec<String> = ms.iter().map(|m| m.name_any()).collect();
+    assert_eq!(
+        names,
+        ["cp-0", "cp-1", "cp-2"],
+        "nothing created or deleted"
+    );
+    assert!(
+        ms.iter().all(|m| !m.labels().contains_key(SET_LABEL)),
+        "nothing adopted"
+    );
+    // (The quorum operator patches its deletion hooks onto the Machines; the set's only patch
+    // is the adoption, which the label would show.)
+    let machine_writes: Vec<String> = w
+        .server
+        .requests_of(support::rbac::OPERATOR)
+        .into_iter()
+        .filter(|r| r.contains("/machines") && (r.starts_with("POST ") || r.starts_with("DELETE ")))
+        .collect();
+    assert!(machine_writes.is_empty(), "{machine_writes:#?}");
+    assert!(w.set_events().await.is_empty());
+    // Activated: it adopts and rolls.
+    w.patch_set(json!({"state": "Active"})).await;
+    eventually("the roll to start", Duration::from_secs(30), async || {
+        w.machines()
+            .await
+            .iter()
+            .any(|m| m.name_any().starts_with("cluster-control-plane-"))
+            .then_some(())
+    })
+    .await;
+}
+
+/// `etcd-warden-operator generate-controlplaneset`, pointed at the double by a kubeconfig,
+/// prints an Inactive set drawn from the Machines: their provider spec without the zone, their
+/// zones as failure domains; the controller accepts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generate_controlplaneset_prints_an_inactive_set_from_the_machines() {
+    let server = ApiServer::start().await;
+    let raw = machine_api::machines(server.client(), MACHINES_NS);
+    for (i, zone) in ["us-east-1b", "us-east-1a", "us-east-1c"]
+        .iter()
+        .enumerate()
+    {
+        let name = format!("cp-{i}");
+        create_machine(&raw, &name, "master", None).await;
+        let p = json!({"spec": {"providerSpec": {"value": {
+            "kind": "AWSMachineProviderConfig", "instanceType": "m6i.xlarge",
+            "placement": {"region": "us-east-1", "availabilityZone": zone},
+        }}}});
+        raw.patch(&name, &PatchParams::default(), &Patch::Merge(&p))
+            .await
+            .unwrap();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    server.write_kubeconfig(&kubeconfig, MACHINES_NS);
+    let bin = env!("CARGO_BIN_EXE_etcd-warden-operator");
+    let out = tokio::process::Command::new(bin)
+        .arg("generate-controlplaneset")
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .arg("--selector")
+        .arg(format!("{ROLE_LABEL}=master"))
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let set: Value = serde_yaml::from_slice(&out.stdout).unwrap();
+    assert_eq!(set["kind"], "ControlPlaneSet");
+    assert_eq!(set["metadata"]["name"], "cluster");
+    assert_eq!(set["metadata"]["namespace"], MACHINES_NS);
+    assert_eq!(set["spec"]["state"], "Inactive");
+    assert_eq!(set["spec"]["replicas"], 3);
+    assert_eq!(
+        set["spec"]["failureDomains"],
+        json!({"platform": "AWS", "domains": ["us-east-1a", "us-east-1b", "us-east-1c"]})
+    );
+    let value = &set["spec"]["template"]["spec"]["providerSpec"]["value"];
+    assert_eq!(value["placement"], json!({"region": "us-east-1"}));
+    assert_eq!(value["instanceType"], "m6i.xlarge");
+    assert_eq!(
+        set["spec"]["template"]["metadata"]["labels"][ROLE_LABEL],
+        "master"
+    );
+    let v = etcd_warden::operator::control_plane_set::resource::validate(&set, None)
+        .expect("the controller accepts the generated set");
+    assert!(!v.active);
+    // Fewer than three Machines: refused, naming why.
+    raw.delete("cp-2", &DeleteParams::default()).await.unwrap();
+    let p = json!({"metadata": {"finalizers": null}});
+    let _ = raw
+        .patch("cp-2", &PatchParams::default(), &Patch::Merge(&p))
+        .await;
+    let out = tokio::process::Command::new(bin)
+        .args(["generate-controlplaneset", "--kubeconfig"])
+        .arg(&kubeconfig)
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("2 control-plane Machines"), "{stderr}");
 }

@@ -494,7 +494,13 @@ impl<Q: Machines> Parts<Q> {
             Arc::new(backend),
             Arc::clone(&self.operator),
         );
-        let plan = match controller.step().await {
+        // Inactive: observed and reported, never acted on (no adoption either: that patches).
+        let stepped = if valid.active {
+            controller.step().await
+        } else {
+            controller.observe().await.map(inactive)
+        };
+        let plan = match stepped {
             Ok(p) => p,
             // Refused for good (a Machine another controller owns, a Machine the API server
             // will not take): an administrator's matter, so a condition says it, not only a log.
@@ -689,6 +695,29 @@ impl<Q: Machines> Parts<Q> {
             warn!(reason, error = %e, "publishing an event");
         }
     }
+}
+
+/// An Inactive set's plan: its actions are only reported, in a `Progressing=False, Inactive`
+/// condition saying what an Active set would do; nothing is acted on or published.
+fn inactive(mut plan: Plan) -> Plan {
+    let would: Vec<String> = plan.actions.iter().map(ToString::to_string).collect();
+    let message = if would.is_empty() {
+        "spec.state is Inactive: the Machines are as the set would keep them".to_owned()
+    } else {
+        format!(
+            "spec.state is Inactive; when Active the set would: {}",
+            would.join("; ")
+        )
+    };
+    plan.conditions.retain(|c| c.kind != "Progressing");
+    plan.conditions.push(super::Condition {
+        kind: "Progressing",
+        status: false,
+        reason: "Inactive",
+        message,
+    });
+    plan.actions.clear();
+    plan
 }
 
 /// The set's status as read (an unreadable one counts as empty and is rewritten).

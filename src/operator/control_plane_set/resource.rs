@@ -23,6 +23,7 @@
 //! kind: ControlPlaneSet
 //! metadata: {name: cluster, namespace: openshift-machine-api}
 //! spec:
+//!   state: Active                     # or Inactive (observes, never acts); Inactive → Active only
 //!   replicas: 3                       # 3 or 5, immutable
 //!   strategy: {type: RollingUpdate}   # or Recreate, OnDelete
 //!   failureDomains:
@@ -84,6 +85,11 @@ pub const FINALIZER: &str = "etcd-warden.io/orphan-machines";
 ).message("spec.selector: must match spec.template.metadata.labels"))]
 #[serde(rename_all = "camelCase")]
 pub struct ControlPlaneSetSpec {
+    /// `Active` (default) acts on the Machines; `Inactive` observes and reports status but
+    /// never creates, deletes or patches a Machine. Inactive → Active only.
+    #[serde(default)]
+    #[x_kube(validation = Rule::new("self == oldSelf || self == 'Active'").message("spec.state: an Active set cannot go back to Inactive"))]
+    pub state: State,
     /// Control-plane Machines: 3 or 5. Immutable.
     #[serde(default = "default_replicas")]
     #[schemars(schema_with = "three_or_five")]
@@ -187,6 +193,22 @@ fn bounded_selector(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
 /// An integer enum keeps its `type` (a structural schema needs one on every field).
 fn three_or_five(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
     json_schema!({"type": "integer", "format": "int32", "enum": [3, 5]})
+}
+
+/// `spec.state`. Absent means `Active`: a set created before the field existed was acting and
+/// keeps acting (a default of `Inactive` would stop it on upgrade, and the transition rule
+/// would then forbid nothing but let it be re-activated by hand); a set to review before it
+/// acts is written `Inactive` explicitly, as `etcd-warden-operator generate-controlplaneset`
+/// does (OpenShift's control-plane machine set generates its sets `Inactive` the same way).
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, schemars::JsonSchema,
+)]
+pub enum State {
+    /// Acts on the Machines.
+    #[default]
+    Active,
+    /// Observes and reports only.
+    Inactive,
 }
 
 /// `spec.strategy`.
@@ -313,6 +335,9 @@ pub struct AcceptedSpec {
     pub replicas: i32,
     /// `spec.selector`.
     pub selector: LabelSelector,
+    /// `spec.state` as last accepted (absent: before the field existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<State>,
 }
 
 /// A spec the controller refuses: the field and why.
@@ -386,6 +411,8 @@ pub struct Valid {
     pub accepted: AcceptedSpec,
     /// Labels and annotations of new Machines.
     pub metadata: TemplateMetadata,
+    /// Whether the set acts (`spec.state: Active`).
+    pub active: bool,
 }
 
 /// Checks a set as read (raw JSON, so a bad enum is reported with its path rather than failing
@@ -430,6 +457,12 @@ pub fn validate(raw: &Value, accepted: Option<&AcceptedSpec>) -> Result<Valid, I
                     "is immutable: accepted {}, now {}",
                     a.replicas, spec.replicas
                 ),
+            ));
+        }
+        if a.state == Some(State::Active) && spec.state == State::Inactive {
+            return Err(invalid(
+                "spec.state",
+                "an Active set cannot go back to Inactive (delete it and create an Inactive one)",
             ));
         }
         if a.selector != spec.selector {
@@ -496,8 +529,10 @@ pub fn validate(raw: &Value, accepted: Option<&AcceptedSpec>) -> Result<Valid, I
         accepted: AcceptedSpec {
             replicas: spec.replicas,
             selector: spec.selector,
+            state: Some(spec.state),
         },
         metadata: spec.template.metadata,
+        active: spec.state == State::Active,
     })
 }
 
@@ -727,6 +762,32 @@ mod tests {
         assert_eq!(validate(&r, None).unwrap_err().field, "spec.selector");
         r["spec"]["selector"] = json!({});
         assert_eq!(validate(&r, None).unwrap_err().field, "spec.selector");
+    }
+
+    #[test]
+    fn state_defaults_to_active_and_goes_from_inactive_to_active_only() {
+        let v = validate(&raw(NAME), None).unwrap();
+        assert!(v.active, "absent: Active");
+        let mut r = raw(NAME);
+        r["spec"]["state"] = json!("Inactive");
+        let inactive = validate(&r, None).unwrap();
+        assert!(!inactive.active);
+        r["spec"]["state"] = json!("Active");
+        let active = validate(&r, Some(&inactive.accepted)).unwrap();
+        assert!(active.active);
+        r["spec"]["state"] = json!("Inactive");
+        let e = validate(&r, Some(&active.accepted)).unwrap_err();
+        assert_eq!(e.field, "spec.state");
+        r["spec"]["state"] = json!("Paused");
+        assert_eq!(validate(&r, None).unwrap_err().field, "spec.state");
+        let crd = serde_json::to_value(ControlPlaneSet::crd()).unwrap();
+        let state = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+            ["properties"]["state"];
+        assert_eq!(state["enum"], json!(["Active", "Inactive"]));
+        assert_eq!(
+            state["x-kubernetes-validations"][0]["rule"],
+            "self == oldSelf || self == 'Active'"
+        );
     }
 
     #[test]
