@@ -465,3 +465,206 @@ async fn a_kubeconfig_names_the_double() {
             .is_some()
     );
 }
+
+fn owned_cm(name: &str, owners: &[(&str, &str, bool)], finalizers: &[&str]) -> ConfigMap {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+    ConfigMap {
+        metadata: kube::api::ObjectMeta {
+            name: Some(name.into()),
+            finalizers: Some(finalizers.iter().map(|f| f.to_string()).collect()),
+            owner_references: Some(
+                owners
+                    .iter()
+                    .map(|(n, uid, block)| OwnerReference {
+                        api_version: "v1".into(),
+                        kind: "ConfigMap".into(),
+                        name: n.to_string(),
+                        uid: uid.to_string(),
+                        controller: Some(true),
+                        block_owner_deletion: Some(*block),
+                    })
+                    .collect(),
+            ),
+            ..Default::default()
+        },
+        ..Default::default()
+    }
+}
+
+/// kube-controller-manager's garbage collector, as the double plays it: orphan takes the owner
+/// references off, background deletes dependents once the owner is gone, foreground deletes
+/// them first and keeps the owner until no blocking dependent is left, and a dependent with
+/// another live owner only loses its reference.
+#[tokio::test]
+async fn the_garbage_collector_honours_the_propagation_policy() {
+    let server = ApiServer::start().await;
+    server.collect_garbage();
+    let api: Api<ConfigMap> = Api::namespaced(server.client(), "default");
+    let pp = PostParams::default();
+    let make = async |name: &str| {
+        api.create(&pp, &cm(name, &[]))
+            .await
+            .unwrap()
+            .metadata
+            .uid
+            .unwrap()
+    };
+    let exists = async |name: &str| api.get_opt(name).await.unwrap();
+
+    // Orphan.
+    let u = make("o1").await;
+    api.create(&pp, &owned_cm("d1", &[("o1", &u, true)], &[]))
+        .await
+        .unwrap();
+    api.delete("o1", &DeleteParams::orphan()).await.unwrap();
+    assert!(exists("o1").await.is_none());
+    let d1 = exists("d1").await.expect("d1 orphaned, not deleted");
+    assert!(d1.metadata.owner_references.unwrap_or_default().is_empty());
+
+    // Background (the default).
+    let u = make("o2").await;
+    api.create(&pp, &owned_cm("d2", &[("o2", &u, false)], &[]))
+        .await
+        .unwrap();
+    api.delete("o2", &DeleteParams::default()).await.unwrap();
+    assert!(exists("o2").await.is_none() && exists("d2").await.is_none());
+
+    // Foreground: the dependent is deleted first; the owner waits while it is held.
+    let u = make("o3").await;
+    api.create(&pp, &owned_cm("d3", &[("o3", &u, true)], &["hold"]))
+        .await
+        .unwrap();
+    api.delete("o3", &DeleteParams::foreground()).await.unwrap();
+    let o3 = exists("o3").await.expect("the owner waits");
+    assert!(o3.metadata.deletion_timestamp.is_some());
+    assert_eq!(o3.metadata.finalizers.unwrap(), ["foregroundDeletion"]);
+    assert!(
+        exists("d3")
+            .await
+            .unwrap()
+            .metadata
+            .deletion_timestamp
+            .is_some()
+    );
+    api.patch(
+        "d3",
+        &PatchParams::default(),
+        &Patch::Merge(&json!({"metadata": {"finalizers": null}})),
+    )
+    .await
+    .unwrap();
+    assert!(exists("d3").await.is_none() && exists("o3").await.is_none());
+
+    // Foreground with a second owner alive: the dependent stays, without the reference.
+    let u4 = make("o4").await;
+    let u5 = make("o5").await;
+    api.create(
+        &pp,
+        &owned_cm("d4", &[("o4", &u4, true), ("o5", &u5, false)], &[]),
+    )
+    .await
+    .unwrap();
+    api.delete("o4", &DeleteParams::foreground()).await.unwrap();
+    let d4 = exists("d4").await.expect("kept by its other owner");
+    let refs = d4.metadata.owner_references.unwrap();
+    assert_eq!(refs.len(), 1);
+    assert_eq!(refs[0].uid, u5);
+    assert!(exists("o4").await.is_none());
+    let collected: Vec<String> = server.collected().into_iter().map(|(_, n)| n).collect();
+    assert_eq!(collected, ["d2", "d3"]);
+}
+
+/// OpenShift's `OwnerReferencesPermissionEnforcement` (issue 29: `cannot set blockOwnerDeletion
+/// if an ownerReference refers to a resource you can't set finalizers on`), judged by RBAC.
+#[tokio::test]
+async fn owner_references_need_delete_and_block_owner_deletion_needs_the_owners_finalizers() {
+    let dir = tempfile::tempdir().unwrap();
+    let rbac = |extra: &str| {
+        let path = dir.path().join(format!("rbac{}.yaml", extra.len()));
+        std::fs::write(
+            &path,
+            format!(
+                "apiVersion: rbac.authorization.k8s.io/v1\nkind: Role\nmetadata: {{name: op, namespace: default}}\n\
+                 rules:\n- apiGroups: [machine.openshift.io]\n  resources: [machines]\n  verbs: [get, patch, delete]\n{extra}\
+                 ---\napiVersion: rbac.authorization.k8s.io/v1\nkind: RoleBinding\nmetadata: {{name: op, namespace: default}}\n\
+                 roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: Role, name: op}}\n\
+                 subjects: [{{kind: ServiceAccount, name: op, namespace: default}}]\n"
+            ),
+        )
+        .unwrap();
+        support::rbac::Policy::load(&[&path])
+    };
+    let server = ApiServer::start().await;
+    machines(server.client())
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "apiVersion": "machine.openshift.io/v1beta1", "kind": "Machine",
+                "metadata": {"name": "m1"},
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    let op = machines(server.client_as("op"));
+    let owner = |block: bool| {
+        json!({"metadata": {"ownerReferences": [{
+            "apiVersion": "etcd-warden.io/v1alpha1", "kind": "ControlPlaneSet",
+            "name": "cluster", "uid": "set-uid", "controller": true, "blockOwnerDeletion": block,
+        }]}})
+    };
+    let set = async |p: serde_json::Value| {
+        op.patch("m1", &PatchParams::default(), &Patch::Merge(&p))
+            .await
+    };
+
+    server.enforce_owner_references(rbac(""), &[("op", ("default", "op"))]);
+    let e = api_error(set(owner(true)).await.unwrap_err());
+    assert_eq!((e.code, e.reason.as_str()), (403, "Forbidden"));
+    assert!(
+        e.message.contains(
+            "cannot set blockOwnerDeletion if an ownerReference refers to a resource you can't set finalizers on"
+        ),
+        "{}",
+        e.message
+    );
+    // Without blockOwnerDeletion, `delete` on the Machine is enough.
+    set(owner(false)).await.unwrap();
+    set(json!({"metadata": {"ownerReferences": null}}))
+        .await
+        .unwrap();
+    // With `update` on the owner's finalizers, blocking is allowed too.
+    server.enforce_owner_references(
+        rbac("- apiGroups: [etcd-warden.io]\n  resources: [controlplanesets/finalizers]\n  verbs: [update]\n"),
+        &[("op", ("default", "op"))],
+    );
+    set(owner(true)).await.unwrap();
+    // Without `delete` on the Machine, no owner reference may change at all.
+    let path = dir.path().join("nodelete.yaml");
+    std::fs::write(
+        &path,
+        std::fs::read_to_string(dir.path().join("rbac0.yaml"))
+            .unwrap()
+            .replace("[get, patch, delete]", "[get, patch]"),
+    )
+    .unwrap();
+    server.enforce_owner_references(
+        support::rbac::Policy::load(&[&path]),
+        &[("op", ("default", "op"))],
+    );
+    let e = api_error(set(owner(false)).await.unwrap_err());
+    assert!(
+        e.message
+            .contains("cannot set an ownerRef on a resource you can't delete"),
+        "{}",
+        e.message
+    );
+    // Any other change is not the plugin's business; nor is a user it does not know.
+    set(json!({"metadata": {"labels": {"a": "b"}}}))
+        .await
+        .unwrap();
+    machines(server.client())
+        .patch("m1", &PatchParams::default(), &Patch::Merge(&owner(false)))
+        .await
+        .unwrap();
+}

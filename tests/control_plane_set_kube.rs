@@ -29,6 +29,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use etcd_warden::operator::control_plane_set::kube::SET_LABEL;
 use etcd_warden::operator::control_plane_set::resource::{
     ControlPlaneSet, ControlPlaneSetSpec, FINALIZER as SET_FINALIZER, FailureDomains,
     MachineTemplate, Platform, ProviderSpec, TemplateMachineSpec, TemplateMetadata, UpdateStrategy,
@@ -241,6 +242,7 @@ impl World {
     async fn create_set_of(&self, name: &str, domains: Option<&[&str]>, replicas: i32) {
         let labels = BTreeMap::from([(ROLE_LABEL.to_owned(), "master".to_owned())]);
         let spec = ControlPlaneSetSpec {
+            state: Default::default(),
             replicas,
             strategy: UpdateStrategy::default(),
             failure_domains: domains.map(|d| FailureDomains {
@@ -310,9 +312,8 @@ impl World {
                 let ms = self.machines().await;
                 (ms.len() == 3
                     && ms.iter().all(|m| {
-                        m.owner_references()
-                            .iter()
-                            .any(|o| o.uid == uid && o.controller == Some(true))
+                        m.labels().get(SET_LABEL) == Some(&uid)
+                            && m.owner_references().iter().all(|o| o.uid != uid)
                     }))
                 .then_some(())
             },
@@ -644,8 +645,9 @@ async fn refusals_name_the_field_and_deleting_the_set_leaves_every_machine() {
             m.name_any()
         );
         assert!(
-            m.owner_references().iter().all(|o| o.uid != uid),
-            "{} still owned",
+            m.owner_references().iter().all(|o| o.uid != uid)
+                && !m.labels().contains_key(SET_LABEL),
+            "{} still the set's",
             m.name_any()
         );
     }
@@ -701,7 +703,7 @@ async fn only_the_lease_holder_acts_on_the_set() {
         w.machines()
             .await
             .iter()
-            .all(|m| m.owner_references().is_empty())
+            .all(|m| m.owner_references().is_empty() && !m.labels().contains_key(SET_LABEL))
     );
     // The other replica stops renewing: this one takes over and acts.
     other.cancel();
@@ -840,7 +842,8 @@ async fn a_control_plane_node_without_a_machine_stops_every_change() {
         ("cp-0", "master"),
         ("cp-1", "master"),
         ("cp-2", "master"),
-        ("stray", "master"),
+        // The deprecated label and its successor both make a control-plane Node.
+        ("stray", "control-plane"),
         ("worker-0", "worker"),
     ] {
         let node: Node = serde_json::from_value(json!({
@@ -879,4 +882,250 @@ async fn a_control_plane_node_without_a_machine_stops_every_change() {
             .then_some(())
     })
     .await;
+}
+
+/// No way of deleting the set deletes a Machine: with OpenShift's
+/// `OwnerReferencesPermissionEnforcement` judging the operator's writes by the shipped
+/// rbac.yaml and a garbage collector that always wins the race (it runs inside the write that
+/// deletes the set), the set is deleted with each propagation policy in turn (and created again
+/// in between). The first set also meets a Machine carrying the owner reference an earlier
+/// version wrote (`controller`, `blockOwnerDeletion`), which it takes off on adoption.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_propagation_policy_deletes_a_machine_under_openshift_admission_and_the_gc() {
+    let w = World::build(&[]).await;
+    let rbac = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/operator/rbac.yaml");
+    w.server.enforce_owner_references(
+        support::rbac::Policy::load(&[&rbac]),
+        &[(support::rbac::OPERATOR, (ETCD_NS, "etcd-warden-operator"))],
+    );
+    w.server.collect_garbage();
+    let before: Vec<String> = w.machines().await.iter().map(|m| m.name_any()).collect();
+    w.create_set("cluster", None).await;
+    let uid = w.sets.get("cluster").await.unwrap().uid().unwrap();
+    let legacy = json!({"metadata": {"ownerReferences": [{
+        "apiVersion": "etcd-warden.io/v1alpha1", "kind": "ControlPlaneSet",
+        "name": "cluster", "uid": uid, "controller": true, "blockOwnerDeletion": true,
+    }]}});
+    w.raw
+        .patch("cp-0", &PatchParams::default(), &Patch::Merge(&legacy))
+        .await
+        .unwrap();
+    w.run_operator();
+    for policy in [
+        kube::api::PropagationPolicy::Foreground,
+        kube::api::PropagationPolicy::Background,
+        kube::api::PropagationPolicy::Orphan,
+    ] {
+        if w.sets.get_opt("cluster").await.unwrap().is_none() {
+            w.create_set("cluster", None).await;
+        }
+        w.settled().await;
+        let dp = DeleteParams {
+            propagation_policy: Some(policy.clone()),
+            ..DeleteParams::default()
+        };
+        w.sets.delete("cluster", &dp).await.unwrap();
+        eventually(
+            &format!("the set gone ({policy:?})"),
+            Duration::from_secs(20),
+            async || {
+                w.sets
+                    .get_opt("cluster")
+                    .await
+                    .ok()?
+                    .is_none()
+                    .then_some(())
+            },
+        )
+        .await;
+        // The collector has seen the set go; anything it was to delete is deleted by now.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let ms = w.machines().await;
+        let names: Vec<String> = ms.iter().map(|m| m.name_any()).collect();
+        assert_eq!(names, before, "{policy:?}: every machine left in place");
+        for m in &ms {
+            assert!(
+                m.metadata.deletion_timestamp.is_none(),
+                "{policy:?}: {} deleted",
+                m.name_any()
+            );
+        }
+        assert!(
+            w.server.collected().is_empty(),
+            "{policy:?}: the garbage collector deleted {:?}",
+            w.server.collected()
+        );
+    }
+    support::rbac::assert_operator_allowed(&w.server);
+}
+
+/// Without the CRD (issue 29: two 404 LISTs a second for as long as it ran), the set's loop
+/// looks for its type with a backoff doubling from the resync period, says so once on
+/// `/healthz`, and starts when the type appears.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_crd_the_set_waits_quietly_and_starts_when_it_appears() {
+    use etcd_warden::operator::control_plane_set::kube::WAITING_FOR_TYPE;
+    let w = World::build(&[]).await;
+    w.server.uninstall("etcd-warden.io", "controlplanesets");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let health = format!("http://{}/healthz", listener.local_addr().unwrap());
+    tokio::spawn(controller::run_serving(
+        w.server.client_as(support::rbac::OPERATOR),
+        w.settings(),
+        Some(listener),
+        w.stop.child_token(),
+    ));
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let asked: Vec<String> = w
+        .server
+        .requests_of(support::rbac::OPERATOR)
+        .into_iter()
+        .filter(|r| r.contains("/controlplanesets"))
+        .collect();
+    // Looks at 0, 0.2, 0.6, 1.4, 3.0 and 6.2 s (the resync period, 200 ms, doubling): six in
+    // 8 s, where one a resync period would be forty.
+    assert!(
+        (1..=6).contains(&asked.len()),
+        "{} requests: {asked:#?}",
+        asked.len()
+    );
+    let body = reqwest::get(&health).await.unwrap().text().await.unwrap();
+    assert!(
+        body.contains(&format!("control-plane-set: {WAITING_FOR_TYPE}")),
+        "{body}"
+    );
+    w.server.install("etcd-warden.io", "controlplanesets");
+    w.create_set("cluster", None).await;
+    w.settled().await;
+    let body = reqwest::get(&health).await.unwrap().text().await.unwrap();
+    assert!(
+        body.starts_with("ok: ") && !body.contains(WAITING_FOR_TYPE),
+        "{body}"
+    );
+}
+
+/// An Inactive set observes and reports (counts, conditions, what it would do) but never
+/// creates, deletes or patches a Machine, adoption included; set Active, it acts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inactive_set_reports_but_never_touches_a_machine_until_activated() {
+    let w = World::build(&[]).await;
+    w.create_set("cluster", None).await;
+    w.patch_set(json!({
+        "state": "Inactive",
+        "template": {"spec": {"providerSpec": {"value": {"instanceType": "big"}}}},
+    }))
+    .await;
+    w.run_operator();
+    let status = w
+        .status_until("the inactive set reported", Duration::from_secs(30), |s| {
+            condition(s, "Progressing").1 == "Inactive" && s["replicas"] == 3
+        })
+        .await;
+    let message = condition(&status, "Progressing").2;
+    assert!(message.contains("would"), "{message}");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let ms = w.machines().await;
+    let names: Vec<String> = ms.iter().map(|m| m.name_any()).collect();
+    assert_eq!(
+        names,
+        ["cp-0", "cp-1", "cp-2"],
+        "nothing created or deleted"
+    );
+    assert!(
+        ms.iter().all(|m| !m.labels().contains_key(SET_LABEL)),
+        "nothing adopted"
+    );
+    // (The quorum operator patches its deletion hooks onto the Machines; the set's only patch
+    // is the adoption, which the label would show.)
+    let machine_writes: Vec<String> = w
+        .server
+        .requests_of(support::rbac::OPERATOR)
+        .into_iter()
+        .filter(|r| r.contains("/machines") && (r.starts_with("POST ") || r.starts_with("DELETE ")))
+        .collect();
+    assert!(machine_writes.is_empty(), "{machine_writes:#?}");
+    assert!(w.set_events().await.is_empty());
+    // Activated: it adopts and rolls.
+    w.patch_set(json!({"state": "Active"})).await;
+    eventually("the roll to start", Duration::from_secs(30), async || {
+        w.machines()
+            .await
+            .iter()
+            .any(|m| m.name_any().starts_with("cluster-control-plane-"))
+            .then_some(())
+    })
+    .await;
+}
+
+/// `etcd-warden-operator generate-controlplaneset`, pointed at the double by a kubeconfig,
+/// prints an Inactive set drawn from the Machines: their provider spec without the zone, their
+/// zones as failure domains; the controller accepts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generate_controlplaneset_prints_an_inactive_set_from_the_machines() {
+    let server = ApiServer::start().await;
+    let raw = machine_api::machines(server.client(), MACHINES_NS);
+    for (i, zone) in ["us-east-1b", "us-east-1a", "us-east-1c"]
+        .iter()
+        .enumerate()
+    {
+        let name = format!("cp-{i}");
+        create_machine(&raw, &name, "master", None).await;
+        let p = json!({"spec": {"providerSpec": {"value": {
+            "kind": "AWSMachineProviderConfig", "instanceType": "m6i.xlarge",
+            "placement": {"region": "us-east-1", "availabilityZone": zone},
+        }}}});
+        raw.patch(&name, &PatchParams::default(), &Patch::Merge(&p))
+            .await
+            .unwrap();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    server.write_kubeconfig(&kubeconfig, MACHINES_NS);
+    let bin = env!("CARGO_BIN_EXE_etcd-warden-operator");
+    let out = tokio::process::Command::new(bin)
+        .arg("generate-controlplaneset")
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .arg("--selector")
+        .arg(format!("{ROLE_LABEL}=master"))
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let set: Value = serde_yaml::from_slice(&out.stdout).unwrap();
+    assert_eq!(set["kind"], "ControlPlaneSet");
+    assert_eq!(set["metadata"]["name"], "cluster");
+    assert_eq!(set["metadata"]["namespace"], MACHINES_NS);
+    assert_eq!(set["spec"]["state"], "Inactive");
+    assert_eq!(set["spec"]["replicas"], 3);
+    assert_eq!(
+        set["spec"]["failureDomains"],
+        json!({"platform": "AWS", "domains": ["us-east-1a", "us-east-1b", "us-east-1c"]})
+    );
+    let value = &set["spec"]["template"]["spec"]["providerSpec"]["value"];
+    assert_eq!(value["placement"], json!({"region": "us-east-1"}));
+    assert_eq!(value["instanceType"], "m6i.xlarge");
+    assert_eq!(
+        set["spec"]["template"]["metadata"]["labels"][ROLE_LABEL],
+        "master"
+    );
+    let v = etcd_warden::operator::control_plane_set::resource::validate(&set, None)
+        .expect("the controller accepts the generated set");
+    assert!(!v.active);
+    // Fewer than three Machines: refused, naming why.
+    raw.delete("cp-2", &DeleteParams::default()).await.unwrap();
+    let p = json!({"metadata": {"finalizers": null}});
+    let _ = raw
+        .patch("cp-2", &PatchParams::default(), &Patch::Merge(&p))
+        .await;
+    let out = tokio::process::Command::new(bin)
+        .args(["generate-controlplaneset", "--kubeconfig"])
+        .arg(&kubeconfig)
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("2 control-plane Machines"), "{stderr}");
 }

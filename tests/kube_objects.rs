@@ -149,7 +149,7 @@ fn the_kube_client_builds_its_tls_connector_with_one_crypto_provider() {
 }
 
 #[tokio::test]
-async fn every_recorded_action_becomes_an_event_on_its_machine() {
+async fn every_action_and_every_persisting_failure_becomes_an_event_on_its_machine() {
     use etcd_warden::operator::execute::ActionRecord;
     use etcd_warden::operator::kube::events;
     use etcd_warden::operator::plan::Action;
@@ -174,19 +174,23 @@ async fn every_recorded_action_becomes_an_event_on_its_machine() {
         namespace: Some(NS.into()),
         ..ObjectReference::default()
     };
+    let metrics = events::EventMetrics::default();
     let task = tokio::spawn(events::publish(
         rx,
         recorder,
         "openshift-machine-api".into(),
         fallback,
+        events::Streaks::new(std::time::Duration::from_secs(30)),
+        metrics.clone(),
         cancel.clone(),
     ));
-    let rec = |action: Action, error: Option<&str>| ActionRecord {
+    let rec_ago = |secs: i64, action: Action, error: Option<&str>| ActionRecord {
         text: action.to_string(),
         action,
-        at: chrono::Utc::now(),
+        at: chrono::Utc::now() - chrono::Duration::seconds(secs),
         error: error.map(String::from),
     };
+    let rec = |action: Action, error: Option<&str>| rec_ago(0, action, error);
     tx.send(rec(
         Action::AddHook {
             machine: "cp-0".into(),
@@ -194,19 +198,32 @@ async fn every_recorded_action_becomes_an_event_on_its_machine() {
         None,
     ))
     .unwrap();
-    tx.send(rec(
-        Action::ReleaseHook {
-            machine: "cp-0".into(),
-        },
-        Some("machine backend unavailable"),
-    ))
-    .unwrap();
+    // Failing for 40 s: a Warning.
+    for ago in [40, 0] {
+        tx.send(rec_ago(
+            ago,
+            Action::ReleaseHook {
+                machine: "cp-0".into(),
+            },
+            Some("machine backend unavailable"),
+        ))
+        .unwrap();
+    }
+    // Failed once, then done (issue 29: "AddLearnerFailed: unhealthy cluster" on every
+    // replacement): only the Normal Event, and a transient failure counted.
+    let add = || Action::AddLearner {
+        machine: "cp-4".into(),
+        peer_url: "https://10.0.0.4:2380".into(),
+    };
+    tx.send(rec(add(), Some("etcdserver: unhealthy cluster")))
+        .unwrap();
+    tx.send(rec(add(), None)).unwrap();
 
     let api: Api<Event> = Api::namespaced(client, "openshift-machine-api");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
     let list = loop {
         let list = api.list(&Default::default()).await.unwrap().items;
-        if list.len() >= 2 || std::time::Instant::now() > deadline {
+        if list.len() >= 3 || std::time::Instant::now() > deadline {
             break list;
         }
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
@@ -229,6 +246,7 @@ async fn every_recorded_action_becomes_an_event_on_its_machine() {
         got,
         vec![
             ("DeletionHookAdded".into(), "Normal".into(), "cp-0".into()),
+            ("LearnerAdded".into(), "Normal".into(), "cp-4".into()),
             (
                 "ReleaseDeletionHookFailed".into(),
                 "Warning".into(),
@@ -236,6 +254,8 @@ async fn every_recorded_action_becomes_an_event_on_its_machine() {
             ),
         ]
     );
+    assert_eq!(metrics.transient("AddLearner"), 1);
+    assert_eq!(metrics.transient("ReleaseDeletionHook"), 0);
     assert!(
         list.iter()
             .all(|e| e.reporting_controller.as_deref() == Some("etcd-warden-operator"))

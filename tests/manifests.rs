@@ -1924,6 +1924,227 @@ fn the_operator_crds_are_what_crdgen_generates() {
     assert_eq!(names, want, "the kustomization installs every CRD");
 }
 
+/// The fields each CEL rule reaches: `self` / `oldSelf` followed by `.field` steps, up to the
+/// first method call or index (`self.a.b.all(...)`, `self.a[k]` reach `a.b`, `a`).
+fn rule_paths(rule: &str) -> Vec<Vec<String>> {
+    let bytes = rule.as_bytes();
+    let ident = |i: usize| -> usize {
+        let mut j = i;
+        while j < bytes.len() && (bytes[j].is_ascii_alphanumeric() || bytes[j] == b'_') {
+            j += 1;
+        }
+        j
+    };
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < bytes.len() {
+        let word_start = i == 0
+            || !(bytes[i - 1].is_ascii_alphanumeric()
+                || bytes[i - 1] == b'_'
+                || bytes[i - 1] == b'.');
+        let end = ident(i);
+        if end == i {
+            i += 1;
+            continue;
+        }
+        if word_start && matches!(&rule[i..end], "self" | "oldSelf") {
+            let mut path = Vec::new();
+            let mut j = end;
+            while j < bytes.len() && bytes[j] == b'.' {
+                let k = ident(j + 1);
+                if k == j + 1 || bytes.get(k) == Some(&b'(') {
+                    break;
+                }
+                path.push(rule[j + 1..k].to_owned());
+                j = k;
+            }
+            out.push(path);
+            i = j;
+        } else {
+            i = end;
+        }
+    }
+    out
+}
+
+/// Where `node`'s subtree has a list without `maxItems`, a map without `maxProperties`, a
+/// string without `maxLength` (an enum or a date/duration format bounds it, as the API server's
+/// cost estimate counts them), or free-form content.
+fn unbounded(at: &str, node: &serde_json::Value, out: &mut Vec<String>) {
+    if node["x-kubernetes-preserve-unknown-fields"] == true && node.get("properties").is_none() {
+        out.push(format!("{at}: free-form"));
+        return;
+    }
+    match node["type"].as_str() {
+        Some("array") => {
+            if node.get("maxItems").is_none() {
+                out.push(format!("{at}: a list without maxItems"));
+            }
+            unbounded(&format!("{at}[]"), &node["items"], out);
+        }
+        Some("string") => {
+            let bounded_format = matches!(
+                node["format"].as_str(),
+                Some("date" | "date-time" | "duration")
+            );
+            if node.get("maxLength").is_none() && node.get("enum").is_none() && !bounded_format {
+                out.push(format!("{at}: a string without maxLength"));
+            }
+        }
+        Some("object") => {
+            if let Some(values) = node.get("additionalProperties").filter(|v| v.is_object()) {
+                if node.get("maxProperties").is_none() {
+                    out.push(format!("{at}: a map without maxProperties"));
+                }
+                unbounded(&format!("{at}{{}}"), values, out);
+            }
+            for (name, p) in node["properties"].as_object().into_iter().flatten() {
+                unbounded(&format!("{at}.{name}"), p, out);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Every CEL rule of `schema` (an `openAPIV3Schema`) that reaches an unbounded list, map or
+/// string, as `path: rule: what`.
+fn unbounded_rule_fields(schema: &serde_json::Value) -> Vec<String> {
+    fn walk(at: &str, node: &serde_json::Value, root: bool, out: &mut Vec<String>) {
+        for v in node["x-kubernetes-validations"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            let rule = v["rule"].as_str().unwrap_or_default();
+            for path in rule_paths(rule) {
+                let mut reached = node;
+                let mut name = at.to_owned();
+                let mut steps = path.iter();
+                // The object's own metadata: only name and generateName, which the API server
+                // validates (253 characters) before any rule runs.
+                if root && path.first().map(String::as_str) == Some("metadata") {
+                    continue;
+                }
+                for step in steps.by_ref() {
+                    match reached["properties"].get(step) {
+                        Some(p) => {
+                            reached = p;
+                            name = format!("{name}.{step}");
+                        }
+                        // A map key or an unknown field: the whole node is reached.
+                        None => break,
+                    }
+                }
+                let mut problems = Vec::new();
+                unbounded(&name, reached, &mut problems);
+                for p in problems {
+                    out.push(format!("{at}: {rule}: {p}"));
+                }
+            }
+        }
+        for (k, p) in node["properties"].as_object().into_iter().flatten() {
+            walk(&format!("{at}.{k}"), p, false, out);
+        }
+        if let Some(items) = node.get("items") {
+            walk(&format!("{at}[]"), items, false, out);
+        }
+        if let Some(values) = node.get("additionalProperties").filter(|v| v.is_object()) {
+            walk(&format!("{at}{{}}"), values, false, out);
+        }
+    }
+    let mut out = Vec::new();
+    walk("", schema, true, &mut out);
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// Every CRD in deploy/operator/crds.yaml as JSON.
+fn operator_crd_schemas() -> Vec<(String, serde_json::Value)> {
+    documents(&repo().join("deploy/operator/crds.yaml"))
+        .into_iter()
+        .flat_map(|crd| {
+            let name = crd["metadata"]["name"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            crd["spec"]["versions"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+                .into_iter()
+                .map(move |v| {
+                    (
+                        format!("{name} {}", v["name"].as_str().unwrap_or_default()),
+                        v["schema"]["openAPIV3Schema"].clone(),
+                    )
+                })
+        })
+        .collect()
+}
+
+/// A real API server refuses a CRD whose CEL rules' estimated cost is over budget, and an
+/// unbounded list, map or string a rule reaches is what puts it there (issue 29: the selector
+/// rule over unbounded label maps was refused at more than 100x the budget).
+#[test]
+fn every_field_a_cel_rule_reaches_is_bounded() {
+    let schemas = operator_crd_schemas();
+    let rules: usize = schemas
+        .iter()
+        .map(|(_, s)| s.to_string().matches("\"rule\"").count())
+        .sum();
+    assert!(rules >= 4, "the CRDs carry their CEL rules ({rules})");
+    let problems: Vec<String> = schemas
+        .iter()
+        .flat_map(|(name, s)| {
+            unbounded_rule_fields(s)
+                .into_iter()
+                .map(move |p| format!("{name}{p}"))
+        })
+        .collect();
+    assert!(problems.is_empty(), "{problems:#?}");
+}
+
+#[test]
+fn a_cel_rule_over_an_unbounded_field_is_caught() {
+    assert_eq!(
+        rule_paths(
+            "!has(self.selector.matchLabels) || self.selector.matchLabels.all(k, self.t.labels[k] == oldSelf.x)"
+        ),
+        [
+            vec!["selector".to_owned(), "matchLabels".to_owned()],
+            vec!["selector".to_owned(), "matchLabels".to_owned()],
+            vec!["t".to_owned(), "labels".to_owned()],
+            vec!["x".to_owned()],
+        ]
+    );
+    let (_, mut schema) = operator_crd_schemas()
+        .into_iter()
+        .find(|(n, _)| n.starts_with("controlplanesets."))
+        .expect("the ControlPlaneSet CRD");
+    let spec = &mut schema["properties"]["spec"]["properties"];
+    spec["selector"]["properties"]["matchLabels"]
+        .as_object_mut()
+        .expect("matchLabels")
+        .remove("maxProperties");
+    spec["template"]["properties"]["metadata"]["properties"]["labels"]["additionalProperties"]
+        .as_object_mut()
+        .expect("label values")
+        .remove("maxLength");
+    spec["selector"]["properties"]["matchExpressions"]["items"]["properties"]["values"]
+        .as_object_mut()
+        .expect("values")
+        .remove("maxItems");
+    let problems = unbounded_rule_fields(&schema).join("\n");
+    for want in [
+        ".spec.selector.matchLabels: a map without maxProperties",
+        ".spec.template.metadata.labels{}: a string without maxLength",
+        ".spec.selector.matchExpressions[].values: a list without maxItems",
+    ] {
+        assert!(problems.contains(want), "{want} not in\n{problems}");
+    }
+}
+
 #[test]
 fn the_operator_deployment_runs_leader_elected_replicas_with_least_privilege() {
     let d = operator_deploy();

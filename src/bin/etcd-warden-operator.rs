@@ -62,6 +62,10 @@ enum Command {
     Kube(Box<KubeArgs>),
     /// Print the operator's CustomResourceDefinitions as YAML (deploy/operator/crds.yaml).
     Crdgen,
+    /// Print an Inactive ControlPlaneSet drawn from the control-plane Machines (template: their
+    /// provider spec without the failure domain; failure domains: theirs), to review, apply,
+    /// then activate with `spec.state: Active`.
+    GenerateControlplaneset(GenerateArgs),
     /// Print the operator's status (members, machines, condition, last action) as JSON.
     Status(ApiArgs),
     /// Replace a machine: create a new one and mark the old one for deletion.
@@ -105,6 +109,61 @@ enum Command {
         #[command(flatten)]
         api: ApiArgs,
     },
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    /// kubeconfig file (default: $KUBECONFIG, ~/.kube/config, then in-cluster).
+    #[arg(long)]
+    kubeconfig: Option<std::path::PathBuf>,
+    /// Namespace of the Machines (and of the set).
+    #[arg(long, default_value = "openshift-machine-api")]
+    namespace: String,
+    /// The control-plane Machines' labels, `k=v[,k=v]` (the set's selector).
+    #[arg(
+        long,
+        default_value = "machine.openshift.io/cluster-api-machine-role=master"
+    )]
+    selector: String,
+    /// Where the provider spec keeps the failure domain (default: told from its `kind`).
+    #[arg(long, value_parser = ["AWS", "Azure", "GCP", "OpenStack", "VSphere"])]
+    platform: Option<String>,
+}
+
+async fn generate_set(a: GenerateArgs) -> anyhow::Result<()> {
+    use etcd_warden::operator::control_plane_set::{generate, kube::machine_resource, resource};
+    let mut selector = std::collections::BTreeMap::new();
+    for term in a.selector.split(',').filter(|t| !t.is_empty()) {
+        let (k, v) = term
+            .split_once('=')
+            .with_context(|| format!("--selector: {term:?} is not k=v"))?;
+        selector.insert(k.trim().to_owned(), v.trim().to_owned());
+    }
+    let platform: Option<resource::Platform> = a
+        .platform
+        .map(|p| serde_json::from_value(serde_json::Value::String(p)))
+        .transpose()
+        .context("--platform")?;
+    let client = controller::client(a.kubeconfig.as_deref()).await?;
+    let api: kube::Api<kube::api::DynamicObject> =
+        kube::Api::namespaced_with(client, &a.namespace, &machine_resource());
+    let query = selector
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let list = api
+        .list(&kube::api::ListParams::default().labels(&query))
+        .await
+        .with_context(|| format!("listing the Machines in {} ({query})", a.namespace))?;
+    let raw: Vec<serde_json::Value> = list
+        .items
+        .iter()
+        .map(serde_json::to_value)
+        .collect::<Result<_, _>>()?;
+    let set = generate::generate(&a.namespace, &selector, &raw, platform)?;
+    print!("{}", serde_yaml::to_string(&set)?);
+    Ok(())
 }
 
 /// `--control-plane-set` values.
@@ -328,6 +387,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
     let (method, api, path) = match command {
         Command::Local(a) => return local(a).await,
         Command::Kube(a) => return kube(*a).await,
+        Command::GenerateControlplaneset(a) => return generate_set(a).await,
         Command::Crdgen => {
             print!("{}", etcd_warden::operator::crd::yaml()?);
             return Ok(());

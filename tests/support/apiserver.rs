@@ -37,15 +37,31 @@
 //! - **Conflict injection** ([`ApiServer::inject_conflicts`]): before the first write to each
 //!   object a "concurrent writer" changes an annotation, so a writer holding the version it read
 //!   gets a real 409 and must read again.
+//! - **Resource types not installed** ([`ApiServer::uninstall`]): every request to them is a
+//!   404 with a `Status` of reason `NotFound`, as for a CRD not (yet) created.
+//! - **`OwnerReferencesPermissionEnforcement`** ([`ApiServer::enforce_owner_references`],
+//!   OpenShift's default admission): a write that changes an object's owner references needs
+//!   `delete` on the object (creates excepted), and one that sets `blockOwnerDeletion: true` on
+//!   a reference needs `update` on the owner's `<resource>/finalizers` (named, in the object's
+//!   namespace), both per the RBAC policy given (`support::rbac`), else 403 `Forbidden` with the
+//!   plugin's message. The owner's resource is its kind lower-cased plus `s` (no RESTMapper).
+//! - **Garbage collector** ([`ApiServer::collect_garbage`]), as kube-controller-manager's runs,
+//!   but synchronously after every write (so it always wins a race with a controller): a
+//!   delete's `propagationPolicy` `Orphan` or `Foreground` puts the `orphan` or
+//!   `foregroundDeletion` finalizer on the object; for an `orphan` owner the collector takes the
+//!   owner's references off its dependents, then the finalizer off; for a `foregroundDeletion`
+//!   owner it deletes every dependent (one with another owner still there loses only the
+//!   reference), and takes the finalizer off once no dependent with `blockOwnerDeletion: true`
+//!   is left; an object whose owners are all gone is deleted (`Background`, the default for
+//!   custom resources). What it deleted is in [`ApiServer::collected`].
 //!
 //! # What it does NOT check
 //! No schema validation or defaulting (any JSON is stored; unknown fields are kept, not pruned),
-//! no CRD registration (every path is a resource; none is a 404 until it has objects only in the
-//! sense that lists are empty), no discovery endpoints (`/api`, `/apis`), no version conversion
+//! no CRD registration (every path is a resource, unless [`ApiServer::uninstall`]ed), no discovery endpoints (`/api`, `/apis`), no version conversion
 //! (each version is a separate store), no authentication, RBAC or admission (the Machine API's
 //! webhooks included: nothing stops a lifecycle hook being added to a deleting Machine here), no
 //! server-side apply (415) or strategic merge patch (415), no field managers or `managedFields`,
-//! no garbage collection by owner references, no `deletecollection`, no pagination (`limit` and
+//! no garbage collection unless turned on, no `deletecollection`, no pagination (`limit` and
 //! `continue` are ignored: one page), no `resourceVersionMatch` or `sendInitialEvents`, no
 //! `BOOKMARK` events, no graceful deletion periods (pods go at once), unconditional updates are
 //! allowed for every resource (upstream refuses them for custom resources), and the Namespace
@@ -143,6 +159,21 @@ struct Store {
     requests: Vec<String>,
     /// (the `x-double-user` header, or empty; the request as in `requests`).
     requests_by: Vec<(String, String)>,
+    /// (group, plural) served as not installed.
+    uninstalled: HashSet<(String, String)>,
+    /// OpenShift's `OwnerReferencesPermissionEnforcement`, when on.
+    owner_enforcement: Option<OwnerEnforcement>,
+    /// Whether the garbage collector runs.
+    gc: bool,
+    /// What the garbage collector deleted: (plural, name).
+    collected: Vec<(String, String)>,
+}
+
+/// Who a user of the `x-double-user` header is, and the RBAC that authorizes them.
+struct OwnerEnforcement {
+    policy: super::rbac::Policy,
+    /// user → (namespace, service account); other users are cluster administrators.
+    users: BTreeMap<String, (String, String)>,
 }
 
 struct Shared {
@@ -190,6 +221,10 @@ impl ApiServer {
                     .collect(),
                 requests: Vec::new(),
                 requests_by: Vec::new(),
+                uninstalled: HashSet::new(),
+                owner_enforcement: None,
+                gc: false,
+                collected: Vec::new(),
             }),
             events,
             stopped: CancellationToken::new(),
@@ -253,6 +288,51 @@ impl ApiServer {
         let mut s = self.shared.lock();
         s.inject_conflicts = on;
         s.conflicted.clear();
+    }
+
+    /// Serves `group`'s `plural` as not installed (every request 404) until [`Self::install`].
+    pub fn uninstall(&self, group: &str, plural: &str) {
+        self.shared
+            .lock()
+            .uninstalled
+            .insert((group.into(), plural.into()));
+    }
+
+    /// Serves `group`'s `plural` again (its CRD created).
+    pub fn install(&self, group: &str, plural: &str) {
+        self.shared
+            .lock()
+            .uninstalled
+            .remove(&(group.to_owned(), plural.to_owned()));
+    }
+
+    /// Turns on `OwnerReferencesPermissionEnforcement` with `policy`; `users` maps a
+    /// [`Self::client_as`] user to the service account (namespace, name) it acts as.
+    pub fn enforce_owner_references(
+        &self,
+        policy: super::rbac::Policy,
+        users: &[(&str, (&str, &str))],
+    ) {
+        self.shared.lock().owner_enforcement = Some(OwnerEnforcement {
+            policy,
+            users: users
+                .iter()
+                .map(|(u, (ns, n))| (u.to_string(), (ns.to_string(), n.to_string())))
+                .collect(),
+        });
+    }
+
+    /// Turns on the garbage collector.
+    pub fn collect_garbage(&self) {
+        let mut s = self.shared.lock();
+        s.gc = true;
+        let tx = self.shared.events.clone();
+        s.collect(&tx);
+    }
+
+    /// What the garbage collector deleted, as (plural, name).
+    pub fn collected(&self) -> Vec<(String, String)> {
+        self.shared.lock().collected.clone()
     }
 
     /// Forgets the history: watches from an older version get 410 Expired.
@@ -471,31 +551,45 @@ async fn handle(
         s.requests.push(line.clone());
         s.requests_by.push((user, line));
     }
-    let Some(t) = parse_path(uri.path()) else {
-        return ApiError::new(
+    let user = headers
+        .get(USER_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    let not_found = || {
+        ApiError::new(
             StatusCode::NOT_FOUND,
             "NotFound",
             "the server could not find the requested resource",
         )
-        .into_response();
+        .into_response()
     };
+    let Some(t) = parse_path(uri.path()) else {
+        return not_found();
+    };
+    if shared
+        .lock()
+        .uninstalled
+        .contains(&(t.res.group.clone(), t.res.plural.clone()))
+    {
+        return not_found();
+    }
     let result = match (&method, &t.name, t.sub.as_deref()) {
         (&Method::GET, None, _) if is_true(query.get("watch")) => {
             return watch(&shared, &t, &query);
         }
         (&Method::GET, None, _) => list(&shared, &t, &query),
-        (&Method::POST, None, _) => create(&shared, &t, &body),
+        (&Method::POST, None, _) => create(&shared, &t, &body, &user),
         (&Method::GET, Some(name), None | Some("status")) => get(&shared, &t.key(name)),
-        (&Method::PUT, Some(name), sub @ (None | Some("status"))) => {
-            parse_body(&body).and_then(|b| write(&shared, &t.key(name), sub.is_some(), |_| Ok(b)))
-        }
+        (&Method::PUT, Some(name), sub @ (None | Some("status"))) => parse_body(&body)
+            .and_then(|b| write(&shared, &t.key(name), sub.is_some(), &user, |_| Ok(b))),
         (&Method::PATCH, Some(name), sub @ (None | Some("status"))) => {
             let ctype = headers
                 .get(header::CONTENT_TYPE)
                 .and_then(|v| v.to_str().ok())
                 .unwrap_or("")
                 .to_owned();
-            patch(&shared, &t.key(name), sub.is_some(), &ctype, &body)
+            patch(&shared, &t.key(name), sub.is_some(), &user, &ctype, &body)
         }
         (&Method::DELETE, Some(name), None) => delete(&shared, &t.key(name), &body),
         _ => Err(ApiError::new(
@@ -842,6 +936,24 @@ fn finalizers(v: &Value) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// The garbage collector's finalizers.
+const ORPHAN: &str = "orphan";
+const FOREGROUND: &str = "foregroundDeletion";
+
+fn owner_refs(v: &Value) -> Vec<Value> {
+    v.pointer("/metadata/ownerReferences")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default()
+}
+
+fn uid_of(v: &Value) -> String {
+    v.pointer("/metadata/uid")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_owned()
+}
+
 fn rv_of(v: &Value) -> Option<String> {
     meta(v, "resourceVersion")
         .and_then(|r| r.as_str().map(String::from))
@@ -894,13 +1006,216 @@ impl Store {
         last
     }
 
+    /// Stores `new` over an existing object; a deleting object whose last finalizer went is
+    /// removed.
+    fn store(&mut self, tx: &broadcast::Sender<Arc<Change>>, key: &Key, new: Value) -> Value {
+        let deleting = meta(&new, "deletionTimestamp").is_some();
+        if deleting && finalizers(&new).is_empty() {
+            let stored = self.commit(tx, key, Some(new));
+            self.commit(tx, key, None);
+            return stored;
+        }
+        self.commit(tx, key, Some(new))
+    }
+
+    /// Deletes `obj` (the object at `key`, finalizers as they should be): removed when it has
+    /// none, else marked with a `deletionTimestamp`.
+    fn delete_object(
+        &mut self,
+        tx: &broadcast::Sender<Arc<Change>>,
+        key: &Key,
+        obj: Value,
+    ) -> Value {
+        if finalizers(&obj).is_empty() {
+            return self.commit(tx, key, None);
+        }
+        let mut marked = obj;
+        let m = meta_mut(&mut marked);
+        m.insert("deletionTimestamp".into(), now().into());
+        m.insert("deletionGracePeriodSeconds".into(), 0.into());
+        self.commit(tx, key, Some(marked))
+    }
+
+    /// `OwnerReferencesPermissionEnforcement` on a write of `new` over `old` (`None`: a create)
+    /// by `user`.
+    fn check_owner_references(
+        &self,
+        user: &str,
+        key: &Key,
+        old: Option<&Value>,
+        new: &Value,
+    ) -> Result<(), ApiError> {
+        let Some(e) = &self.owner_enforcement else {
+            return Ok(());
+        };
+        let Some((sa_ns, sa)) = e.users.get(user) else {
+            return Ok(());
+        };
+        let before = old.map(owner_refs).unwrap_or_default();
+        let after = owner_refs(new);
+        if before == after {
+            return Ok(());
+        }
+        let allows = |verb: &str, group: &str, resource: String, name: &str| {
+            e.policy.allows(
+                (sa_ns, sa),
+                &super::rbac::Attributes {
+                    verb: verb.into(),
+                    group: group.into(),
+                    resource,
+                    namespace: key.namespace.clone(),
+                    name: name.into(),
+                },
+            )
+        };
+        let forbidden = |why: String| {
+            ApiError::new(
+                StatusCode::FORBIDDEN,
+                "Forbidden",
+                format!(
+                    "{}.{} \"{}\" is forbidden: {why}",
+                    key.res.plural, key.res.group, key.name
+                ),
+            )
+            .about(key)
+        };
+        // A create may set any owner reference: its author could have not created it.
+        if old.is_some() && !allows("delete", &key.res.group, key.res.plural.clone(), &key.name) {
+            return Err(forbidden(
+                "cannot set an ownerRef on a resource you can't delete".into(),
+            ));
+        }
+        let blocking = |r: &Value| r["blockOwnerDeletion"] == true;
+        for r in after.iter().filter(|r| blocking(r)) {
+            if before.iter().any(|b| b["uid"] == r["uid"] && blocking(b)) {
+                continue;
+            }
+            let api_version = r["apiVersion"].as_str().unwrap_or_default();
+            let group = api_version.rsplit_once('/').map_or("", |(g, _)| g);
+            let kind = r["kind"].as_str().unwrap_or_default().to_lowercase();
+            let name = r["name"].as_str().unwrap_or_default();
+            if !allows("update", group, format!("{kind}s/finalizers"), name) {
+                return Err(forbidden(format!(
+                    "cannot set blockOwnerDeletion if an ownerReference refers to a resource you can't set finalizers on: User \"system:serviceaccount:{sa_ns}:{sa}\" cannot update resource \"{kind}s/finalizers\" in API group \"{group}\""
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The garbage collector, to a fixed point (when it is on).
+    fn collect(&mut self, tx: &broadcast::Sender<Arc<Change>>) {
+        if !self.gc {
+            return;
+        }
+        loop {
+            let mut changed = false;
+            let keys: Vec<Key> = self.objects.keys().cloned().collect();
+            for k in &keys {
+                let Some(owner) = self.objects.get(k).cloned() else {
+                    continue;
+                };
+                if meta(&owner, "deletionTimestamp").is_none() {
+                    continue;
+                }
+                let fs = finalizers(&owner);
+                let policy = if fs.iter().any(|f| f == ORPHAN) {
+                    ORPHAN
+                } else if fs.iter().any(|f| f == FOREGROUND) {
+                    FOREGROUND
+                } else {
+                    continue;
+                };
+                let uid = uid_of(&owner);
+                let dependents: Vec<Key> = self
+                    .objects
+                    .iter()
+                    .filter(|(dk, d)| {
+                        (k.namespace.is_empty() || dk.namespace == k.namespace)
+                            && owner_refs(d).iter().any(|r| r["uid"] == uid.as_str())
+                    })
+                    .map(|(dk, _)| dk.clone())
+                    .collect();
+                for dk in &dependents {
+                    let d = self.objects[dk].clone();
+                    let others_live = owner_refs(&d).iter().any(|r| {
+                        r["uid"] != uid.as_str()
+                            && self.live_owner(r["uid"].as_str().unwrap_or_default())
+                    });
+                    if policy == ORPHAN || others_live {
+                        self.drop_owner(tx, dk, &uid);
+                    } else if meta(&d, "deletionTimestamp").is_none() {
+                        self.collected
+                            .push((dk.res.plural.clone(), dk.name.clone()));
+                        self.delete_object(tx, dk, d);
+                    }
+                }
+                // Foreground: the owner waits for its blocking dependents to be gone.
+                let blocked = policy == FOREGROUND
+                    && self.objects.values().any(|d| {
+                        owner_refs(d)
+                            .iter()
+                            .any(|r| r["uid"] == uid.as_str() && r["blockOwnerDeletion"] == true)
+                    });
+                if !blocked {
+                    let mut o = self.objects[k].clone();
+                    let rest: Vec<String> = fs.into_iter().filter(|f| f != policy).collect();
+                    meta_mut(&mut o).insert("finalizers".into(), json!(rest));
+                    self.store(tx, k, o);
+                    changed = true;
+                }
+            }
+            // Background: an object whose owners are all gone goes too.
+            let keys: Vec<Key> = self.objects.keys().cloned().collect();
+            for k in &keys {
+                let d = self.objects[k].clone();
+                let refs = owner_refs(&d);
+                if refs.is_empty() || meta(&d, "deletionTimestamp").is_some() {
+                    continue;
+                }
+                let all_gone = refs.iter().all(|r| {
+                    let u = r["uid"].as_str().unwrap_or_default();
+                    !self.objects.values().any(|o| uid_of(o) == u)
+                });
+                if all_gone {
+                    self.collected.push((k.res.plural.clone(), k.name.clone()));
+                    self.delete_object(tx, k, d);
+                    changed = true;
+                }
+            }
+            if !changed {
+                return;
+            }
+        }
+    }
+
+    /// Whether an object with `uid` exists and is not being deleted in the foreground.
+    fn live_owner(&self, uid: &str) -> bool {
+        self.objects.values().any(|o| {
+            uid_of(o) == uid
+                && !(meta(o, "deletionTimestamp").is_some()
+                    && finalizers(o).iter().any(|f| f == FOREGROUND))
+        })
+    }
+
+    /// Takes the references to `uid` off the object at `key`.
+    fn drop_owner(&mut self, tx: &broadcast::Sender<Arc<Change>>, key: &Key, uid: &str) {
+        let mut d = self.objects[key].clone();
+        let rest: Vec<Value> = owner_refs(&d)
+            .into_iter()
+            .filter(|r| r["uid"] != uid)
+            .collect();
+        meta_mut(&mut d).insert("ownerReferences".into(), json!(rest));
+        self.commit(tx, key, Some(d));
+    }
+
     fn has_status(&self, res: &Res) -> bool {
         self.status_subresources
             .contains(&(res.group.clone(), res.plural.clone()))
     }
 }
 
-fn create(shared: &Shared, t: &Target, body: &[u8]) -> Answer {
+fn create(shared: &Shared, t: &Target, body: &[u8], user: &str) -> Answer {
     let mut obj = parse_body(body)?;
     let mut s = shared.lock();
     let ns = t.namespace.clone().unwrap_or_default();
@@ -950,6 +1265,7 @@ fn create(shared: &Shared, t: &Target, body: &[u8]) -> Answer {
     {
         o.remove("status");
     }
+    s.check_owner_references(user, &key, None, &obj)?;
     s.uid += 1;
     let uid = format!("00000000-0000-0000-0000-{:012x}", s.uid);
     let m = meta_mut(&mut obj);
@@ -964,6 +1280,7 @@ fn create(shared: &Shared, t: &Target, body: &[u8]) -> Answer {
     m.remove("deletionGracePeriodSeconds");
     let tx = shared.events.clone();
     let stored = s.commit(&tx, &key, Some(obj));
+    s.collect(&tx);
     Ok((StatusCode::CREATED, stored))
 }
 
@@ -973,6 +1290,7 @@ fn write(
     shared: &Shared,
     key: &Key,
     status_only: bool,
+    user: &str,
     build: impl FnOnce(&Value) -> Result<Value, ApiError>,
 ) -> Answer {
     let mut s = shared.lock();
@@ -1065,31 +1383,35 @@ fn write(
     if new == existing {
         return Ok((StatusCode::OK, existing));
     }
+    s.check_owner_references(user, key, Some(&existing), &new)?;
     if spec_part(&new) != spec_part(&existing) {
         let g = meta(&existing, "generation")
             .and_then(|g| g.as_i64())
             .unwrap_or(0);
         meta_mut(&mut new).insert("generation".into(), (g + 1).into());
     }
-    if deleting && finalizers(&new).is_empty() {
-        let stored = s.commit(&tx, key, Some(new));
-        s.commit(&tx, key, None);
-        return Ok((StatusCode::OK, stored));
-    }
-    let stored = s.commit(&tx, key, Some(new));
+    let stored = s.store(&tx, key, new);
+    s.collect(&tx);
     Ok((StatusCode::OK, stored))
 }
 
-fn patch(shared: &Shared, key: &Key, status_only: bool, ctype: &str, body: &[u8]) -> Answer {
+fn patch(
+    shared: &Shared,
+    key: &Key,
+    status_only: bool,
+    user: &str,
+    ctype: &str,
+    body: &[u8],
+) -> Answer {
     let ctype = ctype.split(';').next().unwrap_or("").trim();
     let p = parse_body(body)?;
     match ctype {
-        "application/merge-patch+json" => write(shared, key, status_only, |existing| {
+        "application/merge-patch+json" => write(shared, key, status_only, user, |existing| {
             let mut v = existing.clone();
             merge_patch(&mut v, &p);
             Ok(v)
         }),
-        "application/json-patch+json" => write(shared, key, status_only, |existing| {
+        "application/json-patch+json" => write(shared, key, status_only, user, |existing| {
             let mut v = existing.clone();
             json_patch(&mut v, &p).map_err(|why| ApiError::invalid(key, why))?;
             Ok(v)
@@ -1133,18 +1455,24 @@ fn delete(shared: &Shared, key: &Key, body: &[u8]) -> Answer {
             "the UID in the precondition does not match the UID in record",
         ));
     }
-    if finalizers(&existing).is_empty() {
-        let last = s.commit(&tx, key, None);
-        return Ok((StatusCode::OK, last));
-    }
     if meta(&existing, "deletionTimestamp").is_some() {
         return Ok((StatusCode::OK, existing));
     }
     let mut marked = existing;
-    let m = meta_mut(&mut marked);
-    m.insert("deletionTimestamp".into(), now().into());
-    m.insert("deletionGracePeriodSeconds".into(), 0.into());
-    let stored = s.commit(&tx, key, Some(marked));
+    let gc_finalizer = match opts.get("propagationPolicy").and_then(Value::as_str) {
+        Some("Orphan") => Some(ORPHAN),
+        Some("Foreground") => Some(FOREGROUND),
+        _ => None,
+    };
+    if let Some(f) = gc_finalizer {
+        let mut fs = finalizers(&marked);
+        if !fs.iter().any(|x| x == f) {
+            fs.push(f.into());
+        }
+        meta_mut(&mut marked).insert("finalizers".into(), json!(fs));
+    }
+    let stored = s.delete_object(&tx, key, marked);
+    s.collect(&tx);
     Ok((StatusCode::OK, stored))
 }
 

@@ -199,6 +199,16 @@ impl<S: SetMachines, Q: Machines> Controller<S, Q> {
 
     /// Observes, plans and applies one step.
     pub async fn step(&self) -> Result<Plan, ControllerError> {
+        self.plan_and_maybe_act(true).await
+    }
+
+    /// Observes and plans as [`Self::step`] does, acting on nothing (an Inactive set): the
+    /// plan's actions are what a step would have done.
+    pub async fn observe(&self) -> Result<Plan, ControllerError> {
+        self.plan_and_maybe_act(false).await
+    }
+
+    async fn plan_and_maybe_act(&self, act: bool) -> Result<Plan, ControllerError> {
         let (config, generation) = lock(&self.config).clone();
         let etcd = self.operator.observe().await?;
         let listed = self.machines.list_set().await?;
@@ -252,7 +262,7 @@ impl<S: SetMachines, Q: Machines> Controller<S, Q> {
             },
         );
         let mut applied = Vec::new();
-        for action in &p.actions {
+        for action in p.actions.iter().filter(|_| act) {
             match action {
                 Action::Adopt { machine } => self.machines.adopt(machine).await?,
                 Action::Create { failure_domain, .. } => {

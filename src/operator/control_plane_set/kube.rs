@@ -6,15 +6,25 @@
 //! acts only while that replica holds the Lease, is woken by watches on the ControlPlaneSets and
 //! the Machines, and resyncs every `interval` (etcd, which the planner also looks at, is
 //! observed, not watched); a failed reconcile is retried with backoff. No ControlPlaneSet named
-//! `cluster` (or no such resource type installed): it stays idle, quietly.
+//! `cluster`: it stays idle, quietly. No such resource type installed (the CRD not applied): it
+//! says so once (a log line and the detail [`run`]'s `report` shows on `/healthz`), looks again
+//! after a backoff that doubles from `interval` to `missing_type_max_wait`, watches no set
+//! meanwhile, and starts when the type appears.
 //!
 //! Each reconcile reads the set, puts the orphaning finalizer on it, validates it
 //! ([`super::resource::validate`]; on first sight also that as many Machines match as
 //! `replicas`, and always that the quorum operator can carry out the strategy; refused: a
 //! Degraded condition and nothing else), and runs one
 //! [`Controller`] step: adoptions, then at most one Machine created or deleted. The status is
-//! written only through `/status`, and only when it changed. A deleting set has its owner
-//! references taken off every Machine (never a Machine deleted), then its finalizer removed.
+//! written only through `/status`, and only when it changed. A deleting set has its label
+//! taken off every Machine (never a Machine deleted), then its finalizer removed.
+//!
+//! A Machine belongs to the set by the label [`SET_LABEL`] (the set's uid), never by an owner
+//! reference: an owner reference makes the Machine a dependent the garbage collector deletes
+//! when the set is deleted in the foreground (or after it, in the background, should the
+//! finalizer ever be taken off first), and no finalizer or orphaning patch can win that race
+//! (docs/operator.md, "Deleting the set"). Owner references to the set written by earlier
+//! versions are taken off when the Machine is adopted again.
 //!
 //! Machines are read untyped (`DynamicObject`): the set compares and copies the provider spec,
 //! which the typed `Machine` drops. Every write is a merge patch naming only what it changes,
@@ -70,6 +80,8 @@ pub struct SetSettings {
     /// How the quorum operator orders a replacement's membership changes; the set's strategy
     /// must agree with it ([`resource::fits_quorum_operator`]), else the set refuses to act.
     pub replacement: Replacement,
+    /// Longest wait between two looks for a resource type not installed.
+    pub missing_type_max_wait: Duration,
 }
 
 impl SetSettings {
@@ -84,6 +96,8 @@ impl SetSettings {
             max_backoff: s.timing.max_backoff,
             identity: s.identity.clone(),
             replacement: s.spec.replacement,
+            // 20 times the retry cap: a minute with the defaults, a few seconds in tests.
+            missing_type_max_wait: s.timing.max_backoff.saturating_mul(20),
         }
     }
 }
@@ -130,21 +144,38 @@ fn params() -> PatchParams {
     }
 }
 
-/// The owner reference a set puts on its Machines.
-pub fn owner_reference(set: &DynamicObject) -> OwnerReference {
-    OwnerReference {
-        api_version: ControlPlaneSet::api_version(&()).into_owned(),
-        kind: ControlPlaneSet::kind(&()).into_owned(),
-        name: set.name_any(),
-        uid: set.uid().unwrap_or_default(),
-        controller: Some(true),
-        block_owner_deletion: Some(true),
-    }
+/// The label that makes a Machine the set's: the set's uid.
+pub const SET_LABEL: &str = "etcd-warden.io/control-plane-set";
+
+/// Whether `m` carries the set's label for the set with `uid`.
+fn labelled(m: &DynamicObject, uid: &str) -> bool {
+    m.labels().get(SET_LABEL).is_some_and(|v| v == uid)
 }
 
-/// Whether `m` carries an owner reference to the object with `uid`.
-fn owned_by(m: &DynamicObject, uid: &str) -> bool {
+/// Whether `m` carries an owner reference to the set with `uid` (written by earlier versions).
+fn referenced(m: &DynamicObject, uid: &str) -> bool {
     m.owner_references().iter().any(|o| o.uid == uid)
+}
+
+/// Whether `m` is the set's as this version keeps it: labelled, no owner reference to it.
+fn owned_by(m: &DynamicObject, uid: &str) -> bool {
+    labelled(m, uid) && !referenced(m, uid)
+}
+
+/// `m`'s owner references without those to the set with `uid`.
+fn other_owners(m: &DynamicObject, uid: &str) -> Vec<OwnerReference> {
+    m.owner_references()
+        .iter()
+        .filter(|o| o.uid != uid)
+        .cloned()
+        .collect()
+}
+
+/// The set a Machine belongs to: name and uid.
+#[derive(Debug, Clone)]
+struct SetRef {
+    name: String,
+    uid: String,
 }
 
 /// The Machines of one ControlPlaneSet.
@@ -152,7 +183,7 @@ pub struct KubeSetMachines {
     api: Api<DynamicObject>,
     nodes: Api<k8s_openapi::api::core::v1::Node>,
     selector: String,
-    owner: OwnerReference,
+    owner: SetRef,
     labels: BTreeMap<String, String>,
     annotations: BTreeMap<String, String>,
     peer_scheme: String,
@@ -171,7 +202,10 @@ impl KubeSetMachines {
             nodes: Api::all(client.clone()),
             api: Api::namespaced_with(client, &settings.namespace, &machine_resource()),
             selector: valid.selector.clone(),
-            owner: owner_reference(set),
+            owner: SetRef {
+                name: set.name_any(),
+                uid: set.uid().unwrap_or_default(),
+            },
             labels: valid.metadata.labels.clone(),
             annotations: valid.metadata.annotations.clone(),
             peer_scheme: settings.peer_scheme.clone(),
@@ -224,19 +258,27 @@ impl KubeSetMachines {
     }
 }
 
-/// The label every control-plane Node carries (OpenShift sets both this and
-/// `node-role.kubernetes.io/control-plane`).
-pub const CONTROL_PLANE_NODES: &str = "node-role.kubernetes.io/master";
+/// The labels a control-plane Node carries: `control-plane`, and the deprecated `master` that
+/// older clusters (and OpenShift, beside the other) still set; a Node with either counts.
+pub const CONTROL_PLANE_NODES: [&str; 2] = [
+    "node-role.kubernetes.io/control-plane",
+    "node-role.kubernetes.io/master",
+];
 
 #[async_trait]
 impl SetMachines for KubeSetMachines {
     async fn control_plane_nodes(&self) -> Result<Vec<String>, BackendError> {
-        let list = self
-            .nodes
-            .list(&ListParams::default().labels(CONTROL_PLANE_NODES))
-            .await
-            .map_err(|e| backend_error("listing the control-plane nodes", e))?;
-        Ok(list.items.iter().map(|n| n.name_any()).collect())
+        // A label selector cannot say "either": one list per label, merged.
+        let mut names = std::collections::BTreeSet::new();
+        for label in CONTROL_PLANE_NODES {
+            let list = self
+                .nodes
+                .list(&ListParams::default().labels(label))
+                .await
+                .map_err(|e| backend_error("listing the control-plane nodes", e))?;
+            names.extend(list.items.iter().map(|n| n.name_any()));
+        }
+        Ok(names.into_iter().collect())
     }
 
     async fn list_set(&self) -> Result<Vec<SetMachine>, BackendError> {
@@ -263,7 +305,7 @@ impl SetMachines for KubeSetMachines {
             if let Some(other) = m
                 .owner_references()
                 .iter()
-                .find(|o| o.controller == Some(true))
+                .find(|o| o.controller == Some(true) && o.uid != self.owner.uid)
             {
                 return Err(BackendError::Rejected {
                     what: format!("adopting machine {machine}"),
@@ -274,12 +316,16 @@ impl SetMachines for KubeSetMachines {
                     .into(),
                 });
             }
-            let mut refs = m.owner_references().to_vec();
-            refs.push(self.owner.clone());
-            let patch = json!({"metadata": {
-                "ownerReferences": refs,
+            // The label, and an owner reference an earlier version wrote taken off, on the
+            // version read (the owner references are a list, replaced whole).
+            let mut meta = json!({
+                "labels": {SET_LABEL: self.owner.uid},
                 "resourceVersion": m.metadata.resource_version,
-            }});
+            });
+            if referenced(&m, &self.owner.uid) {
+                meta["ownerReferences"] = json!(other_owners(&m, &self.owner.uid));
+            }
+            let patch = json!({"metadata": meta});
             match self
                 .api
                 .patch(machine, &params(), &Patch::Merge(&patch))
@@ -303,14 +349,15 @@ impl SetMachines for KubeSetMachines {
     }
 
     async fn create(&self, spec: &Value) -> Result<String, BackendError> {
+        let mut labels = self.labels.clone();
+        labels.insert(SET_LABEL.into(), self.owner.uid.clone());
         let m: DynamicObject = serde_json::from_value(json!({
             "apiVersion": "machine.openshift.io/v1beta1",
             "kind": "Machine",
             "metadata": {
                 "generateName": format!("{}-control-plane-", self.owner.name),
-                "labels": self.labels,
+                "labels": labels,
                 "annotations": self.annotations,
-                "ownerReferences": [self.owner],
             },
             "spec": spec,
         }))
@@ -346,7 +393,12 @@ enum Outcome {
     Acted,
     /// Nothing to do until something changes.
     Idle,
+    /// The ControlPlaneSet resource type is not installed.
+    Missing,
 }
+
+/// What `/healthz` shows while the resource type is missing.
+pub const WAITING_FOR_TYPE: &str = "waiting for the ControlPlaneSet resource type (CRD controlplanesets.etcd-warden.io not installed)";
 
 struct Parts<Q: Machines> {
     client: ::kube::Client,
@@ -358,19 +410,12 @@ struct Parts<Q: Machines> {
 }
 
 impl<Q: Machines> Parts<Q> {
-    async fn reconcile(&self, missing_logged: &mut bool) -> Result<Outcome, SetError> {
+    async fn reconcile(&self) -> Result<Outcome, SetError> {
         let sets = match self.sets.list(&ListParams::default()).await {
             Ok(l) => l.items,
-            Err(e) if is_status(&e, 404) => {
-                if !*missing_logged {
-                    info!("no ControlPlaneSet resource type installed; the set's controller idles");
-                    *missing_logged = true;
-                }
-                return Ok(Outcome::Idle);
-            }
+            Err(e) if is_status(&e, 404) => return Ok(Outcome::Missing),
             Err(e) => return Err(call("listing ControlPlaneSets")(e).into()),
         };
-        *missing_logged = false;
         let mut outcome = Outcome::Idle;
         for other in sets.iter().filter(|s| s.name_any() != NAME) {
             // Refused, whatever else it says: only `cluster` is ever acted on.
@@ -449,7 +494,13 @@ impl<Q: Machines> Parts<Q> {
             Arc::new(backend),
             Arc::clone(&self.operator),
         );
-        let plan = match controller.step().await {
+        // Inactive: observed and reported, never acted on (no adoption either: that patches).
+        let stepped = if valid.active {
+            controller.step().await
+        } else {
+            controller.observe().await.map(inactive)
+        };
+        let plan = match stepped {
             Ok(p) => p,
             // Refused for good (a Machine another controller owns, a Machine the API server
             // will not take): an administrator's matter, so a condition says it, not only a log.
@@ -552,8 +603,8 @@ impl<Q: Machines> Parts<Q> {
         }
     }
 
-    /// A deleting set: takes its owner references off every Machine (leaving the Machines),
-    /// then its finalizer off.
+    /// A deleting set: takes its label (and any owner reference to it an earlier version
+    /// wrote) off every Machine, leaving the Machines, then its finalizer off.
     async fn orphan(&self, set: &DynamicObject) -> Result<Outcome, SetError> {
         if !set.finalizers().iter().any(|f| f == FINALIZER) {
             return Ok(Outcome::Idle);
@@ -565,16 +616,19 @@ impl<Q: Machines> Parts<Q> {
                 .list(&ListParams::default())
                 .await
                 .map_err(call("listing machines to orphan"))?;
-            for m in list.items.iter().filter(|m| owned_by(m, &uid)) {
-                let rest: Vec<&OwnerReference> = m
-                    .owner_references()
-                    .iter()
-                    .filter(|o| o.uid != uid)
-                    .collect();
-                let patch = json!({"metadata": {
-                    "ownerReferences": rest,
+            for m in list
+                .items
+                .iter()
+                .filter(|m| labelled(m, &uid) || referenced(m, &uid))
+            {
+                let mut meta = json!({
+                    "labels": {SET_LABEL: null},
                     "resourceVersion": m.metadata.resource_version,
-                }});
+                });
+                if referenced(m, &uid) {
+                    meta["ownerReferences"] = json!(other_owners(m, &uid));
+                }
+                let patch = json!({"metadata": meta});
                 let name = m.name_any();
                 match self
                     .machines
@@ -587,7 +641,7 @@ impl<Q: Machines> Parts<Q> {
                             set,
                             "Orphan",
                             "MachineOrphaned",
-                            format!("machine {name} left in place, owner reference removed"),
+                            format!("machine {name} left in place, no longer the set's"),
                         )
                         .await;
                     }
@@ -643,6 +697,29 @@ impl<Q: Machines> Parts<Q> {
     }
 }
 
+/// An Inactive set's plan: its actions are only reported, in a `Progressing=False, Inactive`
+/// condition saying what an Active set would do; nothing is acted on or published.
+fn inactive(mut plan: Plan) -> Plan {
+    let would: Vec<String> = plan.actions.iter().map(ToString::to_string).collect();
+    let message = if would.is_empty() {
+        "spec.state is Inactive: the Machines are as the set would keep them".to_owned()
+    } else {
+        format!(
+            "spec.state is Inactive; when Active the set would: {}",
+            would.join("; ")
+        )
+    };
+    plan.conditions.retain(|c| c.kind != "Progressing");
+    plan.conditions.push(super::Condition {
+        kind: "Progressing",
+        status: false,
+        reason: "Inactive",
+        message,
+    });
+    plan.actions.clear();
+    plan
+}
+
 /// The set's status as read (an unreadable one counts as empty and is rewritten).
 fn status_of(set: &DynamicObject) -> ControlPlaneSetStatus {
     set.data
@@ -687,13 +764,15 @@ async fn trigger(api: Api<DynamicObject>, wake: Arc<Notify>, cancel: Cancellatio
     }
 }
 
-/// Runs the set's controller until `cancel`, acting only while `leader` is true.
+/// Runs the set's controller until `cancel`, acting only while `leader` is true; `report` is
+/// told what the loop waits for ([`WAITING_FOR_TYPE`]) and `None` once it no longer does.
 pub async fn run<Q: Machines>(
     client: ::kube::Client,
     settings: SetSettings,
     operator: Arc<Operator<Q>>,
     mut leader: watch::Receiver<bool>,
     cancel: CancellationToken,
+    report: impl Fn(Option<&str>) + Send,
 ) {
     let parts = Parts {
         sets: Api::namespaced_with(client.clone(), &settings.namespace, &set_resource()),
@@ -714,21 +793,22 @@ pub async fn run<Q: Machines>(
     let _stop_tasks = child.clone().drop_guard();
     let wake = Arc::new(Notify::new());
     tasks.spawn(trigger(
-        parts.sets.clone(),
-        Arc::clone(&wake),
-        child.clone(),
-    ));
-    tasks.spawn(trigger(
         parts.machines.clone(),
         Arc::clone(&wake),
         child.clone(),
     ));
-    tasks.close();
+    // The sets' watch starts once their type is known to be installed: a watch on a missing
+    // type would list it again and again.
+    let mut watching_sets = false;
 
     let backoff =
         crate::backoff::Backoff::new(parts.settings.min_backoff, parts.settings.max_backoff);
+    let missing_backoff = crate::backoff::Backoff::new(
+        parts.settings.interval,
+        parts.settings.missing_type_max_wait,
+    );
     let mut failures = 0u32;
-    let mut missing_logged = false;
+    let mut missing = 0u32;
     'run: loop {
         while !*leader.borrow_and_update() {
             tokio::select! {
@@ -740,9 +820,37 @@ pub async fn run<Q: Machines>(
             let result = tokio::select! {
                 _ = cancel.cancelled() => break 'run,
                 _ = leader.wait_for(|l| !*l) => continue 'run,
-                r = parts.reconcile(&mut missing_logged) => r,
+                r = parts.reconcile() => r,
             };
+            if matches!(result, Ok(Outcome::Acted | Outcome::Idle)) {
+                if missing > 0 {
+                    info!(
+                        "the ControlPlaneSet resource type is installed; the set's controller starts"
+                    );
+                    report(None);
+                    missing = 0;
+                }
+                if !watching_sets {
+                    tasks.spawn(trigger(
+                        parts.sets.clone(),
+                        Arc::clone(&wake),
+                        child.clone(),
+                    ));
+                    watching_sets = true;
+                }
+            }
             let wait = match result {
+                Ok(Outcome::Missing) => {
+                    missing = missing.saturating_add(1);
+                    if missing == 1 {
+                        info!(
+                            max_wait = ?parts.settings.missing_type_max_wait,
+                            "the ControlPlaneSet resource type is not installed (apply deploy/operator/crds.yaml); the set's controller waits for it"
+                        );
+                        report(Some(WAITING_FOR_TYPE));
+                    }
+                    missing_backoff.delay(missing)
+                }
                 Ok(Outcome::Acted) => {
                     failures = 0;
                     Duration::from_millis(50)
@@ -761,12 +869,14 @@ pub async fn run<Q: Machines>(
             tokio::select! {
                 _ = cancel.cancelled() => break 'run,
                 _ = leader.wait_for(|l| !*l) => continue 'run,
-                _ = wake.notified() => {}
+                // A Machine changing says nothing about a missing type.
+                _ = wake.notified(), if missing == 0 => {}
                 _ = tokio::time::sleep(wait) => {}
             }
         }
     }
     child.cancel();
+    tasks.close();
     if tokio::time::timeout(Duration::from_secs(5), tasks.wait())
         .await
         .is_err()

@@ -21,6 +21,7 @@
 //! domain added or removed makes Machines misplaced, and they are replaced like outdated ones.
 
 pub mod controller;
+pub mod generate;
 pub mod kube;
 pub mod resource;
 
@@ -269,7 +270,7 @@ impl DomainField {
 
     /// `spec` without the failure domain, and without the objects that held only it (an AWS
     /// spec whose `placement` carried just the zone equals a template without `placement`).
-    fn strip(self, spec: &Value) -> Value {
+    pub fn strip(self, spec: &Value) -> Value {
         let mut out = spec.clone();
         let mut path = self.0;
         while let Some((parent, leaf)) = path.rsplit_once('/') {

@@ -23,6 +23,7 @@
 //! kind: ControlPlaneSet
 //! metadata: {name: cluster, namespace: openshift-machine-api}
 //! spec:
+//!   state: Active                     # or Inactive (observes, never acts); Inactive → Active only
 //!   replicas: 3                       # 3 or 5, immutable
 //!   strategy: {type: RollingUpdate}   # or Recreate, OnDelete
 //!   failureDomains:
@@ -84,6 +85,11 @@ pub const FINALIZER: &str = "etcd-warden.io/orphan-machines";
 ).message("spec.selector: must match spec.template.metadata.labels"))]
 #[serde(rename_all = "camelCase")]
 pub struct ControlPlaneSetSpec {
+    /// `Active` (default) acts on the Machines; `Inactive` observes and reports status but
+    /// never creates, deletes or patches a Machine. Inactive → Active only.
+    #[serde(default)]
+    #[x_kube(validation = Rule::new("self == oldSelf || self == 'Active'").message("spec.state: an Active set cannot go back to Inactive"))]
+    pub state: State,
     /// Control-plane Machines: 3 or 5. Immutable.
     #[serde(default = "default_replicas")]
     #[schemars(schema_with = "three_or_five")]
@@ -96,6 +102,7 @@ pub struct ControlPlaneSetSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure_domains: Option<FailureDomains>,
     /// Selects the Machines of the set; must match the template's labels. Immutable.
+    #[schemars(schema_with = "bounded_selector")]
     #[x_kube(validation = Rule::new("self == oldSelf").message("spec.selector is immutable"))]
     pub selector: LabelSelector,
     /// What new Machines are made from.
@@ -106,9 +113,102 @@ fn default_replicas() -> i32 {
     3
 }
 
+/// Longest label value Kubernetes accepts.
+pub const LABEL_VALUE_MAX: u32 = 63;
+/// Longest label key Kubernetes accepts: a DNS-subdomain prefix (253), `/`, a name (63).
+pub const LABEL_KEY_MAX: u32 = 253 + 1 + 63;
+/// Most labels in `spec.selector.matchLabels`.
+pub const SELECTOR_LABELS_MAX: u32 = 32;
+/// Most requirements in `spec.selector.matchExpressions`.
+pub const SELECTOR_EXPRESSIONS_MAX: u32 = 32;
+/// Most values in one `matchExpressions` requirement.
+pub const SELECTOR_VALUES_MAX: u32 = 64;
+/// Most labels in `spec.template.metadata.labels`.
+pub const TEMPLATE_LABELS_MAX: u32 = 64;
+
+// A real API server estimates the cost of every CEL rule from the schema it reaches and refuses
+// the CRD when the worst case is over budget: an unbounded list, map or string counts as large
+// as a request can make it (3 MiB). So every list, map and string a rule reaches is bounded
+// here, by Kubernetes' own limits where it has one (label keys and values); tests/manifests.rs
+// walks the generated schema and fails on a rule that reaches an unbounded field.
+
+/// A map of label values (keys cannot carry a `maxLength` in a structural schema; the map's
+/// `maxProperties` bounds them for the cost estimate, the API server bounds them on Machines).
+fn label_map(max: u32) -> schemars::Schema {
+    json_schema!({
+        "type": "object",
+        "maxProperties": max,
+        "additionalProperties": {"type": "string", "maxLength": LABEL_VALUE_MAX},
+    })
+}
+
+/// `spec.template.metadata.labels`.
+fn template_labels(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    label_map(TEMPLATE_LABELS_MAX)
+}
+
+/// metav1.LabelSelector with every list, map and string bounded (see above).
+fn bounded_selector(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    let mut match_labels = label_map(SELECTOR_LABELS_MAX);
+    match_labels.insert(
+        "description".into(),
+        json!("matchLabels is a map of {key,value} pairs, ANDed, each equivalent to a matchExpressions requirement with operator In and that one value."),
+    );
+    json_schema!({
+        "type": "object",
+        "properties": {
+            "matchLabels": match_labels,
+            "matchExpressions": {
+                "description": "matchExpressions is a list of label selector requirements. The requirements are ANDed.",
+                "type": "array",
+                "maxItems": SELECTOR_EXPRESSIONS_MAX,
+                "items": {
+                    "description": "A label selector requirement: a key, an operator and values.",
+                    "type": "object",
+                    "required": ["key", "operator"],
+                    "properties": {
+                        "key": {
+                            "description": "key is the label key that the selector applies to.",
+                            "type": "string",
+                            "maxLength": LABEL_KEY_MAX,
+                        },
+                        "operator": {
+                            "description": "operator is In, NotIn, Exists or DoesNotExist.",
+                            "type": "string",
+                            "enum": ["In", "NotIn", "Exists", "DoesNotExist"],
+                        },
+                        "values": {
+                            "description": "values: non-empty for In and NotIn, empty for Exists and DoesNotExist.",
+                            "type": "array",
+                            "maxItems": SELECTOR_VALUES_MAX,
+                            "items": {"type": "string", "maxLength": LABEL_VALUE_MAX},
+                        },
+                    },
+                },
+            },
+        },
+    })
+}
+
 /// An integer enum keeps its `type` (a structural schema needs one on every field).
 fn three_or_five(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
     json_schema!({"type": "integer", "format": "int32", "enum": [3, 5]})
+}
+
+/// `spec.state`. Absent means `Active`: a set created before the field existed was acting and
+/// keeps acting (a default of `Inactive` would stop it on upgrade, and the transition rule
+/// would then forbid nothing but let it be re-activated by hand); a set to review before it
+/// acts is written `Inactive` explicitly, as `etcd-warden-operator generate-controlplaneset`
+/// does (OpenShift's control-plane machine set generates its sets `Inactive` the same way).
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, schemars::JsonSchema,
+)]
+pub enum State {
+    /// Acts on the Machines.
+    #[default]
+    Active,
+    /// Observes and reports only.
+    Inactive,
 }
 
 /// `spec.strategy`.
@@ -173,6 +273,7 @@ pub struct MachineTemplate {
 pub struct TemplateMetadata {
     /// Labels of new Machines (the selector must match them).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(schema_with = "template_labels")]
     pub labels: BTreeMap<String, String>,
     /// Annotations of new Machines.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -234,6 +335,9 @@ pub struct AcceptedSpec {
     pub replicas: i32,
     /// `spec.selector`.
     pub selector: LabelSelector,
+    /// `spec.state` as last accepted (absent: before the field existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<State>,
 }
 
 /// A spec the controller refuses: the field and why.
@@ -307,6 +411,8 @@ pub struct Valid {
     pub accepted: AcceptedSpec,
     /// Labels and annotations of new Machines.
     pub metadata: TemplateMetadata,
+    /// Whether the set acts (`spec.state: Active`).
+    pub active: bool,
 }
 
 /// Checks a set as read (raw JSON, so a bad enum is reported with its path rather than failing
@@ -351,6 +457,12 @@ pub fn validate(raw: &Value, accepted: Option<&AcceptedSpec>) -> Result<Valid, I
                     "is immutable: accepted {}, now {}",
                     a.replicas, spec.replicas
                 ),
+            ));
+        }
+        if a.state == Some(State::Active) && spec.state == State::Inactive {
+            return Err(invalid(
+                "spec.state",
+                "an Active set cannot go back to Inactive (delete it and create an Inactive one)",
             ));
         }
         if a.selector != spec.selector {
@@ -417,8 +529,10 @@ pub fn validate(raw: &Value, accepted: Option<&AcceptedSpec>) -> Result<Valid, I
         accepted: AcceptedSpec {
             replicas: spec.replicas,
             selector: spec.selector,
+            state: Some(spec.state),
         },
         metadata: spec.template.metadata,
+        active: spec.state == State::Active,
     })
 }
 
@@ -648,6 +762,32 @@ mod tests {
         assert_eq!(validate(&r, None).unwrap_err().field, "spec.selector");
         r["spec"]["selector"] = json!({});
         assert_eq!(validate(&r, None).unwrap_err().field, "spec.selector");
+    }
+
+    #[test]
+    fn state_defaults_to_active_and_goes_from_inactive_to_active_only() {
+        let v = validate(&raw(NAME), None).unwrap();
+        assert!(v.active, "absent: Active");
+        let mut r = raw(NAME);
+        r["spec"]["state"] = json!("Inactive");
+        let inactive = validate(&r, None).unwrap();
+        assert!(!inactive.active);
+        r["spec"]["state"] = json!("Active");
+        let active = validate(&r, Some(&inactive.accepted)).unwrap();
+        assert!(active.active);
+        r["spec"]["state"] = json!("Inactive");
+        let e = validate(&r, Some(&active.accepted)).unwrap_err();
+        assert_eq!(e.field, "spec.state");
+        r["spec"]["state"] = json!("Paused");
+        assert_eq!(validate(&r, None).unwrap_err().field, "spec.state");
+        let crd = serde_json::to_value(ControlPlaneSet::crd()).unwrap();
+        let state = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+            ["properties"]["state"];
+        assert_eq!(state["enum"], json!(["Active", "Inactive"]));
+        assert_eq!(
+            state["x-kubernetes-validations"][0]["rule"],
+            "self == oldSelf || self == 'Active'"
+        );
     }
 
     #[test]

@@ -301,6 +301,8 @@ pub async fn run_serving(
     let mut registry = Registry::default();
     operator.metrics().register(&mut registry);
     lease_metrics.register(&mut registry);
+    let event_metrics = events::EventMetrics::default();
+    event_metrics.register(&mut registry);
 
     let tasks = TaskTracker::new();
     let health = TaskHealth::new();
@@ -362,6 +364,10 @@ pub async fn run_serving(
             recorder,
             settings.machines.namespace.clone(),
             fallback,
+            // Ten retry caps (30 s with the defaults): past etcd's few seconds of "unhealthy
+            // cluster" after a membership change.
+            events::Streaks::new(settings.timing.max_backoff.saturating_mul(10)),
+            event_metrics,
             child.clone(),
         ),
     );
@@ -376,6 +382,10 @@ pub async fn run_serving(
             Arc::clone(&operator),
             acting.clone(),
             child.clone(),
+            {
+                let health = health.clone();
+                move |detail: Option<&str>| health.detail("control-plane-set", detail)
+            },
         ),
     );
     let wake = Arc::new(Notify::new());

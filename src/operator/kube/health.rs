@@ -21,11 +21,13 @@ use prometheus_client::registry::Registry;
 use tokio_util::task::TaskTracker;
 use tracing::error;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 struct TaskState {
     alive: bool,
     /// Readiness gate: `Some(false)` until [`TaskHealth::ready`] opens it.
     ready: Option<bool>,
+    /// What a live task waits for, shown on `/healthz` (it stays healthy meanwhile).
+    detail: Option<String>,
 }
 
 /// Which internal tasks run, and which have become ready; cheap to clone (a shared handle).
@@ -73,6 +75,7 @@ impl TaskHealth {
             TaskState {
                 alive: true,
                 ready: gated.then_some(false),
+                detail: None,
             },
         );
         let guard = Alive {
@@ -94,6 +97,21 @@ impl TaskHealth {
         {
             *r = true;
         }
+    }
+
+    /// Sets (or with `None` clears) what `name` waits for, as `/healthz` shows it.
+    pub fn detail(&self, name: &str, detail: Option<&str>) {
+        if let Some(t) = self.lock().get_mut(name) {
+            t.detail = detail.map(str::to_owned);
+        }
+    }
+
+    /// (task, what it waits for) of every task that says.
+    pub fn details(&self) -> Vec<(String, String)> {
+        self.lock()
+            .iter()
+            .filter_map(|(n, t)| Some((n.clone(), t.detail.clone()?)))
+            .collect()
     }
 
     /// Names of the tasks that are no longer running.
@@ -150,10 +168,11 @@ fn answer(code: StatusCode, body: String) -> Response {
 async fn healthz(State(s): State<HealthState>) -> Response {
     let dead = s.tasks.dead();
     if dead.is_empty() {
-        answer(
-            StatusCode::OK,
-            format!("ok: {}\n", s.tasks.names().join(", ")),
-        )
+        let mut body = format!("ok: {}\n", s.tasks.names().join(", "));
+        for (task, detail) in s.tasks.details() {
+            body.push_str(&format!("{task}: {detail}\n"));
+        }
+        answer(StatusCode::OK, body)
     } else {
         answer(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -252,6 +271,13 @@ mod tests {
         let (code, body) = get(&state, "/healthz").await;
         assert_eq!(code, StatusCode::OK, "{body}");
         assert!(body.contains("panics, returns, watch"), "{body}");
+        // A live task waiting for something says so and stays healthy.
+        tasks.detail("returns", Some("waiting for a CRD"));
+        let (code, body) = get(&state, "/healthz").await;
+        assert_eq!(code, StatusCode::OK, "{body}");
+        assert!(body.contains("\nreturns: waiting for a CRD\n"), "{body}");
+        tasks.detail("returns", None);
+        assert!(!get(&state, "/healthz").await.1.contains("waiting"));
         // Not ready until the gated task says so.
         let (code, body) = get(&state, "/readyz").await;
         assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
