@@ -1480,37 +1480,12 @@ async fn the_kill_never_waits_behind_snapshots_queued_against_a_store_that_does_
         "etcd",
     );
     let (gate, gate_rx) = watch::channel(Gate::Closed);
-    let engine = EtcdEngine::new(
-        etcd_warden::etcd::RotatingClient::connect(&etcd.config)
-            .await
-            .expect("client"),
-        hanging,
-        Codec::Gzip,
-        etcd_warden::store::gc::Retention {
-            policy: etcd_warden::config::GcPolicy::LimitBased { max_backups: 10 },
-            delta_retention: Duration::ZERO,
-        },
-    );
     let cancel = CancellationToken::new();
-    let (actor, actor_task) = actor::spawn(
-        engine,
-        ActorConfig {
-            schedule: std::str::FromStr::from_str("0 0 1 1 *").expect("cron"),
-            delta_period: Duration::ZERO,
-            delta_memory_limit: 1 << 20,
-            gc_period: Duration::from_secs(3600),
-            leader_check_interval: Duration::from_millis(100),
-            timeout: Duration::from_secs(60),
-            defrag: etcd_warden::config::DefragConfig {
-                schedule: None,
-                timeout: Duration::from_secs(60),
-                min_free_fraction: 0.1,
-            },
-        },
-        gate_rx,
-        SnapshotMetrics::default(),
-        cancel.child_token(),
-    );
+    let client = etcd_warden::etcd::RotatingClient::connect(&etcd.config)
+        .await
+        .expect("client");
+    let (actor, actor_task) =
+        actor_over(client, hanging, Duration::from_secs(60), gate_rx, &cancel);
 
     let dns = DnsServer::start().await;
     dns.set_txt(NAME, &[ID]).await;
@@ -1605,14 +1580,12 @@ async fn the_kill_never_waits_behind_snapshots_queued_against_a_store_that_does_
 
 /// The snapshot actor over `etcd`, writing to `store`, each snapshot bounded by `timeout`.
 fn actor_over(
-    etcd: &RealEtcd,
     client: etcd_warden::etcd::RotatingClient,
     store: SnapshotStore,
     timeout: Duration,
     gate: watch::Receiver<Gate>,
     cancel: &CancellationToken,
 ) -> (ActorHandle, tokio::task::JoinHandle<()>) {
-    let _ = etcd;
     let engine = EtcdEngine::new(
         client,
         store,

@@ -91,6 +91,35 @@ async fn seed(members: usize) -> (DnsServer, Pod, String, SnapshotStore, tempfil
     (dns, pod, url, store, dir)
 }
 
+/// A sidecar for every member of `pod` with `changes` to its keys, once each is Active.
+async fn active_cluster(
+    pod: &Pod,
+    dns: &DnsServer,
+    url: &str,
+    store: &SnapshotStore,
+    changes: &[(&'static str, &str)],
+) -> Vec<Warden> {
+    let n = pod.etcd.lock().await.members.len();
+    let mut wardens = Vec::new();
+    for i in 0..n {
+        let keys = member_keys(pod, i, dns, url).await;
+        wardens.push(Warden::start(&changed(keys, changes)));
+    }
+    for w in &wardens {
+        until_active(w, store).await;
+    }
+    wardens
+}
+
+/// Every sidecar's log, one after another.
+fn all_logs(wardens: &[Warden]) -> String {
+    wardens
+        .iter()
+        .map(Warden::log_text)
+        .collect::<Vec<_>>()
+        .join("\n-----\n")
+}
+
 /// Waits up to `secs` for exactly one final snapshot in the store.
 async fn until_one_final(store: &SnapshotStore, w: &Warden, secs: u64) {
     let one = eventually(Duration::from_secs(secs), || async {
@@ -313,13 +342,7 @@ async fn e_a_restarted_sidecar_takes_no_second_final_snapshot() {
 #[tokio::test(flavor = "multi_thread")]
 async fn every_member_of_a_cluster_deactivates_but_only_one_final_snapshot_is_taken() {
     let (dns, pod, url, store, _dir) = seed(3).await;
-    let mut wardens = Vec::new();
-    for i in 0..3 {
-        wardens.push(Warden::start(&member_keys(&pod, i, &dns, &url).await));
-    }
-    for w in &wardens {
-        until_active(w, &store).await;
-    }
+    let wardens = active_cluster(&pod, &dns, &url, &store, &[]).await;
     let acknowledged = pod.write("cluster", 10).await;
 
     dns.set_txt(RECORD, &[THEM]).await;
@@ -335,13 +358,7 @@ async fn every_member_of_a_cluster_deactivates_but_only_one_final_snapshot_is_ta
         finals(&store).await.len() == 1
     })
     .await;
-    let logs = || {
-        wardens
-            .iter()
-            .map(Warden::log_text)
-            .collect::<Vec<_>>()
-            .join("\n-----\n")
-    };
+    let logs = || all_logs(&wardens);
     assert!(one, "no final snapshot:\n{}", logs());
     // Every sidecar sees its deactivation through: the final snapshot is done for all of them.
     let all_done = eventually(Duration::from_secs(15), || async {
@@ -381,17 +398,8 @@ async fn every_member_of_a_cluster_deactivates_but_only_one_final_snapshot_is_ta
 async fn k_a_taker_that_never_returns_is_taken_over_with_one_final() {
     use etcd_warden::owner::handoff::HandOffObjects;
     let (dns, pod, url, store, _dir) = seed(3).await;
-    let mut wardens = Vec::new();
-    for i in 0..3 {
-        let keys = member_keys(&pod, i, &dns, &url).await;
-        wardens.push(Warden::start(&changed(
-            keys,
-            &[("owner.takeover_after", "2s")],
-        )));
-    }
-    for w in &wardens {
-        until_active(w, &store).await;
-    }
+    let mut wardens =
+        active_cluster(&pod, &dns, &url, &store, &[("owner.takeover_after", "2s")]).await;
     // Which member takes the final: every sidecar computes the lowest started member ID.
     let mut ids = Vec::new();
     for w in &wardens {
@@ -423,13 +431,7 @@ async fn k_a_taker_that_never_returns_is_taken_over_with_one_final() {
         finals(&store).await.len() == 1
     })
     .await;
-    let logs = || {
-        wardens
-            .iter()
-            .map(Warden::log_text)
-            .collect::<Vec<_>>()
-            .join("\n-----\n")
-    };
+    let logs = || all_logs(&wardens);
     assert!(one, "no final after the taker died:\n{}", logs());
     let f = finals(&store).await;
     assert!(f[0].last_revision >= acknowledged, "{f:?}");
