@@ -1636,14 +1636,7 @@ async fn hand_off_losing(loss: Loss, snapshot_timeout: Duration, linger: Duratio
     let client = etcd_warden::etcd::RotatingClient::connect(&etcd.config)
         .await
         .expect("client");
-    let (actor, actor_task) = actor_over(
-        &etcd,
-        client,
-        store.clone(),
-        snapshot_timeout,
-        gate_rx,
-        &cancel,
-    );
+    let (actor, actor_task) = actor_over(client, store.clone(), snapshot_timeout, gate_rx, &cancel);
     let dns = DnsServer::start().await;
     dns.set_txt(NAME, &[ID]).await;
     let owner = owner_config(&dns, Duration::from_millis(100), Duration::from_millis(500));
