@@ -777,7 +777,7 @@ mod ops {
         eprintln!("{} snapshots verified", list.len());
         match the {
             Some(name) => eprintln!("the hand-off's final snapshot: {name}"),
-            None => eprintln!("no hand-off's final snapshot in this store"),
+            None => eprintln!("no hand-off final snapshot in this store"),
         }
         Ok(())
     }
