@@ -13,6 +13,12 @@
 //!   (etcd's peer traffic names its sender so) are cut, open ones included; others pass. With
 //!   a proxy in front of every etcd member's peer port, one member can be cut off from the
 //!   others while they still talk to each other.
+//! - `LoseAnswers`: requests reach the server, which performs them; the first byte of its answer
+//!   is dropped and the connection cut, so the client sees an error for a request the server
+//!   committed (an S3 PUT or a multipart completion that happened, reported as failed).
+//! - `Late(d)`: requests pass at once; every chunk of the server's answer is held `d` before it
+//!   is forwarded. With `d` past the client's deadline the server completes and the client has
+//!   given up (its abandoned connection is cut once it closes it).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -33,6 +39,8 @@ pub enum FaultMode {
     Slow(Duration),
     Blackhole,
     RefuseFrom(u64),
+    LoseAnswers,
+    Late(Duration),
 }
 
 /// A running proxy; stops on drop.
@@ -174,8 +182,8 @@ async fn connection(
     let (ur, uw) = upstream.into_split();
     tokio::select! {
         _ = stop.cancelled() => {}
-        _ = pump(cr, uw, mode.clone(), tainted.clone(), from) => {}
-        _ = pump(ur, cw, mode.clone(), tainted.clone(), from) => {}
+        _ = pump(cr, uw, mode.clone(), tainted.clone(), from, false) => {}
+        _ = pump(ur, cw, mode.clone(), tainted.clone(), from, true) => {}
     }
 }
 
@@ -201,13 +209,15 @@ async fn request_head(client: &mut TcpStream) -> (Vec<u8>, Option<u64>) {
     (head, from)
 }
 
-/// Forwards one direction according to the mode; returns when the connection must end.
+/// Forwards one direction according to the mode (`answers`: the server-to-client one); returns
+/// when the connection must end.
 async fn pump(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
     mut mode: watch::Receiver<FaultMode>,
     tainted: Arc<AtomicBool>,
     sender: Option<u64>,
+    answers: bool,
 ) {
     let refused = |m: FaultMode| matches!(m, FaultMode::RefuseFrom(id) if Some(id) == sender);
     let mut buf = vec![0u8; 64 * 1024];
@@ -235,6 +245,11 @@ async fn pump(
         match m {
             m if refused(m) => return,
             FaultMode::Pass | FaultMode::RefuseFrom(_) => {}
+            // The server has answered, so it has performed the request: the answer goes nowhere.
+            FaultMode::LoseAnswers if answers => return,
+            FaultMode::LoseAnswers => {}
+            FaultMode::Late(d) if answers => tokio::time::sleep(d).await,
+            FaultMode::Late(_) => {}
             FaultMode::Slow(d) => tokio::time::sleep(d).await,
             FaultMode::Blackhole => {
                 tainted.store(true, Ordering::SeqCst);
