@@ -22,7 +22,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -48,6 +48,18 @@ pub struct FaultProxy {
     pub addr: SocketAddr,
     mode: watch::Sender<FaultMode>,
     stop: CancellationToken,
+    /// What the faults did: answers lost after the server performed the request, answers held
+    /// late.
+    pub counts: Arc<Counts>,
+}
+
+/// What [`FaultMode::LoseAnswers`] and [`FaultMode::Late`] did to traffic.
+#[derive(Debug, Default)]
+pub struct Counts {
+    /// Connections cut at the first byte of the server's answer.
+    pub lost: AtomicU64,
+    /// Answer chunks held late.
+    pub late: AtomicU64,
 }
 
 fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
@@ -64,14 +76,21 @@ impl FaultProxy {
         let addr = listener.local_addr().expect("proxy address");
         let (mode, _) = watch::channel(FaultMode::Pass);
         let stop = CancellationToken::new();
+        let counts = Arc::new(Counts::default());
         tokio::spawn(accept(
             listener,
             addr,
             target,
             mode.subscribe(),
             stop.clone(),
+            counts.clone(),
         ));
-        FaultProxy { addr, mode, stop }
+        FaultProxy {
+            addr,
+            mode,
+            stop,
+            counts,
+        }
     }
 
     /// `http://127.0.0.1:<port>`.
@@ -102,6 +121,7 @@ async fn accept(
     target: SocketAddr,
     mut mode: watch::Receiver<FaultMode>,
     stop: CancellationToken,
+    counts: Arc<Counts>,
 ) {
     let mut listener = Some(listener);
     loop {
@@ -134,7 +154,7 @@ async fn accept(
             _ = stop.cancelled() => return,
             r = mode.changed() => if r.is_err() { return },
             c = accepted => if let Some((client, _)) = c {
-                tokio::spawn(connection(client, target, mode.clone(), stop.clone()));
+                tokio::spawn(connection(client, target, mode.clone(), stop.clone(), counts.clone()));
             },
         }
     }
@@ -145,6 +165,7 @@ async fn connection(
     target: SocketAddr,
     mode: watch::Receiver<FaultMode>,
     stop: CancellationToken,
+    counts: Arc<Counts>,
 ) {
     // Blackholed when it arrives: read and drop until the client goes or the mode changes (then
     // cut: what the client sent is lost).
@@ -182,8 +203,8 @@ async fn connection(
     let (ur, uw) = upstream.into_split();
     tokio::select! {
         _ = stop.cancelled() => {}
-        _ = pump(cr, uw, mode.clone(), tainted.clone(), from, false) => {}
-        _ = pump(ur, cw, mode.clone(), tainted.clone(), from, true) => {}
+        _ = pump(cr, uw, mode.clone(), tainted.clone(), from, None) => {}
+        _ = pump(ur, cw, mode.clone(), tainted.clone(), from, Some(&counts)) => {}
     }
 }
 
@@ -209,15 +230,15 @@ async fn request_head(client: &mut TcpStream) -> (Vec<u8>, Option<u64>) {
     (head, from)
 }
 
-/// Forwards one direction according to the mode (`answers`: the server-to-client one); returns
-/// when the connection must end.
+/// Forwards one direction according to the mode (`answers`: the server-to-client one, counted
+/// there); returns when the connection must end.
 async fn pump(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
     mut mode: watch::Receiver<FaultMode>,
     tainted: Arc<AtomicBool>,
     sender: Option<u64>,
-    answers: bool,
+    answers: Option<&Counts>,
 ) {
     let refused = |m: FaultMode| matches!(m, FaultMode::RefuseFrom(id) if Some(id) == sender);
     let mut buf = vec![0u8; 64 * 1024];
@@ -246,10 +267,18 @@ async fn pump(
             m if refused(m) => return,
             FaultMode::Pass | FaultMode::RefuseFrom(_) => {}
             // The server has answered, so it has performed the request: the answer goes nowhere.
-            FaultMode::LoseAnswers if answers => return,
-            FaultMode::LoseAnswers => {}
-            FaultMode::Late(d) if answers => tokio::time::sleep(d).await,
-            FaultMode::Late(_) => {}
+            FaultMode::LoseAnswers => {
+                if let Some(c) = answers {
+                    c.lost.fetch_add(1, Ordering::SeqCst);
+                    return;
+                }
+            }
+            FaultMode::Late(d) => {
+                if let Some(c) = answers {
+                    c.late.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(d).await;
+                }
+            }
             FaultMode::Slow(d) => tokio::time::sleep(d).await,
             FaultMode::Blackhole => {
                 tainted.store(true, Ordering::SeqCst);

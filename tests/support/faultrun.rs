@@ -1035,6 +1035,43 @@ pub async fn run(schedule: &Schedule) -> Outcome {
         world.restarts(SIDECAR),
     );
     let mut extra = Vec::new();
+    let lost = world
+        .proxy
+        .counts
+        .lost
+        .load(std::sync::atomic::Ordering::SeqCst);
+    let late = world
+        .proxy
+        .counts
+        .late
+        .load(std::sync::atomic::Ordering::SeqCst);
+    if lost + late > 0 {
+        extra.push(format!("store_answers_lost={lost} late={late}"));
+    }
+    let claims = world.objects.claims().await.unwrap_or_default();
+    if claims.len() > 1 {
+        let who: Vec<String> = claims
+            .iter()
+            .map(|c| {
+                let id = c.member().unwrap_or(0);
+                let m = world
+                    .names
+                    .as_ref()
+                    .and_then(|n| n.ids.iter().position(|i| *i == id));
+                m.map_or(format!("{}:{id:x}", c.epoch), |m| {
+                    format!("{}:m{m}", c.epoch)
+                })
+            })
+            .collect();
+        extra.push(format!("claims=[{}]", who.join(",")));
+    }
+    let takeovers: usize = sidecar_logs
+        .iter()
+        .map(|l| l.matches("claiming the take-over").count())
+        .sum();
+    if takeovers > 0 {
+        extra.push(format!("takeover_claims={takeovers}"));
+    }
     if schedule.leases {
         extra.push(format!(
             "lease_acks={}",
