@@ -109,6 +109,8 @@ struct LeaseWriter {
 struct Reclaim {
     /// When it succeeded.
     at: Option<Duration>,
+    /// What the CLI said last.
+    said: String,
     /// The unreclaimed finals just before it.
     first_finals: Vec<String>,
     /// `/snapshot/latest` answers reporting a reclaimed final as final: (time, member, body).
@@ -658,6 +660,7 @@ impl World {
             };
             let said: String = said.chars().take(400).collect();
             self.events.push(format!("reclaim: ok={ok}: {said}"));
+            self.reclaim.said = said;
             if ok {
                 break;
             }
@@ -979,7 +982,7 @@ pub async fn run(schedule: &Schedule) -> Outcome {
     let etcd_ok = (0..world.specs.len())
         .filter(|m| !world.buried.contains(m))
         .all(|m| world.kubelet.with_pod(m, |p| p.process(ETCD).is_some()));
-    let (violations, notes) = world.monitor().with(|observed| {
+    let (mut violations, notes) = world.monitor().with(|observed| {
         invariants::check(&Evidence {
             ending: schedule.ending,
             healed: etcd_ok,
@@ -999,6 +1002,16 @@ pub async fn run(schedule: &Schedule) -> Outcome {
         })
     });
 
+    if schedule.ending == Ending::Reclaim && world.reclaim.at.is_none() {
+        violations.push(Violation {
+            kind: "reclaim-failed",
+            detail: format!(
+                "`etcd-warden reclaim` did not succeed within 15 s of the record naming us again \
+                 after the first hand-off: {}",
+                world.reclaim.said
+            ),
+        });
+    }
     let finals: Vec<String> = snapshots
         .iter()
         .filter(|s| s.is_final)
