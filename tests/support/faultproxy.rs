@@ -13,10 +13,16 @@
 //!   (etcd's peer traffic names its sender so) are cut, open ones included; others pass. With
 //!   a proxy in front of every etcd member's peer port, one member can be cut off from the
 //!   others while they still talk to each other.
+//! - `LoseAnswers`: requests reach the server, which performs them; the first byte of its answer
+//!   is dropped and the connection cut, so the client sees an error for a request the server
+//!   committed (an S3 PUT or a multipart completion that happened, reported as failed).
+//! - `Late(d)`: requests pass at once; every chunk of the server's answer is held `d` before it
+//!   is forwarded. With `d` past the client's deadline the server completes and the client has
+//!   given up (its abandoned connection is cut once it closes it).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -33,6 +39,8 @@ pub enum FaultMode {
     Slow(Duration),
     Blackhole,
     RefuseFrom(u64),
+    LoseAnswers,
+    Late(Duration),
 }
 
 /// A running proxy; stops on drop.
@@ -40,6 +48,18 @@ pub struct FaultProxy {
     pub addr: SocketAddr,
     mode: watch::Sender<FaultMode>,
     stop: CancellationToken,
+    /// What the faults did: answers lost after the server performed the request, answers held
+    /// late.
+    pub counts: Arc<Counts>,
+}
+
+/// What [`FaultMode::LoseAnswers`] and [`FaultMode::Late`] did to traffic.
+#[derive(Debug, Default)]
+pub struct Counts {
+    /// Connections cut at the first byte of the server's answer.
+    pub lost: AtomicU64,
+    /// Answer chunks held late.
+    pub late: AtomicU64,
 }
 
 fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
@@ -56,14 +76,21 @@ impl FaultProxy {
         let addr = listener.local_addr().expect("proxy address");
         let (mode, _) = watch::channel(FaultMode::Pass);
         let stop = CancellationToken::new();
+        let counts = Arc::new(Counts::default());
         tokio::spawn(accept(
             listener,
             addr,
             target,
             mode.subscribe(),
             stop.clone(),
+            counts.clone(),
         ));
-        FaultProxy { addr, mode, stop }
+        FaultProxy {
+            addr,
+            mode,
+            stop,
+            counts,
+        }
     }
 
     /// `http://127.0.0.1:<port>`.
@@ -94,6 +121,7 @@ async fn accept(
     target: SocketAddr,
     mut mode: watch::Receiver<FaultMode>,
     stop: CancellationToken,
+    counts: Arc<Counts>,
 ) {
     let mut listener = Some(listener);
     loop {
@@ -126,7 +154,7 @@ async fn accept(
             _ = stop.cancelled() => return,
             r = mode.changed() => if r.is_err() { return },
             c = accepted => if let Some((client, _)) = c {
-                tokio::spawn(connection(client, target, mode.clone(), stop.clone()));
+                tokio::spawn(connection(client, target, mode.clone(), stop.clone(), counts.clone()));
             },
         }
     }
@@ -137,6 +165,7 @@ async fn connection(
     target: SocketAddr,
     mode: watch::Receiver<FaultMode>,
     stop: CancellationToken,
+    counts: Arc<Counts>,
 ) {
     // Blackholed when it arrives: read and drop until the client goes or the mode changes (then
     // cut: what the client sent is lost).
@@ -174,8 +203,8 @@ async fn connection(
     let (ur, uw) = upstream.into_split();
     tokio::select! {
         _ = stop.cancelled() => {}
-        _ = pump(cr, uw, mode.clone(), tainted.clone(), from) => {}
-        _ = pump(ur, cw, mode.clone(), tainted.clone(), from) => {}
+        _ = pump(cr, uw, mode.clone(), tainted.clone(), from, None) => {}
+        _ = pump(ur, cw, mode.clone(), tainted.clone(), from, Some(&counts)) => {}
     }
 }
 
@@ -201,13 +230,15 @@ async fn request_head(client: &mut TcpStream) -> (Vec<u8>, Option<u64>) {
     (head, from)
 }
 
-/// Forwards one direction according to the mode; returns when the connection must end.
+/// Forwards one direction according to the mode (`answers`: the server-to-client one, counted
+/// there); returns when the connection must end.
 async fn pump(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
     mut mode: watch::Receiver<FaultMode>,
     tainted: Arc<AtomicBool>,
     sender: Option<u64>,
+    answers: Option<&Counts>,
 ) {
     let refused = |m: FaultMode| matches!(m, FaultMode::RefuseFrom(id) if Some(id) == sender);
     let mut buf = vec![0u8; 64 * 1024];
@@ -235,6 +266,19 @@ async fn pump(
         match m {
             m if refused(m) => return,
             FaultMode::Pass | FaultMode::RefuseFrom(_) => {}
+            // The server has answered, so it has performed the request: the answer goes nowhere.
+            FaultMode::LoseAnswers => {
+                if let Some(c) = answers {
+                    c.lost.fetch_add(1, Ordering::SeqCst);
+                    return;
+                }
+            }
+            FaultMode::Late(d) => {
+                if let Some(c) = answers {
+                    c.late.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(d).await;
+                }
+            }
             FaultMode::Slow(d) => tokio::time::sleep(d).await,
             FaultMode::Blackhole => {
                 tainted.store(true, Ordering::SeqCst);

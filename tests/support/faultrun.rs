@@ -15,10 +15,15 @@ use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use std::collections::BTreeSet;
+
+use etcd_client::{Client, ConnectOptions, PutOptions};
+use etcd_warden::owner::handoff::{HandOffObjects, the_final};
 use etcd_warden::store::{Snapshot, SnapshotStore};
 use object_store::ObjectStore;
 use serde_json::Value;
 use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 
 use super::dns::{DnsServer, Mode};
 use super::etcd::member_healthy;
@@ -28,9 +33,9 @@ use super::invariants::{
 };
 use super::podns::{Exit, Kubelet, Pod, etcd_command, member_specs};
 use super::s3::{ACCESS_KEY, REGION, S3Server, SECRET_KEY};
-use super::schedule::{Ending, Fault, Schedule};
+use super::schedule::{Burial, Ending, Fault, Schedule};
 use super::service::{Backend, Service};
-use super::writer::Writer;
+use super::writer::{Ack, Writer};
 use super::{free_port, warden};
 use etcd_warden::etcd::process::MemberSpec;
 
@@ -92,9 +97,32 @@ impl Events {
     }
 }
 
+/// Keys on short leases nobody keeps alive (`Schedule::leases`), written through the Service.
+struct LeaseWriter {
+    acks: Arc<Mutex<Vec<Ack>>>,
+    stop: CancellationToken,
+    task: JoinHandle<()>,
+}
+
+/// What happened around `etcd-warden reclaim` (`Ending::Reclaim`).
+#[derive(Default)]
+struct Reclaim {
+    /// When it succeeded.
+    at: Option<Duration>,
+    /// What the CLI said last.
+    said: String,
+    /// The unreclaimed finals just before it.
+    first_finals: Vec<String>,
+    /// `/snapshot/latest` answers reporting a reclaimed final as final: (time, member, body).
+    read_as_final: Arc<Mutex<Vec<(Duration, usize, String)>>>,
+    poller: Option<JoinHandle<()>>,
+}
+
 /// Everything a run started; dropped in field order (clients first, pods, then servers).
 struct World {
     writer: Option<Writer>,
+    leases: Option<LeaseWriter>,
+    reclaim: Reclaim,
     service: Option<Service>,
     monitor: Option<Monitor>,
     http: Vec<JoinHandle<()>>,
@@ -104,12 +132,18 @@ struct World {
     dns: DnsServer,
     dns_stopped: bool,
     specs: Vec<MemberSpec>,
+    names: Option<MemberNames>,
+    /// Members killed for good.
+    buried: Vec<usize>,
+    /// Each sidecar's configuration keys (the CLI runs with them too).
+    keys: Vec<Vec<(String, String)>>,
     sidecar_ports: Vec<u16>,
     sidecar_logs: Vec<PathBuf>,
     etcd_logs: Vec<PathBuf>,
     incarnations: Vec<Arc<AtomicU32>>,
     token: String,
     store: SnapshotStore,
+    objects: HandOffObjects,
     raw_store: Arc<dyn ObjectStore>,
     events: Events,
     http_client: reqwest::Client,
@@ -135,11 +169,15 @@ fn sidecar_keys(
         ("store.secret_access_key", SECRET_KEY.to_string()),
         ("snapshot.delta_period", "300ms".into()),
         ("snapshot.leader_check_interval", "200ms".into()),
+        // Short, so that a store answering late (Fault::StoreLate) outlasts the client's patience.
+        ("snapshot.timeout", "3s".into()),
         ("owner.name", RECORD.into()),
         ("owner.id", US.into()),
         ("owner.interval", interval.clone()),
         ("owner.timeout", interval),
         ("owner.failure_threshold", "2".into()),
+        // A member killed for good after its fence is taken over within seconds.
+        ("owner.takeover_after", "2s".into()),
         // The fixture's records say TTL 60 s: trust none of it, see every change at the next check.
         ("owner.ttl_cap", "0s".into()),
         ("owner.nameservers", dns.to_string()),
@@ -156,8 +194,13 @@ fn sidecar_keys(
 }
 
 fn sidecar_command(keys: &[(String, String)]) -> std::process::Command {
+    cli_command(keys, "serve")
+}
+
+/// `etcd-warden <subcommand>` with a sidecar's configuration in its environment.
+fn cli_command(keys: &[(String, String)], subcommand: &str) -> std::process::Command {
     let mut cmd = warden::command();
-    cmd.arg("serve");
+    cmd.arg(subcommand);
     for (k, v) in keys {
         cmd.env(
             format!("ETCD_WARDEN_{}", k.replace('.', "_").to_ascii_uppercase()),
@@ -198,6 +241,7 @@ impl World {
         let mut sidecar_logs = Vec::new();
         let mut etcd_logs = Vec::new();
         let mut incarnations = Vec::new();
+        let mut all_keys = Vec::new();
         for spec in &specs {
             let mut pod = Pod::new(&format!("pod-{}", spec.name));
             let etcd_log = dir.path().join(format!("{}.etcd.log", spec.name));
@@ -206,6 +250,7 @@ impl World {
             let port = free_port();
             let keys = sidecar_keys(spec, schedule, port, dns.addr(), &proxy.endpoint(), &token);
             let log = dir.path().join(format!("{}.sidecar.log", spec.name));
+            all_keys.push(keys.clone());
             pod.add("sidecar", log.clone(), move || sidecar_command(&keys));
             incarnations.push(pod.containers[SIDECAR].incarnation.clone());
             pod.start(ETCD);
@@ -217,8 +262,11 @@ impl World {
         let kubelet = Kubelet::start(pods, RESTART_DELAY);
         let store = SnapshotStore::new(s3.object_store(BUCKET), PREFIX);
         let raw_store: Arc<dyn ObjectStore> = s3.object_store(BUCKET);
+        let objects = HandOffObjects::new(store.clone());
         let mut world = World {
             writer: None,
+            leases: None,
+            reclaim: Reclaim::default(),
             service: None,
             monitor: None,
             http: Vec::new(),
@@ -228,12 +276,16 @@ impl World {
             dns,
             dns_stopped: false,
             specs,
+            names: None,
+            buried: Vec::new(),
+            keys: all_keys,
             sidecar_ports,
             sidecar_logs,
             etcd_logs,
             incarnations,
             token,
             store,
+            objects,
             raw_store,
             events,
             http_client: reqwest::Client::builder()
@@ -269,10 +321,11 @@ impl World {
             probes,
             world.raw_store.clone(),
             fence_prefix(PREFIX),
-            names,
+            names.clone(),
             epoch,
             Duration::from_millis(40),
         ));
+        world.names = Some(names);
         let all_ready = super::eventually(Duration::from_secs(30), || async {
             world.monitor.as_ref().is_some_and(|mon| {
                 mon.with(|o| {
@@ -304,6 +357,17 @@ impl World {
             epoch,
             Duration::from_millis(5),
         ));
+        if schedule.leases {
+            let acks = Arc::new(Mutex::new(Vec::new()));
+            let stop = CancellationToken::new();
+            let task = tokio::spawn(lease_writer(
+                service.endpoint(),
+                epoch,
+                acks.clone(),
+                stop.clone(),
+            ));
+            world.leases = Some(LeaseWriter { acks, stop, task });
+        }
         world.service = Some(service);
         let wrote = super::eventually(Duration::from_secs(15), || async {
             world.writer.as_ref().is_some_and(|w| w.ack_count() >= 10)
@@ -341,6 +405,8 @@ impl World {
             Fault::StoreDown => self.proxy.set(FaultMode::Down),
             Fault::StoreSlow(ms) => self.proxy.set(FaultMode::Slow(Duration::from_millis(ms))),
             Fault::StoreBlackhole => self.proxy.set(FaultMode::Blackhole),
+            Fault::StoreLoseAnswers => self.proxy.set(FaultMode::LoseAnswers),
+            Fault::StoreLate(ms) => self.proxy.set(FaultMode::Late(Duration::from_millis(ms))),
             Fault::StoreHeal => self.proxy.set(FaultMode::Pass),
             Fault::SidecarKill { member, down_ms } => {
                 let killed = self
@@ -430,7 +496,7 @@ impl World {
         self.heal_dns().await;
         self.proxy.set(FaultMode::Pass);
         match ending {
-            Ending::Other => self.dns.set_txt(RECORD, &[THEM]).await,
+            Ending::Other | Ending::Reclaim => self.dns.set_txt(RECORD, &[THEM]).await,
             Ending::Deleted => self.dns.remove_txt(RECORD).await,
             Ending::Us => self.dns.set_txt(RECORD, &[US]).await,
         }
@@ -470,9 +536,14 @@ impl World {
             SETTLE_US
         };
         loop {
-            let snapshots = self.store.list().await.unwrap_or_default();
-            let final_latest = invariants::latest_full_is_final(&snapshots);
-            let states = self.states();
+            let final_latest = self.latest_is_final().await;
+            let states: Vec<(String, bool)> = self
+                .states()
+                .into_iter()
+                .enumerate()
+                .filter(|(m, _)| !self.buried.contains(m))
+                .map(|(_, s)| s)
+                .collect();
             let all = |f: &dyn Fn(&(String, bool)) -> bool| states.iter().all(f);
             let active = |s: &(String, bool)| s.0 == "active" && s.1;
             let deactivated = |s: &(String, bool)| s.0 == "deactivated";
@@ -500,6 +571,145 @@ impl World {
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+    }
+
+    /// Whether the latest full snapshot is final as every reader sees it (the_final decides).
+    async fn latest_is_final(&self) -> bool {
+        self.objects
+            .latest_chain()
+            .await
+            .is_ok_and(|c| c.full_snapshot.is_some_and(|s| s.is_final))
+    }
+
+    /// What the schedule plays after the record's final change: a store fault timed to meet the
+    /// final's upload, and a member killed for good right after its fence; at once.
+    async fn end_play(&mut self, schedule: &Schedule) {
+        let store = async {
+            let Some(e) = schedule.end_store else { return };
+            tokio::time::sleep(Duration::from_millis(e.after_ms)).await;
+            self.events.push(format!("end: {}", e.fault));
+            match e.fault {
+                Fault::StoreLate(ms) => self.proxy.set(FaultMode::Late(Duration::from_millis(ms))),
+                _ => self.proxy.set(FaultMode::LoseAnswers),
+            }
+            tokio::time::sleep(Duration::from_millis(e.for_ms)).await;
+            self.proxy.set(FaultMode::Pass);
+            self.events.push("end: store healed");
+        };
+        let burial = async {
+            let target = match (schedule.burial, &self.names) {
+                (Some(Burial::Member(m)), _) => m,
+                (Some(Burial::Taker), Some(names)) => (0..names.ids.len())
+                    .min_by_key(|&m| names.ids[m])
+                    .unwrap_or(0),
+                _ => return None,
+            };
+            let fenced = super::eventually(Duration::from_secs(20), || async {
+                self.monitor().with(|o| o.fence_seen.contains_key(&target))
+            })
+            .await;
+            if !fenced {
+                self.events.push(format!(
+                    "end: m{target}'s fence marker not listed within 20 s: not buried"
+                ));
+                return None;
+            }
+            let (sidecar, etcd) = self
+                .kubelet
+                .with_pod(target, |p| (p.bury(SIDECAR), p.bury(ETCD)));
+            self.events.push(format!(
+                "end: m{target} fenced: buried (sidecar was running: {sidecar}, etcd: {etcd})"
+            ));
+            Some(target)
+        };
+        let ((), buried) = tokio::join!(store, burial);
+        self.buried.extend(buried);
+    }
+
+    /// `Ending::Reclaim` after the first hand-off settled: the record names us again, `etcd-warden
+    /// reclaim` undoes the hand-off, every sidecar is restarted and serves (the writers go on),
+    /// then the record names another seed again. The caller settles the second hand-off.
+    async fn reclaim_and_flip_again(&mut self) {
+        self.reclaim.first_finals = self
+            .objects
+            .finals()
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .map(|s| s.snap_name)
+            .collect();
+        self.dns.set_txt(RECORD, &[US]).await;
+        self.events.push("reclaim: record → us");
+        let keys = self.keys[0].clone();
+        let start = Instant::now();
+        loop {
+            let k = keys.clone();
+            let out =
+                tokio::task::spawn_blocking(move || cli_command(&k, "reclaim").output()).await;
+            let (ok, said) = match out {
+                Ok(Ok(o)) => (
+                    o.status.success(),
+                    format!(
+                        "{} {}",
+                        String::from_utf8_lossy(&o.stdout).trim(),
+                        String::from_utf8_lossy(&o.stderr).trim()
+                    ),
+                ),
+                Ok(Err(e)) => (false, e.to_string()),
+                Err(e) => (false, e.to_string()),
+            };
+            let said: String = said.chars().take(400).collect();
+            self.events.push(format!("reclaim: ok={ok}: {said}"));
+            self.reclaim.said = said;
+            if ok {
+                break;
+            }
+            if start.elapsed() > Duration::from_secs(15) {
+                self.events.push("reclaim: gave up after 15 s");
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        let epoch = self.events.epoch;
+        self.reclaim.at = Some(epoch.elapsed());
+        self.monitor()
+            .observed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .forget_fences(epoch.elapsed());
+        let reclaimed = self.objects.reclaimed().await.unwrap_or_default();
+        self.reclaim.poller = Some(tokio::spawn(watch_latest(
+            self.sidecar_ports.clone(),
+            reclaimed,
+            self.reclaim.read_as_final.clone(),
+            epoch,
+        )));
+        for m in 0..self.specs.len() {
+            self.kubelet
+                .with_pod(m, |p| p.kill(SIDECAR, Duration::ZERO));
+        }
+        self.events
+            .push("reclaim: every sidecar SIGKILLed (the kubelet restarts them)");
+        // A fence listing in flight during the reclaim may have put a deleted marker back.
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        self.monitor()
+            .observed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .forget_fences(epoch.elapsed());
+        let serving = super::eventually(Duration::from_secs(30), || async {
+            self.states().iter().all(|(s, r)| s == "active" && *r)
+        })
+        .await;
+        self.events.push(format!(
+            "reclaim: every sidecar active and ready: {serving} {:?}",
+            self.states()
+        ));
+        // Serve with writes for a while, then the second hand-off.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        self.dns.set_txt(RECORD, &[THEM]).await;
+        self.events
+            .push("reclaim: record → other (the second hand-off)");
     }
 
     fn sidecar_exits(&self) -> Vec<Exit> {
@@ -577,6 +787,90 @@ impl World {
     }
 }
 
+/// Puts `/lease/<n>` keys through `endpoint`, each on its own fresh lease of 1–3 s that nobody
+/// keeps alive, one every ~100 ms, recording every acknowledged put: after a kill their expiry
+/// moves etcd's revision without any client write.
+async fn lease_writer(
+    endpoint: String,
+    epoch: Instant,
+    acks: Arc<Mutex<Vec<Ack>>>,
+    stop: CancellationToken,
+) {
+    let options = ConnectOptions::new()
+        .with_connect_timeout(Duration::from_millis(500))
+        .with_timeout(Duration::from_secs(2));
+    let mut client: Option<Client> = None;
+    let mut n: u64 = 0;
+    while !stop.is_cancelled() {
+        if client.is_none() {
+            let connect = Client::connect([endpoint.as_str()], Some(options.clone()));
+            if let Ok(Ok(c)) = tokio::time::timeout(Duration::from_secs(2), connect).await {
+                client = Some(c);
+            }
+        }
+        if let Some(c) = client.as_mut() {
+            let key = format!("/lease/{n:08}");
+            let ttl = 1 + (n % 3) as i64;
+            n += 1;
+            let put = async {
+                let lease = c.lease_grant(ttl, None).await?;
+                c.put(
+                    key.clone(),
+                    "x",
+                    Some(PutOptions::new().with_lease(lease.id())),
+                )
+                .await
+            };
+            let answer = tokio::select! {
+                _ = stop.cancelled() => return,
+                a = tokio::time::timeout(Duration::from_secs(3), put) => a,
+            };
+            match answer {
+                Ok(Ok(resp)) => acks.lock().unwrap_or_else(|e| e.into_inner()).push(Ack {
+                    key,
+                    revision: resp.header().map(|h| h.revision()).unwrap_or(0),
+                    at: epoch.elapsed(),
+                }),
+                _ => client = None,
+            }
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+        }
+    }
+}
+
+/// Polls every sidecar's `/snapshot/latest` every 100 ms, recording each answer that reports a
+/// final of `reclaimed` as final (a flow polling `isFinal` would take it for the next hand-off's).
+async fn watch_latest(
+    ports: Vec<u16>,
+    reclaimed: BTreeSet<String>,
+    found: Arc<Mutex<Vec<(Duration, usize, String)>>>,
+    epoch: Instant,
+) {
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_millis(800))
+        .build()
+        .expect("HTTP client");
+    loop {
+        for (m, port) in ports.iter().enumerate() {
+            let url = format!("http://127.0.0.1:{port}/snapshot/latest");
+            if let Some((200, body)) = get_json(&client, &url).await {
+                let full = &body["fullSnapshot"];
+                let name = full["snapName"].as_str().unwrap_or_default();
+                if full["isFinal"] == true && reclaimed.contains(name) {
+                    let mut f = found.lock().unwrap_or_else(|e| e.into_inner());
+                    if f.len() < 20 {
+                        f.push((epoch.elapsed(), m, body.to_string()));
+                    }
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 async fn member_names(specs: &[MemberSpec]) -> Result<MemberNames, etcd_client::Error> {
     let endpoints: Vec<String> = specs.iter().map(MemberSpec::client_url).collect();
     let mut client = etcd_client::Client::connect(endpoints, None).await?;
@@ -628,12 +922,32 @@ pub async fn run(schedule: &Schedule) -> Outcome {
         world.apply(step.fault).await;
     }
     world.heal(schedule.ending).await;
-    // etcd is running again in every pod (the kubelet restarts it within RESTART_DELAY + start).
+    world.end_play(schedule).await;
+    // etcd is running again in every pod (the kubelet restarts it within RESTART_DELAY + start),
+    // except in a buried member's.
     world.settle(schedule.ending).await;
+    if schedule.ending == Ending::Reclaim {
+        world.reclaim_and_flip_again().await;
+        world.settle(schedule.ending).await;
+    }
 
     let mut writer = world.writer.take().expect("writer started");
     writer.stop().await;
-    let acks = writer.acks();
+    let mut acks = writer.acks();
+    if let Some(l) = world.leases.take() {
+        l.stop.cancel();
+        let _ = l.task.await;
+        let lease_acks = l.acks.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        world.events.push(format!(
+            "lease writer: {} keys on 1–3 s leases acknowledged",
+            lease_acks.len()
+        ));
+        acks.extend(lease_acks);
+        acks.sort_by_key(|a| a.revision);
+    }
+    if let Some(p) = world.reclaim.poller.take() {
+        p.abort();
+    }
     for h in world.http.drain(..) {
         h.abort();
     }
@@ -649,6 +963,15 @@ pub async fn run(schedule: &Schedule) -> Outcome {
         );
     }
     let snapshots = world.store.list().await.unwrap_or_default();
+    let seen = world.objects.seen().await.unwrap_or_default();
+    let named = the_final(&snapshots, &seen).map(|s| s.snap_name.clone());
+    let latest_final = world.latest_is_final().await;
+    let read_as_final = world
+        .reclaim
+        .read_as_final
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
     let sidecar_exits = world.sidecar_exits();
     world.kubelet.stop();
     let sidecar_logs: Vec<String> = world
@@ -656,9 +979,10 @@ pub async fn run(schedule: &Schedule) -> Outcome {
         .iter()
         .map(|p| std::fs::read_to_string(p).unwrap_or_default())
         .collect();
-    let etcd_ok =
-        (0..world.specs.len()).all(|m| world.kubelet.with_pod(m, |p| p.process(ETCD).is_some()));
-    let (violations, notes) = world.monitor().with(|observed| {
+    let etcd_ok = (0..world.specs.len())
+        .filter(|m| !world.buried.contains(m))
+        .all(|m| world.kubelet.with_pod(m, |p| p.process(ETCD).is_some()));
+    let (mut violations, notes) = world.monitor().with(|observed| {
         invariants::check(&Evidence {
             ending: schedule.ending,
             healed: etcd_ok,
@@ -668,13 +992,39 @@ pub async fn run(schedule: &Schedule) -> Outcome {
             final_status: &final_status,
             sidecar_exits: &sidecar_exits,
             sidecar_logs: &sidecar_logs,
+            reclaimed: &seen.reclaimed,
+            the_final: named.as_deref(),
+            latest_final,
+            reclaim_at: world.reclaim.at,
+            first_finals: &world.reclaim.first_finals,
+            reclaimed_read_as_final: &read_as_final,
+            buried: &world.buried,
         })
     });
 
+    if schedule.ending == Ending::Reclaim && world.reclaim.at.is_none() {
+        violations.push(Violation {
+            kind: "reclaim-failed",
+            detail: format!(
+                "`etcd-warden reclaim` did not succeed within 15 s of the record naming us again \
+                 after the first hand-off: {}",
+                world.reclaim.said
+            ),
+        });
+    }
     let finals: Vec<String> = snapshots
         .iter()
         .filter(|s| s.is_final)
-        .map(|s| format!("@{}", s.last_revision))
+        .map(|s| {
+            let mark = if seen.reclaimed.contains(&s.snap_name) {
+                "(reclaimed)"
+            } else if named.as_deref() == Some(s.snap_name.as_str()) {
+                ""
+            } else {
+                "(unnamed)"
+            };
+            format!("@{}{mark}", s.last_revision)
+        })
         .collect();
     let fences = world.monitor().with(|o| {
         (
@@ -697,7 +1047,73 @@ pub async fn run(schedule: &Schedule) -> Outcome {
         world.restarts(ETCD),
         world.restarts(SIDECAR),
     );
+    let mut extra = Vec::new();
+    let lost = world
+        .proxy
+        .counts
+        .lost
+        .load(std::sync::atomic::Ordering::SeqCst);
+    let late = world
+        .proxy
+        .counts
+        .late
+        .load(std::sync::atomic::Ordering::SeqCst);
+    if lost + late > 0 {
+        extra.push(format!("store_answers_lost={lost} late={late}"));
+    }
+    let claims = world.objects.claims().await.unwrap_or_default();
+    if claims.len() > 1 {
+        let who: Vec<String> = claims
+            .iter()
+            .map(|c| {
+                let id = c.member().unwrap_or(0);
+                let m = world
+                    .names
+                    .as_ref()
+                    .and_then(|n| n.ids.iter().position(|i| *i == id));
+                m.map_or(format!("{}:{id:x}", c.epoch), |m| {
+                    format!("{}:m{m}", c.epoch)
+                })
+            })
+            .collect();
+        extra.push(format!("claims=[{}]", who.join(",")));
+    }
+    let takeovers: usize = sidecar_logs
+        .iter()
+        .map(|l| l.matches("claiming the take-over").count())
+        .sum();
+    if takeovers > 0 {
+        extra.push(format!("takeover_claims={takeovers}"));
+    }
+    if schedule.leases {
+        extra.push(format!(
+            "lease_acks={}",
+            acks.iter().filter(|a| a.key.starts_with("/lease/")).count()
+        ));
+    }
+    if !world.buried.is_empty() {
+        extra.push(format!("buried={:?}", world.buried));
+    }
+    if let Some(at) = world.reclaim.at {
+        extra.push(format!("reclaimed_at={:.1}s", at.as_secs_f64()));
+    } else if schedule.ending == Ending::Reclaim {
+        extra.push("reclaim=failed".into());
+    }
+    let detail = if extra.is_empty() {
+        detail
+    } else {
+        format!("{detail} {}", extra.join(" "))
+    };
     let mut report = format!("{schedule}\n");
+    let _ = writeln!(
+        report,
+        "hand-off objects: the_final={named:?} record={:?} intent={:?} reclaimed={:?}",
+        seen.record.as_ref().map(|r| &r.final_snapshot),
+        seen.intent
+            .as_ref()
+            .map(|i| (&i.final_snapshot, i.revision)),
+        seen.reclaimed
+    );
     let _ = writeln!(report, "violations:");
     for v in &violations {
         let _ = writeln!(report, "  - {v}");

@@ -9,7 +9,12 @@
 //! - **liveness**: when the record ends naming someone else and everything is healed, the latest
 //!   full snapshot is final by the end of the settle time, unless a sidecar's `/status` says why
 //!   it cannot (`owner.reason`, printed);
-//! - **at most one final** snapshot in the store;
+//! - **one final per hand-off**: at most one unreclaimed final snapshot in the store, and it is
+//!   the one the store's hand-off objects name (`owner::handoff::the_final`, what every reader
+//!   goes by); a final `etcd-warden reclaim` undid must still hold every write acknowledged
+//!   before the reclaim, and no sidecar's `/snapshot/latest` may report it as final afterwards;
+//! - **a buried member does not excuse a missing final**: when a member died for good after its
+//!   fence and another survives, the survivors must store the final;
 //! - **never ready after deactivation**: a sidecar process that said `deactivated` (in `/status`
 //!   or the `/healthz` body) never answers `/healthz` 200 again; once a member's fence marker is
 //!   in the store, no sidecar process of that member answers 200 again;
@@ -17,7 +22,7 @@
 //! - **no stuck state without a reason**: at the end, a sidecar that is not active and ready says
 //!   why in `/status` (`owner.reason`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -83,6 +88,19 @@ pub struct Observed {
     pub fence_objects: BTreeMap<String, Option<usize>>,
     /// State changes, for reports: `t member#incarnation state ready`.
     pub timeline: Vec<String>,
+}
+
+impl Observed {
+    /// Forgets the fence markers seen so far: `etcd-warden reclaim` deleted them, and a sidecar
+    /// started after it may be ready again until the next hand-off's markers appear.
+    pub fn forget_fences(&mut self, now: Duration) {
+        self.fence_seen.clear();
+        self.fence_objects.clear();
+        self.timeline.push(format!(
+            "{:8.3}s fence markers forgotten (reclaimed)",
+            now.as_secs_f64()
+        ));
+    }
 }
 
 impl Observed {
@@ -360,14 +378,21 @@ pub struct Evidence<'a> {
     pub sidecar_exits: &'a [Exit],
     /// Each member's sidecar log (every process of it).
     pub sidecar_logs: &'a [String],
-}
-
-/// Whether the latest full snapshot, in the library's order (what the copy job and a restarted
-/// sidecar go by), is final. `snapshots` sorted as `SnapshotStore::list` returns them.
-pub fn latest_full_is_final(snapshots: &[Snapshot]) -> bool {
-    etcd_warden::store::layout::latest_chain(snapshots)
-        .full_snapshot
-        .is_some_and(|s| s.is_final)
+    /// Finals marked reclaimed in the store at the end.
+    pub reclaimed: &'a BTreeSet<String>,
+    /// The hand-off's final as the store's hand-off objects name it (`the_final`), at the end.
+    pub the_final: Option<&'a str>,
+    /// Whether the latest full snapshot, as readers see it (`HandOffObjects::latest_chain`), is
+    /// final at the end.
+    pub latest_final: bool,
+    /// When `etcd-warden reclaim` undid the first hand-off (`Ending::Reclaim`).
+    pub reclaim_at: Option<Duration>,
+    /// The unreclaimed finals in the store just before that reclaim.
+    pub first_finals: &'a [String],
+    /// `/snapshot/latest` answers (time, member, body) that reported a reclaimed final as final.
+    pub reclaimed_read_as_final: &'a [(Duration, usize, String)],
+    /// Members killed for good (sidecar and etcd) after their fence.
+    pub buried: &'a [usize],
 }
 
 fn reason_of(status: &Value) -> Option<&str> {
@@ -391,12 +416,18 @@ pub fn check(e: &Evidence<'_>) -> (Vec<Violation>, Vec<String>) {
         .collect();
     let max_ack = e.acks.iter().map(|a| a.revision).max();
 
-    // No lost write.
+    // No lost write. A final the run reclaimed was undone on purpose: it must hold every write
+    // acknowledged before the reclaim (writes after it belong to the next hand-off).
     for f in &finals {
+        let until = if e.reclaimed.contains(&f.snap_name) {
+            e.reclaim_at.unwrap_or(Duration::MAX)
+        } else {
+            Duration::MAX
+        };
         let missed: Vec<&Ack> = e
             .acks
             .iter()
-            .filter(|a| a.revision > f.last_revision)
+            .filter(|a| a.at < until && a.revision > f.last_revision)
             .collect();
         if let (Some(first), Some(last)) = (missed.first(), missed.last()) {
             v.push(Violation {
@@ -418,28 +449,67 @@ pub fn check(e: &Evidence<'_>) -> (Vec<Violation>, Vec<String>) {
         }
     }
 
-    // At most one final.
-    if finals.len() > 1 {
+    // One final per hand-off: at most one that was not reclaimed, and it is the one the hand-off
+    // objects name; the reclaimed hand-off had at most one too.
+    let live: Vec<&&Snapshot> = finals
+        .iter()
+        .filter(|s| !e.reclaimed.contains(&s.snap_name))
+        .collect();
+    if live.len() > 1 {
         v.push(Violation {
             kind: "two-finals",
             detail: format!(
-                "{} final snapshots: {}",
-                finals.len(),
-                finals
-                    .iter()
+                "{} final snapshots not reclaimed: {} (reclaimed: {:?})",
+                live.len(),
+                live.iter()
                     .map(|s| s.snap_name.as_str())
                     .collect::<Vec<_>>()
-                    .join(", ")
+                    .join(", "),
+                e.reclaimed
+            ),
+        });
+    }
+    if e.first_finals.len() > 1 {
+        v.push(Violation {
+            kind: "two-finals",
+            detail: format!(
+                "the first hand-off (later reclaimed) stored {} finals: {}",
+                e.first_finals.len(),
+                e.first_finals.join(", ")
+            ),
+        });
+    }
+    for f in &live {
+        if e.the_final != Some(f.snap_name.as_str()) {
+            v.push(Violation {
+                kind: "unnamed-final",
+                detail: format!(
+                    "final {} is not reclaimed, yet the store's hand-off objects name {:?} as \
+                     the final: readers disagree on which object ends the hand-off",
+                    f.snap_name, e.the_final
+                ),
+            });
+        }
+    }
+    for (at, m, body) in e.reclaimed_read_as_final {
+        v.push(Violation {
+            kind: "reclaimed-read-as-final",
+            detail: format!(
+                "m{m}'s /snapshot/latest at {:.3}s reported a reclaimed final as final: {body}",
+                at.as_secs_f64()
             ),
         });
     }
 
     // Liveness of the hand-off.
-    if e.ending.hands_off() && e.healed && !latest_full_is_final(e.snapshots) {
+    let survivor = (0..e.final_status.len()).any(|m| !e.buried.contains(&m));
+    let burial_excuses_nothing = !e.buried.is_empty() && survivor;
+    if e.ending.hands_off() && e.healed && !e.latest_final {
         let reasons: Vec<String> = e
             .final_status
             .iter()
             .enumerate()
+            .filter(|(m, _)| !e.buried.contains(m))
             .filter_map(|(m, s)| {
                 let s = s.as_ref()?;
                 (!active_and_ready(s))
@@ -447,7 +517,20 @@ pub fn check(e: &Evidence<'_>) -> (Vec<Violation>, Vec<String>) {
                     .flatten()
             })
             .collect();
-        if reasons.is_empty() {
+        if burial_excuses_nothing {
+            v.push(Violation {
+                kind: "no-final",
+                detail: format!(
+                    "member(s) {:?} died for good after their fence, another survives, yet no \
+                     final is read as final after the settle time (the_final {:?}, {} finals); \
+                     sidecars say: {}",
+                    e.buried,
+                    e.the_final,
+                    finals.len(),
+                    reasons.join("; ")
+                ),
+            });
+        } else if reasons.is_empty() {
             v.push(Violation {
                 kind: "no-final",
                 detail: format!(
@@ -537,6 +620,9 @@ pub fn check(e: &Evidence<'_>) -> (Vec<Violation>, Vec<String>) {
 
     // No stuck state without a reason.
     for (m, s) in e.final_status.iter().enumerate() {
+        if e.buried.contains(&m) {
+            continue;
+        }
         match s {
             None => v.push(Violation {
                 kind: "no-status",

@@ -370,6 +370,8 @@ pub struct Container {
     dead_since: Option<Instant>,
     /// No restart before this instant (a harness-chosen down time).
     hold_until: Option<Instant>,
+    /// Killed for good: the kubelet never starts it again.
+    pub buried: bool,
     pub exits: Vec<Exit>,
 }
 
@@ -405,6 +407,7 @@ impl Pod {
             expected_exit: false,
             dead_since: None,
             hold_until: None,
+            buried: false,
             exits: Vec::new(),
         });
         self.containers.len() - 1
@@ -447,6 +450,13 @@ impl Pod {
         }
     }
 
+    /// SIGKILLs container `c` for good (its machine is gone): the kubelet never starts it again.
+    /// False when it was not running.
+    pub fn bury(&mut self, c: usize) -> bool {
+        self.containers[c].buried = true;
+        self.kill(c, Duration::ZERO)
+    }
+
     /// The running process of container `c`.
     pub fn process(&mut self, c: usize) -> Option<&mut PodProcess> {
         let p = self.containers[c].process.as_mut()?;
@@ -474,7 +484,8 @@ impl Pod {
                 container.process = None;
                 container.dead_since = Some(Instant::now());
             }
-            let due = container.dead_since.is_some_and(|t| t.elapsed() >= delay)
+            let due = !container.buried
+                && container.dead_since.is_some_and(|t| t.elapsed() >= delay)
                 && container.hold_until.is_none_or(|t| Instant::now() >= t);
             if due {
                 container.hold_until = None;

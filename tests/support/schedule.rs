@@ -69,6 +69,12 @@ pub enum Fault {
     StoreSlow(u64),
     /// The store accepts connections and never answers.
     StoreBlackhole,
+    /// The store performs every request and its answers are lost (the connection is cut at the
+    /// answer's first byte) until healed.
+    StoreLoseAnswers,
+    /// Every answer of the store arrives this many ms late (past the sidecars'
+    /// `snapshot.timeout`, so the store completes what the client gave up on) until healed.
+    StoreLate(u64),
     /// The store passes traffic again.
     StoreHeal,
     /// SIGKILL the sidecar of `member`; the kubelet starts it again after `down_ms`.
@@ -99,6 +105,8 @@ impl fmt::Display for Fault {
             Fault::StoreDown => write!(f, "store down"),
             Fault::StoreSlow(ms) => write!(f, "store slow {ms}ms/chunk"),
             Fault::StoreBlackhole => write!(f, "store blackholed"),
+            Fault::StoreLoseAnswers => write!(f, "store loses answers"),
+            Fault::StoreLate(ms) => write!(f, "store answers {ms}ms late"),
             Fault::StoreHeal => write!(f, "store healed"),
             Fault::SidecarKill { member, down_ms } => {
                 write!(f, "SIGKILL sidecar m{member} (down {down_ms}ms)")
@@ -126,6 +134,10 @@ pub enum Ending {
     Deleted,
     /// Us again.
     Us,
+    /// Another seed; once that hand-off settled, the record names us again, `etcd-warden
+    /// reclaim` undoes the hand-off, the sidecars restart and serve with writes, and the record
+    /// names another seed again: a second hand-off, whose final must be the one readers see.
+    Reclaim,
 }
 
 impl Ending {
@@ -133,6 +145,29 @@ impl Ending {
     pub fn hands_off(self) -> bool {
         self != Ending::Us
     }
+}
+
+/// A store fault played after the record's final change, timed to meet the final's upload (the
+/// flip is seen after about two `owner.interval`s; the kill and `kill.settle` take a second or
+/// more), then healed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EndStore {
+    /// `StoreLoseAnswers` or `StoreLate`.
+    pub fault: Fault,
+    /// From the record's change to the fault.
+    pub after_ms: u64,
+    /// From the fault to healing it.
+    pub for_ms: u64,
+}
+
+/// Which member dies for good right after its fence marker is listed in the final hand-off
+/// (its sidecar and its etcd are SIGKILLed and never started again).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Burial {
+    /// The member that takes the final: the one with the lowest etcd member ID.
+    Taker,
+    /// Member `i`, whichever it is.
+    Member(usize),
 }
 
 /// One step: wait, then inject.
@@ -151,6 +186,13 @@ pub struct Schedule {
     pub interval_ms: u64,
     pub steps: Vec<Step>,
     pub ending: Ending,
+    /// A second writer puts keys on etcd leases of 1–3 s that nobody keeps alive, all through the
+    /// run: their expiry moves the revision after a kill without any client write.
+    pub leases: bool,
+    /// A store fault right after the final change of the record.
+    pub end_store: Option<EndStore>,
+    /// A member killed for good after its fence in the final hand-off (3 members only).
+    pub burial: Option<Burial>,
 }
 
 impl Schedule {
@@ -215,10 +257,62 @@ impl Schedule {
             last_flip = matches!(fault, Fault::RecordOther | Fault::RecordDeleted);
             steps.push(Step { wait_ms, fault });
         }
-        let ending = match rng.range(0, 99) {
+        let mut ending = match rng.range(0, 99) {
             0..=64 => Ending::Other,
             65..=79 => Ending::Deleted,
             _ => Ending::Us,
+        };
+        // The faults added for issue 28 come from a second stream, so the faults above stay what
+        // they were for every seed (the CI seeds chosen before keep their steps and ending).
+        let mut x = SplitMix64::new(
+            seed ^ (members as u64).wrapping_mul(0xA24B_AED4_963E_E407) ^ 0x28_28_28_28_28_28_28,
+        );
+        let late = |x: &mut SplitMix64| Fault::StoreLate(x.range(3500, 6000));
+        if x.chance(20) {
+            let at = x.range(0, steps.len() as u64) as usize;
+            let wait_ms = x.range(20, 600);
+            steps.insert(
+                at,
+                Step {
+                    wait_ms,
+                    fault: Fault::StoreLoseAnswers,
+                },
+            );
+        }
+        if x.chance(15) {
+            let at = x.range(0, steps.len() as u64) as usize;
+            let wait_ms = x.range(20, 600);
+            let fault = late(&mut x);
+            steps.insert(at, Step { wait_ms, fault });
+        }
+        let leases = x.chance(35);
+        if ending == Ending::Other && x.chance(25) {
+            ending = Ending::Reclaim;
+        }
+        let end_store = if x.chance(30) {
+            let fault = if x.chance(50) {
+                Fault::StoreLoseAnswers
+            } else {
+                late(&mut x)
+            };
+            Some(EndStore {
+                fault,
+                after_ms: x.range(800, 3000),
+                for_ms: x.range(500, 3000),
+            })
+        } else {
+            None
+        };
+        let burial = if members == 3 && matches!(ending, Ending::Other | Ending::Deleted) {
+            x.chance(30).then(|| {
+                if x.chance(70) {
+                    Burial::Taker
+                } else {
+                    Burial::Member(x.range(0, members as u64 - 1) as usize)
+                }
+            })
+        } else {
+            None
         };
         Schedule {
             seed,
@@ -226,6 +320,9 @@ impl Schedule {
             interval_ms,
             steps,
             ending,
+            leases,
+            end_store,
+            burial,
         }
     }
 }
@@ -242,10 +339,27 @@ impl fmt::Display for Schedule {
             t += s.wait_ms;
             writeln!(f, "  {i:2}. +{:4}ms (~{:5}ms) {}", s.wait_ms, t, s.fault)?;
         }
+        if self.leases {
+            writeln!(f, "  all through: keys on 1–3 s leases, never kept alive")?;
+        }
         write!(
             f,
             "  then heal everything, record → {:?}, settle",
             self.ending
-        )
+        )?;
+        if let Some(e) = self.end_store {
+            write!(
+                f,
+                "\n  after the record's change: +{}ms {} for {}ms, healed",
+                e.after_ms, e.fault, e.for_ms
+            )?;
+        }
+        if let Some(b) = self.burial {
+            write!(
+                f,
+                "\n  after its fence: bury {b:?} (sidecar and etcd, never restarted)"
+            )?;
+        }
+        Ok(())
     }
 }
