@@ -1706,14 +1706,24 @@ async fn hand_off_losing(loss: Loss, snapshot_timeout: Duration, linger: Duratio
         etcd_warden::owner::handoff::the_final(&store.list().await.expect("list"), &seen),
         Some(&finals[0])
     );
-    // The revision did move after the fence (the leases expired): a final judged by a revision
-    // read again would not have counted the stored one.
-    let now = etcd.client().await.status().await.expect("status");
+    // The premise: the leases expired, so etcd's revision moved past the last client write
+    // without any client writing. A final judged by a revision read again after that would not
+    // have counted one stored before it.
+    let now = etcd
+        .client()
+        .await
+        .status()
+        .await
+        .expect("status")
+        .header()
+        .map_or(0, |h| h.revision());
+    assert!(
+        now > acknowledged,
+        "the leases did not move the revision: etcd at {now}, last write {acknowledged}"
+    );
     println!(
-        "final {} at {}, etcd now at {}",
-        finals[0].snap_name,
-        finals[0].last_revision,
-        now.header().map_or(0, |h| h.revision())
+        "final {} at {}, etcd now at {now}",
+        finals[0].snap_name, finals[0].last_revision
     );
 
     cancel.cancel();
