@@ -28,18 +28,19 @@ pub mod tls;
 pub mod warden;
 pub mod writer;
 
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-/// A free TCP port on 127.0.0.1 (bound then released; the caller binds it again at once), for
-/// servers that cannot report a port of their own. Not for etcd: its members get their ports
-/// from `etcd_warden::etcd::process`, which also starts them again when a port is lost.
+/// A free TCP port on 127.0.0.1 (checked, then released; the caller binds it soon), for servers
+/// that cannot report a port of their own: outside the ephemeral range and never handed out
+/// twice in this process ([`etcd_warden::etcd::process::pick_port`]). etcd members get theirs
+/// from `etcd_warden::etcd::process` too, which also starts them again when a port is lost.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("bind an ephemeral loopback port")
+    // Not the kernel's port 0: two calls before either port is bound can get the same port
+    // back, and outgoing connections take theirs from the ephemeral range too. (Fault seed
+    // 0x6e19 gave two sidecars one port; the second failed to bind at every start.)
+    etcd_warden::etcd::process::pick_port().expect("pick a free loopback port")
 }
 
 /// The first existing candidate path, or a panic telling what to install.

@@ -158,7 +158,9 @@ pub mod reason {
     pub const AS_EXPECTED: &str = "AsExpected";
     /// Fewer than a majority of voters are healthy (or none is seen).
     pub const NO_QUORUM: &str = "NoQuorum";
-    /// A member other than a starting learner is unhealthy; membership changes pause.
+    /// A member other than a starting learner (or a voter this step removes: a dead one of a
+    /// deleting Machine, or one whose replacement is already a voter) is unhealthy; membership
+    /// changes pause.
     pub const UNHEALTHY_MEMBERS: &str = "UnhealthyMembers";
     /// A learner behind the leader has not advanced for [`super::LEARNER_STALL`].
     pub const LEARNER_NOT_CATCHING_UP: &str = "LearnerNotCatchingUp";
@@ -284,18 +286,25 @@ pub fn derive(f: &Facts<'_>) -> [Derived; 3] {
         } => Some((*member_id, label(name, *member_id))),
         _ => None,
     });
-    // A learner on a live machine that has not answered yet is starting, not broken; a dead
-    // voter being removed is being repaired.
+    // Members this step removes: a dead voter of a deleting Machine, or one whose replacement
+    // has been promoted (it may already have stopped: etcd exits once it applies its own
+    // removal, and a member list served a moment before still shows it).
+    let removing: Vec<u64> = p
+        .actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::RemoveMember { member_id, .. } => Some(*member_id),
+            _ => None,
+        })
+        .collect();
+    // A learner on a live machine that has not answered yet is starting, not broken; a voter
+    // being removed is being repaired or replaced.
     let unhealthy: Vec<String> = obs
         .members
         .iter()
         .filter(|m| !m.healthy)
         .filter(|m| !(m.is_learner && machine_of(&m.peer_urls).is_some_and(|mc| !mc.deleting)))
-        .filter(|m| {
-            removing_unhealthy
-                .as_ref()
-                .is_none_or(|(id, _)| *id != m.id)
-        })
+        .filter(|m| !removing.contains(&m.id))
         .map(|m| label(&m.name, m.id))
         .collect();
     let spare: Vec<&str> = obs
@@ -757,6 +766,59 @@ mod tests {
         }
     }
 
+    /// CI caught this world mid-replacement: cp-3 replaced cp-0 and is a voter; cp-0 is being
+    /// removed and no longer answers (etcd exits once it applies its own removal, and a member
+    /// list served a moment earlier still lists it). That is the replacement going to plan, not
+    /// a degradation.
+    #[test]
+    fn a_replaced_voter_that_stopped_before_its_removal_is_seen_is_no_degradation() {
+        let spec = Spec::new(3).unwrap();
+        let slots = [
+            (Slot::Voter { healthy: false }, true, true),
+            (Slot::Voter { healthy: true }, false, true),
+            (Slot::Voter { healthy: true }, false, true),
+            (Slot::Voter { healthy: true }, false, true),
+        ];
+        let obs = world(&slots, false);
+        let f = Facts {
+            spec,
+            observed: &obs,
+            machine_api_functional: true,
+            stalled_learner: None,
+        };
+        let c = derive(&f);
+        assert!(plan(spec, &obs).actions.iter().any(|a| matches!(
+            a,
+            Action::RemoveMember {
+                member_id: 0x10,
+                reason: RemoveReason::Replaced,
+                ..
+            }
+        )));
+        let (av, pr, dg) = (
+            get(&c, "Available"),
+            get(&c, "Progressing"),
+            get(&c, "Degraded"),
+        );
+        assert!(av.status, "{c:?}");
+        assert!(pr.status && pr.reason == reason::REPLACING_MEMBER, "{c:?}");
+        assert!(!dg.status && dg.reason == reason::AS_EXPECTED, "{c:?}");
+        // A dead voter whose Machine stays is a degradation.
+        let mut slots = slots;
+        slots[0].1 = false;
+        let obs = world(&slots, false);
+        let f = Facts {
+            observed: &obs,
+            ..f
+        };
+        let c = derive(&f);
+        assert_eq!(
+            get(&c, "Degraded").reason,
+            reason::UNHEALTHY_MEMBERS,
+            "{c:?}"
+        );
+    }
+
     fn check(f: &Facts<'_>, c: &[Derived; 3], known: &[&str]) {
         let obs = f.observed;
         let ctx = || format!("{obs:#?} functional={} -> {c:#?}", f.machine_api_functional);
@@ -807,11 +869,24 @@ mod tests {
         } else if p.actions.iter().any(Action::is_membership_change) {
             assert_eq!(pr.reason, reason::REPLACING_MEMBER, "{}", ctx());
         }
-        // An unhealthy voter is always Degraded, and for that reason, unless it is the dead
-        // voter being removed (then it is the only unhealthy member, and being repaired).
+        // An unhealthy voter is always Degraded, and for that reason, unless this step removes
+        // it: the dead voter of a deleting Machine (then it is the only unhealthy member, and
+        // being repaired), or a replaced voter whose successor is already a voter.
+        let removing: Vec<u64> = p
+            .actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::RemoveMember { member_id, .. } => Some(*member_id),
+                _ => None,
+            })
+            .collect();
         if removing_dead.is_some() {
             assert_ne!(dg.reason, reason::UNHEALTHY_MEMBERS, "{}", ctx());
-        } else if obs.members.iter().any(|m| !m.is_learner && !m.healthy) {
+        } else if obs
+            .members
+            .iter()
+            .any(|m| !m.is_learner && !m.healthy && !removing.contains(&m.id))
+        {
             assert!(
                 dg.status && dg.reason == reason::UNHEALTHY_MEMBERS,
                 "{}",
