@@ -69,9 +69,10 @@ async fn play(schedules: Vec<Schedule>) -> Vec<Outcome> {
         println!("[{}/{}] {}", i + 1, schedules.len(), outcome.summary);
         if !outcome.passed() || std::env::var_os("FAULT_REPORT").is_some() {
             println!(
-                "==== seed {:#018x} ({} members) failed; replay: FAULT_SCHEDULES=1 FAULT_SEED={} FAULT_MEMBERS={} ====\n{}\n==== end of seed {:#018x} ====",
+                "==== seed {:#018x} ({} members) {}; replay: FAULT_SCHEDULES=1 FAULT_SEED={} FAULT_MEMBERS={} ====\n{}\n==== end of seed {:#018x} ====",
                 schedule.seed,
                 schedule.members,
+                if outcome.passed() { "passed" } else { "failed" },
                 schedule.seed,
                 schedule.members,
                 outcome.report,

@@ -448,6 +448,179 @@ async fn k_a_taker_that_never_returns_is_taken_over_with_one_final() {
     assert!(objects.record().await.unwrap().is_some());
 }
 
+/// Each member's ID, as its own etcd reports it.
+async fn member_ids(pod: &Pod) -> Vec<u64> {
+    let urls: Vec<String> = {
+        let c = pod.etcd.lock().await;
+        c.members.iter().map(|m| m.client_url()).collect()
+    };
+    let mut ids = Vec::new();
+    for url in urls {
+        let mut c = etcd_client::Client::connect([url], None)
+            .await
+            .expect("connect");
+        let status = c.status().await.expect("status");
+        ids.push(status.header().expect("header").member_id());
+    }
+    ids
+}
+
+/// A rolling update: the previous release (`ETCD_WARDEN_PREVIOUS_BIN`, a build of `7154377`,
+/// which knows no final intent and no claims) and this one run side by side, once with the
+/// previous release as the member that takes the final and once with it on the two that wait.
+/// Each hand-off ends with exactly one final holding every acknowledged write, the hand-off
+/// record names it, every sidecar of either version settles on it, and this version's reader
+/// ([`etcd_warden::owner::handoff::the_final`]) agrees. Both versions run with their defaults
+/// (`owner.takeover_after` 5 m): a taker of either version stores the final long before a
+/// waiting member would take it over. Not run in CI, which builds one version: build the
+/// previous one and point the variable at it (docs/operations.md, "Upgrades").
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs ETCD_WARDEN_PREVIOUS_BIN (a build of the previous release)"]
+async fn l_a_rolling_update_with_the_previous_release_ends_with_one_final() {
+    use etcd_warden::owner::handoff::HandOffObjects;
+    let previous = std::path::PathBuf::from(
+        std::env::var("ETCD_WARDEN_PREVIOUS_BIN")
+            .expect("ETCD_WARDEN_PREVIOUS_BIN: the previous release's etcd-warden binary"),
+    );
+    assert!(previous.is_file(), "{} is not a file", previous.display());
+    for previous_takes in [true, false] {
+        let (dns, pod, url, store, _dir) = seed(3).await;
+        let ids = member_ids(&pod).await;
+        let taker = (0..3).min_by_key(|&i| ids[i]).expect("a taker");
+        let mut wardens = Vec::new();
+        let mut versions = Vec::new();
+        for i in 0..3 {
+            let keys = member_keys(&pod, i, &dns, &url).await;
+            let old = (i == taker) == previous_takes;
+            versions.push(if old { "previous" } else { "new" });
+            wardens.push(if old {
+                Warden::start_binary(&keys, &previous)
+            } else {
+                Warden::start(&keys)
+            });
+        }
+        for w in &wardens {
+            until_active(w, &store).await;
+        }
+        let acknowledged = pod.write("rolling", 30).await;
+        dns.set_txt(RECORD, &[THEM]).await;
+
+        let logs = || all_logs(&wardens);
+        let what = format!("taker m{taker} runs the {} release", versions[taker]);
+        let one = eventually(Duration::from_secs(40), || async {
+            finals(&store).await.len() == 1
+        })
+        .await;
+        assert!(one, "{what}: no final:\n{}", logs());
+        // Every sidecar settles on it, and no second final follows.
+        let name = finals(&store).await[0].snap_name.clone();
+        let settled = eventually(Duration::from_secs(20), || async {
+            let mut on_it = 0;
+            for w in &wardens {
+                if let Some((_, s)) = w.get("/status").await
+                    && s["owner"]["finalSnapshot"].as_str() == Some(name.as_str())
+                {
+                    on_it += 1;
+                }
+            }
+            on_it == 3
+        })
+        .await;
+        assert!(
+            settled,
+            "{what}: not every sidecar names {name}:\n{}",
+            logs()
+        );
+        tokio::time::sleep(INTERVAL * 6).await;
+        let f = finals(&store).await;
+        assert_eq!(f.len(), 1, "{what}: {f:?}\n{}", logs());
+        assert!(f[0].last_revision >= acknowledged, "{what}: {f:?}");
+        let objects = HandOffObjects::new(store.clone());
+        let record = objects.record().await.unwrap().expect("a hand-off record");
+        assert_eq!(record.final_snapshot, name, "{what}");
+        let chain = objects.latest_chain().await.unwrap();
+        assert!(
+            chain
+                .full_snapshot
+                .as_ref()
+                .is_some_and(|s| s.is_final && s.snap_name == name),
+            "{what}: this version reads {chain:?}"
+        );
+        for w in &wardens {
+            assert_eq!(healthz(w).await, 503, "{what}");
+        }
+        eprintln!("{what}: one final {name} at {}", f[0].last_revision);
+        if previous_takes {
+            continue;
+        }
+
+        // This version fixed an intent. The previous release's `reclaim` (which knows no
+        // intents) undoes the hand-off and leaves the intent behind; the next hand-off still
+        // ends with one final of its own.
+        dns.set_txt(RECORD, &[US]).await;
+        let keys = member_keys(&pod, 0, &dns, &url).await;
+        let mut reclaim = support::warden::command_of(&previous);
+        for (k, v) in &keys {
+            reclaim.env(
+                format!("ETCD_WARDEN_{}", k.replace('.', "_").to_ascii_uppercase()),
+                v,
+            );
+        }
+        let out = reclaim.arg("reclaim").output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            objects.intent().await.unwrap().is_none(),
+            "stale intent read"
+        );
+        for w in &mut wardens {
+            w.restart();
+        }
+        let back = eventually(Duration::from_secs(30), || async {
+            let mut up = 0;
+            for w in &wardens {
+                up += usize::from(healthz(w).await == 200);
+            }
+            up == 3
+        })
+        .await;
+        assert!(
+            back,
+            "not Active again after the reclaim:\n{}",
+            all_logs(&wardens)
+        );
+        let acknowledged = pod.write("after-reclaim", 30).await;
+        dns.set_txt(RECORD, &[THEM]).await;
+        let second = eventually(Duration::from_secs(40), || async {
+            objects
+                .latest_chain()
+                .await
+                .ok()
+                .and_then(|c| c.full_snapshot)
+                .is_some_and(|s| s.is_final && s.snap_name != name)
+        })
+        .await;
+        assert!(
+            second,
+            "no second final after the previous reclaim:\n{}",
+            all_logs(&wardens)
+        );
+        tokio::time::sleep(INTERVAL * 6).await;
+        let f = finals(&store).await;
+        assert_eq!(f.len(), 2, "the reclaimed final and one more: {f:?}");
+        let fin = objects.latest_chain().await.unwrap().full_snapshot.unwrap();
+        assert!(fin.last_revision >= acknowledged, "{fin:?}");
+        assert_eq!(
+            objects.record().await.unwrap().unwrap().final_snapshot,
+            fin.snap_name
+        );
+        eprintln!("after the previous reclaim: one final {}", fin.snap_name);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn f_an_etcd_that_ignores_sigterm_gets_sigkill_after_the_grace() {
     let dns = DnsServer::start().await;

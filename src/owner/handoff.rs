@@ -41,8 +41,11 @@
 //!
 //! Undoing a hand-off is an operator's deliberate act (`etcd-warden reclaim`, [`reclaim`]): it
 //! marks the existing finals (and the intent's, stored or not) reclaimed
-//! (`<prefix>/etcd-warden/reclaimed/<final name>`), deletes the hand-off record, the intent, the
-//! claims and the fence markers, so they no longer fence a restarted sidecar.
+//! (`<prefix>/etcd-warden/reclaimed/<final name>`), deletes the hand-off record, the intents, the
+//! claims and the fence markers, so they no longer fence a restarted sidecar. An intent whose
+//! final is marked reclaimed (left by an older etcd-warden's reclaim, which knows no intents, or
+//! by an interrupted one) is stale: the next hand-off fixes its intent beside it, at
+//! `final/intent-after-<stale final>.json`.
 //! Nothing here is under `<prefix>/v2/`, so etcd-backup-restore, `ls` and retention never take
 //! these objects for snapshots. Every reader decides "the hand-off's final" with [`the_final`]:
 //! the copy Job, `/snapshot/latest`, `ls`, `verify` and a restarted sidecar.
@@ -474,19 +477,46 @@ impl HandOffObjects {
         self.dir("final").join(format!("claim-{epoch:06}.json"))
     }
 
-    /// The final's intent, unless it belongs to a hand-off that was reclaimed (its final is
-    /// marked reclaimed: an interrupted reclaim, or one by an etcd-warden that knew no intents).
+    /// Where the intent goes after a stale one that named `stale_final`.
+    fn intent_after_path(&self, stale_final: &str) -> Path {
+        self.dir("final")
+            .join(format!("intent-after-{stale_final}.json"))
+    }
+
+    /// Where this hand-off's intent is (or goes), and the intent if one is there. An intent
+    /// whose final is marked reclaimed belongs to a hand-off that was undone: a reclaim by an
+    /// older etcd-warden (which knows no intents) leaves it behind, and so does a reclaim
+    /// interrupted after its marks. Create-if-absent cannot replace it, so the next intent goes
+    /// beside it, at a name derived from the stale one's final: every member derives the same
+    /// name, and one of them wins it as before.
+    async fn current_intent(&self) -> Result<(Path, Option<FinalIntent>), HandOffError> {
+        let reclaimed = self.reclaimed().await?;
+        let mut path = self.intent_path();
+        // Each stale intent names another reclaimed final, so the walk ends within their count.
+        for _ in 0..=reclaimed.len() {
+            match self.get_json::<FinalIntent>(&path).await? {
+                Some(i) if reclaimed.contains(&i.final_snapshot) => {
+                    path = self.intent_after_path(&i.final_snapshot);
+                }
+                found => return Ok((path, found)),
+            }
+        }
+        Err(HandOffError::Intent(format!(
+            "more stale intents than reclaimed finals, up to {path}"
+        )))
+    }
+
+    /// The final's intent, unless it belongs to a hand-off that was reclaimed (see
+    /// [`HandOffObjects::create_intent`]).
     pub async fn intent(&self) -> Result<Option<FinalIntent>, HandOffError> {
-        let Some(intent) = self.get_json::<FinalIntent>(&self.intent_path()).await? else {
-            return Ok(None);
-        };
-        let stale = self.reclaimed().await?.contains(&intent.final_snapshot);
-        Ok((!stale).then_some(intent))
+        Ok(self.current_intent().await?.1)
     }
 
     /// Creates the final's intent unless one is there (the caller reads it back either way).
+    /// A stale intent (its final reclaimed) is left where it is and the new one goes beside it.
     pub async fn create_intent(&self, intent: &FinalIntent) -> Result<Created, HandOffError> {
-        self.create_json(&self.intent_path(), intent).await
+        let (path, _) = self.current_intent().await?;
+        self.create_json(&path, intent).await
     }
 
     /// The claims, by epoch; an unreadable claim is skipped with a warning (it names no taker).
@@ -754,13 +784,17 @@ pub async fn reclaim(objects: &HandOffObjects) -> Result<Reclaimed, HandOffError
             .await?;
         done.finals_reclaimed.push(name);
     }
-    let mut gone = vec![objects.record_path(), objects.intent_path()];
+    // The record, every intent (stale ones too) and every claim.
+    let mut gone = vec![objects.record_path()];
     gone.extend(
         objects
-            .claims()
+            .keys("final")
             .await?
-            .iter()
-            .map(|c| objects.claim_path(c.epoch)),
+            .into_iter()
+            .filter(|k| {
+                k.ends_with(".json") && (k.starts_with("intent") || k.starts_with("claim-"))
+            })
+            .map(|k| objects.dir("final").join(k)),
     );
     for key in gone {
         match objects.store.backend().delete(&key).await {
@@ -1393,6 +1427,79 @@ mod tests {
             )
         };
         assert!(matches!(decide(&v), Decision::Done(s) if s.snap_name == fin.snap_name));
+    }
+
+    /// An older etcd-warden's reclaim (it knows no intents) marks the final reclaimed and
+    /// deletes the record and fences, but leaves `final/intent.json`. Before intents could sit
+    /// beside a stale one, every later hand-off found "exists" on create and "none" on read,
+    /// forever, and never took its final.
+    #[tokio::test]
+    async fn a_stale_intent_an_older_reclaim_left_does_not_block_the_next_hand_off() {
+        let (_dir, store, objects) = objects();
+        let intent = |name: &str, revision: i64| FinalIntent {
+            final_snapshot: name.into(),
+            revision,
+            member_id: "1".into(),
+            owner_id: "seed-a".into(),
+            fixed_at: Utc.timestamp_opt(1_700_000_000, 0).unwrap(),
+        };
+        let first = full(30, true);
+        assert_eq!(
+            objects
+                .create_intent(&intent(&first.snap_name, 30))
+                .await
+                .unwrap(),
+            Created::Created
+        );
+        // What the older reclaim leaves: the mark, and the intent still there.
+        store
+            .backend()
+            .put(
+                &objects.reclaimed_path(&first.snap_name),
+                PutPayload::from(Bytes::from_static(b"{}")),
+            )
+            .await
+            .unwrap();
+        assert_eq!(objects.intent().await.unwrap(), None);
+
+        // The next hand-off fixes its own, beside the stale one; the first create wins.
+        let second = full(80, true);
+        let fixed = intent(&second.snap_name, 80);
+        assert_eq!(
+            objects.create_intent(&fixed).await.unwrap(),
+            Created::Created
+        );
+        assert_eq!(
+            objects
+                .create_intent(&intent(&full(81, true).snap_name, 81))
+                .await
+                .unwrap(),
+            Created::Exists
+        );
+        assert_eq!(objects.intent().await.unwrap(), Some(fixed.clone()));
+        assert_eq!(objects.seen().await.unwrap().intent, Some(fixed));
+
+        // It is undone too (an older reclaim again), and a third goes beside that one.
+        store
+            .backend()
+            .put(
+                &objects.reclaimed_path(&second.snap_name),
+                PutPayload::from(Bytes::from_static(b"{}")),
+            )
+            .await
+            .unwrap();
+        let third = intent(&full(99, true).snap_name, 99);
+        assert_eq!(
+            objects.create_intent(&third).await.unwrap(),
+            Created::Created
+        );
+        assert_eq!(objects.intent().await.unwrap(), Some(third.clone()));
+
+        // This version's reclaim removes every intent, stale or not, and marks the live one's.
+        let done = reclaim(&objects).await.unwrap();
+        assert!(done.finals_reclaimed.contains(&third.final_snapshot));
+        assert!(objects.keys("final").await.unwrap().is_empty());
+        assert_eq!(objects.intent().await.unwrap(), None);
     }
 
     #[tokio::test]

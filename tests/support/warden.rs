@@ -15,6 +15,8 @@ pub struct Warden {
     env: BTreeMap<String, String>,
     /// Run as this user ID instead of the test's.
     uid: Option<u32>,
+    /// Another build of `etcd-warden` to run instead of this one.
+    bin: Option<PathBuf>,
     pub dir: tempfile::TempDir,
 }
 
@@ -41,7 +43,12 @@ pub fn binary() -> PathBuf {
 
 /// `etcd-warden` with a clean environment: only what the test passes.
 pub fn command() -> Command {
-    let mut c = Command::new(binary());
+    command_of(&binary())
+}
+
+/// [`command`] for another build of `etcd-warden` (an older release, for mixed versions).
+pub fn command_of(bin: &std::path::Path) -> Command {
+    let mut c = Command::new(bin);
     for (k, _) in std::env::vars() {
         if k.starts_with("ETCD_WARDEN_")
             || k.starts_with("AWS_")
@@ -65,6 +72,16 @@ impl Warden {
     /// [`Warden::start`] as another user (`uid`, e.g. 65534 "nobody"), as a sidecar that does not
     /// share etcd's UID runs.
     pub fn start_as(keys: &[(&str, String)], uid: Option<u32>) -> Warden {
+        Self::start_with(keys, uid, None)
+    }
+
+    /// [`Warden::start`] with another build of `etcd-warden` (`bin`), e.g. the previous
+    /// release during a rolling update.
+    pub fn start_binary(keys: &[(&str, String)], bin: &std::path::Path) -> Warden {
+        Self::start_with(keys, None, Some(bin.to_path_buf()))
+    }
+
+    fn start_with(keys: &[(&str, String)], uid: Option<u32>, bin: Option<PathBuf>) -> Warden {
         let port = free_port();
         let mut env = BTreeMap::new();
         env.insert("server.listen".to_string(), format!("127.0.0.1:{port}"));
@@ -83,6 +100,7 @@ impl Warden {
             child: None,
             env,
             uid,
+            bin,
             dir,
         };
         w.spawn();
@@ -95,7 +113,10 @@ impl Warden {
             .append(true)
             .open(&self.log)
             .expect("log file");
-        let mut cmd = command();
+        let mut cmd = match &self.bin {
+            Some(bin) => command_of(bin),
+            None => command(),
+        };
         cmd.arg("serve");
         for (k, v) in &self.env {
             cmd.env(
