@@ -18,6 +18,8 @@
 #![forbid(unsafe_code)]
 
 pub mod backoff;
+#[cfg(test)]
+mod boundaries;
 pub mod compact;
 pub mod config;
 pub mod copy;

@@ -11,7 +11,8 @@
 //!
 //! `FAULT_MEMBERS=1` or `3` fixes the cluster size (otherwise one schedule in three runs a
 //! 3-member cluster); a failing schedule is replayed with its seed and size:
-//! `FAULT_SCHEDULES=1 FAULT_SEED=<seed> FAULT_MEMBERS=<n>`.
+//! `FAULT_SCHEDULES=1 FAULT_SEED=<seed> FAULT_MEMBERS=<n>`. `FAULT_BIN=<path>` judges another
+//! build of `etcd-warden` (a previous release) with the same schedules.
 
 mod support;
 

@@ -435,7 +435,6 @@ mod ops {
     use anyhow::{Context, bail};
     use etcd_warden::config::Config;
     use etcd_warden::owner::handoff::{self, HandOffObjects, the_final};
-    use etcd_warden::owner::protocol::Verdict;
     use etcd_warden::owner::resolve::{CheckResult, OwnerLookup, OwnerResolver};
     use etcd_warden::snapshot::{take_full, verify::verify as verify_one};
     use etcd_warden::store::{Codec, Listing, SnapshotStore, layout};
@@ -449,21 +448,33 @@ mod ops {
         Ok(Some(resolver.check().await))
     }
 
+    /// The owner record's name, for messages.
+    fn record_name(config: &Config) -> &str {
+        config.owner.as_ref().map_or("", |o| o.name.as_str())
+    }
+
     pub async fn snapshot(config: &Config, is_final: bool) -> anyhow::Result<()> {
         if is_final && let Some(found) = owner_record(config).await? {
-            // A final taken while this seed still owns etcd would stand in for a hand-off that
-            // has not happened (in a store without etcd-warden objects the copy Job takes the
-            // newest final).
-            if found.verdict() != Some(Verdict::NotOwner) {
-                bail!(
-                    "refusing a final snapshot: the owner record {} says {found}; a final is only taken once it names another seed or none (the sidecar takes it itself then)",
-                    config.owner.as_ref().map_or("", |o| o.name.as_str())
-                );
-            }
+            handoff::may_take_final_by_hand(
+                record_name(config),
+                found.verdict(),
+                &found.to_string(),
+            )?;
         }
         let store = snapshots(config)?;
         if config.owner.is_some() {
-            refuse_during_hand_off(config, &store, is_final).await?;
+            let hold = HandOffObjects::new(store.clone())
+                .hold()
+                .await
+                .with_context(|| {
+                    format!("reading the hand-off objects in {}", config.store.location)
+                })?;
+            handoff::may_snapshot_by_hand(
+                hold.as_ref(),
+                is_final,
+                &config.store.location.to_string(),
+                record_name(config),
+            )?;
         }
         let client = etcd_warden::etcd::connect(&config.etcd).await?;
         let snap = take_full(
@@ -478,64 +489,19 @@ mod ops {
         Ok(())
     }
 
-    /// Refuses a manual snapshot while the store holds a fence marker or the hand-off record.
-    /// During a hand-off a newer full snapshot would hide its final from `/snapshot/latest` and
-    /// from the start check's "latest full is final" rule, and a final taken by hand is not the
-    /// one every member was fenced for. After it, the record ends the seed's data; `reclaim`
-    /// undoes it first.
-    async fn refuse_during_hand_off(
-        config: &Config,
-        store: &SnapshotStore,
-        is_final: bool,
-    ) -> anyhow::Result<()> {
-        let hold = handoff::HandOffObjects::new(store.clone())
-            .hold()
-            .await
-            .with_context(|| {
-                format!("reading the hand-off objects in {}", config.store.location)
-            })?;
-        let Some(hold) = hold else {
-            return Ok(());
-        };
-        let what = if is_final {
-            "a final snapshot"
-        } else {
-            "a snapshot"
-        };
-        let held = match &hold {
-            handoff::Hold::Record(r) => format!(
-                "the hand-off record {}/{}/handoff.json (final {})",
-                config.store.location,
-                handoff::DIR,
-                r.final_snapshot
-            ),
-            handoff::Hold::Fenced(markers) => format!(
-                "{} fence marker(s) under {}/{}/fence/",
-                markers.len(),
-                config.store.location,
-                handoff::DIR
-            ),
-        };
-        bail!(
-            "refusing {what}: the store holds {held}, so a hand-off of owner record {} is under way or done; the sidecars take its final themselves, and a snapshot taken now would stand in front of it. To serve from this seed again, run `etcd-warden reclaim` while the owner record names it",
-            config.owner.as_ref().map_or("", |o| o.name.as_str())
-        )
-    }
-
     /// The configured store, encrypting and decrypting with the configured keys.
     fn snapshots(config: &Config) -> anyhow::Result<SnapshotStore> {
         Ok(SnapshotStore::from_config(&config.store)?.with_encryption(config.encryption.clone()))
     }
 
     pub async fn reclaim(config: &Config) -> anyhow::Result<()> {
-        if let Some(found) = owner_record(config).await?
-            && found.verdict() != Some(Verdict::Owner)
-        {
-            bail!(
-                "refusing to reclaim: the owner record {} says {found}; reclaiming while it does not name this seed ({}) would leave two seeds serving the same data",
-                config.owner.as_ref().map_or("", |o| o.name.as_str()),
-                config.owner.as_ref().map_or("", |o| o.id.as_str())
-            );
+        if let Some(found) = owner_record(config).await? {
+            handoff::may_reclaim(
+                record_name(config),
+                config.owner.as_ref().map_or("", |o| o.id.as_str()),
+                found.verdict(),
+                &found.to_string(),
+            )?;
         }
         let store = snapshots(config)?;
         let done = handoff::reclaim(&handoff::HandOffObjects::new(store))

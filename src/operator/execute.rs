@@ -18,6 +18,8 @@ use chrono::{DateTime, Utc};
 use etcd_client::{Client, MemberAddOptions};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
+
+use crate::etcd::membership::initial_cluster;
 use tracing::field::Empty;
 use tracing::{Instrument as _, Span, debug, info, warn};
 
@@ -843,24 +845,4 @@ fn action_span(action: &Action) -> Span {
 /// A member ID as etcdctl prints it.
 fn hex(id: u64) -> String {
     format!("{id:x}")
-}
-
-/// `name=peerURL,...` for every member, naming the one being started after its machine (etcd
-/// lists it without a name until it starts).
-pub fn initial_cluster(list: &[etcd_client::Member], machine: &str, member_id: u64) -> String {
-    let mut parts = Vec::new();
-    for m in list {
-        let name = if m.id() == member_id {
-            machine
-        } else {
-            m.name()
-        };
-        if name.is_empty() {
-            continue;
-        }
-        for u in m.peer_urls() {
-            parts.push(format!("{name}={u}"));
-        }
-    }
-    parts.join(",")
 }

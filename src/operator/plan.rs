@@ -10,6 +10,10 @@ use std::fmt;
 
 use serde::Serialize;
 
+pub use crate::etcd::membership::{
+    MemberState, has_quorum, quorum, removal_keeps_quorum, same_url,
+};
+
 /// A learner is worth promoting once its applied index reaches this share of the leader's
 /// (seed 002: "promotable when the learner's raft progress is greater than 90%"). etcd makes the
 /// final decision; the executor retries its "not in sync" refusal.
@@ -59,30 +63,6 @@ impl Spec {
             }),
             n => Err(SpecError(n)),
         }
-    }
-}
-
-/// One etcd member as observed.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct MemberState {
-    /// etcd member ID.
-    pub id: u64,
-    /// Member name; etcd reports an empty name until the member's process has started.
-    pub name: String,
-    /// Peer URLs; the link between a member and the machine that hosts it.
-    pub peer_urls: Vec<String>,
-    /// Raft learner (non-voting) rather than voter.
-    pub is_learner: bool,
-    /// Answered a status request without errors and knows a leader.
-    pub healthy: bool,
-    /// Raft applied index reported by the member (0 when unknown).
-    pub applied_index: u64,
-}
-
-impl MemberState {
-    /// Whether the member's process has ever joined (etcd names a member when it starts).
-    pub fn started(&self) -> bool {
-        !self.name.is_empty()
     }
 }
 
@@ -280,32 +260,6 @@ pub struct Plan {
     pub actions: Vec<Action>,
     /// What to report.
     pub condition: Condition,
-}
-
-/// Majority of `voters`.
-pub fn quorum(voters: usize) -> usize {
-    voters / 2 + 1
-}
-
-/// Whether the voters among `members` have a healthy majority: the planner's rule before any
-/// membership change (no voters at all is no quorum).
-pub fn has_quorum<'a>(members: impl IntoIterator<Item = &'a MemberState>) -> bool {
-    let (voters, healthy) = members
-        .into_iter()
-        .filter(|m| !m.is_learner)
-        .fold((0, 0), |(v, h), m| (v + 1, h + usize::from(m.healthy)));
-    voters > 0 && healthy >= quorum(voters)
-}
-
-/// Whether removing member `id` leaves voters with a healthy majority ([`has_quorum`] of the
-/// others).
-pub fn removal_keeps_quorum(members: &[MemberState], id: u64) -> bool {
-    has_quorum(members.iter().filter(|m| m.id != id))
-}
-
-/// Whether two peer URLs name the same endpoint (a trailing slash aside).
-pub fn same_url(a: &str, b: &str) -> bool {
-    a.trim_end_matches('/') == b.trim_end_matches('/')
 }
 
 /// The member hosted by a machine, matched on peer URL.

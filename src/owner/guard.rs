@@ -22,7 +22,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::protocol::Verdict;
+use super::resolve::Verdict;
 use super::resolve::{CheckResult, Failure, FailureCounter, OwnerLookup};
 
 /// Where the guard stands.

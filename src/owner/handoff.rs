@@ -431,6 +431,118 @@ pub enum Hold {
     Fenced(Vec<Path>),
 }
 
+/// Why an operator's command is refused by the hand-off rules ([`may_take_final_by_hand`],
+/// [`may_snapshot_by_hand`], [`may_reclaim`]). `record` is the owner record's name, `said` what
+/// it answered.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    /// A final by hand while the record does not name another seed.
+    #[error(
+        "refusing a final snapshot: the owner record {record} says {said}; a final is only taken once it names another seed or none (the sidecar takes it itself then)"
+    )]
+    FinalWhileOwned {
+        /// The owner record.
+        record: String,
+        /// Its answer.
+        said: String,
+    },
+    /// Any snapshot by hand while the store holds a hand-off.
+    #[error(
+        "refusing {what}: the store holds {held}, so a hand-off of owner record {record} is under way or done; the sidecars take its final themselves, and a snapshot taken now would stand in front of it. To serve from this seed again, run `etcd-warden reclaim` while the owner record names it"
+    )]
+    DuringHandOff {
+        /// "a snapshot" or "a final snapshot".
+        what: &'static str,
+        /// What holds the store, with its location.
+        held: String,
+        /// The owner record.
+        record: String,
+    },
+    /// A reclaim while the record does not name this seed.
+    #[error(
+        "refusing to reclaim: the owner record {record} says {said}; reclaiming while it does not name this seed ({owner_id}) would leave two seeds serving the same data"
+    )]
+    ReclaimWhileNotOwner {
+        /// The owner record.
+        record: String,
+        /// Its answer.
+        said: String,
+        /// This seed's owner ID.
+        owner_id: String,
+    },
+}
+
+/// A final by hand is taken only once the owner record names another seed or none: taken while
+/// this seed still owns etcd it would stand in for a hand-off that has not happened (in a store
+/// without etcd-warden objects the copy Job takes the newest final). A lookup that failed
+/// (`verdict` `None`) or said unresolvable refuses too.
+pub fn may_take_final_by_hand(
+    record: &str,
+    verdict: Option<crate::owner::resolve::Verdict>,
+    said: &str,
+) -> Result<(), Refusal> {
+    match verdict {
+        Some(crate::owner::resolve::Verdict::NotOwner) => Ok(()),
+        _ => Err(Refusal::FinalWhileOwned {
+            record: record.into(),
+            said: said.into(),
+        }),
+    }
+}
+
+/// No snapshot by hand while the store holds a fence marker or the hand-off record (`hold`):
+/// during a hand-off a newer full snapshot would hide its final from `/snapshot/latest` and from
+/// the start check's "latest full is final" rule, and a final by hand is not the one every member
+/// was fenced for. After it, the record ends the seed's data; `reclaim` undoes it first.
+/// `location` is the store's, for the message.
+pub fn may_snapshot_by_hand(
+    hold: Option<&Hold>,
+    is_final: bool,
+    location: &str,
+    record: &str,
+) -> Result<(), Refusal> {
+    let Some(hold) = hold else {
+        return Ok(());
+    };
+    let held = match hold {
+        Hold::Record(r) => format!(
+            "the hand-off record {location}/{DIR}/handoff.json (final {})",
+            r.final_snapshot
+        ),
+        Hold::Fenced(markers) => format!(
+            "{} fence marker(s) under {location}/{DIR}/fence/",
+            markers.len()
+        ),
+    };
+    Err(Refusal::DuringHandOff {
+        what: if is_final {
+            "a final snapshot"
+        } else {
+            "a snapshot"
+        },
+        held,
+        record: record.into(),
+    })
+}
+
+/// A reclaim only while the owner record names this seed: reclaiming while it names another
+/// (or cannot be read) would leave two seeds serving the same data.
+pub fn may_reclaim(
+    record: &str,
+    owner_id: &str,
+    verdict: Option<crate::owner::resolve::Verdict>,
+    said: &str,
+) -> Result<(), Refusal> {
+    match verdict {
+        Some(crate::owner::resolve::Verdict::Owner) => Ok(()),
+        _ => Err(Refusal::ReclaimWhileNotOwner {
+            record: record.into(),
+            said: said.into(),
+            owner_id: owner_id.into(),
+        }),
+    }
+}
+
 /// The hand-off's objects in one store.
 #[derive(Clone)]
 pub struct HandOffObjects {
@@ -1500,6 +1612,50 @@ mod tests {
         assert!(done.finals_reclaimed.contains(&third.final_snapshot));
         assert!(objects.keys("final").await.unwrap().is_empty());
         assert_eq!(objects.intent().await.unwrap(), None);
+    }
+
+    #[test]
+    fn commands_by_hand_follow_the_owner_record_and_the_store() {
+        use crate::owner::resolve::Verdict::{NotOwner, Owner, Unresolvable};
+        let r = "owner.example";
+        // A final by hand: only once the record names another seed or none.
+        assert_eq!(may_take_final_by_hand(r, Some(NotOwner), "seed-b"), Ok(()));
+        for v in [Some(Owner), Some(Unresolvable), None] {
+            let e = may_take_final_by_hand(r, v, "x").unwrap_err().to_string();
+            assert!(
+                e.starts_with("refusing a final snapshot: the owner record owner.example says x"),
+                "{e}"
+            );
+        }
+        // Reclaim: only while the record names this seed.
+        assert_eq!(may_reclaim(r, "seed-a", Some(Owner), "seed-a"), Ok(()));
+        for v in [Some(NotOwner), Some(Unresolvable), None] {
+            let e = may_reclaim(r, "seed-a", v, "seed-b")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.starts_with("refusing to reclaim: the owner record owner.example says seed-b"),
+                "{e}"
+            );
+            assert!(e.contains("(seed-a)"), "{e}");
+        }
+        // Any snapshot by hand while the store holds a hand-off, naming what holds it.
+        assert_eq!(may_snapshot_by_hand(None, true, "s3://b/p", r), Ok(()));
+        let fenced = Hold::Fenced(vec![Path::from("p/etcd-warden/fence/1.json")]);
+        let e = may_snapshot_by_hand(Some(&fenced), false, "s3://b/p", r)
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("refusing a snapshot: the store holds 1 fence marker(s) under s3://b/p/etcd-warden/fence/"), "{e}");
+        let fin = full(30, true);
+        let held = Hold::Record(record(&fin));
+        let e = may_snapshot_by_hand(Some(&held), true, "s3://b/p", r)
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("refusing a final snapshot: the store holds the hand-off record s3://b/p/etcd-warden/handoff.json"), "{e}");
+        assert!(
+            e.contains(&fin.snap_name) && e.contains("etcd-warden reclaim"),
+            "{e}"
+        );
     }
 
     #[tokio::test]

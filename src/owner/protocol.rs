@@ -44,17 +44,7 @@ use std::time::Duration;
 use crate::backoff::Backoff;
 use crate::snapshot::gate::Gate;
 
-/// What an owner check concluded. `Unresolvable` is only produced after the configured number of
-/// consecutive failed lookups (see `resolve::FailureCounter`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Verdict {
-    /// The record names our ID.
-    Owner,
-    /// The record names someone else, or there is authoritatively no record.
-    NotOwner,
-    /// The record could not be looked up often enough in a row.
-    Unresolvable,
-}
+pub use super::resolve::Verdict;
 
 /// The answer of [`Action::CheckStart`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -37,8 +37,19 @@ use hickory_resolver::net::{DnsError, NetError, NoRecords};
 use hickory_resolver::proto::op::ResponseCode;
 use hickory_resolver::proto::rr::{Name, RData};
 
-use super::protocol::Verdict;
 use crate::config::OwnerConfig;
+
+/// What an owner check concluded. `Unresolvable` is only produced after the configured number of
+/// consecutive failed lookups (see [`FailureCounter`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Verdict {
+    /// The record names our ID.
+    Owner,
+    /// The record names someone else, or there is authoritatively no record.
+    NotOwner,
+    /// The record could not be looked up often enough in a row.
+    Unresolvable,
+}
 
 /// Errors building the owner resolver.
 #[derive(Debug, thiserror::Error)]

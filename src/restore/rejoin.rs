@@ -28,7 +28,7 @@
 //! served a linearizable read (so it is connected to a leader with quorum and its list is
 //! current), and each member's status. [`decide`] (pure) then names at most one membership
 //! change, as the operator's planner does, with its quorum rules
-//! ([`crate::operator::plan::has_quorum`], [`crate::operator::plan::removal_keeps_quorum`]):
+//! ([`crate::etcd::membership::has_quorum`], [`crate::etcd::membership::removal_keeps_quorum`]):
 //! remove our stale voter, remove a learner of ours left by an earlier attempt, or add us as a
 //! learner. The added learner runs as a temporary etcd on `<data_dir>.part` (our name, our
 //! peer URLs, `--initial-cluster-state=existing`, its client URL on loopback only) and receives
@@ -64,10 +64,12 @@ use super::{EtcdTools, MemberParams, RestoreError, install, remove_if_exists, si
 use crate::backoff::Backoff;
 use crate::config::{EtcdConfig, RestoreConfig};
 use crate::etcd::EtcdError;
+use crate::etcd::membership::{
+    MemberState, has_quorum, initial_cluster, quorum, removal_keeps_quorum, same_url,
+};
 use crate::etcd::process::{
     Bootstrap, ClusterState, EtcdProcess, MemberSpec, PeerUrls, ProcessError,
 };
-use crate::operator::plan::{MemberState, has_quorum, quorum, removal_keeps_quorum};
 use crate::store::SnapshotStore;
 use tokio_util::sync::CancellationToken;
 
@@ -152,10 +154,6 @@ impl Me {
             .iter()
             .any(|u| self.peer_urls.iter().any(|p| same_url(p, u)))
     }
-}
-
-fn same_url(a: &str, b: &str) -> bool {
-    a.trim_end_matches('/') == b.trim_end_matches('/')
 }
 
 /// Whether a lost data directory rejoins the cluster (`true`) or comes from the store: only
@@ -575,11 +573,7 @@ async fn admit(
                             continue;
                         };
                         tracing::info!(member_id = %format!("{id:x}"), "added as a learner");
-                        let initial_cluster = crate::operator::execute::initial_cluster(
-                            resp.member_list(),
-                            &me.name,
-                            id,
-                        );
+                        let initial_cluster = initial_cluster(resp.member_list(), &me.name, id);
                         return Ok(Admitted::Learner {
                             id,
                             initial_cluster,

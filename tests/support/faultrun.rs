@@ -189,8 +189,16 @@ fn sidecar_keys(
         ("server.token", token.to_string()),
     ]
     .into_iter()
+    // Releases from before the take-over refuse the key as unknown.
+    .filter(|(k, _)| other_binary().is_none() || *k != "owner.takeover_after")
     .map(|(k, v)| (k.to_string(), v))
     .collect()
+}
+
+/// `FAULT_BIN`: another build of `etcd-warden` to judge instead of this one (a previous release,
+/// to show what the harness finds in it). Every sidecar and CLI call runs it.
+pub fn other_binary() -> Option<std::path::PathBuf> {
+    std::env::var_os("FAULT_BIN").map(std::path::PathBuf::from)
 }
 
 fn sidecar_command(keys: &[(String, String)]) -> std::process::Command {
@@ -199,7 +207,10 @@ fn sidecar_command(keys: &[(String, String)]) -> std::process::Command {
 
 /// `etcd-warden <subcommand>` with a sidecar's configuration in its environment.
 fn cli_command(keys: &[(String, String)], subcommand: &str) -> std::process::Command {
-    let mut cmd = warden::command();
+    let mut cmd = match other_binary() {
+        Some(bin) => warden::command_of(&bin),
+        None => warden::command(),
+    };
     cmd.arg(subcommand);
     for (k, v) in keys {
         cmd.env(

@@ -84,24 +84,6 @@ pub struct SetSettings {
     pub missing_type_max_wait: Duration,
 }
 
-impl SetSettings {
-    /// The set's settings taken from the quorum operator's (same namespace as its Machines).
-    pub fn from_operator(s: &crate::operator::kube::controller::Settings) -> SetSettings {
-        SetSettings {
-            namespace: s.machines.namespace.clone(),
-            peer_scheme: s.machines.peer_scheme.clone(),
-            peer_port: s.machines.peer_port,
-            interval: s.timing.interval,
-            min_backoff: s.timing.min_backoff,
-            max_backoff: s.timing.max_backoff,
-            identity: s.identity.clone(),
-            replacement: s.spec.replacement,
-            // 20 times the retry cap: a minute with the defaults, a few seconds in tests.
-            missing_type_max_wait: s.timing.max_backoff.saturating_mul(20),
-        }
-    }
-}
-
 /// Errors of one reconcile.
 #[derive(Debug, thiserror::Error)]
 pub enum SetError {

@@ -119,6 +119,9 @@ pub enum ReconcileError {
     /// Writing the ConfigMap or the PDB failed.
     #[error(transparent)]
     Sync(#[from] SyncError),
+    /// Computing or writing the etcd-endpoints ConfigMap failed.
+    #[error(transparent)]
+    Endpoints(#[from] endpoints::SyncEndpointsError),
 }
 
 /// Wakes the loop on every change `api`'s watch reports; `synced` after each full listing.
@@ -378,7 +381,7 @@ pub async fn run_serving(
         false,
         crate::operator::control_plane_set::kube::run(
             client.clone(),
-            crate::operator::control_plane_set::kube::SetSettings::from_operator(&settings),
+            set_settings(&settings),
             Arc::clone(&operator),
             acting.clone(),
             child.clone(),
@@ -547,5 +550,23 @@ async fn reconcile_loop(
                 _ = tokio::time::sleep(wait) => {}
             }
         }
+    }
+}
+
+/// The ControlPlaneSet's settings taken from the quorum operator's (same namespace as its
+/// Machines). Here rather than beside `SetSettings`, so the set's loop needs nothing of this
+/// controller.
+fn set_settings(s: &Settings) -> crate::operator::control_plane_set::kube::SetSettings {
+    crate::operator::control_plane_set::kube::SetSettings {
+        namespace: s.machines.namespace.clone(),
+        peer_scheme: s.machines.peer_scheme.clone(),
+        peer_port: s.machines.peer_port,
+        interval: s.timing.interval,
+        min_backoff: s.timing.min_backoff,
+        max_backoff: s.timing.max_backoff,
+        identity: s.identity.clone(),
+        replacement: s.spec.replacement,
+        // 20 times the retry cap: a minute with the defaults, a few seconds in tests.
+        missing_type_max_wait: s.timing.max_backoff.saturating_mul(20),
     }
 }

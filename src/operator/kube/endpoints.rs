@@ -89,14 +89,35 @@ pub fn merge_patch(
     }))
 }
 
+/// Errors of [`sync`].
+#[derive(Debug, thiserror::Error)]
+pub enum SyncEndpointsError {
+    /// The desired content could not be computed.
+    #[error(transparent)]
+    Data(#[from] EndpointsError),
+    /// Writing it failed.
+    #[error(transparent)]
+    Write(#[from] super::sync::SyncError),
+}
+
+impl SyncEndpointsError {
+    /// Whether trying again later may succeed without anyone changing anything.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            SyncEndpointsError::Data(_) => false,
+            SyncEndpointsError::Write(e) => e.is_transient(),
+        }
+    }
+}
+
 /// Makes the ConfigMap in `api`'s namespace list exactly `members`; returns whether it wrote.
 pub async fn sync(
     api: &Api<ConfigMap>,
     namespace: &str,
     members: &[MemberState],
-) -> Result<bool, super::sync::SyncError> {
+) -> Result<bool, SyncEndpointsError> {
     let want = data(members)?;
-    super::sync::upsert(
+    Ok(super::sync::upsert(
         api,
         NAME,
         || config_map(namespace, want.clone()),
@@ -105,7 +126,7 @@ pub async fn sync(
             merge_patch(&cm.data.clone().unwrap_or_default(), &want, &rv)
         },
     )
-    .await
+    .await?)
 }
 
 #[cfg(test)]

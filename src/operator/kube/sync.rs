@@ -26,9 +26,6 @@ pub enum SyncError {
     /// The API server refused or could not be reached.
     #[error(transparent)]
     Api(#[from] KubeCall),
-    /// The desired content could not be computed.
-    #[error(transparent)]
-    Endpoints(#[from] super::endpoints::EndpointsError),
 }
 
 impl SyncError {
@@ -37,7 +34,6 @@ impl SyncError {
         match self {
             SyncError::Conflict { .. } => true,
             SyncError::Api(c) => c.is_transient(),
-            SyncError::Endpoints(_) => false,
         }
     }
 }
