@@ -11,7 +11,7 @@
 //! - [`health`]: etcd's health, judged in one place (readiness and the watchdog).
 //! - [`owner`]: owner DNS lookups, the pure ownership protocol, the hand-off across members, and
 //!   the watchdog.
-//! - [`process`]: finding and killing etcd in a shared PID namespace.
+//! - [`kill`]: finding and killing etcd in a shared PID namespace (the `kill.*` keys).
 //! - [`server`]: the HTTP API.
 //! - [`copy`], [`restore`]: the copy job and data-dir restore.
 //! - [`operator`]: quorum-safe member replacement (the second binary).
@@ -25,9 +25,9 @@ pub mod config;
 pub mod copy;
 pub mod etcd;
 pub mod health;
+pub mod kill;
 pub mod operator;
 pub mod owner;
-pub mod process;
 pub mod restore;
 pub mod server;
 pub mod sidecar;

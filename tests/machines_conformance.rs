@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use async_trait::async_trait;
 use etcd_warden::operator::execute::{BackendError, Machines};
-use etcd_warden::operator::kube::machine::{HOOK_NAME, HOOK_OWNER, Machine};
+use etcd_warden::operator::kube::machine_resource::{HOOK_NAME, HOOK_OWNER, Machine};
 use etcd_warden::operator::kube::{KubeMachines, KubeMachinesConfig};
 use etcd_warden::operator::local::{LocalCluster, LocalOptions};
 use etcd_warden::operator::plan::MachineState;

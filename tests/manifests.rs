@@ -662,7 +662,7 @@ fn statefulset_problems(
     out.extend(security_problems(pod, etcd, &[]));
 
     // The kill finds this etcd: its comm (the executable's name, 15 bytes) and command line.
-    let matcher = etcd_warden::process::Matcher {
+    let matcher = etcd_warden::kill::Matcher {
         name: get_str(effective, "kill.process_name").to_string(),
         cmdline_contains: get(effective, "kill.cmdline_contains")
             .and_then(|v| v.as_str())
@@ -1435,13 +1435,13 @@ fn exported_metrics() -> BTreeSet<String> {
     let owner = metrics.owner.as_ref().expect("ownership metrics");
     // Labelled counters appear only once a label value was used: use one of each.
     owner.record_check(&etcd_warden::owner::resolve::CheckResult::Owner, 0);
-    owner.record_kill(&etcd_warden::process::KillReport {
+    owner.record_kill(&etcd_warden::kill::KillReport {
         processes: vec![(
-            etcd_warden::process::ProcessId {
+            etcd_warden::kill::ProcessId {
                 pid: 1,
                 start_time: 1,
             },
-            etcd_warden::process::Outcome::Killed,
+            etcd_warden::kill::Outcome::Killed,
         )],
     });
     let mut text = String::new();

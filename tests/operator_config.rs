@@ -64,7 +64,7 @@ fn the_example_loads_and_documents_every_key() {
     assert_eq!(c.settings.namespace, "openshift-etcd");
     assert_eq!(
         c.settings.machines.selector,
-        etcd_warden::operator::kube::machine::CONTROL_PLANE_SELECTOR
+        etcd_warden::operator::kube::machine_resource::CONTROL_PLANE_SELECTOR
     );
     assert_eq!(c.settings.timing.interval, Duration::from_secs(5));
     assert_eq!(c.listen.to_string(), "0.0.0.0:8080");

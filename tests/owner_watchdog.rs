@@ -19,6 +19,8 @@ use etcd_warden::backoff::Backoff;
 use etcd_warden::config::OwnerConfig;
 use etcd_warden::config::{EtcdConfig, KillConfig};
 use etcd_warden::health::Health;
+use etcd_warden::kill::ProcKiller;
+use etcd_warden::kill::{KillReport, Outcome, ProcessControl, ProcessError, ProcessId};
 use etcd_warden::owner::handoff::{
     Claim, Created, FenceMarker, FinalIntent, HandOffError, HandOffRecord, Member,
 };
@@ -30,8 +32,6 @@ use etcd_warden::owner::watchdog::{
     Context, EtcdView, ReadinessSink, SeamError, Snapshots, Watchdog, WatchdogConfig,
     WatchdogStatus,
 };
-use etcd_warden::process::ProcKiller;
-use etcd_warden::process::{KillReport, Outcome, ProcessControl, ProcessError, ProcessId};
 use etcd_warden::server::{Readiness, StatusSource};
 use etcd_warden::snapshot::actor::{self, ActorConfig, ActorHandle};
 use etcd_warden::snapshot::engine::EtcdEngine;
@@ -1418,16 +1418,16 @@ struct TimedKiller {
 }
 
 #[async_trait::async_trait]
-impl etcd_warden::process::ProcessControl for TimedKiller {
+impl etcd_warden::kill::ProcessControl for TimedKiller {
     async fn probe(
         &self,
-    ) -> Result<Vec<etcd_warden::process::ProcessId>, etcd_warden::process::ProcessError> {
+    ) -> Result<Vec<etcd_warden::kill::ProcessId>, etcd_warden::kill::ProcessError> {
         self.inner.probe().await
     }
     async fn kill_etcd(
         &self,
-        earlier: &[etcd_warden::process::ProcessId],
-    ) -> Result<etcd_warden::process::KillReport, etcd_warden::process::ProcessError> {
+        earlier: &[etcd_warden::kill::ProcessId],
+    ) -> Result<etcd_warden::kill::KillReport, etcd_warden::kill::ProcessError> {
         self.first_kill_at
             .lock()
             .expect("lock")

@@ -5,7 +5,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use etcd_warden::config::KillConfig;
-use etcd_warden::process::{Outcome, ProcKiller, ProcessControl, ProcessId, Signalled};
+use etcd_warden::kill::{Outcome, ProcKiller, ProcessControl, ProcessId, Signalled};
 use nix::sys::signal::Signal;
 use tokio::process::{Child, Command};
 

@@ -1,5 +1,5 @@
 //! Store URLs: `file:///dir`, `memory://`, `s3://bucket/prefix`, `gs://bucket/prefix`,
-//! `az://container/prefix`. Re-exported at `crate::store::location`, where stores are built.
+//! `az://container/prefix`. Re-exported as `crate::store::StoreLocation`, where stores are built.
 
 use std::fmt;
 use std::path::PathBuf;

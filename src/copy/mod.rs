@@ -45,10 +45,10 @@ use object_store::ObjectStoreExt as _;
 use tokio::sync::mpsc;
 use tracing::Instrument as _;
 
+use crate::config::StoreLocation;
 use crate::config::{Config, CopyConfig, ProcessEnv, StoreConfig};
 use crate::snapshot::full::verify_sha256;
 use crate::store::compression::ByteStream;
-use crate::store::location::StoreLocation;
 use crate::store::{Codec, Snapshot, SnapshotStore, StoreError, encryption, layout};
 
 pub use plan::{Listed, Selection};

@@ -13,7 +13,7 @@ use prometheus_client::registry::Registry;
 
 use super::protocol::State;
 use super::resolve::CheckResult;
-use crate::process::{KillReport, Outcome};
+use crate::kill::{KillReport, Outcome};
 
 /// Every state name, so the state gauge always shows all of them (one at 1, the rest at 0).
 const STATES: [&str; 4] = ["starting", "active", "suspended", "deactivated"];
@@ -214,9 +214,9 @@ impl OwnerMetrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kill::ProcessId;
     use crate::owner::protocol::FinalStep;
     use crate::owner::resolve::Failure;
-    use crate::process::ProcessId;
 
     fn text(registry: &Registry) -> String {
         let mut out = String::new();

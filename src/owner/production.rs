@@ -15,7 +15,7 @@ use super::resolve::{OwnerResolver, ResolveError};
 use super::watchdog::{Context, EtcdView, SeamError, Snapshots, WatchdogStatus};
 use crate::config::{EtcdConfig, KillConfig, OwnerConfig};
 use crate::health::{Health, HealthCheck};
-use crate::process::ProcKiller;
+use crate::kill::ProcKiller;
 use crate::server::{Readiness, StatusSource};
 use crate::snapshot::actor::ActorHandle;
 use crate::snapshot::gate::Gate;

@@ -32,7 +32,7 @@ use super::resolve::{CheckResult, FailureCounter, OwnerLookup};
 use crate::backoff::Backoff;
 use crate::config::{KillConfig, OwnerConfig};
 use crate::health::Health;
-use crate::process::{ProcessControl, ProcessId};
+use crate::kill::{ProcessControl, ProcessId};
 use crate::server::Readiness;
 use crate::snapshot::actor::ActorError;
 use crate::snapshot::gate::Gate;

@@ -8,7 +8,6 @@ mod credentials;
 pub mod encryption;
 pub mod gc;
 pub mod layout;
-pub mod location;
 pub mod reload;
 pub mod single_put;
 
@@ -27,9 +26,10 @@ use object_store::{ObjectStore, ObjectStoreExt, PutPayload, WriteMultipart};
 use crate::config::{EncryptionConfig, EnvSource, Secret, StoreConfig};
 use encryption::EncryptionError;
 
+/// Where a store is: its type and parser live in `config` (a store URL is configuration).
+pub use crate::config::StoreLocation;
 pub use compression::{ByteStream, Codec};
 pub use layout::{Chain, Kind, Snapshot};
-pub use location::StoreLocation;
 pub use single_put::SinglePut;
 
 /// Part size of multipart uploads: S3's minimum for every part but the last, so memory stays

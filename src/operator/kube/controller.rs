@@ -27,10 +27,10 @@ use tracing::{info, warn};
 
 use super::health::{self, HealthState, TaskHealth};
 use super::lease::{LeaseLock, LeaseMetrics, LeaseTiming};
-use super::machine::Machine;
+use super::machine_resource::Machine;
 use super::machines::{KubeMachines, KubeMachinesConfig};
-use super::quorum::{self, EtcdQuorum};
 use super::quorum_guard::QuorumGuard;
+use super::quorum_status::{self, EtcdQuorum};
 use super::sync::SyncError;
 use super::{endpoints, events};
 use crate::operator::execute::{BackendError, ExecuteError, Observation, Operator, Timing};
@@ -160,7 +160,7 @@ struct Parts {
     config_maps: Api<ConfigMap>,
     budgets: Api<PodDisruptionBudget>,
     quorums: Api<EtcdQuorum>,
-    learner: std::sync::Mutex<quorum::LearnerProgress>,
+    learner: std::sync::Mutex<quorum_status::LearnerProgress>,
     settings: Settings,
 }
 
@@ -210,8 +210,8 @@ impl Parts {
     /// Says in the EtcdQuorum's status that reconciles keep failing with `error`.
     async fn write_failure(&self, error: &ReconcileError) {
         let text = error.to_string();
-        let written = quorum::sync(&self.quorums, |previous, generation| {
-            quorum::failed(previous, &text, generation, chrono::Utc::now())
+        let written = quorum_status::sync(&self.quorums, |previous, generation| {
+            quorum_status::failed(previous, &text, generation, chrono::Utc::now())
         })
         .await;
         if let Err(e) = written {
@@ -226,15 +226,15 @@ impl Parts {
         machine_api_functional: bool,
     ) -> Result<(), SyncError> {
         let stalled = lock(&self.learner).stalled(&obs.observed, std::time::Instant::now());
-        let facts = quorum::Facts {
+        let facts = quorum_status::Facts {
             spec: self.settings.spec,
             observed: &obs.observed,
             machine_api_functional,
             stalled_learner: stalled.as_deref(),
         };
         let last = self.operator.status().last_action;
-        quorum::sync(&self.quorums, |previous, generation| {
-            quorum::status(
+        quorum_status::sync(&self.quorums, |previous, generation| {
+            quorum_status::status(
                 &facts,
                 &obs.members,
                 last.as_ref(),
@@ -528,7 +528,7 @@ async fn reconcile_loop(
                     let retry_in = backoff.delay(failures);
                     warn!(error = %e, ?retry_in, "reconcile failed");
                     let since = *failing_since.get_or_insert_with(std::time::Instant::now);
-                    if since.elapsed() >= quorum::failures_reported_after(timing.max_backoff)
+                    if since.elapsed() >= quorum_status::failures_reported_after(timing.max_backoff)
                         && *leader.borrow()
                     {
                         parts.write_failure(&e).await;

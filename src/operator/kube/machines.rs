@@ -18,7 +18,7 @@ use async_trait::async_trait;
 use serde_json::json;
 use tracing::{debug, info};
 
-use super::machine::{CONTROL_PLANE_SELECTOR, LifecycleHook, Machine};
+use super::machine_resource::{CONTROL_PLANE_SELECTOR, LifecycleHook, Machine};
 use crate::operator::execute::{BackendError, Machines};
 use crate::operator::plan::MachineState;
 

@@ -3,11 +3,11 @@
 //!
 //! - [`config`]: `kube`'s layered configuration (file → environment → flags).
 //! - [`controller`]: the controller assembled: leader-gated reconciles woken by watches.
-//! - [`machine`]: the typed `Machine` (only the fields read).
+//! - [`machine_resource`]: the typed `Machine` (only the fields read).
 //! - [`machines`]: [`KubeMachines`], the seam's Kubernetes backend.
 //! - [`health`]: `/healthz` (every internal task alive), `/readyz`, `/metrics`.
 //! - [`endpoints`]: the `etcd-endpoints` ConfigMap built from etcd's member list (pure).
-//! - [`quorum`]: the `EtcdQuorum` status object (conditions derived purely) and its sync.
+//! - [`quorum_status`]: the `EtcdQuorum` status object (conditions derived purely) and its sync.
 //! - [`quorum_guard`]: the quorum-guard PodDisruptionBudget (pure).
 //! - [`events`]: a Kubernetes Event for every action the executor records.
 //! - [`lease`]: leader election through a Lease, so two replicas never both act.
@@ -19,10 +19,10 @@ pub mod endpoints;
 pub mod events;
 pub mod health;
 pub mod lease;
-pub mod machine;
+pub mod machine_resource;
 pub mod machines;
-pub mod quorum;
 pub mod quorum_guard;
+pub mod quorum_status;
 pub mod sync;
 
 pub use machines::{KubeMachines, KubeMachinesConfig};
