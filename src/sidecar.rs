@@ -277,7 +277,7 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
     // of a running multi-member cluster rejoins it (restore::rejoin); otherwise the store.
     // A rejoin stops on SIGTERM (its temporary member with it); nothing else has started.
     let rejoined = if config.restore.initialize {
-        match crate::restore::rejoin::initialize(
+        match crate::restore::rejoin::rejoin_if_lost(
             &config.restore,
             &metrics.initialize,
             &store,

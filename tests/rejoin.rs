@@ -90,10 +90,10 @@ fn empty_store() -> SnapshotStore {
     )
 }
 
-/// `rejoin::initialize` as `serve` calls it, with an empty store and a token never cancelled.
+/// `rejoin::rejoin_if_lost` as `serve` calls it, with an empty store and a token never cancelled.
 async fn initialize(config: &RestoreConfig) -> Result<bool, RejoinError> {
     let cancel = CancellationToken::new();
-    rejoin::initialize(
+    rejoin::rejoin_if_lost(
         config,
         &InitializeMetrics::default(),
         &empty_store(),
@@ -431,7 +431,7 @@ async fn a_new_cluster_starts_fresh_only_while_nobody_answers_and_the_store_is_e
     let mut config = config;
     config.rejoin_timeout = Duration::from_secs(5);
     let never = CancellationToken::new();
-    let e = rejoin::initialize(&config, &InitializeMetrics::default(), &store, &never)
+    let e = rejoin::rejoin_if_lost(&config, &InitializeMetrics::default(), &store, &never)
         .await
         .unwrap_err();
     assert!(matches!(e, RejoinError::Timeout { .. }), "{e}");
@@ -446,7 +446,7 @@ async fn a_new_cluster_starts_fresh_only_while_nobody_answers_and_the_store_is_e
         stop.cancel();
     });
     let begun = Instant::now();
-    let e = rejoin::initialize(&config, &InitializeMetrics::default(), &store, &cancel)
+    let e = rejoin::rejoin_if_lost(&config, &InitializeMetrics::default(), &store, &cancel)
         .await
         .unwrap_err();
     assert!(matches!(e, RejoinError::Cancelled), "{e}");

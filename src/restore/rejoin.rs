@@ -279,7 +279,7 @@ const QUOTA_BACKEND_BYTES: &str = "8589934592";
 /// endpoint answers). `false` leaves the directory to [`super::initialize`]: valid, to be
 /// restored from the store, or a first bootstrap ([`Outcome::FirstBootstrap`]). `store` is
 /// listed only for that last check; `cancel` (the sidecar's root token) stops the rejoin.
-pub async fn initialize(
+pub async fn rejoin_if_lost(
     config: &RestoreConfig,
     metrics: &InitializeMetrics,
     store: &SnapshotStore,
