@@ -37,23 +37,28 @@ async fn full_snapshot_is_a_valid_etcd_3_4_snapshot() {
     full_snapshot_is_valid(Release::V34).await;
 }
 
-async fn full_snapshot_is_valid(release: Release) {
-    let etcd = EtcdCluster::single(release).await;
-    let mut client = etcd.client().await;
-    let value = "v".repeat(2000);
-    for i in 0..1500 {
+/// Puts `keys` keys `/registry/kNNNNN` of `value_len` bytes each; etcd's revision after them.
+async fn fill(client: &mut etcd_client::Client, keys: usize, value_len: usize) -> i64 {
+    let value = "v".repeat(value_len);
+    for i in 0..keys {
         client
             .put(format!("/registry/k{i:05}"), value.clone(), None)
             .await
             .unwrap();
     }
-    let revision = client
+    client
         .get("warmup", None)
         .await
         .unwrap()
         .header()
         .unwrap()
-        .revision();
+        .revision()
+}
+
+async fn full_snapshot_is_valid(release: Release) {
+    let etcd = EtcdCluster::single(release).await;
+    let mut client = etcd.client().await;
+    let revision = fill(&mut client, 1500, 2000).await;
     let dir = tempfile::tempdir().unwrap();
     let store = file_store(&dir.path().join("store"));
 
@@ -495,20 +500,7 @@ async fn an_exact_revision_snapshot_moved_by_a_write_during_its_stream_stores_no
     let etcd = EtcdCluster::single(Release::V35).await;
     let mut client = etcd.client().await;
     // Big enough (~40 MB) that streaming and compressing it takes far longer than one put.
-    let value = "v".repeat(20_000);
-    for i in 0..2000 {
-        client
-            .put(format!("/registry/k{i:05}"), value.clone(), None)
-            .await
-            .unwrap();
-    }
-    let revision = client
-        .get("warmup", None)
-        .await
-        .unwrap()
-        .header()
-        .unwrap()
-        .revision();
+    let revision = fill(&mut client, 2000, 20_000).await;
     let dir = tempfile::tempdir().unwrap();
     let store = file_store(&dir.path().join("store"));
 
