@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use crate::owner::handoff::{HandOffError, HandOffObjects, Hold};
 use crate::restore::{self, EtcdTools, MemberParams, RestoreError, RestoreOptions, TempEtcd};
-use crate::snapshot::full::{FullError, take_full_at};
+use crate::snapshot::full::{FullError, Target, take_full_as};
 use crate::store::{Codec, Snapshot, SnapshotStore, StoreError};
 
 /// Why compaction failed; nothing was stored.
@@ -242,7 +242,7 @@ async fn compact_and_store(
     // A hand-off that began while the chain was restored must not get a newer full snapshot in
     // front of its final.
     refuse_during_hand_off(store, revision).await?;
-    let snapshot = take_full_at(&client, store, codec, revision)
+    let (snapshot, _) = take_full_as(&client, store, Target::Exactly { codec, revision })
         .await
         .map_err(CompactError::Snapshot)?;
     Ok((snapshot, before, after))

@@ -37,6 +37,21 @@ async fn full_snapshot_is_a_valid_etcd_3_4_snapshot() {
     full_snapshot_is_valid(Release::V34).await;
 }
 
+/// A full snapshot that must hold exactly `revision`.
+async fn exactly(
+    client: &etcd_client::Client,
+    store: &SnapshotStore,
+    revision: i64,
+) -> Result<etcd_warden::store::Snapshot, full::FullError> {
+    let target = full::Target::Exactly {
+        codec: Codec::Gzip,
+        revision,
+    };
+    full::take_full_as(client, store, target)
+        .await
+        .map(|(s, _)| s)
+}
+
 /// Puts `keys` keys `/registry/kNNNNN` of `value_len` bytes each; etcd's revision after them.
 async fn fill(client: &mut etcd_client::Client, keys: usize, value_len: usize) -> i64 {
     let value = "v".repeat(value_len);
@@ -505,20 +520,15 @@ async fn an_exact_revision_snapshot_moved_by_a_write_during_its_stream_stores_no
     let store = file_store(&dir.path().join("store"));
 
     // Unmoved, it is stored at that revision.
-    let quiet = full::take_full_at(&client, &store, Codec::Gzip, revision)
-        .await
-        .unwrap();
+    let quiet = exactly(&client, &store, revision).await.unwrap();
     assert_eq!(quiet.last_revision, revision);
     store.delete(&quiet).await.unwrap();
 
     let mut writer = client.clone();
-    let (taken, _) = tokio::join!(
-        full::take_full_at(&client, &store, Codec::Gzip, revision),
-        async move {
-            tokio::time::sleep(Duration::from_millis(30)).await;
-            writer.put("/registry/late", "x", None).await.unwrap();
-        }
-    );
+    let (taken, _) = tokio::join!(exactly(&client, &store, revision), async move {
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        writer.put("/registry/late", "x", None).await.unwrap();
+    });
     match taken {
         Err(full::FullError::Moved { expected, found }) => {
             assert_eq!((expected, found), (revision, revision + 1));
@@ -528,9 +538,7 @@ async fn an_exact_revision_snapshot_moved_by_a_write_during_its_stream_stores_no
     assert!(store.list().await.unwrap().is_empty(), "nothing stored");
 
     // Asked for a revision it has already passed, it refuses before streaming.
-    let e = full::take_full_at(&client, &store, Codec::Gzip, revision)
-        .await
-        .unwrap_err();
+    let e = exactly(&client, &store, revision).await.unwrap_err();
     assert!(
         matches!(e, full::FullError::Moved { found, .. } if found == revision + 1),
         "{e}"

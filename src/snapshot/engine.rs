@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use super::actor::{Collected, DefragStep, Engine, EngineError, FullKind, Membership, Stored};
 use super::defrag::{self, DefragPlan, MemberState};
 use super::delta::DeltaWriter;
-use super::full::{take_full_named, take_full_sized};
+use super::full::{Target, take_full_as};
 use super::watcher::{DeltaWatch, WatchError};
 use crate::store::gc::{self, GcReport, Retention};
 use crate::store::{Chain, Codec, SnapshotStore};
@@ -96,10 +96,14 @@ impl Engine for EtcdEngine {
         let client = self.etcd.client().await;
         let (snap, bytes) = match kind {
             FullKind::Regular => {
-                take_full_sized(&client, &self.store, self.codec, false, None).await?
+                take_full_as(&client, &self.store, Target::Regular(self.codec)).await?
             }
             FullKind::Final { name, min_revision } => {
-                take_full_named(&client, &self.store, name, *min_revision).await?
+                let target = Target::Final {
+                    name,
+                    min_revision: *min_revision,
+                };
+                take_full_as(&client, &self.store, target).await?
             }
         };
         let is_final = snap.is_final;

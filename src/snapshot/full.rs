@@ -62,68 +62,62 @@ pub async fn take_full(
     codec: Codec,
     is_final: bool,
 ) -> Result<Snapshot, FullError> {
-    take_full_from(client, store, codec, is_final, None).await
-}
-
-/// [`take_full`]; with `min_revision`, a member below it is refused before anything is streamed
-/// (the hand-off's final must reach the revision every member's fence froze).
-pub async fn take_full_from(
-    client: &etcd_client::Client,
-    store: &SnapshotStore,
-    codec: Codec,
-    is_final: bool,
-    min_revision: Option<i64>,
-) -> Result<Snapshot, FullError> {
-    let (snapshot, _) = take_full_sized(client, store, codec, is_final, min_revision).await?;
+    let (snapshot, _) = take(client, store, codec, is_final, Reach::Any, None).await?;
     Ok(snapshot)
 }
 
-/// [`take_full_from`], also returning the bytes stored (compressed).
-pub async fn take_full_sized(
-    client: &etcd_client::Client,
-    store: &SnapshotStore,
-    codec: Codec,
-    is_final: bool,
-    min_revision: Option<i64>,
-) -> Result<(Snapshot, u64), FullError> {
-    let reach = min_revision.map_or(Reach::Any, Reach::AtLeast);
-    take(client, store, codec, is_final, reach, None).await
+/// A full snapshot with a condition on what it holds, for [`take_full_as`].
+#[derive(Debug, Clone, Copy)]
+pub enum Target<'a> {
+    /// A regular snapshot, as [`take_full`] takes it.
+    Regular(Codec),
+    /// Exactly `revision`: the member must report it before the stream starts and still report
+    /// it after the stream ends (revisions only grow, so the stream is of that revision);
+    /// otherwise the upload is aborted with [`FullError::Moved`]. For a member no client writes
+    /// to (`compact`'s temporary etcd), where only an expiring lease can move it.
+    Exactly {
+        /// How the payload is compressed.
+        codec: Codec,
+        /// The revision it must hold.
+        revision: i64,
+    },
+    /// The hand-off's final as the object `name` (fixed before the first attempt, so a retry
+    /// writes the same object), holding at least `min_revision`: refused before anything is
+    /// streamed when the member is below it. `name`'s revision is a lower bound of what it holds
+    /// (an expiring lease may have moved etcd on since the name was fixed), as the reference
+    /// tool's names are.
+    Final {
+        /// The object, as the intent names it.
+        name: &'a Snapshot,
+        /// The revision every member's fence froze.
+        min_revision: i64,
+    },
 }
 
-/// A full snapshot that holds exactly `revision`: the member must report it before the stream
-/// starts and still report it after the stream ends (revisions only grow, so the stream is of
-/// that revision); otherwise the upload is aborted with [`FullError::Moved`]. For a member no
-/// client writes to (`compact`'s temporary etcd), where only an expiring lease can move it.
-pub async fn take_full_at(
+/// A full snapshot as `target` asks, with the bytes stored (compressed).
+pub async fn take_full_as(
     client: &etcd_client::Client,
     store: &SnapshotStore,
-    codec: Codec,
-    revision: i64,
-) -> Result<Snapshot, FullError> {
-    let (snapshot, _) = take(client, store, codec, false, Reach::Exactly(revision), None).await?;
-    Ok(snapshot)
-}
-
-/// The hand-off's final as the object `name` (fixed before the first attempt, so a retry writes
-/// the same object), holding at least `min_revision`: refused before anything is streamed when
-/// the member is below it. `name`'s revision is a lower bound of what it holds (an expiring lease
-/// may have moved etcd on since the name was fixed), as the reference tool's names are.
-pub async fn take_full_named(
-    client: &etcd_client::Client,
-    store: &SnapshotStore,
-    name: &Snapshot,
-    min_revision: i64,
+    target: Target<'_>,
 ) -> Result<(Snapshot, u64), FullError> {
-    let target = store.adopt(name);
-    take(
-        client,
-        store,
-        target.compression,
-        target.is_final,
-        Reach::AtLeast(min_revision),
-        Some(target),
-    )
-    .await
+    match target {
+        Target::Regular(codec) => take(client, store, codec, false, Reach::Any, None).await,
+        Target::Exactly { codec, revision } => {
+            take(client, store, codec, false, Reach::Exactly(revision), None).await
+        }
+        Target::Final { name, min_revision } => {
+            let object = store.adopt(name);
+            take(
+                client,
+                store,
+                object.compression,
+                object.is_final,
+                Reach::AtLeast(min_revision),
+                Some(object),
+            )
+            .await
+        }
+    }
 }
 
 /// Which revisions a snapshot may hold.
