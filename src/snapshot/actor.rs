@@ -1107,11 +1107,12 @@ mod tests {
     #[tokio::test]
     async fn defragmentation_only_while_the_gate_is_open_and_cancelled_when_it_changes() {
         let hang = Arc::new(AtomicBool::new(false));
+        let steps = Arc::new(AtomicU64::new(0));
         let engine = HangingEtcd {
             hang: hang.clone(),
             buffered: Arc::new(AtomicU64::new(0)),
             revision: 10,
-            defrag_steps: Arc::new(AtomicU64::new(0)),
+            defrag_steps: steps.clone(),
         };
         let metrics = SnapshotMetrics::default();
         let mut reg = Registry::default();
@@ -1153,11 +1154,20 @@ mod tests {
 
         // The gate closes while a member's defragmentation hangs: the pass is dropped at once.
         hang.store(true, Ordering::SeqCst);
+        let before = steps.load(Ordering::SeqCst);
         let pass = tokio::spawn({
             let actor = actor.clone();
             async move { actor.defrag().await }
         });
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Closed only once a member's defragmentation hangs (a fixed sleep lost that race on a
+        // loaded machine: the pass had not started, and the closed gate refused it instead).
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while steps.load(Ordering::SeqCst) == before {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("the pass reaches a member");
         gate.send_replace(Gate::Closed);
         let r = tokio::time::timeout(Duration::from_secs(2), pass)
             .await
