@@ -2,7 +2,7 @@
 //! behaviours the operator's safety rests on (409 on a stale resourceVersion, watches resuming
 //! after a given version, finalizers holding a deletion) checked before anything relies on them.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::time::Duration;

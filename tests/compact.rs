@@ -2,7 +2,7 @@
 //! into one full snapshot at the chain's head revision; a restore then starts from it, replays
 //! nothing, and gives the same keys, values, revisions and revision as the chain did.
 
-mod support;
+use crate::support;
 
 use std::time::Instant;
 

@@ -1,6 +1,6 @@
 //! Configuration layering and every error case, through the library and the binary.
 
-mod support;
+use crate::support;
 
 use std::collections::HashMap;
 use std::path::Path;

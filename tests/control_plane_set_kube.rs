@@ -23,7 +23,7 @@
 //! the owner references gone, not a garbage collector held back. The etcd harness mirrors
 //! tests/operator_kube.rs (loopback "hosts", one member each).
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};

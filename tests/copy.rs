@@ -1,7 +1,7 @@
 //! The copy job against real stores: two buckets of a real S3 server (s3s-fs), one bucket under
 //! two prefixes (server-side copy), and file:// directories; plus the `copy` subcommand.
 
-mod support;
+use crate::support;
 
 use std::collections::HashMap;
 use std::time::Duration;

@@ -1,7 +1,7 @@
 //! Scheduled defragmentation against a real 3-member etcd 3.5: the actor next to the leader
 //! defragments every member, one at a time, while a writer keeps writing.
 
-mod support;
+use crate::support;
 
 use std::collections::HashMap;
 use std::path::Path;

@@ -1,8 +1,7 @@
 //! The test DNS server behaves like a real one for hickory-resolver: changes are visible at once,
 //! removal gives NXDOMAIN, and the failure modes fail the way real outages do.
 
-#[path = "support/dns.rs"]
-mod dns;
+use crate::support::dns;
 
 use std::time::{Duration, Instant};
 

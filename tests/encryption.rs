@@ -3,7 +3,7 @@
 //! (which has no key) into a restore with either private key; without a key, or with the wrong
 //! one, a restore fails before it writes anything; an altered byte is never restored.
 
-mod support;
+use crate::support;
 
 use std::io::Read;
 use std::path::{Path, PathBuf};

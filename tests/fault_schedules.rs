@@ -6,7 +6,7 @@
 //! `ci_schedules` plays a fixed set of seeds; `many_schedules` plays as many as asked:
 //!
 //! ```text
-//! FAULT_SCHEDULES=200 FAULT_SEED=12345 cargo test --release --test fault_schedules -- --nocapture many_schedules
+//! FAULT_SCHEDULES=200 FAULT_SEED=12345 cargo test --release --test it -- --nocapture fault_schedules::many_schedules
 //! ```
 //!
 //! `FAULT_MEMBERS=1` or `3` fixes the cluster size (otherwise one schedule in three runs a
@@ -14,7 +14,7 @@
 //! `FAULT_SCHEDULES=1 FAULT_SEED=<seed> FAULT_MEMBERS=<n>`. `FAULT_BIN=<path>` judges another
 //! build of `etcd-warden` (a previous release) with the same schedules.
 
-mod support;
+use crate::support;
 
 use std::net::SocketAddr;
 use std::process::Command;

@@ -1,6 +1,6 @@
 //! Proves the test harness: every fixture is a real server that answers real clients.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

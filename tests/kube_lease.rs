@@ -3,7 +3,7 @@
 //! lease duration, racing candidates yield exactly one winner, and the run loop hands over when
 //! the leader stops.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

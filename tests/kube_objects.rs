@@ -3,7 +3,7 @@
 //! double (`support::apiserver`): created when missing, patched only when they differ, a removed
 //! member's key gone, and converging when a concurrent writer makes the first write conflict.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 

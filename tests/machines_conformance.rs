@@ -7,7 +7,7 @@
 //! Each case is a generic async function over a [`Harness`], which plays whoever else touches
 //! machines (the Machine API, an administrator, another hook owner, a concurrent writer).
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -3,7 +3,7 @@
 //! restores and serves every key; and the same when the source cannot reach its store at the
 //! flip (the copy Job times out and proceeds with the latest snapshot).
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -6,7 +6,7 @@
 //! Runs the tests' etcd 3.5 (`support::etcd::Release::V35`, as every other test does) and, where
 //! said, Debian's 3.4.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

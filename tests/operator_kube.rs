@@ -17,7 +17,7 @@
 //! Every member runs on its own loopback address (127.0.0.11, .12, …) on one peer and one client
 //! port, as members on separate hosts do, so a Machine's InternalIP is all that names its member.
 
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, HashSet};
 use std::process::{Child, Command, Stdio};

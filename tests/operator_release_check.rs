@@ -8,7 +8,7 @@
 //! The executor must not: it releases only after a member list read behind a linearizable read
 //! (on the leader) agrees. Without that re-check the hook goes while a member sits on the machine.
 
-mod support;
+use crate::support;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

@@ -1,8 +1,7 @@
 //! Owner lookups against a real DNS server (hickory-server on loopback): classification, the
 //! failure threshold, and TTL handling.
 
-#[path = "support/dns.rs"]
-mod dns;
+use crate::support::dns;
 
 use std::time::{Duration, Instant};
 

@@ -8,7 +8,7 @@
 //!   and only then is the final snapshot requested; and against the real snapshot actor with a
 //!   store that never answers, to bound verdict -> SIGTERM.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, Ordering};

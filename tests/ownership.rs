@@ -2,7 +2,7 @@
 //! record, a real etcd runs under a "kubelet" that restarts it when it dies, `etcd-warden serve`
 //! runs as a child process, and snapshots go to a real S3 server or a local directory.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -483,7 +483,7 @@ async fn l_a_rolling_update_with_the_previous_release_ends_with_one_final() {
         _ => {
             eprintln!(
                 "SKIPPED: ETCD_WARDEN_PREVIOUS_BIN is not set; run \
-                 `ETCD_WARDEN_PREVIOUS_BIN=$(./scripts/build-previous) cargo test --test ownership l_a_rolling`"
+                 `ETCD_WARDEN_PREVIOUS_BIN=$(./scripts/build-previous) cargo test --test it ownership::l_a_rolling`"
             );
             return;
         }

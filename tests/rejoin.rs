@@ -2,7 +2,7 @@
 //! acknowledged write; the store is never read. A corrupt directory is moved aside; without
 //! quorum nothing changes.
 
-mod support;
+use crate::support;
 
 use std::collections::HashSet;
 use std::path::Path;

@@ -1,7 +1,7 @@
 //! `restore` against real etcd: a full snapshot and several deltas of a mixed workload restore
 //! into a directory on which etcd starts with every key, value and the revision of the original.
 
-mod support;
+use crate::support;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};

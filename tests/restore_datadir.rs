@@ -4,7 +4,7 @@
 //! kept without reading a snapshot; and `restore` falling back past a latest full snapshot that
 //! fails verification, or refusing to with `--no-fallback`.
 
-mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 

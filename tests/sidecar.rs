@@ -2,7 +2,7 @@
 //! names and revisions, every payload verifies and holds exactly the writes, the HTTP API answers
 //! as specified, and in a multi-member cluster only the leader's sidecar snapshots.
 
-mod support;
+use crate::support;
 
 use std::path::Path;
 use std::sync::Arc;

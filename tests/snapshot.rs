@@ -1,6 +1,6 @@
 //! Full and delta snapshots against a real single-member etcd.
 
-mod support;
+use crate::support;
 
 use std::path::Path;
 use std::process::Command;

@@ -2,7 +2,7 @@
 //! over it), user/password authentication with the password in a file, and a client that keeps
 //! working when etcd restarts and forgets its auth token.
 
-mod support;
+use crate::support;
 
 use std::path::Path;
 use std::sync::Arc;

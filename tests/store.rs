@@ -1,7 +1,7 @@
 //! Store conformance: one set of checks run against every backend (in-memory, local filesystem,
 //! and a real S3 server), through the same `SnapshotStore` the sidecar uses.
 
-mod support;
+use crate::support;
 
 use etcd_warden::owner::handoff::{Claim, Created, HandOffObjects};
 

@@ -1,7 +1,7 @@
 //! A real DNS server for tests: hickory-server embedded in the test process, serving one in-memory
 //! zone (`warden.test.`) over UDP and TCP on `127.0.0.1:<ephemeral>`.
 //!
-//! Include with `#[path = "support/dns.rs"] mod dns;` or `pub mod dns;` in `tests/support/mod.rs`.
+//! `support::dns` (declared in `tests/support/mod.rs`).
 //!
 //! ```ignore
 //! let dns = DnsServer::start().await;
