@@ -34,12 +34,8 @@ use etcd_warden::operator::control_plane_set::resource::{
     ControlPlaneSet, ControlPlaneSetSpec, FINALIZER as SET_FINALIZER, FailureDomains,
     MachineTemplate, Platform, ProviderSpec, TemplateMachineSpec, TemplateMetadata, UpdateStrategy,
 };
-use etcd_warden::operator::execute::Timing;
-use etcd_warden::operator::kube::KubeMachinesConfig;
 use etcd_warden::operator::kube::controller::{self, Settings};
-use etcd_warden::operator::kube::lease::LeaseTiming;
-use etcd_warden::operator::kube::quorum_guard::QuorumGuard;
-use etcd_warden::operator::plan::{Replacement, Spec};
+use etcd_warden::operator::plan::Replacement;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, MicroTime};
@@ -47,12 +43,10 @@ use kube::ResourceExt as _;
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use support::apiserver::ApiServer;
-use support::hosts::{Hosts, Load, assert_writes_kept, eventually, ip, members, platform};
+use support::hosts::{Load, assert_writes_kept, eventually, ip, members};
+use support::kube_world::{ETCD_NS, KubeWorld, MACHINES_NS};
 use support::machine_api::{self, FINALIZER, MachineApi, ROLE_LABEL, create_machine};
 use tokio_util::sync::CancellationToken;
-
-const MACHINES_NS: &str = "openshift-machine-api";
-const ETCD_NS: &str = "openshift-etcd";
 
 /// The machine controller: a Machine nobody has provisioned yet gets the machine controller's
 /// finalizer, the next free loopback address (recorded in `names`, so the platform and the
@@ -98,25 +92,20 @@ async fn provisioner(
     }
 }
 
-/// etcd on loopback hosts, the double, the Machine API, the platform and the operator (whose
-/// controller runs the set's loop).
+/// [`KubeWorld`] with the Machine API, a provisioner and the operator (whose controller runs
+/// the set's loop).
 struct World {
-    hosts: Arc<Hosts>,
-    names: Arc<Mutex<BTreeMap<String, String>>>,
-    kc: kube::Client,
-    raw: Api<DynamicObject>,
+    kube: KubeWorld,
     sets: Api<ControlPlaneSet>,
-    stop: CancellationToken,
     /// How the quorum operator orders membership changes (Surge unless a test says otherwise).
     replacement: Replacement,
-    server: ApiServer,
     _machine_api: MachineApi,
-    _dir: tempfile::TempDir,
 }
 
-impl Drop for World {
-    fn drop(&mut self) {
-        self.stop.cancel();
+impl std::ops::Deref for World {
+    type Target = KubeWorld;
+    fn deref(&self) -> &KubeWorld {
+        &self.kube
     }
 }
 
@@ -131,56 +120,32 @@ impl World {
 
     /// As [`World::start`], the operator not started.
     async fn build(zones: &[&str]) -> World {
-        let dir = tempfile::tempdir().unwrap();
-        let hosts = Arc::new(Hosts::new(dir.path().to_path_buf(), None));
-        let first = hosts.start_cluster(3).await;
-        let server = ApiServer::start().await;
-        server.status_subresource("etcd-warden.io", "controlplanesets");
-        let kc = server.client();
-        let raw = machine_api::machines(kc.clone(), MACHINES_NS);
-        for (i, (n, addr)) in first.iter().enumerate() {
-            create_machine(&raw, n, "master", Some(addr)).await;
+        let kube = KubeWorld::start(None).await;
+        for (i, n) in ["cp-0", "cp-1", "cp-2"].into_iter().enumerate() {
             let p = json!({"status": {"nodeRef": {"kind": "Node", "name": n}}});
-            raw.patch_status(n, &PatchParams::default(), &Patch::Merge(&p))
+            kube.raw
+                .patch_status(n, &PatchParams::default(), &Patch::Merge(&p))
                 .await
                 .unwrap();
             if let Some(z) = zones.get(i) {
                 let p = json!({"spec": {"providerSpec": {"value": {"placement": {"availabilityZone": z}}}}});
-                raw.patch(n, &PatchParams::default(), &Patch::Merge(&p))
+                kube.raw
+                    .patch(n, &PatchParams::default(), &Patch::Merge(&p))
                     .await
                     .unwrap();
             }
         }
-        let names: Arc<Mutex<BTreeMap<String, String>>> = Arc::new(Mutex::new(
-            first.iter().map(|(n, i)| (i.clone(), n.clone())).collect(),
-        ));
-        let stop = CancellationToken::new();
-        tokio::spawn(platform(
-            Arc::clone(&hosts),
-            Arc::clone(&names),
-            stop.clone(),
-        ));
         tokio::spawn(provisioner(
-            raw.clone(),
-            Arc::clone(&names),
+            kube.raw.clone(),
+            Arc::clone(&kube.names),
             3,
-            stop.clone(),
+            kube.stop.clone(),
         ));
-        let machine_api = MachineApi::start(raw.clone(), {
-            let hosts = Arc::clone(&hosts);
-            move |name| hosts.kill(name)
-        });
         World {
-            sets: Api::namespaced(kc.clone(), MACHINES_NS),
-            hosts,
-            names,
-            kc,
-            raw,
-            stop,
+            sets: Api::namespaced(kube.kc.clone(), MACHINES_NS),
             replacement: Replacement::Surge,
-            server,
-            _machine_api: machine_api,
-            _dir: dir,
+            _machine_api: kube.machine_api(),
+            kube,
         }
     }
 
@@ -194,43 +159,7 @@ impl World {
     }
 
     fn settings(&self) -> Settings {
-        let urls: Vec<String> = self
-            .names
-            .lock()
-            .unwrap()
-            .keys()
-            .map(|i| self.hosts.client_url(i))
-            .collect();
-        Settings {
-            spec: Spec {
-                desired_voters: 3,
-                replacement: self.replacement,
-            },
-            machines: KubeMachinesConfig {
-                namespace: MACHINES_NS.into(),
-                peer_scheme: "http".into(),
-                peer_port: self.hosts.peer,
-                ..KubeMachinesConfig::default()
-            },
-            etcd_endpoints: urls,
-            etcd_tls: None,
-            namespace: ETCD_NS.into(),
-            guard: QuorumGuard::default(),
-            lease_name: "etcd-warden-operator".into(),
-            identity: "op-0".into(),
-            lease: LeaseTiming {
-                duration: Duration::from_secs(2),
-                renew_deadline: Duration::from_millis(1500),
-                retry: Duration::from_millis(200),
-            },
-            timing: Timing {
-                interval: Duration::from_millis(200),
-                min_backoff: Duration::from_millis(100),
-                max_backoff: Duration::from_secs(1),
-                request_timeout: Duration::from_secs(2),
-            },
-            owner: None,
-        }
+        self.kube.settings("op-0", self.replacement)
     }
 
     /// Creates the set `name` over the role=master Machines, at the harness's provider spec.

@@ -9,9 +9,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use etcd_client::{Client, CompactionOptions};
-use etcd_warden::config::{DefragConfig, EtcdConfig, GcPolicy};
+use etcd_warden::config::{EtcdConfig, GcPolicy};
 use etcd_warden::etcd::RotatingClient;
-use etcd_warden::snapshot::actor::{self, ActorConfig};
+use etcd_warden::snapshot::actor;
 use etcd_warden::snapshot::engine::EtcdEngine;
 use etcd_warden::snapshot::gate::Gate;
 use etcd_warden::snapshot::metrics::SnapshotMetrics;
@@ -142,20 +142,7 @@ async fn defragmentation_shrinks_every_member_while_a_writer_goes_on() {
     let metrics = SnapshotMetrics::default();
     let mut registry = Registry::default();
     metrics.register(&mut registry);
-    let config = ActorConfig {
-        // Neither fires during the test: the pass is asked for.
-        schedule: std::str::FromStr::from_str("0 0 1 1 *").unwrap(),
-        delta_period: Duration::ZERO,
-        delta_memory_limit: u64::MAX,
-        gc_period: Duration::from_secs(3600),
-        leader_check_interval: Duration::from_millis(100),
-        timeout: Duration::from_secs(60),
-        defrag: DefragConfig {
-            schedule: None,
-            timeout: Duration::from_secs(60),
-            min_free_fraction: 0.1,
-        },
-    };
+    let config = support::quiet_actor_config(Duration::ZERO, u64::MAX, Duration::from_secs(60));
     let cancel = CancellationToken::new();
     let (_gate, gate_rx) = tokio::sync::watch::channel(Gate::Open);
     let (actor, task) = actor::spawn(engine, config, gate_rx, metrics, cancel.clone());

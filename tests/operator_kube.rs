@@ -24,11 +24,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use etcd_warden::operator::execute::Timing;
-use etcd_warden::operator::kube::KubeMachinesConfig;
 use etcd_warden::operator::kube::controller::{self, Settings};
-use etcd_warden::operator::kube::lease::LeaseTiming;
-use etcd_warden::operator::kube::quorum_guard::QuorumGuard;
 use etcd_warden::operator::kube::quorum_status::{self, EtcdQuorum};
 use etcd_warden::operator::plan::Spec;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -37,33 +33,25 @@ use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, DeleteParams};
-use support::apiserver::ApiServer;
-use support::hosts::{Hosts, Load, assert_writes_kept, eventually, ip, members, platform};
-use support::machine_api::{self, MachineApi, create_machine, pre_drain};
+use support::hosts::{Load, assert_writes_kept, eventually, ip};
+use support::kube_world::{ETCD_NS, KubeWorld, MACHINES_NS};
+use support::machine_api::{MachineApi, create_machine, pre_drain};
 use tokio_util::sync::CancellationToken;
 
-const MACHINES_NS: &str = "openshift-machine-api";
-const ETCD_NS: &str = "openshift-etcd";
 use support::rbac::OPERATOR;
 
-/// Everything around the controller: etcd on loopback hosts, the double, the Machine API and the
-/// platform.
+/// Everything around the controller: [`KubeWorld`] and, when a test asks for it, the Machine
+/// API.
 struct World {
-    hosts: Arc<Hosts>,
-    /// IP → Machine name, for every Machine the test created.
-    names: Arc<Mutex<BTreeMap<String, String>>>,
-    server: ApiServer,
-    kc: kube::Client,
-    raw: Api<kube::api::DynamicObject>,
+    kube: KubeWorld,
     machine_api: Option<MachineApi>,
-    stop: CancellationToken,
     next: usize,
-    _dir: tempfile::TempDir,
 }
 
-impl Drop for World {
-    fn drop(&mut self) {
-        self.stop.cancel();
+impl std::ops::Deref for World {
+    type Target = KubeWorld;
+    fn deref(&self) -> &KubeWorld {
+        &self.kube
     }
 }
 
@@ -75,78 +63,17 @@ impl World {
 
     /// As [`World::start`]; with `tls`, etcd's clients must present a certificate (mutual TLS).
     async fn start_with(machine_api: bool, tls: bool) -> World {
-        let dir = tempfile::tempdir().unwrap();
-        let tls = tls.then(|| {
-            let d = dir.path().join("pki");
-            std::fs::create_dir_all(&d).unwrap();
-            make_certs(&d, &(0..8).map(ip).collect::<Vec<_>>());
-            d
-        });
-        let hosts = Arc::new(Hosts::new(dir.path().to_path_buf(), tls));
-        let first = hosts.start_cluster(3).await;
-        let server = ApiServer::start().await;
-        server.status_subresource("etcd-warden.io", "etcdquorums");
-        let kc = server.client();
-        let raw = machine_api::machines(kc.clone(), MACHINES_NS);
-        for (n, i) in &first {
-            create_machine(&raw, n, "master", Some(i)).await;
-        }
-        let names: Arc<Mutex<BTreeMap<String, String>>> = Arc::new(Mutex::new(
-            first.iter().map(|(n, i)| (i.clone(), n.clone())).collect(),
-        ));
-        let stop = CancellationToken::new();
-        tokio::spawn(platform(
-            Arc::clone(&hosts),
-            Arc::clone(&names),
-            stop.clone(),
-        ));
-        let machine_api = machine_api.then(|| {
-            MachineApi::start(raw.clone(), {
-                let hosts = Arc::clone(&hosts);
-                move |name| hosts.kill(name)
-            })
-        });
+        let kube = KubeWorld::start(tls.then_some(make_certs as fn(&_, &_))).await;
         World {
-            hosts,
-            names,
-            server,
-            kc,
-            raw,
-            machine_api,
-            stop,
+            machine_api: machine_api.then(|| kube.machine_api()),
+            kube,
             next: 3,
-            _dir: dir,
         }
     }
 
     fn settings(&self, identity: &str) -> Settings {
-        Settings {
-            spec: Spec::new(3).unwrap(),
-            machines: KubeMachinesConfig {
-                namespace: MACHINES_NS.into(),
-                peer_scheme: "http".into(),
-                peer_port: self.hosts.peer,
-                ..KubeMachinesConfig::default()
-            },
-            etcd_endpoints: self.client_urls(),
-            etcd_tls: None,
-            namespace: ETCD_NS.into(),
-            guard: QuorumGuard::default(),
-            lease_name: "etcd-warden-operator".into(),
-            identity: identity.into(),
-            lease: LeaseTiming {
-                duration: Duration::from_secs(2),
-                renew_deadline: Duration::from_millis(1500),
-                retry: Duration::from_millis(200),
-            },
-            timing: Timing {
-                interval: Duration::from_millis(200),
-                min_backoff: Duration::from_millis(100),
-                max_backoff: Duration::from_secs(1),
-                request_timeout: Duration::from_secs(2),
-            },
-            owner: None,
-        }
+        self.kube
+            .settings(identity, Spec::new(3).unwrap().replacement)
     }
 
     /// Starts a controller replica named `identity`.
@@ -158,21 +85,6 @@ impl World {
             cancel.clone(),
         ));
         (task, cancel)
-    }
-
-    fn ips(&self) -> Vec<String> {
-        self.names.lock().unwrap().keys().cloned().collect()
-    }
-
-    fn client_urls(&self) -> Vec<String> {
-        self.ips()
-            .iter()
-            .map(|i| self.hosts.client_url(i))
-            .collect()
-    }
-
-    async fn members(&self) -> Option<Vec<(u64, String, String, bool)>> {
-        members(&self.hosts, &self.ips()).await
     }
 
     /// Waits until every current Machine carries exactly our hook.

@@ -11,21 +11,16 @@
 use crate::support;
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use etcd_client::{Client, MemberAddOptions};
+use etcd_warden::etcd::process::{Bootstrap, ClusterState, EtcdProcess, MemberSpec, PeerUrls};
 use etcd_warden::operator::execute::{BackendError, Machines, Operator, Timing};
 use etcd_warden::operator::plan::{Action, MachineState, Spec};
 use support::etcd::Release;
 use support::faultproxy::{FaultMode, FaultProxy};
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+use support::free_port;
+use support::hosts::eventually;
 
 /// Machines that do nothing but remember which hooks were released.
 struct Recorded {
@@ -52,25 +47,7 @@ struct Member {
     /// The proxy in front of its peer port: what it advertises.
     proxy: FaultProxy,
     client_url: String,
-    child: std::process::Child,
-}
-
-impl Drop for Member {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-async fn eventually<T>(what: &str, timeout: Duration, mut f: impl AsyncFnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    _etcd: EtcdProcess,
 }
 
 async fn client(url: &str) -> Option<Client> {
@@ -95,34 +72,32 @@ async fn a_cut_off_followers_stale_member_list_does_not_release_a_hook() {
         .collect();
     let mut members = Vec::new();
     for (name, listen, proxy, client_port) in planned {
-        let log = std::fs::File::create(dir.path().join(format!("{name}.log"))).unwrap();
-        let client_url = format!("http://127.0.0.1:{client_port}");
-        let child = std::process::Command::new(Release::V35.bin("etcd"))
-            .args(["--name", &name])
-            .arg("--data-dir")
-            .arg(dir.path().join(&name))
-            .args(["--listen-peer-urls", &format!("http://127.0.0.1:{listen}")])
-            .args(["--initial-advertise-peer-urls", &proxy.endpoint()])
-            .args(["--listen-client-urls", &client_url])
-            .args(["--advertise-client-urls", &client_url])
-            .args(["--initial-cluster", &initial.join(",")])
-            .args(["--initial-cluster-state", "new"])
-            .args(["--initial-cluster-token", "release-check"])
+        let mut spec = MemberSpec {
+            client_port,
+            peer_urls: Some(PeerUrls {
+                listen: format!("http://127.0.0.1:{listen}"),
+                advertise: proxy.endpoint(),
+            }),
+            bootstrap: Some(Bootstrap {
+                initial_cluster: Some(initial.join(",")),
+                state: ClusterState::New,
+                token: "release-check".into(),
+            }),
+            no_fsync: true,
             // etcd refuses a member add while the leader has lost touch with any voter; a
             // follower that merely lags (the production case this partition stands for) keeps
             // its connections, so the add would go through. Allowed here for the same effect.
-            .arg("--strict-reconfig-check=false")
-            .args(["--unsafe-no-fsync", "--log-level", "warn"])
-            .stdin(std::process::Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .expect("start etcd");
+            extra_args: vec!["--strict-reconfig-check=false".into()],
+            log: Some(dir.path().join(format!("{name}.log"))),
+            ..MemberSpec::new(&name, dir.path().join(&name))
+        };
+        let etcd = spec.spawn(Release::V35.binaries()).expect("start etcd");
+        let client_url = spec.client_url();
         members.push(Member {
             name,
             proxy,
             client_url,
-            child,
+            _etcd: etcd,
         });
     }
     let urls: Vec<String> = members.iter().map(|m| m.client_url.clone()).collect();

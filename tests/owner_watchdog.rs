@@ -33,7 +33,7 @@ use etcd_warden::owner::watchdog::{
     WatchdogStatus,
 };
 use etcd_warden::server::{Readiness, StatusSource};
-use etcd_warden::snapshot::actor::{self, ActorConfig, ActorHandle};
+use etcd_warden::snapshot::actor::{self, ActorHandle};
 use etcd_warden::snapshot::engine::EtcdEngine;
 use etcd_warden::snapshot::gate::Gate;
 use etcd_warden::snapshot::metrics::SnapshotMetrics;
@@ -1597,19 +1597,7 @@ fn actor_over(
     );
     actor::spawn(
         engine,
-        ActorConfig {
-            schedule: std::str::FromStr::from_str("0 0 1 1 *").expect("cron"),
-            delta_period: Duration::ZERO,
-            delta_memory_limit: 1 << 20,
-            gc_period: Duration::from_secs(3600),
-            leader_check_interval: Duration::from_millis(100),
-            timeout,
-            defrag: etcd_warden::config::DefragConfig {
-                schedule: None,
-                timeout: Duration::from_secs(60),
-                min_free_fraction: 0.1,
-            },
-        },
+        support::quiet_actor_config(Duration::ZERO, 1 << 20, timeout),
         gate,
         SnapshotMetrics::default(),
         cancel.child_token(),

@@ -672,22 +672,8 @@ async fn initialize_starts_fresh_on_an_empty_store_and_refuses_what_it_cannot_re
     let dir = tempfile::tempdir().unwrap();
     let store = file_store(&dir.path().join("store"));
     let data = dir.path().join("data");
-    let config = etcd_warden::config::RestoreConfig {
-        data_dir: Some(data.clone()),
-        name: "default".into(),
-        initial_cluster: String::new(),
-        initial_cluster_token: "etcd-cluster".into(),
-        initial_advertise_peer_urls: "http://localhost:2380".into(),
-        etcd_bin: Some(Release::V35.bin_dir()),
-        parallel_fetch: 2,
-        force: false,
-        initialize: true,
-        validation: etcd_warden::config::Validation::Sanity,
-        fallback: true,
-        guard: None,
-        cluster: None,
-        rejoin_timeout: Duration::from_secs(60),
-    };
+    let config =
+        support::history::initialize_config(&data, etcd_warden::config::Validation::Sanity);
     assert_eq!(
         initialize(&store, &config).await.unwrap(),
         Initialized::Fresh

@@ -9,8 +9,8 @@ use crate::support;
 use std::path::{Path, PathBuf};
 
 use bytes::Bytes;
-use etcd_client::{Client, GetOptions};
-use etcd_warden::config::{RestoreConfig, Validation};
+use etcd_client::Client;
+use etcd_warden::config::Validation;
 use etcd_warden::restore::direct::revision_key;
 use etcd_warden::restore::initialize::{InitializeMetrics, Initialized, Why, initialize_observed};
 use etcd_warden::snapshot::delta::{DeltaWriter, Event};
@@ -19,7 +19,9 @@ use etcd_warden::snapshot::watcher::DeltaWatch;
 use etcd_warden::store::{Codec, Snapshot, SnapshotStore};
 use futures::StreamExt;
 use support::etcd::{EtcdCluster, Release};
-use support::history::{Dump, dump, dump_restored, restore_options, writes};
+use support::history::{
+    dump, dump_as_of, dump_restored, initialize_config, restore_options, writes,
+};
 use support::s3::S3Server;
 
 const BUCKET: &str = "validate";
@@ -27,26 +29,6 @@ const PREFIX: &str = "etcd-main";
 
 fn s3_store(s3: &S3Server) -> SnapshotStore {
     SnapshotStore::new(s3.object_store(BUCKET), PREFIX)
-}
-
-/// `[restore]` for `initialize` into `data` with etcd 3.5's tools.
-fn config(data: &Path, validation: Validation) -> RestoreConfig {
-    RestoreConfig {
-        data_dir: Some(data.to_path_buf()),
-        name: "default".into(),
-        initial_cluster: String::new(),
-        initial_cluster_token: "etcd-cluster".into(),
-        initial_advertise_peer_urls: "http://localhost:2380".into(),
-        etcd_bin: Some(Release::V35.bin_dir()),
-        parallel_fetch: 2,
-        force: false,
-        initialize: true,
-        validation,
-        fallback: true,
-        guard: None,
-        cluster: None,
-        rejoin_timeout: std::time::Duration::from_secs(60),
-    }
 }
 
 /// A delta of everything etcd wrote after revision `after`, up to now.
@@ -60,23 +42,6 @@ async fn delta_after(client: &mut Client, store: &SnapshotStore, after: i64) -> 
     let mut writer = DeltaWriter::new(Codec::Gzip, after);
     writer.push(events, chrono::Utc::now());
     writer.flush(store).await.unwrap().unwrap()
-}
-
-/// etcd's keys as they were at `revision` (in [`dump`]'s shape).
-async fn dump_at(client: &mut Client, revision: i64) -> Dump {
-    let resp = client
-        .get(
-            vec![0u8],
-            Some(GetOptions::new().with_from_key().with_revision(revision)),
-        )
-        .await
-        .unwrap();
-    let kvs = resp
-        .kvs()
-        .iter()
-        .map(|kv| (kv.key().to_vec(), kv.value().to_vec(), kv.mod_revision()))
-        .collect();
-    (kvs, revision)
 }
 
 /// Replaces a stored snapshot's payload with itself, a few bytes in the middle flipped.
@@ -156,9 +121,13 @@ async fn a_truncated_or_damaged_database_is_restored_and_moved_aside_intact() {
         .set_len(len / 2)
         .unwrap();
     let damaged = std::fs::read(db(&data)).unwrap();
-    let done = initialize_observed(&store, &config(&data, Validation::Sanity), &metrics)
-        .await
-        .unwrap();
+    let done = initialize_observed(
+        &store,
+        &initialize_config(&data, Validation::Sanity),
+        &metrics,
+    )
+    .await
+    .unwrap();
     let Initialized::Restored {
         why,
         revision,
@@ -195,14 +164,22 @@ async fn a_truncated_or_damaged_database_is_restored_and_moved_aside_intact() {
     }
     std::fs::write(db(&data), &bytes).unwrap();
     // Sanity reads the meta pages, the bucket list and the rightmost path only: it keeps this.
-    let done = initialize_observed(&store, &config(&data, Validation::Sanity), &metrics)
-        .await
-        .unwrap();
+    let done = initialize_observed(
+        &store,
+        &initialize_config(&data, Validation::Sanity),
+        &metrics,
+    )
+    .await
+    .unwrap();
     assert_eq!(done, Initialized::Valid);
     assert!(moved_aside(&data).is_empty());
-    let done = initialize_observed(&store, &config(&data, Validation::Full), &metrics)
-        .await
-        .unwrap();
+    let done = initialize_observed(
+        &store,
+        &initialize_config(&data, Validation::Full),
+        &metrics,
+    )
+    .await
+    .unwrap();
     let Initialized::Restored {
         why: Why::Corrupt,
         moved_aside: Some(aside),
@@ -244,7 +221,7 @@ async fn a_directory_behind_the_store_is_restored_and_a_current_one_kept() {
     assert_eq!(d2.last_revision, now);
     let original = dump(&mut client).await;
     let metrics = InitializeMetrics::default();
-    let cfg = config(&data, Validation::Full);
+    let cfg = initialize_config(&data, Validation::Full);
     let done = initialize_observed(&store, &cfg, &metrics).await.unwrap();
     let Initialized::Restored {
         why,
@@ -317,7 +294,7 @@ async fn a_corrupt_latest_full_snapshot_falls_back_to_the_previous_one() {
     let d3 = delta_after(&mut client, &store, f1.last_revision).await;
     damage(&store, &f1).await;
     let reached = d2.last_revision;
-    let expected = dump_at(&mut client, reached).await;
+    let expected = dump_as_of(&mut client, Some(reached)).await;
 
     // --no-fallback: an error naming the snapshot, nothing written.
     let refused = dir.path().join("refused");
@@ -366,17 +343,25 @@ async fn a_corrupt_latest_full_snapshot_falls_back_to_the_previous_one() {
     // initialize: a directory no newer than what the fallback reaches is kept, not replaced.
     let metrics = InitializeMetrics::default();
     let before = std::fs::read(db(&target)).unwrap();
-    let done = initialize_observed(&store, &config(&target, Validation::Sanity), &metrics)
-        .await
-        .unwrap();
+    let done = initialize_observed(
+        &store,
+        &initialize_config(&target, Validation::Sanity),
+        &metrics,
+    )
+    .await
+    .unwrap();
     assert_eq!(done, Initialized::Valid);
     assert_eq!(std::fs::read(db(&target)).unwrap(), before);
     assert!(moved_aside(&target).is_empty());
     // A missing directory is restored the same way, the skipped snapshot reported.
     let fresh = dir.path().join("fresh");
-    let done = initialize_observed(&store, &config(&fresh, Validation::Sanity), &metrics)
-        .await
-        .unwrap();
+    let done = initialize_observed(
+        &store,
+        &initialize_config(&fresh, Validation::Sanity),
+        &metrics,
+    )
+    .await
+    .unwrap();
     assert_eq!(
         done,
         Initialized::Restored {
@@ -453,9 +438,13 @@ async fn a_database_lagging_its_own_wal_is_kept_though_the_store_is_ahead() {
     let ahead = delta_after(&mut client, &store, full.last_revision).await;
     assert!(ahead.last_revision > full.last_revision);
     let metrics = InitializeMetrics::default();
-    let done = initialize_observed(&store, &config(&data, Validation::Full), &metrics)
-        .await
-        .unwrap();
+    let done = initialize_observed(
+        &store,
+        &initialize_config(&data, Validation::Full),
+        &metrics,
+    )
+    .await
+    .unwrap();
     assert_eq!(done, Initialized::Valid);
     assert!(moved_aside(&data).is_empty());
     assert_eq!(restorations(&metrics), 0);
@@ -481,7 +470,7 @@ async fn a_directory_etcd_runs_on_is_left_alone() {
     delta_after(&mut client, &store, full.last_revision).await;
     let running = run_on(&data, dir.path().join("m.log")).await;
     let metrics = InitializeMetrics::default();
-    let cfg = config(&data, Validation::Full);
+    let cfg = initialize_config(&data, Validation::Full);
     let done = initialize_observed(&store, &cfg, &metrics).await.unwrap();
     assert_eq!(done, Initialized::Valid);
     assert!(moved_aside(&data).is_empty());

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use etcd_warden::config::{EtcdConfig, GcPolicy};
 use etcd_warden::etcd::RotatingClient;
-use etcd_warden::snapshot::actor::{self, ActorConfig, ActorHandle};
+use etcd_warden::snapshot::actor::{self, ActorHandle};
 use etcd_warden::snapshot::delta::{self, EventType};
 use etcd_warden::snapshot::engine::EtcdEngine;
 use etcd_warden::snapshot::gate::Gate;
@@ -204,19 +204,7 @@ impl ActorSetup<'_> {
         } = self;
         let endpoints = etcd.endpoints();
         let cancel = CancellationToken::new();
-        let config = ActorConfig {
-            schedule: std::str::FromStr::from_str("0 0 1 1 *").unwrap(),
-            delta_period,
-            delta_memory_limit,
-            gc_period: Duration::from_secs(3600),
-            leader_check_interval: Duration::from_millis(100),
-            timeout,
-            defrag: etcd_warden::config::DefragConfig {
-                schedule: None,
-                timeout: Duration::from_secs(60),
-                min_free_fraction: 0.1,
-            },
-        };
+        let config = support::quiet_actor_config(delta_period, delta_memory_limit, timeout);
         let c = cancel.clone();
         let engine = {
             let etcd = RotatingClient::connect(&EtcdConfig {

@@ -475,7 +475,7 @@ pub struct PeerUrls {
     pub advertise: String,
 }
 
-/// One member as it is to run: on 127.0.0.1, ports and flags. [`MemberSpec::command`] is what
+/// One member as it is to run: its loopback address, ports and flags. [`MemberSpec::command`] is what
 /// runs; [`MemberSpec::spawn`] and [`MemberSpec::start`] run it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MemberSpec {
@@ -483,6 +483,10 @@ pub struct MemberSpec {
     pub name: String,
     /// `--data-dir`.
     pub data_dir: PathBuf,
+    /// The address its client URL (and, without `peer_urls`, its peer URL) binds and
+    /// advertises: 127.0.0.1, or another loopback address where members are to stand for
+    /// separate hosts (the operator's Kubernetes tests: a Machine's address names its member).
+    pub host: std::net::Ipv4Addr,
     /// The client port; 0 until chosen (ports left at 0 are chosen, and chosen again on a
     /// conflict, by [`start_cluster`]).
     pub client_port: u16,
@@ -498,7 +502,7 @@ pub struct MemberSpec {
     pub client_tls: Option<ServerTls>,
     /// More flags, after the others.
     pub extra_args: Vec<String>,
-    /// Peer URLs instead of `http://127.0.0.1:<peer port>` (the peer port is then unused).
+    /// Peer URLs instead of `http://<host>:<peer port>` (the peer port is then unused).
     pub peer_urls: Option<PeerUrls>,
     /// Where stdout and stderr go (appended), and where a failure's reason is read; `None`
     /// discards them.
@@ -512,6 +516,7 @@ impl MemberSpec {
         MemberSpec {
             name: name.into(),
             data_dir: data_dir.into(),
+            host: std::net::Ipv4Addr::LOCALHOST,
             client_port: 0,
             peer_port: 0,
             bootstrap: Some(Bootstrap {
@@ -528,19 +533,19 @@ impl MemberSpec {
         }
     }
 
-    /// `http(s)://127.0.0.1:<client port>`.
+    /// `http(s)://<host>:<client port>`.
     pub fn client_url(&self) -> String {
         let scheme = if self.client_tls.is_some() {
             "https"
         } else {
             "http"
         };
-        format!("{scheme}://127.0.0.1:{}", self.client_port)
+        format!("{scheme}://{}:{}", self.host, self.client_port)
     }
 
-    /// `http://127.0.0.1:<peer port>`.
+    /// `http://<host>:<peer port>`.
     pub fn peer_url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.peer_port)
+        format!("http://{}:{}", self.host, self.peer_port)
     }
 
     /// Chooses the ports still at 0 ([`pick_port`]).

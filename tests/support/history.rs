@@ -12,16 +12,22 @@ pub type Dump = (Vec<(Vec<u8>, Vec<u8>, i64)>, i64);
 
 /// Every key and value with its mod revision, and the revision.
 pub async fn dump(client: &mut Client) -> Dump {
-    let resp = client
-        .get(vec![0u8], Some(GetOptions::new().with_from_key()))
-        .await
-        .unwrap();
+    dump_as_of(client, None).await
+}
+
+/// As [`dump`]; with `revision`, etcd's keys as they were at that revision.
+pub async fn dump_as_of(client: &mut Client, revision: Option<i64>) -> Dump {
+    let mut options = GetOptions::new().with_from_key();
+    if let Some(r) = revision {
+        options = options.with_revision(r);
+    }
+    let resp = client.get(vec![0u8], Some(options)).await.unwrap();
     let kvs = resp
         .kvs()
         .iter()
         .map(|kv| (kv.key().to_vec(), kv.value().to_vec(), kv.mod_revision()))
         .collect();
-    (kvs, resp.header().unwrap().revision())
+    (kvs, revision.unwrap_or(resp.header().unwrap().revision()))
 }
 
 /// Writes `n` keys of phase `phase` (~200-byte values), overwrites the first, deletes the
@@ -74,6 +80,30 @@ pub async fn build(
         writer.flush(store).await.unwrap().unwrap();
     }
     rev
+}
+
+/// `[restore]` for `initialize` into `data` with etcd 3.5's tools, as member "default" of a
+/// new cluster, validating an existing directory with `validation`.
+pub fn initialize_config(
+    data: &std::path::Path,
+    validation: etcd_warden::config::Validation,
+) -> etcd_warden::config::RestoreConfig {
+    etcd_warden::config::RestoreConfig {
+        data_dir: Some(data.to_path_buf()),
+        name: "default".into(),
+        initial_cluster: String::new(),
+        initial_cluster_token: "etcd-cluster".into(),
+        initial_advertise_peer_urls: "http://localhost:2380".into(),
+        etcd_bin: Some(super::etcd::Release::V35.bin_dir()),
+        parallel_fetch: 2,
+        force: false,
+        initialize: true,
+        validation,
+        fallback: true,
+        guard: None,
+        cluster: None,
+        rejoin_timeout: std::time::Duration::from_secs(60),
+    }
 }
 
 /// Restoring into `data_dir` with etcd 3.5's tools, as member "default" of a new cluster.

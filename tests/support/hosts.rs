@@ -6,12 +6,13 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use etcd_client::{Client, ConnectOptions};
 use tokio_util::sync::CancellationToken;
+
+use etcd_warden::etcd::process::{Bootstrap, ClusterState, EtcdProcess, MemberSpec, ServerTls};
 
 use super::etcd::Release;
 
@@ -42,7 +43,7 @@ pub struct Hosts {
     pub dir: PathBuf,
     pub peer: u16,
     pub client: u16,
-    pub running: Mutex<HashMap<String, Child>>,
+    pub running: Mutex<HashMap<String, EtcdProcess>>,
     /// Certificates (`ca.pem`, `server.*`, `client.*`) when clients must use mutual TLS.
     pub tls: Option<PathBuf>,
     /// While set, the platform starts no etcd for a learner (it stays added but unstarted).
@@ -51,9 +52,8 @@ pub struct Hosts {
 
 impl Drop for Hosts {
     fn drop(&mut self) {
-        for (_, mut c) in self.running.lock().unwrap().drain() {
-            let _ = c.kill();
-            let _ = c.wait();
+        for (_, member) in self.running.lock().unwrap().drain() {
+            member.kill();
         }
     }
 }
@@ -107,39 +107,35 @@ impl Hosts {
     }
 
     pub fn start(&self, name: &str, ip: &str, initial_cluster: &str, state: &str) {
-        let log = std::fs::File::create(self.dir.join(format!("{name}.log"))).unwrap();
-        let child = Command::new(Release::V35.bin("etcd"))
-            .args(["--name", name])
-            .arg("--data-dir")
-            .arg(self.dir.join(name))
-            .args(["--listen-peer-urls", &self.peer_url(ip)])
-            .args(["--initial-advertise-peer-urls", &self.peer_url(ip)])
-            .args(["--listen-client-urls", &self.client_url(ip)])
-            .args(["--advertise-client-urls", &self.client_url(ip)])
-            .args(["--initial-cluster", initial_cluster])
-            .args(["--initial-cluster-state", state])
-            .args(["--initial-cluster-token", "kube-e2e"])
-            .args(["--unsafe-no-fsync", "--log-level", "warn"])
-            .args(self.tls.iter().flat_map(|d| {
-                [
-                    "--client-cert-auth".to_owned(),
-                    format!("--trusted-ca-file={}", d.join("ca.pem").display()),
-                    format!("--cert-file={}", d.join("server.pem").display()),
-                    format!("--key-file={}", d.join("server.key").display()),
-                ]
-            }))
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .expect("start etcd");
-        self.running.lock().unwrap().insert(name.to_owned(), child);
+        let mut spec = MemberSpec {
+            host: ip.parse().expect("a loopback host address"),
+            client_port: self.client,
+            peer_port: self.peer,
+            bootstrap: Some(Bootstrap {
+                initial_cluster: Some(initial_cluster.to_owned()),
+                state: match state {
+                    "new" => ClusterState::New,
+                    _ => ClusterState::Existing,
+                },
+                token: "kube-e2e".into(),
+            }),
+            no_fsync: true,
+            client_tls: self.tls.as_ref().map(|d| ServerTls {
+                cert_file: d.join("server.pem"),
+                key_file: d.join("server.key"),
+                trusted_ca_file: Some(d.join("ca.pem")),
+                client_cert_auth: true,
+            }),
+            log: Some(self.dir.join(format!("{name}.log"))),
+            ..MemberSpec::new(name, self.dir.join(name))
+        };
+        let member = spec.spawn(Release::V35.binaries()).expect("start etcd");
+        self.running.lock().unwrap().insert(name.to_owned(), member);
     }
 
     pub fn kill(&self, name: &str) {
-        if let Some(mut c) = self.running.lock().unwrap().remove(name) {
-            let _ = c.kill();
-            let _ = c.wait();
+        if let Some(member) = self.running.lock().unwrap().remove(name) {
+            member.kill();
         }
     }
 

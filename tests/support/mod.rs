@@ -14,6 +14,7 @@ pub mod faultrun;
 pub mod history;
 pub mod hosts;
 pub mod invariants;
+pub mod kube_world;
 pub mod losing;
 pub mod machine_api;
 pub mod migration;
@@ -104,4 +105,28 @@ pub async fn finals(
         .into_iter()
         .filter(|s| s.kind == etcd_warden::store::Kind::Full && s.is_final)
         .collect()
+}
+
+/// A snapshot actor's configuration with nothing scheduled during a test: the full snapshot's
+/// cron fires only at midnight on New Year's Day and defragmentation is asked for, not
+/// scheduled; deltas every `delta_period` (zero: none), holding at most `delta_memory_limit`
+/// bytes; each snapshot within `timeout`.
+pub fn quiet_actor_config(
+    delta_period: Duration,
+    delta_memory_limit: u64,
+    timeout: Duration,
+) -> etcd_warden::snapshot::actor::ActorConfig {
+    etcd_warden::snapshot::actor::ActorConfig {
+        schedule: std::str::FromStr::from_str("0 0 1 1 *").expect("cron"),
+        delta_period,
+        delta_memory_limit,
+        gc_period: Duration::from_secs(3600),
+        leader_check_interval: Duration::from_millis(100),
+        timeout,
+        defrag: etcd_warden::config::DefragConfig {
+            schedule: None,
+            timeout: Duration::from_secs(60),
+            min_free_fraction: 0.1,
+        },
+    }
 }
