@@ -83,6 +83,9 @@ pub const FINALIZER: &str = "etcd-warden.io/orphan-machines";
 #[x_kube(validation = Rule::new(
     "!has(self.selector.matchLabels) || self.selector.matchLabels.all(k, has(self.template.metadata.labels) && k in self.template.metadata.labels && self.template.metadata.labels[k] == self.selector.matchLabels[k])"
 ).message("spec.selector: must match spec.template.metadata.labels"))]
+#[x_kube(validation = Rule::new(
+    "!has(self.selector.matchExpressions) || self.selector.matchExpressions.all(e, has(self.template.metadata.labels) && e.key in self.template.metadata.labels ? (e.operator == 'In' ? has(e.values) && self.template.metadata.labels[e.key] in e.values : e.operator == 'NotIn' ? !has(e.values) || !(self.template.metadata.labels[e.key] in e.values) : e.operator == 'Exists') : (e.operator == 'NotIn' || e.operator == 'DoesNotExist'))"
+).message("spec.selector: matchExpressions must match spec.template.metadata.labels"))]
 #[serde(rename_all = "camelCase")]
 pub struct ControlPlaneSetSpec {
     /// `Active` (default) acts on the Machines; `Inactive` observes and reports status but
