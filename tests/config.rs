@@ -659,6 +659,31 @@ fn every_error_names_its_key() {
     }
 }
 
+/// Runs `serve` (`cmd`), which must exit within 20 s (killed and `failure` panicked with
+/// otherwise); its exit status and standard error.
+fn serve_refused(cmd: &mut Command, failure: &str) -> (std::process::ExitStatus, String) {
+    let mut child = cmd
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            panic!("{failure}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    (status, stderr)
+}
+
 fn warden() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_etcd-warden"));
     // The child must not see a developer's own settings.
@@ -793,27 +818,12 @@ fn serve_needs_a_token_only_beyond_loopback() {
 
 #[test]
 fn serve_beyond_loopback_without_a_token_exits_64_and_config_still_prints() {
-    let mut child = warden()
-        .arg("serve")
-        .env("ETCD_WARDEN_SERVER_LISTEN", "0.0.0.0:0")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if std::time::Instant::now() > deadline {
-            child.kill().unwrap();
-            child.wait().unwrap();
-            panic!("serve started without a token on 0.0.0.0");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let mut stderr = String::new();
-    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    let (status, stderr) = serve_refused(
+        warden()
+            .arg("serve")
+            .env("ETCD_WARDEN_SERVER_LISTEN", "0.0.0.0:0"),
+        "serve started without a token on 0.0.0.0",
+    );
     assert_eq!(status.code(), Some(64), "{stderr}");
     assert!(
         stderr.starts_with(
@@ -836,28 +846,13 @@ fn serve_beyond_loopback_without_a_token_exits_64_and_config_still_prints() {
 /// loopback: `serve` refuses it at start, naming the key.
 #[test]
 fn an_empty_server_token_exits_64_naming_the_key() {
-    let mut child = warden()
-        .arg("serve")
-        .env("ETCD_WARDEN_SERVER_LISTEN", "0.0.0.0:0")
-        .env("ETCD_WARDEN_SERVER_TOKEN", "")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if std::time::Instant::now() > deadline {
-            child.kill().unwrap();
-            child.wait().unwrap();
-            panic!("serve started with an empty token");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let mut stderr = String::new();
-    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    let (status, stderr) = serve_refused(
+        warden()
+            .arg("serve")
+            .env("ETCD_WARDEN_SERVER_LISTEN", "0.0.0.0:0")
+            .env("ETCD_WARDEN_SERVER_TOKEN", ""),
+        "serve started with an empty token",
+    );
     assert_eq!(status.code(), Some(64), "{stderr}");
     assert!(
         stderr.starts_with(

@@ -102,6 +102,19 @@ fn dest_names(source: &[Snapshot]) -> Vec<String> {
         .collect()
 }
 
+/// A final full snapshot up to `revision` in `store`, taken `seconds_later` than now.
+async fn put_final(store: &SnapshotStore, revision: i64, seconds_later: i64) -> Snapshot {
+    put_full(
+        store,
+        revision,
+        Utc::now().timestamp() + seconds_later,
+        100_000,
+        Codec::Gzip,
+        true,
+    )
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bucket_to_bucket_copies_verified_without_final_and_a_rerun_uploads_nothing() {
     let s3 = S3Server::start(&[SRC, DST]);
@@ -311,15 +324,7 @@ async fn waits_for_a_final_snapshot_that_appears_then_copies_it() {
         stores.dest.list().await.unwrap().is_empty(),
         "copied before the final snapshot"
     );
-    let fin = put_full(
-        &stores.source,
-        40,
-        Utc::now().timestamp(),
-        100_000,
-        Codec::Gzip,
-        true,
-    )
-    .await;
+    let fin = put_final(&stores.source, 40, 0).await;
     let report = tokio::time::timeout(Duration::from_secs(20), job)
         .await
         .expect("the job ends once the final snapshot is there")
@@ -383,15 +388,7 @@ async fn after_a_reclaim_the_wait_times_out_instead_of_taking_the_stale_final() 
     let s3 = S3Server::start(&[SRC, DST]);
     let stores = s3_stores(&s3, (SRC, "old"), (DST, "new"));
     let mut src = history(&stores.source, false).await;
-    let fin = put_full(
-        &stores.source,
-        40,
-        Utc::now().timestamp(),
-        100_000,
-        Codec::Gzip,
-        true,
-    )
-    .await;
+    let fin = put_final(&stores.source, 40, 0).await;
     src.push(fin.clone());
     let objects = handoff::HandOffObjects::new(stores.source.clone());
     objects.write_fence(1, &fence_marker()).await.unwrap();
@@ -417,15 +414,7 @@ async fn after_a_reclaim_the_wait_times_out_instead_of_taking_the_stale_final() 
 
     // A final taken by hand afterwards (`etcd-warden snapshot --final`) does not count either:
     // this store's hand-offs end with a record.
-    let by_hand = put_full(
-        &stores.source,
-        50,
-        Utc::now().timestamp() + 1,
-        100_000,
-        Codec::Gzip,
-        true,
-    )
-    .await;
+    let by_hand = put_final(&stores.source, 50, 1).await;
     src.push(by_hand.clone());
     let (found, _) = wait(&stores, Duration::from_millis(400)).await;
     assert_eq!(
@@ -458,15 +447,7 @@ async fn a_reference_tool_store_keeps_the_newest_final_rule() {
     let s3 = S3Server::start(&[SRC, DST]);
     let stores = s3_stores(&s3, (SRC, "old"), (DST, "new"));
     history(&stores.source, false).await;
-    let fin = put_full(
-        &stores.source,
-        40,
-        Utc::now().timestamp(),
-        100_000,
-        Codec::Gzip,
-        true,
-    )
-    .await;
+    let fin = put_final(&stores.source, 40, 0).await;
     let (found, _) = wait(&stores, Duration::from_secs(5)).await;
     assert_eq!(found.map(|s| s.snap_name), Some(fin.snap_name));
 }

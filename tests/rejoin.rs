@@ -102,6 +102,18 @@ async fn initialize(config: &RestoreConfig) -> Result<bool, RejoinError> {
     .await
 }
 
+/// `member` started again serves the key `/w/before` written before it stopped, on its own.
+async fn member_back_with_the_write(member: &mut support::etcd::EtcdMember) {
+    member.start();
+    member.wait_healthy(Duration::from_secs(30)).await;
+    let mut c = connect(&[member.client_url()]).await;
+    let got = c
+        .get("/w/before", Some(GetOptions::new().with_serializable()))
+        .await
+        .unwrap();
+    assert_eq!(got.kvs().len(), 1);
+}
+
 /// (ID, is learner) of every member, by name (an unstarted learner has an empty name).
 async fn members(client: &mut Client) -> Vec<(String, u64, bool)> {
     let list = client.member_list().await.unwrap();
@@ -324,14 +336,7 @@ async fn a_corrupt_directory_is_moved_aside_and_a_leftover_learner_replaced() {
     );
     assert_eq!(after.iter().filter(|m| !m.2).count(), 3, "{after:?}");
 
-    etcd.members[2].start();
-    etcd.members[2].wait_healthy(Duration::from_secs(30)).await;
-    let mut c = connect(&[etcd.members[2].client_url()]).await;
-    let got = c
-        .get("/w/before", Some(GetOptions::new().with_serializable()))
-        .await
-        .unwrap();
-    assert_eq!(got.kvs().len(), 1);
+    member_back_with_the_write(&mut etcd.members[2]).await;
 }
 
 /// With the other voters short of quorum, nothing changes: no removal, no learner, no data
@@ -385,14 +390,7 @@ async fn a_member_whose_initial_cluster_names_it_alone_rejoins_the_running_clust
     let after = members(&mut client).await;
     assert_eq!(after.iter().filter(|m| !m.2).count(), 3, "{after:?}");
 
-    etcd.members[2].start();
-    etcd.members[2].wait_healthy(Duration::from_secs(30)).await;
-    let mut c = connect(&[etcd.members[2].client_url()]).await;
-    let got = c
-        .get("/w/before", Some(GetOptions::new().with_serializable()))
-        .await
-        .unwrap();
-    assert_eq!(got.kvs().len(), 1);
+    member_back_with_the_write(&mut etcd.members[2]).await;
 }
 
 /// A new cluster: no member answers (each etcd waits for its sidecar), the store holds no

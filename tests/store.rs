@@ -194,6 +194,17 @@ async fn checks(store: SnapshotStore, raw: Arc<dyn ObjectStore>) {
     assert!(store.get_stream(&full1).await.is_err());
 }
 
+/// The names of the snapshots `store` lists, oldest first.
+async fn names(store: &SnapshotStore) -> Vec<String> {
+    store
+        .list()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| s.snap_name)
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conformance_in_memory() {
     let cfg = store_config("memory://pre/fix");
@@ -286,13 +297,7 @@ async fn s3_single_put_stores_exactly_the_declared_length_or_nothing() {
     }
     let short = at(2);
 
-    let names: Vec<String> = store
-        .list()
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|s| s.snap_name)
-        .collect();
+    let names: Vec<String> = names(&store).await;
     assert_eq!(names, vec![ok.snap_name.clone()]);
 
     // The same short body through a multipart upload is stored as it is: the single PUT is
@@ -462,13 +467,7 @@ fn warden_on(args: &[&str], url: &str) -> std::process::Output {
 async fn ls_and_verify_name_objects_that_are_not_snapshots() {
     let dir = tempfile::tempdir().unwrap();
     let (store, url) = file_store_with_a_chain(dir.path()).await;
-    let snapshots: Vec<String> = store
-        .list()
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|s| s.snap_name)
-        .collect();
+    let snapshots: Vec<String> = names(&store).await;
     let bad = ["Full-xyz", "Full-00000000-0000001x-1700000000.gz"];
     for name in bad {
         std::fs::write(dir.path().join("v2").join(name), b"x").unwrap();
