@@ -34,12 +34,12 @@ use etcd_warden::operator::control_plane_set::resource::{
     ControlPlaneSet, ControlPlaneSetSpec, FINALIZER as SET_FINALIZER, FailureDomains,
     MachineTemplate, Platform, ProviderSpec, TemplateMachineSpec, TemplateMetadata, UpdateStrategy,
 };
-use etcd_warden::operator::execute::Timing;
 use etcd_warden::operator::kube::KubeMachinesConfig;
 use etcd_warden::operator::kube::controller::{self, Settings};
 use etcd_warden::operator::kube::lease::LeaseTiming;
 use etcd_warden::operator::kube::quorum_guard::QuorumGuard;
-use etcd_warden::operator::plan::{Replacement, Spec};
+use etcd_warden::operator::quorum::execute::Timing;
+use etcd_warden::operator::quorum::plan::{Replacement, Spec};
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, MicroTime};

@@ -15,7 +15,7 @@ use etcd_warden::operator::control_plane_set::{
     Action, DomainField, MachineView, MemberRole, Observed, SetSpec, Strategy as UpdateStrategy,
     domain_targets, next_replacement, plan, spec_hash,
 };
-use etcd_warden::operator::plan::quorum;
+use etcd_warden::operator::quorum::plan::quorum;
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]

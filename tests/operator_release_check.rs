@@ -14,8 +14,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use etcd_client::{Client, MemberAddOptions};
-use etcd_warden::operator::execute::{BackendError, Machines, Operator, Timing};
-use etcd_warden::operator::plan::{Action, MachineState, Spec};
+use etcd_warden::operator::quorum::execute::{BackendError, Machines, Operator, Timing};
+use etcd_warden::operator::quorum::plan::{Action, MachineState, Spec};
 use support::etcd::Release;
 use support::faultproxy::{FaultMode, FaultProxy};
 

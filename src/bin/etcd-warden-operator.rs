@@ -12,12 +12,12 @@ use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
 use etcd_warden::config::{ConfigError, LogConfig, LogFormat, Override, ProcessEnv, Sources};
 use etcd_warden::operator::control_plane_set::Strategy;
-use etcd_warden::operator::execute::Timing;
 use etcd_warden::operator::kube::config::KubeConfig;
 use etcd_warden::operator::kube::controller;
 use etcd_warden::operator::local::{
     LocalError, LocalOptions, LocalSetOptions, locate_etcd, run_local,
 };
+use etcd_warden::operator::quorum::execute::Timing;
 use tokio_util::sync::CancellationToken;
 
 /// Exit status for bad usage (EX_USAGE).

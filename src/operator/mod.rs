@@ -1,7 +1,7 @@
 //! The operator: a pure planner for quorum-safe member replacement, its executor, and backends.
 //!
-//! - [`plan`]: pure decisions from observed members and machines.
-//! - [`execute`]: observes etcd and a [`execute::Machines`] backend, applies planned actions.
+//! - [`quorum`]: the quorum half: its pure planner (`plan`), executor and `Machines` seam
+//!   (`execute`), and the `EtcdQuorum` resource with its pure status (`resource`).
 //! - [`control_plane_set`]: the ControlPlaneSet planner (pure): Machines kept at the template.
 //! - [`local`]: a backend whose machines are etcd processes on loopback (demo and tests).
 //! - [`kube`]: the backend on Kubernetes (Machines and their deletion hooks).
@@ -9,8 +9,7 @@
 
 pub mod control_plane_set;
 pub mod crd;
-pub mod execute;
 pub mod kube;
 pub mod local;
 pub mod metrics;
-pub mod plan;
+pub mod quorum;

@@ -53,9 +53,9 @@ use super::resource::{
     self, AcceptedSpec, ControlPlaneSet, ControlPlaneSetStatus, FINALIZER, NAME, Valid,
 };
 use super::{Action, Plan};
-use crate::operator::execute::{BackendError, Machines, Operator};
 use crate::operator::kube::machines::{FIELD_MANAGER, KubeCall, backend_error, is_status};
-use crate::operator::plan::Replacement;
+use crate::operator::quorum::execute::{BackendError, Machines, Operator};
+use crate::operator::quorum::plan::Replacement;
 
 /// Attempts at a list-replacing patch that meets concurrent changes (409).
 const ATTEMPTS: u32 = 5;

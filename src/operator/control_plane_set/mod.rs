@@ -32,7 +32,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-use super::plan::quorum;
+use super::quorum::plan::quorum;
 
 /// How outdated Machines are replaced (`spec.strategy.type` of the resource).
 #[derive(

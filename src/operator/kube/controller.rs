@@ -12,7 +12,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use ::kube::api::Api;
+use ::kube::api::{Api, Patch, PatchParams, PostParams};
 use ::kube::runtime::events::{Recorder, Reporter};
 use ::kube::runtime::watcher;
 use futures::{FutureExt as _, StreamExt as _};
@@ -20,21 +20,22 @@ use k8s_openapi::api::core::v1::{ConfigMap, ObjectReference};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use prometheus_client::registry::Registry;
 use serde::de::DeserializeOwned;
+use serde_json::json;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::health::{self, HealthState, TaskHealth};
 use super::lease::{LeaseLock, LeaseMetrics, LeaseTiming};
 use super::machine_resource::Machine;
-use super::machines::{KubeMachines, KubeMachinesConfig};
+use super::machines::{FIELD_MANAGER, KubeCall, KubeMachines, KubeMachinesConfig, is_status};
 use super::quorum_guard::QuorumGuard;
-use super::quorum_status::{self, EtcdQuorum};
-use super::sync::SyncError;
+use super::sync::{ATTEMPTS, SyncError};
 use super::{endpoints, events};
-use crate::operator::execute::{BackendError, ExecuteError, Observation, Operator, Timing};
-use crate::operator::plan::Spec;
+use crate::operator::quorum::execute::{BackendError, ExecuteError, Observation, Operator, Timing};
+use crate::operator::quorum::plan::Spec;
+use crate::operator::quorum::resource::{self, EtcdQuorum, EtcdQuorumSpec, EtcdQuorumStatus, NAME};
 use crate::owner::guard::{GuardSettings, OwnerGuard};
 
 /// Everything the controller needs besides a client.
@@ -160,7 +161,7 @@ struct Parts {
     config_maps: Api<ConfigMap>,
     budgets: Api<PodDisruptionBudget>,
     quorums: Api<EtcdQuorum>,
-    learner: std::sync::Mutex<quorum_status::LearnerProgress>,
+    learner: std::sync::Mutex<resource::LearnerProgress>,
     settings: Settings,
 }
 
@@ -210,8 +211,8 @@ impl Parts {
     /// Says in the EtcdQuorum's status that reconciles keep failing with `error`.
     async fn write_failure(&self, error: &ReconcileError) {
         let text = error.to_string();
-        let written = quorum_status::sync(&self.quorums, |previous, generation| {
-            quorum_status::failed(previous, &text, generation, chrono::Utc::now())
+        let written = sync_status(&self.quorums, |previous, generation| {
+            resource::failed(previous, &text, generation, chrono::Utc::now())
         })
         .await;
         if let Err(e) = written {
@@ -226,15 +227,15 @@ impl Parts {
         machine_api_functional: bool,
     ) -> Result<(), SyncError> {
         let stalled = lock(&self.learner).stalled(&obs.observed, std::time::Instant::now());
-        let facts = quorum_status::Facts {
+        let facts = resource::Facts {
             spec: self.settings.spec,
             observed: &obs.observed,
             machine_api_functional,
             stalled_learner: stalled.as_deref(),
         };
         let last = self.operator.status().last_action;
-        quorum_status::sync(&self.quorums, |previous, generation| {
-            quorum_status::status(
+        sync_status(&self.quorums, |previous, generation| {
+            resource::status(
                 &facts,
                 &obs.members,
                 last.as_ref(),
@@ -246,6 +247,62 @@ impl Parts {
         .await?;
         Ok(())
     }
+}
+
+/// Makes sure `namespace/cluster` exists and its status is what `make(previous, generation)`
+/// returns, writing through `/status` only when that differs. Returns whether it wrote.
+async fn sync_status(
+    api: &Api<EtcdQuorum>,
+    make: impl Fn(Option<&EtcdQuorumStatus>, Option<i64>) -> EtcdQuorumStatus,
+) -> Result<bool, SyncError> {
+    let call = |what: &str, source| KubeCall {
+        what: format!("{what} EtcdQuorum {NAME}"),
+        source,
+    };
+    let params = PatchParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..PatchParams::default()
+    };
+    for attempt in 1..=ATTEMPTS {
+        let current = match api.get_opt(NAME).await.map_err(|e| call("reading", e))? {
+            Some(c) => c,
+            None => {
+                let pp = PostParams {
+                    field_manager: Some(FIELD_MANAGER.into()),
+                    ..PostParams::default()
+                };
+                match api
+                    .create(&pp, &EtcdQuorum::new(NAME, EtcdQuorumSpec {}))
+                    .await
+                {
+                    Ok(created) => created,
+                    Err(e) if is_status(&e, 409) => continue,
+                    Err(e) => return Err(call("creating", e).into()),
+                }
+            }
+        };
+        let desired = make(current.status.as_ref(), current.metadata.generation);
+        if current.status.as_ref() == Some(&desired) {
+            return Ok(false);
+        }
+        // On the version read: a write in between is read again, not overwritten.
+        let patch = json!({
+            "metadata": {"resourceVersion": current.metadata.resource_version},
+            "status": desired,
+        });
+        match api.patch_status(NAME, &params, &Patch::Merge(&patch)).await {
+            Ok(_) => return Ok(true),
+            Err(e) if is_status(&e, 409) || is_status(&e, 404) => {
+                debug!(attempt, error = %e, "EtcdQuorum changed meanwhile; reading again");
+                tokio::time::sleep(Duration::from_millis(20 * u64::from(attempt))).await;
+            }
+            Err(e) => return Err(call("writing the status of", e).into()),
+        }
+    }
+    Err(SyncError::Conflict {
+        what: format!("EtcdQuorum {NAME}"),
+        attempts: ATTEMPTS,
+    })
 }
 
 /// Keeps `tx` at "holds the Lease and owns" until `cancel` or the guard stops (then `false`).
@@ -528,7 +585,7 @@ async fn reconcile_loop(
                     let retry_in = backoff.delay(failures);
                     warn!(error = %e, ?retry_in, "reconcile failed");
                     let since = *failing_since.get_or_insert_with(std::time::Instant::now);
-                    if since.elapsed() >= quorum_status::failures_reported_after(timing.max_backoff)
+                    if since.elapsed() >= resource::failures_reported_after(timing.max_backoff)
                         && *leader.borrow()
                     {
                         parts.write_failure(&e).await;

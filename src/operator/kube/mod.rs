@@ -1,4 +1,4 @@
-//! The operator on Kubernetes: the [`Machines`](super::execute::Machines) seam over
+//! The operator on Kubernetes: the [`Machines`](super::quorum::execute::Machines) seam over
 //! `machine.openshift.io` Machines, and the objects the operator keeps in step with etcd.
 //!
 //! - [`config`]: `kube`'s layered configuration (file → environment → flags).
@@ -7,7 +7,6 @@
 //! - [`machines`]: [`KubeMachines`], the seam's Kubernetes backend.
 //! - [`health`]: `/healthz` (every internal task alive), `/readyz`, `/metrics`.
 //! - [`endpoints`]: the `etcd-endpoints` ConfigMap built from etcd's member list (pure).
-//! - [`quorum_status`]: the `EtcdQuorum` status object (conditions derived purely) and its sync.
 //! - [`quorum_guard`]: the quorum-guard PodDisruptionBudget (pure).
 //! - [`events`]: a Kubernetes Event for every action the executor records.
 //! - [`lease`]: leader election through a Lease, so two replicas never both act.
@@ -22,7 +21,6 @@ pub mod lease;
 pub mod machine_resource;
 pub mod machines;
 pub mod quorum_guard;
-pub mod quorum_status;
 pub mod sync;
 
 pub use machines::{KubeMachines, KubeMachinesConfig};
