@@ -926,10 +926,10 @@ async fn cluster_size_must_be_3_or_5() {
 // ControlPlaneSet over the local backend: a template change rolls every machine, with the quorum
 // operator keeping its voters, under a writer.
 
-use etcd_warden::operator::control_plane_set::Strategy;
 use etcd_warden::operator::control_plane_set::controller::{
     Controller, SetConfig, replacement_for,
 };
+use etcd_warden::operator::control_plane_set::plan::Strategy;
 use etcd_warden::operator::local::{LOCAL_DOMAIN, LocalSetOptions, local_template};
 
 /// Samples what a rollout may never exceed: (min voters, max voters, max learners, max

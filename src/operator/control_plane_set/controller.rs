@@ -14,7 +14,7 @@ use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::{
+use super::plan::{
     Action, Condition, Counts, DomainField, MachineView, MemberRole, Observed, Plan, SetSpec,
     Strategy, plan, spec_hash,
 };
@@ -88,7 +88,7 @@ pub struct SetStatus {
     #[serde(flatten)]
     pub counts: Counts,
     /// Available, Progressing, Degraded.
-    pub conditions: Vec<super::Condition>,
+    pub conditions: Vec<super::plan::Condition>,
     /// The Machines at the last step.
     pub machines: Vec<SetMachineStatus>,
     /// Changes applied, oldest first (the last 100).

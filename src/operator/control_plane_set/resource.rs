@@ -54,7 +54,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use super::controller::SetConfig;
-use super::{Condition, Counts, DomainField, Strategy};
+use super::plan::{Condition, Counts, DomainField, Strategy};
 
 /// The only name a ControlPlaneSet may have.
 pub const NAME: &str = "cluster";

@@ -436,7 +436,7 @@ pub async fn run_serving(
         &tasks,
         "control-plane-set",
         false,
-        crate::operator::control_plane_set::kube::run(
+        super::set_controller::run(
             client.clone(),
             set_settings(&settings),
             Arc::clone(&operator),
@@ -613,8 +613,8 @@ async fn reconcile_loop(
 /// The ControlPlaneSet's settings taken from the quorum operator's (same namespace as its
 /// Machines). Here rather than beside `SetSettings`, so the set's loop needs nothing of this
 /// controller.
-fn set_settings(s: &Settings) -> crate::operator::control_plane_set::kube::SetSettings {
-    crate::operator::control_plane_set::kube::SetSettings {
+fn set_settings(s: &Settings) -> super::set_controller::SetSettings {
+    super::set_controller::SetSettings {
         namespace: s.machines.namespace.clone(),
         peer_scheme: s.machines.peer_scheme.clone(),
         peer_port: s.machines.peer_port,

@@ -1,10 +1,14 @@
-//! The operator on Kubernetes: the [`Machines`](super::quorum::execute::Machines) seam over
-//! `machine.openshift.io` Machines, and the objects the operator keeps in step with etcd.
+//! The operator on Kubernetes: both halves' seams over `machine.openshift.io` Machines, side by
+//! side with their reconcile loops, and the objects the operator keeps in step with etcd.
 //!
+//! - [`machines`]: [`KubeMachines`], the quorum seam's
+//!   ([`Machines`](super::quorum::execute::Machines)) Kubernetes backend.
+//! - [`controller`]: the quorum controller assembled: leader-gated reconciles woken by watches.
+//! - [`set_machines`]: [`KubeSetMachines`](set_machines::KubeSetMachines), the ControlPlaneSet
+//!   seam's ([`SetMachines`](super::control_plane_set::controller::SetMachines)) backend.
+//! - [`set_controller`]: the ControlPlaneSet's reconcile loop, spawned by [`controller`].
 //! - [`config`]: `kube`'s layered configuration (file → environment → flags).
-//! - [`controller`]: the controller assembled: leader-gated reconciles woken by watches.
 //! - [`machine_resource`]: the typed `Machine` (only the fields read).
-//! - [`machines`]: [`KubeMachines`], the seam's Kubernetes backend.
 //! - [`health`]: `/healthz` (every internal task alive), `/readyz`, `/metrics`.
 //! - [`endpoints`]: the `etcd-endpoints` ConfigMap built from etcd's member list (pure).
 //! - [`quorum_guard`]: the quorum-guard PodDisruptionBudget (pure).
@@ -21,6 +25,8 @@ pub mod lease;
 pub mod machine_resource;
 pub mod machines;
 pub mod quorum_guard;
+pub mod set_controller;
+pub mod set_machines;
 pub mod sync;
 
 pub use machines::{KubeMachines, KubeMachinesConfig};

@@ -1,6 +1,6 @@
 //! The ControlPlaneSet planner (seeds 003 and 004): from the set's spec, the control-plane
 //! Machines and what etcd says about their members, the next Machine actions. Pure, like
-//! [`super::plan`]: the controller observes, plans, applies, and observes again.
+//! [`crate::operator::quorum::plan`]: the controller observes, plans, applies, and observes again.
 //!
 //! The set keeps `replicas` (3 or 5) Machines at the template's spec, spread over the failure
 //! domains, replacing one Machine at a time:
@@ -20,11 +20,6 @@
 //! reused in alphabetical order when there are fewer than replicas ([`domain_targets`]); a
 //! domain added or removed makes Machines misplaced, and they are replaced like outdated ones.
 
-pub mod controller;
-pub mod generate;
-pub mod kube;
-pub mod resource;
-
 use std::collections::BTreeMap;
 use std::fmt;
 
@@ -32,7 +27,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-use super::quorum::plan::quorum;
+use crate::operator::quorum::plan::quorum;
 
 /// How outdated Machines are replaced (`spec.strategy.type` of the resource).
 #[derive(
