@@ -464,23 +464,94 @@ pub fn plan(spec: &SetSpec, obs: &Observed) -> Plan {
     }
 }
 
-/// The one Create or Delete to do now, or why there is none.
+/// What the rules of one step look at: the set, its Machines, and the domains' shares.
+struct Scene<'a> {
+    spec: &'a SetSpec,
+    /// The Machines not being deleted.
+    live: &'a [&'a MachineView],
+    /// The Machines being deleted.
+    deleting: Vec<&'a MachineView>,
+    /// Every Machine, deleting or not.
+    total: usize,
+    /// Machines wanted per failure domain ([`domain_targets`]).
+    targets: BTreeMap<Option<String>, usize>,
+    /// Live Machines to replace ([`replaceable`]).
+    stale: Vec<&'a MachineView>,
+}
+
+/// The one Create or Delete to do now, or why there is none. The rules are tried in this
+/// order, and the first that answers decides.
 fn step(spec: &SetSpec, obs: &Observed, live: &[&MachineView]) -> Progress {
     let targets = domain_targets(spec.replicas, &spec.failure_domains);
-    let total = obs.machines.len();
-    let deleting: Vec<&MachineView> = obs.machines.iter().filter(|m| m.deleting).collect();
-    let stale = replaceable(spec, live, &targets);
-
-    // Fewer live Machines than replicas (deleted by hand, or the old half of a replacement):
-    // create, in the domain short of most. RollingUpdate and OnDelete surge past a deleting
-    // Machine (never above replicas + 1 in all); Recreate waits until it is gone.
+    let scene = Scene {
+        spec,
+        live,
+        deleting: obs.machines.iter().filter(|m| m.deleting).collect(),
+        total: obs.machines.len(),
+        stale: replaceable(spec, live, &targets),
+        targets,
+    };
     if live.len() < spec.replicas {
-        let room = match spec.strategy {
-            Strategy::Recreate => total < spec.replicas,
-            Strategy::RollingUpdate | Strategy::OnDelete => total <= spec.replicas,
+        return scene.create_missing();
+    }
+    if let Some(blocked) = scene.blocked() {
+        return blocked;
+    }
+    if let Some(waiting) = scene.removal_under_way() {
+        return waiting;
+    }
+    let Some(victim) = pick_victim(live, &scene.stale, &scene.targets) else {
+        return scene.nothing_to_replace();
+    };
+    let reason = delete_reason(spec, victim);
+    if spec.strategy == Strategy::OnDelete {
+        return on_delete_waits(victim, reason);
+    }
+    if live.len() == spec.replicas {
+        return match spec.strategy {
+            Strategy::RollingUpdate => scene.surge(victim),
+            _ => scene.recreate(victim, reason),
+        };
+    }
+    scene.delete_surged(victim, reason)
+}
+
+/// Why `victim` is replaced: its spec is outdated, else its domain is wrong.
+fn delete_reason(spec: &SetSpec, victim: &MachineView) -> DeleteReason {
+    if victim.spec_hash != spec.template_hash {
+        DeleteReason::Outdated
+    } else {
+        DeleteReason::Misplaced
+    }
+}
+
+/// OnDelete replaces nothing by itself: it waits for someone to delete `victim`.
+fn on_delete_waits(victim: &MachineView, reason: DeleteReason) -> Progress {
+    Progress::Idle(
+        "WaitingForDeletion",
+        format!(
+            "machine {} is {}; OnDelete replaces it once it is deleted",
+            victim.name,
+            if reason == DeleteReason::Outdated {
+                "outdated"
+            } else {
+                "misplaced"
+            }
+        ),
+    )
+}
+
+impl Scene<'_> {
+    /// Fewer live Machines than replicas (deleted by hand, or the old half of a replacement):
+    /// create, in the domain short of most. RollingUpdate and OnDelete surge past a deleting
+    /// Machine (never above replicas + 1 in all); Recreate waits until it is gone.
+    fn create_missing(&self) -> Progress {
+        let room = match self.spec.strategy {
+            Strategy::Recreate => self.total < self.spec.replicas,
+            Strategy::RollingUpdate | Strategy::OnDelete => self.total <= self.spec.replicas,
         };
         if !room {
-            let names: Vec<&str> = deleting.iter().map(|m| m.name.as_str()).collect();
+            let names: Vec<&str> = self.deleting.iter().map(|m| m.name.as_str()).collect();
             return Progress::Progressing(
                 "WaitingForRemoval",
                 format!(
@@ -489,129 +560,134 @@ fn step(spec: &SetSpec, obs: &Observed, live: &[&MachineView]) -> Progress {
                 ),
             );
         }
-        // In the deleted Machine's own domain while that domain is short; else where the
-        // balance wants it (a domain added or removed meanwhile).
-        let deficits = deficits(live, &stale, &targets);
-        let own = deleting.iter().find(|m| {
-            let domain = if targets.contains_key(&None) {
+        let (domain, replaces) = self.replacement_domain();
+        Progress::Acting(Action::Create {
+            failure_domain: domain,
+            replaces: replaces.map(|m| m.name.clone()),
+        })
+    }
+
+    /// Where a missing Machine is created, and the deleting Machine it replaces: in the deleted
+    /// Machine's own domain while that domain is short; else where the balance wants it (a
+    /// domain added or removed meanwhile).
+    fn replacement_domain(&self) -> (Option<String>, Option<&MachineView>) {
+        let anonymous = self.targets.contains_key(&None);
+        let deficits = deficits(self.live, &self.stale, &self.targets);
+        let own = self.deleting.iter().find(|m| {
+            let domain = if anonymous {
                 None
             } else {
                 m.failure_domain.clone()
             };
             deficits.get(&domain).is_some_and(|&d| d > 0)
         });
-        let (domain, replaces) = match own {
-            Some(m) if !targets.contains_key(&None) => (m.failure_domain.clone(), Some(m)),
-            Some(m) => (None, Some(m)),
-            None => (short_domain(live, &stale, &targets), deleting.first()),
-        };
-        return Progress::Acting(Action::Create {
-            failure_domain: domain,
-            replaces: replaces.map(|m| m.name.clone()),
-        });
-    }
-
-    if let Some(f) = live.iter().find(|m| m.failed) {
-        return Progress::Blocked(
-            "MachineFailed",
-            format!("machine {} failed to provision; delete it to retry", f.name),
-        );
-    }
-    if live.len() > spec.replicas + 1 {
-        return Progress::Blocked(
-            "TooManyMachines",
-            format!(
-                "{} machines for {} replicas; remove the extra machines by hand",
-                live.len(),
-                spec.replicas
+        match own {
+            Some(m) if !anonymous => (m.failure_domain.clone(), Some(*m)),
+            Some(m) => (None, Some(*m)),
+            None => (
+                short_domain(self.live, &self.stale, &self.targets),
+                self.deleting.first().copied(),
             ),
-        );
-    }
-    // The old half of a replacement (or a hand-deleted Machine) is still being removed: one
-    // replacement at a time.
-    if !deleting.is_empty() {
-        let names: Vec<&str> = deleting.iter().map(|m| m.name.as_str()).collect();
-        return Progress::Progressing(
-            "WaitingForRemoval",
-            format!("waiting for machine(s) {} to be removed", names.join(", ")),
-        );
+        }
     }
 
-    let Some(victim) = pick_victim(live, &stale, &targets) else {
-        return if live.len() > spec.replicas {
+    /// A Machine that failed to provision, or more live Machines than one surge allows, needs
+    /// an administrator.
+    fn blocked(&self) -> Option<Progress> {
+        if let Some(f) = self.live.iter().find(|m| m.failed) {
+            return Some(Progress::Blocked(
+                "MachineFailed",
+                format!("machine {} failed to provision; delete it to retry", f.name),
+            ));
+        }
+        (self.live.len() > self.spec.replicas + 1).then(|| {
+            Progress::Blocked(
+                "TooManyMachines",
+                format!(
+                    "{} machines for {} replicas; remove the extra machines by hand",
+                    self.live.len(),
+                    self.spec.replicas
+                ),
+            )
+        })
+    }
+
+    /// The old half of a replacement (or a hand-deleted Machine) is still being removed: one
+    /// replacement at a time.
+    fn removal_under_way(&self) -> Option<Progress> {
+        (!self.deleting.is_empty()).then(|| {
+            let names: Vec<&str> = self.deleting.iter().map(|m| m.name.as_str()).collect();
+            Progress::Progressing(
+                "WaitingForRemoval",
+                format!("waiting for machine(s) {} to be removed", names.join(", ")),
+            )
+        })
+    }
+
+    /// No Machine to replace: settled, unless a Machine too many is there that no rule removes.
+    fn nothing_to_replace(&self) -> Progress {
+        if self.live.len() > self.spec.replicas {
             Progress::Blocked(
                 "TooManyMachines",
                 format!(
                     "{} machines for {} replicas and none outdated or misplaced; remove the extra machine by hand",
-                    live.len(),
-                    spec.replicas
+                    self.live.len(),
+                    self.spec.replicas
                 ),
             )
         } else {
             Progress::Settled
-        };
-    };
-    let reason = if victim.spec_hash != spec.template_hash {
-        DeleteReason::Outdated
-    } else {
-        DeleteReason::Misplaced
-    };
+        }
+    }
 
-    if spec.strategy == Strategy::OnDelete {
-        return Progress::Idle(
-            "WaitingForDeletion",
-            format!(
-                "machine {} is {}; OnDelete replaces it once it is deleted",
-                victim.name,
-                if reason == DeleteReason::Outdated {
-                    "outdated"
-                } else {
-                    "misplaced"
-                }
-            ),
-        );
+    /// RollingUpdate at `replicas`: the replacement for `victim` is created first (a surge of
+    /// one), in the domain short of most.
+    fn surge(&self, victim: &MachineView) -> Progress {
+        Progress::Acting(Action::Create {
+            failure_domain: short_domain(self.live, &self.stale, &self.targets),
+            replaces: Some(victim.name.clone()),
+        })
     }
-    if live.len() == spec.replicas {
-        return match spec.strategy {
-            Strategy::RollingUpdate => Progress::Acting(Action::Create {
-                failure_domain: short_domain(live, &stale, &targets),
-                replaces: Some(victim.name.clone()),
+
+    /// Recreate at `replicas`: `victim` is deleted first, once every Machine is Ready and only
+    /// when the voters left keep quorum with one fewer.
+    fn recreate(&self, victim: &MachineView, reason: DeleteReason) -> Progress {
+        if let Some(m) = self.live.iter().find(|m| !m.ready) {
+            return Progress::Progressing(
+                "WaitingForReady",
+                format!("waiting for machine {} to be Ready", m.name),
+            );
+        }
+        match recreate_keeps_quorum(self.live, victim) {
+            Ok(()) => Progress::Acting(Action::Delete {
+                machine: victim.name.clone(),
+                reason,
             }),
-            _ => {
-                if let Some(m) = live.iter().find(|m| !m.ready) {
-                    return Progress::Progressing(
-                        "WaitingForReady",
-                        format!("waiting for machine {} to be Ready", m.name),
-                    );
-                }
-                match recreate_keeps_quorum(live, victim) {
-                    Ok(()) => Progress::Acting(Action::Delete {
-                        machine: victim.name.clone(),
-                        reason,
-                    }),
-                    Err(text) => Progress::Blocked("RecreateWouldRiskQuorum", text),
-                }
-            }
-        };
+            Err(text) => Progress::Blocked("RecreateWouldRiskQuorum", text),
+        }
     }
-    // Surged by one (a RollingUpdate's replacement, or a strategy changed mid-way): the old
-    // Machine goes once every other Machine is Ready and its member votes.
-    if let Some(m) = live
-        .iter()
-        .find(|m| m.name != victim.name && !(m.ready && m.member.votes()))
-    {
-        return Progress::Progressing(
-            "WaitingForReplacement",
-            format!(
-                "waiting for machine {} to be Ready with a voting etcd member before deleting {}",
-                m.name, victim.name
-            ),
-        );
+
+    /// Surged by one (a RollingUpdate's replacement, or a strategy changed mid-way): the old
+    /// Machine goes once every other Machine is Ready and its member votes.
+    fn delete_surged(&self, victim: &MachineView, reason: DeleteReason) -> Progress {
+        if let Some(m) = self
+            .live
+            .iter()
+            .find(|m| m.name != victim.name && !(m.ready && m.member.votes()))
+        {
+            return Progress::Progressing(
+                "WaitingForReplacement",
+                format!(
+                    "waiting for machine {} to be Ready with a voting etcd member before deleting {}",
+                    m.name, victim.name
+                ),
+            );
+        }
+        Progress::Acting(Action::Delete {
+            machine: victim.name.clone(),
+            reason,
+        })
     }
-    Progress::Acting(Action::Delete {
-        machine: victim.name.clone(),
-        reason,
-    })
 }
 
 /// The Machine the set replaces next and why (what OnDelete waits for someone to delete).
@@ -619,14 +695,7 @@ pub fn next_replacement(spec: &SetSpec, obs: &Observed) -> Option<(String, Delet
     let live: Vec<&MachineView> = obs.machines.iter().filter(|m| !m.deleting).collect();
     let targets = domain_targets(spec.replicas, &spec.failure_domains);
     let stale = replaceable(spec, &live, &targets);
-    pick_victim(&live, &stale, &targets).map(|m| {
-        let reason = if m.spec_hash != spec.template_hash {
-            DeleteReason::Outdated
-        } else {
-            DeleteReason::Misplaced
-        };
-        (m.name.clone(), reason)
-    })
+    pick_victim(&live, &stale, &targets).map(|m| (m.name.clone(), delete_reason(spec, m)))
 }
 
 /// Whether deleting `victim` leaves voters that keep quorum: the voters other than the victim's
