@@ -153,7 +153,7 @@ fn nothing_outside_the_operator_names_the_operator() {
         }
     }
     // The check sees references at all: the operator's own files refer to each other.
-    assert!(g["operator/execute.rs"].contains("operator/plan.rs"));
+    assert!(g["operator/quorum/execute.rs"].contains("operator/quorum/plan.rs"));
 }
 
 #[test]

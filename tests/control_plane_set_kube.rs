@@ -1,4 +1,4 @@
-//! The ControlPlaneSet on Kubernetes (`operator::control_plane_set::kube`, spawned by the quorum
+//! The ControlPlaneSet on Kubernetes (`operator::kube::set_controller`, spawned by the quorum
 //! operator's `operator::kube::controller::run`, in process) against the API server double and a
 //! real 3-member etcd 3.5. The test plays the Machine API: a new Machine is "provisioned" (the
 //! machine controller's finalizer, the next loopback address, phase `Running` and a node
@@ -29,13 +29,13 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use etcd_warden::operator::control_plane_set::kube::SET_LABEL;
 use etcd_warden::operator::control_plane_set::resource::{
     ControlPlaneSet, ControlPlaneSetSpec, FINALIZER as SET_FINALIZER, FailureDomains,
     MachineTemplate, Platform, ProviderSpec, TemplateMachineSpec, TemplateMetadata, UpdateStrategy,
 };
 use etcd_warden::operator::kube::controller::{self, Settings};
-use etcd_warden::operator::plan::Replacement;
+use etcd_warden::operator::kube::set_machines::SET_LABEL;
+use etcd_warden::operator::quorum::plan::Replacement;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, MicroTime};
@@ -893,7 +893,7 @@ async fn no_propagation_policy_deletes_a_machine_under_openshift_admission_and_t
 /// `/healthz`, and starts when the type appears.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_the_crd_the_set_waits_quietly_and_starts_when_it_appears() {
-    use etcd_warden::operator::control_plane_set::kube::WAITING_FOR_TYPE;
+    use etcd_warden::operator::kube::set_controller::WAITING_FOR_TYPE;
     let w = World::build(&[]).await;
     w.server.uninstall("etcd-warden.io", "controlplanesets");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -11,11 +11,11 @@
 
 use std::collections::BTreeMap;
 
-use etcd_warden::operator::control_plane_set::{
+use etcd_warden::operator::control_plane_set::plan::{
     Action, DomainField, MachineView, MemberRole, Observed, SetSpec, Strategy as UpdateStrategy,
     domain_targets, next_replacement, plan, spec_hash,
 };
-use etcd_warden::operator::plan::quorum;
+use etcd_warden::operator::quorum::plan::quorum;
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
@@ -113,7 +113,7 @@ impl Sim {
     /// Plans, checks the plan against the safety rules, applies it.
     fn reconcile(
         &mut self,
-    ) -> Result<etcd_warden::operator::control_plane_set::Plan, TestCaseError> {
+    ) -> Result<etcd_warden::operator::control_plane_set::plan::Plan, TestCaseError> {
         let p = plan(&self.spec, &self.observed());
         let changes: Vec<&Action> = p
             .actions
@@ -559,9 +559,9 @@ fn obs(machines: Vec<MachineView>) -> Observed {
 }
 
 fn condition<'a>(
-    p: &'a etcd_warden::operator::control_plane_set::Plan,
+    p: &'a etcd_warden::operator::control_plane_set::plan::Plan,
     kind: &str,
-) -> &'a etcd_warden::operator::control_plane_set::Condition {
+) -> &'a etcd_warden::operator::control_plane_set::plan::Condition {
     p.conditions.iter().find(|c| c.kind == kind).unwrap()
 }
 
@@ -594,7 +594,7 @@ fn a_rolling_update_surges_in_the_old_machines_domain_and_deletes_only_after_it_
         p.actions,
         vec![Action::Delete {
             machine: "m1".into(),
-            reason: etcd_warden::operator::control_plane_set::DeleteReason::Outdated
+            reason: etcd_warden::operator::control_plane_set::plan::DeleteReason::Outdated
         }]
     );
     assert_eq!(p.counts.updated_replicas, 1);

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 
 use etcd_warden::operator::kube::endpoints;
 use etcd_warden::operator::kube::quorum_guard::QuorumGuard;
-use etcd_warden::operator::plan::MemberState;
+use etcd_warden::operator::quorum::plan::MemberState;
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -150,9 +150,9 @@ fn the_kube_client_builds_its_tls_connector_with_one_crypto_provider() {
 
 #[tokio::test]
 async fn every_action_and_every_persisting_failure_becomes_an_event_on_its_machine() {
-    use etcd_warden::operator::execute::ActionRecord;
     use etcd_warden::operator::kube::events;
-    use etcd_warden::operator::plan::Action;
+    use etcd_warden::operator::quorum::execute::ActionRecord;
+    use etcd_warden::operator::quorum::plan::Action;
     use k8s_openapi::api::core::v1::ObjectReference;
     use k8s_openapi::api::events::v1::Event;
     use kube::runtime::events::{Recorder, Reporter};

@@ -13,11 +13,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use async_trait::async_trait;
-use etcd_warden::operator::execute::{BackendError, Machines};
 use etcd_warden::operator::kube::machine_resource::{HOOK_NAME, HOOK_OWNER, Machine};
 use etcd_warden::operator::kube::{KubeMachines, KubeMachinesConfig};
 use etcd_warden::operator::local::{LocalCluster, LocalOptions};
-use etcd_warden::operator::plan::MachineState;
+use etcd_warden::operator::quorum::execute::{BackendError, Machines};
+use etcd_warden::operator::quorum::plan::MachineState;
 use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams};
 use serde_json::json;
 use support::apiserver::ApiServer;

@@ -15,9 +15,9 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use etcd_client::{Client, ConnectOptions};
-use etcd_warden::operator::execute::{BackendError, Join, Machines, Operator, Timing};
 use etcd_warden::operator::local::{LocalCluster, LocalOptions, locate_etcd};
-use etcd_warden::operator::plan::{Action, Condition, MachineState, RemoveReason, Spec};
+use etcd_warden::operator::quorum::execute::{BackendError, Join, Machines, Operator, Timing};
+use etcd_warden::operator::quorum::plan::{Action, Condition, MachineState, RemoveReason, Spec};
 use support::etcd::Release;
 use tempfile::TempDir;
 use tokio::task::JoinHandle;
@@ -38,7 +38,7 @@ fn timing() -> Timing {
 
 const SPEC: Spec = Spec {
     desired_voters: 3,
-    replacement: etcd_warden::operator::plan::Replacement::OnDeletion,
+    replacement: etcd_warden::operator::quorum::plan::Replacement::OnDeletion,
 };
 
 /// A running local cluster; its etcd processes die with it.
@@ -926,10 +926,10 @@ async fn cluster_size_must_be_3_or_5() {
 // ControlPlaneSet over the local backend: a template change rolls every machine, with the quorum
 // operator keeping its voters, under a writer.
 
-use etcd_warden::operator::control_plane_set::Strategy;
 use etcd_warden::operator::control_plane_set::controller::{
     Controller, SetConfig, replacement_for,
 };
+use etcd_warden::operator::control_plane_set::plan::Strategy;
 use etcd_warden::operator::local::{LOCAL_DOMAIN, LocalSetOptions, local_template};
 
 /// Samples what a rollout may never exceed: (min voters, max voters, max learners, max

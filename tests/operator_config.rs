@@ -284,7 +284,7 @@ fn the_owner_section_is_the_sidecars_and_the_environment_reaches_it() {
 
 #[test]
 fn set_strategy_orders_the_quorum_operator_for_the_control_plane_set() {
-    use etcd_warden::operator::plan::Replacement;
+    use etcd_warden::operator::quorum::plan::Replacement;
     let ep = ("ETCD_WARDEN_OPERATOR_ETCD_ENDPOINTS", "https://e:2379");
     let replacement =
         |v: &str| load(None, &[ep], &[("set_strategy", v)]).map(|c| c.settings.spec.replacement);

@@ -25,8 +25,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use etcd_warden::operator::kube::controller::{self, Settings};
-use etcd_warden::operator::kube::quorum_status::{self, EtcdQuorum};
-use etcd_warden::operator::plan::Spec;
+use etcd_warden::operator::quorum::plan::Spec;
+use etcd_warden::operator::quorum::resource::{self, EtcdQuorum};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::api::events::v1::Event;
@@ -637,7 +637,7 @@ async fn mutual_tls_to_etcd_with_certificates_read_again_without_a_restart() {
 
 /// `type -> (status, reason)` of the EtcdQuorum's conditions, once it has some.
 async fn quorum_conditions(api: &Api<EtcdQuorum>) -> Option<BTreeMap<String, (String, String)>> {
-    let q = api.get_opt(quorum_status::NAME).await.ok()??;
+    let q = api.get_opt(resource::NAME).await.ok()??;
     let c: BTreeMap<String, (String, String)> = q
         .status?
         .conditions
@@ -707,7 +707,7 @@ async fn the_etcd_quorum_status_follows_a_replacement_and_a_stopped_member() {
         let (api, seen, stop) = (api.clone(), Arc::clone(&seen), stop.clone());
         tokio::spawn(async move {
             while !stop.is_cancelled() {
-                if let Ok(Some(q)) = api.get_opt(quorum_status::NAME).await {
+                if let Ok(Some(q)) = api.get_opt(resource::NAME).await {
                     let c: BTreeMap<String, (String, String, String)> = q
                         .status
                         .into_iter()
@@ -760,7 +760,7 @@ async fn the_etcd_quorum_status_follows_a_replacement_and_a_stopped_member() {
         "{:?}",
         offending("Degraded", "False")
     );
-    let q = api.get(quorum_status::NAME).await.unwrap();
+    let q = api.get(resource::NAME).await.unwrap();
     let st = q.status.unwrap();
     assert_eq!((st.voters, st.learners, st.desired_voters), (3, 0, 3));
     assert!(st.last_action.is_some());
@@ -786,7 +786,7 @@ async fn the_etcd_quorum_status_follows_a_replacement_and_a_stopped_member() {
         ],
     )
     .await;
-    let st = api.get(quorum_status::NAME).await.unwrap().status.unwrap();
+    let st = api.get(resource::NAME).await.unwrap().status.unwrap();
     let degraded = st
         .conditions
         .iter()

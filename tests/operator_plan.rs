@@ -1,7 +1,7 @@
 //! Property tests of the operator's planner: generated states and event sequences, with the
 //! planned actions applied to a simulated cluster and every invariant checked at each step.
 
-use etcd_warden::operator::plan::{
+use etcd_warden::operator::quorum::plan::{
     Action, Condition, MachineState, MemberState, Observed, RemoveReason, Replacement, Spec, plan,
     quorum,
 };
@@ -798,7 +798,7 @@ fn dead_and_deleted(desired: usize, replacement: Replacement, victim: usize) -> 
     sim
 }
 
-fn membership_changes(p: &etcd_warden::operator::plan::Plan) -> Vec<&Action> {
+fn membership_changes(p: &etcd_warden::operator::quorum::plan::Plan) -> Vec<&Action> {
     p.actions
         .iter()
         .filter(|a| a.is_membership_change())

@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use etcd_client::{Client, MemberAddOptions};
 use etcd_warden::etcd::process::{Bootstrap, ClusterState, EtcdProcess, MemberSpec, PeerUrls};
-use etcd_warden::operator::execute::{BackendError, Machines, Operator, Timing};
-use etcd_warden::operator::plan::{Action, MachineState, Spec};
+use etcd_warden::operator::quorum::execute::{BackendError, Machines, Operator, Timing};
+use etcd_warden::operator::quorum::plan::{Action, MachineState, Spec};
 use support::etcd::Release;
 use support::faultproxy::{FaultMode, FaultProxy};
 use support::free_port;

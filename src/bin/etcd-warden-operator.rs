@@ -11,13 +11,13 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
 use etcd_warden::config::{ConfigError, LogConfig, LogFormat, Override, ProcessEnv, Sources};
-use etcd_warden::operator::control_plane_set::Strategy;
-use etcd_warden::operator::execute::Timing;
+use etcd_warden::operator::control_plane_set::plan::Strategy;
 use etcd_warden::operator::kube::config::KubeConfig;
 use etcd_warden::operator::kube::controller;
 use etcd_warden::operator::local::{
     LocalError, LocalOptions, LocalSetOptions, locate_etcd, run_local,
 };
+use etcd_warden::operator::quorum::execute::Timing;
 use tokio_util::sync::CancellationToken;
 
 /// Exit status for bad usage (EX_USAGE).
@@ -131,7 +131,8 @@ struct GenerateArgs {
 }
 
 async fn generate_set(a: GenerateArgs) -> anyhow::Result<()> {
-    use etcd_warden::operator::control_plane_set::{generate, kube::machine_resource, resource};
+    use etcd_warden::operator::control_plane_set::{generate, resource};
+    use etcd_warden::operator::kube::set_machines::machine_resource;
     let mut selector = std::collections::BTreeMap::new();
     for term in a.selector.split(',').filter(|t| !t.is_empty()) {
         let (k, v) = term

@@ -19,7 +19,7 @@ pub const VERSION: &str = "v1alpha1";
 /// Every CustomResourceDefinition the operator needs, in a stable order.
 pub fn definitions() -> Vec<CustomResourceDefinition> {
     vec![
-        super::kube::quorum_status::EtcdQuorum::crd(),
+        super::quorum::resource::EtcdQuorum::crd(),
         super::control_plane_set::resource::ControlPlaneSet::crd(),
     ]
 }

@@ -26,9 +26,9 @@ use tracing::{info, warn};
 use super::control_plane_set::controller::{
     Controller, SetConfig, SetMachine, SetMachines, SetStatus, replacement_for,
 };
-use super::control_plane_set::{DomainField, Strategy, domain_targets};
-use super::execute::{BackendError, Join, Machines, Operator, OperatorStatus, Timing};
-use super::plan::{Condition, MachineState, Spec, SpecError};
+use super::control_plane_set::plan::{DomainField, Strategy, domain_targets};
+use super::quorum::execute::{BackendError, Join, Machines, Operator, OperatorStatus, Timing};
+use super::quorum::plan::{Condition, MachineState, Spec, SpecError};
 use crate::etcd::process::{
     self, Bootstrap, ClusterState, EtcdBinaries, EtcdProcess, MemberSpec, ProcessError,
 };

@@ -1,16 +1,22 @@
-//! The operator: a pure planner for quorum-safe member replacement, its executor, and backends.
+//! The operator: two halves of one shape, each its pure plan, its executor or controller with
+//! the seam its backends implement, and its resource with a pure status.
 //!
-//! - [`plan`]: pure decisions from observed members and machines.
-//! - [`execute`]: observes etcd and a [`execute::Machines`] backend, applies planned actions.
-//! - [`control_plane_set`]: the ControlPlaneSet planner (pure): Machines kept at the template.
-//! - [`local`]: a backend whose machines are etcd processes on loopback (demo and tests).
-//! - [`kube`]: the backend on Kubernetes (Machines and their deletion hooks).
+//! - [`quorum`]: quorum-safe member replacement: `plan` (pure), `execute` (the executor and the
+//!   `Machines` seam), `resource` (`EtcdQuorum` and its status).
+//! - [`control_plane_set`]: control-plane Machines kept at a template: `plan` (pure),
+//!   `controller` (the controller and the `SetMachines` seam), `resource` (`ControlPlaneSet`,
+//!   its validation and status), `generate`.
+//! - [`local`]: the local backend of both seams: machines that are etcd processes on loopback
+//!   (demo and tests).
+//! - [`kube`]: the Kubernetes side of both, side by side: `machines` and `set_machines` (the
+//!   seams' backends), `controller` and `set_controller` (the reconcile loops), and the objects
+//!   kept in step with etcd.
+//! - [`crd`]: the CustomResourceDefinitions, generated from the resources' Rust types.
 //! - [`metrics`]: Prometheus metrics of the operator.
 
 pub mod control_plane_set;
 pub mod crd;
-pub mod execute;
 pub mod kube;
 pub mod local;
 pub mod metrics;
-pub mod plan;
+pub mod quorum;

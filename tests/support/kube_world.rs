@@ -9,12 +9,12 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use etcd_warden::operator::execute::Timing;
 use etcd_warden::operator::kube::KubeMachinesConfig;
 use etcd_warden::operator::kube::controller::Settings;
 use etcd_warden::operator::kube::lease::LeaseTiming;
 use etcd_warden::operator::kube::quorum_guard::QuorumGuard;
-use etcd_warden::operator::plan::{Replacement, Spec};
+use etcd_warden::operator::quorum::execute::Timing;
+use etcd_warden::operator::quorum::plan::{Replacement, Spec};
 use kube::api::{Api, DynamicObject};
 use tokio_util::sync::CancellationToken;
 

@@ -14,12 +14,12 @@ use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::{
+use super::plan::{
     Action, Condition, Counts, DomainField, MachineView, MemberRole, Observed, Plan, SetSpec,
     Strategy, plan, spec_hash,
 };
-use crate::operator::execute::{BackendError, ExecuteError, Machines, Operator};
-use crate::operator::plan::same_url;
+use crate::operator::quorum::execute::{BackendError, ExecuteError, Machines, Operator};
+use crate::operator::quorum::plan::same_url;
 
 /// One Machine as a backend lists it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -88,7 +88,7 @@ pub struct SetStatus {
     #[serde(flatten)]
     pub counts: Counts,
     /// Available, Progressing, Degraded.
-    pub conditions: Vec<super::Condition>,
+    pub conditions: Vec<super::plan::Condition>,
     /// The Machines at the last step.
     pub machines: Vec<SetMachineStatus>,
     /// Changes applied, oldest first (the last 100).
@@ -345,8 +345,8 @@ impl<S: SetMachines, Q: Machines> Controller<S, Q> {
 }
 
 /// The quorum operator's replacement order for a set's strategy.
-pub fn replacement_for(strategy: Strategy) -> crate::operator::plan::Replacement {
-    use crate::operator::plan::Replacement;
+pub fn replacement_for(strategy: Strategy) -> crate::operator::quorum::plan::Replacement {
+    use crate::operator::quorum::plan::Replacement;
     match strategy {
         Strategy::RollingUpdate => Replacement::Surge,
         Strategy::Recreate => Replacement::ShrinkFirst,

@@ -13,12 +13,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use serde_json::Value;
 
-use super::kube::SET_LABEL;
+use super::plan::spec_hash;
 use super::resource::{
     ControlPlaneSet, ControlPlaneSetSpec, FailureDomains, MachineTemplate, NAME, Platform,
     ProviderSpec, State, TemplateMachineSpec, TemplateMetadata, UpdateStrategy, template_spec,
 };
-use super::spec_hash;
+use crate::operator::kube::set_machines::SET_LABEL;
 
 /// Why no set can be drawn from the Machines.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

@@ -54,7 +54,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use super::controller::SetConfig;
-use super::{Condition, Counts, DomainField, Strategy};
+use super::plan::{Condition, Counts, DomainField, Strategy};
 
 /// The only name a ControlPlaneSet may have.
 pub const NAME: &str = "cluster";
@@ -386,7 +386,7 @@ pub fn fits_existing(replicas: usize, existing: usize) -> Result<(), Invalid> {
 /// set or surprise the operator, so the set refuses to act and says so.
 pub fn fits_quorum_operator(
     strategy: Strategy,
-    replacement: crate::operator::plan::Replacement,
+    replacement: crate::operator::quorum::plan::Replacement,
 ) -> Result<(), Invalid> {
     let needed = super::controller::replacement_for(strategy);
     if needed == replacement {
@@ -845,7 +845,7 @@ mod tests {
 
     #[test]
     fn a_strategy_the_quorum_operator_cannot_carry_out_is_refused() {
-        use crate::operator::plan::Replacement;
+        use crate::operator::quorum::plan::Replacement;
         assert!(fits_quorum_operator(Strategy::RollingUpdate, Replacement::Surge).is_ok());
         assert!(fits_quorum_operator(Strategy::OnDelete, Replacement::OnDeletion).is_ok());
         let e = fits_quorum_operator(Strategy::RollingUpdate, Replacement::OnDeletion).unwrap_err();

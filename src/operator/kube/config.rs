@@ -16,10 +16,10 @@ use super::lease::LeaseTiming;
 use super::machines::KubeMachinesConfig;
 use super::quorum_guard::QuorumGuard;
 use crate::config::{ConfigError, Layered, Layout, Sources, TlsFiles, lenient, parse_duration};
-use crate::operator::control_plane_set::Strategy;
 use crate::operator::control_plane_set::controller::replacement_for;
-use crate::operator::execute::Timing;
-use crate::operator::plan::Spec;
+use crate::operator::control_plane_set::plan::Strategy;
+use crate::operator::quorum::execute::Timing;
+use crate::operator::quorum::plan::Spec;
 use crate::owner::guard::GuardSettings;
 use crate::owner::resolve::ResolveError;
 

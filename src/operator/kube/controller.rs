@@ -12,7 +12,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use ::kube::api::Api;
+use ::kube::api::{Api, Patch, PatchParams, PostParams};
 use ::kube::runtime::events::{Recorder, Reporter};
 use ::kube::runtime::watcher;
 use futures::{FutureExt as _, StreamExt as _};
@@ -20,21 +20,22 @@ use k8s_openapi::api::core::v1::{ConfigMap, ObjectReference};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use prometheus_client::registry::Registry;
 use serde::de::DeserializeOwned;
+use serde_json::json;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::health::{self, HealthState, TaskHealth};
 use super::lease::{LeaseLock, LeaseMetrics, LeaseTiming};
 use super::machine_resource::Machine;
-use super::machines::{KubeMachines, KubeMachinesConfig};
+use super::machines::{FIELD_MANAGER, KubeCall, KubeMachines, KubeMachinesConfig, is_status};
 use super::quorum_guard::QuorumGuard;
-use super::quorum_status::{self, EtcdQuorum};
-use super::sync::SyncError;
+use super::sync::{ATTEMPTS, SyncError};
 use super::{endpoints, events};
-use crate::operator::execute::{BackendError, ExecuteError, Observation, Operator, Timing};
-use crate::operator::plan::Spec;
+use crate::operator::quorum::execute::{BackendError, ExecuteError, Observation, Operator, Timing};
+use crate::operator::quorum::plan::Spec;
+use crate::operator::quorum::resource::{self, EtcdQuorum, EtcdQuorumSpec, EtcdQuorumStatus, NAME};
 use crate::owner::guard::{GuardSettings, OwnerGuard};
 
 /// Everything the controller needs besides a client.
@@ -160,7 +161,7 @@ struct Parts {
     config_maps: Api<ConfigMap>,
     budgets: Api<PodDisruptionBudget>,
     quorums: Api<EtcdQuorum>,
-    learner: std::sync::Mutex<quorum_status::LearnerProgress>,
+    learner: std::sync::Mutex<resource::LearnerProgress>,
     settings: Settings,
 }
 
@@ -210,8 +211,8 @@ impl Parts {
     /// Says in the EtcdQuorum's status that reconciles keep failing with `error`.
     async fn write_failure(&self, error: &ReconcileError) {
         let text = error.to_string();
-        let written = quorum_status::sync(&self.quorums, |previous, generation| {
-            quorum_status::failed(previous, &text, generation, chrono::Utc::now())
+        let written = sync_status(&self.quorums, |previous, generation| {
+            resource::failed(previous, &text, generation, chrono::Utc::now())
         })
         .await;
         if let Err(e) = written {
@@ -226,15 +227,15 @@ impl Parts {
         machine_api_functional: bool,
     ) -> Result<(), SyncError> {
         let stalled = lock(&self.learner).stalled(&obs.observed, std::time::Instant::now());
-        let facts = quorum_status::Facts {
+        let facts = resource::Facts {
             spec: self.settings.spec,
             observed: &obs.observed,
             machine_api_functional,
             stalled_learner: stalled.as_deref(),
         };
         let last = self.operator.status().last_action;
-        quorum_status::sync(&self.quorums, |previous, generation| {
-            quorum_status::status(
+        sync_status(&self.quorums, |previous, generation| {
+            resource::status(
                 &facts,
                 &obs.members,
                 last.as_ref(),
@@ -246,6 +247,62 @@ impl Parts {
         .await?;
         Ok(())
     }
+}
+
+/// Makes sure `namespace/cluster` exists and its status is what `make(previous, generation)`
+/// returns, writing through `/status` only when that differs. Returns whether it wrote.
+async fn sync_status(
+    api: &Api<EtcdQuorum>,
+    make: impl Fn(Option<&EtcdQuorumStatus>, Option<i64>) -> EtcdQuorumStatus,
+) -> Result<bool, SyncError> {
+    let call = |what: &str, source| KubeCall {
+        what: format!("{what} EtcdQuorum {NAME}"),
+        source,
+    };
+    let params = PatchParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..PatchParams::default()
+    };
+    for attempt in 1..=ATTEMPTS {
+        let current = match api.get_opt(NAME).await.map_err(|e| call("reading", e))? {
+            Some(c) => c,
+            None => {
+                let pp = PostParams {
+                    field_manager: Some(FIELD_MANAGER.into()),
+                    ..PostParams::default()
+                };
+                match api
+                    .create(&pp, &EtcdQuorum::new(NAME, EtcdQuorumSpec {}))
+                    .await
+                {
+                    Ok(created) => created,
+                    Err(e) if is_status(&e, 409) => continue,
+                    Err(e) => return Err(call("creating", e).into()),
+                }
+            }
+        };
+        let desired = make(current.status.as_ref(), current.metadata.generation);
+        if current.status.as_ref() == Some(&desired) {
+            return Ok(false);
+        }
+        // On the version read: a write in between is read again, not overwritten.
+        let patch = json!({
+            "metadata": {"resourceVersion": current.metadata.resource_version},
+            "status": desired,
+        });
+        match api.patch_status(NAME, &params, &Patch::Merge(&patch)).await {
+            Ok(_) => return Ok(true),
+            Err(e) if is_status(&e, 409) || is_status(&e, 404) => {
+                debug!(attempt, error = %e, "EtcdQuorum changed meanwhile; reading again");
+                tokio::time::sleep(Duration::from_millis(20 * u64::from(attempt))).await;
+            }
+            Err(e) => return Err(call("writing the status of", e).into()),
+        }
+    }
+    Err(SyncError::Conflict {
+        what: format!("EtcdQuorum {NAME}"),
+        attempts: ATTEMPTS,
+    })
 }
 
 /// Keeps `tx` at "holds the Lease and owns" until `cancel` or the guard stops (then `false`).
@@ -281,171 +338,230 @@ pub async fn run_serving(
     http: Option<tokio::net::TcpListener>,
     cancel: CancellationToken,
 ) {
-    let machines = Arc::new(KubeMachines::new(client.clone(), settings.machines.clone()));
-    let operator = Arc::new(
-        Operator::new(
-            settings.spec,
-            Arc::clone(&machines),
-            settings.etcd_endpoints.clone(),
-            settings.timing,
-        )
-        .with_tls(settings.etcd_tls.clone()),
+    let parts = assemble(&client, &settings);
+    let operator = Arc::clone(&parts.operator);
+    let lease_metrics = LeaseMetrics::default();
+    let event_metrics = events::EventMetrics::default();
+    let mut registry = Registry::default();
+    operator.metrics().register(&mut registry);
+    lease_metrics.register(&mut registry);
+    event_metrics.register(&mut registry);
+
+    let tasks = Tasks {
+        tracker: TaskTracker::new(),
+        health: TaskHealth::new(),
+        cancel: cancel.child_token(),
+    };
+    // Dropped (the task aborted) or returned: the tasks stop too. A Lease renewed by an orphaned
+    // task while nothing reconciles would keep every other replica from acting.
+    let _stop_tasks = tasks.cancel.clone().drop_guard();
+    let acting = tasks.spawn_acting_gate(&client, &settings, lease_metrics);
+    tasks.spawn_events(&client, &settings, &operator, event_metrics);
+    tasks.spawn_control_plane_set(&client, &settings, &operator, &acting);
+    let wake = tasks.spawn_watches(&client, &settings, &parts);
+    tasks.spawn(
+        "reconcile",
+        false,
+        reconcile_loop(parts, acting, wake, tasks.cancel.clone()),
     );
-    let parts = Parts {
-        operator: Arc::clone(&operator),
+    if let Some(listener) = http {
+        tasks.serve_health(listener, registry);
+    }
+    tasks.tracker.close();
+
+    cancel.cancelled().await;
+    tasks.cancel.cancel();
+    if tokio::time::timeout(Duration::from_secs(5), tasks.tracker.wait())
+        .await
+        .is_err()
+    {
+        warn!("controller tasks did not stop within 5s");
+    }
+}
+
+/// The planner and executor over [`KubeMachines`], and the API handles a reconcile writes
+/// through.
+fn assemble(client: &::kube::Client, settings: &Settings) -> Parts {
+    let machines = Arc::new(KubeMachines::new(client.clone(), settings.machines.clone()));
+    let operator = Operator::new(
+        settings.spec,
+        Arc::clone(&machines),
+        settings.etcd_endpoints.clone(),
+        settings.timing,
+    )
+    .with_tls(settings.etcd_tls.clone());
+    Parts {
+        operator: Arc::new(operator),
         machines,
         config_maps: Api::namespaced(client.clone(), &settings.namespace),
         budgets: Api::namespaced(client.clone(), &settings.guard.namespace),
         quorums: Api::namespaced(client.clone(), &settings.namespace),
         learner: std::sync::Mutex::default(),
         settings: settings.clone(),
-    };
-    let lease_metrics = LeaseMetrics::default();
-    let mut registry = Registry::default();
-    operator.metrics().register(&mut registry);
-    lease_metrics.register(&mut registry);
-    let event_metrics = events::EventMetrics::default();
-    event_metrics.register(&mut registry);
+    }
+}
 
-    let tasks = TaskTracker::new();
-    let health = TaskHealth::new();
-    let child = cancel.child_token();
-    // Dropped (the task aborted) or returned: the tasks stop too. A Lease renewed by an orphaned
-    // task while nothing reconciles would keep every other replica from acting.
-    let _stop_tasks = child.clone().drop_guard();
-    let (leader_tx, leader) = watch::channel(false);
+/// The controller's tasks: tracked, each shown on `/healthz`, all stopped by one token.
+struct Tasks {
+    tracker: TaskTracker,
+    health: TaskHealth,
+    cancel: CancellationToken,
+}
+
+impl Tasks {
+    /// Spawns `fut` as the health-checked task `name` (`gated`: `/readyz` waits for it).
+    fn spawn<F>(&self, name: &'static str, gated: bool, fut: F)
+    where
+        F: Future<Output = ()> + Send + 'static,
     {
+        self.health.spawn(&self.tracker, name, gated, fut);
+    }
+
+    /// Starts leader election (and, with an owner record configured, the owner guard); the
+    /// receiver says whether this replica may act: it holds the Lease and, when an owner record
+    /// is configured, ownership.
+    fn spawn_acting_gate(
+        &self,
+        client: &::kube::Client,
+        settings: &Settings,
+        metrics: LeaseMetrics,
+    ) -> watch::Receiver<bool> {
+        let (leader_tx, leader) = watch::channel(false);
         let lock = LeaseLock::new(
             Api::namespaced(client.clone(), &settings.namespace),
             &settings.lease_name,
             &settings.identity,
             settings.lease,
         )
-        .with_metrics(lease_metrics);
-        let c = child.clone();
-        health.spawn(&tasks, "lease", false, async move {
-            lock.run(leader_tx, c).await
-        });
+        .with_metrics(metrics);
+        let c = self.cancel.clone();
+        self.spawn("lease", false, async move { lock.run(leader_tx, c).await });
+        let Some(owner) = &settings.owner else {
+            return leader;
+        };
+        let (guard, _) = OwnerGuard::start(owner.lookup.clone(), owner.timing, self.cancel.clone());
+        let (tx, rx) = watch::channel(false);
+        // Ends when the guard stops: acting goes false for good, and the reconcile loop,
+        // seeing its sender gone, ends too (both show on /healthz).
+        self.spawn(
+            "owner",
+            false,
+            may_act(leader, guard, tx, self.cancel.clone()),
+        );
+        rx
     }
-    // Acting needs the Lease and, when an owner record is configured, ownership.
-    let acting = match &settings.owner {
-        None => leader,
-        Some(owner) => {
-            let (guard, _) = OwnerGuard::start(owner.lookup.clone(), owner.timing, child.clone());
-            let (tx, rx) = watch::channel(false);
-            // Ends when the guard stops: acting goes false for good, and the reconcile loop,
-            // seeing its sender gone, ends too (both show on /healthz).
-            health.spawn(
-                &tasks,
-                "owner",
-                false,
-                may_act(leader, guard, tx, child.clone()),
-            );
-            rx
-        }
-    };
-    let recorder = Recorder::new(
-        client.clone(),
-        Reporter {
-            controller: "etcd-warden-operator".into(),
-            instance: Some(settings.identity.clone()),
-        },
-    );
-    let fallback = ObjectReference {
-        api_version: Some("v1".into()),
-        kind: Some("ConfigMap".into()),
-        name: Some(endpoints::NAME.into()),
-        namespace: Some(settings.namespace.clone()),
-        ..ObjectReference::default()
-    };
-    health.spawn(
-        &tasks,
-        "events",
-        false,
-        events::publish(
-            operator.subscribe_actions(),
-            recorder,
-            settings.machines.namespace.clone(),
-            fallback,
-            // Ten retry caps (30 s with the defaults): past etcd's few seconds of "unhealthy
-            // cluster" after a membership change.
-            events::Streaks::new(settings.timing.max_backoff.saturating_mul(10)),
-            event_metrics,
-            child.clone(),
-        ),
-    );
-    // The ControlPlaneSet acts on the same "holds the Lease and owns" as the quorum operator.
-    health.spawn(
-        &tasks,
-        "control-plane-set",
-        false,
-        crate::operator::control_plane_set::kube::run(
+
+    /// Publishes every action the executor records as a Kubernetes Event.
+    fn spawn_events(
+        &self,
+        client: &::kube::Client,
+        settings: &Settings,
+        operator: &Operator<KubeMachines>,
+        metrics: events::EventMetrics,
+    ) {
+        let recorder = Recorder::new(
             client.clone(),
-            set_settings(&settings),
-            Arc::clone(&operator),
-            acting.clone(),
-            child.clone(),
-            {
-                let health = health.clone();
-                move |detail: Option<&str>| health.detail("control-plane-set", detail)
+            Reporter {
+                controller: "etcd-warden-operator".into(),
+                instance: Some(settings.identity.clone()),
             },
-        ),
-    );
-    let wake = Arc::new(Notify::new());
-    let machine_api: Api<Machine> = Api::namespaced(client.clone(), &settings.machines.namespace);
-    let watches = [
-        (
-            "watch-machines",
-            trigger(
-                machine_api,
-                watcher::Config::default().labels(&settings.machines.selector),
-                Arc::clone(&wake),
-                synced(&health, "watch-machines"),
-                child.clone(),
-            )
-            .boxed(),
-        ),
-        (
-            "watch-configmap",
-            trigger(
-                parts.config_maps.clone(),
-                watcher::Config::default().fields(&format!("metadata.name={}", endpoints::NAME)),
-                Arc::clone(&wake),
-                synced(&health, "watch-configmap"),
-                child.clone(),
-            )
-            .boxed(),
-        ),
-        (
-            "watch-pdb",
-            trigger(
-                parts.budgets.clone(),
-                watcher::Config::default()
-                    .fields(&format!("metadata.name={}", settings.guard.name)),
-                Arc::clone(&wake),
-                synced(&health, "watch-pdb"),
-                child.clone(),
-            )
-            .boxed(),
-        ),
-    ];
-    for (name, fut) in watches {
-        health.spawn(&tasks, name, true, fut);
+        );
+        let fallback = ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("ConfigMap".into()),
+            name: Some(endpoints::NAME.into()),
+            namespace: Some(settings.namespace.clone()),
+            ..ObjectReference::default()
+        };
+        self.spawn(
+            "events",
+            false,
+            events::publish(
+                operator.subscribe_actions(),
+                recorder,
+                settings.machines.namespace.clone(),
+                fallback,
+                // Ten retry caps (30 s with the defaults): past etcd's few seconds of "unhealthy
+                // cluster" after a membership change.
+                events::Streaks::new(settings.timing.max_backoff.saturating_mul(10)),
+                metrics,
+                self.cancel.clone(),
+            ),
+        );
     }
-    health.spawn(
-        &tasks,
-        "reconcile",
-        false,
-        reconcile_loop(parts, acting, wake, child.clone()),
-    );
-    if let Some(listener) = http {
+
+    /// The ControlPlaneSet's loop, acting on the same "holds the Lease and owns" as the quorum
+    /// operator; what it waits for shows on `/healthz`.
+    fn spawn_control_plane_set(
+        &self,
+        client: &::kube::Client,
+        settings: &Settings,
+        operator: &Arc<Operator<KubeMachines>>,
+        acting: &watch::Receiver<bool>,
+    ) {
+        let health = self.health.clone();
+        self.spawn(
+            "control-plane-set",
+            false,
+            super::set_controller::run(
+                client.clone(),
+                set_settings(settings),
+                Arc::clone(operator),
+                acting.clone(),
+                self.cancel.clone(),
+                move |detail: Option<&str>| health.detail("control-plane-set", detail),
+            ),
+        );
+    }
+
+    /// Watches on the Machines, the `etcd-endpoints` ConfigMap and the quorum-guard PDB, each
+    /// gating readiness until its first full listing; returns what they wake.
+    fn spawn_watches(
+        &self,
+        client: &::kube::Client,
+        settings: &Settings,
+        parts: &Parts,
+    ) -> Arc<Notify> {
+        let wake = Arc::new(Notify::new());
+        let machine_api: Api<Machine> =
+            Api::namespaced(client.clone(), &settings.machines.namespace);
+        let watch = |name: &'static str| (Arc::clone(&wake), synced(&self.health, name));
+        let watches = [
+            ("watch-machines", {
+                let (wake, synced) = watch("watch-machines");
+                let config = watcher::Config::default().labels(&settings.machines.selector);
+                trigger(machine_api, config, wake, synced, self.cancel.clone()).boxed()
+            }),
+            ("watch-configmap", {
+                let (wake, synced) = watch("watch-configmap");
+                let config = watcher::Config::default()
+                    .fields(&format!("metadata.name={}", endpoints::NAME));
+                let api = parts.config_maps.clone();
+                trigger(api, config, wake, synced, self.cancel.clone()).boxed()
+            }),
+            ("watch-pdb", {
+                let (wake, synced) = watch("watch-pdb");
+                let config = watcher::Config::default()
+                    .fields(&format!("metadata.name={}", settings.guard.name));
+                let api = parts.budgets.clone();
+                trigger(api, config, wake, synced, self.cancel.clone()).boxed()
+            }),
+        ];
+        for (name, fut) in watches {
+            self.spawn(name, true, fut);
+        }
+        wake
+    }
+
+    /// Serves `/healthz`, `/readyz` and `/metrics` on `listener` until the tasks stop; not a
+    /// health-checked task: it is what answers the checks.
+    fn serve_health(&self, listener: tokio::net::TcpListener, registry: Registry) {
         let state = HealthState {
-            tasks: health.clone(),
+            tasks: self.health.clone(),
             registry: Arc::new(registry),
         };
-        let c = child.clone();
-        // Not a health-checked task: it is what answers the checks.
-        tasks.spawn(async move {
+        let c = self.cancel.clone();
+        self.tracker.spawn(async move {
             let served = axum::serve(listener, health::router(state))
                 .with_graceful_shutdown(c.clone().cancelled_owned())
                 .await;
@@ -453,16 +569,6 @@ pub async fn run_serving(
                 warn!(error = %e, "serving health and metrics failed");
             }
         });
-    }
-    tasks.close();
-
-    cancel.cancelled().await;
-    child.cancel();
-    if tokio::time::timeout(Duration::from_secs(5), tasks.wait())
-        .await
-        .is_err()
-    {
-        warn!("controller tasks did not stop within 5s");
     }
 }
 
@@ -528,7 +634,7 @@ async fn reconcile_loop(
                     let retry_in = backoff.delay(failures);
                     warn!(error = %e, ?retry_in, "reconcile failed");
                     let since = *failing_since.get_or_insert_with(std::time::Instant::now);
-                    if since.elapsed() >= quorum_status::failures_reported_after(timing.max_backoff)
+                    if since.elapsed() >= resource::failures_reported_after(timing.max_backoff)
                         && *leader.borrow()
                     {
                         parts.write_failure(&e).await;
@@ -556,8 +662,8 @@ async fn reconcile_loop(
 /// The ControlPlaneSet's settings taken from the quorum operator's (same namespace as its
 /// Machines). Here rather than beside `SetSettings`, so the set's loop needs nothing of this
 /// controller.
-fn set_settings(s: &Settings) -> crate::operator::control_plane_set::kube::SetSettings {
-    crate::operator::control_plane_set::kube::SetSettings {
+fn set_settings(s: &Settings) -> super::set_controller::SetSettings {
+    super::set_controller::SetSettings {
         namespace: s.machines.namespace.clone(),
         peer_scheme: s.machines.peer_scheme.clone(),
         peer_port: s.machines.peer_port,

@@ -13,7 +13,7 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::{Map, Value};
 
-use crate::operator::plan::MemberState;
+use crate::operator::quorum::plan::MemberState;
 
 /// The ConfigMap's name, as its consumers know it.
 pub const NAME: &str = "etcd-endpoints";

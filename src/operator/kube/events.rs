@@ -27,8 +27,8 @@ use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::operator::execute::ActionRecord;
-use crate::operator::plan::Action;
+use crate::operator::quorum::execute::ActionRecord;
+use crate::operator::quorum::plan::Action;
 
 /// Longest note Kubernetes accepts (1 kB).
 const NOTE_MAX: usize = 1024;
@@ -379,7 +379,7 @@ mod tests {
             Action::RemoveMember {
                 member_id: 7,
                 name: String::new(),
-                reason: crate::operator::plan::RemoveReason::DanglingLearner,
+                reason: crate::operator::quorum::plan::RemoveReason::DanglingLearner,
             },
             None,
         );

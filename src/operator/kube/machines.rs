@@ -19,8 +19,8 @@ use serde_json::json;
 use tracing::{debug, info};
 
 use super::machine_resource::{CONTROL_PLANE_SELECTOR, LifecycleHook, Machine};
-use crate::operator::execute::{BackendError, Machines};
-use crate::operator::plan::MachineState;
+use crate::operator::quorum::execute::{BackendError, Machines};
+use crate::operator::quorum::plan::MachineState;
 
 /// The field manager named on every write.
 pub const FIELD_MANAGER: &str = "etcd-warden-operator";

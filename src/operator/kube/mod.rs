@@ -1,13 +1,16 @@
-//! The operator on Kubernetes: the [`Machines`](super::execute::Machines) seam over
-//! `machine.openshift.io` Machines, and the objects the operator keeps in step with etcd.
+//! The operator on Kubernetes: both halves' seams over `machine.openshift.io` Machines, side by
+//! side with their reconcile loops, and the objects the operator keeps in step with etcd.
 //!
+//! - [`machines`]: [`KubeMachines`], the quorum seam's
+//!   ([`Machines`](super::quorum::execute::Machines)) Kubernetes backend.
+//! - [`controller`]: the quorum controller assembled: leader-gated reconciles woken by watches.
+//! - [`set_machines`]: [`KubeSetMachines`](set_machines::KubeSetMachines), the ControlPlaneSet
+//!   seam's ([`SetMachines`](super::control_plane_set::controller::SetMachines)) backend.
+//! - [`set_controller`]: the ControlPlaneSet's reconcile loop, spawned by [`controller`].
 //! - [`config`]: `kube`'s layered configuration (file → environment → flags).
-//! - [`controller`]: the controller assembled: leader-gated reconciles woken by watches.
 //! - [`machine_resource`]: the typed `Machine` (only the fields read).
-//! - [`machines`]: [`KubeMachines`], the seam's Kubernetes backend.
 //! - [`health`]: `/healthz` (every internal task alive), `/readyz`, `/metrics`.
 //! - [`endpoints`]: the `etcd-endpoints` ConfigMap built from etcd's member list (pure).
-//! - [`quorum_status`]: the `EtcdQuorum` status object (conditions derived purely) and its sync.
 //! - [`quorum_guard`]: the quorum-guard PodDisruptionBudget (pure).
 //! - [`events`]: a Kubernetes Event for every action the executor records.
 //! - [`lease`]: leader election through a Lease, so two replicas never both act.
@@ -22,7 +25,8 @@ pub mod lease;
 pub mod machine_resource;
 pub mod machines;
 pub mod quorum_guard;
-pub mod quorum_status;
+pub mod set_controller;
+pub mod set_machines;
 pub mod sync;
 
 pub use machines::{KubeMachines, KubeMachinesConfig};

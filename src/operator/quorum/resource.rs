@@ -10,25 +10,19 @@
 //! The conditions are derived by [`derive`], a pure function of the observation the planner
 //! sees (and the plan it makes of it), whether the Machine API works, and whether a learner has
 //! stopped catching up; [`merge`] keeps a condition's `lastTransitionTime` until its status
-//! flips. [`sync`] creates the object when missing and writes status only through the `/status`
+//! flips. Everything here is pure; the Kubernetes controller (`operator::kube::controller`)
+//! creates the object when missing and writes the status only through the `/status`
 //! subresource, and only when something changed.
 
 use std::time::{Duration, Instant};
 
 use ::kube::CustomResource;
-use ::kube::api::{Api, Patch, PatchParams, PostParams};
 use chrono::{DateTime, SecondsFormat, Utc};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
-use serde_json::json;
-use tracing::debug;
 
-use super::machines::{FIELD_MANAGER, KubeCall, is_status};
-use super::sync::{ATTEMPTS, SyncError};
-use crate::operator::execute::{ActionRecord, MemberStatus};
-use crate::operator::plan::{
-    Action, Condition, Observed, RemoveReason, Spec, has_quorum, plan, same_url,
-};
+use super::execute::{ActionRecord, MemberStatus};
+use super::plan::{Action, Condition, Observed, RemoveReason, Spec, has_quorum, plan, same_url};
 
 /// The one object's name.
 pub const NAME: &str = "cluster";
@@ -564,66 +558,10 @@ pub fn failed(
     st
 }
 
-/// Makes sure `namespace/cluster` exists and its status is what `make(previous, generation)`
-/// returns, writing through `/status` only when that differs. Returns whether it wrote.
-pub async fn sync(
-    api: &Api<EtcdQuorum>,
-    make: impl Fn(Option<&EtcdQuorumStatus>, Option<i64>) -> EtcdQuorumStatus,
-) -> Result<bool, SyncError> {
-    let call = |what: &str, source| KubeCall {
-        what: format!("{what} EtcdQuorum {NAME}"),
-        source,
-    };
-    let params = PatchParams {
-        field_manager: Some(FIELD_MANAGER.into()),
-        ..PatchParams::default()
-    };
-    for attempt in 1..=ATTEMPTS {
-        let current = match api.get_opt(NAME).await.map_err(|e| call("reading", e))? {
-            Some(c) => c,
-            None => {
-                let pp = PostParams {
-                    field_manager: Some(FIELD_MANAGER.into()),
-                    ..PostParams::default()
-                };
-                match api
-                    .create(&pp, &EtcdQuorum::new(NAME, EtcdQuorumSpec {}))
-                    .await
-                {
-                    Ok(created) => created,
-                    Err(e) if is_status(&e, 409) => continue,
-                    Err(e) => return Err(call("creating", e).into()),
-                }
-            }
-        };
-        let desired = make(current.status.as_ref(), current.metadata.generation);
-        if current.status.as_ref() == Some(&desired) {
-            return Ok(false);
-        }
-        // On the version read: a write in between is read again, not overwritten.
-        let patch = json!({
-            "metadata": {"resourceVersion": current.metadata.resource_version},
-            "status": desired,
-        });
-        match api.patch_status(NAME, &params, &Patch::Merge(&patch)).await {
-            Ok(_) => return Ok(true),
-            Err(e) if is_status(&e, 409) || is_status(&e, 404) => {
-                debug!(attempt, error = %e, "EtcdQuorum changed meanwhile; reading again");
-                tokio::time::sleep(Duration::from_millis(20 * u64::from(attempt))).await;
-            }
-            Err(e) => return Err(call("writing the status of", e).into()),
-        }
-    }
-    Err(SyncError::Conflict {
-        what: format!("EtcdQuorum {NAME}"),
-        attempts: ATTEMPTS,
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::operator::plan::{MachineState, MemberState};
+    use crate::operator::quorum::plan::{MachineState, MemberState};
 
     /// What one of four machine slots holds.
     #[derive(Debug, Clone, Copy)]

@@ -23,8 +23,8 @@ use crate::etcd::membership::initial_cluster;
 use tracing::field::Empty;
 use tracing::{Instrument as _, Span, debug, info, warn};
 
-use super::metrics::{MemberGauge, Metrics};
 use super::plan::{Action, Condition, MachineState, MemberState, Observed, Plan, Spec, plan};
+use crate::operator::metrics::{MemberGauge, Metrics};
 
 /// Errors of a machine backend.
 #[derive(Debug, thiserror::Error)]

@@ -370,66 +370,16 @@ fn start_actions(obs: &Observed) -> Vec<Action> {
         .collect()
 }
 
-/// At most one membership change, or the condition explaining why there is none.
+/// At most one membership change, or the condition explaining why there is none. The rules are
+/// tried in this order, and the first that answers decides.
 fn membership_action(
     spec: Spec,
     obs: &Observed,
     voters: &[&MemberState],
 ) -> Result<Action, Condition> {
-    let desired = spec.desired_voters;
-    let deleting = |m: &MemberState| machine_of(obs, m).is_some_and(|mc| mc.deleting);
-
-    // With any unhealthy member the only change allowed is removing an unhealthy member of a
-    // deleting machine (or of one already gone, e.g. through the escape hatch): a learner, a
-    // voter whose replacement already votes, or the one dead voter of [`dead_voter_removal`].
     let unhealthy: Vec<&MemberState> = obs.members.iter().filter(|m| !m.healthy).collect();
     if !unhealthy.is_empty() {
-        for m in &unhealthy {
-            if machine_of(obs, m).is_some_and(|mc| !mc.deleting) {
-                continue;
-            }
-            if m.is_learner {
-                return Ok(Action::RemoveMember {
-                    member_id: m.id,
-                    name: m.name.clone(),
-                    reason: RemoveReason::LearnerOnDeletingMachine,
-                });
-            }
-            if voters.len() > desired {
-                return Ok(Action::RemoveMember {
-                    member_id: m.id,
-                    name: m.name.clone(),
-                    reason: RemoveReason::Replaced,
-                });
-            }
-        }
-        if let Some(action) = dead_voter_removal(spec, obs, voters, &unhealthy) {
-            return Ok(action);
-        }
-        let names: Vec<String> = unhealthy.iter().map(|m| label(m)).collect();
-        let only_new_learners = unhealthy
-            .iter()
-            .all(|m| m.is_learner && machine_of(obs, m).is_some_and(|mc| !mc.deleting));
-        let orphans: Vec<String> = unhealthy
-            .iter()
-            .filter(|m| machine_of(obs, m).is_none())
-            .map(|m| format!("{} ({:x})", label(m), m.id))
-            .collect();
-        return Err(if only_new_learners {
-            Condition::Progressing(format!("waiting for learner {} to start", names.join(", ")))
-        } else if !orphans.is_empty() {
-            // Typically after the escape hatch: the machine went away with its voter.
-            Condition::Degraded(format!(
-                "unhealthy member(s) {}; membership changes paused; the machine of {} is gone: remove that member (etcdctl member remove ID) to continue",
-                names.join(", "),
-                orphans.join(", ")
-            ))
-        } else {
-            Condition::Degraded(format!(
-                "unhealthy member(s) {}; membership changes paused",
-                names.join(", ")
-            ))
-        });
+        return unhealthy_member_removal(spec, obs, voters, &unhealthy);
     }
 
     let Some(leader_applied) = obs.leader_applied_index else {
@@ -437,18 +387,116 @@ fn membership_action(
     };
 
     let learners: Vec<&MemberState> = obs.members.iter().filter(|m| m.is_learner).collect();
-    // A learner on a deleting machine, or on no machine, is removed and never promoted.
-    for l in &learners {
+    if let Some(action) = stray_learner_removal(obs, &learners) {
+        return Ok(action);
+    }
+
+    let deleting_voters: Vec<&&MemberState> = voters
+        .iter()
+        .filter(|m| machine_of(obs, m).is_some_and(|mc| mc.deleting))
+        .collect();
+    if voters.len() > spec.desired_voters {
+        return surplus_voter_removal(spec, voters, &deleting_voters);
+    }
+
+    let needed = voters.len() < spec.desired_voters || !deleting_voters.is_empty();
+    if !learners.is_empty() {
+        return learner_promotion(spec, obs, &learners, needed, leader_applied);
+    }
+    learner_addition(spec, obs, voters, &deleting_voters, needed)
+}
+
+/// With any unhealthy member the only change allowed is removing an unhealthy member of a
+/// deleting machine (or of one already gone, e.g. through the escape hatch): a learner, a voter
+/// whose replacement already votes, or the one dead voter of [`dead_voter_removal`]. Otherwise
+/// membership changes pause, and the condition says why.
+fn unhealthy_member_removal(
+    spec: Spec,
+    obs: &Observed,
+    voters: &[&MemberState],
+    unhealthy: &[&MemberState],
+) -> Result<Action, Condition> {
+    if let Some(action) = unhealthy_removable(obs, voters, spec.desired_voters, unhealthy) {
+        return Ok(action);
+    }
+    if let Some(action) = dead_voter_removal(spec, obs, voters, unhealthy) {
+        return Ok(action);
+    }
+    Err(paused_by_unhealthy(obs, unhealthy))
+}
+
+/// The first unhealthy member not on a live machine that can go at once: a learner, or a voter
+/// while there are more voters than desired (its replacement already votes).
+fn unhealthy_removable(
+    obs: &Observed,
+    voters: &[&MemberState],
+    desired: usize,
+    unhealthy: &[&MemberState],
+) -> Option<Action> {
+    for m in unhealthy {
+        if machine_of(obs, m).is_some_and(|mc| !mc.deleting) {
+            continue;
+        }
+        if m.is_learner {
+            return Some(Action::RemoveMember {
+                member_id: m.id,
+                name: m.name.clone(),
+                reason: RemoveReason::LearnerOnDeletingMachine,
+            });
+        }
+        if voters.len() > desired {
+            return Some(Action::RemoveMember {
+                member_id: m.id,
+                name: m.name.clone(),
+                reason: RemoveReason::Replaced,
+            });
+        }
+    }
+    None
+}
+
+/// Why membership changes pause while `unhealthy` members are there: a new learner still
+/// starting is progress; a member whose machine is gone needs an administrator.
+fn paused_by_unhealthy(obs: &Observed, unhealthy: &[&MemberState]) -> Condition {
+    let names: Vec<String> = unhealthy.iter().map(|m| label(m)).collect();
+    let only_new_learners = unhealthy
+        .iter()
+        .all(|m| m.is_learner && machine_of(obs, m).is_some_and(|mc| !mc.deleting));
+    let orphans: Vec<String> = unhealthy
+        .iter()
+        .filter(|m| machine_of(obs, m).is_none())
+        .map(|m| format!("{} ({:x})", label(m), m.id))
+        .collect();
+    if only_new_learners {
+        Condition::Progressing(format!("waiting for learner {} to start", names.join(", ")))
+    } else if !orphans.is_empty() {
+        // Typically after the escape hatch: the machine went away with its voter.
+        Condition::Degraded(format!(
+            "unhealthy member(s) {}; membership changes paused; the machine of {} is gone: remove that member (etcdctl member remove ID) to continue",
+            names.join(", "),
+            orphans.join(", ")
+        ))
+    } else {
+        Condition::Degraded(format!(
+            "unhealthy member(s) {}; membership changes paused",
+            names.join(", ")
+        ))
+    }
+}
+
+/// A learner on a deleting machine, or on no machine, is removed and never promoted.
+fn stray_learner_removal(obs: &Observed, learners: &[&MemberState]) -> Option<Action> {
+    for l in learners {
         match machine_of(obs, l) {
             Some(mc) if mc.deleting => {
-                return Ok(Action::RemoveMember {
+                return Some(Action::RemoveMember {
                     member_id: l.id,
                     name: l.name.clone(),
                     reason: RemoveReason::LearnerOnDeletingMachine,
                 });
             }
             None => {
-                return Ok(Action::RemoveMember {
+                return Some(Action::RemoveMember {
                     member_id: l.id,
                     name: l.name.clone(),
                     reason: RemoveReason::DanglingLearner,
@@ -457,74 +505,97 @@ fn membership_action(
             Some(_) => {}
         }
     }
+    None
+}
 
-    let deleting_voters: Vec<&&MemberState> = voters.iter().filter(|m| deleting(m)).collect();
-    // Above the desired count: shed the replaced voter first, so an even count lasts as short
-    // as possible and nothing else changes meanwhile.
-    if voters.len() > desired {
-        return match deleting_voters.first() {
-            Some(v) => Ok(Action::RemoveMember {
-                member_id: v.id,
-                name: v.name.clone(),
-                reason: RemoveReason::Replaced,
-            }),
-            None if spec.replacement == Replacement::Surge => Err(Condition::Waiting(format!(
-                "{} voters: the new member votes; waiting for the machine it replaces to be deleted",
-                voters.len()
-            ))),
-            None => Err(Condition::Degraded(format!(
-                "{} voters but {desired} desired and no voter's machine is being deleted; not removing any",
-                voters.len()
-            ))),
-        };
+/// Above the desired count: shed the replaced voter first, so an even count lasts as short as
+/// possible and nothing else changes meanwhile. Without a voter on a deleting machine, nothing
+/// is removed (under Surge that is the wait for the old machine's deletion).
+fn surplus_voter_removal(
+    spec: Spec,
+    voters: &[&MemberState],
+    deleting_voters: &[&&MemberState],
+) -> Result<Action, Condition> {
+    let desired = spec.desired_voters;
+    match deleting_voters.first() {
+        Some(v) => Ok(Action::RemoveMember {
+            member_id: v.id,
+            name: v.name.clone(),
+            reason: RemoveReason::Replaced,
+        }),
+        None if spec.replacement == Replacement::Surge => Err(Condition::Waiting(format!(
+            "{} voters: the new member votes; waiting for the machine it replaces to be deleted",
+            voters.len()
+        ))),
+        None => Err(Condition::Degraded(format!(
+            "{} voters but {desired} desired and no voter's machine is being deleted; not removing any",
+            voters.len()
+        ))),
     }
+}
 
-    let needed = voters.len() < desired || !deleting_voters.is_empty();
-    // Surge adds and promotes a new machine's learner before the old machine is deleted (at
-    // most desired + 1 voters: more returned above).
+/// The one learner is promoted once a voter is `needed` (or under Surge, which promotes a new
+/// machine's learner before the old machine is deleted: at most desired + 1 voters), its
+/// machine is protected by the hook, and it has caught up with the leader.
+fn learner_promotion(
+    spec: Spec,
+    obs: &Observed,
+    learners: &[&MemberState],
+    needed: bool,
+    leader_applied: u64,
+) -> Result<Action, Condition> {
     let surge = spec.replacement == Replacement::Surge;
-    if let Some(l) = learners.first() {
-        if learners.len() > 1 {
-            return Err(Condition::Degraded(format!(
-                "{} learners; expected at most one",
-                learners.len()
-            )));
-        }
-        let mc = machine_of(obs, l).ok_or_else(|| {
-            Condition::Degraded(format!("learner {} matches no machine", label(l)))
-        })?;
-        if !needed && !surge {
-            return Err(Condition::Waiting(format!(
-                "learner {} has no member to replace",
-                label(l)
-            )));
-        }
-        if !mc.has_hook {
-            return Err(Condition::Progressing(format!(
-                "protecting machine {} before promotion",
-                mc.name
-            )));
-        }
-        if l.applied_index.saturating_mul(100) < leader_applied.saturating_mul(IN_SYNC_PERCENT) {
-            return Err(Condition::Progressing(format!(
-                "learner {} catching up ({} of {leader_applied})",
-                label(l),
-                l.applied_index
-            )));
-        }
-        return Ok(Action::Promote {
-            member_id: l.id,
-            machine: mc.name.clone(),
-        });
+    let [l] = learners else {
+        return Err(Condition::Degraded(format!(
+            "{} learners; expected at most one",
+            learners.len()
+        )));
+    };
+    let mc = machine_of(obs, l)
+        .ok_or_else(|| Condition::Degraded(format!("learner {} matches no machine", label(l))))?;
+    if !needed && !surge {
+        return Err(Condition::Waiting(format!(
+            "learner {} has no member to replace",
+            label(l)
+        )));
     }
+    if !mc.has_hook {
+        return Err(Condition::Progressing(format!(
+            "protecting machine {} before promotion",
+            mc.name
+        )));
+    }
+    if l.applied_index.saturating_mul(100) < leader_applied.saturating_mul(IN_SYNC_PERCENT) {
+        return Err(Condition::Progressing(format!(
+            "learner {} catching up ({} of {leader_applied})",
+            label(l),
+            l.applied_index
+        )));
+    }
+    Ok(Action::Promote {
+        member_id: l.id,
+        machine: mc.name.clone(),
+    })
+}
 
+/// A learner is added on the first spare machine (live, no member; by name) when a voter is
+/// `needed`, or under Surge whenever a spare machine is there. Recreate with no spare machine
+/// removes the deleting machine's voter first instead.
+fn learner_addition(
+    spec: Spec,
+    obs: &Observed,
+    voters: &[&MemberState],
+    deleting_voters: &[&&MemberState],
+    needed: bool,
+) -> Result<Action, Condition> {
+    let desired = spec.desired_voters;
     let mut spare: Vec<&MachineState> = obs
         .machines
         .iter()
         .filter(|mc| !mc.deleting && member_on(obs, mc).is_none())
         .collect();
     spare.sort_by(|a, b| a.name.cmp(&b.name));
-    let surge_add = surge && !spare.is_empty();
+    let surge_add = spec.replacement == Replacement::Surge && !spare.is_empty();
     if !needed && !surge_add {
         return Err(match spare.first() {
             None => Condition::Settled,
