@@ -60,6 +60,7 @@ pub struct Metrics {
     last_action: Family<ActionLabels, Gauge>,
     last_action_time: Gauge<f64, AtomicU64>,
     condition: Family<ConditionLabels, Gauge>,
+    set_reconcile_failures: Counter,
 }
 
 impl Metrics {
@@ -107,6 +108,16 @@ impl Metrics {
             "1 for the operator's current condition",
             self.condition.clone(),
         );
+        r.register(
+            "control_plane_set_reconcile_failures",
+            "ControlPlaneSet reconciles that failed (each retried with backoff)",
+            self.set_reconcile_failures.clone(),
+        );
+    }
+
+    /// A ControlPlaneSet reconcile failed.
+    pub fn set_reconcile_failed(&self) {
+        self.set_reconcile_failures.inc();
     }
 
     /// Replaces the per-member gauges with the latest observation.

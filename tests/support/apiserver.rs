@@ -153,6 +153,8 @@ struct Store {
     /// Watches from before this version get 410 Expired.
     floor: u64,
     inject_conflicts: bool,
+    /// With conflicts injected: only on these resources (plural names); empty: on every one.
+    conflicts_only_on: HashSet<String>,
     conflicted: HashSet<Key>,
     status_subresources: HashSet<(String, String)>,
     /// Every request as `METHOD path?query`, for tests that check what was asked.
@@ -214,6 +216,7 @@ impl ApiServer {
                 history: Vec::new(),
                 floor: 0,
                 inject_conflicts: false,
+                conflicts_only_on: HashSet::new(),
                 conflicted: HashSet::new(),
                 status_subresources: STATUS_SUBRESOURCES
                     .iter()
@@ -285,8 +288,15 @@ impl ApiServer {
     /// From now on, a concurrent writer touches each object once, right before the first write
     /// anyone else makes to it (so a conditional write gets a 409 and must read again).
     pub fn inject_conflicts(&self, on: bool) {
+        self.inject_conflicts_on(on, &[]);
+    }
+
+    /// As [`Self::inject_conflicts`], on the resources `plurals` only (all when empty), so a
+    /// test can leave, say, the Lease a leader renews alone.
+    pub fn inject_conflicts_on(&self, on: bool, plurals: &[&str]) {
         let mut s = self.shared.lock();
         s.inject_conflicts = on;
+        s.conflicts_only_on = plurals.iter().map(|p| p.to_string()).collect();
         s.conflicted.clear();
     }
 
@@ -1298,7 +1308,10 @@ fn write(
     if !s.objects.contains_key(key) {
         return Err(ApiError::not_found(key));
     }
-    if s.inject_conflicts && s.conflicted.insert(key.clone()) {
+    if s.inject_conflicts
+        && (s.conflicts_only_on.is_empty() || s.conflicts_only_on.contains(&key.res.plural))
+        && s.conflicted.insert(key.clone())
+    {
         let mut touched = s.objects[key].clone();
         let n = s.rv + 1;
         meta_mut(&mut touched)

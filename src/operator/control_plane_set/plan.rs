@@ -121,7 +121,7 @@ pub enum DeleteReason {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "action", rename_all = "snake_case")]
 pub enum Action {
-    /// Put the set's owner reference on a Machine that matches the selector.
+    /// Put the set's label on a Machine that matches the selector.
     Adopt {
         /// Machine name.
         machine: String,

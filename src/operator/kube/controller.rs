@@ -331,7 +331,7 @@ pub async fn run(client: ::kube::Client, settings: Settings, cancel: Cancellatio
 }
 
 /// [`run`], serving `/healthz`, `/readyz` and `/metrics` on `http` when given (see
-/// [`health`](super::health)).
+/// [`super::health`]).
 pub async fn run_serving(
     client: ::kube::Client,
     settings: Settings,

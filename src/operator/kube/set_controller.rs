@@ -32,8 +32,9 @@ use ::kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use ::kube::runtime::{WatchStreamExt as _, watcher};
 use ::kube::{Resource as _, ResourceExt as _};
 use futures::StreamExt as _;
+use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use serde_json::{Value, json};
+use serde_json::json;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -151,14 +152,7 @@ impl<Q: Machines> Parts<Q> {
             return self.orphan(set).await;
         }
         if !set.finalizers().iter().any(|f| f == FINALIZER) {
-            let mut finalizers = set.finalizers().to_vec();
-            finalizers.push(FINALIZER.into());
-            self.patch_list(
-                set,
-                "adding the finalizer",
-                json!({"finalizers": finalizers}),
-            )
-            .await?;
+            self.set_finalizer(set, true).await?;
             return Ok(Outcome::Acted);
         }
         let raw = serde_json::to_value(set).unwrap_or_default();
@@ -300,29 +294,63 @@ impl<Q: Machines> Parts<Q> {
         Ok(true)
     }
 
-    /// Replaces one list under `metadata` of the set (finalizers), on the version read.
-    async fn patch_list(
-        &self,
-        set: &DynamicObject,
-        what: &str,
-        metadata: Value,
-    ) -> Result<(), SetError> {
-        let mut m = metadata;
-        m["resourceVersion"] = json!(set.metadata.resource_version);
+    /// Adds the set's finalizer (`add`) or takes it off, leaving every other finalizer: on the
+    /// version read, and after a 409 on the set read again (the garbage collector takes its
+    /// `foregroundDeletion` or `orphan` finalizer off a deleting set while this runs), up to
+    /// [`ATTEMPTS`] times. A set gone or replaced by another of the same name meanwhile needs
+    /// nothing more.
+    async fn set_finalizer(&self, set: &DynamicObject, add: bool) -> Result<(), SetError> {
         let name = set.name_any();
-        match self
-            .sets
-            .patch(&name, &params(), &Patch::Merge(&json!({"metadata": m})))
-            .await
-        {
-            Ok(_) => {
-                info!(set = %name, "{what}");
-                Ok(())
+        let what = if add {
+            "adding the finalizer"
+        } else {
+            "removing the finalizer"
+        };
+        let mut current = set.clone();
+        for attempt in 1..=ATTEMPTS {
+            let mut finalizers: Vec<&String> = current
+                .finalizers()
+                .iter()
+                .filter(|f| *f != FINALIZER)
+                .collect();
+            let ours = FINALIZER.to_owned();
+            if add {
+                finalizers.push(&ours);
             }
-            // Changed meanwhile: the watch wakes the next reconcile, which reads it again.
-            Err(e) if is_status(&e, 409) => Err(SetError::Conflict(format!("{what} on {name}"))),
-            Err(e) => Err(call(format!("{what} on ControlPlaneSet {name}"))(e).into()),
+            let patch = json!({"metadata": {
+                "finalizers": finalizers,
+                "resourceVersion": current.metadata.resource_version,
+            }});
+            match self
+                .sets
+                .patch(&name, &params(), &Patch::Merge(&patch))
+                .await
+            {
+                Ok(_) => {
+                    info!(set = %name, "{what}");
+                    return Ok(());
+                }
+                Err(e) if is_status(&e, 409) => {
+                    debug!(set = %name, attempt, "{what}: the set changed meanwhile, reading it again");
+                    let fresh = self
+                        .sets
+                        .get_opt(&name)
+                        .await
+                        .map_err(call(format!("reading ControlPlaneSet {name}")))?;
+                    match fresh {
+                        Some(f) if f.uid() == set.uid() => current = f,
+                        _ => return Ok(()),
+                    }
+                    if current.finalizers().iter().any(|f| f == FINALIZER) == add {
+                        return Ok(());
+                    }
+                }
+                Err(e) => return Err(call(format!("{what} on ControlPlaneSet {name}"))(e).into()),
+            }
         }
+        Err(SetError::Conflict(format!(
+            "{what} on ControlPlaneSet {name}"
+        )))
     }
 
     /// A deleting set: takes its label (and any owner reference to it an earlier version
@@ -364,6 +392,7 @@ impl<Q: Machines> Parts<Q> {
                             "Orphan",
                             "MachineOrphaned",
                             format!("machine {name} left in place, no longer the set's"),
+                            Some(&name),
                         )
                         .await;
                     }
@@ -376,17 +405,7 @@ impl<Q: Machines> Parts<Q> {
                     }
                 }
             }
-            let finalizers: Vec<&String> = set
-                .finalizers()
-                .iter()
-                .filter(|f| *f != FINALIZER)
-                .collect();
-            self.patch_list(
-                set,
-                "machines orphaned; finalizer removed",
-                json!({"finalizers": finalizers}),
-            )
-            .await?;
+            self.set_finalizer(set, false).await?;
             return Ok(Outcome::Acted);
         }
         Err(SetError::Conflict("orphaning the machines".into()))
@@ -394,23 +413,46 @@ impl<Q: Machines> Parts<Q> {
 
     async fn publish(&self, set: &DynamicObject, plan: &Plan) {
         for a in &plan.actions {
-            let (action, reason) = match a {
-                Action::Adopt { .. } => ("Adopt", "MachineAdopted"),
-                Action::Create { .. } => ("Create", "MachineCreated"),
-                Action::Delete { .. } => ("Delete", "MachineDeleted"),
+            let (action, reason, machine) = match a {
+                Action::Adopt { machine } => ("Adopt", "MachineAdopted", Some(machine)),
+                Action::Create { replaces, .. } => ("Create", "MachineCreated", replaces.as_ref()),
+                Action::Delete { machine, .. } => ("Delete", "MachineDeleted", Some(machine)),
             };
-            self.event(set, action, reason, a.to_string()).await;
+            self.event(
+                set,
+                action,
+                reason,
+                a.to_string(),
+                machine.map(String::as_str),
+            )
+            .await;
         }
     }
 
-    /// An Event on the set; one that cannot be published is logged and dropped.
-    async fn event(&self, set: &DynamicObject, action: &str, reason: &str, note: String) {
+    /// An Event on the set, related to `machine` (the Machine it names, or the one a new
+    /// Machine replaces) when there is one; one that cannot be published is logged and dropped.
+    /// The related Machine is also what keeps two Machines' events apart: events of one object,
+    /// reason and related object are counted as one series, which keeps only the first note.
+    async fn event(
+        &self,
+        set: &DynamicObject,
+        action: &str,
+        reason: &str,
+        note: String,
+        machine: Option<&str>,
+    ) {
         let ev = Event {
             type_: EventType::Normal,
             reason: reason.into(),
             note: Some(note),
             action: action.into(),
-            secondary: None,
+            secondary: machine.map(|name| ObjectReference {
+                api_version: Some(machine_resource().api_version),
+                kind: Some("Machine".into()),
+                name: Some(name.into()),
+                namespace: set.namespace(),
+                ..ObjectReference::default()
+            }),
         };
         let about = set.object_ref(&set_resource());
         if let Err(e) = self.recorder.publish(&ev, &about).await {
@@ -583,6 +625,7 @@ pub async fn run<Q: Machines>(
                 }
                 Err(e) => {
                     failures = failures.saturating_add(1);
+                    parts.operator.metrics().set_reconcile_failed();
                     let retry_in = backoff.delay(failures);
                     warn!(error = %e, ?retry_in, "ControlPlaneSet reconcile failed");
                     retry_in

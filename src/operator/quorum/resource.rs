@@ -7,7 +7,7 @@
 //! object could use to change the quorum size behind the deployment's back; the status reports
 //! `desiredVoters` so the two can be compared.
 //!
-//! The conditions are derived by [`derive`], a pure function of the observation the planner
+//! The conditions are derived by [`derive`](fn@derive), a pure function of the observation the planner
 //! sees (and the plan it makes of it), whether the Machine API works, and whether a learner has
 //! stopped catching up; [`merge`] keeps a condition's `lastTransitionTime` until its status
 //! flips. Everything here is pure; the Kubernetes controller (`operator::kube::controller`)
@@ -146,7 +146,7 @@ pub struct LastAction {
 /// Condition types, in the order they are written.
 pub const TYPES: [&str; 3] = ["Available", "Progressing", "Degraded"];
 
-/// Every reason [`derive`] gives.
+/// Every reason [`derive`](fn@derive) gives.
 pub mod reason {
     /// Nothing to report.
     pub const AS_EXPECTED: &str = "AsExpected";
@@ -190,7 +190,7 @@ pub fn failures_reported_after(max_backoff: Duration) -> Duration {
     max_backoff.saturating_mul(10)
 }
 
-/// What [`derive`] looks at.
+/// What [`derive`](fn@derive) looks at.
 #[derive(Debug, Clone, Copy)]
 pub struct Facts<'a> {
     /// Desired voters.
