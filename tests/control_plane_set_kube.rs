@@ -271,6 +271,25 @@ impl World {
         .await
     }
 
+    /// Deletes the set `cluster` with `policy` (the server's default without one) and waits
+    /// until it is gone.
+    async fn delete_set(&self, policy: Option<kube::api::PropagationPolicy>) {
+        let dp = DeleteParams {
+            propagation_policy: policy,
+            ..DeleteParams::default()
+        };
+        self.sets.delete("cluster", &dp).await.unwrap();
+        eventually("the set gone", Duration::from_secs(20), async || {
+            self.sets
+                .get_opt("cluster")
+                .await
+                .ok()?
+                .is_none()
+                .then_some(())
+        })
+        .await;
+    }
+
     /// Reasons of the Events on the set, once per occurrence.
     async fn set_events(&self) -> Vec<String> {
         let events: Api<Event> = Api::namespaced(self.kc.clone(), MACHINES_NS);
@@ -566,19 +585,7 @@ async fn refusals_name_the_field_and_deleting_the_set_leaves_every_machine() {
     let set = w.sets.get("cluster").await.unwrap();
     assert!(set.finalizers().iter().any(|f| f == SET_FINALIZER));
     let uid = set.uid().unwrap();
-    w.sets
-        .delete("cluster", &DeleteParams::default())
-        .await
-        .unwrap();
-    eventually("the set gone", Duration::from_secs(20), async || {
-        w.sets
-            .get_opt("cluster")
-            .await
-            .ok()?
-            .is_none()
-            .then_some(())
-    })
-    .await;
+    w.delete_set(None).await;
     let ms = w.machines().await;
     let names: Vec<String> = ms.iter().map(|m| m.name_any()).collect();
     assert_eq!(names, before, "every machine left in place");
@@ -864,24 +871,7 @@ async fn no_propagation_policy_deletes_a_machine_under_openshift_admission_and_t
             w.create_set("cluster", None).await;
         }
         w.settled().await;
-        let dp = DeleteParams {
-            propagation_policy: Some(policy.clone()),
-            ..DeleteParams::default()
-        };
-        w.sets.delete("cluster", &dp).await.unwrap();
-        eventually(
-            &format!("the set gone ({policy:?})"),
-            Duration::from_secs(20),
-            async || {
-                w.sets
-                    .get_opt("cluster")
-                    .await
-                    .ok()?
-                    .is_none()
-                    .then_some(())
-            },
-        )
-        .await;
+        w.delete_set(Some(policy.clone())).await;
         // The collector has seen the set go; anything it was to delete is deleted by now.
         tokio::time::sleep(Duration::from_millis(500)).await;
         let ms = w.machines().await;
@@ -922,20 +912,8 @@ async fn deleting_the_set_while_it_changes_fails_no_reconcile() {
     // reconcile in flight (an event may be lost with it, the change never is).
     w.server
         .inject_conflicts_on(true, &["controlplanesets", "machines"]);
-    let dp = DeleteParams {
-        propagation_policy: Some(kube::api::PropagationPolicy::Foreground),
-        ..DeleteParams::default()
-    };
-    w.sets.delete("cluster", &dp).await.unwrap();
-    eventually("the set gone", Duration::from_secs(20), async || {
-        w.sets
-            .get_opt("cluster")
-            .await
-            .ok()?
-            .is_none()
-            .then_some(())
-    })
-    .await;
+    w.delete_set(Some(kube::api::PropagationPolicy::Foreground))
+        .await;
     let names: Vec<String> = w.machines().await.iter().map(|m| m.name_any()).collect();
     assert_eq!(names, before, "every machine left in place");
     // Each Machine's adoption and orphaning is an Event of its own, related to that Machine
