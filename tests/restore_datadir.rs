@@ -31,6 +31,18 @@ fn s3_store(s3: &S3Server) -> SnapshotStore {
     SnapshotStore::new(s3.object_store(BUCKET), PREFIX)
 }
 
+/// `restore.initialize` of `data` from `store` with `validation`, which must not fail.
+async fn initialize_at(
+    store: &SnapshotStore,
+    data: &Path,
+    validation: Validation,
+    metrics: &InitializeMetrics,
+) -> Initialized {
+    initialize_observed(store, &initialize_config(data, validation), metrics)
+        .await
+        .unwrap()
+}
+
 /// A delta of everything etcd wrote after revision `after`, up to now.
 async fn delta_after(client: &mut Client, store: &SnapshotStore, after: i64) -> Snapshot {
     let now = dump(client).await.1;
@@ -121,13 +133,7 @@ async fn a_truncated_or_damaged_database_is_restored_and_moved_aside_intact() {
         .set_len(len / 2)
         .unwrap();
     let damaged = std::fs::read(db(&data)).unwrap();
-    let done = initialize_observed(
-        &store,
-        &initialize_config(&data, Validation::Sanity),
-        &metrics,
-    )
-    .await
-    .unwrap();
+    let done = initialize_at(&store, &data, Validation::Sanity, &metrics).await;
     let Initialized::Restored {
         why,
         revision,
@@ -164,22 +170,10 @@ async fn a_truncated_or_damaged_database_is_restored_and_moved_aside_intact() {
     }
     std::fs::write(db(&data), &bytes).unwrap();
     // Sanity reads the meta pages, the bucket list and the rightmost path only: it keeps this.
-    let done = initialize_observed(
-        &store,
-        &initialize_config(&data, Validation::Sanity),
-        &metrics,
-    )
-    .await
-    .unwrap();
+    let done = initialize_at(&store, &data, Validation::Sanity, &metrics).await;
     assert_eq!(done, Initialized::Valid);
     assert!(moved_aside(&data).is_empty());
-    let done = initialize_observed(
-        &store,
-        &initialize_config(&data, Validation::Full),
-        &metrics,
-    )
-    .await
-    .unwrap();
+    let done = initialize_at(&store, &data, Validation::Full, &metrics).await;
     let Initialized::Restored {
         why: Why::Corrupt,
         moved_aside: Some(aside),
@@ -343,25 +337,13 @@ async fn a_corrupt_latest_full_snapshot_falls_back_to_the_previous_one() {
     // initialize: a directory no newer than what the fallback reaches is kept, not replaced.
     let metrics = InitializeMetrics::default();
     let before = std::fs::read(db(&target)).unwrap();
-    let done = initialize_observed(
-        &store,
-        &initialize_config(&target, Validation::Sanity),
-        &metrics,
-    )
-    .await
-    .unwrap();
+    let done = initialize_at(&store, &target, Validation::Sanity, &metrics).await;
     assert_eq!(done, Initialized::Valid);
     assert_eq!(std::fs::read(db(&target)).unwrap(), before);
     assert!(moved_aside(&target).is_empty());
     // A missing directory is restored the same way, the skipped snapshot reported.
     let fresh = dir.path().join("fresh");
-    let done = initialize_observed(
-        &store,
-        &initialize_config(&fresh, Validation::Sanity),
-        &metrics,
-    )
-    .await
-    .unwrap();
+    let done = initialize_at(&store, &fresh, Validation::Sanity, &metrics).await;
     assert_eq!(
         done,
         Initialized::Restored {
@@ -438,13 +420,7 @@ async fn a_database_lagging_its_own_wal_is_kept_though_the_store_is_ahead() {
     let ahead = delta_after(&mut client, &store, full.last_revision).await;
     assert!(ahead.last_revision > full.last_revision);
     let metrics = InitializeMetrics::default();
-    let done = initialize_observed(
-        &store,
-        &initialize_config(&data, Validation::Full),
-        &metrics,
-    )
-    .await
-    .unwrap();
+    let done = initialize_at(&store, &data, Validation::Full, &metrics).await;
     assert_eq!(done, Initialized::Valid);
     assert!(moved_aside(&data).is_empty());
     assert_eq!(restorations(&metrics), 0);
