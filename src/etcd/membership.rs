@@ -106,6 +106,10 @@ mod tests {
         };
         m.push(learner);
         assert!(!has_quorum(&m));
+        // The two unhealthy ones become learners: one healthy voter of one.
+        m[1].is_learner = true;
+        m[2].is_learner = true;
+        assert!(has_quorum(&m));
         assert!(!has_quorum(&[]));
         assert!(same_url("http://a:2380/", "http://a:2380"));
         assert!(!same_url("http://a:2380", "http://b:2380"));

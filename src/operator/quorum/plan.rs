@@ -676,35 +676,3 @@ fn dead_voter_removal(
         reason: RemoveReason::UnhealthyOnDeletingMachine,
     })
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn voter(id: u64, healthy: bool) -> MemberState {
-        MemberState {
-            id,
-            name: format!("m{id}"),
-            peer_urls: vec![format!("http://10.0.0.{id}:2380")],
-            is_learner: false,
-            healthy,
-            applied_index: 0,
-        }
-    }
-
-    #[test]
-    fn quorum_counts_healthy_voters_only() {
-        let mut ms = vec![voter(1, true), voter(2, true), voter(3, false)];
-        assert!(has_quorum(&ms));
-        // An unhealthy voter goes: 2 of 2. A healthy one goes: 1 of 2.
-        assert!(removal_keeps_quorum(&ms, 3));
-        assert!(!removal_keeps_quorum(&ms, 1));
-        ms[1].healthy = false;
-        assert!(!has_quorum(&ms));
-        // Learners do not vote.
-        ms[1].is_learner = true;
-        ms[2].is_learner = true;
-        assert!(has_quorum(&ms));
-        assert!(!has_quorum(&[]));
-    }
-}
