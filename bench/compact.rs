@@ -35,6 +35,8 @@ async fn timed_restores(store: &SnapshotStore, dir: &std::path::Path) -> (Durati
             parallel_fetch: 4,
             fallback: false,
             must_exceed: None,
+            to: None,
+            bump: Default::default(),
         };
         let t = Instant::now();
         let report = etcd_warden::restore::restore(store, &opts).await.unwrap();

@@ -135,6 +135,8 @@ async fn main() {
             parallel_fetch: 4,
             fallback: false,
             must_exceed: None,
+            to: None,
+            bump: Default::default(),
         },
     )
     .await

@@ -17,7 +17,9 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use crate::owner::handoff::{HandOffError, HandOffObjects, Hold};
-use crate::restore::{self, EtcdTools, MemberParams, RestoreError, RestoreOptions, TempEtcd};
+use crate::restore::{
+    self, EtcdTools, MemberParams, RestoreError, RestoreOptions, RevisionBump, TempEtcd,
+};
 use crate::snapshot::full::{FullError, Target, take_full_as};
 use crate::store::{Codec, Snapshot, SnapshotStore, StoreError};
 
@@ -149,6 +151,8 @@ pub async fn compact(
             // which stays the latest: compaction must fail instead.
             fallback: false,
             must_exceed: None,
+            to: None,
+            bump: RevisionBump::default(),
         },
     )
     .await

@@ -79,6 +79,8 @@ fn restore_config(etcd: &EtcdCluster, i: usize, timeout: Duration) -> RestoreCon
             request_timeout: Duration::from_secs(3),
         }),
         rejoin_timeout: timeout,
+        bump_revision: 0,
+        mark_compacted: false,
     }
 }
 

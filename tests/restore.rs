@@ -22,21 +22,52 @@ use etcd_warden::store::{Codec, Kind, SnapshotStore};
 use support::etcd::{EtcdCluster, Release};
 use support::{eventually, free_port};
 
-fn file_store(dir: &Path) -> SnapshotStore {
+/// A running etcd, a client of it, and a file store in a temporary directory: where a restore
+/// test starts.
+pub(crate) struct Source {
+    /// Held so etcd runs as long as the test does.
+    pub _etcd: EtcdCluster,
+    pub client: Client,
+    pub dir: tempfile::TempDir,
+    pub store: SnapshotStore,
+}
+
+/// A single etcd of `release` and an empty file store under `dir/store`.
+pub(crate) async fn source(release: Release) -> Source {
+    let etcd = EtcdCluster::single(release).await;
+    let client = etcd.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let store = file_store(&dir.path().join("store"));
+    Source {
+        _etcd: etcd,
+        client,
+        dir,
+        store,
+    }
+}
+
+pub(crate) fn file_store(dir: &Path) -> SnapshotStore {
     std::fs::create_dir_all(dir).unwrap();
     let backend = Arc::new(object_store::local::LocalFileSystem::new_with_prefix(dir).unwrap());
     SnapshotStore::new(backend, "")
 }
 
 /// Every key as (key, value, create revision, mod revision, version), and the revision.
-type Dump = (Vec<(Vec<u8>, Vec<u8>, i64, i64, i64)>, i64);
+pub(crate) type Dump = (Vec<(Vec<u8>, Vec<u8>, i64, i64, i64)>, i64);
 
-async fn dump(client: &mut Client) -> Dump {
-    let resp = client
-        .get(vec![0u8], Some(GetOptions::new().with_from_key()))
-        .await
-        .unwrap();
-    let rev = resp.header().unwrap().revision();
+pub(crate) async fn dump(client: &mut Client) -> Dump {
+    dump_at(client, None).await
+}
+
+/// [`dump`] as etcd served it at revision `at` (before any compaction of it); `None`: now.
+pub(crate) async fn dump_at(client: &mut Client, at: Option<i64>) -> Dump {
+    let options = GetOptions::new().with_from_key();
+    let options = match at {
+        Some(rev) => options.with_revision(rev),
+        None => options,
+    };
+    let resp = client.get(vec![0u8], Some(options)).await.unwrap();
+    let rev = at.unwrap_or(resp.header().unwrap().revision());
     let kvs = resp
         .kvs()
         .iter()
@@ -53,7 +84,7 @@ async fn dump(client: &mut Client) -> Dump {
     (kvs, rev)
 }
 
-async fn revision(client: &mut Client) -> i64 {
+pub(crate) async fn revision(client: &mut Client) -> i64 {
     client
         .get("x", None)
         .await
@@ -65,7 +96,7 @@ async fn revision(client: &mut Client) -> i64 {
 
 /// Puts, overwrites, deletes, a prefix delete and a multi-op transaction (several events at one
 /// revision), a key under a lease, and a value near etcd's request limit.
-async fn workload(client: &mut Client, phase: usize) {
+pub(crate) async fn workload(client: &mut Client, phase: usize) {
     for i in 0..60 {
         client
             .put(
@@ -123,7 +154,7 @@ async fn workload(client: &mut Client, phase: usize) {
 /// A full snapshot after phase 0 and a compaction, then `deltas` deltas of one phase each,
 /// taken from a watch. The compaction removes phase 0's last revision (a delete) from the
 /// database, so the snapshot's revision is known only from the compaction.
-async fn build_store(client: &mut Client, store: &SnapshotStore, deltas: usize) -> i64 {
+pub(crate) async fn build_store(client: &mut Client, store: &SnapshotStore, deltas: usize) -> i64 {
     workload(client, 0).await;
     client.delete("/registry/shared/k000", None).await.unwrap();
     let at = revision(client).await;
@@ -149,7 +180,7 @@ async fn build_store(client: &mut Client, store: &SnapshotStore, deltas: usize) 
     revision(client).await
 }
 
-fn options(data_dir: &Path, release: Release) -> RestoreOptions {
+pub(crate) fn options(data_dir: &Path, release: Release) -> RestoreOptions {
     RestoreOptions {
         data_dir: data_dir.to_path_buf(),
         member: MemberParams::default(),
@@ -158,11 +189,13 @@ fn options(data_dir: &Path, release: Release) -> RestoreOptions {
         parallel_fetch: 3,
         fallback: false,
         must_exceed: None,
+        to: None,
+        bump: Default::default(),
     }
 }
 
 /// Starts etcd on a restored directory and dumps it.
-async fn dump_restored(release: Release, data_dir: &Path, name: &str) -> Dump {
+pub(crate) async fn dump_restored(release: Release, data_dir: &Path, name: &str) -> Dump {
     let tools = EtcdTools::locate(Some(&release.bin_dir())).await.unwrap();
     let log = data_dir.with_extension("check.log");
     let etcd = TempEtcd::start(&tools, data_dir, name, log).await.unwrap();
@@ -285,7 +318,7 @@ async fn a_corrupt_delta_fails_and_leaves_the_target_untouched() {
 }
 
 /// `etcd-warden restore` of the file store at `store_dir` into `target`, as member m1 of etcd 3.5.
-fn restore_command(store_dir: &Path, target: &Path) -> std::process::Command {
+pub(crate) fn restore_command(store_dir: &Path, target: &Path) -> std::process::Command {
     let mut c = support::warden::command();
     c.args(["restore", "--store"])
         .arg(format!("file://{}", store_dir.display()))

@@ -106,7 +106,8 @@ enum Command {
         #[arg(long, value_name = "DIR")]
         etcd_bin: Option<String>,
     },
-    /// Build an etcd data directory from the latest full snapshot and every later delta.
+    /// Build an etcd data directory from the latest full snapshot and every later delta, or from
+    /// the state at a point in the past (--to-revision, --to-time).
     ///
     /// Exit status: 0 restored from the latest full snapshot; 3 restored, but from an older
     /// full snapshot because a newer one fails verification (the data directory is in place;
@@ -201,6 +202,31 @@ struct RestoreArgs {
     /// previous one (restore.fallback = false).
     #[arg(long)]
     no_fallback: bool,
+    /// Restore the state at this revision: the newest full snapshot at or before it and every
+    /// delta event up to and including it (a transaction is one revision: all of it).
+    #[arg(long, value_name = "REVISION", value_parser = clap::value_parser!(i64).range(1..))]
+    to_revision: Option<i64>,
+    /// Restore the state at this time (RFC 3339, e.g. 2026-11-26T10:04:59Z): every delta event
+    /// the sidecar had received by then, and the rest of the last revision among them.
+    #[arg(long, value_name = "RFC3339", conflicts_with = "to_revision", value_parser = rfc3339)]
+    to_time: Option<chrono::DateTime<chrono::Utc>>,
+    /// etcd starts N revisions above the restored data, so every revision it hands out is new
+    /// to clients that saw the source (restore.bump_revision; etcdutl's --bump-revision). For
+    /// Kubernetes, 1000000000 with --mark-compacted.
+    #[arg(long, value_name = "N")]
+    bump_revision: Option<String>,
+    /// Mark the bumped revision compacted: a watch or read at a revision the source served
+    /// fails as compacted instead of missing events (restore.mark_compacted; needs
+    /// --bump-revision).
+    #[arg(long)]
+    mark_compacted: bool,
+}
+
+/// An RFC 3339 time, as `--to-time` takes it.
+fn rfc3339(s: &str) -> Result<chrono::DateTime<chrono::Utc>, String> {
+    chrono::DateTime::parse_from_rfc3339(s)
+        .map(|t| t.with_timezone(&chrono::Utc))
+        .map_err(|e| format!("{s:?} is not an RFC 3339 time such as 2026-11-26T10:04:59Z: {e}"))
 }
 
 impl RestoreArgs {
@@ -224,6 +250,11 @@ impl RestoreArgs {
                 "--initial-advertise-peer-urls",
             ),
             (&self.etcd_bin, "restore.etcd_bin", "--etcd-bin"),
+            (
+                &self.bump_revision,
+                "restore.bump_revision",
+                "--bump-revision",
+            ),
         ];
         let mut o: Vec<Override> = flags
             .into_iter()
@@ -235,7 +266,23 @@ impl RestoreArgs {
         if self.no_fallback {
             o.push(Override::flag("restore.fallback", "false", "--no-fallback"));
         }
+        if self.mark_compacted {
+            o.push(Override::flag(
+                "restore.mark_compacted",
+                "true",
+                "--mark-compacted",
+            ));
+        }
         o
+    }
+
+    /// The point in time asked for, if any (a subcommand argument, not configuration: `serve`
+    /// always restores the latest).
+    fn target(&self) -> Option<etcd_warden::restore::Target> {
+        use etcd_warden::restore::Target;
+        self.to_revision
+            .map(Target::Revision)
+            .or(self.to_time.map(Target::Time))
     }
 }
 
@@ -394,7 +441,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 Command::Verify { .. } => ops::verify(&config).await,
                 Command::Reclaim { .. } => ops::reclaim(&config).await,
                 Command::Copy(_) => ops::copy(&config).await,
-                Command::Restore { .. } => ops::restore(&config).await,
+                Command::Restore { restore, .. } => ops::restore(&config, restore.target()).await,
                 Command::Compact { work_dir, .. } => {
                     ops::compact(&config, work_dir.unwrap_or_else(std::env::temp_dir)).await
                 }
@@ -605,7 +652,10 @@ mod ops {
         Ok(())
     }
 
-    pub async fn restore(config: &Config) -> anyhow::Result<()> {
+    pub async fn restore(
+        config: &Config,
+        to: Option<etcd_warden::restore::Target>,
+    ) -> anyhow::Result<()> {
         // Purpose::Restore has required it; this only unwraps the Option.
         let data_dir = config
             .restore
@@ -613,7 +663,8 @@ mod ops {
             .as_deref()
             .context("restore.data_dir is not set")?;
         let store = snapshots(config)?;
-        let opts = etcd_warden::restore::RestoreOptions::from_config(&config.restore, data_dir);
+        let mut opts = etcd_warden::restore::RestoreOptions::from_config(&config.restore, data_dir);
+        opts.to = to;
         let report = etcd_warden::restore::restore(&store, &opts).await?;
         println!(
             "restored {} from {} and {} deltas ({} events replayed) at revision {}",
@@ -623,6 +674,27 @@ mod ops {
             report.events_applied,
             report.revision
         );
+        if let Some(target) = to {
+            let when = report.last_event_time.map_or(String::new(), |t| {
+                format!(", the last event received at {}", t.to_rfc3339())
+            });
+            println!(
+                "the state at {target}: revision {}{when}; later events in the store are not restored",
+                report.revision
+            );
+        }
+        if report.etcd_revision != report.revision {
+            println!(
+                "etcd starts at revision {} (bumped by {}{})",
+                report.etcd_revision,
+                report.etcd_revision - report.revision,
+                if config.restore.mark_compacted {
+                    ", marked compacted"
+                } else {
+                    ""
+                }
+            );
+        }
         for skipped in &report.skipped {
             println!(
                 "skipped full snapshot {}: {}",

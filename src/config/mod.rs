@@ -334,6 +334,10 @@ pub struct RestoreConfig {
     /// A rejoin's bound until a learner is added, then for each stretch of replication without
     /// progress, before `serve` fails.
     pub rejoin_timeout: Duration,
+    /// etcd starts this many revisions above the restored data (`--bump-revision`); 0: none.
+    pub bump_revision: u64,
+    /// The bumped revision is marked compacted (`--mark-compacted`; needs a bump).
+    pub mark_compacted: bool,
 }
 
 /// Log output.

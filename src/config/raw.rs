@@ -215,6 +215,10 @@ pub struct RawRestore {
     #[serde(default, deserialize_with = "lenient::list")]
     pub cluster_endpoints: Vec<String>,
     pub rejoin_timeout: String,
+    #[serde(deserialize_with = "lenient::unsigned")]
+    pub bump_revision: u64,
+    #[serde(deserialize_with = "lenient::boolean")]
+    pub mark_compacted: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -261,7 +261,31 @@ impl Validator<'_> {
             guard: r.guard.clone().filter(|g| !g.is_empty()),
             cluster: self.rejoin_cluster(r, etcd)?,
             rejoin_timeout: self.positive_duration("restore.rejoin_timeout", &r.rejoin_timeout)?,
+            bump_revision: self.bump_revision(r)?,
+            mark_compacted: r.mark_compacted,
         })
+    }
+
+    /// `restore.bump_revision`, checked with `restore.mark_compacted`: marking compacted without
+    /// a bump would compact the restored data's own last revision (etcdutl refuses it too), and
+    /// a bump beyond 2^62 leaves etcd no room to count.
+    fn bump_revision(&self, r: &RawRestore) -> Result<u64, ConfigError> {
+        if r.mark_compacted && r.bump_revision == 0 {
+            return Err(self.err(
+                "restore.mark_compacted",
+                "needs restore.bump_revision above 0 (--bump-revision N)".to_string(),
+            ));
+        }
+        if r.bump_revision > 1 << 62 {
+            return Err(self.err(
+                "restore.bump_revision",
+                format!(
+                    "{} is above 2^62; etcd counts revisions in 63 bits",
+                    r.bump_revision
+                ),
+            ));
+        }
+        Ok(r.bump_revision)
     }
 
     /// `restore.cluster_endpoints` as a client configuration with `[etcd]`'s TLS material,

@@ -16,15 +16,27 @@
 //! still opened by a temporary etcd and its revision checked before it is used.
 //!
 //! As in the replay through etcd, leases are dropped: a put keeps no lease.
+//!
+//! Two options shape the result ([`Plan`]): a point in time stops the writing at the first event
+//! after it (a revision's events all or none: a transaction is one revision), and a revision bump
+//! ends the `key` bucket with one empty record `by` revisions above the last (etcd's own
+//! `etcdutl snapshot restore --bump-revision`), optionally with `scheduledCompactRev` set to it in
+//! `meta` (`--mark-compacted`), so etcd compacts everything below on start and a watch from an
+//! earlier revision fails as compacted instead of silently missing events. etcdutl bumps from
+//! the last record; this bumps from the revision etcd starts at, which is higher when a
+//! compaction removed the last record.
 
 use std::path::Path;
 
 use futures::StreamExt;
 use tokio::sync::mpsc;
 
-use super::bolt::{BoltError, Bucket, Reader, Writer};
-use super::{RestoreError, StepExt};
+use chrono::{DateTime, Utc};
+
+use super::bolt::{BoltError, Bucket, Reader, Tree, Writer};
+use super::{RestoreError, RevisionBump, StepExt};
 use crate::snapshot::delta::{self, Event, EventType};
+use crate::store::layout::Target;
 use crate::store::{Snapshot, SnapshotStore};
 
 /// etcd's bucket of revisions.
@@ -32,18 +44,33 @@ const KEY_BUCKET: &[u8] = b"key";
 /// etcd's bucket of bookkeeping, and the key of the last finished compaction in it.
 const META_BUCKET: &[u8] = b"meta";
 const FINISHED_COMPACT: &[u8] = b"finishedCompactRev";
+/// The compaction etcd resumes on start when it is above the finished one.
+const SCHEDULED_COMPACT: &[u8] = b"scheduledCompactRev";
 /// Deltas decoded ahead of the writer.
 const QUEUE: usize = 4;
+
+/// Where the written database stops and what it says of the revisions after it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// Stop at this point in time; `None`: every event.
+    pub until: Option<Target>,
+    /// The revision bump after the last event.
+    pub bump: RevisionBump,
+}
 
 /// What writing the deltas into the database came to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
     /// Written: events added (those already in the snapshot are not counted), the revision of
-    /// the last one (the snapshot's own when there was none) and the snapshot's revision.
+    /// the last one (the snapshot's own when there was none), the snapshot's revision, the
+    /// revision etcd starts at (above `revision` by the bump) and when the last event written
+    /// was received.
     Done {
         events: u64,
         revision: i64,
         restored: i64,
+        etcd_revision: i64,
+        last_event_time: Option<DateTime<Utc>>,
     },
     /// Not written, for this reason; replay through etcd instead.
     Unsupported(String),
@@ -120,9 +147,38 @@ struct Cursor {
     revision: i64,
     sub: i64,
     events: u64,
+    /// Where to stop; `None`: never.
+    until: Option<Target>,
+    /// When the last event written was received.
+    last_time: Option<DateTime<Utc>>,
 }
 
 impl Cursor {
+    fn new(restored: i64, until: Option<Target>) -> Cursor {
+        Cursor {
+            restored,
+            revision: restored,
+            sub: 0,
+            events: 0,
+            until,
+            last_time: None,
+        }
+    }
+
+    /// Whether `event`, received at `time`, is past the target: the first event of a revision
+    /// after it. The rest of a revision already begun is never past it.
+    fn past_target(&self, event: &Event, time: DateTime<Utc>) -> bool {
+        let rev = event.revision();
+        if rev <= self.restored || (rev == self.revision && self.revision > self.restored) {
+            return false;
+        }
+        match self.until {
+            None => false,
+            Some(Target::Revision(r)) => rev > r,
+            Some(Target::Time(t)) => time > t,
+        }
+    }
+
     /// The record for `event` from delta `name`: `Ok(None)` when the snapshot already has it.
     fn record(&mut self, event: &Event, name: &str) -> Result<Option<Record>, Fail> {
         let kv = event
@@ -217,10 +273,12 @@ pub async fn write(
     snapshot_db: &Path,
     db_len: u64,
     out: &Path,
+    plan: Plan,
 ) -> Result<Outcome, RestoreError> {
     let (tx, rx) = mpsc::channel::<Batch>(QUEUE);
     let (input, output) = (snapshot_db.to_path_buf(), out.to_path_buf());
-    let writer = tokio::task::spawn_blocking(move || write_blocking(&input, db_len, &output, rx));
+    let writer =
+        tokio::task::spawn_blocking(move || write_blocking(&input, db_len, &output, rx, plan));
     let mut fetched = futures::stream::iter(deltas.iter().cloned())
         .map(|d| async move {
             let events = delta::read(store, &d).await;
@@ -232,7 +290,7 @@ pub async fn write(
         match events {
             Ok(events) => {
                 if tx.send(Ok((d.snap_name.clone(), events))).await.is_err() {
-                    break; // the writer stopped; its result says why
+                    break; // the writer stopped (an error, or the target reached)
                 }
             }
             Err(e) => {
@@ -254,11 +312,7 @@ pub async fn write(
         return Err(e).step("fetching and verifying deltas");
     }
     match written {
-        Ok((events, revision, restored)) => Ok(Outcome::Done {
-            events,
-            revision,
-            restored,
-        }),
+        Ok(done) => Ok(done),
         Err(Fail::Unsupported(reason)) => Ok(Outcome::Unsupported(reason)),
         Err(Fail::Deltas(e)) => Err(RestoreError::Deltas(e)),
         Err(Fail::Io(cause)) => Err(RestoreError::Io {
@@ -296,49 +350,122 @@ fn write_blocking(
     db_len: u64,
     out: &Path,
     mut rx: mpsc::Receiver<Batch>,
-) -> Result<(u64, i64, i64), Fail> {
+    plan: Plan,
+) -> Result<Outcome, Fail> {
     let reader = Reader::open(input, db_len)?;
     let buckets = reader.buckets()?;
     let restored = database_revision(&reader, &buckets)?;
-    let mut cursor = Cursor {
-        restored,
-        revision: restored,
-        sub: 0,
-        events: 0,
-    };
+    if let Some(Target::Revision(r)) = plan.until
+        && restored > r
+    {
+        return Err(Fail::Deltas(format!(
+            "the full snapshot's database holds revisions up to {restored} (writes that raced \
+             the snapshot), beyond the target revision {r}; choose a target at or after \
+             {restored}, or one the previous full snapshot's deltas reach"
+        )));
+    }
+    let mut cursor = Cursor::new(restored, plan.until);
+    // The bump's revision, known once the key bucket is written (`meta` sorts after `key`).
+    let mut bumped: Option<i64> = None;
     let mut writer = Writer::create(out, reader.page_size())?;
     let mut roots = Vec::with_capacity(buckets.len());
     for bucket in &buckets {
         let mut tree = writer.tree();
-        reader.visit(&bucket.root, &mut |flags, k, v| {
-            if flags != 0 {
-                return Err(BoltError::Unsupported(format!(
-                    "a nested bucket in {:?}",
-                    String::from_utf8_lossy(&bucket.name)
-                )));
-            }
-            tree.push(k, v)
-        })?;
+        let scheduled = (bucket.name == META_BUCKET && plan.bump.mark_compacted)
+            .then_some(bumped)
+            .flatten()
+            .map(|b| revision_key(b, 0, false));
+        copy_bucket(&reader, bucket, &mut tree, scheduled)?;
         if bucket.name == KEY_BUCKET {
-            while let Some(batch) = rx.blocking_recv() {
-                let (name, events) = batch.map_err(|()| Fail::Aborted)?;
-                for te in &events {
-                    if let Some((k, v)) = cursor.record(&te.event, &name)? {
-                        tree.push(&k, &v)?;
-                    }
-                }
+            append_events(&mut rx, &mut cursor, &mut tree)?;
+            if plan.bump.by > 0 {
+                let by = i64::try_from(plan.bump.by).unwrap_or(i64::MAX);
+                let b = cursor.revision.checked_add(by).ok_or_else(|| {
+                    Fail::Deltas(format!(
+                        "a revision bump of {by} from revision {} overflows",
+                        cursor.revision
+                    ))
+                })?;
+                tree.push(&revision_key(b, 0, false), &[])?;
+                bumped = Some(b);
             }
         }
         roots.push((bucket.name.clone(), tree.finish()?, bucket.sequence));
+    }
+    if plan.bump.mark_compacted && !buckets.iter().any(|b| b.name == META_BUCKET) {
+        return Err(Fail::Unsupported(
+            "no `meta` bucket to mark the compaction in".into(),
+        ));
     }
     writer.finish(&roots, reader.txid() + 1)?;
     tracing::debug!(
         restored,
         events = cursor.events,
         revision = cursor.revision,
+        bumped,
         "deltas written into the database"
     );
-    Ok((cursor.events, cursor.revision, restored))
+    Ok(Outcome::Done {
+        events: cursor.events,
+        revision: cursor.revision,
+        restored,
+        etcd_revision: bumped.unwrap_or(cursor.revision),
+        last_event_time: cursor.last_time,
+    })
+}
+
+/// Copies `bucket` into `tree`, with `scheduledCompactRev` set to `scheduled` when given.
+fn copy_bucket(
+    reader: &Reader,
+    bucket: &Bucket,
+    tree: &mut Tree<'_>,
+    scheduled: Option<Vec<u8>>,
+) -> Result<(), BoltError> {
+    let mut pending = scheduled;
+    reader.visit(&bucket.root, &mut |flags, k, v| {
+        if flags != 0 {
+            return Err(BoltError::Unsupported(format!(
+                "a nested bucket in {:?}",
+                String::from_utf8_lossy(&bucket.name)
+            )));
+        }
+        // Keys arrive in order: the new value goes in before the first key after its own, or
+        // in place of its own.
+        if let Some(value) = pending.take_if(|_| k >= SCHEDULED_COMPACT) {
+            tree.push(SCHEDULED_COMPACT, &value)?;
+            if k == SCHEDULED_COMPACT {
+                return Ok(());
+            }
+        }
+        tree.push(k, v)
+    })?;
+    match pending {
+        Some(value) => tree.push(SCHEDULED_COMPACT, &value),
+        None => Ok(()),
+    }
+}
+
+/// Appends every event the fetching side sends, up to the cursor's target; on reaching it the
+/// channel is closed, which stops the fetching.
+fn append_events(
+    rx: &mut mpsc::Receiver<Batch>,
+    cursor: &mut Cursor,
+    tree: &mut Tree<'_>,
+) -> Result<(), Fail> {
+    while let Some(batch) = rx.blocking_recv() {
+        let (name, events) = batch.map_err(|()| Fail::Aborted)?;
+        for te in &events {
+            if cursor.past_target(&te.event, te.time) {
+                rx.close();
+                return Ok(());
+            }
+            if let Some((k, v)) = cursor.record(&te.event, &name)? {
+                tree.push(&k, &v)?;
+                cursor.last_time = Some(te.time);
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -393,12 +520,45 @@ mod tests {
     }
 
     fn cursor(restored: i64) -> Cursor {
-        Cursor {
-            restored,
-            revision: restored,
-            sub: 0,
-            events: 0,
+        Cursor::new(restored, None)
+    }
+
+    fn at(secs: i64) -> DateTime<Utc> {
+        DateTime::from_timestamp(secs, 0).unwrap()
+    }
+
+    #[test]
+    fn a_target_stops_at_the_first_event_of_a_later_revision_never_inside_one() {
+        let mut by_rev = Cursor::new(10, Some(Target::Revision(12)));
+        let mut by_time = Cursor::new(10, Some(Target::Time(at(100))));
+        // (event, received at, past the revision target, past the time target)
+        let steps = [
+            (put("a", 9, 10, 2), 150, false, false), // in the snapshot: never past
+            (put("a", 9, 11, 3), 90, false, false),
+            (put("b", 12, 12, 1), 100, false, false),
+            (delete("a", 12), 130, false, false), // the rest of revision 12
+            (put("c", 13, 13, 1), 101, true, true),
+        ];
+        for (i, (event, t, rev_past, time_past)) in steps.iter().enumerate() {
+            assert_eq!(
+                by_rev.past_target(event, at(*t)),
+                *rev_past,
+                "revision, step {i}"
+            );
+            assert_eq!(
+                by_time.past_target(event, at(*t)),
+                *time_past,
+                "time, step {i}"
+            );
+            for c in [&mut by_rev, &mut by_time] {
+                if !*rev_past {
+                    c.record(event, "d").ok().unwrap();
+                }
+            }
         }
+        assert_eq!((by_rev.revision, by_time.revision), (12, 12));
+        // No target: nothing is ever past it.
+        assert!(!Cursor::new(10, None).past_target(&put("z", 99, 99, 1), at(4_000_000_000)));
     }
 
     #[test]

@@ -10,6 +10,12 @@
 //!
 //! Leases are not restored: puts from deltas carry no lease (as etcd-backup-restore does), so
 //! keys written under a lease after the full snapshot live until deleted.
+//!
+//! A restore may stop at a point in the past ([`RestoreOptions::to`]: the newest full snapshot
+//! before it and the delta events up to it) and may bump the revision past everything the
+//! source served ([`RevisionBump`]), as `etcdutl snapshot restore --bump-revision
+//! --mark-compacted` does, so Kubernetes' watch caches and informers see a compaction instead of
+//! a revision going back. Both work on the database as it is written, for etcd 3.4 and 3.5.
 
 pub mod bolt;
 pub mod datadir;
@@ -31,6 +37,7 @@ use crate::etcd::process::ProcessError;
 use crate::snapshot::delta::{self, DeltaError, EventType};
 use crate::snapshot::full::verify_sha256;
 use crate::store::{ByteStream, Snapshot, SnapshotStore, StoreError, layout};
+pub use layout::Target;
 
 use direct::Outcome;
 use replay::{ReplayOp, RevisionGroup};
@@ -82,6 +89,16 @@ pub enum RestoreError {
     /// The deltas do not fit the full snapshot or each other (a gap, an order, a revision).
     #[error("{0}")]
     Deltas(String),
+    /// No chain in the store restores the point in time asked for.
+    #[error("{0}")]
+    Target(layout::TargetError),
+    /// Deltas only a replay through etcd can apply, with an option that needs them written
+    /// into the database (a point in time, a revision bump).
+    #[error("{option} needs the deltas written into the database, and these cannot be: {reason}")]
+    NeedsDirect {
+        option: &'static str,
+        reason: String,
+    },
     /// An etcd request failed.
     #[error("etcd: {0}")]
     Etcd(etcd_client::Error),
@@ -207,6 +224,23 @@ pub struct RestoreOptions {
     /// directory being replaced because it is behind the store): a fallback must not replace a
     /// directory with an older one.
     pub must_exceed: Option<i64>,
+    /// Restore the state at this point in the past; `None`: the newest the store holds.
+    pub to: Option<Target>,
+    /// Revisions after the restored data that etcd must count as used.
+    pub bump: RevisionBump,
+}
+
+/// A revision bump after the restored data (`etcdutl snapshot restore --bump-revision N
+/// --mark-compacted`): etcd starts `by` revisions above the last restored one, and with
+/// `mark_compacted` compacts up to there on its first start, so a client holding a revision the
+/// source served after the backup (a watch cache, an informer) gets "compacted" instead of
+/// waiting for revisions that mean something else now.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RevisionBump {
+    /// How far above the restored revision etcd starts; 0: no bump.
+    pub by: u64,
+    /// Mark the bumped revision compacted.
+    pub mark_compacted: bool,
 }
 
 impl RestoreOptions {
@@ -225,6 +259,11 @@ impl RestoreOptions {
             parallel_fetch: c.parallel_fetch,
             fallback: c.fallback,
             must_exceed: None,
+            to: None,
+            bump: RevisionBump {
+                by: c.bump_revision,
+                mark_compacted: c.mark_compacted,
+            },
         }
     }
 }
@@ -238,8 +277,12 @@ pub struct RestoreReport {
     pub deltas: usize,
     /// Events replayed (those already in the full snapshot are not counted).
     pub events_applied: u64,
-    /// The restored etcd's revision.
+    /// The revision of the restored data: the last event's (the target's, for a point in time).
     pub revision: i64,
+    /// The revision etcd starts at: `revision` plus the bump.
+    pub etcd_revision: i64,
+    /// When the sidecar received the last event restored (`None` without events).
+    pub last_event_time: Option<chrono::DateTime<chrono::Utc>>,
     /// Time spent applying the deltas, fetching overlapped: for [`Replay::Direct`] writing the
     /// database with them (the copy of the snapshot's part included), for
     /// [`Replay::ThroughEtcd`] the replay.
@@ -279,6 +322,8 @@ pub enum Replay {
 struct Built {
     events: u64,
     revision: i64,
+    etcd_revision: i64,
+    last_event_time: Option<chrono::DateTime<chrono::Utc>>,
     replay_time: std::time::Duration,
     replay: Replay,
 }
@@ -335,12 +380,7 @@ pub async fn restore(
     }
     let list = listing.snapshots();
     let store_revision = list.iter().map(|s| s.last_revision).max().unwrap_or(0);
-    let mut chain = layout::latest_chain(&list);
-    // The deltas' events are checked again as they are written; this fails before anything
-    // is fetched, with the message `verify` and `copy` give.
-    if let Some(gap) = layout::first_gap(&chain) {
-        return Err(RestoreError::Deltas(gap.to_string())).step("checking the chain");
-    }
+    let mut chain = choose_chain(&list, opts.to, &[]).step("checking the chain")?;
     let mut skipped: Vec<Skipped> = Vec::new();
     let mut tools: Option<EtcdTools> = None;
     loop {
@@ -371,12 +411,37 @@ pub async fn restore(
             reason: error.to_string(),
         });
         let names: Vec<String> = skipped.iter().map(|s| s.snapshot.clone()).collect();
-        chain = layout::fallback_chain(&list, &names);
-        if chain.full_snapshot.is_none() {
-            return Err(RestoreError::NothingToFallBackTo {
-                cause: Box::new(error),
-            });
-        }
+        chain = match choose_chain(&list, opts.to, &names) {
+            Ok(c) if c.full_snapshot.is_some() => c,
+            Ok(_) | Err(RestoreError::Target(layout::TargetError::BeforeOldest { .. })) => {
+                return Err(RestoreError::NothingToFallBackTo {
+                    cause: Box::new(error),
+                });
+            }
+            Err(e) => return Err(e).step("choosing the snapshots to fall back to"),
+        };
+    }
+}
+
+/// The chain a restore uses: the latest (or, with full snapshots `skipped`, the latest that
+/// continues the one before them exactly), or the one that reaches `to`. The deltas' events are
+/// checked again as they are written; a gap fails here, before anything is fetched, with the
+/// message `verify` and `copy` give.
+fn choose_chain(
+    list: &[Snapshot],
+    to: Option<Target>,
+    skipped: &[String],
+) -> Result<layout::Chain, RestoreError> {
+    if let Some(target) = to {
+        return layout::chain_to(list, target, skipped).map_err(RestoreError::Target);
+    }
+    if !skipped.is_empty() {
+        return Ok(layout::fallback_chain(list, skipped));
+    }
+    let chain = layout::latest_chain(list);
+    match layout::first_gap(&chain) {
+        Some(gap) => Err(RestoreError::Deltas(gap.to_string())),
+        None => Ok(chain),
     }
 }
 
@@ -467,6 +532,8 @@ fn report(
         deltas: chain.delta_snapshots.len(),
         events_applied: built.events,
         revision: built.revision,
+        etcd_revision: built.etcd_revision,
+        last_event_time: built.last_event_time,
         replay_time: built.replay_time,
         replay: built.replay,
         moved_aside,
@@ -510,7 +577,9 @@ async fn build(
     let db = work.join("snapshot.db");
     let bytes = fetch_full(store, full, &db).await?;
 
-    if deltas.is_empty() {
+    // A point in time is checked against the database's own revision, and a bump written
+    // into it: both need the database written even without deltas.
+    if deltas.is_empty() && opts.to.is_none() && opts.bump == RevisionBump::default() {
         tools
             .restore_db(&db, DbHash::Appended, part, &opts.member)
             .await
@@ -519,6 +588,8 @@ async fn build(
         return Ok(Built {
             events: 0,
             revision: full.last_revision,
+            etcd_revision: full.last_revision,
+            last_event_time: None,
             replay_time: std::time::Duration::ZERO,
             replay: Replay::NoDeltas,
         });
@@ -552,18 +623,33 @@ async fn build(
         last_revision = last
     );
     let write_started = Instant::now();
-    let outcome = direct::write(store, deltas, parallel, &db, db_len, &written)
+    let plan = direct::Plan {
+        until: opts.to,
+        bump: opts.bump,
+    };
+    let outcome = direct::write(store, deltas, parallel, &db, db_len, &written, plan)
         .instrument(span.clone())
         .await
         .step("writing the deltas into the database")?;
     let write_time = write_started.elapsed();
-    let (events, revision, restored) = match outcome {
+    let (events, revision, restored, etcd_revision, last_event_time) = match outcome {
         Outcome::Done {
             events,
             revision,
             restored,
-        } => (events, revision, restored),
+            etcd_revision,
+            last_event_time,
+        } => (events, revision, restored, etcd_revision, last_event_time),
         Outcome::Unsupported(reason) => {
+            let option = match (opts.to, opts.bump.by) {
+                (Some(_), _) => Some("a point-in-time restore"),
+                (None, 1..) => Some("a revision bump"),
+                (None, 0) => None,
+            };
+            if let Some(option) = option {
+                return Err(RestoreError::NeedsDirect { option, reason })
+                    .step("writing the deltas into the database");
+            }
             span.in_scope(|| {
                 tracing::warn!(
                     %reason,
@@ -594,10 +680,12 @@ async fn build(
     };
     let _ = std::fs::remove_file(&db);
     span.in_scope(|| {
-        check_final_revision(revision, restored, deltas).step("checking the final revision")?;
+        check_final_revision(revision, restored, deltas, opts.to)
+            .step("checking the final revision")?;
         tracing::info!(
             events,
             revision,
+            etcd_revision,
             seconds = write_time.as_secs_f64(),
             events_per_second = events as f64 / write_time.as_secs_f64().max(1e-9),
             "deltas written into the database"
@@ -609,7 +697,7 @@ async fn build(
         .restore_db(&written, DbHash::None, &scratch, &scratch_member)
         .await
         .step("restoring the database with the deltas")?;
-    check_in_temp_etcd(tools, &scratch, &scratch_member.name, work, revision).await?;
+    check_in_temp_etcd(tools, &scratch, &scratch_member.name, work, etcd_revision).await?;
     if multi {
         tools
             .restore_db(&written, DbHash::None, part, &opts.member)
@@ -619,6 +707,8 @@ async fn build(
     Ok(Built {
         events,
         revision,
+        etcd_revision,
+        last_event_time,
         replay_time: write_time,
         replay: Replay::Direct,
     })
@@ -691,18 +781,30 @@ async fn check_in_temp_etcd(
 }
 
 /// The restore must end where the last delta ends (or, when the full snapshot holds writes
-/// made after its name's revision, at the snapshot's own revision); never short of it.
+/// made after its name's revision, at the snapshot's own revision), or at the target revision;
+/// never short of it. A time has no revision to check: the chain was chosen to reach it.
 fn check_final_revision(
     actual: i64,
     restored: i64,
     deltas: &[Snapshot],
+    to: Option<Target>,
 ) -> Result<(), RestoreError> {
-    let expected = deltas.last().map_or(restored, |d| d.last_revision);
-    if actual == expected.max(restored) {
+    let (expected, what) = match to {
+        Some(Target::Time(_)) => return Ok(()),
+        Some(Target::Revision(r)) => (r, "the target is"),
+        None => (
+            deltas
+                .last()
+                .map_or(restored, |d| d.last_revision)
+                .max(restored),
+            "the last delta ends at",
+        ),
+    };
+    if actual == expected {
         return Ok(());
     }
     Err(RestoreError::Deltas(format!(
-        "the restored database is at revision {actual}, the last delta ends at {expected}"
+        "the restored database is at revision {actual}, {what} {expected}"
     )))
 }
 
@@ -761,6 +863,8 @@ async fn replay_through_etcd(
     Ok(Built {
         events: applied,
         revision,
+        etcd_revision: revision,
+        last_event_time: None,
         replay_time,
         replay: Replay::ThroughEtcd,
     })
@@ -828,7 +932,7 @@ async fn replay_all(
     let actual = current_revision(&mut client)
         .await
         .step("reading the final revision")?;
-    check_final_revision(actual, restored, deltas).step("checking the final revision")?;
+    check_final_revision(actual, restored, deltas, None).step("checking the final revision")?;
     let secs = started.elapsed().as_secs_f64();
     tracing::info!(
         events = applied.events,

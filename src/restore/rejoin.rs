@@ -1237,6 +1237,8 @@ mod tests {
                 request_timeout: Duration::from_secs(1),
             }),
             rejoin_timeout: Duration::from_secs(60),
+            bump_revision: 0,
+            mark_compacted: false,
         }
     }
 

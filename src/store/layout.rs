@@ -404,6 +404,157 @@ pub fn fallback_chain(sorted: &[Snapshot], skipped: &[String]) -> Chain {
     }
 }
 
+/// A point in the past to restore to (`restore --to-revision`, `--to-time`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    /// Every event up to and including this revision (a transaction is one revision, so all of
+    /// it or none of it).
+    Revision(i64),
+    /// Every event the sidecar had received by this time, and the rest of the last revision
+    /// among them.
+    Time(DateTime<Utc>),
+}
+
+impl fmt::Display for Target {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Target::Revision(r) => write!(f, "revision {r}"),
+            Target::Time(t) => {
+                let t = t.to_rfc3339_opts(chrono::SecondsFormat::AutoSi, true);
+                write!(f, "time {t}")
+            }
+        }
+    }
+}
+
+/// Why no chain restores a [`Target`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TargetError {
+    /// No full snapshot is old enough to start from.
+    #[error(
+        "{target} is before the oldest full snapshot{}: nothing in the store holds the state then",
+        oldest.as_ref().map_or(String::new(), |o| format!(" ({o})"))
+    )]
+    BeforeOldest {
+        target: Target,
+        /// The oldest full snapshot not skipped, by name, with its revision and time.
+        oldest: Option<String>,
+    },
+    /// The store's snapshots end before it.
+    #[error(
+        "{target} is after the newest snapshot ({newest}): the store does not hold the state          then; restore without a target for the latest state"
+    )]
+    AfterNewest { target: Target, newest: String },
+    /// A delta between the full snapshot and the target is missing.
+    #[error("{0}")]
+    Gap(Gap),
+    /// The deltas after the chosen full snapshot end before the target, and only later full
+    /// snapshots (holding later writes too) cover it.
+    #[error(
+        "{target} is in no delta: the chain from {full} ends with {last}; only later full \
+         snapshots hold that state, with later writes"
+    )]
+    Uncovered {
+        target: Target,
+        full: String,
+        last: String,
+    },
+}
+
+/// A snapshot's name with its revision and time, for messages.
+fn described(s: &Snapshot) -> String {
+    format!(
+        "{} (revision {}, {})",
+        s.snap_name,
+        s.last_revision,
+        s.created_on
+            .to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+    )
+}
+
+/// Whether `s` holds everything up to `target`: it reaches the revision, or it was written
+/// after the time (a name's time is truncated to seconds, so it is never later than the write).
+fn reaches(s: &Snapshot, target: Target) -> bool {
+    match target {
+        Target::Revision(r) => s.last_revision >= r,
+        Target::Time(t) => s.created_on >= t,
+    }
+}
+
+/// The chain that restores the state at `target` from a sorted list, passing over the full
+/// snapshots named in `skipped`: the newest full snapshot before it and the deltas after that
+/// full snapshot up to the first one that [reaches](reaches) it.
+///
+/// A full snapshot's name carries its time in whole seconds, taken after etcd fixed its
+/// revision; for a time it counts as before the target only a whole second ahead of it. A delta
+/// holds every event received before it was written, so for a time the chain ends with the
+/// first delta written at or after it; the restore stops at the first event after the target.
+pub fn chain_to(
+    sorted: &[Snapshot],
+    target: Target,
+    skipped: &[String],
+) -> Result<Chain, TargetError> {
+    let fulls = || {
+        sorted
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.is_full() && !skipped.contains(&s.snap_name))
+    };
+    let before = |s: &Snapshot| match target {
+        Target::Revision(r) => s.last_revision <= r,
+        Target::Time(t) => s.created_on + chrono::Duration::seconds(1) <= t,
+    };
+    let Some((at, full)) = fulls().rfind(|(_, s)| before(s)) else {
+        return Err(TargetError::BeforeOldest {
+            target,
+            oldest: fulls().next().map(|(_, s)| described(s)),
+        });
+    };
+    if !sorted.iter().any(|s| reaches(s, target)) {
+        let newest = sorted.iter().max_by(|a, b| compare(a, b)).unwrap_or(full);
+        return Err(TargetError::AfterNewest {
+            target,
+            newest: described(newest),
+        });
+    }
+    let mut deltas: Vec<Snapshot> = Vec::new();
+    let mut reach = full.last_revision;
+    for d in sorted[at + 1..].iter().filter(|s| s.kind == Kind::Incr) {
+        if deltas
+            .last()
+            .map_or(reaches(full, target), |l| reaches(l, target))
+        {
+            break;
+        }
+        match link(reach, d) {
+            Link::Covered => continue,
+            Link::Continues | Link::Overlaps => {}
+            Link::Gap => {
+                return Err(TargetError::Gap(Gap {
+                    after: deltas.last().unwrap_or(full).snap_name.clone(),
+                    delta: d.snap_name.clone(),
+                    first: reach + 1,
+                    last: d.start_revision - 1,
+                }));
+            }
+        }
+        reach = d.last_revision;
+        deltas.push(d.clone());
+    }
+    let last = deltas.last().unwrap_or(full);
+    if !reaches(last, target) {
+        return Err(TargetError::Uncovered {
+            target,
+            full: full.snap_name.clone(),
+            last: described(last),
+        });
+    }
+    Ok(Chain {
+        full_snapshot: Some(full.clone()),
+        delta_snapshots: deltas,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -522,6 +673,113 @@ mod tests {
             let e = Snapshot::parse_name("p", name).unwrap_err();
             assert!(e.reason.contains(why), "{name:?}: {e}");
         }
+    }
+
+    /// A store with fulls at 10 (t=100) and 50 (t=500) and deltas 11–20 (t=200), 21–30
+    /// (t=300), 31–40 (t=400) after the first, 51–60 (t=600) after the second.
+    fn pit_store() -> Vec<Snapshot> {
+        let full = |last, t| Snapshot::new("", Kind::Full, 0, last, at(t), Codec::Gzip, false);
+        let incr =
+            |first, last, t| Snapshot::new("", Kind::Incr, first, last, at(t), Codec::Gzip, false);
+        let mut v = vec![
+            full(10, 100),
+            incr(11, 20, 200),
+            incr(21, 30, 300),
+            incr(31, 40, 400),
+            full(50, 500),
+            incr(51, 60, 600),
+        ];
+        sort(&mut v);
+        v
+    }
+
+    fn chain_names(c: &Chain) -> (i64, Vec<i64>) {
+        (
+            c.full_snapshot.as_ref().unwrap().last_revision,
+            c.delta_snapshots.iter().map(|d| d.last_revision).collect(),
+        )
+    }
+
+    #[test]
+    fn a_point_in_time_chain_starts_at_the_newest_full_before_and_ends_with_the_first_delta_reaching_it()
+     {
+        let v = pit_store();
+        let rev = |r| chain_to(&v, Target::Revision(r), &[]).map(|c| chain_names(&c));
+        let time = |t| chain_to(&v, Target::Time(at(t)), &[]).map(|c| chain_names(&c));
+        assert_eq!(rev(10), Ok((10, vec![])));
+        assert_eq!(rev(11), Ok((10, vec![20])));
+        assert_eq!(rev(20), Ok((10, vec![20])));
+        assert_eq!(rev(25), Ok((10, vec![20, 30])));
+        assert_eq!(rev(50), Ok((50, vec![])));
+        assert_eq!(rev(60), Ok((50, vec![60])));
+        // A full snapshot's time counts only a whole second ahead of the target (truncation).
+        assert_eq!(
+            time(100),
+            Err(TargetError::BeforeOldest {
+                target: Target::Time(at(100)),
+                oldest: Some(described(&v[0]))
+            })
+        );
+        assert_eq!(time(101), Ok((10, vec![20])));
+        assert_eq!(time(250), Ok((10, vec![20, 30])));
+        assert_eq!(time(300), Ok((10, vec![20, 30])));
+        assert_eq!(time(600), Ok((50, vec![60])));
+        // Skipping the full at 50 restores from the one at 10 with its deltas.
+        let skipped = [v[4].snap_name.clone()];
+        assert_eq!(
+            chain_to(&v, Target::Revision(40), &skipped).map(|c| chain_names(&c)),
+            Ok((10, vec![20, 30, 40]))
+        );
+        // Revisions 41 to 50 are only in the skipped full snapshot.
+        assert!(matches!(
+            chain_to(&v, Target::Revision(55), &skipped),
+            Err(TargetError::Gap(Gap {
+                first: 41,
+                last: 50,
+                ..
+            }))
+        ));
+        // Before the oldest full, after the newest snapshot, between the last delta and a full.
+        for (target, want) in [
+            (
+                rev(5),
+                "before the oldest full snapshot (Full-00000000-00000010-100",
+            ),
+            (
+                rev(61),
+                "revision 61 is after the newest snapshot (Incr-00000051-00000060-600",
+            ),
+            (time(601), "after the newest snapshot"),
+            (
+                rev(45),
+                "revisions 41 to 50 are in no snapshot (Incr-00000031-00000040-400.gz ends at 40",
+            ),
+            (time(450), "revisions 41 to 50 are in no snapshot"),
+        ] {
+            let e = target.unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+        }
+        // A lost delta before the target is a gap; after it, it does not matter.
+        let mut lost = v.clone();
+        lost.retain(|s| s.last_revision != 20);
+        let e = chain_to(&lost, Target::Revision(25), &[]).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("revisions 11 to 20 are in no snapshot"),
+            "{e}"
+        );
+        // Deltas that end before a later full snapshot, none after it: only that full
+        // snapshot holds revision 45's successors.
+        let mut ended = v.clone();
+        ended.retain(|s| s.last_revision != 60);
+        let e = chain_to(&ended, Target::Revision(45), &[]).unwrap_err();
+        assert!(e.to_string().contains("revision 45 is in no delta: the chain from Full-00000000-00000010-100.gz ends with Incr-00000031-00000040-400.gz"), "{e}");
+        let mut late = v.clone();
+        late.retain(|s| s.last_revision != 40);
+        assert_eq!(
+            chain_to(&late, Target::Revision(25), &[]).map(|c| chain_names(&c)),
+            Ok((10, vec![20, 30]))
+        );
     }
 
     #[test]

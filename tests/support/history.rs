@@ -103,6 +103,8 @@ pub fn initialize_config(
         guard: None,
         cluster: None,
         rejoin_timeout: std::time::Duration::from_secs(60),
+        bump_revision: 0,
+        mark_compacted: false,
     }
 }
 
@@ -117,6 +119,8 @@ pub fn restore_options(data_dir: &std::path::Path) -> etcd_warden::restore::Rest
         // A corrupt snapshot in these tests is a failure, not something to work around.
         fallback: false,
         must_exceed: None,
+        to: None,
+        bump: Default::default(),
     }
 }
 
