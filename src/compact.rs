@@ -17,9 +17,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use crate::owner::handoff::{HandOffError, HandOffObjects, Hold};
-use crate::restore::{
-    self, EtcdTools, MemberParams, RestoreError, RestoreOptions, RevisionBump, TempEtcd,
-};
+use crate::restore::{self, EtcdTools, MemberParams, RestoreError, RestoreOptions, TempEtcd};
 use crate::snapshot::full::{FullError, Target, take_full_as};
 use crate::store::{Codec, Snapshot, SnapshotStore, StoreError};
 
@@ -141,19 +139,9 @@ pub async fn compact(
     let data_dir = work.path.join("data");
     let restored = restore::restore(
         store,
-        &RestoreOptions {
-            data_dir: data_dir.clone(),
-            member: MemberParams::default(),
-            etcd_bin: opts.etcd_bin.clone(),
-            force: false,
-            parallel_fetch: opts.parallel_fetch,
-            // Folding an older chain would name a new full snapshot below the one that failed,
-            // which stays the latest: compaction must fail instead.
-            fallback: false,
-            must_exceed: None,
-            to: None,
-            bump: RevisionBump::default(),
-        },
+        // No fallback: folding an older chain would name a new full snapshot below the one
+        // that failed, which stays the latest: compaction must fail instead.
+        &RestoreOptions::scratch(&data_dir, opts.etcd_bin.clone(), opts.parallel_fetch),
     )
     .await
     .map_err(CompactError::Restore)?;

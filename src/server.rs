@@ -126,6 +126,11 @@ pub struct ServerState {
     pub snapshots: Arc<dyn SnapshotApi>,
     pub status: Arc<dyn StatusSource>,
     pub registry: Arc<Registry>,
+    /// The store whose restore drill record the metrics show, refreshed on a scrape.
+    pub drill: Option<(
+        crate::store::SnapshotStore,
+        crate::restore::drill::DrillMetrics,
+    )>,
     /// Bearer token for the mutating endpoints.
     pub token: Option<Secret>,
     /// The sidecar's liveness.
@@ -224,6 +229,9 @@ async fn status(State(s): State<ServerState>) -> Json<serde_json::Value> {
 }
 
 async fn metrics(State(s): State<ServerState>) -> Response {
+    if let Some((store, drill)) = &s.drill {
+        drill.refresh(store).await;
+    }
     let mut text = String::new();
     match prometheus_client::encoding::text::encode(&mut text, &s.registry) {
         Ok(()) => (
@@ -493,6 +501,7 @@ mod tests {
             snapshots: fake.clone(),
             status: Arc::new(NoStatus),
             registry: Arc::new(Registry::default()),
+            drill: None,
             token: token.map(|t| Secret::Value(t.into())),
             liveness,
             mutating: Arc::new(tokio::sync::Semaphore::new(1)),

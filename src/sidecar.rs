@@ -69,6 +69,8 @@ pub struct SidecarMetrics {
     pub snapshot: SnapshotMetrics,
     /// `restore.initialize`'s validation and restore durations.
     pub initialize: InitializeMetrics,
+    /// The store's restore drill record (`etcd_warden_restore_drill_…`).
+    pub drill: crate::restore::drill::DrillMetrics,
     /// The ownership watchdog's, with ownership checks (`[owner]`) only.
     pub owner: Option<OwnerMetrics>,
 }
@@ -86,6 +88,7 @@ impl SidecarMetrics {
     pub fn register(&self, registry: &mut Registry) {
         self.snapshot.register(registry);
         self.initialize.register(registry);
+        self.drill.register(registry);
         if let Some(owner) = &self.owner {
             owner.register(registry);
         }
@@ -391,6 +394,7 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
             owner: owner_status,
         }),
         registry: Arc::new(registry),
+        drill: Some((store.clone(), metrics.drill.clone())),
         token: config.server.token.clone(),
         liveness,
         mutating: Arc::new(tokio::sync::Semaphore::new(1)),

@@ -38,6 +38,7 @@ mod process_kill;
 mod rejoin;
 mod restore;
 mod restore_datadir;
+mod restore_drill;
 mod restore_point_in_time;
 mod sidecar;
 mod snapshot;

@@ -1059,8 +1059,9 @@ fn every_manifest_parses_into_its_kubernetes_type() {
         }
     }
     assert_eq!(
-        kustomizations, 5,
-        "deploy/base, deploy/copy-job, deploy/compact-job, deploy/monitoring and deploy/operator"
+        kustomizations, 6,
+        "deploy/base, deploy/copy-job, deploy/compact-job, deploy/drill-job, deploy/monitoring \
+         and deploy/operator"
     );
 }
 
@@ -1653,8 +1654,13 @@ fn every_metric_in_the_alert_rules_is_exported() {
 /// Everything wrong with the compaction CronJob: one `compact` at a time, its work directory on
 /// a size-limited emptyDir, the store's credentials from the etcd-backup Secret, a configuration
 /// the binary accepts, and the pod's hardening.
-fn compact_cronjob_problems(
+/// A CronJob of `etcd-warden <command>` (`compact`, `verify --restore`): one at a time, one
+/// container running the command, a sized emptyDir as its work directory, its configuration
+/// mounted and accepted, the bucket's credentials from the Secret, and the restricted security
+/// settings.
+fn job_cronjob_problems(
     cron: &CronJob,
+    command: &[&str],
     config_maps: &BTreeMap<String, BTreeMap<String, String>>,
     secrets: &BTreeMap<String, BTreeSet<String>>,
 ) -> Vec<String> {
@@ -1663,7 +1669,7 @@ fn compact_cronjob_problems(
         return vec!["CronJob has no spec".into()];
     };
     if spec.concurrency_policy.as_deref() != Some("Forbid") {
-        out.push("two compactions at once would store the same chain twice: concurrencyPolicy must be Forbid".into());
+        out.push("two at once would restore (and for compact, store) the same chain twice: concurrencyPolicy must be Forbid".into());
     }
     let Some(pod) = spec
         .job_template
@@ -1674,11 +1680,11 @@ fn compact_cronjob_problems(
         return vec!["CronJob has no pod spec".into()];
     };
     let [c] = pod.containers.as_slice() else {
-        return vec!["the compact Job has exactly one container".into()];
+        return vec!["the Job has exactly one container".into()];
     };
     let line = command_line(c);
-    if line.first().map(String::as_str) != Some("compact") {
-        out.push(format!("the CronJob runs {line:?}, not `compact`"));
+    if !line.starts_with(&command.iter().map(|s| s.to_string()).collect::<Vec<_>>()) {
+        out.push(format!("the CronJob runs {line:?}, not {command:?}"));
     }
     match arg_after(&line, "--work-dir") {
         None => out.push("no --work-dir: the temporary etcd would fill the node's /tmp".into()),
@@ -1700,9 +1706,9 @@ fn compact_cronjob_problems(
         }
     }
     match mounted_config(pod, c, config_maps) {
-        Err(e) => out.push(format!("compact config: {e}")),
+        Err(e) => out.push(format!("the Job's config: {e}")),
         Ok((_, text)) => match text.parse::<toml::Table>() {
-            Err(e) => out.push(format!("compact config is not TOML: {e}")),
+            Err(e) => out.push(format!("the Job's config is not TOML: {e}")),
             Ok(raw) => {
                 let files = file_keys(&raw);
                 if !files.iter().any(|(k, _)| k.starts_with("store.")) {
@@ -1726,48 +1732,57 @@ fn compact_cronjob_problems(
     out
 }
 
+/// deploy/compact-job and deploy/drill-job: each one CronJob that passes
+/// [`job_cronjob_problems`], and fails it when run in parallel or with an unbounded work
+/// directory.
 #[test]
-fn the_compact_cronjob_runs_one_compaction_at_a_time_with_room_to_work() {
-    let k = kustomization(&repo().join("deploy/compact-job")).unwrap_or_else(|e| panic!("{e}"));
-    let crons: Vec<CronJob> = k
-        .objects
-        .into_iter()
-        .map(|o| match o {
-            Object::CronJob(j) => *j,
-            other => panic!("deploy/compact-job: unexpected {other:?}"),
-        })
-        .collect();
-    let [cron] = <[CronJob; 1]>::try_from(crons).expect("one CronJob in deploy/compact-job");
-    let secrets = example_secrets();
-    let problems = compact_cronjob_problems(&cron, &k.config_maps, &secrets);
-    assert!(problems.is_empty(), "{problems:#?}");
+fn the_compact_and_drill_cronjobs_run_one_at_a_time_with_room_to_work() {
+    for (dir, command) in [
+        ("deploy/compact-job", &["compact"][..]),
+        ("deploy/drill-job", &["verify", "--restore"][..]),
+    ] {
+        let k = kustomization(&repo().join(dir)).unwrap_or_else(|e| panic!("{e}"));
+        let crons: Vec<CronJob> = k
+            .objects
+            .into_iter()
+            .map(|o| match o {
+                Object::CronJob(j) => *j,
+                other => panic!("{dir}: unexpected {other:?}"),
+            })
+            .collect();
+        let [cron] = <[CronJob; 1]>::try_from(crons).expect("one CronJob");
+        let secrets = example_secrets();
+        let problems =
+            |cron: &CronJob| job_cronjob_problems(cron, command, &k.config_maps, &secrets);
+        assert!(problems(&cron).is_empty(), "{dir}: {:#?}", problems(&cron));
 
-    let mut parallel = cron.clone();
-    parallel.spec.as_mut().expect("spec").concurrency_policy = Some("Allow".into());
-    let problems = compact_cronjob_problems(&parallel, &k.config_maps, &secrets);
-    assert!(
-        problems.iter().any(|p| p.contains("Forbid")),
-        "{problems:#?}"
-    );
+        let mut parallel = cron.clone();
+        parallel.spec.as_mut().expect("spec").concurrency_policy = Some("Allow".into());
+        assert!(
+            problems(&parallel).iter().any(|p| p.contains("Forbid")),
+            "{dir}: {:#?}",
+            problems(&parallel)
+        );
 
-    let mut unbounded = cron.clone();
-    for v in unbounded
-        .spec
-        .as_mut()
-        .and_then(|s| s.job_template.spec.as_mut())
-        .and_then(|s| s.template.spec.as_mut())
-        .and_then(|p| p.volumes.as_mut())
-        .expect("volumes")
-    {
-        if let Some(e) = v.empty_dir.as_mut() {
-            e.size_limit = None;
+        let mut unbounded = cron.clone();
+        for v in unbounded
+            .spec
+            .as_mut()
+            .and_then(|s| s.job_template.spec.as_mut())
+            .and_then(|s| s.template.spec.as_mut())
+            .and_then(|p| p.volumes.as_mut())
+            .expect("volumes")
+        {
+            if let Some(e) = v.empty_dir.as_mut() {
+                e.size_limit = None;
+            }
         }
+        assert!(
+            problems(&unbounded).iter().any(|p| p.contains("sizeLimit")),
+            "{dir}: {:#?}",
+            problems(&unbounded)
+        );
     }
-    let problems = compact_cronjob_problems(&unbounded, &k.config_maps, &secrets);
-    assert!(
-        problems.iter().any(|p| p.contains("sizeLimit")),
-        "{problems:#?}"
-    );
 }
 
 /// deploy/operator, typed.

@@ -57,7 +57,7 @@ async fn delta_after(client: &mut Client, store: &SnapshotStore, after: i64) -> 
 }
 
 /// Replaces a stored snapshot's payload with itself, a few bytes in the middle flipped.
-async fn damage(store: &SnapshotStore, snapshot: &Snapshot) {
+pub(crate) async fn damage(store: &SnapshotStore, snapshot: &Snapshot) {
     let mut raw: Vec<u8> = Vec::new();
     let mut stream = store.get_stream(snapshot).await.unwrap();
     while let Some(chunk) = stream.next().await {

@@ -85,10 +85,26 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Check every snapshot's name, compression and hash.
+    /// Check every snapshot's name, compression and hash; with --restore, also a restore drill.
+    ///
+    /// --restore restores the newest chain into a scratch directory, starts etcd on it and
+    /// checks its revision, key count and every key, value and revision against what the chain
+    /// implies (read a second way), then records the outcome in the store for the sidecars'
+    /// metrics (etcd_warden_restore_drill_*). Runnable as a CronJob (deploy/drill-job).
+    /// Exit status: 0 all checks passed; 1 a check failed.
     Verify {
         #[command(flatten)]
         store: StoreArg,
+        /// Also restore the newest chain and check it in a running etcd (a restore drill).
+        #[arg(long)]
+        restore: bool,
+        /// With --restore: where the scratch data directory goes (about twice the database);
+        /// default the system's temporary directory.
+        #[arg(long, value_name = "DIR", requires = "restore")]
+        work_dir: Option<PathBuf>,
+        /// With --restore: directory of etcd and etcdutl/etcdctl (restore.etcd_bin).
+        #[arg(long, value_name = "DIR", requires = "restore")]
+        etcd_bin: Option<String>,
     },
     /// Copy snapshots from a source store to this one, optionally after the source's final one.
     Copy(CopyArgs),
@@ -296,15 +312,16 @@ struct StoreArg {
 impl Command {
     fn overrides(&self) -> Vec<Override> {
         match self {
-            Command::Ls { store, .. } | Command::Verify { store } | Command::Reclaim { store } => {
-                store
-                    .store
-                    .iter()
-                    .map(|u| Override::flag("store.url", u, "--store"))
-                    .collect()
-            }
+            Command::Ls { store, .. } | Command::Reclaim { store } => store
+                .store
+                .iter()
+                .map(|u| Override::flag("store.url", u, "--store"))
+                .collect(),
             Command::Copy(args) => args.overrides(),
             Command::Compact {
+                store, etcd_bin, ..
+            }
+            | Command::Verify {
                 store, etcd_bin, ..
             } => store
                 .store
@@ -438,7 +455,19 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 }
                 Command::Snapshot { r#final } => ops::snapshot(&config, r#final).await,
                 Command::Ls { json, .. } => ops::ls(&config, json).await,
-                Command::Verify { .. } => ops::verify(&config).await,
+                Command::Verify {
+                    restore, work_dir, ..
+                } => {
+                    let checked = ops::verify(&config).await;
+                    if !restore {
+                        return checked;
+                    }
+                    // The drill runs even when a snapshot elsewhere in the store failed: it
+                    // says whether the newest chain restores.
+                    let drilled =
+                        ops::drill(&config, work_dir.unwrap_or_else(std::env::temp_dir)).await;
+                    checked.and(drilled)
+                }
                 Command::Reclaim { .. } => ops::reclaim(&config).await,
                 Command::Copy(_) => ops::copy(&config).await,
                 Command::Restore { restore, .. } => ops::restore(&config, restore.target()).await,
@@ -817,6 +846,54 @@ mod ops {
             Some(name) => eprintln!("the hand-off's final snapshot: {name}"),
             None => eprintln!("no hand-off final snapshot in this store"),
         }
+        Ok(())
+    }
+
+    /// `verify --restore`: a restore drill of the newest chain, its outcome recorded in the
+    /// store whatever it is.
+    pub async fn drill(config: &Config, work_dir: std::path::PathBuf) -> anyhow::Result<()> {
+        use etcd_warden::restore::drill::{self, DrillOptions};
+        let store = snapshots(config)?;
+        let opts = DrillOptions {
+            work_dir,
+            etcd_bin: config.restore.etcd_bin.clone(),
+            parallel_fetch: config.restore.parallel_fetch,
+        };
+        let started = std::time::Instant::now();
+        let outcome = drill::drill(&store, &opts).await;
+        let took = started.elapsed();
+        let error = outcome.as_ref().err().map(|e| e.to_string());
+        let record = match drill::read_record(&store).await {
+            Ok(r) => r,
+            Err(e) => {
+                // A damaged record must not hide this drill's outcome: start it again.
+                tracing::warn!(error = %e, "the store's drill record cannot be read; starting a new one");
+                Default::default()
+            }
+        };
+        let record = record.after(
+            outcome
+                .as_ref()
+                .map_err(|_| error.as_deref().unwrap_or_default()),
+            chrono::Utc::now(),
+            took,
+        );
+        let recorded = drill::write_record(&store, &record).await;
+        match &outcome {
+            Ok(r) => println!(
+                "ok    restore drill: {} and {} deltas restored in {:.1}s; etcd serves revision {}, {} keys, sha256 {} (checked in {:.1}s)",
+                r.full_snapshot,
+                r.deltas,
+                r.restore_seconds,
+                r.revision,
+                r.keys,
+                r.hash,
+                r.check_seconds
+            ),
+            Err(e) => println!("FAIL  restore drill: {e}"),
+        }
+        recorded.context("recording the drill's outcome in the store")?;
+        outcome.context("restore drill failed")?;
         Ok(())
     }
 }

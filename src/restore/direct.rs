@@ -40,7 +40,7 @@ use crate::store::layout::Target;
 use crate::store::{Snapshot, SnapshotStore};
 
 /// etcd's bucket of revisions.
-const KEY_BUCKET: &[u8] = b"key";
+pub(super) const KEY_BUCKET: &[u8] = b"key";
 /// etcd's bucket of bookkeeping, and the key of the last finished compaction in it.
 const META_BUCKET: &[u8] = b"meta";
 const FINISHED_COMPACT: &[u8] = b"finishedCompactRev";
@@ -134,6 +134,70 @@ pub fn encode_kv(
     }
     bytes(&mut out, 0x2a, value);
     out
+}
+
+/// The fields of an `mvccpb.KeyValue` a restore compares (the lease is left out: restores drop
+/// it).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DecodedKv {
+    pub key: Vec<u8>,
+    pub create_revision: i64,
+    pub mod_revision: i64,
+    pub version: i64,
+    pub value: Vec<u8>,
+}
+
+/// Decodes etcd's `mvccpb.KeyValue` protobuf (the inverse of [`encode_kv`]; unknown fields are
+/// skipped as protobuf allows).
+pub fn decode_kv(mut b: &[u8]) -> Result<DecodedKv, BoltError> {
+    fn read_varint(b: &mut &[u8]) -> Result<u64, BoltError> {
+        let mut v = 0u64;
+        for shift in (0..64).step_by(7) {
+            let (&byte, rest) = b
+                .split_first()
+                .ok_or_else(|| BoltError::Corrupt("a truncated KeyValue varint".into()))?;
+            *b = rest;
+            v |= u64::from(byte & 0x7f) << shift;
+            if byte & 0x80 == 0 {
+                return Ok(v);
+            }
+        }
+        Err(BoltError::Corrupt("a KeyValue varint over 64 bits".into()))
+    }
+    let mut kv = DecodedKv::default();
+    while !b.is_empty() {
+        let tag = read_varint(&mut b)?;
+        match (tag >> 3, tag & 7) {
+            (field, 0) => {
+                let n = read_varint(&mut b)? as i64;
+                match field {
+                    2 => kv.create_revision = n,
+                    3 => kv.mod_revision = n,
+                    4 => kv.version = n,
+                    _ => {}
+                }
+            }
+            (field, 2) => {
+                let len = usize::try_from(read_varint(&mut b)?).unwrap_or(usize::MAX);
+                if len > b.len() {
+                    return Err(BoltError::Corrupt("a truncated KeyValue field".into()));
+                }
+                let (bytes, rest) = b.split_at(len);
+                b = rest;
+                match field {
+                    1 => kv.key = bytes.to_vec(),
+                    5 => kv.value = bytes.to_vec(),
+                    _ => {}
+                }
+            }
+            (field, wire) => {
+                return Err(BoltError::Unsupported(format!(
+                    "KeyValue field {field} of wire type {wire}"
+                )));
+            }
+        }
+    }
+    Ok(kv)
 }
 
 /// A record of the `key` bucket: (revision key, `mvccpb.KeyValue`).
@@ -489,6 +553,20 @@ mod tests {
         );
         // A tombstone's value carries only the key.
         assert_eq!(encode_kv(b"k", 0, 0, 0, b""), [0x0a, 1, b'k']);
+        // Decoding gives the fields back; a lease (field 6) is skipped.
+        let mut with_lease = encode_kv(b"key", 7, 1 << 40, 3, b"value");
+        with_lease.extend_from_slice(&[0x30, 0x05]);
+        assert_eq!(
+            decode_kv(&with_lease).unwrap(),
+            DecodedKv {
+                key: b"key".to_vec(),
+                create_revision: 7,
+                mod_revision: 1 << 40,
+                version: 3,
+                value: b"value".to_vec(),
+            }
+        );
+        assert!(decode_kv(&[0x0a, 5, b'k']).is_err(), "a truncated key");
         assert_eq!(main_revision(&revision_key(77, 9, true)).unwrap(), 77);
     }
 

@@ -20,6 +20,7 @@
 pub mod bolt;
 pub mod datadir;
 pub mod direct;
+pub mod drill;
 pub mod initialize;
 pub mod rejoin;
 pub mod replay;
@@ -228,6 +229,25 @@ pub struct RestoreOptions {
     pub to: Option<Target>,
     /// Revisions after the restored data that etcd must count as used.
     pub bump: RevisionBump,
+}
+
+impl RestoreOptions {
+    /// A single-member restore of the latest chain into a tool's scratch `data_dir` (`compact`,
+    /// a drill): no fallback, since a tool working on an older chain than the latest would
+    /// pass for one that worked on the latest.
+    pub fn scratch(data_dir: &Path, etcd_bin: Option<PathBuf>, parallel_fetch: usize) -> Self {
+        RestoreOptions {
+            data_dir: data_dir.to_path_buf(),
+            member: MemberParams::default(),
+            etcd_bin,
+            force: false,
+            parallel_fetch,
+            fallback: false,
+            must_exceed: None,
+            to: None,
+            bump: RevisionBump::default(),
+        }
+    }
 }
 
 /// A revision bump after the restored data (`etcdutl snapshot restore --bump-revision N
@@ -720,7 +740,7 @@ async fn build(
     skip_all,
     fields(snapshot = %full.snap_name, revision = full.last_revision)
 )]
-async fn fetch_full(
+pub(super) async fn fetch_full(
     store: &SnapshotStore,
     full: &Snapshot,
     db: &Path,

@@ -1,0 +1,121 @@
+//! Restore drills against real etcd: `verify --restore` restores the newest chain, checks the
+//! restored etcd key by key against the chain and records the outcome in the store; a corrupt
+//! full snapshot fails the drill (no fallback) and is counted; a sidecar on the store shows the
+//! record as metrics.
+
+use crate::restore::{build_store, dump, source};
+use crate::restore_datadir::damage;
+use crate::support;
+
+use std::path::Path;
+use std::time::Duration;
+
+use etcd_warden::restore::drill::{self, DrillRecord};
+use support::etcd::Release;
+
+/// `verify --restore` of the file store at `store_dir` with etcd 3.5's tools, scratch in `work`.
+fn drill_command(store_dir: &Path, work: &Path) -> std::process::Command {
+    let mut c = support::warden::command();
+    c.args(["verify", "--restore", "--store"])
+        .arg(format!("file://{}", store_dir.display()))
+        .arg("--work-dir")
+        .arg(work)
+        .arg("--etcd-bin")
+        .arg(Release::V35.bin_dir());
+    c
+}
+
+fn run(c: &mut std::process::Command) -> (Option<i32>, String) {
+    let out = c.output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code(), text)
+}
+
+/// A drill passes on a good store, naming the revision and the key count etcd served (the
+/// source's), and leaves nothing in its scratch directory; with the newest full snapshot
+/// corrupted it fails rather than fall back, and the record keeps the last success, counts the
+/// failure and says why. A sidecar on the store shows both as metrics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drill_checks_the_restored_etcd_and_records_its_outcome() {
+    let mut src = source(Release::V35).await;
+    let (client, store, dir) = (&mut src.client, &src.store, &src.dir);
+    let store_dir = dir.path().join("store");
+    let last = build_store(client, store, 2).await;
+    let source = dump(client).await;
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+
+    let (code, out) = run(&mut drill_command(&store_dir, &work));
+    assert_eq!(code, Some(0), "{out}");
+    assert!(
+        out.contains(&format!(
+            "etcd serves revision {last}, {} keys, sha256 ",
+            source.0.len()
+        )),
+        "{out}"
+    );
+    assert_eq!(
+        std::fs::read_dir(&work).unwrap().count(),
+        0,
+        "the scratch directory is removed"
+    );
+    let passed = drill::read_record(store).await.unwrap();
+    let report = passed.last_report.clone().expect("a report");
+    assert_eq!(
+        (report.revision, report.keys),
+        (last, source.0.len() as u64)
+    );
+    assert_eq!(passed.consecutive_failures, 0);
+    assert!(passed.last_success.is_some());
+
+    // The newest full snapshot's payload damaged in the store.
+    let full = store.latest_chain().await.unwrap().full_snapshot.unwrap();
+    damage(store, &full).await;
+    let (code, out) = run(&mut drill_command(&store_dir, &work));
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains("FAIL  restore drill: the restore failed"),
+        "{out}"
+    );
+    let failed: DrillRecord = drill::read_record(store).await.unwrap();
+    assert_eq!(failed.last_success, passed.last_success);
+    assert_eq!((failed.consecutive_failures, failed.failures_total), (1, 1));
+    assert!(
+        failed
+            .last_error
+            .as_deref()
+            .is_some_and(|e| e.contains(&full.snap_name)),
+        "{failed:?}"
+    );
+
+    let w = support::warden::Warden::start(&[
+        ("store.url", format!("file://{}", store_dir.display())),
+        ("etcd.endpoints", src._etcd.endpoints()[0].clone()),
+    ]);
+    w.wait_up().await;
+    let success = passed.last_success.unwrap().timestamp_millis() as f64 / 1e3;
+    let shown = support::eventually(Duration::from_secs(20), || async {
+        let Some((_, m)) = w.get("/metrics").await else {
+            return false;
+        };
+        let m = m.as_str().unwrap_or_default().to_string();
+        let shown_success = m
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix("etcd_warden_restore_drill_last_success_timestamp_seconds ")
+            })
+            .and_then(|v| v.parse::<f64>().ok());
+        shown_success.is_some_and(|v| (v - success).abs() < 1e-3)
+            && m.contains("etcd_warden_restore_drill_consecutive_failures 1")
+    })
+    .await;
+    assert!(
+        shown,
+        "the drill record is not in /metrics\n{}",
+        w.log_text()
+    );
+}
