@@ -13,7 +13,7 @@
 
 use std::time::Duration;
 
-use ::kube::api::{Api, ListParams, Patch, PatchParams};
+use ::kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use async_trait::async_trait;
 use serde_json::json;
 use tracing::{debug, info};
@@ -24,6 +24,22 @@ use crate::operator::quorum::plan::MachineState;
 
 /// The field manager named on every write.
 pub const FIELD_MANAGER: &str = "etcd-warden-operator";
+
+/// Merge patches as this operator's field manager.
+pub(super) fn patch_params() -> PatchParams {
+    PatchParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..PatchParams::default()
+    }
+}
+
+/// Creates as this operator's field manager.
+pub(super) fn post_params() -> PostParams {
+    PostParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..PostParams::default()
+    }
+}
 
 /// Which Machines, and how their members are reached.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -165,20 +181,26 @@ impl KubeMachines {
     /// Machine API works at all (seed 000: no Machine `Running` means it does not, and the hooks
     /// protect nothing, so the operator should stay out).
     pub async fn census(&self) -> Result<Census, BackendError> {
+        let machines = self.selected().await?;
+        Ok(Census {
+            total: machines.len(),
+            running: machines
+                .iter()
+                .filter(|m| m.phase() == Some("Running"))
+                .count(),
+        })
+    }
+
+    /// Every Machine the selector picks.
+    async fn selected(&self) -> Result<Vec<Machine>, BackendError> {
+        // No resourceVersion: a consistent read, not a possibly stale cache.
         let lp = ListParams::default().labels(&self.config.selector);
         let list = self
             .api
             .list(&lp)
             .await
             .map_err(|e| backend_error("listing machines", e))?;
-        Ok(Census {
-            total: list.items.len(),
-            running: list
-                .items
-                .iter()
-                .filter(|m| m.phase() == Some("Running"))
-                .count(),
-        })
+        Ok(list.items)
     }
 
     async fn get(&self, name: &str) -> Result<Machine, BackendError> {
@@ -207,10 +229,7 @@ impl KubeMachines {
                 "metadata": {"resourceVersion": m.metadata.resource_version},
                 "spec": {"lifecycleHooks": {"preDrain": hooks}},
             });
-            let params = PatchParams {
-                field_manager: Some(FIELD_MANAGER.into()),
-                ..PatchParams::default()
-            };
+            let params = patch_params();
             match self.api.patch(name, &params, &Patch::Merge(&patch)).await {
                 Ok(_) => {
                     info!(machine = %name, "{what}");
@@ -236,14 +255,8 @@ impl KubeMachines {
 #[async_trait]
 impl Machines for KubeMachines {
     async fn list(&self) -> Result<Vec<MachineState>, BackendError> {
-        // No resourceVersion: a consistent read, not a possibly stale cache.
-        let lp = ListParams::default().labels(&self.config.selector);
-        let list = self
-            .api
-            .list(&lp)
-            .await
-            .map_err(|e| backend_error("listing machines", e))?;
-        Ok(list.items.iter().filter_map(|m| self.state(m)).collect())
+        let machines = self.selected().await?;
+        Ok(machines.iter().filter_map(|m| self.state(m)).collect())
     }
 
     async fn add_hook(&self, machine: &str) -> Result<(), BackendError> {

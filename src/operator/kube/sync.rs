@@ -4,13 +4,13 @@
 use std::fmt::Debug;
 use std::time::Duration;
 
-use ::kube::api::{Api, Patch, PatchParams, PostParams};
+use ::kube::api::{Api, Patch};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 use tracing::{debug, info};
 
-use super::machines::{FIELD_MANAGER, KubeCall, is_status};
+use super::machines::{KubeCall, is_status, patch_params, post_params};
 
 /// Errors keeping an object in step.
 #[derive(Debug, thiserror::Error)]
@@ -57,18 +57,12 @@ where
         what: format!("{what} {name}"),
         source,
     };
-    let params = PatchParams {
-        field_manager: Some(FIELD_MANAGER.into()),
-        ..PatchParams::default()
-    };
+    let params = patch_params();
     for attempt in 1..=ATTEMPTS {
         let current = api.get_opt(name).await.map_err(|e| call("reading", e))?;
         let written = match current {
             None => {
-                let pp = PostParams {
-                    field_manager: Some(FIELD_MANAGER.into()),
-                    ..PostParams::default()
-                };
+                let pp = post_params();
                 api.create(&pp, &desired()).await.map(|_| "created")
             }
             Some(current) => {
