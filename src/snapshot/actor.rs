@@ -1114,6 +1114,14 @@ mod tests {
         }
     }
 
+    /// Fresh metrics, and the registry they are registered in (what the assertions read).
+    fn registered() -> (SnapshotMetrics, Registry) {
+        let metrics = SnapshotMetrics::default();
+        let mut reg = Registry::default();
+        metrics.register(&mut reg);
+        (metrics, reg)
+    }
+
     /// Whether the actor's status comes to meet `f` within five seconds.
     async fn status_within_5s(actor: &ActorHandle, f: impl FnMut(&ActorStatus) -> bool) -> bool {
         let mut status = actor.watch_status();
@@ -1127,9 +1135,7 @@ mod tests {
     async fn defragmentation_only_while_the_gate_is_open_and_cancelled_when_it_changes() {
         let engine = HangingEtcd::new(false);
         let (hang, steps) = (engine.hang.clone(), engine.defrag_steps.clone());
-        let metrics = SnapshotMetrics::default();
-        let mut reg = Registry::default();
-        metrics.register(&mut reg);
+        let (metrics, reg) = registered();
         let (gate, gate_rx) = watch::channel(Gate::Closed);
         let cancel = CancellationToken::new();
         let (actor, task) = spawn(
@@ -1247,9 +1253,7 @@ mod tests {
     async fn a_hung_etcd_stream_times_out_and_the_actor_takes_the_next_command() {
         let engine = HangingEtcd::new(true);
         let (hang, buffered) = (engine.hang.clone(), engine.buffered.clone());
-        let metrics = SnapshotMetrics::default();
-        let mut reg = Registry::default();
-        metrics.register(&mut reg);
+        let (metrics, reg) = registered();
         let config = ActorConfig {
             schedule: std::str::FromStr::from_str("0 0 1 1 *").unwrap(),
             delta_period: Duration::from_secs(3600),
