@@ -13,7 +13,7 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use ::kube::api::{Api, Patch};
+use ::kube::api::Api;
 use k8s_openapi::api::coordination::v1::Lease;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
@@ -23,7 +23,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::machines::{KubeCall, is_status, patch_params, post_params};
+use super::machines::{KubeCall, is_status, post_params, send_merge_patch};
 
 /// Timings of the election (client-go's defaults: 15 s, 10 s, 2 s).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -195,11 +195,7 @@ impl LeaseLock {
                 },
             })
         };
-        match self
-            .api
-            .patch(&self.name, &patch_params(), &Patch::Merge(&patch))
-            .await
-        {
+        match send_merge_patch(&self.api, &self.name, &patch).await {
             Ok(_) => {
                 if !ours {
                     info!(lease = %self.name, identity = %self.identity, previous = ?holder, "lease acquired");
@@ -228,11 +224,7 @@ impl LeaseLock {
             "metadata": {"resourceVersion": lease.metadata.resource_version},
             "spec": {"holderIdentity": null, "leaseDurationSeconds": 1, "renewTime": now()},
         });
-        match self
-            .api
-            .patch(&self.name, &patch_params(), &Patch::Merge(&patch))
-            .await
-        {
+        match send_merge_patch(&self.api, &self.name, &patch).await {
             Ok(_) => {
                 info!(lease = %self.name, identity = %self.identity, "lease released");
                 Ok(())

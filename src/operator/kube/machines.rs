@@ -11,11 +11,13 @@
 //! is never added to it: seed 000's escape hatch, at the price that a Machine deleted before the
 //! operator ever protected it is not protected afterwards either.
 
+use std::fmt::Debug;
 use std::time::Duration;
 
 use ::kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use async_trait::async_trait;
-use serde_json::json;
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
 use tracing::{debug, info};
 
 use super::machine_resource::{CONTROL_PLANE_SELECTOR, LifecycleHook, Machine};
@@ -31,6 +33,18 @@ pub(super) fn patch_params() -> PatchParams {
         field_manager: Some(FIELD_MANAGER.into()),
         ..PatchParams::default()
     }
+}
+
+/// Sends `patch` to `name` as a JSON merge patch, as this operator's field manager.
+pub(super) async fn send_merge_patch<K>(
+    api: &Api<K>,
+    name: &str,
+    patch: &Value,
+) -> ::kube::Result<K>
+where
+    K: Clone + DeserializeOwned + Debug,
+{
+    api.patch(name, &patch_params(), &Patch::Merge(patch)).await
 }
 
 /// Creates as this operator's field manager.
@@ -229,8 +243,7 @@ impl KubeMachines {
                 "metadata": {"resourceVersion": m.metadata.resource_version},
                 "spec": {"lifecycleHooks": {"preDrain": hooks}},
             });
-            let params = patch_params();
-            match self.api.patch(name, &params, &Patch::Merge(&patch)).await {
+            match send_merge_patch(&self.api, name, &patch).await {
                 Ok(_) => {
                     info!(machine = %name, "{what}");
                     return Ok(());

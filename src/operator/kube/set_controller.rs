@@ -40,7 +40,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
-use super::machines::{KubeCall, is_status, patch_params};
+use super::machines::{KubeCall, is_status, patch_params, send_merge_patch};
 use super::set_machines::{
     ATTEMPTS, KubeSetMachines, SET_LABEL, labelled, machine_resource, other_owners, referenced,
 };
@@ -320,11 +320,7 @@ impl<Q: Machines> Parts<Q> {
                 "finalizers": finalizers,
                 "resourceVersion": current.metadata.resource_version,
             }});
-            match self
-                .sets
-                .patch(&name, &patch_params(), &Patch::Merge(&patch))
-                .await
-            {
+            match send_merge_patch(&self.sets, &name, &patch).await {
                 Ok(_) => {
                     info!(set = %name, "{what}");
                     return Ok(());
@@ -379,11 +375,7 @@ impl<Q: Machines> Parts<Q> {
                 }
                 let patch = json!({"metadata": meta});
                 let name = m.name_any();
-                match self
-                    .machines
-                    .patch(&name, &patch_params(), &Patch::Merge(&patch))
-                    .await
-                {
+                match send_merge_patch(&self.machines, &name, &patch).await {
                     Ok(_) => {
                         info!(machine = %name, "orphaned: the ControlPlaneSet is being deleted");
                         self.event(

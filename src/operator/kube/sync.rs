@@ -4,13 +4,13 @@
 use std::fmt::Debug;
 use std::time::Duration;
 
-use ::kube::api::{Api, Patch};
+use ::kube::api::Api;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 use tracing::{debug, info};
 
-use super::machines::{KubeCall, is_status, patch_params, post_params};
+use super::machines::{KubeCall, is_status, post_params, send_merge_patch};
 
 /// Errors keeping an object in step.
 #[derive(Debug, thiserror::Error)]
@@ -57,7 +57,6 @@ where
         what: format!("{what} {name}"),
         source,
     };
-    let params = patch_params();
     for attempt in 1..=ATTEMPTS {
         let current = api.get_opt(name).await.map_err(|e| call("reading", e))?;
         let written = match current {
@@ -69,9 +68,7 @@ where
                 let Some(p) = patch(&current) else {
                     return Ok(false);
                 };
-                api.patch(name, &params, &Patch::Merge(&p))
-                    .await
-                    .map(|_| "updated")
+                send_merge_patch(api, name, &p).await.map(|_| "updated")
             }
         };
         match written {
