@@ -5,6 +5,7 @@
 //! restore is the median of three; the compaction runs once (the release `etcd-warden compact`
 //! binary). Results go in docs/benchmarks.md.
 
+mod common;
 #[path = "../tests/support/mod.rs"]
 #[allow(unused_imports)]
 mod support;
@@ -12,14 +13,10 @@ mod support;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::{median, numeric_args};
 use etcd_warden::restore::{MemberParams, RestoreOptions};
 use etcd_warden::store::SnapshotStore;
 use support::etcd::{EtcdCluster, Release};
-
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
 
 async fn timed_restores(store: &SnapshotStore, dir: &std::path::Path) -> (Duration, usize) {
     let mut times = Vec::new();
@@ -49,12 +46,7 @@ async fn timed_restores(store: &SnapshotStore, dir: &std::path::Path) -> (Durati
 
 #[tokio::main(flavor = "multi_thread")]
 async fn main() {
-    let args: Vec<usize> = std::env::args()
-        .skip(1)
-        .filter_map(|a| a.parse().ok())
-        .collect();
-    let deltas = args.first().copied().unwrap_or(200);
-    let per = args.get(1).copied().unwrap_or(100);
+    let [deltas, per] = numeric_args([200, 100]);
     let etcd = EtcdCluster::single(Release::V35).await;
     let mut client = etcd.client().await;
     let s3 = support::s3::S3Server::start(&["bench-compact"]);

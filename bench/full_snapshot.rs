@@ -15,14 +15,16 @@
 //! uncompressed, gzip and zlib; etcd-warden gzip to S3 (s3s-fs on loopback); `etcdctl snapshot
 //! save` then `rclone copyto` to the same S3 server.
 
+mod common;
 #[path = "../tests/support/mod.rs"]
 #[allow(unused_imports)]
 mod support;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::{median, numeric_args, run};
 use etcd_warden::config::StoreConfig;
 use etcd_warden::snapshot::take_full;
 use etcd_warden::store::{Codec, SnapshotStore, StoreLocation};
@@ -61,17 +63,9 @@ fn value(seed: u64, len: usize) -> Vec<u8> {
     out
 }
 
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
-
 #[tokio::main(flavor = "multi_thread")]
 async fn main() {
-    let mib: usize = std::env::args()
-        .skip(1)
-        .find_map(|a| a.parse().ok())
-        .unwrap_or(128);
+    let [mib] = numeric_args([128]);
     let bins = bin_dir();
     let dir = tempfile::tempdir().unwrap();
     let etcd = EtcdMember::launch_bulk("b", dir.path().join("data")).await;
@@ -108,15 +102,7 @@ async fn main() {
     for _ in 0..3 {
         let _ = std::fs::remove_file(&out);
         let t = Instant::now();
-        let ok = Command::new(bins.join("etcdctl"))
-            .args(["--endpoints", &curl, "snapshot", "save"])
-            .arg(&out)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok, "etcdctl snapshot save failed");
+        etcdctl_save(&bins, &curl, &out);
         raw.push(t.elapsed());
     }
     let raw = median(raw);
@@ -169,13 +155,11 @@ where
     median(v)
 }
 
-fn run(cmd: &mut Command) {
-    let out = cmd.output().expect("run command");
-    assert!(
-        out.status.success(),
-        "{cmd:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+/// `etcdctl snapshot save` of the etcd at `curl` into `db`: the baseline.
+fn etcdctl_save(bins: &Path, curl: &str, db: &Path) {
+    run(Command::new(bins.join("etcdctl"))
+        .args(["--endpoints", curl, "snapshot", "save"])
+        .arg(db));
 }
 
 /// The cases against `gzip -1` and S3.
@@ -196,9 +180,7 @@ async fn compressed_and_s3_cases(
     let db = dir.join("gz-baseline.db");
     let t = median_of_3(|| async {
         let _ = std::fs::remove_file(&db);
-        run(Command::new(bins.join("etcdctl"))
-            .args(["--endpoints", curl, "snapshot", "save"])
-            .arg(&db));
+        etcdctl_save(bins, curl, &db);
         run(Command::new("sh").arg("-c").arg(format!(
             "gzip -1 -c '{}' > '{}.gz'",
             db.display(),
@@ -218,9 +200,7 @@ async fn compressed_and_s3_cases(
 
     let t = median_of_3(|| async {
         let _ = std::fs::remove_file(&db);
-        run(Command::new(bins.join("etcdctl"))
-            .args(["--endpoints", curl, "snapshot", "save"])
-            .arg(&db));
+        etcdctl_save(bins, curl, &db);
         run(Command::new("rclone")
             .args(["copyto", "--s3-no-check-bucket"])
             .arg(&db)
@@ -326,9 +306,7 @@ fn encryption_cases(curl: &str, bins: &Path, dir: &Path) {
     let db = dir.join("pipeline.db");
     let pipeline = median_sync(|| {
         let _ = std::fs::remove_file(&db);
-        run(Command::new(bins.join("etcdctl"))
-            .args(["--endpoints", curl, "snapshot", "save"])
-            .arg(&db));
+        etcdctl_save(bins, curl, &db);
         run(Command::new("sh").arg("-c").arg(format!(
             "gzip -1 -c '{db}' | age -r {} -r {} > '{db}.gz.age'",
             recipients[0],

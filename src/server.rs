@@ -526,25 +526,25 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn healthz_follows_readiness() {
-        let (s, _) = state(true, None);
-        assert_eq!(call(s, get("/healthz")).await.0, StatusCode::OK);
-        let (s, _) = state(false, None);
-        let (code, body) = call(s, get("/healthz")).await;
-        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
-        assert_eq!(body["state"], "Active");
-        assert_eq!(body["reason"], "test");
-    }
-
-    #[tokio::test]
-    async fn errors_are_json_with_a_code() {
-        let (s, _) = state(true, None);
-        let (code, body) = call(s.clone(), get("/snapshot/latest")).await;
-        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
-        assert_eq!(body["code"], "unavailable");
-        let (code, body) = call(s, get("/nope")).await;
-        assert_eq!(code, StatusCode::NOT_FOUND);
-        assert_eq!(body["code"], "not_found");
+    async fn healthz_follows_readiness_and_errors_are_json_with_a_code() {
+        let tok = Some("sekrit");
+        // (ready, token, path, status, `field=value`s of the body)
+        let cases = [
+            (true, None, "/healthz", 200, ""),
+            (false, None, "/healthz", 503, "state=Active reason=test"),
+            (true, None, "/snapshot/latest", 503, "code=unavailable"),
+            (true, None, "/nope", 404, "code=not_found"),
+            // With a token configured: an unknown route, and readiness refused.
+            (false, tok, "/snapshot", 404, "code=not_found"),
+            (false, tok, "/healthz", 503, "code=not_ready state=Active"),
+        ];
+        for (ready, token, path, status, fields) in cases {
+            let (code, body) = call(state(ready, token).0, get(path)).await;
+            assert_eq!(code, status, "{path} (ready {ready}, token {token:?})");
+            for (field, value) in fields.split_whitespace().filter_map(|f| f.split_once('=')) {
+                assert_eq!(body[field], value, "{path} (ready {ready}): {body}");
+            }
+        }
     }
 
     #[tokio::test]
@@ -603,16 +603,8 @@ mod tests {
             let body: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
             assert_eq!(body["code"], "method_not_allowed", "{method} {path}");
         }
-        // An unknown route, and readiness refused: JSON with a code too.
-        let (code, body) = call(s.clone(), get("/snapshot")).await;
-        assert_eq!(
-            (code, &body["code"]),
-            (StatusCode::NOT_FOUND, &"not_found".into())
-        );
-        let (code, body) = call(s, get("/healthz")).await;
-        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
-        assert_eq!(body["code"], "not_ready");
-        assert_eq!(body["state"], "Active");
+        // An unknown route and readiness refused, with the token configured: JSON with a code
+        // too (rows of healthz_follows_readiness_and_errors_are_json_with_a_code).
     }
 
     #[tokio::test]

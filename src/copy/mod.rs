@@ -650,32 +650,17 @@ fn verified_by(input: ByteStream, check: impl FnOnce(ByteStream) -> ByteStream) 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::compression::{collect, once};
-    use sha2::{Digest, Sha256};
-
-    fn payload(len: usize) -> Vec<u8> {
-        let mut db: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
-        let h = Sha256::digest(&db);
-        db.extend_from_slice(&h);
-        db
-    }
-
-    fn chunks(data: Vec<u8>, size: usize) -> ByteStream {
-        let v: Vec<io::Result<Bytes>> = data
-            .chunks(size)
-            .map(|c| Ok(Bytes::copy_from_slice(c)))
-            .collect();
-        futures::stream::iter(v).boxed()
-    }
+    use crate::snapshot::full::sealed_payload;
+    use crate::store::compression::{chunked, collect, once};
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_tee_passes_good_payloads_and_fails_corrupt_ones() {
-        let good = payload(300_000);
+        let good = sealed_payload(300_000);
         for codec in [Codec::None, Codec::Gzip, Codec::Zlib] {
             let stored = collect(codec.encode(once(good.clone()), 2).unwrap())
                 .await
                 .unwrap();
-            let out = collect(verified(chunks(stored.clone(), 4096), codec))
+            let out = collect(verified(chunked(&stored, 4096), codec))
                 .await
                 .unwrap();
             assert_eq!(out, stored, "{codec}");
@@ -685,7 +670,7 @@ mod tests {
             let bad = collect(codec.encode(once(bad_plain), 2).unwrap())
                 .await
                 .unwrap();
-            let e = collect(verified(chunks(bad, 4096), codec))
+            let e = collect(verified(chunked(&bad, 4096), codec))
                 .await
                 .unwrap_err();
             assert!(e.to_string().contains("SHA-256"), "{codec}: {e}");
@@ -695,7 +680,7 @@ mod tests {
         let mut bad = good.clone();
         bad[5] ^= 1;
         let mut passed = 0;
-        let mut out = verified(chunks(bad, 4096), Codec::None);
+        let mut out = verified(chunked(&bad, 4096), Codec::None);
         let mut failed = false;
         while let Some(item) = out.next().await {
             match item {
@@ -706,7 +691,7 @@ mod tests {
         assert!(failed);
         assert!(passed < good.len(), "passed {passed} of {}", good.len());
         // Not gzip at all: fails while decoding.
-        let e = collect(verified(chunks(vec![7u8; 100_000], 1000), Codec::Gzip))
+        let e = collect(verified(chunked(&[7u8; 100_000], 1000), Codec::Gzip))
             .await
             .unwrap_err();
         assert!(!e.to_string().is_empty());

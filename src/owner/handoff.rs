@@ -59,6 +59,7 @@ use object_store::path::Path;
 use object_store::{ObjectStoreExt, PutPayload};
 use serde::{Deserialize, Serialize};
 
+use crate::owner::resolve::Verdict;
 use crate::store::{Kind, Snapshot, SnapshotStore, StoreError};
 
 /// The directory under the store prefix that holds etcd-warden's own objects.
@@ -478,15 +479,29 @@ pub enum Refusal {
 /// (`verdict` `None`) or said unresolvable refuses too.
 pub fn may_take_final_by_hand(
     record: &str,
-    verdict: Option<crate::owner::resolve::Verdict>,
+    verdict: Option<Verdict>,
     said: &str,
 ) -> Result<(), Refusal> {
-    match verdict {
-        Some(crate::owner::resolve::Verdict::NotOwner) => Ok(()),
-        _ => Err(Refusal::FinalWhileOwned {
+    only_if_said(
+        verdict,
+        Verdict::NotOwner,
+        Refusal::FinalWhileOwned {
             record: record.into(),
             said: said.into(),
-        }),
+        },
+    )
+}
+
+/// `Ok` when the lookup said `wanted`, else `refusal`: a failed lookup refuses too.
+fn only_if_said(
+    verdict: Option<Verdict>,
+    wanted: Verdict,
+    refusal: Refusal,
+) -> Result<(), Refusal> {
+    if verdict == Some(wanted) {
+        Ok(())
+    } else {
+        Err(refusal)
     }
 }
 
@@ -530,17 +545,18 @@ pub fn may_snapshot_by_hand(
 pub fn may_reclaim(
     record: &str,
     owner_id: &str,
-    verdict: Option<crate::owner::resolve::Verdict>,
+    verdict: Option<Verdict>,
     said: &str,
 ) -> Result<(), Refusal> {
-    match verdict {
-        Some(crate::owner::resolve::Verdict::Owner) => Ok(()),
-        _ => Err(Refusal::ReclaimWhileNotOwner {
+    only_if_said(
+        verdict,
+        Verdict::Owner,
+        Refusal::ReclaimWhileNotOwner {
             record: record.into(),
             said: said.into(),
             owner_id: owner_id.into(),
-        }),
-    }
+        },
+    )
 }
 
 /// The hand-off's objects in one store.
@@ -796,6 +812,18 @@ impl HandOffObjects {
             .collect())
     }
 
+    /// Marks the final `final_name` reclaimed: its hand-off was undone.
+    async fn mark_reclaimed(&self, final_name: &str) -> Result<(), HandOffError> {
+        self.store
+            .backend()
+            .put(
+                &self.reclaimed_path(final_name),
+                PutPayload::from(Bytes::from_static(b"{}")),
+            )
+            .await?;
+        Ok(())
+    }
+
     /// The names of the finals `etcd-warden reclaim` marked reclaimed.
     pub async fn reclaimed(&self) -> Result<BTreeSet<String>, HandOffError> {
         Ok(self.keys("reclaimed").await?.into_iter().collect())
@@ -888,12 +916,7 @@ pub async fn reclaim(objects: &HandOffObjects) -> Result<Reclaimed, HandOffError
         names.push(intent.final_snapshot);
     }
     for name in names {
-        let path = objects.reclaimed_path(&name);
-        objects
-            .store
-            .backend()
-            .put(&path, PutPayload::from(Bytes::from_static(b"{}")))
-            .await?;
+        objects.mark_reclaimed(&name).await?;
         done.finals_reclaimed.push(name);
     }
     // The record, every intent (stale ones too) and every claim.
@@ -1547,7 +1570,7 @@ mod tests {
     /// forever, and never took its final.
     #[tokio::test]
     async fn a_stale_intent_an_older_reclaim_left_does_not_block_the_next_hand_off() {
-        let (_dir, store, objects) = objects();
+        let (_dir, _, objects) = objects();
         let intent = |name: &str, revision: i64| FinalIntent {
             final_snapshot: name.into(),
             revision,
@@ -1564,14 +1587,7 @@ mod tests {
             Created::Created
         );
         // What the older reclaim leaves: the mark, and the intent still there.
-        store
-            .backend()
-            .put(
-                &objects.reclaimed_path(&first.snap_name),
-                PutPayload::from(Bytes::from_static(b"{}")),
-            )
-            .await
-            .unwrap();
+        objects.mark_reclaimed(&first.snap_name).await.unwrap();
         assert_eq!(objects.intent().await.unwrap(), None);
 
         // The next hand-off fixes its own, beside the stale one; the first create wins.
@@ -1592,14 +1608,7 @@ mod tests {
         assert_eq!(objects.seen().await.unwrap().intent, Some(fixed));
 
         // It is undone too (an older reclaim again), and a third goes beside that one.
-        store
-            .backend()
-            .put(
-                &objects.reclaimed_path(&second.snap_name),
-                PutPayload::from(Bytes::from_static(b"{}")),
-            )
-            .await
-            .unwrap();
+        objects.mark_reclaimed(&second.snap_name).await.unwrap();
         let third = intent(&full(99, true).snap_name, 99);
         assert_eq!(
             objects.create_intent(&third).await.unwrap(),

@@ -498,15 +498,16 @@ impl Protocol {
     /// Move the hand-off along; verdicts are ignored because Deactivated is sticky.
     fn hand_off(&mut self, step: FinalStep, event: Event, actions: &mut Vec<Action>) {
         let next = match (step, event) {
-            (FinalStep::Killing, Event::Killed(true)) if self.timing.settle.is_zero() => {
-                actions.push(Action::WriteFence);
-                FinalStep::Fencing
-            }
-            (FinalStep::Killing, Event::Killed(true)) => {
+            (FinalStep::Killing, Event::Killed(true)) if !self.timing.settle.is_zero() => {
                 actions.push(Action::AwaitSettle {
                     settle: self.timing.settle,
                 });
                 FinalStep::Settling
+            }
+            // Verified dead: fence, after the second kill or after the first without a settle.
+            (FinalStep::Killing | FinalStep::KillingAgain, Event::Killed(true)) => {
+                actions.push(Action::WriteFence);
+                FinalStep::Fencing
             }
             (FinalStep::Settling | FinalStep::KillAgainRetry, Event::RetryDue) => {
                 // etcd goes down again; only a health check after this counts as "back".
@@ -514,21 +515,15 @@ impl Protocol {
                 actions.push(Action::KillAgain);
                 FinalStep::KillingAgain
             }
-            (FinalStep::KillingAgain, Event::Killed(true)) => {
-                actions.push(Action::WriteFence);
-                FinalStep::Fencing
-            }
-            (FinalStep::KillingAgain, Event::Killed(false)) => {
+            (FinalStep::Killing | FinalStep::KillingAgain, Event::Killed(false)) => {
                 actions.push(Action::ScheduleRetry {
                     delay: self.timing.kill_retry,
                 });
-                FinalStep::KillAgainRetry
-            }
-            (FinalStep::Killing, Event::Killed(false)) => {
-                actions.push(Action::ScheduleRetry {
-                    delay: self.timing.kill_retry,
-                });
-                FinalStep::KillRetry
+                if step == FinalStep::KillingAgain {
+                    FinalStep::KillAgainRetry
+                } else {
+                    FinalStep::KillRetry
+                }
             }
             (FinalStep::KillRetry, Event::RetryDue) => {
                 self.kill(actions);
@@ -611,6 +606,16 @@ mod tests {
     const VISIBLE: Event = EtcdProcess(true);
     const CLEAR: Event = StartChecked(StartCheck::Clear);
     const TAKE: Event = Event::HandOff(HandOff::Take { min_revision: 42 });
+    /// Not owner: killed, settled, killed again, fenced, etcd back, and the check says Take.
+    const TO_THE_TAKE: [Event; 7] = [
+        NOT_OWNER,
+        Killed(true),
+        RetryDue,
+        Killed(true),
+        Fenced(true),
+        HEALTHY,
+        TAKE,
+    ];
 
     fn timing() -> Timing {
         Timing {
@@ -765,19 +770,7 @@ mod tests {
 
     #[test]
     fn the_whole_hand_off_of_the_member_that_takes_the_final() {
-        let (p, actions) = run(&with(
-            active(),
-            &[
-                NOT_OWNER,
-                Killed(true),
-                RetryDue,
-                Killed(true),
-                Fenced(true),
-                HEALTHY,
-                TAKE,
-                FinalStored(true),
-            ],
-        ));
+        let (p, actions) = run(&[&active()[..], &TO_THE_TAKE, &[FinalStored(true)]].concat());
         assert_eq!(
             p.state(),
             State::Deactivated(FinalStep::Done(FinalOutcome::Taken))
@@ -873,18 +866,10 @@ mod tests {
 
     #[test]
     fn a_failed_take_checks_the_store_again_before_another_take() {
-        let (p, actions) = run(&[
-            NOT_OWNER,
-            Killed(true),
-            RetryDue,
-            Killed(true),
-            Fenced(true),
-            HEALTHY,
-            TAKE,
-            FinalStored(false),
-            RetryDue,
-            Event::HandOff(HandOff::Done),
-        ]);
+        let (p, actions) = run(&with(
+            TO_THE_TAKE.to_vec(),
+            &[FinalStored(false), RetryDue, Event::HandOff(HandOff::Done)],
+        ));
         assert_eq!(
             p.state(),
             State::Deactivated(FinalStep::Done(FinalOutcome::FoundInStore))
@@ -1098,6 +1083,26 @@ mod tests {
             }
 
             for action in actions {
+                // Every step of the hand-off is taken in Deactivated; all but the take follow a
+                // verified kill.
+                let hand_off = matches!(
+                    action,
+                    WriteFence | CheckHandOff | AwaitSettle { .. } | KillAgain
+                );
+                if hand_off || matches!(action, TakeFinal { .. }) {
+                    assert!(
+                        deactivated(after),
+                        "{action:?} outside Deactivated: {}",
+                        ctx()
+                    );
+                }
+                if hand_off {
+                    assert!(
+                        self.verified_in_deactivated,
+                        "{action:?} before a verified kill: {}",
+                        ctx()
+                    );
+                }
                 match *action {
                     SetReady(r) => {
                         assert_ne!(r, self.ready, "redundant readiness change: {}", ctx());
@@ -1124,12 +1129,6 @@ mod tests {
                         self.start_pending = true;
                     }
                     WriteFence => {
-                        assert!(deactivated(after), "{}", ctx());
-                        assert!(
-                            self.verified_in_deactivated,
-                            "fence before a verified kill: {}",
-                            ctx()
-                        );
                         assert!(
                             timing.settle.is_zero() || self.settle_verified,
                             "fence before the kill after the settle is verified: {}",
@@ -1139,9 +1138,8 @@ mod tests {
                         self.fence_pending = true;
                     }
                     CheckHandOff => {
-                        assert!(deactivated(after), "{}", ctx());
                         assert!(
-                            self.fenced && self.verified_in_deactivated,
+                            self.fenced,
                             "hand-off check before this member is fenced: {}",
                             ctx()
                         );
@@ -1158,7 +1156,6 @@ mod tests {
                         self.check_pending = true;
                     }
                     TakeFinal { min_revision, .. } => {
-                        assert!(deactivated(after), "final outside Deactivated: {}", ctx());
                         assert_eq!(
                             Some(min_revision),
                             self.last_take_answer,
@@ -1177,11 +1174,10 @@ mod tests {
                         self.take_pending = true;
                     }
                     AwaitSettle { settle } => {
-                        assert!(deactivated(after), "{}", ctx());
                         assert!(!timing.settle.is_zero(), "settle disabled: {}", ctx());
                         assert_eq!(settle, timing.settle, "{}", ctx());
                         assert!(
-                            event == Killed(true) && self.verified_in_deactivated,
+                            event == Killed(true),
                             "the settle starts at the first verified kill: {}",
                             ctx()
                         );
@@ -1190,9 +1186,8 @@ mod tests {
                         self.settle_waiting = true;
                     }
                     KillAgain => {
-                        assert!(deactivated(after), "{}", ctx());
                         assert!(
-                            self.settle_elapsed && self.verified_in_deactivated,
+                            self.settle_elapsed,
                             "second kill before the settle: {}",
                             ctx()
                         );

@@ -656,8 +656,11 @@ mod tests {
 
     type Pairs = Vec<(Vec<u8>, Vec<u8>)>;
 
-    fn write(path: &Path, buckets: &[(&[u8], Pairs)]) {
-        let mut w = Writer::create(path, 4096).unwrap();
+    /// A bbolt file `db` holding `buckets`, in a new temporary directory.
+    fn written(buckets: &[(&[u8], Pairs)]) -> (tempfile::TempDir, std::path::PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db");
+        let mut w = Writer::create(&path, 4096).unwrap();
         let mut roots = Vec::new();
         for (name, keys) in buckets {
             let mut t = w.tree();
@@ -667,6 +670,7 @@ mod tests {
             roots.push((name.to_vec(), t.finish().unwrap(), 7));
         }
         w.finish(&roots, 5).unwrap();
+        (dir, path)
     }
 
     fn read_all(r: &Reader, root: &Root) -> Pairs {
@@ -682,8 +686,6 @@ mod tests {
 
     #[test]
     fn what_is_written_reads_back_in_order_across_branches_and_overflow() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("db");
         // Enough small keys for two levels of branches, some values larger than a page.
         let many: Pairs = (0..60_000u32)
             .map(|i| {
@@ -696,14 +698,11 @@ mod tests {
             })
             .collect();
         let few = vec![(b"a".to_vec(), b"1".to_vec())];
-        write(
-            &path,
-            &[
-                (b"empty", vec![]),
-                (b"key", many.clone()),
-                (b"meta", few.clone()),
-            ],
-        );
+        let (_dir, path) = written(&[
+            (b"empty", vec![]),
+            (b"key", many.clone()),
+            (b"meta", few.clone()),
+        ]);
         let len = std::fs::metadata(&path).unwrap().len();
         assert_eq!(len % 4096, 0);
         let r = Reader::open(&path, len).unwrap();
@@ -725,8 +724,6 @@ mod tests {
 
     #[test]
     fn a_damaged_file_gives_errors_never_a_panic() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("db");
         // Small, so each of the ~1,000 damaged copies is quick; still branches and overflow.
         let keys: Pairs = (0..1500u32)
             .map(|i| {
@@ -734,7 +731,7 @@ mod tests {
                 (i.to_be_bytes().to_vec(), vec![i as u8; len])
             })
             .collect();
-        write(&path, &[(b"key", keys), (b"meta", vec![])]);
+        let (dir, path) = written(&[(b"key", keys), (b"meta", vec![])]);
         let good = std::fs::read(&path).unwrap();
         let broken = dir.path().join("broken");
         // Every 97th byte in turn, so every kind of field gets hit somewhere.
@@ -756,12 +753,10 @@ mod tests {
 
     #[test]
     fn a_page_pointing_back_into_its_tree_is_refused() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("db");
         let keys: Pairs = (0..2000u32)
             .map(|i| (i.to_be_bytes().to_vec(), vec![0; 100]))
             .collect();
-        write(&path, &[(b"key", keys)]);
+        let (_dir, path) = written(&[(b"key", keys)]);
         let len = std::fs::metadata(&path).unwrap().len();
         let root = match &Reader::open(&path, len).unwrap().buckets().unwrap()[0].root {
             Root::Page(id) => *id,
@@ -796,9 +791,7 @@ mod tests {
 
     #[test]
     fn damage_is_reported_not_followed() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("db");
-        write(&path, &[(b"key", vec![(b"a".to_vec(), b"1".to_vec())])]);
+        let (dir, path) = written(&[(b"key", vec![(b"a".to_vec(), b"1".to_vec())])]);
         let len = std::fs::metadata(&path).unwrap().len();
         // Both meta pages broken: not a bbolt file.
         let mut bytes = std::fs::read(&path).unwrap();

@@ -8,12 +8,13 @@ use std::time::Instant;
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use super::datadir::{self, DataDir, DbLock};
 use super::{RestoreError, RestoreOptions, StepExt, restore};
 use crate::config::RestoreConfig;
+use crate::snapshot::metrics::doubling_seconds;
 use crate::store::SnapshotStore;
 
 /// Name of the guard file, in the data directory's parent.
@@ -177,12 +178,8 @@ impl Default for InitializeMetrics {
         InitializeMetrics {
             // 10 ms … ~5.5 h: validation is quick; restoring a large database with many deltas
             // takes minutes.
-            validation: Family::new_with_constructor(|| {
-                Histogram::new(exponential_buckets(0.01, 2.0, 21))
-            }),
-            restoration: Family::new_with_constructor(|| {
-                Histogram::new(exponential_buckets(0.01, 2.0, 21))
-            }),
+            validation: Family::new_with_constructor(doubling_seconds::<10, 21>),
+            restoration: Family::new_with_constructor(doubling_seconds::<10, 21>),
         }
     }
 }

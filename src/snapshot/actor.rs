@@ -969,6 +969,16 @@ mod tests {
     }
 
     impl HangingEtcd {
+        /// An engine at revision 10 whose streams hang while `hang` is set.
+        fn new(hang: bool) -> Self {
+            HangingEtcd {
+                hang: Arc::new(AtomicBool::new(hang)),
+                buffered: Arc::new(AtomicU64::new(0)),
+                revision: 10,
+                defrag_steps: Arc::new(AtomicU64::new(0)),
+            }
+        }
+
         async fn maybe_hang(&self) {
             if self.hang.load(Ordering::SeqCst) {
                 std::future::pending::<()>().await;
@@ -1104,19 +1114,28 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn defragmentation_only_while_the_gate_is_open_and_cancelled_when_it_changes() {
-        let hang = Arc::new(AtomicBool::new(false));
-        let steps = Arc::new(AtomicU64::new(0));
-        let engine = HangingEtcd {
-            hang: hang.clone(),
-            buffered: Arc::new(AtomicU64::new(0)),
-            revision: 10,
-            defrag_steps: steps.clone(),
-        };
+    /// Fresh metrics, and the registry they are registered in (what the assertions read).
+    fn registered() -> (SnapshotMetrics, Registry) {
         let metrics = SnapshotMetrics::default();
         let mut reg = Registry::default();
         metrics.register(&mut reg);
+        (metrics, reg)
+    }
+
+    /// Whether the actor's status comes to meet `f` within five seconds.
+    async fn status_within_5s(actor: &ActorHandle, f: impl FnMut(&ActorStatus) -> bool) -> bool {
+        let mut status = actor.watch_status();
+        // `is_ok()` drops the borrow `wait_for` returns: holding it would block the actor.
+        tokio::time::timeout(Duration::from_secs(5), status.wait_for(f))
+            .await
+            .is_ok()
+    }
+
+    #[tokio::test]
+    async fn defragmentation_only_while_the_gate_is_open_and_cancelled_when_it_changes() {
+        let engine = HangingEtcd::new(false);
+        let (hang, steps) = (engine.hang.clone(), engine.defrag_steps.clone());
+        let (metrics, reg) = registered();
         let (gate, gate_rx) = watch::channel(Gate::Closed);
         let cancel = CancellationToken::new();
         let (actor, task) = spawn(
@@ -1126,8 +1145,7 @@ mod tests {
             metrics,
             cancel.clone(),
         );
-        let mut status = actor.watch_status();
-        let _ = tokio::time::timeout(Duration::from_secs(5), status.wait_for(|s| s.leader)).await;
+        let _ = status_within_5s(&actor, |s| s.leader).await;
 
         // Not Active (no verdict yet, then deactivated): refused, nothing defragmented.
         for g in [Gate::Closed, Gate::Final] {
@@ -1185,13 +1203,8 @@ mod tests {
 
     #[tokio::test]
     async fn scheduled_defragmentation_runs_only_while_active() {
-        let steps = Arc::new(AtomicU64::new(0));
-        let engine = HangingEtcd {
-            hang: Arc::new(AtomicBool::new(false)),
-            buffered: Arc::new(AtomicU64::new(0)),
-            revision: 10,
-            defrag_steps: steps.clone(),
-        };
+        let engine = HangingEtcd::new(false);
+        let steps = engine.defrag_steps.clone();
         let mut config = quiet_config(Duration::from_secs(5));
         // Every second (croner reads a sixth, leading field as seconds when asked to).
         config.defrag.schedule = Some(
@@ -1213,13 +1226,7 @@ mod tests {
 
         // Active: a pass within a couple of seconds (three members and the final "done").
         gate.send_replace(Gate::Open);
-        let mut status = actor.watch_status();
-        let due = tokio::time::timeout(
-            Duration::from_secs(5),
-            status.wait_for(|s| s.next_defrag_at.is_some()),
-        )
-        .await
-        .is_ok();
+        let due = status_within_5s(&actor, |s| s.next_defrag_at.is_some()).await;
         assert!(due, "{:?}", actor.status());
         let started = Instant::now();
         while steps.load(Ordering::SeqCst) < 4 {
@@ -1244,17 +1251,9 @@ mod tests {
 
     #[tokio::test]
     async fn a_hung_etcd_stream_times_out_and_the_actor_takes_the_next_command() {
-        let hang = Arc::new(AtomicBool::new(true));
-        let buffered = Arc::new(AtomicU64::new(0));
-        let engine = HangingEtcd {
-            hang: hang.clone(),
-            buffered: buffered.clone(),
-            revision: 10,
-            defrag_steps: Arc::new(AtomicU64::new(0)),
-        };
-        let metrics = SnapshotMetrics::default();
-        let mut reg = Registry::default();
-        metrics.register(&mut reg);
+        let engine = HangingEtcd::new(true);
+        let (hang, buffered) = (engine.hang.clone(), engine.buffered.clone());
+        let (metrics, reg) = registered();
         let config = ActorConfig {
             schedule: std::str::FromStr::from_str("0 0 1 1 *").unwrap(),
             delta_period: Duration::from_secs(3600),
@@ -1274,14 +1273,7 @@ mod tests {
 
         // The first full snapshot is due at once (empty store) and hangs: it times out, counts
         // as a failure, and stays required.
-        let mut status = actor.watch_status();
-        // `is_ok()` drops the borrow `wait_for` returns: holding it would block the actor.
-        let failed = tokio::time::timeout(
-            Duration::from_secs(5),
-            status.wait_for(|s| s.last_error.is_some()),
-        )
-        .await
-        .is_ok();
+        let failed = status_within_5s(&actor, |s| s.last_error.is_some()).await;
         assert!(failed, "{:?}", actor.status());
         let error = actor.status().last_error.unwrap_or_default();
         assert!(error.contains("snapshot.timeout"), "{error}");

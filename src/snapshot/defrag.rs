@@ -98,37 +98,35 @@ mod tests {
     }
 
     #[test]
-    fn followers_first_leader_last() {
-        let ms = [
+    fn followers_first_leader_last_and_members_with_little_free_space_skipped() {
+        let roomy = [
             member(3, false, 100, 10),
             member(1, true, 100, 10),
             member(2, false, 100, 10),
         ];
-        assert_eq!(
-            plan(&ms, 1, &[], 0.1),
-            DefragPlan::Defragment(vec![2, 3, 1])
-        );
-        assert_eq!(plan(&ms, 1, &[2], 0.1), DefragPlan::Defragment(vec![3, 1]));
-        assert_eq!(plan(&ms, 1, &[2, 3], 0.1), DefragPlan::Defragment(vec![1]));
-        assert_eq!(
-            plan(&ms, 1, &[1, 2, 3], 0.1),
-            DefragPlan::Defragment(vec![])
-        );
-    }
-
-    #[test]
-    fn members_with_little_free_space_are_skipped() {
         // 5% free is below 10%; exactly 10% is not.
-        let ms = [
+        let full = [
             member(1, true, 100, 95),
             member(2, false, 100, 90),
             member(3, false, 100, 99),
         ];
-        assert_eq!(plan(&ms, 1, &[], 0.1), DefragPlan::Defragment(vec![2]));
-        assert_eq!(
-            plan(&ms, 1, &[], 0.0),
-            DefragPlan::Defragment(vec![2, 3, 1])
-        );
+        // (members, done, min free fraction, the order planned)
+        type Case<'a> = (&'a [MemberState], &'a [u64], f64, &'a [u64]);
+        let cases: [Case; 6] = [
+            (&roomy, &[], 0.1, &[2, 3, 1]),
+            (&roomy, &[2], 0.1, &[3, 1]),
+            (&roomy, &[2, 3], 0.1, &[1]),
+            (&roomy, &[1, 2, 3], 0.1, &[]),
+            (&full, &[], 0.1, &[2]),
+            (&full, &[], 0.0, &[2, 3, 1]),
+        ];
+        for (ms, done, min_free, order) in cases {
+            assert_eq!(
+                plan(ms, 1, done, min_free),
+                DefragPlan::Defragment(order.to_vec()),
+                "done {done:?}, min free {min_free}"
+            );
+        }
     }
 
     #[test]

@@ -296,30 +296,24 @@ pub fn verify_sha256(input: ByteStream) -> ByteStream {
     .boxed()
 }
 
+/// A stand-in for etcd's snapshot stream (tests): `len` bytes, then their SHA-256.
+#[cfg(test)]
+pub(crate) fn sealed_payload(len: usize) -> Vec<u8> {
+    let mut db: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
+    let h = Sha256::digest(&db);
+    db.extend_from_slice(&h);
+    db
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::compression::collect;
+    use crate::store::compression::{chunked, collect};
     use std::sync::Arc;
-
-    fn payload(len: usize) -> Vec<u8> {
-        let mut db: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
-        let h = Sha256::digest(&db);
-        db.extend_from_slice(&h);
-        db
-    }
-
-    fn chunked(data: &[u8], size: usize) -> ByteStream {
-        let v: Vec<io::Result<Bytes>> = data
-            .chunks(size)
-            .map(|c| Ok(Bytes::copy_from_slice(c)))
-            .collect();
-        futures::stream::iter(v).boxed()
-    }
 
     #[tokio::test]
     async fn verification_passes_bytes_through_for_any_chunking() {
-        let p = payload(10_000);
+        let p = sealed_payload(10_000);
         for size in [1, 7, 31, 32, 33, 4096, 20_000] {
             let out = collect(verify_sha256(chunked(&p, size))).await.unwrap();
             assert_eq!(out, p, "chunk size {size}");
@@ -341,7 +335,7 @@ mod tests {
         let backend =
             Arc::new(object_store::local::LocalFileSystem::new_with_prefix(dir.path()).unwrap());
         let store = SnapshotStore::new(backend, "");
-        let good = payload(3 << 20);
+        let good = sealed_payload(3 << 20);
         let snap = store.new_snapshot(Kind::Full, 0, 42, Codec::Gzip, false);
         store_payload(&store, &snap, chunked(&good, 65536), Codec::Gzip)
             .await

@@ -48,6 +48,16 @@ pub struct SucceededLabel {
     pub succeeded: String,
 }
 
+/// A histogram of seconds whose first bucket ends at `FIRST_MS` milliseconds, each next one at
+/// twice the last, `BUCKETS` of them.
+pub fn doubling_seconds<const FIRST_MS: u32, const BUCKETS: u16>() -> Histogram {
+    Histogram::new(exponential_buckets(
+        f64::from(FIRST_MS) / 1000.0,
+        2.0,
+        BUCKETS,
+    ))
+}
+
 fn outcome(kind: Kind, ok: bool) -> OutcomeLabels {
     OutcomeLabels {
         kind: kind.to_string(),
@@ -83,9 +93,7 @@ impl Default for SnapshotMetrics {
     fn default() -> Self {
         Self {
             // 0.1 s … ~1.9 h: a delta takes milliseconds, a large full snapshot minutes.
-            duration: Family::new_with_constructor(|| {
-                Histogram::new(exponential_buckets(0.1, 2.0, 16))
-            }),
+            duration: Family::new_with_constructor(doubling_seconds::<100, 16>),
             latest_revision: Family::default(),
             latest_timestamp: Family::default(),
             gc: Family::default(),
@@ -98,9 +106,7 @@ impl Default for SnapshotMetrics {
             cluster_size: Gauge::default(),
             is_learner: Gauge::default(),
             // 0.1 s … ~1.9 h, as snapshots: a small database takes a second, a large one minutes.
-            defrag: Family::new_with_constructor(|| {
-                Histogram::new(exponential_buckets(0.1, 2.0, 16))
-            }),
+            defrag: Family::new_with_constructor(doubling_seconds::<100, 16>),
         }
     }
 }

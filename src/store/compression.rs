@@ -511,6 +511,16 @@ pub fn once(b: impl Into<Bytes>) -> ByteStream {
     futures::stream::once(futures::future::ready(Ok(b.into()))).boxed()
 }
 
+/// `data` as a stream of `size`-byte chunks (tests: a chunk boundary anywhere).
+#[cfg(test)]
+pub fn chunked(data: &[u8], size: usize) -> ByteStream {
+    let v: Vec<io::Result<Bytes>> = data
+        .chunks(size)
+        .map(|c| Ok(Bytes::copy_from_slice(c)))
+        .collect();
+    futures::stream::iter(v).boxed()
+}
+
 /// A stream from any stream of chunks.
 pub fn boxed<S>(s: S) -> ByteStream
 where
@@ -528,14 +538,6 @@ mod tests {
         (0..len)
             .map(|i| ((i * 7919) % 251) as u8 ^ ((i / 4096) as u8))
             .collect()
-    }
-
-    fn chunks(data: &[u8], size: usize) -> ByteStream {
-        let v: Vec<io::Result<Bytes>> = data
-            .chunks(size)
-            .map(|c| Ok(Bytes::copy_from_slice(c)))
-            .collect();
-        futures::stream::iter(v).boxed()
     }
 
     /// A stream whose producer panics after `good` chunks (what a bug in a codec, or a poisoned
@@ -571,11 +573,11 @@ mod tests {
                 panic!("injected panic in the compression thread")
             }
         }
-        let out = blocking_transform(chunks(&sample(1 << 20), 65536), |_| Box::new(Panics));
+        let out = blocking_transform(chunked(&sample(1 << 20), 65536), |_| Box::new(Panics));
         let e = collect(out).await.unwrap_err();
         assert!(e.to_string().contains("without finishing"), "{e}");
         // A reader that stops half-way on its own is fine: that is its output.
-        let half = blocking_transform(chunks(&sample(1 << 20), 65536), |r| Box::new(r.take(1000)));
+        let half = blocking_transform(chunked(&sample(1 << 20), 65536), |r| Box::new(r.take(1000)));
         assert_eq!(collect(half).await.unwrap().len(), 1000);
     }
 
@@ -594,13 +596,13 @@ mod tests {
     async fn writable_codecs_round_trip_across_block_boundaries() {
         let data = sample(3 * BLOCK + 12345);
         for c in [Codec::None, Codec::Gzip, Codec::Zlib] {
-            let enc = collect(c.encode(chunks(&data, 100_000), 3).unwrap())
+            let enc = collect(c.encode(chunked(&data, 100_000), 3).unwrap())
                 .await
                 .unwrap();
             if c != Codec::None {
                 assert!(enc.len() < data.len(), "{c} did not compress");
             }
-            let dec = collect(c.decode(chunks(&enc, 7777))).await.unwrap();
+            let dec = collect(c.decode(chunked(&enc, 7777))).await.unwrap();
             assert_eq!(dec.len(), data.len(), "{c}");
             assert!(dec == data, "{c} round trip differs");
         }
@@ -609,7 +611,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn parallel_gzip_is_one_valid_multi_member_gzip_file() {
         let data = sample(2 * BLOCK + 1);
-        let enc = collect(Codec::Gzip.encode(chunks(&data, 65536), 2).unwrap())
+        let enc = collect(Codec::Gzip.encode(chunked(&data, 65536), 2).unwrap())
             .await
             .unwrap();
         // Each member starts with the gzip magic; there is one per block.
@@ -632,7 +634,7 @@ mod tests {
         // First code is clear (256 = 0b1_0000_0000): low byte 0x00, then bit 0 of byte 1 set.
         assert_eq!(packed[0], 0x00);
         assert_eq!(packed[1] & 1, 1);
-        let dec = collect(Codec::Lzw.decode(chunks(&packed, 3)))
+        let dec = collect(Codec::Lzw.decode(chunked(&packed, 3)))
             .await
             .unwrap();
         assert_eq!(dec, text);
@@ -640,11 +642,11 @@ mod tests {
         let packed = weezl::encode::Encoder::new(weezl::BitOrder::Lsb, 8)
             .encode(&big)
             .unwrap();
-        let dec = collect(Codec::Lzw.decode(chunks(&packed, 4096)))
+        let dec = collect(Codec::Lzw.decode(chunked(&packed, 4096)))
             .await
             .unwrap();
         assert!(dec == big);
-        assert!(Codec::Lzw.encode(chunks(text, 4), 1).is_err());
+        assert!(Codec::Lzw.encode(chunked(text, 4), 1).is_err());
     }
 
     /// Packs codes LSB first, `width` bits each, as Go's `lzw.NewWriter(w, lzw.LSB, 8)` does
@@ -673,35 +675,35 @@ mod tests {
         let with_clear = pack9(&[256, 65, 66, 258, 260, 257]);
         let without = pack9(&[65, 66, 258, 260, 257]);
         for packed in [with_clear, without] {
-            let dec = collect(Codec::Lzw.decode(chunks(&packed, 1)))
+            let dec = collect(Codec::Lzw.decode(chunked(&packed, 1)))
                 .await
                 .unwrap();
             assert_eq!(dec, b"ABABABA");
         }
         // A stream cut before its end code is an error, as for Go's reader.
         let cut = pack9(&[256, 65, 66, 258]);
-        assert!(collect(Codec::Lzw.decode(chunks(&cut, 2))).await.is_err());
+        assert!(collect(Codec::Lzw.decode(chunked(&cut, 2))).await.is_err());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn corrupt_input_is_an_error() {
         let data = sample(100_000);
-        let mut enc = collect(Codec::Gzip.encode(chunks(&data, 4096), 1).unwrap())
+        let mut enc = collect(Codec::Gzip.encode(chunked(&data, 4096), 1).unwrap())
             .await
             .unwrap();
         let mid = enc.len() / 2;
         enc[mid] ^= 0xff;
         assert!(
-            collect(Codec::Gzip.decode(chunks(&enc, 4096)))
+            collect(Codec::Gzip.decode(chunked(&enc, 4096)))
                 .await
                 .is_err()
         );
-        let good = collect(Codec::Zlib.encode(chunks(&data, 4096), 1).unwrap())
+        let good = collect(Codec::Zlib.encode(chunked(&data, 4096), 1).unwrap())
             .await
             .unwrap();
         let truncated = &good[..good.len() / 2];
         assert!(
-            collect(Codec::Zlib.decode(chunks(truncated, 4096)))
+            collect(Codec::Zlib.decode(chunked(truncated, 4096)))
                 .await
                 .is_err()
         );

@@ -183,17 +183,9 @@ fn copy_large(from: &mut dyn Read, to: &mut dyn Write) -> io::Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::compression::collect;
+    use crate::store::compression::{chunked, collect};
     use bytes::Bytes;
     use futures::StreamExt;
-
-    fn stream(data: Vec<u8>, piece: usize) -> ByteStream {
-        let chunks: Vec<io::Result<Bytes>> = data
-            .chunks(piece)
-            .map(|c| Ok(Bytes::copy_from_slice(c)))
-            .collect();
-        futures::stream::iter(chunks).boxed()
-    }
 
     fn payload(len: usize) -> Vec<u8> {
         (0..len).map(|i| (i * 7 + i / 251) as u8).collect()
@@ -210,7 +202,7 @@ mod tests {
         for len in [0, 1, 65_535, 65_536, 65_537, 300_000, 1 << 20] {
             let plain = payload(len);
             let sealed = collect(encrypt(
-                stream(plain.clone(), 10_000),
+                chunked(&plain, 10_000),
                 vec![a.to_public(), b.to_public()],
             ))
             .await
@@ -224,13 +216,13 @@ mod tests {
                 .is_ok()
             );
             for id in [&a, &b] {
-                let back = collect(decrypt(stream(sealed.to_vec(), 7_000), vec![id.clone()]))
+                let back = collect(decrypt(chunked(&sealed, 7_000), vec![id.clone()]))
                     .await
                     .unwrap();
                 assert_eq!(back.len(), plain.len(), "{len}");
                 assert!(back[..] == plain[..], "{len}");
             }
-            let e = collect(decrypt(stream(sealed.to_vec(), 7_000), vec![c.clone()]))
+            let e = collect(decrypt(chunked(&sealed, 7_000), vec![c.clone()]))
                 .await
                 .unwrap_err();
             assert!(e.to_string().contains("no configured identity"), "{e}");
@@ -246,12 +238,12 @@ mod tests {
         let id = age::x25519::Identity::generate();
         let plain = payload(150_000);
         let sealed = encrypt_bytes(&plain, &[id.to_public()]).unwrap();
-        let streamed = collect(encrypt(stream(plain.clone(), 4096), vec![id.to_public()]))
+        let streamed = collect(encrypt(chunked(&plain, 4096), vec![id.to_public()]))
             .await
             .unwrap();
         // Each file has its own header (a random ephemeral key, and age's random "grease"
         // stanza), so only the payload's length is common.
-        let id_back = collect(decrypt(stream(streamed, 9_000), vec![id.clone()]))
+        let id_back = collect(decrypt(chunked(&streamed, 9_000), vec![id.clone()]))
             .await
             .unwrap();
         assert!(id_back[..] == plain[..]);
@@ -261,7 +253,7 @@ mod tests {
         for at in positions.chain([sealed.len() - 1]) {
             let mut bad = sealed.clone();
             bad[at] ^= 0x20;
-            let got = collect(decrypt(stream(bad, 50_000), vec![id.clone()])).await;
+            let got = collect(decrypt(chunked(&bad, 50_000), vec![id.clone()])).await;
             assert!(
                 got.is_err(),
                 "flipping byte {at} of {} went unnoticed",
@@ -276,11 +268,7 @@ mod tests {
             65_536 + header_end + 16,
             sealed.len() - 1,
         ] {
-            let got = collect(decrypt(
-                stream(sealed[..len].to_vec(), 50_000),
-                vec![id.clone()],
-            ))
-            .await;
+            let got = collect(decrypt(chunked(&sealed[..len], 50_000), vec![id.clone()])).await;
             assert!(got.is_err(), "truncation to {len} went unnoticed");
         }
     }

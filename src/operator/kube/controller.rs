@@ -12,7 +12,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use ::kube::api::{Api, Patch, PatchParams, PostParams};
+use ::kube::api::{Api, Patch};
 use ::kube::runtime::events::{Recorder, Reporter};
 use ::kube::runtime::watcher;
 use futures::{FutureExt as _, StreamExt as _};
@@ -29,7 +29,9 @@ use tracing::{debug, info, warn};
 use super::health::{self, HealthState, TaskHealth};
 use super::lease::{LeaseLock, LeaseMetrics, LeaseTiming};
 use super::machine_resource::Machine;
-use super::machines::{FIELD_MANAGER, KubeCall, KubeMachines, KubeMachinesConfig, is_status};
+use super::machines::{
+    KubeCall, KubeMachines, KubeMachinesConfig, is_status, patch_params, post_params,
+};
 use super::quorum_guard::QuorumGuard;
 use super::sync::{ATTEMPTS, SyncError};
 use super::{endpoints, events};
@@ -259,18 +261,12 @@ async fn sync_status(
         what: format!("{what} EtcdQuorum {NAME}"),
         source,
     };
-    let params = PatchParams {
-        field_manager: Some(FIELD_MANAGER.into()),
-        ..PatchParams::default()
-    };
+    let params = patch_params();
     for attempt in 1..=ATTEMPTS {
         let current = match api.get_opt(NAME).await.map_err(|e| call("reading", e))? {
             Some(c) => c,
             None => {
-                let pp = PostParams {
-                    field_manager: Some(FIELD_MANAGER.into()),
-                    ..PostParams::default()
-                };
+                let pp = post_params();
                 match api
                     .create(&pp, &EtcdQuorum::new(NAME, EtcdQuorumSpec {}))
                     .await
@@ -584,6 +580,35 @@ async fn lost(leader: &mut watch::Receiver<bool>) -> bool {
     leader.wait_for(|l| !*l).await.is_err()
 }
 
+/// How a leader's wait was cut short.
+enum Interrupted {
+    /// Cancelled, or the Lease task is gone: the loop ends.
+    Stop,
+    /// The lease or ownership was lost: wait to lead again.
+    Lost,
+}
+
+/// Resolves when `cancel` fires or this replica stops leading, warning with `undone` (what
+/// losing the lease leaves undone).
+async fn interrupted(
+    cancel: &CancellationToken,
+    leader: &mut watch::Receiver<bool>,
+    undone: &str,
+) -> Interrupted {
+    tokio::select! {
+        _ = cancel.cancelled() => Interrupted::Stop,
+        gone = lost(leader) => {
+            if gone {
+                warn!("the Lease task is gone: not acting");
+                Interrupted::Stop
+            } else {
+                warn!("lease or ownership lost: {undone}");
+                Interrupted::Lost
+            }
+        }
+    }
+}
+
 /// Reconciles while this replica leads, woken by `wake` or the resync period, until `cancel`
 /// or until the Lease task is gone.
 async fn reconcile_loop(
@@ -607,15 +632,10 @@ async fn reconcile_loop(
         info!(identity = %settings.identity, "leading: reconciling");
         loop {
             let result = tokio::select! {
-                _ = cancel.cancelled() => break 'run,
-                gone = lost(&mut leader) => {
-                    if gone {
-                        warn!("the Lease task is gone: not acting");
-                        break 'run;
-                    }
-                    warn!("lease or ownership lost: reconcile cancelled, not acting");
-                    continue 'run;
-                }
+                i = interrupted(&cancel, &mut leader, "reconcile cancelled, not acting") => match i {
+                    Interrupted::Stop => break 'run,
+                    Interrupted::Lost => continue 'run,
+                },
                 r = parts.reconcile() => r,
             };
             let wait = match result {
@@ -643,15 +663,10 @@ async fn reconcile_loop(
                 }
             };
             tokio::select! {
-                _ = cancel.cancelled() => break 'run,
-                gone = lost(&mut leader) => {
-                    if gone {
-                        warn!("the Lease task is gone: not acting");
-                        break 'run;
-                    }
-                    warn!("lease or ownership lost: not acting");
-                    continue 'run;
-                }
+                i = interrupted(&cancel, &mut leader, "not acting") => match i {
+                    Interrupted::Stop => break 'run,
+                    Interrupted::Lost => continue 'run,
+                },
                 _ = wake.notified() => {}
                 _ = tokio::time::sleep(wait) => {}
             }

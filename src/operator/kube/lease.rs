@@ -13,7 +13,7 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use ::kube::api::{Api, Patch, PatchParams, PostParams};
+use ::kube::api::Api;
 use k8s_openapi::api::coordination::v1::Lease;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
@@ -23,7 +23,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::machines::{FIELD_MANAGER, KubeCall, is_status};
+use super::machines::{KubeCall, is_status, post_params, send_merge_patch};
 
 /// Timings of the election (client-go's defaults: 15 s, 10 s, 2 s).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,6 +119,14 @@ impl LeaseLock {
         }
     }
 
+    /// The Lease as the API server has it now; `None` when it does not exist.
+    async fn read(&self) -> Result<Option<Lease>, KubeCall> {
+        self.api
+            .get_opt(&self.name)
+            .await
+            .map_err(|e| self.call("reading", e))
+    }
+
     /// Whether the observed record has stayed the same for a whole lease duration.
     fn expired(&self, record: &Record) -> bool {
         let mut seen = self.observed.lock().unwrap_or_else(|p| p.into_inner());
@@ -135,16 +143,7 @@ impl LeaseLock {
     pub async fn try_acquire_or_renew(&self) -> Result<bool, KubeCall> {
         let stamp = now();
         let duration = seconds(self.timing.duration);
-        let params = PatchParams {
-            field_manager: Some(FIELD_MANAGER.into()),
-            ..PatchParams::default()
-        };
-        let Some(lease) = self
-            .api
-            .get_opt(&self.name)
-            .await
-            .map_err(|e| self.call("reading", e))?
-        else {
+        let Some(lease) = self.read().await? else {
             let lease: Lease = serde_json::from_value(json!({
                 "metadata": {"name": self.name},
                 "spec": {
@@ -156,10 +155,7 @@ impl LeaseLock {
                 },
             }))
             .map_err(|e| self.call("building", ::kube::Error::SerdeError(e)))?;
-            let pp = PostParams {
-                field_manager: Some(FIELD_MANAGER.into()),
-                ..PostParams::default()
-            };
+            let pp = post_params();
             return match self.api.create(&pp, &lease).await {
                 Ok(_) => Ok(true),
                 // Another candidate created it first.
@@ -199,11 +195,7 @@ impl LeaseLock {
                 },
             })
         };
-        match self
-            .api
-            .patch(&self.name, &params, &Patch::Merge(&patch))
-            .await
-        {
+        match send_merge_patch(&self.api, &self.name, &patch).await {
             Ok(_) => {
                 if !ours {
                     info!(lease = %self.name, identity = %self.identity, previous = ?holder, "lease acquired");
@@ -218,12 +210,7 @@ impl LeaseLock {
 
     /// Gives the Lease up if this replica holds it, so another takes over at once.
     pub async fn release(&self) -> Result<(), KubeCall> {
-        let Some(lease) = self
-            .api
-            .get_opt(&self.name)
-            .await
-            .map_err(|e| self.call("reading", e))?
-        else {
+        let Some(lease) = self.read().await? else {
             return Ok(());
         };
         let holder = lease
@@ -237,15 +224,7 @@ impl LeaseLock {
             "metadata": {"resourceVersion": lease.metadata.resource_version},
             "spec": {"holderIdentity": null, "leaseDurationSeconds": 1, "renewTime": now()},
         });
-        let params = PatchParams {
-            field_manager: Some(FIELD_MANAGER.into()),
-            ..PatchParams::default()
-        };
-        match self
-            .api
-            .patch(&self.name, &params, &Patch::Merge(&patch))
-            .await
-        {
+        match send_merge_patch(&self.api, &self.name, &patch).await {
             Ok(_) => {
                 info!(lease = %self.name, identity = %self.identity, "lease released");
                 Ok(())

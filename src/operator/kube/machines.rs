@@ -11,11 +11,13 @@
 //! is never added to it: seed 000's escape hatch, at the price that a Machine deleted before the
 //! operator ever protected it is not protected afterwards either.
 
+use std::fmt::Debug;
 use std::time::Duration;
 
-use ::kube::api::{Api, ListParams, Patch, PatchParams};
+use ::kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use async_trait::async_trait;
-use serde_json::json;
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
 use tracing::{debug, info};
 
 use super::machine_resource::{CONTROL_PLANE_SELECTOR, LifecycleHook, Machine};
@@ -24,6 +26,34 @@ use crate::operator::quorum::plan::MachineState;
 
 /// The field manager named on every write.
 pub const FIELD_MANAGER: &str = "etcd-warden-operator";
+
+/// Merge patches as this operator's field manager.
+pub(super) fn patch_params() -> PatchParams {
+    PatchParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..PatchParams::default()
+    }
+}
+
+/// Sends `patch` to `name` as a JSON merge patch, as this operator's field manager.
+pub(super) async fn send_merge_patch<K>(
+    api: &Api<K>,
+    name: &str,
+    patch: &Value,
+) -> ::kube::Result<K>
+where
+    K: Clone + DeserializeOwned + Debug,
+{
+    api.patch(name, &patch_params(), &Patch::Merge(patch)).await
+}
+
+/// Creates as this operator's field manager.
+pub(super) fn post_params() -> PostParams {
+    PostParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..PostParams::default()
+    }
+}
 
 /// Which Machines, and how their members are reached.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -165,20 +195,26 @@ impl KubeMachines {
     /// Machine API works at all (seed 000: no Machine `Running` means it does not, and the hooks
     /// protect nothing, so the operator should stay out).
     pub async fn census(&self) -> Result<Census, BackendError> {
+        let machines = self.selected().await?;
+        Ok(Census {
+            total: machines.len(),
+            running: machines
+                .iter()
+                .filter(|m| m.phase() == Some("Running"))
+                .count(),
+        })
+    }
+
+    /// Every Machine the selector picks.
+    async fn selected(&self) -> Result<Vec<Machine>, BackendError> {
+        // No resourceVersion: a consistent read, not a possibly stale cache.
         let lp = ListParams::default().labels(&self.config.selector);
         let list = self
             .api
             .list(&lp)
             .await
             .map_err(|e| backend_error("listing machines", e))?;
-        Ok(Census {
-            total: list.items.len(),
-            running: list
-                .items
-                .iter()
-                .filter(|m| m.phase() == Some("Running"))
-                .count(),
-        })
+        Ok(list.items)
     }
 
     async fn get(&self, name: &str) -> Result<Machine, BackendError> {
@@ -207,11 +243,7 @@ impl KubeMachines {
                 "metadata": {"resourceVersion": m.metadata.resource_version},
                 "spec": {"lifecycleHooks": {"preDrain": hooks}},
             });
-            let params = PatchParams {
-                field_manager: Some(FIELD_MANAGER.into()),
-                ..PatchParams::default()
-            };
-            match self.api.patch(name, &params, &Patch::Merge(&patch)).await {
+            match send_merge_patch(&self.api, name, &patch).await {
                 Ok(_) => {
                     info!(machine = %name, "{what}");
                     return Ok(());
@@ -236,14 +268,8 @@ impl KubeMachines {
 #[async_trait]
 impl Machines for KubeMachines {
     async fn list(&self) -> Result<Vec<MachineState>, BackendError> {
-        // No resourceVersion: a consistent read, not a possibly stale cache.
-        let lp = ListParams::default().labels(&self.config.selector);
-        let list = self
-            .api
-            .list(&lp)
-            .await
-            .map_err(|e| backend_error("listing machines", e))?;
-        Ok(list.items.iter().filter_map(|m| self.state(m)).collect())
+        let machines = self.selected().await?;
+        Ok(machines.iter().filter_map(|m| self.state(m)).collect())
     }
 
     async fn add_hook(&self, machine: &str) -> Result<(), BackendError> {

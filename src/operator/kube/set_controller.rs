@@ -40,10 +40,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
-use super::machines::{KubeCall, is_status};
+use super::machines::{KubeCall, is_status, patch_params, send_merge_patch};
 use super::set_machines::{
-    ATTEMPTS, KubeSetMachines, SET_LABEL, labelled, machine_resource, other_owners, params,
-    referenced,
+    ATTEMPTS, KubeSetMachines, SET_LABEL, labelled, machine_resource, other_owners, referenced,
 };
 use crate::operator::control_plane_set::controller::{Controller, ControllerError};
 use crate::operator::control_plane_set::plan::{Action, Condition, Plan};
@@ -286,7 +285,7 @@ impl<Q: Machines> Parts<Q> {
         let patch = json!({"status": after});
         let name = set.name_any();
         self.sets
-            .patch_status(&name, &params(), &Patch::Merge(&patch))
+            .patch_status(&name, &patch_params(), &Patch::Merge(&patch))
             .await
             .map_err(call(format!(
                 "writing the status of ControlPlaneSet {name}"
@@ -321,11 +320,7 @@ impl<Q: Machines> Parts<Q> {
                 "finalizers": finalizers,
                 "resourceVersion": current.metadata.resource_version,
             }});
-            match self
-                .sets
-                .patch(&name, &params(), &Patch::Merge(&patch))
-                .await
-            {
+            match send_merge_patch(&self.sets, &name, &patch).await {
                 Ok(_) => {
                     info!(set = %name, "{what}");
                     return Ok(());
@@ -380,11 +375,7 @@ impl<Q: Machines> Parts<Q> {
                 }
                 let patch = json!({"metadata": meta});
                 let name = m.name_any();
-                match self
-                    .machines
-                    .patch(&name, &params(), &Patch::Merge(&patch))
-                    .await
-                {
+                match send_merge_patch(&self.machines, &name, &patch).await {
                     Ok(_) => {
                         info!(machine = %name, "orphaned: the ControlPlaneSet is being deleted");
                         self.event(

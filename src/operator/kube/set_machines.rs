@@ -17,14 +17,14 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use ::kube::ResourceExt as _;
-use ::kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
+use ::kube::api::{Api, DeleteParams, DynamicObject, ListParams};
 use ::kube::core::{ApiResource, GroupVersionKind};
 use async_trait::async_trait;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use serde_json::{Value, json};
 use tracing::debug;
 
-use super::machines::{FIELD_MANAGER, backend_error, is_status};
+use super::machines::{backend_error, is_status, post_params, send_merge_patch};
 use crate::operator::control_plane_set::controller::{SetMachine, SetMachines};
 use crate::operator::control_plane_set::resource::{self, Valid};
 use crate::operator::quorum::execute::BackendError;
@@ -38,14 +38,6 @@ pub fn machine_resource() -> ApiResource {
         "v1beta1",
         "Machine",
     ))
-}
-
-/// Merge patches as this operator's field manager.
-pub(super) fn params() -> PatchParams {
-    PatchParams {
-        field_manager: Some(FIELD_MANAGER.into()),
-        ..PatchParams::default()
-    }
 }
 
 /// The label that makes a Machine the set's: the set's uid.
@@ -232,11 +224,7 @@ impl SetMachines for KubeSetMachines {
                 meta["ownerReferences"] = json!(other_owners(&m, &self.owner.uid));
             }
             let patch = json!({"metadata": meta});
-            match self
-                .api
-                .patch(machine, &params(), &Patch::Merge(&patch))
-                .await
-            {
+            match send_merge_patch(&self.api, machine, &patch).await {
                 Ok(_) => return Ok(()),
                 Err(e) if is_status(&e, 409) => {
                     debug!(
@@ -271,10 +259,7 @@ impl SetMachines for KubeSetMachines {
             what: "building a machine from the template".into(),
             source: Box::new(e),
         })?;
-        let pp = PostParams {
-            field_manager: Some(FIELD_MANAGER.into()),
-            ..PostParams::default()
-        };
+        let pp = post_params();
         let created = self
             .api
             .create(&pp, &m)

@@ -4,13 +4,13 @@
 use std::fmt::Debug;
 use std::time::Duration;
 
-use ::kube::api::{Api, Patch, PatchParams, PostParams};
+use ::kube::api::Api;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 use tracing::{debug, info};
 
-use super::machines::{FIELD_MANAGER, KubeCall, is_status};
+use super::machines::{KubeCall, is_status, post_params, send_merge_patch};
 
 /// Errors keeping an object in step.
 #[derive(Debug, thiserror::Error)]
@@ -57,27 +57,18 @@ where
         what: format!("{what} {name}"),
         source,
     };
-    let params = PatchParams {
-        field_manager: Some(FIELD_MANAGER.into()),
-        ..PatchParams::default()
-    };
     for attempt in 1..=ATTEMPTS {
         let current = api.get_opt(name).await.map_err(|e| call("reading", e))?;
         let written = match current {
             None => {
-                let pp = PostParams {
-                    field_manager: Some(FIELD_MANAGER.into()),
-                    ..PostParams::default()
-                };
+                let pp = post_params();
                 api.create(&pp, &desired()).await.map(|_| "created")
             }
             Some(current) => {
                 let Some(p) = patch(&current) else {
                     return Ok(false);
                 };
-                api.patch(name, &params, &Patch::Merge(&p))
-                    .await
-                    .map(|_| "updated")
+                send_merge_patch(api, name, &p).await.map(|_| "updated")
             }
         };
         match written {
