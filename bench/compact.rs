@@ -14,7 +14,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{median, numeric_args};
-use etcd_warden::restore::{MemberParams, RestoreOptions};
+use etcd_warden::restore::RestoreOptions;
 use etcd_warden::store::SnapshotStore;
 use support::etcd::{EtcdCluster, Release};
 
@@ -24,17 +24,7 @@ async fn timed_restores(store: &SnapshotStore, dir: &std::path::Path) -> (Durati
     for i in 0..3 {
         let target = dir.join(format!("restore-{i}-{}", times.len()));
         let _ = std::fs::remove_dir_all(&target);
-        let opts = RestoreOptions {
-            data_dir: target.clone(),
-            member: MemberParams::default(),
-            etcd_bin: Some(Release::V35.bin_dir()),
-            force: false,
-            parallel_fetch: 4,
-            fallback: false,
-            must_exceed: None,
-            to: None,
-            bump: Default::default(),
-        };
+        let opts = RestoreOptions::scratch(&target, Some(Release::V35.bin_dir()), 4);
         let t = Instant::now();
         let report = etcd_warden::restore::restore(store, &opts).await.unwrap();
         times.push(t.elapsed());

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use common::{numeric_args, run};
-use etcd_warden::restore::{MemberParams, RestoreOptions};
+use etcd_warden::restore::RestoreOptions;
 use etcd_warden::snapshot::delta::{DeltaWriter, Event, EventType};
 use etcd_warden::snapshot::take_full;
 use etcd_warden::snapshot::watcher::DeltaWatch;
@@ -124,17 +124,7 @@ async fn main() {
     let t = Instant::now();
     let report = etcd_warden::restore::restore(
         &store,
-        &RestoreOptions {
-            data_dir: target,
-            member: MemberParams::default(),
-            etcd_bin: Some(bins.clone()),
-            force: false,
-            parallel_fetch: 4,
-            fallback: false,
-            must_exceed: None,
-            to: None,
-            bump: Default::default(),
-        },
+        &RestoreOptions::scratch(&target, Some(bins.clone()), 4),
     )
     .await
     .unwrap();

@@ -110,18 +110,12 @@ pub fn initialize_config(
 
 /// Restoring into `data_dir` with etcd 3.5's tools, as member "default" of a new cluster.
 pub fn restore_options(data_dir: &std::path::Path) -> etcd_warden::restore::RestoreOptions {
-    etcd_warden::restore::RestoreOptions {
-        data_dir: data_dir.to_path_buf(),
-        member: etcd_warden::restore::MemberParams::default(),
-        etcd_bin: Some(super::etcd::Release::V35.bin_dir()),
-        force: false,
-        parallel_fetch: 4,
-        // A corrupt snapshot in these tests is a failure, not something to work around.
-        fallback: false,
-        must_exceed: None,
-        to: None,
-        bump: Default::default(),
-    }
+    // A corrupt snapshot in these tests is a failure, not something to work around.
+    etcd_warden::restore::RestoreOptions::scratch(
+        data_dir,
+        Some(super::etcd::Release::V35.bin_dir()),
+        4,
+    )
 }
 
 /// Starts etcd 3.5 on a restored `data_dir`, dumps it and stops it.
