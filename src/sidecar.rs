@@ -273,8 +273,9 @@ fn ended(result: Result<(), tokio::task::JoinError>) -> String {
 /// before that turns `/healthz` and `/livez` 503, stops everything and returns
 /// [`SidecarError::TaskEnded`], so the process exits non-zero and is restarted.
 pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), SidecarError> {
-    let store =
-        SnapshotStore::from_config(&config.store)?.with_encryption(config.encryption.clone());
+    let store = SnapshotStore::from_config(&config.store)?
+        .with_encryption(config.encryption.clone())
+        .with_compression_level(config.snapshot.compression_level);
     let metrics = SidecarMetrics::new(config.owner.is_some());
     // Before anything talks to etcd: it may be waiting for its data directory. A lost member
     // of a running multi-member cluster rejoins it (restore::rejoin); otherwise the store.

@@ -475,6 +475,20 @@ fn every_error_names_its_key() {
             "gzip",
         ),
         (
+            "compression level out of range",
+            None,
+            vec![("ETCD_WARDEN_SNAPSHOT_COMPRESSION_LEVEL", "12")],
+            "snapshot.compression_level",
+            "1 (fastest, the default) to 9",
+        ),
+        (
+            "mark compacted without a bump",
+            Some("[restore]\nmark_compacted = true\n"),
+            vec![],
+            "restore.mark_compacted",
+            "needs restore.bump_revision",
+        ),
+        (
             "bad policy",
             None,
             vec![("ETCD_WARDEN_SNAPSHOT_GC_POLICY", "Forever")],

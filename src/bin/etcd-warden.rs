@@ -567,7 +567,9 @@ mod ops {
 
     /// The configured store, encrypting and decrypting with the configured keys.
     fn snapshots(config: &Config) -> anyhow::Result<SnapshotStore> {
-        Ok(SnapshotStore::from_config(&config.store)?.with_encryption(config.encryption.clone()))
+        Ok(SnapshotStore::from_config(&config.store)?
+            .with_encryption(config.encryption.clone())
+            .with_compression_level(config.snapshot.compression_level))
     }
 
     pub async fn reclaim(config: &Config) -> anyhow::Result<()> {

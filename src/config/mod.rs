@@ -227,6 +227,8 @@ pub struct SnapshotConfig {
     pub delta_period: Duration,
     pub delta_memory_limit: u64,
     pub compression: Compression,
+    /// gzip and zlib level of new snapshots, 1 (fastest) to 9 (smallest).
+    pub compression_level: crate::store::compression::Level,
     pub gc_policy: GcPolicy,
     pub gc_period: Duration,
     /// Deltas older than this are deleted even when their full snapshot is kept; zero keeps them

@@ -116,6 +116,8 @@ pub struct RawSnapshot {
     pub delta_period: String,
     pub delta_memory_limit: String,
     pub compression: String,
+    #[serde(deserialize_with = "lenient::unsigned")]
+    pub compression_level: u64,
     pub gc_policy: String,
     #[serde(deserialize_with = "lenient::unsigned")]
     pub max_backups: u64,

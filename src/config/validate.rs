@@ -486,6 +486,18 @@ impl Validator<'_> {
             )
         })?;
         let compression = self.one_of("snapshot.compression", &s.compression, COMPRESSIONS)?;
+        let compression_level = u32::try_from(s.compression_level)
+            .ok()
+            .and_then(crate::store::compression::Level::new)
+            .ok_or_else(|| {
+                self.err(
+                    "snapshot.compression_level",
+                    format!(
+                        "{} is not a level; 1 (fastest, the default) to 9 (smallest)",
+                        s.compression_level
+                    ),
+                )
+            })?;
         let gc_policy = match s.gc_policy.trim() {
             "LimitBased" => {
                 if s.max_backups == 0 {
@@ -512,6 +524,7 @@ impl Validator<'_> {
             delta_memory_limit: parse_bytes(&s.delta_memory_limit)
                 .map_err(|m| self.err("snapshot.delta_memory_limit", m))?,
             compression,
+            compression_level,
             gc_policy,
             gc_period: self.positive_duration("snapshot.gc_period", &s.gc_period)?,
             delta_retention: self.duration("snapshot.delta_retention", &s.delta_retention)?,

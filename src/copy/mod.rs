@@ -657,9 +657,17 @@ mod tests {
     async fn the_tee_passes_good_payloads_and_fails_corrupt_ones() {
         let good = sealed_payload(300_000);
         for codec in [Codec::None, Codec::Gzip, Codec::Zlib] {
-            let stored = collect(codec.encode(once(good.clone()), 2).unwrap())
-                .await
-                .unwrap();
+            let stored = collect(
+                codec
+                    .encode(
+                        once(good.clone()),
+                        2,
+                        crate::store::compression::Level::FAST,
+                    )
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
             let out = collect(verified(chunked(&stored, 4096), codec))
                 .await
                 .unwrap();
@@ -667,9 +675,13 @@ mod tests {
 
             let mut bad_plain = good.clone();
             bad_plain[1000] ^= 1;
-            let bad = collect(codec.encode(once(bad_plain), 2).unwrap())
-                .await
-                .unwrap();
+            let bad = collect(
+                codec
+                    .encode(once(bad_plain), 2, crate::store::compression::Level::FAST)
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
             let e = collect(verified(chunked(&bad, 4096), codec))
                 .await
                 .unwrap_err();

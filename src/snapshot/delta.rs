@@ -179,9 +179,14 @@ pub fn encode(events: &[TimedEvent]) -> Result<Vec<u8>, DeltaError> {
     Ok(out)
 }
 
-/// Encodes and compresses events in one pass (what is stored). Gzip is one member, as Go writes.
-pub fn encode_compressed(events: &[TimedEvent], codec: Codec) -> Result<Vec<u8>, DeltaError> {
-    let level = flate2::Compression::fast();
+/// Encodes and compresses events in one pass at `level` (what is stored). Gzip is one member, as
+/// Go writes.
+pub fn encode_compressed(
+    events: &[TimedEvent],
+    codec: Codec,
+    level: compression::Level,
+) -> Result<Vec<u8>, DeltaError> {
+    let level = level.flate();
     match codec {
         Codec::None => {
             let mut out = Vec::new();
@@ -355,7 +360,7 @@ impl DeltaWriter {
         let codec = self.codec;
         let (sealer, named, shared) = (store.clone(), snapshot.clone(), events.clone());
         let stored = tokio::task::spawn_blocking(move || {
-            encode_compressed(&shared, codec)
+            encode_compressed(&shared, codec, sealer.compression_level())
                 .and_then(|plain| Ok(sealer.seal_bytes(&named, plain)?))
         })
         .await;
@@ -510,16 +515,19 @@ mod tests {
     fn one_pass_encoding_matches_the_payload() {
         let events = decode(&hand_built()).unwrap();
         let plain = encode(&events).unwrap();
-        assert_eq!(encode_compressed(&events, Codec::None).unwrap(), plain);
-        let gz = encode_compressed(&events, Codec::Gzip).unwrap();
+        assert_eq!(
+            encode_compressed(&events, Codec::None, compression::Level::FAST).unwrap(),
+            plain
+        );
+        let gz = encode_compressed(&events, Codec::Gzip, compression::Level::FAST).unwrap();
         let mut out = Vec::new();
         std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&gz[..]), &mut out).unwrap();
         assert_eq!(out, plain);
-        let z = encode_compressed(&events, Codec::Zlib).unwrap();
+        let z = encode_compressed(&events, Codec::Zlib, compression::Level::FAST).unwrap();
         let mut out = Vec::new();
         std::io::Read::read_to_end(&mut flate2::read::ZlibDecoder::new(&z[..]), &mut out).unwrap();
         assert_eq!(out, plain);
-        assert!(encode_compressed(&events, Codec::Lzw).is_err());
+        assert!(encode_compressed(&events, Codec::Lzw, compression::Level::FAST).is_err());
     }
 
     fn any_kv() -> impl proptest::strategy::Strategy<Value = KeyValue> {

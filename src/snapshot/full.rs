@@ -229,7 +229,7 @@ pub async fn store_payload(
     codec: Codec,
 ) -> Result<u64, FullError> {
     let parallelism = std::thread::available_parallelism().map_or(2, |n| n.get());
-    let compressed = codec.encode(verify_sha256(raw), parallelism)?;
+    let compressed = codec.encode(verify_sha256(raw), parallelism, store.compression_level())?;
     let sealed = store.seal(snapshot, compressed)?;
     Ok(store.put_stream(snapshot, sealed).await?)
 }

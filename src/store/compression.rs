@@ -42,6 +42,37 @@ pub enum Codec {
     Lzw,
 }
 
+/// A deflate compression level for gzip and zlib (`snapshot.compression_level`): 1 (the
+/// default, fastest) to 9 (smallest). Decoding never needs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Level(u32);
+
+impl Level {
+    /// The fastest level, and the default.
+    pub const FAST: Level = Level(1);
+
+    /// Level `n`, if it is one (1 to 9).
+    pub fn new(n: u32) -> Option<Level> {
+        (1..=9).contains(&n).then_some(Level(n))
+    }
+
+    /// The number, 1 to 9.
+    pub fn get(self) -> u32 {
+        self.0
+    }
+
+    /// As flate2 takes it.
+    pub fn flate(self) -> flate2::Compression {
+        flate2::Compression::new(self.0)
+    }
+}
+
+impl Default for Level {
+    fn default() -> Self {
+        Level::FAST
+    }
+}
+
 /// Every codec, for tests and suffix lookups.
 pub const ALL_CODECS: [Codec; 4] = [Codec::None, Codec::Gzip, Codec::Zlib, Codec::Lzw];
 
@@ -61,17 +92,20 @@ impl Codec {
         ALL_CODECS.into_iter().find(|c| c.suffix() == suffix)
     }
 
-    /// Compresses a stream. Gzip runs on up to `parallelism` blocking threads; memory stays
-    /// around `parallelism` × 2 MiB whatever the input size. Call within a Tokio runtime.
-    pub fn encode(self, input: ByteStream, parallelism: usize) -> Result<ByteStream, CodecError> {
+    /// Compresses a stream at `level`. Gzip runs on up to `parallelism` blocking threads;
+    /// memory stays around `parallelism` × 2 MiB whatever the input size. Call within a Tokio
+    /// runtime.
+    pub fn encode(
+        self,
+        input: ByteStream,
+        parallelism: usize,
+        level: Level,
+    ) -> Result<ByteStream, CodecError> {
         match self {
             Codec::None => Ok(input),
-            Codec::Gzip => Ok(gzip_parallel(input, parallelism.max(1))),
-            Codec::Zlib => Ok(blocking_transform(input, |r| {
-                Box::new(flate2::read::ZlibEncoder::new(
-                    r,
-                    flate2::Compression::fast(),
-                ))
+            Codec::Gzip => Ok(gzip_parallel(input, parallelism.max(1), level)),
+            Codec::Zlib => Ok(blocking_transform(input, move |r| {
+                Box::new(flate2::read::ZlibEncoder::new(r, level.flate()))
             })),
             Codec::Lzw => Err(CodecError::WriteUnsupported(self)),
         }
@@ -147,11 +181,11 @@ pub enum CodecError {
 /// Gzip in independent members of [`BLOCK`] bytes, compressed on blocking threads, emitted in
 /// order. Blocks are read ahead on a task so the source keeps streaming while earlier blocks
 /// compress; at most `parallelism` blocks are compressing and as many are read ahead.
-fn gzip_parallel(input: ByteStream, parallelism: usize) -> ByteStream {
+fn gzip_parallel(input: ByteStream, parallelism: usize, level: Level) -> ByteStream {
     prefetch(rechunk(input, BLOCK), parallelism)
-        .map(|block| async move {
+        .map(move |block| async move {
             let block = block?;
-            tokio::task::spawn_blocking(move || gzip_member(&block))
+            tokio::task::spawn_blocking(move || gzip_member(&block, level))
                 .await
                 .unwrap_or_else(|join| Err(io::Error::other(join)))
         })
@@ -230,12 +264,12 @@ pub fn prefetch(input: ByteStream, depth: usize) -> ByteStream {
     pieces(rx, AbortOnDrop(task))
 }
 
-fn gzip_member(block: &[u8]) -> io::Result<Bytes> {
+fn gzip_member(block: &[u8], level: Level) -> io::Result<Bytes> {
     // Room for incompressible input (deflate's stored blocks add 5 bytes per 64 KiB, gzip 18),
     // so the buffer never doubles; the upload holds several of these at once.
     let mut enc = flate2::write::GzEncoder::new(
         Vec::with_capacity(block.len() + block.len() / 1024 + 64),
-        flate2::Compression::fast(),
+        level.flate(),
     );
     enc.write_all(block)?;
     let mut out = enc.finish()?;
@@ -560,7 +594,7 @@ mod tests {
         assert!(e.to_string().contains("without finishing"), "{e}");
         // Through every encoder (the panic happens in the task feeding the compressor).
         for codec in [Codec::Gzip, Codec::Zlib] {
-            let out = collect(codec.encode(panics_after(3), 2).unwrap()).await;
+            let out = collect(codec.encode(panics_after(3), 2, Level::FAST).unwrap()).await;
             assert!(out.is_err(), "{codec}: a truncated payload ended cleanly");
         }
     }
@@ -596,7 +630,7 @@ mod tests {
     async fn writable_codecs_round_trip_across_block_boundaries() {
         let data = sample(3 * BLOCK + 12345);
         for c in [Codec::None, Codec::Gzip, Codec::Zlib] {
-            let enc = collect(c.encode(chunked(&data, 100_000), 3).unwrap())
+            let enc = collect(c.encode(chunked(&data, 100_000), 3, Level::FAST).unwrap())
                 .await
                 .unwrap();
             if c != Codec::None {
@@ -608,12 +642,47 @@ mod tests {
         }
     }
 
+    /// Every level round-trips through both codecs, and a higher level never stores more of a
+    /// compressible payload.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn every_level_round_trips_and_higher_levels_store_less() {
+        let data: Vec<u8> = (0..3 * BLOCK / 2)
+            .map(|i| b"etcd-warden/registry/"[i % 21] ^ ((i / 997) as u8 & 3))
+            .collect();
+        for codec in [Codec::Gzip, Codec::Zlib] {
+            let mut sizes = Vec::new();
+            for n in [1, 6, 9] {
+                let level = Level::new(n).unwrap();
+                let enc = collect(codec.encode(chunked(&data, 65536), 2, level).unwrap())
+                    .await
+                    .unwrap();
+                let dec = collect(codec.decode(chunked(&enc, 4096))).await.unwrap();
+                assert!(dec == data, "{codec} level {n}: round trip differs");
+                sizes.push(enc.len());
+            }
+            assert!(
+                sizes[0] >= sizes[1] && sizes[1] >= sizes[2],
+                "{codec}: {sizes:?}"
+            );
+            assert!(
+                sizes[0] > sizes[2],
+                "{codec}: level 9 no smaller than 1: {sizes:?}"
+            );
+        }
+        assert_eq!((Level::new(0), Level::new(10)), (None, None));
+        assert_eq!(Level::default(), Level::FAST);
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn parallel_gzip_is_one_valid_multi_member_gzip_file() {
         let data = sample(2 * BLOCK + 1);
-        let enc = collect(Codec::Gzip.encode(chunked(&data, 65536), 2).unwrap())
-            .await
-            .unwrap();
+        let enc = collect(
+            Codec::Gzip
+                .encode(chunked(&data, 65536), 2, Level::FAST)
+                .unwrap(),
+        )
+        .await
+        .unwrap();
         // Each member starts with the gzip magic; there is one per block.
         let members = enc.windows(3).filter(|w| w == &[0x1f, 0x8b, 8]).count();
         assert!(members >= 3, "{members} members");
@@ -646,7 +715,7 @@ mod tests {
             .await
             .unwrap();
         assert!(dec == big);
-        assert!(Codec::Lzw.encode(chunked(text, 4), 1).is_err());
+        assert!(Codec::Lzw.encode(chunked(text, 4), 1, Level::FAST).is_err());
     }
 
     /// Packs codes LSB first, `width` bits each, as Go's `lzw.NewWriter(w, lzw.LSB, 8)` does
@@ -688,9 +757,13 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn corrupt_input_is_an_error() {
         let data = sample(100_000);
-        let mut enc = collect(Codec::Gzip.encode(chunked(&data, 4096), 1).unwrap())
-            .await
-            .unwrap();
+        let mut enc = collect(
+            Codec::Gzip
+                .encode(chunked(&data, 4096), 1, Level::FAST)
+                .unwrap(),
+        )
+        .await
+        .unwrap();
         let mid = enc.len() / 2;
         enc[mid] ^= 0xff;
         assert!(
@@ -698,9 +771,13 @@ mod tests {
                 .await
                 .is_err()
         );
-        let good = collect(Codec::Zlib.encode(chunked(&data, 4096), 1).unwrap())
-            .await
-            .unwrap();
+        let good = collect(
+            Codec::Zlib
+                .encode(chunked(&data, 4096), 1, Level::FAST)
+                .unwrap(),
+        )
+        .await
+        .unwrap();
         let truncated = &good[..good.len() / 2];
         assert!(
             collect(Codec::Zlib.decode(chunked(truncated, 4096)))

@@ -362,6 +362,8 @@ pub struct SnapshotStore {
     single_put: Option<SinglePut>,
     /// Keys: recipients encrypt new snapshots, identities read encrypted ones.
     encryption: Arc<EncryptionConfig>,
+    /// How hard new gzip and zlib payloads are compressed.
+    compression_level: compression::Level,
 }
 
 /// A multipart upload that is aborted when dropped unfinished: a snapshot that timed out or
@@ -401,6 +403,7 @@ impl SnapshotStore {
             part_size: PART_SIZE,
             single_put: None,
             encryption: Arc::new(EncryptionConfig::default()),
+            compression_level: compression::Level::FAST,
         }
     }
 
@@ -437,6 +440,19 @@ impl SnapshotStore {
             encryption: Arc::new(encryption),
             ..self
         }
+    }
+
+    /// Compresses new gzip and zlib payloads at `level` (reading needs no level).
+    pub fn with_compression_level(self, level: compression::Level) -> Self {
+        Self {
+            compression_level: level,
+            ..self
+        }
+    }
+
+    /// The level new gzip and zlib payloads are compressed at.
+    pub fn compression_level(&self) -> compression::Level {
+        self.compression_level
     }
 
     /// Whether new snapshots are encrypted.

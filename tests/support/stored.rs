@@ -38,7 +38,13 @@ pub async fn put_full(
         is_final,
     );
     let raw = db_payload(len, last as u8);
-    let stored = collect(codec.encode(once(raw), 2).unwrap()).await.unwrap();
+    let stored = collect(
+        codec
+            .encode(once(raw), 2, etcd_warden::store::compression::Level::FAST)
+            .unwrap(),
+    )
+    .await
+    .unwrap();
     store.put_bytes(&s, Bytes::from(stored)).await.unwrap();
     s
 }
@@ -70,7 +76,7 @@ pub async fn put_delta(store: &SnapshotStore, start: i64, last: i64, at: i64) ->
         Codec::Gzip,
         false,
     );
-    let bytes = delta::encode_compressed(&events, Codec::Gzip).unwrap();
+    let bytes = delta::encode_compressed(&events, Codec::Gzip, Default::default()).unwrap();
     store.put_bytes(&s, Bytes::from(bytes)).await.unwrap();
     s
 }
