@@ -76,6 +76,14 @@ pub fn wait_for_port(addr: SocketAddr, timeout: Duration) -> bool {
     false
 }
 
+/// An HTTP client that gives up on a request after `timeout`.
+pub fn http_client(timeout: Duration) -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(timeout)
+        .build()
+        .expect("HTTP client")
+}
+
 /// Polls `f` until it returns true or `timeout` passes; returns whether it did.
 pub async fn eventually<F, Fut>(timeout: Duration, mut f: F) -> bool
 where
