@@ -1013,10 +1013,6 @@ fn a_private_key_pasted_into_the_encryption_keys_is_never_echoed() {
         .args(["--config", file.to_str().unwrap(), "config"])
         .output()
         .unwrap();
-    let all = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let all = support::cli::printed(&out);
     assert!(!all.contains(tail), "{all}");
 }

@@ -17,6 +17,15 @@ pub fn succeeds(command: &mut Command) -> Output {
     out
 }
 
+/// What a run printed: its stdout, then its stderr.
+pub fn printed(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
 /// The lines of a log that are JSON objects.
 pub fn json_lines(log: &str) -> Vec<Value> {
     log.lines()
