@@ -48,8 +48,7 @@ async fn timed_restore(
 
 /// `compact` exited 1 with `says` in its stderr, and left the work directory `work` empty.
 fn assert_failed_clean(out: &std::process::Output, says: &str, work: &std::path::Path) {
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let stderr = support::cli::exited(out, 1);
     assert!(stderr.contains(says), "{stderr}");
     assert_eq!(std::fs::read_dir(work).unwrap().count(), 0, "work dir left");
 }
