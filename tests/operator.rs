@@ -296,11 +296,25 @@ async fn monitor(
     (min_v, max_v, max_l, n)
 }
 
-fn position(history: &[Action], pred: impl Fn(&Action) -> bool, what: &str) -> usize {
+/// Waits up to `timeout` until the operator's condition is `kind` ([`Condition::kind`]);
+/// returns its reason.
+async fn reason_once<M: Machines>(op: &Operator<M>, kind: &str, timeout: Duration) -> String {
+    wait_for(kind, timeout, || {
+        match op.status().condition.filter(|c| c.kind() == kind)? {
+            Condition::Progressing(r) | Condition::Waiting(r) | Condition::Degraded(r) => Some(r),
+            Condition::Settled => None,
+        }
+    })
+    .await
+}
+
+/// Where the first `kind` action ([`Action::kind`]) on `machine` ([`Action::machine`]) stands
+/// in `history`.
+fn position(history: &[Action], kind: &str, machine: &str) -> usize {
     history
         .iter()
-        .position(pred)
-        .unwrap_or_else(|| panic!("no {what} in history {history:#?}"))
+        .position(|a| a.kind() == kind && a.machine() == Some(machine))
+        .unwrap_or_else(|| panic!("no {kind} of {machine} in history {history:#?}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -362,31 +376,11 @@ async fn replacing_every_member_under_writes_loses_nothing() {
     // Each replacement in the protocol's order.
     let history: Vec<Action> = op.status().history.into_iter().map(|r| r.action).collect();
     for (old, new) in &pairs {
-        let add = position(
-            &history,
-            |a| matches!(a, Action::AddLearner { machine, .. } if machine == new),
-            "add learner",
-        );
-        let hook = position(
-            &history,
-            |a| matches!(a, Action::AddHook { machine } if machine == new),
-            "hook on the new machine",
-        );
-        let promote = position(
-            &history,
-            |a| matches!(a, Action::Promote { machine, .. } if machine == new),
-            "promote",
-        );
-        let remove = position(
-            &history,
-            |a| matches!(a, Action::RemoveMember { name, .. } if name == old),
-            "remove",
-        );
-        let release = position(
-            &history,
-            |a| matches!(a, Action::ReleaseHook { machine } if machine == old),
-            "release hook",
-        );
+        let add = position(&history, "add_learner", new);
+        let hook = position(&history, "add_hook", new);
+        let promote = position(&history, "promote", new);
+        let remove = position(&history, "remove_member", old);
+        let release = position(&history, "release_hook", old);
         assert!(
             add < promote && hook < promote && promote < remove && remove < release,
             "{old}->{new} out of order: {history:#?}"
@@ -423,13 +417,7 @@ async fn deleted_machine_without_replacement_keeps_its_member() {
     let _task = f.run_until_settled(&op).await;
 
     f.cluster.delete_machine("m2").unwrap();
-    let reason = wait_for("Waiting", Duration::from_secs(10), || {
-        match op.status().condition {
-            Some(Condition::Waiting(r)) => Some(r),
-            _ => None,
-        }
-    })
-    .await;
+    let reason = reason_once(&op, "waiting", Duration::from_secs(10)).await;
     assert!(reason.contains("no replacement machine"), "{reason}");
     tokio::time::sleep(Duration::from_secs(1)).await;
     let now = members(&f.cluster).await;
@@ -466,13 +454,7 @@ async fn escape_hatch_hook_stays_off_and_membership_waits_for_the_admin() {
 
     // The machine API terminates m2; its member is gone but membership is left alone.
     assert_eq!(f.cluster.terminate_unhooked(), ["m2"]);
-    let reason = wait_for("Degraded", Duration::from_secs(15), || {
-        match op.status().condition {
-            Some(Condition::Degraded(r)) => Some(r),
-            _ => None,
-        }
-    })
-    .await;
+    let reason = reason_once(&op, "degraded", Duration::from_secs(15)).await;
     assert!(reason.contains("m2"), "{reason}");
     let now = members(&f.cluster).await;
     assert_eq!(names(&now), ["m1", "m2", "m3"]);
@@ -535,13 +517,7 @@ async fn dead_machine_replaced(etcd: PathBuf) {
     )
     .unwrap();
     // Seen dead while its machine is not deleted: paused, as before.
-    let reason = wait_for("Degraded", Duration::from_secs(15), || {
-        match op.status().condition {
-            Some(Condition::Degraded(r)) => Some(r),
-            _ => None,
-        }
-    })
-    .await;
+    let reason = reason_once(&op, "degraded", Duration::from_secs(15)).await;
     assert_eq!(reason, "unhealthy member(s) m2; membership changes paused");
     let dead = members(&f.cluster)
         .await
@@ -608,26 +584,11 @@ async fn dead_machine_replaced(etcd: PathBuf) {
         }],
         "{history:#?}"
     );
-    let remove = position(
-        &history,
-        |a| matches!(a, Action::RemoveMember { .. }),
-        "remove",
-    );
-    let release = position(
-        &history,
-        |a| matches!(a, Action::ReleaseHook { machine } if machine == "m2"),
-        "release hook",
-    );
-    let add = position(
-        &history,
-        |a| matches!(a, Action::AddLearner { machine, .. } if machine == "m4"),
-        "add learner",
-    );
-    let promote = position(
-        &history,
-        |a| matches!(a, Action::Promote { machine, .. } if machine == "m4"),
-        "promote",
-    );
+    // (The one removal is m2's, as just checked.)
+    let remove = position(&history, "remove_member", "m2");
+    let release = position(&history, "release_hook", "m2");
+    let add = position(&history, "add_learner", "m4");
+    let promote = position(&history, "promote", "m4");
     assert!(
         remove < release && remove < add && add < promote,
         "out of order: {history:#?}"
