@@ -55,14 +55,8 @@ fn assert_failed_clean(out: &std::process::Output, says: &str, work: &std::path:
 
 /// `etcd-warden compact` of the test bucket, as the CronJob runs it, working in `work`.
 fn compact_command(s3: &S3Server, work: &std::path::Path) -> std::process::Command {
-    let mut c = support::warden::command();
-    c.args(["compact", "--store", &format!("s3://{BUCKET}/{PREFIX}")])
-        .arg("--work-dir")
-        .arg(work)
-        .arg("--etcd-bin")
-        .arg(Release::V35.bin_dir())
-        .envs(s3.env("store"));
-    c
+    let store = format!("s3://{BUCKET}/{PREFIX}");
+    support::warden::on_s3_store("compact", s3, &store, "--work-dir", work)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
