@@ -297,12 +297,13 @@ struct LocalLoad {
 }
 
 impl LocalLoad {
-    /// Starts both, and lets them run for 300 ms.
-    async fn start(cluster: &Arc<LocalCluster>) -> LocalLoad {
+    /// Starts both (the monitor sampling the machines too with `machines`), and lets them run
+    /// for 300 ms.
+    async fn start(cluster: &Arc<LocalCluster>, machines: bool) -> LocalLoad {
         let stop = CancellationToken::new();
         let load = LocalLoad {
             writer: tokio::spawn(writer(Arc::clone(cluster), stop.clone())),
-            monitor: tokio::spawn(monitor(Arc::clone(cluster), stop.clone())),
+            monitor: tokio::spawn(monitor(Arc::clone(cluster), stop.clone(), machines)),
             stop,
         };
         tokio::time::sleep(Duration::from_millis(300)).await;
@@ -344,7 +345,7 @@ async fn replacing_every_member_under_writes_loses_nothing() {
     // Settled: a hook on every machine.
     let (f, op, _task) = Fixture::start(true).await.with_settled_operator().await;
 
-    let load = LocalLoad::start(&f.cluster).await;
+    let load = LocalLoad::start(&f.cluster, false).await;
 
     let mut pairs = Vec::new();
     for old in ["m1", "m2", "m3"] {
@@ -512,7 +513,7 @@ async fn dead_machine_replaced(etcd: PathBuf) {
         .with_settled_operator()
         .await;
 
-    let load = LocalLoad::start(&f.cluster).await;
+    let load = LocalLoad::start(&f.cluster, false).await;
 
     let pid = f.machine("m2").and_then(|m| m.pid).expect("m2 runs");
     nix::sys::signal::kill(
@@ -888,16 +889,19 @@ use etcd_warden::operator::control_plane_set::controller::{
 use etcd_warden::operator::control_plane_set::plan::Strategy;
 use etcd_warden::operator::local::{LOCAL_DOMAIN, LocalSetOptions, local_template};
 
-/// Samples the member list and the machines continuously: (min voters, max voters, max
-/// learners, max machines, samples).
+/// Samples the member list continuously, and with `machines` the machines too: (min voters,
+/// max voters, max learners, max machines (0 without `machines`), samples).
 async fn monitor(
     cluster: Arc<LocalCluster>,
     stop: CancellationToken,
+    machines: bool,
 ) -> (usize, usize, usize, usize, usize) {
     let (mut min_v, mut max_v, mut max_l, mut max_m, mut n) = (usize::MAX, 0, 0, 0, 0);
     let mut c: Option<Client> = None;
     while !stop.is_cancelled() {
-        max_m = max_m.max(cluster.machines().len());
+        if machines {
+            max_m = max_m.max(cluster.machines().len());
+        }
         if c.is_none() {
             c = client(&cluster.client_urls()).await;
         }
@@ -989,7 +993,7 @@ async fn roll(strategy: Strategy, members: usize) {
     .await;
     let first: Vec<String> = cluster.machines().into_iter().map(|m| m.name).collect();
 
-    let load = LocalLoad::start(&cluster).await;
+    let load = LocalLoad::start(&cluster, true).await;
 
     let flag = "--heartbeat-interval=110";
     set.update(local_template(&[flag.into()]).unwrap(), domains.clone());
