@@ -44,6 +44,29 @@ fn api_error(e: kube::Error) -> kube::core::Status {
     }
 }
 
+/// The double, and the ConfigMaps of its default namespace.
+async fn start() -> (ApiServer, Api<ConfigMap>) {
+    let server = ApiServer::start().await;
+    let api = Api::default_namespaced(server.client());
+    (server, api)
+}
+
+/// Creates the ConfigMap `name` holding `data`.
+async fn create(api: &Api<ConfigMap>, name: &str, data: &[(&str, &str)]) -> ConfigMap {
+    api.create(&PostParams::default(), &cm(name, data))
+        .await
+        .unwrap()
+}
+
+/// Merge-patches the object `name` with `patch`.
+async fn merge<K>(api: &Api<K>, name: &str, patch: &serde_json::Value) -> kube::Result<K>
+where
+    K: Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    api.patch(name, &PatchParams::default(), &Patch::Merge(patch))
+        .await
+}
+
 /// Next watch event within 5 s.
 async fn next<S>(s: &mut S) -> WatchEvent<ConfigMap>
 where
@@ -68,12 +91,8 @@ fn name_of(ev: &WatchEvent<ConfigMap>) -> (&'static str, String) {
 
 #[tokio::test]
 async fn stale_resource_version_is_a_409_conflict() {
-    let server = ApiServer::start().await;
-    let api: Api<ConfigMap> = Api::default_namespaced(server.client());
-    let created = api
-        .create(&PostParams::default(), &cm("a", &[("k", "1")]))
-        .await
-        .unwrap();
+    let (_server, api) = start().await;
+    let created = create(&api, "a", &[("k", "1")]).await;
     let stale = created.metadata.resource_version.clone().unwrap();
 
     let again = api.create(&PostParams::default(), &cm("a", &[])).await;
@@ -101,19 +120,12 @@ async fn stale_resource_version_is_a_409_conflict() {
 
     // A merge patch carrying the stale version.
     let p = json!({"metadata": {"resourceVersion": stale}, "data": {"k": "4"}});
-    let s = api_error(
-        api.patch("a", &PatchParams::default(), &Patch::Merge(&p))
-            .await
-            .unwrap_err(),
-    );
+    let s = api_error(merge(&api, "a", &p).await.unwrap_err());
     assert!(s.is_conflict(), "{s:?}");
 
     // With the current version it goes through; the data is the last accepted write's.
     let p = json!({"metadata": {"resourceVersion": current}, "data": {"k": "5"}});
-    let ok = api
-        .patch("a", &PatchParams::default(), &Patch::Merge(&p))
-        .await
-        .unwrap();
+    let ok = merge(&api, "a", &p).await.unwrap();
     assert_eq!(ok.data.unwrap()["k"], "5");
 
     // A delete precondition on a stale version.
@@ -130,38 +142,24 @@ async fn stale_resource_version_is_a_409_conflict() {
 
 #[tokio::test]
 async fn a_write_that_changes_nothing_keeps_the_version() {
-    let server = ApiServer::start().await;
-    let api: Api<ConfigMap> = Api::default_namespaced(server.client());
-    let c = api
-        .create(&PostParams::default(), &cm("a", &[("k", "1")]))
-        .await
-        .unwrap();
+    let (_server, api) = start().await;
+    let c = create(&api, "a", &[("k", "1")]).await;
     let p = json!({"data": {"k": "1"}});
-    let same = api
-        .patch("a", &PatchParams::default(), &Patch::Merge(&p))
-        .await
-        .unwrap();
+    let same = merge(&api, "a", &p).await.unwrap();
     assert_eq!(same.metadata.resource_version, c.metadata.resource_version);
 }
 
 #[tokio::test]
 async fn watch_from_a_version_delivers_only_later_events_then_live_ones() {
-    let server = ApiServer::start().await;
-    let api: Api<ConfigMap> = Api::default_namespaced(server.client());
-    api.create(&PostParams::default(), &cm("a", &[]))
-        .await
-        .unwrap();
-    api.create(&PostParams::default(), &cm("b", &[]))
-        .await
-        .unwrap();
+    let (_server, api) = start().await;
+    create(&api, "a", &[]).await;
+    create(&api, "b", &[]).await;
     let list = api.list(&ListParams::default()).await.unwrap();
     let rv = list.metadata.resource_version.clone().unwrap();
     assert_eq!(list.items.len(), 2);
 
     let p = json!({"data": {"x": "1"}});
-    api.patch("a", &PatchParams::default(), &Patch::Merge(&p))
-        .await
-        .unwrap();
+    merge(&api, "a", &p).await.unwrap();
     api.delete("b", &DeleteParams::default()).await.unwrap();
 
     let mut w = api
@@ -171,9 +169,7 @@ async fn watch_from_a_version_delivers_only_later_events_then_live_ones() {
         .boxed();
     assert_eq!(name_of(&next(&mut w).await), ("MODIFIED", "a".into()));
     assert_eq!(name_of(&next(&mut w).await), ("DELETED", "b".into()));
-    api.create(&PostParams::default(), &cm("c", &[]))
-        .await
-        .unwrap();
+    create(&api, "c", &[]).await;
     assert_eq!(name_of(&next(&mut w).await), ("ADDED", "c".into()));
 
     // Without a version: the current state first.
@@ -189,23 +185,16 @@ async fn watch_from_a_version_delivers_only_later_events_then_live_ones() {
 
 #[tokio::test]
 async fn watch_with_a_label_selector_sees_objects_enter_and_leave() {
-    let server = ApiServer::start().await;
-    let api: Api<ConfigMap> = Api::default_namespaced(server.client());
+    let (server, api) = start().await;
     let rv = server.resource_version().to_string();
     let wp = WatchParams::default().labels("role=master");
     let mut w = api.watch(&wp, &rv).await.unwrap().boxed();
-    api.create(&PostParams::default(), &cm("a", &[]))
-        .await
-        .unwrap();
+    create(&api, "a", &[]).await;
     let p = json!({"metadata": {"labels": {"role": "master"}}});
-    api.patch("a", &PatchParams::default(), &Patch::Merge(&p))
-        .await
-        .unwrap();
+    merge(&api, "a", &p).await.unwrap();
     assert_eq!(name_of(&next(&mut w).await), ("ADDED", "a".into()));
     let p = json!({"metadata": {"labels": {"role": null}}});
-    api.patch("a", &PatchParams::default(), &Patch::Merge(&p))
-        .await
-        .unwrap();
+    merge(&api, "a", &p).await.unwrap();
     assert_eq!(name_of(&next(&mut w).await), ("DELETED", "a".into()));
 
     let listed = api
@@ -222,24 +211,16 @@ async fn watch_with_a_label_selector_sees_objects_enter_and_leave() {
 
 #[tokio::test]
 async fn a_watch_from_before_a_compaction_is_410_gone() {
-    let server = ApiServer::start().await;
-    let api: Api<ConfigMap> = Api::default_namespaced(server.client());
+    let (server, api) = start().await;
     let rv = server.resource_version().to_string();
-    api.create(&PostParams::default(), &cm("a", &[]))
-        .await
-        .unwrap();
+    create(&api, "a", &[]).await;
     server.compact();
     let mut w = api
         .watch(&WatchParams::default(), &rv)
         .await
         .unwrap()
         .boxed();
-    let ev = tokio::time::timeout(Duration::from_secs(5), w.next())
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
-    match ev {
+    match next(&mut w).await {
         WatchEvent::Error(s) => assert_eq!(s.code, 410),
         other => panic!("expected a 410, got {other:?}"),
     }
@@ -247,8 +228,7 @@ async fn a_watch_from_before_a_compaction_is_410_gone() {
 
 #[tokio::test]
 async fn finalizers_hold_a_deletion_until_the_last_is_removed() {
-    let server = ApiServer::start().await;
-    let api: Api<ConfigMap> = Api::default_namespaced(server.client());
+    let (server, api) = start().await;
     let mut obj = cm("a", &[]);
     obj.metadata.finalizers = Some(vec!["example.com/one".into(), "example.com/two".into()]);
     api.create(&PostParams::default(), &obj).await.unwrap();
@@ -271,9 +251,7 @@ async fn finalizers_hold_a_deletion_until_the_last_is_removed() {
     // A second delete changes nothing; the timestamp cannot be written.
     api.delete("a", &DeleteParams::default()).await.unwrap();
     let p = json!({"metadata": {"deletionTimestamp": null}});
-    api.patch("a", &PatchParams::default(), &Patch::Merge(&p))
-        .await
-        .unwrap();
+    merge(&api, "a", &p).await.unwrap();
     assert_eq!(
         api.get("a").await.unwrap().metadata.deletion_timestamp,
         Some(ts)
@@ -281,24 +259,16 @@ async fn finalizers_hold_a_deletion_until_the_last_is_removed() {
 
     // No new finalizer while deleting.
     let p = json!({"metadata": {"finalizers": ["example.com/one", "example.com/two", "example.com/three"]}});
-    let s = api_error(
-        api.patch("a", &PatchParams::default(), &Patch::Merge(&p))
-            .await
-            .unwrap_err(),
-    );
+    let s = api_error(merge(&api, "a", &p).await.unwrap_err());
     assert!(s.is_invalid(), "{s:?}");
 
     let p = json!({"metadata": {"finalizers": ["example.com/two"]}});
-    api.patch("a", &PatchParams::default(), &Patch::Merge(&p))
-        .await
-        .unwrap();
+    merge(&api, "a", &p).await.unwrap();
     assert!(api.get_opt("a").await.unwrap().is_some());
     assert_eq!(name_of(&next(&mut w).await), ("MODIFIED", "a".into()));
 
     let p = json!({"metadata": {"finalizers": null}});
-    api.patch("a", &PatchParams::default(), &Patch::Merge(&p))
-        .await
-        .unwrap();
+    merge(&api, "a", &p).await.unwrap();
     assert!(api.get_opt("a").await.unwrap().is_none());
     assert_eq!(name_of(&next(&mut w).await), ("MODIFIED", "a".into()));
     assert_eq!(name_of(&next(&mut w).await), ("DELETED", "a".into()));
@@ -333,10 +303,7 @@ async fn status_subresource_separates_spec_and_status_writes() {
     assert_eq!(s.metadata.generation, Some(1));
 
     let p = json!({"status": {"phase": "Deleting"}, "spec": {"providerID": "q"}});
-    let s = api
-        .patch("m1", &PatchParams::default(), &Patch::Merge(&p))
-        .await
-        .unwrap();
+    let s = merge(&api, "m1", &p).await.unwrap();
     assert_eq!(
         s.data["status"]["phase"], "Running",
         "a spec write leaves status alone"
@@ -355,12 +322,8 @@ async fn status_subresource_separates_spec_and_status_writes() {
 
 #[tokio::test]
 async fn json_patch_applies_and_a_failed_test_is_422() {
-    let server = ApiServer::start().await;
-    let api: Api<ConfigMap> = Api::default_namespaced(server.client());
-    let c = api
-        .create(&PostParams::default(), &cm("a", &[("k", "1")]))
-        .await
-        .unwrap();
+    let (_server, api) = start().await;
+    let c = create(&api, "a", &[("k", "1")]).await;
     let rv = c.metadata.resource_version.unwrap();
     let ops: json_patch::Patch = serde_json::from_value(json!([
         {"op": "test", "path": "/metadata/resourceVersion", "value": rv},
@@ -390,34 +353,22 @@ async fn json_patch_applies_and_a_failed_test_is_422() {
 
 #[tokio::test]
 async fn injected_conflicts_make_the_first_conditional_write_fail_once() {
-    let server = ApiServer::start().await;
-    let api: Api<ConfigMap> = Api::default_namespaced(server.client());
-    api.create(&PostParams::default(), &cm("a", &[]))
-        .await
-        .unwrap();
+    let (server, api) = start().await;
+    create(&api, "a", &[]).await;
     server.inject_conflicts(true);
     let read = api.get("a").await.unwrap();
     let p = json!({"metadata": {"resourceVersion": read.metadata.resource_version}, "data": {"k": "1"}});
-    let s = api_error(
-        api.patch("a", &PatchParams::default(), &Patch::Merge(&p))
-            .await
-            .unwrap_err(),
-    );
+    let s = api_error(merge(&api, "a", &p).await.unwrap_err());
     assert!(s.is_conflict());
     let read = api.get("a").await.unwrap();
     let p = json!({"metadata": {"resourceVersion": read.metadata.resource_version}, "data": {"k": "1"}});
-    api.patch("a", &PatchParams::default(), &Patch::Merge(&p))
-        .await
-        .unwrap();
+    merge(&api, "a", &p).await.unwrap();
 }
 
 #[tokio::test]
 async fn the_runtime_watcher_lists_then_follows_changes() {
-    let server = ApiServer::start().await;
-    let api: Api<ConfigMap> = Api::default_namespaced(server.client());
-    api.create(&PostParams::default(), &cm("a", &[]))
-        .await
-        .unwrap();
+    let (_server, api) = start().await;
+    create(&api, "a", &[]).await;
     let mut events = watcher(api.clone(), watcher::Config::default()).boxed();
     let mut seen = Vec::new();
     loop {
@@ -433,9 +384,7 @@ async fn the_runtime_watcher_lists_then_follows_changes() {
         }
     }
     assert_eq!(seen, vec!["a".to_string()]);
-    api.create(&PostParams::default(), &cm("b", &[]))
-        .await
-        .unwrap();
+    create(&api, "b", &[]).await;
     let ev = tokio::time::timeout(Duration::from_secs(5), events.try_next())
         .await
         .unwrap()
@@ -456,9 +405,7 @@ async fn a_kubeconfig_names_the_double() {
         .unwrap();
     assert_eq!(config.default_namespace, "etcd");
     let api: Api<ConfigMap> = Api::default_namespaced(kube::Client::try_from(config).unwrap());
-    api.create(&PostParams::default(), &cm("a", &[]))
-        .await
-        .unwrap();
+    create(&api, "a", &[]).await;
     assert!(
         server
             .get(&Res::new("", "v1", "configmaps"), "etcd", "a")

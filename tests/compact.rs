@@ -24,35 +24,47 @@ async fn full_snapshots(store: &SnapshotStore) -> usize {
     listed.iter().filter(|s| s.kind == Kind::Full).count()
 }
 
+/// A single etcd 3.5, a client of it, the S3 server holding the test bucket, and the bucket's
+/// store (not encrypted).
+async fn start() -> (EtcdCluster, etcd_client::Client, S3Server, SnapshotStore) {
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let client = etcd.client().await;
+    let s3 = S3Server::start(&[BUCKET]);
+    let store = SnapshotStore::new(s3.object_store(BUCKET), PREFIX);
+    (etcd, client, s3, store)
+}
+
+/// Restores the store's latest chain into `target`; returns the report and how long it took.
+async fn timed_restore(
+    store: &SnapshotStore,
+    target: &std::path::Path,
+) -> (restore::RestoreReport, std::time::Duration) {
+    let t = Instant::now();
+    let report = restore::restore(store, &restore_options(target))
+        .await
+        .unwrap();
+    (report, t.elapsed())
+}
+
+/// `compact` exited 1 with `says` in its stderr, and left the work directory `work` empty.
+fn assert_failed_clean(out: &std::process::Output, says: &str, work: &std::path::Path) {
+    let stderr = support::cli::exited(out, 1);
+    assert!(stderr.contains(says), "{stderr}");
+    assert_eq!(std::fs::read_dir(work).unwrap().count(), 0, "work dir left");
+}
+
 /// `etcd-warden compact` of the test bucket, as the CronJob runs it, working in `work`.
 fn compact_command(s3: &S3Server, work: &std::path::Path) -> std::process::Command {
-    let mut c = support::warden::command();
-    c.args(["compact", "--store", &format!("s3://{BUCKET}/{PREFIX}")])
-        .arg("--work-dir")
-        .arg(work)
-        .arg("--etcd-bin")
-        .arg(Release::V35.bin_dir())
-        .envs(s3.env("store"));
-    c
+    let store = format!("s3://{BUCKET}/{PREFIX}");
+    support::warden::on_s3_store("compact", s3, &store, "--work-dir", work)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_hundred_deltas_fold_into_one_full_snapshot_that_restores_the_same_etcd() {
-    let etcd = EtcdCluster::single(Release::V35).await;
-    let mut client = etcd.client().await;
-    let s3 = S3Server::start(&[BUCKET]);
+    let (_etcd, mut client, s3, _) = start().await;
     let dir = tempfile::tempdir().unwrap();
     // Encrypted, so compact also shows it reads with the identity and writes to the recipient.
-    let id = age::x25519::Identity::generate();
-    let key = dir.path().join("team.key");
-    std::fs::write(
-        &key,
-        format!(
-            "{}\n",
-            age::secrecy::ExposeSecret::expose_secret(&id.to_string())
-        ),
-    )
-    .unwrap();
+    let (id, key) = new_identity(dir.path());
     let keys = EncryptionConfig {
         recipients: vec![id.to_public()],
         identities: vec![key.clone()],
@@ -64,11 +76,7 @@ async fn two_hundred_deltas_fold_into_one_full_snapshot_that_restores_the_same_e
     assert_eq!(original.1, last);
 
     let before_target = dir.path().join("before.etcd");
-    let t = Instant::now();
-    let before = etcd_warden::restore::restore(&store, &restore_options(&before_target))
-        .await
-        .unwrap();
-    let before_time = t.elapsed();
+    let (before, before_time) = timed_restore(&store, &before_target).await;
     assert_eq!((before.deltas, before.revision), (200, last));
 
     // The binary, as the CronJob runs it, with the keys from the environment.
@@ -104,11 +112,7 @@ async fn two_hundred_deltas_fold_into_one_full_snapshot_that_restores_the_same_e
     assert!(stdout.contains(&compacted.snap_name), "{stdout}");
 
     let after_target = dir.path().join("after.etcd");
-    let t = Instant::now();
-    let after = etcd_warden::restore::restore(&store, &restore_options(&after_target))
-        .await
-        .unwrap();
-    let after_time = t.elapsed();
+    let (after, after_time) = timed_restore(&store, &after_target).await;
     assert_eq!(after.full_snapshot, compacted.snap_name);
     assert_eq!((after.deltas, after.revision), (0, last));
     println!(
@@ -141,28 +145,15 @@ async fn two_hundred_deltas_fold_into_one_full_snapshot_that_restores_the_same_e
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chain_that_fails_to_restore_stores_nothing_and_cleans_up() {
-    let etcd = EtcdCluster::single(Release::V35).await;
-    let mut client = etcd.client().await;
-    let s3 = S3Server::start(&[BUCKET]);
-    let store = SnapshotStore::new(s3.object_store(BUCKET), PREFIX);
+    let (_etcd, mut client, s3, store) = start().await;
     support::history::build(&mut client, &store, 50, 3, 10).await;
     // The middle delta is lost: the chain has a gap.
-    let lost = store
-        .list()
-        .await
-        .unwrap()
-        .into_iter()
-        .filter(|s| s.kind == Kind::Incr)
-        .nth(1)
-        .unwrap();
+    let lost = support::deltas(&store).await.swap_remove(1);
     store.delete(&lost).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let work = dir.path().join("work");
     let out = compact_command(&s3, &work).output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("compact failed"), "{stderr}");
-    assert_eq!(std::fs::read_dir(&work).unwrap().count(), 0);
+    assert_failed_clean(&out, "compact failed", &work);
     assert_eq!(full_snapshots(&store).await, 1, "nothing stored");
 }
 
@@ -175,22 +166,20 @@ fn compact_options(work: &std::path::Path) -> CompactOptions {
     }
 }
 
-/// An age identity written as `age-keygen` writes it; returns the key file's path.
-fn write_identity(dir: &std::path::Path, id: &age::x25519::Identity) -> std::path::PathBuf {
+/// A new age identity, written as `age-keygen` writes it; returns it and the key file's path.
+fn new_identity(dir: &std::path::Path) -> (age::x25519::Identity, std::path::PathBuf) {
+    let id = age::x25519::Identity::generate();
     let key = dir.join("team.key");
     let secret = age::secrecy::ExposeSecret::expose_secret(&id.to_string()).to_string();
     std::fs::write(&key, format!("{secret}\n")).unwrap();
-    key
+    (id, key)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_encrypted_chain_is_never_compacted_into_a_clear_snapshot() {
-    let etcd = EtcdCluster::single(Release::V35).await;
-    let mut client = etcd.client().await;
-    let s3 = S3Server::start(&[BUCKET]);
+    let (_etcd, mut client, s3, _) = start().await;
     let dir = tempfile::tempdir().unwrap();
-    let id = age::x25519::Identity::generate();
-    let key = write_identity(dir.path(), &id);
+    let (id, key) = new_identity(dir.path());
     let writer =
         SnapshotStore::new(s3.object_store(BUCKET), PREFIX).with_encryption(EncryptionConfig {
             recipients: vec![id.to_public()],
@@ -213,10 +202,7 @@ async fn an_encrypted_chain_is_never_compacted_into_a_clear_snapshot() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_in_a_hand_off_is_not_compacted() {
-    let etcd = EtcdCluster::single(Release::V35).await;
-    let mut client = etcd.client().await;
-    let s3 = S3Server::start(&[BUCKET]);
-    let store = SnapshotStore::new(s3.object_store(BUCKET), PREFIX);
+    let (_etcd, mut client, _s3, store) = start().await;
     support::history::build(&mut client, &store, 20, 2, 5).await;
     let objects = HandOffObjects::new(store.clone());
     objects
@@ -258,10 +244,7 @@ async fn a_store_in_a_hand_off_is_not_compacted() {
 /// The compacted snapshot holds exactly the chain's head with the leased keys.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leased_keys_survive_compaction_and_the_revision_is_exact() {
-    let etcd = EtcdCluster::single(Release::V35).await;
-    let mut client = etcd.client().await;
-    let s3 = S3Server::start(&[BUCKET]);
-    let store = SnapshotStore::new(s3.object_store(BUCKET), PREFIX);
+    let (_etcd, mut client, _s3, store) = start().await;
     let lease = client.lease_grant(3, None).await.unwrap().id();
     client
         .put(
@@ -335,10 +318,7 @@ fn processes_mentioning(path: &std::path::Path) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_stops_compaction_with_its_etcd_killed_and_work_directory_removed() {
-    let etcd = EtcdCluster::single(Release::V35).await;
-    let mut client = etcd.client().await;
-    let s3 = S3Server::start(&[BUCKET]);
-    let store = SnapshotStore::new(s3.object_store(BUCKET), PREFIX);
+    let (_etcd, mut client, s3, store) = start().await;
     support::history::build(&mut client, &store, 200, 60, 20).await;
     let dir = tempfile::tempdir().unwrap();
     let work = dir.path().join("work");
@@ -359,14 +339,7 @@ async fn sigterm_stops_compaction_with_its_etcd_killed_and_work_directory_remove
     )
     .unwrap();
     let out = child.wait_with_output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("stopped by a signal"), "{stderr}");
-    assert_eq!(
-        std::fs::read_dir(&work).unwrap().count(),
-        0,
-        "work dir left"
-    );
+    assert_failed_clean(&out, "stopped by a signal", &work);
     // kill_on_drop reaps asynchronously: allow it a moment.
     let deadline = Instant::now() + std::time::Duration::from_secs(5);
     while !processes_mentioning(&work).is_empty() {

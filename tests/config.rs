@@ -26,6 +26,11 @@ fn load(
     load_for(Purpose::Any, file, e, flags)
 }
 
+/// The error loading only `env` gives (no file, no flags).
+fn env_error(env: &[(&str, &str)]) -> ConfigError {
+    load(None, env, &[]).unwrap_err()
+}
+
 fn load_for(
     purpose: Purpose,
     file: Option<&Path>,
@@ -216,24 +221,14 @@ fn secrets_come_from_a_value_or_a_file_never_both() {
     let c = load(None, &[("ETCD_WARDEN_SERVER_TOKEN", "tok")], &[]).unwrap();
     assert_eq!(format!("{:?}", c.server.token.unwrap()), "<redacted>");
 
-    let e = load(
-        None,
-        &[
-            ("ETCD_WARDEN_STORE_SECRET_ACCESS_KEY", "x"),
-            ("ETCD_WARDEN_STORE_SECRET_ACCESS_KEY_FILE", path),
-        ],
-        &[],
-    )
-    .unwrap_err();
+    let e = env_error(&[
+        ("ETCD_WARDEN_STORE_SECRET_ACCESS_KEY", "x"),
+        ("ETCD_WARDEN_STORE_SECRET_ACCESS_KEY_FILE", path),
+    ]);
     assert_eq!(e.key, "store.secret_access_key");
     assert!(e.message.contains("both"), "{e}");
 
-    let e = load(
-        None,
-        &[("ETCD_WARDEN_ETCD_PASSWORD_FILE", "/nonexistent/pw")],
-        &[],
-    )
-    .unwrap_err();
+    let e = env_error(&[("ETCD_WARDEN_ETCD_PASSWORD_FILE", "/nonexistent/pw")]);
     assert_eq!(e.key, "etcd.password_file");
 }
 
@@ -942,15 +937,10 @@ fn encryption_keys_are_checked_at_load_naming_the_key_at_fault() {
     assert!(c.encryption.encrypts());
     assert_eq!(c.encryption.load_recipients().unwrap().len(), 3);
 
-    let e = load(
-        None,
-        &[(
-            "ETCD_WARDEN_ENCRYPTION_RECIPIENTS",
-            &format!("{public},age1typo"),
-        )],
-        &[],
-    )
-    .unwrap_err();
+    let e = env_error(&[(
+        "ETCD_WARDEN_ENCRYPTION_RECIPIENTS",
+        &format!("{public},age1typo"),
+    )]);
     assert_eq!(e.key, "encryption.recipients[1]");
     assert!(
         e.origin.contains("ETCD_WARDEN_ENCRYPTION_RECIPIENTS"),
@@ -958,23 +948,13 @@ fn encryption_keys_are_checked_at_load_naming_the_key_at_fault() {
     );
     assert!(e.message.contains("age1typo"), "{e}");
 
-    let e = load(
-        None,
-        &[("ETCD_WARDEN_ENCRYPTION_IDENTITIES", "/nonexistent/key.txt")],
-        &[],
-    )
-    .unwrap_err();
+    let e = env_error(&[("ETCD_WARDEN_ENCRYPTION_IDENTITIES", "/nonexistent/key.txt")]);
     assert_eq!(e.key, "encryption.identities[0]");
 
     // A public key where the private key belongs: named by file and line, never echoed.
     let wrong = dir.path().join("identity.txt");
     std::fs::write(&wrong, format!("{public}\n")).unwrap();
-    let e = load(
-        None,
-        &[("ETCD_WARDEN_ENCRYPTION_IDENTITIES", wrong.to_str().unwrap())],
-        &[],
-    )
-    .unwrap_err();
+    let e = env_error(&[("ETCD_WARDEN_ENCRYPTION_IDENTITIES", wrong.to_str().unwrap())]);
     assert_eq!(e.key, "encryption.identities");
     assert!(
         e.message.contains("identity.txt:1") && e.message.contains("private key"),
@@ -1005,7 +985,7 @@ fn a_private_key_pasted_into_the_encryption_keys_is_never_echoed() {
     ] {
         // Lower case too: Bech32 is case-insensitive, and so is the check.
         for pasted in [secret.clone(), secret.to_lowercase()] {
-            let e = load(None, &[(var, &pasted)], &[]).unwrap_err();
+            let e = env_error(&[(var, &pasted)]);
             let shown = format!("{e} {e:?}");
             assert!(
                 !shown.to_uppercase().contains(&tail.to_uppercase()),
@@ -1027,10 +1007,6 @@ fn a_private_key_pasted_into_the_encryption_keys_is_never_echoed() {
         .args(["--config", file.to_str().unwrap(), "config"])
         .output()
         .unwrap();
-    let all = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let all = support::cli::printed(&out);
     assert!(!all.contains(tail), "{all}");
 }

@@ -37,13 +37,12 @@ use etcd_warden::operator::kube::controller::{self, Settings};
 use etcd_warden::operator::kube::set_machines::SET_LABEL;
 use etcd_warden::operator::quorum::plan::Replacement;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
-use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, MicroTime};
 use kube::ResourceExt as _;
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use support::apiserver::ApiServer;
-use support::hosts::{Load, assert_writes_kept, eventually, ip, members};
+use support::hosts::{Bounds, Load, eventually, ip};
 use support::kube_world::{ETCD_NS, KubeWorld, MACHINES_NS};
 use support::machine_api::{self, FINALIZER, MachineApi, ROLE_LABEL, create_machine};
 use tokio_util::sync::CancellationToken;
@@ -118,21 +117,24 @@ impl World {
         w
     }
 
+    /// As [`World::start`] (no zones), the quorum operator ordering membership changes by
+    /// `replacement`.
+    async fn start_ordered(replacement: Replacement) -> World {
+        let mut w = World::build(&[]).await;
+        w.replacement = replacement;
+        w.run_operator();
+        w
+    }
+
     /// As [`World::start`], the operator not started.
     async fn build(zones: &[&str]) -> World {
         let kube = KubeWorld::start(None).await;
         for (i, n) in ["cp-0", "cp-1", "cp-2"].into_iter().enumerate() {
             let p = json!({"status": {"nodeRef": {"kind": "Node", "name": n}}});
-            kube.raw
-                .patch_status(n, &PatchParams::default(), &Patch::Merge(&p))
-                .await
-                .unwrap();
+            machine_api::merge_status(&kube.raw, n, &p).await;
             if let Some(z) = zones.get(i) {
                 let p = json!({"spec": {"providerSpec": {"value": {"placement": {"availabilityZone": z}}}}});
-                kube.raw
-                    .patch(n, &PatchParams::default(), &Patch::Merge(&p))
-                    .await
-                    .unwrap();
+                machine_api::merge(&kube.raw, n, &p).await;
             }
         }
         tokio::spawn(provisioner(
@@ -290,14 +292,58 @@ impl World {
         .await;
     }
 
+    /// Waits until the set `cluster` is Degraded (`what`), and checks the condition's reason is
+    /// `reason` and its message starts with `message`; returns the status.
+    async fn refused(&self, what: &str, reason: &str, message: &str) -> Value {
+        let status = self
+            .status_until(what, Duration::from_secs(20), |s| {
+                condition(s, "Degraded").0 == "True"
+            })
+            .await;
+        let (_, got_reason, got_message) = condition(&status, "Degraded");
+        assert_eq!(got_reason, reason);
+        assert!(got_message.starts_with(message), "{got_message}");
+        status
+    }
+
+    /// Patches the set's template to a new instance type (`big`), for a roll.
+    async fn change_template(&self) {
+        self.patch_set(
+            json!({"template": {"spec": {"providerSpec": {"value": {"instanceType": "big"}}}}}),
+        )
+        .await;
+    }
+
+    /// Starts a [`Load`] and a sampler of the most Machines seen at once (stopping with the
+    /// load), and once they run, changes the template; returns both.
+    async fn roll_under_load(&self) -> (Load, tokio::task::JoinHandle<usize>) {
+        let load = Load::start(&self.hosts, &self.names);
+        let peak = tokio::spawn(machine_peak(self.raw.clone(), load.token()));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        self.change_template().await;
+        (load, peak)
+    }
+
+    /// Checks the Machines are still `before`, none of them deleting (`context` heads each
+    /// message); returns them.
+    async fn all_left_in_place(&self, before: &[String], context: &str) -> Vec<DynamicObject> {
+        let ms = self.machines().await;
+        let names: Vec<String> = ms.iter().map(|m| m.name_any()).collect();
+        assert_eq!(names, before, "{context}every machine left in place");
+        for m in &ms {
+            assert!(
+                m.metadata.deletion_timestamp.is_none(),
+                "{context}{} deleted",
+                m.name_any()
+            );
+        }
+        ms
+    }
+
     /// Reasons of the Events on the set, once per occurrence.
     async fn set_events(&self) -> Vec<String> {
-        let events: Api<Event> = Api::namespaced(self.kc.clone(), MACHINES_NS);
-        events
-            .list(&Default::default())
+        self.machine_events()
             .await
-            .unwrap()
-            .items
             .into_iter()
             .filter(|e| {
                 e.regarding
@@ -324,20 +370,21 @@ fn condition(status: &Value, kind: &str) -> (String, String, String) {
     (s("status"), s("reason"), s("message"))
 }
 
-fn zone(m: &DynamicObject) -> String {
+/// The string at `pointer` in the Machine's provider spec (empty when there is none).
+fn provider_spec_str(m: &DynamicObject, pointer: &str) -> String {
     m.data
-        .pointer("/spec/providerSpec/value/placement/availabilityZone")
+        .pointer(&format!("/spec/providerSpec/value{pointer}"))
         .and_then(Value::as_str)
         .unwrap_or_default()
         .to_owned()
 }
 
+fn zone(m: &DynamicObject) -> String {
+    provider_spec_str(m, "/placement/availabilityZone")
+}
+
 fn instance_type(m: &DynamicObject) -> String {
-    m.data
-        .pointer("/spec/providerSpec/value/instanceType")
-        .and_then(Value::as_str)
-        .unwrap_or_default()
-        .to_owned()
+    provider_spec_str(m, "/instanceType")
 }
 
 /// The most Machines (deleting ones included) seen at once, sampled until `stop`.
@@ -359,14 +406,7 @@ async fn a_template_change_rolls_three_machines_one_at_a_time_under_writes() {
     w.settled().await;
     assert!(w.set_events().await.iter().all(|r| r == "MachineAdopted"));
 
-    let load = Load::start(&w.hosts, &w.names);
-    let stop = load.token();
-    let peak = tokio::spawn(machine_peak(w.raw.clone(), stop.clone()));
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    w.patch_set(
-        json!({"template": {"spec": {"providerSpec": {"value": {"instanceType": "big"}}}}}),
-    )
-    .await;
+    let (load, peak) = w.roll_under_load().await;
 
     // Every Machine replaced: three new ones at the new spec, the old ones gone, their members
     // the three voters.
@@ -381,8 +421,7 @@ async fn a_template_change_rolls_three_machines_one_at_a_time_under_writes() {
         if !done {
             return None;
         }
-        let ips: Vec<String> = w.names.lock().unwrap().keys().cloned().collect();
-        let list = members(&w.hosts, &ips).await?;
+        let list = w.members().await?;
         let mut voters: Vec<String> = list.iter().filter(|m| !m.3).map(|m| m.1.clone()).collect();
         voters.sort();
         let mut want = names.clone();
@@ -400,10 +439,13 @@ async fn a_template_change_rolls_three_machines_one_at_a_time_under_writes() {
         },
     )
     .await;
-    let (writes, (min_v, _max_v, _max_l, samples)) = load.finish().await;
+    let bounds = Bounds {
+        min_voters: 3,
+        max_voters: None,
+        max_learners: None,
+    };
+    load.finish_within(bounds, &w.client_urls()).await;
     let peak = peak.await.unwrap();
-    assert!(samples > 20, "monitor sampled {samples} times");
-    assert!(min_v >= 3, "voters fell to {min_v}");
     assert!(peak <= 4, "{peak} machines at once (replicas + 1 at most)");
     for m in &final_machines {
         assert!(
@@ -411,20 +453,6 @@ async fn a_template_change_rolls_three_machines_one_at_a_time_under_writes() {
             "{m} made from the template"
         );
     }
-
-    assert!(
-        writes.acked.len() > 100,
-        "only {} writes acknowledged",
-        writes.acked.len()
-    );
-    let urls: Vec<String> = w
-        .names
-        .lock()
-        .unwrap()
-        .keys()
-        .map(|i| w.hosts.client_url(i))
-        .collect();
-    assert_writes_kept(&urls, None, &writes.acked).await;
     let reasons = w.set_events().await;
     let count = |r: &str| reasons.iter().filter(|x| *x == r).count();
     assert_eq!(
@@ -489,16 +517,12 @@ async fn refusals_name_the_field_and_deleting_the_set_leaves_every_machine() {
     // A new set for 5 over a control plane of 3: it takes over, never resizes.
     w.create_set_of("cluster", None, 5).await;
     let status = w
-        .status_until("the resize refused", Duration::from_secs(20), |s| {
-            condition(s, "Degraded").0 == "True"
-        })
+        .refused(
+            "the resize refused",
+            "InvalidSpec",
+            "spec.replicas: is 5 but 3 control-plane Machines",
+        )
         .await;
-    let (_, reason, message) = condition(&status, "Degraded");
-    assert_eq!(reason, "InvalidSpec");
-    assert!(
-        message.starts_with("spec.replicas: is 5 but 3 control-plane Machines"),
-        "{message}"
-    );
     assert!(status["accepted"].is_null(), "nothing accepted: {status}");
     tokio::time::sleep(Duration::from_secs(1)).await;
     let now: Vec<String> = w.machines().await.iter().map(|m| m.name_any()).collect();
@@ -508,10 +532,7 @@ async fn refusals_name_the_field_and_deleting_the_set_leaves_every_machine() {
         "apiVersion": "machine.openshift.io/v1beta1", "kind": "MachineSet",
         "name": "workers", "uid": "ms-uid", "controller": true,
     }]}});
-    w.raw
-        .patch("cp-2", &PatchParams::default(), &Patch::Merge(&foreign))
-        .await
-        .unwrap();
+    machine_api::merge(&w.raw, "cp-2", &foreign).await;
     w.patch_set(json!({"replicas": 3})).await;
     let status = w
         .status_until("the adoption refused", Duration::from_secs(20), |s| {
@@ -521,10 +542,7 @@ async fn refusals_name_the_field_and_deleting_the_set_leaves_every_machine() {
     let message = condition(&status, "Degraded").2;
     assert!(message.contains("MachineSet workers"), "{message}");
     let p = json!({"metadata": {"ownerReferences": null}});
-    w.raw
-        .patch("cp-2", &PatchParams::default(), &Patch::Merge(&p))
-        .await
-        .unwrap();
+    machine_api::merge(&w.raw, "cp-2", &p).await;
     w.settled().await;
 
     // A second set, not named cluster: refused, never acted on.
@@ -546,18 +564,12 @@ async fn refusals_name_the_field_and_deleting_the_set_leaves_every_machine() {
     // replicas is immutable: the controller refuses the change (the double runs no CEL).
     w.patch_set(json!({"replicas": 5})).await;
     let status = w
-        .status_until(
+        .refused(
             "the replicas change refused",
-            Duration::from_secs(20),
-            |s| condition(s, "Degraded").0 == "True",
+            "InvalidSpec",
+            "spec.replicas: is immutable",
         )
         .await;
-    let (_, reason, message) = condition(&status, "Degraded");
-    assert_eq!(reason, "InvalidSpec");
-    assert!(
-        message.starts_with("spec.replicas: is immutable"),
-        "{message}"
-    );
     assert_eq!(status["accepted"]["replicas"], 3);
     tokio::time::sleep(Duration::from_secs(1)).await;
     let now: Vec<String> = w.machines().await.iter().map(|m| m.name_any()).collect();
@@ -586,15 +598,7 @@ async fn refusals_name_the_field_and_deleting_the_set_leaves_every_machine() {
     assert!(set.finalizers().iter().any(|f| f == SET_FINALIZER));
     let uid = set.uid().unwrap();
     w.delete_set(None).await;
-    let ms = w.machines().await;
-    let names: Vec<String> = ms.iter().map(|m| m.name_any()).collect();
-    assert_eq!(names, before, "every machine left in place");
-    for m in &ms {
-        assert!(
-            m.metadata.deletion_timestamp.is_none(),
-            "{} deleted",
-            m.name_any()
-        );
+    for m in &w.all_left_in_place(&before, "").await {
         assert!(
             m.owner_references().iter().all(|o| o.uid != uid)
                 && !m.labels().contains_key(SET_LABEL),
@@ -664,26 +668,19 @@ async fn only_the_lease_holder_acts_on_the_set() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_delete_replaces_a_machine_only_once_someone_deletes_it() {
-    let mut w = World::build(&[]).await;
-    w.replacement = Replacement::OnDeletion;
-    w.run_operator();
+    let w = World::start_ordered(Replacement::OnDeletion).await;
     // A RollingUpdate set over a quorum operator ordering by deletion would stall: refused.
     w.create_set("cluster", None).await;
-    let status = w
-        .status_until("the mismatch refused", Duration::from_secs(20), |s| {
-            condition(s, "Degraded").0 == "True"
-        })
-        .await;
-    let (_, reason, message) = condition(&status, "Degraded");
-    assert_eq!(reason, "QuorumOperatorMismatch");
-    assert!(message.starts_with("spec.strategy.type: "), "{message}");
+    w.refused(
+        "the mismatch refused",
+        "QuorumOperatorMismatch",
+        "spec.strategy.type: ",
+    )
+    .await;
     w.patch_set(json!({"strategy": {"type": "OnDelete"}})).await;
     w.settled().await;
 
-    w.patch_set(
-        json!({"template": {"spec": {"providerSpec": {"value": {"instanceType": "big"}}}}}),
-    )
-    .await;
+    w.change_template().await;
     let status = w
         .status_until("waiting for a deletion", Duration::from_secs(20), |s| {
             condition(s, "Progressing").1 == "WaitingForDeletion"
@@ -719,28 +716,18 @@ async fn on_delete_replaces_a_machine_only_once_someone_deletes_it() {
         s["updatedReplicas"] == 1 && s["readyReplicas"] == 3
     })
     .await;
-    let ips: Vec<String> = w.names.lock().unwrap().keys().cloned().collect();
-    let list = members(&w.hosts, &ips).await.unwrap();
+    let list = w.members().await.unwrap();
     assert_eq!(list.iter().filter(|m| !m.3).count(), 3, "{list:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn recreate_rolls_three_machines_deleting_first_under_writes() {
-    let mut w = World::build(&[]).await;
-    w.replacement = Replacement::ShrinkFirst;
-    w.run_operator();
+    let w = World::start_ordered(Replacement::ShrinkFirst).await;
     w.create_set("cluster", None).await;
     w.patch_set(json!({"strategy": {"type": "Recreate"}})).await;
     w.settled().await;
 
-    let load = Load::start(&w.hosts, &w.names);
-    let stop = load.token();
-    let peak = tokio::spawn(machine_peak(w.raw.clone(), stop.clone()));
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    w.patch_set(
-        json!({"template": {"spec": {"providerSpec": {"value": {"instanceType": "big"}}}}}),
-    )
-    .await;
+    let (load, peak) = w.roll_under_load().await;
     eventually("the rollout", Duration::from_secs(180), async || {
         let ms = w.machines().await;
         let done = ms.len() == 3
@@ -752,31 +739,19 @@ async fn recreate_rolls_three_machines_deleting_first_under_writes() {
         if !done {
             return None;
         }
-        let ips: Vec<String> = w.names.lock().unwrap().keys().cloned().collect();
-        let list = members(&w.hosts, &ips).await?;
+        let list = w.members().await?;
         (list.len() == 3 && list.iter().all(|m| !m.3)).then_some(())
     })
     .await;
-    let (writes, (min_v, max_v, _max_l, samples)) = load.finish().await;
-    let peak = peak.await.unwrap();
-    assert!(samples > 20, "monitor sampled {samples} times");
     // Recreate shrinks first: one voter fewer at a time, never more Machines than replicas.
-    assert!(min_v >= 2, "voters fell to {min_v}");
-    assert!(max_v <= 3, "voters rose to {max_v}");
+    let bounds = Bounds {
+        min_voters: 2,
+        max_voters: Some(3),
+        max_learners: None,
+    };
+    load.finish_within(bounds, &w.client_urls()).await;
+    let peak = peak.await.unwrap();
     assert!(peak <= 3, "{peak} machines at once (Recreate never surges)");
-    assert!(
-        writes.acked.len() > 100,
-        "only {} writes acknowledged",
-        writes.acked.len()
-    );
-    let urls: Vec<String> = w
-        .names
-        .lock()
-        .unwrap()
-        .keys()
-        .map(|i| w.hosts.client_url(i))
-        .collect();
-    assert_writes_kept(&urls, None, &writes.acked).await;
 }
 
 /// Seed 004: a control-plane Node no Machine backs stops every change. The set says
@@ -803,10 +778,7 @@ async fn a_control_plane_node_without_a_machine_stops_every_change() {
         .unwrap();
         nodes.create(&PostParams::default(), &node).await.unwrap();
     }
-    w.patch_set(
-        json!({"template": {"spec": {"providerSpec": {"value": {"instanceType": "big"}}}}}),
-    )
-    .await;
+    w.change_template().await;
     let status = w
         .status_until("NoMachineForNode", Duration::from_secs(30), |s| {
             let (st, reason, _) = condition(s, "Degraded");
@@ -857,10 +829,7 @@ async fn no_propagation_policy_deletes_a_machine_under_openshift_admission_and_t
         "apiVersion": "etcd-warden.io/v1alpha1", "kind": "ControlPlaneSet",
         "name": "cluster", "uid": uid, "controller": true, "blockOwnerDeletion": true,
     }]}});
-    w.raw
-        .patch("cp-0", &PatchParams::default(), &Patch::Merge(&legacy))
-        .await
-        .unwrap();
+    machine_api::merge(&w.raw, "cp-0", &legacy).await;
     w.run_operator();
     for policy in [
         kube::api::PropagationPolicy::Foreground,
@@ -874,16 +843,7 @@ async fn no_propagation_policy_deletes_a_machine_under_openshift_admission_and_t
         w.delete_set(Some(policy.clone())).await;
         // The collector has seen the set go; anything it was to delete is deleted by now.
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let ms = w.machines().await;
-        let names: Vec<String> = ms.iter().map(|m| m.name_any()).collect();
-        assert_eq!(names, before, "{policy:?}: every machine left in place");
-        for m in &ms {
-            assert!(
-                m.metadata.deletion_timestamp.is_none(),
-                "{policy:?}: {} deleted",
-                m.name_any()
-            );
-        }
+        w.all_left_in_place(&before, &format!("{policy:?}: ")).await;
         assert!(
             w.server.collected().is_empty(),
             "{policy:?}: the garbage collector deleted {:?}",
@@ -918,8 +878,7 @@ async fn deleting_the_set_while_it_changes_fails_no_reconcile() {
     assert_eq!(names, before, "every machine left in place");
     // Each Machine's adoption and orphaning is an Event of its own, related to that Machine
     // (one series per reason kept only the first Machine's name).
-    let events: Api<Event> = Api::namespaced(w.kc.clone(), MACHINES_NS);
-    let events = events.list(&Default::default()).await.unwrap().items;
+    let events = w.machine_events().await;
     for reason in ["MachineAdopted", "MachineOrphaned"] {
         let mut related: Vec<String> = events
             .iter()

@@ -478,21 +478,12 @@ fn the_spec_hash_ignores_the_failure_domain_key_order_and_nulls() {
             "instanceType": "m6i.xlarge"
         }}
     });
-    assert_eq!(
-        spec_hash(&a, DomainField::AWS),
-        spec_hash(&b, DomainField::AWS)
-    );
-    let c = serde_json::json!({
-        "providerSpec": {"value": {
-            "ami": {"id": "ami-1"},
-            "placement": {"region": "us-east-1", "availabilityZone": "us-east-1c"},
-            "instanceType": "m6i.2xlarge"
-        }}
-    });
-    assert_ne!(
-        spec_hash(&b, DomainField::AWS),
-        spec_hash(&c, DomainField::AWS)
-    );
+    let aws = |spec: &serde_json::Value| spec_hash(spec, DomainField::AWS);
+    assert_eq!(aws(&a), aws(&b));
+    // b on another instance type.
+    let mut c = b.clone();
+    c["providerSpec"]["value"]["instanceType"] = "m6i.2xlarge".into();
+    assert_ne!(aws(&b), aws(&c));
     // Another platform's field is part of the spec.
     assert_ne!(
         spec_hash(&a, DomainField::ZONE),
@@ -503,25 +494,16 @@ fn the_spec_hash_ignores_the_failure_domain_key_order_and_nulls() {
         "instanceType": "m6i.xlarge", "placement": {"availabilityZone": "us-east-1a"}
     }}});
     let bare = serde_json::json!({"providerSpec": {"value": {"instanceType": "m6i.xlarge"}}});
-    assert_eq!(
-        spec_hash(&zoned, DomainField::AWS),
-        spec_hash(&bare, DomainField::AWS)
-    );
+    assert_eq!(aws(&zoned), aws(&bare));
     // ...while a placement with anything else stays part of the spec.
-    assert_ne!(
-        spec_hash(&a, DomainField::AWS),
-        spec_hash(&bare, DomainField::AWS)
-    );
+    assert_ne!(aws(&a), aws(&bare));
 
     let injected = DomainField::AWS.inject(&b, "us-east-1b");
     assert_eq!(
         DomainField::AWS.get(&injected).as_deref(),
         Some("us-east-1b")
     );
-    assert_eq!(
-        spec_hash(&injected, DomainField::AWS),
-        spec_hash(&b, DomainField::AWS)
-    );
+    assert_eq!(aws(&injected), aws(&b));
     let empty = DomainField::ZONE.inject(&serde_json::json!({}), "z1");
     assert_eq!(
         empty,
@@ -540,6 +522,16 @@ fn machine(name: &str, hash: &str, domain: Option<&str>) -> MachineView {
         owned: true,
         member: MemberRole::Voter { healthy: true },
     }
+}
+
+/// m1, m2 and m3 with spec hashes `hashes`, in `domains`' domains in turn (none when empty).
+fn m1_to_m3(hashes: [&str; 3], domains: &[&str]) -> Vec<MachineView> {
+    ["m1", "m2", "m3"]
+        .into_iter()
+        .zip(hashes)
+        .enumerate()
+        .map(|(i, (name, hash))| machine(name, hash, domains.get(i).copied()))
+        .collect()
 }
 
 fn spec(strategy: UpdateStrategy, domains: &[&str]) -> SetSpec {
@@ -568,11 +560,7 @@ fn condition<'a>(
 #[test]
 fn a_rolling_update_surges_in_the_old_machines_domain_and_deletes_only_after_it_votes() {
     let s = spec(UpdateStrategy::RollingUpdate, &["a", "b", "c"]);
-    let mut machines = vec![
-        machine("m1", "v1", Some("a")),
-        machine("m2", "v1", Some("b")),
-        machine("m3", "v1", Some("c")),
-    ];
+    let mut machines = m1_to_m3(["v1", "v1", "v1"], &["a", "b", "c"]);
     let p = plan(&s, &obs(machines.clone()));
     assert_eq!(
         p.actions,
@@ -603,11 +591,7 @@ fn a_rolling_update_surges_in_the_old_machines_domain_and_deletes_only_after_it_
 #[test]
 fn recreate_refuses_when_quorum_would_not_survive_and_says_so() {
     let s = spec(UpdateStrategy::Recreate, &[]);
-    let mut machines = vec![
-        machine("m1", "v1", None),
-        machine("m2", "v2", None),
-        machine("m3", "v2", None),
-    ];
+    let mut machines = m1_to_m3(["v1", "v2", "v2"], &[]);
     machines[1].member = MemberRole::Voter { healthy: false };
     let p = plan(&s, &obs(machines.clone()));
     assert!(p.actions.is_empty(), "{:?}", p.actions);
@@ -633,11 +617,7 @@ fn recreate_refuses_when_quorum_would_not_survive_and_says_so() {
 #[test]
 fn on_delete_waits_and_a_hand_deleted_machine_is_replaced_in_its_domain() {
     let s = spec(UpdateStrategy::OnDelete, &["a", "b", "c"]);
-    let mut machines = vec![
-        machine("m1", "v1", Some("a")),
-        machine("m2", "v2", Some("b")),
-        machine("m3", "v2", Some("c")),
-    ];
+    let mut machines = m1_to_m3(["v1", "v2", "v2"], &["a", "b", "c"]);
     let p = plan(&s, &obs(machines.clone()));
     assert!(p.actions.is_empty());
     let progressing = condition(&p, "Progressing");
@@ -656,11 +636,7 @@ fn on_delete_waits_and_a_hand_deleted_machine_is_replaced_in_its_domain() {
 #[test]
 fn adoption_a_node_without_machine_and_bad_replicas() {
     let s = spec(UpdateStrategy::RollingUpdate, &[]);
-    let mut machines = vec![
-        machine("m1", "v2", None),
-        machine("m2", "v2", None),
-        machine("m3", "v2", None),
-    ];
+    let mut machines = m1_to_m3(["v2", "v2", "v2"], &[]);
     machines[0].owned = false;
     let p = plan(&s, &obs(machines.clone()));
     assert_eq!(
@@ -685,11 +661,7 @@ fn adoption_a_node_without_machine_and_bad_replicas() {
 #[test]
 fn a_failed_replacement_degrades_and_is_not_doubled() {
     let s = spec(UpdateStrategy::RollingUpdate, &[]);
-    let mut machines = vec![
-        machine("m1", "v1", None),
-        machine("m2", "v2", None),
-        machine("m3", "v2", None),
-    ];
+    let mut machines = m1_to_m3(["v1", "v2", "v2"], &[]);
     let mut new = machine("m4", "v2", None);
     new.ready = false;
     new.failed = true;

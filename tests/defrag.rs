@@ -4,7 +4,6 @@
 use crate::support;
 
 use std::collections::HashMap;
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -16,16 +15,10 @@ use etcd_warden::snapshot::engine::EtcdEngine;
 use etcd_warden::snapshot::gate::Gate;
 use etcd_warden::snapshot::metrics::SnapshotMetrics;
 use etcd_warden::store::gc::Retention;
-use etcd_warden::store::{Codec, Kind, SnapshotStore};
+use etcd_warden::store::{Codec, Kind};
 use prometheus_client::registry::Registry;
 use support::etcd::{EtcdCluster, Release};
 use tokio_util::sync::CancellationToken;
-
-fn file_store(dir: &Path) -> SnapshotStore {
-    std::fs::create_dir_all(dir).unwrap();
-    let backend = Arc::new(object_store::local::LocalFileSystem::new_with_prefix(dir).unwrap());
-    SnapshotStore::new(backend, "")
-}
 
 /// Each member's database size and the part in use by ID, from its own status; and which
 /// member leads.
@@ -59,13 +52,7 @@ async fn defragmentation_shrinks_every_member_while_a_writer_goes_on() {
     for i in 0..190 {
         client.delete(format!("/bulk/{i:04}"), None).await.unwrap();
     }
-    let rev = client
-        .get("/bulk/0199", None)
-        .await
-        .unwrap()
-        .header()
-        .unwrap()
-        .revision();
+    let rev = support::etcd::revision(&mut client, "/bulk/0199").await;
     client
         .compact(rev, Some(CompactionOptions::new().with_physical()))
         .await
@@ -120,7 +107,7 @@ async fn defragmentation_shrinks_every_member_while_a_writer_goes_on() {
         .map(|m| m.client_urls()[0].clone())
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let store = file_store(dir.path());
+    let store = support::file_store(dir.path());
     let engine = EtcdEngine::new(
         RotatingClient::connect(&EtcdConfig {
             endpoints: vec![leader_url],

@@ -32,6 +32,14 @@ fn resolver(server: &DnsServer, timeout: Duration) -> TokioResolver {
     builder.build().expect("resolver")
 }
 
+/// A server whose record says `seed-a`, and a [`resolver`] of it giving up after `timeout`.
+async fn serving_seed_a(timeout: Duration) -> (DnsServer, TokioResolver) {
+    let server = DnsServer::start().await;
+    let resolver = resolver(&server, timeout);
+    server.set_txt(NAME, &["seed-a"]).await;
+    (server, resolver)
+}
+
 async fn txt(resolver: &TokioResolver) -> Result<Vec<String>, NetError> {
     let lookup = resolver.txt_lookup(NAME).await?;
     Ok(lookup
@@ -46,9 +54,7 @@ async fn txt(resolver: &TokioResolver) -> Result<Vec<String>, NetError> {
 
 #[tokio::test]
 async fn a_changed_value_is_seen_within_a_second() {
-    let server = DnsServer::start().await;
-    let resolver = resolver(&server, Duration::from_secs(2));
-    server.set_txt(NAME, &["seed-a"]).await;
+    let (server, resolver) = serving_seed_a(Duration::from_secs(2)).await;
     assert_eq!(txt(&resolver).await.expect("lookup"), vec!["seed-a"]);
 
     server.set_txt(NAME, &["seed-b"]).await;
@@ -81,9 +87,7 @@ async fn set_txt_replaces_the_record_set() {
 
 #[tokio::test]
 async fn removal_gives_nxdomain() {
-    let server = DnsServer::start().await;
-    let resolver = resolver(&server, Duration::from_secs(2));
-    server.set_txt(NAME, &["seed-a"]).await;
+    let (server, resolver) = serving_seed_a(Duration::from_secs(2)).await;
     assert!(txt(&resolver).await.is_ok());
     server.remove_txt(NAME).await;
     let error = txt(&resolver)
@@ -94,9 +98,7 @@ async fn removal_gives_nxdomain() {
 
 #[tokio::test]
 async fn servfail_mode_answers_servfail() {
-    let server = DnsServer::start().await;
-    let resolver = resolver(&server, Duration::from_secs(2));
-    server.set_txt(NAME, &["seed-a"]).await;
+    let (server, resolver) = serving_seed_a(Duration::from_secs(2)).await;
     server.set_mode(Mode::ServFail);
     let error = txt(&resolver)
         .await
@@ -114,9 +116,7 @@ async fn servfail_mode_answers_servfail() {
 
 #[tokio::test]
 async fn silent_mode_times_out() {
-    let server = DnsServer::start().await;
-    let resolver = resolver(&server, Duration::from_millis(300));
-    server.set_txt(NAME, &["seed-a"]).await;
+    let (server, resolver) = serving_seed_a(Duration::from_millis(300)).await;
     server.set_mode(Mode::Silent);
     let started = Instant::now();
     let error = txt(&resolver)

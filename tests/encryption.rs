@@ -25,6 +25,15 @@ const SRC: &str = "enc-src";
 const DST: &str = "enc-dst";
 const PREFIX: &str = "shoot--a/etcd-main";
 
+/// A single etcd 3.5 and a client of it, `n` keys written to it ([`writes`], phase 0);
+/// etcd's revision after them.
+async fn etcd_written(n: usize) -> (EtcdCluster, Client, i64) {
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut client = etcd.client().await;
+    let rev = writes(&mut client, 0, n).await;
+    (etcd, client, rev)
+}
+
 /// A private key file as `age-keygen` writes it; returns the identity and the file.
 fn keygen(dir: &Path, name: &str) -> (age::x25519::Identity, PathBuf) {
     let id = age::x25519::Identity::generate();
@@ -214,9 +223,7 @@ async fn the_age_tool_decrypts_a_stored_snapshot_and_etcdutl_accepts_the_plainte
         &[PathBuf::from("/usr/bin/age-keygen")],
         "apt-get install age",
     );
-    let etcd = EtcdCluster::single(Release::V35).await;
-    let mut client = etcd.client().await;
-    let rev = writes(&mut client, 0, 200).await;
+    let (_etcd, client, rev) = etcd_written(200).await;
     let dir = tempfile::tempdir().unwrap();
     // Keys made by the standard tool; the sidecar gets the public half only.
     let key = dir.path().join("age.key");
@@ -328,9 +335,7 @@ async fn an_altered_or_truncated_object_fails_verification_and_is_never_restored
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rotated_recipients_file_applies_to_the_next_snapshot_without_a_restart() {
-    let etcd = EtcdCluster::single(Release::V35).await;
-    let mut client = etcd.client().await;
-    writes(&mut client, 0, 20).await;
+    let (_etcd, mut client, _) = etcd_written(20).await;
     let dir = tempfile::tempdir().unwrap();
     let (old, old_key) = keygen(dir.path(), "old");
     let (new, new_key) = keygen(dir.path(), "new");
@@ -375,9 +380,7 @@ async fn a_rotated_recipients_file_applies_to_the_next_snapshot_without_a_restar
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_encrypts_its_full_and_delta_snapshots_and_says_so() {
-    let etcd = EtcdCluster::single(Release::V35).await;
-    let mut client = etcd.client().await;
-    writes(&mut client, 0, 30).await;
+    let (etcd, mut client, _) = etcd_written(30).await;
     let dir = tempfile::tempdir().unwrap();
     let (id, id_file) = keygen(dir.path(), "team");
     let store_dir = dir.path().join("backups");

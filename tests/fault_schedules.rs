@@ -595,21 +595,21 @@ mod checker {
         exits: &[Exit],
         logs: &[String],
     ) -> (Vec<&'static str>, Vec<String>) {
-        let (v, notes) = check(&named_final(
-            ending, acks, snapshots, observed, status, exits, logs,
-        ));
+        let mut e = named_final(ending, acks, snapshots, observed, status);
+        e.sidecar_exits = exits;
+        e.sidecar_logs = logs;
+        let (v, notes) = check(&e);
         (v.iter().map(|v| v.kind).collect(), notes)
     }
 
-    /// Evidence whose hand-off objects name the newest final (as the record would).
+    /// Evidence whose hand-off objects name the newest final (as the record would), with no
+    /// sidecar exits or logs.
     fn named_final<'a>(
         ending: Ending,
         acks: &'a [Ack],
         snapshots: &'a [Snapshot],
         observed: &'a Observed,
         status: &'a [Option<serde_json::Value>],
-        exits: &'a [Exit],
-        logs: &'a [String],
     ) -> Evidence<'a> {
         static NONE: std::sync::LazyLock<BTreeSet<String>> =
             std::sync::LazyLock::new(BTreeSet::new);
@@ -626,8 +626,8 @@ mod checker {
             snapshots,
             observed,
             final_status: status,
-            sidecar_exits: exits,
-            sidecar_logs: logs,
+            sidecar_exits: &[],
+            sidecar_logs: &[],
             reclaimed: &NONE,
             the_final,
             latest_final: latest.is_some_and(|s| Some(s.snap_name.as_str()) == the_final),
@@ -651,15 +651,7 @@ mod checker {
         let status = [Some(settled(Some("final snapshot stored")))];
         let observed = Observed::default();
         let all = acks(&[5, 9, 12, 20]);
-        let mut e = named_final(
-            Ending::Reclaim,
-            &all,
-            &snapshots,
-            &observed,
-            &status,
-            &[],
-            &[],
-        );
+        let mut e = named_final(Ending::Reclaim, &all, &snapshots, &observed, &status);
         e.reclaimed = &reclaimed;
         // Writes 12 and 20 came after the reclaim (their `at` is their revision in ms).
         e.reclaim_at = Some(Duration::from_millis(10));
@@ -680,15 +672,7 @@ mod checker {
             vec!["two-finals", "reclaimed-read-as-final"]
         );
         // Not reclaimed: two finals, and the hand-off objects name only one of them.
-        let mut e = named_final(
-            Ending::Other,
-            &all,
-            &snapshots,
-            &observed,
-            &status,
-            &[],
-            &[],
-        );
+        let mut e = named_final(Ending::Other, &all, &snapshots, &observed, &status);
         e.reclaim_at = None;
         assert_eq!(
             violations(&e),
@@ -706,15 +690,7 @@ mod checker {
             Some(settled(Some("waiting for m0 (takes the final snapshot)"))),
             Some(settled(Some("waiting for m0 (takes the final snapshot)"))),
         ];
-        let mut e = named_final(
-            Ending::Other,
-            &all,
-            &snapshots,
-            &observed,
-            &status,
-            &[],
-            &[],
-        );
+        let mut e = named_final(Ending::Other, &all, &snapshots, &observed, &status);
         // Without a burial, a reason excuses it (and m0's silence is a violation of its own).
         assert_eq!(violations(&e), vec!["no-status"]);
         e.buried = &[0];

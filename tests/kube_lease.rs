@@ -29,6 +29,16 @@ fn lock(server: &ApiServer, id: &str) -> LeaseLock {
     LeaseLock::new(api, NAME, id, timing())
 }
 
+/// The double with candidates `a` and `b`, `a` holding the Lease and `b` refused it.
+async fn a_holds() -> (ApiServer, LeaseLock, LeaseLock) {
+    let server = ApiServer::start().await;
+    let (a, b) = (lock(&server, "a"), lock(&server, "b"));
+    assert!(a.try_acquire_or_renew().await.unwrap());
+    // b's clock starts when it first sees the record.
+    assert!(!b.try_acquire_or_renew().await.unwrap());
+    (server, a, b)
+}
+
 async fn holder(server: &ApiServer) -> Option<String> {
     let api: Api<Lease> = Api::namespaced(server.client(), "etcd");
     api.get(NAME).await.unwrap().spec.unwrap().holder_identity
@@ -36,10 +46,7 @@ async fn holder(server: &ApiServer) -> Option<String> {
 
 #[tokio::test]
 async fn one_holder_at_a_time_and_a_release_hands_over_at_once() {
-    let server = ApiServer::start().await;
-    let (a, b) = (lock(&server, "a"), lock(&server, "b"));
-    assert!(a.try_acquire_or_renew().await.unwrap());
-    assert!(!b.try_acquire_or_renew().await.unwrap());
+    let (server, a, b) = a_holds().await;
     assert!(a.try_acquire_or_renew().await.unwrap(), "the holder renews");
     assert!(!b.try_acquire_or_renew().await.unwrap());
     assert_eq!(holder(&server).await.as_deref(), Some("a"));
@@ -60,11 +67,7 @@ async fn one_holder_at_a_time_and_a_release_hands_over_at_once() {
 
 #[tokio::test]
 async fn a_holder_that_stops_renewing_is_replaced_after_the_lease_duration() {
-    let server = ApiServer::start().await;
-    let (a, b) = (lock(&server, "a"), lock(&server, "b"));
-    assert!(a.try_acquire_or_renew().await.unwrap());
-    // b's clock starts when it first sees the record.
-    assert!(!b.try_acquire_or_renew().await.unwrap());
+    let (server, a, b) = a_holds().await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(
         !b.try_acquire_or_renew().await.unwrap(),

@@ -41,6 +41,20 @@ const SPEC: Spec = Spec {
     replacement: etcd_warden::operator::quorum::plan::Replacement::OnDeletion,
 };
 
+/// Named tests, one a row (`name: scenario(arguments);`, doc comments allowed), each awaiting
+/// its scenario on a two-thread runtime.
+macro_rules! scenario_tests {
+    ($($(#[$meta:meta])* $name:ident: $scenario:expr;)+) => {
+        $(
+            $(#[$meta])*
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                $scenario.await;
+            }
+        )+
+    };
+}
+
 /// A running local cluster; its etcd processes die with it.
 struct Fixture {
     _dir: TempDir,
@@ -91,6 +105,14 @@ impl Fixture {
         let op = Arc::clone(op);
         let cancel = self.cancel.child_token();
         tokio::spawn(async move { op.run(cancel).await })
+    }
+
+    /// The fixture with its operator running and settled (every member protected); returns
+    /// them and the operator's task.
+    async fn with_settled_operator(self) -> (Fixture, Arc<Operator<LocalCluster>>, JoinHandle<()>) {
+        let op = self.operator();
+        let task = self.run_until_settled(&op).await;
+        (self, op, task)
     }
 
     /// Spawns `op` and waits until it has settled the cluster (every member protected).
@@ -267,53 +289,63 @@ async fn assert_acked_present(cluster: &LocalCluster, report: &WriterReport) {
     support::hosts::assert_writes_kept(&cluster.client_urls(), None, &report.acked).await;
 }
 
-/// Samples the member list continuously: (min voters, max voters, max learners, samples).
-async fn monitor(
-    cluster: Arc<LocalCluster>,
+/// A [`writer`] and a [`monitor`] over a cluster, until [`LocalLoad::finish`].
+struct LocalLoad {
     stop: CancellationToken,
-) -> (usize, usize, usize, usize) {
-    let (mut min_v, mut max_v, mut max_l, mut n) = (usize::MAX, 0, 0, 0);
-    let mut c: Option<Client> = None;
-    while !stop.is_cancelled() {
-        if c.is_none() {
-            c = client(&cluster.client_urls()).await;
-        }
-        if let Some(cl) = c.as_mut() {
-            match cl.member_list().await {
-                Ok(r) => {
-                    let voters = r.members().iter().filter(|m| !m.is_learner()).count();
-                    let learners = r.members().len() - voters;
-                    min_v = min_v.min(voters);
-                    max_v = max_v.max(voters);
-                    max_l = max_l.max(learners);
-                    n += 1;
-                }
-                Err(_) => c = None,
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    (min_v, max_v, max_l, n)
+    writer: JoinHandle<WriterReport>,
+    monitor: JoinHandle<(usize, usize, usize, usize, usize)>,
 }
 
-fn position(history: &[Action], pred: impl Fn(&Action) -> bool, what: &str) -> usize {
+impl LocalLoad {
+    /// Starts both (the monitor sampling the machines too with `machines`), and lets them run
+    /// for 300 ms.
+    async fn start(cluster: &Arc<LocalCluster>, machines: bool) -> LocalLoad {
+        let stop = CancellationToken::new();
+        let load = LocalLoad {
+            writer: tokio::spawn(writer(Arc::clone(cluster), stop.clone())),
+            monitor: tokio::spawn(monitor(Arc::clone(cluster), stop.clone(), machines)),
+            stop,
+        };
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        load
+    }
+
+    /// Lets both run for 300 ms more, then stops them: the writer's report and the monitor's
+    /// samples.
+    async fn finish(self) -> (WriterReport, (usize, usize, usize, usize, usize)) {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        self.stop.cancel();
+        (self.writer.await.unwrap(), self.monitor.await.unwrap())
+    }
+}
+
+/// Waits up to `timeout` until the operator's condition is `kind` ([`Condition::kind`]);
+/// returns its reason.
+async fn reason_once<M: Machines>(op: &Operator<M>, kind: &str, timeout: Duration) -> String {
+    wait_for(kind, timeout, || {
+        match op.status().condition.filter(|c| c.kind() == kind)? {
+            Condition::Progressing(r) | Condition::Waiting(r) | Condition::Degraded(r) => Some(r),
+            Condition::Settled => None,
+        }
+    })
+    .await
+}
+
+/// Where the first `kind` action ([`Action::kind`]) on `machine` ([`Action::machine`]) stands
+/// in `history`.
+fn position(history: &[Action], kind: &str, machine: &str) -> usize {
     history
         .iter()
-        .position(pred)
-        .unwrap_or_else(|| panic!("no {what} in history {history:#?}"))
+        .position(|a| a.kind() == kind && a.machine() == Some(machine))
+        .unwrap_or_else(|| panic!("no {kind} of {machine} in history {history:#?}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replacing_every_member_under_writes_loses_nothing() {
-    let f = Fixture::start(true).await;
-    let op = f.operator();
     // Settled: a hook on every machine.
-    let _task = f.run_until_settled(&op).await;
+    let (f, op, _task) = Fixture::start(true).await.with_settled_operator().await;
 
-    let stop = CancellationToken::new();
-    let w = tokio::spawn(writer(Arc::clone(&f.cluster), stop.clone()));
-    let m = tokio::spawn(monitor(Arc::clone(&f.cluster), stop.clone()));
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let load = LocalLoad::start(&f.cluster, false).await;
 
     let mut pairs = Vec::new();
     for old in ["m1", "m2", "m3"] {
@@ -321,10 +353,7 @@ async fn replacing_every_member_under_writes_loses_nothing() {
         wait_replaced(&f, &op, old).await;
         pairs.push((old.to_owned(), new));
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    stop.cancel();
-    let report = w.await.unwrap();
-    let (min_v, max_v, max_l, samples) = m.await.unwrap();
+    let (report, (min_v, max_v, max_l, _, samples)) = load.finish().await;
 
     let refusals: std::collections::BTreeSet<String> = op
         .status()
@@ -362,31 +391,11 @@ async fn replacing_every_member_under_writes_loses_nothing() {
     // Each replacement in the protocol's order.
     let history: Vec<Action> = op.status().history.into_iter().map(|r| r.action).collect();
     for (old, new) in &pairs {
-        let add = position(
-            &history,
-            |a| matches!(a, Action::AddLearner { machine, .. } if machine == new),
-            "add learner",
-        );
-        let hook = position(
-            &history,
-            |a| matches!(a, Action::AddHook { machine } if machine == new),
-            "hook on the new machine",
-        );
-        let promote = position(
-            &history,
-            |a| matches!(a, Action::Promote { machine, .. } if machine == new),
-            "promote",
-        );
-        let remove = position(
-            &history,
-            |a| matches!(a, Action::RemoveMember { name, .. } if name == old),
-            "remove",
-        );
-        let release = position(
-            &history,
-            |a| matches!(a, Action::ReleaseHook { machine } if machine == old),
-            "release hook",
-        );
+        let add = position(&history, "add_learner", new);
+        let hook = position(&history, "add_hook", new);
+        let promote = position(&history, "promote", new);
+        let remove = position(&history, "remove_member", old);
+        let release = position(&history, "release_hook", old);
         assert!(
             add < promote && hook < promote && promote < remove && remove < release,
             "{old}->{new} out of order: {history:#?}"
@@ -418,18 +427,10 @@ async fn replacement_works_on_etcd_3_4() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deleted_machine_without_replacement_keeps_its_member() {
-    let f = Fixture::start(true).await;
-    let op = f.operator();
-    let _task = f.run_until_settled(&op).await;
+    let (f, op, _task) = Fixture::start(true).await.with_settled_operator().await;
 
     f.cluster.delete_machine("m2").unwrap();
-    let reason = wait_for("Waiting", Duration::from_secs(10), || {
-        match op.status().condition {
-            Some(Condition::Waiting(r)) => Some(r),
-            _ => None,
-        }
-    })
-    .await;
+    let reason = reason_once(&op, "waiting", Duration::from_secs(10)).await;
     assert!(reason.contains("no replacement machine"), "{reason}");
     tokio::time::sleep(Duration::from_secs(1)).await;
     let now = members(&f.cluster).await;
@@ -447,9 +448,7 @@ async fn deleted_machine_without_replacement_keeps_its_member() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn escape_hatch_hook_stays_off_and_membership_waits_for_the_admin() {
     // The machine API is driven by hand so the moment between hook removal and termination lasts.
-    let f = Fixture::start(false).await;
-    let op = f.operator();
-    let _task = f.run_until_settled(&op).await;
+    let (f, op, _task) = Fixture::start(false).await.with_settled_operator().await;
 
     f.cluster.delete_machine("m2").unwrap();
     wait_for("Waiting", Duration::from_secs(10), || {
@@ -466,13 +465,7 @@ async fn escape_hatch_hook_stays_off_and_membership_waits_for_the_admin() {
 
     // The machine API terminates m2; its member is gone but membership is left alone.
     assert_eq!(f.cluster.terminate_unhooked(), ["m2"]);
-    let reason = wait_for("Degraded", Duration::from_secs(15), || {
-        match op.status().condition {
-            Some(Condition::Degraded(r)) => Some(r),
-            _ => None,
-        }
-    })
-    .await;
+    let reason = reason_once(&op, "degraded", Duration::from_secs(15)).await;
     assert!(reason.contains("m2"), "{reason}");
     let now = members(&f.cluster).await;
     assert_eq!(names(&now), ["m1", "m2", "m3"]);
@@ -500,33 +493,27 @@ async fn escape_hatch_hook_stays_off_and_membership_waits_for_the_admin() {
     assert_eq!(names(&members(&f.cluster).await), ["m1", "m3", "m4"]);
 }
 
-/// Seed 003: "The machine health check deletes unhealthy control plane machines so that they are
-/// replaced." m2's etcd is SIGKILLed for good under a writer, then m2 is replaced (what `replace
-/// m2` asks of the local API: a new machine, m2 marked for deletion). The operator removes the
-/// dead voter first (the only unhealthy member, its machine being deleted, 2 of 2 voters left
-/// healthy), releases m2's hook, and m4 joins as a learner and is promoted: three healthy voters
-/// again, no acknowledged write lost. Without that rule the operator stays at "unhealthy
-/// member(s) m2; membership changes paused" until someone runs `etcdctl member remove`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dead_machine_is_replaced_without_etcdctl() {
-    dead_machine_replaced(etcd()).await;
-}
-
-/// The same on Debian's etcd 3.4.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dead_machine_is_replaced_on_etcd_3_4() {
-    dead_machine_replaced(Release::V34.bin("etcd")).await;
+scenario_tests! {
+    /// Seed 003: "The machine health check deletes unhealthy control plane machines so that they
+    /// are replaced." m2's etcd is SIGKILLed for good under a writer, then m2 is replaced (what
+    /// `replace m2` asks of the local API: a new machine, m2 marked for deletion). The operator
+    /// removes the dead voter first (the only unhealthy member, its machine being deleted, 2 of 2
+    /// voters left healthy), releases m2's hook, and m4 joins as a learner and is promoted: three
+    /// healthy voters again, no acknowledged write lost. Without that rule the operator stays at
+    /// "unhealthy member(s) m2; membership changes paused" until someone runs `etcdctl member
+    /// remove`.
+    a_dead_machine_is_replaced_without_etcdctl: dead_machine_replaced(etcd());
+    /// The same on Debian's etcd 3.4.
+    a_dead_machine_is_replaced_on_etcd_3_4: dead_machine_replaced(Release::V34.bin("etcd"));
 }
 
 async fn dead_machine_replaced(etcd: PathBuf) {
-    let f = Fixture::start_with(etcd, true).await;
-    let op = f.operator();
-    let _task = f.run_until_settled(&op).await;
+    let (f, op, _task) = Fixture::start_with(etcd, true)
+        .await
+        .with_settled_operator()
+        .await;
 
-    let stop = CancellationToken::new();
-    let w = tokio::spawn(writer(Arc::clone(&f.cluster), stop.clone()));
-    let m = tokio::spawn(monitor(Arc::clone(&f.cluster), stop.clone()));
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let load = LocalLoad::start(&f.cluster, false).await;
 
     let pid = f.machine("m2").and_then(|m| m.pid).expect("m2 runs");
     nix::sys::signal::kill(
@@ -535,13 +522,7 @@ async fn dead_machine_replaced(etcd: PathBuf) {
     )
     .unwrap();
     // Seen dead while its machine is not deleted: paused, as before.
-    let reason = wait_for("Degraded", Duration::from_secs(15), || {
-        match op.status().condition {
-            Some(Condition::Degraded(r)) => Some(r),
-            _ => None,
-        }
-    })
-    .await;
+    let reason = reason_once(&op, "degraded", Duration::from_secs(15)).await;
     assert_eq!(reason, "unhealthy member(s) m2; membership changes paused");
     let dead = members(&f.cluster)
         .await
@@ -564,10 +545,7 @@ async fn dead_machine_replaced(etcd: PathBuf) {
         || describe(&op),
     )
     .await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    stop.cancel();
-    let report = w.await.unwrap();
-    let (min_v, max_v, max_l, samples) = m.await.unwrap();
+    let (report, (min_v, max_v, max_l, _, samples)) = load.finish().await;
     eprintln!(
         "writer: {} acked, {} put errors; monitor: {samples} samples, voters {min_v}..={max_v}",
         report.acked.len(),
@@ -608,26 +586,11 @@ async fn dead_machine_replaced(etcd: PathBuf) {
         }],
         "{history:#?}"
     );
-    let remove = position(
-        &history,
-        |a| matches!(a, Action::RemoveMember { .. }),
-        "remove",
-    );
-    let release = position(
-        &history,
-        |a| matches!(a, Action::ReleaseHook { machine } if machine == "m2"),
-        "release hook",
-    );
-    let add = position(
-        &history,
-        |a| matches!(a, Action::AddLearner { machine, .. } if machine == "m4"),
-        "add learner",
-    );
-    let promote = position(
-        &history,
-        |a| matches!(a, Action::Promote { machine, .. } if machine == "m4"),
-        "promote",
-    );
+    // (The one removal is m2's, as just checked.)
+    let remove = position(&history, "remove_member", "m2");
+    let release = position(&history, "release_hook", "m2");
+    let add = position(&history, "add_learner", "m4");
+    let promote = position(&history, "promote", "m4");
     assert!(
         remove < release && remove < add && add < promote,
         "out of order: {history:#?}"
@@ -731,14 +694,25 @@ async fn killed_operator_is_finished_by_a_new_one(fail_start: bool) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn operator_killed_after_adding_a_learner_it_never_started() {
-    killed_operator_is_finished_by_a_new_one(true).await;
+scenario_tests! {
+    operator_killed_after_adding_a_learner_it_never_started:
+        killed_operator_is_finished_by_a_new_one(true);
+    operator_killed_between_started_learner_and_promotion:
+        killed_operator_is_finished_by_a_new_one(false);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn operator_killed_between_started_learner_and_promotion() {
-    killed_operator_is_finished_by_a_new_one(false).await;
+/// The answer to a GET of `url`.
+async fn get(http: &reqwest::Client, url: &str) -> reqwest::Response {
+    http.get(url).send().await.unwrap()
+}
+
+/// The `name` of every object in the JSON array `list`.
+fn json_names(list: &serde_json::Value) -> Vec<&str> {
+    list.as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["name"].as_str().unwrap())
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -797,40 +771,26 @@ async fn local_binary_replaces_a_member_through_its_api() {
     let url = format!("http://{api}");
     let deadline = Instant::now() + Duration::from_secs(60);
     let status = loop {
-        let st: serde_json::Value = http
-            .get(format!("{url}/status"))
-            .send()
+        let st: serde_json::Value = get(&http, &format!("{url}/status"))
             .await
-            .unwrap()
             .json()
             .await
             .unwrap();
-        let machines: Vec<&str> = st["machines"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|m| m["name"].as_str().unwrap())
-            .collect();
+        let machines = json_names(&st["machines"]);
         if machines == ["m2", "m3", "m4"] && st["operator"]["condition"]["condition"] == "settled" {
             break st;
         }
         assert!(Instant::now() < deadline, "replacement not done: {st:#}");
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
-    let mut member_names: Vec<&str> = status["operator"]["members"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| m["name"].as_str().unwrap())
-        .collect();
+    let mut member_names = json_names(&status["operator"]["members"]);
     member_names.sort();
     assert_eq!(member_names, ["m2", "m3", "m4"]);
 
     // The JSON log: each action in its own span, naming the machine and member, inside a step.
     let log = std::fs::read_to_string(dir.path().join("operator.log")).unwrap();
-    let promoted = log
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+    let promoted = support::cli::json_lines(&log)
+        .into_iter()
         .find(|l| l["span"]["name"] == "operator_action" && l["span"]["action"] == "promote")
         .unwrap_or_else(|| panic!("no promote action span:\n{log}"));
     assert_eq!(promoted["span"]["machine"], "m4", "{promoted}");
@@ -841,11 +801,8 @@ async fn local_binary_replaces_a_member_through_its_api() {
         "{promoted}"
     );
 
-    let metrics = http
-        .get(format!("{url}/metrics"))
-        .send()
+    let metrics = get(&http, &format!("{url}/metrics"))
         .await
-        .unwrap()
         .text()
         .await
         .unwrap();
@@ -932,16 +889,19 @@ use etcd_warden::operator::control_plane_set::controller::{
 use etcd_warden::operator::control_plane_set::plan::Strategy;
 use etcd_warden::operator::local::{LOCAL_DOMAIN, LocalSetOptions, local_template};
 
-/// Samples what a rollout may never exceed: (min voters, max voters, max learners, max
-/// machines, samples).
-async fn monitor_rollout(
+/// Samples the member list continuously, and with `machines` the machines too: (min voters,
+/// max voters, max learners, max machines (0 without `machines`), samples).
+async fn monitor(
     cluster: Arc<LocalCluster>,
     stop: CancellationToken,
+    machines: bool,
 ) -> (usize, usize, usize, usize, usize) {
     let (mut min_v, mut max_v, mut max_l, mut max_m, mut n) = (usize::MAX, 0, 0, 0, 0);
     let mut c: Option<Client> = None;
     while !stop.is_cancelled() {
-        max_m = max_m.max(cluster.machines().len());
+        if machines {
+            max_m = max_m.max(cluster.machines().len());
+        }
         if c.is_none() {
             c = client(&cluster.client_urls()).await;
         }
@@ -1033,10 +993,7 @@ async fn roll(strategy: Strategy, members: usize) {
     .await;
     let first: Vec<String> = cluster.machines().into_iter().map(|m| m.name).collect();
 
-    let stop = CancellationToken::new();
-    let w = tokio::spawn(writer(Arc::clone(&cluster), stop.clone()));
-    let m = tokio::spawn(monitor_rollout(Arc::clone(&cluster), stop.clone()));
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let load = LocalLoad::start(&cluster, true).await;
 
     let flag = "--heartbeat-interval=110";
     set.update(local_template(&[flag.into()]).unwrap(), domains.clone());
@@ -1082,10 +1039,7 @@ async fn roll(strategy: Strategy, members: usize) {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let rolled_in = started.elapsed();
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    stop.cancel();
-    let report = w.await.unwrap();
-    let (min_v, max_v, max_l, max_m, samples) = m.await.unwrap();
+    let (report, (min_v, max_v, max_l, max_m, samples)) = load.finish().await;
     eprintln!(
         "{strategy:?} x{members}: rolled in {rolled_in:?}; writer {} acked, {} put errors; voters {min_v}..={max_v}, learners <= {max_l}, machines <= {max_m} ({samples} samples)",
         report.acked.len(),
@@ -1149,22 +1103,9 @@ async fn roll(strategy: Strategy, members: usize) {
     assert_acked_present(&cluster, &report).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn control_plane_set_rolling_update_rolls_three_members() {
-    roll(Strategy::RollingUpdate, 3).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn control_plane_set_recreate_rolls_three_members() {
-    roll(Strategy::Recreate, 3).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn control_plane_set_on_delete_rolls_three_members() {
-    roll(Strategy::OnDelete, 3).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn control_plane_set_rolling_update_rolls_five_members() {
-    roll(Strategy::RollingUpdate, 5).await;
+scenario_tests! {
+    control_plane_set_rolling_update_rolls_three_members: roll(Strategy::RollingUpdate, 3);
+    control_plane_set_recreate_rolls_three_members: roll(Strategy::Recreate, 3);
+    control_plane_set_on_delete_rolls_three_members: roll(Strategy::OnDelete, 3);
+    control_plane_set_rolling_update_rolls_five_members: roll(Strategy::RollingUpdate, 5);
 }

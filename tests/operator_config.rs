@@ -56,6 +56,14 @@ fn load(
     )
 }
 
+/// A file `name` holding `text`, in a new temporary directory (returned too: the file is there
+/// as long as it lives).
+fn file_with(name: &str, text: &str) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join(name);
+    std::fs::write(&file, text).unwrap();
+    (dir, file)
+}
 #[test]
 fn the_example_loads_and_documents_every_key() {
     let c = load(Some(&example()), &[], &[]).unwrap();
@@ -78,9 +86,7 @@ fn the_example_loads_and_documents_every_key() {
         );
     }
     // KEYS is every key: a file setting each one loads (an unknown one would be refused).
-    let dir = tempfile::tempdir().unwrap();
-    let pem = dir.path().join("x.pem");
-    std::fs::write(&pem, "x").unwrap();
+    let (dir, pem) = file_with("x.pem", "x");
     let pem = pem.display().to_string();
     let all: String = KEYS
         .iter()
@@ -113,13 +119,10 @@ fn the_example_loads_and_documents_every_key() {
 
 #[test]
 fn flags_win_over_the_environment_which_wins_over_the_file() {
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("c.toml");
-    std::fs::write(
-        &file,
+    let (_dir, file) = file_with(
+        "c.toml",
         "etcd_endpoints = [\"http://f:2379\"]\nresync = \"7s\"\nlease = \"from-file\"\nnamespace = \"ns-file\"\n",
-    )
-    .unwrap();
+    );
     let c = load(
         Some(&file),
         &[
@@ -158,9 +161,7 @@ fn flags_win_over_the_environment_which_wins_over_the_file() {
 
 #[test]
 fn unknown_keys_and_bad_values_are_refused_naming_the_key() {
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("c.toml");
-    std::fs::write(&file, "etcd_endpoints = \"http://e:2379\"\nvoter = 3\n").unwrap();
+    let (_dir, file) = file_with("c.toml", "etcd_endpoints = \"http://e:2379\"\nvoter = 3\n");
     let e = load(Some(&file), &[], &[]).unwrap_err();
     assert_eq!(e.key, "voter", "{e}");
     assert!(e.to_string().contains("unknown key"), "{e}");
@@ -197,9 +198,7 @@ fn unknown_keys_and_bad_values_are_refused_naming_the_key() {
         );
     }
     // A certificate without its key.
-    let dir = tempfile::tempdir().unwrap();
-    let pem = dir.path().join("c.pem");
-    std::fs::write(&pem, "x").unwrap();
+    let (_dir, pem) = file_with("c.pem", "x");
     let e = load(None, &ok, &[("etcd_cert_file", pem.to_str().unwrap())]).unwrap_err();
     assert_eq!(e.key, "etcd_key_file", "{e}");
     // No endpoints at all.
@@ -209,21 +208,17 @@ fn unknown_keys_and_bad_values_are_refused_naming_the_key() {
 
 #[test]
 fn the_binary_exits_64_naming_the_key() {
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("c.toml");
-    std::fs::write(
-        &file,
+    let (_dir, file) = file_with(
+        "c.toml",
         "etcd_endpoints = [\"http://e:2379\"]\nresinc = \"5s\"\n",
-    )
-    .unwrap();
+    );
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_etcd-warden-operator"))
         .args(["kube", "--config"])
         .arg(&file)
         .env_remove("ETCD_WARDEN_OPERATOR_CONFIG")
         .output()
         .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(64), "{stderr}");
+    let stderr = crate::support::cli::exited(&out, 64);
     assert!(
         stderr.contains("resinc") && stderr.contains("unknown key"),
         "{stderr}"
@@ -234,14 +229,11 @@ fn the_binary_exits_64_naming_the_key() {
 /// it as `ETCD_WARDEN_OPERATOR_OWNER_<KEY>` while every other key stays top-level.
 #[test]
 fn the_owner_section_is_the_sidecars_and_the_environment_reaches_it() {
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("operator.toml");
-    std::fs::write(
-        &file,
+    let (_dir, file) = file_with(
+        "operator.toml",
         "etcd_endpoints = [\"https://e:2379\"]\n[owner]\nname = \"owner.example.com\"\n\
          id = \"seed-a\"\nnameservers = [\"127.0.0.1:5353\"]\ninterval = \"2s\"\n",
-    )
-    .unwrap();
+    );
     let c = load(
         Some(&file),
         &[

@@ -42,6 +42,30 @@ fn peer(n: usize) -> String {
 }
 
 impl Sim {
+    /// [`Sim::new`], settled.
+    fn settled(desired: usize) -> Self {
+        let mut sim = Sim::new(desired);
+        sim.settle().unwrap();
+        sim
+    }
+
+    /// Twenty steps, every started member caught up with the leader before each and the
+    /// unhooked deleting Machines gone after it; the kinds of the actions taken.
+    fn twenty_steps(&mut self) -> Vec<&'static str> {
+        let mut kinds = vec![];
+        for _ in 0..20 {
+            for m in &mut self.members {
+                if m.started() {
+                    m.applied_index = self.leader_applied;
+                }
+            }
+            let actions = self.step(usize::MAX).unwrap();
+            kinds.extend(actions.iter().map(|a| a.kind()));
+            self.finalize_unhooked();
+        }
+        kinds
+    }
+
     fn new(desired: usize) -> Self {
         Sim::with(desired, Replacement::OnDeletion)
     }
@@ -515,8 +539,7 @@ proptest! {
 
 #[test]
 fn deleted_machine_without_replacement_leaves_membership_untouched() {
-    let mut sim = Sim::new(3);
-    sim.settle().unwrap();
+    let mut sim = Sim::settled(3);
     sim.machines[1].deleting = true;
     let before = sim.members.clone();
     let condition = sim.settle().unwrap();
@@ -530,8 +553,7 @@ fn deleted_machine_without_replacement_leaves_membership_untouched() {
 
 #[test]
 fn escape_hatch_hook_is_not_put_back() {
-    let mut sim = Sim::new(3);
-    sim.settle().unwrap();
+    let mut sim = Sim::settled(3);
     sim.machines[1].deleting = true;
     sim.machines[1].has_hook = false;
     sim.machines[1].hook_removed_by_other = true;
@@ -551,8 +573,7 @@ fn escape_hatch_hook_is_not_put_back() {
 
 #[test]
 fn briefly_missing_member_is_not_a_scale_in() {
-    let mut sim = Sim::new(5);
-    sim.settle().unwrap();
+    let sim = Sim::settled(5);
     let mut obs = sim.observed();
     obs.members.remove(2);
     let p = plan(Spec::new(5).unwrap(), &obs);
@@ -589,21 +610,10 @@ fn quorum_loss_is_reported_not_acted_on() {
 
 #[test]
 fn one_replacement_in_order() {
-    let mut sim = Sim::new(3);
-    sim.settle().unwrap();
+    let mut sim = Sim::settled(3);
     sim.machines[0].deleting = true;
     sim.create_machine();
-    let mut kinds = vec![];
-    for _ in 0..20 {
-        for m in &mut sim.members {
-            if m.started() {
-                m.applied_index = sim.leader_applied;
-            }
-        }
-        let actions = sim.step(usize::MAX).unwrap();
-        kinds.extend(actions.iter().map(|a| a.kind()));
-        sim.finalize_unhooked();
-    }
+    let kinds = sim.twenty_steps();
     assert_eq!(
         kinds,
         [
@@ -798,6 +808,17 @@ fn dead_and_deleted(desired: usize, replacement: Replacement, victim: usize) -> 
     sim
 }
 
+/// With a new Machine created, the plan changes no membership and is Degraded: its reason.
+fn paused_with_a_new_machine(sim: &mut Sim) -> String {
+    sim.create_machine();
+    let p = plan(sim.spec(), &sim.observed());
+    assert!(membership_changes(&p).is_empty(), "{p:?}");
+    let Condition::Degraded(reason) = p.condition else {
+        panic!("{p:?}")
+    };
+    reason
+}
+
 fn membership_changes(p: &etcd_warden::operator::quorum::plan::Plan) -> Vec<&Action> {
     p.actions
         .iter()
@@ -886,17 +907,7 @@ fn a_dead_voter_of_a_deleting_machine_goes_first_then_its_replacement_joins() {
         panic!("{p:?}")
     };
     assert!(reason.contains("m1"), "{reason}");
-    let mut kinds = vec![];
-    for _ in 0..20 {
-        for m in &mut sim.members {
-            if m.started() {
-                m.applied_index = sim.leader_applied;
-            }
-        }
-        let actions = sim.step(usize::MAX).unwrap();
-        kinds.extend(actions.iter().map(|a| a.kind()));
-        sim.finalize_unhooked();
-    }
+    let kinds = sim.twenty_steps();
     assert_eq!(
         kinds,
         [
@@ -985,15 +996,9 @@ fn a_deleting_machine_whose_member_is_already_gone_is_released_and_replaced() {
 #[test]
 fn a_dead_voter_on_a_live_machine_stays_degraded() {
     // No machine is being deleted: nothing says the member is gone for good.
-    let mut sim = Sim::new(3);
-    sim.settle().unwrap();
+    let mut sim = Sim::settled(3);
     sim.members[1].healthy = false;
-    sim.create_machine();
-    let p = plan(sim.spec(), &sim.observed());
-    assert!(membership_changes(&p).is_empty(), "{p:?}");
-    let Condition::Degraded(reason) = &p.condition else {
-        panic!("{p:?}")
-    };
+    let reason = paused_with_a_new_machine(&mut sim);
     assert_eq!(reason, "unhealthy member(s) m1; membership changes paused");
 }
 
@@ -1015,12 +1020,7 @@ fn a_second_dead_voter_waits_for_the_first_ones_replacement() {
         .find(|m| m.name == "m2")
         .unwrap()
         .deleting = true;
-    sim.create_machine();
-    let p = plan(sim.spec(), &sim.observed());
-    assert!(membership_changes(&p).is_empty(), "{p:?}");
-    let Condition::Degraded(reason) = &p.condition else {
-        panic!("{p:?}")
-    };
+    let reason = paused_with_a_new_machine(&mut sim);
     assert_eq!(reason, "unhealthy member(s) m2; membership changes paused");
 }
 
@@ -1029,12 +1029,7 @@ fn a_dead_voter_with_another_member_unhealthy_is_not_removed() {
     // 5 voters, two dead: quorum holds (3 of 5) but the rule wants every other member healthy.
     let mut sim = dead_and_deleted(5, Replacement::OnDeletion, 0);
     sim.members[3].healthy = false;
-    sim.create_machine();
-    let p = plan(sim.spec(), &sim.observed());
-    assert!(membership_changes(&p).is_empty(), "{p:?}");
-    let Condition::Degraded(reason) = &p.condition else {
-        panic!("{p:?}")
-    };
+    let reason = paused_with_a_new_machine(&mut sim);
     assert_eq!(
         reason,
         "unhealthy member(s) m0, m3; membership changes paused"

@@ -31,12 +31,29 @@ fn resolver(server: &DnsServer) -> OwnerResolver {
     OwnerResolver::new(&config(server, Duration::ZERO)).expect("resolver")
 }
 
-#[tokio::test]
-async fn answers_are_classified() {
+/// A server whose record says `seed-a` (us), and a [`resolver`] of it.
+async fn serving_seed_a() -> (DnsServer, OwnerResolver) {
     let server = DnsServer::start().await;
     let resolver = resolver(&server);
-
     server.set_txt(NAME, &["seed-a"]).await;
+    (server, resolver)
+}
+
+/// A record of `ttl` seconds naming `seed-a`, checked (Owner) by a resolver capping TTLs at
+/// `ttl_cap`, then changed to name `seed-b`.
+async fn moved_to_seed_b(ttl_cap: Duration, ttl: u32) -> (DnsServer, OwnerResolver) {
+    let server = DnsServer::start().await;
+    let resolver = OwnerResolver::new(&config(&server, ttl_cap)).expect("resolver");
+    server.set_txt_records(NAME, ttl, &[vec!["seed-a"]]).await;
+    assert_eq!(resolver.check().await, CheckResult::Owner);
+    server.set_txt_records(NAME, ttl, &[vec!["seed-b"]]).await;
+    (server, resolver)
+}
+
+#[tokio::test]
+async fn answers_are_classified() {
+    let (server, resolver) = serving_seed_a().await;
+
     assert_eq!(resolver.check().await, CheckResult::Owner);
 
     server.set_txt(NAME, &["seed-b"]).await;
@@ -69,9 +86,7 @@ async fn answers_are_classified() {
 
 #[tokio::test]
 async fn a_removed_record_is_no_record() {
-    let server = DnsServer::start().await;
-    let resolver = resolver(&server);
-    server.set_txt(NAME, &["seed-a"]).await;
+    let (server, resolver) = serving_seed_a().await;
     assert_eq!(resolver.check().await, CheckResult::Owner);
     server.remove_txt(NAME).await;
     assert_eq!(resolver.check().await, CheckResult::NoRecord, "NXDOMAIN");
@@ -91,9 +106,7 @@ async fn a_name_without_txt_is_no_record() {
 
 #[tokio::test]
 async fn servfail_and_silence_are_failures() {
-    let server = DnsServer::start().await;
-    let resolver = resolver(&server);
-    server.set_txt(NAME, &["seed-a"]).await;
+    let (server, resolver) = serving_seed_a().await;
 
     server.set_mode(Mode::ServFail);
     assert!(matches!(
@@ -118,9 +131,7 @@ async fn servfail_and_silence_are_failures() {
 
 #[tokio::test]
 async fn a_stopped_server_is_a_failure() {
-    let server = DnsServer::start().await;
-    let resolver = resolver(&server);
-    server.set_txt(NAME, &["seed-a"]).await;
+    let (server, resolver) = serving_seed_a().await;
     server.stop().await;
     let result = resolver.check().await;
     assert!(
@@ -136,9 +147,7 @@ async fn a_stopped_server_is_a_failure() {
 
 #[tokio::test]
 async fn consecutive_failures_reach_unresolvable_at_the_threshold() {
-    let server = DnsServer::start().await;
-    let resolver = resolver(&server);
-    server.set_txt(NAME, &["seed-a"]).await;
+    let (server, resolver) = serving_seed_a().await;
     let mut counter = FailureCounter::new(3);
     assert_eq!(
         counter.observe(&resolver.check().await),
@@ -167,11 +176,7 @@ async fn time_until(resolver: &OwnerResolver, want: &CheckResult, limit: Duratio
 
 #[tokio::test]
 async fn a_long_ttl_is_capped() {
-    let server = DnsServer::start().await;
-    let resolver = OwnerResolver::new(&config(&server, Duration::from_secs(1))).expect("resolver");
-    server.set_txt_records(NAME, 3600, &[vec!["seed-a"]]).await;
-    assert_eq!(resolver.check().await, CheckResult::Owner);
-    server.set_txt_records(NAME, 3600, &[vec!["seed-b"]]).await;
+    let (_server, resolver) = moved_to_seed_b(Duration::from_secs(1), 3600).await;
     // Cached: the answer is trusted for the (capped) TTL...
     assert_eq!(resolver.check().await, CheckResult::Owner, "answer cached");
     // ...but not for the record's hour.
@@ -181,11 +186,7 @@ async fn a_long_ttl_is_capped() {
 
 #[tokio::test]
 async fn a_short_ttl_is_honoured() {
-    let server = DnsServer::start().await;
-    let resolver = OwnerResolver::new(&config(&server, Duration::from_secs(60))).expect("resolver");
-    server.set_txt_records(NAME, 1, &[vec!["seed-a"]]).await;
-    assert_eq!(resolver.check().await, CheckResult::Owner);
-    server.set_txt_records(NAME, 1, &[vec!["seed-b"]]).await;
+    let (_server, resolver) = moved_to_seed_b(Duration::from_secs(60), 1).await;
     assert_eq!(
         resolver.check().await,
         CheckResult::Owner,
@@ -197,11 +198,7 @@ async fn a_short_ttl_is_honoured() {
 
 #[tokio::test]
 async fn a_zero_cap_sees_changes_at_once() {
-    let server = DnsServer::start().await;
-    let resolver = resolver(&server);
-    server.set_txt_records(NAME, 3600, &[vec!["seed-a"]]).await;
-    assert_eq!(resolver.check().await, CheckResult::Owner);
-    server.set_txt_records(NAME, 3600, &[vec!["seed-b"]]).await;
+    let (server, resolver) = moved_to_seed_b(Duration::ZERO, 3600).await;
     assert_eq!(
         resolver.check().await,
         CheckResult::OtherOwner(vec!["seed-b".into()])

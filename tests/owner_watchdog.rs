@@ -945,6 +945,35 @@ fn watchdog_config(
     }
 }
 
+/// The production hand-off objects over `store`, the final taken by `actor` (gzip).
+fn store_snapshots(store: SnapshotStore, actor: &ActorHandle) -> Arc<dyn Snapshots> {
+    Arc::new(etcd_warden::owner::production::StoreSnapshots::new(
+        store,
+        actor.clone(),
+        Codec::Gzip,
+    ))
+}
+
+/// Runs `watchdog` until `cancel` and waits until `readiness` says ready (`what`, when it does
+/// not); returns the watchdog's status and its task.
+async fn run_until_ready(
+    watchdog: Watchdog,
+    readiness: &mut watch::Receiver<Readiness>,
+    cancel: CancellationToken,
+    what: &str,
+) -> (
+    watch::Receiver<WatchdogStatus>,
+    tokio::task::JoinHandle<State>,
+) {
+    let status = watchdog.status();
+    let task = tokio::spawn(watchdog.run(cancel));
+    tokio::time::timeout(Duration::from_secs(20), readiness.wait_for(|r| r.ready))
+        .await
+        .expect(what)
+        .expect("readiness");
+    (status, task)
+}
+
 /// One real member as the watchdog reaches it, a killer that matches only it (its data dir is
 /// unique on the machine), and a kubelet that restarts it whenever it died, counting restarts.
 struct RealEtcd {
@@ -1049,6 +1078,23 @@ impl RealEtcd {
         );
         Watchdog::new(config, ctx, OwnerMetrics::default())
     }
+    /// [`RealEtcd::watchdog`] resolving `owner`'s record for real, killing this member.
+    fn resolving_watchdog(
+        &self,
+        owner: &OwnerConfig,
+        snapshots: Arc<dyn Snapshots>,
+        readiness: watch::Sender<Readiness>,
+        gate: watch::Sender<Gate>,
+    ) -> Watchdog {
+        self.watchdog(
+            owner,
+            Arc::new(OwnerResolver::new(owner).expect("resolver")),
+            Arc::new(self.killer.clone()),
+            snapshots,
+            readiness,
+            gate,
+        )
+    }
 }
 
 /// In-memory hand-off objects; the final is a real etcd snapshot stream, counted.
@@ -1060,6 +1106,21 @@ struct StreamingSnapshots {
     fixed: Fixed,
     taken: AtomicU32,
     bytes: AtomicU32,
+}
+
+impl StreamingSnapshots {
+    /// Nothing stored yet; finals streamed from `endpoint`.
+    fn new(endpoint: String) -> StreamingSnapshots {
+        StreamingSnapshots {
+            endpoint,
+            fences: Mutex::new(BTreeSet::new()),
+            finals: Mutex::new(Vec::new()),
+            record: Mutex::new(None),
+            fixed: Fixed::default(),
+            taken: AtomicU32::new(0),
+            bytes: AtomicU32::new(0),
+        }
+    }
 }
 
 #[async_trait::async_trait]
@@ -1130,25 +1191,10 @@ async fn losing_ownership_kills_real_etcd_and_snapshots_it_after_it_comes_back()
     let dns = DnsServer::start().await;
     dns.set_txt(NAME, &[ID]).await;
     let owner = owner_config(&dns, Duration::from_millis(100), Duration::from_millis(500));
-    let snapshots = Arc::new(StreamingSnapshots {
-        endpoint: endpoint.clone(),
-        fences: Mutex::new(BTreeSet::new()),
-        finals: Mutex::new(Vec::new()),
-        record: Mutex::new(None),
-        fixed: Fixed::default(),
-        taken: AtomicU32::new(0),
-        bytes: AtomicU32::new(0),
-    });
+    let snapshots = Arc::new(StreamingSnapshots::new(endpoint.clone()));
     let (readiness_tx, mut readiness) = watch::channel(Readiness::starting());
     let (gate, gates) = watch::channel(Gate::Closed);
-    let watchdog = etcd.watchdog(
-        &owner,
-        Arc::new(OwnerResolver::new(&owner).expect("resolver")),
-        Arc::new(etcd.killer.clone()),
-        snapshots.clone(),
-        readiness_tx,
-        gate,
-    );
+    let watchdog = etcd.resolving_watchdog(&owner, snapshots.clone(), readiness_tx, gate);
     let mut status = watchdog.status();
     let status_source = OwnerStatus(watchdog.status());
     let cancel = CancellationToken::new();
@@ -1291,15 +1337,7 @@ async fn an_etcd_restarted_after_the_first_kill_is_killed_again_before_the_fence
     let dns = DnsServer::start().await;
     dns.set_txt(NAME, &[ID]).await;
     let owner = owner_config(&dns, Duration::from_millis(100), Duration::from_millis(500));
-    let streaming = Arc::new(StreamingSnapshots {
-        endpoint: etcd.endpoint(),
-        fences: Mutex::new(BTreeSet::new()),
-        finals: Mutex::new(Vec::new()),
-        record: Mutex::new(None),
-        fixed: Fixed::default(),
-        taken: AtomicU32::new(0),
-        bytes: AtomicU32::new(0),
-    });
+    let streaming = Arc::new(StreamingSnapshots::new(etcd.endpoint()));
     let watch_fence = Arc::new(FenceWatch {
         inner: streaming.clone(),
         killer: etcd.killer.clone(),
@@ -1308,21 +1346,10 @@ async fn an_etcd_restarted_after_the_first_kill_is_killed_again_before_the_fence
     });
     let (readiness_tx, mut readiness) = watch::channel(Readiness::starting());
     let (gate, _gates) = watch::channel(Gate::Closed);
-    let watchdog = etcd.watchdog(
-        &owner,
-        Arc::new(OwnerResolver::new(&owner).expect("resolver")),
-        Arc::new(etcd.killer.clone()),
-        watch_fence.clone(),
-        readiness_tx,
-        gate,
-    );
-    let mut status = watchdog.status();
+    let watchdog = etcd.resolving_watchdog(&owner, watch_fence.clone(), readiness_tx, gate);
     let cancel = CancellationToken::new();
-    let task = tokio::spawn(watchdog.run(cancel.clone()));
-    tokio::time::timeout(Duration::from_secs(20), readiness.wait_for(|r| r.ready))
-        .await
-        .expect("ready as owner")
-        .expect("readiness");
+    let (mut status, task) =
+        run_until_ready(watchdog, &mut readiness, cancel.clone(), "ready as owner").await;
 
     dns.set_txt(NAME, &["seed-b"]).await;
     let unready_at = tokio::time::Instant::now();
@@ -1354,12 +1381,10 @@ async fn an_etcd_restarted_after_the_first_kill_is_killed_again_before_the_fence
         "no fence during the settle"
     );
 
-    let stored = tokio::time::timeout(
-        Duration::from_secs(30),
-        status.wait_for(|s| s.final_snapshot.is_some()),
-    )
-    .await
-    .is_ok();
+    let stored = support::seen_within(&mut status, Duration::from_secs(30), |s| {
+        s.final_snapshot.is_some()
+    })
+    .await;
     assert!(stored, "no final snapshot; status {:?}", *status.borrow());
     assert!(
         unready_at.elapsed() >= settle,
@@ -1503,20 +1528,12 @@ async fn the_kill_never_waits_behind_snapshots_queued_against_a_store_that_does_
         &owner,
         lookup.clone(),
         killer.clone(),
-        Arc::new(etcd_warden::owner::production::StoreSnapshots::new(
-            local,
-            actor.clone(),
-            Codec::Gzip,
-        )),
+        store_snapshots(local, &actor),
         readiness_tx,
         gate,
     );
-    let mut status = watchdog.status();
-    let task = tokio::spawn(watchdog.run(cancel.child_token()));
-    tokio::time::timeout(Duration::from_secs(20), readiness.wait_for(|r| r.ready))
-        .await
-        .expect("active")
-        .expect("readiness");
+    let (mut status, task) =
+        run_until_ready(watchdog, &mut readiness, cancel.child_token(), "active").await;
 
     // Three full snapshots queued: the first streams etcd into a store that never answers.
     let queued: Vec<_> = (0..3)
@@ -1532,12 +1549,8 @@ async fn the_kill_never_waits_behind_snapshots_queued_against_a_store_that_does_
     );
 
     dns.set_txt(NAME, &["seed-b"]).await;
-    let killed = tokio::time::timeout(
-        Duration::from_secs(10),
-        status.wait_for(|s| s.kill.is_some()),
-    )
-    .await
-    .is_ok();
+    let killed =
+        support::seen_within(&mut status, Duration::from_secs(10), |s| s.kill.is_some()).await;
     assert!(killed, "no kill; status {:?}", *status.borrow());
     let verdict_at = lookup
         .not_owner_at
@@ -1629,24 +1642,14 @@ async fn hand_off_losing(loss: Loss, snapshot_timeout: Duration, linger: Duratio
     dns.set_txt(NAME, &[ID]).await;
     let owner = owner_config(&dns, Duration::from_millis(100), Duration::from_millis(500));
     let (readiness_tx, mut readiness) = watch::channel(Readiness::starting());
-    let watchdog = etcd.watchdog(
+    let watchdog = etcd.resolving_watchdog(
         &owner,
-        Arc::new(OwnerResolver::new(&owner).expect("resolver")),
-        Arc::new(etcd.killer.clone()),
-        Arc::new(etcd_warden::owner::production::StoreSnapshots::new(
-            store.clone(),
-            actor.clone(),
-            Codec::Gzip,
-        )),
+        store_snapshots(store.clone(), &actor),
         readiness_tx,
         gate,
     );
-    let mut status = watchdog.status();
-    let task = tokio::spawn(watchdog.run(cancel.child_token()));
-    tokio::time::timeout(Duration::from_secs(20), readiness.wait_for(|r| r.ready))
-        .await
-        .expect("active")
-        .expect("readiness");
+    let (mut status, task) =
+        run_until_ready(watchdog, &mut readiness, cancel.child_token(), "active").await;
 
     let lease = writer.lease_grant(2, None).await.expect("lease").id();
     for i in 0..20 {
@@ -1667,12 +1670,10 @@ async fn hand_off_losing(loss: Loss, snapshot_timeout: Duration, linger: Duratio
     }
 
     dns.set_txt(NAME, &["seed-b"]).await;
-    let done = tokio::time::timeout(
-        Duration::from_secs(60),
-        status.wait_for(|s| s.final_snapshot.is_some() && s.state == "deactivated"),
-    )
-    .await
-    .is_ok();
+    let done = support::seen_within(&mut status, Duration::from_secs(60), |s| {
+        s.final_snapshot.is_some() && s.state == "deactivated"
+    })
+    .await;
     assert!(done, "no final; status {:?}", *status.borrow());
     tokio::time::sleep(linger).await;
     assert_eq!(losing.lost(), 1, "the fault was not injected");

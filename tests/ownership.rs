@@ -112,6 +112,30 @@ async fn active_cluster(
 }
 
 /// Every sidecar's log, one after another.
+/// Waits up to `timeout` until each of the three `wardens`' `/status` names a final snapshot
+/// (`name`, when given): every sidecar settles on it. Fails saying `what`, with their logs.
+async fn all_report_a_final(wardens: &[Warden], name: Option<&str>, timeout: Duration, what: &str) {
+    let settled = eventually(timeout, || async {
+        let mut on_it = 0;
+        for w in wardens {
+            if let Some((_, s)) = w.get("/status").await {
+                let last = &s["owner"]["finalSnapshot"];
+                if last.is_string() && name.is_none_or(|n| last.as_str() == Some(n)) {
+                    on_it += 1;
+                }
+            }
+        }
+        on_it == 3
+    })
+    .await;
+    assert!(
+        settled,
+        "{what}: not every sidecar names {}:\n{}",
+        name.unwrap_or("a final snapshot"),
+        all_logs(wardens)
+    );
+}
+
 fn all_logs(wardens: &[Warden]) -> String {
     wardens
         .iter()
@@ -361,23 +385,7 @@ async fn every_member_of_a_cluster_deactivates_but_only_one_final_snapshot_is_ta
     let logs = || all_logs(&wardens);
     assert!(one, "no final snapshot:\n{}", logs());
     // Every sidecar sees its deactivation through: the final snapshot is done for all of them.
-    let all_done = eventually(Duration::from_secs(15), || async {
-        let mut done = 0;
-        for w in &wardens {
-            if let Some((_, s)) = w.get("/status").await
-                && s["owner"]["finalSnapshot"].is_string()
-            {
-                done += 1;
-            }
-        }
-        done == 3
-    })
-    .await;
-    assert!(
-        all_done,
-        "every sidecar settles on the one final snapshot:\n{}",
-        logs()
-    );
+    all_report_a_final(&wardens, None, Duration::from_secs(15), "the cluster").await;
     tokio::time::sleep(INTERVAL * 4).await;
     let f = finals(&store).await;
     assert_eq!(
@@ -520,23 +528,7 @@ async fn l_a_rolling_update_with_the_previous_release_ends_with_one_final() {
         assert!(one, "{what}: no final:\n{}", logs());
         // Every sidecar settles on it, and no second final follows.
         let name = finals(&store).await[0].snap_name.clone();
-        let settled = eventually(Duration::from_secs(20), || async {
-            let mut on_it = 0;
-            for w in &wardens {
-                if let Some((_, s)) = w.get("/status").await
-                    && s["owner"]["finalSnapshot"].as_str() == Some(name.as_str())
-                {
-                    on_it += 1;
-                }
-            }
-            on_it == 3
-        })
-        .await;
-        assert!(
-            settled,
-            "{what}: not every sidecar names {name}:\n{}",
-            logs()
-        );
+        all_report_a_final(&wardens, Some(&name), Duration::from_secs(20), &what).await;
         tokio::time::sleep(INTERVAL * 6).await;
         let f = finals(&store).await;
         assert_eq!(f.len(), 1, "{what}: {f:?}\n{}", logs());

@@ -5,7 +5,7 @@
 use crate::support;
 
 use std::collections::HashSet;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use etcd_client::{Client, ConnectOptions, GetOptions, MemberAddOptions};
@@ -114,6 +114,41 @@ async fn member_back_with_the_write(member: &mut support::etcd::EtcdMember) {
         .await
         .unwrap();
     assert_eq!(got.kvs().len(), 1);
+}
+
+/// Three members with `/w/before` written, then m2 killed; returns them, a client of the other
+/// two, and m2's data directory.
+async fn third_lost() -> (EtcdCluster, Client, PathBuf) {
+    let mut etcd = EtcdCluster::start(3, Release::V35).await;
+    let mut client = connect(&etcd.endpoints()[..2]).await;
+    client.put("/w/before", "1", None).await.unwrap();
+    etcd.members[2].kill();
+    let data = etcd.members[2].data_dir.clone();
+    (etcd, client, data)
+}
+
+/// Removes m2's member (retrying while etcd refuses); returns its ID.
+async fn remove_m2(client: &Client) -> u64 {
+    let stale = members(&mut client.clone())
+        .await
+        .into_iter()
+        .find(|m| m.0 == "m2")
+        .unwrap()
+        .1;
+    let removed = eventually(Duration::from_secs(20), || {
+        let mut c = client.clone();
+        async move { c.member_remove(stale).await.is_ok() }
+    })
+    .await;
+    assert!(removed);
+    stale
+}
+
+/// The members, checked to be three voters.
+async fn three_voters(client: &mut Client) -> Vec<(String, u64, bool)> {
+    let after = members(client).await;
+    assert_eq!(after.iter().filter(|m| !m.2).count(), 3, "{after:?}");
+    after
 }
 
 /// (ID, is learner) of every member, by name (an unstarted learner has an empty name).
@@ -282,28 +317,13 @@ async fn a_wiped_member_rejoins_as_a_learner_and_loses_no_acknowledged_write() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupt_directory_is_moved_aside_and_a_leftover_learner_replaced() {
     logs();
-    let mut etcd = EtcdCluster::start(3, Release::V35).await;
-    let mut client = connect(&etcd.endpoints()[..2]).await;
-    client.put("/w/before", "1", None).await.unwrap();
-    etcd.members[2].kill();
-    let data = etcd.members[2].data_dir.clone();
+    let (mut etcd, mut client, data) = third_lost().await;
     // Corrupt: the WAL is gone, something else is there.
     std::fs::remove_dir_all(data.join("member/wal")).unwrap();
     std::fs::write(data.join("marker"), b"keep me").unwrap();
 
     // An earlier attempt: the stale voter removed, a learner added, then the sidecar died.
-    let stale = members(&mut client)
-        .await
-        .into_iter()
-        .find(|m| m.0 == "m2")
-        .unwrap()
-        .1;
-    let removed = eventually(Duration::from_secs(20), || {
-        let mut c = client.clone();
-        async move { c.member_remove(stale).await.is_ok() }
-    })
-    .await;
-    assert!(removed);
+    let stale = remove_m2(&client).await;
     // etcd refuses membership changes for a few seconds after one ("unhealthy cluster").
     let peer = etcd.members[2].peer_url();
     let mut leftover = None;
@@ -331,12 +351,11 @@ async fn a_corrupt_directory_is_moved_aside_and_a_leftover_learner_replaced() {
         .collect();
     assert_eq!(aside.len(), 1, "{aside:?}");
     assert_eq!(std::fs::read(aside[0].join("marker")).unwrap(), b"keep me");
-    let after = members(&mut client).await;
+    let after = three_voters(&mut client).await;
     assert!(
         after.iter().all(|m| m.1 != leftover && m.1 != stale),
         "{after:?}"
     );
-    assert_eq!(after.iter().filter(|m| !m.2).count(), 3, "{after:?}");
 
     member_back_with_the_write(&mut etcd.members[2]).await;
 }
@@ -378,19 +397,14 @@ async fn without_quorum_membership_is_left_alone_and_the_attempt_fails() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_whose_initial_cluster_names_it_alone_rejoins_the_running_cluster() {
     logs();
-    let mut etcd = EtcdCluster::start(3, Release::V35).await;
-    let mut client = connect(&etcd.endpoints()[..2]).await;
-    client.put("/w/before", "1", None).await.unwrap();
-    etcd.members[2].kill();
-    let data = etcd.members[2].data_dir.clone();
+    let (mut etcd, mut client, data) = third_lost().await;
     std::fs::remove_dir_all(&data).unwrap();
 
     let mut config = restore_config(&etcd, 2, Duration::from_secs(120));
     config.initial_cluster = format!("m2={}", etcd.members[2].peer_url());
     assert!(initialize(&config).await.unwrap(), "not rejoined");
     assert!(is_valid_data_dir(&data));
-    let after = members(&mut client).await;
-    assert_eq!(after.iter().filter(|m| !m.2).count(), 3, "{after:?}");
+    three_voters(&mut client).await;
 
     member_back_with_the_write(&mut etcd.members[2]).await;
 }
@@ -516,18 +530,7 @@ async fn replication_may_outlast_rejoin_timeout_while_it_progresses() {
     let data = etcd.members[2].data_dir.clone();
     std::fs::remove_dir_all(&data).unwrap();
     // The stale voter removed beforehand: the observe phase is one learner addition.
-    let stale = members(&mut client)
-        .await
-        .into_iter()
-        .find(|m| m.0 == "m2")
-        .unwrap()
-        .1;
-    let removed = eventually(Duration::from_secs(20), || {
-        let mut c = client.clone();
-        async move { c.member_remove(stale).await.is_ok() }
-    })
-    .await;
-    assert!(removed);
+    remove_m2(&client).await;
     // etcd refuses membership changes for 5 s after one ("unhealthy cluster").
     tokio::time::sleep(Duration::from_secs(6)).await;
 
@@ -539,6 +542,5 @@ async fn replication_may_outlast_rejoin_timeout_while_it_progresses() {
     tracing::info!(elapsed = ?begun.elapsed(), "rejoined");
     assert!(begun.elapsed() > timeout, "{:?}", begun.elapsed());
     assert!(is_valid_data_dir(&data));
-    let after = members(&mut client).await;
-    assert_eq!(after.iter().filter(|m| !m.2).count(), 3, "{after:?}");
+    three_voters(&mut client).await;
 }

@@ -252,13 +252,7 @@ async fn a_corrupt_delta_fails_and_leaves_the_target_untouched() {
     let store = file_store(&dir.path().join("store"));
     build_store(&mut client, &store, 2).await;
     // Flip one byte inside the first delta's JSON; the stored hash no longer matches.
-    let first = store
-        .list()
-        .await
-        .unwrap()
-        .into_iter()
-        .find(|s| s.kind == Kind::Incr)
-        .unwrap();
+    let first = support::deltas(&store).await.remove(0);
     let raw = etcd_warden::store::compression::collect(store.get_decoded(&first).await.unwrap())
         .await
         .unwrap();

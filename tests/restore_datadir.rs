@@ -249,14 +249,8 @@ async fn a_directory_behind_the_store_is_restored_and_a_current_one_kept() {
 
 /// `etcd-warden restore` of the test bucket into `target`, as member "default" of etcd 3.5.
 fn restore_command(s3: &S3Server, target: &Path) -> std::process::Command {
-    let mut c = support::warden::command();
-    c.args(["restore", "--store", &format!("s3://{BUCKET}/{PREFIX}")])
-        .arg("--data-dir")
-        .arg(target)
-        .arg("--etcd-bin")
-        .arg(Release::V35.bin_dir())
-        .envs(s3.env("store"));
-    c
+    let store = format!("s3://{BUCKET}/{PREFIX}");
+    support::warden::on_s3_store("restore", s3, &store, "--data-dir", target)
 }
 
 /// The latest full snapshot fails verification: `restore` falls back to the previous one and

@@ -35,13 +35,7 @@ async fn workload(client: &mut etcd_client::Client, tag: &str) -> i64 {
         .put(format!("/{tag}/large"), vec![b'x'; 200 * 1024], None)
         .await
         .unwrap();
-    client
-        .get("/", None)
-        .await
-        .unwrap()
-        .header()
-        .unwrap()
-        .revision()
+    support::etcd::revision(client, "/").await
 }
 
 fn store_keys(
@@ -274,11 +268,7 @@ async fn etcd_34_snapshots_to_a_local_directory_and_the_snapshot_command() {
         .args(["verify", "--store", &url])
         .output()
         .unwrap();
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let said = support::cli::printed(&out);
     assert_eq!(out.status.code(), Some(1), "{said}");
     assert!(said.contains(&format!("FAIL  {name}")), "{said}");
 }

@@ -2,9 +2,7 @@
 
 use crate::support;
 
-use std::path::Path;
 use std::process::Command;
-use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_warden::config::{EtcdConfig, GcPolicy};
@@ -20,12 +18,6 @@ use etcd_warden::store::gc::Retention;
 use etcd_warden::store::{Codec, Kind, SnapshotStore};
 use support::etcd::{EtcdCluster, Release};
 use tokio_util::sync::CancellationToken;
-
-fn file_store(dir: &Path) -> SnapshotStore {
-    std::fs::create_dir_all(dir).unwrap();
-    let backend = Arc::new(object_store::local::LocalFileSystem::new_with_prefix(dir).unwrap());
-    SnapshotStore::new(backend, "")
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_snapshot_is_a_valid_etcd_3_5_snapshot() {
@@ -61,13 +53,7 @@ async fn fill(client: &mut etcd_client::Client, keys: usize, value_len: usize) -
             .await
             .unwrap();
     }
-    client
-        .get("warmup", None)
-        .await
-        .unwrap()
-        .header()
-        .unwrap()
-        .revision()
+    support::etcd::revision(client, "warmup").await
 }
 
 async fn full_snapshot_is_valid(release: Release) {
@@ -75,7 +61,7 @@ async fn full_snapshot_is_valid(release: Release) {
     let mut client = etcd.client().await;
     let revision = fill(&mut client, 1500, 2000).await;
     let dir = tempfile::tempdir().unwrap();
-    let store = file_store(&dir.path().join("store"));
+    let store = support::file_store(&dir.path().join("store"));
 
     let snap = take_full(&client, &store, Codec::Gzip, false)
         .await
@@ -233,17 +219,14 @@ impl ActorSetup<'_> {
 /// Waits until the actor has stored a delta reaching `revision`.
 async fn wait_for_delta(actor: &ActorHandle, revision: i64) {
     let mut status = actor.watch_status();
-    let reached = tokio::time::timeout(
-        Duration::from_secs(10),
-        status.wait_for(|s| {
-            s.last_delta
-                .as_ref()
-                .is_some_and(|d| d.last_revision >= revision)
-        }),
-    )
+    let reached = support::seen_within(&mut status, Duration::from_secs(10), |s| {
+        s.last_delta
+            .as_ref()
+            .is_some_and(|d| d.last_revision >= revision)
+    })
     .await;
     assert!(
-        reached.is_ok(),
+        reached,
         "no delta reached revision {revision}: {:?}",
         actor.status()
     );
@@ -251,11 +234,8 @@ async fn wait_for_delta(actor: &ActorHandle, revision: i64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deltas_follow_the_watch_from_the_full_snapshot() {
-    let etcd = EtcdCluster::single(Release::V35).await;
-    let mut client = etcd.client().await;
+    let (etcd, mut client, _dir, store) = support::etcd_and_file_store().await;
     client.put("before", "x", None).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let store = file_store(dir.path());
     let base = take_full(&client, &store, Codec::Gzip, false)
         .await
         .unwrap();
@@ -281,13 +261,7 @@ async fn deltas_follow_the_watch_from_the_full_snapshot() {
         ]))
         .await
         .unwrap();
-    let last = client
-        .get("c", None)
-        .await
-        .unwrap()
-        .header()
-        .unwrap()
-        .revision();
+    let last = support::etcd::revision(&mut client, "c").await;
     wait_for_delta(&actor, last).await;
     cancel.cancel();
     task.await.unwrap();
@@ -337,10 +311,7 @@ async fn deltas_follow_the_watch_from_the_full_snapshot() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_limit_flushes_early() {
-    let etcd = EtcdCluster::single(Release::V35).await;
-    let mut client = etcd.client().await;
-    let dir = tempfile::tempdir().unwrap();
-    let store = file_store(dir.path());
+    let (etcd, mut client, _dir, store) = support::etcd_and_file_store().await;
     let base = take_full(&client, &store, Codec::None, false)
         .await
         .unwrap();
@@ -415,11 +386,8 @@ fn metric_value(registry: &prometheus_client::registry::Registry, series: &str) 
 /// runs again the next snapshot is stored. Also the member's place in the cluster, from etcd.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_etcd_times_out_snapshots_and_the_actor_goes_on() {
-    let etcd = EtcdCluster::single(Release::V35).await;
-    let mut client = etcd.client().await;
+    let (etcd, mut client, _dir, store) = support::etcd_and_file_store().await;
     client.put("k", "v", None).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let store = file_store(dir.path());
     let metrics = SnapshotMetrics::default();
     let mut registry = prometheus_client::registry::Registry::default();
     metrics.register(&mut registry);
@@ -430,12 +398,10 @@ async fn a_frozen_etcd_times_out_snapshots_and_the_actor_goes_on() {
         .await;
     // The empty store makes a full snapshot due at once.
     let mut status = actor.watch_status();
-    let first = tokio::time::timeout(
-        Duration::from_secs(20),
-        status.wait_for(|s| s.last_full.is_some()),
-    )
-    .await
-    .is_ok();
+    let first = support::seen_within(&mut status, Duration::from_secs(20), |s| {
+        s.last_full.is_some()
+    })
+    .await;
     assert!(first, "no first full snapshot: {:?}", actor.status());
     assert_eq!(metric_value(&registry, "etcdbr_cluster_size"), 1.0);
     assert_eq!(metric_value(&registry, "etcdbr_is_learner"), 0.0);
@@ -505,7 +471,7 @@ async fn an_exact_revision_snapshot_moved_by_a_write_during_its_stream_stores_no
     // Big enough (~40 MB) that streaming and compressing it takes far longer than one put.
     let revision = fill(&mut client, 2000, 20_000).await;
     let dir = tempfile::tempdir().unwrap();
-    let store = file_store(&dir.path().join("store"));
+    let store = support::file_store(&dir.path().join("store"));
 
     // Unmoved, it is stored at that revision.
     let quiet = exactly(&client, &store, revision).await.unwrap();
@@ -540,10 +506,7 @@ async fn an_exact_revision_snapshot_moved_by_a_write_during_its_stream_stores_no
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_restored_behind_the_store_sets_the_newer_history_aside_and_starts_a_new_base() {
     use etcd_warden::snapshot::actor::Engine;
-    let etcd = EtcdCluster::single(Release::V35).await;
-    let mut client = etcd.client().await;
-    let dir = tempfile::tempdir().unwrap();
-    let store = file_store(&dir.path().join("store"));
+    let (_etcd, mut client, dir, store) = support::etcd_and_file_store().await;
     for i in 0..20 {
         client.put(format!("/k/{i:03}"), "v0", None).await.unwrap();
     }
@@ -566,13 +529,7 @@ async fn etcd_restored_behind_the_store_sets_the_newer_history_aside_and_starts_
             .await
             .unwrap();
     }
-    let head = client
-        .get("x", None)
-        .await
-        .unwrap()
-        .header()
-        .unwrap()
-        .revision();
+    let head = support::etcd::revision(&mut client, "x").await;
     let mut events = Vec::new();
     while events.last().map_or(0, delta::Event::revision) < head {
         events.extend(watch.next().await.unwrap());

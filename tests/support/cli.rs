@@ -17,6 +17,22 @@ pub fn succeeds(command: &mut Command) -> Output {
     out
 }
 
+/// Checks a run exited with `code`; returns its stderr.
+pub fn exited(out: &Output, code: i32) -> String {
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(code), "{stderr}");
+    stderr
+}
+
+/// What a run printed: its stdout, then its stderr.
+pub fn printed(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
 /// The lines of a log that are JSON objects.
 pub fn json_lines(log: &str) -> Vec<Value> {
     log.lines()

@@ -325,3 +325,9 @@ impl EtcdCluster {
 pub async fn member_healthy(url: &str) -> bool {
     process::is_healthy(url, None).await
 }
+
+/// etcd's current revision, from the header of a read of `key` through `client`.
+pub async fn revision(client: &mut etcd_client::Client, key: &str) -> i64 {
+    let read = client.get(key, None).await.expect("read from etcd");
+    read.header().expect("a response header").revision()
+}

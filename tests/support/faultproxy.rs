@@ -29,7 +29,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::watch;
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, DropGuard};
 
 /// How the proxy treats traffic.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,7 +47,7 @@ pub enum FaultMode {
 pub struct FaultProxy {
     pub addr: SocketAddr,
     mode: watch::Sender<FaultMode>,
-    stop: CancellationToken,
+    _stop: DropGuard,
     /// What the faults did: answers lost after the server performed the request, answers held
     /// late.
     pub counts: Arc<Counts>,
@@ -88,7 +88,7 @@ impl FaultProxy {
         FaultProxy {
             addr,
             mode,
-            stop,
+            _stop: stop.drop_guard(),
             counts,
         }
     }
@@ -106,12 +106,6 @@ impl FaultProxy {
     /// The current mode.
     pub fn mode(&self) -> FaultMode {
         *self.mode.borrow()
-    }
-}
-
-impl Drop for FaultProxy {
-    fn drop(&mut self) {
-        self.stop.cancel();
     }
 }
 

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use std::collections::BTreeSet;
 
-use etcd_client::{Client, ConnectOptions, PutOptions};
+use etcd_client::{Client, PutOptions};
 use etcd_warden::owner::handoff::{HandOffObjects, the_final};
 use etcd_warden::store::{Snapshot, SnapshotStore};
 use object_store::ObjectStore;
@@ -299,10 +299,7 @@ impl World {
             objects,
             raw_store,
             events,
-            http_client: reqwest::Client::builder()
-                .timeout(Duration::from_secs(20))
-                .build()
-                .expect("HTTP client"),
+            http_client: super::http_client(Duration::from_secs(20)),
             _dir: dir,
         };
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -430,10 +427,7 @@ impl World {
             }
             Fault::SidecarKillWhenDeactivated { member, down_ms } => {
                 let url = format!("http://127.0.0.1:{}/status", self.sidecar_ports[member]);
-                let client = reqwest::Client::builder()
-                    .timeout(Duration::from_millis(300))
-                    .build()
-                    .expect("HTTP client");
+                let client = super::http_client(Duration::from_millis(300));
                 let start = Instant::now();
                 let mut killed = false;
                 while start.elapsed() < Duration::from_secs(3) {
@@ -807,17 +801,11 @@ async fn lease_writer(
     acks: Arc<Mutex<Vec<Ack>>>,
     stop: CancellationToken,
 ) {
-    let options = ConnectOptions::new()
-        .with_connect_timeout(Duration::from_millis(500))
-        .with_timeout(Duration::from_secs(2));
     let mut client: Option<Client> = None;
     let mut n: u64 = 0;
     while !stop.is_cancelled() {
         if client.is_none() {
-            let connect = Client::connect([endpoint.as_str()], Some(options.clone()));
-            if let Ok(Ok(c)) = tokio::time::timeout(Duration::from_secs(2), connect).await {
-                client = Some(c);
-            }
+            client = super::writer::connect(&endpoint).await.ok();
         }
         if let Some(c) = client.as_mut() {
             let key = format!("/lease/{n:08}");
@@ -860,10 +848,7 @@ async fn watch_latest(
     found: Arc<Mutex<Vec<(Duration, usize, String)>>>,
     epoch: Instant,
 ) {
-    let client = reqwest::Client::builder()
-        .timeout(Duration::from_millis(800))
-        .build()
-        .expect("HTTP client");
+    let client = super::http_client(Duration::from_millis(800));
     loop {
         for (m, port) in ports.iter().enumerate() {
             let url = format!("http://127.0.0.1:{port}/snapshot/latest");

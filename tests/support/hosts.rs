@@ -372,4 +372,33 @@ impl Load {
             self.voters.await.expect("the monitor"),
         )
     }
+
+    /// [`Load::finish`], checked: the monitor sampled more than 20 times and the member list
+    /// stayed within `bounds`; more than 100 writes were acknowledged, and every one of them is
+    /// still there, read through `urls`.
+    pub async fn finish_within(self, bounds: Bounds, urls: &[String]) {
+        let (writes, (min_v, max_v, max_l, samples)) = self.finish().await;
+        assert!(samples > 20, "monitor sampled {samples} times");
+        assert!(min_v >= bounds.min_voters, "voters fell to {min_v}");
+        if let Some(most) = bounds.max_voters {
+            assert!(max_v <= most, "voters rose to {max_v}");
+        }
+        if let Some(most) = bounds.max_learners {
+            assert!(max_l <= most, "{max_l} learners at once");
+        }
+        assert!(
+            writes.acked.len() > 100,
+            "only {} writes acknowledged",
+            writes.acked.len()
+        );
+        assert_writes_kept(urls, None, &writes.acked).await;
+    }
+}
+
+/// What a [`Load`]'s monitor must have seen throughout: never fewer voters than `min_voters`,
+/// and (when given) never more voters than `max_voters` or learners than `max_learners`.
+pub struct Bounds {
+    pub min_voters: usize,
+    pub max_voters: Option<usize>,
+    pub max_learners: Option<usize>,
 }

@@ -255,10 +255,7 @@ async fn poll_sidecar(
     every: Duration,
     stop: CancellationToken,
 ) {
-    let client = reqwest::Client::builder()
-        .timeout(Duration::from_millis(800))
-        .build()
-        .expect("HTTP client");
+    let client = super::http_client(Duration::from_millis(800));
     let base = format!("http://127.0.0.1:{}", probe.port);
     while !stop.is_cancelled() {
         let incarnation = probe.incarnation.load(Ordering::SeqCst);

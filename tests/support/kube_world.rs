@@ -15,6 +15,7 @@ use etcd_warden::operator::kube::lease::LeaseTiming;
 use etcd_warden::operator::kube::quorum_guard::QuorumGuard;
 use etcd_warden::operator::quorum::execute::Timing;
 use etcd_warden::operator::quorum::plan::{Replacement, Spec};
+use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, DynamicObject};
 use tokio_util::sync::CancellationToken;
 
@@ -112,6 +113,12 @@ impl KubeWorld {
             .iter()
             .map(|i| self.hosts.client_url(i))
             .collect()
+    }
+
+    /// Every Event recorded in the Machines' namespace.
+    pub async fn machine_events(&self) -> Vec<Event> {
+        let events: Api<Event> = Api::namespaced(self.kc.clone(), MACHINES_NS);
+        events.list(&Default::default()).await.unwrap().items
     }
 
     /// etcd's member list as (id, name, peer URL, learner), from any member that answers.

@@ -58,6 +58,20 @@ pub async fn create_machine(api: &Api<DynamicObject>, name: &str, role: &str, ip
     }
 }
 
+/// Merge-patches the Machine `name` with `patch`.
+pub async fn merge(api: &Api<DynamicObject>, name: &str, patch: &serde_json::Value) {
+    api.patch(name, &PatchParams::default(), &Patch::Merge(patch))
+        .await
+        .expect("patch the Machine");
+}
+
+/// Merge-patches the status of the Machine `name` with `patch`.
+pub async fn merge_status(api: &Api<DynamicObject>, name: &str, patch: &serde_json::Value) {
+    api.patch_status(name, &PatchParams::default(), &Patch::Merge(patch))
+        .await
+        .expect("patch the Machine's status");
+}
+
 /// The Machine's `preDrain` hooks as (name, owner).
 pub fn pre_drain(m: &DynamicObject) -> Vec<(String, String)> {
     m.data

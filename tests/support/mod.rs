@@ -76,6 +76,24 @@ pub fn wait_for_port(addr: SocketAddr, timeout: Duration) -> bool {
     false
 }
 
+/// An HTTP client that gives up on a request after `timeout`.
+pub fn http_client(timeout: Duration) -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(timeout)
+        .build()
+        .expect("HTTP client")
+}
+
+/// Whether `rx`'s value satisfies `f` within `timeout`. (The value's borrow is dropped at once:
+/// holding it would block the sender.)
+pub async fn seen_within<T>(
+    rx: &mut tokio::sync::watch::Receiver<T>,
+    timeout: Duration,
+    f: impl FnMut(&T) -> bool,
+) -> bool {
+    tokio::time::timeout(timeout, rx.wait_for(f)).await.is_ok()
+}
+
 /// Polls `f` until it returns true or `timeout` passes; returns whether it did.
 pub async fn eventually<F, Fut>(timeout: Duration, mut f: F) -> bool
 where
@@ -94,6 +112,28 @@ where
     }
 }
 
+/// A snapshot store on the local file system, in `dir` (created if missing).
+pub fn file_store(dir: &std::path::Path) -> etcd_warden::store::SnapshotStore {
+    std::fs::create_dir_all(dir).unwrap();
+    let backend = object_store::local::LocalFileSystem::new_with_prefix(dir).unwrap();
+    etcd_warden::store::SnapshotStore::new(std::sync::Arc::new(backend), "")
+}
+
+/// A single etcd 3.5, a client of it, and a snapshot store on the local file system in a
+/// temporary directory (returned too: the store is there as long as it lives).
+pub async fn etcd_and_file_store() -> (
+    etcd::EtcdCluster,
+    etcd_client::Client,
+    tempfile::TempDir,
+    etcd_warden::store::SnapshotStore,
+) {
+    let etcd = etcd::EtcdCluster::single(etcd::Release::V35).await;
+    let client = etcd.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let store = file_store(&dir.path().join("store"));
+    (etcd, client, dir, store)
+}
+
 /// The final full snapshots in a store (none when it cannot be listed).
 pub async fn finals(
     store: &etcd_warden::store::SnapshotStore,
@@ -104,6 +144,17 @@ pub async fn finals(
         .unwrap_or_default()
         .into_iter()
         .filter(|s| s.kind == etcd_warden::store::Kind::Full && s.is_final)
+        .collect()
+}
+
+/// The delta snapshots in a store, in its listing's order.
+pub async fn deltas(
+    store: &etcd_warden::store::SnapshotStore,
+) -> Vec<etcd_warden::store::Snapshot> {
+    let listed = store.list().await.expect("list the store");
+    listed
+        .into_iter()
+        .filter(|s| s.kind == etcd_warden::store::Kind::Incr)
         .collect()
 }
 

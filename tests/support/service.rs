@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, DropGuard};
 
 /// One endpoint of the Service: where to forward, and the readiness probe that gates it.
 #[derive(Debug, Clone)]
@@ -33,7 +33,7 @@ pub struct Service {
     ready: Arc<Vec<AtomicBool>>,
     forwarded: Arc<Vec<AtomicU64>>,
     refused: Arc<AtomicU64>,
-    stop: CancellationToken,
+    _stop: DropGuard,
 }
 
 impl Service {
@@ -71,7 +71,7 @@ impl Service {
             ready,
             forwarded,
             refused,
-            stop,
+            _stop: stop.drop_guard(),
         }
     }
 
@@ -102,12 +102,6 @@ impl Service {
     }
 }
 
-impl Drop for Service {
-    fn drop(&mut self) {
-        self.stop.cancel();
-    }
-}
-
 async fn probe(
     url: String,
     i: usize,
@@ -115,10 +109,7 @@ async fn probe(
     every: Duration,
     stop: CancellationToken,
 ) {
-    let client = reqwest::Client::builder()
-        .timeout(Duration::from_millis(500))
-        .build()
-        .expect("HTTP client");
+    let client = super::http_client(Duration::from_millis(500));
     loop {
         let ok = matches!(client.get(&url).send().await, Ok(r) if r.status().as_u16() == 200);
         ready[i].store(ok, Ordering::SeqCst);

@@ -46,6 +46,25 @@ pub fn command() -> Command {
     command_of(&binary())
 }
 
+/// `etcd-warden <subcommand> --store <store> <dir_flag> <dir> --etcd-bin <etcd 3.5's>`, the
+/// store reached with `s3`'s credentials: how the Jobs run `restore` and `compact`.
+pub fn on_s3_store(
+    subcommand: &str,
+    s3: &super::s3::S3Server,
+    store: &str,
+    dir_flag: &str,
+    dir: &std::path::Path,
+) -> Command {
+    let mut c = command();
+    c.args([subcommand, "--store", store])
+        .arg(dir_flag)
+        .arg(dir)
+        .arg("--etcd-bin")
+        .arg(super::etcd::Release::V35.bin_dir())
+        .envs(s3.env("store"));
+    c
+}
+
 /// [`command`] for another build of `etcd-warden` (an older release, for mixed versions).
 pub fn command_of(bin: &std::path::Path) -> Command {
     let mut c = Command::new(bin);

@@ -107,6 +107,20 @@ impl Drop for Writer {
     }
 }
 
+/// A client for `endpoint` as the writers connect: 500 ms to connect, 2 s for each request, the
+/// whole attempt within 2 s; the error says why not.
+pub async fn connect(endpoint: &str) -> Result<Client, String> {
+    let options = ConnectOptions::new()
+        .with_connect_timeout(Duration::from_millis(500))
+        .with_timeout(Duration::from_secs(2));
+    let connect = Client::connect([endpoint], Some(options));
+    match tokio::time::timeout(Duration::from_secs(2), connect).await {
+        Ok(Ok(c)) => Ok(c),
+        Ok(Err(e)) => Err(format!("connect: {e}")),
+        Err(_) => Err("connect: timed out".into()),
+    }
+}
+
 async fn run(
     endpoint: String,
     prefix: String,
@@ -116,9 +130,6 @@ async fn run(
     failures: Arc<AtomicU64>,
     stop: CancellationToken,
 ) {
-    let options = ConnectOptions::new()
-        .with_connect_timeout(Duration::from_millis(500))
-        .with_timeout(Duration::from_secs(2));
     let mut client: Option<Client> = None;
     let mut n: u64 = 0;
     let fail = |message: String| {
@@ -130,14 +141,12 @@ async fn run(
     };
     while !stop.is_cancelled() {
         if client.is_none() {
-            let connect = Client::connect([endpoint.as_str()], Some(options.clone()));
             match tokio::select! {
                 _ = stop.cancelled() => return,
-                c = tokio::time::timeout(Duration::from_secs(2), connect) => c,
+                c = connect(&endpoint) => c,
             } {
-                Ok(Ok(c)) => client = Some(c),
-                Ok(Err(e)) => fail(format!("connect: {e}")),
-                Err(_) => fail("connect: timed out".into()),
+                Ok(c) => client = Some(c),
+                Err(e) => fail(e),
             }
             if client.is_none() {
                 backoff(&stop).await;
