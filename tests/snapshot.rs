@@ -63,9 +63,7 @@ async fn full_snapshot_is_valid(release: Release) {
     let dir = tempfile::tempdir().unwrap();
     let store = support::file_store(&dir.path().join("store"));
 
-    let snap = take_full(&client, &store, Codec::Gzip, false)
-        .await
-        .unwrap();
+    let snap = support::stored::gzip_full(&client, &store).await;
     assert_eq!(snap.kind, Kind::Full);
     assert_eq!(snap.last_revision, revision);
     assert!(snap.snap_name.ends_with(".gz"), "{}", snap.snap_name);
@@ -236,9 +234,7 @@ async fn wait_for_delta(actor: &ActorHandle, revision: i64) {
 async fn deltas_follow_the_watch_from_the_full_snapshot() {
     let (etcd, mut client, _dir, store) = support::etcd_and_file_store().await;
     client.put("before", "x", None).await.unwrap();
-    let base = take_full(&client, &store, Codec::Gzip, false)
-        .await
-        .unwrap();
+    let base = support::stored::gzip_full(&client, &store).await;
 
     // Changes made while no actor runs are still picked up: the watch starts at base + 1.
     client.put("a", "1", None).await.unwrap();
@@ -510,9 +506,7 @@ async fn etcd_restored_behind_the_store_sets_the_newer_history_aside_and_starts_
     for i in 0..20 {
         client.put(format!("/k/{i:03}"), "v0", None).await.unwrap();
     }
-    let full = take_full(&client, &store, Codec::Gzip, false)
-        .await
-        .unwrap();
+    let full = support::stored::gzip_full(&client, &store).await;
     // An etcd restored from the full snapshot alone: older than what the store will hold.
     let old = dir.path().join("old");
     let opts = support::history::restore_options(&old);

@@ -110,9 +110,7 @@ async fn tls_with_a_client_certificate() {
     let backend =
         Arc::new(object_store::local::LocalFileSystem::new_with_prefix(store_dir.path()).unwrap());
     let store = SnapshotStore::new(backend, "");
-    let snap = take_full(&client, &store, Codec::Gzip, false)
-        .await
-        .unwrap();
+    let snap = support::stored::gzip_full(&client, &store).await;
     assert_eq!(store.list().await.unwrap(), vec![snap]);
 
     // Without a client certificate the member refuses us.

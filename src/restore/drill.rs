@@ -532,21 +532,25 @@ impl DrillMetrics {
     /// Registers `etcd_warden_restore_drill_…`.
     pub fn register(&self, registry: &mut Registry) {
         let r = registry.sub_registry_with_prefix("etcd_warden_restore_drill");
-        r.register(
-            "last_success_timestamp_seconds",
-            "When the last successful restore drill ended (unix seconds; 0: none recorded)",
-            self.last_success.clone(),
-        );
-        r.register(
-            "last_attempt_timestamp_seconds",
-            "When the last restore drill ended, whatever its outcome (unix seconds; 0: none)",
-            self.last_attempt.clone(),
-        );
-        r.register(
-            "duration_seconds",
-            "How long the last restore drill took",
-            self.duration.clone(),
-        );
+        for (name, help, gauge) in [
+            (
+                "last_success_timestamp_seconds",
+                "When the last successful restore drill ended (unix seconds; 0: none recorded)",
+                &self.last_success,
+            ),
+            (
+                "last_attempt_timestamp_seconds",
+                "When the last restore drill ended, whatever its outcome (unix seconds; 0: none)",
+                &self.last_attempt,
+            ),
+            (
+                "duration_seconds",
+                "How long the last restore drill took",
+                &self.duration,
+            ),
+        ] {
+            r.register(name, help, gauge.clone());
+        }
         r.register(
             "consecutive_failures",
             "Restore drills failed since the last success",

@@ -24,6 +24,19 @@ pub fn exited(out: &Output, code: i32) -> String {
     stderr
 }
 
+/// A `restore` that fell back past `skipped` (a full snapshot failing verification): it exited 3
+/// and named it. Returns its stdout.
+pub fn fell_back_past(out: &Output, skipped: &str) -> String {
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stdout}{stderr}");
+    assert!(
+        stdout.contains(&format!("skipped full snapshot {skipped}")),
+        "{stdout}"
+    );
+    stdout
+}
+
 /// What a run printed: its stdout, then its stderr.
 pub fn printed(out: &Output) -> String {
     format!(

@@ -80,3 +80,10 @@ pub async fn put_delta(store: &SnapshotStore, start: i64, last: i64, at: i64) ->
     store.put_bytes(&s, Bytes::from(bytes)).await.unwrap();
     s
 }
+
+/// A gzip full snapshot of the etcd behind `client`, taken now, which must succeed.
+pub async fn gzip_full(client: &etcd_client::Client, store: &SnapshotStore) -> Snapshot {
+    etcd_warden::snapshot::take_full(client, store, etcd_warden::store::Codec::Gzip, false)
+        .await
+        .unwrap()
+}
