@@ -10,6 +10,12 @@
 //! five pairs, each run's wall time and peak RSS (GNU time), and the pipeline a user would
 //! otherwise run (`etcdctl snapshot save`, `gzip -1`, `age -r`); needs `age` and GNU `time`.
 //!
+//! `cargo bench --bench full_snapshot -- [MiB] levels` runs only the compression-level
+//! comparison: the `etcd-warden snapshot` binary with gzip and zlib at `snapshot.compression_level`
+//! 1, 6 and 9, and etcd-backup-restore's `etcdbrctl snapshot` with gzip and zlib (Go's default
+//! level, 6), in turns, three rounds: wall time (median) and stored bytes. Needs `$ETCDBRCTL`,
+//! the path of an etcdbrctl binary (without it only etcd-warden's cases run).
+//!
 //! Cases, each the median of three: `etcdctl snapshot save` (raw, the baseline); the same followed
 //! by `gzip -1` (what compressing the reference's way costs); etcd-warden to a `file://` store
 //! uncompressed, gzip and zlib; etcd-warden gzip to S3 (s3s-fs on loopback); `etcdctl snapshot
@@ -94,6 +100,10 @@ async fn main() {
 
     if std::env::args().any(|a| a == "encryption") {
         encryption_cases(&curl, &bins, dir.path());
+        return;
+    }
+    if std::env::args().any(|a| a == "levels") {
+        level_cases(&curl, dir.path());
         return;
     }
 
@@ -318,6 +328,146 @@ fn encryption_cases(curl: &str, bins: &Path, dir: &Path) {
         "etcdctl snapshot save, then gzip -1 | age: wall {:.3}s (median of 3)",
         pipeline.as_secs_f64()
     );
+}
+
+/// etcd-warden at levels 1, 6 and 9 and etcd-backup-restore (Go's default level, 6), gzip and
+/// zlib, taking turns for three rounds: the median wall time and the stored bytes of each.
+fn level_cases(curl: &str, dir: &Path) {
+    let ebr = std::env::var_os("ETCDBRCTL").map(PathBuf::from);
+    if ebr.is_none() {
+        println!("$ETCDBRCTL is not set: etcd-backup-restore's cases are skipped");
+    }
+    let mut cases: Vec<(String, Vec<Duration>, u64)> = Vec::new();
+    for _round in 0..3 {
+        let mut at = 0;
+        for policy in ["gzip", "zlib"] {
+            for level in [1, 6, 9] {
+                let root = dir.join(format!("{policy}-{level}"));
+                let _ = std::fs::remove_dir_all(&root);
+                let (t, _) = timed_snapshot(
+                    curl,
+                    &[
+                        (
+                            "ETCD_WARDEN_STORE_URL",
+                            format!("file://{}", root.display()),
+                        ),
+                        ("ETCD_WARDEN_SNAPSHOT_COMPRESSION", policy.into()),
+                        ("ETCD_WARDEN_SNAPSHOT_COMPRESSION_LEVEL", level.to_string()),
+                    ],
+                );
+                record(
+                    &mut cases,
+                    at,
+                    format!("etcd-warden {policy} level {level}"),
+                    t,
+                    &root,
+                );
+                at += 1;
+            }
+            if let Some(ebr) = &ebr {
+                let root = dir.join(format!("ebr-{policy}"));
+                let _ = std::fs::remove_dir_all(&root);
+                let t = ebr_snapshot(ebr, curl, &root, policy);
+                record(
+                    &mut cases,
+                    at,
+                    format!("etcd-backup-restore {policy} (level 6)"),
+                    t,
+                    &root,
+                );
+                at += 1;
+            }
+        }
+    }
+    for (name, times, bytes) in cases {
+        println!(
+            "{name:<34} wall {:.3}s (median of 3), stored {bytes} bytes ({:.1} MiB)",
+            median(times).as_secs_f64(),
+            bytes as f64 / (1 << 20) as f64
+        );
+    }
+}
+
+/// Adds a run of case `at` (named `name` on its first run) and the bytes stored under `root`.
+fn record(
+    cases: &mut Vec<(String, Vec<Duration>, u64)>,
+    at: usize,
+    name: String,
+    t: Duration,
+    root: &Path,
+) {
+    if cases.len() <= at {
+        cases.push((name, Vec::new(), 0));
+    }
+    cases[at].1.push(t);
+    cases[at].2 = stored_bytes(root);
+}
+
+/// The largest file under `root`, at any depth: the one snapshot a case stored.
+fn stored_bytes(root: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return 0;
+    };
+    entries
+        .filter_map(Result::ok)
+        .map(|e| {
+            let p = e.path();
+            if p.is_dir() {
+                stored_bytes(&p)
+            } else {
+                size(&p)
+            }
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// One full snapshot by `etcdbrctl snapshot` into a Local store at `root`: it takes one when it
+/// starts and then waits for its schedule, so it is stopped (SIGINT) once it logs the snapshot
+/// saved. The time is from its start to that line.
+fn ebr_snapshot(ebr: &Path, curl: &str, root: &Path, policy: &str) -> Duration {
+    use std::io::BufRead;
+    std::fs::create_dir_all(root.join("tmp")).unwrap();
+    let t = Instant::now();
+    // Its Local provider joins $HOME, the container and the prefix.
+    let mut child = Command::new(ebr)
+        .env("HOME", "/")
+        .arg("snapshot")
+        .arg("--storage-provider=Local")
+        .arg(format!("--store-container={}", root.display()))
+        .arg("--store-prefix=v2")
+        .arg(format!("--endpoints={curl}"))
+        .arg("--compress-snapshots=true")
+        .arg(format!("--compression-policy={policy}"))
+        .args(["--schedule=0 0 1 1 *", "--delta-snapshot-period=0"])
+        .args([
+            "--garbage-collection-period=0",
+            "--defragmentation-schedule=0 0 1 1 *",
+        ])
+        .arg(format!(
+            "--snapstore-temp-directory={}",
+            root.join("tmp").display()
+        ))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run $ETCDBRCTL");
+    let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut log = Vec::new();
+    let mut took = None;
+    for line in stderr.lines().map_while(Result::ok) {
+        if line.contains("Successfully saved full snapshot") {
+            took = Some(t.elapsed());
+            break;
+        }
+        log.push(line);
+    }
+    // It stops cleanly on SIGINT (the child is not yet waited for, so its PID is still its own).
+    let _ = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status();
+    let _ = child.wait();
+    took.unwrap_or_else(|| panic!("etcdbrctl saved no full snapshot:\n{}", log.join("\n")))
 }
 
 /// One `etcd-warden snapshot` (gzip) with `env`: its wall time and peak RSS (KiB).

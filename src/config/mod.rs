@@ -192,6 +192,32 @@ pub struct CopyConfig {
     pub parallel: usize,
 }
 
+/// A deflate compression level for gzip and zlib (`snapshot.compression_level`): 1 (the
+/// default, fastest) to 9 (smallest). Decoding never needs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CompressionLevel(u32);
+
+impl CompressionLevel {
+    /// The fastest level, and the default.
+    pub const FAST: CompressionLevel = CompressionLevel(1);
+
+    /// Level `n`, if it is one (1 to 9).
+    pub fn new(n: u32) -> Option<CompressionLevel> {
+        (1..=9).contains(&n).then_some(CompressionLevel(n))
+    }
+
+    /// The number, 1 to 9.
+    pub fn get(self) -> u32 {
+        self.0
+    }
+}
+
+impl Default for CompressionLevel {
+    fn default() -> Self {
+        CompressionLevel::FAST
+    }
+}
+
 /// Payload compression of new snapshots (all are readable whatever this says).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub enum Compression {
@@ -228,7 +254,7 @@ pub struct SnapshotConfig {
     pub delta_memory_limit: u64,
     pub compression: Compression,
     /// gzip and zlib level of new snapshots, 1 (fastest) to 9 (smallest).
-    pub compression_level: crate::store::compression::Level,
+    pub compression_level: CompressionLevel,
     pub gc_policy: GcPolicy,
     pub gc_period: Duration,
     /// Deltas older than this are deleted even when their full snapshot is kept; zero keeps them

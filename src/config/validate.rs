@@ -488,7 +488,7 @@ impl Validator<'_> {
         let compression = self.one_of("snapshot.compression", &s.compression, COMPRESSIONS)?;
         let compression_level = u32::try_from(s.compression_level)
             .ok()
-            .and_then(crate::store::compression::Level::new)
+            .and_then(super::CompressionLevel::new)
             .ok_or_else(|| {
                 self.err(
                     "snapshot.compression_level",

@@ -42,34 +42,13 @@ pub enum Codec {
     Lzw,
 }
 
-/// A deflate compression level for gzip and zlib (`snapshot.compression_level`): 1 (the
-/// default, fastest) to 9 (smallest). Decoding never needs it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Level(u32);
+/// The deflate level of gzip and zlib: configuration's (`snapshot.compression_level`).
+pub use crate::config::CompressionLevel as Level;
 
 impl Level {
-    /// The fastest level, and the default.
-    pub const FAST: Level = Level(1);
-
-    /// Level `n`, if it is one (1 to 9).
-    pub fn new(n: u32) -> Option<Level> {
-        (1..=9).contains(&n).then_some(Level(n))
-    }
-
-    /// The number, 1 to 9.
-    pub fn get(self) -> u32 {
-        self.0
-    }
-
     /// As flate2 takes it.
     pub fn flate(self) -> flate2::Compression {
-        flate2::Compression::new(self.0)
-    }
-}
-
-impl Default for Level {
-    fn default() -> Self {
-        Level::FAST
+        flate2::Compression::new(self.get())
     }
 }
 
