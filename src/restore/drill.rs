@@ -216,8 +216,14 @@ async fn drill_in(
     );
 
     let checked = Instant::now();
-    let chain = chain_of(store, &restored.full_snapshot).await?;
-    let expected = expected_state(store, &chain, &scratch.join("expected.db")).await?;
+    let chain = chain_of(store, restored.revision).await?;
+    let expected = expected_state(
+        store,
+        &chain,
+        &scratch.join("expected.db"),
+        restored.revision,
+    )
+    .await?;
     if expected.revision != restored.revision {
         return Err(DrillError::Mismatch(format!(
             "the chain ends at revision {}, the restore at {}",
@@ -254,23 +260,16 @@ async fn drill_in(
     Ok(report)
 }
 
-/// The chain the restore used: the newest full snapshot, `full`, and the deltas after it.
-async fn chain_of(store: &SnapshotStore, full: &str) -> Result<layout::Chain, DrillError> {
+/// A chain that holds the state at `revision`, the restored one. Snapshots written while the
+/// drill ran (a new full snapshot, later deltas) do not fail it: the newest full snapshot at or
+/// before that revision and the deltas up to it imply the same state, whichever it is.
+async fn chain_of(store: &SnapshotStore, revision: i64) -> Result<layout::Chain, DrillError> {
     let list = store
         .list()
         .await
         .map_err(|e| DrillError::Expected(RestoreError::Store(e)))?;
-    let chain = layout::latest_chain(&list);
-    match &chain.full_snapshot {
-        Some(f) if f.snap_name == full => Ok(chain),
-        // A newer full snapshot landed during the drill: the chain it restored is gone from
-        // "latest", and comparing with another would fail for no fault of the backups.
-        other => Err(DrillError::Mismatch(format!(
-            "the newest full snapshot changed during the drill ({full} restored, {} now); \
-             run it again",
-            other.as_ref().map_or("none", |s| s.snap_name.as_str())
-        ))),
-    }
+    layout::chain_to(&list, layout::Target::Revision(revision), &[])
+        .map_err(|e| DrillError::Expected(RestoreError::Target(e)))
 }
 
 /// What a chain implies: its revision and one digest per live key.
@@ -296,6 +295,7 @@ async fn expected_state(
     store: &SnapshotStore,
     chain: &layout::Chain,
     db: &Path,
+    until: i64,
 ) -> Result<Expected, DrillError> {
     let full = chain
         .full_snapshot
@@ -316,7 +316,7 @@ async fn expected_state(
         })??;
     let _ = std::fs::remove_file(db);
     for d in &chain.delta_snapshots {
-        apply_delta(store, d, &mut expected).await?;
+        apply_delta(store, d, until, &mut expected).await?;
     }
     Ok(expected)
 }
@@ -355,10 +355,11 @@ fn database_state(path: &Path, len: u64) -> Result<Expected, DrillError> {
     Ok(Expected { revision, keys })
 }
 
-/// Applies delta `d`'s events after `expected.revision`.
+/// Applies delta `d`'s events after `expected.revision`, up to revision `until`.
 async fn apply_delta(
     store: &SnapshotStore,
     d: &Snapshot,
+    until: i64,
     expected: &mut Expected,
 ) -> Result<(), DrillError> {
     let events = delta::read(store, d).await.map_err(|cause| {
@@ -372,7 +373,7 @@ async fn apply_delta(
         let Some(kv) = te.event.kv.as_ref() else {
             continue;
         };
-        if kv.mod_revision <= floor {
+        if kv.mod_revision <= floor || kv.mod_revision > until {
             continue;
         }
         match te.event.kind {
