@@ -133,6 +133,8 @@ pub struct ServerState {
     )>,
     /// Bearer token for the mutating endpoints.
     pub token: Option<Secret>,
+    /// The snapshot triggers (not a final) need no token (`server.unauthenticated_snapshots`).
+    pub unauthenticated_snapshots: bool,
     /// The sidecar's liveness.
     pub liveness: watch::Receiver<Liveness>,
     /// One mutating request at a time.
@@ -270,9 +272,15 @@ async fn take_full(
     headers: HeaderMap,
     query: Result<Query<FullQuery>, QueryRejection>,
 ) -> Result<Response, ApiError> {
-    // Who asks first, then what: an unauthenticated caller learns nothing about the query.
-    authorize(&s, &headers)?;
+    // Who asks first, then what: an unauthenticated caller learns nothing about the query. Open
+    // triggers are open for regular snapshots only, so the query is read first then.
+    if !s.unauthenticated_snapshots {
+        authorize(&s, &headers)?;
+    }
     let Query(q) = query.map_err(bad_query)?;
+    if s.unauthenticated_snapshots && q.r#final {
+        authorize_final(&s, &headers)?;
+    }
     let _one = one_at_a_time(&s)?;
     let taken = s
         .snapshots
@@ -282,7 +290,7 @@ async fn take_full(
         .await?;
     match taken {
         // The hand-off's final is the watchdog's: this request found it, it created nothing.
-        Some(snap) if q.r#final => Ok((StatusCode::OK, Json(snap)).into_response()),
+        Some(snap) if q.r#final => Ok((StatusCode::OK, Json(ebr_snapshot(snap))).into_response()),
         other => snapshot_answer(&method, other),
     }
 }
@@ -292,7 +300,9 @@ async fn take_delta(
     method: Method,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    authorize(&s, &headers)?;
+    if !s.unauthenticated_snapshots {
+        authorize(&s, &headers)?;
+    }
     let _one = one_at_a_time(&s)?;
     snapshot_answer(&method, s.snapshots.take(SnapshotRequest::Delta).await?)
 }
@@ -318,10 +328,43 @@ fn one_at_a_time(s: &ServerState) -> Result<tokio::sync::OwnedSemaphorePermit, A
 /// because its callers accept nothing else.
 fn snapshot_answer(method: &Method, taken: Option<Snapshot>) -> Result<Response, ApiError> {
     Ok(match (taken, *method == Method::GET) {
-        (taken, true) => (StatusCode::OK, Json(taken)).into_response(),
-        (Some(snap), false) => (StatusCode::CREATED, Json(snap)).into_response(),
+        (taken, true) => (StatusCode::OK, Json(taken.map(ebr_snapshot))).into_response(),
+        (Some(snap), false) => (StatusCode::CREATED, Json(ebr_snapshot(snap))).into_response(),
         (None, false) => StatusCode::NO_CONTENT.into_response(),
     })
+}
+
+/// With open triggers (`server.unauthenticated_snapshots`), a final snapshot still needs the
+/// token: a final tells a copy Job the source is done, so an anonymous caller must not be able to
+/// claim it. Without a token configured, nobody may ask for one over HTTP.
+fn authorize_final(s: &ServerState, headers: &HeaderMap) -> Result<(), ApiError> {
+    if s.token.is_none() {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "final_needs_token",
+            "a final snapshot needs an authenticated caller: set server.token (the snapshot \
+             triggers are open to anyone who reaches the port, final snapshots are not)",
+        ));
+    }
+    authorize(s, headers)
+}
+
+/// A snapshot as etcd-backup-restore's `Snapshot` JSON has it: etcd-warden's fields (the same
+/// names) and the ones it has no use for at their zero values (`snapDir` empty in the v2 layout,
+/// no chunks, no object-lock version or expiry; `immutabilityExpriyTime` is spelt as on the
+/// wire).
+fn ebr_snapshot(snap: Snapshot) -> serde_json::Value {
+    let mut v = serde_json::to_value(&snap).unwrap_or_default();
+    if let Some(o) = v.as_object_mut() {
+        o.insert("snapDir".into(), "".into());
+        o.insert("isChunk".into(), false.into());
+        o.insert("versionID".into(), serde_json::Value::Null);
+        o.insert(
+            "immutabilityExpriyTime".into(),
+            "0001-01-01T00:00:00Z".into(),
+        );
+    }
+    v
 }
 
 /// Checks the bearer token of a mutating request, when one is configured.
@@ -505,6 +548,7 @@ mod tests {
             token: token.map(|t| Secret::Value(t.into())),
             liveness,
             mutating: Arc::new(tokio::sync::Semaphore::new(1)),
+            unauthenticated_snapshots: false,
         };
         (s, fake)
     }

@@ -280,7 +280,10 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
     // Before anything talks to etcd: it may be waiting for its data directory. A lost member
     // of a running multi-member cluster rejoins it (restore::rejoin); otherwise the store.
     // A rejoin stops on SIGTERM (its temporary member with it); nothing else has started.
-    let rejoined = if config.restore.initialize {
+    // Under etcd-druid, etcd-wrapper asks for the initialization over HTTP (crate::druid)
+    // before it starts etcd; it does not run here.
+    let initialize_now = config.restore.initialize && config.druid.is_none();
+    let rejoined = if initialize_now {
         match crate::restore::rejoin::rejoin_if_lost(
             &config.restore,
             &metrics.initialize,
@@ -295,7 +298,7 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
     } else {
         false
     };
-    if config.restore.initialize && !rejoined {
+    if initialize_now && !rejoined {
         crate::restore::initialize::initialize_observed(
             &store,
             &config.restore,
@@ -397,10 +400,22 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
         registry: Arc::new(registry),
         drill: Some((store.clone(), metrics.drill.clone())),
         token: config.server.token.clone(),
+        unauthenticated_snapshots: config.server.unauthenticated_snapshots,
         liveness,
         mutating: Arc::new(tokio::sync::Semaphore::new(1)),
     };
-    let router = server::router(state);
+    let mut router = server::router(state);
+    if let Some(druid) = &config.druid {
+        tracing::info!(etcd_config = %druid.etcd_config.display(), pod = ?druid.pod_name, "serving etcd-wrapper's initialization endpoints and /config (etcd-druid)");
+        router = crate::druid::routes(crate::druid::Druid::new(
+            druid.clone(),
+            config.restore.clone(),
+            store.clone(),
+            metrics.initialize.clone(),
+            cancel.clone(),
+        ))
+        .merge(router);
+    }
     let server_cancel = cancel.child_token();
     let served = {
         let token = server_cancel.clone();

@@ -135,9 +135,16 @@ enum Command {
         #[command(flatten)]
         restore: RestoreArgs,
     },
+    /// Check the data directory (restore.data_dir) as `serve` with restore.initialize does
+    /// before etcd starts, and restore it from the store when it is missing, fails validation
+    /// (restore.validation) or is behind the store; a valid directory is kept.
+    ///
+    /// Exit status: 0 valid, restored, or left empty for a fresh start (empty store); 1 failed;
+    /// 64 bad configuration.
+    Initialize,
 }
 
-#[derive(Args)]
+#[derive(Args, Default)]
 struct CopyArgs {
     /// Source store URL (source_store.url); SOURCE_-prefixed provider variables configure it.
     #[arg(long, value_name = "URL")]
@@ -191,7 +198,7 @@ impl CopyArgs {
     }
 }
 
-#[derive(Args)]
+#[derive(Args, Default)]
 struct RestoreArgs {
     /// Data directory to create (restore.data_dir).
     #[arg(long, value_name = "DIR")]
@@ -302,7 +309,7 @@ impl RestoreArgs {
     }
 }
 
-#[derive(Args)]
+#[derive(Args, Default)]
 struct StoreArg {
     /// Store URL (store.url), e.g. file:///var/backups/etcd or s3://bucket/prefix.
     #[arg(long, value_name = "URL")]
@@ -348,7 +355,7 @@ impl Command {
         match self {
             Command::Serve => Purpose::Serve,
             Command::Copy(_) => Purpose::Copy,
-            Command::Restore { .. } => Purpose::Restore,
+            Command::Restore { .. } | Command::Initialize => Purpose::Restore,
             Command::Config
             | Command::Snapshot { .. }
             | Command::Ls { .. }
@@ -407,8 +414,21 @@ fn tune_malloc() {}
 
 fn main() -> ExitCode {
     tune_malloc();
-    let cli = Cli::parse();
-    match run(cli) {
+    let invoked_as = std::env::args_os()
+        .next()
+        .and_then(|a| {
+            std::path::Path::new(&a)
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+        })
+        .unwrap_or_default();
+    let outcome = if invoked_as == "etcdbrctl" {
+        let args: Vec<String> = std::env::args().skip(1).collect();
+        etcdbrctl(&args)
+    } else {
+        run(Cli::parse())
+    };
+    match outcome {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             // The whole chain on one line: what failed and why.
@@ -439,6 +459,82 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         print!("{}", raw.to_redacted_toml());
         return Ok(());
     }
+    execute(config, cli.command)
+}
+
+/// `etcdbrctl <subcommand> <flags>`: etcd-backup-restore's command line (etcd_warden::etcdbrctl)
+/// as the equivalent etcd-warden command and configuration. A command line etcdbrctl would
+/// refuse, or one asking for what etcd-warden cannot do, exits 64 naming the flag.
+fn etcdbrctl(args: &[String]) -> anyhow::Result<()> {
+    use etcd_warden::etcdbrctl::{ProcessEnvironment, Subcommand, translate};
+    if args.iter().any(|a| a == "-v" || a == "--version") {
+        println!("etcdbrctl (etcd-warden {})", env!("CARGO_PKG_VERSION"));
+        return Ok(());
+    }
+    let t = translate(args, &ProcessEnvironment).map_err(|e| ConfigError::new("etcdbrctl", e.0))?;
+    let file = std::env::var_os("ETCD_WARDEN_CONFIG").map(PathBuf::from);
+    let (command, purpose) = match t.command {
+        Subcommand::Server | Subcommand::Snapshot => (Command::Serve, Purpose::Serve),
+        Subcommand::Restore => (
+            Command::Restore {
+                store: StoreArg::default(),
+                restore: RestoreArgs::default(),
+            },
+            Purpose::Restore,
+        ),
+        Subcommand::Compact => {
+            let work_dir = t.value("restore.data_dir").map(PathBuf::from);
+            if let Some(dir) = &work_dir {
+                std::fs::create_dir_all(dir).map_err(|e| {
+                    anyhow::anyhow!("cannot create --data-dir {}: {e}", dir.display())
+                })?;
+            }
+            let compact = Command::Compact {
+                store: StoreArg::default(),
+                work_dir,
+                etcd_bin: None,
+            };
+            (compact, Purpose::Any)
+        }
+        Subcommand::Copy => (Command::Copy(CopyArgs::default()), Purpose::Copy),
+        Subcommand::Initialize => (Command::Initialize, Purpose::Restore),
+    };
+    let sources = Sources {
+        file: file.as_deref(),
+        env: &ProcessEnv,
+        overrides: t.overrides.clone(),
+    };
+    let (config, _) = Config::load_for(&sources, purpose)?;
+    etcd_warden::telemetry::init(&config.log);
+    tracing::info!(command = t.command.name(), as_ = ?command_name(&command), "etcdbrctl command line translated");
+    for ignored in &t.ignored {
+        tracing::info!(flag = %ignored.flag, reason = ignored.reason, "etcdbrctl flag accepted without effect");
+    }
+    execute(config, command)
+}
+
+/// The etcd-warden subcommand an etcdbrctl command runs as, for the log.
+fn command_name(c: &Command) -> &'static str {
+    match c {
+        Command::Serve => "serve",
+        Command::Restore { .. } => "restore",
+        Command::Compact { .. } => "compact",
+        Command::Copy(_) => "copy",
+        Command::Initialize => "initialize",
+        _ => "other",
+    }
+}
+
+/// Runs `command` with `config` until it ends or a signal stops it.
+fn execute(config: Config, command: Command) -> anyhow::Result<()> {
+    let cli = Cli {
+        global: Global {
+            config: None,
+            log_level: None,
+            log_format: None,
+        },
+        command,
+    };
     let is_serve = matches!(cli.command, Command::Serve);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -474,6 +570,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 Command::Compact { work_dir, .. } => {
                     ops::compact(&config, work_dir.unwrap_or_else(std::env::temp_dir)).await
                 }
+                Command::Initialize => ops::initialize(&config).await,
             }
         };
         if is_serve {
@@ -760,6 +857,32 @@ mod ops {
             }
             .into());
         }
+        Ok(())
+    }
+
+    /// `initialize`: `serve`'s data-directory check and restore, once.
+    pub async fn initialize(config: &Config) -> anyhow::Result<()> {
+        let store = snapshots(config)?;
+        let cancel = tokio_util::sync::CancellationToken::new();
+        let metrics = etcd_warden::restore::initialize::InitializeMetrics::default();
+        let rejoined = etcd_warden::restore::rejoin::rejoin_if_lost(
+            &config.restore,
+            &metrics,
+            &store,
+            &cancel,
+        )
+        .await?;
+        if rejoined {
+            println!("rejoined the cluster as a learner and was promoted");
+            return Ok(());
+        }
+        let done = etcd_warden::restore::initialize::initialize_observed(
+            &store,
+            &config.restore,
+            &metrics,
+        )
+        .await?;
+        println!("{done:?}");
         Ok(())
     }
 

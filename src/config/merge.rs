@@ -167,6 +167,7 @@ const SECTIONS: &[&str] = &[
     "log",
     "restore",
     "encryption",
+    "druid",
 ];
 
 /// Maps `ETCD_WARDEN_SNAPSHOT_DELTA_PERIOD` to `snapshot.delta_period` (with the sidecar's

@@ -30,8 +30,8 @@ pub use keys::{EncryptionConfig, KeyError, parse_recipient};
 pub use location::{LocationError, StoreLocation};
 pub use merge::{EnvSource, Layered, Layout, Override, ProcessEnv, SIDECAR, Sources, env_var_for};
 pub use raw::{
-    MAX_DURATION, RawConfig, RawCopy, RawDefrag, RawEncryption, RawEtcd, RawKill, RawLog, RawOwner,
-    RawRestore, RawServer, RawSnapshot, RawStore,
+    MAX_DURATION, RawConfig, RawCopy, RawDefrag, RawDruid, RawEncryption, RawEtcd, RawKill, RawLog,
+    RawOwner, RawRestore, RawServer, RawSnapshot, RawStore,
 };
 pub use raw::{lenient, parse_duration};
 pub(crate) use validate::owner_config;
@@ -117,6 +117,29 @@ pub struct Config {
     /// Client-side encryption; empty (nothing encrypted, nothing to decrypt with) when the
     /// `[encryption]` section is absent.
     pub encryption: EncryptionConfig,
+    /// `None` unless running under etcd-druid in place of etcd-backup-restore (`[druid]`).
+    pub druid: Option<DruidConfig>,
+}
+
+/// Running under etcd-druid (`[druid]`, set by `etcdbrctl server`): etcd-wrapper's
+/// initialization endpoints and `/config`, and the Leases druid reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DruidConfig {
+    /// etcd's configuration file as druid writes it (`$ETCD_CONF`, else
+    /// `/var/etcd/config/etcd.conf.yaml`).
+    pub etcd_config: PathBuf,
+    /// This pod (`POD_NAME`): with the file's `member-name-prefix`, the member's name; required
+    /// by `serve`.
+    pub pod_name: Option<String>,
+    /// Where the Leases are (`POD_NAMESPACE`); required by them.
+    pub pod_namespace: Option<String>,
+    /// Renew the member Lease every `heartbeat`.
+    pub member_lease: bool,
+    pub heartbeat: Duration,
+    /// Write the full and delta snapshot Leases.
+    pub snapshot_leases: bool,
+    pub full_snapshot_lease: String,
+    pub delta_snapshot_lease: String,
 }
 
 /// How to reach the etcd member next to the sidecar.
@@ -319,6 +342,9 @@ pub struct ServerConfig {
     /// Bearer token required by mutating endpoints, when set.
     pub token: Option<Secret>,
     pub tls: Option<(PathBuf, PathBuf)>,
+    /// The snapshot triggers (not a final) answer callers without a token or certificate, as
+    /// etcd-backup-restore's do (druid sends neither).
+    pub unauthenticated_snapshots: bool,
 }
 
 impl ServerConfig {

@@ -31,6 +31,30 @@ pub struct RawConfig {
     pub restore: RawRestore,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub encryption: Option<RawEncryption>,
+    /// Running under etcd-druid in place of etcd-backup-restore; absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub druid: Option<RawDruid>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawDruid {
+    #[serde(default = "defaults::druid_etcd_config")]
+    pub etcd_config: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_namespace: Option<String>,
+    #[serde(default, deserialize_with = "lenient::boolean")]
+    pub member_lease: bool,
+    #[serde(default = "defaults::druid_heartbeat")]
+    pub heartbeat: String,
+    #[serde(default, deserialize_with = "lenient::boolean")]
+    pub snapshot_leases: bool,
+    #[serde(default = "defaults::druid_full_lease")]
+    pub full_snapshot_lease: String,
+    #[serde(default = "defaults::druid_delta_lease")]
+    pub delta_snapshot_lease: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -182,6 +206,8 @@ pub struct RawServer {
     pub tls_cert_file: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls_key_file: Option<String>,
+    #[serde(default, deserialize_with = "lenient::boolean")]
+    pub unauthenticated_snapshots: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -238,6 +264,18 @@ pub struct RawEncryption {
 mod defaults {
     pub fn path_style() -> bool {
         true
+    }
+    pub fn druid_etcd_config() -> String {
+        "/var/etcd/config/etcd.conf.yaml".into()
+    }
+    pub fn druid_heartbeat() -> String {
+        "30s".into()
+    }
+    pub fn druid_full_lease() -> String {
+        "full-snapshot-revisions".into()
+    }
+    pub fn druid_delta_lease() -> String {
+        "delta-snapshot-revisions".into()
     }
     pub fn owner_interval() -> String {
         "30s".into()

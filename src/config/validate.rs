@@ -8,13 +8,13 @@ use std::time::Duration;
 use super::keys::parse_recipient;
 use super::merge::Merged;
 use super::raw::{
-    RawConfig, RawCopy, RawDefrag, RawEncryption, RawEtcd, RawKill, RawLog, RawOwner, RawRestore,
-    RawServer, RawSnapshot, RawStore, parse_bytes, parse_duration, parse_nameserver,
+    RawConfig, RawCopy, RawDefrag, RawDruid, RawEncryption, RawEtcd, RawKill, RawLog, RawOwner,
+    RawRestore, RawServer, RawSnapshot, RawStore, parse_bytes, parse_duration, parse_nameserver,
 };
 use super::{
-    Compression, Config, ConfigError, CopyConfig, DefragConfig, EncryptionConfig, EtcdConfig,
-    GcPolicy, KillConfig, LogConfig, LogFormat, OwnerConfig, Purpose, RestoreConfig, Secret,
-    ServerConfig, SnapshotConfig, StoreConfig, StoreLocation, TlsFiles, Validation,
+    Compression, Config, ConfigError, CopyConfig, DefragConfig, DruidConfig, EncryptionConfig,
+    EtcdConfig, GcPolicy, KillConfig, LogConfig, LogFormat, OwnerConfig, Purpose, RestoreConfig,
+    Secret, ServerConfig, SnapshotConfig, StoreConfig, StoreLocation, TlsFiles, Validation,
 };
 
 /// The spellings of each compression, the one errors list first.
@@ -153,6 +153,7 @@ impl Validator<'_> {
             server: self.server(&raw.server)?,
             log: self.log(&raw.log)?,
             encryption: self.encryption(raw.encryption.as_ref())?,
+            druid: raw.druid.as_ref().map(|d| self.druid(d)).transpose()?,
         };
         self.owner_endpoints(&config)?;
         Ok(config)
@@ -192,8 +193,12 @@ impl Validator<'_> {
                 "required value missing: give --data-dir",
             )),
             // Other subcommands never bind the server, so only `serve` needs the token.
-            Purpose::Serve if c.server.token.is_none() && !c.server.loopback_only() => Err(self
-                .err(
+            Purpose::Serve
+                if c.server.token.is_none()
+                    && !c.server.unauthenticated_snapshots
+                    && !c.server.loopback_only() =>
+            {
+                Err(self.err(
                     "server.token",
                     format!(
                         "required when server.listen{} = \"{}\" is not a loopback address, or \
@@ -202,6 +207,13 @@ impl Validator<'_> {
                         self.m.origin_of("server.listen"),
                         c.server.listen
                     ),
+                ))
+            }
+            Purpose::Serve if c.druid.as_ref().is_some_and(|d| d.pod_name.is_none()) => Err(self
+                .err(
+                    "druid.pod_name",
+                    "required value missing: the member's name is derived from the pod's \
+                     (POD_NAME)",
                 )),
             Purpose::Any | Purpose::Serve | Purpose::Copy | Purpose::Restore => Ok(()),
         }
@@ -584,6 +596,45 @@ impl Validator<'_> {
         })
     }
 
+    fn druid(&self, d: &RawDruid) -> Result<DruidConfig, ConfigError> {
+        let pod_name = d
+            .pod_name
+            .as_deref()
+            .map(str::trim)
+            .filter(|n| !n.is_empty())
+            .map(str::to_string);
+        let pod_namespace = d
+            .pod_namespace
+            .as_deref()
+            .map(str::trim)
+            .filter(|n| !n.is_empty())
+            .map(str::to_string);
+        if (d.member_lease || d.snapshot_leases) && pod_namespace.is_none() {
+            return Err(self.err(
+                "druid.pod_namespace",
+                "required value missing: the Leases are in the pod's namespace (POD_NAMESPACE)",
+            ));
+        }
+        for (key, name) in [
+            ("druid.full_snapshot_lease", &d.full_snapshot_lease),
+            ("druid.delta_snapshot_lease", &d.delta_snapshot_lease),
+        ] {
+            if name.trim().is_empty() {
+                return Err(self.err(key, "required value missing"));
+            }
+        }
+        Ok(DruidConfig {
+            etcd_config: PathBuf::from(d.etcd_config.trim()),
+            pod_name,
+            pod_namespace,
+            member_lease: d.member_lease,
+            heartbeat: self.positive_duration("druid.heartbeat", &d.heartbeat)?,
+            snapshot_leases: d.snapshot_leases,
+            full_snapshot_lease: d.full_snapshot_lease.trim().to_string(),
+            delta_snapshot_lease: d.delta_snapshot_lease.trim().to_string(),
+        })
+    }
+
     fn server(&self, s: &RawServer) -> Result<ServerConfig, ConfigError> {
         let listen = s.listen.trim().parse().map_err(|_| {
             self.err(
@@ -625,7 +676,12 @@ impl Validator<'_> {
                  (without a token, serve listens on loopback only)",
             ));
         }
-        Ok(ServerConfig { listen, token, tls })
+        Ok(ServerConfig {
+            listen,
+            token,
+            tls,
+            unauthenticated_snapshots: s.unauthenticated_snapshots,
+        })
     }
 
     /// Every key parsed and every key file read once, so a typo stops the start and not the

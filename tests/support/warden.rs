@@ -17,6 +17,9 @@ pub struct Warden {
     uid: Option<u32>,
     /// Another build of `etcd-warden` to run instead of this one.
     bin: Option<PathBuf>,
+    /// Run as `etcdbrctl` with these arguments (and `env` as plain variables) instead of
+    /// `serve` configured through `ETCD_WARDEN_*`.
+    etcdbrctl: Option<Vec<String>>,
     pub dir: tempfile::TempDir,
 }
 
@@ -120,6 +123,33 @@ impl Warden {
             env,
             uid,
             bin,
+            etcdbrctl: None,
+            dir,
+        };
+        w.spawn();
+        w
+    }
+
+    /// The binary invoked as `etcdbrctl server --server-port=<free port> <args>` (as
+    /// etcd-druid's StatefulSet runs etcd-backup-restore's image), with `env` as its
+    /// environment.
+    pub fn start_etcdbrctl(args: &[String], env: &[(&str, String)]) -> Warden {
+        let port = free_port();
+        let dir = tempfile::tempdir().expect("temp dir");
+        let log = dir.path().join("warden.log");
+        let mut argv = vec!["server".to_string(), format!("--server-port={port}")];
+        argv.extend(args.iter().cloned());
+        let mut w = Warden {
+            port,
+            log,
+            child: None,
+            env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.clone()))
+                .collect(),
+            uid: None,
+            bin: None,
+            etcdbrctl: Some(argv),
             dir,
         };
         w.spawn();
@@ -136,12 +166,20 @@ impl Warden {
             Some(bin) => command_of(bin),
             None => command(),
         };
-        cmd.arg("serve");
-        for (k, v) in &self.env {
-            cmd.env(
-                format!("ETCD_WARDEN_{}", k.replace('.', "_").to_ascii_uppercase()),
-                v,
-            );
+        match &self.etcdbrctl {
+            Some(argv) => {
+                std::os::unix::process::CommandExt::arg0(&mut cmd, "etcdbrctl");
+                cmd.args(argv).envs(&self.env);
+            }
+            None => {
+                cmd.arg("serve");
+                for (k, v) in &self.env {
+                    cmd.env(
+                        format!("ETCD_WARDEN_{}", k.replace('.', "_").to_ascii_uppercase()),
+                        v,
+                    );
+                }
+            }
         }
         if let Some(uid) = self.uid {
             std::os::unix::process::CommandExt::uid(&mut cmd, uid);

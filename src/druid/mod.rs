@@ -1,0 +1,293 @@
+//! Running under etcd-druid in place of etcd-backup-restore (`[druid]`, set by `etcdbrctl
+//! server`): the endpoints etcd-wrapper calls before it starts etcd.
+//!
+//! etcd-wrapper (the pod's etcd container) polls `GET /initialization/status`; while it reads
+//! `New` it asks `GET /initialization/start?mode=full|sanity`; once it reads `Successful` it
+//! fetches `GET /config` and starts etcd with it. It has no timeout: a body it does not know
+//! (`Progress`, `Failed`) means "still running". etcd-backup-restore answers a read of
+//! `Successful` or `Failed` once and then `New` again ([`Status::read`]), so a failure is
+//! retried by the wrapper's next `start`, and a success read twice (a lost answer) runs the
+//! initialization again: it must be safe to repeat, and it is — a valid data directory is kept.
+//!
+//! The initialization is etcd-warden's own (`restore.initialize`): a lost member of a running
+//! cluster rejoins it as a learner ([`crate::restore::rejoin`], with `restore.cluster_endpoints`
+//! = `--service-endpoints`), otherwise the data directory is validated in the mode the wrapper
+//! asks for and restored from the store when missing, corrupt or behind. It restores the member
+//! with its own name, peer URLs and cluster from etcd's configuration file
+//! ([`etcd_config::member`]), not etcd-backup-restore's `default`/`http://localhost:2380`, so no
+//! peer URL has to be repaired (and etcd restarted through the wrapper) afterwards.
+
+pub mod etcd_config;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{Query, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use serde::Deserialize;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{DruidConfig, RestoreConfig, Validation};
+use crate::restore::initialize::InitializeMetrics;
+use crate::store::SnapshotStore;
+use etcd_config::{EtcdConfigError, Listed};
+
+/// `/initialization/status`'s values, as etcd-backup-restore spells them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    New,
+    Progress,
+    Successful,
+    Failed,
+}
+
+impl Status {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::New => "New",
+            Status::Progress => "Progress",
+            Status::Successful => "Successful",
+            Status::Failed => "Failed",
+        }
+    }
+
+    /// `start`: from `New` only, to `Progress`; `true` when an initialization is to run.
+    pub fn start(&mut self) -> bool {
+        if *self == Status::New {
+            *self = Status::Progress;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// A read: the status, and an outcome (`Successful`, `Failed`) is consumed.
+    pub fn read(&mut self) -> Status {
+        let now = *self;
+        if matches!(now, Status::Successful | Status::Failed) {
+            *self = Status::New;
+        }
+        now
+    }
+
+    /// The initialization ended.
+    pub fn finish(&mut self, ok: bool) {
+        *self = if ok {
+            Status::Successful
+        } else {
+            Status::Failed
+        };
+    }
+}
+
+/// What the initialization endpoints need.
+#[derive(Clone)]
+pub struct Druid {
+    config: DruidConfig,
+    /// `config.pod_name`, required by `serve` with `[druid]`.
+    pod_name: String,
+    restore: RestoreConfig,
+    store: SnapshotStore,
+    metrics: InitializeMetrics,
+    status: Arc<Mutex<Status>>,
+    cancel: CancellationToken,
+}
+
+impl Druid {
+    pub fn new(
+        config: DruidConfig,
+        restore: RestoreConfig,
+        store: SnapshotStore,
+        metrics: InitializeMetrics,
+        cancel: CancellationToken,
+    ) -> Self {
+        Druid {
+            pod_name: config.pod_name.clone().unwrap_or_default(),
+            config,
+            restore,
+            store,
+            metrics,
+            status: Arc::new(Mutex::new(Status::New)),
+            cancel,
+        }
+    }
+
+    fn status(&self) -> std::sync::MutexGuard<'_, Status> {
+        self.status.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// etcd's configuration file, read now (druid updates the ConfigMap in place).
+    fn etcd_config(&self) -> Result<String, String> {
+        std::fs::read_to_string(&self.config.etcd_config)
+            .map_err(|e| format!("cannot read {}: {e}", self.config.etcd_config.display()))
+    }
+
+    /// The restore section with this member's name, peer URLs and cluster from etcd's
+    /// configuration file, and the wrapper's validation mode.
+    fn restore_config(&self, mode: Validation) -> Result<RestoreConfig, String> {
+        let text = self.etcd_config()?;
+        let me = etcd_config::member(&text, &self.pod_name).map_err(|e| e.to_string())?;
+        let mut r = self.restore.clone();
+        r.name = me.name;
+        r.initial_advertise_peer_urls = me.peer_urls;
+        r.initial_cluster = me.initial_cluster;
+        r.initial_cluster_token = me.initial_cluster_token;
+        r.validation = mode;
+        if r.data_dir.is_none() {
+            r.data_dir = me.data_dir.map(Into::into);
+        }
+        Ok(r)
+    }
+
+    /// One initialization, as `serve` with `restore.initialize` runs it at start.
+    async fn initialize(&self, mode: Validation) -> Result<(), String> {
+        let config = self.restore_config(mode)?;
+        let rejoined = crate::restore::rejoin::rejoin_if_lost(
+            &config,
+            &self.metrics,
+            &self.store,
+            &self.cancel,
+        )
+        .await
+        .map_err(|e| format!("rejoining the cluster: {e}"))?;
+        if !rejoined {
+            let done = crate::restore::initialize::initialize_observed(
+                &self.store,
+                &config,
+                &self.metrics,
+            )
+            .await
+            .map_err(|e| format!("initializing the data directory: {e}"))?;
+            tracing::info!(outcome = ?done, "initialization done");
+        }
+        Ok(())
+    }
+
+    /// The cluster's members through `restore.cluster_endpoints` (`--service-endpoints`), or
+    /// `None` when none answers: 5 s a try, two tries 2 s apart, as etcd-backup-restore asks.
+    async fn members(&self) -> Option<Vec<Listed>> {
+        let cluster = self.restore.cluster.as_ref()?;
+        for attempt in 0..2 {
+            if attempt > 0 {
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            }
+            let asked = tokio::time::timeout(Duration::from_secs(5), async {
+                let mut client = crate::etcd::connect(cluster).await.ok()?;
+                client.member_list().await.ok()
+            })
+            .await;
+            if let Ok(Some(list)) = asked {
+                return Some(
+                    list.members()
+                        .iter()
+                        .map(|m| Listed {
+                            name: m.name().to_string(),
+                            is_learner: m.is_learner(),
+                        })
+                        .collect(),
+                );
+            }
+        }
+        None
+    }
+
+    async fn render_config(&self) -> Result<String, String> {
+        let text = self.etcd_config()?;
+        let members = self.members().await;
+        etcd_config::render(&text, &self.pod_name, members.as_deref())
+            .map_err(|e: EtcdConfigError| e.to_string())
+    }
+}
+
+/// The routes etcd-wrapper calls.
+pub fn routes(druid: Druid) -> Router {
+    Router::new()
+        .route("/initialization/start", get(start).post(start))
+        .route("/initialization/status", get(status).post(status))
+        .route("/config", get(config))
+        .with_state(druid)
+}
+
+#[derive(Deserialize)]
+struct StartQuery {
+    mode: Option<String>,
+}
+
+/// Always 200 and an empty body, as etcd-backup-restore answers; starts an initialization when
+/// none has run since the last outcome was read. Any mode but `sanity` is `full`.
+async fn start(State(d): State<Druid>, Query(q): Query<StartQuery>) -> StatusCode {
+    let mode = match q.mode.as_deref() {
+        Some("sanity") => Validation::Sanity,
+        _ => Validation::Full,
+    };
+    if !d.status().start() {
+        return StatusCode::OK;
+    }
+    tracing::info!(
+        ?mode,
+        "etcd-wrapper asked for the data directory's initialization"
+    );
+    // On a blocking thread driving it: the restore's future borrows across awaits in a way the
+    // compiler cannot prove `Send` for every lifetime (rust-lang/rust#102211), and it runs for
+    // minutes, off the request.
+    let handle = tokio::runtime::Handle::current();
+    tokio::task::spawn_blocking(move || {
+        let result = handle.block_on(d.initialize(mode));
+        if let Err(e) = &result {
+            tracing::error!(error = %e, "initialization failed; etcd-wrapper will ask again");
+        }
+        d.status().finish(result.is_ok());
+    });
+    StatusCode::OK
+}
+
+async fn status(State(d): State<Druid>) -> Response {
+    let now = d.status().read();
+    (
+        [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+        now.as_str(),
+    )
+        .into_response()
+}
+
+async fn config(State(d): State<Druid>) -> Response {
+    match d.render_config().await {
+        Ok(yaml) => ([(header::CONTENT_TYPE, "application/yaml")], yaml).into_response(),
+        Err(e) => {
+            tracing::error!(error = %e, "cannot serve etcd's configuration");
+            (StatusCode::INTERNAL_SERVER_ERROR, e).into_response()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every status, every event: what etcd-backup-restore's state machine does.
+    #[test]
+    fn the_status_machine_is_etcd_backup_restores() {
+        use Status::*;
+        for s in [New, Progress, Successful, Failed] {
+            let mut x = s;
+            assert_eq!(x.start(), s == New, "start from {s:?}");
+            assert_eq!(x, if s == New { Progress } else { s });
+            let mut x = s;
+            assert_eq!(x.read(), s);
+            let after = if matches!(s, Successful | Failed) {
+                New
+            } else {
+                s
+            };
+            assert_eq!(x, after, "read from {s:?}");
+            for ok in [true, false] {
+                let mut x = s;
+                x.finish(ok);
+                assert_eq!(x, if ok { Successful } else { Failed });
+            }
+        }
+    }
+}

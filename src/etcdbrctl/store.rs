@@ -1,0 +1,668 @@
+//! etcd-backup-restore's store selection (`--storage-provider`, `--store-container`,
+//! `--store-prefix`, `--store-endpoint-override`, `STORAGE_CONTAINER`) and the credential
+//! Secrets druid mounts (`<PROVIDER>_APPLICATION_CREDENTIALS`, a directory of one-value files,
+//! or `..._JSON`, one JSON file), as `[store]` keys; for `copy` the `source-` flags and the
+//! `SOURCE_`-prefixed variables as `[source_store]`.
+//!
+//! Objects land where etcd-backup-restore puts them: `<container>/<prefix>/v2/<name>`
+//! (etcd-warden's store URL names the prefix; the `v2` is its layout's too). The Local provider's
+//! root is `$HOME/<container>/<prefix>`, `$HOME` being the directory druid mounts the host path
+//! under (`/home/nonroot` in the image, `/root` when run as root): the container is a directory
+//! below `$HOME`, never an absolute path.
+//!
+//! Key files stay files (`access_key_id_file`, `account_key_file`, ...), so a rotated Secret is
+//! read again on the next request, as etcd-backup-restore re-creates its client when the files
+//! change. The JSON form is read once, at start. Values that configure rather than authenticate
+//! (region, endpoint, path style) are read at start.
+//!
+//! What etcd-warden cannot honour is refused, naming the field: a credential field asking for
+//! something it would silently not do (SSE-C, a custom CA, a web identity in the Secret) or a
+//! provider it has no client for (Swift, OSS).
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use super::flags::Given;
+use super::{Environment, Ignored, Subcommand, Translation, UsageError};
+use crate::config::Override;
+
+/// One store's flags and variables: the destination's or, for `copy`, the source's.
+struct Side {
+    /// `""` or `source-`.
+    flag_prefix: &'static str,
+    /// `""`, `SOURCE_`.
+    env_prefix: &'static str,
+    /// `store` or `source_store`.
+    section: &'static str,
+}
+
+const DEST: Side = Side {
+    flag_prefix: "",
+    env_prefix: "",
+    section: "store",
+};
+const SOURCE: Side = Side {
+    flag_prefix: "source-",
+    env_prefix: "SOURCE_",
+    section: "source_store",
+};
+
+/// The store flags as given (the empty string where a flag was left out).
+#[derive(Debug, Clone, Default)]
+struct Selection {
+    provider: String,
+    container: String,
+    prefix: String,
+    endpoint: String,
+}
+
+fn selection(given: &Given, side: &Side, env: &dyn Environment) -> Selection {
+    let flag = |name: &str| {
+        given
+            .get(format!("{}{name}", side.flag_prefix).as_str())
+            .and_then(|v| v.last())
+            .cloned()
+            .unwrap_or_default()
+    };
+    let mut container = flag("store-container");
+    if container.is_empty() {
+        container = env
+            .var(&format!("{}STORAGE_CONTAINER", side.env_prefix))
+            .unwrap_or_default();
+    }
+    Selection {
+        provider: flag("storage-provider"),
+        container,
+        prefix: flag("store-prefix"),
+        endpoint: flag("store-endpoint-override"),
+    }
+}
+
+/// Adds the store keys of the command line to `t`.
+pub fn translate(
+    t: &mut Translation,
+    given: &Given,
+    env: &dyn Environment,
+) -> Result<(), UsageError> {
+    let dest = selection(given, &DEST, env);
+    if dest.provider.is_empty() {
+        return Err(UsageError(
+            "--storage-provider is required: etcd-warden always keeps snapshots in a store \
+             (S3, ABS, GCS, OCS, ECS or Local)"
+                .into(),
+        ));
+    }
+    store(t, &DEST, &dest, env)?;
+    if t.command == Subcommand::Copy {
+        // An empty source provider or prefix is the destination's, as etcd-backup-restore
+        // takes it.
+        let mut source = selection(given, &SOURCE, env);
+        if source.provider.is_empty() {
+            source.provider = dest.provider.clone();
+        }
+        if source.prefix.is_empty() {
+            source.prefix = dest.prefix.clone();
+        }
+        store(t, &SOURCE, &source, env)?;
+    }
+    Ok(())
+}
+
+fn store(
+    t: &mut Translation,
+    side: &Side,
+    s: &Selection,
+    env: &dyn Environment,
+) -> Result<(), UsageError> {
+    let origin = format!("etcdbrctl --{}storage-provider", side.flag_prefix);
+    let mut keys: Vec<(&str, String)> = Vec::new();
+    let prefix = s.prefix.trim_matches('/');
+    match s.provider.as_str() {
+        "Local" => {
+            let home = env.var("HOME").filter(|h| !h.is_empty()).ok_or_else(|| {
+                UsageError(
+                    "HOME is not set: the Local provider keeps snapshots under \
+                     $HOME/<container>/<prefix>"
+                        .into(),
+                )
+            })?;
+            let container = if s.container.is_empty() {
+                "default.bkp"
+            } else {
+                s.container.trim_start_matches('/')
+            };
+            let mut root = PathBuf::from(home).join(container);
+            if !prefix.is_empty() {
+                root = root.join(prefix);
+            }
+            keys.push(("url", format!("file://{}", root.display())));
+        }
+        "S3" | "OCS" | "ECS" => {
+            keys.push(("url", bucket_url("s3", side, s, prefix)?));
+            keys.extend(s3(t, side, s, env)?);
+        }
+        "ABS" => {
+            keys.push(("url", bucket_url("az", side, s, prefix)?));
+            keys.extend(azure(side, s, env)?);
+        }
+        "GCS" => {
+            keys.push(("url", bucket_url("gs", side, s, prefix)?));
+            keys.extend(gcs(side, s, env)?);
+        }
+        "Swift" | "OSS" => {
+            return Err(UsageError(format!(
+                "--{}storage-provider={}: etcd-warden has no client for this store; it supports \
+                 S3, OCS, ECS (S3-compatible), ABS, GCS and Local",
+                side.flag_prefix, s.provider
+            )));
+        }
+        other => {
+            return Err(UsageError(format!(
+                "invalid argument {other:?} for --{}storage-provider: expected S3, ABS, GCS, \
+                 Swift, OSS, ECS, OCS or Local",
+                side.flag_prefix
+            )));
+        }
+    }
+    for (key, value) in keys {
+        t.overrides.push(Override::flag(
+            &format!("{}.{key}", side.section),
+            value,
+            &origin,
+        ));
+    }
+    Ok(())
+}
+
+fn bucket_url(
+    scheme: &str,
+    side: &Side,
+    s: &Selection,
+    prefix: &str,
+) -> Result<String, UsageError> {
+    if s.container.is_empty() {
+        return Err(UsageError(format!(
+            "the {} store needs a container: --{}store-container or {}STORAGE_CONTAINER",
+            s.provider, side.flag_prefix, side.env_prefix
+        )));
+    }
+    Ok(if prefix.is_empty() {
+        format!("{scheme}://{}", s.container)
+    } else {
+        format!("{scheme}://{}/{prefix}", s.container)
+    })
+}
+
+/// One credential field: a file in the Secret's directory (named by path, so it is re-read),
+/// or a value of its JSON form.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Field {
+    File(PathBuf),
+    Value(String),
+}
+
+impl Field {
+    /// The field's value now (for what is read once at start).
+    fn read(&self) -> Result<String, UsageError> {
+        match self {
+            Field::Value(v) => Ok(v.clone()),
+            Field::File(p) => std::fs::read_to_string(p)
+                .map(|v| v.trim_end_matches(['\r', '\n']).to_string())
+                .map_err(|e| UsageError(format!("cannot read {}: {e}", p.display()))),
+        }
+    }
+
+    /// As a secret: its `file_key` (`…_file`, re-read when the file changes) for a file,
+    /// `key` for a value.
+    fn secret(&self, key: &'static str, file_key: &'static str) -> (&'static str, String) {
+        match self {
+            Field::File(p) => (file_key, p.display().to_string()),
+            Field::Value(v) => (key, v.clone()),
+        }
+    }
+}
+
+/// A provider's credentials as druid mounts them; empty when neither variable names anything
+/// that exists (the pod's ambient identity then applies, as with etcd-backup-restore's default
+/// chain).
+struct Credentials {
+    /// Where they came from, for messages.
+    source: String,
+    fields: std::collections::BTreeMap<String, Field>,
+}
+
+impl Credentials {
+    fn read(side: &Side, provider_var: &str, env: &dyn Environment) -> Result<Self, UsageError> {
+        let dir_var = format!("{}{provider_var}_APPLICATION_CREDENTIALS", side.env_prefix);
+        let json_var = format!("{dir_var}_JSON");
+        let mut fields = std::collections::BTreeMap::new();
+        if let Some(json) = env.var(&json_var).filter(|v| !v.is_empty()) {
+            return Self::from_json(Path::new(&json), &json_var);
+        }
+        let Some(dir) = env.var(&dir_var).filter(|v| !v.is_empty()) else {
+            return Ok(Credentials {
+                source: String::new(),
+                fields,
+            });
+        };
+        let dir = PathBuf::from(dir);
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            // druid sets the variable even when no Secret is mounted: ambient credentials.
+            return Ok(Credentials {
+                source: String::new(),
+                fields,
+            });
+        };
+        let mut names: Vec<PathBuf> = entries.filter_map(Result::ok).map(|e| e.path()).collect();
+        names.sort();
+        // etcd-backup-restore's legacy layout: a JSON file in the directory is the credentials.
+        if let Some(json) = names
+            .iter()
+            .find(|p| p.extension().is_some_and(|e| e == "json") && p.is_file())
+        {
+            return Self::from_json(json, &dir_var);
+        }
+        for p in names {
+            // A mounted Secret's entries are symlinks to files; `..data` and friends are
+            // directories.
+            let Some(name) = p.file_name().and_then(|n| n.to_str()) else {
+                continue;
+            };
+            if name.starts_with('.') || !p.is_file() {
+                continue;
+            }
+            fields.insert(name.to_string(), Field::File(p.clone()));
+        }
+        Ok(Credentials {
+            source: format!("{} ({dir_var})", dir.display()),
+            fields,
+        })
+    }
+
+    fn from_json(path: &Path, var: &str) -> Result<Self, UsageError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| UsageError(format!("cannot read {} ({var}): {e}", path.display())))?;
+        let value: Value = serde_json::from_str(&text)
+            .map_err(|e| UsageError(format!("{} ({var}) is not JSON: {e}", path.display())))?;
+        let Value::Object(map) = value else {
+            return Err(UsageError(format!(
+                "{} ({var}) is not a JSON object",
+                path.display()
+            )));
+        };
+        let fields = map
+            .into_iter()
+            .map(|(k, v)| {
+                let text = match v {
+                    Value::String(s) => s,
+                    other => other.to_string(),
+                };
+                (k, Field::Value(text))
+            })
+            .collect();
+        Ok(Credentials {
+            source: format!("{} ({var})", path.display()),
+            fields,
+        })
+    }
+
+    fn get(&self, name: &str) -> Option<&Field> {
+        self.fields.get(name)
+    }
+
+    fn value(&self, name: &str) -> Result<Option<String>, UsageError> {
+        self.get(name).map(Field::read).transpose()
+    }
+
+    fn flag(&self, name: &str) -> Result<bool, UsageError> {
+        match self.value(name)? {
+            None => Ok(false),
+            Some(v) => super::go_bool(v.trim()).ok_or_else(|| {
+                UsageError(format!("{name} in {}: {v:?} is not a boolean", self.source))
+            }),
+        }
+    }
+
+    /// Refuses a field etcd-warden would otherwise silently not honour.
+    fn refuse(&self, name: &str, why: &str) -> Result<(), UsageError> {
+        match self.get(name) {
+            Some(_) => Err(UsageError(format!("{name} in {}: {why}", self.source))),
+            None => Ok(()),
+        }
+    }
+}
+
+/// What an S3-compatible store's credentials say.
+struct S3Settings {
+    endpoint: Option<String>,
+    region: Option<String>,
+    path_style: bool,
+    allow_http: bool,
+    key_pair: Option<(Field, Field)>,
+}
+
+/// ECS is configured by variables, not files; its region is fixed and it is addressed
+/// path-style.
+fn ecs(side: &Side, env: &dyn Environment) -> S3Settings {
+    let var = |n: &str| env.var(&format!("{}ECS_{n}", side.env_prefix));
+    S3Settings {
+        endpoint: var("ENDPOINT"),
+        region: Some("US-Standard".to_string()),
+        path_style: true,
+        allow_http: var("DISABLE_SSL").is_some_and(|v| super::go_bool(&v) == Some(true)),
+        key_pair: var("ACCESS_KEY_ID")
+            .zip(var("SECRET_ACCESS_KEY"))
+            .map(|(id, secret)| (Field::Value(id), Field::Value(secret))),
+    }
+}
+
+/// S3 and OCS: the Secret's files or JSON.
+fn s3_secret(
+    t: &mut Translation,
+    side: &Side,
+    ocs: bool,
+    env: &dyn Environment,
+) -> Result<S3Settings, UsageError> {
+    let c = Credentials::read(side, if ocs { "OPENSHIFT" } else { "AWS" }, env)?;
+    c.refuse(
+        "sseCustomerKey",
+        "server-side encryption with customer keys (SSE-C) is not supported; etcd-warden \
+         would write the snapshots without it (use [encryption] for client-side encryption)",
+    )?;
+    c.refuse(
+        "trustedCaCert",
+        "a custom CA for the store is not supported; the store's certificate must verify \
+         against the system's roots",
+    )?;
+    c.refuse(
+        "roleARN",
+        "a web identity in the credentials Secret is not supported; remove roleARN and \
+         token to use the pod's ambient identity (AWS_ROLE_ARN and \
+         AWS_WEB_IDENTITY_TOKEN_FILE, as EKS sets them)",
+    )?;
+    for ignored in [
+        "insecureSkipVerify",
+        "requestChecksumCalculation",
+        "responseChecksumValidation",
+    ] {
+        if c.get(ignored).is_some() {
+            t.ignored.push(Ignored {
+                flag: format!("{ignored} in {}", c.source),
+                reason: "etcd-warden always verifies the store's certificate and checks every \
+                         object's hash itself",
+            });
+        }
+    }
+    Ok(S3Settings {
+        endpoint: c.value("endpoint")?.filter(|e| !e.is_empty()),
+        region: c.value("region")?,
+        // OCS is always addressed path-style by etcd-backup-restore.
+        path_style: ocs || c.flag("s3ForcePathStyle")?,
+        allow_http: c.flag("disableSSL")?,
+        key_pair: c
+            .get("accessKeyID")
+            .cloned()
+            .zip(c.get("secretAccessKey").cloned()),
+    })
+}
+
+/// S3 and the S3-compatible OCS and ECS.
+fn s3(
+    t: &mut Translation,
+    side: &Side,
+    s: &Selection,
+    env: &dyn Environment,
+) -> Result<Vec<(&'static str, String)>, UsageError> {
+    let mut st = match s.provider.as_str() {
+        "ECS" => ecs(side, env),
+        p => s3_secret(t, side, p == "OCS", env)?,
+    };
+    if !s.endpoint.is_empty() {
+        st.endpoint = Some(s.endpoint.clone());
+    }
+    let mut keys: Vec<(&'static str, String)> = Vec::new();
+    if let Some(r) = st.region {
+        keys.push(("region", r));
+    }
+    if let Some(e) = st.endpoint {
+        if st.allow_http || e.starts_with("http://") {
+            keys.push(("allow_http", "true".into()));
+        }
+        keys.push(("endpoint", e));
+    }
+    keys.push(("path_style", st.path_style.to_string()));
+    if let Some((id, secret)) = st.key_pair {
+        keys.push(id.secret("access_key_id", "access_key_id_file"));
+        keys.push(secret.secret("secret_access_key", "secret_access_key_file"));
+    }
+    Ok(keys)
+}
+
+/// Azure Blob Storage: `storageAccount`, `storageKey`, and `domain` (a sovereign cloud).
+fn azure(
+    side: &Side,
+    s: &Selection,
+    env: &dyn Environment,
+) -> Result<Vec<(&'static str, String)>, UsageError> {
+    let c = Credentials::read(side, "AZURE", env)?;
+    let mut keys: Vec<(&'static str, String)> = Vec::new();
+    let account = c.value("storageAccount")?;
+    if let Some(a) = &account {
+        keys.push(("account_name", a.clone()));
+    }
+    if let Some(key) = c.get("storageKey") {
+        keys.push(key.secret("account_key", "account_key_file"));
+    }
+    let domain = c.value("domain")?.filter(|d| !d.is_empty());
+    if !s.endpoint.is_empty() {
+        keys.push(("endpoint", s.endpoint.clone()));
+    } else if let (Some(domain), Some(account)) = (domain, &account)
+        && domain != "blob.core.windows.net"
+    {
+        keys.push(("endpoint", format!("https://{account}.{domain}")));
+    }
+    Ok(keys)
+}
+
+/// Google Cloud Storage: a service account key file.
+fn gcs(
+    side: &Side,
+    s: &Selection,
+    env: &dyn Environment,
+) -> Result<Vec<(&'static str, String)>, UsageError> {
+    if !s.endpoint.is_empty() {
+        return Err(UsageError(format!(
+            "--{}store-endpoint-override is not supported for GCS",
+            side.flag_prefix
+        )));
+    }
+    let var = format!("{}GOOGLE_APPLICATION_CREDENTIALS", side.env_prefix);
+    let Some(path) = env.var(&var).filter(|p| !p.is_empty()) else {
+        return Ok(Vec::new());
+    };
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        // Set but not mounted: the pod's ambient identity.
+        return Ok(Vec::new());
+    };
+    let kind = serde_json::from_str::<Value>(&text)
+        .ok()
+        .and_then(|v| v.get("type").and_then(Value::as_str).map(str::to_string));
+    match kind.as_deref() {
+        Some("service_account") => Ok(vec![("service_account_file", path)]),
+        other => Err(UsageError(format!(
+            "{path} ({var}): credentials of type {} are not supported; give a service account \
+             key (\"type\": \"service_account\") or leave the variable unset for the pod's \
+             workload identity",
+            other.map_or("(none)".to_string(), |k| format!("{k:?}"))
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn run(
+        command: Subcommand,
+        line: &str,
+        vars: &HashMap<&str, String>,
+    ) -> Result<Translation, UsageError> {
+        let args: Vec<String> = line.split_whitespace().map(str::to_string).collect();
+        let env = |k: &str| vars.get(k).cloned();
+        let given = super::super::flags::parse(command, &args)?;
+        super::super::flags::translate(command, &given, &env)
+    }
+
+    #[test]
+    fn local_is_a_directory_below_home() {
+        let vars = HashMap::from([
+            ("HOME", "/home/nonroot".to_string()),
+            ("STORAGE_CONTAINER", "bkp".to_string()),
+        ]);
+        let t = run(
+            Subcommand::Restore,
+            "--storage-provider=Local --store-prefix=etcd-main",
+            &vars,
+        )
+        .unwrap();
+        assert_eq!(
+            t.value("store.url"),
+            Some("file:///home/nonroot/bkp/etcd-main")
+        );
+        let t = run(
+            Subcommand::Restore,
+            "--storage-provider=Local --store-container=/abs",
+            &vars,
+        )
+        .unwrap();
+        assert_eq!(t.value("store.url"), Some("file:///home/nonroot/abs"));
+        let none = HashMap::from([("HOME", "/root".to_string())]);
+        let t = run(Subcommand::Restore, "--storage-provider=Local", &none).unwrap();
+        assert_eq!(t.value("store.url"), Some("file:///root/default.bkp"));
+    }
+
+    #[test]
+    fn s3_files_are_kept_as_files_and_the_json_form_as_values() {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, value) in [
+            ("region", "eu-west-1\n"),
+            ("accessKeyID", "AKIA"),
+            ("secretAccessKey", "s3cr3t"),
+            ("endpoint", "http://127.0.0.1:9000"),
+            ("s3ForcePathStyle", "true"),
+        ] {
+            std::fs::write(dir.path().join(name), value).unwrap();
+        }
+        let vars = HashMap::from([
+            (
+                "AWS_APPLICATION_CREDENTIALS",
+                dir.path().display().to_string(),
+            ),
+            ("STORAGE_CONTAINER", "bucket".to_string()),
+        ]);
+        let t = run(
+            Subcommand::Restore,
+            "--storage-provider=S3 --store-prefix=p/q",
+            &vars,
+        )
+        .unwrap();
+        assert_eq!(t.value("store.url"), Some("s3://bucket/p/q"));
+        assert_eq!(t.value("store.region"), Some("eu-west-1"));
+        assert_eq!(t.value("store.endpoint"), Some("http://127.0.0.1:9000"));
+        assert_eq!(t.value("store.allow_http"), Some("true"));
+        assert_eq!(t.value("store.path_style"), Some("true"));
+        let id = dir.path().join("accessKeyID").display().to_string();
+        assert_eq!(t.value("store.access_key_id_file"), Some(id.as_str()));
+
+        let json = dir.path().join("creds.json");
+        std::fs::write(
+            &json,
+            r#"{"region":"us-east-1","accessKeyID":"A","secretAccessKey":"B"}"#,
+        )
+        .unwrap();
+        let vars = HashMap::from([
+            (
+                "AWS_APPLICATION_CREDENTIALS_JSON",
+                json.display().to_string(),
+            ),
+            ("STORAGE_CONTAINER", "bucket".to_string()),
+        ]);
+        let t = run(Subcommand::Restore, "--storage-provider=S3", &vars).unwrap();
+        assert_eq!(t.value("store.access_key_id"), Some("A"));
+        assert_eq!(t.value("store.secret_access_key"), Some("B"));
+        assert_eq!(t.value("store.path_style"), Some("false"));
+    }
+
+    #[test]
+    fn what_cannot_be_honoured_is_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("sseCustomerKey"), "k").unwrap();
+        let vars = HashMap::from([
+            (
+                "AWS_APPLICATION_CREDENTIALS",
+                dir.path().display().to_string(),
+            ),
+            ("STORAGE_CONTAINER", "bucket".to_string()),
+        ]);
+        let e = run(Subcommand::Restore, "--storage-provider=S3", &vars).unwrap_err();
+        assert!(e.0.contains("sseCustomerKey"), "{e}");
+        let none = HashMap::new();
+        let e = run(Subcommand::Restore, "--storage-provider=S3", &none).unwrap_err();
+        assert!(e.0.contains("STORAGE_CONTAINER"), "{e}");
+        let e = run(
+            Subcommand::Restore,
+            "--storage-provider=Swift --store-container=c",
+            &none,
+        )
+        .unwrap_err();
+        assert!(e.0.contains("Swift"), "{e}");
+        let e = run(Subcommand::Restore, "--store-prefix=x", &none).unwrap_err();
+        assert!(e.0.contains("--storage-provider"), "{e}");
+    }
+
+    #[test]
+    fn a_missing_secret_directory_means_the_ambient_identity() {
+        let vars = HashMap::from([
+            (
+                "AWS_APPLICATION_CREDENTIALS",
+                "/nonexistent/etcd-backup".to_string(),
+            ),
+            ("STORAGE_CONTAINER", "bucket".to_string()),
+        ]);
+        let t = run(Subcommand::Restore, "--storage-provider=S3", &vars).unwrap();
+        assert_eq!(t.value("store.access_key_id"), None);
+        assert_eq!(t.value("store.access_key_id_file"), None);
+    }
+
+    #[test]
+    fn copy_reads_the_source_with_its_prefix_and_falls_back_to_the_destination() {
+        let vars = HashMap::from([
+            ("HOME", "/home/nonroot".to_string()),
+            ("STORAGE_CONTAINER", "dst".to_string()),
+            ("SOURCE_STORAGE_CONTAINER", "src".to_string()),
+        ]);
+        let t = run(
+            Subcommand::Copy,
+            "--storage-provider=Local --store-prefix=p --source-store-prefix=q",
+            &vars,
+        )
+        .unwrap();
+        assert_eq!(t.value("store.url"), Some("file:///home/nonroot/dst/p"));
+        assert_eq!(
+            t.value("source_store.url"),
+            Some("file:///home/nonroot/src/q")
+        );
+        let t = run(
+            Subcommand::Copy,
+            "--storage-provider=Local --store-prefix=p",
+            &vars,
+        )
+        .unwrap();
+        assert_eq!(
+            t.value("source_store.url"),
+            Some("file:///home/nonroot/src/p")
+        );
+    }
+}
