@@ -703,6 +703,53 @@ mod tests {
         b.body(Body::empty()).unwrap()
     }
 
+    /// `server.unauthenticated_snapshots` (etcd-druid's callers send no token): regular triggers
+    /// open to anyone, a final only with the token, and refused when none is configured.
+    #[tokio::test]
+    async fn open_triggers_are_open_for_regular_snapshots_only() {
+        for token in [None, Some("sekrit")] {
+            let (mut s, fake) = state(true, token);
+            s.unauthenticated_snapshots = true;
+            *fake.answer.lock().unwrap() = None;
+            for (method, path) in [
+                (Method::GET, "/snapshot/full"),
+                (Method::POST, "/snapshot/full"),
+                (Method::GET, "/snapshot/delta"),
+                (Method::POST, "/snapshot/delta"),
+            ] {
+                let (code, body) = call(s.clone(), request(method.clone(), None, path)).await;
+                assert!(
+                    code.is_success(),
+                    "{method} {path} with {token:?}: {code} {body}"
+                );
+            }
+            let (code, body) = call(
+                s.clone(),
+                request(Method::GET, None, "/snapshot/full?final=true"),
+            )
+            .await;
+            match token {
+                None => {
+                    assert_eq!(code, StatusCode::FORBIDDEN);
+                    assert_eq!(body["code"], "final_needs_token");
+                }
+                Some(_) => assert_eq!(code, StatusCode::UNAUTHORIZED),
+            }
+            if token.is_some() {
+                let (code, _) = call(
+                    s.clone(),
+                    request(
+                        Method::GET,
+                        Some("Bearer sekrit"),
+                        "/snapshot/full?final=true",
+                    ),
+                )
+                .await;
+                assert!(code.is_success() || code == StatusCode::CONFLICT, "{code}");
+            }
+        }
+    }
+
     #[tokio::test]
     async fn get_triggers_snapshots_under_the_rules_of_post() {
         let (s, fake) = state(true, Some("sekrit"));
@@ -731,12 +778,25 @@ mod tests {
             false,
         );
         *fake.answer.lock().unwrap() = Some(Ok(Some(snap.clone())));
+        // etcd-backup-restore's `Snapshot` JSON: etcd-warden's fields and its zero values.
+        let mut ebr = serde_json::to_value(&snap).unwrap();
+        for (field, zero) in [
+            ("snapDir", serde_json::json!("")),
+            ("isChunk", serde_json::json!(false)),
+            ("versionID", serde_json::Value::Null),
+            (
+                "immutabilityExpriyTime",
+                serde_json::json!("0001-01-01T00:00:00Z"),
+            ),
+        ] {
+            ebr[field] = zero;
+        }
         let (code, body) = call(s.clone(), request(Method::GET, ok, "/snapshot/full")).await;
         assert_eq!(code, StatusCode::OK);
-        assert_eq!(body, serde_json::to_value(&snap).unwrap());
+        assert_eq!(body, ebr);
         let (code, body) = call(s.clone(), request(Method::POST, ok, "/snapshot/full")).await;
         assert_eq!(code, StatusCode::CREATED);
-        assert_eq!(body, serde_json::to_value(&snap).unwrap());
+        assert_eq!(body, ebr);
 
         // A delta with nothing to write: 200 and `null` for GET, 204 for POST.
         *fake.answer.lock().unwrap() = None;

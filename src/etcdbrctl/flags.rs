@@ -3,9 +3,7 @@
 //! subcommands define it, and what it becomes in etcd-warden; the pflag-style parser; and the
 //! translation of the parsed flags into configuration overrides.
 
-use std::collections::BTreeMap;
-
-use super::{Environment, Ignored, Subcommand, Translation, UsageError};
+use super::{Environment, Given, Ignored, Subcommand, Translation, UsageError};
 use super::{duration_value, go_bool, go_duration};
 use crate::config::Override;
 
@@ -498,9 +496,6 @@ pub const FLAGS: &[Flag] = &[
         ),
     ),
 ];
-
-/// The flags of one command line, by name: every value given, in order.
-pub type Given = BTreeMap<&'static str, Vec<String>>;
 
 fn find(name: &str) -> Option<&'static Flag> {
     FLAGS.iter().find(|f| f.name == name)

@@ -87,6 +87,9 @@ impl Subcommand {
 #[error("etcdbrctl: {0}")]
 pub struct UsageError(pub String);
 
+/// The flags of one command line, by name: every value given, in order.
+pub type Given = std::collections::BTreeMap<&'static str, Vec<String>>;
+
 /// A flag accepted but without effect, and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ignored {

@@ -23,8 +23,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use super::flags::Given;
-use super::{Environment, Ignored, Subcommand, Translation, UsageError};
+use super::{Environment, Given, Ignored, Subcommand, Translation, UsageError};
 use crate::config::Override;
 
 /// One store's flags and variables: the destination's or, for `copy`, the source's.
@@ -509,10 +508,12 @@ mod tests {
         line: &str,
         vars: &HashMap<&str, String>,
     ) -> Result<Translation, UsageError> {
-        let args: Vec<String> = line.split_whitespace().map(str::to_string).collect();
+        let args: Vec<String> = std::iter::once(command.name())
+            .chain(line.split_whitespace())
+            .map(str::to_string)
+            .collect();
         let env = |k: &str| vars.get(k).cloned();
-        let given = super::super::flags::parse(command, &args)?;
-        super::super::flags::translate(command, &given, &env)
+        super::super::translate(&args, &env)
     }
 
     #[test]
