@@ -47,6 +47,10 @@ pub enum SidecarError {
     Initialize(#[from] crate::restore::RestoreError),
     #[error("rejoining the cluster: {0}")]
     Rejoin(#[from] crate::restore::rejoin::RejoinError),
+    /// `[druid]` asks for Leases and no Kubernetes client can be built (no in-cluster service
+    /// account, no kubeconfig).
+    #[error("a Kubernetes client for the druid Leases: {0}")]
+    Kube(#[source] kube::Error),
     /// A task the sidecar cannot run without ended: readiness went 503 and the process exits so
     /// the kubelet restarts it.
     #[error("critical task {task} {how}; etcd made unready and the sidecar stops")]
@@ -405,16 +409,39 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
         mutating: Arc::new(tokio::sync::Semaphore::new(1)),
     };
     let mut router = server::router(state);
+    let mut critical = vec![("snapshot actor", actor_task), guard_task];
     if let Some(druid) = &config.druid {
         tracing::info!(etcd_config = %druid.etcd_config.display(), pod = ?druid.pod_name, "serving etcd-wrapper's initialization endpoints and /config (etcd-druid)");
-        router = crate::druid::routes(crate::druid::Druid::new(
+        let api = crate::druid::Druid::new(
             druid.clone(),
             config.restore.clone(),
             store.clone(),
             metrics.initialize.clone(),
             cancel.clone(),
-        ))
-        .merge(router);
+        );
+        router = crate::druid::routes(api.clone()).merge(router);
+        if druid.member_lease || druid.snapshot_leases {
+            let kube = kube::Client::try_default()
+                .await
+                .map_err(SidecarError::Kube)?;
+            let leases = crate::druid::Leases {
+                druid: api,
+                etcd: config.etcd.clone(),
+                kube,
+                actor: actor.watch_status(),
+                period: if config.snapshot.delta_period.is_zero() {
+                    Duration::from_secs(60)
+                } else {
+                    config.snapshot.delta_period
+                },
+            };
+            critical.extend(
+                leases
+                    .spawn(tasks.child_token())
+                    .into_iter()
+                    .map(|t| ("druid Leases", t)),
+            );
+        }
     }
     let server_cancel = cancel.child_token();
     let served = {
@@ -428,7 +455,6 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
         }
     };
     tokio::pin!(served);
-    let mut critical = vec![("snapshot actor", actor_task), guard_task];
     // Whichever ends first: the server (shutdown, or an error), or a critical task (a failure,
     // unless shutdown was asked for).
     let (task, how) = tokio::select! {

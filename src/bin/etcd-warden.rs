@@ -912,15 +912,69 @@ mod ops {
                 db_size_before,
                 db_size_after,
                 seconds,
-            } => println!(
-                "stored {} (revision {}): {from_full} and {deltas} deltas, database {} → {} MiB, {seconds:.1}s",
-                snapshot.snap_name,
-                snapshot.last_revision,
-                db_size_before >> 20,
-                db_size_after >> 20
-            ),
+            } => {
+                println!(
+                    "stored {} (revision {}): {from_full} and {deltas} deltas, database {} → {} MiB, {seconds:.1}s",
+                    snapshot.snap_name,
+                    snapshot.last_revision,
+                    db_size_before >> 20,
+                    db_size_after >> 20
+                );
+                full_snapshot_lease(config, &snapshot).await?;
+            }
         }
         Ok(())
+    }
+
+    /// Under etcd-druid (`etcdbrctl compact --enable-snapshot-lease-renewal`): the full snapshot
+    /// Lease names the compacted snapshot, so druid's compaction controller sees the events
+    /// folded. Tried three times; the snapshot is stored either way, but the Job fails when the
+    /// Lease cannot be written (druid would otherwise compact the same events again).
+    async fn full_snapshot_lease(
+        config: &Config,
+        snapshot: &etcd_warden::store::Snapshot,
+    ) -> anyhow::Result<()> {
+        let Some(d) = config.druid.as_ref().filter(|d| d.snapshot_leases) else {
+            return Ok(());
+        };
+        let namespace = d
+            .pod_namespace
+            .as_deref()
+            .context("druid.pod_namespace (POD_NAMESPACE) is required by the Leases")?;
+        let client = kube::Client::try_default()
+            .await
+            .context("a Kubernetes client for the full snapshot Lease")?;
+        let api: kube::Api<k8s_openapi::api::coordination::v1::Lease> =
+            kube::Api::namespaced(client, namespace);
+        let mut last = None;
+        for attempt in 0..3 {
+            if attempt > 0 {
+                tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+            }
+            match etcd_warden::druid::lease::update_full(
+                &api,
+                &d.full_snapshot_lease,
+                snapshot.last_revision,
+                snapshot.created_on,
+            )
+            .await
+            {
+                Ok(written) => {
+                    println!(
+                        "Lease {}: {}",
+                        d.full_snapshot_lease,
+                        if written {
+                            format!("revision {}", snapshot.last_revision)
+                        } else {
+                            "already at a newer revision".into()
+                        }
+                    );
+                    return Ok(());
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.expect("three attempts")).context("writing the full snapshot Lease")
     }
 
     pub async fn verify(config: &Config) -> anyhow::Result<()> {

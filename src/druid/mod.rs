@@ -18,6 +18,7 @@
 //! peer URL has to be repaired (and etcd restarted through the wrapper) afterwards.
 
 pub mod etcd_config;
+pub mod lease;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -199,6 +200,120 @@ impl Druid {
         let members = self.members().await;
         etcd_config::render(&text, &self.pod_name, members.as_deref())
             .map_err(|e: EtcdConfigError| e.to_string())
+    }
+}
+
+/// The Lease writers `[druid]` asks for, as tasks that run until `cancel`: the member Lease every
+/// `heartbeat`; the snapshot Leases after every change of the snapshot actor's status (a stored
+/// snapshot) and at least every `period`, while this sidecar's member leads.
+pub struct Leases {
+    pub druid: Druid,
+    pub etcd: crate::config::EtcdConfig,
+    pub kube: kube::Client,
+    pub actor: tokio::sync::watch::Receiver<crate::snapshot::actor::ActorStatus>,
+    /// The snapshot Leases' longest time between writes (the delta period).
+    pub period: Duration,
+}
+
+impl Leases {
+    /// The tasks, or none when neither kind of Lease is asked for.
+    pub fn spawn(self, cancel: CancellationToken) -> Vec<tokio::task::JoinHandle<()>> {
+        let mut tasks = Vec::new();
+        let Some(namespace) = self.druid.config.pod_namespace.clone() else {
+            return tasks;
+        };
+        let api: kube::Api<k8s_openapi::api::coordination::v1::Lease> =
+            kube::Api::namespaced(self.kube.clone(), &namespace);
+        if self.druid.config.member_lease {
+            let (druid, etcd, api, cancel) = (
+                self.druid.clone(),
+                self.etcd.clone(),
+                api.clone(),
+                cancel.clone(),
+            );
+            tasks.push(tokio::spawn(async move {
+                member_lease(druid, etcd, api, cancel).await;
+            }));
+        }
+        if self.druid.config.snapshot_leases {
+            let (druid, actor, period) = (self.druid.clone(), self.actor, self.period);
+            tasks.push(tokio::spawn(async move {
+                snapshot_leases(druid, actor, api, period, cancel).await;
+            }));
+        }
+        tasks
+    }
+}
+
+/// The member Lease, renewed every heartbeat while the local etcd answers.
+async fn member_lease(
+    druid: Druid,
+    etcd: crate::config::EtcdConfig,
+    api: kube::Api<k8s_openapi::api::coordination::v1::Lease>,
+    cancel: CancellationToken,
+) {
+    let mut quiet = lease::Quiet::new();
+    let mut client: Option<etcd_client::Client> = None;
+    while lease::tick(druid.config.heartbeat, &cancel).await {
+        let renewed = async {
+            let text = druid.etcd_config()?;
+            let me = etcd_config::member(&text, &druid.pod_name).map_err(|e| e.to_string())?;
+            if client.is_none() {
+                client = Some(
+                    crate::etcd::connect(&etcd)
+                        .await
+                        .map_err(|e| format!("etcd: {e}"))?,
+                );
+            }
+            let c = client.as_mut().expect("connected above");
+            let status = match c.status().await {
+                Ok(s) => s,
+                Err(e) => {
+                    client = None;
+                    return Err(format!("etcd status: {e}"));
+                }
+            };
+            let header = status.header().ok_or("etcd status without a header")?;
+            let holder = lease::member_holder(
+                header.member_id(),
+                header.cluster_id(),
+                status.leader() == header.member_id(),
+            );
+            lease::renew_member(&api, &me.name, holder, lease::tls_enabled(&me.peer_urls))
+                .await
+                .map_err(|e| e.to_string())
+        }
+        .await;
+        quiet.note("member", renewed);
+    }
+}
+
+/// The snapshot Leases, while this sidecar leads.
+async fn snapshot_leases(
+    druid: Druid,
+    mut actor: tokio::sync::watch::Receiver<crate::snapshot::actor::ActorStatus>,
+    api: kube::Api<k8s_openapi::api::coordination::v1::Lease>,
+    period: Duration,
+    cancel: CancellationToken,
+) {
+    let mut quiet = lease::Quiet::new();
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(period) => {}
+            changed = actor.changed() => if changed.is_err() { return },
+        }
+        if !actor.borrow_and_update().leader {
+            continue;
+        }
+        let written = lease::update_snapshot_leases(
+            &api,
+            &druid.store,
+            &druid.config.full_snapshot_lease,
+            &druid.config.delta_snapshot_lease,
+        )
+        .await;
+        quiet.note("snapshot", written);
     }
 }
 
