@@ -135,6 +135,9 @@ pub struct ServerState {
     pub token: Option<Secret>,
     /// The snapshot triggers (not a final) need no token (`server.unauthenticated_snapshots`).
     pub unauthenticated_snapshots: bool,
+    /// Mutual TLS is configured: a caller with a verified client certificate ([`ClientCert`])
+    /// is authenticated, and without the token one without is not.
+    pub client_certs: bool,
     /// The sidecar's liveness.
     pub liveness: watch::Receiver<Liveness>,
     /// One mutating request at a time.
@@ -270,16 +273,18 @@ async fn take_full(
     State(s): State<ServerState>,
     method: Method,
     headers: HeaderMap,
+    cert: Option<axum::Extension<ClientCert>>,
     query: Result<Query<FullQuery>, QueryRejection>,
 ) -> Result<Response, ApiError> {
+    let cert = cert.is_some_and(|c| c.0.0);
     // Who asks first, then what: an unauthenticated caller learns nothing about the query. Open
     // triggers are open for regular snapshots only, so the query is read first then.
     if !s.unauthenticated_snapshots {
-        authorize(&s, &headers)?;
+        authorize(&s, &headers, cert)?;
     }
     let Query(q) = query.map_err(bad_query)?;
     if s.unauthenticated_snapshots && q.r#final {
-        authorize_final(&s, &headers)?;
+        authorize_final(&s, &headers, cert)?;
     }
     let _one = one_at_a_time(&s)?;
     let taken = s
@@ -299,9 +304,10 @@ async fn take_delta(
     State(s): State<ServerState>,
     method: Method,
     headers: HeaderMap,
+    cert: Option<axum::Extension<ClientCert>>,
 ) -> Result<Response, ApiError> {
     if !s.unauthenticated_snapshots {
-        authorize(&s, &headers)?;
+        authorize(&s, &headers, cert.is_some_and(|c| c.0.0))?;
     }
     let _one = one_at_a_time(&s)?;
     snapshot_answer(&method, s.snapshots.take(SnapshotRequest::Delta).await?)
@@ -334,19 +340,21 @@ fn snapshot_answer(method: &Method, taken: Option<Snapshot>) -> Result<Response,
     })
 }
 
-/// With open triggers (`server.unauthenticated_snapshots`), a final snapshot still needs the
-/// token: a final tells a copy Job the source is done, so an anonymous caller must not be able to
-/// claim it. Without a token configured, nobody may ask for one over HTTP.
-fn authorize_final(s: &ServerState, headers: &HeaderMap) -> Result<(), ApiError> {
-    if s.token.is_none() {
+/// With open triggers (`server.unauthenticated_snapshots`), a final snapshot still needs an
+/// authenticated caller (the token, or a client certificate): a final tells a copy Job the
+/// source is done, so an anonymous caller must not be able to claim it. With neither
+/// configured, nobody may ask for one over HTTP.
+fn authorize_final(s: &ServerState, headers: &HeaderMap, cert: bool) -> Result<(), ApiError> {
+    if s.token.is_none() && !s.client_certs {
         return Err(ApiError::new(
             StatusCode::FORBIDDEN,
             "final_needs_token",
-            "a final snapshot needs an authenticated caller: set server.token (the snapshot \
-             triggers are open to anyone who reaches the port, final snapshots are not)",
+            "a final snapshot needs an authenticated caller: set server.token or \
+             server.tls_client_ca_file (the snapshot triggers are open to anyone who reaches \
+             the port, final snapshots are not)",
         ));
     }
-    authorize(s, headers)
+    authorize(s, headers, cert)
 }
 
 /// A snapshot as etcd-backup-restore's `Snapshot` JSON has it: etcd-warden's fields (the same
@@ -367,9 +375,21 @@ fn ebr_snapshot(snap: Snapshot) -> serde_json::Value {
     v
 }
 
-/// Checks the bearer token of a mutating request, when one is configured.
-fn authorize(s: &ServerState, headers: &HeaderMap) -> Result<(), ApiError> {
+/// Checks the caller of a mutating request: a verified client certificate (`cert`) will do;
+/// else the bearer token when one is configured; with neither a token nor mutual TLS
+/// configured, the server listens on loopback only and anyone there may ask.
+fn authorize(s: &ServerState, headers: &HeaderMap, cert: bool) -> Result<(), ApiError> {
+    if cert {
+        return Ok(());
+    }
     let Some(secret) = &s.token else {
+        if s.client_certs {
+            return Err(ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "a client certificate issued by server.tls_client_ca_file is required",
+            ));
+        }
         return Ok(());
     };
     let expected = secret.read().map_err(|e| {
@@ -415,16 +435,114 @@ fn modified(p: &std::path::Path) -> Option<std::time::SystemTime> {
     std::fs::metadata(p).and_then(|m| m.modified()).ok()
 }
 
-/// Serves `router` over HTTPS with the PEM files `cert` and `key` until `cancel` fires; the
-/// files are loaded again when they change (certificate rotation without a restart).
+/// The server's TLS material, as PEM files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerTls {
+    pub cert: std::path::PathBuf,
+    pub key: std::path::PathBuf,
+    /// Ask callers for a client certificate and verify it against these CAs (mutual TLS); a
+    /// caller with a verified one is authenticated for the mutating endpoints
+    /// ([`ClientCert`]). A caller without one is still served (etcd-wrapper presents none).
+    pub client_ca: Option<std::path::PathBuf>,
+}
+
+impl ServerTls {
+    fn files(&self) -> Vec<&std::path::Path> {
+        let mut f = vec![self.cert.as_path(), self.key.as_path()];
+        f.extend(self.client_ca.as_deref());
+        f
+    }
+
+    /// rustls's configuration from the files as they are now.
+    fn rustls(&self) -> std::io::Result<Arc<rustls::ServerConfig>> {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        let io = |what: &std::path::Path, e: &dyn std::fmt::Display| {
+            std::io::Error::other(format!("{}: {e}", what.display()))
+        };
+        let certs = |path: &std::path::Path| -> std::io::Result<Vec<CertificateDer<'static>>> {
+            CertificateDer::pem_file_iter(path)
+                .map_err(|e| io(path, &e))?
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| io(path, &e))
+        };
+        let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+        let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| io(&self.cert, &e))?;
+        let builder = match &self.client_ca {
+            None => builder.with_no_client_auth(),
+            Some(ca) => {
+                let mut roots = rustls::RootCertStore::empty();
+                for c in certs(ca)? {
+                    roots.add(c).map_err(|e| io(ca, &e))?;
+                }
+                let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                    Arc::new(roots),
+                    provider,
+                )
+                .allow_unauthenticated()
+                .build()
+                .map_err(|e| io(ca, &e))?;
+                builder.with_client_cert_verifier(verifier)
+            }
+        };
+        let key = PrivateKeyDer::from_pem_file(&self.key).map_err(|e| io(&self.key, &e))?;
+        let mut config = builder
+            .with_single_cert(certs(&self.cert)?, key)
+            .map_err(|e| io(&self.cert, &e))?;
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        Ok(Arc::new(config))
+    }
+}
+
+/// Whether this connection's caller presented a client certificate the configured CA verified
+/// (a request extension on connections served with [`ServerTls::client_ca`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClientCert(pub bool);
+
+/// TLS, then [`ClientCert`] for every request on the connection.
+#[derive(Clone)]
+struct ClientCertAcceptor(axum_server::tls_rustls::RustlsAcceptor);
+
+impl<I, S> axum_server::accept::Accept<I, S> for ClientCertAcceptor
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    S: Send + 'static,
+{
+    type Stream = tokio_rustls::server::TlsStream<I>;
+    type Service = axum::middleware::AddExtension<S, ClientCert>;
+    type Future =
+        futures::future::BoxFuture<'static, std::io::Result<(Self::Stream, Self::Service)>>;
+
+    fn accept(&self, stream: I, service: S) -> Self::Future {
+        let accepted = self.0.accept(stream, service);
+        Box::pin(async move {
+            let (stream, service) = accepted.await?;
+            // The verifier refused a certificate it could not verify during the handshake: one
+            // that is here is verified.
+            let verified = stream
+                .get_ref()
+                .1
+                .peer_certificates()
+                .is_some_and(|c| !c.is_empty());
+            Ok((
+                stream,
+                tower::Layer::layer(&axum::Extension(ClientCert(verified)), service),
+            ))
+        })
+    }
+}
+
+/// Serves `router` over HTTPS with `tls`'s files until `cancel` fires; the files are loaded
+/// again when they change (certificate rotation without a restart).
 pub async fn serve_tls(
     listener: tokio::net::TcpListener,
     router: Router,
     cancel: CancellationToken,
-    cert: std::path::PathBuf,
-    key: std::path::PathBuf,
+    tls: ServerTls,
 ) -> std::io::Result<()> {
-    serve_tls_checking(listener, router, cancel, cert, key, TLS_RELOAD_CHECK).await
+    serve_tls_checking(listener, router, cancel, tls, TLS_RELOAD_CHECK).await
 }
 
 /// [`serve_tls`], looking at the files every `check`.
@@ -432,27 +550,27 @@ pub async fn serve_tls_checking(
     listener: tokio::net::TcpListener,
     router: Router,
     cancel: CancellationToken,
-    cert: std::path::PathBuf,
-    key: std::path::PathBuf,
+    tls: ServerTls,
     check: std::time::Duration,
 ) -> std::io::Result<()> {
-    let config = axum_server::tls_rustls::RustlsConfig::from_pem_file(&cert, &key).await?;
+    let config = axum_server::tls_rustls::RustlsConfig::from_config(tls.rustls()?);
     let handle = axum_server::Handle::new();
     let reload = {
-        let (config, cancel) = (config.clone(), cancel.clone());
-        let (cert, key) = (cert.clone(), key.clone());
+        let (config, cancel, tls) = (config.clone(), cancel.clone(), tls.clone());
         tokio::spawn(async move {
-            let mut seen = (modified(&cert), modified(&key));
+            let stamp = |tls: &ServerTls| tls.files().into_iter().map(modified).collect::<Vec<_>>();
+            let mut seen = stamp(&tls);
             loop {
                 tokio::select! {
                     _ = cancel.cancelled() => return,
                     _ = tokio::time::sleep(check) => {}
                 }
-                let now = (modified(&cert), modified(&key));
+                let now = stamp(&tls);
                 if now != seen {
-                    match config.reload_from_pem_file(&cert, &key).await {
-                        Ok(()) => {
-                            tracing::info!(cert = %cert.display(), "TLS certificate reloaded");
+                    match tls.rustls() {
+                        Ok(c) => {
+                            config.reload_from_config(c);
+                            tracing::info!(cert = %tls.cert.display(), "TLS certificate reloaded");
                             seen = now;
                         }
                         // A half-written pair: keep serving the old one, try again next time.
@@ -469,7 +587,9 @@ pub async fn serve_tls_checking(
             handle.graceful_shutdown(Some(DRAIN));
         });
     }
-    let served = axum_server::from_tcp_rustls(listener.into_std()?, config)?
+    let acceptor = ClientCertAcceptor(axum_server::tls_rustls::RustlsAcceptor::new(config));
+    let served = axum_server::from_tcp(listener.into_std()?)?
+        .acceptor(acceptor)
         .handle(handle)
         .serve(router.into_make_service())
         .await;
@@ -549,6 +669,7 @@ mod tests {
             liveness,
             mutating: Arc::new(tokio::sync::Semaphore::new(1)),
             unauthenticated_snapshots: false,
+            client_certs: false,
         };
         (s, fake)
     }

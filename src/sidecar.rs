@@ -405,6 +405,7 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
         drill: Some((store.clone(), metrics.drill.clone())),
         token: config.server.token.clone(),
         unauthenticated_snapshots: config.server.unauthenticated_snapshots,
+        client_certs: config.server.client_ca.is_some() && config.server.tls.is_some(),
         liveness,
         mutating: Arc::new(tokio::sync::Semaphore::new(1)),
     };
@@ -447,10 +448,18 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
     let served = {
         let token = server_cancel.clone();
         let tls = config.server.tls.clone();
+        let client_ca = config.server.client_ca.clone();
         async move {
             match tls {
                 None => server::serve(listener, router, token).await,
-                Some((cert, key)) => server::serve_tls(listener, router, token, cert, key).await,
+                Some((cert, key)) => {
+                    let tls = server::ServerTls {
+                        cert,
+                        key,
+                        client_ca,
+                    };
+                    server::serve_tls(listener, router, token, tls).await
+                }
             }
         }
     };

@@ -1381,6 +1381,23 @@ fn the_containerfile_builds_every_binary_and_carries_the_deployed_etcd() {
             .and_then(|p| p.as_str())
             .map(str::to_string),
     );
+    // etcd-druid runs the backup-restore image with its ENTRYPOINT /etcdbrctl and only args:
+    // the `etcdbrctl` stage gives it, and the default image stays etcd-warden's own.
+    let stages: Vec<&str> = containerfile.split("\nFROM ").skip(1).collect();
+    let druid = stages
+        .iter()
+        .find(|s| {
+            s.lines()
+                .next()
+                .is_some_and(|l| l.ends_with(" AS etcdbrctl"))
+        })
+        .expect("Containerfile: a stage `AS etcdbrctl` for etcd-druid");
+    assert!(druid.contains("/etcdbrctl\n") && druid.contains("ENTRYPOINT [\"/etcdbrctl\"]"));
+    let last = stages.last().expect("a final stage");
+    assert!(
+        last.starts_with("runtime"),
+        "the default image is the runtime stage (ENTRYPOINT etcd-warden), not {last:?}"
+    );
     for path in paths {
         let top = path.split('/').next().expect("component");
         assert!(

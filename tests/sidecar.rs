@@ -447,8 +447,11 @@ async fn the_https_certificate_is_reloaded_when_its_files_change() {
         listener,
         router,
         cancel.clone(),
-        live.path().join("server.pem"),
-        live.path().join("server.key"),
+        etcd_warden::server::ServerTls {
+            cert: live.path().join("server.pem"),
+            key: live.path().join("server.key"),
+            client_ca: None,
+        },
         Duration::from_millis(100),
     ));
     let trusted_by = |ca: &Path| {

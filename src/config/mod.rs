@@ -342,6 +342,9 @@ pub struct ServerConfig {
     /// Bearer token required by mutating endpoints, when set.
     pub token: Option<Secret>,
     pub tls: Option<(PathBuf, PathBuf)>,
+    /// With TLS: callers presenting a certificate these CAs issued are authenticated for the
+    /// mutating endpoints (mutual TLS), as with the bearer token.
+    pub client_ca: Option<PathBuf>,
     /// The snapshot triggers (not a final) answer callers without a token or certificate, as
     /// etcd-backup-restore's do (druid sends neither).
     pub unauthenticated_snapshots: bool,

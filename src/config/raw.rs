@@ -206,6 +206,8 @@ pub struct RawServer {
     pub tls_cert_file: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls_key_file: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_client_ca_file: Option<String>,
     #[serde(default, deserialize_with = "lenient::boolean")]
     pub unauthenticated_snapshots: bool,
 }

@@ -195,6 +195,7 @@ impl Validator<'_> {
             // Other subcommands never bind the server, so only `serve` needs the token.
             Purpose::Serve
                 if c.server.token.is_none()
+                    && c.server.client_ca.is_none()
                     && !c.server.unauthenticated_snapshots
                     && !c.server.loopback_only() =>
             {
@@ -203,7 +204,8 @@ impl Validator<'_> {
                     format!(
                         "required when server.listen{} = \"{}\" is not a loopback address, or \
                          anyone who reaches the port can POST /snapshot/*: set server.token or \
-                         server.token_file, or listen on 127.0.0.1",
+                         server.token_file (or server.tls_client_ca_file, for mutual TLS), or \
+                         listen on 127.0.0.1",
                         self.m.origin_of("server.listen"),
                         c.server.listen
                     ),
@@ -676,10 +678,19 @@ impl Validator<'_> {
                  (without a token, serve listens on loopback only)",
             ));
         }
+        let client_ca = self.path("server.tls_client_ca_file", &s.tls_client_ca_file, true)?;
+        if client_ca.is_some() && tls.is_none() {
+            return Err(self.err(
+                "server.tls_client_ca_file",
+                "needs server.tls_cert_file and server.tls_key_file: client certificates are \
+                 only asked for over TLS",
+            ));
+        }
         Ok(ServerConfig {
             listen,
             token,
             tls,
+            client_ca,
             unauthenticated_snapshots: s.unauthenticated_snapshots,
         })
     }

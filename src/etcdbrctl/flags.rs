@@ -831,12 +831,22 @@ fn druid(t: &mut Translation, env: &dyn Environment) {
         .unwrap_or_else(|| "/var/etcd/config/etcd.conf.yaml".into());
     set("druid.etcd_config", config, "ETCD_CONF");
     // etcd-backup-restore's snapshot triggers answer anyone who reaches the port; druid sends
-    // no token. A final snapshot still needs one (server.token).
-    set(
-        "server.unauthenticated_snapshots",
-        "true".into(),
-        "etcdbrctl server",
-    );
+    // no token. A final snapshot still needs an authenticated caller. Given a token or a
+    // client CA through etcd-warden's own variables, the triggers need them too.
+    let authenticated = [
+        "ETCD_WARDEN_SERVER_TOKEN",
+        "ETCD_WARDEN_SERVER_TOKEN_FILE",
+        "ETCD_WARDEN_SERVER_TLS_CLIENT_CA_FILE",
+    ]
+    .iter()
+    .any(|v| env.var(v).is_some_and(|x| !x.is_empty()));
+    if !authenticated {
+        set(
+            "server.unauthenticated_snapshots",
+            "true".into(),
+            "etcdbrctl server",
+        );
+    }
 }
 
 #[cfg(test)]
