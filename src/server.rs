@@ -7,7 +7,8 @@
 //! the Prometheus text. The snapshot triggers also answer `GET`, as etcd-backup-restore's do
 //! (etcd-druid's compaction and Gardener's final-snapshot call use `GET` and expect 200): the
 //! same handler and rules, only the success status differs (200 with the snapshot JSON, `null`
-//! for a delta with nothing to write, where `POST` answers 201 or 204). The mutating endpoints take a bearer token when one is configured
+//! for a delta with nothing to write, where `POST` answers 201 or 204; under etcd-druid, `[druid]`,
+//! `POST` answers as `GET`). The mutating endpoints take a bearer token when one is configured
 //! (configuration requires one whenever the server listens beyond loopback) and one request at a
 //! time (429 while one is in flight), so nobody can queue snapshots in front of a kill; what the
 //! ownership protocol forbids is refused with 409. The token is checked before the query is read,
@@ -138,6 +139,9 @@ pub struct ServerState {
     /// Mutual TLS is configured: a caller with a verified client certificate ([`ClientCert`])
     /// is authenticated, and without the token one without is not.
     pub client_certs: bool,
+    /// Snapshot triggers answer 200 with the snapshot (or `null`) whatever the method, as
+    /// etcd-backup-restore's do (`[druid]`).
+    pub ebr_answers: bool,
     /// The sidecar's liveness.
     pub liveness: watch::Receiver<Liveness>,
     /// One mutating request at a time.
@@ -296,7 +300,7 @@ async fn take_full(
     match taken {
         // The hand-off's final is the watchdog's: this request found it, it created nothing.
         Some(snap) if q.r#final => Ok((StatusCode::OK, Json(ebr_snapshot(snap))).into_response()),
-        other => snapshot_answer(&method, other),
+        other => snapshot_answer(&s, &method, other),
     }
 }
 
@@ -310,7 +314,8 @@ async fn take_delta(
         authorize(&s, &headers, cert.is_some_and(|c| c.0.0))?;
     }
     let _one = one_at_a_time(&s)?;
-    snapshot_answer(&method, s.snapshots.take(SnapshotRequest::Delta).await?)
+    let taken = s.snapshots.take(SnapshotRequest::Delta).await?;
+    snapshot_answer(&s, &method, taken)
 }
 
 /// A query string the handler cannot read: 400 with axum's reason (it names the parameter).
@@ -332,8 +337,14 @@ fn one_at_a_time(s: &ServerState) -> Result<tokio::sync::OwnedSemaphorePermit, A
 /// The success answer: `POST` says what it created (201, or 204 for nothing); `GET` answers as
 /// etcd-backup-restore does, 200 with the snapshot JSON (`null` when there was nothing to write),
 /// because its callers accept nothing else.
-fn snapshot_answer(method: &Method, taken: Option<Snapshot>) -> Result<Response, ApiError> {
-    Ok(match (taken, *method == Method::GET) {
+/// Under etcd-druid ([`ServerState::ebr_answers`]) `POST` answers as `GET` does: druid's
+/// on-demand snapshot task posts and accepts nothing but 200.
+fn snapshot_answer(
+    s: &ServerState,
+    method: &Method,
+    taken: Option<Snapshot>,
+) -> Result<Response, ApiError> {
+    Ok(match (taken, *method == Method::GET || s.ebr_answers) {
         (taken, true) => (StatusCode::OK, Json(taken.map(ebr_snapshot))).into_response(),
         (Some(snap), false) => (StatusCode::CREATED, Json(ebr_snapshot(snap))).into_response(),
         (None, false) => StatusCode::NO_CONTENT.into_response(),
@@ -670,6 +681,7 @@ mod tests {
             mutating: Arc::new(tokio::sync::Semaphore::new(1)),
             unauthenticated_snapshots: false,
             client_certs: false,
+            ebr_answers: false,
         };
         (s, fake)
     }
@@ -822,6 +834,30 @@ mod tests {
             b = b.header("authorization", a);
         }
         b.body(Body::empty()).unwrap()
+    }
+
+    /// Under etcd-druid, `POST` answers 200 with the snapshot or `null`, as `GET` does.
+    #[tokio::test]
+    async fn under_druid_post_answers_as_get() {
+        let (mut s, fake) = state(true, None);
+        s.ebr_answers = true;
+        *fake.answer.lock().unwrap() = None;
+        let (code, body) = call(s.clone(), request(Method::POST, None, "/snapshot/delta")).await;
+        assert_eq!((code, body), (StatusCode::OK, serde_json::Value::Null));
+        let snap = Snapshot::new(
+            "v2/",
+            crate::store::Kind::Full,
+            0,
+            7,
+            chrono::DateTime::from_timestamp(1_700_000_000, 0).unwrap(),
+            crate::store::Codec::Gzip,
+            false,
+        );
+        *fake.answer.lock().unwrap() = Some(Ok(Some(snap.clone())));
+        let (code, body) = call(s.clone(), request(Method::POST, None, "/snapshot/full")).await;
+        assert_eq!(code, StatusCode::OK);
+        assert_eq!(body["snapName"], snap.snap_name);
+        assert_eq!(body["isChunk"], false);
     }
 
     /// `server.unauthenticated_snapshots` (etcd-druid's callers send no token): regular triggers

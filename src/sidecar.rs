@@ -406,6 +406,7 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
         token: config.server.token.clone(),
         unauthenticated_snapshots: config.server.unauthenticated_snapshots,
         client_certs: config.server.client_ca.is_some() && config.server.tls.is_some(),
+        ebr_answers: config.druid.is_some(),
         liveness,
         mutating: Arc::new(tokio::sync::Semaphore::new(1)),
     };

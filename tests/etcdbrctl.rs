@@ -522,7 +522,8 @@ async fn etcd_wrappers_sequence_starts_an_etcd_that_is_backed_up_and_restored() 
     // The delta watch starts once the full snapshot is in: 409 until then.
     let mut answer = (0, serde_json::Value::Null);
     for _ in 0..100 {
-        let r = http.get(w.url("/snapshot/delta")).send().await.unwrap();
+        // druid's on-demand snapshot task POSTs and takes nothing but 200.
+        let r = http.post(w.url("/snapshot/delta")).send().await.unwrap();
         answer = (r.status().as_u16(), r.json().await.unwrap());
         if answer.0 != 409 {
             break;
