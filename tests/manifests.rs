@@ -1059,9 +1059,9 @@ fn every_manifest_parses_into_its_kubernetes_type() {
         }
     }
     assert_eq!(
-        kustomizations, 6,
-        "deploy/base, deploy/copy-job, deploy/compact-job, deploy/drill-job, deploy/monitoring \
-         and deploy/operator"
+        kustomizations, 7,
+        "deploy/base, deploy/copy-job, deploy/compact-job, deploy/drill-job, deploy/druid, \
+         deploy/monitoring and deploy/operator"
     );
 }
 
