@@ -421,6 +421,32 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
             metrics.initialize.clone(),
             cancel.clone(),
         );
+        // Snapshot triggers reaching a follower go to the leader's sidecar (druid calls them
+        // through a Service that picks any pod).
+        let forwarder = crate::druid::forward::Forwarder {
+            leadership: Arc::new(crate::druid::forward::EtcdLeadership {
+                etcd: config.etcd.clone(),
+            }),
+            port: config.server.listen.port(),
+            scheme: if config.server.tls.is_some() {
+                "https"
+            } else {
+                "http"
+            },
+            http: crate::druid::forward::client(
+                config.etcd.tls.as_ref().and_then(|t| t.ca_file.as_deref()),
+                config.snapshot.timeout,
+            )
+            .map_err(|e| {
+                SidecarError::Serve(std::io::Error::other(format!(
+                    "a client for the leader's sidecar: {e}"
+                )))
+            })?,
+        };
+        router = router.layer(axum::middleware::from_fn_with_state(
+            forwarder,
+            crate::druid::forward::forward_to_leader,
+        ));
         router = crate::druid::routes(api.clone()).merge(router);
         if druid.member_lease || druid.snapshot_leases {
             let kube = kube::Client::try_default()

@@ -18,6 +18,7 @@
 //! peer URL has to be repaired (and etcd restarted through the wrapper) afterwards.
 
 pub mod etcd_config;
+pub mod forward;
 pub mod lease;
 
 use std::sync::{Arc, Mutex};
