@@ -95,8 +95,9 @@ use Convert as C;
 use Effect::{Ignored as Ign, Key, Later, Refused, Store};
 use Shape::{Bool, List, One};
 
-const NO_EMBEDDED_ETCD: &str = "etcd-warden writes restored data into the database directly and \
-    starts no embedded etcd on it; the member's own settings come from etcd's configuration";
+const NO_EMBEDDED_ETCD: &str = "etcd-warden writes the deltas into the restored database itself \
+    and runs no embedded etcd that serves it; the member's own settings come from etcd's \
+    configuration";
 const STREAMED: &str = "uploads and downloads are streamed; nothing is staged on disk";
 const ALWAYS_VERIFIED: &str = "etcd-warden always verifies what it restores";
 
