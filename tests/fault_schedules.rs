@@ -399,8 +399,9 @@ async fn the_service_forwards_new_connections_only_to_ready_members() {
     let service = Service::start(backends, Duration::from_millis(20)).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     let mut old = TcpStream::connect(service.addr).await.unwrap();
+    // Generous: on a loaded 2-core machine the first forward took over 2 s once.
     assert_eq!(
-        read_byte(&mut old, Duration::from_secs(2)).await,
+        read_byte(&mut old, Duration::from_secs(10)).await,
         Some(b'A')
     );
 
