@@ -176,6 +176,20 @@ pub struct StoreConfig {
     pub account_name: Option<String>,
     pub account_key: Option<Secret>,
     pub use_emulator: bool,
+    /// S3: assume this role with a web identity token (EKS's IRSA) instead of keys.
+    pub web_identity: Option<WebIdentity>,
+    /// Trust this CA (PEM) for the store's endpoint and STS, besides the system's roots.
+    pub ca_file: Option<PathBuf>,
+}
+
+/// An S3 role assumed with a web identity token (`AssumeRoleWithWebIdentity`), the token file
+/// read again whenever the temporary credentials are renewed, so a rotated token is used.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WebIdentity {
+    pub role_arn: String,
+    pub token_file: PathBuf,
+    /// STS; `None`: `https://sts.<region>.amazonaws.com`.
+    pub sts_endpoint: Option<String>,
 }
 
 impl StoreConfig {
@@ -194,6 +208,8 @@ impl StoreConfig {
             account_name: None,
             account_key: None,
             use_emulator: false,
+            web_identity: None,
+            ca_file: None,
         }
     }
 }

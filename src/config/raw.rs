@@ -117,6 +117,14 @@ pub struct RawStore {
     pub account_key_file: Option<String>,
     #[serde(default, deserialize_with = "lenient::boolean")]
     pub use_emulator: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role_arn: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub web_identity_token_file: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sts_endpoint: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_file: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -15,6 +15,7 @@ use super::{
     Compression, Config, ConfigError, CopyConfig, DefragConfig, DruidConfig, EncryptionConfig,
     EtcdConfig, GcPolicy, KillConfig, LogConfig, LogFormat, OwnerConfig, Purpose, RestoreConfig,
     Secret, ServerConfig, SnapshotConfig, StoreConfig, StoreLocation, TlsFiles, Validation,
+    WebIdentity,
 };
 
 /// The spellings of each compression, the one errors list first.
@@ -443,6 +444,8 @@ impl Validator<'_> {
                 .as_deref()
                 .is_some_and(|e| e.starts_with("http://"))
         });
+        let web_identity = self.web_identity(section, s, &location)?;
+        let ca_file = self.ca_file(&key("ca_file"), &s.ca_file, &location)?;
         Ok(StoreConfig {
             location,
             endpoint: s.endpoint.clone(),
@@ -467,7 +470,102 @@ impl Validator<'_> {
             account_name: s.account_name.clone(),
             account_key: self.secret(&key("account_key"), &s.account_key, &s.account_key_file)?,
             use_emulator: s.use_emulator,
+            web_identity,
+            ca_file,
         })
+    }
+
+    /// `role_arn` with `web_identity_token_file` (both or neither), for S3, instead of keys.
+    fn web_identity(
+        &self,
+        section: &str,
+        s: &RawStore,
+        location: &StoreLocation,
+    ) -> Result<Option<WebIdentity>, ConfigError> {
+        let key = |k: &str| format!("{section}.{k}");
+        let role = s
+            .role_arn
+            .as_deref()
+            .map(str::trim)
+            .filter(|r| !r.is_empty());
+        let token = self.path(
+            &key("web_identity_token_file"),
+            &s.web_identity_token_file,
+            false,
+        )?;
+        let (role, token_file) = match (role, token) {
+            (None, None) => {
+                if s.sts_endpoint.is_some() {
+                    return Err(self.err(
+                        &key("sts_endpoint"),
+                        format!("needs {section}.role_arn and {section}.web_identity_token_file"),
+                    ));
+                }
+                return Ok(None);
+            }
+            (Some(r), Some(t)) => (r.to_string(), t),
+            (Some(_), None) => {
+                return Err(self.err(
+                    &key("web_identity_token_file"),
+                    format!("required with {section}.role_arn: the file the token is read from"),
+                ));
+            }
+            (None, Some(_)) => {
+                return Err(self.err(
+                    &key("role_arn"),
+                    format!("required with {section}.web_identity_token_file: the role to assume"),
+                ));
+            }
+        };
+        if !matches!(location, StoreLocation::S3 { .. }) {
+            return Err(self.err(
+                &key("role_arn"),
+                "a web identity is for s3:// stores (GCS and Azure: see docs/operations.md)",
+            ));
+        }
+        if s.access_key_id.is_some() || s.access_key_id_file.is_some() {
+            return Err(self.err(
+                &key("role_arn"),
+                format!("give {section}.access_key_id or a web identity, not both"),
+            ));
+        }
+        if let Some(ep) = &s.sts_endpoint {
+            let u = url::Url::parse(ep).map_err(|e| {
+                self.err(&key("sts_endpoint"), format!("{ep:?} is not a URL ({e})"))
+            })?;
+            if u.scheme() != "https" {
+                return Err(self.err(
+                    &key("sts_endpoint"),
+                    format!("{ep:?}: STS is only reached over https (the token is a credential)"),
+                ));
+            }
+        }
+        Ok(Some(WebIdentity {
+            role_arn: role,
+            token_file,
+            sts_endpoint: s.sts_endpoint.clone(),
+        }))
+    }
+
+    /// A CA file that must exist and hold at least one PEM certificate.
+    fn ca_file(
+        &self,
+        key: &str,
+        value: &Option<String>,
+        location: &StoreLocation,
+    ) -> Result<Option<PathBuf>, ConfigError> {
+        let Some(path) = self.path(key, value, true)? else {
+            return Ok(None);
+        };
+        if !matches!(location, StoreLocation::S3 { .. }) {
+            return Err(self.err(key, "is for s3:// stores (S3-compatible services)"));
+        }
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| self.err(key, format!("{}: {e}", path.display())))?;
+        if !text.contains("-----BEGIN CERTIFICATE-----") {
+            return Err(self.err(key, format!("{} holds no PEM certificate", path.display())));
+        }
+        Ok(Some(path))
     }
 
     fn copy(&self, c: &RawCopy) -> Result<CopyConfig, ConfigError> {

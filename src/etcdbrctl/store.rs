@@ -339,6 +339,10 @@ struct S3Settings {
     path_style: bool,
     allow_http: bool,
     key_pair: Option<(Field, Field)>,
+    /// `roleARN` and the path of the `token` file.
+    web_identity: Option<(String, PathBuf)>,
+    /// `trustedCaCert`'s file.
+    ca_file: Option<PathBuf>,
 }
 
 /// ECS is configured by variables, not files; its region is fixed and it is addressed
@@ -353,6 +357,8 @@ fn ecs(side: &Side, env: &dyn Environment) -> S3Settings {
         key_pair: var("ACCESS_KEY_ID")
             .zip(var("SECRET_ACCESS_KEY"))
             .map(|(id, secret)| (Field::Value(id), Field::Value(secret))),
+        web_identity: None,
+        ca_file: None,
     }
 }
 
@@ -369,17 +375,30 @@ fn s3_secret(
         "server-side encryption with customer keys (SSE-C) is not supported; etcd-warden \
          would write the snapshots without it (use [encryption] for client-side encryption)",
     )?;
-    c.refuse(
-        "trustedCaCert",
-        "a custom CA for the store is not supported; the store's certificate must verify \
-         against the system's roots",
-    )?;
-    c.refuse(
-        "roleARN",
-        "a web identity in the credentials Secret is not supported; remove roleARN and \
-         token to use the pod's ambient identity (AWS_ROLE_ARN and \
-         AWS_WEB_IDENTITY_TOKEN_FILE, as EKS sets them)",
-    )?;
+    // A CA and a web identity token are files etcd-warden reads itself (again on rotation):
+    // only the Secret's directory form gives their paths.
+    let file = |name: &str| -> Result<Option<PathBuf>, UsageError> {
+        match c.get(name) {
+            None => Ok(None),
+            Some(Field::File(p)) => Ok(Some(p.clone())),
+            Some(Field::Value(_)) => Err(UsageError(format!(
+                "{name} in {}: give the Secret as a directory of files (…_APPLICATION_CREDENTIALS) \
+                 for a {name}: etcd-warden reads it as a file",
+                c.source
+            ))),
+        }
+    };
+    let ca_file = file("trustedCaCert")?;
+    let web_identity = match (c.value("roleARN")?, file("token")?) {
+        (Some(role), Some(token)) => Some((role, token)),
+        (None, _) => None,
+        (Some(_), None) => {
+            return Err(UsageError(format!(
+                "roleARN in {}: needs the file token beside it (the web identity token)",
+                c.source
+            )));
+        }
+    };
     for ignored in [
         "insecureSkipVerify",
         "requestChecksumCalculation",
@@ -403,6 +422,8 @@ fn s3_secret(
             .get("accessKeyID")
             .cloned()
             .zip(c.get("secretAccessKey").cloned()),
+        web_identity,
+        ca_file,
     })
 }
 
@@ -431,9 +452,19 @@ fn s3(
         keys.push(("endpoint", e));
     }
     keys.push(("path_style", st.path_style.to_string()));
-    if let Some((id, secret)) = st.key_pair {
-        keys.push(id.secret("access_key_id", "access_key_id_file"));
-        keys.push(secret.secret("secret_access_key", "secret_access_key_file"));
+    match (st.key_pair, st.web_identity) {
+        (Some((id, secret)), _) => {
+            keys.push(id.secret("access_key_id", "access_key_id_file"));
+            keys.push(secret.secret("secret_access_key", "secret_access_key_file"));
+        }
+        (None, Some((role, token))) => {
+            keys.push(("role_arn", role));
+            keys.push(("web_identity_token_file", token.display().to_string()));
+        }
+        (None, None) => {}
+    }
+    if let Some(ca) = st.ca_file {
+        keys.push(("ca_file", ca.display().to_string()));
     }
     Ok(keys)
 }
@@ -621,6 +652,38 @@ mod tests {
         assert!(e.0.contains("Swift"), "{e}");
         let e = run(Subcommand::Restore, "--store-prefix=x", &none).unwrap_err();
         assert!(e.0.contains("--storage-provider"), "{e}");
+    }
+
+    #[test]
+    fn a_web_identity_and_a_ca_in_the_secret_are_files_etcd_warden_reads() {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, value) in [
+            ("region", "eu-west-1"),
+            ("roleARN", "arn:aws:iam::1:role/etcd"),
+            ("token", "jwt"),
+            ("trustedCaCert", "-----BEGIN CERTIFICATE-----"),
+        ] {
+            std::fs::write(dir.path().join(name), value).unwrap();
+        }
+        let vars = HashMap::from([
+            (
+                "AWS_APPLICATION_CREDENTIALS",
+                dir.path().display().to_string(),
+            ),
+            ("STORAGE_CONTAINER", "bucket".to_string()),
+        ]);
+        let t = run(Subcommand::Restore, "--storage-provider=S3", &vars).unwrap();
+        assert_eq!(t.value("store.role_arn"), Some("arn:aws:iam::1:role/etcd"));
+        let token = dir.path().join("token").display().to_string();
+        assert_eq!(
+            t.value("store.web_identity_token_file"),
+            Some(token.as_str())
+        );
+        let ca = dir.path().join("trustedCaCert").display().to_string();
+        assert_eq!(t.value("store.ca_file"), Some(ca.as_str()));
+        std::fs::remove_file(dir.path().join("token")).unwrap();
+        let e = run(Subcommand::Restore, "--storage-provider=S3", &vars).unwrap_err();
+        assert!(e.0.contains("token"), "{e}");
     }
 
     #[test]

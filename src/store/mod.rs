@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use futures::StreamExt;
-use object_store::aws::AmazonS3Builder;
+use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::azure::MicrosoftAzureBuilder;
 use object_store::gcp::GoogleCloudStorageBuilder;
 use object_store::local::LocalFileSystem;
@@ -106,6 +106,12 @@ pub enum BuildError {
     /// The HTTP client for single `PUT`s could not be built.
     #[error("HTTP client: {0}")]
     Http(#[from] reqwest::Error),
+    /// The CA file (`ca_file`) cannot be read or holds no certificate.
+    #[error("CA file {}: {message}", path.display())]
+    Ca {
+        path: std::path::PathBuf,
+        message: String,
+    },
 }
 
 /// Builds the backend for a store from its configuration and the process environment.
@@ -245,8 +251,26 @@ fn s3_builder(
     let env_sets_style = vars
         .iter()
         .any(|(key, _)| key == "AWS_VIRTUAL_HOSTED_STYLE_REQUEST");
-    let mut b = with_vars(AmazonS3Builder::new(), vars, |b, k, v| b.with_config(k, v))
-        .with_bucket_name(bucket);
+    // Client options first: the variables and keys below set some of them.
+    let mut options = object_store::ClientOptions::new();
+    if let Some(ca) = &config.ca_file {
+        let ca_err = |message: String| BuildError::Ca {
+            path: ca.clone(),
+            message,
+        };
+        let pem = std::fs::read(ca).map_err(|e| ca_err(e.to_string()))?;
+        for cert in
+            object_store::Certificate::from_pem_bundle(&pem).map_err(|e| ca_err(e.to_string()))?
+        {
+            options = options.with_root_certificate(cert);
+        }
+    }
+    let mut b = with_vars(
+        AmazonS3Builder::new().with_client_options(options),
+        vars,
+        |b, k, v| b.with_config(k, v),
+    )
+    .with_bucket_name(bucket);
     if let Some(ep) = &config.endpoint {
         b = b.with_endpoint(ep);
     }
@@ -273,6 +297,18 @@ fn s3_builder(
         }
         (None, None) => {}
         _ => return Err(BuildError::HalfKeyPair),
+    }
+    // object_store reads the token file again on every renewal of the temporary credentials.
+    if let Some(w) = &config.web_identity {
+        b = b
+            .with_config(AmazonS3ConfigKey::RoleArn, &w.role_arn)
+            .with_config(
+                AmazonS3ConfigKey::WebIdentityTokenFile,
+                w.token_file.to_string_lossy(),
+            );
+        if let Some(sts) = &w.sts_endpoint {
+            b = b.with_config(AmazonS3ConfigKey::StsEndpoint, sts);
+        }
     }
     Ok(b)
 }
