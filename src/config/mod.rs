@@ -103,6 +103,8 @@ impl fmt::Debug for Secret {
 pub struct Config {
     pub etcd: EtcdConfig,
     pub store: StoreConfig,
+    /// `[store.secondary]`: the store every snapshot is copied to; `None` when absent.
+    pub secondary: Option<SecondaryConfig>,
     /// The copy job's source; `None` when `[source_store]` is absent.
     pub source_store: Option<StoreConfig>,
     pub copy: CopyConfig,
@@ -173,6 +175,19 @@ impl StoreConfig {
             use_emulator: false,
         }
     }
+}
+
+/// `[store.secondary]`: a second store the sidecar copies every snapshot to, off the primary's
+/// path, and how far behind it may fall before the lag alert fires.
+#[derive(Debug, Clone)]
+pub struct SecondaryConfig {
+    /// Where, and its own credentials.
+    pub store: StoreConfig,
+    /// The lag (age of the oldest primary snapshot not yet on the secondary) above which
+    /// `EtcdWardenSecondaryBehind` fires; exported as `etcd_warden_secondary_max_lag_seconds`.
+    pub max_lag: Duration,
+    /// How often the primary and the secondary are compared when they were in sync.
+    pub sync_interval: Duration,
 }
 
 /// The copy job (`etcd-warden copy`): source is `source_store`, destination is `store`.

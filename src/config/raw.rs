@@ -93,6 +93,16 @@ pub struct RawStore {
     pub account_key_file: Option<String>,
     #[serde(default, deserialize_with = "lenient::boolean")]
     pub use_emulator: bool,
+    /// `[store.secondary]`: a second store every snapshot is copied to. Only `[store]` may
+    /// have one (validation refuses it elsewhere).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secondary: Option<Box<RawStore>>,
+    /// `store.secondary.max_lag`: only in `[store.secondary]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_lag: Option<String>,
+    /// `store.secondary.sync_interval`: only in `[store.secondary]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sync_interval: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -335,6 +345,11 @@ impl RawConfig {
         hide(&mut c.store.access_key_id);
         hide(&mut c.store.secret_access_key);
         hide(&mut c.store.account_key);
+        if let Some(s) = &mut c.store.secondary {
+            hide(&mut s.access_key_id);
+            hide(&mut s.secret_access_key);
+            hide(&mut s.account_key);
+        }
         if let Some(s) = &mut c.source_store {
             hide(&mut s.access_key_id);
             hide(&mut s.secret_access_key);
