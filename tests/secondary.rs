@@ -149,3 +149,42 @@ async fn the_secondary_keeps_up_under_a_writer_and_survives_an_outage_without_th
         "the writer never failed"
     );
 }
+
+#[tokio::test]
+async fn ls_and_verify_read_the_secondary_with_the_flag_and_refuse_it_unconfigured() {
+    use etcd_warden::store::Codec;
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let url = |d: &tempfile::TempDir| format!("file://{}", d.path().display());
+    let at = |u: &str| {
+        SnapshotStore::from_config(&etcd_warden::config::StoreConfig::at(
+            etcd_warden::config::StoreLocation::parse(u).unwrap(),
+        ))
+        .unwrap()
+    };
+    let on_primary =
+        support::stored::put_full(&at(&url(&a)), 10, 1_700_000_000, 64, Codec::Gzip, false).await;
+    let on_secondary =
+        support::stored::put_full(&at(&url(&b)), 20, 1_700_000_100, 64, Codec::Gzip, false).await;
+    let run = |args: &[&str], secondary: Option<String>| {
+        let mut c = support::warden::command();
+        c.args(args).env("ETCD_WARDEN_STORE_URL", url(&a));
+        if let Some(s) = secondary {
+            c.env("ETCD_WARDEN_STORE_SECONDARY_URL", s);
+        }
+        c.output().unwrap()
+    };
+    let listed = support::cli::printed(&run(&["ls", "--secondary"], Some(url(&b))));
+    assert!(listed.contains(&on_secondary.snap_name), "{listed}");
+    assert!(!listed.contains(&on_primary.snap_name), "{listed}");
+    let listed = support::cli::printed(&run(&["ls"], Some(url(&b))));
+    assert!(listed.contains(&on_primary.snap_name), "{listed}");
+    let verified = run(&["verify", "--secondary"], Some(url(&b)));
+    assert!(
+        verified.status.success(),
+        "{}",
+        support::cli::printed(&verified)
+    );
+
+    let refused = support::cli::exited(&run(&["ls", "--secondary"], None), 64);
+    assert!(refused.contains("store.secondary.url"), "{refused}");
+}

@@ -121,6 +121,22 @@ pub struct Config {
     pub encryption: EncryptionConfig,
 }
 
+impl Config {
+    /// This configuration with `[store.secondary]` as its store, for a command that reads
+    /// snapshots (`ls`, `verify`, `restore --secondary`); an error naming the key when no
+    /// secondary is configured.
+    pub fn reading_secondary(mut self) -> Result<Config, ConfigError> {
+        let Some(secondary) = self.secondary.take() else {
+            return Err(ConfigError::new(
+                "store.secondary.url",
+                "--secondary reads [store.secondary], which is not configured",
+            ));
+        };
+        self.store = secondary.store;
+        Ok(self)
+    }
+}
+
 /// How to reach the etcd member next to the sidecar.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EtcdConfig {
