@@ -324,8 +324,21 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
         false
     };
     if config.restore.initialize && !rejoined {
+        let secondary = config
+            .secondary
+            .as_ref()
+            .map(|s| {
+                let env = crate::config::ProcessEnv;
+                crate::store::build_with_env(&s.store, &env, Some("SECONDARY_"))
+                    .map(|backend| SnapshotStore::at(backend, &s.store.location))
+            })
+            .transpose()?
+            .map(|s| s.with_encryption(config.encryption.clone()));
+        let (from, which) =
+            crate::restore::initialize::pick_store(&store, secondary.as_ref()).await;
+        tracing::info!(store = which, "restore.initialize reads this store");
         crate::restore::initialize::initialize_observed(
-            &store,
+            &from,
             &config.restore,
             &metrics.initialize,
         )
