@@ -11,6 +11,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
+use crate::copy::secondary::{SecondaryMetrics, Sync};
 use crate::health::HealthCheck;
 use crate::owner::metrics::OwnerMetrics;
 use crate::owner::production::context;
@@ -39,6 +40,9 @@ pub enum SidecarError {
         addr: std::net::SocketAddr,
         source: std::io::Error,
     },
+    /// `[store.secondary]` could not be set up (its URL or credentials).
+    #[error("secondary store: {0}")]
+    Secondary(String),
     #[error("HTTP server: {0}")]
     Serve(std::io::Error),
     #[error("owner check: {0}")]
@@ -77,6 +81,8 @@ pub struct SidecarMetrics {
     pub drill: crate::restore::drill::DrillMetrics,
     /// The ownership watchdog's, with ownership checks (`[owner]`) only.
     pub owner: Option<OwnerMetrics>,
+    /// The secondary store's sync, with `[store.secondary]` only.
+    pub secondary: Option<SecondaryMetrics>,
 }
 
 impl SidecarMetrics {
@@ -88,6 +94,17 @@ impl SidecarMetrics {
         }
     }
 
+    /// The metrics of a sidecar configured by `config`.
+    pub fn for_config(config: &Config) -> Self {
+        SidecarMetrics {
+            secondary: config
+                .secondary
+                .as_ref()
+                .map(|_| SecondaryMetrics::default()),
+            ..Self::new(config.owner.is_some())
+        }
+    }
+
     /// Registers all of them.
     pub fn register(&self, registry: &mut Registry) {
         self.snapshot.register(registry);
@@ -95,6 +112,9 @@ impl SidecarMetrics {
         self.drill.register(registry);
         if let Some(owner) = &self.owner {
             owner.register(registry);
+        }
+        if let Some(secondary) = &self.secondary {
+            secondary.register(registry);
         }
     }
 }
@@ -255,6 +275,14 @@ fn fail_closed(
     liveness.send_replace(Some(reason));
 }
 
+/// Waits (within [`SHUTDOWN_GRACE`]) for the secondary's sync after its token was cancelled; a
+/// copy in flight is dropped, and a multipart upload dropped is never completed.
+async fn stop_secondary(task: Option<tokio::task::JoinHandle<()>>) {
+    if let Some(task) = task {
+        let _ = tokio::time::timeout(SHUTDOWN_GRACE, task).await;
+    }
+}
+
 /// How a critical task ended.
 fn ended(result: Result<(), tokio::task::JoinError>) -> String {
     match result {
@@ -280,7 +308,7 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
     let store = SnapshotStore::from_config(&config.store)?
         .with_encryption(config.encryption.clone())
         .with_compression_level(config.snapshot.compression_level);
-    let metrics = SidecarMetrics::new(config.owner.is_some());
+    let metrics = SidecarMetrics::for_config(&config);
     // Before anything talks to etcd: it may be waiting for its data directory. A lost member
     // of a running multi-member cluster rejoins it (restore::rejoin); otherwise the store.
     // A rejoin stops on SIGTERM (its temporary member with it); nothing else has started.
@@ -303,8 +331,21 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
         false
     };
     if initialize_now && !rejoined {
+        let secondary = config
+            .secondary
+            .as_ref()
+            .map(|s| {
+                let env = crate::config::ProcessEnv;
+                crate::store::build_with_env(&s.store, &env, Some("SECONDARY_"))
+                    .map(|backend| SnapshotStore::at(backend, &s.store.location))
+            })
+            .transpose()?
+            .map(|s| s.with_encryption(config.encryption.clone()));
+        let (from, which) =
+            crate::restore::initialize::pick_store(&store, secondary.as_ref()).await;
+        tracing::info!(store = which, "restore.initialize reads this store");
         crate::restore::initialize::initialize_observed(
-            &store,
+            &from,
             &config.restore,
             &metrics.initialize,
         )
@@ -384,6 +425,24 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
                 tracing::info!(state = %last, "ownership watchdog stopped");
             });
             (Some(status), ("ownership watchdog", task))
+        }
+    };
+
+    // Not critical: a failing secondary shows in its metrics and alert, never in readiness,
+    // and never stops the sidecar (it would take etcd's readiness and the primary with it).
+    // It is still tracked, so shutdown waits for it.
+    let secondary_task = match &config.secondary {
+        None => None,
+        Some(secondary) => {
+            let sync = Sync::new(
+                &config.store,
+                secondary.clone(),
+                retention,
+                metrics.secondary.clone().unwrap_or_default(),
+            )
+            .map_err(|e| SidecarError::Secondary(e.to_string()))?;
+            let token = tasks.child_token();
+            Some(tokio::spawn(async move { sync.run(token).await }))
         }
     };
 
@@ -497,6 +556,7 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
         result = &mut served => {
             tasks.cancel();
             let _ = tokio::time::timeout(SHUTDOWN_GRACE, join_all(&mut critical)).await;
+            stop_secondary(secondary_task).await;
             return result.map_err(SidecarError::Serve);
         }
         died = first_to_end(&mut critical) => died,
@@ -504,6 +564,7 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
     if cancel.is_cancelled() {
         // Shutting down: the tasks ended because they were told to.
         let _ = tokio::time::timeout(SHUTDOWN_GRACE, served).await;
+        stop_secondary(secondary_task).await;
         return Ok(());
     }
     fail_closed(&readiness_tx, &liveness_tx, task, &how);
@@ -512,6 +573,7 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
     let _ = tokio::time::timeout(Duration::from_secs(2), join_all(&mut critical)).await;
     server_cancel.cancel();
     let _ = tokio::time::timeout(SHUTDOWN_GRACE, served).await;
+    stop_secondary(secondary_task).await;
     Err(SidecarError::TaskEnded { task, how })
 }
 

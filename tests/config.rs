@@ -124,6 +124,53 @@ fn the_example_file_loads_and_documents_every_key() {
 }
 
 #[test]
+fn a_secondary_store_has_its_own_keys_and_only_store_has_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        &dir,
+        "[store]\nurl = \"file:///tmp/a\"\n[store.secondary]\nurl = \"s3://b/p\"\n\
+         access_key_id = \"k\"\nmax_lag = \"2m\"\n",
+    );
+    let c = load(
+        Some(&file),
+        &[("ETCD_WARDEN_STORE_SECONDARY_SYNC_INTERVAL", "3s")],
+        &[],
+    )
+    .unwrap();
+    let s = c.secondary.expect("[store.secondary] is configured");
+    assert_eq!(s.store.location.to_string(), "s3://b/p");
+    assert_eq!(s.max_lag, Duration::from_secs(120));
+    assert_eq!(s.sync_interval, Duration::from_secs(3));
+    assert!(c.store.access_key_id.is_none(), "credentials are per store");
+    assert!(load(None, &[], &[]).unwrap().secondary.is_none());
+
+    let e = env_error(&[
+        ("ETCD_WARDEN_STORE_SECONDARY_URL", "file:///tmp/b"),
+        ("ETCD_WARDEN_STORE_SECONDARY_MAX_LAG", "soon"),
+    ]);
+    assert_eq!(e.key, "store.secondary.max_lag");
+    assert!(
+        e.origin.contains("ETCD_WARDEN_STORE_SECONDARY_MAX_LAG"),
+        "{e}"
+    );
+    let e = env_error(&[("ETCD_WARDEN_STORE_MAX_LAG", "1m")]);
+    assert_eq!(e.key, "store.max_lag");
+    assert!(e.message.contains("[store.secondary]"), "{e}");
+    let e = load(
+        None,
+        &[],
+        &[
+            ("source_store.url", "file:///tmp/c"),
+            ("source_store.secondary.url", "file:///tmp/d"),
+        ],
+    )
+    .unwrap_err();
+    assert_eq!(e.key, "source_store.secondary");
+    let e = env_error(&[("ETCD_WARDEN_STORE_SECONDARY_URL", "ftp://x")]);
+    assert_eq!(e.key, "store.secondary.url");
+}
+
+#[test]
 fn layers_apply_in_order_defaults_file_env_flags() {
     let dir = tempfile::tempdir().unwrap();
     let file = write(

@@ -41,6 +41,7 @@ mod restore;
 mod restore_datadir;
 mod restore_drill;
 mod restore_point_in_time;
+mod secondary;
 mod sidecar;
 mod snapshot;
 mod snapshot_etcd_connect;

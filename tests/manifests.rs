@@ -1437,7 +1437,10 @@ fn metric_names(text: &str) -> BTreeSet<String> {
 fn exported_metrics() -> BTreeSet<String> {
     // What the sidecar registers (sidecar::run registers exactly these).
     let mut registry = prometheus_client::registry::Registry::default();
-    let metrics = etcd_warden::sidecar::SidecarMetrics::new(true);
+    let metrics = etcd_warden::sidecar::SidecarMetrics {
+        secondary: Some(Default::default()),
+        ..etcd_warden::sidecar::SidecarMetrics::new(true)
+    };
     metrics.register(&mut registry);
     let owner = metrics.owner.as_ref().expect("ownership metrics");
     // Labelled counters appear only once a label value was used: use one of each.

@@ -81,6 +81,8 @@ enum Command {
     Ls {
         #[command(flatten)]
         store: StoreArg,
+        #[command(flatten)]
+        which: WhichStore,
         /// One JSON array instead of a table.
         #[arg(long)]
         json: bool,
@@ -95,6 +97,8 @@ enum Command {
     Verify {
         #[command(flatten)]
         store: StoreArg,
+        #[command(flatten)]
+        which: WhichStore,
         /// Also restore the newest chain and check it in a running etcd (a restore drill).
         #[arg(long)]
         restore: bool,
@@ -132,6 +136,8 @@ enum Command {
     Restore {
         #[command(flatten)]
         store: StoreArg,
+        #[command(flatten)]
+        which: WhichStore,
         #[command(flatten)]
         restore: RestoreArgs,
     },
@@ -309,6 +315,16 @@ impl RestoreArgs {
     }
 }
 
+/// Which configured store a reading subcommand reads.
+#[derive(Args, Default)]
+struct WhichStore {
+    /// Read the secondary store ([store.secondary]) instead of [store]. Only for commands that
+    /// read snapshots: hand-off records stay on the primary, so reclaim and compact have no
+    /// such flag.
+    #[arg(long)]
+    secondary: bool,
+}
+
 #[derive(Args, Default)]
 struct StoreArg {
     /// Store URL (store.url), e.g. file:///var/backups/etcd or s3://bucket/prefix.
@@ -340,7 +356,7 @@ impl Command {
                         .map(|d| Override::flag("restore.etcd_bin", d, "--etcd-bin")),
                 )
                 .collect(),
-            Command::Restore { store, restore } => store
+            Command::Restore { store, restore, .. } => store
                 .store
                 .iter()
                 .map(|u| Override::flag("store.url", u, "--store"))
@@ -454,6 +470,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         overrides,
     };
     let (config, raw) = Config::load_for(&sources, cli.command.purpose())?;
+    let config = match &cli.command {
+        Command::Ls { which, .. }
+        | Command::Verify { which, .. }
+        | Command::Restore { which, .. }
+            if which.secondary =>
+        {
+            config.reading_secondary()?
+        }
+        _ => config,
+    };
     etcd_warden::telemetry::init(&config.log);
     if let Command::Config = cli.command {
         print!("{}", raw.to_redacted_toml());
@@ -478,6 +504,7 @@ fn etcdbrctl(args: &[String]) -> anyhow::Result<()> {
         Subcommand::Restore => (
             Command::Restore {
                 store: StoreArg::default(),
+                which: WhichStore::default(),
                 restore: RestoreArgs::default(),
             },
             Purpose::Restore,

@@ -157,6 +157,7 @@ fn merge(into: &mut toml::Table, from: toml::Table) {
 const SECTIONS: &[&str] = &[
     "etcd",
     "store",
+    "store.secondary",
     "source_store",
     "copy",
     "snapshot",
@@ -180,7 +181,8 @@ fn env_key(layout: &Layout, var: &str) -> Option<String> {
         .sections
         .iter()
         .filter_map(|s| {
-            let key = rest.strip_prefix(s)?.strip_prefix('_')?;
+            // A subsection (`store.secondary`) is named with `_` in a variable.
+            let key = rest.strip_prefix(&s.replace('.', "_"))?.strip_prefix('_')?;
             (!key.is_empty()).then(|| (s.len(), format!("{s}.{key}")))
         })
         .max_by_key(|(len, _)| *len)
@@ -355,6 +357,14 @@ mod tests {
             Some("store.url")
         );
         assert_eq!(env_key("ETCD_WARDEN_STORE"), None);
+        assert_eq!(
+            env_key("ETCD_WARDEN_STORE_SECONDARY_URL").as_deref(),
+            Some("store.secondary.url")
+        );
+        assert_eq!(
+            env_var_for("store.secondary.max_lag"),
+            "ETCD_WARDEN_STORE_SECONDARY_MAX_LAG"
+        );
         assert_eq!(env_key("ETCD_WARDEN_NOPE_X"), None);
         assert_eq!(
             env_var_for("snapshot.delta_period"),

@@ -103,6 +103,8 @@ impl fmt::Debug for Secret {
 pub struct Config {
     pub etcd: EtcdConfig,
     pub store: StoreConfig,
+    /// `[store.secondary]`: the store every snapshot is copied to; `None` when absent.
+    pub secondary: Option<SecondaryConfig>,
     /// The copy job's source; `None` when `[source_store]` is absent.
     pub source_store: Option<StoreConfig>,
     pub copy: CopyConfig,
@@ -140,6 +142,22 @@ pub struct DruidConfig {
     pub snapshot_leases: bool,
     pub full_snapshot_lease: String,
     pub delta_snapshot_lease: String,
+}
+
+impl Config {
+    /// This configuration with `[store.secondary]` as its store, for a command that reads
+    /// snapshots (`ls`, `verify`, `restore --secondary`); an error naming the key when no
+    /// secondary is configured.
+    pub fn reading_secondary(mut self) -> Result<Config, ConfigError> {
+        let Some(secondary) = self.secondary.take() else {
+            return Err(ConfigError::new(
+                "store.secondary.url",
+                "--secondary reads [store.secondary], which is not configured",
+            ));
+        };
+        self.store = secondary.store;
+        Ok(self)
+    }
 }
 
 /// How to reach the etcd member next to the sidecar.
@@ -212,6 +230,19 @@ impl StoreConfig {
             ca_file: None,
         }
     }
+}
+
+/// `[store.secondary]`: a second store the sidecar copies every snapshot to, off the primary's
+/// path, and how far behind it may fall before the lag alert fires.
+#[derive(Debug, Clone)]
+pub struct SecondaryConfig {
+    /// Where, and its own credentials.
+    pub store: StoreConfig,
+    /// The lag (age of the oldest primary snapshot not yet on the secondary) above which
+    /// `EtcdWardenSecondaryBehind` fires; exported as `etcd_warden_secondary_max_lag_seconds`.
+    pub max_lag: Duration,
+    /// How often the primary and the secondary are compared when they were in sync.
+    pub sync_interval: Duration,
 }
 
 /// The copy job (`etcd-warden copy`): source is `source_store`, destination is `store`.

@@ -125,6 +125,16 @@ pub struct RawStore {
     pub sts_endpoint: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ca_file: Option<String>,
+    /// `[store.secondary]`: a second store every snapshot is copied to. Only `[store]` may
+    /// have one (validation refuses it elsewhere).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secondary: Option<Box<RawStore>>,
+    /// `store.secondary.max_lag`: only in `[store.secondary]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_lag: Option<String>,
+    /// `store.secondary.sync_interval`: only in `[store.secondary]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sync_interval: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -383,6 +393,11 @@ impl RawConfig {
         hide(&mut c.store.access_key_id);
         hide(&mut c.store.secret_access_key);
         hide(&mut c.store.account_key);
+        if let Some(s) = &mut c.store.secondary {
+            hide(&mut s.access_key_id);
+            hide(&mut s.secret_access_key);
+            hide(&mut s.account_key);
+        }
         if let Some(s) = &mut c.source_store {
             hide(&mut s.access_key_id);
             hide(&mut s.secret_access_key);

@@ -14,8 +14,8 @@ use super::raw::{
 use super::{
     Compression, Config, ConfigError, CopyConfig, DefragConfig, DruidConfig, EncryptionConfig,
     EtcdConfig, GcPolicy, KillConfig, LogConfig, LogFormat, OwnerConfig, Purpose, RestoreConfig,
-    Secret, ServerConfig, SnapshotConfig, StoreConfig, StoreLocation, TlsFiles, Validation,
-    WebIdentity,
+    SecondaryConfig, Secret, ServerConfig, SnapshotConfig, StoreConfig, StoreLocation, TlsFiles,
+    Validation, WebIdentity,
 };
 
 /// The spellings of each compression, the one errors list first.
@@ -24,6 +24,12 @@ const COMPRESSIONS: &[(&[&str], Compression)] = &[
     (&["zlib"], Compression::Zlib),
     (&["none", ""], Compression::None),
 ];
+
+/// `store.secondary.max_lag` when not given: several sync intervals, so one slow copy of a
+/// large full snapshot does not page anyone.
+const SECONDARY_MAX_LAG: &str = "15m";
+/// `store.secondary.sync_interval` when not given.
+const SECONDARY_SYNC_INTERVAL: &str = "10s";
 
 /// The spellings of each log format, the one errors list first.
 const LOG_FORMATS: &[(&[&str], LogFormat)] = &[
@@ -141,6 +147,12 @@ impl Validator<'_> {
             restore: self.restore(&raw.restore, &etcd)?,
             etcd,
             store: self.store("store", &raw.store)?,
+            secondary: raw
+                .store
+                .secondary
+                .as_deref()
+                .map(|s| self.secondary(s))
+                .transpose()?,
             source_store: raw
                 .source_store
                 .as_ref()
@@ -430,9 +442,49 @@ impl Validator<'_> {
         })
     }
 
+    /// `[store.secondary]`: a store section of its own plus the lag bound and the interval.
+    fn secondary(&self, s: &RawStore) -> Result<SecondaryConfig, ConfigError> {
+        const SECTION: &str = "store.secondary";
+        if s.secondary.is_some() {
+            return Err(self.err(
+                "store.secondary.secondary",
+                "a secondary store has no secondary of its own",
+            ));
+        }
+        let store = self.store(SECTION, s)?;
+        let max_lag = s.max_lag.as_deref().unwrap_or(SECONDARY_MAX_LAG);
+        let sync_interval = s
+            .sync_interval
+            .as_deref()
+            .unwrap_or(SECONDARY_SYNC_INTERVAL);
+        Ok(SecondaryConfig {
+            store,
+            max_lag: self.positive_duration("store.secondary.max_lag", max_lag)?,
+            sync_interval: self
+                .positive_duration("store.secondary.sync_interval", sync_interval)?,
+        })
+    }
+
     /// Validates a store section (`store`, or another section of the same shape).
     fn store(&self, section: &str, s: &RawStore) -> Result<StoreConfig, ConfigError> {
         let key = |k: &str| format!("{section}.{k}");
+        // The secondary's own keys, and a secondary itself, belong to `[store]` alone.
+        if section != "store" && s.secondary.is_some() {
+            return Err(self.err(
+                &key("secondary"),
+                "only [store] can have a secondary ([store.secondary])",
+            ));
+        }
+        if section != "store.secondary" {
+            for (k, v) in [("max_lag", &s.max_lag), ("sync_interval", &s.sync_interval)] {
+                if v.is_some() {
+                    return Err(self.err(
+                        &key(k),
+                        format!("belongs in [store.secondary] (store.secondary.{k})"),
+                    ));
+                }
+            }
+        }
         let location =
             StoreLocation::parse(&s.url).map_err(|e| self.err(&key("url"), e.to_string()))?;
         if let Some(ep) = &s.endpoint {

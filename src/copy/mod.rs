@@ -33,6 +33,7 @@
 
 pub mod plan;
 pub mod progress;
+pub mod secondary;
 
 use std::collections::HashMap;
 use std::io;
@@ -155,21 +156,32 @@ impl Stores {
     /// Builds both stores: the source from `[source_store]` with `SOURCE_`-prefixed provider
     /// variables, the destination from `[store]`.
     pub fn from_config(source: &StoreConfig, dest: &StoreConfig) -> Result<Stores, CopyError> {
+        Stores::build(source, Some("SOURCE_"), dest, None)
+    }
+
+    /// Builds both stores, each with its own prefix of provider variables.
+    pub fn build(
+        source: &StoreConfig,
+        source_env: Option<&str>,
+        dest: &StoreConfig,
+        dest_env: Option<&str>,
+    ) -> Result<Stores, CopyError> {
         let fail = |which, cfg: &StoreConfig| {
             let url = cfg.location.to_string();
             move |source| CopyError::Store { which, url, source }
         };
-        let dest_backend = crate::store::build(dest).map_err(fail("destination", dest))?;
+        let dest_backend = crate::store::build_with_env(dest, &ProcessEnv, dest_env)
+            .map_err(fail("destination", dest))?;
         let server_side = same_bucket(source, dest);
         // In one bucket the destination's client reads both prefixes, so a server-side copy is
         // one request signed by one set of credentials.
         let source_backend = if server_side {
             dest_backend.clone()
         } else {
-            crate::store::build_with_env(source, &ProcessEnv, Some("SOURCE_"))
+            crate::store::build_with_env(source, &ProcessEnv, source_env)
                 .map_err(fail("source", source))?
         };
-        let single_put = crate::store::single_put_with_env(dest, &ProcessEnv, None)
+        let single_put = crate::store::single_put_with_env(dest, &ProcessEnv, dest_env)
             .map_err(fail("destination", dest))?;
         Ok(Stores {
             source: SnapshotStore::at(source_backend, &source.location),

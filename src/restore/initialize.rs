@@ -238,6 +238,31 @@ impl InitializeMetrics {
     }
 }
 
+/// The store `restore.initialize` reads: the primary, unless it cannot be listed or holds no
+/// snapshot while the secondary (`[store.secondary]`) holds some. The secondary only ever holds
+/// copies of the primary's snapshots, so a primary that lost them or cannot be reached is
+/// better served by those copies than by starting empty or failing. The choice is logged.
+pub async fn pick_store(
+    primary: &SnapshotStore,
+    secondary: Option<&SnapshotStore>,
+) -> (SnapshotStore, &'static str) {
+    let Some(secondary) = secondary else {
+        return (primary.clone(), "primary");
+    };
+    let why = match primary.list().await {
+        Ok(list) if !list.is_empty() => return (primary.clone(), "primary"),
+        Ok(_) => "holds no snapshot".to_string(),
+        Err(e) => format!("cannot be listed ({e})"),
+    };
+    match secondary.list().await {
+        Ok(list) if !list.is_empty() => {
+            tracing::warn!(primary = %primary.prefix(), secondary = %secondary.prefix(), %why, "the primary store {why}; initializing from the SECONDARY store");
+            (secondary.clone(), "secondary")
+        }
+        _ => (primary.clone(), "primary"),
+    }
+}
+
 /// Restores `config.data_dir` from `store` if it is missing, invalid or behind the store.
 pub async fn initialize(
     store: &SnapshotStore,
@@ -383,6 +408,42 @@ async fn validate(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn the_secondary_is_read_only_when_the_primary_holds_nothing() {
+        use crate::config::{StoreConfig, StoreLocation};
+        let dirs = [(); 2].map(|_| tempfile::tempdir().unwrap());
+        let at = |d: &tempfile::TempDir| {
+            let url = format!("file://{}", d.path().display());
+            SnapshotStore::from_config(&StoreConfig::at(StoreLocation::parse(&url).unwrap()))
+                .unwrap()
+        };
+        let (primary, secondary) = (at(&dirs[0]), at(&dirs[1]));
+        let full = |store: &SnapshotStore| {
+            crate::store::Snapshot::new(
+                store.prefix(),
+                crate::store::Kind::Full,
+                0,
+                1,
+                chrono::Utc::now(),
+                crate::store::Codec::None,
+                false,
+            )
+        };
+        // Both empty: the primary (etcd starts fresh from it).
+        assert_eq!(pick_store(&primary, Some(&secondary)).await.1, "primary");
+        secondary
+            .put_bytes(&full(&secondary), bytes::Bytes::from_static(b"x"))
+            .await
+            .unwrap();
+        assert_eq!(pick_store(&primary, Some(&secondary)).await.1, "secondary");
+        assert_eq!(pick_store(&primary, None).await.1, "primary");
+        primary
+            .put_bytes(&full(&primary), bytes::Bytes::from_static(b"x"))
+            .await
+            .unwrap();
+        assert_eq!(pick_store(&primary, Some(&secondary)).await.1, "primary");
+    }
 
     /// Every kind of directory against every kind of store.
     #[test]

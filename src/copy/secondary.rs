@@ -1,0 +1,369 @@
+//! The secondary store (`[store.secondary]`): every snapshot the primary holds is copied there
+//! by a background task of `serve`, with the copy job's streamed, hash-checked [`copy_one`].
+//!
+//! - **Off the primary's path**: the task only reads the primary's listing and objects; the
+//!   snapshot actor, the ownership watchdog and the final never wait for it. Its failures are
+//!   backed off ([`Backoff`]) and show in metrics and the `EtcdWardenSecondaryBehind` alert,
+//!   never in readiness: etcd serving is not less safe because a second copy is late.
+//! - **Order** ([`plan`]): final full snapshots first (the data a hand-off moves), then oldest
+//!   first, one at a time. The secondary then always holds a prefix of the primary's history,
+//!   so its latest chain restores (no delta before its predecessor), and the lag is one number:
+//!   the age of the oldest primary snapshot not yet copied ([`lag`]).
+//! - **Retention**: the primary's policy applies on its own to the secondary after each pass;
+//!   snapshots that policy would delete are not copied, so copy and delete never chase each
+//!   other.
+//! - **Only snapshots**: the hand-off record and fence markers stay on the primary. They are the
+//!   ownership protocol's linearization point (create-if-absent on one store); a second copy
+//!   could disagree with the first and name two finals. `.final` is stripped at the secondary
+//!   as by the copy job ([`super::plan::dest_name`]), so a secondary promoted to a primary
+//!   never believes it already took its final.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicI64, AtomicU64};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio_util::sync::CancellationToken;
+
+use super::plan::{Listed, dest_name};
+use super::progress::Progress;
+use super::{CopyError, Stores, copy_one, list_sized, store_error};
+use crate::backoff::Backoff;
+use crate::config::SecondaryConfig;
+use crate::store::gc::{self, Retention};
+use crate::store::layout::FINAL_SUFFIX;
+
+/// Retry delays after failed passes: the secondary being down is retried quickly at first,
+/// then no more than every two minutes.
+const BACKOFF: Backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(120));
+
+/// The secondary's metrics (`etcd_warden_secondary_…`); cheap to clone.
+#[derive(Clone, Debug, Default)]
+pub struct SecondaryMetrics {
+    lag_seconds: Gauge<f64, AtomicU64>,
+    lag_revisions: Gauge<i64, AtomicI64>,
+    max_lag_seconds: Gauge<f64, AtomicU64>,
+    copied: Counter,
+    failures: Counter,
+    last_sync: Gauge<f64, AtomicU64>,
+}
+
+impl SecondaryMetrics {
+    /// Registers the metrics.
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "etcd_warden_secondary_lag_seconds",
+            "Age of the oldest primary snapshot not yet on the secondary store (0 when in sync)",
+            self.lag_seconds.clone(),
+        );
+        registry.register(
+            "etcd_warden_secondary_lag_revisions",
+            "Revisions the secondary store's restorable history is behind the primary's",
+            self.lag_revisions.clone(),
+        );
+        registry.register(
+            "etcd_warden_secondary_max_lag_seconds",
+            "store.secondary.max_lag: the lag above which EtcdWardenSecondaryBehind fires",
+            self.max_lag_seconds.clone(),
+        );
+        registry.register(
+            "etcd_warden_secondary_copied",
+            "Snapshots copied to the secondary store",
+            self.copied.clone(),
+        );
+        registry.register(
+            "etcd_warden_secondary_sync_failures",
+            "Sync passes to the secondary store that failed (retried with backoff)",
+            self.failures.clone(),
+        );
+        registry.register(
+            "etcd_warden_secondary_last_sync_timestamp_seconds",
+            "Unix time of the last pass that left the secondary holding every primary snapshot",
+            self.last_sync.clone(),
+        );
+    }
+
+    fn set_lag(&self, lag: Lag) {
+        self.lag_seconds.set(lag.seconds);
+        self.lag_revisions.set(lag.revisions);
+    }
+}
+
+/// How far the secondary is behind.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Lag {
+    /// Age of the oldest primary snapshot not on the secondary; 0 when none is missing.
+    pub seconds: f64,
+    /// The primary's newest revision minus the newest revision the secondary holds without a
+    /// gap before it (with oldest-first copies, what a restore from it reaches).
+    pub revisions: i64,
+}
+
+/// Whether the secondary holds `l` (the same name ignoring `.final`, the same size).
+fn held(l: &Listed, secondary: &HashMap<String, u64>) -> bool {
+    let name = dest_name(&l.snapshot);
+    secondary
+        .get(&name)
+        .or_else(|| secondary.get(&format!("{name}{FINAL_SUFFIX}")))
+        == Some(&l.size)
+}
+
+/// What to copy, in order: the snapshots of the sorted primary listing that the secondary does
+/// not hold and retention keeps, final full snapshots first, then oldest first.
+pub fn plan(
+    primary: &[Listed],
+    secondary: &HashMap<String, u64>,
+    now: DateTime<Utc>,
+    retention: Retention,
+) -> Vec<Listed> {
+    let snapshots: Vec<_> = primary.iter().map(|l| l.snapshot.clone()).collect();
+    let expiring: Vec<String> = gc::plan(&snapshots, now, retention)
+        .into_iter()
+        .map(|s| s.snap_name)
+        .collect();
+    let mut todo: Vec<Listed> = primary
+        .iter()
+        .filter(|l| !held(l, secondary) && !expiring.contains(&l.snapshot.snap_name))
+        .cloned()
+        .collect();
+    // Stable: finals first, each group keeps the listing's oldest-first order.
+    todo.sort_by_key(|l| !(l.snapshot.is_final && l.snapshot.is_full()));
+    todo
+}
+
+/// How far `secondary` is behind the sorted `primary` listing at `now`.
+pub fn lag(primary: &[Listed], secondary: &HashMap<String, u64>, now: DateTime<Utc>) -> Lag {
+    let newest = primary
+        .iter()
+        .map(|l| l.snapshot.last_revision)
+        .max()
+        .unwrap_or(0);
+    let Some(first_missing) = primary.iter().position(|l| !held(l, secondary)) else {
+        return Lag {
+            seconds: 0.0,
+            revisions: 0,
+        };
+    };
+    let reached = primary[..first_missing]
+        .iter()
+        .map(|l| l.snapshot.last_revision)
+        .max()
+        .unwrap_or(0);
+    let age = now - primary[first_missing].snapshot.created_on;
+    Lag {
+        seconds: age.num_milliseconds().max(0) as f64 / 1000.0,
+        revisions: newest - reached,
+    }
+}
+
+/// The background task that keeps the secondary in step with the primary.
+pub struct Sync {
+    stores: Stores,
+    config: SecondaryConfig,
+    retention: Retention,
+    metrics: SecondaryMetrics,
+    /// The secondary's objects as last listed, plus what was copied since: the lag is still
+    /// known (and grows) while the secondary cannot be listed.
+    known: HashMap<String, u64>,
+}
+
+impl Sync {
+    /// A sync from `primary` (the sidecar's store) to the secondary `config` describes, whose
+    /// provider variables may carry a `SECONDARY_` prefix (`SECONDARY_AWS_ACCESS_KEY_ID`).
+    pub fn new(
+        primary: &crate::config::StoreConfig,
+        config: SecondaryConfig,
+        retention: Retention,
+        metrics: SecondaryMetrics,
+    ) -> Result<Sync, CopyError> {
+        let stores = Stores::build(primary, None, &config.store, Some("SECONDARY_"))?;
+        metrics.max_lag_seconds.set(config.max_lag.as_secs_f64());
+        Ok(Sync {
+            stores,
+            config,
+            retention,
+            metrics,
+            known: HashMap::new(),
+        })
+    }
+
+    /// Syncs every `sync_interval` (after a failure, after the backoff) until `cancel`.
+    pub async fn run(mut self, cancel: CancellationToken) {
+        tracing::info!(
+            secondary = %self.stores.dest.prefix(),
+            interval = ?self.config.sync_interval,
+            max_lag = ?self.config.max_lag,
+            "copying every snapshot to the secondary store"
+        );
+        let mut failed = 0;
+        loop {
+            let pause = tokio::select! {
+                _ = cancel.cancelled() => return,
+                r = self.pass() => match r {
+                    Ok(()) => {
+                        failed = 0;
+                        self.config.sync_interval
+                    }
+                    Err(e) => {
+                        failed += 1;
+                        self.metrics.failures.inc();
+                        let delay = BACKOFF.delay(failed);
+                        tracing::warn!(
+                            error = %e,
+                            failed,
+                            retry_in = ?delay,
+                            "secondary store sync failed; the primary is unaffected"
+                        );
+                        delay
+                    }
+                },
+            };
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = tokio::time::sleep(pause) => {}
+            }
+        }
+    }
+
+    /// One pass: list both, copy what is missing in [`plan`]'s order, then apply retention to
+    /// the secondary. The lag is updated before and after every copy.
+    async fn pass(&mut self) -> Result<(), CopyError> {
+        let primary = list_sized(&self.stores.source)
+            .await
+            .map_err(store_error("primary", &self.stores.source))?;
+        let listed = list_sized(&self.stores.dest).await;
+        let listed = match listed {
+            Ok(l) => l,
+            Err(e) => {
+                self.metrics.set_lag(lag(&primary, &self.known, Utc::now()));
+                return Err(store_error("secondary", &self.stores.dest)(e));
+            }
+        };
+        self.known = listed
+            .into_iter()
+            .map(|l| (l.snapshot.snap_name, l.size))
+            .collect();
+        self.metrics.set_lag(lag(&primary, &self.known, Utc::now()));
+        let todo = plan(&primary, &self.known, Utc::now(), self.retention);
+        let progress = Progress::new(todo.len(), todo.iter().map(|l| l.size).sum());
+        for item in &todo {
+            let s = &item.snapshot;
+            let result = copy_one(&self.stores, item, &progress).await;
+            match result {
+                Ok(_) => {
+                    tracing::info!(snapshot = %s.snap_name, revision = s.last_revision, "copied to the secondary store");
+                    self.known.insert(dest_name(s), item.size);
+                    self.metrics.copied.inc();
+                    self.metrics.set_lag(lag(&primary, &self.known, Utc::now()));
+                }
+                Err(source) => {
+                    return Err(CopyError::Incomplete {
+                        total: todo.len(),
+                        failures: vec![(s.snap_name.clone(), source)],
+                    });
+                }
+            }
+        }
+        self.metrics.last_sync.set(Utc::now().timestamp() as f64);
+        match gc::run(&self.stores.dest, Utc::now(), self.retention).await {
+            Ok(report) => {
+                for s in &report.deleted {
+                    self.known.remove(&s.snap_name);
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "retention on the secondary store failed"),
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::GcPolicy;
+    use crate::store::compression::Codec;
+    use crate::store::{Kind, Snapshot};
+    use chrono::TimeZone;
+
+    fn at(minute: u32) -> DateTime<Utc> {
+        Utc.with_ymd_and_hms(2026, 11, 26, 12, minute, 0).unwrap()
+    }
+    fn listed(kind: Kind, start: i64, last: i64, minute: u32, is_final: bool) -> Listed {
+        Listed {
+            snapshot: Snapshot::new("", kind, start, last, at(minute), Codec::Gzip, is_final),
+            size: 100 + last as u64,
+        }
+    }
+    fn keep_all() -> Retention {
+        Retention {
+            policy: GcPolicy::LimitBased { max_backups: 100 },
+            delta_retention: Duration::ZERO,
+        }
+    }
+    fn holding(items: &[&Listed]) -> HashMap<String, u64> {
+        items
+            .iter()
+            .map(|l| (dest_name(&l.snapshot), l.size))
+            .collect()
+    }
+
+    #[test]
+    fn the_final_goes_first_then_oldest_first_and_lag_is_the_oldest_missing() {
+        let full = listed(Kind::Full, 0, 10, 0, false);
+        let d1 = listed(Kind::Incr, 11, 20, 1, false);
+        let d2 = listed(Kind::Incr, 21, 30, 2, false);
+        let fin = listed(Kind::Full, 0, 30, 3, true);
+        let primary = vec![full.clone(), d1.clone(), d2.clone(), fin.clone()];
+        let secondary = holding(&[&full]);
+
+        let order: Vec<i64> = plan(&primary, &secondary, at(5), keep_all())
+            .iter()
+            .map(|l| l.snapshot.last_revision)
+            .collect();
+        assert_eq!(order, vec![30, 20, 30]);
+        assert!(
+            plan(&primary, &secondary, at(5), keep_all())[0]
+                .snapshot
+                .is_final
+        );
+
+        assert_eq!(
+            lag(&primary, &secondary, at(5)),
+            Lag {
+                seconds: 240.0,
+                revisions: 20
+            }
+        );
+        // The final is held without `.final`, as the copy job names it.
+        let all = holding(&[&full, &d1, &d2, &fin]);
+        assert!(all.keys().all(|k| !k.ends_with(FINAL_SUFFIX)));
+        assert!(plan(&primary, &all, at(5), keep_all()).is_empty());
+        assert_eq!(lag(&primary, &all, at(5)).seconds, 0.0);
+    }
+
+    #[test]
+    fn a_torn_copy_of_another_size_is_not_held() {
+        let full = listed(Kind::Full, 0, 10, 0, false);
+        let mut torn = holding(&[&full]);
+        torn.values_mut().for_each(|v| *v -= 1);
+        assert_eq!(
+            plan(std::slice::from_ref(&full), &torn, at(1), keep_all()),
+            vec![full]
+        );
+    }
+
+    #[test]
+    fn what_retention_would_delete_is_not_copied() {
+        let old = listed(Kind::Full, 0, 10, 0, false);
+        let new = listed(Kind::Full, 0, 20, 1, false);
+        let one = Retention {
+            policy: GcPolicy::LimitBased { max_backups: 1 },
+            delta_retention: Duration::ZERO,
+        };
+        let todo = plan(&[old, new.clone()], &HashMap::new(), at(2), one);
+        assert_eq!(todo, vec![new]);
+    }
+}
