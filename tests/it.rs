@@ -40,6 +40,7 @@ mod rejoin;
 mod restore;
 mod restore_datadir;
 mod restore_drill;
+mod restore_member_dir;
 mod restore_point_in_time;
 mod secondary;
 mod sidecar;

@@ -12,8 +12,13 @@
 //! Checked as it goes: revisions continue the snapshot's without a gap (a missing delta), never
 //! go back, and every put carries its create revision and version. Deltas this cannot write (an
 //! event without those fields, a database whose shape [`super::bolt`] does not know) come back as
-//! [`Outcome::Unsupported`] and the caller replays them through etcd instead. The result is
-//! still opened by a temporary etcd and its revision checked before it is used.
+//! [`Outcome::Unsupported`] and the caller replays them through etcd instead. The result's
+//! revision is checked before it is used (read back from the file, or by a temporary etcd where
+//! etcd's own tool restores it).
+//!
+//! The file is written bucket by bucket and page by page as the snapshot's is read, so memory
+//! stays flat whatever the database's size; [`Membership`] carries what etcd's snapshot restore
+//! changes in it for a new cluster, so the written file is the member's database itself.
 //!
 //! As in the replay through etcd, leases are dropped: a put keeps no lease.
 //!
@@ -33,7 +38,8 @@ use tokio::sync::mpsc;
 
 use chrono::{DateTime, Utc};
 
-use super::bolt::{BoltError, Bucket, Reader, Tree, Writer};
+use super::bolt::{BoltError, Bucket, Reader, Root, Tree, Writer};
+use super::member_dir::{Cluster, Release};
 use super::{RestoreError, RevisionBump, StepExt};
 use crate::snapshot::delta::{self, Event, EventType};
 use crate::store::layout::Target;
@@ -46,16 +52,49 @@ const META_BUCKET: &[u8] = b"meta";
 const FINISHED_COMPACT: &[u8] = b"finishedCompactRev";
 /// The compaction etcd resumes on start when it is above the finished one.
 const SCHEDULED_COMPACT: &[u8] = b"scheduledCompactRev";
+/// The buckets of the membership etcd 3.5's restore rewrites.
+const MEMBERS: &[u8] = b"members";
+const MEMBERS_REMOVED: &[u8] = b"members_removed";
+const CLUSTER: &[u8] = b"cluster";
 /// Deltas decoded ahead of the writer.
 const QUEUE: usize = 4;
 
-/// Where the written database stops and what it says of the revisions after it.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// Where the written database stops, what it says of the revisions after it and of the cluster
+/// it now belongs to.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Plan {
     /// Stop at this point in time; `None`: every event.
     pub until: Option<Target>,
     /// The revision bump after the last event.
     pub bump: RevisionBump,
+    /// The new cluster's membership, written as etcd's snapshot restore writes it; `None`
+    /// leaves that to etcd's tool.
+    pub membership: Option<Membership>,
+}
+
+/// What etcd's snapshot restore changes in the database for a new cluster
+/// ([`super::member_dir`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Membership {
+    /// The new `members` bucket, keys ascending: `members_removed` is emptied with it, and
+    /// `cluster` created if missing (etcd 3.5). `None`: the three buckets are copied (3.4).
+    pub members: Option<Vec<(Vec<u8>, Vec<u8>)>>,
+    /// Keys set in `meta` (the consistent index, the term), ascending.
+    pub meta: Vec<(Vec<u8>, Vec<u8>)>,
+}
+
+impl Membership {
+    /// What `release`'s tool writes for `cluster`.
+    pub fn of(cluster: &Cluster, release: Release) -> Membership {
+        Membership {
+            members: (release == Release::V35).then(|| cluster.members_bucket()),
+            meta: cluster
+                .meta(release)
+                .into_iter()
+                .map(|(k, v)| (k.to_vec(), v))
+                .collect(),
+        }
+    }
 }
 
 /// What writing the deltas into the database came to.
@@ -432,15 +471,37 @@ fn write_blocking(
     // The bump's revision, known once the key bucket is written (`meta` sorts after `key`).
     let mut bumped: Option<i64> = None;
     let mut writer = Writer::create(out, reader.page_size())?;
-    let mut roots = Vec::with_capacity(buckets.len());
-    for bucket in &buckets {
+    let membership = plan.membership.as_ref();
+    if membership.is_some() && !buckets.iter().any(|b| b.name == META_BUCKET) {
+        return Err(Fail::Unsupported(
+            "no `meta` bucket to write the consistent index in".into(),
+        ));
+    }
+    let mut roots = Vec::with_capacity(buckets.len() + 3);
+    for bucket in with_membership_buckets(&buckets, membership) {
         let mut tree = writer.tree();
-        let scheduled = (bucket.name == META_BUCKET && plan.bump.mark_compacted)
-            .then_some(bumped)
-            .flatten()
-            .map(|b| revision_key(b, 0, false));
-        copy_bucket(&reader, bucket, &mut tree, scheduled)?;
-        if bucket.name == KEY_BUCKET {
+        let name = bucket.name.as_slice();
+        match membership.and_then(|m| m.members.as_ref()) {
+            Some(members) if name == MEMBERS => {
+                for (k, v) in members {
+                    tree.push(k, v)?;
+                }
+            }
+            Some(_) if name == MEMBERS_REMOVED => {}
+            _ if name == META_BUCKET => {
+                let mut set: Vec<(Vec<u8>, Vec<u8>)> =
+                    membership.map(|m| m.meta.clone()).unwrap_or_default();
+                if plan.bump.mark_compacted
+                    && let Some(b) = bumped
+                {
+                    set.push((SCHEDULED_COMPACT.to_vec(), revision_key(b, 0, false)));
+                }
+                set.sort();
+                copy_bucket(&reader, &bucket, &mut tree, set)?;
+            }
+            _ => copy_bucket(&reader, &bucket, &mut tree, Vec::new())?,
+        }
+        if name == KEY_BUCKET {
             append_events(&mut rx, &mut cursor, &mut tree)?;
             if plan.bump.by > 0 {
                 let by = i64::try_from(plan.bump.by).unwrap_or(i64::MAX);
@@ -478,14 +539,40 @@ fn write_blocking(
     })
 }
 
-/// Copies `bucket` into `tree`, with `scheduledCompactRev` set to `scheduled` when given.
+/// The buckets to write: the snapshot's, and when etcd 3.5's membership is written the three
+/// its restore creates if missing (empty, sequence 0), by name.
+fn with_membership_buckets(buckets: &[Bucket], membership: Option<&Membership>) -> Vec<Bucket> {
+    let mut all = buckets.to_vec();
+    if membership.is_some_and(|m| m.members.is_some()) {
+        for name in [MEMBERS, MEMBERS_REMOVED, CLUSTER] {
+            if !all.iter().any(|b| b.name == name) {
+                all.push(Bucket {
+                    name: name.to_vec(),
+                    root: Root::Inline(Vec::new()),
+                    sequence: 0,
+                });
+            }
+        }
+        all.sort_by(|a, b| a.name.cmp(&b.name));
+    }
+    all
+}
+
+/// Copies `bucket` into `tree` with the keys of `set` (ascending) set to their values.
 fn copy_bucket(
     reader: &Reader,
     bucket: &Bucket,
     tree: &mut Tree<'_>,
-    scheduled: Option<Vec<u8>>,
+    set: Vec<(Vec<u8>, Vec<u8>)>,
 ) -> Result<(), BoltError> {
-    let mut pending = scheduled;
+    let mut pending = set.into_iter().peekable();
+    if matches!(&bucket.root, Root::Inline(page) if page.is_empty()) {
+        // A bucket this writer adds: nothing to copy.
+        for (k, v) in pending {
+            tree.push(&k, &v)?;
+        }
+        return Ok(());
+    }
     reader.visit(&bucket.root, &mut |flags, k, v| {
         if flags != 0 {
             return Err(BoltError::Unsupported(format!(
@@ -493,20 +580,30 @@ fn copy_bucket(
                 String::from_utf8_lossy(&bucket.name)
             )));
         }
-        // Keys arrive in order: the new value goes in before the first key after its own, or
-        // in place of its own.
-        if let Some(value) = pending.take_if(|_| k >= SCHEDULED_COMPACT) {
-            tree.push(SCHEDULED_COMPACT, &value)?;
-            if k == SCHEDULED_COMPACT {
-                return Ok(());
-            }
+        // Keys arrive in order: a new value goes in before the first key after its own, or in
+        // place of its own.
+        let mut replaced = false;
+        while let Some((key, value)) = pending.next_if(|(key, _)| key.as_slice() <= k) {
+            tree.push(&key, &value)?;
+            replaced |= key.as_slice() == k;
+        }
+        if replaced {
+            return Ok(());
         }
         tree.push(k, v)
     })?;
-    match pending {
-        Some(value) => tree.push(SCHEDULED_COMPACT, &value),
-        None => Ok(()),
+    for (k, v) in pending {
+        tree.push(&k, &v)?;
     }
+    Ok(())
+}
+
+/// The revision etcd starts at on the database file at `path` (no hash after it).
+pub fn file_revision(path: &Path) -> Result<i64, BoltError> {
+    let len = std::fs::metadata(path)?.len();
+    let reader = Reader::open(path, len)?;
+    let buckets = reader.buckets()?;
+    database_revision(&reader, &buckets)
 }
 
 /// Appends every event the fetching side sends, up to the cursor's target; on reaching it the

@@ -1,12 +1,15 @@
 //! Restore an etcd data directory from a full snapshot and its deltas.
 //!
-//! The full snapshot is fetched and its hash checked; the deltas' events are written straight
-//! into its database file as the records etcd itself would have written ([`direct`]); the etcd
-//! release's own tool restores that file into `<data-dir>.part`; a temporary etcd on loopback
-//! opens it and must report the last delta's revision; the result is synced and renamed into
-//! place. Deltas that cannot be written directly (puts without their create revision and
-//! version) are replayed through the temporary etcd instead ([`replay`]). Any failure leaves an
-//! existing data directory untouched.
+//! The full snapshot is fetched and its hash checked; for etcd 3.4 and 3.5 the member directory
+//! is written into `<data-dir>.part` as their own restore tool writes it ([`member_dir`]): the
+//! WAL and `.snap` file, and the database streamed from the snapshot's with the new membership
+//! and the deltas' events written straight into it as the records etcd itself would have
+//! written ([`direct`]); its revision is read back from the file, then the result is synced and
+//! renamed into place. No etcd runs. Other releases (and the fallbacks below) have the release's
+//! own tool restore the written database and a temporary etcd on loopback check its revision.
+//! Deltas that cannot be written directly (puts without their create revision and version) are
+//! replayed through the temporary etcd instead ([`replay`]). Any failure leaves an existing data
+//! directory untouched.
 //!
 //! Leases are not restored: puts from deltas carry no lease (as etcd-backup-restore does), so
 //! keys written under a lease after the full snapshot live until deleted.
@@ -22,6 +25,7 @@ pub mod datadir;
 pub mod direct;
 pub mod drill;
 pub mod initialize;
+pub mod member_dir;
 pub mod rejoin;
 pub mod replay;
 pub mod tools;
@@ -71,6 +75,16 @@ pub enum RestoreError {
         tool: String,
         status: std::process::ExitStatus,
         stderr: String,
+    },
+    /// The member directory could not be written (the initial cluster, a file).
+    #[error("{0}")]
+    MemberDir(member_dir::MemberDirError),
+    /// The written database is not at the revision the deltas end at.
+    #[error("the restored database {path} is at revision {seen}, the deltas end at {expected}")]
+    WrittenRevision {
+        path: String,
+        seen: i64,
+        expected: i64,
     },
     /// The temporary etcd could not be started or stopped.
     #[error("temporary etcd: {0}")]
@@ -332,7 +346,7 @@ pub struct Skipped {
 pub enum Replay {
     /// There were none.
     NoDeltas,
-    /// Written into the full snapshot's database ([`direct`]), then checked by etcd.
+    /// Written into the full snapshot's database ([`direct`]), then its revision checked.
     Direct,
     /// Replayed through a temporary etcd ([`replay`]): deltas [`direct`] cannot write.
     ThroughEtcd,
@@ -597,9 +611,25 @@ async fn build(
     let db = work.join("snapshot.db");
     let bytes = fetch_full(store, full, &db).await?;
 
+    // etcd 3.4 and 3.5: the member directory is written here, as their tools write it
+    // ([`member_dir`]); other releases keep their own tool and a temporary etcd's check.
+    let own = match member_dir::Release::of(tools.binaries.version) {
+        Some(release) => {
+            let cluster = member_dir::Cluster::from_params(&opts.member)
+                .map_err(RestoreError::MemberDir)
+                .step("deriving the cluster's ids")?;
+            Some((release, cluster))
+        }
+        None => None,
+    };
+
     // A point in time is checked against the database's own revision, and a bump written
     // into it: both need the database written even without deltas.
-    if deltas.is_empty() && opts.to.is_none() && opts.bump == RevisionBump::default() {
+    if own.is_none()
+        && deltas.is_empty()
+        && opts.to.is_none()
+        && opts.bump == RevisionBump::default()
+    {
         tools
             .restore_db(&db, DbHash::Appended, part, &opts.member)
             .await
@@ -632,7 +662,15 @@ async fn build(
         opts.member.clone()
     };
 
-    let written = work.join("with-deltas.db");
+    let written = match &own {
+        Some((release, cluster)) => {
+            member_dir::write(part, cluster, *release)
+                .map_err(RestoreError::MemberDir)
+                .step("writing the member directory")?;
+            member_dir::db_path(part)
+        }
+        None => work.join("with-deltas.db"),
+    };
     let db_len = bytes.saturating_sub(crate::snapshot::delta::HASH_LEN as u64);
     let parallel = opts.parallel_fetch.max(1);
     let (first, last) = revision_range(deltas);
@@ -646,6 +684,9 @@ async fn build(
     let plan = direct::Plan {
         until: opts.to,
         bump: opts.bump,
+        membership: own
+            .as_ref()
+            .map(|(release, cluster)| direct::Membership::of(cluster, *release)),
     };
     let outcome = direct::write(store, deltas, parallel, &db, db_len, &written, plan)
         .instrument(span.clone())
@@ -678,6 +719,7 @@ async fn build(
                 )
             });
             let _ = std::fs::remove_file(&written);
+            remove_if_exists(part).step("removing the member directory written")?;
             return replay_through_etcd(
                 store,
                 tools,
@@ -712,6 +754,21 @@ async fn build(
         );
         Ok::<_, RestoreError>(())
     })?;
+    if own.is_some() {
+        check_written_revision(&written, etcd_revision).await?;
+        return Ok(Built {
+            events,
+            revision,
+            etcd_revision,
+            last_event_time,
+            replay_time: write_time,
+            replay: if deltas.is_empty() {
+                Replay::NoDeltas
+            } else {
+                Replay::Direct
+            },
+        });
+    }
     // etcd itself must open the result and agree on the revision before it is used.
     tools
         .restore_db(&written, DbHash::None, &scratch, &scratch_member)
@@ -732,6 +789,35 @@ async fn build(
         replay_time: write_time,
         replay: Replay::Direct,
     })
+}
+
+/// Reads the revision etcd will start at from the written database `db` and checks it is
+/// `expected`; makes the file private, as etcd's tools do.
+#[tracing::instrument(name = "check_written_revision", skip_all, fields(expected = expected))]
+async fn check_written_revision(db: &Path, expected: i64) -> Result<(), RestoreError> {
+    use std::os::unix::fs::PermissionsExt;
+    let path = db.to_path_buf();
+    let seen = tokio::task::spawn_blocking(move || {
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+        direct::file_revision(&path).map_err(|e| std::io::Error::other(e.to_string()))
+    })
+    .await
+    .map_err(|cause| RestoreError::Task {
+        what: "reading the written database",
+        cause,
+    })?
+    .map_err(|e| RestoreError::io(db, e))
+    .step("reading the restored revision")?;
+    if seen != expected {
+        return Err(RestoreError::WrittenRevision {
+            path: db.display().to_string(),
+            seen,
+            expected,
+        })
+        .step("checking the final revision");
+    }
+    tracing::info!("the written database is at the expected revision");
+    Ok(())
 }
 
 /// Fetches the full snapshot into `db`, checking its hash on the way. Returns its length.

@@ -1,5 +1,6 @@
-//! etcd's own tools, used by restore: `etcdutl snapshot restore` (3.5+) or `etcdctl snapshot
-//! restore` (3.4), and a temporary etcd on loopback to replay deltas into. Both are found and run
+//! etcd's own tools, used by restore where it does not write the member directory itself
+//! (releases other than 3.4 and 3.5, the replay fallback): `etcdutl snapshot restore` (3.5+) or
+//! `etcdctl snapshot restore` (3.4), and a temporary etcd on loopback to replay deltas into. Both are found and run
 //! through [`crate::etcd::process`].
 
 use std::path::{Path, PathBuf};
