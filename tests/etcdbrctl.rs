@@ -22,7 +22,7 @@ use etcd_warden::config::{Config, Purpose, Sources};
 use etcd_warden::etcdbrctl::translate;
 
 use crate::support::etcd::{Release, member_healthy};
-use crate::support::warden::{Warden, binary};
+use crate::support::warden::Warden;
 use crate::support::{eventually, free_port};
 
 fn words(s: &str) -> Vec<String> {
@@ -265,7 +265,7 @@ fn anything_else_exits_64_naming_it() {
             "lzw",
         ),
     ] {
-        let out = Command::new(binary())
+        let out = crate::support::warden::command()
             .arg0("etcdbrctl")
             .args(&args)
             .env("HOME", "/tmp")
@@ -277,7 +277,10 @@ fn anything_else_exits_64_naming_it() {
         assert!(err.contains(named), "{args:?}: {err}");
     }
     // Under its own name, the binary is etcd-warden as before.
-    let out = Command::new(binary()).arg("server").output().unwrap();
+    let out = crate::support::warden::command()
+        .arg("server")
+        .output()
+        .unwrap();
     assert_eq!(
         out.status.code(),
         Some(2),
@@ -734,7 +737,7 @@ async fn the_leases_druid_reads_are_renewed_with_etcd_backup_restores_values() {
     // (the sidecar stopped, so the Job's write is the only one).
     w.kill();
     let work = pod.root.path().join("compaction.etcd");
-    let out = Command::new(binary())
+    let out = crate::support::warden::command()
         .arg0("etcdbrctl")
         .args([
             "compact".to_string(),
