@@ -487,9 +487,10 @@ pub fn compare(expected: &Expected, served: &Expected) -> Result<(u64, String), 
 }
 
 /// The drill record as metrics: read from the store when `/metrics` is scraped, at most once a
-/// minute and for at most five seconds, so a slow store never slows a scrape much and a sidecar
-/// needs no task of its own for it (nothing to die silently). A record that cannot be read
-/// leaves the last values and is logged.
+/// minute whatever the outcome. A scrape waits a second for the read at the most; a slower read
+/// goes on (bounded) and its values show at the next scrape, so a store that hangs or refuses
+/// never slows a scrape past Prometheus's timeout, and a sidecar needs no task of its own for it
+/// (nothing to die silently). A record that cannot be read leaves the last values and is logged.
 #[derive(Clone)]
 pub struct DrillMetrics {
     read_at: std::sync::Arc<tokio::sync::Mutex<Option<Instant>>>,
@@ -524,10 +525,12 @@ impl std::fmt::Debug for DrillMetrics {
 
 /// `failures_seen` before the first read.
 const NOT_SEEN: u64 = u64::MAX;
-/// How often the record is read at the most.
+/// How often the record is read at the most (counted from the last attempt).
 const RECORD_TTL: Duration = Duration::from_secs(60);
-/// How long a scrape waits for the record.
-const RECORD_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long one read of the record may take.
+const RECORD_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a scrape waits for a read it started.
+const SCRAPE_WAIT: Duration = Duration::from_secs(1);
 
 impl DrillMetrics {
     /// Registers `etcd_warden_restore_drill_…`.
@@ -564,25 +567,30 @@ impl DrillMetrics {
         );
     }
 
-    /// Reads the record of `store` again if the last read is older than a minute.
+    /// Reads the record of `store` again if the last attempt is older than a minute, waiting
+    /// [`SCRAPE_WAIT`] for it at the most.
     pub async fn refresh(&self, store: &SnapshotStore) {
-        let Ok(mut read_at) = self.read_at.try_lock() else {
-            return; // another scrape is reading it
+        let Ok(mut attempted) = self.read_at.clone().try_lock_owned() else {
+            return; // another scrape's read is under way
         };
-        if read_at.is_some_and(|t| t.elapsed() < RECORD_TTL) {
+        if attempted.is_some_and(|t| t.elapsed() < RECORD_TTL) {
             return;
         }
-        match tokio::time::timeout(RECORD_TIMEOUT, read_record(store)).await {
-            Ok(Ok(record)) => {
-                *read_at = Some(Instant::now());
-                self.show(&record);
+        *attempted = Some(Instant::now());
+        let (this, store) = (self.clone(), store.clone());
+        let read = tokio::spawn(async move {
+            let _attempted = attempted; // held until the read ends: one read at a time
+            match tokio::time::timeout(RECORD_TIMEOUT, read_record(&store)).await {
+                Ok(Ok(record)) => this.show(&record),
+                Ok(Err(e)) => tracing::warn!(error = %e, "reading the restore drill record failed"),
+                Err(_) => tracing::warn!(
+                    after = ?RECORD_TIMEOUT,
+                    "reading the restore drill record timed out"
+                ),
             }
-            Ok(Err(e)) => tracing::warn!(error = %e, "reading the restore drill record failed"),
-            Err(_) => tracing::warn!(
-                after = ?RECORD_TIMEOUT,
-                "reading the restore drill record timed out"
-            ),
-        }
+        });
+        // Not done within the wait: the read goes on and the next scrape shows it.
+        let _ = tokio::time::timeout(SCRAPE_WAIT, read).await;
     }
 
     /// Sets the metrics from `record`.
@@ -607,6 +615,46 @@ impl DrillMetrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A store that accepts connections and never answers: a scrape waits a second for the
+    /// record, not the read's bound, and the next scrape within the minute does not ask again.
+    #[tokio::test]
+    async fn a_hanging_store_never_holds_a_scrape() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = accepted.clone();
+        let hold = tokio::spawn(async move {
+            let mut open = Vec::new();
+            while let Ok((conn, _)) = listener.accept().await {
+                counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                open.push(conn); // never answered
+            }
+        });
+        let config = crate::config::StoreConfig {
+            endpoint: Some(format!("http://127.0.0.1:{port}")),
+            region: Some("us-east-1".into()),
+            allow_http: true,
+            access_key_id: Some(crate::config::Secret::Value("k".into())),
+            secret_access_key: Some(crate::config::Secret::Value("s".into())),
+            ..crate::config::StoreConfig::at(
+                crate::config::StoreLocation::parse("s3://b/p").unwrap(),
+            )
+        };
+        let store = SnapshotStore::new(crate::store::build(&config).unwrap(), "p");
+        let metrics = DrillMetrics::default();
+        for _ in 0..3 {
+            let started = Instant::now();
+            metrics.refresh(&store).await;
+            assert!(
+                started.elapsed() < SCRAPE_WAIT + Duration::from_millis(500),
+                "a scrape waited {:?}",
+                started.elapsed()
+            );
+        }
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
+        hold.abort();
+    }
 
     fn state(revision: i64, keys: &[(&str, &str, i64)]) -> Expected {
         Expected {
