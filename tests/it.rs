@@ -48,6 +48,7 @@ mod snapshot;
 mod snapshot_etcd_connect;
 mod store;
 mod store_identity;
+mod store_sse;
 
 /// Every `tests/*.rs` is a module of this binary or a test target of its own in `Cargo.toml`:
 /// with `autotests = false`, a file listed in neither would never compile or run.

@@ -169,3 +169,201 @@ fn a_web_identity_needs_both_keys_https_and_an_s3_store() {
         assert_eq!(e.key, named, "{keys:?}: {e}");
     }
 }
+
+fn load(
+    keys: &[(&str, &str)],
+) -> Result<etcd_warden::config::Config, etcd_warden::config::ConfigError> {
+    let sources = etcd_warden::config::Sources {
+        file: None,
+        env: &HashMap::<String, String>::new(),
+        overrides: keys
+            .iter()
+            .map(|(k, v)| etcd_warden::config::Override::flag(k, *v, "test"))
+            .collect(),
+    };
+    etcd_warden::config::Config::load_for(&sources, etcd_warden::config::Purpose::Any)
+        .map(|(c, _)| c)
+}
+
+/// Server-side encryption and the Azure workload identity: what they take, and what cannot make
+/// them refused naming the key.
+#[test]
+fn encryption_and_azure_identity_keys_are_checked_naming_the_key() {
+    use etcd_warden::config::ServerSideEncryption as Sse;
+    let dir = tempfile::tempdir().unwrap();
+    let file = |name: &str, bytes: &[u8]| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, bytes).unwrap();
+        p.display().to_string()
+    };
+    let raw = file("raw", &[9u8; 32]);
+    let raw_nl = file("raw-nl", &[[9u8; 32].as_slice(), b"\n"].concat());
+    let b64 = file("b64", b"CQkJCQkJCQkJCQkJCQkJCQkJCQkJCQkJCQkJCQkJCQk=\n");
+    let short = file("short", b"c2hvcnQ=");
+    let token = file("token", b"jwt");
+    let want_c = Sse::Customer {
+        key_base64: "CQkJCQkJCQkJCQkJCQkJCQkJCQkJCQkJCQkJCQkJCQk=".into(),
+    };
+    for (keys, want) in [
+        (
+            vec![("store.server_side_encryption", "AES256")],
+            Sse::S3Managed,
+        ),
+        (
+            vec![
+                ("store.server_side_encryption", "aws:kms"),
+                ("store.sse_kms_key_id", "alias/etcd"),
+            ],
+            Sse::Kms {
+                key_id: Some("alias/etcd".into()),
+                dual: false,
+            },
+        ),
+        (
+            vec![("store.server_side_encryption", "aws:kms:dsse")],
+            Sse::Kms {
+                key_id: None,
+                dual: true,
+            },
+        ),
+        (
+            vec![
+                ("store.server_side_encryption", "sse-c"),
+                ("store.sse_customer_key_file", &raw),
+            ],
+            want_c.clone(),
+        ),
+        (
+            vec![
+                ("store.server_side_encryption", "sse-c"),
+                ("store.sse_customer_key_file", &raw_nl),
+            ],
+            want_c.clone(),
+        ),
+        (
+            vec![
+                ("store.server_side_encryption", "sse-c"),
+                ("store.sse_customer_key_file", &b64),
+            ],
+            want_c.clone(),
+        ),
+    ] {
+        let mut all = vec![("store.url", "s3://b/p")];
+        all.extend(keys.iter().cloned());
+        let c = load(&all).unwrap_or_else(|e| panic!("{keys:?}: {e}"));
+        assert_eq!(c.store.sse, Some(want), "{keys:?}");
+    }
+    let identity = [
+        ("store.url", "az://c/p"),
+        ("store.account_name", "acct"),
+        ("store.federated_token_file", token.as_str()),
+        ("store.client_id", "client"),
+        ("store.tenant_id", "tenant"),
+        ("store.authority_host", "https://login.example/"),
+    ];
+    let c = load(&identity).unwrap();
+    let id = c.store.azure_identity.expect("an identity");
+    assert_eq!(
+        (id.client_id.as_str(), id.tenant_id.as_str()),
+        ("client", "tenant")
+    );
+    assert_eq!(id.authority_host.as_deref(), Some("https://login.example"));
+
+    let cases: Vec<(Vec<(&str, &str)>, &str)> = vec![
+        (
+            vec![
+                ("store.url", "s3://b/p"),
+                ("store.server_side_encryption", "kms"),
+            ],
+            "store.server_side_encryption",
+        ),
+        (
+            vec![
+                ("store.url", "gs://b/p"),
+                ("store.server_side_encryption", "AES256"),
+            ],
+            "store.server_side_encryption",
+        ),
+        (
+            vec![("store.url", "s3://b/p"), ("store.sse_kms_key_id", "k")],
+            "store.sse_kms_key_id",
+        ),
+        (
+            vec![
+                ("store.url", "s3://b/p"),
+                ("store.server_side_encryption", "AES256"),
+                ("store.sse_kms_key_id", "k"),
+            ],
+            "store.sse_kms_key_id",
+        ),
+        (
+            vec![
+                ("store.url", "s3://b/p"),
+                ("store.server_side_encryption", "sse-c"),
+            ],
+            "store.sse_customer_key_file",
+        ),
+        (
+            vec![
+                ("store.url", "s3://b/p"),
+                ("store.server_side_encryption", "sse-c"),
+                ("store.sse_customer_key_file", &short),
+            ],
+            "store.sse_customer_key_file",
+        ),
+        (
+            vec![
+                ("store.url", "s3://b/p"),
+                ("store.server_side_encryption", "aws:kms"),
+                ("store.sse_customer_key_file", &raw),
+            ],
+            "store.sse_customer_key_file",
+        ),
+        (
+            vec![("store.url", "az://c/p"), ("store.client_id", "c")],
+            "store.client_id",
+        ),
+        (
+            vec![
+                ("store.url", "az://c/p"),
+                ("store.federated_token_file", &token),
+                ("store.client_id", "c"),
+            ],
+            "store.tenant_id",
+        ),
+        (
+            vec![
+                ("store.url", "s3://b/p"),
+                ("store.federated_token_file", &token),
+                ("store.client_id", "c"),
+                ("store.tenant_id", "t"),
+            ],
+            "store.federated_token_file",
+        ),
+        (
+            identity
+                .iter()
+                .cloned()
+                .chain([("store.account_key", "a2V5")])
+                .collect(),
+            "store.federated_token_file",
+        ),
+        (
+            identity
+                .iter()
+                .cloned()
+                .filter(|(k, _)| *k != "store.authority_host")
+                .chain([("store.authority_host", "http://login.example")])
+                .collect(),
+            "store.authority_host",
+        ),
+        (
+            vec![("store.url", "file:///tmp/x"), ("store.ca_file", &token)],
+            "store.ca_file",
+        ),
+    ];
+    for (keys, named) in cases {
+        let e = load(&keys).expect_err(named);
+        assert_eq!(e.key, named, "{keys:?}: {e}");
+    }
+}

@@ -196,8 +196,49 @@ pub struct StoreConfig {
     pub use_emulator: bool,
     /// S3: assume this role with a web identity token (EKS's IRSA) instead of keys.
     pub web_identity: Option<WebIdentity>,
-    /// Trust this CA (PEM) for the store's endpoint and STS, besides the system's roots.
+    /// Trust this CA (PEM) for the store's endpoint and its identity service, besides the
+    /// system's roots.
     pub ca_file: Option<PathBuf>,
+    /// S3: server-side encryption of every object written.
+    pub sse: Option<ServerSideEncryption>,
+    /// Azure: a workload identity (a federated token exchanged for an Entra ID token).
+    pub azure_identity: Option<AzureWorkloadIdentity>,
+}
+
+/// S3 server-side encryption of the objects etcd-warden writes (`store.server_side_encryption`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ServerSideEncryption {
+    /// SSE-S3 (`AES256`): keys the service manages.
+    S3Managed,
+    /// SSE-KMS (`aws:kms`) or DSSE-KMS (`aws:kms:dsse`, `dual`), with this key or the bucket's
+    /// default key.
+    Kms { key_id: Option<String>, dual: bool },
+    /// SSE-C: the customer's 256-bit key (its base64), sent with every request that writes or
+    /// reads an object; the service keeps only its hash.
+    Customer { key_base64: String },
+}
+
+impl ServerSideEncryption {
+    /// The value of `x-amz-server-side-encryption` (object_store's `aws_server_side_encryption`).
+    pub fn algorithm(&self) -> &'static str {
+        match self {
+            ServerSideEncryption::S3Managed => "AES256",
+            ServerSideEncryption::Kms { dual: false, .. } => "aws:kms",
+            ServerSideEncryption::Kms { dual: true, .. } => "aws:kms:dsse",
+            ServerSideEncryption::Customer { .. } => "sse-c",
+        }
+    }
+}
+
+/// An Azure workload identity (AKS's): the token the kubelet projects into `token_file` is
+/// exchanged at Entra ID for a storage token, read again at every exchange (rotation).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AzureWorkloadIdentity {
+    pub client_id: String,
+    pub tenant_id: String,
+    pub token_file: PathBuf,
+    /// Entra ID's host; `None`: the public cloud's (`https://login.microsoftonline.com`).
+    pub authority_host: Option<String>,
 }
 
 /// An S3 role assumed with a web identity token (`AssumeRoleWithWebIdentity`), the token file
@@ -228,6 +269,8 @@ impl StoreConfig {
             use_emulator: false,
             web_identity: None,
             ca_file: None,
+            sse: None,
+            azure_identity: None,
         }
     }
 }

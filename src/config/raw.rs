@@ -125,6 +125,20 @@ pub struct RawStore {
     pub sts_endpoint: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ca_file: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server_side_encryption: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sse_kms_key_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sse_customer_key_file: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub federated_token_file: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub authority_host: Option<String>,
     /// `[store.secondary]`: a second store every snapshot is copied to. Only `[store]` may
     /// have one (validation refuses it elsewhere).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -12,10 +12,10 @@ use super::raw::{
     RawRestore, RawServer, RawSnapshot, RawStore, parse_bytes, parse_duration, parse_nameserver,
 };
 use super::{
-    Compression, Config, ConfigError, CopyConfig, DefragConfig, DruidConfig, EncryptionConfig,
-    EtcdConfig, GcPolicy, KillConfig, LogConfig, LogFormat, OwnerConfig, Purpose, RestoreConfig,
-    SecondaryConfig, Secret, ServerConfig, SnapshotConfig, StoreConfig, StoreLocation, TlsFiles,
-    Validation, WebIdentity,
+    AzureWorkloadIdentity, Compression, Config, ConfigError, CopyConfig, DefragConfig, DruidConfig,
+    EncryptionConfig, EtcdConfig, GcPolicy, KillConfig, LogConfig, LogFormat, OwnerConfig, Purpose,
+    RestoreConfig, SecondaryConfig, Secret, ServerConfig, ServerSideEncryption, SnapshotConfig,
+    StoreConfig, StoreLocation, TlsFiles, Validation, WebIdentity,
 };
 
 /// The spellings of each compression, the one errors list first.
@@ -498,6 +498,8 @@ impl Validator<'_> {
         });
         let web_identity = self.web_identity(section, s, &location)?;
         let ca_file = self.ca_file(&key("ca_file"), &s.ca_file, &location)?;
+        let sse = self.server_side_encryption(section, s, &location)?;
+        let azure_identity = self.azure_identity(section, s, &location)?;
         Ok(StoreConfig {
             location,
             endpoint: s.endpoint.clone(),
@@ -524,7 +526,174 @@ impl Validator<'_> {
             use_emulator: s.use_emulator,
             web_identity,
             ca_file,
+            sse,
+            azure_identity,
         })
+    }
+
+    /// `server_side_encryption` with its key (`sse_kms_key_id`, `sse_customer_key_file`), for S3.
+    fn server_side_encryption(
+        &self,
+        section: &str,
+        s: &RawStore,
+        location: &StoreLocation,
+    ) -> Result<Option<ServerSideEncryption>, ConfigError> {
+        let key = |k: &str| format!("{section}.{k}");
+        let Some(mode) = s.server_side_encryption.as_deref().map(str::trim) else {
+            for (k, v) in [
+                ("sse_kms_key_id", &s.sse_kms_key_id),
+                ("sse_customer_key_file", &s.sse_customer_key_file),
+            ] {
+                if v.is_some() {
+                    return Err(
+                        self.err(&key(k), format!("needs {section}.server_side_encryption"))
+                    );
+                }
+            }
+            return Ok(None);
+        };
+        if !matches!(location, StoreLocation::S3 { .. }) {
+            return Err(self.err(
+                &key("server_side_encryption"),
+                "is for s3:// stores (GCS and Azure encrypt at rest by the bucket's or account's \
+                 settings; see docs/operations.md)",
+            ));
+        }
+        let refuse = |k: &str, given: bool, why: &str| -> Result<(), ConfigError> {
+            if given {
+                Err(self.err(&key(k), why))
+            } else {
+                Ok(())
+            }
+        };
+        let kms_key = s.sse_kms_key_id.is_some();
+        let customer_key = s.sse_customer_key_file.is_some();
+        let sse = match mode {
+            "AES256" => {
+                refuse("sse_kms_key_id", kms_key, "is for aws:kms and aws:kms:dsse")?;
+                refuse("sse_customer_key_file", customer_key, "is for sse-c")?;
+                ServerSideEncryption::S3Managed
+            }
+            "aws:kms" | "aws:kms:dsse" => {
+                refuse("sse_customer_key_file", customer_key, "is for sse-c")?;
+                let key_id = match s.sse_kms_key_id.as_deref().map(str::trim) {
+                    None => None,
+                    Some("") => {
+                        return Err(self.err(
+                            &key("sse_kms_key_id"),
+                            "is empty; remove it to use the bucket's default KMS key",
+                        ));
+                    }
+                    Some(k) => Some(k.to_string()),
+                };
+                ServerSideEncryption::Kms {
+                    key_id,
+                    dual: mode == "aws:kms:dsse",
+                }
+            }
+            "sse-c" => {
+                refuse("sse_kms_key_id", kms_key, "is for aws:kms and aws:kms:dsse")?;
+                let file_key = key("sse_customer_key_file");
+                let Some(file) = self.path(&file_key, &s.sse_customer_key_file, true)? else {
+                    return Err(self.err(
+                        &file_key,
+                        "required with sse-c: the file holding the 256-bit key",
+                    ));
+                };
+                let bytes = std::fs::read(&file)
+                    .map_err(|e| self.err(&file_key, format!("{}: {e}", file.display())))?;
+                let key_base64 = customer_key_base64(&bytes)
+                    .map_err(|why| self.err(&file_key, format!("{}: {why}", file.display())))?;
+                ServerSideEncryption::Customer { key_base64 }
+            }
+            other => {
+                return Err(self.err(
+                    &key("server_side_encryption"),
+                    format!("{other:?} is not one of AES256, aws:kms, aws:kms:dsse, sse-c"),
+                ));
+            }
+        };
+        Ok(Some(sse))
+    }
+
+    /// `federated_token_file` with `client_id` and `tenant_id` (an Azure workload identity), and
+    /// `authority_host`, for Azure.
+    fn azure_identity(
+        &self,
+        section: &str,
+        s: &RawStore,
+        location: &StoreLocation,
+    ) -> Result<Option<AzureWorkloadIdentity>, ConfigError> {
+        let key = |k: &str| format!("{section}.{k}");
+        let token_file = self.path(&key("federated_token_file"), &s.federated_token_file, false)?;
+        let Some(token_file) = token_file else {
+            for (k, v) in [
+                ("client_id", &s.client_id),
+                ("tenant_id", &s.tenant_id),
+                ("authority_host", &s.authority_host),
+            ] {
+                if v.is_some() {
+                    return Err(self.err(
+                        &key(k),
+                        format!(
+                            "is for an Azure workload identity: needs \
+                             {section}.federated_token_file"
+                        ),
+                    ));
+                }
+            }
+            return Ok(None);
+        };
+        if !matches!(location, StoreLocation::Azure { .. }) {
+            return Err(self.err(
+                &key("federated_token_file"),
+                "is for az:// stores (S3: role_arn and web_identity_token_file; GCS: see \
+                 docs/operations.md)",
+            ));
+        }
+        let required = |k: &str, v: &Option<String>| {
+            given(v).ok_or_else(|| {
+                self.err(
+                    &key(k),
+                    format!("required with {section}.federated_token_file"),
+                )
+            })
+        };
+        let client_id = required("client_id", &s.client_id)?;
+        let tenant_id = required("tenant_id", &s.tenant_id)?;
+        if s.account_key.is_some() || s.account_key_file.is_some() {
+            return Err(self.err(
+                &key("federated_token_file"),
+                format!("give {section}.account_key or a workload identity, not both"),
+            ));
+        }
+        let authority_host = match given(&s.authority_host).as_deref() {
+            None => None,
+            Some(host) => {
+                let u = url::Url::parse(host).map_err(|e| {
+                    self.err(
+                        &key("authority_host"),
+                        format!("{host:?} is not a URL ({e})"),
+                    )
+                })?;
+                if u.scheme() != "https" {
+                    return Err(self.err(
+                        &key("authority_host"),
+                        format!(
+                            "{host:?}: Entra ID is only reached over https (the token is a \
+                             credential)"
+                        ),
+                    ));
+                }
+                Some(host.trim_end_matches('/').to_string())
+            }
+        };
+        Ok(Some(AzureWorkloadIdentity {
+            client_id,
+            tenant_id,
+            token_file,
+            authority_host,
+        }))
     }
 
     /// `role_arn` with `web_identity_token_file` (both or neither), for S3, instead of keys.
@@ -609,8 +778,11 @@ impl Validator<'_> {
         let Some(path) = self.path(key, value, true)? else {
             return Ok(None);
         };
-        if !matches!(location, StoreLocation::S3 { .. }) {
-            return Err(self.err(key, "is for s3:// stores (S3-compatible services)"));
+        if matches!(
+            location,
+            StoreLocation::File { .. } | StoreLocation::Memory { .. }
+        ) {
+            return Err(self.err(key, "is for s3://, gs:// and az:// stores"));
         }
         let text = std::fs::read_to_string(&path)
             .map_err(|e| self.err(key, format!("{}: {e}", path.display())))?;
@@ -960,4 +1132,38 @@ pub(crate) fn owner_config(
         ttl_cap: duration("owner.ttl_cap", &o.ttl_cap)?,
         takeover_after: positive("owner.takeover_after", &o.takeover_after)?,
     })
+}
+
+/// An SSE-C key file's contents as the base64 S3 wants: the 32 raw bytes of the key (as
+/// etcd-backup-restore's Secret holds it) or their base64 (44 characters, surrounding
+/// whitespace ignored).
+fn customer_key_base64(bytes: &[u8]) -> Result<String, String> {
+    use base64::Engine as _;
+    let b64 = base64::engine::general_purpose::STANDARD;
+    // A raw key written with a line break after it is still the raw key.
+    let raw = bytes.strip_suffix(b"\n").unwrap_or(bytes);
+    let raw = raw.strip_suffix(b"\r").unwrap_or(raw);
+    if bytes.len() == 32 || raw.len() == 32 {
+        return Ok(b64.encode(if bytes.len() == 32 { bytes } else { raw }));
+    }
+    let text = std::str::from_utf8(bytes)
+        .map(str::trim)
+        .map_err(|_| "holds neither a 32-byte key nor its base64".to_string())?;
+    match b64.decode(text) {
+        Ok(key) if key.len() == 32 => Ok(b64.encode(key)),
+        Ok(key) => Err(format!(
+            "the key is {} bytes; SSE-C takes a 256-bit (32-byte) key",
+            key.len()
+        )),
+        Err(_) => Err("holds neither a 32-byte key nor its base64".to_string()),
+    }
+}
+
+/// A key's value trimmed, `None` when missing or blank.
+fn given(value: &Option<String>) -> Option<String> {
+    value
+        .as_deref()
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
+        .map(str::to_string)
 }

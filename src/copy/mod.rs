@@ -192,8 +192,10 @@ impl Stores {
 }
 
 /// Whether two stores are one bucket of one service (so objects can be copied server side).
+/// Stores encrypted otherwise (SSE keys) are not: one client cannot read with one customer key
+/// and write with another.
 pub fn same_bucket(a: &StoreConfig, b: &StoreConfig) -> bool {
-    let same_service = a.endpoint == b.endpoint;
+    let same_service = a.endpoint == b.endpoint && a.sse == b.sse;
     match (&a.location, &b.location) {
         (StoreLocation::S3 { bucket: x, .. }, StoreLocation::S3 { bucket: y, .. })
         | (StoreLocation::Gcs { bucket: x, .. }, StoreLocation::Gcs { bucket: y, .. }) => {

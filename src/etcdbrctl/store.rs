@@ -16,7 +16,8 @@
 //! (region, endpoint, path style) are read at start.
 //!
 //! What etcd-warden cannot honour is refused, naming the field: a credential field asking for
-//! something it would silently not do (SSE-C, a custom CA, a web identity in the Secret) or a
+//! something it would silently not do (an SSE-C algorithm S3 does not know; an SSE-C key, a CA
+//! or a web identity token in the Secret's JSON form, which holds no file to read) or a
 //! provider it has no client for (Swift, OSS).
 
 use std::path::{Path, PathBuf};
@@ -322,14 +323,6 @@ impl Credentials {
             }),
         }
     }
-
-    /// Refuses a field etcd-warden would otherwise silently not honour.
-    fn refuse(&self, name: &str, why: &str) -> Result<(), UsageError> {
-        match self.get(name) {
-            Some(_) => Err(UsageError(format!("{name} in {}: {why}", self.source))),
-            None => Ok(()),
-        }
-    }
 }
 
 /// What an S3-compatible store's credentials say.
@@ -343,6 +336,8 @@ struct S3Settings {
     web_identity: Option<(String, PathBuf)>,
     /// `trustedCaCert`'s file.
     ca_file: Option<PathBuf>,
+    /// `sseCustomerKey`'s file (SSE-C).
+    sse_customer_key_file: Option<PathBuf>,
 }
 
 /// ECS is configured by variables, not files; its region is fixed and it is addressed
@@ -359,6 +354,7 @@ fn ecs(side: &Side, env: &dyn Environment) -> S3Settings {
             .map(|(id, secret)| (Field::Value(id), Field::Value(secret))),
         web_identity: None,
         ca_file: None,
+        sse_customer_key_file: None,
     }
 }
 
@@ -370,11 +366,6 @@ fn s3_secret(
     env: &dyn Environment,
 ) -> Result<S3Settings, UsageError> {
     let c = Credentials::read(side, if ocs { "OPENSHIFT" } else { "AWS" }, env)?;
-    c.refuse(
-        "sseCustomerKey",
-        "server-side encryption with customer keys (SSE-C) is not supported; etcd-warden \
-         would write the snapshots without it (use [encryption] for client-side encryption)",
-    )?;
     // A CA and a web identity token are files etcd-warden reads itself (again on rotation):
     // only the Secret's directory form gives their paths.
     let file = |name: &str| -> Result<Option<PathBuf>, UsageError> {
@@ -389,6 +380,15 @@ fn s3_secret(
         }
     };
     let ca_file = file("trustedCaCert")?;
+    let sse_customer_key_file = file("sseCustomerKey")?;
+    if let Some(algorithm) = c.value("sseCustomerAlgorithm")?
+        && algorithm.trim() != "AES256"
+    {
+        return Err(UsageError(format!(
+            "sseCustomerAlgorithm in {}: {algorithm:?}; S3 knows only AES256",
+            c.source
+        )));
+    }
     let web_identity = match (c.value("roleARN")?, file("token")?) {
         (Some(role), Some(token)) => Some((role, token)),
         (None, _) => None,
@@ -424,6 +424,7 @@ fn s3_secret(
             .zip(c.get("secretAccessKey").cloned()),
         web_identity,
         ca_file,
+        sse_customer_key_file,
     })
 }
 
@@ -465,6 +466,10 @@ fn s3(
     }
     if let Some(ca) = st.ca_file {
         keys.push(("ca_file", ca.display().to_string()));
+    }
+    if let Some(key) = st.sse_customer_key_file {
+        keys.push(("server_side_encryption", "sse-c".into()));
+        keys.push(("sse_customer_key_file", key.display().to_string()));
     }
     Ok(keys)
 }
@@ -630,7 +635,7 @@ mod tests {
     #[test]
     fn what_cannot_be_honoured_is_refused_by_name() {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("sseCustomerKey"), "k").unwrap();
+        std::fs::write(dir.path().join("sseCustomerAlgorithm"), "aws:kms").unwrap();
         let vars = HashMap::from([
             (
                 "AWS_APPLICATION_CREDENTIALS",
@@ -639,7 +644,7 @@ mod tests {
             ("STORAGE_CONTAINER", "bucket".to_string()),
         ]);
         let e = run(Subcommand::Restore, "--storage-provider=S3", &vars).unwrap_err();
-        assert!(e.0.contains("sseCustomerKey"), "{e}");
+        assert!(e.0.contains("sseCustomerAlgorithm"), "{e}");
         let none = HashMap::new();
         let e = run(Subcommand::Restore, "--storage-provider=S3", &none).unwrap_err();
         assert!(e.0.contains("STORAGE_CONTAINER"), "{e}");
@@ -681,6 +686,14 @@ mod tests {
         );
         let ca = dir.path().join("trustedCaCert").display().to_string();
         assert_eq!(t.value("store.ca_file"), Some(ca.as_str()));
+        assert_eq!(t.value("store.server_side_encryption"), None);
+        // SSE-C: the key stays a file etcd-warden reads.
+        std::fs::write(dir.path().join("sseCustomerKey"), [7u8; 32]).unwrap();
+        std::fs::write(dir.path().join("sseCustomerAlgorithm"), "AES256").unwrap();
+        let t = run(Subcommand::Restore, "--storage-provider=S3", &vars).unwrap();
+        assert_eq!(t.value("store.server_side_encryption"), Some("sse-c"));
+        let key = dir.path().join("sseCustomerKey").display().to_string();
+        assert_eq!(t.value("store.sse_customer_key_file"), Some(key.as_str()));
         std::fs::remove_file(dir.path().join("token")).unwrap();
         let e = run(Subcommand::Restore, "--storage-provider=S3", &vars).unwrap_err();
         assert!(e.0.contains("token"), "{e}");

@@ -23,7 +23,7 @@ use object_store::memory::InMemory;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload, WriteMultipart};
 
-use crate::config::{EncryptionConfig, EnvSource, Secret, StoreConfig};
+use crate::config::{EncryptionConfig, EnvSource, Secret, ServerSideEncryption, StoreConfig};
 use encryption::EncryptionError;
 
 /// Where a store is: its type and parser live in `config` (a store URL is configuration).
@@ -149,7 +149,7 @@ fn backend(
             Arc::new(s3_builder(config, bucket, &vars("AWS_"))?.build()?)
         }
         StoreLocation::Gcs { bucket, .. } => {
-            let b = gcs_builder(config, bucket, &vars("GOOGLE_"));
+            let b = gcs_builder(config, bucket, &vars("GOOGLE_"))?;
             // The builder reads the service account file once; rebuild when it changes.
             let file = b
                 .get_config_value(&object_store::gcp::GoogleConfigKey::ServiceAccount)
@@ -162,25 +162,53 @@ fn backend(
             }
         }
         StoreLocation::Azure { container, .. } => {
-            Arc::new(azure_builder(config, container, &vars("AZURE_")).build()?)
+            Arc::new(azure_builder(config, container, &vars("AZURE_"))?.build()?)
         }
     })
 }
 
-/// The GCS builder: environment first, explicit configuration over it.
+/// The HTTP client options of a cloud store: its CA (`ca_file`) besides the system's roots.
+fn client_options(config: &StoreConfig) -> Result<object_store::ClientOptions, BuildError> {
+    let mut options = object_store::ClientOptions::new();
+    if let Some(ca) = &config.ca_file {
+        let ca_err = |message: String| BuildError::Ca {
+            path: ca.clone(),
+            message,
+        };
+        let pem = std::fs::read(ca).map_err(|e| ca_err(e.to_string()))?;
+        for cert in
+            object_store::Certificate::from_pem_bundle(&pem).map_err(|e| ca_err(e.to_string()))?
+        {
+            options = options.with_root_certificate(cert);
+        }
+    }
+    Ok(options)
+}
+
+/// The GCS builder: environment first, explicit configuration over it. Without a service
+/// account file (or `GOOGLE_APPLICATION_CREDENTIALS`), object_store asks the metadata server:
+/// GKE's workload identity.
 fn gcs_builder(
     config: &StoreConfig,
     bucket: &str,
     vars: &[(String, String)],
-) -> GoogleCloudStorageBuilder {
-    let b = with_vars(GoogleCloudStorageBuilder::new(), vars, |b, k, v| {
-        b.with_config(k, v)
-    })
+) -> Result<GoogleCloudStorageBuilder, BuildError> {
+    let mut b = with_vars(
+        GoogleCloudStorageBuilder::new().with_client_options(client_options(config)?),
+        vars,
+        |b, k, v| b.with_config(k, v),
+    )
     .with_bucket_name(bucket);
-    match &config.service_account_file {
+    if let Some(ep) = &config.endpoint {
+        b = b.with_config(
+            object_store::gcp::GoogleConfigKey::BaseUrl,
+            ep.trim_end_matches('/'),
+        );
+    }
+    Ok(match &config.service_account_file {
         Some(sa) => b.with_service_account_path(sa.to_string_lossy()),
         None => b,
-    }
+    })
 }
 
 /// The Azure builder: environment first, explicit configuration over it.
@@ -188,10 +216,12 @@ fn azure_builder(
     config: &StoreConfig,
     container: &str,
     vars: &[(String, String)],
-) -> MicrosoftAzureBuilder {
-    let mut b = with_vars(MicrosoftAzureBuilder::new(), vars, |b, k, v| {
-        b.with_config(k, v)
-    })
+) -> Result<MicrosoftAzureBuilder, BuildError> {
+    let mut b = with_vars(
+        MicrosoftAzureBuilder::new().with_client_options(client_options(config)?),
+        vars,
+        |b, k, v| b.with_config(k, v),
+    )
     .with_container_name(container);
     if let Some(a) = &config.account_name {
         b = b.with_account(a);
@@ -205,7 +235,7 @@ fn azure_builder(
                 .with_account(account)
                 .with_endpoint(format!("{}/{account}", ep.trim_end_matches('/')))
                 .with_allow_http(true);
-            if config.account_key.is_none() {
+            if config.account_key.is_none() && config.azure_identity.is_none() {
                 b = b.with_access_key(EMULATOR_ACCOUNT_KEY);
             }
         }
@@ -223,7 +253,17 @@ fn azure_builder(
         }
         None => {}
     }
-    b
+    // object_store reads the token file again at every exchange.
+    if let Some(id) = &config.azure_identity {
+        b = b
+            .with_client_id(&id.client_id)
+            .with_tenant_id(&id.tenant_id)
+            .with_federated_token_file(id.token_file.to_string_lossy());
+        if let Some(host) = &id.authority_host {
+            b = b.with_authority_host(host);
+        }
+    }
+    Ok(b)
 }
 
 /// Streamed single `PUT`s for a store, where its backend supports them (S3; see
@@ -252,21 +292,8 @@ fn s3_builder(
         .iter()
         .any(|(key, _)| key == "AWS_VIRTUAL_HOSTED_STYLE_REQUEST");
     // Client options first: the variables and keys below set some of them.
-    let mut options = object_store::ClientOptions::new();
-    if let Some(ca) = &config.ca_file {
-        let ca_err = |message: String| BuildError::Ca {
-            path: ca.clone(),
-            message,
-        };
-        let pem = std::fs::read(ca).map_err(|e| ca_err(e.to_string()))?;
-        for cert in
-            object_store::Certificate::from_pem_bundle(&pem).map_err(|e| ca_err(e.to_string()))?
-        {
-            options = options.with_root_certificate(cert);
-        }
-    }
     let mut b = with_vars(
-        AmazonS3Builder::new().with_client_options(options),
+        AmazonS3Builder::new().with_client_options(client_options(config)?),
         vars,
         |b, k, v| b.with_config(k, v),
     )
@@ -308,6 +335,25 @@ fn s3_builder(
             );
         if let Some(sts) = &w.sts_endpoint {
             b = b.with_config(AmazonS3ConfigKey::StsEndpoint, sts);
+        }
+    }
+    // Every request that writes an object (a PUT, a multipart upload, a copy) carries the
+    // encryption; with SSE-C every read too. Single PUTs step aside for it ([`SinglePut::for_s3`]).
+    if let Some(sse) = &config.sse {
+        // object_store does not export its encryption key enum; its names parse.
+        let key = |name: &str| {
+            name.parse::<AmazonS3ConfigKey>()
+                .expect("object_store's SSE key names")
+        };
+        b = b.with_config(key("aws_server_side_encryption"), sse.algorithm());
+        match sse {
+            ServerSideEncryption::Kms {
+                key_id: Some(id), ..
+            } => b = b.with_config(key("aws_sse_kms_key_id"), id),
+            ServerSideEncryption::Customer { key_base64 } => {
+                b = b.with_ssec_encryption(key_base64);
+            }
+            _ => {}
         }
     }
     Ok(b)
