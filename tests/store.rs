@@ -6,9 +6,7 @@ use crate::support;
 use etcd_warden::owner::handoff::{Claim, Created, HandOffObjects};
 
 use std::io;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use chrono::{TimeZone, Utc};
@@ -18,7 +16,6 @@ use etcd_warden::store::{Codec, Kind, Snapshot, SnapshotStore, StoreError, Store
 use futures::StreamExt;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
-use support::free_port;
 use support::s3::{self, S3Server};
 
 fn store_config(url: &str) -> StoreConfig {
@@ -344,99 +341,9 @@ async fn s3_credentials_from_files_and_environment() {
     assert_eq!(store.list().await.unwrap(), vec![s]);
 }
 
-/// Azurite's blob service on a loopback port, killed on drop.
-struct Azurite {
-    child: Child,
-    port: u16,
-    _dir: tempfile::TempDir,
-}
-
-impl Azurite {
-    fn start() -> Azurite {
-        let dir = tempfile::tempdir().unwrap();
-        let port = free_port();
-        let child = Command::new("azurite-blob")
-            .args(["--blobHost", "127.0.0.1", "--blobPort", &port.to_string()])
-            .arg("--location")
-            .arg(dir.path())
-            .args([
-                "--skipApiVersionCheck",
-                "--loose",
-                "--silent",
-                "--disableTelemetry",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!("cannot run azurite-blob ({e}): install it with `npm install -g azurite`")
-            });
-        let server = Azurite {
-            child,
-            port,
-            _dir: dir,
-        };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "azurite did not listen on {port}"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        server
-    }
-
-    fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
-    }
-
-    /// Creates a container with a SharedKey-signed request (object_store cannot).
-    async fn create_container(&self, name: &str) {
-        use object_store::azure::{AzureAccessKey, AzureAuthorizer, AzureCredential};
-        use object_store::client::{HttpRequest, HttpRequestBody};
-        let account = "devstoreaccount1";
-        let url = format!("{}/{account}/{name}?restype=container", self.endpoint());
-        let mut req = HttpRequest::new(HttpRequestBody::empty());
-        *req.method_mut() = "PUT".parse().unwrap();
-        *req.uri_mut() = url.parse().unwrap();
-        req.headers_mut().insert(
-            "content-length",
-            object_store::HeaderValue::from_static("0"),
-        );
-        let key = AzureCredential::AccessKey(
-            AzureAccessKey::try_new(
-                "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==",
-            )
-            .unwrap(),
-        );
-        AzureAuthorizer::new(&key, account)
-            .try_authorize(&mut req)
-            .unwrap();
-        let resp = reqwest::Client::new()
-            .put(&url)
-            .headers(req.headers().clone())
-            .send()
-            .await
-            .unwrap();
-        assert!(
-            resp.status().is_success(),
-            "create container: {}",
-            resp.status()
-        );
-    }
-}
-
-impl Drop for Azurite {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conformance_azure_emulator() {
-    let server = Azurite::start();
+    let server = support::azurite::Azurite::start();
     server.create_container("etcd-backups").await;
     let mut cfg = store_config("az://etcd-backups/shoot/etcd-main");
     cfg.use_emulator = true;

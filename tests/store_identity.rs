@@ -367,3 +367,252 @@ fn encryption_and_azure_identity_keys_are_checked_naming_the_key() {
         assert_eq!(e.key, named, "{keys:?}: {e}");
     }
 }
+
+/// What the stand-in Entra ID was asked: (tenant, client id, client assertion) per call.
+type Exchanges = Arc<Mutex<Vec<(String, String, String)>>>;
+
+/// Entra ID's token endpoint for a federated credential, as a stand-in: it answers with a JWT
+/// shaped as Entra ID issues them for Azure Storage (unsigned: azurite checks no signature),
+/// valid an hour, but told to expire in a minute, inside object_store's five-minute renewal
+/// margin, so every request exchanges the token file again.
+async fn entra_token(
+    State(seen): State<Exchanges>,
+    axum::extract::Path(tenant): axum::extract::Path<String>,
+    axum::extract::Form(form): axum::extract::Form<HashMap<String, String>>,
+) -> axum::Json<serde_json::Value> {
+    let field = |k: &str| form.get(k).cloned().unwrap_or_default();
+    assert_eq!(
+        field("client_assertion_type"),
+        "urn:ietf:params:oauth:client-assertion-type:jwt-bearer"
+    );
+    seen.lock().unwrap().push((
+        tenant.clone(),
+        field("client_id"),
+        field("client_assertion"),
+    ));
+    use base64::Engine as _;
+    let b64 = |v: serde_json::Value| {
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(v.to_string())
+    };
+    let now = chrono::Utc::now().timestamp();
+    let jwt = format!(
+        "{}.{}.c2ln",
+        b64(serde_json::json!({"alg": "RS256", "typ": "JWT"})),
+        b64(serde_json::json!({
+            "aud": "https://storage.azure.com",
+            "iss": format!("https://sts.windows.net/{tenant}/"),
+            "tid": tenant,
+            "appid": field("client_id"),
+            "iat": now - 60, "nbf": now - 60, "exp": now + 3600,
+        }))
+    );
+    axum::Json(serde_json::json!({
+        "access_token": jwt, "token_type": "Bearer", "expires_in": 60,
+    }))
+}
+
+/// Azure with a workload identity (AKS's: `store.client_id`, `store.tenant_id`,
+/// `store.federated_token_file`, `store.authority_host`): the projected token is exchanged at
+/// Entra ID for a storage token, read again at every exchange, and the storage token is what
+/// the blob service gets. The blob service is the real azurite over https with `--oauth basic`,
+/// which refuses a request without a bearer token it accepts; Entra ID is a stand-in on
+/// loopback over https (the same test CA, `store.ca_file`). Not checked: Entra ID's validation
+/// of the federated token and the token's signature (azurite checks audience, issuer and
+/// lifetime only).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_azure_workload_identity_token_rotated_on_disk_is_exchanged_again() {
+    let dir = tempfile::tempdir().unwrap();
+    crate::support::tls::make_certs(dir.path());
+    let exchanges: Exchanges = Arc::default();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let entra = axum::Router::new()
+        .route("/{tenant}/oauth2/v2.0/token", post(entra_token))
+        .with_state(exchanges.clone());
+    let cancel = tokio_util::sync::CancellationToken::new();
+    tokio::spawn(etcd_warden::server::serve_tls(
+        listener,
+        entra,
+        cancel.clone(),
+        etcd_warden::server::ServerTls {
+            cert: dir.path().join("server.pem"),
+            key: dir.path().join("server.key"),
+            client_ca: None,
+        },
+    ));
+    let azurite = crate::support::azurite::Azurite::start_oauth(
+        &dir.path().join("server.pem"),
+        &dir.path().join("server.key"),
+    );
+    let ca =
+        reqwest::Certificate::from_pem(&std::fs::read(dir.path().join("ca.pem")).unwrap()).unwrap();
+    let trusting = reqwest::Client::builder()
+        .add_root_certificate(ca)
+        .build()
+        .unwrap();
+    azurite
+        .create_container_with("etcd-backups", &trusting)
+        .await;
+
+    let token = dir.path().join("azure-identity-token");
+    std::fs::write(&token, "federated-1").unwrap();
+    let keys = [
+        ("store.url", "az://etcd-backups/etcd".to_string()),
+        ("store.use_emulator", "true".into()),
+        ("store.endpoint", azurite.endpoint()),
+        (
+            "store.ca_file",
+            dir.path().join("ca.pem").display().to_string(),
+        ),
+        ("store.client_id", "etcd-backup-client".into()),
+        ("store.tenant_id", "tenant-1".into()),
+        ("store.federated_token_file", token.display().to_string()),
+        ("store.authority_host", format!("https://127.0.0.1:{port}")),
+    ];
+    let keys: Vec<(&str, &str)> = keys.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let config = load(&keys).unwrap().store;
+    let store = build_with_env(&config, &HashMap::<String, String>::new(), None).unwrap();
+
+    store
+        .put(&"etcd/v2/probe".into(), "x".into())
+        .await
+        .expect("a write with the exchanged token");
+    let listed: Vec<_> = store.list(None).try_collect().await.unwrap();
+    assert_eq!(listed.len(), 1);
+    {
+        let seen = exchanges.lock().unwrap();
+        assert!(!seen.is_empty(), "Entra ID was never asked");
+        assert!(
+            seen.iter().all(|e| e
+                == &(
+                    "tenant-1".to_string(),
+                    "etcd-backup-client".to_string(),
+                    "federated-1".to_string()
+                )),
+            "{seen:?}"
+        );
+    }
+
+    // The kubelet rotates the projected token: the next exchange sends the new one.
+    std::fs::write(&token, "federated-2").unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    store.list(None).try_collect::<Vec<_>>().await.unwrap();
+    let last = exchanges.lock().unwrap().last().cloned().unwrap();
+    assert_eq!(last.2, "federated-2");
+
+    // Without the identity azurite refuses: the token is what authenticates.
+    let mut anonymous = config.clone();
+    anonymous.azure_identity = None;
+    anonymous.account_key = Some(etcd_warden::config::Secret::Value(
+        "bm90IHRoZSBrZXk=".into(),
+    ));
+    let refused = build_with_env(&anonymous, &HashMap::<String, String>::new(), None).unwrap();
+    assert!(
+        refused.list(None).try_collect::<Vec<_>>().await.is_err(),
+        "azurite accepted a wrong key"
+    );
+    cancel.cancel();
+}
+
+/// How often the stand-in metadata server handed out a token, and the last one.
+type Handed = Arc<Mutex<u32>>;
+
+/// GCE's metadata server as GKE's workload identity serves it: a token for the pod's Google
+/// service account, to a caller that says `Metadata-Flavor: Google`, expiring in a minute
+/// (inside object_store's renewal margin, so each request asks again).
+async fn metadata_token(
+    State(handed): State<Handed>,
+    headers: axum::http::HeaderMap,
+) -> Result<axum::Json<serde_json::Value>, axum::http::StatusCode> {
+    if headers.get("metadata-flavor").and_then(|v| v.to_str().ok()) != Some("Google") {
+        return Err(axum::http::StatusCode::FORBIDDEN);
+    }
+    let mut n = handed.lock().unwrap();
+    *n += 1;
+    Ok(axum::Json(serde_json::json!({
+        "access_token": format!("gke-token-{n}"), "token_type": "Bearer", "expires_in": 60,
+    })))
+}
+
+/// GCS with GKE's workload identity: no key configured, so `etcd-warden snapshot` and `ls` ask
+/// the metadata server for the pod's token and send it as the bearer of every request to GCS's
+/// XML API. The metadata server is a stand-in on loopback (object_store reads its address from
+/// `GCE_METADATA_HOST`, as Google's libraries do); GCS is stood in for by moto's S3, whose API
+/// GCS's XML API shares for what etcd-warden does (put, multipart upload, list, get), behind a
+/// proxy that records the bearer and replaces it with what moto takes. Not checked: GCS's own
+/// answers where they differ from S3's, and Google's validation of the token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gcs_with_gkes_workload_identity_sends_the_metadata_servers_token() {
+    use crate::support::etcd::{EtcdCluster, Release};
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let moto = crate::support::moto::Moto::start(&["gcs-backups"]).await;
+    let gcs = crate::support::recorder::Recorder::start(
+        &moto.endpoint(),
+        Some(crate::support::moto::ANY_SIGNATURE),
+    )
+    .await;
+    let handed: Handed = Arc::default();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let metadata = listener.local_addr().unwrap();
+    let app = axum::Router::new()
+        .route(
+            "/computeMetadata/v1/instance/service-accounts/default/token",
+            axum::routing::get(metadata_token),
+        )
+        .with_state(handed.clone());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let home = tempfile::tempdir().unwrap(); // no gcloud credentials file to find
+
+    let run = |subcommand: &str| {
+        let mut c = crate::support::warden::command();
+        c.arg(subcommand)
+            .env("HOME", home.path())
+            .env("GCE_METADATA_HOST", metadata.to_string())
+            .env("GCE_METADATA_IP", metadata.to_string())
+            .envs(
+                [
+                    ("store.url", "gs://gcs-backups/etcd".to_string()),
+                    ("store.endpoint", gcs.endpoint()),
+                    ("etcd.endpoints", etcd.endpoints()[0].clone()),
+                ]
+                .map(|(k, v)| (etcd_warden::config::env_var_for(k), v)),
+            );
+        c.output().unwrap()
+    };
+    for subcommand in ["snapshot", "ls"] {
+        let out = run(subcommand);
+        assert!(
+            out.status.success(),
+            "{subcommand}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if subcommand == "ls" {
+            assert!(
+                String::from_utf8_lossy(&out.stdout).contains("Full-"),
+                "{}",
+                String::from_utf8_lossy(&out.stdout)
+            );
+        }
+    }
+    let requests = gcs.requests();
+    assert!(
+        requests
+            .iter()
+            .any(|r| r.method == "PUT" || r.method == "POST"),
+        "nothing written: {requests:?}"
+    );
+    let handed = *handed.lock().unwrap();
+    assert!(
+        handed >= 2,
+        "the metadata server handed out {handed} tokens"
+    );
+    for r in &requests {
+        let bearer = r.header("authorization").unwrap_or_default();
+        assert!(
+            bearer.starts_with("Bearer gke-token-"),
+            "{} {}: {bearer:?}",
+            r.method,
+            r.path
+        );
+    }
+}

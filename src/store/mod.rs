@@ -167,9 +167,10 @@ fn backend(
     })
 }
 
-/// The HTTP client options of a cloud store: its CA (`ca_file`) besides the system's roots.
+/// The HTTP client options of a cloud store: plain http when allowed, its CA (`ca_file`)
+/// besides the system's roots.
 fn client_options(config: &StoreConfig) -> Result<object_store::ClientOptions, BuildError> {
-    let mut options = object_store::ClientOptions::new();
+    let mut options = object_store::ClientOptions::new().with_allow_http(config.allow_http);
     if let Some(ca) = &config.ca_file {
         let ca_err = |message: String| BuildError::Ca {
             path: ca.clone(),

@@ -6,6 +6,7 @@
 #![allow(dead_code)]
 
 pub mod apiserver;
+pub mod azurite;
 pub mod cli;
 pub mod dns;
 pub mod etcd;
