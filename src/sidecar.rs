@@ -330,22 +330,11 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
     } else {
         false
     };
+    let secondary = crate::restore::initialize::secondary_store(&config)?;
     if initialize_now && !rejoined {
-        let secondary = config
-            .secondary
-            .as_ref()
-            .map(|s| {
-                let env = crate::config::ProcessEnv;
-                crate::store::build_with_env(&s.store, &env, Some("SECONDARY_"))
-                    .map(|backend| SnapshotStore::at(backend, &s.store.location))
-            })
-            .transpose()?
-            .map(|s| s.with_encryption(config.encryption.clone()));
-        let (from, which) =
-            crate::restore::initialize::pick_store(&store, secondary.as_ref()).await;
-        tracing::info!(store = which, "restore.initialize reads this store");
-        crate::restore::initialize::initialize_observed(
-            &from,
+        crate::restore::initialize::initialize_from(
+            &store,
+            secondary.as_ref(),
             &config.restore,
             &metrics.initialize,
         )
@@ -477,6 +466,7 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
             druid.clone(),
             config.restore.clone(),
             store.clone(),
+            secondary.clone(),
             metrics.initialize.clone(),
             cancel.clone(),
         );

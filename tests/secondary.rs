@@ -188,3 +188,69 @@ async fn ls_and_verify_read_the_secondary_with_the_flag_and_refuse_it_unconfigur
     let refused = support::cli::exited(&run(&["ls", "--secondary"], None), 64);
     assert!(refused.contains("store.secondary.url"), "{refused}");
 }
+
+/// `etcd-warden initialize` (one function with `serve`'s `restore.initialize` and etcd-wrapper's
+/// initialization under `[druid]`) with an empty primary store restores from the secondary, says
+/// so, and the keys are the source's. (Which store is chosen when is `pick_store`'s unit test.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn initialize_falls_back_to_the_secondary_when_the_primary_is_empty() {
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut client = etcd.client().await;
+    for i in 0..20 {
+        client
+            .put(format!("/k/{i}"), format!("v{i}"), None)
+            .await
+            .unwrap();
+    }
+    let want = support::history::dump(&mut client).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (primary, secondary) = (dir.path().join("primary"), dir.path().join("secondary"));
+    std::fs::create_dir_all(&primary).unwrap();
+    let out = support::warden::command()
+        .args(["snapshot"])
+        .env(
+            etcd_warden::config::env_var_for("store.url"),
+            format!("file://{}", secondary.display()),
+        )
+        .env(
+            etcd_warden::config::env_var_for("etcd.endpoints"),
+            etcd.endpoints()[0].clone(),
+        )
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    drop(etcd);
+
+    let data = dir.path().join("data");
+    let config = dir.path().join("warden.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[store]\nurl = \"file://{}\"\n[store.secondary]\nurl = \"file://{}\"\n\
+             [restore]\ndata_dir = \"{}\"\netcd_bin = \"{}\"\n",
+            primary.display(),
+            secondary.display(),
+            data.display(),
+            Release::V35.bin_dir().display()
+        ),
+    )
+    .unwrap();
+    let out = support::warden::command()
+        .arg("initialize")
+        .arg("--config")
+        .arg(&config)
+        .output()
+        .unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("initializing from the SECONDARY store"),
+        "the fallback is not said: {log}"
+    );
+    let restored = support::history::dump_restored(&data).await;
+    assert!(restored == want, "the restored keys differ");
+}

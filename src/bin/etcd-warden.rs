@@ -903,8 +903,10 @@ mod ops {
             println!("rejoined the cluster as a learner and was promoted");
             return Ok(());
         }
-        let done = etcd_warden::restore::initialize::initialize_observed(
+        let secondary = etcd_warden::restore::initialize::secondary_store(config)?;
+        let done = etcd_warden::restore::initialize::initialize_from(
             &store,
+            secondary.as_ref(),
             &config.restore,
             &metrics,
         )

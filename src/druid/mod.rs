@@ -93,6 +93,8 @@ pub struct Druid {
     pod_name: String,
     restore: RestoreConfig,
     store: SnapshotStore,
+    /// `[store.secondary]`: read when the primary cannot be listed or is empty.
+    secondary: Option<SnapshotStore>,
     metrics: InitializeMetrics,
     status: Arc<Mutex<Status>>,
     cancel: CancellationToken,
@@ -103,6 +105,7 @@ impl Druid {
         config: DruidConfig,
         restore: RestoreConfig,
         store: SnapshotStore,
+        secondary: Option<SnapshotStore>,
         metrics: InitializeMetrics,
         cancel: CancellationToken,
     ) -> Self {
@@ -111,6 +114,7 @@ impl Druid {
             config,
             restore,
             store,
+            secondary,
             metrics,
             status: Arc::new(Mutex::new(Status::New)),
             cancel,
@@ -156,8 +160,9 @@ impl Druid {
         .await
         .map_err(|e| format!("rejoining the cluster: {e}"))?;
         if !rejoined {
-            let done = crate::restore::initialize::initialize_observed(
+            let done = crate::restore::initialize::initialize_from(
                 &self.store,
+                self.secondary.as_ref(),
                 &config,
                 &self.metrics,
             )

@@ -263,6 +263,38 @@ pub async fn pick_store(
     }
 }
 
+/// The secondary store (`[store.secondary]`) as `restore.initialize` reads it: its own
+/// provider variables (`SECONDARY_…`) and the same keys to decrypt as the primary.
+pub fn secondary_store(
+    config: &crate::config::Config,
+) -> Result<Option<SnapshotStore>, crate::store::StoreError> {
+    let Some(secondary) = &config.secondary else {
+        return Ok(None);
+    };
+    let backend = crate::store::build_with_env(
+        &secondary.store,
+        &crate::config::ProcessEnv,
+        Some("SECONDARY_"),
+    )?;
+    Ok(Some(
+        SnapshotStore::at(backend, &secondary.store.location)
+            .with_encryption(config.encryption.clone()),
+    ))
+}
+
+/// [`initialize_observed`] from the store [`pick_store`] chooses: how `serve`, `initialize` and
+/// etcd-wrapper's initialization (`[druid]`) restore a member's data directory.
+pub async fn initialize_from(
+    primary: &SnapshotStore,
+    secondary: Option<&SnapshotStore>,
+    config: &RestoreConfig,
+    metrics: &InitializeMetrics,
+) -> Result<Initialized, RestoreError> {
+    let (from, which) = pick_store(primary, secondary).await;
+    tracing::info!(store = which, "the initialization reads this store");
+    initialize_observed(&from, config, metrics).await
+}
+
 /// Restores `config.data_dir` from `store` if it is missing, invalid or behind the store.
 pub async fn initialize(
     store: &SnapshotStore,
