@@ -51,7 +51,7 @@ fn load(keys: Vec<(String, String)>) -> Config {
 }
 
 /// The stores of a configuration with these keys (`[source_store]` to `[store]`).
-fn stores_from(keys: Vec<(String, String)>) -> Stores {
+pub(crate) fn stores_from(keys: Vec<(String, String)>) -> Stores {
     let c = load(keys);
     Stores::from_config(c.source_store.as_ref().unwrap(), &c.store).unwrap()
 }
@@ -72,7 +72,7 @@ fn file_stores(dir: &tempfile::TempDir) -> (Stores, [String; 2]) {
     (stores_from(keys), urls)
 }
 
-fn options() -> CopyConfig {
+pub(crate) fn options() -> CopyConfig {
     CopyConfig {
         wait_for_final: false,
         final_timeout: Duration::from_secs(30),

@@ -41,27 +41,37 @@ async fn assume_role(
     )
 }
 
+/// Serves `app` over https on a loopback port with the test certificates in `certs`; stops when
+/// the token is cancelled.
+async fn serve_https(
+    app: axum::Router,
+    certs: &std::path::Path,
+) -> (u16, tokio_util::sync::CancellationToken) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let cancel = tokio_util::sync::CancellationToken::new();
+    tokio::spawn(etcd_warden::server::serve_tls(
+        listener,
+        app,
+        cancel.clone(),
+        etcd_warden::server::ServerTls {
+            cert: certs.join("server.pem"),
+            key: certs.join("server.key"),
+            client_ca: None,
+        },
+    ));
+    (port, cancel)
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_web_identity_token_rotated_on_disk_is_sent_at_the_next_renewal() {
     let dir = tempfile::tempdir().unwrap();
     crate::support::tls::make_certs(dir.path());
     let calls: Calls = Arc::default();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
     let sts = axum::Router::new()
         .route("/", post(assume_role))
         .with_state(calls.clone());
-    let cancel = tokio_util::sync::CancellationToken::new();
-    tokio::spawn(etcd_warden::server::serve_tls(
-        listener,
-        sts,
-        cancel.clone(),
-        etcd_warden::server::ServerTls {
-            cert: dir.path().join("server.pem"),
-            key: dir.path().join("server.key"),
-            client_ca: None,
-        },
-    ));
+    let (port, cancel) = serve_https(sts, dir.path()).await;
 
     let s3 = S3Server::start(&["backups"]);
     let token = dir.path().join("token");
@@ -424,22 +434,10 @@ async fn an_azure_workload_identity_token_rotated_on_disk_is_exchanged_again() {
     let dir = tempfile::tempdir().unwrap();
     crate::support::tls::make_certs(dir.path());
     let exchanges: Exchanges = Arc::default();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
     let entra = axum::Router::new()
         .route("/{tenant}/oauth2/v2.0/token", post(entra_token))
         .with_state(exchanges.clone());
-    let cancel = tokio_util::sync::CancellationToken::new();
-    tokio::spawn(etcd_warden::server::serve_tls(
-        listener,
-        entra,
-        cancel.clone(),
-        etcd_warden::server::ServerTls {
-            cert: dir.path().join("server.pem"),
-            key: dir.path().join("server.key"),
-            client_ca: None,
-        },
-    ));
+    let (port, cancel) = serve_https(entra, dir.path()).await;
     let azurite = crate::support::azurite::Azurite::start_oauth(
         &dir.path().join("server.pem"),
         &dir.path().join("server.key"),

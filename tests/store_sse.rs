@@ -8,47 +8,19 @@
 //! customer key.
 
 use std::collections::HashMap;
-use std::time::Duration;
 
 use base64::Engine as _;
 use bytes::Bytes;
 use chrono::Utc;
-use etcd_warden::config::{Config, CopyConfig, Override, Sources};
-use etcd_warden::copy::{self, Stores};
+use etcd_warden::copy;
 use etcd_warden::snapshot::verify::verify;
 use etcd_warden::store::{Codec, Kind, Snapshot, SnapshotStore};
 use md5::Digest as _;
 
+use crate::copy::{options, stores_from};
 use crate::support::moto::Moto;
 use crate::support::recorder::Recorder;
 use crate::support::stored::{db_payload, put_delta, put_full};
-
-fn stores(keys: Vec<(String, String)>) -> Stores {
-    let env: HashMap<String, String> = HashMap::new();
-    let overrides = keys
-        .iter()
-        .map(|(k, v)| Override::flag(k, v, "test"))
-        .collect();
-    let c: Config = Config::load(&Sources {
-        file: None,
-        env: &env,
-        overrides,
-    })
-    .expect("valid configuration")
-    .0;
-    Stores::from_config(c.source_store.as_ref().unwrap(), &c.store).unwrap()
-}
-
-fn options() -> CopyConfig {
-    CopyConfig {
-        wait_for_final: false,
-        final_timeout: Duration::from_secs(30),
-        poll_interval: Duration::from_millis(100),
-        max_backups: 0,
-        max_age: None,
-        parallel: 2,
-    }
-}
 
 fn with(mut keys: Vec<(String, String)>, more: &[(&str, &str)]) -> Vec<(String, String)> {
     keys.extend(more.iter().map(|(k, v)| (k.to_string(), v.to_string())));
@@ -114,7 +86,7 @@ async fn sse_kms_is_on_every_object_written_and_copied() {
         ("source_store.server_side_encryption", "aws:kms"),
         ("source_store.sse_kms_key_id", "alias/etcd-primary"),
     ];
-    let streamed = stores(with(
+    let streamed = stores_from(with(
         [
             moto.config_overrides("source_store", &ep, "backups", "etcd"),
             moto.config_overrides("store", &ep, "copies", "etcd"),
@@ -132,7 +104,7 @@ async fn sse_kms_is_on_every_object_written_and_copied() {
     let report = copy::run(&streamed, &options()).await.unwrap();
     assert_eq!(report.copied, written.len(), "{report:?}");
     // Within one bucket the copy Job copies server side (CopyObject).
-    let in_bucket = stores(with(
+    let in_bucket = stores_from(with(
         [
             moto.config_overrides("source_store", &ep, "backups", "etcd"),
             moto.config_overrides("store", &ep, "backups", "etcd-again"),
@@ -193,7 +165,7 @@ async fn sse_c_sends_each_buckets_key_with_every_object_read_and_write() {
     let (k1, k2) = (key_file("primary", 1), key_file("copies", 2));
     let md5_of =
         |byte: u8| base64::engine::general_purpose::STANDARD.encode(md5::Md5::digest([byte; 32]));
-    let streamed = stores(with(
+    let streamed = stores_from(with(
         [
             moto.config_overrides("source_store", &ep, "backups", "etcd"),
             moto.config_overrides("store", &ep, "copies", "etcd"),
@@ -208,7 +180,7 @@ async fn sse_c_sends_each_buckets_key_with_every_object_read_and_write() {
     ));
     let written = write_history(&streamed.source).await;
     copy::run(&streamed, &options()).await.unwrap();
-    let in_bucket = stores(with(
+    let in_bucket = stores_from(with(
         [
             moto.config_overrides("source_store", &ep, "backups", "etcd"),
             moto.config_overrides("store", &ep, "backups", "etcd-again"),
