@@ -106,6 +106,9 @@ pub enum BuildError {
     /// The HTTP client for single `PUT`s could not be built.
     #[error("HTTP client: {0}")]
     Http(#[from] reqwest::Error),
+    /// The server-side encryption configuration cannot make request headers.
+    #[error("server-side encryption: {0}")]
+    Encryption(String),
     /// The CA file (`ca_file`) cannot be read or holds no certificate.
     #[error("CA file {}: {message}", path.display())]
     Ca {
@@ -339,7 +342,7 @@ fn s3_builder(
         }
     }
     // Every request that writes an object (a PUT, a multipart upload, a copy) carries the
-    // encryption; with SSE-C every read too. Single PUTs step aside for it ([`SinglePut::for_s3`]).
+    // encryption; with SSE-C every read too. Single PUTs carry it as well ([`SinglePut`]).
     if let Some(sse) = &config.sse {
         // object_store does not export its encryption key enum; its names parse.
         let key = |name: &str| {

@@ -8,6 +8,10 @@
 //! request goes to a URL presigned with the store's own credentials ([`Signer`]), so signing,
 //! credential refresh and addressing stay `object_store`'s.
 //!
+//! With server-side encryption (SSE-S3, SSE-KMS, SSE-C) the request carries its headers, which
+//! a presigned URL cannot: it is then signed with its headers (SigV4, payload unsigned) by the
+//! store's own credentials instead, the URL still the store's addressing.
+//!
 //! Nothing partial becomes visible: S3 stores an object only after receiving exactly
 //! `Content-Length` bytes, so a body that fails (an error item from the stream, which the copy
 //! job's hash check sends instead of the payload's last chunk) or falls short leaves no object.
@@ -17,7 +21,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::StreamExt;
-use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
+use object_store::aws::{AmazonS3, AmazonS3Builder, AmazonS3ConfigKey, AwsAuthorizer};
+use object_store::client::{HttpRequest, HttpRequestBody};
 use object_store::path::Path;
 use object_store::signer::{Method, Signer};
 
@@ -36,9 +41,13 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Streams objects of known length in one `PUT`.
 #[derive(Clone)]
 pub struct SinglePut {
-    signer: Arc<dyn Signer>,
+    store: Arc<AmazonS3>,
     http: reqwest::Client,
     limit: u64,
+    /// Server-side encryption headers every upload carries (signed with the request).
+    encryption: reqwest::header::HeaderMap,
+    /// The region requests are signed for.
+    region: String,
 }
 
 impl std::fmt::Debug for SinglePut {
@@ -50,15 +59,11 @@ impl std::fmt::Debug for SinglePut {
 }
 
 impl SinglePut {
-    /// For an S3 store built by `builder`, unless its configuration asks for what a presigned
-    /// URL and a plain client cannot carry (server-side encryption, requester pays, checksums,
-    /// anonymous access, a proxy): those stores keep uploading through `object_store`.
+    /// For an S3 store built by `builder`, unless its configuration asks for what this plain
+    /// client does not carry (requester pays, checksums, anonymous access, a proxy): those
+    /// stores keep uploading through `object_store`. Server-side encryption is carried.
     pub fn for_s3(builder: &AmazonS3Builder) -> Result<Option<SinglePut>, BuildError> {
-        const KEYS: [&str; 8] = [
-            "aws_server_side_encryption",
-            "aws_sse_kms_key_id",
-            "aws_sse_bucket_key_enabled",
-            "aws_sse_customer_key_base64",
+        const KEYS: [&str; 4] = [
             "aws_request_payer",
             "aws_checksum_algorithm",
             "aws_skip_signature",
@@ -73,7 +78,15 @@ impl SinglePut {
         if KEYS.into_iter().any(set) {
             return Ok(None);
         }
-        let store = builder.clone().build()?;
+        let value = |key: &str| {
+            key.parse::<AmazonS3ConfigKey>()
+                .ok()
+                .and_then(|k| builder.get_config_value(&k))
+                .filter(|v| !v.is_empty())
+        };
+        let encryption = encryption_headers(&value)?;
+        let region = value("aws_region").unwrap_or_else(|| "us-east-1".to_string());
+        let store = Arc::new(builder.clone().build()?);
         let insecure = set("aws_allow_invalid_certificates");
         // No overall timeout: a 1 GiB body takes as long as the network needs. A dead peer is
         // found by TCP keepalive; a stalled copy by the Job's activeDeadlineSeconds.
@@ -83,9 +96,11 @@ impl SinglePut {
             .danger_accept_invalid_certs(insecure)
             .build()?;
         Ok(Some(SinglePut {
-            signer: Arc::new(store),
+            store,
             http,
             limit: DEFAULT_LIMIT,
+            encryption,
+            region,
         }))
     }
 
@@ -104,9 +119,14 @@ impl SinglePut {
     /// request and comes back as [`StoreError::Payload`].
     pub async fn put(&self, path: &Path, len: u64, data: ByteStream) -> Result<(), StoreError> {
         let url = self
-            .signer
+            .store
             .signed_url(Method::PUT, path, URL_LIFETIME)
             .await?;
+        let (url, headers) = if self.encryption.is_empty() {
+            (url, reqwest::header::HeaderMap::new())
+        } else {
+            self.signed_with_headers(url).await?
+        };
         let payload_error: Arc<Mutex<Option<std::io::Error>>> = Arc::default();
         let seen = payload_error.clone();
         let body = exactly(len, data).map(move |item| {
@@ -120,6 +140,7 @@ impl SinglePut {
         let sent = self
             .http
             .put(url)
+            .headers(headers)
             .header(reqwest::header::CONTENT_LENGTH, len)
             .body(reqwest::Body::wrap_stream(body))
             .send()
@@ -145,6 +166,76 @@ impl SinglePut {
         let text = response.text().await.unwrap_or_default();
         Err(failed(format!("{status}: {}", text.trim())))
     }
+}
+
+impl SinglePut {
+    /// The object's URL (a presigned one without its signature) and the headers of a request
+    /// signed with the encryption headers among them.
+    async fn signed_with_headers(
+        &self,
+        presigned: url::Url,
+    ) -> Result<(url::Url, reqwest::header::HeaderMap), StoreError> {
+        let mut url = presigned;
+        url.set_query(None);
+        let credential = self.store.credentials().get_credential().await?;
+        let mut request = HttpRequest::new(HttpRequestBody::empty());
+        *request.method_mut() = Method::PUT;
+        *request.uri_mut() = url.as_str().parse().map_err(|e| {
+            StoreError::Backend(object_store::Error::Generic {
+                store: "S3",
+                source: format!("the object's URL {url}: {e}").into(),
+            })
+        })?;
+        *request.headers_mut() = self.encryption.clone();
+        AwsAuthorizer::new(&credential, "s3", &self.region)
+            .with_sign_payload(false)
+            .try_authorize(&mut request, None)?;
+        Ok((url, request.headers().clone()))
+    }
+}
+
+/// The server-side encryption headers of a store's configuration (object_store's names), as
+/// S3 takes them on a `PUT`.
+fn encryption_headers(
+    value: &dyn Fn(&str) -> Option<String>,
+) -> Result<reqwest::header::HeaderMap, BuildError> {
+    use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
+    let mut headers = HeaderMap::new();
+    let mut set = |name: &'static str, v: &str| -> Result<(), BuildError> {
+        let v =
+            HeaderValue::from_str(v).map_err(|e| BuildError::Encryption(format!("{name}: {e}")))?;
+        headers.insert(HeaderName::from_static(name), v);
+        Ok(())
+    };
+    match value("aws_server_side_encryption").as_deref() {
+        None => {}
+        Some("sse-c") => {
+            use base64::Engine as _;
+            use md5::Digest as _;
+            let b64 = base64::engine::general_purpose::STANDARD;
+            let key = value("aws_sse_customer_key_base64")
+                .ok_or_else(|| BuildError::Encryption("sse-c without a customer key".into()))?;
+            let raw = b64
+                .decode(&key)
+                .map_err(|e| BuildError::Encryption(format!("the customer key: {e}")))?;
+            set("x-amz-server-side-encryption-customer-algorithm", "AES256")?;
+            set("x-amz-server-side-encryption-customer-key", &key)?;
+            set(
+                "x-amz-server-side-encryption-customer-key-md5",
+                &b64.encode(md5::Md5::digest(&raw)),
+            )?;
+        }
+        Some(algorithm) => {
+            set("x-amz-server-side-encryption", algorithm)?;
+            if let Some(id) = value("aws_sse_kms_key_id") {
+                set("x-amz-server-side-encryption-aws-kms-key-id", &id)?;
+            }
+            if let Some(enabled) = value("aws_sse_bucket_key_enabled") {
+                set("x-amz-server-side-encryption-bucket-key-enabled", &enabled)?;
+            }
+        }
+    }
+    Ok(headers)
 }
 
 /// `data`, checked to be exactly `len` bytes without ever passing on all `len` of them before
@@ -233,12 +324,10 @@ mod tests {
     }
 
     #[test]
-    fn stores_that_need_request_headers_keep_multipart() {
+    fn stores_that_need_what_a_put_cannot_carry_keep_multipart() {
         assert!(SinglePut::for_s3(&builder()).unwrap().is_some());
         let with = |key: &str, value: &str| builder().with_config(key.parse().unwrap(), value);
         for (key, value) in [
-            ("aws_server_side_encryption", "aws:kms"),
-            ("aws_sse_kms_key_id", "arn:aws:kms:key"),
             ("aws_request_payer", "true"),
             ("aws_checksum_algorithm", "sha256"),
             ("aws_skip_signature", "true"),
@@ -250,6 +339,7 @@ mod tests {
         for (key, value) in [
             ("aws_request_payer", "false"),
             ("aws_allow_invalid_certificates", "true"),
+            ("aws_server_side_encryption", "aws:kms"),
         ] {
             let got = SinglePut::for_s3(&with(key, value)).unwrap();
             assert!(got.is_some(), "{key}={value} keeps single PUTs");
