@@ -868,3 +868,118 @@ async fn with_a_client_ca_the_triggers_need_a_certificate_and_the_wrapper_none()
         "another CA's certificate must fail the handshake"
     );
 }
+
+/// A follower's sidecar under `[druid]` forwards druid's snapshot triggers to the leader's
+/// sidecar, found as etcd-backup-restore finds it (the leader's client URL's host, this
+/// sidecar's port), and after the leader dies to the new leader's. Three real etcd members on
+/// their own loopback addresses (127.0.0.11–13, one client port, one sidecar port, as pods of a
+/// StatefulSet); the sidecars share a file store. Not checked: HTTPS between sidecars (the unit
+/// tests of `druid::forward` cover the URL it builds).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_followers_sidecar_forwards_triggers_to_the_leaders_and_follows_a_new_leader() {
+    use crate::support::hosts::{self, Hosts};
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("etcd")).unwrap();
+    let etcd = Hosts::new(dir.path().join("etcd"), None);
+    let members = etcd.start_cluster(3).await;
+    let port = hosts::common_port();
+    let store = format!("file://{}", dir.path().join("store").display());
+    let etcd_conf = dir.path().join("etcd.conf.yaml");
+    std::fs::write(&etcd_conf, "name: unused\n").unwrap();
+    let mut sidecars: Vec<Warden> = members
+        .iter()
+        .map(|(name, ip)| {
+            Warden::start(&[
+                ("server.listen", format!("{ip}:{port}")),
+                ("etcd.endpoints", etcd.client_url(ip)),
+                ("store.url", store.clone()),
+                ("druid.pod_name", name.clone()),
+                ("druid.etcd_config", etcd_conf.display().to_string()),
+            ])
+        })
+        .collect();
+    for w in &sidecars {
+        w.wait_up().await;
+    }
+    let leader_of = async |etcd: &Hosts, alive: &[usize]| -> usize {
+        let urls: Vec<String> = alive
+            .iter()
+            .map(|i| etcd.client_url(&members[*i].1))
+            .collect();
+        hosts::eventually("a leader", Duration::from_secs(30), async || {
+            let mut c = hosts::client(&urls, None).await?;
+            let leader = c.status().await.ok()?.leader();
+            let list = c.member_list().await.ok()?;
+            let name = list
+                .members()
+                .iter()
+                .find(|m| m.id() == leader)?
+                .name()
+                .to_owned();
+            alive.iter().copied().find(|i| members[*i].0 == name)
+        })
+        .await
+    };
+    let http = reqwest::Client::new();
+    // A full snapshot asked of a follower is the leader's; so is a delta (a follower has none).
+    let trigger = async |follower: &Warden, path: &str| -> (u16, serde_json::Value) {
+        let mut last = (0, serde_json::Value::Null);
+        for _ in 0..100 {
+            let r = http.post(follower.url(path)).send().await.unwrap();
+            last = (r.status().as_u16(), r.json().await.unwrap_or_default());
+            if last.0 != 409 && last.0 != 503 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        last
+    };
+    let alive = vec![0, 1, 2];
+    let leader = leader_of(&etcd, &alive).await;
+    let follower = (leader + 1) % 3;
+    // The snapshot a trigger answers with, and whose log names it.
+    let taken_by = |body: &serde_json::Value, w: &Warden| {
+        body["snapName"]
+            .as_str()
+            .is_some_and(|name| w.log_text().contains(name))
+    };
+    for path in ["/snapshot/full", "/snapshot/delta"] {
+        let (code, body) = trigger(&sidecars[follower], path).await;
+        assert_eq!(code, 200, "{path} on a follower: {body}");
+        if path == "/snapshot/full" {
+            assert!(
+                taken_by(&body, &sidecars[leader]) && !taken_by(&body, &sidecars[follower]),
+                "{body} is not the leader's:\n{}",
+                sidecars[leader].log_text()
+            );
+        }
+    }
+    assert!(
+        sidecars[follower]
+            .log_text()
+            .contains("forwarded to the leader's sidecar"),
+        "{}",
+        sidecars[follower].log_text()
+    );
+    assert!(
+        !sidecars[follower]
+            .log_text()
+            .contains("full snapshot stored"),
+        "the follower took the snapshot itself:\n{}",
+        sidecars[follower].log_text()
+    );
+
+    // The leader dies: the next trigger goes to the new leader's sidecar.
+    etcd.kill(&members[leader].0);
+    sidecars[leader].kill();
+    let alive: Vec<usize> = (0..3).filter(|i| *i != leader).collect();
+    let new_leader = leader_of(&etcd, &alive).await;
+    let follower = alive.iter().copied().find(|i| *i != new_leader).unwrap();
+    let (code, body) = trigger(&sidecars[follower], "/snapshot/full").await;
+    assert_eq!(code, 200, "after the leader's death: {body}");
+    assert!(
+        taken_by(&body, &sidecars[new_leader]) && !taken_by(&body, &sidecars[follower]),
+        "{body} is not the new leader's:\n{}",
+        sidecars[new_leader].log_text()
+    );
+}

@@ -10,6 +10,8 @@ use super::{eventually, free_port};
 /// A running `etcd-warden serve` with its own listen port and log file.
 pub struct Warden {
     pub port: u16,
+    /// The address it listens on (`127.0.0.1` unless `server.listen` names another).
+    pub host: String,
     pub log: PathBuf,
     child: Option<Child>,
     env: BTreeMap<String, String>,
@@ -114,10 +116,14 @@ impl Warden {
         for (k, v) in keys {
             env.insert(k.to_string(), v.clone());
         }
+        let listen: std::net::SocketAddr = env["server.listen"]
+            .parse()
+            .expect("server.listen is an address");
         let dir = tempfile::tempdir().expect("temp dir");
         let log = dir.path().join("warden.log");
         let mut w = Warden {
-            port,
+            port: listen.port(),
+            host: listen.ip().to_string(),
             log,
             child: None,
             env,
@@ -141,6 +147,7 @@ impl Warden {
         argv.extend(args.iter().cloned());
         let mut w = Warden {
             port,
+            host: "127.0.0.1".into(),
             log,
             child: None,
             env: env
@@ -197,9 +204,9 @@ impl Warden {
         self.spawn();
     }
 
-    /// `http://127.0.0.1:<port><path>`.
+    /// `http://<host>:<port><path>`.
     pub fn url(&self, path: &str) -> String {
-        format!("http://127.0.0.1:{}{path}", self.port)
+        format!("http://{}:{}{path}", self.host, self.port)
     }
 
     /// GET `path`: (status, JSON body or Null).
