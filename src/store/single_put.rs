@@ -207,7 +207,7 @@ fn exactly(len: u64, data: ByteStream) -> ByteStream {
 }
 
 /// An error and its sources, `: `-separated (reqwest's own message names only the outer layer).
-fn error_chain(e: &dyn std::error::Error) -> String {
+pub(super) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut out = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {
