@@ -18,6 +18,7 @@ pub mod kube_world;
 pub mod losing;
 pub mod machine_api;
 pub mod migration;
+pub mod moto;
 pub mod pod;
 pub mod podns;
 pub mod rbac;
