@@ -324,3 +324,29 @@ fn object_lock_keys_are_checked_and_refused_off_s3() {
         Some(ObjectLockMode::Governance)
     );
 }
+
+/// On an S3-compatible service without Object Lock (s3s-fs), reading the lock first finds none
+/// and retention deletes as before.
+#[tokio::test]
+async fn retention_on_a_store_without_object_lock_deletes_as_before() {
+    let s3 = crate::support::s3::S3Server::start(&["plain-bucket"]);
+    let store = SnapshotStore::from_config(&s3.store_config("plain-bucket", PREFIX)).unwrap();
+    let old = store.new_snapshot(Kind::Full, 0, 10, Codec::None, false);
+    let delta = store.new_snapshot(Kind::Incr, 11, 12, Codec::None, false);
+    let new = store.new_snapshot(Kind::Full, 0, 20, Codec::None, false);
+    for s in [&old, &delta, &new] {
+        store.put_bytes(s, payload(&s.snap_name)).await.unwrap();
+        assert_eq!(store.lock(s).await.unwrap(), None);
+    }
+    let retention = Retention {
+        policy: GcPolicy::LimitBased { max_backups: 1 },
+        delta_retention: Duration::ZERO,
+    };
+    let report = gc::run(&store, Utc::now(), retention).await.unwrap();
+    assert_eq!(
+        names(&report.deleted),
+        vec![(Kind::Incr, 12), (Kind::Full, 10)]
+    );
+    assert!(report.locked.is_empty() && report.failed.is_empty());
+    assert_eq!(names(&store.list().await.unwrap()), vec![(Kind::Full, 20)]);
+}
