@@ -350,3 +350,77 @@ async fn retention_on_a_store_without_object_lock_deletes_as_before() {
     assert!(report.locked.is_empty() && report.failed.is_empty());
     assert_eq!(names(&store.list().await.unwrap()), vec![(Kind::Full, 20)]);
 }
+
+/// The sidecar configured with `store.object_lock_retention` writes its snapshots locked; its
+/// retention, running every 200 ms, keeps the locked full snapshots it wants gone, counts them
+/// in `/metrics` and logs each once over many passes.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_sidecar_writes_locked_snapshots_and_its_retention_keeps_them() {
+    use crate::support::etcd::{EtcdCluster, Release};
+    use crate::support::warden::Warden;
+
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut client = etcd.client().await;
+    let moto = MotoServer::start();
+    moto.create_locked_bucket(BUCKET).await;
+    let w = Warden::start(&[
+        ("etcd.endpoints", etcd.endpoints()[0].clone()),
+        ("store.url", format!("s3://{BUCKET}/{PREFIX}")),
+        ("store.endpoint", moto.endpoint()),
+        ("store.region", crate::support::moto::REGION.into()),
+        ("store.access_key_id", "moto-access".into()),
+        ("store.secret_access_key", "moto-secret".into()),
+        ("store.object_lock_retention", "1h".into()),
+        ("store.object_lock_mode", "compliance".into()),
+        ("snapshot.gc_policy", "LimitBased".into()),
+        ("snapshot.max_backups", "1".into()),
+        ("snapshot.gc_period", "200ms".into()),
+        ("snapshot.delta_period", "0s".into()),
+    ]);
+    w.wait_up().await;
+    let http = reqwest::Client::new();
+    for i in 0..2 {
+        client.put(format!("/lock/{i}"), "v", None).await.unwrap();
+        // Names carry whole seconds: one snapshot per second keeps them distinct.
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        let r = http.post(w.url("/snapshot/full")).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 201, "{}", w.log_text());
+    }
+    // The sidecar's own first full snapshot and the two asked for.
+    let store = SnapshotStore::from_config(&moto.store_config(BUCKET, PREFIX)).unwrap();
+    let taken = store.list().await.unwrap();
+    assert_eq!(taken.len(), 3, "{taken:?}");
+    for s in &taken {
+        let lock = store.lock(s).await.unwrap();
+        let until = lock.and_then(|l| l.retain_until);
+        assert!(
+            until.is_some_and(|u| u > Utc::now() + chrono::TimeDelta::minutes(59)),
+            "{} is retained until {until:?}",
+            s.snap_name
+        );
+    }
+    // Retention wants the two older ones gone; they stay, counted, over several passes.
+    let counted = eventually(Duration::from_secs(10), || async {
+        let Some((_, metrics)) = w.get("/metrics").await else {
+            return false;
+        };
+        metrics
+            .as_str()
+            .is_some_and(|m| m.contains("etcd_warden_gc_locked_objects 2"))
+    })
+    .await;
+    assert!(counted, "{}", w.log_text());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(store.list().await.unwrap(), taken);
+    let log = w.log_text();
+    for s in &taken[..2] {
+        let lines = log
+            .lines()
+            .filter(|l| l.contains(&s.snap_name) && l.contains("retention: kept"))
+            .count();
+        assert_eq!(lines, 1, "{} logged {lines} times:\n{log}", s.snap_name);
+    }
+    // About five passes ran since the count was first seen: still one line per snapshot.
+    assert_eq!(log.matches("retention: kept").count(), 2, "{log}");
+    assert!(!log.contains("retention: delete failed"), "{log}");
+}
