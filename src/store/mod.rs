@@ -257,7 +257,7 @@ pub fn object_lock_with_env(
     };
     let vars = provider_env(env, env_prefix, "AWS_");
     s3_builder(config, bucket, &vars)
-        .and_then(|b| S3ObjectLock::for_s3(&b, config.object_lock))
+        .and_then(|b| S3ObjectLock::for_s3(&b, config.object_lock, config.ca_file.as_deref()))
         .map(Some)
         .map_err(|cause| StoreError::build(config, cause))
 }

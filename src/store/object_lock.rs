@@ -89,24 +89,40 @@ impl std::fmt::Debug for S3ObjectLock {
 
 impl S3ObjectLock {
     /// For an S3 store built by `builder`; `retention` is what new snapshots get (none: locks
-    /// are only read).
+    /// are only read). The requests trust `ca_file` (the store's `ca_file`) and go through the
+    /// store's proxy, as the store's own do.
     pub fn for_s3(
         builder: &AmazonS3Builder,
         retention: Option<ObjectLockRetention>,
+        ca_file: Option<&std::path::Path>,
     ) -> Result<S3ObjectLock, BuildError> {
-        let insecure = "aws_allow_invalid_certificates"
-            .parse::<object_store::aws::AmazonS3ConfigKey>()
-            .ok()
-            .and_then(|k| builder.get_config_value(&k))
-            .is_some_and(|v| v == "true");
-        let http = reqwest::Client::builder()
+        let value = |key: &str| {
+            key.parse::<object_store::aws::AmazonS3ConfigKey>()
+                .ok()
+                .and_then(|k| builder.get_config_value(&k))
+                .filter(|v| !v.is_empty())
+        };
+        let insecure = value("aws_allow_invalid_certificates").is_some_and(|v| v == "true");
+        let mut http = reqwest::Client::builder()
             .connect_timeout(CONNECT_TIMEOUT)
             .timeout(REQUEST_TIMEOUT)
-            .danger_accept_invalid_certs(insecure)
-            .build()?;
+            .danger_accept_invalid_certs(insecure);
+        if let Some(path) = ca_file {
+            let ca_err = |message: String| BuildError::Ca {
+                path: path.to_path_buf(),
+                message,
+            };
+            let pem = std::fs::read(path).map_err(|e| ca_err(e.to_string()))?;
+            let certs =
+                reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| ca_err(e.to_string()))?;
+            http = http.tls_certs_merge(certs);
+        }
+        if let Some(proxy) = value("aws_proxy_url") {
+            http = http.proxy(reqwest::Proxy::all(proxy)?);
+        }
         Ok(S3ObjectLock {
             signer: Arc::new(builder.clone().build()?),
-            http,
+            http: http.build()?,
             retention,
         })
     }
@@ -316,6 +332,25 @@ mod tests {
             xml.contains("<RetainUntilDate>2026-01-01T00:00:05Z</RetainUntilDate>"),
             "{xml}"
         );
+    }
+
+    #[test]
+    fn the_requests_trust_the_stores_ca_and_use_its_proxy() {
+        let builder = || {
+            AmazonS3Builder::new()
+                .with_bucket_name("bkt")
+                .with_region("us-east-1")
+                .with_endpoint("https://127.0.0.1:1")
+                .with_access_key_id("id")
+                .with_secret_access_key("secret")
+        };
+        assert!(S3ObjectLock::for_s3(&builder(), None, None).is_ok());
+        let proxied = builder().with_proxy_url("http://127.0.0.1:3128");
+        assert!(S3ObjectLock::for_s3(&proxied, None, None).is_ok());
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("ca.pem");
+        let e = S3ObjectLock::for_s3(&builder(), None, Some(&missing)).unwrap_err();
+        assert!(e.to_string().contains("ca.pem"), "{e}");
     }
 
     /// No local server enforces GCS or Azure retention (azurite accepts a delete of a blob under
