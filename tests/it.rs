@@ -27,6 +27,7 @@ mod kube_objects;
 mod machines_conformance;
 mod manifests;
 mod migration;
+mod object_lock;
 mod operator;
 mod operator_config;
 mod operator_kube;

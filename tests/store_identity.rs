@@ -543,7 +543,7 @@ async fn metadata_token(
 async fn gcs_with_gkes_workload_identity_sends_the_metadata_servers_token() {
     use crate::support::etcd::{EtcdCluster, Release};
     let etcd = EtcdCluster::single(Release::V35).await;
-    let moto = crate::support::moto::Moto::start(&["gcs-backups"]).await;
+    let moto = crate::support::moto::MotoServer::with_buckets(&["gcs-backups"]).await;
     let gcs = crate::support::recorder::Recorder::start(
         &moto.endpoint(),
         Some(crate::support::moto::ANY_SIGNATURE),

@@ -203,6 +203,38 @@ pub struct StoreConfig {
     pub sse: Option<ServerSideEncryption>,
     /// Azure: a workload identity (a federated token exchanged for an Entra ID token).
     pub azure_identity: Option<AzureWorkloadIdentity>,
+    /// S3 Object Lock: every new snapshot is retained this long in this mode.
+    pub object_lock: Option<ObjectLockRetention>,
+}
+
+/// The retention S3 Object Lock puts on each new snapshot (`store.object_lock_retention`,
+/// `store.object_lock_mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ObjectLockRetention {
+    /// Governance (users with `s3:BypassGovernanceRetention` may still delete) or compliance
+    /// (nobody may, not even the root account, until the date passes).
+    pub mode: ObjectLockMode,
+    /// How long after it is written a snapshot stays locked.
+    pub period: Duration,
+}
+
+/// S3 Object Lock's retention modes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ObjectLockMode {
+    /// `GOVERNANCE`: a bypass permission can still delete.
+    Governance,
+    /// `COMPLIANCE`: nobody can delete until the date passes.
+    Compliance,
+}
+
+impl ObjectLockMode {
+    /// The name S3 uses (`x-amz-object-lock-mode`, `PutObjectRetention`'s `Mode`).
+    pub fn as_s3(self) -> &'static str {
+        match self {
+            ObjectLockMode::Governance => "GOVERNANCE",
+            ObjectLockMode::Compliance => "COMPLIANCE",
+        }
+    }
 }
 
 /// S3 server-side encryption of the objects etcd-warden writes (`store.server_side_encryption`).
@@ -271,6 +303,7 @@ impl StoreConfig {
             ca_file: None,
             sse: None,
             azure_identity: None,
+            object_lock: None,
         }
     }
 }

@@ -139,6 +139,12 @@ pub struct RawStore {
     pub federated_token_file: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub authority_host: Option<String>,
+    /// S3 Object Lock: how long each new snapshot is retained (a duration; absent: none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub object_lock_retention: Option<String>,
+    /// `governance` (the default) or `compliance`; only with `object_lock_retention`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub object_lock_mode: Option<String>,
     /// `[store.secondary]`: a second store every snapshot is copied to. Only `[store]` may
     /// have one (validation refuses it elsewhere).
     #[serde(default, skip_serializing_if = "Option::is_none")]

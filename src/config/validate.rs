@@ -13,9 +13,10 @@ use super::raw::{
 };
 use super::{
     AzureWorkloadIdentity, Compression, Config, ConfigError, CopyConfig, DefragConfig, DruidConfig,
-    EncryptionConfig, EtcdConfig, GcPolicy, KillConfig, LogConfig, LogFormat, OwnerConfig, Purpose,
-    RestoreConfig, SecondaryConfig, Secret, ServerConfig, ServerSideEncryption, SnapshotConfig,
-    StoreConfig, StoreLocation, TlsFiles, Validation, WebIdentity,
+    EncryptionConfig, EtcdConfig, GcPolicy, KillConfig, LogConfig, LogFormat, ObjectLockMode,
+    ObjectLockRetention, OwnerConfig, Purpose, RestoreConfig, SecondaryConfig, Secret,
+    ServerConfig, ServerSideEncryption, SnapshotConfig, StoreConfig, StoreLocation, TlsFiles,
+    Validation, WebIdentity,
 };
 
 /// The spellings of each compression, the one errors list first.
@@ -500,6 +501,7 @@ impl Validator<'_> {
         let ca_file = self.ca_file(&key("ca_file"), &s.ca_file, &location)?;
         let sse = self.server_side_encryption(section, s, &location)?;
         let azure_identity = self.azure_identity(section, s, &location)?;
+        let object_lock = self.object_lock(section, s, &location)?;
         Ok(StoreConfig {
             location,
             endpoint: s.endpoint.clone(),
@@ -528,7 +530,54 @@ impl Validator<'_> {
             ca_file,
             sse,
             azure_identity,
+            object_lock,
         })
+    }
+
+    /// `object_lock_retention` (a positive duration) and `object_lock_mode`, for S3 only: GCS
+    /// and Azure keep objects by a bucket's or container's policy, which etcd-warden does not
+    /// write per object.
+    fn object_lock(
+        &self,
+        section: &str,
+        s: &RawStore,
+        location: &StoreLocation,
+    ) -> Result<Option<ObjectLockRetention>, ConfigError> {
+        let key = |k: &str| format!("{section}.{k}");
+        let period = s
+            .object_lock_retention
+            .as_deref()
+            .map(str::trim)
+            .filter(|p| !p.is_empty());
+        let Some(period) = period else {
+            if s.object_lock_mode.is_some() {
+                return Err(self.err(
+                    &key("object_lock_mode"),
+                    format!("needs {section}.object_lock_retention (how long to retain)"),
+                ));
+            }
+            return Ok(None);
+        };
+        if !matches!(location, StoreLocation::S3 { .. }) {
+            return Err(self.err(
+                &key("object_lock_retention"),
+                "is for s3:// stores: GCS retention policies and Azure immutability policies \
+                 are set on the bucket or container (see docs/operations.md)",
+            ));
+        }
+        let period = self.positive_duration(&key("object_lock_retention"), period)?;
+        let mode = match s.object_lock_mode.as_deref().map(str::trim) {
+            None | Some("") => ObjectLockMode::Governance,
+            Some(m) if m.eq_ignore_ascii_case("governance") => ObjectLockMode::Governance,
+            Some(m) if m.eq_ignore_ascii_case("compliance") => ObjectLockMode::Compliance,
+            Some(m) => {
+                return Err(self.err(
+                    &key("object_lock_mode"),
+                    format!("{m:?}: must be \"governance\" or \"compliance\""),
+                ));
+            }
+        };
+        Ok(Some(ObjectLockRetention { mode, period }))
     }
 
     /// `server_side_encryption` with its key (`sse_kms_key_id`, `sse_customer_key_file`), for S3.

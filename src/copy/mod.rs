@@ -183,9 +183,13 @@ impl Stores {
         };
         let single_put = crate::store::single_put_with_env(dest, &ProcessEnv, dest_env)
             .map_err(fail("destination", dest))?;
+        let object_lock = crate::store::object_lock_with_env(dest, &ProcessEnv, dest_env)
+            .map_err(fail("destination", dest))?;
         Ok(Stores {
             source: SnapshotStore::at(source_backend, &source.location),
-            dest: SnapshotStore::at(dest_backend, &dest.location).with_single_put(single_put),
+            dest: SnapshotStore::at(dest_backend, &dest.location)
+                .with_single_put(single_put)
+                .with_object_lock(object_lock),
             server_side,
         })
     }
@@ -498,6 +502,11 @@ async fn copy_one(stores: &Stores, item: &Listed, progress: &Progress) -> Result
             .copy(&from, &to)
             .await
             .map_err(ObjectError::ServerSideCopy)?;
+        stores
+            .dest
+            .retain(&target)
+            .await
+            .map_err(ObjectError::Upload)?;
         return Ok(item.size);
     }
     let written = stores

@@ -1051,10 +1051,7 @@ mod tests {
             })
         }
         async fn gc(&mut self, _now: DateTime<Utc>) -> Result<GcReport, EngineError> {
-            Ok(GcReport {
-                deleted: vec![],
-                failed: vec![],
-            })
+            Ok(GcReport::default())
         }
         async fn defrag_step(
             &mut self,

@@ -78,6 +78,7 @@ pub struct SnapshotMetrics {
     latest_revision: Family<KindLabel, Gauge>,
     latest_timestamp: Family<KindLabel, Gauge>,
     gc: Family<OutcomeLabels, Counter>,
+    gc_locked: Gauge,
     leader: Gauge,
     required: Family<KindLabel, Gauge>,
     failures: Family<ErrorLabel, Gauge>,
@@ -97,6 +98,7 @@ impl Default for SnapshotMetrics {
             latest_revision: Family::default(),
             latest_timestamp: Family::default(),
             gc: Family::default(),
+            gc_locked: Gauge::default(),
             leader: Gauge::default(),
             required: Family::default(),
             failures: Family::default(),
@@ -133,6 +135,12 @@ impl SnapshotMetrics {
             "etcdbr_snapshot_gc",
             "Total number of garbage collected snapshots",
             self.gc.clone(),
+        );
+        registry.register(
+            "etcd_warden_gc_locked_objects",
+            "Snapshots the last retention pass would have deleted but the store keeps under \
+             retention or a legal hold (S3 Object Lock, GCS retention, Azure immutability)",
+            self.gc_locked.clone(),
         );
         registry.register(
             "etcd_warden_snapshot_leader",
@@ -308,6 +316,8 @@ impl SnapshotMetrics {
         for s in &report.failed {
             self.gc.get_or_create(&outcome(s.kind, false)).inc();
         }
+        self.gc_locked
+            .set(i64::try_from(report.locked.len()).unwrap_or(i64::MAX));
     }
 }
 
@@ -334,6 +344,7 @@ mod tests {
         m.gc(&crate::store::gc::GcReport {
             deleted: vec![s.clone()],
             failed: vec![],
+            locked: vec![s.clone(), s.clone()],
         });
         let out = render(&reg);
         assert!(
@@ -342,6 +353,7 @@ mod tests {
         );
         assert!(out.contains(r#"etcdbr_snapshot_latest_timestamp{kind="Full"} 1700000000"#));
         assert!(out.contains(r#"etcdbr_snapshot_gc_total{kind="Full",succeeded="true"} 1"#));
+        assert!(out.contains("etcd_warden_gc_locked_objects 2"), "{out}");
         assert!(
             out.contains(
                 r#"etcdbr_snapshot_duration_seconds_count{kind="Full",succeeded="true"} 1"#

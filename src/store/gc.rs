@@ -137,10 +137,28 @@ pub struct GcReport {
     pub deleted: Vec<Snapshot>,
     /// Snapshots whose deletion failed (retried at the next run).
     pub failed: Vec<Snapshot>,
+    /// Snapshots the plan deletes but the store keeps under retention or a legal hold: kept,
+    /// listed and restorable, and deleted by a later run once released.
+    pub locked: Vec<Snapshot>,
+}
+
+/// What stopped a delete in a stream: its full snapshot is then kept too, so none of the
+/// stream's deltas is left without it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Held {
+    Failed,
+    Locked,
 }
 
 /// Lists the store, plans with [`plan`], and deletes. A failed delete is logged and skipped,
 /// except that a full snapshot is not deleted after one of its deltas failed (no orphans).
+///
+/// A snapshot the store keeps under retention or a legal hold (S3 Object Lock, read before
+/// the delete: on a versioned bucket a plain delete would succeed by hiding it behind a delete
+/// marker; GCS and Azure refuse the delete) is skipped: logged once per process, reported in
+/// [`GcReport::locked`], never an error. Its full snapshot stays with it. The plan is made
+/// from the listing, so a locked snapshot that stays is only ever an older one kept longer:
+/// no newer snapshot is deleted in its place.
 pub async fn run(
     store: &super::SnapshotStore,
     now: DateTime<Utc>,
@@ -148,25 +166,90 @@ pub async fn run(
 ) -> Result<GcReport, super::StoreError> {
     let list = store.list().await?;
     let mut report = GcReport::default();
-    let mut stream_failed = false;
+    let mut held: Option<Held> = None;
     for s in plan(&list, now, retention) {
-        if s.kind == Kind::Full && std::mem::take(&mut stream_failed) {
-            report.failed.push(s);
-            continue;
+        if s.kind == Kind::Full {
+            match held.take() {
+                Some(Held::Failed) => {
+                    report.failed.push(s);
+                    continue;
+                }
+                Some(Held::Locked) => {
+                    // Kept whatever its own lock; counted when it has one.
+                    match store.lock(&s).await {
+                        Ok(Some(lock)) => kept_locked(store, &s, &lock, &mut report),
+                        _ => tracing::debug!(
+                            snapshot = %s.snap_name,
+                            "retention: kept with its locked deltas"
+                        ),
+                    }
+                    continue;
+                }
+                None => {}
+            }
         }
-        match store.delete(&s).await {
-            Ok(()) => {
+        match delete_unless_locked(store, &s).await {
+            Ok(None) => {
                 tracing::info!(snapshot = %s.snap_name, "retention: deleted");
+                store.unlocked(&s);
                 report.deleted.push(s);
+            }
+            Ok(Some(lock)) => {
+                if s.kind == Kind::Incr {
+                    held.get_or_insert(Held::Locked);
+                }
+                kept_locked(store, &s, &lock, &mut report);
             }
             Err(e) => {
                 tracing::warn!(snapshot = %s.snap_name, error = %e, "retention: delete failed");
-                stream_failed |= s.kind == Kind::Incr;
+                if s.kind == Kind::Incr {
+                    held = Some(Held::Failed);
+                }
                 report.failed.push(s);
             }
         }
     }
     Ok(report)
+}
+
+/// Reports a snapshot the store keeps: in the log the first time this process finds it locked.
+fn kept_locked(
+    store: &super::SnapshotStore,
+    snapshot: &Snapshot,
+    lock: &super::Lock,
+    report: &mut GcReport,
+) {
+    if store.first_seen_locked(snapshot) {
+        tracing::info!(
+            snapshot = %snapshot.snap_name,
+            lock = %lock,
+            "retention: kept, the store holds it under retention or a legal hold (deleted once \
+             released)"
+        );
+    }
+    report.locked.push(snapshot.clone());
+}
+
+/// Deletes `snapshot` unless the store keeps it, in which case the lock is returned: read
+/// ahead where it can be (S3), or the store's refusal recognised.
+async fn delete_unless_locked(
+    store: &super::SnapshotStore,
+    snapshot: &Snapshot,
+) -> Result<Option<super::Lock>, super::StoreError> {
+    if let Some(lock) = store.lock(snapshot).await? {
+        return Ok(Some(lock));
+    }
+    match store.delete(snapshot).await {
+        Ok(()) => Ok(None),
+        Err(super::StoreError::Backend(e)) if super::object_lock::is_lock_refusal(&e) => {
+            Ok(Some(super::Lock {
+                retain_until: None,
+                legal_hold: false,
+                refusal: Some(e.to_string()),
+            }))
+        }
+        Err(e) => Err(e),
+    }
 }
 
 #[cfg(test)]
@@ -342,6 +425,154 @@ mod tests {
         );
         assert!(report.failed.is_empty());
         assert_eq!(names(&store.list().await.unwrap()), vec![(Kind::Full, 20)]);
+    }
+
+    /// A backend whose deletes of some keys are refused as Azure refuses a blob under an
+    /// immutability policy (GCS's and S3's refusals are told apart in `object_lock`).
+    #[derive(Debug)]
+    struct Immutable {
+        inner: object_store::memory::InMemory,
+        locked: std::sync::Mutex<std::collections::HashSet<String>>,
+    }
+
+    impl std::fmt::Display for Immutable {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "Immutable")
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl object_store::ObjectStore for Immutable {
+        async fn put_opts(
+            &self,
+            location: &object_store::path::Path,
+            payload: object_store::PutPayload,
+            opts: object_store::PutOptions,
+        ) -> object_store::Result<object_store::PutResult> {
+            self.inner.put_opts(location, payload, opts).await
+        }
+        async fn put_multipart_opts(
+            &self,
+            location: &object_store::path::Path,
+            opts: object_store::PutMultipartOptions,
+        ) -> object_store::Result<Box<dyn object_store::MultipartUpload>> {
+            self.inner.put_multipart_opts(location, opts).await
+        }
+        async fn get_opts(
+            &self,
+            location: &object_store::path::Path,
+            options: object_store::GetOptions,
+        ) -> object_store::Result<object_store::GetResult> {
+            self.inner.get_opts(location, options).await
+        }
+        fn delete_stream(
+            &self,
+            locations: futures::stream::BoxStream<
+                'static,
+                object_store::Result<object_store::path::Path>,
+            >,
+        ) -> futures::stream::BoxStream<'static, object_store::Result<object_store::path::Path>>
+        {
+            use futures::StreamExt;
+            // A refused key becomes an error item, which the in-memory backend passes through.
+            let locked = self.locked.lock().unwrap().clone();
+            let checked = locations.map(move |p| match p {
+                Ok(p) if locked.contains(p.as_ref()) => Err(object_store::Error::AlreadyExists {
+                    path: p.to_string(),
+                    source: "Server returned non-2xx status code: 409 Conflict: <Error><Code>\
+                             BlobImmutableDueToPolicy</Code></Error>"
+                        .into(),
+                }),
+                other => other,
+            });
+            self.inner.delete_stream(checked.boxed())
+        }
+        fn list(
+            &self,
+            prefix: Option<&object_store::path::Path>,
+        ) -> futures::stream::BoxStream<'static, object_store::Result<object_store::ObjectMeta>>
+        {
+            self.inner.list(prefix)
+        }
+        async fn list_with_delimiter(
+            &self,
+            prefix: Option<&object_store::path::Path>,
+        ) -> object_store::Result<object_store::ListResult> {
+            self.inner.list_with_delimiter(prefix).await
+        }
+        async fn copy_opts(
+            &self,
+            from: &object_store::path::Path,
+            to: &object_store::path::Path,
+            options: object_store::CopyOptions,
+        ) -> object_store::Result<()> {
+            self.inner.copy_opts(from, to, options).await
+        }
+    }
+
+    /// Locked snapshots stay (a locked delta keeps its full snapshot), the pass succeeds, each
+    /// is reported once per process, no newer snapshot goes in their place, and the next pass
+    /// after their release deletes them.
+    #[tokio::test]
+    async fn locked_snapshots_are_kept_and_deleted_once_released() {
+        let backend = std::sync::Arc::new(Immutable {
+            inner: object_store::memory::InMemory::new(),
+            locked: Default::default(),
+        });
+        let store = crate::store::SnapshotStore::new(backend.clone(), "p");
+        let now = t("2024-05-10T12:00:00Z");
+        let h = |n| now - TimeDelta::hours(n);
+        let snaps = [
+            full(10, h(6)),
+            incr(11, 12, h(5)), // locked: keeps full 10
+            full(20, h(4)),     // locked
+            incr(21, 22, h(3)),
+            full(30, h(2)),
+            full(40, h(1)),
+        ];
+        for s in &snaps {
+            store
+                .put_bytes(s, bytes::Bytes::from_static(b"x"))
+                .await
+                .unwrap();
+        }
+        for s in [&snaps[1], &snaps[2]] {
+            let key = store.path_of(s).to_string();
+            backend.locked.lock().unwrap().insert(key);
+        }
+        let report = run(&store, now, limit(1, 0)).await.unwrap();
+        assert_eq!(
+            names(&report.deleted),
+            vec![(Kind::Incr, 22), (Kind::Full, 30)]
+        );
+        assert_eq!(
+            names(&report.locked),
+            vec![(Kind::Incr, 12), (Kind::Full, 20)]
+        );
+        assert!(report.failed.is_empty());
+        assert_eq!(
+            names(&store.list().await.unwrap()),
+            vec![
+                (Kind::Full, 10),
+                (Kind::Incr, 12),
+                (Kind::Full, 20),
+                (Kind::Full, 40)
+            ]
+        );
+        // Reported already: the next pass does not log them again.
+        let again = run(&store, now, limit(1, 0)).await.unwrap();
+        assert_eq!(again.locked, report.locked);
+        assert!(!store.first_seen_locked(&snaps[2]));
+
+        backend.locked.lock().unwrap().clear();
+        let released = run(&store, now, limit(1, 0)).await.unwrap();
+        assert_eq!(
+            names(&released.deleted),
+            vec![(Kind::Incr, 12), (Kind::Full, 10), (Kind::Full, 20)]
+        );
+        assert!(released.locked.is_empty() && released.failed.is_empty());
+        assert_eq!(names(&store.list().await.unwrap()), vec![(Kind::Full, 40)]);
+        assert!(store.first_seen_locked(&snaps[2]), "forgotten once deleted");
     }
 
     /// The reference's own exponential GC scenario (snapshotter_test.go, "should garbage collect

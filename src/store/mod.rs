@@ -8,6 +8,7 @@ mod credentials;
 pub mod encryption;
 pub mod gc;
 pub mod layout;
+pub mod object_lock;
 pub mod reload;
 pub mod single_put;
 
@@ -30,6 +31,7 @@ use encryption::EncryptionError;
 pub use crate::config::StoreLocation;
 pub use compression::{ByteStream, Codec};
 pub use layout::{Chain, Kind, Snapshot};
+pub use object_lock::{Lock, S3ObjectLock};
 pub use single_put::SinglePut;
 
 /// Part size of multipart uploads: S3's minimum for every part but the last, so memory stays
@@ -282,7 +284,25 @@ pub fn single_put_with_env(
     };
     let vars = provider_env(env, env_prefix, "AWS_");
     s3_builder(config, bucket, &vars)
-        .and_then(|b| SinglePut::for_s3(&b))
+        .and_then(|b| SinglePut::for_s3(&b, config.ca_file.as_deref()))
+        .map_err(|cause| StoreError::build(config, cause))
+}
+
+/// S3 Object Lock for a store (S3 only; see [`object_lock`]): the configured retention of new
+/// snapshots, and reading locks before retention deletes. Same configuration and environment
+/// as [`build_with_env`].
+pub fn object_lock_with_env(
+    config: &StoreConfig,
+    env: &dyn EnvSource,
+    env_prefix: Option<&str>,
+) -> Result<Option<S3ObjectLock>, StoreError> {
+    let StoreLocation::S3 { bucket, .. } = &config.location else {
+        return Ok(None);
+    };
+    let vars = provider_env(env, env_prefix, "AWS_");
+    s3_builder(config, bucket, &vars)
+        .and_then(|b| S3ObjectLock::for_s3(&b, config.object_lock, config.ca_file.as_deref()))
+        .map(Some)
         .map_err(|cause| StoreError::build(config, cause))
 }
 
@@ -450,6 +470,10 @@ pub struct SnapshotStore {
     encryption: Arc<EncryptionConfig>,
     /// How hard new gzip and zlib payloads are compressed.
     compression_level: compression::Level,
+    /// S3 Object Lock: retention written on new snapshots, locks read before deletes.
+    object_lock: Option<S3ObjectLock>,
+    /// Keys of the locked snapshots retention has logged: each is logged once per process.
+    locks_logged: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
 }
 
 /// A multipart upload that is aborted when dropped unfinished: a snapshot that timed out or
@@ -490,6 +514,8 @@ impl SnapshotStore {
             single_put: None,
             encryption: Arc::new(EncryptionConfig::default()),
             compression_level: compression::Level::FAST,
+            object_lock: None,
+            locks_logged: Arc::default(),
         }
     }
 
@@ -511,7 +537,59 @@ impl SnapshotStore {
     pub fn from_config(config: &StoreConfig) -> Result<Self, StoreError> {
         let env = crate::config::ProcessEnv;
         Ok(Self::at(build(config)?, &config.location)
-            .with_single_put(single_put_with_env(config, &env, None)?))
+            .with_single_put(single_put_with_env(config, &env, None)?)
+            .with_object_lock(object_lock_with_env(config, &env, None)?))
+    }
+
+    /// Retains new snapshots and reads locks through `object_lock` (S3 Object Lock).
+    pub fn with_object_lock(self, object_lock: Option<S3ObjectLock>) -> Self {
+        Self {
+            object_lock,
+            ..self
+        }
+    }
+
+    /// Puts the configured Object Lock retention on a snapshot just written (nothing when none
+    /// is configured). Every write of [`SnapshotStore`] does this; a copy made by the backend
+    /// itself (the copy job's server-side copy) calls it.
+    pub async fn retain(&self, snapshot: &Snapshot) -> Result<(), StoreError> {
+        match &self.object_lock {
+            Some(lock) if lock.retains() => {
+                lock.retain(&self.path_of(snapshot), chrono::Utc::now())
+                    .await
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether the store keeps `snapshot` for now (S3 Object Lock retention or legal hold), as
+    /// a `HEAD` says; `None` on stores where it cannot be read ahead (GCS and Azure refuse the
+    /// delete instead: [`object_lock::is_lock_refusal`]).
+    pub async fn lock(&self, snapshot: &Snapshot) -> Result<Option<Lock>, StoreError> {
+        match &self.object_lock {
+            Some(lock) => {
+                lock.lock_of(&self.path_of(snapshot), chrono::Utc::now())
+                    .await
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// Whether `snapshot` is found locked for the first time in this process (so it is logged
+    /// once, not at every retention pass); `false` again once [`SnapshotStore::unlocked`].
+    pub fn first_seen_locked(&self, snapshot: &Snapshot) -> bool {
+        self.locks_logged
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(self.path_of(snapshot).to_string())
+    }
+
+    /// Forgets that `snapshot` was locked (it was deleted).
+    pub fn unlocked(&self, snapshot: &Snapshot) {
+        self.locks_logged
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(self.path_of(snapshot).as_ref());
     }
 
     /// Uploads payloads of known length through `single_put` where it takes them.
@@ -799,6 +877,7 @@ impl SnapshotStore {
                     if let Some(writer) = upload.writer.take() {
                         writer.finish().await?;
                     }
+                    self.retain(snapshot).await?;
                     return Ok(written);
                 }
             }
@@ -824,6 +903,7 @@ impl SnapshotStore {
         match &self.single_put {
             Some(single) if single.takes(len) => {
                 single.put(&self.path_of(snapshot), len, data).await?;
+                self.retain(snapshot).await?;
                 Ok(len)
             }
             _ => self.put_stream(snapshot, data).await,
@@ -835,7 +915,7 @@ impl SnapshotStore {
         self.store
             .put(&self.path_of(snapshot), PutPayload::from_bytes(data))
             .await?;
-        Ok(())
+        self.retain(snapshot).await
     }
 
     /// The stored (compressed) payload as a stream.

@@ -62,7 +62,10 @@ impl SinglePut {
     /// For an S3 store built by `builder`, unless its configuration asks for what this plain
     /// client does not carry (requester pays, checksums, anonymous access, a proxy): those
     /// stores keep uploading through `object_store`. Server-side encryption is carried.
-    pub fn for_s3(builder: &AmazonS3Builder) -> Result<Option<SinglePut>, BuildError> {
+    pub fn for_s3(
+        builder: &AmazonS3Builder,
+        ca_file: Option<&std::path::Path>,
+    ) -> Result<Option<SinglePut>, BuildError> {
         const KEYS: [&str; 4] = [
             "aws_request_payer",
             "aws_checksum_algorithm",
@@ -90,11 +93,14 @@ impl SinglePut {
         let insecure = set("aws_allow_invalid_certificates");
         // No overall timeout: a 1 GiB body takes as long as the network needs. A dead peer is
         // found by TCP keepalive; a stalled copy by the Job's activeDeadlineSeconds.
-        let http = reqwest::Client::builder()
-            .connect_timeout(CONNECT_TIMEOUT)
-            .tcp_keepalive(Duration::from_secs(30))
-            .danger_accept_invalid_certs(insecure)
-            .build()?;
+        let http = super::object_lock::trusting(
+            reqwest::Client::builder()
+                .connect_timeout(CONNECT_TIMEOUT)
+                .tcp_keepalive(Duration::from_secs(30))
+                .danger_accept_invalid_certs(insecure),
+            ca_file,
+        )?
+        .build()?;
         Ok(Some(SinglePut {
             store,
             http,
@@ -196,7 +202,7 @@ impl SinglePut {
 
 /// The server-side encryption headers of a store's configuration (object_store's names), as
 /// S3 takes them on a `PUT`.
-fn encryption_headers(
+pub(super) fn encryption_headers(
     value: &dyn Fn(&str) -> Option<String>,
 ) -> Result<reqwest::header::HeaderMap, BuildError> {
     use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
@@ -298,7 +304,7 @@ fn exactly(len: u64, data: ByteStream) -> ByteStream {
 }
 
 /// An error and its sources, `: `-separated (reqwest's own message names only the outer layer).
-fn error_chain(e: &dyn std::error::Error) -> String {
+pub(super) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut out = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {
@@ -325,7 +331,7 @@ mod tests {
 
     #[test]
     fn stores_that_need_what_a_put_cannot_carry_keep_multipart() {
-        assert!(SinglePut::for_s3(&builder()).unwrap().is_some());
+        assert!(SinglePut::for_s3(&builder(), None).unwrap().is_some());
         let with = |key: &str, value: &str| builder().with_config(key.parse().unwrap(), value);
         for (key, value) in [
             ("aws_request_payer", "true"),
@@ -333,7 +339,7 @@ mod tests {
             ("aws_skip_signature", "true"),
             ("aws_proxy_url", "http://proxy:3128"),
         ] {
-            let got = SinglePut::for_s3(&with(key, value)).unwrap();
+            let got = SinglePut::for_s3(&with(key, value), None).unwrap();
             assert!(got.is_none(), "{key}={value} must keep multipart");
         }
         for (key, value) in [
@@ -341,7 +347,7 @@ mod tests {
             ("aws_allow_invalid_certificates", "true"),
             ("aws_server_side_encryption", "aws:kms"),
         ] {
-            let got = SinglePut::for_s3(&with(key, value)).unwrap();
+            let got = SinglePut::for_s3(&with(key, value), None).unwrap();
             assert!(got.is_some(), "{key}={value} keeps single PUTs");
         }
     }
@@ -379,7 +385,7 @@ mod tests {
 
     #[test]
     fn the_limit_is_capped_at_s3s_single_put_maximum() {
-        let p = SinglePut::for_s3(&builder()).unwrap().unwrap();
+        let p = SinglePut::for_s3(&builder(), None).unwrap().unwrap();
         assert!(p.takes(DEFAULT_LIMIT) && !p.takes(DEFAULT_LIMIT + 1));
         let p = p.with_limit(u64::MAX);
         assert!(p.takes(S3_PUT_MAX) && !p.takes(S3_PUT_MAX + 1));

@@ -1,62 +1,114 @@
-//! moto's S3 server (`moto_server`, PyPI `moto[server]`) on loopback: a second S3 that records
-//! what the first (s3s-fs) ignores, such as server-side encryption headers. moto checks no
-//! signature (any credentials are accepted), encrypts nothing and does not enforce SSE-C (an
-//! object written with a customer key reads back without it); its KMS accepts any key id. Tests
-//! say which of these they rely on.
+//! moto's S3 in server mode (`moto_server`, PyPI `moto[server]`) on loopback: the local S3 that
+//! implements Object Lock (versioned buckets, retention, legal holds, refused version deletes).
+//!
+//! moto takes any credentials and checks no signature's validity, but answers an unsigned request
+//! on an object 403 (anonymous access): the requests made here are presigned by `object_store`,
+//! as etcd-warden's own are, or carry [`ANY_SIGNATURE`]. It also records what s3s-fs ignores,
+//! server-side encryption headers, but encrypts nothing, accepts any KMS key id and does not
+//! enforce SSE-C (an object written with a customer key reads back without it).
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use etcd_warden::config::{Secret, StoreConfig, StoreLocation};
+use object_store::aws::{AmazonS3, AmazonS3Builder};
+use object_store::path::Path;
+use object_store::signer::{Method, SignedUrlOptions, Signer};
+
 use super::{free_port, on_path, require_bin, wait_for_port};
 
-/// What moto takes as credentials: anything signed.
-pub const ACCESS_KEY: &str = "moto-access";
-pub const SECRET_KEY: &str = "moto-secret";
 pub const REGION: &str = "us-east-1";
-/// An `Authorization` header moto accepts for a request the test makes itself (moto refuses
-/// anonymous object reads, and checks no signature).
+const ACCESS_KEY: &str = "moto-access";
+const SECRET_KEY: &str = "moto-secret";
+/// An `Authorization` header moto accepts on a request the test makes itself (it checks no
+/// signature).
 pub const ANY_SIGNATURE: &str = "AWS4-HMAC-SHA256 Credential=moto-access/20260101/us-east-1/s3/\
                                  aws4_request, SignedHeaders=host, Signature=0";
 
 /// One `moto_server` process, killed on drop.
-pub struct Moto {
-    child: Child,
+pub struct MotoServer {
     pub port: u16,
+    child: Child,
 }
 
-impl Moto {
-    /// Starts the server and creates these buckets.
-    pub async fn start(buckets: &[&str]) -> Moto {
-        let bin = require_bin(
-            "moto_server",
-            &on_path("moto_server").into_iter().collect::<Vec<_>>(),
-            "python3 -m pip install 'moto[server]'",
-        );
+fn moto_server_bin() -> PathBuf {
+    let mut candidates = Vec::new();
+    if let Some(p) = std::env::var_os("WARDEN_TEST_MOTO_SERVER") {
+        candidates.push(PathBuf::from(p));
+    }
+    candidates.extend(on_path("moto_server"));
+    require_bin(
+        "moto_server",
+        &candidates,
+        "python3 -m pip install 'moto[server]'",
+    )
+}
+
+impl MotoServer {
+    /// Starts the server on a free loopback port.
+    pub fn start() -> MotoServer {
         let port = free_port();
-        let child = Command::new(bin)
+        let child = Command::new(moto_server_bin())
             .args(["-H", "127.0.0.1", "-p", &port.to_string()])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .expect("spawn moto_server");
-        let moto = Moto { child, port };
+        let server = MotoServer { port, child };
         let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+        // A Python server: importing moto takes a few seconds.
         assert!(
-            wait_for_port(addr, Duration::from_secs(30)),
+            wait_for_port(addr, Duration::from_secs(60)),
             "moto_server did not listen on {addr}"
         );
-        for b in buckets {
-            let r = moto.request(reqwest::Method::PUT, &format!("/{b}")).await;
-            assert!(r.status().is_success(), "create bucket {b}: {}", r.status());
-        }
-        moto
+        server
     }
 
     /// `http://127.0.0.1:<port>`.
     pub fn endpoint(&self) -> String {
         format!("http://127.0.0.1:{}", self.port)
+    }
+
+    fn client(&self, bucket: &str) -> AmazonS3 {
+        AmazonS3Builder::new()
+            .with_endpoint(self.endpoint())
+            .with_allow_http(true)
+            .with_virtual_hosted_style_request(false)
+            .with_region(REGION)
+            .with_bucket_name(bucket)
+            .with_access_key_id(ACCESS_KEY)
+            .with_secret_access_key(SECRET_KEY)
+            .build()
+            .expect("build S3 client")
+    }
+
+    /// A URL of `bucket` for `method` on `key` with `query`, presigned.
+    async fn signed(
+        &self,
+        bucket: &str,
+        method: Method,
+        key: &str,
+        query: &[(&str, &str)],
+    ) -> String {
+        let options = SignedUrlOptions::new().with_query(query.iter().copied());
+        self.client(bucket)
+            .signed_url_opts(method, &Path::from(key), Duration::from_secs(300), &options)
+            .await
+            .expect("presign")
+            .to_string()
+    }
+
+    /// Starts the server with these (plain) buckets.
+    pub async fn with_buckets(buckets: &[&str]) -> MotoServer {
+        let moto = MotoServer::start();
+        for b in buckets {
+            let r = moto.request(reqwest::Method::PUT, &format!("/{b}")).await;
+            assert!(r.status().is_success(), "create bucket {b}: {}", r.status());
+        }
+        moto
     }
 
     /// A request of the test's own (`path` with its query), with [`ANY_SIGNATURE`].
@@ -89,9 +141,73 @@ impl Moto {
             ),
         ]
     }
+
+    /// Creates a bucket with Object Lock enabled (which makes it versioned, as on AWS).
+    pub async fn create_locked_bucket(&self, bucket: &str) {
+        let r = reqwest::Client::new()
+            .put(format!("{}/{bucket}", self.endpoint()))
+            .header("x-amz-bucket-object-lock-enabled", "true")
+            .send()
+            .await
+            .expect("create bucket");
+        assert!(r.status().is_success(), "create bucket: {}", r.status());
+    }
+
+    /// Turns the legal hold of the current version of `key` on or off.
+    pub async fn legal_hold(&self, bucket: &str, key: &str, on: bool) {
+        let status = if on { "ON" } else { "OFF" };
+        let body = format!(
+            "<LegalHold xmlns=\"http://s3.amazonaws.com/doc/2006-03-01/\"><Status>{status}</Status></LegalHold>"
+        );
+        let r = reqwest::Client::new()
+            .put(
+                self.signed(bucket, Method::PUT, key, &[("legal-hold", "")])
+                    .await,
+            )
+            .body(body)
+            .send()
+            .await
+            .expect("put legal hold");
+        assert!(r.status().is_success(), "legal hold: {}", r.status());
+    }
+
+    /// The version ids of `key` (current and noncurrent) and whether a delete marker hides it.
+    pub async fn versions(&self, bucket: &str, key: &str) -> (usize, bool) {
+        let r = reqwest::Client::new()
+            .get(
+                self.signed(
+                    bucket,
+                    Method::GET,
+                    "",
+                    &[("versions", ""), ("prefix", key)],
+                )
+                .await,
+            )
+            .send()
+            .await
+            .expect("list versions");
+        let text = r.text().await.expect("list versions body");
+        (
+            text.matches("<Version>").count(),
+            text.contains("<DeleteMarker>"),
+        )
+    }
+
+    /// A `[store]` configuration for `bucket` and `prefix` of this server.
+    pub fn store_config(&self, bucket: &str, prefix: &str) -> StoreConfig {
+        let location = StoreLocation::parse(&format!("s3://{bucket}/{prefix}")).unwrap();
+        StoreConfig {
+            endpoint: Some(self.endpoint()),
+            region: Some(REGION.into()),
+            allow_http: true,
+            access_key_id: Some(Secret::Value(ACCESS_KEY.into())),
+            secret_access_key: Some(Secret::Value(SECRET_KEY.into())),
+            ..StoreConfig::at(location)
+        }
+    }
 }
 
-impl Drop for Moto {
+impl Drop for MotoServer {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
