@@ -35,7 +35,6 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use futures::StreamExt;
-use tokio::io::AsyncWriteExt;
 use tracing::Instrument as _;
 
 use crate::etcd::process::ProcessError;
@@ -1080,36 +1079,46 @@ async fn current_revision(client: &mut etcd_client::Client) -> Result<i64, Resto
         .ok_or(RestoreError::NoHeader)
 }
 
-/// Writes a stream to `path`, checking etcd's trailing SHA-256 as it passes, and syncs it. A
-/// payload that fails its check or its decoding is [`RestoreError::CorruptSnapshot`] `name`.
+/// Writes a stream to `path`, checking etcd's trailing SHA-256 as it passes. A payload that
+/// fails its check or its decoding is [`RestoreError::CorruptSnapshot`] `name`.
+///
+/// The file is not synced: every caller hands it to a writer of the member's database (ours or
+/// etcd's tool), and the restore syncs the result once (a sync here cost a second write-back of
+/// the whole database). The hash and the writes run on one blocking thread, the decompression
+/// on its own, so the two overlap and no async worker is held.
 async fn write_verified(stream: ByteStream, path: &Path, name: &str) -> Result<u64, RestoreError> {
     let mut verified = verify_sha256(stream);
-    let mut file = tokio::fs::File::create(path)
-        .await
-        .map_err(|e| RestoreError::io(path, e))?;
-    let mut written = 0u64;
-    while let Some(chunk) = verified.next().await {
-        let chunk = chunk.map_err(|cause| match cause.kind() {
-            // The hash and the decryption say InvalidData, flate2 InvalidInput (a corrupt
-            // deflate stream, a bad header or footer), a short payload UnexpectedEof; a store
-            // failing mid-read says Other (object_store's errors), and is no corrupt snapshot.
-            std::io::ErrorKind::InvalidData
-            | std::io::ErrorKind::InvalidInput
-            | std::io::ErrorKind::UnexpectedEof => RestoreError::CorruptSnapshot {
-                name: name.to_owned(),
-                cause,
-            },
-            _ => RestoreError::io(path, cause),
-        })?;
-        written += chunk.len() as u64;
-        file.write_all(&chunk)
-            .await
-            .map_err(|e| RestoreError::io(path, e))?;
-    }
-    file.sync_all()
-        .await
-        .map_err(|e| RestoreError::io(path, e))?;
-    Ok(written)
+    let (path, name) = (path.to_path_buf(), name.to_owned());
+    let handle = tokio::runtime::Handle::current();
+    tokio::task::spawn_blocking(move || {
+        use std::io::Write as _;
+        let mut file = std::fs::File::create(&path).map_err(|e| RestoreError::io(&path, e))?;
+        let mut written = 0u64;
+        while let Some(chunk) = handle.block_on(verified.next()) {
+            let chunk = chunk.map_err(|cause| match cause.kind() {
+                // The hash and the decryption say InvalidData, flate2 InvalidInput (a corrupt
+                // deflate stream, a bad header or footer), a short payload UnexpectedEof; a
+                // store failing mid-read says Other (object_store's errors), and is no corrupt
+                // snapshot.
+                std::io::ErrorKind::InvalidData
+                | std::io::ErrorKind::InvalidInput
+                | std::io::ErrorKind::UnexpectedEof => RestoreError::CorruptSnapshot {
+                    name: name.clone(),
+                    cause,
+                },
+                _ => RestoreError::io(&path, cause),
+            })?;
+            written += chunk.len() as u64;
+            file.write_all(&chunk)
+                .map_err(|e| RestoreError::io(&path, e))?;
+        }
+        Ok(written)
+    })
+    .await
+    .map_err(|cause| RestoreError::Task {
+        what: "writing the snapshot",
+        cause,
+    })?
 }
 
 /// Saves a snapshot of the etcd at `url` (the maintenance API) to `path`.
