@@ -109,7 +109,7 @@ impl S3ObjectLock {
             .connect_timeout(CONNECT_TIMEOUT)
             .timeout(REQUEST_TIMEOUT)
             .danger_accept_invalid_certs(insecure);
-        http = trusting(http, ca_file)?;
+        http = super::single_put::trusting(http, ca_file)?;
         if let Some(proxy) = value("aws_proxy_url") {
             http = http.proxy(reqwest::Proxy::all(proxy)?);
         }
@@ -217,24 +217,6 @@ impl S3ObjectLock {
             now,
         ))
     }
-}
-
-/// `http` trusting the CA file `ca_file` (PEM) besides the system's roots, as the store's own
-/// client does.
-pub(super) fn trusting(
-    http: reqwest::ClientBuilder,
-    ca_file: Option<&std::path::Path>,
-) -> Result<reqwest::ClientBuilder, BuildError> {
-    let Some(path) = ca_file else {
-        return Ok(http);
-    };
-    let ca_err = |message: String| BuildError::Ca {
-        path: path.to_path_buf(),
-        message,
-    };
-    let pem = std::fs::read(path).map_err(|e| ca_err(e.to_string()))?;
-    let certs = reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| ca_err(e.to_string()))?;
-    Ok(http.tls_certs_merge(certs))
 }
 
 fn failure(what: &str, path: &Path, message: String) -> StoreError {

@@ -93,7 +93,7 @@ impl SinglePut {
         let insecure = set("aws_allow_invalid_certificates");
         // No overall timeout: a 1 GiB body takes as long as the network needs. A dead peer is
         // found by TCP keepalive; a stalled copy by the Job's activeDeadlineSeconds.
-        let http = super::object_lock::trusting(
+        let http = trusting(
             reqwest::Client::builder()
                 .connect_timeout(CONNECT_TIMEOUT)
                 .tcp_keepalive(Duration::from_secs(30))
@@ -242,6 +242,24 @@ pub(super) fn encryption_headers(
         }
     }
     Ok(headers)
+}
+
+/// `http` trusting the CA file `ca_file` (PEM) besides the system's roots, as the store's own
+/// client does.
+pub(super) fn trusting(
+    http: reqwest::ClientBuilder,
+    ca_file: Option<&std::path::Path>,
+) -> Result<reqwest::ClientBuilder, BuildError> {
+    let Some(path) = ca_file else {
+        return Ok(http);
+    };
+    let ca_err = |message: String| BuildError::Ca {
+        path: path.to_path_buf(),
+        message,
+    };
+    let pem = std::fs::read(path).map_err(|e| ca_err(e.to_string()))?;
+    let certs = reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| ca_err(e.to_string()))?;
+    Ok(http.tls_certs_merge(certs))
 }
 
 /// `data`, checked to be exactly `len` bytes without ever passing on all `len` of them before
