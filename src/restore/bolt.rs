@@ -2,7 +2,12 @@
 //!
 //! Only what a restore needs: [`Reader`] lists the top-level buckets of a snapshot and walks each
 //! one's keys in order; [`Writer`] writes a new, compact file bucket by bucket from keys given in
-//! order, building each B+tree bottom-up. Pages are bbolt's format version 2 (etcd 3.4 and 3.5):
+//! order, building each B+tree bottom-up, or ([`Writer::patch`]) changes an existing file the way
+//! a bbolt write transaction does: the pages it changes are written anew after the file's last
+//! page (copy on write), the pages they replace become free, and a new meta page, written last,
+//! makes the change the current state. A restore patches the fetched snapshot so that the
+//! database is written once, not fetched and then rewritten. Pages are bbolt's format version 2
+//! (etcd 3.4 and 3.5):
 //!
 //! - every page starts with a 16-byte header: id `u64`, flags `u16` (branch 0x01, leaf 0x02,
 //!   meta 0x04, freelist 0x10), element count `u16`, overflow `u32` (pages that follow this one
@@ -17,8 +22,11 @@
 //!   page count, transaction id, FNV-1a 64 checksum of the fields before it); the valid one with
 //!   the higher transaction id is current.
 //!
-//! The writer leaves no free pages (page 2 is an empty freelist), so the file is as small as the
-//! data allows. Anything this reader does not expect (a nested bucket, a key outside a bucket at
+//! A new file has no free pages (page 2 is an empty freelist), so it is as small as the data
+//! allows. A patched file keeps the freelist's form: etcd stores none (the meta page's freelist is
+//! [`NO_FREELIST`] and bbolt finds the free pages by walking the trees on open); a stored one
+//! gets the replaced pages added. [`Reader::check`] proves either form consistent, as `bbolt
+//! check` does. Anything this reader does not expect (a nested bucket, a key outside a bucket at
 //! the top level, a page of the wrong kind) is an [`BoltError::Unsupported`], never a guess.
 
 use std::fs::File;
@@ -40,6 +48,10 @@ const BUCKET_VALUE: u32 = 0x01;
 const META_CHECKED: usize = 56;
 /// Deeper trees than this are not B+trees of a real database (a cycle, say).
 const MAX_DEPTH: usize = 32;
+/// The meta page's freelist when none is stored (bbolt's `NoFreelistSync`, etcd's setting).
+pub const NO_FREELIST: u64 = u64::MAX;
+/// A freelist page's element count at or above which the count is the page's first element.
+const FREELIST_COUNT_IN_BODY: u16 = 0xFFFF;
 
 /// What went wrong reading or writing a bbolt file.
 #[derive(Debug, thiserror::Error)]
@@ -144,6 +156,45 @@ pub struct Bucket {
     pub sequence: u64,
     pub root: Root,
 }
+
+impl Bucket {
+    /// Its value in the root bucket, as bbolt stores it: root page and sequence, then the page
+    /// of an inline bucket.
+    pub fn value(&self) -> Vec<u8> {
+        let (root, inline): (u64, &[u8]) = match &self.root {
+            Root::Page(id) => (*id, &[]),
+            Root::Inline(page) => (0, page),
+        };
+        let mut value = bucket_value(root, self.sequence).to_vec();
+        value.extend_from_slice(inline);
+        value
+    }
+}
+
+/// The value of a bucket whose tree starts at page `root`.
+pub fn bucket_value(root: u64, sequence: u64) -> [u8; 16] {
+    let mut value = [0u8; 16];
+    value[..8].copy_from_slice(&root.to_le_bytes());
+    value[8..].copy_from_slice(&sequence.to_le_bytes());
+    value
+}
+
+/// What [`Reader::check`] found in a consistent file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Check {
+    /// Pages below the high-water mark, meta pages included.
+    pub pages: u64,
+    /// Pages some tree (or the freelist page) uses.
+    pub used: u64,
+    /// Pages free: listed in the stored freelist, or unreached when none is stored.
+    pub free: u64,
+}
+
+/// What a stored freelist lists: the free pages, and the freelist's own pages.
+pub type Freelist = (Vec<u64>, Vec<u64>);
+
+/// A page of a tree's rightmost path: its id (`None` for an inline bucket's) and its bytes.
+type SpinePage = (Option<u64>, Vec<u8>);
 
 /// A leaf element: (flags, key, value).
 pub type Element<'a> = (u32, &'a [u8], &'a [u8]);
@@ -404,6 +455,176 @@ impl Reader {
         })?;
         Ok(found)
     }
+
+    /// Every page of the tree at `root` (overflow pages included), each once: an inline bucket
+    /// has none. A page reached twice is [`BoltError::Corrupt`].
+    pub fn tree_pages(&self, root: &Root) -> Result<Vec<u64>, BoltError> {
+        let mut out = Vec::new();
+        if let Root::Page(id) = root {
+            let mut seen = vec![0u64; (self.meta.pages as usize).div_ceil(64)];
+            self.collect_pages(*id, 0, &mut seen, &mut out, &mut |_, _, _| Ok(()))?;
+        }
+        Ok(out)
+    }
+
+    /// Adds page `id` and the pages under it to `out`; `nested` is called for every bucket
+    /// element of a leaf (flags, key, value).
+    fn collect_pages(
+        &self,
+        id: u64,
+        depth: usize,
+        seen: &mut [u64],
+        out: &mut Vec<u64>,
+        nested: &mut Visitor<'_>,
+    ) -> Result<(), BoltError> {
+        if depth > MAX_DEPTH {
+            return Err(BoltError::Corrupt(format!("tree deeper than {MAX_DEPTH}")));
+        }
+        let page = self.page(id)?;
+        let last = id + u64::from(u32_at(&page, 12));
+        for p in id..=last {
+            let (word, bit) = ((p / 64) as usize, 1u64 << (p % 64));
+            if seen[word] & bit != 0 {
+                return Err(BoltError::Corrupt(format!("page {p} is reached twice")));
+            }
+            seen[word] |= bit;
+            out.push(p);
+        }
+        let flags = u16_at(&page, 8);
+        if flags & LEAF_PAGE != 0 {
+            for (flags, k, v) in leaf_elements(&page)? {
+                if flags & BUCKET_VALUE != 0 {
+                    nested(flags, k, v)?;
+                }
+            }
+            Ok(())
+        } else if flags & BRANCH_PAGE != 0 {
+            for (_, child) in branch_elements(&page)? {
+                self.collect_pages(child, depth + 1, seen, out, nested)?;
+            }
+            Ok(())
+        } else {
+            Err(BoltError::Corrupt(format!(
+                "page {id} is neither branch nor leaf (flags {flags:#x})"
+            )))
+        }
+    }
+
+    /// The pages the stored freelist lists, and the freelist's own pages; `None` when no
+    /// freelist is stored ([`NO_FREELIST`]).
+    pub fn freelist(&self) -> Result<Option<Freelist>, BoltError> {
+        if self.meta.freelist == NO_FREELIST {
+            return Ok(None);
+        }
+        let id = self.meta.freelist;
+        let page = self.page(id)?;
+        if u16_at(&page, 8) & FREELIST_PAGE == 0 {
+            return Err(BoltError::Corrupt(format!("page {id} is no freelist")));
+        }
+        let own = (id..=id + u64::from(u32_at(&page, 12))).collect();
+        let (count, first) = match u16_at(&page, 10) {
+            FREELIST_COUNT_IN_BODY => (
+                usize::try_from(u64_at(&page, HEADER)).unwrap_or(usize::MAX),
+                HEADER + 8,
+            ),
+            n => (usize::from(n), HEADER),
+        };
+        let ids = span(&page, first, count.saturating_mul(8), 0, "freelist")?
+            .chunks_exact(8)
+            .map(|c| u64_at(c, 0))
+            .collect();
+        Ok(Some((ids, own)))
+    }
+
+    /// Checks the file as `bbolt check` does: every page below the high-water mark is used by
+    /// exactly one tree (or is the freelist's), or is free, never both, and no tree reaches a
+    /// page twice or past the end. Without a stored freelist, the pages no tree reaches are the
+    /// free ones (what bbolt computes on open).
+    pub fn check(&self) -> Result<Check, BoltError> {
+        let pages = self.meta.pages;
+        let mut seen = vec![0u64; (pages as usize).div_ceil(64)];
+        let mut used = Vec::new();
+        let mut roots = vec![self.meta.root];
+        while let Some(root) = roots.pop() {
+            let mut found = Vec::new();
+            self.collect_pages(root, 0, &mut seen, &mut used, &mut |_, _, v| {
+                if let Root::Page(id) = bucket_root(v)? {
+                    found.push(id);
+                }
+                Ok(())
+            })?;
+            roots.extend(found);
+        }
+        let free = match self.freelist()? {
+            None => pages - 2 - used.len() as u64,
+            Some((ids, own)) => {
+                for p in own {
+                    mark(&mut seen, p, pages, "the freelist's own page")?;
+                    used.push(p);
+                }
+                for &p in &ids {
+                    mark(&mut seen, p, pages, "a free page")?;
+                }
+                let listed = ids.len() as u64;
+                let accounted = 2 + used.len() as u64 + listed;
+                if accounted != pages {
+                    return Err(BoltError::Corrupt(format!(
+                        "{} of {pages} pages are neither used nor free",
+                        pages.saturating_sub(accounted)
+                    )));
+                }
+                listed
+            }
+        };
+        Ok(Check {
+            pages,
+            used: used.len() as u64,
+            free,
+        })
+    }
+
+    /// The rightmost path of the tree at `root`, root first: each page with its id (`None`
+    /// for an inline bucket's page).
+    fn right_spine(&self, root: &Root) -> Result<Vec<SpinePage>, BoltError> {
+        let mut path = vec![match root {
+            Root::Inline(page) => (None, page.clone()),
+            Root::Page(id) => (Some(*id), self.page(*id)?),
+        }];
+        for _ in 0..=MAX_DEPTH {
+            let page = &path.last().expect("a page").1;
+            let flags = u16_at(page, 8);
+            if flags & LEAF_PAGE != 0 {
+                return Ok(path);
+            }
+            if flags & BRANCH_PAGE == 0 {
+                return Err(BoltError::Corrupt(format!("page flags {flags:#x}")));
+            }
+            let child = match branch_elements(page)?.last() {
+                Some(&(_, child)) => child,
+                None => return Err(BoltError::Corrupt("an empty branch page".into())),
+            };
+            path.push((Some(child), self.page(child)?));
+        }
+        Err(BoltError::Corrupt(format!("tree deeper than {MAX_DEPTH}")))
+    }
+}
+
+/// Marks page `p` seen for [`Reader::check`]: it must be a data page, not seen before.
+fn mark(seen: &mut [u64], p: u64, pages: u64, what: &str) -> Result<(), BoltError> {
+    if p < 2 || p >= pages {
+        return Err(BoltError::Corrupt(format!(
+            "{what}, {p}, outside pages 2 to {}",
+            pages - 1
+        )));
+    }
+    let (word, bit) = ((p / 64) as usize, 1u64 << (p % 64));
+    if seen[word] & bit != 0 {
+        return Err(BoltError::Corrupt(format!(
+            "{what}, {p}, is also used or listed twice"
+        )));
+    }
+    seen[word] |= bit;
+    Ok(())
 }
 
 fn bucket_sequence(value: &[u8]) -> Result<u64, BoltError> {
@@ -430,12 +651,15 @@ fn bucket_root(value: &[u8]) -> Result<Root, BoltError> {
     }
 }
 
-/// Writes a new bbolt file: [`Writer::tree`] per bucket, then [`Writer::finish`].
+/// Writes a new bbolt file: [`Writer::tree`] per bucket, then [`Writer::finish`]; or patches
+/// one: [`Writer::patch`], new trees and [`Writer::extend`]ed ones, then [`Writer::commit`].
 pub struct Writer {
     out: BufWriter<File>,
     page_size: usize,
     /// The next page id.
     next: u64,
+    /// The file patched: its current meta page, and the pages the new ones replace.
+    base: Option<(Meta, Vec<u64>)>,
 }
 
 impl Writer {
@@ -448,18 +672,86 @@ impl Writer {
             out,
             page_size,
             next: 3,
+            base: None,
+        })
+    }
+
+    /// Patches the database `reader` reads (at `path`): new pages go after its last one, so
+    /// nothing the current meta page reaches is overwritten until [`Writer::commit`] writes
+    /// the new meta page. Whatever followed the database in the file (a snapshot's hash) is
+    /// overwritten.
+    pub fn patch(path: &Path, reader: &Reader) -> Result<Writer, BoltError> {
+        let mut file = std::fs::OpenOptions::new().write(true).open(path)?;
+        let meta = reader.meta;
+        file.seek(SeekFrom::Start(meta.pages * u64::from(meta.page_size)))?;
+        Ok(Writer {
+            out: BufWriter::with_capacity(1 << 20, file),
+            page_size: meta.page_size as usize,
+            next: meta.pages,
+            base: Some((meta, Vec::new())),
+        })
+    }
+
+    /// Marks `pages` of the patched file free once the patch is committed (pages a new tree
+    /// replaces).
+    pub fn free(&mut self, pages: impl IntoIterator<Item = u64>) {
+        if let Some((_, freed)) = &mut self.base {
+            freed.extend(pages);
+        }
+    }
+
+    /// A builder that adds keys after the last one of the tree at `root` in the patched file:
+    /// only the tree's rightmost path is rewritten (its last leaf and the branch pages above
+    /// it), and those pages are freed. Keys must come after the tree's last key.
+    pub fn extend<'w>(&'w mut self, reader: &Reader, root: &Root) -> Result<Tree<'w>, BoltError> {
+        let spine = reader.right_spine(root)?;
+        let mut leaf = Packer::new(LEAF_PAGE);
+        let mut last = None;
+        let mut prefixes = Vec::new();
+        for (i, (id, page)) in spine.iter().enumerate() {
+            if let Some(id) = id {
+                self.free(*id..=*id + u64::from(u32_at(page, 12)));
+            }
+            if i + 1 == spine.len() {
+                for (flags, k, v) in leaf_elements(page)? {
+                    leaf.push(flags, k, v, 0);
+                    last = Some(k.to_vec());
+                }
+            } else {
+                let mut elements = branch_elements(page)?;
+                elements.pop();
+                prefixes.push(
+                    elements
+                        .into_iter()
+                        .map(|(k, child)| (k.to_vec(), child))
+                        .collect(),
+                );
+            }
+        }
+        // Bottom-up: the branch just above the leaf first.
+        prefixes.reverse();
+        Ok(Tree {
+            leaf,
+            children: Vec::new(),
+            last,
+            prefixes,
+            writer: self,
         })
     }
 
     /// Writes one page (and its overflow) from `body`, the bytes after the header. Returns its id.
     fn page(&mut self, flags: u16, count: usize, body: &[u8]) -> Result<u64, BoltError> {
+        self.page_counted(flags, count as u16, body)
+    }
+
+    fn page_counted(&mut self, flags: u16, count: u16, body: &[u8]) -> Result<u64, BoltError> {
         let len = HEADER + body.len();
         let pages = len.div_ceil(self.page_size).max(1);
         let id = self.next;
         let mut header = [0u8; HEADER];
         header[..8].copy_from_slice(&id.to_le_bytes());
         header[8..10].copy_from_slice(&flags.to_le_bytes());
-        header[10..12].copy_from_slice(&(count as u16).to_le_bytes());
+        header[10..12].copy_from_slice(&count.to_le_bytes());
         header[12..16].copy_from_slice(&((pages - 1) as u32).to_le_bytes());
         self.out.write_all(&header)?;
         self.out.write_all(body)?;
@@ -475,8 +767,70 @@ impl Writer {
             leaf: Packer::new(LEAF_PAGE),
             children: Vec::new(),
             last: None,
+            prefixes: Vec::new(),
             writer: self,
         }
+    }
+
+    /// Commits a patch: writes the root bucket with `buckets` (name and value, names
+    /// ascending; see [`Bucket::value`] and [`bucket_value`]), the freelist in the file's form,
+    /// then the meta page of the next transaction, and cuts the file after the last page. The
+    /// file is not synced.
+    pub fn commit(
+        mut self,
+        reader: &Reader,
+        buckets: &[(Vec<u8>, Vec<u8>)],
+    ) -> Result<(), BoltError> {
+        let Some((meta, _)) = self.base else {
+            return Err(BoltError::Unsupported("a commit of a new file".into()));
+        };
+        self.free(reader.tree_pages(&Root::Page(meta.root))?);
+        let mut root = self.tree();
+        for (name, value) in buckets {
+            root.push_element(BUCKET_VALUE, name, value)?;
+        }
+        let root = root.finish()?;
+        let freelist = match reader.freelist()? {
+            None => NO_FREELIST,
+            Some((mut ids, own)) => {
+                ids.extend(own);
+                ids.extend(self.base.take().map(|(_, freed)| freed).unwrap_or_default());
+                ids.sort_unstable();
+                ids.dedup();
+                self.freelist_page(&ids)?
+            }
+        };
+        let mut file = self.out.into_inner().map_err(|e| e.into_error())?;
+        let txid = meta.txid + 1;
+        let meta = Meta {
+            root,
+            freelist,
+            pages: self.next,
+            txid,
+            ..meta
+        };
+        // bbolt alternates: transaction `txid` writes meta page `txid % 2`; the other one
+        // still describes the snapshot, whose pages this patch left as they were.
+        file.seek(SeekFrom::Start((txid % 2) * self.page_size as u64))?;
+        file.write_all(&meta.page(txid % 2))?;
+        file.set_len(self.next * self.page_size as u64)?;
+        Ok(())
+    }
+
+    /// Writes a freelist page listing `ids` (ascending); returns its id.
+    fn freelist_page(&mut self, ids: &[u64]) -> Result<u64, BoltError> {
+        let mut body = Vec::with_capacity(8 * (ids.len() + 1));
+        let count = match u16::try_from(ids.len()) {
+            Ok(n) if n < FREELIST_COUNT_IN_BODY => n,
+            _ => {
+                body.extend_from_slice(&(ids.len() as u64).to_le_bytes());
+                FREELIST_COUNT_IN_BODY
+            }
+        };
+        for id in ids {
+            body.extend_from_slice(&id.to_le_bytes());
+        }
+        self.page_counted(FREELIST_PAGE, count, &body)
     }
 
     /// Writes the top-level `buckets` (name, root page, sequence; names ascending), the
@@ -485,10 +839,7 @@ impl Writer {
     pub fn finish(mut self, buckets: &[(Vec<u8>, u64, u64)], txid: u64) -> Result<(), BoltError> {
         let mut root = self.tree();
         for (name, page, sequence) in buckets {
-            let mut value = [0u8; 16];
-            value[..8].copy_from_slice(&page.to_le_bytes());
-            value[8..].copy_from_slice(&sequence.to_le_bytes());
-            root.push_element(BUCKET_VALUE, name, &value)?;
+            root.push_element(BUCKET_VALUE, name, &bucket_value(*page, *sequence))?;
         }
         let root = root.finish()?;
         let mut file = self.out.into_inner().map_err(|e| e.into_error())?;
@@ -593,6 +944,9 @@ pub struct Tree<'w> {
     /// First key and page of every leaf written.
     children: Vec<(Vec<u8>, u64)>,
     last: Option<Vec<u8>>,
+    /// An extended tree's branch elements left of its rightmost path, bottom-up: level `i`
+    /// goes before the pages written at level `i`.
+    prefixes: Vec<Vec<(Vec<u8>, u64)>>,
 }
 
 impl Tree<'_> {
@@ -634,7 +988,16 @@ impl Tree<'_> {
             self.children.push(written);
         }
         let mut level = std::mem::take(&mut self.children);
-        while level.len() > 1 {
+        let mut prefixes = std::mem::take(&mut self.prefixes).into_iter();
+        loop {
+            match prefixes.next() {
+                Some(mut prefix) => {
+                    prefix.append(&mut level);
+                    level = prefix;
+                }
+                None if level.len() <= 1 => break,
+                None => {}
+            }
             let mut branch = Packer::new(BRANCH_PAGE);
             let mut up = Vec::new();
             for (key, child) in &level {
@@ -777,6 +1140,205 @@ mod tests {
             .visit(&Root::Page(root), &mut |_, _, _| Ok(()))
             .unwrap_err();
         assert!(e.to_string().contains("reached twice"), "{e}");
+    }
+
+    /// Rewrites both meta pages of the file at `path` to say no freelist is stored, as etcd's
+    /// snapshots do.
+    fn drop_stored_freelist(path: &Path) {
+        let mut bytes = std::fs::read(path).unwrap();
+        for id in 0..2u64 {
+            let at = id as usize * 4096;
+            let meta = Meta::parse(&bytes[at..at + 4096]).unwrap();
+            let page = Meta {
+                freelist: NO_FREELIST,
+                ..meta
+            }
+            .page(id);
+            bytes[at..at + 4096].copy_from_slice(&page);
+        }
+        std::fs::write(path, &bytes).unwrap();
+    }
+
+    /// Every bucket of the file at `path`, and its check.
+    fn contents(path: &Path) -> (Vec<(Vec<u8>, Pairs)>, Check, u64) {
+        let len = std::fs::metadata(path).unwrap().len();
+        let r = Reader::open(path, len).unwrap();
+        let check = r.check().unwrap_or_else(|e| panic!("inconsistent: {e}"));
+        assert_eq!(len, check.pages * 4096, "the file ends after the last page");
+        let buckets = r
+            .buckets()
+            .unwrap()
+            .into_iter()
+            .map(|b| (b.name.clone(), read_all(&r, &b.root)))
+            .collect();
+        (buckets, check, r.txid())
+    }
+
+    /// A value of `len` bytes that tells its key.
+    fn value(i: u64, len: usize) -> Vec<u8> {
+        (0..len).map(|j| (i as usize + j) as u8).collect()
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
+        /// Patches in a row, each adding keys after a bucket's last (some larger than a page,
+        /// enough for new branch levels), replacing a small bucket and leaving one alone: after
+        /// every commit the file holds exactly the model's keys, is consistent as `bbolt check`
+        /// sees it (no page both used and free, none reached twice), in both freelist forms.
+        #[test]
+        fn patches_keep_the_file_consistent_and_equal_to_the_model(
+            initial in 0usize..3000,
+            rounds in proptest::collection::vec((0usize..6000, 0u8..4, proptest::bool::ANY), 1..4),
+            stored_freelist in proptest::bool::ANY,
+        ) {
+            let mut model: Vec<(Vec<u8>, Pairs)> = vec![
+                (b"a".to_vec(), (0..50u64).map(|i| (i.to_be_bytes().to_vec(), value(i, 30))).collect()),
+                (b"key".to_vec(), (0..initial as u64).map(|i| (i.to_be_bytes().to_vec(), value(i, 40))).collect()),
+                (b"meta".to_vec(), vec![(b"x".to_vec(), b"1".to_vec())]),
+            ];
+            let named: Vec<(&[u8], Pairs)> = model.iter().map(|(n, p)| (n.as_slice(), p.clone())).collect();
+            let (_dir, path) = written(&named);
+            if !stored_freelist {
+                drop_stored_freelist(&path);
+            }
+            let mut next = initial as u64;
+            for (txid, (round, (add, big_every, replace_meta))) in (6..).zip(rounds.into_iter().enumerate()) {
+                let len = std::fs::metadata(&path).unwrap().len();
+                let r = Reader::open(&path, len).unwrap();
+                let buckets = r.buckets().unwrap();
+                let a_root = buckets[0].root.clone();
+                let mut w = Writer::patch(&path, &r).unwrap();
+                let mut values = Vec::new();
+                for b in &buckets {
+                    let v = match b.name.as_slice() {
+                        b"key" => {
+                            let mut t = w.extend(&r, &b.root).unwrap();
+                            for _ in 0..add {
+                                let big = big_every > 0 && next.is_multiple_of(97 * u64::from(big_every));
+                                let (k, v) = (next.to_be_bytes().to_vec(), value(next, if big { 9000 } else { 40 }));
+                                t.push(&k, &v).unwrap();
+                                model[1].1.push((k, v));
+                                next += 1;
+                            }
+                            // A key not after the last is refused, as in a new tree.
+                            if next > 0 {
+                                proptest::prop_assert!(t.push(&(next - 1).to_be_bytes(), b"").is_err());
+                            }
+                            bucket_value(t.finish().unwrap(), b.sequence).to_vec()
+                        }
+                        b"meta" if replace_meta => {
+                            w.free(r.tree_pages(&b.root).unwrap());
+                            let mut t = w.tree();
+                            let k = format!("round{round}").into_bytes();
+                            t.push(&k, b"v").unwrap();
+                            model[2].1 = vec![(k, b"v".to_vec())];
+                            bucket_value(t.finish().unwrap(), b.sequence).to_vec()
+                        }
+                        _ => b.value(),
+                    };
+                    values.push((b.name.clone(), v));
+                }
+                w.commit(&r, &values).unwrap();
+                let (got, check, got_txid) = contents(&path);
+                proptest::prop_assert_eq!(got_txid, txid);
+                proptest::prop_assert!(got == model, "round {}: contents differ from the model", round);
+                if stored_freelist {
+                    proptest::prop_assert!(check.free > 0, "the replaced pages are listed free");
+                }
+                // The untouched bucket kept its pages.
+                let len = std::fs::metadata(&path).unwrap().len();
+                let r = Reader::open(&path, len).unwrap();
+                proptest::prop_assert_eq!(&r.buckets().unwrap()[0].root, &a_root);
+            }
+        }
+    }
+
+    #[test]
+    fn an_inline_bucket_is_extended_into_pages() {
+        let few: Pairs = (0..5u8).map(|i| (vec![b'k', i], vec![i; 10])).collect();
+        let (_dir, path) = written(&[(b"key", few.clone())]);
+        let len = std::fs::metadata(&path).unwrap().len();
+        let r = Reader::open(&path, len).unwrap();
+        let bucket = r.buckets().unwrap().remove(0);
+        let Root::Page(leaf) = bucket.root else {
+            panic!("the writer writes pages")
+        };
+        // First patch: the bucket made inline (its one leaf in the root bucket's value), as
+        // bbolt stores a small bucket.
+        let mut page = vec![0u8; 4096];
+        r.file.read_exact_at(&mut page, leaf * 4096).unwrap();
+        let inline = Bucket {
+            root: Root::Inline(page),
+            ..bucket.clone()
+        };
+        let mut w = Writer::patch(&path, &r).unwrap();
+        w.free([leaf]);
+        w.commit(&r, &[(b"key".to_vec(), inline.value())]).unwrap();
+        let len = std::fs::metadata(&path).unwrap().len();
+        let r = Reader::open(&path, len).unwrap();
+        let bucket = r.buckets().unwrap().remove(0);
+        assert!(matches!(bucket.root, Root::Inline(_)));
+        assert_eq!(read_all(&r, &bucket.root), few);
+        // Second patch: keys added after its last; it becomes a tree of pages.
+        let mut w = Writer::patch(&path, &r).unwrap();
+        let mut t = w.extend(&r, &bucket.root).unwrap();
+        let mut all = few;
+        for i in 0..3000u32 {
+            let (k, v) = (format!("m{i:05}").into_bytes(), vec![1; 20]);
+            t.push(&k, &v).unwrap();
+            all.push((k, v));
+        }
+        let root = t.finish().unwrap();
+        w.commit(&r, &[(b"key".to_vec(), bucket_value(root, 7).to_vec())])
+            .unwrap();
+        let (got, _, _) = contents(&path);
+        assert_eq!(got, vec![(b"key".to_vec(), all)]);
+    }
+
+    #[test]
+    fn the_check_finds_a_page_both_used_and_free_and_one_lost() {
+        let keys: Pairs = (0..2000u32)
+            .map(|i| (i.to_be_bytes().to_vec(), vec![0; 100]))
+            .collect();
+        let (_dir, path) = written(&[(b"key", keys)]);
+        let len = std::fs::metadata(&path).unwrap().len();
+        let r = Reader::open(&path, len).unwrap();
+        assert_eq!(
+            r.check().unwrap(),
+            Check {
+                pages: len / 4096,
+                used: len / 4096 - 2,
+                free: 0
+            }
+        );
+        let used = r.tree_pages(&r.buckets().unwrap()[0].root).unwrap()[3];
+        // The freelist (page 2) lists a page a tree uses.
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[2 * 4096 + 10..2 * 4096 + 12].copy_from_slice(&1u16.to_le_bytes());
+        bytes[2 * 4096 + HEADER..2 * 4096 + HEADER + 8].copy_from_slice(&used.to_le_bytes());
+        std::fs::write(&path, &bytes).unwrap();
+        let e = Reader::open(&path, len).unwrap().check().unwrap_err();
+        assert!(e.to_string().contains("also used"), "{e}");
+        // A page past the last one, neither used nor free: the high-water mark raised by one.
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[2 * 4096 + 10..2 * 4096 + 12].copy_from_slice(&0u16.to_le_bytes());
+        for id in 0..2u64 {
+            let at = id as usize * 4096;
+            let meta = Meta::parse(&bytes[at..at + 4096]).unwrap();
+            let page = Meta {
+                pages: meta.pages + 1,
+                ..meta
+            }
+            .page(id);
+            bytes[at..at + 4096].copy_from_slice(&page);
+        }
+        bytes.extend_from_slice(&[0; 4096]);
+        std::fs::write(&path, &bytes).unwrap();
+        let e = Reader::open(&path, len + 4096)
+            .unwrap()
+            .check()
+            .unwrap_err();
+        assert!(e.to_string().contains("neither used nor free"), "{e}");
     }
 
     #[test]

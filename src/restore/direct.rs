@@ -16,9 +16,13 @@
 //! revision is checked before it is used (read back from the file, or by a temporary etcd where
 //! etcd's own tool restores it).
 //!
-//! The file is written bucket by bucket and page by page as the snapshot's is read, so memory
-//! stays flat whatever the database's size; [`Membership`] carries what etcd's snapshot restore
-//! changes in it for a new cluster, so the written file is the member's database itself.
+//! The fetched snapshot is patched in place, as a bbolt write transaction would change it
+//! ([`Writer::patch`]): the records go into new pages for the `key` bucket's rightmost path, the
+//! few small buckets a restore changes are written anew, and a new meta page commits it, so
+//! the database is written once (fetched), not fetched and then rewritten, and memory stays flat
+//! whatever its size. etcd's own restore tool changes its copy the same way (through bbolt).
+//! [`Membership`] carries what etcd's snapshot restore changes for a new cluster, so the patched
+//! file is the member's database itself.
 //!
 //! As in the replay through etcd, leases are dropped: a put keeps no lease.
 //!
@@ -38,7 +42,7 @@ use tokio::sync::mpsc;
 
 use chrono::{DateTime, Utc};
 
-use super::bolt::{BoltError, Bucket, Reader, Root, Tree, Writer};
+use super::bolt::{BoltError, Bucket, Reader, Root, Tree, Writer, bucket_value};
 use super::member_dir::{Cluster, Release};
 use super::{RestoreError, RevisionBump, StepExt};
 use crate::snapshot::delta::{self, Event, EventType};
@@ -366,9 +370,10 @@ impl From<BoltError> for Fail {
 /// A decoded delta, or the fetching side giving up.
 type Batch = Result<(String, Vec<delta::TimedEvent>), ()>;
 
-/// Writes `snapshot_db` (etcd's snapshot file: `db_len` bytes of database, then its hash) with
-/// every event of `deltas` appended to `out`, a database without a hash. Deltas are fetched and
-/// decoded `parallel` ahead of the writer.
+/// Patches `snapshot_db` (etcd's snapshot file: `db_len` bytes of database, then its hash) with
+/// every event of `deltas` appended and moves it to `out`, a database without a hash. Deltas
+/// are fetched and decoded `parallel` ahead of the writer. Unless it is [`Outcome::Done`],
+/// `snapshot_db` is left as it was fetched.
 pub async fn write(
     store: &SnapshotStore,
     deltas: &[Snapshot],
@@ -455,7 +460,64 @@ fn write_blocking(
     mut rx: mpsc::Receiver<Batch>,
     plan: Plan,
 ) -> Result<Outcome, Fail> {
-    let reader = Reader::open(input, db_len)?;
+    // The snapshot is patched in place; until the patch commits, only what follows the
+    // database (etcd's hash) is overwritten, and that is put back if the patch fails, so the
+    // replay through etcd can still use the snapshot as fetched.
+    let trailer = read_trailer(input, db_len)?;
+    let patched = patch(input, db_len, &mut rx, plan);
+    match patched {
+        Ok(done) => {
+            rename_or_copy(input, out).map_err(Fail::Io)?;
+            Ok(done)
+        }
+        Err(e) => {
+            restore_trailer(input, db_len, &trailer).map_err(Fail::Io)?;
+            Err(e)
+        }
+    }
+}
+
+/// What follows the database in the snapshot file (etcd's hash).
+fn read_trailer(path: &Path, db_len: u64) -> Result<Vec<u8>, Fail> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut file = std::fs::File::open(path).map_err(Fail::Io)?;
+    file.seek(SeekFrom::Start(db_len)).map_err(Fail::Io)?;
+    let mut trailer = Vec::new();
+    file.take(1 << 10)
+        .read_to_end(&mut trailer)
+        .map_err(Fail::Io)?;
+    Ok(trailer)
+}
+
+/// Cuts the snapshot file back to its database and puts `trailer` after it.
+fn restore_trailer(path: &Path, db_len: u64, trailer: &[u8]) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::OpenOptions::new().write(true).open(path)?;
+    file.set_len(db_len)?;
+    file.write_all_at(trailer, db_len)
+}
+
+/// Moves the patched database to `out` (a copy when they are on different filesystems).
+fn rename_or_copy(from: &Path, to: &Path) -> std::io::Result<()> {
+    match std::fs::rename(from, to) {
+        Err(e) if e.raw_os_error() == Some(nix::libc::EXDEV) => {
+            std::fs::copy(from, to)?;
+            std::fs::remove_file(from)
+        }
+        other => other,
+    }
+}
+
+/// Patches the database in the first `db_len` bytes of `path` ([`Writer::patch`]): the
+/// events appended to the `key` bucket, the membership and the revision bump written; the
+/// buckets this does not change keep their pages.
+fn patch(
+    path: &Path,
+    db_len: u64,
+    rx: &mut mpsc::Receiver<Batch>,
+    plan: Plan,
+) -> Result<Outcome, Fail> {
+    let reader = Reader::open(path, db_len)?;
     let buckets = reader.buckets()?;
     let restored = database_revision(&reader, &buckets)?;
     if let Some(Target::Revision(r)) = plan.until
@@ -467,62 +529,64 @@ fn write_blocking(
              {restored}, or one the previous full snapshot's deltas reach"
         )));
     }
-    let mut cursor = Cursor::new(restored, plan.until);
-    // The bump's revision, known once the key bucket is written (`meta` sorts after `key`).
-    let mut bumped: Option<i64> = None;
-    let mut writer = Writer::create(out, reader.page_size())?;
     let membership = plan.membership.as_ref();
-    if membership.is_some() && !buckets.iter().any(|b| b.name == META_BUCKET) {
+    let has_meta = buckets.iter().any(|b| b.name == META_BUCKET);
+    if membership.is_some() && !has_meta {
         return Err(Fail::Unsupported(
             "no `meta` bucket to write the consistent index in".into(),
         ));
     }
-    let mut roots = Vec::with_capacity(buckets.len() + 3);
-    for bucket in with_membership_buckets(&buckets, membership) {
-        let mut tree = writer.tree();
-        let name = bucket.name.as_slice();
-        match membership.and_then(|m| m.members.as_ref()) {
-            Some(members) if name == MEMBERS => {
-                for (k, v) in members {
-                    tree.push(k, v)?;
-                }
-            }
-            Some(_) if name == MEMBERS_REMOVED => {}
-            _ if name == META_BUCKET => {
-                let mut set: Vec<(Vec<u8>, Vec<u8>)> =
-                    membership.map(|m| m.meta.clone()).unwrap_or_default();
-                if plan.bump.mark_compacted
-                    && let Some(b) = bumped
-                {
-                    set.push((SCHEDULED_COMPACT.to_vec(), revision_key(b, 0, false)));
-                }
-                set.sort();
-                copy_bucket(&reader, &bucket, &mut tree, set)?;
-            }
-            _ => copy_bucket(&reader, &bucket, &mut tree, Vec::new())?,
-        }
-        if name == KEY_BUCKET {
-            append_events(&mut rx, &mut cursor, &mut tree)?;
-            if plan.bump.by > 0 {
-                let by = i64::try_from(plan.bump.by).unwrap_or(i64::MAX);
-                let b = cursor.revision.checked_add(by).ok_or_else(|| {
-                    Fail::Deltas(format!(
-                        "a revision bump of {by} from revision {} overflows",
-                        cursor.revision
-                    ))
-                })?;
-                tree.push(&revision_key(b, 0, false), &[])?;
-                bumped = Some(b);
-            }
-        }
-        roots.push((bucket.name.clone(), tree.finish()?, bucket.sequence));
-    }
-    if plan.bump.mark_compacted && !buckets.iter().any(|b| b.name == META_BUCKET) {
+    if plan.bump.mark_compacted && !has_meta {
         return Err(Fail::Unsupported(
             "no `meta` bucket to mark the compaction in".into(),
         ));
     }
-    writer.finish(&roots, reader.txid() + 1)?;
+    let mut cursor = Cursor::new(restored, plan.until);
+    // The bump's revision, known once the key bucket is written (`meta` sorts after `key`).
+    let mut bumped: Option<i64> = None;
+    let mut writer = Writer::patch(path, &reader)?;
+    let mut values = Vec::with_capacity(buckets.len() + 3);
+    for bucket in with_membership_buckets(&buckets, membership) {
+        let name = bucket.name.as_slice();
+        let added = matches!(&bucket.root, Root::Inline(page) if page.is_empty());
+        let members = membership.and_then(|m| m.members.as_ref());
+        let root = if name == KEY_BUCKET {
+            let (root, bump) =
+                extend_key_bucket(&reader, &bucket, &mut writer, rx, &mut cursor, &plan)?;
+            bumped = bump;
+            root
+        } else if added || (members.is_some() && (name == MEMBERS || name == MEMBERS_REMOVED)) {
+            writer.free(reader.tree_pages(&bucket.root)?);
+            let mut tree = writer.tree();
+            if let Some(members) = members.filter(|_| name == MEMBERS) {
+                for (k, v) in members {
+                    tree.push(k, v)?;
+                }
+            }
+            Some(tree.finish()?)
+        } else if name == META_BUCKET && (membership.is_some() || plan.bump.mark_compacted) {
+            let mut set: Vec<(Vec<u8>, Vec<u8>)> =
+                membership.map(|m| m.meta.clone()).unwrap_or_default();
+            if plan.bump.mark_compacted
+                && let Some(b) = bumped
+            {
+                set.push((SCHEDULED_COMPACT.to_vec(), revision_key(b, 0, false)));
+            }
+            set.sort();
+            writer.free(reader.tree_pages(&bucket.root)?);
+            let mut tree = writer.tree();
+            copy_bucket(&reader, &bucket, &mut tree, set)?;
+            Some(tree.finish()?)
+        } else {
+            None
+        };
+        let value = match root {
+            Some(page) => bucket_value(page, bucket.sequence).to_vec(),
+            None => bucket.value(),
+        };
+        values.push((bucket.name.clone(), value));
+    }
+    writer.commit(&reader, &values)?;
     tracing::debug!(
         restored,
         events = cursor.events,
@@ -537,6 +601,59 @@ fn write_blocking(
         etcd_revision: bumped.unwrap_or(cursor.revision),
         last_event_time: cursor.last_time,
     })
+}
+
+/// Appends the events to the `key` bucket, then the bump's record; returns the bucket's new
+/// root page, `None` when nothing was added (the bucket keeps its pages), and the bump's
+/// revision.
+fn extend_key_bucket(
+    reader: &Reader,
+    bucket: &Bucket,
+    writer: &mut Writer,
+    rx: &mut mpsc::Receiver<Batch>,
+    cursor: &mut Cursor,
+    plan: &Plan,
+) -> Result<(Option<u64>, Option<i64>), Fail> {
+    let mut tree = Lazy {
+        writer: Some(writer),
+        tree: None,
+    };
+    append_events(rx, cursor, &mut |k, v| {
+        tree.get(reader, &bucket.root)?.push(k, v)
+    })?;
+    let mut bumped = None;
+    if plan.bump.by > 0 {
+        let by = i64::try_from(plan.bump.by).unwrap_or(i64::MAX);
+        let b = cursor.revision.checked_add(by).ok_or_else(|| {
+            Fail::Deltas(format!(
+                "a revision bump of {by} from revision {} overflows",
+                cursor.revision
+            ))
+        })?;
+        tree.get(reader, &bucket.root)?
+            .push(&revision_key(b, 0, false), &[])?;
+        bumped = Some(b);
+    }
+    let root = match tree.tree {
+        Some(t) => Some(t.finish()?),
+        None => None,
+    };
+    Ok((root, bumped))
+}
+
+/// A tree extended on its first key: a bucket nothing is added to keeps its pages.
+struct Lazy<'w> {
+    writer: Option<&'w mut Writer>,
+    tree: Option<Tree<'w>>,
+}
+
+impl<'w> Lazy<'w> {
+    fn get(&mut self, reader: &Reader, root: &Root) -> Result<&mut Tree<'w>, BoltError> {
+        if let Some(writer) = self.writer.take() {
+            self.tree = Some(writer.extend(reader, root)?);
+        }
+        Ok(self.tree.as_mut().expect("extended"))
+    }
 }
 
 /// The buckets to write: the snapshot's, and when etcd 3.5's membership is written the three
@@ -606,12 +723,15 @@ pub fn file_revision(path: &Path) -> Result<i64, BoltError> {
     database_revision(&reader, &buckets)
 }
 
+/// Adds one record (key, value) to a tree.
+type Push<'a> = dyn FnMut(&[u8], &[u8]) -> Result<(), BoltError> + 'a;
+
 /// Appends every event the fetching side sends, up to the cursor's target; on reaching it the
 /// channel is closed, which stops the fetching.
 fn append_events(
     rx: &mut mpsc::Receiver<Batch>,
     cursor: &mut Cursor,
-    tree: &mut Tree<'_>,
+    push: &mut Push<'_>,
 ) -> Result<(), Fail> {
     while let Some(batch) = rx.blocking_recv() {
         let (name, events) = batch.map_err(|()| Fail::Aborted)?;
@@ -621,7 +741,7 @@ fn append_events(
                 return Ok(());
             }
             if let Some((k, v)) = cursor.record(&te.event, &name)? {
-                tree.push(&k, &v)?;
+                push(&k, &v)?;
                 cursor.last_time = Some(te.time);
             }
         }
@@ -734,6 +854,154 @@ mod tests {
         assert_eq!((by_rev.revision, by_time.revision), (12, 12));
         // No target: nothing is ever past it.
         assert!(!Cursor::new(10, None).past_target(&put("z", 99, 99, 1), at(4_000_000_000)));
+    }
+
+    /// A snapshot file in `dir`: a database of revisions 1 to `revisions` (one put each) and a
+    /// `meta` bucket, then 32 bytes standing for etcd's hash. Returns its path, the database's
+    /// length and the whole file.
+    fn snapshot_file(dir: &Path, revisions: i64) -> (std::path::PathBuf, u64, Vec<u8>) {
+        let path = dir.join("snapshot.db");
+        let mut w = Writer::create(&path, 4096).unwrap();
+        let mut key = w.tree();
+        for rev in 1..=revisions {
+            let k = format!("k{rev}");
+            key.push(
+                &revision_key(rev, 0, false),
+                &encode_kv(k.as_bytes(), rev, rev, 1, &[b'v'; 300]),
+            )
+            .unwrap();
+        }
+        let key = key.finish().unwrap();
+        let mut meta = w.tree();
+        meta.push(b"consistent_index", &[0; 8]).unwrap();
+        let meta = meta.finish().unwrap();
+        w.finish(&[(b"key".to_vec(), key, 0), (b"meta".to_vec(), meta, 0)], 3)
+            .unwrap();
+        let db_len = std::fs::metadata(&path).unwrap().len();
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes.extend_from_slice(&[0xAB; 32]);
+        std::fs::write(&path, &bytes).unwrap();
+        (path, db_len, bytes)
+    }
+
+    fn timed(events: Vec<Event>) -> Vec<delta::TimedEvent> {
+        events
+            .into_iter()
+            .map(|event| delta::TimedEvent { event, time: at(1) })
+            .collect()
+    }
+
+    /// Runs the patch of `snapshot` with `events` in one delta.
+    fn patched(
+        snapshot: &Path,
+        db_len: u64,
+        out: &Path,
+        events: Vec<Event>,
+        plan: Plan,
+    ) -> Result<Outcome, Fail> {
+        let (tx, rx) = mpsc::channel(1);
+        tx.try_send(Ok(("Incr-1".to_owned(), timed(events))))
+            .unwrap();
+        drop(tx);
+        write_blocking(snapshot, db_len, out, rx, plan)
+    }
+
+    #[test]
+    fn a_patch_that_cannot_finish_leaves_the_snapshot_as_fetched() {
+        let dir = tempfile::tempdir().unwrap();
+        let (snapshot, db_len, fetched) = snapshot_file(dir.path(), 2000);
+        let out = dir.path().join("db");
+        // Many records written into new pages (past the database, over the hash), then a put
+        // etcd's records cannot carry: the replay through etcd needs the snapshot back.
+        let mut events: Vec<Event> = (2001..3000).map(|r| put("k", 1, r, r - 1999)).collect();
+        events.push(put("bad", 0, 3000, 0));
+        let plan = Plan {
+            membership: Some(Membership {
+                members: Some(vec![(b"1".to_vec(), b"{}".to_vec())]),
+                meta: vec![(b"term".to_vec(), vec![0; 8])],
+            }),
+            ..Plan::default()
+        };
+        match patched(&snapshot, db_len, &out, events, plan) {
+            Err(Fail::Unsupported(reason)) => {
+                assert!(reason.contains("create revision"), "{reason}")
+            }
+            _ => panic!("an unsupported put must end the patch"),
+        }
+        assert!(
+            std::fs::read(&snapshot).unwrap() == fetched,
+            "the snapshot is back as fetched"
+        );
+        assert!(!out.exists());
+    }
+
+    #[test]
+    fn a_patched_snapshot_is_consistent_and_moved_to_the_member_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let (snapshot, db_len, _) = snapshot_file(dir.path(), 2000);
+        let out = dir.path().join("db");
+        let events: Vec<Event> = (2001..=4000)
+            .map(|r| put(&format!("k{r}"), r, r, 1))
+            .collect();
+        let plan = Plan {
+            bump: RevisionBump {
+                by: 1000,
+                mark_compacted: true,
+            },
+            membership: Some(Membership {
+                members: Some(vec![(b"1".to_vec(), b"{}".to_vec())]),
+                meta: vec![(b"term".to_vec(), vec![0; 8])],
+            }),
+            ..Plan::default()
+        };
+        let outcome = patched(&snapshot, db_len, &out, events, plan).ok().unwrap();
+        assert!(matches!(
+            outcome,
+            Outcome::Done {
+                events: 2000,
+                revision: 4000,
+                restored: 2000,
+                etcd_revision: 5000,
+                ..
+            }
+        ));
+        assert!(!snapshot.exists());
+        let len = std::fs::metadata(&out).unwrap().len();
+        let reader = Reader::open(&out, len).unwrap();
+        reader.check().unwrap();
+        assert_eq!(reader.txid(), 4);
+        let buckets = reader.buckets().unwrap();
+        let names: Vec<&[u8]> = buckets.iter().map(|b| b.name.as_slice()).collect();
+        assert_eq!(
+            names,
+            [
+                &b"cluster"[..],
+                b"key",
+                b"members",
+                b"members_removed",
+                b"meta"
+            ]
+        );
+        assert_eq!(database_revision(&reader, &buckets).unwrap(), 5000);
+        let mut revisions = Vec::new();
+        reader
+            .visit(&buckets[1].root, &mut |_, k, _| {
+                revisions.push(main_revision(k)?);
+                Ok(())
+            })
+            .unwrap();
+        let expected: Vec<i64> = (1..=4000).chain([5000]).collect();
+        assert_eq!(revisions, expected);
+        let meta = &buckets[4].root;
+        assert_eq!(
+            reader.get(meta, SCHEDULED_COMPACT).unwrap(),
+            Some(revision_key(5000, 0, false))
+        );
+        assert_eq!(reader.get(meta, b"term").unwrap(), Some(vec![0; 8]));
+        assert_eq!(
+            reader.get(meta, b"consistent_index").unwrap(),
+            Some(vec![0; 8])
+        );
     }
 
     #[test]

@@ -301,7 +301,7 @@ async fn expected_state(
         .full_snapshot
         .as_ref()
         .ok_or(DrillError::Expected(RestoreError::NoFullSnapshot))?;
-    let bytes = super::fetch_full(store, full, db)
+    let bytes = super::fetch_full(store, full, db, false)
         .await
         .map_err(DrillError::Expected)?;
     let len = bytes.saturating_sub(delta::HASH_LEN as u64);

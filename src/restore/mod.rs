@@ -30,6 +30,7 @@ pub mod rejoin;
 pub mod replay;
 pub mod tools;
 pub mod wal;
+mod write_back;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -607,9 +608,6 @@ async fn build(
     part: &Path,
     work: &Path,
 ) -> Result<Built, RestoreError> {
-    let db = work.join("snapshot.db");
-    let bytes = fetch_full(store, full, &db).await?;
-
     // etcd 3.4 and 3.5: the member directory is written here, as their tools write it
     // ([`member_dir`]); other releases keep their own tool and a temporary etcd's check.
     let own = match member_dir::Release::of(tools.binaries.version) {
@@ -621,6 +619,10 @@ async fn build(
         }
         None => None,
     };
+    let db = work.join("snapshot.db");
+    // Where the member directory is written here, the fetched file becomes its database
+    // (patched in place): written back to disk as it arrives.
+    let bytes = fetch_full(store, full, &db, own.is_some()).await?;
 
     // A point in time is checked against the database's own revision, and a bump written
     // into it: both need the database written even without deltas.
@@ -739,7 +741,6 @@ async fn build(
             .await;
         }
     };
-    let _ = std::fs::remove_file(&db);
     span.in_scope(|| {
         check_final_revision(revision, restored, deltas, opts.to)
             .step("checking the final revision")?;
@@ -829,6 +830,7 @@ pub(super) async fn fetch_full(
     store: &SnapshotStore,
     full: &Snapshot,
     db: &Path,
+    kept: bool,
 ) -> Result<u64, RestoreError> {
     let started = Instant::now();
     let stream = store
@@ -836,7 +838,7 @@ pub(super) async fn fetch_full(
         .await
         .map_err(RestoreError::Store)
         .step("fetching the full snapshot")?;
-    let bytes = write_verified(stream, db, &full.snap_name)
+    let bytes = write_verified(stream, db, &full.snap_name, kept)
         .await
         .step("fetching and verifying the full snapshot")?;
     tracing::info!(
@@ -1082,17 +1084,29 @@ async fn current_revision(client: &mut etcd_client::Client) -> Result<i64, Resto
 /// Writes a stream to `path`, checking etcd's trailing SHA-256 as it passes. A payload that
 /// fails its check or its decoding is [`RestoreError::CorruptSnapshot`] `name`.
 ///
-/// The file is not synced: every caller hands it to a writer of the member's database (ours or
-/// etcd's tool), and the restore syncs the result once (a sync here cost a second write-back of
-/// the whole database). The hash and the writes run on one blocking thread, the decompression
-/// on its own, so the two overlap and no async worker is held.
-async fn write_verified(stream: ByteStream, path: &Path, name: &str) -> Result<u64, RestoreError> {
+/// The file is not synced here: the restore syncs what it keeps once. When the file is `kept`
+/// (it becomes the member's database), it is written back as it grows ([`write_back`]), so that
+/// final sync has little left to do; otherwise etcd's tool copies it and nothing of it needs the
+/// disk. The hash and the writes run on one blocking thread, the decompression on its own, so
+/// the two overlap and no async worker is held.
+async fn write_verified(
+    stream: ByteStream,
+    path: &Path,
+    name: &str,
+    kept: bool,
+) -> Result<u64, RestoreError> {
     let mut verified = verify_sha256(stream);
     let (path, name) = (path.to_path_buf(), name.to_owned());
     let handle = tokio::runtime::Handle::current();
     tokio::task::spawn_blocking(move || {
         use std::io::Write as _;
         let mut file = std::fs::File::create(&path).map_err(|e| RestoreError::io(&path, e))?;
+        let mut write_back = match kept {
+            true => {
+                Some(write_back::WriteBack::start(&file).map_err(|e| RestoreError::io(&path, e))?)
+            }
+            false => None,
+        };
         let mut written = 0u64;
         while let Some(chunk) = handle.block_on(verified.next()) {
             let chunk = chunk.map_err(|cause| match cause.kind() {
@@ -1111,6 +1125,12 @@ async fn write_verified(stream: ByteStream, path: &Path, name: &str) -> Result<u
             written += chunk.len() as u64;
             file.write_all(&chunk)
                 .map_err(|e| RestoreError::io(&path, e))?;
+            if let Some(wb) = &mut write_back {
+                wb.wrote(written);
+            }
+        }
+        if let Some(wb) = write_back {
+            wb.finish().map_err(|e| RestoreError::io(&path, e))?;
         }
         Ok(written)
     })
@@ -1139,7 +1159,7 @@ async fn snapshot_to_file(url: &str, path: &Path) -> Result<u64, RestoreError> {
         }
     })
     .boxed();
-    write_verified(raw, path, "of the temporary etcd").await
+    write_verified(raw, path, "of the temporary etcd", false).await
 }
 
 /// Syncs every file and directory under `dir` (the temporary etcd may have run without fsync).
