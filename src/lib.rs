@@ -13,7 +13,12 @@
 //!   the watchdog.
 //! - [`kill`]: finding and killing etcd in a shared PID namespace (the `kill.*` keys).
 //! - [`server`]: the HTTP API.
+//! - [`sidecar`]: `etcd-warden serve`: the tasks the sidecar starts and supervises.
 //! - [`copy`], [`restore`]: the copy job and data-dir restore.
+//! - [`compact`]: folding a store's chain into one full snapshot (`etcd-warden compact`).
+//! - [`druid`]: what etcd-druid expects of its backup sidecar (`[druid]`: Leases, etcd-wrapper's
+//!   endpoints, triggers forwarded to the leader's sidecar).
+//! - [`etcdbrctl`]: the binary run as `etcdbrctl`: etcd-backup-restore's flags mapped onto ours.
 //! - [`operator`]: quorum-safe member replacement (the second binary).
 #![forbid(unsafe_code)]
 

@@ -1013,6 +1013,50 @@ async fn an_inactive_set_reports_but_never_touches_a_machine_until_activated() {
     .await;
 }
 
+/// A status the controller cannot read (a field of the wrong shape, written by hand or by
+/// another version of the operator) is a Degraded condition naming the field, and the set is not
+/// accepted again: read as empty, `accepted` would be dropped and the next reconcile would accept
+/// whatever the spec says now. (The double stores any status; a real API server validates it
+/// against the CRD's schema, which makes such a status rarer, not impossible: an older CRD.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_status_is_degraded_and_never_accepted_again() {
+    let w = World::start(&[]).await;
+    w.create_set("cluster", None).await;
+    w.settled().await;
+    let raw: Api<DynamicObject> = Api::namespaced_with(
+        w.kc.clone(),
+        MACHINES_NS,
+        &kube::core::ApiResource::erase::<ControlPlaneSet>(&()),
+    );
+    let broken = json!({"status": {"accepted": {"replicas": "three"}}});
+    raw.patch_status("cluster", &PatchParams::default(), &Patch::Merge(&broken))
+        .await
+        .unwrap();
+    let status = eventually(
+        "the unreadable status reported",
+        Duration::from_secs(20),
+        async || {
+            let set = raw.get("cluster").await.ok()?;
+            let status = set.data.get("status")?.clone();
+            (condition(&status, "Degraded").0 == "True").then_some(status)
+        },
+    )
+    .await;
+    let (_, reason, message) = condition(&status, "Degraded");
+    assert_eq!(reason, "StatusUnreadable");
+    assert!(
+        message.starts_with("status.accepted.replicas:"),
+        "{message}"
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let set = raw.get("cluster").await.unwrap();
+    assert_eq!(
+        set.data["status"]["accepted"]["replicas"], "three",
+        "the accepted fields were replaced: {}",
+        set.data["status"]
+    );
+}
+
 /// `etcd-warden-operator generate-controlplaneset`, pointed at the double by a kubeconfig,
 /// prints an Inactive set drawn from the Machines: their provider spec without the zone, their
 /// zones as failure domains; the controller accepts it.

@@ -347,7 +347,7 @@ pub struct AcceptedSpec {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{field}: {message}")]
 pub struct Invalid {
-    /// The Degraded condition's reason: `InvalidSpec`, `QuorumOperatorMismatch`, or
+    /// The Degraded condition's reason: `InvalidSpec`, `QuorumOperatorMismatch`, `StatusUnreadable`, or
     /// `MachineActionRefused` (a Machine change the API server refused for good).
     pub reason: &'static str,
     /// The offending field, as a path (`spec.replicas`).

@@ -155,7 +155,14 @@ impl<Q: Machines> Parts<Q> {
             return Ok(Outcome::Acted);
         }
         let raw = serde_json::to_value(set).unwrap_or_default();
-        let previous = status_of(set);
+        let previous = match status_of(set) {
+            Ok(s) => s,
+            Err(e) => {
+                warn_once(set, &conditions_of_unreadable(set), &e.to_string());
+                self.write_status(set, |s| self.refuse(s, set, &e)).await?;
+                return Ok(Outcome::Idle);
+            }
+        };
         let valid = match resource::validate(&raw, previous.accepted.as_ref()) {
             Ok(v) => v,
             Err(e) => {
@@ -276,7 +283,9 @@ impl<Q: Machines> Parts<Q> {
         set: &DynamicObject,
         change: impl FnOnce(&mut ControlPlaneSetStatus),
     ) -> Result<bool, SetError> {
-        let before = status_of(set);
+        // An unreadable status is patched from empty: `accepted` is None there and so left out
+        // of the merge patch, which keeps whatever the server holds.
+        let before = status_of(set).unwrap_or_else(|_| conditions_of_unreadable(set));
         let mut after = before.clone();
         change(&mut after);
         if after == before {
@@ -475,13 +484,38 @@ fn inactive(mut plan: Plan) -> Plan {
     plan
 }
 
-/// The set's status as read (an unreadable one counts as empty and is rewritten).
-fn status_of(set: &DynamicObject) -> ControlPlaneSetStatus {
-    set.data
+/// The set's status as read. An unreadable one (a field of the wrong shape, written by hand or by
+/// another version) is an error naming the field: read as empty it would drop `accepted`, and the
+/// next reconcile would accept the spec again, immutable fields and all.
+fn status_of(set: &DynamicObject) -> Result<ControlPlaneSetStatus, resource::Invalid> {
+    let Some(raw) = set.data.get("status") else {
+        return Ok(ControlPlaneSetStatus::default());
+    };
+    serde_path_to_error::deserialize(raw).map_err(|e| resource::Invalid {
+        reason: "StatusUnreadable",
+        field: format!("status.{}", e.path()),
+        message: format!(
+            "cannot be read ({}); the set is not acted on until the status is fixed or removed \
+             through the status subresource",
+            e.inner()
+        ),
+    })
+}
+
+/// The conditions of a status [`status_of`] cannot read, as far as they can be read (so that a
+/// refusal already reported is not logged again).
+fn conditions_of_unreadable(set: &DynamicObject) -> ControlPlaneSetStatus {
+    let conditions = set
+        .data
         .get("status")
+        .and_then(|s| s.get("conditions"))
         .cloned()
-        .and_then(|s| serde_json::from_value(s).ok())
-        .unwrap_or_default()
+        .and_then(|c| serde_json::from_value(c).ok())
+        .unwrap_or_default();
+    ControlPlaneSetStatus {
+        conditions,
+        ..Default::default()
+    }
 }
 
 /// Logs why the set is degraded when it is new (not already the Degraded condition's message).
@@ -643,5 +677,5 @@ pub async fn run<Q: Machines>(
 
 /// The accepted immutable fields of a set's status, if any (for tests and tools).
 pub fn accepted(set: &DynamicObject) -> Option<AcceptedSpec> {
-    status_of(set).accepted
+    status_of(set).ok().and_then(|s| s.accepted)
 }
