@@ -1761,7 +1761,8 @@ async fn the_monitoring_manifests_use_only_exposed_metrics() {
         }
     }
     // What the dashboard is for: snapshot age, size and duration, delta lag, ownership state
-    // and kills, restore durations.
+    // and kills, restore durations; etcd's leader changes, proposal rates, fsync and commit
+    // latencies, database size against its quota and fragmentation.
     let used: BTreeSet<String> = exprs.iter().flat_map(|e| promql_metrics(e)).collect();
     for needed in [
         "etcdbr_snapshot_latest_timestamp",
@@ -1771,6 +1772,14 @@ async fn the_monitoring_manifests_use_only_exposed_metrics() {
         "etcd_warden_owner_state",
         "etcd_warden_owner_kills_total",
         "etcdbr_restoration_duration_seconds_sum",
+        "etcd_server_leader_changes_seen_total",
+        "etcd_server_proposals_committed_total",
+        "etcd_server_proposals_failed_total",
+        "etcd_disk_wal_fsync_duration_seconds_bucket",
+        "etcd_disk_backend_commit_duration_seconds_bucket",
+        "etcd_mvcc_db_total_size_in_bytes",
+        "etcd_mvcc_db_total_size_in_use_in_bytes",
+        "etcd_server_quota_backend_bytes",
     ] {
         assert!(used.contains(needed), "the dashboard shows no {needed}");
     }
