@@ -37,6 +37,7 @@ mod owner_resolve;
 mod owner_watchdog;
 mod ownership;
 mod process_kill;
+mod quorum_restore;
 mod rejoin;
 mod restore;
 mod restore_datadir;
