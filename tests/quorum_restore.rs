@@ -277,6 +277,19 @@ async fn five_members_three_lost_the_fresher_survivor_is_chosen() {
         printed.contains(&format!("chose {}", fresh_dir.display())),
         "{printed}"
     );
+    let committed = |dir: &Path| -> u64 {
+        let line = format!("survivor {}: committed raft index ", dir.display());
+        let at = printed
+            .find(&line)
+            .unwrap_or_else(|| panic!("{line} in {printed}"));
+        printed[at + line.len()..]
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    assert!(committed(&fresh_dir) > committed(&stale_dir), "{printed}");
     assert!(
         printed.contains("bumped by 1000, marked compacted"),
         "{printed}"
