@@ -373,6 +373,20 @@ async fn refusals_leave_every_directory_unchanged() {
     take_full(&c, &file_store(&final_dir), Codec::Gzip, true)
         .await
         .unwrap();
+    // A member whose etcd runs: its database is locked.
+    let m1 = cluster.members[1].data_dir.clone();
+    let m1_beside = siblings(&m1);
+    let out = quorum_restore(release, &m1, &[]);
+    assert_eq!(out.status.code(), Some(1), "{}", cli::printed(&out));
+    assert!(
+        cli::printed(&out).contains(&format!(
+            "{} is in use: etcd holds its database's lock",
+            m1.display()
+        )),
+        "{}",
+        cli::printed(&out)
+    );
+    assert_eq!(siblings(&m1), m1_beside);
     cluster.members[1].kill();
     cluster.members[2].kill();
     let beside = siblings(&m0);

@@ -1709,6 +1709,35 @@ mod tests {
             e.contains(&fin.snap_name) && e.contains("etcd-warden reclaim"),
             "{e}"
         );
+
+        // No member of a cluster that handed off is revived: record, markers or the final.
+        assert_eq!(may_revive(None, None, "s3://b/p", r), Ok(()));
+        for (hold, the_final, names) in [
+            (
+                Some(&held),
+                None,
+                "the hand-off record s3://b/p/etcd-warden/handoff.json",
+            ),
+            (
+                Some(&fenced),
+                None,
+                "1 fence marker(s) under s3://b/p/etcd-warden/fence/",
+            ),
+            (
+                None,
+                Some(fin.snap_name.as_str()),
+                "is the hand-off's final",
+            ),
+        ] {
+            let e = may_revive(hold, the_final, "s3://b/p", r)
+                .unwrap_err()
+                .to_string();
+            assert!(e.starts_with("refusing to revive this member: "), "{e}");
+            assert!(
+                e.contains(names) && e.contains("etcd-warden reclaim"),
+                "{e}"
+            );
+        }
     }
 
     #[tokio::test]

@@ -536,7 +536,7 @@ pub async fn quorum_restore(
     let mut locks = Vec::new();
     let mut survivors = Vec::new();
     for dir in std::iter::once(&opts.data_dir).chain(&opts.survivors) {
-        let survivor = inspect(dir)?;
+        // The lock first: a database etcd is writing may not read consistently.
         match datadir::lock_db(dir) {
             Ok(DbLock::Busy) => {
                 return Err(QuorumError::Running {
@@ -552,7 +552,7 @@ pub async fn quorum_restore(
                 });
             }
         }
-        survivors.push(survivor);
+        survivors.push(inspect(dir)?);
     }
     for (i, a) in survivors.iter().enumerate() {
         for b in &survivors[i + 1..] {
