@@ -516,6 +516,47 @@ mod tests {
     }
 
     #[test]
+    fn a_torn_tail_of_the_newest_segment_is_a_crash_not_corruption() {
+        use crate::restore::member_dir::{Cluster, Release, wal_bytes};
+        let params = crate::restore::MemberParams {
+            name: "m1".into(),
+            initial_cluster: "m1=http://10.0.0.1:2380".into(),
+            initial_cluster_token: "t".into(),
+            initial_advertise_peer_urls: "http://10.0.0.1:2380".into(),
+        };
+        let cluster = Cluster::from_params(&params).unwrap();
+        let good = wal_bytes(&cluster, Release::V35);
+        // A last record cut short (its length runs past the file), then a record whose data
+        // is a zeroed sector (written length, lost data): both are what a crash leaves.
+        let mut cut = good.clone();
+        cut.extend_from_slice(&(600u64).to_le_bytes());
+        cut.extend_from_slice(&[1, 2, 3]);
+        let mut zeroed = good.clone();
+        zeroed.extend(frame(ENTRY_TYPE, &[0; 1024]));
+        for tail in [cut, zeroed] {
+            let dir = tempfile::tempdir().unwrap();
+            std::fs::write(
+                dir.path().join("0000000000000000-0000000000000000.wal"),
+                &tail,
+            )
+            .unwrap();
+            let state = read_state(dir.path()).unwrap();
+            assert_eq!(state.commit, 1);
+            // The same bytes in an older segment are corruption: etcd wrote past them.
+            std::fs::write(
+                dir.path().join("0000000000000001-0000000000000002.wal"),
+                &good,
+            )
+            .unwrap();
+            let err = read_state(dir.path()).unwrap_err().to_string();
+            assert!(
+                err.contains("0000000000000000-0000000000000000.wal: corrupt WAL"),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
     fn a_new_leaders_entries_replace_the_old_terms() {
         let mut s = WalState::default();
         for i in 1..=5 {
