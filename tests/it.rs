@@ -38,6 +38,7 @@ mod owner_watchdog;
 mod ownership;
 mod process_kill;
 mod promtool;
+mod quorum_restore;
 mod rejoin;
 mod restore;
 mod restore_datadir;

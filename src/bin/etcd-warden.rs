@@ -141,6 +141,14 @@ enum Command {
         #[command(flatten)]
         restore: RestoreArgs,
     },
+    /// Rebuild a one-member cluster from the freshest surviving member after a majority of
+    /// the members is lost for good (run where a survivor's data directory is, its etcd
+    /// stopped). Refuses unless a majority stays unreachable for --lost-for, this member's
+    /// etcd is stopped, the store shows no hand-off and the survivor is not behind the store's
+    /// newest snapshot (--force). The original directory is kept aside, never changed.
+    ///
+    /// Exit status: 0 rebuilt; 1 refused or failed, nothing changed; 64 bad configuration.
+    QuorumRestore(QuorumRestoreArgs),
     /// Check the data directory (restore.data_dir) as `serve` with restore.initialize does
     /// before etcd starts, and restore it from the store when it is missing, fails validation
     /// (restore.validation) or is behind the store; a valid directory is kept.
@@ -251,6 +259,82 @@ struct RestoreArgs {
     mark_compacted: bool,
 }
 
+#[derive(Args, Default)]
+struct QuorumRestoreArgs {
+    /// This member's data directory (restore.data_dir): rebuilt, the original kept aside as
+    /// <DIR>.before-quorum-restore-<unix-time>.
+    #[arg(long, value_name = "DIR")]
+    data_dir: Option<String>,
+    /// Another survivor's data directory (copied from its machine, its etcd stopped); only
+    /// read. Repeatable: the one with the highest committed raft index is rebuilt from.
+    #[arg(long = "survivor-data-dir", value_name = "DIR")]
+    survivors: Vec<PathBuf>,
+    /// This member's name in the rebuilt cluster; default the name in its member record.
+    #[arg(long, value_name = "NAME")]
+    name: Option<String>,
+    /// This member's peer URLs in the rebuilt cluster; default those of its member record.
+    #[arg(long, value_name = "URLS")]
+    initial_advertise_peer_urls: Option<String>,
+    /// Store URL (store.url) to check for a hand-off and to compare with; default: the
+    /// configured store when --config is given, else none.
+    #[arg(long, value_name = "URL")]
+    store: Option<String>,
+    /// How long a majority of the members must stay unreachable.
+    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = duration)]
+    lost_for: std::time::Duration,
+    /// How often the members are probed meanwhile.
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = duration)]
+    probe_interval: std::time::Duration,
+    /// etcd starts N revisions above the survivor's data (restore.bump_revision).
+    #[arg(long, value_name = "N")]
+    bump_revision: Option<String>,
+    /// Mark the bumped revision compacted (restore.mark_compacted; needs --bump-revision).
+    #[arg(long)]
+    mark_compacted: bool,
+    /// Rebuild even when the survivor is behind the store's newest snapshot.
+    #[arg(long)]
+    force: bool,
+    /// Directory of etcd and etcdutl/etcdctl (restore.etcd_bin); default PATH.
+    #[arg(long, value_name = "DIR")]
+    etcd_bin: Option<String>,
+    /// Whether a store is to be read: --store or --config given (set by `run`).
+    #[arg(skip)]
+    use_store: bool,
+}
+
+impl QuorumRestoreArgs {
+    fn overrides(&self) -> Vec<Override> {
+        let flags = [
+            (&self.data_dir, "restore.data_dir", "--data-dir"),
+            (&self.store, "store.url", "--store"),
+            (&self.etcd_bin, "restore.etcd_bin", "--etcd-bin"),
+            (
+                &self.bump_revision,
+                "restore.bump_revision",
+                "--bump-revision",
+            ),
+        ];
+        let mut o: Vec<Override> = flags
+            .into_iter()
+            .filter_map(|(v, key, flag)| v.as_ref().map(|v| Override::flag(key, v, flag)))
+            .collect();
+        if self.mark_compacted {
+            o.push(Override::flag(
+                "restore.mark_compacted",
+                "true",
+                "--mark-compacted",
+            ));
+        }
+        o
+    }
+}
+
+/// A duration such as 30s, 5m or 1h (humantime).
+fn duration(s: &str) -> Result<std::time::Duration, String> {
+    humantime::parse_duration(s)
+        .map_err(|e| format!("{s:?} is not a duration such as 30s or 5m: {e}"))
+}
+
 /// An RFC 3339 time, as `--to-time` takes it.
 fn rfc3339(s: &str) -> Result<chrono::DateTime<chrono::Utc>, String> {
     chrono::DateTime::parse_from_rfc3339(s)
@@ -356,6 +440,7 @@ impl Command {
                         .map(|d| Override::flag("restore.etcd_bin", d, "--etcd-bin")),
                 )
                 .collect(),
+            Command::QuorumRestore(args) => args.overrides(),
             Command::Restore { store, restore, .. } => store
                 .store
                 .iter()
@@ -371,7 +456,9 @@ impl Command {
         match self {
             Command::Serve => Purpose::Serve,
             Command::Copy(_) => Purpose::Copy,
-            Command::Restore { .. } | Command::Initialize => Purpose::Restore,
+            Command::Restore { .. } | Command::Initialize | Command::QuorumRestore(_) => {
+                Purpose::Restore
+            }
             Command::Config
             | Command::Snapshot { .. }
             | Command::Ls { .. }
@@ -461,7 +548,10 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(cli: Cli) -> anyhow::Result<()> {
+fn run(mut cli: Cli) -> anyhow::Result<()> {
+    if let Command::QuorumRestore(args) = &mut cli.command {
+        args.use_store = args.store.is_some() || cli.global.config.is_some();
+    }
     let mut overrides = cli.global.overrides();
     overrides.extend(cli.command.overrides());
     let sources = Sources {
@@ -598,6 +688,7 @@ fn execute(config: Config, command: Command) -> anyhow::Result<()> {
                     ops::compact(&config, work_dir.unwrap_or_else(std::env::temp_dir)).await
                 }
                 Command::Initialize => ops::initialize(&config).await,
+                Command::QuorumRestore(args) => ops::quorum_restore(&config, &args).await,
             }
         };
         if is_serve {
@@ -884,6 +975,115 @@ mod ops {
             }
             .into());
         }
+        Ok(())
+    }
+
+    /// `quorum-restore`: the freshest survivor rebuilt as a one-member cluster.
+    pub async fn quorum_restore(
+        config: &Config,
+        args: &super::QuorumRestoreArgs,
+    ) -> anyhow::Result<()> {
+        use etcd_warden::restore::quorum::{self, QuorumOptions, Rebuilt, StoreCheck};
+        // Purpose::Restore has required it; this only unwraps the Option.
+        let data_dir = config
+            .restore
+            .data_dir
+            .as_deref()
+            .context("restore.data_dir is not set")?;
+        // A hand-off is the owner record's business as much as the store's: as for reclaim,
+        // this seed must own the data it revives.
+        if let Some(found) = owner_record(config).await? {
+            handoff::may_reclaim(
+                record_name(config),
+                config.owner.as_ref().map_or("", |o| o.id.as_str()),
+                found.verdict(),
+                &found.to_string(),
+            )?;
+        }
+        let store = if args.use_store {
+            Some(snapshots(config)?)
+        } else {
+            None
+        };
+        let opts = QuorumOptions {
+            data_dir: data_dir.to_path_buf(),
+            survivors: args.survivors.clone(),
+            name: args.name.clone(),
+            initial_advertise_peer_urls: args.initial_advertise_peer_urls.clone(),
+            initial_cluster_token: config.restore.initial_cluster_token.clone(),
+            etcd_bin: config.restore.etcd_bin.clone(),
+            lost_for: args.lost_for,
+            probe_interval: args.probe_interval,
+            bump: etcd_warden::restore::RevisionBump {
+                by: config.restore.bump_revision,
+                mark_compacted: config.restore.mark_compacted,
+            },
+            force: args.force,
+        };
+        let check = store.as_ref().map(|store| StoreCheck {
+            store,
+            location: config.store.location.to_string(),
+            owner_record: record_name(config).to_owned(),
+        });
+        let report = quorum::quorum_restore(&opts, check).await?;
+        for (path, committed) in &report.survivors {
+            println!(
+                "survivor {}: committed raft index {committed}",
+                path.display()
+            );
+        }
+        println!(
+            "quorum lost: a majority of the members stayed unreachable for {} ({} probes)",
+            humantime::format_duration(args.lost_for),
+            report.probes
+        );
+        println!(
+            "chose {} (member {}): committed raft index {}, revision {}",
+            report.chosen.display(),
+            report.chosen_member,
+            report.committed,
+            report.revision
+        );
+        match report.rebuilt {
+            Rebuilt::ForceNewCluster => println!(
+                "rebuilt {} as a one-member cluster with etcd --force-new-cluster on a copy",
+                data_dir.display()
+            ),
+            Rebuilt::Restored => println!(
+                "rebuilt {} as a one-member cluster: etcd --force-new-cluster on a copy, snapshotted and restored as this member",
+                data_dir.display()
+            ),
+        }
+        if report.etcd_revision != report.revision {
+            println!(
+                "etcd starts at revision {} (bumped by {}{})",
+                report.etcd_revision,
+                report.etcd_revision - report.revision,
+                if config.restore.mark_compacted {
+                    ", marked compacted"
+                } else {
+                    ""
+                }
+            );
+        }
+        if !report.dropped.is_empty() {
+            println!("members dropped: {}", report.dropped.join(", "));
+        }
+        println!(
+            "the original data directory is kept at {}",
+            report.kept_at.display()
+        );
+        match (&report.store, report.store_would_lose()) {
+            (Some(s), Some(lost)) => println!(
+                "the store's newest snapshot {} is at revision {}: a restore from the store would have lost {lost} revisions",
+                s.snapshot, s.revision
+            ),
+            _ => println!("no store compared (give --store or --config)"),
+        }
+        println!(
+            "next: start this member's etcd on {}; the other members rejoin as learners (`etcd-warden initialize` with restore.cluster_endpoints on each)",
+            data_dir.display()
+        );
         Ok(())
     }
 

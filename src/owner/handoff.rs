@@ -471,6 +471,50 @@ pub enum Refusal {
         /// This seed's owner ID.
         owner_id: String,
     },
+    /// Reviving a member (`quorum-restore`) whose cluster handed off.
+    #[error(
+        "refusing to revive this member: {held}, so its cluster handed off (owner record {record}); a member revived from it would serve data that now belongs to the seed it was handed to. If the hand-off was a mistake, run `etcd-warden reclaim` while the owner record names this seed, then quorum-restore"
+    )]
+    ReviveAfterHandOff {
+        /// What marks the hand-off, with its location.
+        held: String,
+        /// The owner record (empty without an [owner] section).
+        record: String,
+    },
+}
+
+/// No member of a cluster that handed off is revived by `quorum-restore`: the store holds
+/// the hand-off record or fence markers (`hold`), or the hand-off's final (`final_snapshot`, as
+/// [`the_final`] decides it). Reviving it would leave two seeds serving the same data, which the
+/// hand-off exists to prevent; `reclaim` undoes a hand-off first. `location` is the store's.
+pub fn may_revive(
+    hold: Option<&Hold>,
+    final_snapshot: Option<&str>,
+    location: &str,
+    record: &str,
+) -> Result<(), Refusal> {
+    let held = match (hold, final_snapshot) {
+        (Some(Hold::Record(r)), _) => format!(
+            "the store holds the hand-off record {location}/{DIR}/handoff.json (final {})",
+            r.final_snapshot
+        ),
+        (Some(Hold::Fenced(markers)), _) => format!(
+            "the store holds {} fence marker(s) under {location}/{DIR}/fence/",
+            markers.len()
+        ),
+        (None, Some(f)) => {
+            format!("the store's newest full snapshot {location}/{f} is the hand-off's final")
+        }
+        (None, None) => return Ok(()),
+    };
+    Err(Refusal::ReviveAfterHandOff {
+        held,
+        record: if record.is_empty() {
+            "not configured".into()
+        } else {
+            record.into()
+        },
+    })
 }
 
 /// A final by hand is taken only once the owner record names another seed or none: taken while
@@ -1665,6 +1709,35 @@ mod tests {
             e.contains(&fin.snap_name) && e.contains("etcd-warden reclaim"),
             "{e}"
         );
+
+        // No member of a cluster that handed off is revived: record, markers or the final.
+        assert_eq!(may_revive(None, None, "s3://b/p", r), Ok(()));
+        for (hold, the_final, names) in [
+            (
+                Some(&held),
+                None,
+                "the hand-off record s3://b/p/etcd-warden/handoff.json",
+            ),
+            (
+                Some(&fenced),
+                None,
+                "1 fence marker(s) under s3://b/p/etcd-warden/fence/",
+            ),
+            (
+                None,
+                Some(fin.snap_name.as_str()),
+                "is the hand-off's final",
+            ),
+        ] {
+            let e = may_revive(hold, the_final, "s3://b/p", r)
+                .unwrap_err()
+                .to_string();
+            assert!(e.starts_with("refusing to revive this member: "), "{e}");
+            assert!(
+                e.contains(names) && e.contains("etcd-warden reclaim"),
+                "{e}"
+            );
+        }
     }
 
     #[tokio::test]

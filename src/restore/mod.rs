@@ -26,6 +26,7 @@ pub mod direct;
 pub mod drill;
 pub mod initialize;
 pub mod member_dir;
+pub mod quorum;
 pub mod rejoin;
 pub mod replay;
 pub mod tools;
