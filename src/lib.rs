@@ -14,6 +14,7 @@
 //! - [`kill`]: finding and killing etcd in a shared PID namespace (the `kill.*` keys).
 //! - [`server`]: the HTTP API.
 //! - [`copy`], [`restore`]: the copy job and data-dir restore.
+//! - [`scratch`]: private scratch directories and files (0700/0600, created fresh, never followed).
 //! - [`operator`]: quorum-safe member replacement (the second binary).
 #![forbid(unsafe_code)]
 
@@ -31,6 +32,7 @@ pub mod kill;
 pub mod operator;
 pub mod owner;
 pub mod restore;
+pub mod scratch;
 pub mod server;
 pub mod sidecar;
 pub mod snapshot;

@@ -43,6 +43,7 @@ mod restore_datadir;
 mod restore_drill;
 mod restore_member_dir;
 mod restore_point_in_time;
+mod scratch_space;
 mod secondary;
 mod sidecar;
 mod snapshot;

@@ -507,6 +507,9 @@ pub struct RestoreConfig {
     pub fallback: bool,
     /// Written next to the data directory; a different value there refuses to restore.
     pub guard: Option<String>,
+    /// Where `verify --restore` and `compact` create their private scratch directory when
+    /// `--work-dir` is not given (`restore.work_dir`); see [`RestoreConfig::work_dir`].
+    pub work_dir: Option<PathBuf>,
     /// `initialize` in a multi-member cluster: the running cluster a lost member rejoins as a
     /// learner instead of being restored from the store (`restore.cluster_endpoints`, with
     /// `[etcd]`'s TLS, credentials and timeouts); `None`: off.
@@ -518,6 +521,23 @@ pub struct RestoreConfig {
     pub bump_revision: u64,
     /// The bumped revision is marked compacted (`--mark-compacted`; needs a bump).
     pub mark_compacted: bool,
+}
+
+impl RestoreConfig {
+    /// Where a tool's scratch directory goes (the tool creates a new private directory inside
+    /// it): `flag` (`--work-dir`), else `restore.work_dir`, else the data directory's parent,
+    /// else the system's temporary directory (`$TMPDIR`, `/tmp`) as the last resort.
+    pub fn work_dir(&self, flag: Option<PathBuf>) -> PathBuf {
+        flag.or_else(|| self.work_dir.clone())
+            .or_else(|| {
+                self.data_dir
+                    .as_deref()
+                    .and_then(std::path::Path::parent)
+                    .filter(|p| !p.as_os_str().is_empty())
+                    .map(std::path::Path::to_path_buf)
+            })
+            .unwrap_or_else(std::env::temp_dir)
+    }
 }
 
 /// Log output.

@@ -280,6 +280,8 @@ pub struct RawRestore {
     pub fallback: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guard: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub work_dir: Option<String>,
     #[serde(default, deserialize_with = "lenient::list")]
     pub cluster_endpoints: Vec<String>,
     pub rejoin_timeout: String,

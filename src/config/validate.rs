@@ -287,6 +287,11 @@ impl Validator<'_> {
             validation,
             fallback: r.fallback,
             guard: r.guard.clone().filter(|g| !g.is_empty()),
+            work_dir: r
+                .work_dir
+                .as_deref()
+                .filter(|d| !d.trim().is_empty())
+                .map(PathBuf::from),
             cluster: self.rejoin_cluster(r, etcd)?,
             rejoin_timeout: self.positive_duration("restore.rejoin_timeout", &r.rejoin_timeout)?,
             bump_revision: self.bump_revision(r)?,
