@@ -50,6 +50,7 @@ mod snapshot;
 mod snapshot_etcd_connect;
 mod store;
 mod store_identity;
+mod store_private;
 mod store_sse;
 
 /// Every `tests/*.rs` is a module of this binary or a test target of its own in `Cargo.toml`:

@@ -205,6 +205,8 @@ pub struct StoreConfig {
     pub azure_identity: Option<AzureWorkloadIdentity>,
     /// S3 Object Lock: every new snapshot is retained this long in this mode.
     pub object_lock: Option<ObjectLockRetention>,
+    /// `file://`: the store's directories 0700 and its files 0600 (`store.private`).
+    pub private: bool,
 }
 
 /// The retention S3 Object Lock puts on each new snapshot (`store.object_lock_retention`,
@@ -304,6 +306,7 @@ impl StoreConfig {
             sse: None,
             azure_identity: None,
             object_lock: None,
+            private: true,
         }
     }
 }

@@ -531,6 +531,7 @@ impl Validator<'_> {
             account_name: s.account_name.clone(),
             account_key: self.secret(&key("account_key"), &s.account_key, &s.account_key_file)?,
             use_emulator: s.use_emulator,
+            private: s.private,
             web_identity,
             ca_file,
             sse,
