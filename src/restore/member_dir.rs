@@ -469,7 +469,8 @@ pub fn snap_name(cluster: &Cluster) -> String {
 }
 
 /// Creates `data_dir` (which must not exist) and `data_dir/member/{wal,snap}`, each 0700, and
-/// writes the WAL and `.snap` file into them (the database goes to [`db_path`]). Nothing is synced: the restore syncs the tree once.
+/// writes the WAL and `.snap` file into them (the database goes to [`db_path`]). Nothing is
+/// synced: the restore syncs the tree once.
 pub fn write(data_dir: &Path, cluster: &Cluster, release: Release) -> Result<(), MemberDirError> {
     let io = |path: &Path| {
         let path = path.display().to_string();
