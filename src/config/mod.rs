@@ -591,3 +591,53 @@ impl Config {
         Ok((config, raw))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn load(env: &[(&str, &str)]) -> Config {
+        let env: HashMap<String, String> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let sources = Sources {
+            file: None,
+            env: &env,
+            overrides: vec![],
+        };
+        Config::load(&sources).unwrap().0
+    }
+
+    /// `--work-dir`, else `restore.work_dir`, else beside the data directory, else `$TMPDIR`.
+    #[test]
+    fn a_tools_scratch_space_is_beside_the_data_not_in_tmp_when_it_can_be() {
+        let bare = load(&[]);
+        assert_eq!(bare.restore.work_dir(None), std::env::temp_dir());
+        let with_data = load(&[("ETCD_WARDEN_RESTORE_DATA_DIR", "/var/lib/etcd/data")]);
+        assert_eq!(
+            with_data.restore.work_dir(None),
+            PathBuf::from("/var/lib/etcd")
+        );
+        let both = load(&[
+            ("ETCD_WARDEN_RESTORE_DATA_DIR", "/var/lib/etcd/data"),
+            ("ETCD_WARDEN_RESTORE_WORK_DIR", "/srv/scratch"),
+        ]);
+        assert_eq!(both.restore.work_dir(None), PathBuf::from("/srv/scratch"));
+        assert_eq!(
+            both.restore.work_dir(Some("/flag".into())),
+            PathBuf::from("/flag")
+        );
+    }
+
+    #[test]
+    fn file_stores_are_private_unless_turned_off() {
+        assert!(load(&[]).store.private);
+        assert!(
+            !load(&[("ETCD_WARDEN_STORE_PRIVATE", "false")])
+                .store
+                .private
+        );
+    }
+}
