@@ -13,11 +13,12 @@
 //! (the snapshot and the database written from it), then once; memory is the restore's and the
 //! snapshot stream's (bounded, independent of the database size).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use crate::owner::handoff::{HandOffError, HandOffObjects, Hold};
 use crate::restore::{self, EtcdTools, MemberParams, RestoreError, RestoreOptions, TempEtcd};
+use crate::scratch::ScratchDir;
 use crate::snapshot::full::{FullError, Target, take_full_as};
 use crate::store::{Codec, Snapshot, SnapshotStore, StoreError};
 
@@ -74,7 +75,8 @@ pub enum CompactError {
 /// How to compact.
 #[derive(Debug, Clone)]
 pub struct CompactOptions {
-    /// A directory for the temporary data directory (created and removed inside it).
+    /// Where the work directory goes: a new private subdirectory (0700, an unpredictable name
+    /// that must not exist yet) holds the temporary data directory and is removed.
     pub work_dir: PathBuf,
     /// Where etcd's binaries are; `None` searches as a restore does.
     pub etcd_bin: Option<PathBuf>,
@@ -135,8 +137,16 @@ pub async fn compact(
     }
     let head = chain.delta_snapshots.last().map_or(0, |d| d.last_revision);
     refuse_during_hand_off(store, head).await?;
-    let work = WorkDir::create(&opts.work_dir)?;
-    let data_dir = work.path.join("data");
+    // The restored database is plaintext even from an encrypted store: the work directory is
+    // new, private and unpredictable, and removed on every way out (also when this future is
+    // dropped by a signal).
+    let work = ScratchDir::new_in(&opts.work_dir, "etcd-warden-compact-").map_err(|source| {
+        CompactError::WorkDir {
+            path: opts.work_dir.clone(),
+            source,
+        }
+    })?;
+    let data_dir = work.path().join("data");
     let restored = restore::restore(
         store,
         // No fallback: folding an older chain would name a new full snapshot below the one
@@ -166,7 +176,7 @@ pub async fn compact(
         &tools,
         &data_dir,
         &MemberParams::default().name,
-        work.path.join("etcd.log"),
+        work.path().join("etcd.log"),
     )
     .await
     .map_err(CompactError::Restore)?;
@@ -271,34 +281,4 @@ async fn refuse_during_hand_off(store: &SnapshotStore, revision: i64) -> Result<
         });
     }
     Ok(())
-}
-
-/// A fresh directory inside the work directory, removed when dropped (also on failure).
-struct WorkDir {
-    path: PathBuf,
-}
-
-impl WorkDir {
-    fn create(parent: &Path) -> Result<WorkDir, CompactError> {
-        let fail = |path: &Path| {
-            let path = path.to_path_buf();
-            move |source| CompactError::WorkDir { path, source }
-        };
-        std::fs::create_dir_all(parent).map_err(fail(parent))?;
-        let path = parent.join(format!(
-            "etcd-warden-compact-{}-{}",
-            std::process::id(),
-            chrono::Utc::now().timestamp_millis()
-        ));
-        std::fs::create_dir(&path).map_err(fail(&path))?;
-        Ok(WorkDir { path })
-    }
-}
-
-impl Drop for WorkDir {
-    fn drop(&mut self) {
-        if let Err(e) = std::fs::remove_dir_all(&self.path) {
-            tracing::warn!(path = %self.path.display(), error = %e, "removing the compaction's work directory failed");
-        }
-    }
 }

@@ -19,6 +19,7 @@
 //! - [`druid`]: what etcd-druid expects of its backup sidecar (`[druid]`: Leases, etcd-wrapper's
 //!   endpoints, triggers forwarded to the leader's sidecar).
 //! - [`etcdbrctl`]: the binary run as `etcdbrctl`: etcd-backup-restore's flags mapped onto ours.
+//! - [`scratch`]: private scratch directories and files (0700/0600, created fresh, never followed).
 //! - [`operator`]: quorum-safe member replacement (the second binary).
 #![forbid(unsafe_code)]
 
@@ -36,6 +37,7 @@ pub mod kill;
 pub mod operator;
 pub mod owner;
 pub mod restore;
+pub mod scratch;
 pub mod server;
 pub mod sidecar;
 pub mod snapshot;

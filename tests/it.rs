@@ -45,12 +45,14 @@ mod restore_datadir;
 mod restore_drill;
 mod restore_member_dir;
 mod restore_point_in_time;
+mod scratch_space;
 mod secondary;
 mod sidecar;
 mod snapshot;
 mod snapshot_etcd_connect;
 mod store;
 mod store_identity;
+mod store_private;
 mod store_sse;
 
 /// Every `tests/*.rs` is a module of this binary or a test target of its own in `Cargo.toml`:

@@ -1109,3 +1109,32 @@ scenario_tests! {
     control_plane_set_on_delete_rolls_three_members: roll(Strategy::OnDelete, 3);
     control_plane_set_rolling_update_rolls_five_members: roll(Strategy::RollingUpdate, 5);
 }
+
+/// `local`'s API changes the cluster without authentication: an address beyond loopback is
+/// refused before anything starts, naming the flag (exit 64). The address asked for first is a
+/// documentation one (TEST-NET-1) nothing can bind, so this test never listens beyond loopback
+/// whatever the binary does; the wildcard is asked for only once that one is refused.
+#[test]
+fn local_refuses_an_api_address_beyond_loopback() {
+    let bin = env!("CARGO_BIN_EXE_etcd-warden-operator");
+    let dir = tempfile::tempdir().unwrap();
+    let etcd_dir = etcd().parent().unwrap().to_path_buf();
+    for listen in ["192.0.2.1:7390", "0.0.0.0:0", "[::]:0"] {
+        let run = dir.path().join("run");
+        let out = std::process::Command::new(bin)
+            .args(["local", "--members", "3", "--no-fsync", "--listen", listen])
+            .arg("--dir")
+            .arg(&run)
+            .arg("--etcd-bin")
+            .arg(&etcd_dir)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(64), "{listen}: {stderr}");
+        assert!(
+            stderr.contains(&format!("--listen {listen}")) && stderr.contains("loopback only"),
+            "{listen}: {stderr}"
+        );
+        assert!(!run.exists(), "{listen}: nothing is started");
+    }
+}

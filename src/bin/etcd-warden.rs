@@ -102,8 +102,9 @@ enum Command {
         /// Also restore the newest chain and check it in a running etcd (a restore drill).
         #[arg(long)]
         restore: bool,
-        /// With --restore: where the scratch data directory goes (about twice the database);
-        /// default the system's temporary directory.
+        /// With --restore: where the scratch directory goes (about twice the database), a new
+        /// private one inside it; default restore.work_dir, else data_dir's parent, else the
+        /// system's temporary directory.
         #[arg(long, value_name = "DIR", requires = "restore")]
         work_dir: Option<PathBuf>,
         /// With --restore: directory of etcd and etcdutl/etcdctl (restore.etcd_bin).
@@ -118,8 +119,9 @@ enum Command {
     Compact {
         #[command(flatten)]
         store: StoreArg,
-        /// Where the temporary data directory goes (needs about twice the database's size);
-        /// default the system's temporary directory.
+        /// Where the work directory goes (about twice the database), a new private one inside
+        /// it; default restore.work_dir, else data_dir's parent, else the system's temporary
+        /// directory.
         #[arg(long, value_name = "DIR")]
         work_dir: Option<PathBuf>,
         /// Directory of etcd and etcdutl/etcdctl (restore.etcd_bin); default PATH.
@@ -677,15 +679,14 @@ fn execute(config: Config, command: Command) -> anyhow::Result<()> {
                     }
                     // The drill runs even when a snapshot elsewhere in the store failed: it
                     // says whether the newest chain restores.
-                    let drilled =
-                        ops::drill(&config, work_dir.unwrap_or_else(std::env::temp_dir)).await;
+                    let drilled = ops::drill(&config, config.restore.work_dir(work_dir)).await;
                     checked.and(drilled)
                 }
                 Command::Reclaim { .. } => ops::reclaim(&config).await,
                 Command::Copy(_) => ops::copy(&config).await,
                 Command::Restore { restore, .. } => ops::restore(&config, restore.target()).await,
                 Command::Compact { work_dir, .. } => {
-                    ops::compact(&config, work_dir.unwrap_or_else(std::env::temp_dir)).await
+                    ops::compact(&config, config.restore.work_dir(work_dir)).await
                 }
                 Command::Initialize => ops::initialize(&config).await,
                 Command::QuorumRestore(args) => ops::quorum_restore(&config, &args).await,

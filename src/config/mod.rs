@@ -205,6 +205,8 @@ pub struct StoreConfig {
     pub azure_identity: Option<AzureWorkloadIdentity>,
     /// S3 Object Lock: every new snapshot is retained this long in this mode.
     pub object_lock: Option<ObjectLockRetention>,
+    /// `file://`: the store's directories 0700 and its files 0600 (`store.private`).
+    pub private: bool,
 }
 
 /// The retention S3 Object Lock puts on each new snapshot (`store.object_lock_retention`,
@@ -304,6 +306,7 @@ impl StoreConfig {
             sse: None,
             azure_identity: None,
             object_lock: None,
+            private: true,
         }
     }
 }
@@ -507,6 +510,9 @@ pub struct RestoreConfig {
     pub fallback: bool,
     /// Written next to the data directory; a different value there refuses to restore.
     pub guard: Option<String>,
+    /// Where `verify --restore` and `compact` create their private scratch directory when
+    /// `--work-dir` is not given (`restore.work_dir`); see [`RestoreConfig::work_dir`].
+    pub work_dir: Option<PathBuf>,
     /// `initialize` in a multi-member cluster: the running cluster a lost member rejoins as a
     /// learner instead of being restored from the store (`restore.cluster_endpoints`, with
     /// `[etcd]`'s TLS, credentials and timeouts); `None`: off.
@@ -518,6 +524,23 @@ pub struct RestoreConfig {
     pub bump_revision: u64,
     /// The bumped revision is marked compacted (`--mark-compacted`; needs a bump).
     pub mark_compacted: bool,
+}
+
+impl RestoreConfig {
+    /// Where a tool's scratch directory goes (the tool creates a new private directory inside
+    /// it): `flag` (`--work-dir`), else `restore.work_dir`, else the data directory's parent,
+    /// else the system's temporary directory (`$TMPDIR`, `/tmp`) as the last resort.
+    pub fn work_dir(&self, flag: Option<PathBuf>) -> PathBuf {
+        flag.or_else(|| self.work_dir.clone())
+            .or_else(|| {
+                self.data_dir
+                    .as_deref()
+                    .and_then(std::path::Path::parent)
+                    .filter(|p| !p.as_os_str().is_empty())
+                    .map(std::path::Path::to_path_buf)
+            })
+            .unwrap_or_else(std::env::temp_dir)
+    }
 }
 
 /// Log output.
@@ -566,5 +589,55 @@ impl Config {
         let raw = merged.raw()?;
         let config = validate::validate(&raw, &merged, purpose)?;
         Ok((config, raw))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn load(env: &[(&str, &str)]) -> Config {
+        let env: HashMap<String, String> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let sources = Sources {
+            file: None,
+            env: &env,
+            overrides: vec![],
+        };
+        Config::load(&sources).unwrap().0
+    }
+
+    /// `--work-dir`, else `restore.work_dir`, else beside the data directory, else `$TMPDIR`.
+    #[test]
+    fn a_tools_scratch_space_is_beside_the_data_not_in_tmp_when_it_can_be() {
+        let bare = load(&[]);
+        assert_eq!(bare.restore.work_dir(None), std::env::temp_dir());
+        let with_data = load(&[("ETCD_WARDEN_RESTORE_DATA_DIR", "/var/lib/etcd/data")]);
+        assert_eq!(
+            with_data.restore.work_dir(None),
+            PathBuf::from("/var/lib/etcd")
+        );
+        let both = load(&[
+            ("ETCD_WARDEN_RESTORE_DATA_DIR", "/var/lib/etcd/data"),
+            ("ETCD_WARDEN_RESTORE_WORK_DIR", "/srv/scratch"),
+        ]);
+        assert_eq!(both.restore.work_dir(None), PathBuf::from("/srv/scratch"));
+        assert_eq!(
+            both.restore.work_dir(Some("/flag".into())),
+            PathBuf::from("/flag")
+        );
+    }
+
+    #[test]
+    fn file_stores_are_private_unless_turned_off() {
+        assert!(load(&[]).store.private);
+        assert!(
+            !load(&[("ETCD_WARDEN_STORE_PRIVATE", "false")])
+                .store
+                .private
+        );
     }
 }

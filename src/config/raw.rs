@@ -117,6 +117,9 @@ pub struct RawStore {
     pub account_key_file: Option<String>,
     #[serde(default, deserialize_with = "lenient::boolean")]
     pub use_emulator: bool,
+    /// `file://`: directories 0700, files 0600; on unless set false.
+    #[serde(default = "defaults::private", deserialize_with = "lenient::boolean")]
+    pub private: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub role_arn: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -280,6 +283,8 @@ pub struct RawRestore {
     pub fallback: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guard: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub work_dir: Option<String>,
     #[serde(default, deserialize_with = "lenient::list")]
     pub cluster_endpoints: Vec<String>,
     pub rejoin_timeout: String,
@@ -303,6 +308,9 @@ pub struct RawEncryption {
 /// Defaults of keys inside an optional section (the section's absence means "off").
 mod defaults {
     pub fn path_style() -> bool {
+        true
+    }
+    pub fn private() -> bool {
         true
     }
     pub fn druid_etcd_config() -> String {

@@ -287,6 +287,11 @@ impl Validator<'_> {
             validation,
             fallback: r.fallback,
             guard: r.guard.clone().filter(|g| !g.is_empty()),
+            work_dir: r
+                .work_dir
+                .as_deref()
+                .filter(|d| !d.trim().is_empty())
+                .map(PathBuf::from),
             cluster: self.rejoin_cluster(r, etcd)?,
             rejoin_timeout: self.positive_duration("restore.rejoin_timeout", &r.rejoin_timeout)?,
             bump_revision: self.bump_revision(r)?,
@@ -526,6 +531,7 @@ impl Validator<'_> {
             account_name: s.account_name.clone(),
             account_key: self.secret(&key("account_key"), &s.account_key, &s.account_key_file)?,
             use_emulator: s.use_emulator,
+            private: s.private,
             web_identity,
             ca_file,
             sse,

@@ -640,10 +640,8 @@ impl MemberSpec {
         let mut cmd = self.command(bins);
         match &self.log {
             Some(path) => {
-                let file = std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(path)
+                // 0600, never through a symlink: the log sits in a scratch directory.
+                let file = crate::scratch::append_private_file(path)
                     .map_err(io_error(format!("opening {}", path.display())))?;
                 let err = file
                     .try_clone()

@@ -65,6 +65,14 @@ pub enum LocalError {
     /// Running etcd failed.
     #[error("etcd: {0}")]
     Etcd(ProcessError),
+    /// The API was asked to listen beyond loopback.
+    #[error(
+        "--listen {0}: the local API changes the cluster without authentication (PUT \
+         /controlplaneset, POST /machines, POST /machines/{{name}}/replace, DELETE \
+         /machines/{{name}}, DELETE /machines/{{name}}/hook), so it listens on loopback only; use \
+         127.0.0.1 or [::1]"
+    )]
+    NotLoopback(SocketAddr),
 }
 
 impl LocalError {
@@ -683,11 +691,13 @@ pub struct LocalStatus {
     pub machines: Vec<MachineInfo>,
 }
 
-/// The local HTTP API.
+/// The local HTTP API. It has no authentication and changes the cluster, so [`run_local`]
+/// serves it on loopback only.
 ///
 /// - `GET /status`, `GET /metrics`
 /// - `POST /machines` (create), `POST /machines/{name}/replace` (create new, delete old)
 /// - `DELETE /machines/{name}` (mark for deletion), `DELETE /machines/{name}/hook` (escape hatch)
+/// - `GET /controlplaneset`, `PUT /controlplaneset` (its template and failure domains)
 pub fn router(state: ApiState) -> Router {
     Router::new()
         .route("/status", get(status))
@@ -816,7 +826,8 @@ async fn remove_hook(
 }
 
 /// Runs `etcd-warden-operator local`: the cluster, the machine API, the operator and the HTTP
-/// API on `listen`, until `cancel`. `on_listening` gets the bound address.
+/// API on `listen`, until `cancel`. `on_listening` gets the bound address. A `listen` beyond
+/// loopback is refused before anything starts ([`LocalError::NotLoopback`]).
 pub async fn run_local(
     opts: LocalOptions,
     listen: SocketAddr,
@@ -824,6 +835,9 @@ pub async fn run_local(
     cancel: CancellationToken,
     on_listening: impl FnOnce(SocketAddr),
 ) -> Result<(), LocalError> {
+    if !listen.ip().to_canonical().is_loopback() {
+        return Err(LocalError::NotLoopback(listen));
+    }
     let mut spec = Spec::new(opts.members)?;
     let set_options = opts.set.clone();
     if let Some(set) = &set_options {

@@ -30,6 +30,7 @@ use std::sync::atomic::AtomicU64;
 use super::bolt::Reader;
 use super::direct::{self, DecodedKv};
 use super::{EtcdTools, RestoreError, RestoreOptions, TempEtcd};
+use crate::scratch::ScratchDir;
 use crate::snapshot::delta::{self, EventType};
 use crate::store::{Snapshot, SnapshotStore, StoreError, layout};
 
@@ -59,7 +60,8 @@ pub enum DrillError {
 /// Where and how a drill runs.
 #[derive(Debug, Clone)]
 pub struct DrillOptions {
-    /// A scratch directory; the drill works in a new subdirectory and removes it.
+    /// Where the drill's scratch directory goes: it works in a new private subdirectory
+    /// (0700, an unpredictable name that must not exist yet) and removes it.
     pub work_dir: PathBuf,
     /// Where etcd's binaries are; `None` means `PATH`.
     pub etcd_bin: Option<PathBuf>,
@@ -181,18 +183,16 @@ pub async fn write_record(store: &SnapshotStore, record: &DrillRecord) -> Result
 /// it against what the chain implies. The scratch directory is removed whatever the outcome.
 #[tracing::instrument(name = "restore_drill", skip_all, fields(store = %store.prefix()))]
 pub async fn drill(store: &SnapshotStore, opts: &DrillOptions) -> Result<DrillReport, DrillError> {
-    let scratch = opts
-        .work_dir
-        .join(format!("etcd-warden-drill-{}", std::process::id()));
-    std::fs::create_dir_all(&scratch).map_err(|cause| DrillError::Io {
-        path: scratch.display().to_string(),
-        cause,
+    // The restored database is plaintext even from an encrypted store: the scratch directory
+    // is new, private and unpredictable ([`ScratchDir`]), and removed on every way out.
+    let scratch = ScratchDir::new_in(&opts.work_dir, "etcd-warden-drill-").map_err(|cause| {
+        DrillError::Io {
+            path: opts.work_dir.display().to_string(),
+            cause,
+        }
     })?;
-    let result = drill_in(store, opts, &scratch).await;
-    if let Err(cause) = std::fs::remove_dir_all(&scratch) {
-        tracing::warn!(path = %scratch.display(), %cause, "removing the drill's scratch directory failed");
-    }
-    result
+    tracing::info!(scratch = %scratch.path().display(), "drill: scratch directory created");
+    drill_in(store, opts, scratch.path()).await
 }
 
 async fn drill_in(

@@ -25,7 +25,7 @@
 
 use std::fmt::Write as _;
 use std::io::Write as _;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 use sha1::{Digest, Sha1};
@@ -468,8 +468,9 @@ pub fn snap_name(cluster: &Cluster) -> String {
     format!("{:016x}-{:016x}.snap", 1, cluster.index())
 }
 
-/// Creates `data_dir/member/{wal,snap}` and writes the WAL and `.snap` file into them (the
-/// database goes to [`db_path`]). Nothing is synced: the restore syncs the tree once.
+/// Creates `data_dir` (which must not exist) and `data_dir/member/{wal,snap}`, each 0700, and
+/// writes the WAL and `.snap` file into them (the database goes to [`db_path`]). Nothing is
+/// synced: the restore syncs the tree once.
 pub fn write(data_dir: &Path, cluster: &Cluster, release: Release) -> Result<(), MemberDirError> {
     let io = |path: &Path| {
         let path = path.display().to_string();
@@ -477,12 +478,10 @@ pub fn write(data_dir: &Path, cluster: &Cluster, release: Release) -> Result<(),
     };
     let wal_dir = data_dir.join("member/wal");
     let snap_dir = data_dir.join("member/snap");
+    // The directory itself is created here, fresh and private (as etcd creates its own): one
+    // that appeared since the restore removed its leftovers is not ours to fill.
     for dir in [data_dir, &data_dir.join("member"), &wal_dir, &snap_dir] {
-        std::fs::DirBuilder::new()
-            .mode(0o700)
-            .recursive(true)
-            .create(dir)
-            .map_err(io(dir))?;
+        crate::scratch::create_private_dir(dir).map_err(io(dir))?;
     }
     let wal = wal_dir.join("0000000000000000-0000000000000000.wal");
     let mut f = std::fs::OpenOptions::new()

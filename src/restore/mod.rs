@@ -40,6 +40,7 @@ use futures::StreamExt;
 use tracing::Instrument as _;
 
 use crate::etcd::process::ProcessError;
+use crate::scratch::ScratchDir;
 use crate::snapshot::delta::{self, DeltaError, EventType};
 use crate::snapshot::full::verify_sha256;
 use crate::store::{ByteStream, Snapshot, SnapshotStore, StoreError, layout};
@@ -514,21 +515,24 @@ async fn restore_chain(
     };
 
     let part = sibling(target, ".part");
-    let work = sibling(target, ".restore-work");
+    let work_path = sibling(target, ".restore-work");
     if let Some(parent) = target.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(parent)
+        crate::scratch::create_private_dirs(parent)
             .map_err(|e| RestoreError::io(parent, e))
             .step("creating the parent directory")?;
     }
-    // Leftovers of an interrupted restore are ours to discard.
+    // Leftovers of an interrupted restore are ours to discard. The work directory (it holds
+    // the fetched snapshot, decrypted) is then created fresh and private: a directory or link
+    // that appears at its name in between is refused, never used. `part` is created as
+    // freshly by whatever writes it (here, or etcd's tool, which creates it 0700).
     remove_if_exists(&part).step("removing an earlier partial restore")?;
-    remove_if_exists(&work).step("removing an earlier partial restore")?;
-    std::fs::create_dir_all(&work)
-        .map_err(|e| RestoreError::io(&work, e))
+    remove_if_exists(&work_path).step("removing an earlier partial restore")?;
+    let work = ScratchDir::create(&work_path)
+        .map_err(|e| RestoreError::io(&work_path, e))
         .step("creating the work directory")?;
 
-    let built = build(store, tools, opts, full, deltas, &part, &work).await;
-    let _ = std::fs::remove_dir_all(&work);
+    let built = build(store, tools, opts, full, deltas, &part, work.path()).await;
+    drop(work);
     // Every path of `build` ends here: the temporary etcd may have run without fsync, so the
     // result is synced once, then moved into place. A failure removes `part` and nothing else.
     let installed = async {
@@ -1101,7 +1105,9 @@ async fn write_verified(
     let handle = tokio::runtime::Handle::current();
     tokio::task::spawn_blocking(move || {
         use std::io::Write as _;
-        let mut file = std::fs::File::create(&path).map_err(|e| RestoreError::io(&path, e))?;
+        // Decrypted data, in a private directory; a name taken already is refused.
+        let mut file =
+            crate::scratch::create_private_file(&path).map_err(|e| RestoreError::io(&path, e))?;
         let mut write_back = match kept {
             true => {
                 Some(write_back::WriteBack::start(&file).map_err(|e| RestoreError::io(&path, e))?)

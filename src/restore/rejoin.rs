@@ -1228,6 +1228,7 @@ mod tests {
             validation: crate::config::Validation::Sanity,
             fallback: true,
             guard: None,
+            work_dir: None,
             cluster: cluster.then(|| EtcdConfig {
                 endpoints: vec!["http://10.0.0.1:2379".into()],
                 tls: None,

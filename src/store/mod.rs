@@ -9,6 +9,7 @@ pub mod encryption;
 pub mod gc;
 pub mod layout;
 pub mod object_lock;
+pub mod private;
 pub mod reload;
 pub mod single_put;
 
@@ -147,17 +148,24 @@ fn backend(
 ) -> Result<Arc<dyn ObjectStore>, BuildError> {
     Ok(match &config.location {
         StoreLocation::File { root } => {
-            std::fs::create_dir_all(root).map_err(|source| BuildError::CreateDir {
+            let mut dirs = std::fs::DirBuilder::new();
+            dirs.recursive(true);
+            if config.private {
+                // Created private; an existing root is made private at the first write.
+                std::os::unix::fs::DirBuilderExt::mode(&mut dirs, private::DIR_MODE);
+            }
+            dirs.create(root).map_err(|source| BuildError::CreateDir {
                 path: root.clone(),
                 source,
             })?;
+            let files: Arc<dyn ObjectStore> = match config.private {
+                true => Arc::new(private::PrivateFiles::new(root)?),
+                false => Arc::new(LocalFileSystem::new_with_prefix(root)?),
+            };
             // object_store streams a local file in 8 KiB reads, each on its own blocking task:
             // a restore of a large snapshot spent more time handing those over than inflating
             // them. Reads of 1 MiB keep the stream's memory small and the hand-overs few.
-            Arc::new(ChunkedStore::new(
-                Arc::new(LocalFileSystem::new_with_prefix(root)?),
-                LOCAL_READ_CHUNK,
-            ))
+            Arc::new(ChunkedStore::new(files, LOCAL_READ_CHUNK))
         }
         StoreLocation::Memory { .. } => Arc::new(InMemory::new()),
         StoreLocation::S3 { bucket, .. } => {

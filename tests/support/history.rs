@@ -101,6 +101,7 @@ pub fn initialize_config(
         validation,
         fallback: true,
         guard: None,
+        work_dir: None,
         cluster: None,
         rejoin_timeout: std::time::Duration::from_secs(60),
         bump_revision: 0,

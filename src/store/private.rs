@@ -1,0 +1,251 @@
+//! `file://` stores readable by their owner alone (`store.private`, on by default): a snapshot
+//! is the whole keyspace, so nobody else on the host may read it.
+//!
+//! [`PrivateFiles`] wraps object_store's `LocalFileSystem`. Before every write it makes the
+//! store's root directory 0700 and creates the object's missing parent directories 0700
+//! (tightening any existing one under the root); after the write it sets the object's file to
+//! 0600. object_store stages each write in a file created with the process umask (usually 0644)
+//! and renames it into place, and this wrapper cannot reach that file before the rename. That
+//! is safe because the root is 0700 before the write begins: another user cannot traverse into
+//! the store, so a file briefly 0644 inside it is unreachable. The process umask is never
+//! changed: it belongs to the whole process, not to a library.
+
+use std::fmt;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path as FsPath, PathBuf};
+
+use async_trait::async_trait;
+use futures::stream::BoxStream;
+use object_store::local::LocalFileSystem;
+use object_store::path::Path;
+use object_store::{
+    CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
+    PutMultipartOptions, PutOptions, PutPayload, PutResult, RenameOptions, Result, UploadPart,
+};
+
+/// Mode of the store's directories.
+pub const DIR_MODE: u32 = 0o700;
+/// Mode of every object's file.
+pub const FILE_MODE: u32 = 0o600;
+
+/// A local file store whose directories are 0700 and files 0600.
+#[derive(Debug)]
+pub struct PrivateFiles {
+    inner: LocalFileSystem,
+    root: PathBuf,
+}
+
+impl PrivateFiles {
+    /// The store rooted at `root` (which exists).
+    pub fn new(root: &FsPath) -> Result<PrivateFiles> {
+        let inner = LocalFileSystem::new_with_prefix(root)?;
+        // The object paths `LocalFileSystem` gives are under its canonical root.
+        let root = inner
+            .path_to_filesystem(&Path::from(""))
+            .unwrap_or_else(|_| root.to_path_buf());
+        Ok(PrivateFiles { inner, root })
+    }
+
+    /// Makes the root and the directories down to `location` private, creating the missing
+    /// ones 0700; returns `location`'s file. Run before each write: a root made readable again
+    /// since the last one is tightened, or the write fails (never written where others read).
+    fn prepare(&self, location: &Path) -> Result<PathBuf> {
+        let file = self.inner.path_to_filesystem(location)?;
+        tighten(&self.root).map_err(|e| self.error(&self.root, "making private", e))?;
+        if let Some(parent) = file.parent() {
+            std::os::unix::fs::DirBuilderExt::mode(
+                std::fs::DirBuilder::new().recursive(true),
+                DIR_MODE,
+            )
+            .create(parent)
+            .map_err(|e| self.error(parent, "creating", e))?;
+            // Directories left by an earlier release (or with store.private off) are tightened.
+            for dir in parent.ancestors().take_while(|d| *d != self.root) {
+                if !dir.starts_with(&self.root) {
+                    break;
+                }
+                tighten(dir).map_err(|e| self.error(dir, "making private", e))?;
+            }
+        }
+        Ok(file)
+    }
+
+    /// Sets the written object's file to 0600.
+    fn seal(&self, file: &FsPath) -> Result<()> {
+        set_mode(file, FILE_MODE).map_err(|e| self.error(file, "making private", e))
+    }
+
+    fn error(&self, path: &FsPath, what: &str, e: std::io::Error) -> object_store::Error {
+        object_store::Error::Generic {
+            store: "file (store.private)",
+            source: format!("{what} {}: {e}", path.display()).into(),
+        }
+    }
+}
+
+/// Sets `dir` to 0700 unless it already is.
+fn tighten(dir: &FsPath) -> std::io::Result<()> {
+    let mode = std::fs::metadata(dir)?.permissions().mode() & 0o7777;
+    if mode != DIR_MODE {
+        set_mode(dir, DIR_MODE)?;
+    }
+    Ok(())
+}
+
+fn set_mode(path: &FsPath, mode: u32) -> std::io::Result<()> {
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+}
+
+impl fmt::Display for PrivateFiles {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Private({})", self.inner)
+    }
+}
+
+#[async_trait]
+impl ObjectStore for PrivateFiles {
+    async fn put_opts(
+        &self,
+        location: &Path,
+        payload: PutPayload,
+        opts: PutOptions,
+    ) -> Result<PutResult> {
+        let file = self.prepare(location)?;
+        let put = self.inner.put_opts(location, payload, opts).await?;
+        self.seal(&file)?;
+        Ok(put)
+    }
+
+    async fn put_multipart_opts(
+        &self,
+        location: &Path,
+        opts: PutMultipartOptions,
+    ) -> Result<Box<dyn MultipartUpload>> {
+        let file = self.prepare(location)?;
+        let inner = self.inner.put_multipart_opts(location, opts).await?;
+        Ok(Box::new(PrivateUpload {
+            inner,
+            file,
+            root: self.root.clone(),
+        }))
+    }
+
+    async fn get_opts(&self, location: &Path, options: GetOptions) -> Result<GetResult> {
+        self.inner.get_opts(location, options).await
+    }
+
+    async fn get_ranges(
+        &self,
+        location: &Path,
+        ranges: &[std::ops::Range<u64>],
+    ) -> Result<Vec<bytes::Bytes>> {
+        self.inner.get_ranges(location, ranges).await
+    }
+
+    fn delete_stream(
+        &self,
+        locations: BoxStream<'static, Result<Path>>,
+    ) -> BoxStream<'static, Result<Path>> {
+        self.inner.delete_stream(locations)
+    }
+
+    fn list(&self, prefix: Option<&Path>) -> BoxStream<'static, Result<ObjectMeta>> {
+        self.inner.list(prefix)
+    }
+
+    fn list_with_offset(
+        &self,
+        prefix: Option<&Path>,
+        offset: &Path,
+    ) -> BoxStream<'static, Result<ObjectMeta>> {
+        self.inner.list_with_offset(prefix, offset)
+    }
+
+    async fn list_with_delimiter(&self, prefix: Option<&Path>) -> Result<ListResult> {
+        self.inner.list_with_delimiter(prefix).await
+    }
+
+    async fn copy_opts(&self, from: &Path, to: &Path, options: CopyOptions) -> Result<()> {
+        let file = self.prepare(to)?;
+        self.inner.copy_opts(from, to, options).await?;
+        self.seal(&file)
+    }
+
+    async fn rename_opts(&self, from: &Path, to: &Path, options: RenameOptions) -> Result<()> {
+        let file = self.prepare(to)?;
+        self.inner.rename_opts(from, to, options).await?;
+        self.seal(&file)
+    }
+}
+
+/// A multipart write whose file is made 0600 once it is complete.
+#[derive(Debug)]
+struct PrivateUpload {
+    inner: Box<dyn MultipartUpload>,
+    file: PathBuf,
+    root: PathBuf,
+}
+
+#[async_trait]
+impl MultipartUpload for PrivateUpload {
+    fn put_part(&mut self, data: PutPayload) -> UploadPart {
+        self.inner.put_part(data)
+    }
+
+    async fn complete(&mut self) -> Result<PutResult> {
+        let put = self.inner.complete().await?;
+        set_mode(&self.file, FILE_MODE).map_err(|e| object_store::Error::Generic {
+            store: "file (store.private)",
+            source: format!(
+                "making private {} (store {}): {e}",
+                self.file.display(),
+                self.root.display()
+            )
+            .into(),
+        })?;
+        Ok(put)
+    }
+
+    async fn abort(&mut self) -> Result<()> {
+        self.inner.abort().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::{StoreConfig, StoreLocation};
+    use object_store::ObjectStoreExt as _;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn mode(path: &std::path::Path) -> u32 {
+        std::fs::metadata(path).unwrap().permissions().mode() & 0o7777
+    }
+
+    /// `store.private = false` leaves the store as the umask and its owner make it.
+    #[tokio::test]
+    async fn off_leaves_the_modes_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("shared");
+        std::fs::create_dir(&root).unwrap();
+        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let url = format!("file://{}", root.display());
+        let config = StoreConfig {
+            private: false,
+            ..StoreConfig::at(StoreLocation::parse(&url).unwrap())
+        };
+        let store = crate::store::build(&config).unwrap();
+        let path = object_store::path::Path::from("v2/x");
+        store.put(&path, b"x".to_vec().into()).await.unwrap();
+        assert_eq!(mode(&root), 0o755);
+        let on = crate::store::build(&StoreConfig::at(StoreLocation::parse(&url).unwrap()));
+        on.unwrap().put(&path, b"y".to_vec().into()).await.unwrap();
+        assert_eq!(
+            (
+                mode(&root),
+                mode(&root.join("v2")),
+                mode(&root.join("v2/x"))
+            ),
+            (0o700, 0o700, 0o600)
+        );
+    }
+}
