@@ -1239,6 +1239,7 @@ mod tests {
             rejoin_timeout: Duration::from_secs(60),
             bump_revision: 0,
             mark_compacted: false,
+            read_limits: Default::default(),
         }
     }
 
