@@ -1068,19 +1068,17 @@ impl SnapshotStore {
         let (limit, why, key) = match snapshot.kind {
             Kind::Incr => (
                 limits.max_delta_size,
-                "the most a delta may".to_string(),
+                "the most any delta may".to_string(),
                 "restore.max_delta_size",
             ),
             Kind::Full => {
                 let limit = limits.full_bound(stored);
+                let ratio = limits.max_inflation_ratio;
                 let why = match limit > limits.min_full_bound {
-                    true => format!(
-                        "{} times the {stored} bytes the store holds",
-                        limits.max_inflation_ratio
-                    ),
+                    true => format!("{ratio} times the {stored} bytes stored"),
                     false => format!(
-                        "the {} bytes any full snapshot may, at {} times its {stored} stored bytes",
-                        limits.min_full_bound, limits.max_inflation_ratio
+                        "the floor of every full snapshot; {ratio} times the {stored} bytes \
+                         stored is less"
                     ),
                 };
                 (limit, why, "restore.max_inflation_ratio")
