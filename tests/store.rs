@@ -512,6 +512,11 @@ async fn names_that_are_no_object_keys_stop_neither_listing_nor_verify_nor_reten
     )
     .unwrap();
 
+    // The hand-off's directory too (`ls` and `verify` read it for the final snapshot).
+    let fence = dir.path().join("etcd-warden/fence");
+    std::fs::create_dir_all(&fence).unwrap();
+    std::fs::write(fence.join(std::ffi::OsStr::from_bytes(b"\xfe.json")), b"{}").unwrap();
+
     let listing = store.listing().await.unwrap();
     assert_eq!(listing.snapshots(), fulls);
     let mut names = listing.unrecognised_names();

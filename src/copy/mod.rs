@@ -750,6 +750,43 @@ mod tests {
         assert!(!e.to_string().is_empty());
     }
 
+    /// The copy's check stops decoding at the source's bound: a decompression bomb fails as
+    /// an oversized snapshot, and its last chunk never reaches the destination.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_check_of_a_copy_stops_at_the_decode_bound() {
+        let zeros = vec![0u8; 8 << 20];
+        let bomb = collect(
+            Codec::Gzip
+                .encode(
+                    chunked(&zeros, 1 << 20),
+                    2,
+                    crate::store::compression::Level::FAST,
+                )
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+        let source = SnapshotStore::new(
+            std::sync::Arc::new(object_store::memory::InMemory::new()),
+            "s",
+        )
+        .with_read_limits(crate::store::ReadLimits {
+            max_delta_size: 1 << 20,
+            max_inflation_ratio: 10,
+            min_full_bound: 1 << 20,
+        });
+        for kind in [crate::store::Kind::Full, crate::store::Kind::Incr] {
+            let snapshot = source.new_snapshot(kind, 1, 2, Codec::Gzip, false);
+            let bound = source.bound_of(&snapshot, bomb.len() as u64);
+            assert_eq!(bound.limit, 1 << 20, "{kind:?}");
+            let e = collect(verified_within(chunked(&bomb, 4096), Codec::Gzip, bound))
+                .await
+                .unwrap_err();
+            let oversized = Oversized::of(&e).unwrap_or_else(|| panic!("{kind:?}: {e}"));
+            assert_eq!(oversized.snapshot, snapshot.snap_name);
+        }
+    }
+
     fn store_config(url: &str, endpoint: Option<&str>) -> StoreConfig {
         StoreConfig {
             endpoint: endpoint.map(String::from),

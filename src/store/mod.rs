@@ -943,6 +943,37 @@ impl SnapshotStore {
         Ok(out)
     }
 
+    /// The keys of every object under `dir`. A file in a `file://` store whose name is no
+    /// object key is logged and left out: nothing etcd-warden writes is named so, and it must
+    /// not stop the listing of what is.
+    pub async fn keys_under(&self, dir: &Path) -> Result<Vec<Path>, StoreError> {
+        let mut keys = Vec::new();
+        for entry in self.objects_under(&format!("{dir}/")).await? {
+            match entry {
+                local::Entry::Object { key, .. } => keys.push(Path::from(key)),
+                local::Entry::Unnamed { key, reason, .. } => {
+                    tracing::warn!(key, reason, "not an object of this store, ignored");
+                }
+            }
+        }
+        Ok(keys)
+    }
+
+    /// Whether any object is under `dir`, as [`SnapshotStore::keys_under`] lists them; from a
+    /// cloud store the first object of the listing answers, the rest is not read.
+    pub async fn any_under(&self, dir: &Path) -> Result<bool, StoreError> {
+        if self.local_root.is_some() {
+            return Ok(!self.keys_under(dir).await?.is_empty());
+        }
+        Ok(self
+            .store
+            .list(Some(dir))
+            .next()
+            .await
+            .transpose()?
+            .is_some())
+    }
+
     /// The latest full snapshot and every later delta.
     pub async fn latest_chain(&self) -> Result<Chain, StoreError> {
         Ok(layout::latest_chain(&self.list().await?))
