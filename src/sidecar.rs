@@ -307,7 +307,8 @@ fn ended(result: Result<(), tokio::task::JoinError>) -> String {
 pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), SidecarError> {
     let store = SnapshotStore::from_config(&config.store)?
         .with_encryption(config.encryption.clone())
-        .with_compression_level(config.snapshot.compression_level);
+        .with_compression_level(config.snapshot.compression_level)
+        .with_read_limits(config.restore.read_limits);
     let metrics = SidecarMetrics::for_config(&config);
     // Before anything talks to etcd: it may be waiting for its data directory. A lost member
     // of a running multi-member cluster rejoins it (restore::rejoin); otherwise the store.
@@ -429,7 +430,8 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
                 retention,
                 metrics.secondary.clone().unwrap_or_default(),
             )
-            .map_err(|e| SidecarError::Secondary(e.to_string()))?;
+            .map_err(|e| SidecarError::Secondary(e.to_string()))?
+            .with_read_limits(config.restore.read_limits);
             let token = tasks.child_token();
             Some(tokio::spawn(async move { sync.run(token).await }))
         }

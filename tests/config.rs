@@ -1057,3 +1057,50 @@ fn a_private_key_pasted_into_the_encryption_keys_is_never_echoed() {
     let all = support::cli::printed(&out);
     assert!(!all.contains(tail), "{all}");
 }
+
+/// `restore.max_delta_size` follows `snapshot.delta_memory_limit` unless set; both read bounds
+/// are refused when they could hold nothing, naming the key.
+#[test]
+fn read_limits_default_from_the_delta_memory_limit_and_are_validated() {
+    use etcd_warden::config::ReadLimits;
+    let c = load(None, &[], &[]).unwrap();
+    assert_eq!(c.restore.read_limits, ReadLimits::default());
+    assert_eq!(c.restore.read_limits.max_delta_size, (4 * 100 + 64) << 20);
+    assert_eq!(c.restore.read_limits.max_inflation_ratio, 250);
+    let c = load(
+        None,
+        &[("ETCD_WARDEN_SNAPSHOT_DELTA_MEMORY_LIMIT", "1GiB")],
+        &[],
+    )
+    .unwrap();
+    assert_eq!(c.restore.read_limits.max_delta_size, (4 << 30) + (64 << 20));
+    let c = load(
+        None,
+        &[
+            ("ETCD_WARDEN_RESTORE_MAX_DELTA_SIZE", "3MiB"),
+            ("ETCD_WARDEN_RESTORE_MAX_INFLATION_RATIO", "40"),
+        ],
+        &[],
+    )
+    .unwrap();
+    assert_eq!(
+        (
+            c.restore.read_limits.max_delta_size,
+            c.restore.read_limits.max_inflation_ratio
+        ),
+        (3 << 20, 40)
+    );
+    for (var, key) in [
+        (
+            "ETCD_WARDEN_RESTORE_MAX_DELTA_SIZE",
+            "restore.max_delta_size",
+        ),
+        (
+            "ETCD_WARDEN_RESTORE_MAX_INFLATION_RATIO",
+            "restore.max_inflation_ratio",
+        ),
+    ] {
+        let e = env_error(&[(var, "0")]);
+        assert_eq!(e.key, key, "{e}");
+    }
+}

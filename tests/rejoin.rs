@@ -82,6 +82,7 @@ fn restore_config(etcd: &EtcdCluster, i: usize, timeout: Duration) -> RestoreCon
         rejoin_timeout: timeout,
         bump_revision: 0,
         mark_compacted: false,
+        read_limits: Default::default(),
     }
 }
 

@@ -933,3 +933,160 @@ async fn a_gap_in_the_chain_fails_the_restore_before_anything_is_fetched() {
         .collect();
     assert_eq!(left, ["store"], "nothing written beside the target");
 }
+
+/// gzip of `len` zeros: a small object that decompresses far beyond its size.
+fn gzip_zeros(len: usize) -> Bytes {
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+    let block = vec![0u8; 1 << 20];
+    for _ in 0..len / block.len() {
+        gz.write_all(&block).unwrap();
+    }
+    Bytes::from(gz.finish().unwrap())
+}
+
+/// Decompression bombs beside a real chain (the review's `Incr-…gz` of 10 MB inflating to
+/// 10 GiB aborted restore and `initialize`): each is read only up to its bound and fails as a
+/// named error giving the bound and the key that sets it. A full snapshot beyond its bound is
+/// skipped for the previous one as a corrupt one is; a delta beyond it fails the restore (and
+/// `initialize`) as a corrupt delta does, leaving nothing behind; `verify` names it and goes
+/// on. The store also holds two files whose names are no object keys, which stop nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decompression_bombs_fail_by_name_and_restore_falls_back_past_a_full_one() {
+    use etcd_warden::config::{StoreConfig, Validation};
+    use etcd_warden::restore::initialize::initialize;
+    use etcd_warden::snapshot::verify::verify;
+    use etcd_warden::store::{ReadLimits, Snapshot, StoreLocation};
+    use std::os::unix::ffi::OsStrExt;
+
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut client = etcd.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let store_dir = dir.path().join("store");
+    let url = format!("file://{}", store_dir.display());
+    // Small bounds, so the bombs stay small: the real full snapshot decodes to ~2 MiB (under
+    // the 8 MiB floor), the real delta to ~1.2 MiB.
+    let limits = ReadLimits {
+        max_delta_size: 3 << 20,
+        max_inflation_ratio: 10,
+        min_full_bound: 8 << 20,
+    };
+    let store = SnapshotStore::from_config(&StoreConfig::at(StoreLocation::parse(&url).unwrap()))
+        .unwrap()
+        .with_read_limits(limits);
+    let last = build_store(&mut client, &store, 1).await;
+    let real = store.list().await.unwrap();
+    let v2 = store_dir.join("v2");
+    std::fs::write(v2.join(std::ffi::OsStr::from_bytes(b"Incr-\xfe")), b"x").unwrap();
+    std::fs::write(v2.join("two\nlines"), b"x").unwrap();
+
+    // A full snapshot newer than the chain that inflates 24 MiB from ~25 KiB.
+    let full_bomb = Snapshot::new(
+        store.prefix(),
+        Kind::Full,
+        0,
+        last + 100,
+        chrono::Utc::now(),
+        Codec::Gzip,
+        false,
+    );
+    store
+        .put_bytes(&full_bomb, gzip_zeros(24 << 20))
+        .await
+        .unwrap();
+    let mut opts = options(&dir.path().join("restored"), Release::V35);
+    opts.fallback = true;
+    let report = etcd_warden::restore::restore(&store, &opts).await.unwrap();
+    assert_eq!(report.skipped.len(), 1, "{:?}", report.skipped);
+    assert_eq!(report.skipped[0].snapshot, full_bomb.snap_name);
+    let reason = &report.skipped[0].reason;
+    assert!(
+        reason.contains("more than 8388608 bytes")
+            && reason.contains("restore.max_inflation_ratio"),
+        "{reason}"
+    );
+    assert_eq!((report.revision, report.deltas), (last, 1));
+    let e = verify(&store, &full_bomb).await.unwrap_err().to_string();
+    assert!(
+        e.starts_with(&full_bomb.snap_name) && e.contains("restore.max_inflation_ratio"),
+        "{e}"
+    );
+    for s in &real {
+        verify(&store, s).await.unwrap();
+    }
+    store.delete(&full_bomb).await.unwrap();
+
+    // A delta continuing the chain that inflates 16 MiB: restore and initialize stop at 3 MiB.
+    let delta_bomb = Snapshot::new(
+        store.prefix(),
+        Kind::Incr,
+        last + 1,
+        last + 5,
+        chrono::Utc::now(),
+        Codec::Gzip,
+        false,
+    );
+    store
+        .put_bytes(&delta_bomb, gzip_zeros(16 << 20))
+        .await
+        .unwrap();
+    let target = dir.path().join("from-bomb");
+    let e = etcd_warden::restore::restore(&store, &options(&target, Release::V35))
+        .await
+        .unwrap_err();
+    let said = e.to_string();
+    assert!(
+        said.contains(&delta_bomb.snap_name)
+            && said.contains("more than 3145728 bytes")
+            && said.contains("restore.max_delta_size"),
+        "{said}"
+    );
+    assert!(!target.exists());
+    let data = dir.path().join("initialized");
+    let e = initialize(
+        &store,
+        &support::history::initialize_config(&data, Validation::Sanity),
+    )
+    .await
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains(&delta_bomb.snap_name) && e.contains("restore.max_delta_size"),
+        "{e}"
+    );
+    assert!(!data.join("member").exists());
+
+    // The command line reads the bound from the configuration: `verify` fails the bomb by name
+    // and passes the rest; `restore` exits 1 (not an abort) naming it.
+    let bound = [("ETCD_WARDEN_RESTORE_MAX_DELTA_SIZE", "3MiB")];
+    let out = support::warden::command()
+        .args(["verify", "--store", &url])
+        .envs(bound)
+        .output()
+        .unwrap();
+    let said = support::cli::printed(&out);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    let line = said
+        .lines()
+        .find(|l| l.contains(&delta_bomb.snap_name))
+        .unwrap_or_else(|| panic!("{said}"));
+    assert!(
+        line.starts_with("FAIL") && line.contains("restore.max_delta_size"),
+        "{said}"
+    );
+    for s in &real {
+        assert!(said.contains(&format!("ok    {}", s.snap_name)), "{said}");
+    }
+    assert!(
+        said.contains("Incr-\\xfe") && said.contains("two\\nlines"),
+        "{said}"
+    );
+    let out = restore_command(&store_dir, &dir.path().join("cli"))
+        .envs(bound)
+        .output()
+        .unwrap();
+    let said = support::cli::exited(&out, 1);
+    assert!(
+        said.contains(&delta_bomb.snap_name) && said.contains("restore.max_delta_size"),
+        "{said}"
+    );
+}

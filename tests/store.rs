@@ -470,3 +470,100 @@ async fn verify_names_a_revision_gap_in_the_latest_chain() {
     let out = warden_on(&["verify"], &url);
     assert!(out.status.success(), "{out:?}");
 }
+
+/// A file in a `file://` store whose name is no object key (not UTF-8; a newline in it) is
+/// reported as unrecognised, escaped onto one line, by the listing, `ls` and `verify`; the
+/// snapshots beside it are still listed, verified and retained. object_store's own listing
+/// ends at the first such name with an error, which stopped all of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn names_that_are_no_object_keys_stop_neither_listing_nor_verify_nor_retention() {
+    use etcd_warden::config::GcPolicy;
+    use etcd_warden::store::gc::{self, Retention};
+    use std::os::unix::ffi::OsStrExt;
+
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("file://{}", dir.path().display());
+    let store = SnapshotStore::from_config(&store_config(&url)).unwrap();
+    let now = Utc::now().timestamp();
+    let mut fulls = Vec::new();
+    for (i, last) in [10, 20, 30].into_iter().enumerate() {
+        let s = snap(&store, Kind::Full, 0, last, now - 100 + i as i64);
+        let mut payload = self::payload(4096);
+        let hash = sha2::Digest::finalize(sha2::Digest::chain_update(
+            <sha2::Sha256 as sha2::Digest>::new(),
+            &payload,
+        ));
+        payload.extend_from_slice(&hash);
+        let gz = collect(
+            Codec::Gzip
+                .encode(chunked(&payload, 4096), 1, Default::default())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+        store.put_bytes(&s, Bytes::from(gz)).await.unwrap();
+        fulls.push(s);
+    }
+    let v2 = dir.path().join("v2");
+    std::fs::write(v2.join(std::ffi::OsStr::from_bytes(b"Full-\xff")), b"x").unwrap();
+    std::fs::write(
+        v2.join("Full-00000000-00000099-1700000000.gz\nFull-forged"),
+        b"y",
+    )
+    .unwrap();
+
+    // The hand-off's directory too (`ls` and `verify` read it for the final snapshot).
+    let fence = dir.path().join("etcd-warden/fence");
+    std::fs::create_dir_all(&fence).unwrap();
+    std::fs::write(fence.join(std::ffi::OsStr::from_bytes(b"\xfe.json")), b"{}").unwrap();
+
+    let listing = store.listing().await.unwrap();
+    assert_eq!(listing.snapshots(), fulls);
+    let mut names = listing.unrecognised_names();
+    names.sort();
+    assert_eq!(
+        names,
+        vec![
+            "Full-00000000-00000099-1700000000.gz\\nFull-forged",
+            "Full-\\xff"
+        ]
+    );
+    assert!(listing.unrecognised.iter().all(|u| u.size == 1));
+
+    // The command line: `ls` lists the three and names the two; `verify` verifies the three
+    // and fails naming the two, as for any name that does not parse.
+    let ls = support::warden::command()
+        .args(["ls", "--store", &url])
+        .output()
+        .unwrap();
+    let said = support::cli::printed(&ls);
+    assert!(ls.status.success(), "{said}");
+    for s in &fulls {
+        assert!(said.contains(&s.snap_name), "{said}");
+    }
+    assert!(said.contains("Full-\\xff"), "{said}");
+    assert!(
+        !said.lines().any(|l| l.starts_with("Full-forged")),
+        "a newline in a name printed a line of its own: {said}"
+    );
+    let verify = support::warden::command()
+        .args(["verify", "--store", &url])
+        .output()
+        .unwrap();
+    let said = support::cli::printed(&verify);
+    assert!(!verify.status.success(), "{said}");
+    assert_eq!(said.matches("ok    Full-").count(), 3, "{said}");
+    assert!(said.contains("FAIL  Full-\\xff"), "{said}");
+    assert!(said.contains("2 object(s)"), "{said}");
+
+    // Retention deletes what its policy says and leaves the two alone.
+    let retention = Retention {
+        policy: GcPolicy::LimitBased { max_backups: 1 },
+        delta_retention: std::time::Duration::ZERO,
+    };
+    let report = gc::run(&store, Utc::now(), retention).await.unwrap();
+    assert_eq!(report.deleted, fulls[..2].to_vec());
+    let listing = store.listing().await.unwrap();
+    assert_eq!(listing.snapshots(), fulls[2..].to_vec());
+    assert_eq!(listing.unrecognised.len(), 2);
+}

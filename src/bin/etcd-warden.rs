@@ -785,7 +785,8 @@ mod ops {
     fn snapshots(config: &Config) -> anyhow::Result<SnapshotStore> {
         Ok(SnapshotStore::from_config(&config.store)?
             .with_encryption(config.encryption.clone())
-            .with_compression_level(config.snapshot.compression_level))
+            .with_compression_level(config.snapshot.compression_level)
+            .with_read_limits(config.restore.read_limits))
     }
 
     pub async fn reclaim(config: &Config) -> anyhow::Result<()> {

@@ -524,6 +524,66 @@ pub struct RestoreConfig {
     pub bump_revision: u64,
     /// The bumped revision is marked compacted (`--mark-compacted`; needs a bump).
     pub mark_compacted: bool,
+    /// How far a stored snapshot may decompress (`restore.max_delta_size`,
+    /// `restore.max_inflation_ratio`): every reader of the store (restore, initialize, verify,
+    /// copy) applies them.
+    pub read_limits: ReadLimits,
+}
+
+/// Bounds on what a stored snapshot may decompress to, so a hostile or damaged object (a
+/// "zip bomb") fails as that snapshot's error instead of exhausting memory or disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadLimits {
+    /// Most bytes a delta's payload may decompress to (`restore.max_delta_size`): a delta is
+    /// held in memory while it is checked and replayed.
+    pub max_delta_size: u64,
+    /// Most bytes a full snapshot may decompress to, as a multiple of the size the store gives
+    /// for it (`restore.max_inflation_ratio`).
+    pub max_inflation_ratio: u64,
+    /// A full snapshot may always decompress to this many bytes, whatever its ratio: a small
+    /// database (an empty etcd's is 20 KiB, stored in under 1 KiB) compresses better than large
+    /// ones, and so much on disk harms nobody.
+    pub min_full_bound: u64,
+}
+
+impl ReadLimits {
+    /// The default `restore.max_inflation_ratio`. Measured with gzip level 1 (what etcd-warden
+    /// writes by default): an empty etcd database 27x, 1.9 MiB of Kubernetes-like pods 18x (level
+    /// 6: 33x and 22x), a periodic test pattern 134x, 64 MiB of zeros 229x; deflate cannot
+    /// exceed 1032x at any level. 250 refuses nothing etcd-warden writes at its default level.
+    pub const DEFAULT_INFLATION_RATIO: u64 = 250;
+    /// [`ReadLimits::min_full_bound`]'s value.
+    pub const MIN_FULL_BOUND: u64 = 64 << 20;
+
+    /// The default `restore.max_delta_size` for a `snapshot.delta_memory_limit` of `limit`. The
+    /// writer flushes once its events reach `limit` (counted as key and value bytes plus 48 per
+    /// event), so a delta holds at most that plus one watch response (gRPC's 4 MiB). Its JSON is
+    /// at most 4 times what is counted (base64 is 4/3 of the bytes; a tiny event's field names,
+    /// revisions and time are under 4 times its 48 counted bytes), and 64 MiB more is room for
+    /// deltas written by etcd-backup-restore, which counts differently.
+    pub fn delta_size_for(delta_memory_limit: u64) -> u64 {
+        delta_memory_limit
+            .saturating_mul(4)
+            .saturating_add(64 << 20)
+    }
+
+    /// The most a full snapshot stored in `stored` bytes may decompress to.
+    pub fn full_bound(&self, stored: u64) -> u64 {
+        stored
+            .saturating_mul(self.max_inflation_ratio)
+            .max(self.min_full_bound)
+    }
+}
+
+impl Default for ReadLimits {
+    /// The defaults of an empty configuration (`snapshot.delta_memory_limit` = 100 MiB).
+    fn default() -> Self {
+        ReadLimits {
+            max_delta_size: Self::delta_size_for(100 << 20),
+            max_inflation_ratio: Self::DEFAULT_INFLATION_RATIO,
+            min_full_bound: Self::MIN_FULL_BOUND,
+        }
+    }
 }
 
 impl RestoreConfig {

@@ -292,6 +292,11 @@ pub struct RawRestore {
     pub bump_revision: u64,
     #[serde(deserialize_with = "lenient::boolean")]
     pub mark_compacted: bool,
+    /// Empty: derived from `snapshot.delta_memory_limit`.
+    #[serde(default)]
+    pub max_delta_size: String,
+    #[serde(deserialize_with = "lenient::unsigned")]
+    pub max_inflation_ratio: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

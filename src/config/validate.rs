@@ -6,6 +6,9 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use super::keys::parse_recipient;
+
+/// A delta's trailing SHA-256: the least a delta's payload can be.
+const HASH_BYTES: u64 = 32;
 use super::merge::Merged;
 use super::raw::{
     RawConfig, RawCopy, RawDefrag, RawDruid, RawEncryption, RawEtcd, RawKill, RawLog, RawOwner,
@@ -14,7 +17,7 @@ use super::raw::{
 use super::{
     AzureWorkloadIdentity, Compression, Config, ConfigError, CopyConfig, DefragConfig, DruidConfig,
     EncryptionConfig, EtcdConfig, GcPolicy, KillConfig, LogConfig, LogFormat, ObjectLockMode,
-    ObjectLockRetention, OwnerConfig, Purpose, RestoreConfig, SecondaryConfig, Secret,
+    ObjectLockRetention, OwnerConfig, Purpose, ReadLimits, RestoreConfig, SecondaryConfig, Secret,
     ServerConfig, ServerSideEncryption, SnapshotConfig, StoreConfig, StoreLocation, TlsFiles,
     Validation, WebIdentity,
 };
@@ -144,8 +147,9 @@ impl Validator<'_> {
 
     fn validate(&self, raw: &RawConfig) -> Result<Config, ConfigError> {
         let etcd = self.etcd(&raw.etcd)?;
+        let snapshot = self.snapshot(&raw.snapshot)?;
         let config = Config {
-            restore: self.restore(&raw.restore, &etcd)?,
+            restore: self.restore(&raw.restore, &etcd, &snapshot)?,
             etcd,
             store: self.store("store", &raw.store)?,
             secondary: raw
@@ -160,7 +164,7 @@ impl Validator<'_> {
                 .map(|s| self.store("source_store", s))
                 .transpose()?,
             copy: self.copy(&raw.copy)?,
-            snapshot: self.snapshot(&raw.snapshot)?,
+            snapshot,
             defrag: self.defrag(&raw.defrag)?,
             owner: raw.owner.as_ref().map(|o| self.owner(o)).transpose()?,
             kill: self.kill(&raw.kill)?,
@@ -235,7 +239,12 @@ impl Validator<'_> {
         }
     }
 
-    fn restore(&self, r: &RawRestore, etcd: &EtcdConfig) -> Result<RestoreConfig, ConfigError> {
+    fn restore(
+        &self,
+        r: &RawRestore,
+        etcd: &EtcdConfig,
+        snapshot: &SnapshotConfig,
+    ) -> Result<RestoreConfig, ConfigError> {
         let name = r.name.trim();
         if name.is_empty() {
             return Err(self.err("restore.name", "required value missing"));
@@ -296,6 +305,34 @@ impl Validator<'_> {
             rejoin_timeout: self.positive_duration("restore.rejoin_timeout", &r.rejoin_timeout)?,
             bump_revision: self.bump_revision(r)?,
             mark_compacted: r.mark_compacted,
+            read_limits: self.read_limits(r, snapshot)?,
+        })
+    }
+
+    /// `restore.max_delta_size` (empty: derived from `snapshot.delta_memory_limit`) and
+    /// `restore.max_inflation_ratio`.
+    fn read_limits(
+        &self,
+        r: &RawRestore,
+        snapshot: &SnapshotConfig,
+    ) -> Result<ReadLimits, ConfigError> {
+        let max_delta_size = match r.max_delta_size.trim() {
+            "" => ReadLimits::delta_size_for(snapshot.delta_memory_limit),
+            text => parse_bytes(text).map_err(|m| self.err("restore.max_delta_size", m))?,
+        };
+        if max_delta_size < HASH_BYTES {
+            return Err(self.err(
+                "restore.max_delta_size",
+                format!("{max_delta_size} bytes cannot hold even a delta's hash"),
+            ));
+        }
+        if r.max_inflation_ratio == 0 {
+            return Err(self.err("restore.max_inflation_ratio", "must be at least 1"));
+        }
+        Ok(ReadLimits {
+            max_delta_size,
+            max_inflation_ratio: r.max_inflation_ratio,
+            min_full_bound: ReadLimits::MIN_FULL_BOUND,
         })
     }
 

@@ -50,7 +50,7 @@ use crate::config::StoreLocation;
 use crate::config::{Config, CopyConfig, ProcessEnv, StoreConfig};
 use crate::snapshot::full::verify_sha256;
 use crate::store::compression::ByteStream;
-use crate::store::{Codec, Snapshot, SnapshotStore, StoreError, encryption, layout};
+use crate::store::{Codec, Oversized, Snapshot, SnapshotStore, StoreError, encryption, layout};
 
 pub use plan::{Listed, Selection};
 use progress::{Bar, Progress};
@@ -217,7 +217,8 @@ pub async fn run_from_config(config: &Config) -> Result<Report, CopyError> {
     let Some(source) = &config.source_store else {
         return Err(CopyError::NoSource);
     };
-    let stores = Stores::from_config(source, &config.store)?;
+    let mut stores = Stores::from_config(source, &config.store)?;
+    stores.source = stores.source.with_read_limits(config.restore.read_limits);
     run(&stores, &config.copy).await
 }
 
@@ -487,7 +488,11 @@ async fn copy_one(stores: &Stores, item: &Listed, progress: &Progress) -> Result
     let checked = if source.encrypted {
         verified_encrypted(counted)
     } else {
-        verified(counted, source.compression)
+        verified_within(
+            counted,
+            source.compression,
+            stores.source.bound_of(source, item.size),
+        )
     };
     if stores.server_side {
         let mut checked = checked;
@@ -534,6 +539,19 @@ async fn copy_one(stores: &Stores, item: &Listed, progress: &Progress) -> Result
 /// (a multipart upload is aborted, a single `PUT` falls short of its length and is discarded).
 pub fn verified(input: ByteStream, codec: Codec) -> ByteStream {
     verified_by(input, move |side| verify_sha256(codec.decode(side)))
+}
+
+/// [`verified`], its decoder stopped at `bound`: a payload that decompresses beyond it (a
+/// decompression bomb) fails as a corrupt one does, having cost no more than `bound`.
+pub fn verified_within(input: ByteStream, codec: Codec, bound: Oversized) -> ByteStream {
+    let limit = bound.limit;
+    verified_by(input, move |side| {
+        verify_sha256(crate::store::compression::bounded(
+            codec.decode(side),
+            limit,
+            move || bound.clone().into_io(),
+        ))
+    })
 }
 
 /// [`verified`] for an encrypted payload, copied as ciphertext without a key: only its start is
@@ -730,6 +748,43 @@ mod tests {
             .await
             .unwrap_err();
         assert!(!e.to_string().is_empty());
+    }
+
+    /// The copy's check stops decoding at the source's bound: a decompression bomb fails as
+    /// an oversized snapshot, and its last chunk never reaches the destination.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_check_of_a_copy_stops_at_the_decode_bound() {
+        let zeros = vec![0u8; 8 << 20];
+        let bomb = collect(
+            Codec::Gzip
+                .encode(
+                    chunked(&zeros, 1 << 20),
+                    2,
+                    crate::store::compression::Level::FAST,
+                )
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+        let source = SnapshotStore::new(
+            std::sync::Arc::new(object_store::memory::InMemory::new()),
+            "s",
+        )
+        .with_read_limits(crate::store::ReadLimits {
+            max_delta_size: 1 << 20,
+            max_inflation_ratio: 10,
+            min_full_bound: 1 << 20,
+        });
+        for kind in [crate::store::Kind::Full, crate::store::Kind::Incr] {
+            let snapshot = source.new_snapshot(kind, 1, 2, Codec::Gzip, false);
+            let bound = source.bound_of(&snapshot, bomb.len() as u64);
+            assert_eq!(bound.limit, 1 << 20, "{kind:?}");
+            let e = collect(verified_within(chunked(&bomb, 4096), Codec::Gzip, bound))
+                .await
+                .unwrap_err();
+            let oversized = Oversized::of(&e).unwrap_or_else(|| panic!("{kind:?}: {e}"));
+            assert_eq!(oversized.snapshot, snapshot.snap_name);
+        }
     }
 
     fn store_config(url: &str, endpoint: Option<&str>) -> StoreConfig {

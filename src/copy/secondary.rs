@@ -190,6 +190,12 @@ impl Sync {
         })
     }
 
+    /// Bounds what the primary's snapshots may decompress to while they are checked.
+    pub fn with_read_limits(mut self, limits: crate::store::ReadLimits) -> Self {
+        self.stores.source = self.stores.source.with_read_limits(limits);
+        self
+    }
+
     /// Syncs every `sync_interval` (after a failure, after the backoff) until `cancel`.
     pub async fn run(mut self, cancel: CancellationToken) {
         tracing::info!(

@@ -54,7 +54,6 @@ use std::collections::BTreeSet;
 
 use bytes::Bytes;
 use chrono::{DateTime, Utc};
-use futures::TryStreamExt;
 use object_store::path::Path;
 use object_store::{ObjectStoreExt, PutPayload};
 use serde::{Deserialize, Serialize};
@@ -849,10 +848,10 @@ impl HandOffObjects {
 
     async fn keys(&self, sub: &str) -> Result<Vec<String>, HandOffError> {
         let dir = self.dir(sub);
-        let listed: Vec<_> = self.store.backend().list(Some(&dir)).try_collect().await?;
+        let listed = self.store.keys_under(&dir).await?;
         Ok(listed
             .into_iter()
-            .filter_map(|m| m.location.filename().map(str::to_string))
+            .filter_map(|key| key.filename().map(str::to_string))
             .collect())
     }
 
@@ -883,9 +882,7 @@ impl HandOffObjects {
         } else {
             Path::from(format!("{prefix}/{DIR}"))
         };
-        // One object answers the question; the listing is not read further.
-        let first = self.store.backend().list(Some(&dir)).try_next().await?;
-        Ok(first.is_some())
+        Ok(self.store.any_under(&dir).await?)
     }
 
     /// What marks the store as in a hand-off (or after one): the record, else the fence

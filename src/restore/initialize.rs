@@ -278,7 +278,8 @@ pub fn secondary_store(
     )?;
     Ok(Some(
         SnapshotStore::at(backend, &secondary.store.location)
-            .with_encryption(config.encryption.clone()),
+            .with_encryption(config.encryption.clone())
+            .with_read_limits(config.restore.read_limits),
     ))
 }
 

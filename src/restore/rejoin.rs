@@ -1240,6 +1240,7 @@ mod tests {
             rejoin_timeout: Duration::from_secs(60),
             bump_revision: 0,
             mark_compacted: false,
+            read_limits: Default::default(),
         }
     }
 

@@ -15,7 +15,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use sha2::{Digest, Sha256};
 
 use crate::store::compression::{self, Codec};
-use crate::store::{Kind, Snapshot, SnapshotStore, StoreError};
+use crate::store::{Kind, Oversized, Snapshot, SnapshotStore, StoreError};
 
 /// Length of the trailing hash.
 pub const HASH_LEN: usize = 32;
@@ -169,6 +169,9 @@ pub enum DeltaError {
     /// Decompressing failed.
     #[error("cannot decompress delta: {0}")]
     Io(#[from] std::io::Error),
+    /// It decompresses to more than `restore.max_delta_size`: read no further.
+    #[error(transparent)]
+    TooLarge(Oversized),
 }
 
 /// Encodes events as a payload: JSON array then its SHA-256 (uncompressed).
@@ -251,12 +254,20 @@ pub fn decode(payload: &[u8]) -> Result<Vec<TimedEvent>, DeltaError> {
     Ok(serde_json::from_slice(json)?)
 }
 
-/// Reads and decodes a stored delta snapshot (what restore replays).
+/// Reads and decodes a stored delta snapshot (what restore replays), holding at most the
+/// store's [`crate::store::ReadLimits::max_delta_size`] of it.
 pub async fn read(
     store: &SnapshotStore,
     snapshot: &Snapshot,
 ) -> Result<Vec<TimedEvent>, DeltaError> {
-    let bytes = compression::collect(store.get_decoded(snapshot).await?).await?;
+    // The decoded stream ends with an error at the store's bound for deltas, so at most that
+    // much is held, whatever the object inflates to.
+    let bytes = compression::collect(store.get_decoded(snapshot).await?)
+        .await
+        .map_err(|e| match Oversized::of(&e) {
+            Some(oversized) => DeltaError::TooLarge(oversized.clone()),
+            None => DeltaError::Io(e),
+        })?;
     decode(&bytes)
 }
 

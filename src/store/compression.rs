@@ -560,6 +560,36 @@ impl<R> LzwReader<R> {
     }
 }
 
+/// Passes `input` on until more than `limit` bytes have passed, then ends it with the error
+/// `exceeded` makes (the chunk that crossed the limit is not passed on). Dropping the stream
+/// there stops a decoder upstream, so a decompression bomb costs at most `limit` bytes.
+pub fn bounded<F>(input: ByteStream, limit: u64, exceeded: F) -> ByteStream
+where
+    F: Fn() -> io::Error + Send + 'static,
+{
+    input
+        .scan(Some(0u64), move |passed, item| {
+            let Some(total) = passed.as_mut() else {
+                return futures::future::ready(None);
+            };
+            let item = match item {
+                Ok(chunk) => {
+                    *total = total.saturating_add(chunk.len() as u64);
+                    match *total > limit {
+                        true => Err(exceeded()),
+                        false => Ok(chunk),
+                    }
+                }
+                Err(e) => Err(e),
+            };
+            if item.is_err() {
+                *passed = None;
+            }
+            futures::future::ready(Some(item))
+        })
+        .boxed()
+}
+
 /// Collects a byte stream (tests and small payloads such as deltas).
 pub async fn collect(mut s: ByteStream) -> io::Result<Vec<u8>> {
     let mut out = Vec::new();
@@ -781,6 +811,35 @@ mod tests {
         // A stream cut before its end code is an error, as for Go's reader.
         let cut = pack9(&[256, 65, 66, 258]);
         assert!(collect(Codec::Lzw.decode(chunked(&cut, 2))).await.is_err());
+    }
+
+    /// A bounded decode stops at its limit with the caller's error and passes nothing beyond
+    /// it; a payload within the limit passes whole.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_bounded_decode_stops_at_its_limit() {
+        let zeros = vec![0u8; 8 << 20];
+        let bomb = collect(
+            Codec::Gzip
+                .encode(chunked(&zeros, 1 << 20), 2, Level::FAST)
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+        let too_much = || io::Error::new(io::ErrorKind::InvalidData, "too much");
+        let mut out = bounded(Codec::Gzip.decode(chunked(&bomb, 4096)), 1 << 20, too_much);
+        let mut passed = 0;
+        let e = loop {
+            match out.next().await {
+                Some(Ok(b)) => passed += b.len(),
+                Some(Err(e)) => break e,
+                None => panic!("a payload over the limit ended cleanly"),
+            }
+        };
+        assert_eq!(e.to_string(), "too much");
+        assert!(passed <= 1 << 20, "{passed} bytes passed");
+        assert!(out.next().await.is_none(), "nothing after the error");
+        let whole = bounded(Codec::Gzip.decode(chunked(&bomb, 4096)), 8 << 20, too_much);
+        assert_eq!(collect(whole).await.unwrap().len(), 8 << 20);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

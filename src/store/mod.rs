@@ -8,6 +8,7 @@ mod credentials;
 pub mod encryption;
 pub mod gc;
 pub mod layout;
+mod local;
 pub mod object_lock;
 pub mod private;
 pub mod reload;
@@ -29,6 +30,8 @@ use object_store::{ObjectStore, ObjectStoreExt, PutPayload, WriteMultipart};
 use crate::config::{EncryptionConfig, EnvSource, Secret, ServerSideEncryption, StoreConfig};
 use encryption::EncryptionError;
 
+/// Bounds on what a stored snapshot may decompress to: configuration's (`restore.max_…`).
+pub use crate::config::ReadLimits;
 /// Where a store is: its type and parser live in `config` (a store URL is configuration).
 pub use crate::config::StoreLocation;
 pub use compression::{ByteStream, Codec};
@@ -86,6 +89,38 @@ impl StoreError {
             url: config.location.to_string(),
             cause: Box::new(cause),
         }
+    }
+}
+
+/// A snapshot that decompresses to more than its bound ([`ReadLimits`]): a damaged or planted
+/// object (a decompression bomb), never read further. It reaches callers inside an
+/// [`std::io::Error`] of kind `InvalidData`, as a payload failing its hash does, so a restore
+/// treats it as it treats a corrupt snapshot; [`Oversized::of`] finds it there.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "it decompresses to more than {limit} bytes ({why}); if the snapshot is genuine, raise {key}"
+)]
+pub struct Oversized {
+    /// The snapshot's name.
+    pub snapshot: String,
+    /// The bound it exceeded, in bytes.
+    pub limit: u64,
+    /// How the bound was reached.
+    pub why: String,
+    /// The configuration key that sets the bound.
+    pub key: &'static str,
+}
+
+impl Oversized {
+    /// The [`Oversized`] an I/O error carries, if it is one.
+    pub fn of(e: &std::io::Error) -> Option<&Oversized> {
+        e.get_ref()
+            .and_then(|inner| inner.downcast_ref::<Oversized>())
+    }
+
+    /// As the I/O error a decode stopped at its bound returns.
+    pub fn into_io(self) -> std::io::Error {
+        std::io::Error::new(std::io::ErrorKind::InvalidData, self)
     }
 }
 
@@ -492,6 +527,11 @@ pub struct SnapshotStore {
     object_lock: Option<S3ObjectLock>,
     /// Keys of the locked snapshots retention has logged: each is logged once per process.
     locks_logged: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
+    /// How far a snapshot read from here may decompress.
+    read_limits: ReadLimits,
+    /// A `file://` store's directory: listed directly ([`local`]), so a file whose name is no
+    /// object key is reported instead of ending the listing.
+    local_root: Option<std::path::PathBuf>,
 }
 
 /// A multipart upload that is aborted when dropped unfinished: a snapshot that timed out or
@@ -534,6 +574,8 @@ impl SnapshotStore {
             compression_level: compression::Level::FAST,
             object_lock: None,
             locks_logged: Arc::default(),
+            read_limits: ReadLimits::default(),
+            local_root: None,
         }
     }
 
@@ -545,10 +587,29 @@ impl SnapshotStore {
                 PART_SIZE
             }
         };
+        let local_root = match location {
+            StoreLocation::File { root } => Some(root.clone()),
+            _ => None,
+        };
         Self {
             part_size,
+            local_root,
             ..Self::new(store, location.prefix())
         }
+    }
+
+    /// Bounds what snapshots read from here may decompress to (`[restore]`'s `max_delta_size`
+    /// and `max_inflation_ratio`); without it, [`ReadLimits::default`].
+    pub fn with_read_limits(self, read_limits: ReadLimits) -> Self {
+        Self {
+            read_limits,
+            ..self
+        }
+    }
+
+    /// The bounds snapshots read from here are held to.
+    pub fn read_limits(&self) -> ReadLimits {
+        self.read_limits
     }
 
     /// Builds the backend from configuration and the process environment.
@@ -828,22 +889,31 @@ impl SnapshotStore {
     /// restores, copies or retains it.
     pub async fn listing(&self) -> Result<Listing, StoreError> {
         let dir = layout::version_prefix(&self.prefix);
-        let listing = Path::from(dir.trim_end_matches('/'));
-        let mut objects = self.store.list(Some(&listing));
         let mut out = Listing::default();
-        while let Some(meta) = objects.next().await {
-            let meta = meta?;
-            let key = meta.location.as_ref();
+        for entry in self.objects_under(&dir).await? {
+            let (key, size) = match entry {
+                local::Entry::Object { key, size } => (key, size),
+                local::Entry::Unnamed { key, size, reason } => {
+                    let name = key.strip_prefix(dir.as_str()).unwrap_or(&key).to_string();
+                    out.unrecognised.push(Unrecognised {
+                        key,
+                        name,
+                        size,
+                        reason,
+                    });
+                    continue;
+                }
+            };
             let Some(name) = key.strip_prefix(dir.as_str()) else {
                 tracing::debug!(key, "object outside the layout directory, ignored");
                 continue;
             };
             match Snapshot::parse_name(&self.prefix, name) {
-                Ok(s) => out.snapshots.push((s, meta.size)),
+                Ok(s) => out.snapshots.push((s, size)),
                 Err(e) => out.unrecognised.push(Unrecognised {
                     key: key.to_string(),
                     name: name.to_string(),
-                    size: meta.size,
+                    size,
                     reason: e.reason,
                 }),
             }
@@ -851,6 +921,65 @@ impl SnapshotStore {
         out.snapshots.sort_by(|a, b| layout::compare(&a.0, &b.0));
         out.unrecognised.sort_by(|a, b| a.key.cmp(&b.key));
         Ok(out)
+    }
+
+    /// Every object under `dir` with its size: a `file://` store's directory read directly
+    /// ([`local`]), any other through the backend.
+    async fn objects_under(&self, dir: &str) -> Result<Vec<local::Entry>, StoreError> {
+        if let Some(root) = self.local_root.clone() {
+            let dir = dir.to_string();
+            let listed = tokio::task::spawn_blocking(move || local::list(&root, &dir))
+                .await
+                .map_err(|join| StoreError::Payload(std::io::Error::other(join)))?;
+            return listed.map_err(|source| {
+                StoreError::Backend(object_store::Error::Generic {
+                    store: "LocalFileSystem",
+                    source: Box::new(source),
+                })
+            });
+        }
+        let listing = Path::from(dir.trim_end_matches('/'));
+        let mut objects = self.store.list(Some(&listing));
+        let mut out = Vec::new();
+        while let Some(meta) = objects.next().await {
+            let meta = meta?;
+            out.push(local::Entry::Object {
+                key: meta.location.to_string(),
+                size: meta.size,
+            });
+        }
+        Ok(out)
+    }
+
+    /// The keys of every object under `dir`. A file in a `file://` store whose name is no
+    /// object key is logged and left out: nothing etcd-warden writes is named so, and it must
+    /// not stop the listing of what is.
+    pub async fn keys_under(&self, dir: &Path) -> Result<Vec<Path>, StoreError> {
+        let mut keys = Vec::new();
+        for entry in self.objects_under(&format!("{dir}/")).await? {
+            match entry {
+                local::Entry::Object { key, .. } => keys.push(Path::from(key)),
+                local::Entry::Unnamed { key, reason, .. } => {
+                    tracing::warn!(key, reason, "not an object of this store, ignored");
+                }
+            }
+        }
+        Ok(keys)
+    }
+
+    /// Whether any object is under `dir`, as [`SnapshotStore::keys_under`] lists them; from a
+    /// cloud store the first object of the listing answers, the rest is not read.
+    pub async fn any_under(&self, dir: &Path) -> Result<bool, StoreError> {
+        if self.local_root.is_some() {
+            return Ok(!self.keys_under(dir).await?.is_empty());
+        }
+        Ok(self
+            .store
+            .list(Some(dir))
+            .next()
+            .await
+            .transpose()?
+            .is_some())
     }
 
     /// The latest full snapshot and every later delta.
@@ -952,12 +1081,54 @@ impl SnapshotStore {
             true => Some(self.identities(snapshot)?),
             false => None,
         };
-        let stored = self.get_stream(snapshot).await?;
+        let got = self.store.get(&self.path_of(snapshot)).await?;
+        let bound = self.bound_of(snapshot, got.meta.size);
+        let stored = got
+            .into_stream()
+            .map(|r| r.map_err(std::io::Error::other))
+            .boxed();
         let compressed = match identities {
             Some(ids) => encryption::decrypt(stored, ids),
             None => stored,
         };
-        Ok(snapshot.compression.decode(compressed))
+        let limit = bound.limit;
+        Ok(compression::bounded(
+            snapshot.compression.decode(compressed),
+            limit,
+            move || bound.clone().into_io(),
+        ))
+    }
+
+    /// The most `snapshot`, stored in `stored` bytes, may decompress to, as the error that
+    /// says so: a delta [`ReadLimits::max_delta_size`], a full snapshot
+    /// [`ReadLimits::full_bound`] of its stored size.
+    pub fn bound_of(&self, snapshot: &Snapshot, stored: u64) -> Oversized {
+        let limits = self.read_limits;
+        let (limit, why, key) = match snapshot.kind {
+            Kind::Incr => (
+                limits.max_delta_size,
+                "the most any delta may".to_string(),
+                "restore.max_delta_size",
+            ),
+            Kind::Full => {
+                let limit = limits.full_bound(stored);
+                let ratio = limits.max_inflation_ratio;
+                let why = match limit > limits.min_full_bound {
+                    true => format!("{ratio} times the {stored} bytes stored"),
+                    false => format!(
+                        "the floor of every full snapshot; {ratio} times the {stored} bytes \
+                         stored is less"
+                    ),
+                };
+                (limit, why, "restore.max_inflation_ratio")
+            }
+        };
+        Oversized {
+            snapshot: snapshot.snap_name.clone(),
+            limit,
+            why,
+            key,
+        }
     }
 
     /// Deletes a snapshot.
@@ -1207,6 +1378,72 @@ mod tests {
             dst.path_of(&listed).as_ref(),
             "dest/v2/".to_string() + &s.snap_name
         );
+    }
+
+    /// gzip of `len` zeros: a small object that decompresses far beyond its size.
+    fn gzip_zeros(len: usize) -> Bytes {
+        use std::io::Write as _;
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        let block = vec![0u8; 1 << 20];
+        let mut left = len;
+        while left > 0 {
+            let n = left.min(block.len());
+            gz.write_all(&block[..n]).unwrap();
+            left -= n;
+        }
+        Bytes::from(gz.finish().unwrap())
+    }
+
+    /// A full snapshot is read up to its ratio of its stored size (or the floor), a delta up to
+    /// `max_delta_size`; beyond, the read fails with [`Oversized`] naming the snapshot, the
+    /// bound and the key, having passed no more than the bound.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn decoding_stops_at_the_configured_bounds() {
+        let limits = ReadLimits {
+            max_delta_size: 2 << 20,
+            max_inflation_ratio: 100,
+            min_full_bound: 1 << 20,
+        };
+        let store = SnapshotStore::new(Arc::new(InMemory::new()), "p").with_read_limits(limits);
+        let bomb = gzip_zeros(16 << 20);
+        let full = store.new_snapshot(Kind::Full, 0, 7, Codec::Gzip, false);
+        store.put_bytes(&full, bomb.clone()).await.unwrap();
+        let mut stream = store.get_decoded(&full).await.unwrap();
+        let (mut passed, mut error) = (0u64, None);
+        while let Some(chunk) = stream.next().await {
+            match chunk {
+                Ok(b) => passed += b.len() as u64,
+                Err(e) => error = Some(e),
+            }
+        }
+        let e = error.expect("the bomb decoded whole");
+        let oversized = Oversized::of(&e).expect("an Oversized error").clone();
+        let limit = (bomb.len() as u64 * 100).max(1 << 20);
+        assert_eq!(oversized.limit, limit);
+        assert!(passed <= limit, "{passed} bytes passed");
+        assert_eq!(oversized.snapshot, full.snap_name);
+        assert_eq!(oversized.key, "restore.max_inflation_ratio");
+        assert!(e.to_string().contains("restore.max_inflation_ratio"), "{e}");
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidData);
+
+        // The same bytes as a delta: its own bound and key.
+        let delta = store.new_snapshot(Kind::Incr, 8, 9, Codec::Gzip, false);
+        store.put_bytes(&delta, bomb).await.unwrap();
+        let e = crate::snapshot::delta::read(&store, &delta)
+            .await
+            .unwrap_err();
+        match &e {
+            crate::snapshot::delta::DeltaError::TooLarge(o) => {
+                assert_eq!((o.limit, o.key), (2 << 20, "restore.max_delta_size"));
+                assert_eq!(o.snapshot, delta.snap_name);
+            }
+            other => panic!("not TooLarge: {other}"),
+        }
+        // Within the bounds, both read whole (the floor lets a tiny full snapshot inflate).
+        let small = gzip_zeros(1 << 20);
+        store.put_bytes(&full, small).await.unwrap();
+        let whole = compression::collect(store.get_decoded(&full).await.unwrap()).await;
+        assert_eq!(whole.unwrap().len(), 1 << 20);
     }
 
     #[test]

@@ -106,6 +106,7 @@ pub fn initialize_config(
         rejoin_timeout: std::time::Duration::from_secs(60),
         bump_revision: 0,
         mark_compacted: false,
+        read_limits: Default::default(),
     }
 }
 
