@@ -525,19 +525,21 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
         let token = server_cancel.clone();
         let tls = config.server.tls.clone();
         let client_ca = config.server.client_ca.clone();
-        async move {
-            match tls {
-                None => server::serve(listener, router, token).await,
-                Some((cert, key)) => {
-                    let tls = server::ServerTls {
-                        cert,
-                        key,
-                        client_ca,
-                    };
-                    server::serve_tls(listener, router, token, tls).await
-                }
-            }
-        }
+        let limits = server::Limits {
+            header_read_timeout: config.server.header_read_timeout,
+            request_timeout: config.server.request_timeout,
+            snapshot_request_timeout: config.snapshot.timeout + Duration::from_secs(60),
+            idle_timeout: config.server.idle_timeout,
+            max_connections: config.server.max_connections,
+            max_body_bytes: config.server.max_body_bytes,
+        };
+        server::raise_fd_limit(&limits);
+        let tls = tls.map(|(cert, key)| server::ServerTls {
+            cert,
+            key,
+            client_ca,
+        });
+        server::serve_with(listener, router, token, limits, tls)
     };
     tokio::pin!(served);
     // Whichever ends first: the server (shutdown, or an error), or a critical task (a failure,
