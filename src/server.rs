@@ -406,6 +406,11 @@ fn authorize(s: &ServerState, headers: &HeaderMap, cert: bool) -> Result<(), Api
         }
         return Ok(());
     };
+    check_token(secret, headers)
+}
+
+/// The bearer token in `headers` against `secret`: 401 unless it matches.
+fn check_token(secret: &Secret, headers: &HeaderMap) -> Result<(), ApiError> {
     let expected = secret.read().map_err(|e| {
         tracing::error!(error = %e, "cannot read server.token_file");
         ApiError::new(
@@ -427,6 +432,58 @@ fn authorize(s: &ServerState, headers: &HeaderMap, cert: bool) -> Result<(), Api
             "unauthorized",
             "a valid bearer token is required",
         ))
+    }
+}
+
+/// Who may call the endpoints only the pod's own containers need (etcd-wrapper's
+/// `/initialization/*` and `/config` under etcd-druid): see [`pod_only`].
+#[derive(Clone)]
+pub struct PodCallers {
+    /// `server.token`: a caller beyond the pod with it is let in.
+    pub token: Option<Secret>,
+}
+
+/// Middleware letting in a caller inside the pod (its address is loopback: the containers of a
+/// pod share its network namespace), one with a verified client certificate, or one with the
+/// bearer token; anyone else is refused before the handler runs (so nobody else can consume
+/// `/initialization/status`'s one-shot answer). A request without a peer address is refused.
+pub async fn pod_only(
+    State(callers): State<PodCallers>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let peer = req
+        .extensions()
+        .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+        .map(|c| c.0);
+    let cert = req.extensions().get::<ClientCert>().is_some_and(|c| c.0);
+    match check_pod_caller(callers.token.as_ref(), peer, req.headers(), cert) {
+        Ok(()) => next.run(req).await,
+        Err(e) => {
+            tracing::warn!(peer = ?peer, path = %req.uri().path(), "refused a caller outside the pod");
+            e.into_response()
+        }
+    }
+}
+
+/// [`pod_only`]'s decision.
+pub fn check_pod_caller(
+    token: Option<&Secret>,
+    peer: Option<std::net::SocketAddr>,
+    headers: &HeaderMap,
+    cert: bool,
+) -> Result<(), ApiError> {
+    if cert || peer.is_some_and(|p| p.ip().to_canonical().is_loopback()) {
+        return Ok(());
+    }
+    match token {
+        Some(secret) => check_token(secret, headers),
+        None => Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "pod_only",
+            "only callers inside the pod (loopback), with server.token or a client certificate \
+             may call this endpoint",
+        )),
     }
 }
 

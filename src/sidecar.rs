@@ -496,7 +496,10 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
             forwarder,
             crate::druid::forward::forward_to_leader,
         ));
-        router = crate::druid::routes(api.clone()).merge(router);
+        let callers = server::PodCallers {
+            token: config.server.token.clone(),
+        };
+        router = crate::druid::routes(api.clone(), callers).merge(router);
         if druid.member_lease || druid.snapshot_leases {
             let kube = kube::Client::try_default()
                 .await

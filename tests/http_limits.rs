@@ -317,3 +317,49 @@ async fn over_tls_a_silent_client_is_closed_at_the_header_deadline_and_requests_
     assert!(peer.ip().is_loopback(), "{peer}");
     cancel.cancel();
 }
+
+/// etcd-druid's initialization endpoints answer only callers inside the pod (issue 45, item
+/// 6): over real HTTP a loopback caller is served, without a token configured. That a caller
+/// beyond the pod is refused is shown in the druid module's unit tests (a test can only connect
+/// from loopback).
+#[tokio::test]
+async fn the_druid_endpoints_answer_a_caller_on_loopback() {
+    use etcd_warden::config::{Config, DruidConfig, Sources};
+    let sources = Sources {
+        file: None,
+        env: &std::collections::HashMap::<String, String>::new(),
+        overrides: vec![],
+    };
+    let (config, _) = Config::load(&sources).unwrap();
+    let druid = etcd_warden::druid::Druid::new(
+        DruidConfig {
+            etcd_config: "/nonexistent/etcd.conf.yaml".into(),
+            pod_name: Some("etcd-main-0".into()),
+            pod_namespace: None,
+            member_lease: false,
+            heartbeat: Duration::from_secs(10),
+            snapshot_leases: false,
+            full_snapshot_lease: String::new(),
+            delta_snapshot_lease: String::new(),
+        },
+        config.restore,
+        etcd_warden::store::SnapshotStore::new(
+            std::sync::Arc::new(object_store::memory::InMemory::new()),
+            "",
+        ),
+        None,
+        Default::default(),
+        CancellationToken::new(),
+    );
+    let router = etcd_warden::druid::routes(druid, etcd_warden::server::PodCallers { token: None });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let cancel = CancellationToken::new();
+    tokio::spawn(serve_with(listener, router, cancel.clone(), limits(), None));
+    let resp = reqwest::get(format!("http://{addr}/initialization/status"))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.text().await.unwrap(), "New");
+    cancel.cancel();
+}
