@@ -253,12 +253,11 @@ impl Connection {
         let (activity, mut idle) = watch::channel(Activity::default());
         let activity = Arc::new(activity);
         let seat = Arc::new(seat);
-        let inside_pod = self.peer.ip().to_canonical().is_loopback();
         let ctx = Arc::new(RequestContext {
             router: self.router.clone(),
             peer: self.peer,
             cert,
-            health_only: self.slot == Slot::Reserve && !inside_pod,
+            health_only: health_only(self.slot, self.peer),
             limits: self.limits,
             activity,
             seat: seat.clone(),
@@ -314,6 +313,12 @@ impl Connection {
             tracing::debug!(peer = %self.peer, "connection did not close in time; dropped");
         }
     }
+}
+
+/// Whether a connection may ask for the health endpoints only: in the reserve, from beyond the
+/// pod (a caller inside it, on loopback, is etcd-wrapper and gets everything).
+fn health_only(slot: Slot, peer: SocketAddr) -> bool {
+    slot == Slot::Reserve && !peer.ip().to_canonical().is_loopback()
 }
 
 /// What a connection is doing: requests in flight, and whether it has sent one yet.
@@ -541,4 +546,63 @@ fn too_large(max: u64) -> Response {
         format!("request bodies are limited to {max} bytes (server.max_body_bytes)"),
     )
     .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Test clients are all on loopback, so the reserve's restriction of callers beyond the pod
+    /// is shown here on the decision alone.
+    #[test]
+    fn the_reserve_serves_only_the_health_endpoints_to_callers_beyond_the_pod() {
+        let at = |a: &str| a.parse::<SocketAddr>().unwrap();
+        assert!(health_only(Slot::Reserve, at("10.1.2.3:5000")));
+        assert!(health_only(Slot::Reserve, at("[fd00::1]:5000")));
+        assert!(!health_only(Slot::Reserve, at("127.0.0.1:5000")));
+        assert!(!health_only(Slot::Reserve, at("[::1]:5000")));
+        assert!(!health_only(Slot::Reserve, at("[::ffff:127.0.0.1]:5000")));
+        assert!(!health_only(Slot::Full, at("10.1.2.3:5000")));
+    }
+
+    /// At the limit a new connection takes the place of the one idle longest, full slots
+    /// first; one with a request in flight keeps its place; with every connection answering, a
+    /// new one gets none.
+    #[test]
+    fn at_the_limit_the_longest_idle_connection_gives_its_place() {
+        let r = Arc::new(Registry::new(2));
+        let a = r.admit().unwrap();
+        let b = r.admit().unwrap();
+        assert_eq!((a.slot, b.slot), (Slot::Full, Slot::Full));
+        a.set_in_flight(1);
+        let reserve: Vec<Seat> = (0..HEALTH_RESERVE).map(|_| r.admit().unwrap()).collect();
+        assert!(reserve.iter().all(|s| s.slot == Slot::Reserve));
+        let c = r.admit().unwrap();
+        assert_eq!(c.slot, Slot::Full);
+        assert!(
+            b.evicted.is_cancelled(),
+            "the idle full connection gave its place"
+        );
+        assert!(!a.evicted.is_cancelled(), "the answering one kept it");
+        c.set_in_flight(1);
+        let d = r.admit().unwrap();
+        assert_eq!(d.slot, Slot::Reserve);
+        assert!(
+            reserve[0].evicted.is_cancelled(),
+            "then the reserve's longest idle"
+        );
+        for s in reserve.iter().skip(1).chain([&d]) {
+            s.set_in_flight(1);
+        }
+        assert!(
+            r.admit().is_none(),
+            "every connection answering: none displaced"
+        );
+        drop(a);
+        assert_eq!(
+            r.admit().unwrap().slot,
+            Slot::Full,
+            "a closed connection's place is free"
+        );
+    }
 }
