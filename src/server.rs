@@ -33,6 +33,9 @@ use tokio_util::sync::CancellationToken;
 use crate::config::Secret;
 use crate::store::layout::Snapshot;
 
+mod listen;
+pub use listen::{HEALTH_RESERVE, Limits, RESERVE_HEADER_TIMEOUT, raise_fd_limit};
+
 /// What `/healthz` answers: whether etcd may serve clients, and why (not).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Readiness {
@@ -403,6 +406,11 @@ fn authorize(s: &ServerState, headers: &HeaderMap, cert: bool) -> Result<(), Api
         }
         return Ok(());
     };
+    check_token(secret, headers)
+}
+
+/// The bearer token in `headers` against `secret`: 401 unless it matches.
+fn check_token(secret: &Secret, headers: &HeaderMap) -> Result<(), ApiError> {
     let expected = secret.read().map_err(|e| {
         tracing::error!(error = %e, "cannot read server.token_file");
         ApiError::new(
@@ -424,6 +432,58 @@ fn authorize(s: &ServerState, headers: &HeaderMap, cert: bool) -> Result<(), Api
             "unauthorized",
             "a valid bearer token is required",
         ))
+    }
+}
+
+/// Who may call the endpoints only the pod's own containers need (etcd-wrapper's
+/// `/initialization/*` and `/config` under etcd-druid): see [`pod_only`].
+#[derive(Clone)]
+pub struct PodCallers {
+    /// `server.token`: a caller beyond the pod with it is let in.
+    pub token: Option<Secret>,
+}
+
+/// Middleware letting in a caller inside the pod (its address is loopback: the containers of a
+/// pod share its network namespace), one with a verified client certificate, or one with the
+/// bearer token; anyone else is refused before the handler runs (so nobody else can consume
+/// `/initialization/status`'s one-shot answer). A request without a peer address is refused.
+pub async fn pod_only(
+    State(callers): State<PodCallers>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let peer = req
+        .extensions()
+        .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+        .map(|c| c.0);
+    let cert = req.extensions().get::<ClientCert>().is_some_and(|c| c.0);
+    match check_pod_caller(callers.token.as_ref(), peer, req.headers(), cert) {
+        Ok(()) => next.run(req).await,
+        Err(e) => {
+            tracing::warn!(peer = ?peer, path = %req.uri().path(), "refused a caller outside the pod");
+            e.into_response()
+        }
+    }
+}
+
+/// [`pod_only`]'s decision.
+pub fn check_pod_caller(
+    token: Option<&Secret>,
+    peer: Option<std::net::SocketAddr>,
+    headers: &HeaderMap,
+    cert: bool,
+) -> Result<(), ApiError> {
+    if cert || peer.is_some_and(|p| p.ip().to_canonical().is_loopback()) {
+        return Ok(());
+    }
+    match token {
+        Some(secret) => check_token(secret, headers),
+        None => Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "pod_only",
+            "only callers inside the pod (loopback), with server.token or a client certificate \
+             may call this endpoint",
+        )),
     }
 }
 
@@ -508,52 +568,46 @@ impl ServerTls {
 }
 
 /// Whether this connection's caller presented a client certificate the configured CA verified
-/// (a request extension on connections served with [`ServerTls::client_ca`]).
+/// (a request extension on connections served with TLS; see [`ServerTls::client_ca`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ClientCert(pub bool);
 
-/// TLS, then [`ClientCert`] for every request on the connection.
-#[derive(Clone)]
-struct ClientCertAcceptor(axum_server::tls_rustls::RustlsAcceptor);
-
-impl<I, S> axum_server::accept::Accept<I, S> for ClientCertAcceptor
-where
-    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-    S: Send + 'static,
-{
-    type Stream = tokio_rustls::server::TlsStream<I>;
-    type Service = axum::middleware::AddExtension<S, ClientCert>;
-    type Future =
-        futures::future::BoxFuture<'static, std::io::Result<(Self::Stream, Self::Service)>>;
-
-    fn accept(&self, stream: I, service: S) -> Self::Future {
-        let accepted = self.0.accept(stream, service);
-        Box::pin(async move {
-            let (stream, service) = accepted.await?;
-            // The verifier refused a certificate it could not verify during the handshake: one
-            // that is here is verified.
-            let verified = stream
-                .get_ref()
-                .1
-                .peer_certificates()
-                .is_some_and(|c| !c.is_empty());
-            Ok((
-                stream,
-                tower::Layer::layer(&axum::Extension(ClientCert(verified)), service),
-            ))
-        })
+/// Serves `router` on `listener` under `limits` (over HTTPS with `tls`'s files when given) until
+/// `cancel` fires, then drains open requests. Every request carries its peer's address
+/// (`ConnectInfo<SocketAddr>`) and, over TLS, [`ClientCert`].
+pub async fn serve_with(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    cancel: CancellationToken,
+    limits: Limits,
+    tls: Option<ServerTls>,
+) -> std::io::Result<()> {
+    match tls {
+        None => listen::serve(listener, router, cancel, limits, None, DRAIN).await,
+        Some(tls) => {
+            serve_tls_limited(listener, router, cancel, tls, TLS_RELOAD_CHECK, limits).await
+        }
     }
 }
 
-/// Serves `router` over HTTPS with `tls`'s files until `cancel` fires; the files are loaded
-/// again when they change (certificate rotation without a restart).
+/// Serves `router` over HTTPS with `tls`'s files until `cancel` fires, under the default
+/// [`Limits`]; the files are loaded again when they change (certificate rotation without a
+/// restart).
 pub async fn serve_tls(
     listener: tokio::net::TcpListener,
     router: Router,
     cancel: CancellationToken,
     tls: ServerTls,
 ) -> std::io::Result<()> {
-    serve_tls_checking(listener, router, cancel, tls, TLS_RELOAD_CHECK).await
+    serve_tls_limited(
+        listener,
+        router,
+        cancel,
+        tls,
+        TLS_RELOAD_CHECK,
+        Limits::default(),
+    )
+    .await
 }
 
 /// [`serve_tls`], looking at the files every `check`.
@@ -564,8 +618,18 @@ pub async fn serve_tls_checking(
     tls: ServerTls,
     check: std::time::Duration,
 ) -> std::io::Result<()> {
+    serve_tls_limited(listener, router, cancel, tls, check, Limits::default()).await
+}
+
+async fn serve_tls_limited(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    cancel: CancellationToken,
+    tls: ServerTls,
+    check: std::time::Duration,
+    limits: Limits,
+) -> std::io::Result<()> {
     let config = axum_server::tls_rustls::RustlsConfig::from_config(tls.rustls()?);
-    let handle = axum_server::Handle::new();
     let reload = {
         let (config, cancel, tls) = (config.clone(), cancel.clone(), tls.clone());
         tokio::spawn(async move {
@@ -591,32 +655,30 @@ pub async fn serve_tls_checking(
             }
         })
     };
-    {
-        let handle = handle.clone();
-        tokio::spawn(async move {
-            cancel.cancelled().await;
-            handle.graceful_shutdown(Some(DRAIN));
-        });
-    }
-    let acceptor = ClientCertAcceptor(axum_server::tls_rustls::RustlsAcceptor::new(config));
-    let served = axum_server::from_tcp(listener.into_std()?)?
-        .acceptor(acceptor)
-        .handle(handle)
-        .serve(router.into_make_service())
-        .await;
+    // The connection loop bounds the handshake by the header deadline itself.
+    let acceptor = axum_server::tls_rustls::RustlsAcceptor::new(config)
+        .handshake_timeout(std::time::Duration::from_secs(24 * 3600));
+    let served = listen::serve(
+        listener,
+        router,
+        cancel,
+        limits,
+        Some(listen::Tls { acceptor }),
+        DRAIN,
+    )
+    .await;
     reload.abort();
     served
 }
 
-/// Serves `router` on `listener` until `cancel` fires, then drains open requests.
+/// Serves `router` on `listener` under the default [`Limits`] until `cancel` fires, then drains
+/// open requests.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     router: Router,
     cancel: CancellationToken,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router)
-        .with_graceful_shutdown(cancel.cancelled_owned())
-        .await
+    serve_with(listener, router, cancel, Limits::default(), None).await
 }
 
 #[cfg(test)]

@@ -219,7 +219,14 @@ impl SnapshotApi for Snapshots {
         match what {
             SnapshotRequest::Full { is_final: true } => self.hand_off_final().await,
             SnapshotRequest::Full { is_final: false } => {
-                self.actor.full().await.map(Some).map_err(actor_error)
+                let snap = self.actor.full().await.map_err(actor_error)?;
+                // Counted apart from the scheduled ones by retention, so requests (open to
+                // anyone under etcd-druid) cannot push scheduled history out. Unmarked, it
+                // would count as scheduled: said loudly, the snapshot itself stands.
+                if let Err(e) = crate::store::gc::mark_triggered(&self.store, &snap).await {
+                    tracing::error!(snapshot = %snap.snap_name, error = %e, "cannot mark a requested full snapshot as triggered; retention counts it as scheduled");
+                }
+                Ok(Some(snap))
             }
             SnapshotRequest::Delta => self.actor.delta().await.map_err(actor_error),
         }
@@ -498,7 +505,10 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
             forwarder,
             crate::druid::forward::forward_to_leader,
         ));
-        router = crate::druid::routes(api.clone()).merge(router);
+        let callers = server::PodCallers {
+            token: config.server.token.clone(),
+        };
+        router = crate::druid::routes(api.clone(), callers).merge(router);
         if druid.member_lease || druid.snapshot_leases {
             let kube = kube::Client::try_default()
                 .await
@@ -527,19 +537,21 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
         let token = server_cancel.clone();
         let tls = config.server.tls.clone();
         let client_ca = config.server.client_ca.clone();
-        async move {
-            match tls {
-                None => server::serve(listener, router, token).await,
-                Some((cert, key)) => {
-                    let tls = server::ServerTls {
-                        cert,
-                        key,
-                        client_ca,
-                    };
-                    server::serve_tls(listener, router, token, tls).await
-                }
-            }
-        }
+        let limits = server::Limits {
+            header_read_timeout: config.server.header_read_timeout,
+            request_timeout: config.server.request_timeout,
+            snapshot_request_timeout: config.snapshot.timeout + Duration::from_secs(60),
+            idle_timeout: config.server.idle_timeout,
+            max_connections: config.server.max_connections,
+            max_body_bytes: config.server.max_body_bytes,
+        };
+        server::raise_fd_limit(&limits);
+        let tls = tls.map(|(cert, key)| server::ServerTls {
+            cert,
+            key,
+            client_ca,
+        });
+        server::serve_with(listener, router, token, limits, tls)
     };
     tokio::pin!(served);
     // Whichever ends first: the server (shutdown, or an error), or a critical task (a failure,

@@ -22,6 +22,7 @@ mod encryption;
 mod etcdbrctl;
 mod fault_schedules;
 mod harness;
+mod http_limits;
 mod kube_lease;
 mod kube_objects;
 mod machines_conformance;

@@ -28,6 +28,7 @@ use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::batch::v1::{CronJob, Job};
 use k8s_openapi::api::core::v1::ServiceAccount;
 use k8s_openapi::api::core::v1::{ConfigMap, Container, PodSpec, Secret, Service};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -96,6 +97,7 @@ enum Object {
     ClusterRole(Box<ClusterRole>),
     ClusterRoleBinding(Box<ClusterRoleBinding>),
     CustomResourceDefinition(Box<CustomResourceDefinition>),
+    NetworkPolicy(Box<NetworkPolicy>),
     // Typed (so checked); the example's invariants read its JSON with the controller's checks.
     #[allow(dead_code)]
     ControlPlaneSet(Box<ControlPlaneSet>),
@@ -215,6 +217,7 @@ fn typed(json: &serde_json::Value) -> Result<Object, String> {
         ("apiextensions.k8s.io/v1", "CustomResourceDefinition") => {
             Object::CustomResourceDefinition(Box::new(strict(json)?))
         }
+        ("networking.k8s.io/v1", "NetworkPolicy") => Object::NetworkPolicy(Box::new(strict(json)?)),
         ("etcd-warden.io/v1alpha1", "ControlPlaneSet") => {
             Object::ControlPlaneSet(Box::new(strict(json)?))
         }
@@ -1063,6 +1066,105 @@ fn every_manifest_parses_into_its_kubernetes_type() {
         kustomizations, 7,
         "deploy/base, deploy/copy-job, deploy/compact-job, deploy/drill-job, deploy/druid, \
          deploy/monitoring and deploy/operator"
+    );
+}
+
+/// Issue 45, item 5: under etcd-druid the snapshot triggers answer anyone who reaches the port,
+/// so deploy/druid's NetworkPolicy admits to it only druid and the Etcd's own pods (the leader
+/// forwarding), and leaves etcd's client and peer ports as they were. What it cannot check:
+/// that the labels are those of a given druid installation, or that the cluster's network
+/// plugin enforces NetworkPolicies at all.
+#[test]
+fn the_druid_network_policy_admits_only_druid_and_the_etcd_pods_to_the_backup_port() {
+    let k = kustomization(&repo().join("deploy/druid")).unwrap_or_else(|e| panic!("{e}"));
+    let policies: Vec<&NetworkPolicy> = k
+        .objects
+        .iter()
+        .filter_map(|o| match o {
+            Object::NetworkPolicy(p) => Some(p.as_ref()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(policies.len(), 1, "deploy/druid holds one NetworkPolicy");
+    let spec = policies[0].spec.as_ref().expect("spec");
+    let etcd_pods = BTreeMap::from([(
+        "app.kubernetes.io/part-of".to_string(),
+        "etcd-main".to_string(),
+    )]);
+    assert_eq!(
+        spec.pod_selector
+            .as_ref()
+            .and_then(|s| s.match_labels.as_ref()),
+        Some(&etcd_pods)
+    );
+    assert_eq!(
+        spec.policy_types.as_deref(),
+        Some(&["Ingress".to_string()][..])
+    );
+    let rules = spec.ingress.as_deref().unwrap_or_default();
+    let port_of = |p: &k8s_openapi::api::networking::v1::NetworkPolicyPort| match &p.port {
+        Some(IntOrString::Int(n)) => *n,
+        other => panic!("a port by number, not {other:?}"),
+    };
+    let mut backup_peers = Vec::new();
+    let mut open_ports = BTreeSet::new();
+    for rule in rules {
+        // A rule without ports admits every port, the backup port with it.
+        let ports: Vec<i32> = rule
+            .ports
+            .as_deref()
+            .expect("every rule names its ports")
+            .iter()
+            .map(port_of)
+            .collect();
+        let from = rule.from.as_deref().unwrap_or_default();
+        if ports.contains(&8080) {
+            assert!(!from.is_empty(), "port 8080 open to everyone");
+            backup_peers.extend(from.iter().cloned());
+        } else if from.is_empty() {
+            open_ports.extend(ports);
+        }
+    }
+    assert_eq!(
+        open_ports,
+        BTreeSet::from([2379, 2380]),
+        "etcd's ports as before"
+    );
+    let mut admitted = Vec::new();
+    for peer in &backup_peers {
+        assert!(
+            peer.ip_block.is_none(),
+            "an address range admitted to 8080: {peer:?}"
+        );
+        let pods = peer
+            .pod_selector
+            .as_ref()
+            .and_then(|s| s.match_labels.clone())
+            .unwrap_or_default();
+        assert!(
+            !pods.is_empty(),
+            "every pod admitted to 8080 is selected by labels: {peer:?}"
+        );
+        let namespace = peer
+            .namespace_selector
+            .as_ref()
+            .map(|n| n.match_labels.clone());
+        admitted.push((namespace, pods));
+    }
+    let druid = BTreeMap::from([(
+        "app.kubernetes.io/name".to_string(),
+        "etcd-druid".to_string(),
+    )]);
+    assert_eq!(admitted.len(), 2, "{admitted:?}");
+    assert!(
+        admitted.contains(&(None, etcd_pods.clone())),
+        "the Etcd's own pods (same namespace): {admitted:?}"
+    );
+    assert!(
+        admitted
+            .iter()
+            .any(|(ns, pods)| ns.is_some() && *pods == druid),
+        "etcd-druid, in its namespace: {admitted:?}"
     );
 }
 

@@ -474,6 +474,16 @@ pub struct ServerConfig {
     /// The snapshot triggers (not a final) answer callers without a token or certificate, as
     /// etcd-backup-restore's do (druid sends neither).
     pub unauthenticated_snapshots: bool,
+    /// A connection's TLS handshake and each request's headers must arrive within this.
+    pub header_read_timeout: Duration,
+    /// A request (other than a snapshot trigger) must be answered within this.
+    pub request_timeout: Duration,
+    /// A connection with no request in flight is closed after this.
+    pub idle_timeout: Duration,
+    /// Connections served at once, beyond a small reserve kept for the health endpoints.
+    pub max_connections: usize,
+    /// The largest request body accepted.
+    pub max_body_bytes: u64,
 }
 
 impl ServerConfig {

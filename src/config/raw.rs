@@ -251,6 +251,13 @@ pub struct RawServer {
     pub tls_client_ca_file: Option<String>,
     #[serde(default, deserialize_with = "lenient::boolean")]
     pub unauthenticated_snapshots: bool,
+    pub header_read_timeout: String,
+    pub request_timeout: String,
+    pub idle_timeout: String,
+    #[serde(deserialize_with = "lenient::unsigned")]
+    pub max_connections: u64,
+    #[serde(deserialize_with = "lenient::unsigned")]
+    pub max_body_bytes: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -1106,6 +1106,16 @@ impl Validator<'_> {
             tls,
             client_ca,
             unauthenticated_snapshots: s.unauthenticated_snapshots,
+            header_read_timeout: self
+                .positive_duration("server.header_read_timeout", &s.header_read_timeout)?,
+            request_timeout: self
+                .positive_duration("server.request_timeout", &s.request_timeout)?,
+            idle_timeout: self.positive_duration("server.idle_timeout", &s.idle_timeout)?,
+            max_connections: match s.max_connections {
+                0 => return Err(self.err("server.max_connections", "must be at least 1")),
+                n => usize::try_from(n).unwrap_or(usize::MAX),
+            },
+            max_body_bytes: s.max_body_bytes,
         })
     }
 

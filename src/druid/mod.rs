@@ -323,12 +323,19 @@ async fn snapshot_leases(
     }
 }
 
-/// The routes etcd-wrapper calls.
-pub fn routes(druid: Druid) -> Router {
+/// The routes etcd-wrapper calls, from inside the pod: `/initialization/start` reads the whole
+/// database, `/initialization/status` answers an outcome once (whoever reads it first consumes
+/// it) and `/config` is etcd's configuration, so they answer only `callers`
+/// ([`crate::server::pod_only`]: a loopback peer, the token, or a client certificate).
+pub fn routes(druid: Druid, callers: crate::server::PodCallers) -> Router {
     Router::new()
         .route("/initialization/start", get(start).post(start))
         .route("/initialization/status", get(status).post(status))
         .route("/config", get(config))
+        .route_layer(axum::middleware::from_fn_with_state(
+            callers,
+            crate::server::pod_only,
+        ))
         .with_state(druid)
 }
 
@@ -387,6 +394,143 @@ async fn config(State(d): State<Druid>) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::server::{ClientCert, PodCallers};
+    use axum::body::Body;
+    use axum::extract::ConnectInfo;
+    use axum::http::Request;
+    use std::net::SocketAddr;
+    use tower::ServiceExt;
+
+    /// A `Druid` whose initialization would fail (no etcd configuration file): the tests below
+    /// only look at who reaches the handlers.
+    fn druid() -> Druid {
+        let sources = crate::config::Sources {
+            file: None,
+            env: &std::collections::HashMap::<String, String>::new(),
+            overrides: vec![],
+        };
+        let (config, _) = crate::config::Config::load(&sources).unwrap();
+        Druid::new(
+            DruidConfig {
+                etcd_config: "/nonexistent/etcd.conf.yaml".into(),
+                pod_name: Some("etcd-main-0".into()),
+                pod_namespace: None,
+                member_lease: false,
+                heartbeat: Duration::from_secs(10),
+                snapshot_leases: false,
+                full_snapshot_lease: String::new(),
+                delta_snapshot_lease: String::new(),
+            },
+            config.restore,
+            SnapshotStore::new(Arc::new(object_store::memory::InMemory::new()), ""),
+            None,
+            InitializeMetrics::default(),
+            CancellationToken::new(),
+        )
+    }
+
+    /// A request as the server's connection loop hands it over: the peer's address (when
+    /// `peer` is given), a client certificate's verdict, and a bearer token.
+    fn request(path: &str, peer: Option<&str>, cert: bool, token: Option<&str>) -> Request<Body> {
+        let mut req = Request::get(path);
+        if let Some(t) = token {
+            req = req.header("authorization", format!("Bearer {t}"));
+        }
+        let mut req = req.body(Body::empty()).unwrap();
+        if let Some(p) = peer {
+            req.extensions_mut()
+                .insert(ConnectInfo(p.parse::<SocketAddr>().unwrap()));
+        }
+        if cert {
+            req.extensions_mut().insert(ClientCert(true));
+        }
+        req
+    }
+
+    async fn call(d: &Druid, token: Option<&str>, req: Request<Body>) -> (StatusCode, String) {
+        let callers = PodCallers {
+            token: token.map(|t| crate::config::Secret::Value(t.into())),
+        };
+        let resp = routes(d.clone(), callers).oneshot(req).await.unwrap();
+        let code = resp.status();
+        let body = axum::body::to_bytes(resp.into_body(), 1 << 20)
+            .await
+            .unwrap();
+        (code, String::from_utf8_lossy(&body).into_owned())
+    }
+
+    /// Only the peer address a request carries is checked here, set by hand: the tests can
+    /// only connect from loopback, so that the server's connection loop sets it from the real
+    /// peer (plain and TLS) is shown in tests/http_limits.rs, and that a pod's containers reach
+    /// each other over loopback is Kubernetes's to keep.
+    #[tokio::test]
+    async fn the_initialization_and_config_answer_only_the_pod_the_token_or_a_certificate() {
+        let d = druid();
+        let paths = [
+            "/initialization/start?mode=full",
+            "/initialization/status",
+            "/config",
+        ];
+        // An outcome nobody has read yet: whoever is refused must not consume it.
+        d.status().finish(true);
+        for path in paths {
+            for token in [None, Some("sekrit")] {
+                for peer in [Some("10.1.2.3:40000"), Some("[fd00::7]:40000"), None] {
+                    let (code, body) = call(&d, token, request(path, peer, false, None)).await;
+                    let want = if token.is_some() {
+                        StatusCode::UNAUTHORIZED
+                    } else {
+                        StatusCode::FORBIDDEN
+                    };
+                    assert_eq!(code, want, "{path} from {peer:?}, token {token:?}: {body}");
+                }
+                let (code, _) = call(
+                    &d,
+                    token,
+                    request(path, Some("10.1.2.3:40000"), false, Some("wrong")),
+                )
+                .await;
+                assert!(code.is_client_error(), "{path}: a wrong token got {code}");
+            }
+        }
+        assert_eq!(
+            *d.status(),
+            Status::Successful,
+            "a refused caller changed the status"
+        );
+
+        // From inside the pod (IPv4 and IPv6 loopback, and IPv4 in IPv6), with a certificate,
+        // or with the token: served. The status is read once (consumed), as etcd-backup-restore
+        // answers.
+        for (peer, cert, token, configured) in [
+            (Some("127.0.0.1:40000"), false, None, None),
+            (Some("[::1]:40000"), false, None, Some("sekrit")),
+            (Some("[::ffff:127.0.0.1]:40000"), false, None, None),
+            (Some("10.1.2.3:40000"), true, None, None),
+            (
+                Some("10.1.2.3:40000"),
+                false,
+                Some("sekrit"),
+                Some("sekrit"),
+            ),
+        ] {
+            d.status().finish(true);
+            let (code, body) = call(
+                &d,
+                configured,
+                request("/initialization/status", peer, cert, token),
+            )
+            .await;
+            assert_eq!(
+                (code, body.as_str()),
+                (StatusCode::OK, "Successful"),
+                "{peer:?} cert {cert} token {token:?}"
+            );
+            // `/config` is reached (and fails: there is no etcd configuration file here).
+            let (code, body) = call(&d, configured, request("/config", peer, cert, token)).await;
+            assert_eq!(code, StatusCode::INTERNAL_SERVER_ERROR, "{peer:?}: {body}");
+        }
+    }
 
     /// Every status, every event: what etcd-backup-restore's state machine does.
     #[test]

@@ -12,7 +12,16 @@
 //!
 //! Beyond the reference: the newest stream is never touched, a final snapshot's stream is never
 //! deleted, and deltas before the first full snapshot (unrestorable) are deleted.
+//!
+//! Triggered full snapshots (taken on request over HTTP, `/snapshot/full`, which etcd-druid
+//! calls without a token) are counted apart from the scheduled ones: `LimitBased` keeps the
+//! newest `max_backups` of each, so no number of requests pushes a scheduled full snapshot out
+//! of retention (and requests never hold more than `max_backups` extra). A triggered full is
+//! known by an empty marker object `<prefix>/etcd-warden/triggered/<name>` beside the layout
+//! directory, where etcd-backup-restore does not look, so the snapshot names stay the
+//! reference's; a marker whose snapshot is gone is deleted by retention.
 
+use std::collections::HashSet;
 use std::time::Duration;
 
 use chrono::{DateTime, TimeDelta, Timelike, Utc};
@@ -30,8 +39,20 @@ pub struct Retention {
     pub delta_retention: Duration,
 }
 
-/// The snapshots to delete, deltas before the full snapshot they depend on.
+/// The snapshots to delete, deltas before the full snapshot they depend on; every full snapshot
+/// counted as scheduled.
 pub fn plan(snapshots: &[Snapshot], now: DateTime<Utc>, retention: Retention) -> Vec<Snapshot> {
+    plan_with(snapshots, &HashSet::new(), now, retention)
+}
+
+/// [`plan`], with the full snapshots named in `triggered` (taken on request) counted apart from
+/// the scheduled ones by `LimitBased`: the newest `max_backups` of each are kept.
+pub fn plan_with(
+    snapshots: &[Snapshot],
+    triggered: &HashSet<String>,
+    now: DateTime<Utc>,
+    retention: Retention,
+) -> Vec<Snapshot> {
     let mut sorted = snapshots.to_vec();
     sorted.sort_by(compare);
     let fulls: Vec<usize> = sorted
@@ -51,8 +72,13 @@ pub fn plan(snapshots: &[Snapshot], now: DateTime<Utc>, retention: Retention) ->
     match retention.policy {
         GcPolicy::LimitBased { max_backups } => {
             let keep = usize::try_from(max_backups).unwrap_or(usize::MAX).max(1);
-            let excess = fulls.len().saturating_sub(keep);
-            delete_full[..excess].iter_mut().for_each(|d| *d = true);
+            for requested in [false, true] {
+                let group: Vec<usize> = (0..fulls.len())
+                    .filter(|&k| triggered.contains(&sorted[fulls[k]].snap_name) == requested)
+                    .collect();
+                let excess = group.len().saturating_sub(keep);
+                group[..excess].iter().for_each(|&k| delete_full[k] = true);
+            }
         }
         GcPolicy::Exponential => exponential(&sorted, &fulls, now, &mut delete_full),
     }
@@ -164,10 +190,23 @@ pub async fn run(
     now: DateTime<Utc>,
     retention: Retention,
 ) -> Result<GcReport, super::StoreError> {
+    // Markers first: a marker is written after its snapshot is stored, so every marker listed
+    // here has its snapshot in the listing below, and only a marker whose snapshot is gone is
+    // an orphan.
+    let triggered = triggered_names(store).await?;
     let list = store.list().await?;
     let mut report = GcReport::default();
     let mut held: Option<Held> = None;
-    for s in plan(&list, now, retention) {
+    let planned = plan_with(&list, &triggered, now, retention);
+    let listed: HashSet<&str> = list.iter().map(|s| s.snap_name.as_str()).collect();
+    let orphans: Vec<&String> = triggered
+        .iter()
+        .filter(|n| !listed.contains(n.as_str()))
+        .collect();
+    for name in orphans {
+        unmark(store, name).await;
+    }
+    for s in planned {
         if s.kind == Kind::Full {
             match held.take() {
                 Some(Held::Failed) => {
@@ -191,6 +230,9 @@ pub async fn run(
         match delete_unless_locked(store, &s).await {
             Ok(None) => {
                 tracing::info!(snapshot = %s.snap_name, "retention: deleted");
+                if triggered.contains(&s.snap_name) {
+                    unmark(store, &s.snap_name).await;
+                }
                 store.unlocked(&s);
                 report.deleted.push(s);
             }
@@ -210,6 +252,63 @@ pub async fn run(
         }
     }
     Ok(report)
+}
+
+/// Where the markers of triggered full snapshots are, under the store's prefix.
+const TRIGGERED_DIR: &str = "etcd-warden/triggered";
+
+fn triggered_dir(store: &super::SnapshotStore) -> String {
+    let prefix = store.prefix().trim_matches('/');
+    if prefix.is_empty() {
+        TRIGGERED_DIR.to_owned()
+    } else {
+        format!("{prefix}/{TRIGGERED_DIR}")
+    }
+}
+
+fn triggered_marker(store: &super::SnapshotStore, name: &str) -> object_store::path::Path {
+    object_store::path::Path::from(format!("{}/{name}", triggered_dir(store)))
+}
+
+/// Deletes the marker of `name`; one that stays is deleted by a later run.
+async fn unmark(store: &super::SnapshotStore, name: &str) {
+    use object_store::ObjectStoreExt;
+    if let Err(e) = store.backend().delete(&triggered_marker(store, name)).await {
+        tracing::debug!(snapshot = %name, error = %e, "retention: a triggered marker stays");
+    }
+}
+
+/// Records that the full snapshot `snapshot` was taken on request (not on schedule), so that
+/// retention counts it apart ([`plan_with`]). Written after the snapshot is stored.
+pub async fn mark_triggered(
+    store: &super::SnapshotStore,
+    snapshot: &Snapshot,
+) -> Result<(), super::StoreError> {
+    use object_store::ObjectStoreExt;
+    store
+        .backend()
+        .put(
+            &triggered_marker(store, &snapshot.snap_name),
+            bytes::Bytes::new().into(),
+        )
+        .await?;
+    Ok(())
+}
+
+/// The names of the full snapshots marked as triggered.
+pub async fn triggered_names(
+    store: &super::SnapshotStore,
+) -> Result<HashSet<String>, super::StoreError> {
+    use futures::StreamExt;
+    let dir = object_store::path::Path::from(triggered_dir(store));
+    let mut listed = store.backend().list(Some(&dir));
+    let mut names = HashSet::new();
+    while let Some(meta) = listed.next().await {
+        if let Some(name) = meta?.location.filename() {
+            names.insert(name.to_owned());
+        }
+    }
+    Ok(names)
 }
 
 /// Reports a snapshot the store keeps: in the log the first time this process finds it locked.
@@ -425,6 +524,64 @@ mod tests {
         );
         assert!(report.failed.is_empty());
         assert_eq!(names(&store.list().await.unwrap()), vec![(Kind::Full, 20)]);
+    }
+
+    /// Issue 45, item 5: three unauthenticated `POST /snapshot/full` after three scheduled
+    /// full snapshots deleted the three scheduled ones under `LimitBased` (max 3). Requested
+    /// fulls, marked as the sidecar marks them, are counted apart: the scheduled ones stay, and
+    /// requests never hold more than `max_backups` of their own. A marker whose snapshot is
+    /// gone is deleted; so is a deleted triggered snapshot's.
+    #[tokio::test]
+    async fn requested_full_snapshots_cannot_push_scheduled_ones_out_of_retention() {
+        let store = crate::store::SnapshotStore::new(
+            std::sync::Arc::new(object_store::memory::InMemory::new()),
+            "p",
+        );
+        let now = t("2024-05-10T12:00:00Z");
+        let h = |n| now - TimeDelta::hours(n);
+        let scheduled = [full(10, h(30)), full(20, h(20)), full(30, h(10))];
+        let requested: Vec<Snapshot> = (0..5).map(|i| full(31 + i, h(5 - i))).collect();
+        for s in scheduled.iter().chain(&requested) {
+            store
+                .put_bytes(s, bytes::Bytes::from_static(b"x"))
+                .await
+                .unwrap();
+        }
+        for s in &requested {
+            mark_triggered(&store, s).await.unwrap();
+        }
+        // A marker left by a snapshot deleted by hand.
+        mark_triggered(&store, &full(5, h(40))).await.unwrap();
+
+        let report = run(&store, now, limit(3, 0)).await.unwrap();
+        assert_eq!(
+            names(&report.deleted),
+            vec![(Kind::Full, 31), (Kind::Full, 32)],
+            "only the oldest requested fulls beyond max_backups go"
+        );
+        assert_eq!(
+            names(&store.list().await.unwrap()),
+            vec![
+                (Kind::Full, 10),
+                (Kind::Full, 20),
+                (Kind::Full, 30),
+                (Kind::Full, 33),
+                (Kind::Full, 34),
+                (Kind::Full, 35)
+            ]
+        );
+        let mut marked: Vec<String> = triggered_names(&store).await.unwrap().into_iter().collect();
+        marked.sort();
+        let mut want: Vec<String> = requested[2..].iter().map(|s| s.snap_name.clone()).collect();
+        want.sort();
+        assert_eq!(marked, want);
+
+        // Unmarked (today's plan), the same store would lose its scheduled history.
+        let all: Vec<Snapshot> = scheduled.iter().chain(&requested[2..]).cloned().collect();
+        assert_eq!(
+            names(&plan(&all, now, limit(3, 0))),
+            vec![(Kind::Full, 10), (Kind::Full, 20), (Kind::Full, 30)]
+        );
     }
 
     /// A backend whose deletes of some keys are refused as Azure refuses a blob under an
