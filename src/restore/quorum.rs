@@ -141,7 +141,7 @@ pub enum QuorumError {
         path: String,
         /// Why.
         #[source]
-        source: RestoreError,
+        source: Box<RestoreError>,
     },
     /// A file operation failed.
     #[error("{what} {path}: {source}")]
@@ -830,7 +830,7 @@ async fn rebuild(
                 .await
                 .map_err(|source| QuorumError::Restore {
                     path: target.display().to_string(),
-                    source,
+                    source: Box::new(source),
                 })?;
             Ok((target, report.revision, report.etcd_revision))
         }
