@@ -909,8 +909,8 @@ pub async fn run_local(
         set,
     };
     on_listening(addr);
-    let served = axum::serve(listener, router(state))
-        .with_graceful_shutdown(cancel.clone().cancelled_owned())
+    // The sidecar's server, with its header, request and idle deadlines and connection cap.
+    let served = crate::server::serve(listener, router(state), cancel.clone())
         .await
         .map_err(io("serving HTTP"));
     child.cancel();

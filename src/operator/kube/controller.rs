@@ -558,9 +558,9 @@ impl Tasks {
         };
         let c = self.cancel.clone();
         self.tracker.spawn(async move {
-            let served = axum::serve(listener, health::router(state))
-                .with_graceful_shutdown(c.clone().cancelled_owned())
-                .await;
+            // The sidecar's server, limits included: a client holding connections open cannot
+            // starve the kubelet's probes.
+            let served = crate::server::serve(listener, health::router(state), c.clone()).await;
             if let Err(e) = served {
                 warn!(error = %e, "serving health and metrics failed");
             }
