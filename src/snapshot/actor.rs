@@ -1179,6 +1179,10 @@ mod tests {
         buffered: Arc<AtomicU64>,
         revision: i64,
         defrag_steps: Arc<AtomicU64>,
+        /// Whether its member leads (the leadership check's answer).
+        leads: Arc<AtomicBool>,
+        /// A file created once a member is defragmented (an operator flipping the kill switch).
+        switch: Option<std::path::PathBuf>,
     }
 
     impl HangingEtcd {
@@ -1189,6 +1193,8 @@ mod tests {
                 buffered: Arc::new(AtomicU64::new(0)),
                 revision: 10,
                 defrag_steps: Arc::new(AtomicU64::new(0)),
+                leads: Arc::new(AtomicBool::new(true)),
+                switch: None,
             }
         }
 
@@ -1251,7 +1257,7 @@ mod tests {
         fn pause(&mut self) {}
         async fn membership(&mut self) -> Result<Membership, EngineError> {
             Ok(Membership {
-                leader: true,
+                leader: self.leads.load(Ordering::SeqCst),
                 learner: false,
                 cluster_size: Some(3),
             })
@@ -1274,6 +1280,19 @@ mod tests {
         ) -> Result<StepOutcome, EngineError> {
             self.defrag_steps.fetch_add(1, Ordering::SeqCst);
             self.maybe_hang().await;
+            if pass.disabled {
+                return Ok(StepOutcome {
+                    observed: vec![],
+                    step: DefragStep::Stopped {
+                        reason: StopReason::Disabled,
+                        detail: "the kill switch is on".into(),
+                    },
+                });
+            }
+            // Flipped while the first member's defragmentation runs.
+            if let (Some(switch), true) = (&self.switch, pass.done.is_empty()) {
+                std::fs::write(switch, "").unwrap();
+            }
             // Followers 2 and 3, then the leader 1, as the plan orders them.
             let step = match [2, 3, 1].into_iter().find(|m| !pass.done.contains(m)) {
                 Some(member) => DefragStep::Defragmented {
@@ -1461,6 +1480,74 @@ mod tests {
 
         cancel.cancel();
         task.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn the_kill_switch_is_looked_for_before_every_member() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("no-defrag");
+        let mut engine = HangingEtcd::new(false);
+        engine.switch = Some(path.clone());
+        let mut config = quiet_config(Duration::from_secs(5));
+        config.defrag.disable_file = Some(path.clone());
+        let (_gate, gate_rx) = watch::channel(Gate::Open);
+        let cancel = CancellationToken::new();
+        let (metrics, reg) = registered();
+        let (actor, task) = spawn(engine, config, gate_rx, metrics, cancel.clone());
+        assert!(status_within_5s(&actor, |s| s.leader).await);
+
+        // Flipped on while the pass runs (after its first member): the rest waits.
+        match actor.defrag().await {
+            Err(ActorError::Unhealthy { reason, done }) => {
+                assert!(reason.contains("kill switch"), "{reason}");
+                assert_eq!(done, vec![2]);
+            }
+            other => panic!("expected the kill switch to stop the pass, got {other:?}"),
+        }
+        assert_has(
+            &reg,
+            r#"etcd_warden_defrag_passes_total{result="stopped"} 1"#,
+        );
+        assert_has(&reg, "etcd_warden_defrag_members_defragmented_total 1");
+        assert_has(
+            &reg,
+            r#"etcd_warden_defrag_members_skipped_total{reason="disabled"} 1"#,
+        );
+        // The switch is the file itself: removed, it is off.
+        assert!(kill_switch_on(Some(&path)).await);
+        std::fs::remove_file(&path).unwrap();
+        assert!(!kill_switch_on(Some(&path)).await);
+        assert!(!kill_switch_on(None).await);
+        cancel.cancel();
+        task.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_sidecar_that_takes_leadership_from_another_holds_off_automatic_passes() {
+        for (leads_at_start, passes) in [(true, true), (false, false)] {
+            let engine = HangingEtcd::new(false);
+            let (steps, leads) = (engine.defrag_steps.clone(), engine.leads.clone());
+            leads.store(leads_at_start, Ordering::SeqCst);
+            let mut config = quiet_config(Duration::from_secs(5));
+            config.defrag.check_interval = Some(Duration::from_millis(50));
+            let (_gate, gate_rx) = watch::channel(Gate::Open);
+            let cancel = CancellationToken::new();
+            let (metrics, _reg) = registered();
+            let (actor, task) = spawn(engine, config, gate_rx, metrics, cancel.clone());
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            // Taken from another member: its sidecar may still be running a pass.
+            leads.store(true, Ordering::SeqCst);
+            assert!(status_within_5s(&actor, |s| s.leader).await);
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let ran = steps.load(Ordering::SeqCst) > 0;
+            assert_eq!(ran, passes, "leading at the start: {leads_at_start}");
+            // A requested pass is the operator's call: not held off.
+            if !passes {
+                assert_eq!(actor.defrag().await.unwrap().defragmented, vec![2, 3, 1]);
+            }
+            cancel.cancel();
+            task.await.unwrap();
+        }
     }
 
     #[tokio::test]
