@@ -257,8 +257,9 @@ pub enum ActorError {
     /// The gate changed while it ran, and the new one forbids it; nothing was stored.
     #[error("cancelled: ownership changed while it ran; nothing was stored")]
     Cancelled,
-    /// A defragmentation pass stopped because the cluster is not healthy (or this member no
-    /// longer leads); the members in `done` were defragmented before.
+    /// A defragmentation pass stopped before it was done: the kill switch, an unhealthy member,
+    /// a learner catching up, or leadership (not this member at the start, no follower to take
+    /// over, moving too often); the members in `done` were defragmented before.
     #[error("defragmentation stopped after {done:x?}: {reason}")]
     Unhealthy {
         /// Why.
@@ -290,7 +291,8 @@ pub struct ActorConfig {
     /// Longest a full snapshot, a delta, or opening the watch for deltas may take; then it fails
     /// with [`EngineError::TimedOut`] and the actor goes on.
     pub timeout: Duration,
-    /// Scheduled defragmentation (off without a schedule).
+    /// Defragmentation: scheduled, triggered by fragmentation, the kill switch (all off by
+    /// default).
     pub defrag: crate::config::DefragConfig,
 }
 
