@@ -41,17 +41,26 @@ async fn sizes(endpoints: &[String]) -> (HashMap<u64, (i64, i64)>, u64) {
 /// the freed pages as free (bbolt keeps them pending until a later write transaction, so this
 /// writes a little while it waits).
 async fn fragment(client: &mut Client, endpoints: &[String]) -> HashMap<u64, (i64, i64)> {
+    fragment_n(client, endpoints, 200).await
+}
+
+/// `n` values of 100 KiB, all but 10 deleted, history compacted away (see [`fragment`]).
+async fn fragment_n(
+    client: &mut Client,
+    endpoints: &[String],
+    n: usize,
+) -> HashMap<u64, (i64, i64)> {
     let value = "x".repeat(100 * 1024);
-    for i in 0..200 {
+    for i in 0..n {
         client
             .put(format!("/bulk/{i:04}"), value.clone(), None)
             .await
             .unwrap();
     }
-    for i in 0..190 {
+    for i in 0..n - 10 {
         client.delete(format!("/bulk/{i:04}"), None).await.unwrap();
     }
-    let rev = support::etcd::revision(client, "/bulk/0199").await;
+    let rev = support::etcd::revision(client, &format!("/bulk/{:04}", n - 1)).await;
     client
         .compact(rev, Some(CompactionOptions::new().with_physical()))
         .await
@@ -337,6 +346,85 @@ async fn a_pass_moves_leadership_before_defragmenting_the_former_leader_while_a_
         .filter(|l| l.starts_with("etcd_warden_defrag_member_free_fraction{member="))
         .count();
     assert_eq!(fractions, 3, "{text}");
+    sidecar.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leadership_change_in_the_middle_of_a_pass_does_not_drop_it() {
+    let etcd = EtcdCluster::start(3, Release::V35).await;
+    let endpoints = etcd.endpoints();
+    let mut client = etcd.client().await;
+    // Larger than the others, so a follower's defragmentation lasts long enough to move
+    // leadership under it.
+    fragment_n(&mut client, &endpoints, 400).await;
+    let sidecar = Sidecar::next_to_leader(&mut client, &endpoints, |_| {}).await;
+    let former = sidecar.leader;
+    let etcd_before = etcd_defrag_counts(&endpoints).await;
+    let list = client.member_list().await.unwrap();
+    let url_of = |id: u64| {
+        list.members()
+            .iter()
+            .find(|m| m.id() == id)
+            .map(|m| m.client_urls()[0].clone())
+            .unwrap()
+    };
+
+    // Once the pass has defragmented its first member (the follower with the lower ID, as the
+    // plan orders them), leadership moves to that member: an election the pass did not make.
+    let first = list
+        .members()
+        .iter()
+        .map(|m| m.id())
+        .filter(|id| *id != former)
+        .min()
+        .unwrap();
+    let mut at_leader = Client::connect([url_of(former)], None).await.unwrap();
+    let pass = tokio::spawn({
+        let actor = sidecar.actor.clone();
+        async move {
+            let report = actor.defrag().await;
+            (report, tokio::time::Instant::now())
+        }
+    });
+    for waited in 0.. {
+        if sidecar.has("etcd_warden_defrag_members_defragmented_total 1") {
+            break;
+        }
+        assert!(waited < 60_000, "the pass defragments no first member");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let moving_at = tokio::time::Instant::now();
+    at_leader.move_leader(first).await.unwrap();
+    let counts = etcd_defrag_counts(&endpoints).await;
+    assert_eq!(
+        counts[&first],
+        etcd_before[&first] + 1,
+        "{first:x} came first"
+    );
+
+    let (report, ended_at) = pass.await.unwrap();
+    let report = report.expect("the pass goes on");
+    assert!(moving_at < ended_at, "the election came after the pass");
+    // Every member once, none while it led; the former leader as a follower, with no move of
+    // the pass's own (the new leader was done already).
+    assert_eq!(report.defragmented.len(), 3, "{report:?}");
+    for event in &report.events {
+        match event {
+            DefragEvent::Defragmented { member, leader } => {
+                assert_ne!(member, leader, "{report:?}")
+            }
+            DefragEvent::MovedLeader { .. } => panic!("no move was needed: {report:?}"),
+        }
+    }
+    assert!(report.events.contains(&DefragEvent::Defragmented {
+        member: former,
+        leader: first
+    }));
+    let etcd_after = etcd_defrag_counts(&endpoints).await;
+    for (id, n) in &etcd_after {
+        assert_eq!(*n, etcd_before[id] + 1, "member {id:x}");
+    }
+    assert!(sidecar.has(r#"etcd_warden_defrag_passes_total{result="done"} 1"#));
     sidecar.stop().await;
 }
 

@@ -986,6 +986,8 @@ impl<E: Engine> Actor<E> {
         let mut pass = PassState::start();
         let mut events = Vec::new();
         let mut observed: Vec<MemberState> = Vec::new();
+        // Since when a pass under way has been waiting for an election to settle.
+        let mut waiting_since: Option<Instant> = None;
         loop {
             // At the start this sidecar must lead; later only the gate counts (a leadership
             // change, the pass's own move or not, does not drop the pass).
@@ -1039,7 +1041,11 @@ impl<E: Engine> Actor<E> {
                 self.metrics.defrag_members_seen(&outcome.observed);
                 observed = outcome.observed;
             }
+            let started_before = !pass.starting;
             pass.starting = false;
+            if !matches!(outcome.step, DefragStep::Stopped { .. }) {
+                waiting_since = None;
+            }
             match outcome.step {
                 DefragStep::Defragmented {
                     member,
@@ -1073,6 +1079,16 @@ impl<E: Engine> Actor<E> {
                 }
                 DefragStep::LeaderMoved => pass.moves += 1,
                 DefragStep::Done => break,
+                DefragStep::Stopped { reason, detail }
+                    if started_before
+                        && reason.transient()
+                        && waiting_since.get_or_insert_with(Instant::now).elapsed()
+                            < super::defrag::ELECTION_GRACE =>
+                {
+                    tracing::info!(reason = reason.label(), %detail, "waiting for the cluster to settle (an election) before the next step");
+                    drop(_in);
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
                 DefragStep::Stopped { reason, detail } => {
                     let left = observed
                         .iter()

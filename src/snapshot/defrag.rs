@@ -22,13 +22,19 @@
 //! still take ([`holdoff`]); two passes at once could defragment two members at once.
 //!
 //! Every step re-reads every member's status: a member that became unhealthy, a learner that
-//! appeared, or the kill switch stops the rest of the pass.
+//! appeared, or the kill switch stops the rest of the pass. An election in the middle of a pass
+//! leaves members without a leader for a moment: a pass under way waits that out
+//! ([`StopReason::transient`], up to [`ELECTION_GRACE`]) doing nothing, rather than stop.
 
 use std::time::Duration;
 
 /// Leadership moves (the pass's own and spontaneous ones it reacted to) after which a pass stops:
 /// leadership that keeps moving means an unstable cluster, not one to defragment.
 pub const MAX_MOVES: u32 = 3;
+
+/// How long a pass under way waits for an election to settle (a [transient](StopReason::transient)
+/// stop) before it stops; etcd's election timeout is a second by default.
+pub const ELECTION_GRACE: Duration = Duration::from_secs(10);
 
 /// How many raft entries a member may be behind the leader and still count as caught up. The
 /// members' status is read one after another while writes go on, so an exact match is too
@@ -132,6 +138,14 @@ pub enum StopReason {
 }
 
 impl StopReason {
+    /// Whether a pass under way waits (up to [`ELECTION_GRACE`]) and plans again instead of
+    /// stopping: an election leaves members without a leader, or naming one that has stepped
+    /// down, for a moment; a pass must not be dropped for that (etcd-backup-restore's #782).
+    /// Nothing is done while it waits, so "only while every member is healthy" still holds.
+    pub fn transient(self) -> bool {
+        matches!(self, StopReason::NoLeader | StopReason::Unhealthy)
+    }
+
     /// Every reason, for metrics that list each label from the start.
     pub const ALL: [StopReason; 7] = [
         StopReason::Disabled,
@@ -361,6 +375,34 @@ mod tests {
     }
 
     #[test]
+    fn a_spontaneous_election_mid_pass_reorders_the_members_left() {
+        let mut ms = vec![
+            member(1, true, 100, 10),
+            member(2, false, 100, 10),
+            member(3, false, 100, 10),
+        ];
+        // 2 is done; then 3 (not done) is elected: the former leader 1 is a follower now.
+        ms[0].is_leader = false;
+        ms[2].is_leader = true;
+        ms[1].raft_index = 4999;
+        assert_eq!(plan(&ms, 1, &pass(&[2]), &TEN), DefragPlan::Defragment(1));
+        // Then the new leader's turn: moved away to the follower furthest ahead (1), not 2.
+        assert_eq!(
+            plan(&ms, 1, &pass(&[2, 1]), &TEN),
+            DefragPlan::MoveLeader { from: 3, to: 1 }
+        );
+        // Elected a done member instead: nothing to move, the rest are followers.
+        ms[2].is_leader = false;
+        ms[1].is_leader = true;
+        assert_eq!(plan(&ms, 1, &pass(&[2]), &TEN), DefragPlan::Defragment(1));
+        assert_eq!(
+            plan(&ms, 1, &pass(&[2, 1]), &TEN),
+            DefragPlan::Defragment(3)
+        );
+        assert_eq!(plan(&ms, 1, &pass(&[2, 1, 3]), &TEN), DefragPlan::Done);
+    }
+
+    #[test]
     fn the_rule_skips_small_or_full_databases() {
         // 5% free is below 10%; exactly 10% is not.
         let full = [
@@ -493,6 +535,15 @@ mod tests {
         ];
         // One voting member: nobody to hand over to, so in place.
         assert_eq!(plan(&ms, 1, &pass(&[2]), &TEN), DefragPlan::Defragment(1));
+    }
+
+    #[test]
+    fn only_an_election_is_waited_out() {
+        let waited: Vec<StopReason> = StopReason::ALL
+            .into_iter()
+            .filter(|r| r.transient())
+            .collect();
+        assert_eq!(waited, [StopReason::Unhealthy, StopReason::NoLeader]);
     }
 
     #[test]
