@@ -301,8 +301,8 @@ async fn client_of(
 }
 
 /// Moves leadership from `from` to `to` (etcd accepts MoveLeader only at the leader), then waits
-/// until every member names `to` as leader, so the next plan does not see the election half-way
-/// (two or no leaders) and stop the pass for it.
+/// until every voting member answers healthy (knows a leader) and `to` is the one whose status
+/// says it leads, so the next plan does not see the election half-way (two or no leaders).
 async fn move_leader(
     base: &crate::config::EtcdConfig,
     members: &[MemberState],
@@ -330,8 +330,7 @@ async fn move_leader(
                 continue;
             }
             let s = member_state(base, m.id, &m.client_urls, m.is_learner).await;
-            let says = s.healthy && (s.is_leader == (m.id == to));
-            agreed &= says;
+            agreed &= s.healthy && s.is_leader == (m.id == to);
         }
         if agreed {
             return Ok(());
