@@ -81,6 +81,13 @@ fn defaults_alone_are_valid() {
     );
     assert_eq!(c.defrag.timeout, Duration::from_secs(300));
     assert_eq!(c.defrag.min_free_fraction, 0.1);
+    assert_eq!(
+        c.defrag.check_interval, None,
+        "the trigger is off by default"
+    );
+    assert_eq!(c.defrag.trigger_min_db_size, 100 << 20);
+    assert_eq!(c.defrag.trigger_min_free_fraction, 0.45);
+    assert_eq!(c.defrag.disable_file, None, "no kill switch by default");
     // From the environment: text, parsed as the file's values are.
     let c = load(
         None,
@@ -93,6 +100,22 @@ fn defaults_alone_are_valid() {
     .unwrap();
     assert!(c.defrag.schedule.is_some());
     assert_eq!(c.defrag.min_free_fraction, 0.25);
+    let c = load(
+        None,
+        &[
+            ("ETCD_WARDEN_DEFRAG_CHECK_INTERVAL", "10m"),
+            ("ETCD_WARDEN_DEFRAG_TRIGGER_MIN_DB_SIZE", "1GiB"),
+            ("ETCD_WARDEN_DEFRAG_DISABLE_FILE", "/var/etcd/no-defrag"),
+        ],
+        &[],
+    )
+    .unwrap();
+    assert_eq!(c.defrag.check_interval, Some(Duration::from_secs(600)));
+    assert_eq!(c.defrag.trigger_min_db_size, 1 << 30);
+    assert_eq!(
+        c.defrag.disable_file.as_deref(),
+        Some(Path::new("/var/etcd/no-defrag"))
+    );
 }
 
 #[test]
@@ -403,6 +426,27 @@ fn every_error_names_its_key() {
             vec![],
             "defrag.min_free_fraction",
             "between 0 and 1",
+        ),
+        (
+            "trigger free fraction below 0",
+            Some("[defrag]\ntrigger_min_free_fraction = -0.1\n"),
+            vec![],
+            "defrag.trigger_min_free_fraction",
+            "between 0 and 1",
+        ),
+        (
+            "trigger size not a size",
+            Some("[defrag]\ntrigger_min_db_size = \"a lot\"\n"),
+            vec![],
+            "defrag.trigger_min_db_size",
+            "",
+        ),
+        (
+            "trigger interval not a duration",
+            Some("[defrag]\ncheck_interval = \"often\"\n"),
+            vec![],
+            "defrag.check_interval",
+            "invalid duration",
         ),
         (
             "free fraction not a number",

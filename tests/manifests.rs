@@ -1565,6 +1565,19 @@ fn exported_metrics() -> BTreeSet<String> {
             etcd_warden::kill::Outcome::Killed,
         )],
     });
+    // Per-member gauges appear once a member was seen.
+    metrics
+        .snapshot
+        .defrag_members_seen(&[etcd_warden::snapshot::defrag::MemberState {
+            id: 1,
+            client_urls: vec![],
+            is_leader: true,
+            is_learner: false,
+            db_size: 1,
+            db_size_in_use: 1,
+            raft_index: 1,
+            healthy: true,
+        }]);
     let mut text = String::new();
     prometheus_client::encoding::text::encode(&mut text, &registry).expect("encode");
     let mut exported = BTreeSet::new();

@@ -415,7 +415,8 @@ pub struct SnapshotConfig {
     pub timeout: Duration,
 }
 
-/// Scheduled defragmentation of every member, run by the snapshot leader's sidecar.
+/// Defragmentation of every member (scheduled, or triggered by fragmentation), run by the
+/// snapshot leader's sidecar.
 #[derive(Debug, Clone)]
 pub struct DefragConfig {
     /// Cron expression; `None` (an empty `defrag.schedule`) turns scheduled defragmentation off.
@@ -426,6 +427,49 @@ pub struct DefragConfig {
     /// A member whose free fraction of its database file, (dbSize - dbSizeInUse) / dbSize, is
     /// below this is skipped: there is too little to gain.
     pub min_free_fraction: f64,
+    /// How often the fragmentation trigger reads every member's status; `None` (`"0s"`) turns
+    /// the trigger off.
+    pub check_interval: Option<Duration>,
+    /// The trigger defragments members whose database file has at least this many bytes ...
+    pub trigger_min_db_size: u64,
+    /// ... of which at least this fraction is free.
+    pub trigger_min_free_fraction: f64,
+    /// The kill switch: while this file exists no member is defragmented (checked before every
+    /// step of every pass, so it is flipped without a restart).
+    pub disable_file: Option<std::path::PathBuf>,
+}
+
+impl DefragConfig {
+    /// Which members a scheduled or requested pass defragments.
+    pub fn scheduled_rule(&self) -> crate::snapshot::defrag::Rule {
+        crate::snapshot::defrag::Rule {
+            min_db_size: 0,
+            min_free_fraction: self.min_free_fraction,
+        }
+    }
+
+    /// Which members the fragmentation trigger defragments.
+    pub fn trigger_rule(&self) -> crate::snapshot::defrag::Rule {
+        crate::snapshot::defrag::Rule {
+            min_db_size: self.trigger_min_db_size,
+            min_free_fraction: self.trigger_min_free_fraction,
+        }
+    }
+}
+
+impl Default for DefragConfig {
+    /// Off (no schedule, no trigger), with the documented defaults otherwise.
+    fn default() -> Self {
+        DefragConfig {
+            schedule: None,
+            timeout: Duration::from_secs(300),
+            min_free_fraction: 0.1,
+            check_interval: None,
+            trigger_min_db_size: 100 << 20,
+            trigger_min_free_fraction: 0.45,
+            disable_file: None,
+        }
+    }
 }
 
 /// The owner DNS record this sidecar checks.

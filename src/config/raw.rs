@@ -199,6 +199,11 @@ pub struct RawDefrag {
     pub timeout: String,
     #[serde(deserialize_with = "lenient::number")]
     pub min_free_fraction: f64,
+    pub check_interval: String,
+    pub trigger_min_db_size: String,
+    #[serde(deserialize_with = "lenient::number")]
+    pub trigger_min_free_fraction: f64,
+    pub disable_file: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -977,17 +977,30 @@ impl Validator<'_> {
                 )
             })?)
         };
-        let f = d.min_free_fraction;
-        if !(0.0..=1.0).contains(&f) {
-            return Err(self.err(
-                "defrag.min_free_fraction",
-                format!("{f} is not a fraction between 0 and 1 (e.g. 0.1 for 10% free)"),
-            ));
-        }
+        let fraction = |key: &str, f: f64| {
+            if (0.0..=1.0).contains(&f) {
+                Ok(f)
+            } else {
+                Err(self.err(
+                    key,
+                    format!("{f} is not a fraction between 0 and 1 (e.g. 0.1 for 10% free)"),
+                ))
+            }
+        };
+        let check_interval = self.duration("defrag.check_interval", &d.check_interval)?;
+        let disable_file = d.disable_file.trim();
         Ok(DefragConfig {
             schedule,
             timeout: self.positive_duration("defrag.timeout", &d.timeout)?,
-            min_free_fraction: f,
+            min_free_fraction: fraction("defrag.min_free_fraction", d.min_free_fraction)?,
+            check_interval: (!check_interval.is_zero()).then_some(check_interval),
+            trigger_min_db_size: parse_bytes(&d.trigger_min_db_size)
+                .map_err(|m| self.err("defrag.trigger_min_db_size", m))?,
+            trigger_min_free_fraction: fraction(
+                "defrag.trigger_min_free_fraction",
+                d.trigger_min_free_fraction,
+            )?,
+            disable_file: (!disable_file.is_empty()).then(|| PathBuf::from(disable_file)),
         })
     }
 

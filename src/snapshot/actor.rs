@@ -17,6 +17,7 @@ use serde::Serialize;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
+use super::defrag::{MemberState, PassState, Rule, StopReason};
 use super::full::FullError;
 use super::gate::{Gate, Operation};
 use super::metrics::SnapshotMetrics;
@@ -142,16 +143,25 @@ pub trait Engine: Send + 'static {
     async fn latest_chain(&mut self) -> Result<Chain, EngineError>;
     /// Applies retention at `now`; reports what was deleted.
     async fn gc(&mut self, now: DateTime<Utc>) -> Result<GcReport, EngineError>;
-    /// One step of a defragmentation pass: reads every member's status and, when
-    /// [`defrag::plan`](super::defrag::plan) names a next member (none of `done`, this member
-    /// leading, every member healthy), defragments it through a client to its own URLs whose
-    /// request may take `timeout`.
+    /// One step of a defragmentation pass: reads every member's status and does what
+    /// [`defrag::plan`](super::defrag::plan) says for `pass` and `rule` (defragment a member
+    /// through a client to its own URLs, or move leadership away from the leader), each request
+    /// allowed `timeout`.
     async fn defrag_step(
         &mut self,
-        done: &[u64],
-        min_free_fraction: f64,
+        pass: &PassState,
+        rule: Rule,
         timeout: Duration,
-    ) -> Result<DefragStep, EngineError>;
+    ) -> Result<StepOutcome, EngineError>;
+}
+
+/// What one [`Engine::defrag_step`] saw and did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepOutcome {
+    /// Every member's state as the step read it (for the fragmentation metrics).
+    pub observed: Vec<MemberState>,
+    /// What it did.
+    pub step: DefragStep,
 }
 
 /// What one [`Engine::defrag_step`] did.
@@ -161,6 +171,8 @@ pub enum DefragStep {
     Defragmented {
         /// Its ID.
         member: u64,
+        /// The leader its own status named right before its defragmentation started.
+        leader: u64,
         /// Its database file's size before.
         db_size_before: i64,
         /// Its database file's size after, when its status could be read.
@@ -168,10 +180,44 @@ pub enum DefragStep {
         /// How long etcd took.
         took: Duration,
     },
-    /// Nothing is left: every member is done or has too little free space.
+    /// Leadership was moved from the leader to a caught-up follower.
+    MovedLeader {
+        /// The former leader.
+        from: u64,
+        /// The new one.
+        to: u64,
+    },
+    /// The member planned took leadership before its defragmentation: nothing was done, the
+    /// next step plans again.
+    LeaderMoved,
+    /// Nothing is left: every member is done or under the rule.
     Done,
-    /// The cluster is not healthy (or this member no longer leads): the pass stops.
-    Stopped(String),
+    /// The pass stops (kill switch, health, learner, leadership).
+    Stopped {
+        /// Why, for metrics.
+        reason: StopReason,
+        /// Why, in words.
+        detail: String,
+    },
+}
+
+/// One thing a pass did, in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DefragEvent {
+    /// A member was defragmented while its own status named `leader` as leader.
+    Defragmented {
+        /// The member.
+        member: u64,
+        /// The leader right before.
+        leader: u64,
+    },
+    /// Leadership was moved.
+    MovedLeader {
+        /// The former leader.
+        from: u64,
+        /// The new one.
+        to: u64,
+    },
 }
 
 /// What a defragmentation pass did.
@@ -179,6 +225,8 @@ pub enum DefragStep {
 pub struct DefragReport {
     /// The members defragmented, in order.
     pub defragmented: Vec<u64>,
+    /// The defragmentations and leadership moves, in order.
+    pub events: Vec<DefragEvent>,
     /// The full snapshot taken after (none when no member was defragmented).
     pub snapshot: Option<Snapshot>,
 }
@@ -209,8 +257,9 @@ pub enum ActorError {
     /// The gate changed while it ran, and the new one forbids it; nothing was stored.
     #[error("cancelled: ownership changed while it ran; nothing was stored")]
     Cancelled,
-    /// A defragmentation pass stopped because the cluster is not healthy (or this member no
-    /// longer leads); the members in `done` were defragmented before.
+    /// A defragmentation pass stopped before it was done: the kill switch, an unhealthy member,
+    /// a learner catching up, or leadership (not this member at the start, no follower to take
+    /// over, moving too often); the members in `done` were defragmented before.
     #[error("defragmentation stopped after {done:x?}: {reason}")]
     Unhealthy {
         /// Why.
@@ -242,7 +291,8 @@ pub struct ActorConfig {
     /// Longest a full snapshot, a delta, or opening the watch for deltas may take; then it fails
     /// with [`EngineError::TimedOut`] and the actor goes on.
     pub timeout: Duration,
-    /// Scheduled defragmentation (off without a schedule).
+    /// Defragmentation: scheduled, triggered by fragmentation, the kill switch (all off by
+    /// default).
     pub defrag: crate::config::DefragConfig,
 }
 
@@ -435,6 +485,9 @@ pub fn spawn<E: Engine>(
         leader: false,
         next_full: None,
         next_defrag: None,
+        defrag_hold_until: None,
+        saw_other_leader: false,
+        cluster_size: None,
         watching: false,
         was_active: false,
     };
@@ -459,15 +512,40 @@ struct Actor<E: Engine> {
     next_full: Option<DateTime<Utc>>,
     /// When the next scheduled defragmentation is due (None while inactive or off).
     next_defrag: Option<DateTime<Utc>>,
+    /// No automatic defragmentation pass starts before this: leadership was just taken from
+    /// another member, whose sidecar may still be running a pass (see [`super::defrag::holdoff`]).
+    defrag_hold_until: Option<tokio::time::Instant>,
+    /// A leadership check said another member leads.
+    saw_other_leader: bool,
+    /// The cluster's size at the last leadership check.
+    cluster_size: Option<u64>,
     /// The engine's watch is running.
     watching: bool,
     /// Regular work was allowed at the last look (gate open and leader).
     was_active: bool,
 }
 
+/// The cluster size assumed for the defragmentation hold-off when no member list was read.
+const DEFAULT_CLUSTER_SIZE: u64 = 5;
+
 /// Retries after a failed scheduled full snapshot (first) and a watch failure (every time).
 const FULL_RETRY: Backoff = Backoff::new(Duration::from_secs(60), Duration::from_secs(60));
 const WATCH_RETRY: Backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(1));
+
+/// Whether the defragmentation kill switch is on: its file exists, or whether it does cannot be
+/// told (fail closed: an operator who cannot tell either would not want a member paused).
+async fn kill_switch_on(path: Option<&std::path::Path>) -> bool {
+    let Some(path) = path else {
+        return false;
+    };
+    match tokio::fs::try_exists(path).await {
+        Ok(on) => on,
+        Err(error) => {
+            tracing::warn!(%error, path = %path.display(), "cannot tell whether the defragmentation kill switch (defrag.disable_file) exists; treating it as on");
+            true
+        }
+    }
+}
 
 fn until(at: DateTime<Utc>) -> tokio::time::Instant {
     let d = (at - Utc::now()).to_std().unwrap_or(Duration::ZERO);
@@ -509,7 +587,19 @@ impl<E: Engine> Actor<E> {
         let mut delta_tick =
             tokio::time::interval(self.config.delta_period.max(Duration::from_millis(10)));
         let mut gc_tick = tokio::time::interval(self.config.gc_period);
-        for t in [&mut leader_tick, &mut delta_tick, &mut gc_tick] {
+        let trigger_on = self.config.defrag.check_interval.is_some();
+        let mut trigger_tick = tokio::time::interval(
+            self.config
+                .defrag
+                .check_interval
+                .unwrap_or(Duration::from_secs(3600)),
+        );
+        for t in [
+            &mut leader_tick,
+            &mut delta_tick,
+            &mut gc_tick,
+            &mut trigger_tick,
+        ] {
             t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         }
         let mut watch_retry_at: Option<tokio::time::Instant> = None;
@@ -544,6 +634,7 @@ impl<E: Engine> Actor<E> {
                 _ = async { tokio::time::sleep_until(defrag_at.unwrap_or_else(tokio::time::Instant::now)).await }, if active && defrag_at.is_some() => {
                     self.scheduled_defrag().await;
                 }
+                _ = trigger_tick.tick(), if active && trigger_on => self.triggered_defrag().await,
                 _ = delta_tick.tick(), if active && self.deltas_on() => { let _ = self.delta(Operation::Regular).await; }
                 r = self.engine.collect(), if can_collect && self.watching => match r {
                     Ok(Collected::Events) => {
@@ -602,7 +693,7 @@ impl<E: Engine> Actor<E> {
                 let _ = reply.send(r);
             }
             Command::Defrag { reply } => {
-                let r = self.defrag().await;
+                let r = self.defrag(self.config.defrag.scheduled_rule()).await;
                 let _ = reply.send(r);
             }
         }
@@ -622,6 +713,10 @@ impl<E: Engine> Actor<E> {
             None => return,
             Some(Ok(m)) => {
                 self.metrics.membership(m.learner, m.cluster_size);
+                self.cluster_size = m.cluster_size.or(self.cluster_size);
+                if !m.leader {
+                    self.saw_other_leader = true;
+                }
                 m.leader
             }
             Some(Err(e)) => {
@@ -636,6 +731,16 @@ impl<E: Engine> Actor<E> {
                 if leader { "taken" } else { "lost" }
             );
             self.metrics.set_leader(leader);
+            if leader && std::mem::take(&mut self.saw_other_leader) {
+                // Taken from another member, whose sidecar may still run a pass it started.
+                let n = self.cluster_size.unwrap_or(DEFAULT_CLUSTER_SIZE);
+                let hold = super::defrag::holdoff(self.config.defrag.timeout, n);
+                self.defrag_hold_until = tokio::time::Instant::now().checked_add(hold);
+                tracing::info!(
+                    seconds = hold.as_secs(),
+                    "no automatic defragmentation pass starts for a while: the former leader's sidecar may still run one"
+                );
+            }
         }
         self.leader = leader;
         self.on_activity_change().await;
@@ -826,11 +931,23 @@ impl<E: Engine> Actor<E> {
         schedule.find_next_occurrence(&after, false).ok()
     }
 
+    /// Whether automatic passes are held off (leadership was just taken from another member).
+    fn held_off(&self) -> bool {
+        self.defrag_hold_until
+            .is_some_and(|t| tokio::time::Instant::now() < t)
+    }
+
     async fn scheduled_defrag(&mut self) {
         // The next occurrence whatever the outcome: a failed pass waits for the schedule, as
         // defragmenting again at once would only pause members again.
         self.next_defrag = self.next_defrag_occurrence(Utc::now());
-        match self.defrag().await {
+        if self.held_off() {
+            tracing::warn!(
+                "scheduled defragmentation skipped: leadership was just taken from another member, whose sidecar may still run a pass"
+            );
+            return;
+        }
+        match self.defrag(self.config.defrag.scheduled_rule()).await {
             Ok(report) => {
                 tracing::info!(members = ?report.defragmented, "scheduled defragmentation done")
             }
@@ -839,86 +956,200 @@ impl<E: Engine> Actor<E> {
         self.publish(|_| {});
     }
 
-    /// A defragmentation pass: one member at a time, each only after every member's status
-    /// says the cluster is healthy, and only while regular work stays allowed (a gate change
-    /// drops the step in flight); then a full snapshot.
-    async fn defrag(&mut self) -> Result<DefragReport, ActorError> {
+    /// The fragmentation trigger's check: a pass over the members over its rule (none when no
+    /// member is, which reads every member's status and nothing more).
+    async fn triggered_defrag(&mut self) {
+        if self.held_off() {
+            return;
+        }
+        match self.defrag(self.config.defrag.trigger_rule()).await {
+            Ok(report) if report.defragmented.is_empty() => {}
+            Ok(report) => {
+                tracing::info!(members = ?report.defragmented, "fragmentation-triggered defragmentation done")
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "fragmentation-triggered defragmentation did not complete")
+            }
+        }
+        self.publish(|_| {});
+    }
+
+    /// A defragmentation pass over the members over `rule`: one step at a time (a member's
+    /// defragmentation, or a leadership move before the leader's turn), each planned from fresh
+    /// status, each only while the kill switch is off and regular work stays allowed (a gate
+    /// change drops the step in flight). Only the sidecar whose member leads starts one; it then
+    /// runs it to its end whoever leads (see [`super::defrag`]). A full snapshot follows when a
+    /// member was defragmented and this sidecar's member still leads.
+    async fn defrag(&mut self, rule: Rule) -> Result<DefragReport, ActorError> {
         let span = tracing::info_span!("defragmentation");
-        let min_free = self.config.defrag.min_free_fraction;
         let timeout = self.config.defrag.timeout;
-        let mut done: Vec<u64> = Vec::new();
+        let mut pass = PassState::start();
+        let mut events = Vec::new();
+        let mut observed: Vec<MemberState> = Vec::new();
+        // Since when a pass under way has been waiting for an election to settle.
+        let mut waiting_since: Option<Instant> = None;
         loop {
-            if !self.active() {
+            // At the start this sidecar must lead; later only the gate counts (a leadership
+            // change, the pass's own move or not, does not drop the pass).
+            let allowed = if pass.starting {
+                self.active()
+            } else {
+                self.gate.borrow().allows(Operation::Regular)
+            };
+            if !allowed {
                 let _in = span.enter();
-                if done.is_empty() {
+                if pass.starting {
                     return Err(self.refused_regular());
                 }
-                tracing::warn!(done = ?done, "defragmentation dropped: no longer active");
+                self.metrics.defrag_pass("cancelled");
+                tracing::warn!(done = ?pass.done, "defragmentation dropped: no longer allowed");
                 return Err(ActorError::Cancelled);
             }
+            pass.disabled = kill_switch_on(self.config.defrag.disable_file.as_deref()).await;
             let started = Instant::now();
-            // One bound for the step: the status reads and the member's defragmentation.
+            // One bound for the step: the status reads and the member's defragmentation (or
+            // the leadership move).
             let step = bounded(
                 timeout,
                 "defragmentation",
-                self.engine.defrag_step(&done, min_free, timeout),
+                self.engine.defrag_step(&pass, rule, timeout),
             );
             let step = tracing::Instrument::instrument(step, span.clone());
             let result = while_allowed(&mut self.gate, Operation::Regular, step).await;
             let _in = span.enter();
-            match result {
+            let outcome = match result {
                 None => {
                     self.metrics
                         .defragmented(false, started.elapsed().as_secs_f64());
-                    tracing::warn!(done = ?done, "defragmentation dropped: ownership changed while it ran");
+                    self.metrics.defrag_pass("cancelled");
+                    tracing::warn!(done = ?pass.done, "defragmentation dropped: ownership changed while it ran");
                     return Err(ActorError::Cancelled);
-                }
-                Some(Ok(DefragStep::Defragmented {
-                    member,
-                    db_size_before,
-                    db_size_after,
-                    took,
-                })) => {
-                    self.metrics.defragmented(true, took.as_secs_f64());
-                    tracing::info!(
-                        member = format_args!("{member:x}"),
-                        db_size_before,
-                        db_size_after,
-                        seconds = took.as_secs_f64(),
-                        "member defragmented"
-                    );
-                    done.push(member);
-                }
-                Some(Ok(DefragStep::Done)) => break,
-                Some(Ok(DefragStep::Stopped(reason))) => {
-                    tracing::warn!(%reason, done = ?done, "defragmentation stopped");
-                    let msg = format!("defragmentation stopped: {reason}");
-                    self.publish(|s| s.last_error = Some(msg));
-                    return Err(ActorError::Unhealthy { reason, done });
                 }
                 Some(Err(e)) => {
                     self.metrics
                         .defragmented(false, started.elapsed().as_secs_f64());
                     self.metrics.failure(e.class());
-                    tracing::error!(error = %e, done = ?done, "defragmentation failed");
+                    self.metrics.defrag_pass("failed");
+                    tracing::error!(error = %e, done = ?pass.done, "defragmentation failed");
                     let msg = format!("defragmentation: {e}");
                     self.publish(|s| s.last_error = Some(msg));
                     return Err(ActorError::Failed(Arc::new(e)));
                 }
+                Some(Ok(outcome)) => outcome,
+            };
+            if !outcome.observed.is_empty() {
+                self.metrics.defrag_members_seen(&outcome.observed);
+                observed = outcome.observed;
+            }
+            let started_before = !pass.starting;
+            pass.starting = false;
+            if !matches!(outcome.step, DefragStep::Stopped { .. }) {
+                waiting_since = None;
+            }
+            match outcome.step {
+                DefragStep::Defragmented {
+                    member,
+                    leader,
+                    db_size_before,
+                    db_size_after,
+                    took,
+                } => {
+                    self.metrics.defragmented(true, took.as_secs_f64());
+                    self.metrics.defrag_member();
+                    tracing::info!(
+                        member = format_args!("{member:x}"),
+                        leader = format_args!("{leader:x}"),
+                        db_size_before,
+                        db_size_after,
+                        seconds = took.as_secs_f64(),
+                        "member defragmented"
+                    );
+                    pass.done.push(member);
+                    events.push(DefragEvent::Defragmented { member, leader });
+                }
+                DefragStep::MovedLeader { from, to } => {
+                    self.metrics.defrag_leader_moved();
+                    tracing::info!(
+                        from = format_args!("{from:x}"),
+                        to = format_args!("{to:x}"),
+                        "leadership moved"
+                    );
+                    pass.moves += 1;
+                    events.push(DefragEvent::MovedLeader { from, to });
+                }
+                DefragStep::LeaderMoved => pass.moves += 1,
+                DefragStep::Done => break,
+                DefragStep::Stopped { reason, detail }
+                    if started_before
+                        && reason.transient()
+                        && waiting_since.get_or_insert_with(Instant::now).elapsed()
+                            < super::defrag::ELECTION_GRACE =>
+                {
+                    tracing::info!(reason = reason.label(), %detail, "waiting for the cluster to settle (an election) before the next step");
+                    drop(_in);
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                DefragStep::Stopped { reason, detail } => {
+                    let left = observed
+                        .iter()
+                        .filter(|m| !pass.done.contains(&m.id) && rule.wants(m))
+                        .count();
+                    // A stop before anything was looked at still counts: nothing was done.
+                    self.metrics.defrag_skipped(reason.label(), left.max(1));
+                    self.metrics.defrag_pass("stopped");
+                    tracing::warn!(reason = reason.label(), %detail, done = ?pass.done, "defragmentation stopped");
+                    let msg = format!("defragmentation stopped: {detail}");
+                    self.publish(|s| s.last_error = Some(msg));
+                    return Err(ActorError::Unhealthy {
+                        reason: detail,
+                        done: pass.done,
+                    });
+                }
             }
         }
-        drop(span);
+        let below = observed
+            .iter()
+            .filter(|m| !pass.done.contains(&m.id) && !rule.wants(m))
+            .count();
+        self.metrics.defrag_skipped("below_threshold", below);
+        let done = pass.done;
         if done.is_empty() {
+            self.metrics.defrag_pass("idle");
             return Ok(DefragReport {
                 defragmented: done,
+                events,
                 snapshot: None,
             });
         }
+        self.metrics.defrag_pass("done");
         // The reference follows a defragmentation with a full snapshot: a fresh base, taken
-        // from the compacted database.
+        // from the compacted database. Only while this member still leads: after a move the
+        // new leader's sidecar owns the store's chain.
+        let still_leads = match self.engine.membership().await {
+            Ok(m) => m.leader,
+            Err(e) => {
+                tracing::warn!(error = %e, "leader check after defragmentation failed");
+                false
+            }
+        };
+        if !still_leads {
+            drop(span);
+            self.leader = false;
+            self.saw_other_leader = true;
+            self.metrics.set_leader(false);
+            self.on_activity_change().await;
+            tracing::info!(members = ?done, "defragmentation done; leadership moved, so the new leader's sidecar takes the next full snapshot");
+            return Ok(DefragReport {
+                defragmented: done,
+                events,
+                snapshot: None,
+            });
+        }
+        drop(span);
         let snap = self.full(Operation::Regular, FullKind::Regular).await?;
         Ok(DefragReport {
             defragmented: done,
+            events,
             snapshot: Some(snap),
         })
     }
@@ -966,6 +1197,10 @@ mod tests {
         buffered: Arc<AtomicU64>,
         revision: i64,
         defrag_steps: Arc<AtomicU64>,
+        /// Whether its member leads (the leadership check's answer).
+        leads: Arc<AtomicBool>,
+        /// A file created once a member is defragmented (an operator flipping the kill switch).
+        switch: Option<std::path::PathBuf>,
     }
 
     impl HangingEtcd {
@@ -976,6 +1211,8 @@ mod tests {
                 buffered: Arc::new(AtomicU64::new(0)),
                 revision: 10,
                 defrag_steps: Arc::new(AtomicU64::new(0)),
+                leads: Arc::new(AtomicBool::new(true)),
+                switch: None,
             }
         }
 
@@ -1038,7 +1275,7 @@ mod tests {
         fn pause(&mut self) {}
         async fn membership(&mut self) -> Result<Membership, EngineError> {
             Ok(Membership {
-                leader: true,
+                leader: self.leads.load(Ordering::SeqCst),
                 learner: false,
                 cluster_size: Some(3),
             })
@@ -1055,21 +1292,39 @@ mod tests {
         }
         async fn defrag_step(
             &mut self,
-            done: &[u64],
-            _min_free_fraction: f64,
+            pass: &PassState,
+            _rule: Rule,
             _timeout: Duration,
-        ) -> Result<DefragStep, EngineError> {
+        ) -> Result<StepOutcome, EngineError> {
             self.defrag_steps.fetch_add(1, Ordering::SeqCst);
             self.maybe_hang().await;
+            if pass.disabled {
+                return Ok(StepOutcome {
+                    observed: vec![],
+                    step: DefragStep::Stopped {
+                        reason: StopReason::Disabled,
+                        detail: "the kill switch is on".into(),
+                    },
+                });
+            }
+            // Flipped while the first member's defragmentation runs.
+            if let (Some(switch), true) = (&self.switch, pass.done.is_empty()) {
+                std::fs::write(switch, "").unwrap();
+            }
             // Followers 2 and 3, then the leader 1, as the plan orders them.
-            Ok(match [2, 3, 1].into_iter().find(|m| !done.contains(m)) {
+            let step = match [2, 3, 1].into_iter().find(|m| !pass.done.contains(m)) {
                 Some(member) => DefragStep::Defragmented {
                     member,
+                    leader: 1,
                     db_size_before: 100,
                     db_size_after: Some(10),
                     took: Duration::from_millis(1),
                 },
                 None => DefragStep::Done,
+            };
+            Ok(StepOutcome {
+                observed: vec![],
+                step,
             })
         }
     }
@@ -1104,9 +1359,8 @@ mod tests {
             leader_check_interval: Duration::from_millis(20),
             timeout,
             defrag: crate::config::DefragConfig {
-                schedule: None,
                 timeout,
-                min_free_fraction: 0.1,
+                ..Default::default()
             },
         }
     }
@@ -1247,6 +1501,74 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn the_kill_switch_is_looked_for_before_every_member() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("no-defrag");
+        let mut engine = HangingEtcd::new(false);
+        engine.switch = Some(path.clone());
+        let mut config = quiet_config(Duration::from_secs(5));
+        config.defrag.disable_file = Some(path.clone());
+        let (_gate, gate_rx) = watch::channel(Gate::Open);
+        let cancel = CancellationToken::new();
+        let (metrics, reg) = registered();
+        let (actor, task) = spawn(engine, config, gate_rx, metrics, cancel.clone());
+        assert!(status_within_5s(&actor, |s| s.leader).await);
+
+        // Flipped on while the pass runs (after its first member): the rest waits.
+        match actor.defrag().await {
+            Err(ActorError::Unhealthy { reason, done }) => {
+                assert!(reason.contains("kill switch"), "{reason}");
+                assert_eq!(done, vec![2]);
+            }
+            other => panic!("expected the kill switch to stop the pass, got {other:?}"),
+        }
+        assert_has(
+            &reg,
+            r#"etcd_warden_defrag_passes_total{result="stopped"} 1"#,
+        );
+        assert_has(&reg, "etcd_warden_defrag_members_defragmented_total 1");
+        assert_has(
+            &reg,
+            r#"etcd_warden_defrag_members_skipped_total{reason="disabled"} 1"#,
+        );
+        // The switch is the file itself: removed, it is off.
+        assert!(kill_switch_on(Some(&path)).await);
+        std::fs::remove_file(&path).unwrap();
+        assert!(!kill_switch_on(Some(&path)).await);
+        assert!(!kill_switch_on(None).await);
+        cancel.cancel();
+        task.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_sidecar_that_takes_leadership_from_another_holds_off_automatic_passes() {
+        for (leads_at_start, passes) in [(true, true), (false, false)] {
+            let engine = HangingEtcd::new(false);
+            let (steps, leads) = (engine.defrag_steps.clone(), engine.leads.clone());
+            leads.store(leads_at_start, Ordering::SeqCst);
+            let mut config = quiet_config(Duration::from_secs(5));
+            config.defrag.check_interval = Some(Duration::from_millis(50));
+            let (_gate, gate_rx) = watch::channel(Gate::Open);
+            let cancel = CancellationToken::new();
+            let (metrics, _reg) = registered();
+            let (actor, task) = spawn(engine, config, gate_rx, metrics, cancel.clone());
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            // Taken from another member: its sidecar may still be running a pass.
+            leads.store(true, Ordering::SeqCst);
+            assert!(status_within_5s(&actor, |s| s.leader).await);
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let ran = steps.load(Ordering::SeqCst) > 0;
+            assert_eq!(ran, passes, "leading at the start: {leads_at_start}");
+            // A requested pass is the operator's call: not held off.
+            if !passes {
+                assert_eq!(actor.defrag().await.unwrap().defragmented, vec![2, 3, 1]);
+            }
+            cancel.cancel();
+            task.await.unwrap();
+        }
+    }
+
+    #[tokio::test]
     async fn a_hung_etcd_stream_times_out_and_the_actor_takes_the_next_command() {
         let engine = HangingEtcd::new(true);
         let (hang, buffered) = (engine.hang.clone(), engine.buffered.clone());
@@ -1259,9 +1581,8 @@ mod tests {
             leader_check_interval: Duration::from_millis(20),
             timeout: Duration::from_millis(200),
             defrag: crate::config::DefragConfig {
-                schedule: None,
                 timeout: Duration::from_secs(60),
-                min_free_fraction: 0.1,
+                ..Default::default()
             },
         };
         let (_gate, gate_rx) = watch::channel(Gate::Open);

@@ -6,8 +6,10 @@ use chrono::{DateTime, Utc};
 
 use std::time::{Duration, Instant};
 
-use super::actor::{Collected, DefragStep, Engine, EngineError, FullKind, Membership, Stored};
-use super::defrag::{self, DefragPlan, MemberState};
+use super::actor::{
+    Collected, DefragStep, Engine, EngineError, FullKind, Membership, StepOutcome, Stored,
+};
+use super::defrag::{self, DefragPlan, MemberState, PassState, Rule};
 use super::delta::DeltaWriter;
 use super::full::{Target, take_full_as};
 use super::watcher::{DeltaWatch, WatchError};
@@ -242,10 +244,10 @@ impl Engine for EtcdEngine {
 
     async fn defrag_step(
         &mut self,
-        done: &[u64],
-        min_free_fraction: f64,
+        pass: &PassState,
+        rule: Rule,
         timeout: Duration,
-    ) -> Result<DefragStep, EngineError> {
+    ) -> Result<StepOutcome, EngineError> {
         let mut client = self.etcd.client().await;
         let me = client
             .status()
@@ -253,43 +255,129 @@ impl Engine for EtcdEngine {
             .header()
             .map(|h| h.member_id())
             .unwrap_or_default();
-        let list = client.member_list().await?;
         let base = self.etcd.config().clone();
-        let mut members = Vec::new();
-        for m in list.members() {
-            members.push(member_state(&base, m.id(), m.client_urls(), m.is_learner()).await);
-        }
-        let next = match defrag::plan(&members, me, done, min_free_fraction) {
-            DefragPlan::Stop(reason) => return Ok(DefragStep::Stopped(reason)),
-            DefragPlan::Defragment(order) => order.first().copied(),
+        let members = member_states(&base, &mut client).await?;
+        let step = match defrag::plan(&members, me, pass, &rule) {
+            DefragPlan::Stop { reason, detail } => DefragStep::Stopped { reason, detail },
+            DefragPlan::Done => DefragStep::Done,
+            DefragPlan::MoveLeader { from, to } => {
+                move_leader(&base, &members, from, to, timeout).await?;
+                DefragStep::MovedLeader { from, to }
+            }
+            DefragPlan::Defragment(id) => defragment(&base, &members, id, timeout).await?,
         };
-        let Some(member) = next.and_then(|id| members.iter().find(|m| m.id == id)) else {
-            return Ok(DefragStep::Done);
-        };
-        // A client to that member alone, whose requests may take as long as a defragmentation.
-        let config = crate::config::EtcdConfig {
-            endpoints: member.client_urls.clone(),
-            request_timeout: timeout,
-            ..base
-        };
-        let mut one = crate::etcd::connect(&config).await?;
-        tracing::info!(
-            member = format_args!("{:x}", member.id),
-            db_size = member.db_size,
-            db_size_in_use = member.db_size_in_use,
-            "defragmenting"
-        );
-        let started = Instant::now();
-        one.defragment().await?;
-        let took = started.elapsed();
-        let db_size_after = one.status().await.ok().map(|s| s.db_size());
-        Ok(DefragStep::Defragmented {
-            member: member.id,
-            db_size_before: member.db_size,
-            db_size_after,
-            took,
+        Ok(StepOutcome {
+            observed: members,
+            step,
         })
     }
+}
+
+/// Every member's state, each from its own status.
+async fn member_states(
+    base: &crate::config::EtcdConfig,
+    client: &mut etcd_client::Client,
+) -> Result<Vec<MemberState>, EngineError> {
+    let list = client.member_list().await?;
+    let mut members = Vec::new();
+    for m in list.members() {
+        members.push(member_state(base, m.id(), m.client_urls(), m.is_learner()).await);
+    }
+    Ok(members)
+}
+
+/// A client to `member` alone, whose requests may take `timeout` (as long as a defragmentation).
+async fn client_of(
+    base: &crate::config::EtcdConfig,
+    member: &MemberState,
+    timeout: Duration,
+) -> Result<etcd_client::Client, EngineError> {
+    let config = crate::config::EtcdConfig {
+        endpoints: member.client_urls.clone(),
+        request_timeout: timeout,
+        ..base.clone()
+    };
+    Ok(crate::etcd::connect(&config).await?)
+}
+
+/// Moves leadership from `from` to `to` (etcd accepts MoveLeader only at the leader), then waits
+/// until every voting member answers healthy (knows a leader) and `to` is the one whose status
+/// says it leads, so the next plan does not see the election half-way (two or no leaders).
+async fn move_leader(
+    base: &crate::config::EtcdConfig,
+    members: &[MemberState],
+    from: u64,
+    to: u64,
+    timeout: Duration,
+) -> Result<(), EngineError> {
+    let Some(leader) = members.iter().find(|m| m.id == from) else {
+        return Ok(());
+    };
+    tracing::info!(
+        from = format_args!("{from:x}"),
+        to = format_args!("{to:x}"),
+        "moving leadership before defragmenting the leader"
+    );
+    client_of(base, leader, timeout)
+        .await?
+        .move_leader(to)
+        .await?;
+    // Bounded by the step's own bound (`defrag.timeout`) in the actor.
+    loop {
+        let mut agreed = true;
+        for m in members {
+            if m.is_learner {
+                continue;
+            }
+            let s = member_state(base, m.id, &m.client_urls, m.is_learner).await;
+            agreed &= s.healthy && s.is_leader == (m.id == to);
+        }
+        if agreed {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Defragments member `id`, unless its own status, read right before, says it leads while
+/// other members vote: leadership moved to it since the plan, which must be made again.
+async fn defragment(
+    base: &crate::config::EtcdConfig,
+    members: &[MemberState],
+    id: u64,
+    timeout: Duration,
+) -> Result<DefragStep, EngineError> {
+    let Some(member) = members.iter().find(|m| m.id == id) else {
+        return Ok(DefragStep::LeaderMoved);
+    };
+    let mut one = client_of(base, member, timeout).await?;
+    let leader = one.status().await?.leader();
+    let voters = members.iter().filter(|m| !m.is_learner).count();
+    if leader == id && voters > 1 {
+        tracing::info!(
+            member = format_args!("{id:x}"),
+            "the member took leadership since the plan; planning again"
+        );
+        return Ok(DefragStep::LeaderMoved);
+    }
+    tracing::info!(
+        member = format_args!("{:x}", member.id),
+        leader = format_args!("{leader:x}"),
+        db_size = member.db_size,
+        db_size_in_use = member.db_size_in_use,
+        "defragmenting"
+    );
+    let started = Instant::now();
+    one.defragment().await?;
+    let took = started.elapsed();
+    let db_size_after = one.status().await.ok().map(|s| s.db_size());
+    Ok(DefragStep::Defragmented {
+        member: member.id,
+        leader,
+        db_size_before: member.db_size,
+        db_size_after,
+        took,
+    })
 }
 
 /// A member's state from its own status (a client to its URLs alone); unhealthy when it does not
@@ -308,6 +396,7 @@ async fn member_state(
         is_learner,
         db_size: 0,
         db_size_in_use: 0,
+        raft_index: 0,
         healthy: false,
     };
     let config = crate::config::EtcdConfig {
@@ -329,6 +418,7 @@ async fn member_state(
             state.is_leader = s.leader() == id;
             state.db_size = s.db_size();
             state.db_size_in_use = s.raft_used_db_size();
+            state.raft_index = s.raft_index();
             state.healthy = s.leader() != 0 && s.errors().iter().all(|e| e.contains("NOSPACE"));
         }
         Err(error) => {

@@ -48,6 +48,33 @@ pub struct SucceededLabel {
     pub succeeded: String,
 }
 
+/// `result` label of `etcd_warden_defrag_passes_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabel {
+    /// One of [`PASS_RESULTS`].
+    pub result: String,
+}
+
+/// Every value of the `result` label of `etcd_warden_defrag_passes_total`: `done` (a member was
+/// defragmented), `idle` (none was over the rule), `stopped` (kill switch, health, learner or
+/// leadership: see the skipped members' reasons), `failed` (an error or a timeout), `cancelled`
+/// (ownership changed while it ran).
+pub const PASS_RESULTS: [&str; 5] = ["done", "idle", "stopped", "failed", "cancelled"];
+
+/// `reason` label of `etcd_warden_defrag_members_skipped_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    /// A [`StopReason`](super::defrag::StopReason)'s label or `below_threshold`.
+    pub reason: String,
+}
+
+/// `member` label: a member's ID in hex, as etcdctl prints it (a handful per cluster).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MemberLabel {
+    /// The member ID in hex.
+    pub member: String,
+}
+
 /// A histogram of seconds whose first bucket ends at `FIRST_MS` milliseconds, each next one at
 /// twice the last, `BUCKETS` of them.
 pub fn doubling_seconds<const FIRST_MS: u32, const BUCKETS: u16>() -> Histogram {
@@ -88,6 +115,12 @@ pub struct SnapshotMetrics {
     cluster_size: Gauge,
     is_learner: Gauge,
     defrag: Family<SucceededLabel, Histogram>,
+    defrag_passes: Family<ResultLabel, Counter>,
+    defrag_members: Counter,
+    defrag_skipped: Family<ReasonLabel, Counter>,
+    defrag_moves: Counter,
+    member_free: Family<MemberLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    member_db_size: Family<MemberLabel, Gauge>,
 }
 
 impl Default for SnapshotMetrics {
@@ -109,6 +142,12 @@ impl Default for SnapshotMetrics {
             is_learner: Gauge::default(),
             // 0.1 s … ~1.9 h, as snapshots: a small database takes a second, a large one minutes.
             defrag: Family::new_with_constructor(doubling_seconds::<100, 16>),
+            defrag_passes: Family::default(),
+            defrag_members: Counter::default(),
+            defrag_skipped: Family::default(),
+            defrag_moves: Counter::default(),
+            member_free: Family::default(),
+            member_db_size: Family::default(),
         }
     }
 }
@@ -194,6 +233,47 @@ impl SnapshotMetrics {
         for ok in [true, false] {
             drop(self.defrag.get_or_create(&SucceededLabel {
                 succeeded: ok.to_string(),
+            }));
+        }
+        registry.register(
+            "etcd_warden_defrag_passes",
+            "Defragmentation passes (scheduled, triggered by fragmentation, or requested) by result",
+            self.defrag_passes.clone(),
+        );
+        registry.register(
+            "etcd_warden_defrag_members_defragmented",
+            "Members defragmented by defragmentation passes",
+            self.defrag_members.clone(),
+        );
+        registry.register(
+            "etcd_warden_defrag_members_skipped",
+            "Members a defragmentation pass left alone, by reason",
+            self.defrag_skipped.clone(),
+        );
+        registry.register(
+            "etcd_warden_defrag_leader_moves",
+            "Leadership moves a defragmentation pass made so as not to defragment the leader",
+            self.defrag_moves.clone(),
+        );
+        registry.register(
+            "etcd_warden_defrag_member_free_fraction",
+            "Free fraction of each member's database file, (dbSize - dbSizeInUse) / dbSize, at the last defragmentation step or check",
+            self.member_free.clone(),
+        );
+        registry.register(
+            "etcd_warden_defrag_member_db_size_bytes",
+            "Size of each member's database file at the last defragmentation step or check",
+            self.member_db_size.clone(),
+        );
+        for result in PASS_RESULTS {
+            drop(self.defrag_passes.get_or_create(&ResultLabel {
+                result: result.into(),
+            }));
+        }
+        let reasons = super::defrag::StopReason::ALL.map(|r| r.label());
+        for reason in reasons.into_iter().chain(["below_threshold"]) {
+            drop(self.defrag_skipped.get_or_create(&ReasonLabel {
+                reason: reason.into(),
             }));
         }
         for class in FAILURE_CLASSES {
@@ -294,6 +374,57 @@ impl SnapshotMetrics {
                 succeeded: ok.to_string(),
             })
             .observe(seconds);
+    }
+
+    /// Counts a defragmentation pass that ended with `result` (one of [`PASS_RESULTS`]).
+    pub fn defrag_pass(&self, result: &str) {
+        self.defrag_passes
+            .get_or_create(&ResultLabel {
+                result: result.into(),
+            })
+            .inc();
+    }
+
+    /// Counts a member a pass defragmented.
+    pub fn defrag_member(&self) {
+        self.defrag_members.inc();
+    }
+
+    /// Counts `n` members a pass left alone for `reason`.
+    pub fn defrag_skipped(&self, reason: &str, n: usize) {
+        self.defrag_skipped
+            .get_or_create(&ReasonLabel {
+                reason: reason.into(),
+            })
+            .inc_by(n as u64);
+    }
+
+    /// Counts a leadership move a pass made.
+    pub fn defrag_leader_moved(&self) {
+        self.defrag_moves.inc();
+    }
+
+    /// Records each member's database size and free fraction; members no longer listed are
+    /// dropped, so the series stay as many as the members.
+    pub fn defrag_members_seen(&self, members: &[super::defrag::MemberState]) {
+        let labels: Vec<MemberLabel> = members
+            .iter()
+            .map(|m| MemberLabel {
+                member: format!("{:x}", m.id),
+            })
+            .collect();
+        self.member_db_size.clear();
+        self.member_free.clear();
+        for (m, label) in members.iter().zip(labels) {
+            // A member that did not answer reports no sizes: leave it out rather than show 0.
+            if !m.healthy {
+                continue;
+            }
+            self.member_free
+                .get_or_create(&label)
+                .set(m.free_fraction());
+            self.member_db_size.get_or_create(&label).set(m.db_size);
+        }
     }
 
     /// Records whether this sidecar is the snapshot leader.

@@ -178,9 +178,8 @@ pub fn quiet_actor_config(
         leader_check_interval: Duration::from_millis(100),
         timeout,
         defrag: etcd_warden::config::DefragConfig {
-            schedule: None,
             timeout: Duration::from_secs(60),
-            min_free_fraction: 0.1,
+            ..Default::default()
         },
     }
 }
