@@ -353,7 +353,9 @@ async fn retention_on_a_store_without_object_lock_deletes_as_before() {
 
 /// The sidecar configured with `store.object_lock_retention` writes its snapshots locked; its
 /// retention, running every 200 ms, keeps the locked full snapshots it wants gone, counts them
-/// in `/metrics` and logs each once over many passes.
+/// in `/metrics` and logs each once over many passes. (Requested full snapshots are counted
+/// apart from scheduled ones: with `max_backups = 1` it wants the two older of the three
+/// requested gone, and keeps the scheduled one and the newest requested.)
 #[tokio::test(flavor = "multi_thread")]
 async fn the_sidecar_writes_locked_snapshots_and_its_retention_keeps_them() {
     use crate::support::etcd::{EtcdCluster, Release};
@@ -379,17 +381,17 @@ async fn the_sidecar_writes_locked_snapshots_and_its_retention_keeps_them() {
     ]);
     w.wait_up().await;
     let http = reqwest::Client::new();
-    for i in 0..2 {
+    for i in 0..3 {
         client.put(format!("/lock/{i}"), "v", None).await.unwrap();
         // Names carry whole seconds: one snapshot per second keeps them distinct.
         tokio::time::sleep(Duration::from_millis(1100)).await;
         let r = http.post(w.url("/snapshot/full")).send().await.unwrap();
         assert_eq!(r.status().as_u16(), 201, "{}", w.log_text());
     }
-    // The sidecar's own first full snapshot and the two asked for.
+    // The sidecar's own first full snapshot and the three asked for.
     let store = SnapshotStore::from_config(&moto.store_config(BUCKET, PREFIX)).unwrap();
     let taken = store.list().await.unwrap();
-    assert_eq!(taken.len(), 3, "{taken:?}");
+    assert_eq!(taken.len(), 4, "{taken:?}");
     for s in &taken {
         let lock = store.lock(s).await.unwrap();
         let until = lock.and_then(|l| l.retain_until);
@@ -399,7 +401,7 @@ async fn the_sidecar_writes_locked_snapshots_and_its_retention_keeps_them() {
             s.snap_name
         );
     }
-    // Retention wants the two older ones gone; they stay, counted, over several passes.
+    // Retention wants the two older requested ones gone; they stay, counted, over several passes.
     let counted = eventually(Duration::from_secs(10), || async {
         let Some((_, metrics)) = w.get("/metrics").await else {
             return false;
@@ -413,7 +415,7 @@ async fn the_sidecar_writes_locked_snapshots_and_its_retention_keeps_them() {
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(store.list().await.unwrap(), taken);
     let log = w.log_text();
-    for s in &taken[..2] {
+    for s in &taken[1..3] {
         let lines = log
             .lines()
             .filter(|l| l.contains(&s.snap_name) && l.contains("retention: kept"))

@@ -19,9 +19,9 @@ use crate::support::{cli, file_store};
 
 /// Runs `etcd-warden quorum-restore` with a short probe window.
 fn quorum_restore(release: Release, data_dir: &Path, more: &[&str]) -> Output {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_etcd-warden"));
-    c.env_remove("ETCD_WARDEN_CONFIG")
-        .arg("quorum-restore")
+    // The test process's ETCD_WARDEN_* (CI's ETCD_WARDEN_PREVIOUS_BIN among them) left out.
+    let mut c = crate::support::warden::command();
+    c.arg("quorum-restore")
         .arg("--data-dir")
         .arg(data_dir)
         .args(["--lost-for", "1s", "--probe-interval", "300ms"])
