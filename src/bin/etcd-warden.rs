@@ -190,26 +190,21 @@ struct CopyArgs {
 
 impl CopyArgs {
     fn overrides(&self) -> Vec<Override> {
-        let flags = [
-            ("source_store.url", &self.source_store, "--source-store"),
-            ("store.url", &self.dest_store, "--dest-store"),
-            ("copy.final_timeout", &self.final_timeout, "--final-timeout"),
-            ("copy.poll_interval", &self.poll_interval, "--poll-interval"),
-            ("copy.max_backups", &self.max_backups, "--max-backups"),
-            ("copy.max_age", &self.max_age, "--max-age"),
-            ("copy.parallel", &self.parallel, "--parallel"),
-        ];
-        let mut o: Vec<Override> = flags
-            .into_iter()
-            .filter_map(|(key, v, flag)| v.as_ref().map(|v| Override::flag(key, v, flag)))
-            .collect();
-        if self.wait_for_final {
-            o.push(Override::flag(
-                "copy.wait_for_final",
-                "true",
-                "--wait-for-final",
-            ));
-        }
+        let mut o = given(&[
+            (&self.source_store, "source_store.url", "--source-store"),
+            (&self.dest_store, "store.url", "--dest-store"),
+            (&self.final_timeout, "copy.final_timeout", "--final-timeout"),
+            (&self.poll_interval, "copy.poll_interval", "--poll-interval"),
+            (&self.max_backups, "copy.max_backups", "--max-backups"),
+            (&self.max_age, "copy.max_age", "--max-age"),
+            (&self.parallel, "copy.parallel", "--parallel"),
+        ]);
+        o.extend(switched(&[(
+            self.wait_for_final,
+            "copy.wait_for_final",
+            "true",
+            "--wait-for-final",
+        )]));
         o
     }
 }
@@ -306,7 +301,7 @@ struct QuorumRestoreArgs {
 
 impl QuorumRestoreArgs {
     fn overrides(&self) -> Vec<Override> {
-        let flags = [
+        let mut o = given(&[
             (&self.data_dir, "restore.data_dir", "--data-dir"),
             (&self.store, "store.url", "--store"),
             (&self.etcd_bin, "restore.etcd_bin", "--etcd-bin"),
@@ -315,20 +310,31 @@ impl QuorumRestoreArgs {
                 "restore.bump_revision",
                 "--bump-revision",
             ),
-        ];
-        let mut o: Vec<Override> = flags
-            .into_iter()
-            .filter_map(|(v, key, flag)| v.as_ref().map(|v| Override::flag(key, v, flag)))
-            .collect();
-        if self.mark_compacted {
-            o.push(Override::flag(
-                "restore.mark_compacted",
-                "true",
-                "--mark-compacted",
-            ));
-        }
+        ]);
+        o.extend(switched(&[(
+            self.mark_compacted,
+            "restore.mark_compacted",
+            "true",
+            "--mark-compacted",
+        )]));
         o
     }
+}
+
+/// The flags given (`Some`) as overrides of their configuration keys: (value, key, flag).
+fn given(flags: &[(&Option<String>, &str, &str)]) -> Vec<Override> {
+    flags
+        .iter()
+        .filter_map(|(v, key, flag)| v.as_ref().map(|v| Override::flag(key, v, flag)))
+        .collect()
+}
+
+/// The switches that are on, each setting its key to its value: (on, key, value, flag).
+fn switched(switches: &[(bool, &str, &str, &str)]) -> impl Iterator<Item = Override> {
+    switches
+        .iter()
+        .filter(|(on, ..)| *on)
+        .map(|(_, key, value, flag)| Override::flag(key, *value, flag))
 }
 
 /// A duration such as 30s, 5m or 1h (humantime).
@@ -346,7 +352,7 @@ fn rfc3339(s: &str) -> Result<chrono::DateTime<chrono::Utc>, String> {
 
 impl RestoreArgs {
     fn overrides(&self) -> Vec<Override> {
-        let flags = [
+        let mut o = given(&[
             (&self.data_dir, "restore.data_dir", "--data-dir"),
             (&self.name, "restore.name", "--name"),
             (
@@ -370,24 +376,22 @@ impl RestoreArgs {
                 "restore.bump_revision",
                 "--bump-revision",
             ),
-        ];
-        let mut o: Vec<Override> = flags
-            .into_iter()
-            .filter_map(|(v, key, flag)| v.as_ref().map(|v| Override::flag(key, v, flag)))
-            .collect();
-        if self.force {
-            o.push(Override::flag("restore.force", "true", "--force"));
-        }
-        if self.no_fallback {
-            o.push(Override::flag("restore.fallback", "false", "--no-fallback"));
-        }
-        if self.mark_compacted {
-            o.push(Override::flag(
+        ]);
+        o.extend(switched(&[
+            (self.force, "restore.force", "true", "--force"),
+            (
+                self.no_fallback,
+                "restore.fallback",
+                "false",
+                "--no-fallback",
+            ),
+            (
+                self.mark_compacted,
                 "restore.mark_compacted",
                 "true",
                 "--mark-compacted",
-            ));
-        }
+            ),
+        ]));
         o
     }
 
