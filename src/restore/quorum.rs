@@ -139,9 +139,9 @@ pub enum QuorumError {
     Restore {
         /// Where.
         path: String,
-        /// Why.
+        /// Why (boxed: a restore's error is large, and every other variant small).
         #[source]
-        source: RestoreError,
+        source: Box<RestoreError>,
     },
     /// A file operation failed.
     #[error("{what} {path}: {source}")]
@@ -830,7 +830,7 @@ async fn rebuild(
                 .await
                 .map_err(|source| QuorumError::Restore {
                     path: target.display().to_string(),
-                    source,
+                    source: Box::new(source),
                 })?;
             Ok((target, report.revision, report.etcd_revision))
         }

@@ -1,0 +1,104 @@
+//! A quorum restore asked for by an administrator: which survivor to rebuild the cluster
+//! from, and the refusals the operator applies before anything is touched.
+//!
+//! The operator never rebuilds on its own: reviving a minority can lose writes a cut-off
+//! majority acknowledged, which only a person who knows the majority is gone for good may
+//! accept. Once the survivor serves as a one-member cluster, the grow-back is the planner's
+//! usual work: fewer voters than desired, so a learner is added on a machine without a member,
+//! promoted once caught up, one at a time ([`super::plan::plan`]).
+
+use std::fmt;
+use std::str::FromStr;
+
+use super::plan::{Observed, has_quorum};
+
+/// Which survivor a quorum restore rebuilds from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SurvivorChoice {
+    /// The member of this machine.
+    Named(String),
+    /// The survivor with the highest committed raft index, read from the data directories.
+    Freshest,
+}
+
+impl FromStr for SurvivorChoice {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim() {
+            "" => Err("survivor is empty: name a machine, or \"freshest\"".into()),
+            "freshest" => Ok(SurvivorChoice::Freshest),
+            name => Ok(SurvivorChoice::Named(name.to_owned())),
+        }
+    }
+}
+
+impl fmt::Display for SurvivorChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SurvivorChoice::Named(m) => f.write_str(m),
+            SurvivorChoice::Freshest => f.write_str("freshest"),
+        }
+    }
+}
+
+impl serde::Serialize for SurvivorChoice {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for SurvivorChoice {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// Why a quorum restore request is refused before anything is touched.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RequestRefusal {
+    /// A majority of the voters is healthy, or a member knows a leader: nothing to restore.
+    #[error("quorum is not lost: {0}; not restoring")]
+    NotLost(String),
+    /// The named survivor is no machine of the control plane.
+    #[error("survivor {0:?} is no machine of the control plane")]
+    UnknownMachine(String),
+    /// The named survivor's machine is being deleted.
+    #[error("survivor {0:?} is being deleted; name another machine or \"freshest\"")]
+    Deleting(String),
+}
+
+/// Checks a request against what the operator observes: quorum must be lost (no healthy
+/// majority of voters, and no leader), and a named survivor must be a live machine. The rebuild
+/// itself checks again, from the survivor's own member list, for its `lost_for`.
+pub fn check_request(obs: &Observed, survivor: &SurvivorChoice) -> Result<(), RequestRefusal> {
+    let voters = obs.members.iter().filter(|m| !m.is_learner).count();
+    let healthy = obs
+        .members
+        .iter()
+        .filter(|m| !m.is_learner && m.healthy)
+        .count();
+    // A leader seen anywhere means a quorum elected it: fail closed.
+    if has_quorum(&obs.members) || obs.leader_applied_index.is_some() {
+        return Err(RequestRefusal::NotLost(format!(
+            "{healthy} of {voters} voters healthy{}",
+            if obs.leader_applied_index.is_some() {
+                ", a leader elected"
+            } else {
+                ""
+            }
+        )));
+    }
+    if let SurvivorChoice::Named(name) = survivor {
+        let mc = obs
+            .machines
+            .iter()
+            .find(|m| &m.name == name)
+            .ok_or_else(|| RequestRefusal::UnknownMachine(name.clone()))?;
+        if mc.deleting {
+            return Err(RequestRefusal::Deleting(name.clone()));
+        }
+    }
+    Ok(())
+}
