@@ -102,3 +102,74 @@ pub fn check_request(obs: &Observed, survivor: &SurvivorChoice) -> Result<(), Re
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::operator::quorum::plan::{MachineState, MemberState};
+
+    fn obs(healthy: &[bool], leader: bool) -> Observed {
+        Observed {
+            members: healthy
+                .iter()
+                .enumerate()
+                .map(|(i, h)| MemberState {
+                    id: i as u64 + 1,
+                    name: format!("m{i}"),
+                    peer_urls: vec![format!("http://10.0.0.{i}:2380")],
+                    is_learner: false,
+                    healthy: *h,
+                    applied_index: 0,
+                })
+                .collect(),
+            machines: (0..healthy.len())
+                .map(|i| MachineState {
+                    name: format!("m{i}"),
+                    peer_url: format!("http://10.0.0.{i}:2380"),
+                    deleting: i == 2,
+                    has_hook: true,
+                    hook_removed_by_other: false,
+                })
+                .collect(),
+            leader_applied_index: leader.then_some(10),
+        }
+    }
+
+    #[test]
+    fn survivor_parses_a_machine_or_freshest() {
+        assert_eq!("freshest".parse(), Ok(SurvivorChoice::Freshest));
+        assert_eq!(" m1 ".parse(), Ok(SurvivorChoice::Named("m1".into())));
+        assert!("".parse::<SurvivorChoice>().is_err());
+        let json: SurvivorChoice = serde_json::from_str("\"freshest\"").unwrap();
+        assert_eq!(json, SurvivorChoice::Freshest);
+        assert_eq!(serde_json::to_string(&json).unwrap(), "\"freshest\"");
+    }
+
+    #[test]
+    fn refused_unless_quorum_is_lost() {
+        let any = SurvivorChoice::Freshest;
+        let e = check_request(&obs(&[true, true, false], true), &any).unwrap_err();
+        assert!(e.to_string().contains("2 of 3 voters healthy"), "{e}");
+        // One healthy member that still knows a leader: fail closed.
+        let e = check_request(&obs(&[true, false, false], true), &any).unwrap_err();
+        assert!(matches!(e, RequestRefusal::NotLost(_)), "{e}");
+        assert!(check_request(&obs(&[false, false, false], false), &any).is_ok());
+        // Nothing observed at all (no member answers) is lost too.
+        assert!(check_request(&Observed::default(), &any).is_ok());
+    }
+
+    #[test]
+    fn a_named_survivor_must_be_a_live_machine() {
+        let lost = obs(&[false, false, false], false);
+        let named = |n: &str| SurvivorChoice::Named(n.into());
+        assert!(check_request(&lost, &named("m0")).is_ok());
+        assert_eq!(
+            check_request(&lost, &named("m9")),
+            Err(RequestRefusal::UnknownMachine("m9".into()))
+        );
+        assert_eq!(
+            check_request(&lost, &named("m2")),
+            Err(RequestRefusal::Deleting("m2".into()))
+        );
+    }
+}
