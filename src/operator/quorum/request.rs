@@ -103,6 +103,66 @@ pub fn check_request(obs: &Observed, survivor: &SurvivorChoice) -> Result<(), Re
     Ok(())
 }
 
+/// Where a requested quorum restore stands, for a backend whose rebuild runs elsewhere
+/// (Kubernetes: `etcd-warden quorum-restore` on the survivor's node) and which records the
+/// request's phase beside it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "phase", content = "message", rename_all = "PascalCase")]
+pub enum RestorePhase {
+    /// Refused before anything was touched; the request must be made again.
+    Refused(String),
+    /// Accepted: waiting until the survivor serves as a one-member cluster.
+    WaitingForRebuild,
+    /// The survivor serves alone; the planner adds learners, one at a time.
+    GrowingBack,
+    /// Back to the desired voters, all healthy: the request can be removed.
+    Done,
+}
+
+/// The next phase of a request from the last one recorded (`None` for a new request) and what
+/// is observed now. A request made while the cluster serves is refused; once accepted, the
+/// cluster serving again with one voter (on the named machine) means the survivor was
+/// rebuilt, and `desired` healthy voters without learners means it grew back.
+pub fn next_phase(
+    previous: Option<&RestorePhase>,
+    obs: &Observed,
+    survivor: &SurvivorChoice,
+    desired: usize,
+) -> RestorePhase {
+    let voters: Vec<_> = obs.members.iter().filter(|m| !m.is_learner).collect();
+    let learners = obs.members.len() - voters.len();
+    let serving = obs.leader_applied_index.is_some() && voters.iter().all(|m| m.healthy);
+    match previous {
+        None | Some(RestorePhase::Refused(_)) => match check_request(obs, survivor) {
+            Ok(()) => RestorePhase::WaitingForRebuild,
+            Err(e) => RestorePhase::Refused(e.to_string()),
+        },
+        Some(RestorePhase::WaitingForRebuild) => {
+            let on_survivor = |m: &&super::plan::MemberState| match survivor {
+                SurvivorChoice::Freshest => true,
+                SurvivorChoice::Named(name) => obs.machines.iter().any(|mc| {
+                    &mc.name == name
+                        && m.peer_urls
+                            .iter()
+                            .any(|u| super::plan::same_url(u, &mc.peer_url))
+                }),
+            };
+            if serving && voters.len() == 1 && voters.iter().all(on_survivor) {
+                RestorePhase::GrowingBack
+            } else {
+                RestorePhase::WaitingForRebuild
+            }
+        }
+        Some(RestorePhase::GrowingBack) | Some(RestorePhase::Done) => {
+            if serving && voters.len() >= desired && learners == 0 {
+                RestorePhase::Done
+            } else {
+                RestorePhase::GrowingBack
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -170,6 +230,49 @@ mod tests {
         assert_eq!(
             check_request(&lost, &named("m2")),
             Err(RequestRefusal::Deleting("m2".into()))
+        );
+    }
+
+    #[test]
+    fn a_request_is_refused_accepted_then_followed_to_done() {
+        let named = SurvivorChoice::Named("m0".into());
+        // Made while the cluster serves: refused, and stays so while it serves.
+        let serving = obs(&[true, true, true], true);
+        let p = next_phase(None, &serving, &named, 3);
+        assert!(
+            matches!(&p, RestorePhase::Refused(m) if m.contains("quorum is not lost")),
+            "{p:?}"
+        );
+        // Quorum lost: accepted, then waiting until m0 serves alone.
+        let lost = obs(&[false, false, false], false);
+        let p = next_phase(Some(&p), &lost, &named, 3);
+        assert_eq!(p, RestorePhase::WaitingForRebuild);
+        assert_eq!(
+            next_phase(Some(&p), &lost, &named, 3),
+            RestorePhase::WaitingForRebuild
+        );
+        // Another machine's member alone is not the survivor asked for.
+        let mut alone = obs(&[true, true, true], true);
+        alone.members.retain(|m| m.name == "m1");
+        assert_eq!(
+            next_phase(Some(&p), &alone, &named, 3),
+            RestorePhase::WaitingForRebuild
+        );
+        let mut rebuilt = obs(&[true, true, true], true);
+        rebuilt.members.retain(|m| m.name == "m0");
+        let p = next_phase(Some(&p), &rebuilt, &named, 3);
+        assert_eq!(p, RestorePhase::GrowingBack);
+        // A learner on the way, then two voters: still growing.
+        let mut growing = obs(&[true, true, true], true);
+        growing.members[1].is_learner = true;
+        growing.members.pop();
+        assert_eq!(
+            next_phase(Some(&p), &growing, &named, 3),
+            RestorePhase::GrowingBack
+        );
+        assert_eq!(
+            next_phase(Some(&p), &serving, &named, 3),
+            RestorePhase::Done
         );
     }
 }
