@@ -44,7 +44,7 @@ pub const LEARNER_STALL: Duration = Duration::from_secs(120);
     kind = "EtcdQuorum",
     namespaced,
     status = "EtcdQuorumStatus",
-    doc = "The control plane's etcd quorum as the operator sees it; status only",
+    doc = "The control plane's etcd quorum as the operator sees it (status), and an administrator's quorum restore request (spec.quorumRestore)",
     printcolumn(
         name = "Available",
         type_ = "string",
