@@ -1138,3 +1138,183 @@ fn local_refuses_an_api_address_beyond_loopback() {
         assert!(!run.exists(), "{listen}: nothing is started");
     }
 }
+
+/// Serves the local API of `f`'s cluster and `op` on an ephemeral loopback port; returns its
+/// base URL.
+async fn serve_api(f: &Fixture, op: &Arc<Operator<LocalCluster>>) -> String {
+    use etcd_warden::operator::local::{ApiState, router};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let state = ApiState {
+        cluster: Arc::clone(&f.cluster),
+        status: op.status_handle(),
+        registry: Arc::new(prometheus_client::registry::Registry::default()),
+        set: None,
+    };
+    let cancel = f.cancel.child_token();
+    tokio::spawn(async move {
+        axum::serve(listener, router(state))
+            .with_graceful_shutdown(cancel.cancelled_owned())
+            .await
+    });
+    format!("http://{addr}")
+}
+
+/// POSTs a quorum restore request; its status and JSON answer.
+async fn request_quorum_restore(
+    api: &str,
+    body: serde_json::Value,
+) -> (reqwest::StatusCode, serde_json::Value) {
+    let resp = reqwest::Client::new()
+        .post(format!("{api}/quorum-restore"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status();
+    (status, resp.json().await.unwrap())
+}
+
+/// SIGKILLs a machine's etcd and removes its data directory: the machine lost for good.
+fn lose_for_good(f: &Fixture, machine: &str) {
+    let pid = f.machine(machine).and_then(|m| m.pid).expect("it runs");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(pid).unwrap()),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let dir = f._dir.path().join("cluster").join(machine);
+    // The process may take a moment to die; its files go with the directory either way.
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+scenario_tests! {
+    /// Two of three machines lost for good: refused while the cluster serves, then on request
+    /// the survivor is rebuilt as a one-member cluster and the operator grows it back to three
+    /// voters, one learner at a time; every write acknowledged before the loss is served.
+    quorum_restore_on_request_rebuilds_and_grows_back: quorum_restore_grows_back(etcd());
+    /// The same on Debian's etcd 3.4.
+    quorum_restore_on_request_on_etcd_3_4: quorum_restore_grows_back(Release::V34.bin("etcd"));
+}
+
+async fn quorum_restore_grows_back(etcd: PathBuf) {
+    let (f, op, _task) = Fixture::start_with(etcd, true)
+        .await
+        .with_settled_operator()
+        .await;
+    let api = serve_api(&f, &op).await;
+
+    // Refused while the cluster serves, and for a machine that is not there; nothing stops.
+    let (status, body) = request_quorum_restore(&api, serde_json::json!({"survivor": "m1"})).await;
+    assert_eq!(status, reqwest::StatusCode::CONFLICT, "{body}");
+    let msg = body["message"].as_str().unwrap();
+    assert!(msg.contains("quorum is not lost"), "{msg}");
+    let (status, body) = request_quorum_restore(&api, serde_json::json!({"survivor": "m9"})).await;
+    assert_eq!(status, reqwest::StatusCode::NOT_FOUND, "{body}");
+    assert!(
+        body["message"].as_str().unwrap().contains("\"m9\""),
+        "{body}"
+    );
+    let (status, _) = request_quorum_restore(&api, serde_json::json!({"survivor": ""})).await;
+    assert!(status.is_client_error(), "{status}");
+    assert!(
+        f.cluster.machines().iter().all(|m| m.pid.is_some()),
+        "a refused request stopped a member"
+    );
+
+    // Writes, then every one of them applied on m1 (a linearizable read through it), so the
+    // survivor committed every acknowledged write.
+    let stop = CancellationToken::new();
+    let writer = tokio::spawn(writer(Arc::clone(&f.cluster), stop.clone()));
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    stop.cancel();
+    let report = writer.await.unwrap();
+    assert!(
+        report.acked.len() > 20,
+        "writer only got {} acks",
+        report.acked.len()
+    );
+    let m1 = f.machine("m1").unwrap().client_url;
+    let mut c = client(std::slice::from_ref(&m1)).await.unwrap();
+    c.get("w/", Some(etcd_client::GetOptions::new().with_prefix()))
+        .await
+        .unwrap();
+
+    lose_for_good(&f, "m2");
+    lose_for_good(&f, "m3");
+    // Until m1's election timeout passes it may report the old leader (and a request is
+    // refused); the operator sees it when it stops.
+    wait_for_or(
+        "m1 without a leader",
+        Duration::from_secs(30),
+        || {
+            let st = op.status();
+            let lost =
+                matches!(&st.condition, Some(Condition::Degraded(r)) if r.contains("quorum lost"));
+            (lost && st.members.iter().all(|m| !m.has_leader)).then_some(())
+        },
+        || describe(&op),
+    )
+    .await;
+    // The operator does nothing on its own: m1 still runs, alone, no member added.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(f.machine("m1").unwrap().pid.is_some());
+    assert!(
+        op.status()
+            .history
+            .iter()
+            .all(|r| r.action.kind() != "add_learner"),
+        "{}",
+        describe(&op)
+    );
+
+    let (status, body) = request_quorum_restore(
+        &api,
+        serde_json::json!({"survivor": "freshest", "lostForSecs": 2}),
+    )
+    .await;
+    assert_eq!(status, reqwest::StatusCode::OK, "{body}");
+    assert_eq!(body["survivor"], "m1", "{body}");
+    let dropped: Vec<&str> = body["dropped"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d.as_str().unwrap())
+        .collect();
+    assert!(
+        dropped.len() == 2 && dropped[0].starts_with("m2") && dropped[1].starts_with("m3")
+            || dropped.len() == 2 && dropped[0].starts_with("m3") && dropped[1].starts_with("m2"),
+        "{body}"
+    );
+    // The survivor's original directory is kept.
+    let kept = PathBuf::from(body["keptAt"].as_str().unwrap());
+    assert!(kept.join("member/wal").is_dir(), "{body}");
+
+    wait_for_or(
+        "three healthy voters after the grow-back",
+        Duration::from_secs(90),
+        || {
+            let st = op.status();
+            (settled(&op)
+                && st.members.len() == 3
+                && st.members.iter().all(|m| m.healthy && !m.is_learner))
+            .then_some(())
+        },
+        || describe(&op),
+    )
+    .await;
+    let final_members = members(&f.cluster).await;
+    assert_eq!(names(&final_members), ["m1", "m2", "m3"]);
+    assert_acked_present(&f.cluster, &report).await;
+
+    // One at a time: each learner promoted before the next one is added.
+    let history: Vec<Action> = op.status().history.into_iter().map(|r| r.action).collect();
+    let add2 = position(&history, "add_learner", "m2");
+    let promote2 = position(&history, "promote", "m2");
+    let add3 = position(&history, "add_learner", "m3");
+    let promote3 = position(&history, "promote", "m3");
+    assert!(
+        add2 < promote2 && promote2 < add3 && add3 < promote3,
+        "out of order: {history:#?}"
+    );
+}

@@ -968,3 +968,51 @@ async fn without_a_running_machine_the_status_says_the_machine_api_does_not_work
     w.protected(&["cp-0", "cp-1", "cp-2"]).await;
     conditions_become(&api, "all well", Duration::from_secs(20), ALL_WELL).await;
 }
+
+/// `spec.quorumRestore` made while the cluster serves is refused in the status, and nothing
+/// changes membership; another survivor is a new request, judged afresh; removing the request
+/// removes its status.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quorum_restore_requested_while_the_cluster_serves_is_refused() {
+    let w = World::start(false).await;
+    let api: Api<EtcdQuorum> = Api::namespaced(w.kc.clone(), ETCD_NS);
+    let (_ctl, _cancel) = w.controller_all_well(&api).await;
+    let request =
+        |survivor: serde_json::Value| serde_json::json!({"spec": {"quorumRestore": survivor}});
+    let restore_status = async || api.get("cluster").await.ok()?.status?.quorum_restore;
+    for survivor in ["cp-0", "freshest"] {
+        api.patch(
+            "cluster",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&request(serde_json::json!({"survivor": survivor}))),
+        )
+        .await
+        .unwrap();
+        let st = eventually(
+            "the request refused in the status",
+            Duration::from_secs(20),
+            async || restore_status().await.filter(|s| s.survivor == survivor),
+        )
+        .await;
+        assert_eq!(st.phase, "Refused", "{st:?}");
+        let message = st.message.unwrap_or_default();
+        assert!(message.contains("quorum is not lost"), "{message}");
+    }
+    conditions_become(&api, "all well", Duration::from_secs(20), ALL_WELL).await;
+    let members = api.get("cluster").await.unwrap().status.unwrap().members;
+    assert_eq!(members.len(), 3, "{members:?}");
+
+    api.patch(
+        "cluster",
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(&request(serde_json::Value::Null)),
+    )
+    .await
+    .unwrap();
+    eventually(
+        "the request's status removed",
+        Duration::from_secs(20),
+        async || restore_status().await.is_none().then_some(()),
+    )
+    .await;
+}

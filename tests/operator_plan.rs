@@ -17,6 +17,9 @@ struct Sim {
     leader_applied: u64,
     next_id: u64,
     next_machine: usize,
+    /// The fewest voters allowed instead of `desired - 1`: 1 while a quorum restore's
+    /// one-member cluster grows back.
+    floor_override: Option<usize>,
 }
 
 /// Things that happen to the cluster, generated.
@@ -79,6 +82,7 @@ impl Sim {
             leader_applied: 100,
             next_id: 1,
             next_machine: 0,
+            floor_override: None,
         };
         for _ in 0..desired {
             let name = s.create_machine();
@@ -158,7 +162,7 @@ impl Sim {
     /// may go below desired is checked where they are applied; this floor is what keeps them
     /// one at a time.
     fn floor(&self) -> usize {
-        self.desired - 1
+        self.floor_override.unwrap_or(self.desired - 1)
     }
 
     /// Whether removing voter `m` now is the dead-voter rule: `m` is the only unhealthy member,
@@ -1040,4 +1044,82 @@ fn a_dead_voter_with_another_member_unhealthy_is_not_removed() {
     let p = plan(sim.spec(), &sim.observed());
     assert!(p.actions.is_empty(), "{p:?}");
     assert!(matches!(p.condition, Condition::Degraded(_)), "{p:?}");
+}
+
+/// A settled cluster after a quorum restore: only `survivor`'s member is left, a one-member
+/// cluster; the other machines either stay (wiped, to rejoin) or, with `replace`, are deleted
+/// and new ones created.
+fn restored(desired: usize, survivor: usize, replace: bool) -> Sim {
+    let mut sim = Sim::settled(desired);
+    let keep = sim.members[survivor % desired].clone();
+    sim.members = vec![keep.clone()];
+    sim.floor_override = Some(1);
+    if replace {
+        for mc in &mut sim.machines {
+            if mc.peer_url != keep.peer_urls[0] {
+                mc.deleting = true;
+            }
+        }
+        for _ in 1..desired {
+            sim.create_machine();
+        }
+    }
+    sim
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// After a quorum restore the planner grows the one-member cluster back to `desired`
+    /// voters: only learner additions and promotions, one learner at a time, the voter count
+    /// never falling, whatever the executor completes of each plan.
+    #[test]
+    fn a_restored_cluster_grows_back_one_learner_at_a_time(
+        desired in desired(),
+        survivor in any::<usize>(),
+        replace in any::<bool>(),
+        limits in prop::collection::vec(0usize..4, 0..16),
+    ) {
+        let mut sim = restored(desired, survivor, replace);
+        let mut voters = sim.voters();
+        for limit in limits {
+            for m in &mut sim.members {
+                if m.started() {
+                    m.applied_index = sim.leader_applied;
+                }
+            }
+            let actions = sim.step(limit)?;
+            for a in actions.iter().filter(|a| a.is_membership_change()) {
+                prop_assert!(
+                    matches!(a, Action::AddLearner { .. } | Action::Promote { .. }),
+                    "{a:?} while growing back: {sim:?}"
+                );
+            }
+            prop_assert!(sim.voters() >= voters, "a voter lost: {sim:?}");
+            voters = sim.voters();
+            sim.finalize_unhooked();
+        }
+        prop_assert_eq!(sim.settle()?, Condition::Settled);
+        prop_assert_eq!(sim.voters(), desired);
+        prop_assert_eq!(sim.learners(), 0);
+        prop_assert!(sim.members.iter().all(|m| m.healthy), "{:?}", sim);
+    }
+}
+
+#[test]
+fn a_one_member_cluster_grows_back_in_order() {
+    let mut sim = restored(3, 0, false);
+    let kinds = sim.twenty_steps();
+    assert_eq!(
+        kinds,
+        [
+            "add_learner",
+            "start_member",
+            "promote",
+            "add_learner",
+            "start_member",
+            "promote"
+        ]
+    );
+    assert_eq!(sim.voters(), 3);
 }

@@ -93,6 +93,26 @@ enum Command {
     },
     /// Print the ControlPlaneSet (spec, counts, conditions, machines) as JSON.
     ControlPlaneSet(ApiArgs),
+    /// After a majority of the members is lost for good: rebuild a one-member cluster from a
+    /// survivor (its committed writes kept); the operator then grows the cluster back with
+    /// learners, one at a time. Refused while any member knows a leader.
+    QuorumRestore {
+        /// The machine whose member to rebuild from, or "freshest" (the highest committed raft
+        /// index among the machines' data directories).
+        #[arg(long)]
+        survivor: String,
+        /// How long a majority must stay unreachable before the rebuild.
+        #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+        lost_for: std::time::Duration,
+        /// Start the rebuilt member this many revisions above the survivor's (as `restore`).
+        #[arg(long, default_value_t = 0)]
+        revision_bump: u64,
+        /// Mark the bumped revision compacted.
+        #[arg(long, requires = "revision_bump")]
+        mark_compacted: bool,
+        #[command(flatten)]
+        api: ApiArgs,
+    },
     /// Change the ControlPlaneSet's template or failure domains; the machines roll per its
     /// strategy.
     SetTemplate {
@@ -408,6 +428,22 @@ async fn run(command: Command) -> anyhow::Result<()> {
             (Method::DELETE, api, format!("/machines/{machine}/hook"))
         }
         Command::ControlPlaneSet(api) => (Method::GET, api, "/controlplaneset".to_owned()),
+        Command::QuorumRestore {
+            survivor,
+            lost_for,
+            revision_bump,
+            mark_compacted,
+            api,
+        } => {
+            let body = serde_json::json!({
+                "survivor": survivor,
+                // Whole seconds, rounded up: never shorter than asked.
+                "lostForSecs": lost_for.as_secs() + u64::from(lost_for.subsec_nanos() > 0),
+                "revisionBump": revision_bump,
+                "markCompacted": mark_compacted,
+            });
+            return call_with(Method::POST, api.url("/quorum-restore"), Some(body)).await;
+        }
         Command::SetTemplate {
             etcd_args,
             clear_etcd_args,

@@ -29,9 +29,12 @@ use super::control_plane_set::controller::{
 use super::control_plane_set::plan::{DomainField, Strategy, domain_targets};
 use super::quorum::execute::{BackendError, Join, Machines, Operator, OperatorStatus, Timing};
 use super::quorum::plan::{Condition, MachineState, Spec, SpecError};
+use super::quorum::request::{RequestRefusal, SurvivorChoice};
 use crate::etcd::process::{
     self, Bootstrap, ClusterState, EtcdBinaries, EtcdProcess, MemberSpec, ProcessError,
 };
+use crate::restore::RevisionBump;
+use crate::restore::quorum::{self as rebuild, QuorumError, QuorumOptions};
 
 /// Errors of the local backend.
 #[derive(Debug, thiserror::Error)]
@@ -69,8 +72,8 @@ pub enum LocalError {
     #[error(
         "--listen {0}: the local API changes the cluster without authentication (PUT \
          /controlplaneset, POST /machines, POST /machines/{{name}}/replace, DELETE \
-         /machines/{{name}}, DELETE /machines/{{name}}/hook), so it listens on loopback only; use \
-         127.0.0.1 or [::1]"
+         /machines/{{name}}, DELETE /machines/{{name}}/hook, POST /quorum-restore), so it listens \
+         on loopback only; use 127.0.0.1 or [::1]"
     )]
     NotLoopback(SocketAddr),
 }
@@ -239,6 +242,8 @@ pub struct LocalCluster {
     opts: LocalOptions,
     bins: EtcdBinaries,
     inner: Mutex<Inner>,
+    /// Set while a quorum restore runs: one at a time.
+    restoring: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// How long the first members have to form their cluster.
@@ -266,6 +271,7 @@ impl LocalCluster {
                 machines: vec![],
                 next: 1,
             }),
+            restoring: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         });
         // The first members' ports are left to `start_cluster`, which chooses them again if
         // one is taken before etcd binds it.
@@ -487,6 +493,388 @@ impl LocalCluster {
     }
 }
 
+/// Body of `POST /quorum-restore`: an administrator's request to rebuild the cluster from one
+/// surviving member after a majority is lost for good.
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct QuorumRestoreRequest {
+    /// The machine whose member to rebuild from, or `"freshest"`.
+    pub survivor: SurvivorChoice,
+    /// Seconds a majority of the members must stay unreachable before the rebuild (default 10).
+    #[serde(default = "default_lost_for_secs")]
+    pub lost_for_secs: u64,
+    /// `restore`'s revision bump (default 0: none).
+    #[serde(default)]
+    pub revision_bump: u64,
+    /// Mark the bumped revision compacted.
+    #[serde(default)]
+    pub mark_compacted: bool,
+}
+
+fn default_lost_for_secs() -> u64 {
+    10
+}
+
+/// One survivor read, with the raft index it knows committed.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SurvivorSeen {
+    /// Its machine.
+    pub machine: String,
+    /// Its committed raft index.
+    pub committed: u64,
+}
+
+/// Answer of `POST /quorum-restore`: what was rebuilt; the grow-back follows.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct QuorumRestoreOutcome {
+    /// The machine whose member now serves as a one-member cluster.
+    pub survivor: String,
+    /// Its member (`name (id)`).
+    pub member: String,
+    /// Its committed raft index.
+    pub committed: u64,
+    /// The revision it served from its data.
+    pub revision: i64,
+    /// The revision etcd starts at (above `revision` with a bump).
+    pub etcd_revision: i64,
+    /// Every survivor read.
+    pub survivors: Vec<SurvivorSeen>,
+    /// Members dropped from the cluster.
+    pub dropped: Vec<String>,
+    /// Where the survivor's original data directory is kept.
+    pub kept_at: String,
+    /// Other machines' data directories, moved aside (kept) so they rejoin empty.
+    pub set_aside: Vec<String>,
+    /// What happens next.
+    pub next: String,
+}
+
+/// Why a local quorum restore refused or failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LocalQuorumError {
+    /// Refused before anything was touched.
+    #[error(transparent)]
+    Refused(#[from] RequestRefusal),
+    /// Another request is rebuilding.
+    #[error("a quorum restore is already under way")]
+    Busy,
+    /// The named survivor holds no member's data.
+    #[error("machine {machine} has no etcd data directory to rebuild from ({path})")]
+    NoData {
+        /// The machine.
+        machine: String,
+        /// Its data directory.
+        path: String,
+    },
+    /// No machine holds a member's data.
+    #[error("no machine holds an etcd data directory to rebuild from")]
+    NoSurvivor,
+    /// The rebuild refused or failed; nothing was overwritten, the members stopped for it
+    /// were started again.
+    #[error("machine {machine}: {source}")]
+    Rebuild {
+        /// The machine rebuilt.
+        machine: String,
+        /// Why.
+        #[source]
+        source: QuorumError,
+    },
+    /// The rebuilt member did not start.
+    #[error("machine {machine}: the rebuilt member did not start: {source}")]
+    Start {
+        /// The machine.
+        machine: String,
+        /// Why.
+        #[source]
+        source: ProcessError,
+    },
+    /// Moving a data directory aside failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// How long a member being stopped for a quorum restore has to exit after SIGTERM.
+const STOP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A machine as a quorum restore sees it, taken out of the lock.
+struct Standing {
+    name: String,
+    client_url: String,
+    data_dir: PathBuf,
+    deleting: bool,
+    process: Option<Arc<EtcdProcess>>,
+}
+
+/// The one quorum restore running; the flag is cleared when it is dropped.
+struct Restoring(Arc<std::sync::atomic::AtomicBool>);
+
+impl Restoring {
+    fn enter(flag: &Arc<std::sync::atomic::AtomicBool>) -> Option<Restoring> {
+        use std::sync::atomic::Ordering;
+        flag.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .ok()
+            .map(|_| Restoring(Arc::clone(flag)))
+    }
+}
+
+impl Drop for Restoring {
+    fn drop(&mut self) {
+        self.0.store(false, std::sync::atomic::Ordering::Release);
+    }
+}
+
+/// Whether `dir` holds an etcd member (its WAL directory).
+fn holds_member(dir: &Path) -> bool {
+    dir.join("member/wal").is_dir()
+}
+
+impl LocalCluster {
+    /// Rebuilds the cluster from one survivor after a majority is lost for good, on an
+    /// administrator's request: refuses while any member knows a leader or the named machine
+    /// is unknown or deleting; stops every member (none can serve without a quorum, and a
+    /// member of the old cluster must not talk to the rebuilt one); runs
+    /// [`rebuild::quorum_restore`] on the survivor's data directory (the freshest of the
+    /// machines' directories with [`SurvivorChoice::Freshest`]), which checks for
+    /// `lost_for_secs` that a majority stays unreachable; moves the other machines' data
+    /// directories aside (kept); and starts the survivor as a one-member cluster. The operator
+    /// then grows the cluster back with learners, one at a time.
+    ///
+    /// On a refusal or failure of the rebuild nothing is overwritten and the members stopped
+    /// for it are started again.
+    pub async fn quorum_restore(
+        &self,
+        req: &QuorumRestoreRequest,
+    ) -> Result<QuorumRestoreOutcome, LocalQuorumError> {
+        let _one = Restoring::enter(&self.restoring).ok_or(LocalQuorumError::Busy)?;
+        let standing: Vec<Standing> = self
+            .lock()
+            .machines
+            .iter()
+            .map(|m| Standing {
+                name: m.spec.name.clone(),
+                client_url: m.spec.client_url(),
+                data_dir: m.spec.data_dir.clone(),
+                deleting: m.deleting,
+                process: m.process.clone().filter(|p| p.is_running()),
+            })
+            .collect();
+        if let SurvivorChoice::Named(name) = &req.survivor {
+            let m = standing
+                .iter()
+                .find(|m| &m.name == name)
+                .ok_or_else(|| RequestRefusal::UnknownMachine(name.clone()))?;
+            if m.deleting {
+                return Err(RequestRefusal::Deleting(name.clone()).into());
+            }
+        }
+        // A member that knows a leader is part of a quorum: nothing is lost.
+        let running: Vec<(String, String)> = standing
+            .iter()
+            .filter(|m| m.process.is_some())
+            .map(|m| (m.name.clone(), m.client_url.clone()))
+            .collect();
+        let mut leading = Vec::new();
+        for (name, url) in running {
+            if process::is_healthy(&url, None).await {
+                leading.push(name);
+            }
+        }
+        if !leading.is_empty() {
+            return Err(RequestRefusal::NotLost(format!(
+                "machine(s) {} report a leader (a member cut off from its peers keeps reporting \
+                 the old one until its election timeout passes: retry in a few seconds if the \
+                 others are gone)",
+                leading.join(", ")
+            ))
+            .into());
+        }
+
+        let running: Vec<(String, Arc<EtcdProcess>)> = standing
+            .iter()
+            .filter_map(|m| Some((m.name.clone(), m.process.clone()?)))
+            .collect();
+        let mut stopped = Vec::new();
+        for (name, p) in running {
+            if let Err(e) = p.terminate(STOP_TIMEOUT).await {
+                warn!(machine = %name, error = %e, "etcd killed for the quorum restore");
+            }
+            info!(machine = %name, "etcd stopped for the quorum restore");
+            stopped.push(name);
+        }
+        let result = self.rebuild(req, &standing).await;
+        let (chosen, report) = match result {
+            Ok(r) => r,
+            Err(e) => {
+                // Nothing was overwritten: the members are as they were.
+                for name in &stopped {
+                    if let Err(err) = self.restart(name) {
+                        warn!(machine = %name, error = %err, "restarting etcd after a refused quorum restore");
+                    }
+                }
+                return Err(e);
+            }
+        };
+
+        let stamp = chrono::Utc::now().timestamp();
+        let mut set_aside = Vec::new();
+        for m in standing.iter().filter(|m| m.name != chosen) {
+            if !m.data_dir.exists() {
+                continue;
+            }
+            let aside = PathBuf::from(format!(
+                "{}.before-quorum-restore-{stamp}",
+                m.data_dir.display()
+            ));
+            std::fs::rename(&m.data_dir, &aside).map_err(|source| LocalQuorumError::Io {
+                what: format!(
+                    "moving machine {}'s data directory {} aside",
+                    m.name,
+                    m.data_dir.display()
+                ),
+                source,
+            })?;
+            set_aside.push(aside.display().to_string());
+        }
+
+        let p = self
+            .restart(&chosen)
+            .map_err(|source| LocalQuorumError::Start {
+                machine: chosen.clone(),
+                source,
+            })?;
+        p.wait_healthy(START_TIMEOUT)
+            .await
+            .map_err(|source| LocalQuorumError::Start {
+                machine: chosen.clone(),
+                source,
+            })?;
+        info!(machine = %chosen, committed = report.committed, "quorum restored: one-member cluster serving");
+        let survivors = report
+            .survivors
+            .iter()
+            .map(|(path, committed)| SurvivorSeen {
+                machine: standing
+                    .iter()
+                    .find(|m| &m.data_dir == path)
+                    .map_or_else(|| path.display().to_string(), |m| m.name.clone()),
+                committed: *committed,
+            })
+            .collect();
+        Ok(QuorumRestoreOutcome {
+            survivor: chosen,
+            member: report.chosen_member,
+            committed: report.committed,
+            revision: report.revision,
+            etcd_revision: report.etcd_revision,
+            survivors,
+            dropped: report.dropped,
+            kept_at: report.kept_at.display().to_string(),
+            set_aside,
+            next: format!(
+                "the operator grows the cluster back to {} voters: a learner on each machine without a member, promoted once caught up, one at a time (GET /status)",
+                self.opts.members
+            ),
+        })
+    }
+
+    /// Picks the survivor and rebuilds its data directory; every member is stopped.
+    async fn rebuild(
+        &self,
+        req: &QuorumRestoreRequest,
+        standing: &[Standing],
+    ) -> Result<(String, rebuild::QuorumReport), LocalQuorumError> {
+        let (chosen, others) = match &req.survivor {
+            SurvivorChoice::Named(name) => {
+                let m = standing
+                    .iter()
+                    .find(|m| &m.name == name)
+                    .ok_or_else(|| RequestRefusal::UnknownMachine(name.clone()))?;
+                if !holds_member(&m.data_dir) {
+                    return Err(LocalQuorumError::NoData {
+                        machine: name.clone(),
+                        path: m.data_dir.display().to_string(),
+                    });
+                }
+                (m, vec![])
+            }
+            SurvivorChoice::Freshest => {
+                let candidates: Vec<&Standing> = standing
+                    .iter()
+                    .filter(|m| !m.deleting && holds_member(&m.data_dir))
+                    .collect();
+                let mut read = Vec::new();
+                for m in &candidates {
+                    read.push(rebuild::inspect(&m.data_dir).map_err(|source| {
+                        LocalQuorumError::Rebuild {
+                            machine: m.name.clone(),
+                            source,
+                        }
+                    })?);
+                }
+                let at = rebuild::choose(&read).ok_or(LocalQuorumError::NoSurvivor)?;
+                let others = candidates
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| *i != at)
+                    .map(|(_, m)| m.data_dir.clone())
+                    .collect();
+                (candidates[at], others)
+            }
+        };
+        let opts = QuorumOptions {
+            data_dir: chosen.data_dir.clone(),
+            survivors: others,
+            name: None,
+            initial_advertise_peer_urls: None,
+            initial_cluster_token: CLUSTER_TOKEN.into(),
+            etcd_bin: self.opts.etcd.parent().map(Path::to_path_buf),
+            lost_for: Duration::from_secs(req.lost_for_secs),
+            probe_interval: Duration::from_millis(200),
+            bump: RevisionBump {
+                by: req.revision_bump,
+                mark_compacted: req.mark_compacted,
+            },
+            // The local backend keeps no store to compare with.
+            force: false,
+        };
+        let report = rebuild::quorum_restore(&opts, None)
+            .await
+            .map_err(|source| LocalQuorumError::Rebuild {
+                machine: chosen.name.clone(),
+                source,
+            })?;
+        Ok((chosen.name.clone(), report))
+    }
+
+    /// Starts a machine's etcd again on its data directory (which holds its member, so the
+    /// bootstrap flags are ignored).
+    fn restart(&self, name: &str) -> Result<Arc<EtcdProcess>, ProcessError> {
+        let mut inner = self.lock();
+        let Some(m) = inner.machines.iter_mut().find(|m| m.spec.name == name) else {
+            return Err(ProcessError::Exited {
+                name: name.to_owned(),
+                status: "machine gone".into(),
+                tail: String::new(),
+            });
+        };
+        if let Some(p) = m.process.take() {
+            p.kill();
+        }
+        let p = Arc::new(m.spec.spawn(&self.bins)?);
+        info!(machine = %name, pid = p.pid(), "started etcd");
+        m.process = Some(Arc::clone(&p));
+        Ok(p)
+    }
+}
+
 impl Drop for LocalCluster {
     fn drop(&mut self) {
         // A process may still be shared with a `wait_ready` in flight: kill it now all the same.
@@ -698,6 +1086,7 @@ pub struct LocalStatus {
 /// - `POST /machines` (create), `POST /machines/{name}/replace` (create new, delete old)
 /// - `DELETE /machines/{name}` (mark for deletion), `DELETE /machines/{name}/hook` (escape hatch)
 /// - `GET /controlplaneset`, `PUT /controlplaneset` (its template and failure domains)
+/// - `POST /quorum-restore` (rebuild from a survivor after quorum loss; [`QuorumRestoreRequest`])
 pub fn router(state: ApiState) -> Router {
     Router::new()
         .route("/status", get(status))
@@ -707,6 +1096,7 @@ pub fn router(state: ApiState) -> Router {
         .route("/machines/{name}/replace", post(replace))
         .route("/machines/{name}/hook", delete(remove_hook))
         .route("/controlplaneset", get(get_set).put(put_set))
+        .route("/quorum-restore", post(quorum_restore))
         .with_state(state)
 }
 
@@ -815,6 +1205,46 @@ async fn delete_machine(
 ) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
     s.cluster.delete_machine(&name)?;
     Ok((StatusCode::ACCEPTED, Json(json!({"deleting": name}))))
+}
+
+impl From<LocalQuorumError> for ApiError {
+    fn from(e: LocalQuorumError) -> Self {
+        match e {
+            LocalQuorumError::Refused(RequestRefusal::UnknownMachine(_)) => {
+                ApiError(StatusCode::NOT_FOUND, "not_found", e.to_string())
+            }
+            // Refusals the administrator acts on: the message says why (paths are local).
+            LocalQuorumError::Refused(_)
+            | LocalQuorumError::Busy
+            | LocalQuorumError::NoData { .. }
+            | LocalQuorumError::NoSurvivor
+            | LocalQuorumError::Rebuild { .. } => {
+                ApiError(StatusCode::CONFLICT, "refused", e.to_string())
+            }
+            LocalQuorumError::Start { .. } | LocalQuorumError::Io { .. } => {
+                warn!(error = %e, "quorum restore failed");
+                ApiError(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
+            }
+        }
+    }
+}
+
+async fn quorum_restore(
+    State(s): State<ApiState>,
+    body: Result<Json<QuorumRestoreRequest>, axum::extract::rejection::JsonRejection>,
+) -> Result<Json<QuorumRestoreOutcome>, ApiError> {
+    let Json(req) =
+        body.map_err(|e| ApiError(StatusCode::BAD_REQUEST, "bad_request", e.body_text()))?;
+    info!(survivor = %req.survivor, "quorum restore requested");
+    // On a blocking thread of its own: the rebuild's future (`restore::quorum`, written for the
+    // CLI) is not provably `Send`, which a handler's must be; it still runs on this runtime.
+    let cluster = Arc::clone(&s.cluster);
+    let runtime = tokio::runtime::Handle::current();
+    let outcome =
+        tokio::task::spawn_blocking(move || runtime.block_on(cluster.quorum_restore(&req)))
+            .await
+            .map_err(|e| ApiError::internal(&e))??;
+    Ok(Json(outcome))
 }
 
 async fn remove_hook(

@@ -139,7 +139,7 @@ pub enum QuorumError {
     Restore {
         /// Where.
         path: String,
-        /// Why.
+        /// Why (boxed: a restore's error is large, and every other variant small).
         #[source]
         source: Box<RestoreError>,
     },

@@ -213,7 +213,7 @@ impl Parts {
     /// Says in the EtcdQuorum's status that reconciles keep failing with `error`.
     async fn write_failure(&self, error: &ReconcileError) {
         let text = error.to_string();
-        let written = sync_status(&self.quorums, |previous, generation| {
+        let written = sync_status(&self.quorums, |_, previous, generation| {
             resource::failed(previous, &text, generation, chrono::Utc::now())
         })
         .await;
@@ -236,26 +236,33 @@ impl Parts {
             stalled_learner: stalled.as_deref(),
         };
         let last = self.operator.status().last_action;
-        sync_status(&self.quorums, |previous, generation| {
-            resource::status(
+        sync_status(&self.quorums, |spec, previous, generation| {
+            let mut st = resource::status(
                 &facts,
                 &obs.members,
                 last.as_ref(),
                 previous,
                 generation,
                 chrono::Utc::now(),
-            )
+            );
+            st.quorum_restore = resource::restore_status(
+                spec.quorum_restore.as_ref(),
+                previous.and_then(|p| p.quorum_restore.as_ref()),
+                &obs.observed,
+                self.settings.spec.desired_voters,
+            );
+            st
         })
         .await?;
         Ok(())
     }
 }
 
-/// Makes sure `namespace/cluster` exists and its status is what `make(previous, generation)`
+/// Makes sure `namespace/cluster` exists and its status is what `make(spec, previous, generation)`
 /// returns, writing through `/status` only when that differs. Returns whether it wrote.
 async fn sync_status(
     api: &Api<EtcdQuorum>,
-    make: impl Fn(Option<&EtcdQuorumStatus>, Option<i64>) -> EtcdQuorumStatus,
+    make: impl Fn(&EtcdQuorumSpec, Option<&EtcdQuorumStatus>, Option<i64>) -> EtcdQuorumStatus,
 ) -> Result<bool, SyncError> {
     let call = |what: &str, source| KubeCall {
         what: format!("{what} EtcdQuorum {NAME}"),
@@ -268,7 +275,7 @@ async fn sync_status(
             None => {
                 let pp = post_params();
                 match api
-                    .create(&pp, &EtcdQuorum::new(NAME, EtcdQuorumSpec {}))
+                    .create(&pp, &EtcdQuorum::new(NAME, EtcdQuorumSpec::default()))
                     .await
                 {
                     Ok(created) => created,
@@ -277,14 +284,25 @@ async fn sync_status(
                 }
             }
         };
-        let desired = make(current.status.as_ref(), current.metadata.generation);
+        let desired = make(
+            &current.spec,
+            current.status.as_ref(),
+            current.metadata.generation,
+        );
         if current.status.as_ref() == Some(&desired) {
             return Ok(false);
         }
         // On the version read: a write in between is read again, not overwritten.
+        let mut status = serde_json::to_value(&desired).unwrap_or_else(|_| json!({}));
+        // A merge patch keeps what it leaves out: a request's status goes with the request.
+        if desired.quorum_restore.is_none()
+            && let Some(o) = status.as_object_mut()
+        {
+            o.insert("quorumRestore".into(), serde_json::Value::Null);
+        }
         let patch = json!({
             "metadata": {"resourceVersion": current.metadata.resource_version},
-            "status": desired,
+            "status": status,
         });
         match api.patch_status(NAME, &params, &Patch::Merge(&patch)).await {
             Ok(_) => return Ok(true),

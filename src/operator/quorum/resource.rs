@@ -23,6 +23,7 @@ use serde::{Deserialize, Serialize};
 
 use super::execute::{ActionRecord, MemberStatus};
 use super::plan::{Action, Condition, Observed, RemoveReason, Spec, has_quorum, plan, same_url};
+use super::request::{RestorePhase, SurvivorChoice, next_phase};
 
 /// The one object's name.
 pub const NAME: &str = "cluster";
@@ -31,8 +32,9 @@ pub const NAME: &str = "cluster";
 /// catching up (Degraded); a healthy learner catches up a control plane's data in seconds.
 pub const LEARNER_STALL: Duration = Duration::from_secs(120);
 
-/// Empty: the desired voter count is the operator's configuration, not a field anyone who may
-/// edit this object could change.
+/// The desired voter count is the operator's configuration, not a field anyone who may edit
+/// this object could change. The one field is an administrator's request, acted on only after
+/// quorum loss.
 // Clippy reads the repeated `type_ = ...` of separate printcolumns as one duplicated attribute.
 #[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, Serialize, Deserialize, Debug, Clone, Default, PartialEq, JsonSchema)]
@@ -42,7 +44,7 @@ pub const LEARNER_STALL: Duration = Duration::from_secs(120);
     kind = "EtcdQuorum",
     namespaced,
     status = "EtcdQuorumStatus",
-    doc = "The control plane's etcd quorum as the operator sees it; status only",
+    doc = "The control plane's etcd quorum as the operator sees it (status), and an administrator's quorum restore request (spec.quorumRestore)",
     printcolumn(
         name = "Available",
         type_ = "string",
@@ -66,7 +68,84 @@ pub const LEARNER_STALL: Duration = Duration::from_secs(120);
         json_path = ".metadata.creationTimestamp"
     )
 )]
-pub struct EtcdQuorumSpec {}
+#[serde(rename_all = "camelCase")]
+pub struct EtcdQuorumSpec {
+    /// Rebuild from a survivor after a majority of the members is lost for good. Refused
+    /// (in the status) unless quorum is lost when it is first seen; the rebuild itself runs on
+    /// the survivor's node (`etcd-warden quorum-restore`); the operator then grows the cluster
+    /// back with learners. Remove it once the status says Done.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quorum_restore: Option<QuorumRestoreSpec>,
+}
+
+/// An administrator's quorum restore request.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct QuorumRestoreSpec {
+    /// The Machine whose member to rebuild from, or "freshest".
+    pub survivor: String,
+}
+
+/// Where a quorum restore request stands.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct QuorumRestoreStatus {
+    /// The survivor requested.
+    pub survivor: String,
+    /// Refused, WaitingForRebuild, GrowingBack or Done.
+    pub phase: String,
+    /// Why it was refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+}
+
+impl QuorumRestoreStatus {
+    /// The status of `phase` for `survivor`.
+    pub fn new(survivor: &str, phase: &RestorePhase) -> QuorumRestoreStatus {
+        let (name, message) = match phase {
+            RestorePhase::Refused(m) => ("Refused", Some(m.clone())),
+            RestorePhase::WaitingForRebuild => ("WaitingForRebuild", None),
+            RestorePhase::GrowingBack => ("GrowingBack", None),
+            RestorePhase::Done => ("Done", None),
+        };
+        QuorumRestoreStatus {
+            survivor: survivor.to_owned(),
+            phase: name.to_owned(),
+            message,
+        }
+    }
+
+    /// The phase recorded.
+    pub fn phase(&self) -> RestorePhase {
+        match self.phase.as_str() {
+            "WaitingForRebuild" => RestorePhase::WaitingForRebuild,
+            "GrowingBack" => RestorePhase::GrowingBack,
+            "Done" => RestorePhase::Done,
+            _ => RestorePhase::Refused(self.message.clone().unwrap_or_default()),
+        }
+    }
+}
+
+/// The quorum restore status for `request` (none without one), from the one recorded for the
+/// same survivor and what is observed. A new request (another survivor) starts over. Pure.
+pub fn restore_status(
+    request: Option<&QuorumRestoreSpec>,
+    previous: Option<&QuorumRestoreStatus>,
+    observed: &Observed,
+    desired: usize,
+) -> Option<QuorumRestoreStatus> {
+    let request = request?;
+    let phase = match request.survivor.parse::<SurvivorChoice>() {
+        Err(e) => RestorePhase::Refused(e),
+        Ok(choice) => {
+            let prev = previous
+                .filter(|p| p.survivor == request.survivor)
+                .map(QuorumRestoreStatus::phase);
+            next_phase(prev.as_ref(), observed, &choice, desired)
+        }
+    };
+    Some(QuorumRestoreStatus::new(&request.survivor, &phase))
+}
 
 /// What the operator last observed and concluded.
 #[derive(Serialize, Deserialize, Debug, Clone, Default, PartialEq, JsonSchema)]
@@ -90,6 +169,9 @@ pub struct EtcdQuorumStatus {
     /// The last action applied or attempted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_action: Option<LastAction>,
+    /// Where `spec.quorumRestore` stands.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quorum_restore: Option<QuorumRestoreStatus>,
 }
 
 /// A condition, shaped as `metav1.Condition`.
@@ -528,6 +610,7 @@ pub fn status(
             time: a.at.to_rfc3339_opts(SecondsFormat::Secs, true),
             error: a.error.clone(),
         }),
+        quorum_restore: previous.and_then(|p| p.quorum_restore.clone()),
     }
 }
 
