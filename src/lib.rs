@@ -32,6 +32,8 @@ pub mod copy;
 pub mod druid;
 pub mod etcd;
 pub mod etcdbrctl;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod health;
 pub mod kill;
 pub mod operator;

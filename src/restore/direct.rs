@@ -477,6 +477,26 @@ fn write_blocking(
     }
 }
 
+/// [`write_blocking`] with `events` as one delta already decoded: the fuzz target's way into
+/// the patcher ([`crate::fuzzing::patch`]) without a store or a runtime.
+pub(crate) fn write_events(
+    input: &Path,
+    db_len: u64,
+    out: &Path,
+    events: Vec<delta::TimedEvent>,
+    plan: Plan,
+) -> Result<Outcome, String> {
+    let (tx, rx) = mpsc::channel(1);
+    // The receiver is alive and the channel empty, so the one batch always fits.
+    let _ = tx.try_send(Ok(("Incr-fuzz".to_owned(), events)));
+    drop(tx);
+    write_blocking(input, db_len, out, rx, plan).map_err(|e| match e {
+        Fail::Deltas(e) | Fail::Unsupported(e) => e,
+        Fail::Io(e) => e.to_string(),
+        Fail::Aborted => "aborted".into(),
+    })
+}
+
 /// What follows the database in the snapshot file (etcd's hash).
 fn read_trailer(path: &Path, db_len: u64) -> Result<Vec<u8>, Fail> {
     use std::io::{Read, Seek, SeekFrom};

@@ -37,7 +37,7 @@ pub fn last_entry_index(wal_dir: &Path) -> Result<Option<u64>, String> {
 }
 
 /// The index of the last entry record in one segment's bytes.
-fn last_in_segment(bytes: &[u8]) -> Option<u64> {
+pub(crate) fn last_in_segment(bytes: &[u8]) -> Option<u64> {
     let mut at = 0usize;
     let mut last = None;
     while at + 8 <= bytes.len() {
@@ -222,7 +222,7 @@ pub fn read_state(wal_dir: &Path) -> Result<WalState, WalError> {
 }
 
 /// One segment's records into `state`; `Err((offset, reason))` where it is corrupt.
-fn read_segment(
+pub(crate) fn read_segment(
     bytes: &[u8],
     newest: bool,
     crc: &mut u32,

@@ -1,0 +1,3 @@
+#![no_main]
+//! See etcd_warden::fuzzing::age.
+libfuzzer_sys::fuzz_target!(|data: &[u8]| etcd_warden::fuzzing::age(data));
