@@ -37,11 +37,18 @@ pub fn quorum(voters: usize) -> usize {
 /// Whether the voters among `members` have a healthy majority: the planner's rule before any
 /// membership change (no voters at all is no quorum).
 pub fn has_quorum<'a>(members: impl IntoIterator<Item = &'a MemberState>) -> bool {
-    let (voters, healthy) = members
+    let (voters, healthy) = voters_and_healthy(members);
+    voters > 0 && healthy >= quorum(voters)
+}
+
+/// How many members vote (learners do not), and how many of those are healthy.
+pub fn voters_and_healthy<'a>(
+    members: impl IntoIterator<Item = &'a MemberState>,
+) -> (usize, usize) {
+    members
         .into_iter()
         .filter(|m| !m.is_learner)
-        .fold((0, 0), |(v, h), m| (v + 1, h + usize::from(m.healthy)));
-    voters > 0 && healthy >= quorum(voters)
+        .fold((0, 0), |(v, h), m| (v + 1, h + usize::from(m.healthy)))
 }
 
 /// Whether removing member `id` leaves voters with a healthy majority ([`has_quorum`] of the

@@ -11,7 +11,7 @@ use std::fmt;
 use serde::Serialize;
 
 pub use crate::etcd::membership::{
-    MemberState, has_quorum, quorum, removal_keeps_quorum, same_url,
+    MemberState, has_quorum, quorum, removal_keeps_quorum, same_url, voters_and_healthy,
 };
 
 /// A learner is worth promoting once its applied index reaches this share of the leader's

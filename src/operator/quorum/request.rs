@@ -10,7 +10,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use super::plan::{Observed, has_quorum};
+use super::plan::{Observed, has_quorum, voters_and_healthy};
 
 /// Which survivor a quorum restore rebuilds from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -73,12 +73,7 @@ pub enum RequestRefusal {
 /// majority of voters, and no leader), and a named survivor must be a live machine. The rebuild
 /// itself checks again, from the survivor's own member list, for its `lost_for`.
 pub fn check_request(obs: &Observed, survivor: &SurvivorChoice) -> Result<(), RequestRefusal> {
-    let voters = obs.members.iter().filter(|m| !m.is_learner).count();
-    let healthy = obs
-        .members
-        .iter()
-        .filter(|m| !m.is_learner && m.healthy)
-        .count();
+    let (voters, healthy) = voters_and_healthy(&obs.members);
     // A leader seen anywhere means a quorum elected it: fail closed.
     if has_quorum(&obs.members) || obs.leader_applied_index.is_some() {
         return Err(RequestRefusal::NotLost(format!(

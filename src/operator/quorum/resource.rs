@@ -22,7 +22,9 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::execute::{ActionRecord, MemberStatus};
-use super::plan::{Action, Condition, Observed, RemoveReason, Spec, has_quorum, plan, same_url};
+use super::plan::{
+    Action, Condition, Observed, RemoveReason, Spec, has_quorum, plan, same_url, voters_and_healthy,
+};
 use super::request::{RestorePhase, SurvivorChoice, next_phase};
 
 /// The one object's name.
@@ -319,12 +321,7 @@ fn label(name: &str, id: u64) -> String {
 pub fn derive(f: &Facts<'_>) -> [Derived; 3] {
     let obs = f.observed;
     let p = plan(f.spec, obs);
-    let voters = obs.members.iter().filter(|m| !m.is_learner).count();
-    let healthy = obs
-        .members
-        .iter()
-        .filter(|m| !m.is_learner && m.healthy)
-        .count();
+    let (voters, healthy) = voters_and_healthy(&obs.members);
     let quorum = has_quorum(&obs.members);
     let condition_text = |c: &Condition| match c {
         Condition::Settled => "membership matches the machines".to_owned(),
