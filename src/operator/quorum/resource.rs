@@ -85,6 +85,7 @@ pub struct EtcdQuorumSpec {
 #[serde(rename_all = "camelCase")]
 pub struct QuorumRestoreSpec {
     /// The Machine whose member to rebuild from, or "freshest".
+    #[schemars(length(min = 1, max = 253))]
     pub survivor: String,
 }
 
