@@ -51,7 +51,7 @@ impl PrivateFiles {
     /// since the last one is tightened, or the write fails (never written where others read).
     fn prepare(&self, location: &Path) -> Result<PathBuf> {
         let file = self.inner.path_to_filesystem(location)?;
-        tighten(&self.root).map_err(|e| self.error(&self.root, "making private", e))?;
+        tighten_root(&self.root).map_err(|e| self.error(&self.root, "making private", e))?;
         if let Some(parent) = file.parent() {
             std::os::unix::fs::DirBuilderExt::mode(
                 std::fs::DirBuilder::new().recursive(true),
@@ -81,6 +81,17 @@ impl PrivateFiles {
             source: format!("{what} {}: {e}", path.display()).into(),
         }
     }
+}
+
+/// [`tighten`] for the store's root, unless it is a shared directory (the sticky bit: `/tmp`,
+/// a store URL such as `file:///tmp`): closing that would break every other user of it. The
+/// store's own directories below it are still made 0700, and every object lives in one of them
+/// (`v2/`, `etcd-warden/`).
+fn tighten_root(root: &FsPath) -> std::io::Result<()> {
+    if std::fs::metadata(root)?.permissions().mode() & 0o1000 != 0 {
+        return Ok(());
+    }
+    tighten(root)
 }
 
 /// Sets `dir` to 0700 unless it already is.
@@ -219,6 +230,25 @@ mod tests {
 
     fn mode(path: &std::path::Path) -> u32 {
         std::fs::metadata(path).unwrap().permissions().mode() & 0o7777
+    }
+
+    /// A shared root (sticky, as `/tmp` is) keeps its mode; the directories the store makes
+    /// below it are private, and so is every object.
+    #[tokio::test]
+    async fn a_shared_root_keeps_its_mode() {
+        use super::*;
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("shared");
+        std::fs::create_dir(&root).unwrap();
+        set_mode(&root, 0o1777).unwrap();
+        let store = PrivateFiles::new(&root).unwrap();
+        store
+            .put(&Path::from("v2/Full-x"), PutPayload::from_static(b"x"))
+            .await
+            .unwrap();
+        assert_eq!(mode(&root), 0o1777);
+        assert_eq!(mode(&root.join("v2")), DIR_MODE);
+        assert_eq!(mode(&root.join("v2/Full-x")), FILE_MODE);
     }
 
     /// `store.private = false` leaves the store as the umask and its owner make it.
