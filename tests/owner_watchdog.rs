@@ -1698,18 +1698,35 @@ async fn hand_off_losing(loss: Loss, snapshot_timeout: Duration, linger: Duratio
     // The premise: the leases expired, so etcd's revision moved past the last client write
     // without any client writing. A final judged by a revision read again after that would not
     // have counted one stored before it.
-    let now = etcd
-        .client()
-        .await
-        .status()
-        .await
-        .expect("status")
-        .header()
-        .map_or(0, |h| h.revision());
+    // A restarted etcd extends its leases by an election and a TTL before they expire, longer
+    // on a loaded machine: waited for, up to 20 s, then the finals are read again below.
+    let mut now = 0;
+    for _ in 0..100 {
+        now = etcd
+            .client()
+            .await
+            .status()
+            .await
+            .expect("status")
+            .header()
+            .map_or(0, |h| h.revision());
+        if now > acknowledged {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     assert!(
         now > acknowledged,
         "the leases did not move the revision: etcd at {now}, last write {acknowledged}"
     );
+    let again: Vec<Snapshot> = store
+        .list()
+        .await
+        .expect("list")
+        .into_iter()
+        .filter(|s| s.is_final)
+        .collect();
+    assert_eq!(again, finals, "a final after the leases moved the revision");
     println!(
         "final {} at {}, etcd now at {now}",
         finals[0].snap_name, finals[0].last_revision
