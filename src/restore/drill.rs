@@ -34,8 +34,13 @@ use crate::scratch::ScratchDir;
 use crate::snapshot::delta::{self, EventType};
 use crate::store::{Snapshot, SnapshotStore, StoreError, layout};
 
-/// Keys read from etcd per request while checking.
-const PAGE: i64 = 1000;
+/// Keys read from etcd per request while checking: a page of values at etcd's largest
+/// (`--max-request-bytes`, 1.5 MiB by default; kube-apiserver's objects reach it) stays within
+/// [`MAX_PAGE_MESSAGE`].
+const PAGE: i64 = 100;
+
+/// The largest page accepted (tonic's default of 4 MiB failed the drill on three large values).
+const MAX_PAGE_MESSAGE: usize = 256 * 1024 * 1024;
 
 /// What can fail a drill.
 #[derive(Debug, thiserror::Error)]
@@ -399,9 +404,12 @@ async fn apply_delta(
 /// What the etcd at `url` serves: its revision and every key's digest, read a page at a time at
 /// one revision.
 async fn read_served(url: &str) -> Result<Expected, DrillError> {
-    let mut client = etcd_client::Client::connect([url], None)
+    let client = etcd_client::Client::connect([url], None)
         .await
         .map_err(DrillError::Etcd)?;
+    let mut kv = client
+        .kv_client()
+        .max_decoding_message_size(MAX_PAGE_MESSAGE);
     let mut served = Expected::default();
     let mut from = vec![0u8];
     loop {
@@ -412,7 +420,7 @@ async fn read_served(url: &str) -> Result<Expected, DrillError> {
         if served.revision > 0 {
             options = options.with_revision(served.revision);
         }
-        let resp = client
+        let resp = kv
             .get(from.clone(), Some(options))
             .await
             .map_err(DrillError::Etcd)?;

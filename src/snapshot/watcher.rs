@@ -29,6 +29,13 @@ pub enum WatchError {
     Delta(#[from] DeltaError),
 }
 
+/// The largest watch response accepted, as etcd's own Go client (`math.MaxInt32`). etcd sends a
+/// batch of events whole (up to 1,000 revisions, each up to `--max-request-bytes`), so a catch-up
+/// over a few large values (kube-apiserver stores objects up to 1.5 MiB) is far beyond tonic's
+/// default of 4 MiB; with that default the watch failed on the same batch at every retry and
+/// deltas stopped for good.
+const MAX_WATCH_MESSAGE: usize = i32::MAX as usize;
+
 /// A watch on every key from a given revision.
 pub struct DeltaWatch {
     stream: etcd_client::WatchStream,
@@ -45,7 +52,11 @@ impl DeltaWatch {
             .with_all_keys()
             .with_start_revision(from_revision)
             .with_progress_notify();
-        let stream = client.watch_client().watch(vec![0u8], Some(opts)).await?;
+        let stream = client
+            .watch_client()
+            .max_decoding_message_size(MAX_WATCH_MESSAGE)
+            .watch(vec![0u8], Some(opts))
+            .await?;
         Ok(DeltaWatch {
             stream,
             from: from_revision,
