@@ -46,6 +46,7 @@ mod restore_datadir;
 mod restore_drill;
 mod restore_member_dir;
 mod restore_point_in_time;
+mod robustness;
 mod scratch_space;
 mod secondary;
 mod sidecar;

@@ -26,6 +26,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use super::dns::{DnsServer, Mode};
+use super::etcd::Release;
 use super::etcd::member_healthy;
 use super::faultproxy::{FaultMode, FaultProxy};
 use super::invariants::{
@@ -45,11 +46,11 @@ pub const RECORD: &str = "owner.fault.warden.test";
 pub const US: &str = "seed-a";
 /// The other seed's.
 pub const THEM: &str = "seed-b";
-const BUCKET: &str = "backups";
-const PREFIX: &str = "etcd";
+pub const BUCKET: &str = "backups";
+pub const PREFIX: &str = "etcd";
 /// Container indexes in a member's pod.
-const ETCD: usize = 0;
-const SIDECAR: usize = 1;
+pub const ETCD: usize = 0;
+pub const SIDECAR: usize = 1;
 /// How long the kubelet waits before starting a dead container again.
 const RESTART_DELAY: Duration = Duration::from_millis(200);
 /// Settle bound when the record ends naming someone else (a final snapshot must appear).
@@ -78,13 +79,13 @@ impl Outcome {
 
 /// Shared event log of a run, with times since the run's epoch.
 #[derive(Clone)]
-struct Events {
-    epoch: Instant,
+pub struct Events {
+    pub epoch: Instant,
     lines: Arc<Mutex<Vec<String>>>,
 }
 
 impl Events {
-    fn push(&self, line: impl AsRef<str>) {
+    pub fn push(&self, line: impl AsRef<str>) {
         let t = self.epoch.elapsed().as_secs_f64();
         self.lines
             .lock()
@@ -92,74 +93,114 @@ impl Events {
             .push(format!("{t:8.3}s {}", line.as_ref()));
     }
 
-    fn all(&self) -> Vec<String> {
+    pub fn all(&self) -> Vec<String> {
         self.lines.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 }
 
 /// Keys on short leases nobody keeps alive (`Schedule::leases`), written through the Service.
-struct LeaseWriter {
-    acks: Arc<Mutex<Vec<Ack>>>,
-    stop: CancellationToken,
-    task: JoinHandle<()>,
+pub struct LeaseWriter {
+    pub acks: Arc<Mutex<Vec<Ack>>>,
+    pub stop: CancellationToken,
+    pub task: JoinHandle<()>,
 }
 
 /// What happened around `etcd-warden reclaim` (`Ending::Reclaim`).
 #[derive(Default)]
-struct Reclaim {
+pub struct Reclaim {
     /// When it succeeded.
-    at: Option<Duration>,
+    pub at: Option<Duration>,
     /// What the CLI said last.
-    said: String,
+    pub said: String,
     /// The unreclaimed finals just before it.
-    first_finals: Vec<String>,
+    pub first_finals: Vec<String>,
     /// `/snapshot/latest` answers reporting a reclaimed final as final: (time, member, body).
-    read_as_final: Arc<Mutex<Vec<(Duration, usize, String)>>>,
-    poller: Option<JoinHandle<()>>,
+    pub read_as_final: Arc<Mutex<Vec<(Duration, usize, String)>>>,
+    pub poller: Option<JoinHandle<()>>,
 }
 
 /// Everything a run started; dropped in field order (clients first, pods, then servers).
-struct World {
-    writer: Option<Writer>,
-    leases: Option<LeaseWriter>,
-    reclaim: Reclaim,
-    service: Option<Service>,
-    monitor: Option<Monitor>,
-    http: Vec<JoinHandle<()>>,
-    kubelet: Kubelet,
-    proxy: FaultProxy,
-    s3: S3Server,
-    dns: DnsServer,
-    dns_stopped: bool,
-    specs: Vec<MemberSpec>,
-    names: Option<MemberNames>,
+pub struct World {
+    pub writer: Option<Writer>,
+    pub leases: Option<LeaseWriter>,
+    pub reclaim: Reclaim,
+    pub service: Option<Service>,
+    pub monitor: Option<Monitor>,
+    pub http: Vec<JoinHandle<()>>,
+    pub kubelet: Kubelet,
+    pub proxy: FaultProxy,
+    pub s3: S3Server,
+    pub dns: DnsServer,
+    pub dns_stopped: bool,
+    pub specs: Vec<MemberSpec>,
+    pub names: Option<MemberNames>,
     /// Members killed for good.
-    buried: Vec<usize>,
+    pub buried: Vec<usize>,
     /// Each sidecar's configuration keys (the CLI runs with them too).
-    keys: Vec<Vec<(String, String)>>,
-    sidecar_ports: Vec<u16>,
-    sidecar_logs: Vec<PathBuf>,
-    etcd_logs: Vec<PathBuf>,
-    incarnations: Vec<Arc<AtomicU32>>,
-    token: String,
-    store: SnapshotStore,
-    objects: HandOffObjects,
-    raw_store: Arc<dyn ObjectStore>,
-    events: Events,
-    http_client: reqwest::Client,
-    _dir: tempfile::TempDir,
+    pub keys: Vec<Vec<(String, String)>>,
+    pub sidecar_ports: Vec<u16>,
+    pub sidecar_logs: Vec<PathBuf>,
+    pub etcd_logs: Vec<PathBuf>,
+    pub incarnations: Vec<Arc<AtomicU32>>,
+    pub token: String,
+    pub store: SnapshotStore,
+    pub objects: HandOffObjects,
+    pub raw_store: Arc<dyn ObjectStore>,
+    pub events: Events,
+    pub http_client: reqwest::Client,
+    pub dir: tempfile::TempDir,
+}
+
+/// What a world is made of: a fault schedule's (`WorldSpec::of`) or a soak profile's.
+#[derive(Debug, Clone)]
+pub struct WorldSpec {
+    pub seed: u64,
+    pub members: usize,
+    /// `owner.interval` (and `owner.timeout`) of the sidecars, ms.
+    pub interval_ms: u64,
+    /// The lease writer runs (`Schedule::leases`).
+    pub leases: bool,
+    /// The etcd release the members run.
+    pub release: Release,
+    /// Sidecar configuration keys beyond the fault schedules' (they win over those).
+    pub extra_keys: Vec<(String, String)>,
+    /// Buckets the S3 server holds beyond the primary's (a secondary store, a copy's destination).
+    pub extra_buckets: Vec<String>,
+    /// The plain writer (`/fault/<n>`, one put every 5 ms) runs.
+    pub writer: bool,
+    /// A directory that is a filesystem of its own for each member's data directory (a small
+    /// tmpfs the harness fills to make the disk full): `<dir>/m<i>`; None keeps them in the temp
+    /// directory.
+    pub data_mounts: Option<PathBuf>,
+}
+
+impl WorldSpec {
+    /// The world of a fault schedule.
+    pub fn of(schedule: &Schedule) -> WorldSpec {
+        WorldSpec {
+            seed: schedule.seed,
+            members: schedule.members,
+            interval_ms: schedule.interval_ms,
+            leases: schedule.leases,
+            release: Release::V35,
+            extra_keys: Vec::new(),
+            extra_buckets: Vec::new(),
+            writer: true,
+            data_mounts: None,
+        }
+    }
 }
 
 /// Configuration keys of the sidecar next to `spec`.
 fn sidecar_keys(
     spec: &MemberSpec,
-    schedule: &Schedule,
+    world: &WorldSpec,
     port: u16,
     dns: SocketAddr,
     store_endpoint: &str,
     token: &str,
 ) -> Vec<(String, String)> {
-    let interval = format!("{}ms", schedule.interval_ms);
+    let interval = format!("{}ms", world.interval_ms);
     [
         ("etcd.endpoints", spec.client_url()),
         ("store.url", format!("s3://{BUCKET}/{PREFIX}")),
@@ -192,6 +233,8 @@ fn sidecar_keys(
     // Releases from before the take-over refuse the key as unknown.
     .filter(|(k, _)| other_binary().is_none() || *k != "owner.takeover_after")
     .map(|(k, v)| (k.to_string(), v))
+    .filter(|(k, _)| !world.extra_keys.iter().any(|(x, _)| x == k))
+    .chain(world.extra_keys.iter().cloned())
     .collect()
 }
 
@@ -206,7 +249,7 @@ fn sidecar_command(keys: &[(String, String)]) -> std::process::Command {
 }
 
 /// `etcd-warden <subcommand>` with a sidecar's configuration in its environment.
-fn cli_command(keys: &[(String, String)], subcommand: &str) -> std::process::Command {
+pub fn cli_command(keys: &[(String, String)], subcommand: &str) -> std::process::Command {
     let mut cmd = match other_binary() {
         Some(bin) => warden::command_of(&bin),
         None => warden::command(),
@@ -221,7 +264,7 @@ fn cli_command(keys: &[(String, String)], subcommand: &str) -> std::process::Com
     cmd
 }
 
-fn tail(text: &str, n: usize, skip_debug: bool) -> String {
+pub fn tail(text: &str, n: usize, skip_debug: bool) -> String {
     let lines: Vec<&str> = text
         .lines()
         .filter(|l| !skip_debug || !l.contains("DEBUG"))
@@ -230,7 +273,20 @@ fn tail(text: &str, n: usize, skip_debug: bool) -> String {
 }
 
 impl World {
-    async fn start(schedule: &Schedule, epoch: Instant) -> Result<World, (String, Option<World>)> {
+    pub async fn start(
+        schedule: &WorldSpec,
+        epoch: Instant,
+    ) -> Result<World, (String, Option<World>)> {
+        World::start_with(schedule, epoch, |_, _| {}).await
+    }
+
+    /// As [`World::start`], with `adjust` given the S3 server's own endpoint (not the fault
+    /// proxy's) and each sidecar's keys before it starts.
+    pub async fn start_with(
+        schedule: &WorldSpec,
+        epoch: Instant,
+        adjust: impl Fn(&str, &mut Vec<(String, String)>),
+    ) -> Result<World, (String, Option<World>)> {
         let events = Events {
             epoch,
             lines: Arc::new(Mutex::new(Vec::new())),
@@ -238,15 +294,22 @@ impl World {
         let dir = tempfile::tempdir().expect("temp dir");
         let dns = DnsServer::start().await;
         dns.set_txt(RECORD, &[US]).await;
-        let s3 = S3Server::start(&[BUCKET]);
+        let mut buckets = vec![BUCKET];
+        buckets.extend(schedule.extra_buckets.iter().map(String::as_str));
+        let s3 = S3Server::start(&buckets);
         let s3_addr: SocketAddr = ([127, 0, 0, 1], s3.port).into();
         let proxy = FaultProxy::start(s3_addr).await;
         let token = format!("fault-token-{:x}", schedule.seed);
-        let specs = member_specs(
+        let mut specs = member_specs(
             schedule.members,
             dir.path(),
             &format!("fault-{}-{:x}", std::process::id(), schedule.seed),
         );
+        if let Some(mounts) = &schedule.data_mounts {
+            for spec in &mut specs {
+                spec.data_dir = mounts.join(&spec.name).join("data");
+            }
+        }
         let mut pods = Vec::new();
         let mut sidecar_ports = Vec::new();
         let mut sidecar_logs = Vec::new();
@@ -257,9 +320,12 @@ impl World {
             let mut pod = Pod::new(&format!("pod-{}", spec.name));
             let etcd_log = dir.path().join(format!("{}.etcd.log", spec.name));
             let s = spec.clone();
-            pod.add("etcd", etcd_log.clone(), move || etcd_command(&s));
+            let release = schedule.release;
+            pod.add("etcd", etcd_log.clone(), move || etcd_command(&s, release));
             let port = free_port();
-            let keys = sidecar_keys(spec, schedule, port, dns.addr(), &proxy.endpoint(), &token);
+            let mut keys =
+                sidecar_keys(spec, schedule, port, dns.addr(), &proxy.endpoint(), &token);
+            adjust(&s3.endpoint(), &mut keys);
             let log = dir.path().join(format!("{}.sidecar.log", spec.name));
             all_keys.push(keys.clone());
             pod.add("sidecar", log.clone(), move || sidecar_command(&keys));
@@ -300,7 +366,7 @@ impl World {
             raw_store,
             events,
             http_client: super::http_client(Duration::from_secs(20)),
-            _dir: dir,
+            dir,
         };
         let deadline = Instant::now() + Duration::from_secs(30);
         for spec in &world.specs {
@@ -359,12 +425,14 @@ impl World {
             })
             .collect();
         let service = Service::start(backends, Duration::from_millis(50)).await;
-        world.writer = Some(Writer::start(
-            service.endpoint(),
-            "/fault".into(),
-            epoch,
-            Duration::from_millis(5),
-        ));
+        if schedule.writer {
+            world.writer = Some(Writer::start(
+                service.endpoint(),
+                "/fault".into(),
+                epoch,
+                Duration::from_millis(5),
+            ));
+        }
         if schedule.leases {
             let acks = Arc::new(Mutex::new(Vec::new()));
             let stop = CancellationToken::new();
@@ -377,10 +445,11 @@ impl World {
             world.leases = Some(LeaseWriter { acks, stop, task });
         }
         world.service = Some(service);
-        let wrote = super::eventually(Duration::from_secs(15), || async {
-            world.writer.as_ref().is_some_and(|w| w.ack_count() >= 10)
-        })
-        .await;
+        let wrote = !schedule.writer
+            || super::eventually(Duration::from_secs(15), || async {
+                world.writer.as_ref().is_some_and(|w| w.ack_count() >= 10)
+            })
+            .await;
         if !wrote {
             return Err((
                 "the writer got no acknowledged write through the Service within 15 s".into(),
@@ -393,11 +462,11 @@ impl World {
         Ok(world)
     }
 
-    fn monitor(&self) -> &Monitor {
+    pub fn monitor(&self) -> &Monitor {
         self.monitor.as_ref().expect("monitor started")
     }
 
-    async fn apply(&mut self, fault: Fault) {
+    pub async fn apply(&mut self, fault: Fault) {
         self.events.push(fault.to_string());
         match fault {
             Fault::RecordOther => self.dns.set_txt(RECORD, &[THEM]).await,
@@ -467,7 +536,7 @@ impl World {
     }
 
     /// POSTs in the background (a snapshot may take a while); the answer goes to the event log.
-    fn post(&mut self, member: usize, path: &str) {
+    pub fn post(&mut self, member: usize, path: &str) {
         let url = format!("http://127.0.0.1:{}{path}", self.sidecar_ports[member]);
         let (client, token, events) = (
             self.http_client.clone(),
@@ -488,7 +557,7 @@ impl World {
         }));
     }
 
-    async fn heal_dns(&mut self) {
+    pub async fn heal_dns(&mut self) {
         self.dns.set_mode(Mode::Normal);
         if self.dns_stopped {
             self.dns.restart().await;
@@ -497,7 +566,7 @@ impl World {
     }
 
     /// Heals everything and leaves the record at `ending`.
-    async fn heal(&mut self, ending: Ending) {
+    pub async fn heal(&mut self, ending: Ending) {
         self.heal_dns().await;
         self.proxy.set(FaultMode::Pass);
         match ending {
@@ -511,7 +580,7 @@ impl World {
     }
 
     /// Each member's current sidecar state as the monitor last saw it: (state, ready).
-    fn states(&self) -> Vec<(String, bool)> {
+    pub fn states(&self) -> Vec<(String, bool)> {
         self.monitor().with(|o| {
             (0..self.specs.len())
                 .map(|m| {
@@ -533,7 +602,7 @@ impl World {
     }
 
     /// Waits (bounded) until the system has done what the ending asks for.
-    async fn settle(&mut self, ending: Ending) {
+    pub async fn settle(&mut self, ending: Ending) {
         let start = Instant::now();
         let bound = if ending.hands_off() {
             SETTLE_HANDOFF
@@ -579,7 +648,7 @@ impl World {
     }
 
     /// Whether the latest full snapshot is final as every reader sees it (the_final decides).
-    async fn latest_is_final(&self) -> bool {
+    pub async fn latest_is_final(&self) -> bool {
         self.objects
             .latest_chain()
             .await
@@ -588,7 +657,7 @@ impl World {
 
     /// What the schedule plays after the record's final change: a store fault timed to meet the
     /// final's upload, and a member killed for good right after its fence; at once.
-    async fn end_play(&mut self, schedule: &Schedule) {
+    pub async fn end_play(&mut self, schedule: &Schedule) {
         let store = async {
             let Some(e) = schedule.end_store else { return };
             tokio::time::sleep(Duration::from_millis(e.after_ms)).await;
@@ -634,7 +703,21 @@ impl World {
     /// `Ending::Reclaim` after the first hand-off settled: the record names us again, `etcd-warden
     /// reclaim` undoes the hand-off, every sidecar is restarted and serves (the writers go on),
     /// then the record names another seed again. The caller settles the second hand-off.
-    async fn reclaim_and_flip_again(&mut self) {
+    pub async fn reclaim_and_flip_again(&mut self) {
+        if !self.reclaim().await {
+            return;
+        }
+        // Serve with writes for a while, then the second hand-off.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        self.dns.set_txt(RECORD, &[THEM]).await;
+        self.events
+            .push("reclaim: record → other (the second hand-off)");
+    }
+
+    /// The record names us again and `etcd-warden reclaim` undoes the hand-off (retried for up to
+    /// 15 s), every sidecar is SIGKILLed and restarted by the kubelet, and the run waits (up to
+    /// 30 s) until each is active and ready. False when the reclaim did not succeed.
+    pub async fn reclaim(&mut self) -> bool {
         self.reclaim.first_finals = self
             .objects
             .finals()
@@ -671,7 +754,7 @@ impl World {
             }
             if start.elapsed() > Duration::from_secs(15) {
                 self.events.push("reclaim: gave up after 15 s");
-                return;
+                return false;
             }
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
@@ -683,6 +766,9 @@ impl World {
             .unwrap_or_else(|e| e.into_inner())
             .forget_fences(epoch.elapsed());
         let reclaimed = self.objects.reclaimed().await.unwrap_or_default();
+        if let Some(p) = self.reclaim.poller.take() {
+            p.abort();
+        }
         self.reclaim.poller = Some(tokio::spawn(watch_latest(
             self.sidecar_ports.clone(),
             reclaimed,
@@ -710,14 +796,10 @@ impl World {
             "reclaim: every sidecar active and ready: {serving} {:?}",
             self.states()
         ));
-        // Serve with writes for a while, then the second hand-off.
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        self.dns.set_txt(RECORD, &[THEM]).await;
-        self.events
-            .push("reclaim: record → other (the second hand-off)");
+        true
     }
 
-    fn sidecar_exits(&self) -> Vec<Exit> {
+    pub fn sidecar_exits(&self) -> Vec<Exit> {
         (0..self.specs.len())
             .flat_map(|m| {
                 self.kubelet
@@ -731,14 +813,14 @@ impl World {
             .collect()
     }
 
-    fn restarts(&self, c: usize) -> Vec<u32> {
+    pub fn restarts(&self, c: usize) -> Vec<u32> {
         (0..self.specs.len())
             .map(|m| self.kubelet.with_pod(m, |p| p.containers[c].restarts))
             .collect()
     }
 
     /// The part of a report every outcome shares.
-    fn describe(&self, out: &mut String, snapshots: &[Snapshot]) {
+    pub fn describe(&self, out: &mut String, snapshots: &[Snapshot]) {
         let _ = writeln!(out, "events:");
         for e in self.events.all() {
             let _ = writeln!(out, "  {e}");
@@ -751,6 +833,28 @@ impl World {
                 }
                 let _ = writeln!(out, "fence markers: {:?}", o.fence_objects);
             });
+        }
+        let _ = writeln!(out, "container exits (last 12 per member):");
+        for m in 0..self.specs.len() {
+            let exits: Vec<String> = self.kubelet.with_pod(m, |p| {
+                p.containers
+                    .iter()
+                    .flat_map(|c| c.exits.iter())
+                    .map(|x| {
+                        format!(
+                            "{}#{} {} after {:.1}s{}",
+                            x.container,
+                            x.incarnation,
+                            x.status,
+                            x.after.as_secs_f64(),
+                            if x.expected { "" } else { " (on its own)" }
+                        )
+                    })
+                    .collect()
+            });
+            for x in &exits[exits.len().saturating_sub(12)..] {
+                let _ = writeln!(out, "  m{m} {x}");
+            }
         }
         let _ = writeln!(out, "store listing ({PREFIX}/v2/):");
         for s in snapshots {
@@ -890,7 +994,7 @@ async fn member_names(specs: &[MemberSpec]) -> Result<MemberNames, etcd_client::
 /// Runs `schedule` from scratch and judges it.
 pub async fn run(schedule: &Schedule) -> Outcome {
     let epoch = Instant::now();
-    let mut world = match World::start(schedule, epoch).await {
+    let mut world = match World::start(&WorldSpec::of(schedule), epoch).await {
         Ok(w) => w,
         Err((why, world)) => {
             let mut report = format!("{schedule}\nsetup failed: {why}\n");

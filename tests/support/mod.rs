@@ -16,6 +16,7 @@ pub mod history;
 pub mod hosts;
 pub mod invariants;
 pub mod kube_world;
+pub mod kvcheck;
 pub mod losing;
 pub mod machine_api;
 pub mod migration;
@@ -27,8 +28,10 @@ pub mod recorder;
 pub mod s3;
 pub mod schedule;
 pub mod service;
+pub mod soak;
 pub mod stored;
 pub mod tls;
+pub mod traffic;
 pub mod warden;
 pub mod writer;
 

@@ -262,6 +262,15 @@ impl PodProcess {
             .map(|(pid, _)| pid)
     }
 
+    /// Continues the process after a SIGSTOP, and nsenter too: nsenter waits for it with
+    /// `WUNTRACED` and stops itself when its child stops, so a SIGCONT to the process alone
+    /// leaves nsenter stopped, never reaping it (the kubelet then never sees it die).
+    pub fn resume(&self) -> bool {
+        let ok = self.signal(Signal::SIGCONT);
+        let _ = kill(Pid::from_raw(self.nsenter.id() as i32), Signal::SIGCONT);
+        ok
+    }
+
     /// Sends `signal` to the process itself (not nsenter); false when it is gone.
     pub fn signal(&self, signal: Signal) -> bool {
         match self.pid() {
@@ -338,11 +347,11 @@ pub fn member_specs(n: usize, dir: &Path, token: &str) -> Vec<MemberSpec> {
     specs
 }
 
-/// The command line of one etcd member: the library's launcher ([`MemberSpec::command`], etcd 3.5
-/// with `--unsafe-no-fsync`: the tests kill processes, not machines), which a pod wraps in
-/// `nsenter`. The one place the pods build it.
-pub fn etcd_command(spec: &MemberSpec) -> Command {
-    spec.command(Release::V35.binaries())
+/// The command line of one etcd member: the library's launcher ([`MemberSpec::command`], with
+/// `--unsafe-no-fsync` where the release has it: the tests kill processes, not machines), which a
+/// pod wraps in `nsenter`. The one place the pods build it.
+pub fn etcd_command(spec: &MemberSpec, release: Release) -> Command {
+    spec.command(release.binaries())
 }
 
 /// Why a container's process ended, as the kubelet saw it.

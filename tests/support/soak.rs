@@ -1,0 +1,1430 @@
+//! The robustness harness: the whole product in one world for a chosen time, under a nemesis,
+//! judged from the recorded history (docs/robustness.md).
+//!
+//! Grown from the fault schedules ([`faultrun::World`]: pods with a kubelet, the sidecars, the
+//! Service, the owner record, the store behind the fault proxy, the monitor and the ownership
+//! invariants). A soak run adds, all at once and for as long as it is asked to:
+//!
+//! - the sidecars configured for every feature: full snapshots every minute, deltas, LimitBased
+//!   retention, defragmentation on a schedule and on a fragmentation trigger, a secondary store;
+//! - [`Traffic`] with a recorded history (puts to 1.4 MiB, deletes and range deletes,
+//!   transactions, linearizable reads, a watcher, kube-apiserver-like compaction) and the lease
+//!   writer;
+//! - the Jobs a user runs beside it: `compact`, `verify --restore` (the drill), `ls`, and at every
+//!   hand-off the copy Job, a restore of the destination started and read, and `reclaim`;
+//! - a nemesis ([`Nemesis`]) killing and freezing etcd and sidecars, failing, hanging, slowing the
+//!   store and losing or delaying its answers, failing DNS, and filling a member's disk;
+//! - a sampler of each sidecar's memory, descriptors and threads.
+//!
+//! Every so often the record hands off; the hand-off is judged (the ownership invariants, one
+//! final that every reader names, the copy, the destination holding the state at the final), then
+//! reclaimed, and the run goes on. At the end: the KV history against etcd's model
+//! ([`kvcheck`]), every chain restored by the drill, deltas without gaps outside a fault, and
+//! flat resources. A run that finds a violation writes a report directory and prints the command
+//! that replays it.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use nix::sys::signal::Signal;
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+use super::dns::Mode;
+use super::etcd::Release;
+use super::faultproxy::FaultMode;
+use super::faultrun::{
+    self, ETCD, PREFIX, RECORD, SIDECAR, THEM, US, World, WorldSpec, cli_command, tail,
+};
+use super::invariants::{self, Evidence, Violation, get_json};
+use super::kvcheck::{self, Seen};
+use super::podns::Pod;
+use super::s3::{ACCESS_KEY, REGION, SECRET_KEY};
+use super::schedule::{Ending, SplitMix64};
+use super::traffic::{self, Recorded, Traffic};
+use super::writer::Ack;
+use etcd_warden::owner::handoff::the_final;
+use etcd_warden::store::{Kind, Snapshot};
+
+/// The secondary store's bucket and the copy Job's destination bucket.
+const SECONDARY: &str = "secondary";
+const DEST: &str = "dest";
+
+/// A soak profile: what runs and how often.
+#[derive(Debug, Clone)]
+pub struct Profile {
+    pub name: &'static str,
+    pub release: Release,
+    /// A hand-off every this many seconds (drawn in the range).
+    pub handoff_every: (u64, u64),
+    /// Between two faults, ms (drawn in the range).
+    pub fault_gap: (u64, u64),
+    /// How long a fault holds, ms (drawn in the range).
+    pub fault_hold: (u64, u64),
+    /// The compaction Job and the drill, each about every this many seconds.
+    pub jobs_every: u64,
+    /// etcd's history compacted (as kube-apiserver does) every this many seconds.
+    pub etcd_compact_every: u64,
+    /// Traffic workers.
+    pub workers: u32,
+    /// A sidecar process that lived at least this long is judged for flat resources.
+    pub flat_after: Duration,
+}
+
+impl Profile {
+    /// `ci` (short, fixed seeds in CI), `v35` and `v34` (long runs on etcd 3.5 and 3.4).
+    pub fn named(name: &str) -> Option<Profile> {
+        let long = Profile {
+            name: "v35",
+            release: Release::V35,
+            handoff_every: (900, 1500),
+            fault_gap: (3_000, 15_000),
+            fault_hold: (1_000, 12_000),
+            jobs_every: 240,
+            etcd_compact_every: 120,
+            workers: 2,
+            flat_after: Duration::from_secs(600),
+        };
+        match name {
+            "ci" => Some(Profile {
+                name: "ci",
+                handoff_every: (55, 70),
+                fault_gap: (1_500, 5_000),
+                fault_hold: (500, 4_000),
+                jobs_every: 45,
+                etcd_compact_every: 30,
+                ..long
+            }),
+            "v35" => Some(long),
+            "v34" => Some(Profile {
+                name: "v34",
+                release: Release::V34,
+                ..long
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// One fault of the nemesis, held for a while and then healed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Nemesis {
+    EtcdKill(usize),
+    SidecarKill(usize, u64),
+    /// SIGSTOP, then SIGCONT when healed.
+    EtcdFreeze(usize),
+    SidecarFreeze(usize),
+    Store(FaultMode),
+    Dns(Mode),
+    DnsStopped,
+    /// The member's data directory's filesystem is filled until healed.
+    DiskFull(usize),
+    /// `POST /snapshot/full` or `/snapshot/delta` to a member (not a fault: a user's request).
+    Trigger(usize, &'static str),
+}
+
+impl Nemesis {
+    fn draw(rng: &mut SplitMix64, members: usize, disk: bool) -> Nemesis {
+        let m = rng.range(0, members as u64 - 1) as usize;
+        let weights = [
+            8, // etcd kill
+            6, // sidecar kill
+            4, // etcd freeze
+            4, // sidecar freeze
+            4, // store down
+            3, // store slow
+            3, // store blackhole
+            4, // store loses answers
+            3, // store late
+            3, // dns servfail
+            2, // dns silent
+            2, // dns stopped
+            if disk { 3 } else { 0 },
+            4, // triggers
+        ];
+        match rng.weighted(&weights) {
+            0 => Nemesis::EtcdKill(m),
+            1 => Nemesis::SidecarKill(m, rng.range(0, 2000)),
+            2 => Nemesis::EtcdFreeze(m),
+            3 => Nemesis::SidecarFreeze(m),
+            4 => Nemesis::Store(FaultMode::Down),
+            5 => Nemesis::Store(FaultMode::Slow(Duration::from_millis(rng.range(5, 60)))),
+            6 => Nemesis::Store(FaultMode::Blackhole),
+            7 => Nemesis::Store(FaultMode::LoseAnswers),
+            8 => Nemesis::Store(FaultMode::Late(Duration::from_millis(
+                rng.range(3500, 6000),
+            ))),
+            9 => Nemesis::Dns(Mode::ServFail),
+            10 => Nemesis::Dns(Mode::Silent),
+            11 => Nemesis::DnsStopped,
+            12 => Nemesis::DiskFull(m),
+            _ => Nemesis::Trigger(
+                m,
+                if rng.chance(50) {
+                    "/snapshot/full"
+                } else {
+                    "/snapshot/delta"
+                },
+            ),
+        }
+    }
+
+    /// A short stable name, for the counts.
+    fn kind(&self) -> &'static str {
+        match self {
+            Nemesis::EtcdKill(_) => "etcd-kill",
+            Nemesis::SidecarKill(..) => "sidecar-kill",
+            Nemesis::EtcdFreeze(_) => "etcd-freeze",
+            Nemesis::SidecarFreeze(_) => "sidecar-freeze",
+            Nemesis::Store(FaultMode::Down) => "store-down",
+            Nemesis::Store(FaultMode::Slow(_)) => "store-slow",
+            Nemesis::Store(FaultMode::Blackhole) => "store-hang",
+            Nemesis::Store(FaultMode::LoseAnswers) => "store-loses-answers",
+            Nemesis::Store(FaultMode::Late(_)) => "store-late",
+            Nemesis::Store(_) => "store-other",
+            Nemesis::Dns(Mode::ServFail) => "dns-servfail",
+            Nemesis::Dns(_) => "dns-silent",
+            Nemesis::DnsStopped => "dns-stopped",
+            Nemesis::DiskFull(_) => "disk-full",
+            Nemesis::Trigger(..) => "trigger",
+        }
+    }
+}
+
+/// A tmpfs of `size` mounted at `dir` (root only); unmounted on drop.
+struct Mount(PathBuf);
+
+impl Mount {
+    fn tmpfs(dir: &Path, size: &str) -> Option<Mount> {
+        std::fs::create_dir_all(dir).ok()?;
+        let ok = std::process::Command::new("mount")
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={size},mode=0700"),
+                "tmpfs",
+            ])
+            .arg(dir)
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        ok.then(|| Mount(dir.to_path_buf()))
+    }
+
+    /// Fills the filesystem: one file holding every free byte.
+    fn fill(&self) -> bool {
+        let filler = self.0.join("filler");
+        let Ok(f) = std::fs::File::create(&filler) else {
+            return false;
+        };
+        let free = nix::sys::statvfs::statvfs(&self.0)
+            .map(|s| s.blocks_available() * s.fragment_size())
+            .unwrap_or(0);
+        nix::fcntl::fallocate(&f, nix::fcntl::FallocateFlags::empty(), 0, free as i64).is_ok()
+    }
+
+    fn free(&self) {
+        let _ = std::fs::remove_file(self.0.join("filler"));
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .args(["-l"])
+            .arg(&self.0)
+            .status();
+    }
+}
+
+/// One sample of a sidecar process.
+#[derive(Debug, Clone)]
+pub struct Sample {
+    pub at: Duration,
+    pub member: usize,
+    pub incarnation: u32,
+    pub rss_kib: u64,
+    pub fds: u64,
+    pub threads: u64,
+}
+
+fn sample_process(pid: i32) -> Option<(u64, u64, u64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+    };
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count() as u64;
+    Some((field("VmRSS:")?, fds, field("Threads:")?))
+}
+
+/// Samples every sidecar every 5 s until stopped.
+async fn sampler(
+    pods: Arc<Mutex<Vec<Pod>>>,
+    members: usize,
+    epoch: Instant,
+    out: Arc<Mutex<Vec<Sample>>>,
+    stop: CancellationToken,
+) {
+    loop {
+        for m in 0..members {
+            let found = {
+                let mut pods = pods.lock().unwrap_or_else(|e| e.into_inner());
+                let pod = &mut pods[m];
+                let incarnation = pod.containers[SIDECAR]
+                    .incarnation
+                    .load(std::sync::atomic::Ordering::SeqCst);
+                pod.process(SIDECAR)
+                    .and_then(|p| p.pid())
+                    .map(|pid| (pid, incarnation))
+            };
+            if let Some((pid, incarnation)) = found
+                && let Some((rss_kib, fds, threads)) = sample_process(pid)
+            {
+                out.lock().unwrap_or_else(|e| e.into_inner()).push(Sample {
+                    at: epoch.elapsed(),
+                    member: m,
+                    incarnation,
+                    rss_kib,
+                    fds,
+                    threads,
+                });
+            }
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_secs(5)) => {}
+        }
+    }
+}
+
+/// A resource of a sample: its name, how to read it, and the absolute slack it is allowed.
+type Measure = (&'static str, fn(&Sample) -> u64, u64);
+
+/// The resource check: for each sidecar process that lived at least `after`, the peak of its last
+/// quarter is within 1.2× the peak of its first quarter (past its first two minutes of warming
+/// up); descriptors and threads get 4 more as slack (they are small counts).
+pub fn flat(samples: &[Sample], after: Duration) -> Vec<String> {
+    let mut by_process: BTreeMap<(usize, u32), Vec<&Sample>> = BTreeMap::new();
+    for s in samples {
+        by_process
+            .entry((s.member, s.incarnation))
+            .or_default()
+            .push(s);
+    }
+    let mut out = Vec::new();
+    for ((m, inc), list) in by_process {
+        let (Some(first), Some(last)) = (list.first(), list.last()) else {
+            continue;
+        };
+        let life = last.at.saturating_sub(first.at);
+        if life < after {
+            continue;
+        }
+        let warm = first.at + Duration::from_secs(120);
+        let quarter = life.saturating_sub(Duration::from_secs(120)) / 4;
+        let early: Vec<&&Sample> = list
+            .iter()
+            .filter(|s| s.at >= warm && s.at < warm + quarter)
+            .collect();
+        let late: Vec<&&Sample> = list
+            .iter()
+            .filter(|s| s.at >= last.at.saturating_sub(quarter))
+            .collect();
+        let peak = |v: &[&&Sample], f: fn(&Sample) -> u64| v.iter().map(|s| f(s)).max();
+        let checks: [Measure; 3] = [
+            ("rss_kib", |s| s.rss_kib, 0),
+            ("fds", |s| s.fds, 4),
+            ("threads", |s| s.threads, 4),
+        ];
+        for (name, f, slack) in checks {
+            if let (Some(a), Some(b)) = (peak(&early, f), peak(&late, f))
+                && b as f64 > a as f64 * 1.2 + slack as f64
+            {
+                out.push(format!(
+                    "sidecar m{m}#{inc} ({:.0} min): {name} peak {b} in its last quarter, {a} in \
+                     its first (after warming up): more than 1.2×",
+                    life.as_secs_f64() / 60.0
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// What a soak run found.
+pub struct SoakOutcome {
+    pub violations: Vec<Violation>,
+    pub summary: String,
+    pub report_dir: Option<PathBuf>,
+}
+
+/// Counts for the summary and the docs.
+#[derive(Default, Debug)]
+struct Counts {
+    faults: BTreeMap<&'static str, u32>,
+    handoffs: u32,
+    settled: u32,
+    copies: u32,
+    restores: u32,
+    reclaims: u32,
+    compactions: u32,
+    drills: u32,
+    drill_failures: u32,
+    restore_disk_full: u32,
+}
+
+struct Run<'a> {
+    profile: &'a Profile,
+    seed: u64,
+    rng: SplitMix64,
+    world: World,
+    traffic: Traffic,
+    mounts: Vec<Mount>,
+    restore_mount: Option<Mount>,
+    samples: Arc<Mutex<Vec<Sample>>>,
+    stop_sampler: CancellationToken,
+    violations: Vec<Violation>,
+    notes: Vec<String>,
+    counts: Counts,
+    /// (from, to) of every fault, from the epoch.
+    fault_windows: Vec<(Duration, Duration)>,
+    wall_epoch: SystemTime,
+    /// Bucket prefixes the copy Job wrote (one per hand-off).
+    destinations: u32,
+}
+
+/// The sidecars' configuration beyond the fault schedules': every feature on.
+fn soak_keys(release: Release, store_endpoint: String) -> Vec<(String, String)> {
+    [
+        ("snapshot.schedule", "*/1 * * * *".to_string()),
+        ("snapshot.delta_period", "2s".into()),
+        ("snapshot.gc_policy", "LimitBased".into()),
+        ("snapshot.max_backups", "4".into()),
+        ("snapshot.gc_period", "30s".into()),
+        ("snapshot.timeout", "3s".into()),
+        ("defrag.schedule", "*/4 * * * *".into()),
+        ("defrag.check_interval", "1m".into()),
+        ("defrag.trigger_min_db_size", "8MiB".into()),
+        ("defrag.trigger_min_free_fraction", "0.3".into()),
+        ("store.secondary.url", format!("s3://{SECONDARY}/{PREFIX}")),
+        ("store.secondary.endpoint", store_endpoint),
+        ("store.secondary.region", REGION.into()),
+        ("store.secondary.access_key_id", ACCESS_KEY.into()),
+        ("store.secondary.secret_access_key", SECRET_KEY.into()),
+        ("store.secondary.sync_interval", "10s".into()),
+        (
+            "restore.etcd_bin",
+            release.bin_dir().to_string_lossy().into_owned(),
+        ),
+    ]
+    .into_iter()
+    // A previous release (`FAULT_BIN`) refuses keys it does not know: the fragmentation
+    // trigger and the secondary store came later.
+    .filter(|(k, _)| {
+        faultrun::other_binary().is_none()
+            || !(k.starts_with("store.secondary")
+                || k.starts_with("defrag.trigger")
+                || *k == "defrag.check_interval")
+    })
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}
+
+impl Run<'_> {
+    fn event(&self, line: impl AsRef<str>) {
+        self.world.events.push(line);
+    }
+
+    fn violation(&mut self, kind: &'static str, detail: String) {
+        self.event(format!("VIOLATION [{kind}] {detail}"));
+        self.violations.push(Violation { kind, detail });
+    }
+
+    fn keys(&self) -> Vec<(String, String)> {
+        self.world.keys[0].clone()
+    }
+
+    /// Runs the CLI with the first sidecar's configuration plus `extra` keys; (ok, output).
+    async fn cli(
+        &self,
+        subcommand: &str,
+        args: &[String],
+        extra: &[(String, String)],
+    ) -> (bool, String) {
+        let mut keys = self.keys();
+        keys.retain(|(k, _)| !extra.iter().any(|(x, _)| x == k));
+        keys.extend(extra.iter().cloned());
+        let args = args.to_vec();
+        let sub = subcommand.to_string();
+        let out = tokio::task::spawn_blocking(move || {
+            let mut cmd = cli_command(&keys, &sub);
+            cmd.args(&args);
+            cmd.output()
+        })
+        .await;
+        match out {
+            Ok(Ok(o)) => (
+                o.status.success(),
+                format!(
+                    "{}{}",
+                    String::from_utf8_lossy(&o.stdout),
+                    String::from_utf8_lossy(&o.stderr)
+                ),
+            ),
+            Ok(Err(e)) => (false, e.to_string()),
+            Err(e) => (false, e.to_string()),
+        }
+    }
+
+    /// Applies `n`, holds it, heals it.
+    async fn play(&mut self, n: Nemesis, hold: Duration) {
+        *self.counts.faults.entry(n.kind()).or_default() += 1;
+        let from = self.world.events.epoch.elapsed();
+        self.event(format!("nemesis: {n:?} for {hold:?}"));
+        let kubelet = &self.world.kubelet;
+        match n {
+            Nemesis::EtcdKill(m) => {
+                kubelet.with_pod(m, |p| p.kill(ETCD, Duration::ZERO));
+            }
+            Nemesis::SidecarKill(m, down) => {
+                kubelet.with_pod(m, |p| p.kill(SIDECAR, Duration::from_millis(down)));
+            }
+            Nemesis::EtcdFreeze(m) | Nemesis::SidecarFreeze(m) => {
+                let c = if matches!(n, Nemesis::EtcdFreeze(_)) {
+                    ETCD
+                } else {
+                    SIDECAR
+                };
+                let stopped =
+                    kubelet.with_pod(m, |p| p.process(c).map(|p| p.signal(Signal::SIGSTOP)));
+                tokio::time::sleep(hold).await;
+                let resumed = self
+                    .world
+                    .kubelet
+                    .with_pod(m, |p| p.process(c).map(|p| p.resume()));
+                self.event(format!("  stopped: {stopped:?}, resumed: {resumed:?}"));
+            }
+            Nemesis::Store(mode) => {
+                self.world.proxy.set(mode);
+                tokio::time::sleep(hold).await;
+                self.world.proxy.set(FaultMode::Pass);
+            }
+            Nemesis::Dns(mode) => {
+                self.world.dns.set_mode(mode);
+                tokio::time::sleep(hold).await;
+                self.world.heal_dns().await;
+            }
+            Nemesis::DnsStopped => {
+                self.world.dns.stop().await;
+                self.world.dns_stopped = true;
+                tokio::time::sleep(hold).await;
+                self.world.heal_dns().await;
+            }
+            Nemesis::DiskFull(m) => {
+                let filled = self.mounts.get(m).is_some_and(Mount::fill);
+                self.event(format!("  m{m}'s data filesystem filled: {filled}"));
+                tokio::time::sleep(hold).await;
+                if let Some(mount) = self.mounts.get(m) {
+                    mount.free();
+                }
+            }
+            Nemesis::Trigger(m, path) => self.world.post(m, path),
+        }
+        let to = self.world.events.epoch.elapsed();
+        self.fault_windows.push((from, to));
+        self.event(format!("nemesis: {} healed", n.kind()));
+    }
+
+    /// A user's Job: `compact` or the drill, chosen at random.
+    async fn job(&mut self) {
+        if self.rng.chance(50) {
+            self.counts.compactions += 1;
+            let (ok, said) = self.cli("compact", &[], &[]).await;
+            self.event(format!("job compact: ok={ok}: {}", last_line(&said)));
+        } else {
+            self.counts.drills += 1;
+            let (ok, said) = self.cli("verify", &["--restore".into()], &[]).await;
+            self.event(format!(
+                "job verify --restore: ok={ok}: {}",
+                last_line(&said)
+            ));
+            if !ok {
+                // A drill under faults may fail (the store is hanging): counted, judged at the end
+                // when nothing is faulted.
+                self.counts.drill_failures += 1;
+            }
+        }
+    }
+
+    /// Serves until `until`: faults one after another, Jobs in between.
+    async fn serve(&mut self, until: Instant) {
+        let mut next_job = Instant::now() + Duration::from_secs(self.profile.jobs_every / 2);
+        while Instant::now() < until {
+            let gap = Duration::from_millis(
+                self.rng
+                    .range(self.profile.fault_gap.0, self.profile.fault_gap.1),
+            );
+            tokio::time::sleep(gap.min(until.saturating_duration_since(Instant::now()))).await;
+            if Instant::now() >= until {
+                break;
+            }
+            if Instant::now() >= next_job {
+                self.job().await;
+                next_job = Instant::now()
+                    + Duration::from_secs(
+                        self.rng
+                            .range(self.profile.jobs_every / 2, self.profile.jobs_every * 3 / 2),
+                    );
+                continue;
+            }
+            let n = Nemesis::draw(
+                &mut self.rng,
+                self.world.specs.len(),
+                !self.mounts.is_empty(),
+            );
+            let hold = Duration::from_millis(
+                self.rng
+                    .range(self.profile.fault_hold.0, self.profile.fault_hold.1),
+            );
+            self.play(n, hold).await;
+        }
+    }
+
+    /// Every acknowledged write so far, as the ownership invariants take them.
+    fn acks(&self, recorded: &Recorded) -> Vec<Ack> {
+        let mut acks: Vec<Ack> = recorded
+            .ops
+            .iter()
+            .filter_map(|op| {
+                let revision = op.write_revision()?;
+                Some(Ack {
+                    key: format!("{:?}", op.call).chars().take(80).collect(),
+                    revision,
+                    at: op.completed,
+                })
+            })
+            .collect();
+        if let Some(l) = &self.world.leases {
+            acks.extend(
+                l.acks
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .iter()
+                    .cloned(),
+            );
+        }
+        acks.sort_by_key(|a| a.revision);
+        acks
+    }
+
+    /// One hand-off, judged, copied, restored at the destination and reclaimed.
+    async fn handoff(&mut self, last: bool) {
+        self.counts.handoffs += 1;
+        let k = self.counts.handoffs;
+        // Heal whatever a fault left behind; every etcd runs again.
+        self.world.heal_dns().await;
+        self.world.proxy.set(FaultMode::Pass);
+        for mount in &self.mounts {
+            mount.free();
+        }
+        self.members_agree(k).await;
+        if self.rng.chance(30) {
+            self.event(format!("hand-off {k}: the record flaps (other, then us)"));
+            self.world.dns.set_txt(RECORD, &[THEM]).await;
+            tokio::time::sleep(Duration::from_millis(self.rng.range(50, 400))).await;
+            self.world.dns.set_txt(RECORD, &[US]).await;
+            tokio::time::sleep(Duration::from_millis(self.rng.range(200, 1500))).await;
+        }
+        let ending = if self.rng.chance(75) {
+            Ending::Other
+        } else {
+            Ending::Deleted
+        };
+        self.event(format!("hand-off {k}: record → {ending:?}"));
+        match ending {
+            Ending::Deleted => self.world.dns.remove_txt(RECORD).await,
+            _ => self.world.dns.set_txt(RECORD, &[THEM]).await,
+        }
+        // A fault timed to meet the final (as the schedules' end_store), or a sidecar killed the
+        // moment it deactivates.
+        match self.rng.range(0, 9) {
+            0..=2 => {
+                let after = self.rng.range(800, 3000);
+                let hold = self.rng.range(500, 3000);
+                let mode = if self.rng.chance(50) {
+                    FaultMode::LoseAnswers
+                } else {
+                    FaultMode::Late(Duration::from_millis(self.rng.range(3500, 6000)))
+                };
+                tokio::time::sleep(Duration::from_millis(after)).await;
+                self.play(Nemesis::Store(mode), Duration::from_millis(hold))
+                    .await;
+            }
+            3..=4 => {
+                let m = self.rng.range(0, self.world.specs.len() as u64 - 1) as usize;
+                let down = self.rng.range(0, 800);
+                *self
+                    .counts
+                    .faults
+                    .entry("sidecar-kill-at-deactivation")
+                    .or_default() += 1;
+                self.world
+                    .apply(super::schedule::Fault::SidecarKillWhenDeactivated {
+                        member: m,
+                        down_ms: down,
+                    })
+                    .await;
+            }
+            _ => {}
+        }
+        self.world.settle(ending).await;
+        let recorded = self.traffic.snapshot();
+        let acks = self.acks(&recorded);
+        let snapshots = self.world.store.list().await.unwrap_or_default();
+        let seen = self.world.objects.seen().await.unwrap_or_default();
+        let named = the_final(&snapshots, &seen).map(|s| s.snap_name.clone());
+        let latest_final = self.world.latest_is_final().await;
+        if latest_final {
+            self.counts.settled += 1;
+        }
+        let mut final_status = Vec::new();
+        for m in 0..self.world.specs.len() {
+            let url = format!("http://127.0.0.1:{}/status", self.world.sidecar_ports[m]);
+            final_status.push(
+                get_json(&self.world.http_client, &url)
+                    .await
+                    .filter(|(c, _)| *c == 200)
+                    .map(|(_, v)| v),
+            );
+        }
+        let sidecar_exits = self.world.sidecar_exits();
+        let sidecar_logs: Vec<String> = self
+            .world
+            .sidecar_logs
+            .iter()
+            .map(|p| std::fs::read_to_string(p).unwrap_or_default())
+            .collect();
+        let read_as_final = self
+            .world
+            .reclaim
+            .read_as_final
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let (violations, notes) = self.world.monitor().with(|observed| {
+            invariants::check(&Evidence {
+                ending,
+                healed: true,
+                acks: &acks,
+                snapshots: &snapshots,
+                observed,
+                final_status: &final_status,
+                sidecar_exits: &sidecar_exits,
+                sidecar_logs: &sidecar_logs,
+                reclaimed: &seen.reclaimed,
+                the_final: named.as_deref(),
+                latest_final,
+                reclaim_at: self.world.reclaim.at,
+                first_finals: &[],
+                reclaimed_read_as_final: &read_as_final,
+                buried: &[],
+            })
+        });
+        for v in violations {
+            // The monitor's findings accumulate: report each once.
+            if !self.violations.contains(&v) {
+                self.violation(v.kind, v.detail);
+            }
+        }
+        self.notes.extend(notes);
+        if let Some(name) = &named {
+            self.readers_agree(k, name).await;
+            let final_rev = snapshots
+                .iter()
+                .find(|s| &s.snap_name == name)
+                .map(|s| s.last_revision);
+            if let Some(rev) = final_rev {
+                self.copy_and_restore(k, rev, &recorded).await;
+            }
+        }
+        if last {
+            return;
+        }
+        self.counts.reclaims += 1;
+        if !self.world.reclaim().await {
+            let said = self.world.reclaim.said.clone();
+            self.violation(
+                "reclaim-failed",
+                format!(
+                    "hand-off {k}: `etcd-warden reclaim` did not bring the sidecars back: {said}"
+                ),
+            );
+        }
+    }
+
+    /// Every member holds the same history: each one's KV hash at one revision (etcd's own
+    /// corruption check, as its robustness tests do). Waits (up to 30 s) for every member to be
+    /// healthy first; a member that is not is named and skipped.
+    async fn members_agree(&mut self, k: u32) {
+        let urls: Vec<String> = self.world.specs.iter().map(|s| s.client_url()).collect();
+        let healthy = super::eventually(Duration::from_secs(30), || async {
+            let mut all = true;
+            for u in &urls {
+                all &= super::etcd::member_healthy(u).await;
+            }
+            all
+        })
+        .await;
+        let mut clients = Vec::new();
+        for (m, u) in urls.iter().enumerate() {
+            match super::writer::connect(u).await {
+                Ok(c) => clients.push((m, c)),
+                Err(e) => self.event(format!(
+                    "hand-off {k}: m{m} not reachable for the hash: {e}"
+                )),
+            }
+        }
+        let mut revisions = Vec::new();
+        for (m, c) in &mut clients {
+            if let Ok(r) = c
+                .get("/", Some(etcd_client::GetOptions::new().with_limit(1)))
+                .await
+            {
+                revisions.push((*m, r.header().map_or(0, |h| h.revision())));
+            }
+        }
+        let Some(at) = revisions.iter().map(|(_, r)| *r).min() else {
+            return;
+        };
+        let mut hashes = Vec::new();
+        for (m, c) in &mut clients {
+            match c.hash_kv(at).await {
+                Ok(h) => hashes.push((*m, h.hash(), h.compact_version())),
+                Err(e) => self.event(format!("hand-off {k}: m{m} hash at {at}: {e}")),
+            }
+        }
+        self.event(format!(
+            "hand-off {k}: members healthy: {healthy}; KV hashes at revision {at}: {hashes:?}"
+        ));
+        let distinct: std::collections::BTreeSet<(u32, i64)> =
+            hashes.iter().map(|(_, h, c)| (*h, *c)).collect();
+        if distinct.len() > 1 {
+            self.violation(
+                "members-diverged",
+                format!(
+                    "hand-off {k}: the members' KV hashes at revision {at} differ: {hashes:?} \
+                     (member, hash, compacted revision)"
+                ),
+            );
+        }
+    }
+
+    /// `ls`, `verify` and every sidecar's `/snapshot/latest` name the hand-off's final.
+    async fn readers_agree(&mut self, k: u32, name: &str) {
+        let (ok, said) = self.cli("ls", &["--json".into()], &[]).await;
+        let listed: Vec<String> = serde_json::from_str::<Value>(said.trim_end())
+            .ok()
+            .and_then(|v| v.as_array().cloned())
+            .unwrap_or_default()
+            .iter()
+            .filter(|s| s["isFinal"] == true || s["is_final"] == true)
+            .filter_map(|s| {
+                s["snapName"]
+                    .as_str()
+                    .or(s["snap_name"].as_str())
+                    .map(String::from)
+            })
+            .collect();
+        if !ok || listed != [name.to_string()] {
+            self.violation(
+                "readers-disagree",
+                format!("hand-off {k}: `ls` (ok={ok}) lists finals {listed:?}, the store's hand-off objects name {name}"),
+            );
+        }
+        for m in 0..self.world.specs.len() {
+            let url = format!(
+                "http://127.0.0.1:{}/snapshot/latest",
+                self.world.sidecar_ports[m]
+            );
+            if let Some((200, body)) = get_json(&self.world.http_client, &url).await {
+                let full = &body["fullSnapshot"];
+                if full["snapName"].as_str() != Some(name) || full["isFinal"] != true {
+                    let shown = body.to_string().chars().take(300).collect::<String>();
+                    self.violation(
+                        "readers-disagree",
+                        format!("hand-off {k}: m{m}'s /snapshot/latest says {shown}, the final is {name}"),
+                    );
+                }
+            }
+        }
+    }
+
+    /// The copy Job into a fresh destination, a restore of it (first onto a full disk when the
+    /// profile has one), etcd started on it and read: it must hold the state at the final.
+    async fn copy_and_restore(&mut self, k: u32, final_rev: i64, recorded: &Recorded) {
+        self.destinations += 1;
+        let dest_prefix = format!("{PREFIX}-{k}");
+        let endpoint = format!("http://127.0.0.1:{}", self.world.s3.port);
+        let mut source: Vec<(String, String)> = self
+            .keys()
+            .into_iter()
+            .filter(|(key, _)| key.starts_with("store.") && !key.starts_with("store.secondary"))
+            .map(|(key, v)| (key.replacen("store.", "source_store.", 1), v))
+            .collect();
+        source.push(("store.url".into(), format!("s3://{DEST}/{dest_prefix}")));
+        source.push(("store.endpoint".into(), endpoint));
+        let (ok, said) = self
+            .cli(
+                "copy",
+                &[
+                    "--wait-for-final".into(),
+                    "--final-timeout".into(),
+                    "60s".into(),
+                    "--poll-interval".into(),
+                    "1s".into(),
+                ],
+                &source,
+            )
+            .await;
+        self.event(format!(
+            "hand-off {k}: copy Job ok={ok}: {}",
+            last_line(&said)
+        ));
+        if !ok {
+            self.violation(
+                "copy-failed",
+                format!(
+                    "hand-off {k}: the copy Job failed: {}",
+                    tail(&said, 5, true)
+                ),
+            );
+            return;
+        }
+        self.counts.copies += 1;
+        let dest_keys = vec![
+            (
+                "store.url".to_string(),
+                format!("s3://{DEST}/{dest_prefix}"),
+            ),
+            (
+                "store.endpoint".to_string(),
+                format!("http://127.0.0.1:{}", self.world.s3.port),
+            ),
+        ];
+        let etcd_bin = self
+            .profile
+            .release
+            .bin_dir()
+            .to_string_lossy()
+            .into_owned();
+        if let Some(mount) = &self.restore_mount
+            && self.rng.chance(30)
+        {
+            self.counts.restore_disk_full += 1;
+            let filled = mount.fill();
+            let target = mount.0.join(format!("full-{k}"));
+            let (ok, said) = self
+                .cli(
+                    "restore",
+                    &[
+                        "--data-dir".into(),
+                        target.to_string_lossy().into_owned(),
+                        "--etcd-bin".into(),
+                        etcd_bin.clone(),
+                    ],
+                    &dest_keys,
+                )
+                .await;
+            mount.free();
+            self.event(format!(
+                "hand-off {k}: restore onto a full disk (filled={filled}): ok={ok}: {}",
+                last_line(&said)
+            ));
+            if ok && filled {
+                self.violation(
+                    "restore-full-disk",
+                    format!(
+                        "hand-off {k}: a restore onto a full filesystem said it succeeded: {said}"
+                    ),
+                );
+            }
+            if target.join("member").exists() {
+                self.violation("restore-full-disk", format!("hand-off {k}: a restore that failed for a full disk left {} with a member directory", target.display()));
+            }
+        }
+        let target = self.world.dir.path().join(format!("dest-{k}")).join("data");
+        let (ok, said) = self
+            .cli(
+                "restore",
+                &[
+                    "--data-dir".into(),
+                    target.to_string_lossy().into_owned(),
+                    "--etcd-bin".into(),
+                    etcd_bin,
+                ],
+                &dest_keys,
+            )
+            .await;
+        self.event(format!(
+            "hand-off {k}: destination restore ok={ok}: {}",
+            last_line(&said)
+        ));
+        if !ok {
+            self.violation(
+                "restore-failed",
+                format!(
+                    "hand-off {k}: restoring the destination failed: {}",
+                    tail(&said, 5, true)
+                ),
+            );
+            return;
+        }
+        self.counts.restores += 1;
+        match read_restored(self.profile.release, &target).await {
+            Ok((revision, contents)) => {
+                if revision != final_rev {
+                    self.violation("restored", format!("hand-off {k}: the destination serves revision {revision}, the final holds {final_rev}"));
+                }
+                for f in
+                    kvcheck::restored_state(&recorded.ops, &recorded.watches, final_rev, &contents)
+                {
+                    self.violation("restored", format!("hand-off {k}: {f}"));
+                }
+                self.event(format!(
+                    "hand-off {k}: destination serves {} traffic keys at revision {revision}",
+                    contents.len()
+                ));
+            }
+            Err(e) => self.violation(
+                "restored",
+                format!("hand-off {k}: the destination did not start or answer: {e}"),
+            ),
+        }
+        let _ = std::fs::remove_dir_all(target.parent().unwrap_or(&target));
+    }
+}
+
+fn last_line(s: &str) -> String {
+    s.lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("")
+        .chars()
+        .take(200)
+        .collect()
+}
+
+/// Starts etcd on a restored data directory and reads every traffic key: (revision, contents).
+async fn read_restored(
+    release: Release,
+    data_dir: &Path,
+) -> Result<(i64, BTreeMap<String, Seen>), String> {
+    let tools = etcd_warden::restore::EtcdTools::locate(Some(&release.bin_dir()))
+        .await
+        .map_err(|e| e.to_string())?;
+    let etcd = etcd_warden::restore::TempEtcd::start(
+        &tools,
+        data_dir,
+        "default",
+        data_dir.with_extension("log"),
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    let read = async {
+        let client = etcd_client::Client::connect([&etcd.client_url], None)
+            .await
+            .map_err(|e| e.to_string())?;
+        // Live large values can add up beyond gRPC's default 4 MiB in one answer.
+        let r = client
+            .kv_client()
+            .max_decoding_message_size(1 << 30)
+            .get(
+                traffic::PREFIX,
+                Some(etcd_client::GetOptions::new().with_prefix()),
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+        let revision = r.header().map_or(0, |h| h.revision());
+        let contents = r
+            .kvs()
+            .iter()
+            .map(|kv| {
+                (
+                    String::from_utf8_lossy(kv.key()).into_owned(),
+                    Seen {
+                        id: kvcheck::id_of(kv.value()).unwrap_or_else(|| {
+                            format!("<not a traffic value, {} bytes>", kv.value().len())
+                        }),
+                        mod_revision: kv.mod_revision(),
+                    },
+                )
+            })
+            .collect();
+        Ok::<_, String>((revision, contents))
+    };
+    let out = read.await;
+    let _ = etcd.stop().await;
+    out
+}
+
+/// Deltas that do not follow their predecessor in a chain, outside every fault window.
+fn delta_gaps(
+    snapshots: &[Snapshot],
+    windows: &[(Duration, Duration)],
+    wall_epoch: SystemTime,
+) -> Vec<String> {
+    let at = |s: &Snapshot| {
+        SystemTime::from(s.created_on)
+            .duration_since(wall_epoch)
+            .unwrap_or_default()
+    };
+    let mut out = Vec::new();
+    let mut prev: Option<&Snapshot> = None;
+    for s in snapshots {
+        if s.kind == Kind::Full {
+            prev = Some(s);
+            continue;
+        }
+        if let Some(p) = prev
+            && s.start_revision > p.last_revision + 1
+        {
+            let (from, to) = (at(p), at(s));
+            let excused = windows.iter().any(|(a, b)| {
+                *a <= to + Duration::from_secs(5) && *b + Duration::from_secs(30) >= from
+            });
+            if !excused {
+                out.push(format!(
+                    "{} starts at revision {} after {} ended at {}: a gap with no fault between \
+                     {:.0}s and {:.0}s",
+                    s.snap_name,
+                    s.start_revision,
+                    p.snap_name,
+                    p.last_revision,
+                    from.as_secs_f64(),
+                    to.as_secs_f64()
+                ));
+            }
+        }
+        prev = Some(s);
+    }
+    out
+}
+
+/// Plays `profile` for `duration` from `seed` and judges it.
+pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcome {
+    let epoch = Instant::now();
+    let wall_epoch = SystemTime::now();
+    let scratch = tempfile::tempdir().expect("temp dir");
+    let members = 3;
+    let mut mounts = Vec::new();
+    for m in 0..members {
+        match Mount::tmpfs(&scratch.path().join(format!("m{m}")), "1g") {
+            Some(mount) => mounts.push(mount),
+            None => break,
+        }
+    }
+    if mounts.len() < members {
+        mounts.clear();
+    }
+    let restore_mount = Mount::tmpfs(&scratch.path().join("restore"), "256m");
+    let spec = WorldSpec {
+        seed,
+        members,
+        interval_ms: 250,
+        leases: true,
+        release: profile.release,
+        extra_keys: Vec::new(),
+        extra_buckets: vec![SECONDARY.into(), DEST.into()],
+        writer: false,
+        data_mounts: (!mounts.is_empty()).then(|| scratch.path().to_path_buf()),
+    };
+    // The secondary's endpoint is the S3 server itself (not behind the fault proxy), known once
+    // the world runs: the keys are added to the sidecars' before they start.
+    let spec = WorldSpec {
+        extra_keys: soak_keys(profile.release, String::new()),
+        ..spec
+    };
+    let world = match World::start_with(&spec, epoch, |s3_endpoint, keys| {
+        for (k, v) in keys.iter_mut() {
+            if k == "store.secondary.endpoint" {
+                *v = s3_endpoint.to_string();
+            }
+        }
+    })
+    .await
+    {
+        Ok(w) => w,
+        Err((why, world)) => {
+            let mut report = format!("setup failed: {why}\n");
+            if let Some(w) = &world {
+                let snapshots = w.store.list().await.unwrap_or_default();
+                w.describe(&mut report, &snapshots);
+            }
+            println!("{report}");
+            return SoakOutcome {
+                violations: vec![Violation {
+                    kind: "setup",
+                    detail: why,
+                }],
+                summary: format!("FAIL profile={} seed={seed:#x} setup failed", profile.name),
+                report_dir: None,
+            };
+        }
+    };
+    let service = world.service.as_ref().expect("service started").endpoint();
+    let traffic = Traffic::start(
+        service,
+        seed,
+        profile.workers,
+        epoch,
+        Duration::from_secs(profile.etcd_compact_every),
+    );
+    let samples = Arc::new(Mutex::new(Vec::new()));
+    let stop_sampler = CancellationToken::new();
+    tokio::spawn(sampler(
+        world.kubelet.pods.clone(),
+        members,
+        epoch,
+        samples.clone(),
+        stop_sampler.clone(),
+    ));
+    let mut run = Run {
+        profile,
+        seed,
+        rng: SplitMix64::new(seed ^ 0x50a4_50a4),
+        world,
+        traffic,
+        mounts,
+        restore_mount,
+        samples,
+        stop_sampler,
+        violations: Vec::new(),
+        notes: Vec::new(),
+        counts: Counts::default(),
+        fault_windows: Vec::new(),
+        wall_epoch,
+        destinations: 0,
+    };
+    run.event(format!(
+        "soak: profile {} seed {seed:#x} for {duration:?}; disk-full faults: {}",
+        profile.name,
+        !run.mounts.is_empty()
+    ));
+    let deadline = epoch + duration;
+    loop {
+        let every = run
+            .rng
+            .range(profile.handoff_every.0, profile.handoff_every.1);
+        let until = (Instant::now() + Duration::from_secs(every)).min(deadline);
+        run.serve(until).await;
+        let last = Instant::now() + Duration::from_secs(profile.handoff_every.0 / 2) >= deadline;
+        run.handoff(last).await;
+        if last {
+            break;
+        }
+    }
+    finish(run, scratch).await
+}
+
+/// The end of a run: the history, the drill on every store, delta gaps, resources; the report.
+async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
+    run.traffic.stop().await;
+    if let Some(l) = &run.world.leases {
+        l.stop.cancel();
+    }
+    run.stop_sampler.cancel();
+    run.world.monitor().stop();
+    let recorded = run.traffic.snapshot();
+    for f in kvcheck::check(&recorded.ops, &recorded.watches) {
+        run.violation("history", f.to_string());
+    }
+    // Every chain restores: the drill on the primary (the final's chain) and on the secondary.
+    let mut drills = vec![("primary", vec!["--restore".to_string()])];
+    if faultrun::other_binary().is_none() {
+        drills.push((
+            "secondary",
+            vec!["--restore".to_string(), "--secondary".into()],
+        ));
+    }
+    for (label, args) in drills {
+        let (ok, said) = run.cli("verify", &args, &[]).await;
+        run.event(format!(
+            "end: drill on the {label}: ok={ok}: {}",
+            last_line(&said)
+        ));
+        if !ok {
+            run.violation(
+                "drill",
+                format!(
+                    "the drill on the {label} store failed with nothing faulted: {}",
+                    tail(&said, 8, true)
+                ),
+            );
+        }
+    }
+    let snapshots = run.world.store.list().await.unwrap_or_default();
+    for g in delta_gaps(&snapshots, &run.fault_windows, run.wall_epoch) {
+        run.violation("delta-gap", g);
+    }
+    let samples = run
+        .samples
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    for f in flat(&samples, run.profile.flat_after) {
+        run.violation("resources", f);
+    }
+    let writes = recorded
+        .ops
+        .iter()
+        .filter(|o| o.write_revision().is_some())
+        .count();
+    let reads = recorded
+        .ops
+        .iter()
+        .filter(|o| matches!(o.ret, kvcheck::Ret::Read { .. }))
+        .count();
+    let unknown = recorded
+        .ops
+        .iter()
+        .filter(|o| o.ret == kvcheck::Ret::Unknown)
+        .count();
+    let events: usize = recorded.watches.iter().map(|w| w.events.len()).sum();
+    let faults: u32 = run.counts.faults.values().sum();
+    let peak_rss = samples.iter().map(|s| s.rss_kib).max().unwrap_or(0);
+    let elapsed = run.world.events.epoch.elapsed();
+    let c = &run.counts;
+    let mut kinds: Vec<&str> = run.violations.iter().map(|v| v.kind).collect();
+    kinds.sort_unstable();
+    kinds.dedup();
+    let summary = format!(
+        "{} profile={} seed={:#x} {:.1} min: writes={writes} reads={reads} unknown={unknown} \
+         watch_events={events} streams={} etcd_compactions={} faults={faults} {:?} handoffs={} \
+         settled={} copies={} restores={} restore_disk_full={} reclaims={} compact_jobs={} \
+         drills={} (failed under faults {}) peak_sidecar_rss={} MiB{}",
+        if run.violations.is_empty() {
+            "PASS"
+        } else {
+            "FAIL"
+        },
+        run.profile.name,
+        run.seed,
+        elapsed.as_secs_f64() / 60.0,
+        recorded.watches.len(),
+        recorded.compactions.len(),
+        c.faults,
+        c.handoffs,
+        c.settled,
+        c.copies,
+        c.restores,
+        c.restore_disk_full,
+        c.reclaims,
+        c.compactions,
+        c.drills,
+        c.drill_failures,
+        peak_rss / 1024,
+        if kinds.is_empty() {
+            String::new()
+        } else {
+            format!(" violations: {}", kinds.join(","))
+        }
+    );
+    let want_report = !run.violations.is_empty() || std::env::var_os("SOAK_REPORT").is_some();
+    let report_dir = if want_report {
+        Some(write_report(&run, &summary, &recorded, &samples, &snapshots).await)
+    } else {
+        None
+    };
+    run.world.kubelet.stop();
+    drop(run.mounts.drain(..));
+    drop(run.restore_mount.take());
+    let violations = run.violations.clone();
+    drop(run);
+    drop(scratch);
+    SoakOutcome {
+        violations,
+        summary,
+        report_dir,
+    }
+}
+
+/// The report directory: summary, violations, the nemesis timeline, the history, the resources,
+/// the store listing, every process's log and the replay command.
+async fn write_report(
+    run: &Run<'_>,
+    summary: &str,
+    recorded: &Recorded,
+    samples: &[Sample],
+    snapshots: &[Snapshot],
+) -> PathBuf {
+    let base = std::env::var_os("SOAK_REPORT_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/robustness"));
+    let dir = base.join(format!(
+        "{}-{:x}-{}",
+        run.profile.name,
+        run.seed,
+        SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs())
+    ));
+    let _ = std::fs::create_dir_all(dir.join("logs"));
+    let minutes = run.world.events.epoch.elapsed().as_secs().div_ceil(60);
+    let replay = format!(
+        "SOAK_PROFILE={} SOAK_SEED={:#x} SOAK_MINUTES={minutes} cargo test --release --test it -- --nocapture robustness::soak",
+        run.profile.name, run.seed
+    );
+    let mut text = format!("{summary}\nreplay: {replay}\n\nviolations:\n");
+    for v in &run.violations {
+        let _ = writeln!(text, "  - {v}");
+    }
+    for n in &run.notes {
+        let _ = writeln!(text, "  note: {n}");
+    }
+    let _ = std::fs::write(dir.join("summary.txt"), text);
+    let _ = std::fs::write(dir.join("replay.txt"), format!("{replay}\n"));
+    let mut report = String::new();
+    run.world.describe(&mut report, snapshots);
+    let _ = std::fs::write(dir.join("timeline.txt"), report);
+    let mut history = String::new();
+    for op in &recorded.ops {
+        let _ = writeln!(history, "{}", serde_json::to_string(op).unwrap_or_default());
+    }
+    let _ = std::fs::write(dir.join("history.jsonl"), history);
+    let mut watch = String::new();
+    for w in &recorded.watches {
+        let _ = writeln!(watch, "{}", serde_json::to_string(w).unwrap_or_default());
+    }
+    let _ = std::fs::write(dir.join("watch.jsonl"), watch);
+    let mut csv = String::from("seconds,member,incarnation,rss_kib,fds,threads\n");
+    for s in samples {
+        let _ = writeln!(
+            csv,
+            "{:.1},{},{},{},{},{}",
+            s.at.as_secs_f64(),
+            s.member,
+            s.incarnation,
+            s.rss_kib,
+            s.fds,
+            s.threads
+        );
+    }
+    let _ = std::fs::write(dir.join("resources.csv"), csv);
+    let (_, listing) = run.cli("ls", &[], &[]).await;
+    let _ = std::fs::write(dir.join("store.txt"), listing);
+    for (m, p) in run.world.sidecar_logs.iter().enumerate() {
+        let _ = std::fs::copy(p, dir.join(format!("logs/m{m}.sidecar.log")));
+    }
+    for (m, p) in run.world.etcd_logs.iter().enumerate() {
+        let _ = std::fs::copy(p, dir.join(format!("logs/m{m}.etcd.log")));
+    }
+    dir
+}
