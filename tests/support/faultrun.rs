@@ -172,6 +172,8 @@ pub struct WorldSpec {
     /// tmpfs the harness fills to make the disk full): `<dir>/m<i>`; None keeps them in the temp
     /// directory.
     pub data_mounts: Option<PathBuf>,
+    /// Each sidecar's wall clock is faked ([`faked_clock`]) from `<dir>/<member>.clock`.
+    pub clock_dir: Option<PathBuf>,
 }
 
 impl WorldSpec {
@@ -187,6 +189,7 @@ impl WorldSpec {
             extra_buckets: Vec::new(),
             writer: true,
             data_mounts: None,
+            clock_dir: None,
         }
     }
 }
@@ -246,6 +249,22 @@ pub fn other_binary() -> Option<std::path::PathBuf> {
 
 fn sidecar_command(keys: &[(String, String)]) -> std::process::Command {
     cli_command(keys, "serve")
+}
+
+/// libfaketime (Debian's `faketime` package), which the clock-jump fault needs.
+pub const LIBFAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
+
+/// Runs `cmd` on a wall clock offset by what `file` says (`+0`, `+3600`, `-7200`: seconds), read
+/// again every second: a clock that jumps as an NTP step does. The monotonic clock is left alone
+/// (a step never moves it), so timeouts and intervals keep their length.
+pub fn faked_clock(cmd: &mut std::process::Command, file: &std::path::Path) {
+    if !file.exists() {
+        let _ = std::fs::write(file, "+0\n");
+    }
+    cmd.env("LD_PRELOAD", LIBFAKETIME)
+        .env("FAKETIME_TIMESTAMP_FILE", file)
+        .env("FAKETIME_CACHE_DURATION", "1")
+        .env("DONT_FAKE_MONOTONIC", "1");
 }
 
 /// `etcd-warden <subcommand>` with a sidecar's configuration in its environment.
@@ -328,7 +347,17 @@ impl World {
             adjust(&s3.endpoint(), &mut keys);
             let log = dir.path().join(format!("{}.sidecar.log", spec.name));
             all_keys.push(keys.clone());
-            pod.add("sidecar", log.clone(), move || sidecar_command(&keys));
+            let clock = schedule
+                .clock_dir
+                .as_ref()
+                .map(|d| d.join(format!("{}.clock", spec.name)));
+            pod.add("sidecar", log.clone(), move || {
+                let mut cmd = sidecar_command(&keys);
+                if let Some(file) = &clock {
+                    faked_clock(&mut cmd, file);
+                }
+                cmd
+            });
             incarnations.push(pod.containers[SIDECAR].incarnation.clone());
             pod.start(ETCD);
             pods.push(pod);

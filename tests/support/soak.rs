@@ -70,6 +70,9 @@ pub struct Profile {
     pub etcd_compact_every: u64,
     /// Traffic workers.
     pub workers: u32,
+    /// The operator lane replaces a machine (or buries one, then replaces it) about every this
+    /// many seconds.
+    pub operator_every: u64,
     /// A sidecar process that lived at least this long is judged for flat resources.
     pub flat_after: Duration,
 }
@@ -86,6 +89,7 @@ impl Profile {
             jobs_every: 240,
             etcd_compact_every: 120,
             workers: 2,
+            operator_every: 300,
             flat_after: Duration::from_secs(600),
         };
         match name {
@@ -96,6 +100,7 @@ impl Profile {
                 fault_hold: (500, 4_000),
                 jobs_every: 45,
                 etcd_compact_every: 30,
+                operator_every: 50,
                 ..long
             }),
             "v35" => Some(long),
@@ -122,12 +127,15 @@ pub enum Nemesis {
     DnsStopped,
     /// The member's data directory's filesystem is filled until healed.
     DiskFull(usize),
+    /// The member's sidecar's wall clock steps by this many seconds (back when negative), and
+    /// steps back when healed.
+    ClockJump(usize, i64),
     /// `POST /snapshot/full` or `/snapshot/delta` to a member (not a fault: a user's request).
     Trigger(usize, &'static str),
 }
 
 impl Nemesis {
-    fn draw(rng: &mut SplitMix64, members: usize, disk: bool) -> Nemesis {
+    fn draw(rng: &mut SplitMix64, members: usize, disk: bool, clock: bool) -> Nemesis {
         let m = rng.range(0, members as u64 - 1) as usize;
         let weights = [
             8, // etcd kill
@@ -144,6 +152,7 @@ impl Nemesis {
             2, // dns stopped
             if disk { 3 } else { 0 },
             4, // triggers
+            if clock { 3 } else { 0 },
         ];
         match rng.weighted(&weights) {
             0 => Nemesis::EtcdKill(m),
@@ -161,6 +170,10 @@ impl Nemesis {
             10 => Nemesis::Dns(Mode::Silent),
             11 => Nemesis::DnsStopped,
             12 => Nemesis::DiskFull(m),
+            14 => {
+                let secs = [-7200, -600, -90, 90, 3600, 86_400][rng.range(0, 5) as usize];
+                Nemesis::ClockJump(m, secs)
+            }
             _ => Nemesis::Trigger(
                 m,
                 if rng.chance(50) {
@@ -189,6 +202,7 @@ impl Nemesis {
             Nemesis::Dns(_) => "dns-silent",
             Nemesis::DnsStopped => "dns-stopped",
             Nemesis::DiskFull(_) => "disk-full",
+            Nemesis::ClockJump(..) => "clock-jump",
             Nemesis::Trigger(..) => "trigger",
         }
     }
@@ -399,6 +413,9 @@ struct Run<'a> {
     wall_epoch: SystemTime,
     /// Bucket prefixes the copy Job wrote (one per hand-off).
     destinations: u32,
+    /// Where the sidecars' faked clocks are set (None without libfaketime).
+    clock_dir: Option<PathBuf>,
+    lane: Option<OperatorLane>,
 }
 
 /// The sidecars' configuration beyond the fault schedules': every feature on.
@@ -446,6 +463,13 @@ impl Run<'_> {
     fn violation(&mut self, kind: &'static str, detail: String) {
         self.event(format!("VIOLATION [{kind}] {detail}"));
         self.violations.push(Violation { kind, detail });
+    }
+
+    fn clock_file(&self, m: usize) -> PathBuf {
+        self.clock_dir
+            .as_deref()
+            .unwrap_or(Path::new("/nonexistent"))
+            .join(format!("m{m}.clock"))
     }
 
     fn keys(&self) -> Vec<(String, String)> {
@@ -536,6 +560,12 @@ impl Run<'_> {
                     mount.free();
                 }
             }
+            Nemesis::ClockJump(m, secs) => {
+                let file = self.clock_file(m);
+                let _ = std::fs::write(&file, format!("{secs:+}\n"));
+                tokio::time::sleep(hold).await;
+                let _ = std::fs::write(&file, "+0\n");
+            }
             Nemesis::Trigger(m, path) => self.world.post(m, path),
         }
         let to = self.world.events.epoch.elapsed();
@@ -567,6 +597,9 @@ impl Run<'_> {
     /// Serves until `until`: faults one after another, Jobs in between.
     async fn serve(&mut self, until: Instant) {
         let mut next_job = Instant::now() + Duration::from_secs(self.profile.jobs_every / 2);
+        let every = self.profile.operator_every;
+        let mut next_operator =
+            Instant::now() + Duration::from_secs(self.rng.range(every / 2, every * 3 / 2));
         while Instant::now() < until {
             let gap = Duration::from_millis(
                 self.rng
@@ -575,6 +608,15 @@ impl Run<'_> {
             tokio::time::sleep(gap.min(until.saturating_duration_since(Instant::now()))).await;
             if Instant::now() >= until {
                 break;
+            }
+            if Instant::now() >= next_operator
+                && let Some(lane) = self.lane.as_mut()
+            {
+                let said = lane.act(&mut self.rng).await;
+                self.event(format!("operator lane: {said}"));
+                next_operator =
+                    Instant::now() + Duration::from_secs(self.rng.range(every / 2, every * 3 / 2));
+                continue;
             }
             if Instant::now() >= next_job {
                 self.job().await;
@@ -589,6 +631,7 @@ impl Run<'_> {
                 &mut self.rng,
                 self.world.specs.len(),
                 !self.mounts.is_empty(),
+                self.clock_dir.is_some(),
             );
             let hold = Duration::from_millis(
                 self.rng
@@ -634,6 +677,11 @@ impl Run<'_> {
         self.world.proxy.set(FaultMode::Pass);
         for mount in &self.mounts {
             mount.free();
+        }
+        if self.clock_dir.is_some() {
+            for m in 0..self.world.specs.len() {
+                let _ = std::fs::write(self.clock_file(m), "+0\n");
+            }
         }
         self.members_agree(k).await;
         if self.rng.chance(30) {
@@ -988,10 +1036,10 @@ impl Run<'_> {
             return;
         }
         self.counts.restores += 1;
-        match read_restored(self.profile.release, &target).await {
+        match read_restored(self.profile.release, &target, final_rev).await {
             Ok((revision, contents)) => {
-                if revision != final_rev {
-                    self.violation("restored", format!("hand-off {k}: the destination serves revision {revision}, the final holds {final_rev}"));
+                if revision < final_rev {
+                    self.violation("restored", format!("hand-off {k}: the destination serves revision {revision}, below the final's {final_rev}"));
                 }
                 for f in
                     kvcheck::restored_state(&recorded.ops, &recorded.watches, final_rev, &contents)
@@ -1026,6 +1074,7 @@ fn last_line(s: &str) -> String {
 async fn read_restored(
     release: Release,
     data_dir: &Path,
+    at: i64,
 ) -> Result<(i64, BTreeMap<String, Seen>), String> {
     let tools = etcd_warden::restore::EtcdTools::locate(Some(&release.bin_dir()))
         .await
@@ -1048,7 +1097,12 @@ async fn read_restored(
             .max_decoding_message_size(1 << 30)
             .get(
                 traffic::PREFIX,
-                Some(etcd_client::GetOptions::new().with_prefix()),
+                // At the final's revision: keys on leases expire once it runs, moving it on.
+                Some(
+                    etcd_client::GetOptions::new()
+                        .with_prefix()
+                        .with_revision(at),
+                ),
             )
             .await
             .map_err(|e| e.to_string())?;
@@ -1145,6 +1199,9 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
         extra_buckets: vec![SECONDARY.into(), DEST.into()],
         writer: false,
         data_mounts: (!mounts.is_empty()).then(|| scratch.path().to_path_buf()),
+        clock_dir: Path::new(faultrun::LIBFAKETIME)
+            .exists()
+            .then(|| scratch.path().to_path_buf()),
     };
     // The secondary's endpoint is the S3 server itself (not behind the fault proxy), known once
     // the world runs: the keys are added to the sidecars' before they start.
@@ -1152,6 +1209,7 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
         extra_keys: soak_keys(profile.release, String::new()),
         ..spec
     };
+    let clock_dir = spec.clock_dir.clone();
     let world = match World::start_with(&spec, epoch, |s3_endpoint, keys| {
         for (k, v) in keys.iter_mut() {
             if k == "store.secondary.endpoint" {
@@ -1181,7 +1239,7 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
     };
     let service = world.service.as_ref().expect("service started").endpoint();
     let traffic = Traffic::start(
-        service,
+        traffic::fixed(service),
         seed,
         profile.workers,
         epoch,
@@ -1212,7 +1270,13 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
         fault_windows: Vec::new(),
         wall_epoch,
         destinations: 0,
+        clock_dir,
+        lane: None,
     };
+    match OperatorLane::start(profile.release, seed, epoch).await {
+        Ok(lane) => run.lane = Some(lane),
+        Err(e) => run.violation("setup", format!("the operator lane did not start: {e}")),
+    }
     run.event(format!(
         "soak: profile {} seed {seed:#x} for {duration:?}; disk-full faults: {}",
         profile.name,
@@ -1245,6 +1309,27 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
     let recorded = run.traffic.snapshot();
     for f in kvcheck::check(&recorded.ops, &recorded.watches) {
         run.violation("history", f.to_string());
+    }
+    let mut lane_summary = String::from(" operator=absent");
+    if let Some(mut lane) = run.lane.take() {
+        for v in lane.judge().await {
+            run.violation(v.kind, v.detail);
+        }
+        let r = lane.traffic.snapshot();
+        lane_summary = format!(
+            " operator: replacements={} dead_for_good={} operator_restarts={} writes={} reads={}",
+            lane.replacements,
+            lane.deaths,
+            lane.operator_restarts,
+            r.ops
+                .iter()
+                .filter(|o| o.write_revision().is_some())
+                .count(),
+            r.ops
+                .iter()
+                .filter(|o| matches!(o.ret, kvcheck::Ret::Read { .. }))
+                .count()
+        );
     }
     // Every chain restores: the drill on the primary (the final's chain) and on the secondary.
     let mut drills = vec![("primary", vec!["--restore".to_string()])];
@@ -1309,7 +1394,7 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
         "{} profile={} seed={:#x} {:.1} min: writes={writes} reads={reads} unknown={unknown} \
          watch_events={events} streams={} etcd_compactions={} faults={faults} {:?} handoffs={} \
          settled={} copies={} restores={} restore_disk_full={} reclaims={} compact_jobs={} \
-         drills={} (failed under faults {}) peak_sidecar_rss={} MiB{}",
+         drills={} (failed under faults {}) peak_sidecar_rss={} MiB{lane_summary}{}",
         if run.violations.is_empty() {
             "PASS"
         } else {
@@ -1427,4 +1512,314 @@ async fn write_report(
         let _ = std::fs::copy(p, dir.join(format!("logs/m{m}.etcd.log")));
     }
     dir
+}
+
+/// The operator beside the sidecars' cluster: the local backend (real etcd processes on
+/// loopback, a machine API deleting unhooked machines), its own recorded traffic, and now and
+/// then a machine replaced or a member dead for good and then replaced. Judged by the same
+/// history model, a read of every key at the end, and a quorum watch that reads each member
+/// itself (not the operator's view).
+pub struct OperatorLane {
+    _dir: tempfile::TempDir,
+    pub cluster: Arc<LocalCluster>,
+    pub op: Arc<Operator<LocalCluster>>,
+    cancel: CancellationToken,
+    /// The running operator's own token: cancelling it is the operator process dying.
+    op_run: CancellationToken,
+    pub traffic: Traffic,
+    /// (time, healthy voters, voters) whenever either changed.
+    pub quorum: Arc<Mutex<Vec<(Duration, usize, usize)>>>,
+    pub replacements: u32,
+    pub deaths: u32,
+    pub operator_restarts: u32,
+}
+
+use etcd_warden::operator::local::{LocalCluster, LocalOptions};
+use etcd_warden::operator::quorum::execute::{Operator, Timing};
+use etcd_warden::operator::quorum::plan::{Condition, Replacement, Spec};
+
+impl OperatorLane {
+    pub async fn start(
+        release: Release,
+        seed: u64,
+        epoch: Instant,
+    ) -> Result<OperatorLane, String> {
+        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let cluster = LocalCluster::start(LocalOptions {
+            members: 3,
+            dir: dir.path().join("cluster"),
+            etcd: release.bin("etcd"),
+            no_fsync: true,
+            set: None,
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+        cluster
+            .wait_ready(Duration::from_secs(30))
+            .await
+            .map_err(|e| e.to_string())?;
+        let cancel = CancellationToken::new();
+        tokio::spawn(Arc::clone(&cluster).run_machine_api(cancel.child_token()));
+        let op = new_operator(&cluster);
+        let op_run = cancel.child_token();
+        {
+            let (op, c) = (Arc::clone(&op), op_run.clone());
+            tokio::spawn(async move { op.run(c).await });
+        }
+        let urls = {
+            let c = Arc::clone(&cluster);
+            Arc::new(move || c.client_urls()) as traffic::Endpoints
+        };
+        let traffic = Traffic::start(urls, seed ^ 0x0e7a, 1, epoch, Duration::from_secs(60));
+        let quorum = Arc::new(Mutex::new(Vec::new()));
+        tokio::spawn(watch_quorum(
+            Arc::clone(&cluster),
+            epoch,
+            quorum.clone(),
+            cancel.child_token(),
+        ));
+        Ok(OperatorLane {
+            _dir: dir,
+            cluster,
+            op,
+            cancel,
+            traffic,
+            quorum,
+            replacements: 0,
+            deaths: 0,
+            operator_restarts: 0,
+            op_run,
+        })
+    }
+
+    /// The operator dies wherever it is (its task cancelled mid-step) and a new one starts after
+    /// `down`, knowing only what the cluster and the machines say.
+    async fn restart_operator(&mut self, down: Duration) {
+        self.op_run.cancel();
+        tokio::time::sleep(down).await;
+        self.op = new_operator(&self.cluster);
+        self.op_run = self.cancel.child_token();
+        let (op, c) = (Arc::clone(&self.op), self.op_run.clone());
+        tokio::spawn(async move { op.run(c).await });
+        self.operator_restarts += 1;
+    }
+
+    fn settled(&self) -> bool {
+        matches!(self.op.status().condition, Some(Condition::Settled))
+    }
+
+    /// Replaces a machine (a rolling replacement) or kills one's etcd for good and then replaces
+    /// it, when the operator is settled; what it did, for the event log.
+    pub async fn act(&mut self, rng: &mut SplitMix64) -> String {
+        if !self.settled() {
+            return format!(
+                "operator not settled ({:?}): nothing asked",
+                self.op.status().condition
+            );
+        }
+        let machines: Vec<_> = self
+            .cluster
+            .machines()
+            .into_iter()
+            .filter(|m| !m.deleting && m.pid.is_some())
+            .collect();
+        if machines.is_empty() {
+            return "no running machine".into();
+        }
+        let m = &machines[rng.range(0, machines.len() as u64 - 1) as usize];
+        let mut said = String::new();
+        if rng.chance(40)
+            && let Some(pid) = m.pid
+        {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), Signal::SIGKILL);
+            self.deaths += 1;
+            let _ = write!(said, "{}'s etcd killed for good; ", m.name);
+            tokio::time::sleep(Duration::from_millis(rng.range(1000, 5000))).await;
+        }
+        match self.cluster.replace_machine(&m.name) {
+            Ok(new) => {
+                self.replacements += 1;
+                let _ = write!(said, "{} replaced by {new}", m.name);
+            }
+            Err(e) => {
+                let _ = write!(said, "replacing {} refused: {e}", m.name);
+            }
+        }
+        if rng.chance(35) {
+            // Mid-replacement: the operator dies and another takes over.
+            tokio::time::sleep(Duration::from_millis(rng.range(200, 3000))).await;
+            let down = Duration::from_millis(rng.range(100, 3000));
+            self.restart_operator(down).await;
+            let _ = write!(
+                said,
+                "; the operator killed mid-replacement, back after {down:?}"
+            );
+        }
+        said
+    }
+
+    /// The lane's findings: its history, every key read back at the end, quorum.
+    pub async fn judge(&mut self) -> Vec<Violation> {
+        let mut out = Vec::new();
+        let settled = super::eventually(Duration::from_secs(90), || async { self.settled() }).await;
+        if !settled {
+            out.push(Violation {
+                kind: "operator-unsettled",
+                detail: format!(
+                    "the operator did not settle within 90 s of the run's end: {:?}",
+                    self.op.status().condition
+                ),
+            });
+        }
+        self.traffic.stop().await;
+        self.cancel.cancel();
+        let recorded = self.traffic.snapshot();
+        for f in kvcheck::check(&recorded.ops, &recorded.watches) {
+            out.push(Violation {
+                kind: "operator-history",
+                detail: f.to_string(),
+            });
+        }
+        match read_cluster(&self.cluster.client_urls()).await {
+            Ok((revision, contents)) => {
+                for f in
+                    kvcheck::restored_state(&recorded.ops, &recorded.watches, revision, &contents)
+                {
+                    out.push(Violation {
+                        kind: "operator-lost-write",
+                        detail: f.to_string(),
+                    });
+                }
+            }
+            Err(e) => out.push(Violation {
+                kind: "operator-lost-write",
+                detail: format!("the cluster could not be read at the end: {e}"),
+            }),
+        }
+        // Quorum: below a majority of the voters for more than 5 s (an election or a member
+        // restarting takes less) while the nemesis had at most one member dead.
+        let samples = self
+            .quorum
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let mut below: Option<Duration> = None;
+        for (t, healthy, voters) in &samples {
+            let lost = *healthy < voters / 2 + 1;
+            match (lost, below) {
+                (true, None) => below = Some(*t),
+                (false, Some(from)) => {
+                    if *t - from > Duration::from_secs(5) {
+                        out.push(Violation {
+                            kind: "quorum-lost",
+                            detail: format!(
+                                "{:.1}s..{:.1}s: fewer healthy voters than a majority",
+                                from.as_secs_f64(),
+                                t.as_secs_f64()
+                            ),
+                        });
+                    }
+                    below = None;
+                }
+                _ => {}
+            }
+        }
+        out
+    }
+}
+
+fn new_operator(cluster: &Arc<LocalCluster>) -> Arc<Operator<LocalCluster>> {
+    Arc::new(Operator::new(
+        Spec {
+            desired_voters: 3,
+            replacement: Replacement::OnDeletion,
+        },
+        Arc::clone(cluster),
+        cluster.client_urls(),
+        Timing {
+            interval: Duration::from_millis(200),
+            min_backoff: Duration::from_millis(200),
+            max_backoff: Duration::from_secs(2),
+            request_timeout: Duration::from_secs(2),
+        },
+    ))
+}
+
+/// Samples the lane's members every 250 ms: healthy voters (a member that answers with a leader
+/// and is not a learner) and voters (from the member list).
+async fn watch_quorum(
+    cluster: Arc<LocalCluster>,
+    epoch: Instant,
+    out: Arc<Mutex<Vec<(Duration, usize, usize)>>>,
+    stop: CancellationToken,
+) {
+    let mut last = None;
+    while !stop.is_cancelled() {
+        let mut healthy = 0;
+        let mut voters = None;
+        for url in cluster.client_urls() {
+            let Ok(mut c) = super::writer::connect(&url).await else {
+                continue;
+            };
+            let status = tokio::time::timeout(Duration::from_millis(800), c.status()).await;
+            if let Ok(Ok(s)) = status
+                && s.leader() != 0
+                && !s.is_learner()
+            {
+                healthy += 1;
+            }
+            if voters.is_none()
+                && let Ok(Ok(list)) =
+                    tokio::time::timeout(Duration::from_millis(800), c.member_list()).await
+            {
+                voters = Some(list.members().iter().filter(|m| !m.is_learner()).count());
+            }
+        }
+        if let Some(v) = voters
+            && last != Some((healthy, v))
+        {
+            last = Some((healthy, v));
+            out.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((epoch.elapsed(), healthy, v));
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_millis(250)) => {}
+        }
+    }
+}
+
+/// Every traffic key of a running cluster, read linearizably: (revision, contents).
+async fn read_cluster(urls: &[String]) -> Result<(i64, BTreeMap<String, Seen>), String> {
+    let client = etcd_client::Client::connect(urls, None)
+        .await
+        .map_err(|e| e.to_string())?;
+    let r = client
+        .kv_client()
+        .max_decoding_message_size(1 << 30)
+        .get(
+            traffic::PREFIX,
+            Some(etcd_client::GetOptions::new().with_prefix()),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    let revision = r.header().map_or(0, |h| h.revision());
+    Ok((revision, contents_of(r.kvs())))
+}
+
+fn contents_of(kvs: &[etcd_client::KeyValue]) -> BTreeMap<String, Seen> {
+    kvs.iter()
+        .map(|kv| {
+            (
+                String::from_utf8_lossy(kv.key()).into_owned(),
+                Seen {
+                    id: kvcheck::id_of(kv.value()).unwrap_or_else(|| {
+                        format!("<not a traffic value, {} bytes>", kv.value().len())
+                    }),
+                    mod_revision: kv.mod_revision(),
+                },
+            )
+        })
+        .collect()
 }

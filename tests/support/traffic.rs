@@ -36,6 +36,29 @@ struct Log {
     errors: Vec<(Duration, String)>,
 }
 
+/// Where the traffic connects: asked again at every connection (a cluster whose members the
+/// operator replaces has new URLs).
+pub type Endpoints = Arc<dyn Fn() -> Vec<String> + Send + Sync>;
+
+/// Endpoints that never change (a Service).
+pub fn fixed(endpoint: String) -> Endpoints {
+    Arc::new(move || vec![endpoint.clone()])
+}
+
+/// A client for the current endpoints, as the writers connect (500 ms to connect, 2 s a
+/// request, the whole attempt within 2 s).
+async fn connect(endpoints: &Endpoints) -> Result<Client, String> {
+    let urls = endpoints();
+    let options = etcd_client::ConnectOptions::new()
+        .with_connect_timeout(Duration::from_millis(500))
+        .with_timeout(Duration::from_secs(2));
+    match tokio::time::timeout(Duration::from_secs(2), Client::connect(urls, Some(options))).await {
+        Ok(Ok(c)) => Ok(c),
+        Ok(Err(e)) => Err(format!("connect: {e}")),
+        Err(_) => Err("connect: timed out".into()),
+    }
+}
+
 /// Running traffic; stops on [`Traffic::stop`] or drop.
 pub struct Traffic {
     log: Arc<Mutex<Log>>,
@@ -57,7 +80,7 @@ impl Traffic {
     /// Starts `workers` workers, a watcher and a compactor (every `compact_every`, to the
     /// revision seen that long before) against `endpoint`; times from `epoch`.
     pub fn start(
-        endpoint: String,
+        endpoints: Endpoints,
         seed: u64,
         workers: u32,
         epoch: Instant,
@@ -70,7 +93,7 @@ impl Traffic {
         let mut tasks = Vec::new();
         for w in 0..workers {
             tasks.push(tokio::spawn(worker(
-                endpoint.clone(),
+                endpoints.clone(),
                 w,
                 SplitMix64::new(seed ^ (0x5eed_0000 + w as u64)),
                 epoch,
@@ -81,13 +104,13 @@ impl Traffic {
             )));
         }
         tasks.push(tokio::spawn(watcher(
-            endpoint.clone(),
+            endpoints.clone(),
             epoch,
             log.clone(),
             stop.clone(),
         )));
         tasks.push(tokio::spawn(compactor(
-            endpoint,
+            endpoints,
             epoch,
             compact_every,
             log.clone(),
@@ -123,7 +146,7 @@ impl Traffic {
         }
     }
 
-    /// Stops every task (an operation in flight is abandoned, not recorded).
+    /// Stops every task (a write in flight is recorded with no answer: it may be applied).
     pub async fn stop(&mut self) {
         self.stop.cancel();
         for t in self.tasks.drain(..) {
@@ -156,7 +179,7 @@ fn value_len(rng: &mut SplitMix64) -> usize {
 
 #[allow(clippy::too_many_arguments)]
 async fn worker(
-    endpoint: String,
+    endpoints: Endpoints,
     w: u32,
     mut rng: SplitMix64,
     epoch: Instant,
@@ -174,7 +197,7 @@ async fn worker(
     let mut last_mod: std::collections::HashMap<String, i64> = Default::default();
     while !stop.is_cancelled() {
         if client.is_none() {
-            match super::writer::connect(&endpoint).await {
+            match connect(&endpoints).await {
                 Ok(c) => client = Some(c),
                 Err(e) => {
                     note_error(&log, epoch, format!("w{w}: {e}"));
@@ -227,7 +250,19 @@ async fn worker(
         };
         let invoked = epoch.elapsed();
         let answer = tokio::select! {
-            _ = stop.cancelled() => return,
+            _ = stop.cancelled() => {
+                // Abandoned in flight: it may still be applied, so it stays in the history.
+                if !matches!(call, Call::Get { .. }) {
+                    log.lock().unwrap_or_else(|e| e.into_inner()).ops.push(Op {
+                        worker: w,
+                        call,
+                        invoked,
+                        completed: epoch.elapsed(),
+                        ret: Ret::Unknown,
+                    });
+                }
+                return;
+            }
             a = tokio::time::timeout(Duration::from_secs(5), perform(c, &call, len)) => a,
         };
         let ret = match answer {
@@ -334,10 +369,15 @@ async fn pause(stop: &CancellationToken, ms: u64) {
 /// (error, lost connection) is followed by one from the revision after its last progress; a
 /// stream whose start was compacted away is recorded as such and the next starts at the
 /// compacted revision.
-async fn watcher(endpoint: String, epoch: Instant, log: Arc<Mutex<Log>>, stop: CancellationToken) {
+async fn watcher(
+    endpoints: Endpoints,
+    epoch: Instant,
+    log: Arc<Mutex<Log>>,
+    stop: CancellationToken,
+) {
     let mut next: i64 = 0;
     while !stop.is_cancelled() {
-        let Ok(mut client) = super::writer::connect(&endpoint).await else {
+        let Ok(mut client) = connect(&endpoints).await else {
             pause(&stop, 200).await;
             continue;
         };
@@ -428,7 +468,7 @@ async fn watcher(endpoint: String, epoch: Instant, log: Arc<Mutex<Log>>, stop: C
 /// Every `every`, compacts etcd to the revision it saw `every` before (kube-apiserver compacts
 /// every 5 minutes the same way), recording each compaction.
 async fn compactor(
-    endpoint: String,
+    endpoints: Endpoints,
     epoch: Instant,
     every: Duration,
     log: Arc<Mutex<Log>>,
@@ -440,7 +480,7 @@ async fn compactor(
             _ = stop.cancelled() => return,
             _ = tokio::time::sleep(every) => {}
         }
-        let Ok(mut client) = super::writer::connect(&endpoint).await else {
+        let Ok(mut client) = connect(&endpoints).await else {
             continue;
         };
         let Ok(r) = client.get("/", Some(GetOptions::new().with_limit(1))).await else {
