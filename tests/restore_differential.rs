@@ -141,6 +141,7 @@ struct Features {
     big_values: usize,
     long_keys: usize,
     past: bool,
+    bulk: bool,
 }
 
 /// The writer of one history: its random choices, the source and what it knows of it.
@@ -268,6 +269,27 @@ impl Gen {
                     self.features.lease_expired = true;
                 }
             }
+        }
+    }
+
+    /// Hundreds of small puts under one prefix, many to a bbolt page (the trees get branch
+    /// pages), and sometimes a range delete of an earlier batch.
+    async fn bulk(&mut self, batch: u64) {
+        self.features.bulk = true;
+        for i in 0..self.rng.range(100, 600) {
+            let v = vec![b'v'; self.rng.range(0, 120) as usize];
+            self.client
+                .put(format!("/bulk/{batch}/{i:04}"), v, None)
+                .await
+                .expect("bulk put");
+        }
+        if batch > 0 && self.rng.chance(50) {
+            let opts = DeleteOptions::new().with_prefix();
+            let other = self.rng.range(0, batch - 1);
+            self.client
+                .delete(format!("/bulk/{other}/"), Some(opts))
+                .await
+                .expect("delete a batch");
         }
     }
 
@@ -495,6 +517,9 @@ async fn write_history(release: Release, seed: u64, dir: &Path, store: &Snapshot
     for _ in 0..g.rng.range(3, 25) {
         g.op().await;
     }
+    if g.rng.chance(10) {
+        g.bulk(0).await;
+    }
     if g.rng.chance(30) {
         g.auth().await;
     }
@@ -523,6 +548,9 @@ async fn write_history(release: Release, seed: u64, dir: &Path, store: &Snapshot
             }
             g.op().await;
         }
+        if g.rng.chance(8) {
+            g.bulk(segment + 1).await;
+        }
         if segment == mid_segment && mid.is_none() {
             mid = Some(g.save(release, dir.join("mid.db")).await);
         }
@@ -547,7 +575,7 @@ async fn write_history(release: Release, seed: u64, dir: &Path, store: &Snapshot
         }
         // Another full snapshot, only at a new revision: two at one revision could hold
         // different leases (a grant moves no revision) and either may be chosen.
-        if segment + 1 < segments && g.rng.chance(35) && now > last_full {
+        if segment + 1 < segments && g.rng.chance(50) && now > last_full {
             let full = take(&mut g, store).await;
             writer.rebase(full.revision);
             last_full = full.revision;
@@ -1120,8 +1148,8 @@ struct Totals {
     /// Histories with: users and roles, auth enabled, a compaction before the first full
     /// snapshot, one after, more than one full snapshot, an expired lease, a revoked lease, a
     /// put on a lease, a transaction, a range delete, a value of 1 MB or more, a key larger
-    /// than a page, a restore compared with `get --rev`.
-    with: [usize; 13],
+    /// than a page, a restore compared with `get --rev`, a batch of hundreds of keys.
+    with: [usize; 14],
     fulls: usize,
     deltas: usize,
 }
@@ -1148,6 +1176,13 @@ async fn run(release: Release, seeds: Vec<u64>, parallel: usize) -> Totals {
             Ok(o) => {
                 totals.ops += o.ops;
                 let f = o.features;
+                println!(
+                    "etcd {} seed {seed:#x}: {} ops, revision {}, {} differences, {f:?}",
+                    release_name(release),
+                    o.ops,
+                    o.revision,
+                    o.differences.len()
+                );
                 let flags = [
                     f.auth_store,
                     f.auth_enabled,
@@ -1162,6 +1197,7 @@ async fn run(release: Release, seeds: Vec<u64>, parallel: usize) -> Totals {
                     f.big_values > 0,
                     f.long_keys > 0,
                     f.past,
+                    f.bulk,
                 ];
                 for (n, on) in totals.with.iter_mut().zip(flags) {
                     *n += on as usize;
@@ -1257,6 +1293,7 @@ async fn many_histories() {
             "a value of 1 MB or more",
             "a key larger than a page",
             "a get --rev comparison",
+            "hundreds of keys in a batch",
         ];
         let with: Vec<String> = names
             .iter()
