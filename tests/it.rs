@@ -43,6 +43,7 @@ mod quorum_restore;
 mod rejoin;
 mod restore;
 mod restore_datadir;
+mod restore_differential;
 mod restore_drill;
 mod restore_member_dir;
 mod restore_point_in_time;
