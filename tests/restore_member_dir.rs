@@ -156,7 +156,7 @@ async fn restored_both_ways_are_equal(release: Release) {
 
         let tool = dir.path().join(format!("tool-{}.etcd", p.name));
         let (bin, api) = match release {
-            Release::V35 => (release.bin("etcdutl"), None),
+            Release::V35 | Release::V36 => (release.bin("etcdutl"), None),
             Release::V34 => (release.bin("etcdctl"), Some(("ETCDCTL_API", "3"))),
         };
         let mut cmd = std::process::Command::new(bin);
