@@ -323,6 +323,53 @@ async fn the_etcd_3_6_fixtures_restore_and_start_on_etcd_3_6() {
     member.terminate().await;
 }
 
+/// A distroless etcd image (MicroShift's too) has no `etcdutl`: with `etcd` alone in the
+/// directory, a restore that writes the member directory itself succeeds, and only the step
+/// that would run the tool fails, naming it.
+async fn restores_without_etcdutl(release: Release) {
+    let want = expected();
+    let dir = tempfile::tempdir().unwrap();
+    let bin = dir.path().join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    // A copy: the tools are also looked for beside a symbolic link's target.
+    std::fs::copy(release.bin("etcd"), bin.join("etcd")).unwrap();
+    let store = copy_store(&dir.path().join("store"));
+    let target = dir.path().join("restored.etcd");
+    let mut opts = options(&target, release);
+    opts.etcd_bin = Some(bin.clone());
+    let report = etcd_warden::restore::restore(&store, &opts)
+        .await
+        .unwrap_or_else(|e| panic!("a restore with etcd alone: {e}"));
+    assert_eq!(report.revision, want.final_revision);
+    assert!(as_json(&live_keys(&target.join("member/snap/db"))) == want.at_final);
+
+    let tools = EtcdTools::locate(Some(&bin)).await.unwrap();
+    assert_eq!(tools.restorer, None);
+    let e = tools
+        .restore_db(
+            &dir.path().join("nothing.db"),
+            etcd_warden::restore::DbHash::Appended,
+            &dir.path().join("other.etcd"),
+            &MemberParams::default(),
+        )
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("no etcdutl beside"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_3_5_alone_restores_without_etcdutl() {
+    restores_without_etcdutl(Release::V35).await;
+}
+
+/// Needs `$ETCD36_BIN_DIR` (skipped without it, as in CI).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_3_6_alone_restores_without_etcdutl() {
+    if let Some(release) = Release::v36("etcd_3_6_alone_restores_without_etcdutl") {
+        restores_without_etcdutl(release).await;
+    }
+}
+
 /// The member name the fixture's data directory was written under.
 const FIXTURE_MEMBER: &str = "m36";
 
