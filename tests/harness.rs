@@ -127,6 +127,14 @@ async fn etcd_34_three_member_cluster_put_get() {
     three_member_put_get(Release::V34).await;
 }
 
+/// Needs `$ETCD36_BIN_DIR` (skipped without it, as in CI).
+#[tokio::test]
+async fn etcd_36_three_member_cluster_put_get() {
+    if let Some(release) = Release::v36("etcd_36_three_member_cluster_put_get") {
+        three_member_put_get(release).await;
+    }
+}
+
 #[tokio::test]
 async fn etcd_member_restarts_on_its_data() {
     let mut cluster = EtcdCluster::single(Release::V35).await;

@@ -19,6 +19,7 @@ mod copy;
 mod defrag;
 mod dns_harness;
 mod encryption;
+mod etcd36;
 mod etcdbrctl;
 mod fault_schedules;
 mod harness;

@@ -234,6 +234,14 @@ async fn three_members_two_lost_etcd_34() {
     three_members_two_lost(Release::V34).await;
 }
 
+/// Needs `$ETCD36_BIN_DIR` (skipped without it, as in CI).
+#[tokio::test(flavor = "multi_thread")]
+async fn three_members_two_lost_etcd_36() {
+    if let Some(release) = Release::v36("three_members_two_lost_etcd_36") {
+        three_members_two_lost(release).await;
+    }
+}
+
 /// Five members, three lost: one survivor stopped early (stale), the leader later (fresh).
 /// quorum-restore on the stale one's directory with the fresh one's as another survivor
 /// chooses the fresher and rebuilds it as the stale member (its name and peer URL), with a

@@ -1,5 +1,5 @@
 //! The member directory restore writes itself (`restore::member_dir`) against the one etcd's own
-//! tool writes (`etcdutl snapshot restore` 3.5, `etcdctl snapshot restore` 3.4) from the same
+//! tool writes (`etcdutl snapshot restore` 3.5 and 3.6, `etcdctl snapshot restore` 3.4) from the same
 //! full snapshot, for each member of a three-member cluster: the WAL and the `.snap` file byte
 //! for byte, every key of every bucket of the database, and then the two clusters started, which
 //! must serve the same keys at the same revision with the same members and cluster id.
@@ -156,7 +156,7 @@ async fn restored_both_ways_are_equal(release: Release) {
 
         let tool = dir.path().join(format!("tool-{}.etcd", p.name));
         let (bin, api) = match release {
-            Release::V35 => (release.bin("etcdutl"), None),
+            Release::V35 | Release::V36 => (release.bin("etcdutl"), None),
             Release::V34 => (release.bin("etcdctl"), Some(("ETCDCTL_API", "3"))),
         };
         let mut cmd = std::process::Command::new(bin);
@@ -196,13 +196,18 @@ async fn restored_both_ways_are_equal(release: Release) {
             std::fs::read(tool.join(wal)).unwrap(),
         );
         assert!(a == b, "{}: the WAL differs", p.name);
+        // 3.6's tool adds the members to the `.snap`'s v2 store in Go's map order, so two of
+        // its own runs differ there: the file's name and size are compared above, the
+        // membership 3.6 reads is the database's, compared below.
         let snap = "member/snap/0000000000000001-0000000000000003.snap";
-        assert_eq!(
-            std::fs::read(mine.join(snap)).unwrap(),
-            std::fs::read(tool.join(snap)).unwrap(),
-            "{}: the .snap file differs",
-            p.name
-        );
+        if release != Release::V36 {
+            assert_eq!(
+                std::fs::read(mine.join(snap)).unwrap(),
+                std::fs::read(tool.join(snap)).unwrap(),
+                "{}: the .snap file differs",
+                p.name
+            );
+        }
         // The database's pages differ; its contents must not. Both pass the consistency check
         // `bbolt check` makes (each page used by one tree or free, never both): etcd's tool's
         // result shows the check accepts what bbolt itself writes, ours that the snapshot
@@ -256,4 +261,13 @@ async fn the_member_directory_is_etcd_3_5s_own() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_member_directory_is_etcd_3_4s_own() {
     restored_both_ways_are_equal(Release::V34).await;
+}
+
+/// Needs `$ETCD36_BIN_DIR` (skipped without it, as in CI): 3.6's `etcdutl` against the 3.5
+/// layout restore writes for 3.6.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_member_directory_is_etcd_3_6s_own() {
+    if let Some(release) = Release::v36("the_member_directory_is_etcd_3_6s_own") {
+        restored_both_ways_are_equal(release).await;
+    }
 }

@@ -290,6 +290,15 @@ async fn a_bumped_restore_is_compacted_past_the_source_on_etcd_3_5_and_3_4() {
     }
 }
 
+/// Needs `$ETCD36_BIN_DIR` (skipped without it, as in CI).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bumped_restore_is_compacted_past_the_source_on_etcd_3_6() {
+    if let Some(release) = Release::v36("a_bumped_restore_is_compacted_past_the_source_on_etcd_3_6")
+    {
+        a_bumped_restore_is_compacted_past_the_source(release).await;
+    }
+}
+
 /// The binary: `restore --help` lists the new flags, `--mark-compacted` without a bump is bad
 /// configuration naming the key (64), a time that is not RFC 3339 is refused naming the flag,
 /// and `--to-revision` with `--bump-revision` restores and says where etcd starts.

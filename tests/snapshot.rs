@@ -29,6 +29,14 @@ async fn full_snapshot_is_a_valid_etcd_3_4_snapshot() {
     full_snapshot_is_valid(Release::V34).await;
 }
 
+/// Needs `$ETCD36_BIN_DIR` (skipped without it, as in CI).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_snapshot_is_a_valid_etcd_3_6_snapshot() {
+    if let Some(release) = Release::v36("full_snapshot_is_a_valid_etcd_3_6_snapshot") {
+        full_snapshot_is_valid(release).await;
+    }
+}
+
 /// A full snapshot that must hold exactly `revision`.
 async fn exactly(
     client: &etcd_client::Client,
@@ -87,7 +95,7 @@ async fn full_snapshot_is_valid(release: Release) {
         std::fs::write(&file, &db).unwrap();
         // etcd 3.4 has no etcdutl; its etcdctl restores (and checks the hash) the same way.
         let tool = match release {
-            Release::V35 => release.bin("etcdutl"),
+            Release::V35 | Release::V36 => release.bin("etcdutl"),
             Release::V34 => release.bin("etcdctl"),
         };
         support::cli::succeeds(

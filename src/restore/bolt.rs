@@ -7,7 +7,7 @@
 //! page (copy on write), the pages they replace become free, and a new meta page, written last,
 //! makes the change the current state. A restore patches the fetched snapshot so that the
 //! database is written once, not fetched and then rewritten. Pages are bbolt's format version 2
-//! (etcd 3.4 and 3.5):
+//! (etcd 3.4 to 3.6):
 //!
 //! - every page starts with a 16-byte header: id `u64`, flags `u16` (branch 0x01, leaf 0x02,
 //!   meta 0x04, freelist 0x10), element count `u16`, overflow `u32` (pages that follow this one

@@ -206,7 +206,8 @@ fn hex(b: &[u8]) -> String {
 }
 
 /// A record of the `key` bucket: the key is (main `u64` BE, `_`, sub `u64` BE, optional `t`),
-/// the value a `mvccpb.KeyValue` with a key and, unless a tombstone, this main revision.
+/// the value a `mvccpb.KeyValue` with a key and, unless a tombstone, this main revision; or
+/// nothing, a revision bump's record.
 fn revision_record(key: &[u8], value: &[u8]) -> Result<(), String> {
     let tombstone = match key.len() {
         17 => false,
@@ -217,6 +218,12 @@ fn revision_record(key: &[u8], value: &[u8]) -> Result<(), String> {
         return Err("not a revision key".into());
     }
     let main = i64::from_be_bytes(key[..8].try_into().map_err(|_| "short key")?);
+    // A revision bump's record: no value at all, at sub revision 0, as etcd's own
+    // `--bump-revision` writes it (and this crate's restore, after etcd) so that etcd starts at
+    // that revision; it stays until a compaction passes it.
+    if value.is_empty() && !tombstone && key[9..17] == [0; 8] {
+        return Ok(());
+    }
     let (kv_key, mod_revision) = key_value(value)?;
     if kv_key.is_empty() {
         return Err("a value without a key".into());
@@ -396,6 +403,41 @@ mod tests {
         }
     }
 
+    /// `etcdutl snapshot restore --bump-revision` and this crate's bump end the `key` bucket
+    /// with an empty record: etcd starts at its revision, and full validation must accept it
+    /// (it took every bumped restore for corrupt).
+    #[test]
+    fn a_bumped_database_is_valid_in_full_at_the_bumped_revision() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = data_dir(dir.path(), 50);
+        std::fs::remove_file(&db).unwrap();
+        let mut w = Writer::create(&db, 4096).unwrap();
+        let mut key = w.tree();
+        for rev in 2..=51 {
+            key.push(
+                &revision_key(rev, 0, false),
+                &encode_kv(b"k", 2, rev, rev - 1, b"v"),
+            )
+            .unwrap();
+        }
+        key.push(&revision_key(1051, 0, false), b"").unwrap();
+        let mut roots = vec![(KEY_BUCKET.to_vec(), key.finish().unwrap(), 0)];
+        let mut meta = w.tree();
+        meta.push(b"consistent_index", &7u64.to_be_bytes()).unwrap();
+        roots.push((META_BUCKET.to_vec(), meta.finish().unwrap(), 0));
+        w.finish(&roots, 1).unwrap();
+        for mode in [Validation::Sanity, Validation::Full] {
+            assert_eq!(
+                check(dir.path(), mode),
+                DataDir::Valid {
+                    revision: 1051,
+                    wal_ahead: 0
+                },
+                "{mode:?}"
+            );
+        }
+    }
+
     #[test]
     fn a_record_whose_value_disagrees_with_its_key_is_corrupt_in_full() {
         assert!(
@@ -409,6 +451,10 @@ mod tests {
             revision_record(&revision_key(5, 0, false), &encode_kv(b"", 5, 5, 1, b"v")).is_err()
         );
         assert!(revision_record(b"short", &encode_kv(b"k", 5, 5, 1, b"v")).is_err());
+        // A bump's empty record is etcd's own, at sub revision 0 only and never a tombstone.
+        assert!(revision_record(&revision_key(1005, 0, false), b"").is_ok());
+        assert!(revision_record(&revision_key(1005, 1, false), b"").is_err());
+        assert!(revision_record(&revision_key(1005, 0, true), b"").is_err());
         assert!(revision_record(&revision_key(5, 0, false), &[0x0a, 0x05, b'k']).is_err());
     }
 }

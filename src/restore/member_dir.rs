@@ -1,6 +1,6 @@
-//! The member directory `etcdutl snapshot restore` (3.5) and `etcdctl snapshot restore` (3.4)
-//! write, written here without them: the WAL, the `.snap` file and what the database must say
-//! about the new cluster.
+//! The member directory `etcdutl snapshot restore` (3.5, and 3.6: see [`Release::of`]) and
+//! `etcdctl snapshot restore` (3.4) write, written here without them: the WAL, the `.snap` file
+//! and what the database must say about the new cluster.
 //!
 //! Both tools do the same thing for a new cluster of `n` members (ids from the initial cluster
 //! and token, see [`Cluster`]):
@@ -55,12 +55,18 @@ pub enum Release {
 }
 
 impl Release {
-    /// The layout for an etcd of this version; `None` for releases whose tool writes something
-    /// else (3.6 onwards), which keep `etcdutl`.
+    /// The layout for an etcd of this version; `None` for releases not checked against their
+    /// tool (3.7 onwards), which keep it.
+    ///
+    /// 3.6 takes 3.5's: `etcdutl snapshot restore` 3.6.5 writes the same WAL and database
+    /// (every bucket, key for key) as 3.5's for the same snapshot and parameters. Its `.snap`
+    /// holds the same v2 store, its members added in Go's map order (so two runs of 3.6's own
+    /// tool differ there); 3.6 reads the membership from the database's `members` bucket and
+    /// keeps the v2 store only for a downgrade to 3.5, which reads it as 3.5's tool writes it.
     pub fn of(version: (u32, u32, u32)) -> Option<Release> {
         match (version.0, version.1) {
             (3, 4) => Some(Release::V34),
-            (3, 5) => Some(Release::V35),
+            (3, 5) | (3, 6) => Some(Release::V35),
             _ => None,
         }
     }

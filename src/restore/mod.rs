@@ -1,15 +1,16 @@
 //! Restore an etcd data directory from a full snapshot and its deltas.
 //!
-//! The full snapshot is fetched and its hash checked; for etcd 3.4 and 3.5 the member directory
-//! is written into `<data-dir>.part` as their own restore tool writes it ([`member_dir`]): the
-//! WAL and `.snap` file, and the database streamed from the snapshot's with the new membership
-//! and the deltas' events written straight into it as the records etcd itself would have
-//! written ([`direct`]); its revision is read back from the file, then the result is synced and
-//! renamed into place. No etcd runs. Other releases (and the fallbacks below) have the release's
-//! own tool restore the written database and a temporary etcd on loopback check its revision.
-//! Deltas that cannot be written directly (puts without their create revision and version) are
-//! replayed through the temporary etcd instead ([`replay`]). Any failure leaves an existing data
-//! directory untouched.
+//! The full snapshot is fetched and its hash checked; for etcd 3.4, 3.5 and 3.6 the member
+//! directory is written into `<data-dir>.part` as their own restore tool writes it
+//! ([`member_dir`]): the WAL and `.snap` file, and the database streamed from the snapshot's
+//! with the new membership and the deltas' events written straight into it as the records etcd
+//! itself would have written ([`direct`]); its revision is read back from the file, then the
+//! result is synced and renamed into place. No etcd runs. Other releases (and the fallbacks
+//! below) have the release's own tool restore the written database and a temporary etcd on
+//! loopback check its revision; only those paths need the tool (`etcdutl`, or 3.4's `etcdctl`)
+//! beside `etcd`. Deltas that cannot be written directly (puts without their create revision
+//! and version) are replayed through the temporary etcd instead ([`replay`]). Any failure
+//! leaves an existing data directory untouched.
 //!
 //! Leases are not restored: puts from deltas carry no lease (as etcd-backup-restore does), so
 //! keys written under a lease after the full snapshot live until deleted.
@@ -18,7 +19,7 @@
 //! before it and the delta events up to it) and may bump the revision past everything the
 //! source served ([`RevisionBump`]), as `etcdutl snapshot restore --bump-revision
 //! --mark-compacted` does, so Kubernetes' watch caches and informers see a compaction instead of
-//! a revision going back. Both work on the database as it is written, for etcd 3.4 and 3.5.
+//! a revision going back. Both work on the database as it is written, for etcd 3.4 to 3.6.
 
 pub mod bolt;
 pub mod datadir;
@@ -613,7 +614,7 @@ async fn build(
     part: &Path,
     work: &Path,
 ) -> Result<Built, RestoreError> {
-    // etcd 3.4 and 3.5: the member directory is written here, as their tools write it
+    // etcd 3.4 to 3.6: the member directory is written here, as their tools write it
     // ([`member_dir`]); other releases keep their own tool and a temporary etcd's check.
     let own = match member_dir::Release::of(tools.binaries.version) {
         Some(release) => {

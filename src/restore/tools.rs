@@ -1,7 +1,8 @@
 //! etcd's own tools, used by restore where it does not write the member directory itself
-//! (releases other than 3.4 and 3.5, the replay fallback): `etcdutl snapshot restore` (3.5+) or
-//! `etcdctl snapshot restore` (3.4), and a temporary etcd on loopback to replay deltas into. Both are found and run
-//! through [`crate::etcd::process`].
+//! (releases other than 3.4 to 3.6, and the replay fallback when deltas cannot be written into
+//! the database directly): `etcdutl snapshot restore` (3.5+) or `etcdctl snapshot restore`
+//! (3.4), and a temporary etcd on loopback to replay deltas into. Both are found and run
+//! through [`crate::etcd::process`]. Only those paths need the tool beside `etcd`.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -10,7 +11,7 @@ use std::time::Duration;
 use tokio::process::Command;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
-use super::RestoreError;
+use super::{RestoreError, member_dir};
 use crate::etcd::process::{EtcdBinaries, EtcdProcess, MemberSpec};
 
 /// Where the etcd binaries are and what they can do.
@@ -18,8 +19,10 @@ use crate::etcd::process::{EtcdBinaries, EtcdProcess, MemberSpec};
 pub struct EtcdTools {
     /// `etcd` and the tools beside it.
     pub binaries: EtcdBinaries,
-    /// The binary that restores a snapshot file into a data directory.
-    pub restorer: Restorer,
+    /// The binary that restores a snapshot file into a data directory: `None` where it is not
+    /// beside `etcd` and the release's member directory is written without it (3.4 to 3.6),
+    /// which then needs it only for the replay fallback ([`EtcdTools::restore_db`] fails there).
+    pub restorer: Option<Restorer>,
 }
 
 /// `etcdutl` (3.5+) or `etcdctl` (3.4, which still restores snapshots itself).
@@ -106,21 +109,30 @@ impl EtcdTools {
             })?
             .map_err(RestoreError::Locate)?;
         let restorer = match (&binaries.etcdutl, &binaries.etcdctl) {
-            (Some(u), _) if binaries.version >= (3, 5, 0) => Restorer::Etcdutl(u.clone()),
-            (_, Some(c)) if binaries.version < (3, 6, 0) => Restorer::Etcdctl(c.clone()),
-            _ => {
-                let tool = if binaries.version >= (3, 5, 0) {
-                    "etcdutl"
-                } else {
-                    "etcdctl"
-                };
-                return Err(RestoreError::NoRestorer {
-                    tool,
-                    etcd: binaries.etcd,
-                });
-            }
+            (Some(u), _) if binaries.version >= (3, 5, 0) => Some(Restorer::Etcdutl(u.clone())),
+            (_, Some(c)) if binaries.version < (3, 6, 0) => Some(Restorer::Etcdctl(c.clone())),
+            _ => None,
         };
-        Ok(EtcdTools { binaries, restorer })
+        let tools = EtcdTools { binaries, restorer };
+        // A distroless etcd image has no etcdutl: where restore writes the member directory
+        // itself, the tool is asked for only by the step that runs it.
+        if tools.restorer.is_none() && member_dir::Release::of(tools.binaries.version).is_none() {
+            return Err(tools.no_restorer());
+        }
+        Ok(tools)
+    }
+
+    /// The error for a missing restore tool: `etcdutl` from 3.5 on, `etcdctl` before.
+    fn no_restorer(&self) -> RestoreError {
+        let tool = if self.binaries.version >= (3, 5, 0) {
+            "etcdutl"
+        } else {
+            "etcdctl"
+        };
+        RestoreError::NoRestorer {
+            tool,
+            etcd: self.binaries.etcd.clone(),
+        }
     }
 
     /// Restores the database file `db` into the new directory `data_dir` with etcd's own tool,
@@ -128,7 +140,11 @@ impl EtcdTools {
     #[tracing::instrument(
         name = "etcd_restore_tool",
         skip_all,
-        fields(tool = self.restorer.name(), data_dir = %data_dir.display(), name = %member.name)
+        fields(
+            tool = self.restorer.as_ref().map_or("none", Restorer::name),
+            data_dir = %data_dir.display(),
+            name = %member.name
+        )
     )]
     pub async fn restore_db(
         &self,
@@ -138,8 +154,9 @@ impl EtcdTools {
         member: &MemberParams,
     ) -> Result<(), RestoreError> {
         let (bin, env_api) = match &self.restorer {
-            Restorer::Etcdutl(p) => (p, None),
-            Restorer::Etcdctl(p) => (p, Some(("ETCDCTL_API", "3"))),
+            Some(Restorer::Etcdutl(p)) => (p, None),
+            Some(Restorer::Etcdctl(p)) => (p, Some(("ETCDCTL_API", "3"))),
+            None => return Err(self.no_restorer()),
         };
         let mut cmd = Command::new(bin);
         cmd.arg("snapshot")
