@@ -633,6 +633,7 @@ mod checker {
             the_final,
             latest_final: latest.is_some_and(|s| Some(s.snap_name.as_str()) == the_final),
             reclaim_at: None,
+            reclaimed_at: None,
             first_finals: &[],
             reclaimed_read_as_final: &[],
             buried: &[],

@@ -474,7 +474,7 @@ async fn etcdctl_save(release: Release, url: &str, file: &Path, auth: bool) {
 /// default (`default`, `http://localhost:2380`, token `etcd-cluster`).
 async fn etcd_restore(release: Release, file: &Path, data_dir: &Path) {
     let tool = match release {
-        Release::V35 => "etcdutl",
+        Release::V35 | Release::V36 => "etcdutl",
         Release::V34 => "etcdctl",
     };
     let out = tokio::process::Command::new(release.bin(tool))
@@ -1126,6 +1126,7 @@ fn release_name(release: Release) -> &'static str {
     match release {
         Release::V35 => "3.5",
         Release::V34 => "3.4",
+        Release::V36 => "3.6",
     }
 }
 

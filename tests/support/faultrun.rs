@@ -1125,6 +1125,7 @@ pub async fn run(schedule: &Schedule) -> Outcome {
             the_final: named.as_deref(),
             latest_final,
             reclaim_at: world.reclaim.at,
+            reclaimed_at: None,
             first_finals: &world.reclaim.first_finals,
             reclaimed_read_as_final: &read_as_final,
             buried: &world.buried,

@@ -384,6 +384,9 @@ pub struct Evidence<'a> {
     pub latest_final: bool,
     /// When `etcd-warden reclaim` undid the first hand-off (`Ending::Reclaim`).
     pub reclaim_at: Option<Duration>,
+    /// When each reclaimed final was reclaimed, for runs that reclaim more than once (the
+    /// robustness harness); a final not named here is judged up to `reclaim_at`.
+    pub reclaimed_at: Option<&'a BTreeMap<String, Duration>>,
     /// The unreclaimed finals in the store just before that reclaim.
     pub first_finals: &'a [String],
     /// `/snapshot/latest` answers (time, member, body) that reported a reclaimed final as final.
@@ -417,7 +420,10 @@ pub fn check(e: &Evidence<'_>) -> (Vec<Violation>, Vec<String>) {
     // acknowledged before the reclaim (writes after it belong to the next hand-off).
     for f in &finals {
         let until = if e.reclaimed.contains(&f.snap_name) {
-            e.reclaim_at.unwrap_or(Duration::MAX)
+            e.reclaimed_at
+                .and_then(|at| at.get(&f.snap_name).copied())
+                .or(e.reclaim_at)
+                .unwrap_or(Duration::MAX)
         } else {
             Duration::MAX
         };

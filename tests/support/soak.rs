@@ -416,6 +416,8 @@ struct Run<'a> {
     /// Where the sidecars' faked clocks are set (None without libfaketime).
     clock_dir: Option<PathBuf>,
     lane: Option<OperatorLane>,
+    /// When each reclaimed final was reclaimed (a run reclaims at every hand-off).
+    reclaimed_at: BTreeMap<String, Duration>,
 }
 
 /// The sidecars' configuration beyond the fault schedules': every feature on.
@@ -781,6 +783,7 @@ impl Run<'_> {
                 the_final: named.as_deref(),
                 latest_final,
                 reclaim_at: self.world.reclaim.at,
+                reclaimed_at: Some(&self.reclaimed_at),
                 first_finals: &[],
                 reclaimed_read_as_final: &read_as_final,
                 buried: &[],
@@ -807,7 +810,13 @@ impl Run<'_> {
             return;
         }
         self.counts.reclaims += 1;
-        if !self.world.reclaim().await {
+        let reclaimed = self.world.reclaim().await;
+        if let Some(at) = self.world.reclaim.at {
+            for name in self.world.objects.reclaimed().await.unwrap_or_default() {
+                self.reclaimed_at.entry(name).or_insert(at);
+            }
+        }
+        if !reclaimed {
             let said = self.world.reclaim.said.clone();
             self.violation(
                 "reclaim-failed",
@@ -1272,6 +1281,7 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
         destinations: 0,
         clock_dir,
         lane: None,
+        reclaimed_at: BTreeMap::new(),
     };
     match OperatorLane::start(profile.release, seed, epoch).await {
         Ok(lane) => run.lane = Some(lane),
