@@ -1109,6 +1109,13 @@ async fn a_quorum_restore_walks_from_waiting_for_the_rebuild_to_done() {
         phase().await.filter(|p| p == "WaitingForRebuild")
     })
     .await;
+    // The status says what the administrator runs, and where.
+    let waiting = api.get(resource::NAME).await.unwrap().status.unwrap();
+    let message = waiting.quorum_restore.unwrap().message.unwrap_or_default();
+    assert!(
+        message.contains("on Machine cp-0") && message.contains("quorum-restore"),
+        "{message}"
+    );
     // Waiting changes nothing: still the old three members, the lost ones unstarted.
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(phase().await.as_deref(), Some("WaitingForRebuild"));
