@@ -1338,18 +1338,29 @@ fn kill_etcd(f: &Fixture, machine: &str) {
     .unwrap();
 }
 
-/// Runs a [`writer`] for `how_long`; its report, checked to hold enough acknowledged writes.
-async fn writes_for(f: &Fixture, how_long: Duration) -> WriterReport {
-    let stop = CancellationToken::new();
-    let writer = tokio::spawn(writer(Arc::clone(&f.cluster), stop.clone()));
-    tokio::time::sleep(how_long).await;
-    stop.cancel();
-    let report = writer.await.unwrap();
-    assert!(
-        report.acked.len() > 20,
-        "writer only got {} acks",
-        report.acked.len()
-    );
+/// Puts `n` keys `w/<stage>-<i>` through whichever member answers, each retried until
+/// acknowledged (within 30 s); returns them.
+async fn put_keys(f: &Fixture, stage: &str, n: usize) -> WriterReport {
+    let mut report = WriterReport::default();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut c: Option<Client> = None;
+    for i in 0..n {
+        let (key, value) = (format!("w/{stage}-{i:04}"), format!("{stage}{i}"));
+        loop {
+            assert!(Instant::now() < deadline, "{key} never acknowledged");
+            if c.is_none() {
+                c = client(&f.cluster.client_urls()).await;
+            }
+            match c.as_mut() {
+                Some(cl) => match cl.put(key.as_str(), value.as_str(), None).await {
+                    Ok(_) => break,
+                    Err(_) => c = None,
+                },
+                None => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+        report.acked.insert(key, value);
+    }
     report
 }
 
@@ -1384,10 +1395,10 @@ async fn quorum_restore_five_freshest() {
     let _task = f.run_until_settled(&op).await;
     let api = serve_api(&f, &op).await;
 
-    let before = writes_for(&f, Duration::from_millis(500)).await;
+    let before = put_keys(&f, "before", 50).await;
     // m1 stops with its data: the staler survivor.
     kill_etcd(&f, "m1");
-    let after = writes_for(&f, Duration::from_millis(800)).await;
+    let after = put_keys(&f, "after", 50).await;
     // Every write applied on m2 (a linearizable read through it): it committed them all.
     let m2 = f.machine("m2").unwrap().client_url;
     let mut c = client(std::slice::from_ref(&m2)).await.unwrap();
