@@ -588,12 +588,21 @@ pub struct RestoreConfig {
 
 /// `etcd-warden quorum-restore`: how long, and how often, a majority of the members must be
 /// seen unreachable before a survivor is rebuilt (`--lost-for`, `--probe-interval`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QuorumRestoreConfig {
     /// How long a majority must stay unreachable (zero: one probe).
     pub lost_for: Duration,
     /// How often the members are probed meanwhile.
     pub probe_interval: Duration,
+    /// `serve` on Kubernetes: this member's Machine. Before etcd starts, a request in the
+    /// `EtcdQuorum` naming it, accepted by the operator, is carried out on `restore.data_dir`.
+    /// `None`: requests are not looked for.
+    pub machine: Option<String>,
+    /// The `EtcdQuorum`'s namespace (the operator's).
+    pub namespace: String,
+    /// A kubeconfig to reach the API server with; `None`: `$KUBECONFIG`, `~/.kube/config`, then
+    /// the pod's service account.
+    pub kubeconfig: Option<PathBuf>,
 }
 
 /// Bounds on what a stored snapshot may decompress to, so a hostile or damaged object (a

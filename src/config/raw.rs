@@ -317,6 +317,11 @@ pub struct RawRestore {
 pub struct RawQuorumRestore {
     pub lost_for: String,
     pub probe_interval: String,
+    #[serde(default)]
+    pub machine: String,
+    pub namespace: String,
+    #[serde(default)]
+    pub kubeconfig: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

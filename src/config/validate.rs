@@ -1015,6 +1015,14 @@ impl Validator<'_> {
             lost_for: self.duration("quorum_restore.lost_for", &q.lost_for)?,
             probe_interval: self
                 .positive_duration("quorum_restore.probe_interval", &q.probe_interval)?,
+            machine: Some(q.machine.trim().to_owned()).filter(|m| !m.is_empty()),
+            namespace: match q.namespace.trim() {
+                "" => return Err(self.err("quorum_restore.namespace", "required value missing")),
+                ns => ns.to_owned(),
+            },
+            kubeconfig: Some(q.kubeconfig.trim())
+                .filter(|p| !p.is_empty())
+                .map(PathBuf::from),
         })
     }
 

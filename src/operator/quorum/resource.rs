@@ -129,15 +129,17 @@ impl QuorumRestoreStatus {
     }
 }
 
-/// What an administrator runs while a request waits for its rebuild: nothing on Kubernetes
-/// runs it on the survivor's node yet, so the status says exactly what to run, and where.
+/// What an administrator does while a request waits for its rebuild, and where: the operator
+/// cannot reach the survivor's data directory; the survivor's sidecar rebuilds it before etcd
+/// starts (`quorum_restore.machine`), so the pod must be restarted, or it is run by hand.
 fn rebuild_step(survivor: &str) -> String {
     let then = "then start etcd again; the operator grows the cluster back with learners \
                 (docs/operations.md \"Quorum loss\")";
     match survivor.parse::<SurvivorChoice>() {
         Ok(SurvivorChoice::Named(m)) => format!(
-            "on Machine {m}: stop etcd, run `etcd-warden quorum-restore --data-dir <etcd's data \
-             directory>` there, {then}"
+            "on Machine {m}: restart its etcd pod (a sidecar with quorum_restore.machine = \
+             {m:?} rebuilds before etcd starts), or stop etcd there, run `etcd-warden \
+             quorum-restore --data-dir <etcd's data directory>` and {then}"
         ),
         _ => format!(
             "the operator cannot read the survivors' data directories: on one surviving \
