@@ -13,6 +13,8 @@ use tokio_util::sync::CancellationToken;
 use crate::config::Config;
 use crate::copy::secondary::{SecondaryMetrics, Sync};
 use crate::health::HealthCheck;
+use crate::operator::quorum::request::RestorePhase;
+use crate::operator::quorum::resource::{EtcdQuorum, NAME as QUORUM_NAME};
 use crate::owner::metrics::OwnerMetrics;
 use crate::owner::production::context;
 use crate::owner::watchdog::{Watchdog, WatchdogConfig, WatchdogStatus};
@@ -307,6 +309,103 @@ fn ended(result: Result<(), tokio::task::JoinError>) -> String {
     }
 }
 
+/// Whether `quorum` asks for this member to be rebuilt now: its spec names `machine` as the
+/// survivor and the operator accepted that request (`WaitingForRebuild` for the same survivor:
+/// quorum was lost when it judged it). Pure.
+pub fn rebuild_requested(quorum: &EtcdQuorum, machine: &str) -> bool {
+    let asked = quorum
+        .spec
+        .quorum_restore
+        .as_ref()
+        .is_some_and(|r| r.survivor == machine);
+    let accepted = quorum
+        .status
+        .as_ref()
+        .and_then(|s| s.quorum_restore.as_ref())
+        .is_some_and(|s| s.survivor == machine && s.phase() == RestorePhase::WaitingForRebuild);
+    asked && accepted
+}
+
+/// Before etcd starts (`quorum_restore.machine` set, not under druid): carries out the
+/// operator's quorum restore request naming this member's Machine on `restore.data_dir`.
+/// Returns whether it rebuilt. Not rebuilding is the safe side, so an unreadable request, a
+/// refusal or a failure is logged and etcd starts on its directory as it was (a refusal and a
+/// failure overwrite nothing); a running etcd makes the rebuild refuse (its lock, its URLs).
+async fn rebuild_if_requested(config: &Config, store: &SnapshotStore) -> bool {
+    use crate::restore::quorum::{QuorumOptions, StoreCheck, quorum_restore};
+    let q = &config.quorum_restore;
+    let Some(machine) = q.machine.as_deref() else {
+        return false;
+    };
+    let read = async {
+        let client = crate::operator::kube::controller::client(q.kubeconfig.as_deref())
+            .await
+            .map_err(|e| e.to_string())?;
+        kube::Api::<EtcdQuorum>::namespaced(client, &q.namespace)
+            .get_opt(QUORUM_NAME)
+            .await
+            .map_err(|e| e.to_string())
+    };
+    let quorum = match read.await {
+        Ok(found) => found,
+        Err(e) => {
+            tracing::error!(error = %e, namespace = %q.namespace, "cannot read the EtcdQuorum for a quorum restore request; starting etcd as it is");
+            return false;
+        }
+    };
+    if !quorum.is_some_and(|found| rebuild_requested(&found, machine)) {
+        tracing::debug!(%machine, "no accepted quorum restore request names this machine");
+        return false;
+    }
+    let Some(data_dir) = config.restore.data_dir.clone() else {
+        tracing::error!(%machine, "a quorum restore is requested for this machine but restore.data_dir is not set; starting etcd as it is");
+        return false;
+    };
+    tracing::warn!(%machine, data_dir = %data_dir.display(), lost_for = ?q.lost_for, "a quorum restore is requested for this machine: rebuilding before etcd starts");
+    let opts = QuorumOptions {
+        data_dir,
+        survivors: Vec::new(),
+        name: None,
+        initial_advertise_peer_urls: None,
+        initial_cluster_token: config.restore.initial_cluster_token.clone(),
+        etcd_bin: config.restore.etcd_bin.clone(),
+        lost_for: q.lost_for,
+        probe_interval: q.probe_interval,
+        bump: crate::restore::RevisionBump {
+            by: config.restore.bump_revision,
+            mark_compacted: config.restore.mark_compacted,
+        },
+        force: false,
+    };
+    let check = StoreCheck {
+        store,
+        location: config.store.location.to_string(),
+        owner_record: config
+            .owner
+            .as_ref()
+            .map_or_else(String::new, |o| o.name.clone()),
+    };
+    match quorum_restore(&opts, Some(check)).await {
+        Ok(report) => {
+            tracing::warn!(
+                %machine,
+                member = %report.chosen_member,
+                committed = report.committed,
+                revision = report.revision,
+                dropped = %report.dropped.join(", "),
+                kept_at = %report.kept_at.display(),
+                store_would_lose = ?report.store_would_lose(),
+                "quorum restored: etcd starts as a one-member cluster; the operator grows it back"
+            );
+            true
+        }
+        Err(e) => {
+            tracing::error!(%machine, error = %e, "the requested quorum restore did not run; nothing changed, etcd starts on its directory as it was");
+            false
+        }
+    }
+}
+
 /// Runs the sidecar until `cancel` fires, then shuts down within [`SHUTDOWN_GRACE`]. A critical
 /// task (the snapshot actor, the ownership watchdog or the readiness loop) that ends or panics
 /// before that turns `/healthz` and `/livez` 503, stops everything and returns
@@ -322,6 +421,11 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
     // A rejoin stops on SIGTERM (its temporary member with it); nothing else has started.
     // Under etcd-druid, etcd-wrapper asks for the initialization over HTTP (crate::druid)
     // before it starts etcd; it does not run here.
+    // First, an operator's quorum restore request naming this member (etcd is not running yet:
+    // it starts after this sidecar answers /livez).
+    if config.druid.is_none() {
+        rebuild_if_requested(&config, &store).await;
+    }
     let initialize_now = config.restore.initialize && config.druid.is_none();
     let rejoined = if initialize_now {
         match crate::restore::rejoin::rejoin_if_lost(
@@ -615,6 +719,46 @@ mod tests {
             Some("critical task ownership watchdog panicked: injected failure")
         );
         critical[0].1.abort();
+    }
+
+    #[test]
+    fn only_an_accepted_request_naming_this_machine_rebuilds() {
+        use crate::operator::quorum::resource::{
+            EtcdQuorumSpec, EtcdQuorumStatus, QuorumRestoreSpec, QuorumRestoreStatus,
+        };
+        let quorum = |asked: Option<&str>, phase: Option<(&str, RestorePhase)>| {
+            let mut q = EtcdQuorum::new(
+                QUORUM_NAME,
+                EtcdQuorumSpec {
+                    quorum_restore: asked.map(|s| QuorumRestoreSpec { survivor: s.into() }),
+                },
+            );
+            q.status = Some(EtcdQuorumStatus {
+                quorum_restore: phase.map(|(s, p)| QuorumRestoreStatus::new(s, &p)),
+                ..EtcdQuorumStatus::default()
+            });
+            q
+        };
+        let waiting = RestorePhase::WaitingForRebuild;
+        assert!(rebuild_requested(
+            &quorum(Some("cp-0"), Some(("cp-0", waiting.clone()))),
+            "cp-0"
+        ));
+        // Another machine; not yet judged; refused; already rebuilt; judged for an older
+        // request; the request withdrawn.
+        for q in [
+            quorum(Some("cp-1"), Some(("cp-1", waiting.clone()))),
+            quorum(Some("cp-0"), None),
+            quorum(
+                Some("cp-0"),
+                Some(("cp-0", RestorePhase::Refused("quorum is not lost".into()))),
+            ),
+            quorum(Some("cp-0"), Some(("cp-0", RestorePhase::GrowingBack))),
+            quorum(Some("cp-0"), Some(("cp-1", waiting.clone()))),
+            quorum(None, Some(("cp-0", waiting.clone()))),
+        ] {
+            assert!(!rebuild_requested(&q, "cp-0"), "{q:?}");
+        }
     }
 
     #[tokio::test]

@@ -1148,3 +1148,46 @@ fn read_limits_default_from_the_delta_memory_limit_and_are_validated() {
         assert_eq!(e.key, key, "{e}");
     }
 }
+
+/// `quorum-restore`'s `--lost-for` and `--probe-interval` are `[quorum_restore]` keys too:
+/// defaults, file, environment and flags in that order, and a bad value names its key.
+#[test]
+fn quorum_restore_timings_are_keys_with_defaults_and_layers() {
+    let c = load(None, &[], &[]).unwrap();
+    assert_eq!(c.quorum_restore.lost_for, Duration::from_secs(300));
+    assert_eq!(c.quorum_restore.probe_interval, Duration::from_secs(5));
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        &dir,
+        "[quorum_restore]\nlost_for = \"10m\"\nprobe_interval = \"2s\"\n",
+    );
+    let c = load(
+        Some(&file),
+        &[("ETCD_WARDEN_QUORUM_RESTORE_PROBE_INTERVAL", "1s")],
+        &[("quorum_restore.lost_for", "0s")],
+    )
+    .unwrap();
+    assert_eq!(c.quorum_restore.lost_for, Duration::ZERO);
+    assert_eq!(c.quorum_restore.probe_interval, Duration::from_secs(1));
+    let e = env_error(&[("ETCD_WARDEN_QUORUM_RESTORE_PROBE_INTERVAL", "0s")]).to_string();
+    assert!(e.contains("quorum_restore.probe_interval"), "{e}");
+    let e = env_error(&[("ETCD_WARDEN_QUORUM_RESTORE_LOST_FOR", "soon")]).to_string();
+    assert!(e.contains("quorum_restore.lost_for"), "{e}");
+}
+
+#[test]
+fn quorum_restore_lost_for_from_a_flag_is_checked_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = warden()
+        .args(["quorum-restore", "--data-dir"])
+        .arg(dir.path().join("data"))
+        .args(["--lost-for", "soon"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
+    assert!(
+        stderr.contains("quorum_restore.lost_for (from --lost-for)"),
+        "{stderr}"
+    );
+}

@@ -1318,3 +1318,144 @@ async fn quorum_restore_grows_back(etcd: PathBuf) {
         "out of order: {history:#?}"
     );
 }
+
+scenario_tests! {
+    /// Five members, three lost for good and two survivors at different raft indexes: m1
+    /// stopped first (its data kept), then writes the other four commit, then m3, m4 and m5
+    /// lost. A `freshest` request rebuilds from m2, the fresher one though m1 comes first, and
+    /// the operator grows the cluster back to five voters; every write acknowledged before the
+    /// loss is served, those m1 never saw included.
+    quorum_restore_of_five_chooses_the_fresher_survivor: quorum_restore_five_freshest();
+}
+
+/// SIGKILLs a machine's etcd; its data directory stays.
+fn kill_etcd(f: &Fixture, machine: &str) {
+    let pid = f.machine(machine).and_then(|m| m.pid).expect("it runs");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(pid).unwrap()),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+}
+
+/// Puts `n` keys `w/<stage>-<i>` through whichever member answers, each retried until
+/// acknowledged (within 30 s); returns them.
+async fn put_keys(f: &Fixture, stage: &str, n: usize) -> WriterReport {
+    let mut report = WriterReport::default();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut c: Option<Client> = None;
+    for i in 0..n {
+        let (key, value) = (format!("w/{stage}-{i:04}"), format!("{stage}{i}"));
+        loop {
+            assert!(Instant::now() < deadline, "{key} never acknowledged");
+            if c.is_none() {
+                c = client(&f.cluster.client_urls()).await;
+            }
+            match c.as_mut() {
+                Some(cl) => match cl.put(key.as_str(), value.as_str(), None).await {
+                    Ok(_) => break,
+                    Err(_) => c = None,
+                },
+                None => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+        report.acked.insert(key, value);
+    }
+    report
+}
+
+async fn quorum_restore_five_freshest() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = LocalCluster::start(LocalOptions {
+        members: 5,
+        dir: dir.path().join("cluster"),
+        etcd: etcd(),
+        no_fsync: true,
+        set: None,
+    })
+    .await
+    .unwrap();
+    cluster.wait_ready(Duration::from_secs(60)).await.unwrap();
+    let cancel = CancellationToken::new();
+    tokio::spawn(Arc::clone(&cluster).run_machine_api(cancel.child_token()));
+    let f = Fixture {
+        _dir: dir,
+        cluster,
+        cancel,
+    };
+    let op = Arc::new(Operator::new(
+        Spec {
+            desired_voters: 5,
+            ..SPEC
+        },
+        Arc::clone(&f.cluster),
+        f.cluster.client_urls(),
+        timing(),
+    ));
+    let _task = f.run_until_settled(&op).await;
+    let api = serve_api(&f, &op).await;
+
+    let before = put_keys(&f, "before", 50).await;
+    // m1 stops with its data: the staler survivor.
+    kill_etcd(&f, "m1");
+    let after = put_keys(&f, "after", 50).await;
+    // Every write applied on m2 (a linearizable read through it): it committed them all.
+    let m2 = f.machine("m2").unwrap().client_url;
+    let mut c = client(std::slice::from_ref(&m2)).await.unwrap();
+    c.get("w/", Some(etcd_client::GetOptions::new().with_prefix()))
+        .await
+        .unwrap();
+    drop(c);
+    for m in ["m3", "m4", "m5"] {
+        lose_for_good(&f, m);
+    }
+    wait_for_or(
+        "m2 without a leader",
+        Duration::from_secs(30),
+        || {
+            let st = op.status();
+            let lost =
+                matches!(&st.condition, Some(Condition::Degraded(r)) if r.contains("quorum lost"));
+            (lost && st.members.iter().all(|m| !m.has_leader)).then_some(())
+        },
+        || describe(&op),
+    )
+    .await;
+
+    let (status, body) = request_quorum_restore(
+        &api,
+        serde_json::json!({"survivor": "freshest", "lostForSecs": 2}),
+    )
+    .await;
+    assert_eq!(status, reqwest::StatusCode::OK, "{body}");
+    assert_eq!(body["survivor"], "m2", "{body}");
+    let committed = |machine: &str| {
+        body["survivors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["machine"] == machine)
+            .and_then(|s| s["committed"].as_u64())
+            .unwrap_or_else(|| panic!("{machine} not among the survivors read: {body}"))
+    };
+    assert!(committed("m2") > committed("m1"), "{body}");
+    assert_eq!(body["dropped"].as_array().unwrap().len(), 4, "{body}");
+
+    wait_for_or(
+        "five healthy voters after the grow-back",
+        Duration::from_secs(180),
+        || {
+            let st = op.status();
+            (settled(&op)
+                && st.members.len() == 5
+                && st.members.iter().all(|m| m.healthy && !m.is_learner))
+            .then_some(())
+        },
+        || describe(&op),
+    )
+    .await;
+    let final_members = members(&f.cluster).await;
+    assert_eq!(names(&final_members), ["m1", "m2", "m3", "m4", "m5"]);
+    assert_acked_present(&f.cluster, &before).await;
+    assert_acked_present(&f.cluster, &after).await;
+}

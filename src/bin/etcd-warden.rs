@@ -276,12 +276,13 @@ struct QuorumRestoreArgs {
     /// configured store when --config is given, else none.
     #[arg(long, value_name = "URL")]
     store: Option<String>,
-    /// How long a majority of the members must stay unreachable.
-    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = duration)]
-    lost_for: std::time::Duration,
-    /// How often the members are probed meanwhile.
-    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = duration)]
-    probe_interval: std::time::Duration,
+    /// How long a majority of the members must stay unreachable (quorum_restore.lost_for,
+    /// default 5m).
+    #[arg(long, value_name = "DURATION")]
+    lost_for: Option<String>,
+    /// How often the members are probed meanwhile (quorum_restore.probe_interval, default 5s).
+    #[arg(long, value_name = "DURATION")]
+    probe_interval: Option<String>,
     /// etcd starts N revisions above the survivor's data (restore.bump_revision).
     #[arg(long, value_name = "N")]
     bump_revision: Option<String>,
@@ -305,6 +306,12 @@ impl QuorumRestoreArgs {
             (&self.data_dir, "restore.data_dir", "--data-dir"),
             (&self.store, "store.url", "--store"),
             (&self.etcd_bin, "restore.etcd_bin", "--etcd-bin"),
+            (&self.lost_for, "quorum_restore.lost_for", "--lost-for"),
+            (
+                &self.probe_interval,
+                "quorum_restore.probe_interval",
+                "--probe-interval",
+            ),
             (
                 &self.bump_revision,
                 "restore.bump_revision",
@@ -335,12 +342,6 @@ fn switched(switches: &[(bool, &str, &str, &str)]) -> impl Iterator<Item = Overr
         .iter()
         .filter(|(on, ..)| *on)
         .map(|(_, key, value, flag)| Override::flag(key, *value, flag))
-}
-
-/// A duration such as 30s, 5m or 1h (humantime).
-fn duration(s: &str) -> Result<std::time::Duration, String> {
-    humantime::parse_duration(s)
-        .map_err(|e| format!("{s:?} is not a duration such as 30s or 5m: {e}"))
 }
 
 /// An RFC 3339 time, as `--to-time` takes it.
@@ -1018,8 +1019,8 @@ mod ops {
             initial_advertise_peer_urls: args.initial_advertise_peer_urls.clone(),
             initial_cluster_token: config.restore.initial_cluster_token.clone(),
             etcd_bin: config.restore.etcd_bin.clone(),
-            lost_for: args.lost_for,
-            probe_interval: args.probe_interval,
+            lost_for: config.quorum_restore.lost_for,
+            probe_interval: config.quorum_restore.probe_interval,
             bump: etcd_warden::restore::RevisionBump {
                 by: config.restore.bump_revision,
                 mark_compacted: config.restore.mark_compacted,
@@ -1040,7 +1041,7 @@ mod ops {
         }
         println!(
             "quorum lost: a majority of the members stayed unreachable for {} ({} probes)",
-            humantime::format_duration(args.lost_for),
+            humantime::format_duration(config.quorum_restore.lost_for),
             report.probes
         );
         println!(

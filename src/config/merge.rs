@@ -167,6 +167,7 @@ const SECTIONS: &[&str] = &[
     "server",
     "log",
     "restore",
+    "quorum_restore",
     "encryption",
     "druid",
 ];

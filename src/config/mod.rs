@@ -31,7 +31,7 @@ pub use location::{LocationError, StoreLocation};
 pub use merge::{EnvSource, Layered, Layout, Override, ProcessEnv, SIDECAR, Sources, env_var_for};
 pub use raw::{
     MAX_DURATION, RawConfig, RawCopy, RawDefrag, RawDruid, RawEncryption, RawEtcd, RawKill, RawLog,
-    RawOwner, RawRestore, RawServer, RawSnapshot, RawStore,
+    RawOwner, RawQuorumRestore, RawRestore, RawServer, RawSnapshot, RawStore,
 };
 pub use raw::{lenient, parse_duration};
 pub(crate) use validate::owner_config;
@@ -116,6 +116,8 @@ pub struct Config {
     pub server: ServerConfig,
     pub log: LogConfig,
     pub restore: RestoreConfig,
+    /// `quorum-restore`'s check that quorum is really lost (`[quorum_restore]`).
+    pub quorum_restore: QuorumRestoreConfig,
     /// Client-side encryption; empty (nothing encrypted, nothing to decrypt with) when the
     /// `[encryption]` section is absent.
     pub encryption: EncryptionConfig,
@@ -582,6 +584,25 @@ pub struct RestoreConfig {
     /// `restore.max_inflation_ratio`): every reader of the store (restore, initialize, verify,
     /// copy) applies them.
     pub read_limits: ReadLimits,
+}
+
+/// `etcd-warden quorum-restore`: how long, and how often, a majority of the members must be
+/// seen unreachable before a survivor is rebuilt (`--lost-for`, `--probe-interval`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuorumRestoreConfig {
+    /// How long a majority must stay unreachable (zero: one probe).
+    pub lost_for: Duration,
+    /// How often the members are probed meanwhile.
+    pub probe_interval: Duration,
+    /// `serve` on Kubernetes: this member's Machine. Before etcd starts, a request in the
+    /// `EtcdQuorum` naming it, accepted by the operator, is carried out on `restore.data_dir`.
+    /// `None`: requests are not looked for.
+    pub machine: Option<String>,
+    /// The `EtcdQuorum`'s namespace (the operator's).
+    pub namespace: String,
+    /// A kubeconfig to reach the API server with; `None`: `$KUBECONFIG`, `~/.kube/config`, then
+    /// the pod's service account.
+    pub kubeconfig: Option<PathBuf>,
 }
 
 /// Bounds on what a stored snapshot may decompress to, so a hostile or damaged object (a

@@ -29,6 +29,7 @@ pub struct RawConfig {
     pub server: RawServer,
     pub log: RawLog,
     pub restore: RawRestore,
+    pub quorum_restore: RawQuorumRestore,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub encryption: Option<RawEncryption>,
     /// Running under etcd-druid in place of etcd-backup-restore; absent otherwise.
@@ -309,6 +310,18 @@ pub struct RawRestore {
     pub max_delta_size: String,
     #[serde(deserialize_with = "lenient::unsigned")]
     pub max_inflation_ratio: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawQuorumRestore {
+    pub lost_for: String,
+    pub probe_interval: String,
+    #[serde(default)]
+    pub machine: String,
+    pub namespace: String,
+    #[serde(default)]
+    pub kubeconfig: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -12,14 +12,15 @@ const HASH_BYTES: u64 = 32;
 use super::merge::Merged;
 use super::raw::{
     RawConfig, RawCopy, RawDefrag, RawDruid, RawEncryption, RawEtcd, RawKill, RawLog, RawOwner,
-    RawRestore, RawServer, RawSnapshot, RawStore, parse_bytes, parse_duration, parse_nameserver,
+    RawQuorumRestore, RawRestore, RawServer, RawSnapshot, RawStore, parse_bytes, parse_duration,
+    parse_nameserver,
 };
 use super::{
     AzureWorkloadIdentity, Compression, Config, ConfigError, CopyConfig, DefragConfig, DruidConfig,
     EncryptionConfig, EtcdConfig, GcPolicy, KillConfig, LogConfig, LogFormat, ObjectLockMode,
-    ObjectLockRetention, OwnerConfig, Purpose, ReadLimits, RestoreConfig, SecondaryConfig, Secret,
-    ServerConfig, ServerSideEncryption, SnapshotConfig, StoreConfig, StoreLocation, TlsFiles,
-    Validation, WebIdentity,
+    ObjectLockRetention, OwnerConfig, Purpose, QuorumRestoreConfig, ReadLimits, RestoreConfig,
+    SecondaryConfig, Secret, ServerConfig, ServerSideEncryption, SnapshotConfig, StoreConfig,
+    StoreLocation, TlsFiles, Validation, WebIdentity,
 };
 
 /// The spellings of each compression, the one errors list first.
@@ -170,6 +171,7 @@ impl Validator<'_> {
             kill: self.kill(&raw.kill)?,
             server: self.server(&raw.server)?,
             log: self.log(&raw.log)?,
+            quorum_restore: self.quorum_restore(&raw.quorum_restore)?,
             encryption: self.encryption(raw.encryption.as_ref())?,
             druid: raw.druid.as_ref().map(|d| self.druid(d)).transpose()?,
         };
@@ -1006,6 +1008,22 @@ impl Validator<'_> {
 
     fn owner(&self, o: &RawOwner) -> Result<OwnerConfig, ConfigError> {
         owner_config(o, &|key, message| self.err(key, message))
+    }
+
+    fn quorum_restore(&self, q: &RawQuorumRestore) -> Result<QuorumRestoreConfig, ConfigError> {
+        Ok(QuorumRestoreConfig {
+            lost_for: self.duration("quorum_restore.lost_for", &q.lost_for)?,
+            probe_interval: self
+                .positive_duration("quorum_restore.probe_interval", &q.probe_interval)?,
+            machine: Some(q.machine.trim().to_owned()).filter(|m| !m.is_empty()),
+            namespace: match q.namespace.trim() {
+                "" => return Err(self.err("quorum_restore.namespace", "required value missing")),
+                ns => ns.to_owned(),
+            },
+            kubeconfig: Some(q.kubeconfig.trim())
+                .filter(|p| !p.is_empty())
+                .map(PathBuf::from),
+        })
     }
 
     fn kill(&self, k: &RawKill) -> Result<KillConfig, ConfigError> {

@@ -115,7 +115,9 @@ pub enum RestorePhase {
 }
 
 /// The next phase of a request from the last one recorded (`None` for a new request) and what
-/// is observed now. A request made while the cluster serves is refused; once accepted, the
+/// is observed now. A request made while the cluster serves is refused, and stays refused: left
+/// in place, it would be accepted by the next quorum loss, which its author never judged (and
+/// the survivor's sidecar would then rebuild on its own); it must be made again. Once accepted, the
 /// cluster serving again with one voter (on the named machine) means the survivor was
 /// rebuilt, and `desired` healthy voters without learners means it grew back.
 pub fn next_phase(
@@ -128,10 +130,13 @@ pub fn next_phase(
     let learners = obs.members.len() - voters.len();
     let serving = obs.leader_applied_index.is_some() && voters.iter().all(|m| m.healthy);
     match previous {
-        None | Some(RestorePhase::Refused(_)) => match check_request(obs, survivor) {
+        None => match check_request(obs, survivor) {
             Ok(()) => RestorePhase::WaitingForRebuild,
-            Err(e) => RestorePhase::Refused(e.to_string()),
+            Err(e) => RestorePhase::Refused(format!(
+                "{e} (remove spec.quorumRestore, wait until its status is gone, and ask again)"
+            )),
         },
+        Some(refused @ RestorePhase::Refused(_)) => refused.clone(),
         Some(RestorePhase::WaitingForRebuild) => {
             let on_survivor = |m: &&super::plan::MemberState| match survivor {
                 SurvivorChoice::Freshest => true,
@@ -231,16 +236,18 @@ mod tests {
     #[test]
     fn a_request_is_refused_accepted_then_followed_to_done() {
         let named = SurvivorChoice::Named("m0".into());
-        // Made while the cluster serves: refused, and stays so while it serves.
+        // Made while the cluster serves: refused, and stays so, even once quorum is lost:
+        // nobody judged that loss.
         let serving = obs(&[true, true, true], true);
-        let p = next_phase(None, &serving, &named, 3);
+        let refused = next_phase(None, &serving, &named, 3);
         assert!(
-            matches!(&p, RestorePhase::Refused(m) if m.contains("quorum is not lost")),
-            "{p:?}"
+            matches!(&refused, RestorePhase::Refused(m) if m.contains("quorum is not lost") && m.contains("ask again")),
+            "{refused:?}"
         );
-        // Quorum lost: accepted, then waiting until m0 serves alone.
         let lost = obs(&[false, false, false], false);
-        let p = next_phase(Some(&p), &lost, &named, 3);
+        assert_eq!(next_phase(Some(&refused), &lost, &named, 3), refused);
+        // Made again after the loss: accepted, then waiting until m0 serves alone.
+        let p = next_phase(None, &lost, &named, 3);
         assert_eq!(p, RestorePhase::WaitingForRebuild);
         assert_eq!(
             next_phase(Some(&p), &lost, &named, 3),

@@ -107,7 +107,7 @@ impl QuorumRestoreStatus {
     pub fn new(survivor: &str, phase: &RestorePhase) -> QuorumRestoreStatus {
         let (name, message) = match phase {
             RestorePhase::Refused(m) => ("Refused", Some(m.clone())),
-            RestorePhase::WaitingForRebuild => ("WaitingForRebuild", None),
+            RestorePhase::WaitingForRebuild => ("WaitingForRebuild", Some(rebuild_step(survivor))),
             RestorePhase::GrowingBack => ("GrowingBack", None),
             RestorePhase::Done => ("Done", None),
         };
@@ -126,6 +126,27 @@ impl QuorumRestoreStatus {
             "Done" => RestorePhase::Done,
             _ => RestorePhase::Refused(self.message.clone().unwrap_or_default()),
         }
+    }
+}
+
+/// What an administrator does while a request waits for its rebuild, and where: the operator
+/// cannot reach the survivor's data directory; the survivor's sidecar rebuilds it before etcd
+/// starts (`quorum_restore.machine`), so the pod must be restarted, or it is run by hand.
+fn rebuild_step(survivor: &str) -> String {
+    let then = "then start etcd again; the operator grows the cluster back with learners \
+                (docs/operations.md \"Quorum loss\")";
+    match survivor.parse::<SurvivorChoice>() {
+        Ok(SurvivorChoice::Named(m)) => format!(
+            "on Machine {m}: restart its etcd pod (a sidecar with quorum_restore.machine = \
+             {m:?} rebuilds before etcd starts), or stop etcd there, run `etcd-warden \
+             quorum-restore --data-dir <etcd's data directory>` and {then}"
+        ),
+        _ => format!(
+            "the operator cannot read the survivors' data directories: on one surviving \
+             Machine, stop etcd, copy every other survivor's data directory (its etcd stopped) \
+             beside it and run `etcd-warden quorum-restore --data-dir <etcd's data directory> \
+             --survivor-data-dir <copy> ...` (it rebuilds from the freshest), {then}"
+        ),
     }
 }
 
@@ -1216,5 +1237,35 @@ mod tests {
                 "Age"
             ]
         );
+    }
+
+    #[test]
+    fn a_request_waiting_for_its_rebuild_says_what_to_run_and_where() {
+        // Nothing answers: quorum lost; cp-0 is a live Machine.
+        let lost = Observed {
+            machines: vec![super::super::plan::MachineState {
+                name: "cp-0".into(),
+                peer_url: "http://10.0.0.1:2380".into(),
+                deleting: false,
+                has_hook: true,
+                hook_removed_by_other: false,
+            }],
+            ..Observed::default()
+        };
+        let ask = |survivor: &str| QuorumRestoreSpec {
+            survivor: survivor.into(),
+        };
+        let st = restore_status(Some(&ask("cp-0")), None, &lost, 3).unwrap();
+        assert_eq!(st.phase, "WaitingForRebuild");
+        let m = st.message.clone().unwrap_or_default();
+        assert!(
+            m.contains("on Machine cp-0") && m.contains("etcd-warden quorum-restore --data-dir"),
+            "{m}"
+        );
+        // Read back, the message is no part of the phase.
+        assert_eq!(st.phase(), RestorePhase::WaitingForRebuild);
+        let st = restore_status(Some(&ask("freshest")), None, &lost, 3).unwrap();
+        let m = st.message.unwrap_or_default();
+        assert!(m.contains("--survivor-data-dir"), "{m}");
     }
 }
