@@ -574,6 +574,9 @@ pub struct RestoreConfig {
     /// A rejoin's bound until a learner is added, then for each stretch of replication without
     /// progress, before `serve` fails.
     pub rejoin_timeout: Duration,
+    /// This member's peer TLS (`restore.peer_*`): the temporary member a rejoin starts speaks
+    /// to the other members with it; required when the peer URLs are `https://`.
+    pub peer_tls: Option<PeerTls>,
     /// etcd starts this many revisions above the restored data (`--bump-revision`); 0: none.
     pub bump_revision: u64,
     /// The bumped revision is marked compacted (`--mark-compacted`; needs a bump).
@@ -582,6 +585,21 @@ pub struct RestoreConfig {
     /// `restore.max_inflation_ratio`): every reader of the store (restore, initialize, verify,
     /// copy) applies them.
     pub read_limits: ReadLimits,
+}
+
+/// A member's peer certificate, as etcd's `--peer-*` flags (or `peer-transport-security` in
+/// etcd's configuration file) name it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerTls {
+    /// `--peer-cert-file`: presented to the other members, as server and as client.
+    pub cert_file: PathBuf,
+    /// `--peer-key-file`.
+    pub key_file: PathBuf,
+    /// `--peer-trusted-ca-file`: the other members' certificates are checked against it.
+    pub ca_file: Option<PathBuf>,
+    /// `--peer-client-cert-auth`: a member dialling this one must present a certificate of
+    /// `ca_file`.
+    pub client_cert_auth: bool,
 }
 
 /// Bounds on what a stored snapshot may decompress to, so a hostile or damaged object (a

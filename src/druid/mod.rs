@@ -142,6 +142,10 @@ impl Druid {
         r.initial_cluster = me.initial_cluster;
         r.initial_cluster_token = me.initial_cluster_token;
         r.validation = mode;
+        // The file is what etcd runs with: its peer certificate, else the restore section's.
+        if me.peer_tls.is_some() {
+            r.peer_tls = me.peer_tls;
+        }
         if r.data_dir.is_none() {
             r.data_dir = me.data_dir.map(Into::into);
         }
