@@ -633,13 +633,7 @@ impl MemberSpec {
     /// them first. A caller may wrap it (e.g. in `nsenter`), spawn it, and hand the child to
     /// [`EtcdProcess::adopt`].
     pub fn command(&self, bins: &EtcdBinaries) -> Command {
-        let mut cmd = Command::new(&bins.etcd);
-        for (key, _) in std::env::vars_os() {
-            let k = key.to_string_lossy();
-            if k.starts_with("ETCD_") && k != "ETCD_UNSUPPORTED_ARCH" {
-                cmd.env_remove(&key);
-            }
-        }
+        let mut cmd = etcd_command(bins);
         let client = self.client_url();
         let (listen_peer, peer) = match &self.peer_urls {
             Some(p) => (p.listen.clone(), p.advertise.clone()),
@@ -686,26 +680,8 @@ impl MemberSpec {
     /// Chooses the ports still at 0 and starts the member, not waiting for it.
     pub fn spawn(&mut self, bins: &EtcdBinaries) -> Result<EtcdProcess, ProcessError> {
         self.choose_ports()?;
-        let mut cmd = self.command(bins);
-        match &self.log {
-            Some(path) => {
-                // 0600, never through a symlink: the log sits in a scratch directory.
-                let file = crate::scratch::append_private_file(path)
-                    .map_err(io_error(format!("opening {}", path.display())))?;
-                let err = file
-                    .try_clone()
-                    .map_err(io_error(format!("duplicating {}", path.display())))?;
-                cmd.stdout(file).stderr(err);
-            }
-            None => {
-                cmd.stdout(Stdio::null()).stderr(Stdio::null());
-            }
-        }
         let probe = self.client_tls.as_ref().map(ServerTls::probe).transpose()?;
-        let child = cmd.spawn().map_err(|source| ProcessError::Run {
-            command: bins.etcd.display().to_string(),
-            source,
-        })?;
+        let child = spawn_logged(self.command(bins), self.log.as_deref(), bins)?;
         let process = EtcdProcess::adopt(child, self);
         Ok(match probe {
             Some(options) => process.with_probe_options(options),
@@ -723,6 +699,67 @@ impl MemberSpec {
         // One process per member.
         Ok(started.remove(0))
     }
+}
+
+/// `etcd` of `bins` without this process's `ETCD_*` variables (see the module docs).
+fn etcd_command(bins: &EtcdBinaries) -> Command {
+    let mut cmd = Command::new(&bins.etcd);
+    for (key, _) in std::env::vars_os() {
+        let k = key.to_string_lossy();
+        if k.starts_with("ETCD_") && k != "ETCD_UNSUPPORTED_ARCH" {
+            cmd.env_remove(&key);
+        }
+    }
+    cmd.stdin(Stdio::null());
+    cmd
+}
+
+/// Spawns `cmd` with stdout and stderr appended to `log` (discarded without one).
+fn spawn_logged(
+    mut cmd: Command,
+    log: Option<&Path>,
+    bins: &EtcdBinaries,
+) -> Result<Child, ProcessError> {
+    match log {
+        Some(path) => {
+            // 0600, never through a symlink: the log sits in a scratch directory.
+            let file = crate::scratch::append_private_file(path)
+                .map_err(io_error(format!("opening {}", path.display())))?;
+            let err = file
+                .try_clone()
+                .map_err(io_error(format!("duplicating {}", path.display())))?;
+            cmd.stdout(file).stderr(err);
+        }
+        None => {
+            cmd.stdout(Stdio::null()).stderr(Stdio::null());
+        }
+    }
+    cmd.spawn().map_err(|source| ProcessError::Run {
+        command: bins.etcd.display().to_string(),
+        source,
+    })
+}
+
+/// etcd started from a configuration file alone (`--config-file`), as etcd-wrapper starts it
+/// from the `/config` the sidecar serves under etcd-druid; `client_url` is where its health is
+/// asked, `log` where its output goes. Not waited for.
+pub fn spawn_config_file(
+    bins: &EtcdBinaries,
+    name: &str,
+    config_file: &Path,
+    client_url: &str,
+    log: Option<&Path>,
+) -> Result<EtcdProcess, ProcessError> {
+    let mut cmd = etcd_command(bins);
+    cmd.arg("--config-file").arg(config_file);
+    let child = spawn_logged(cmd, log, bins)?;
+    Ok(EtcdProcess {
+        name: name.to_owned(),
+        client_url: client_url.to_owned(),
+        log: log.map(Path::to_path_buf),
+        probe: None,
+        child: Mutex::new(child),
+    })
 }
 
 fn is_empty_dir(dir: &Path) -> bool {
