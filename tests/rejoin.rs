@@ -762,16 +762,7 @@ async fn under_druid_a_wiped_member_rejoins_with_the_peer_tls_of_etcds_configura
     restore.initial_cluster = String::new();
     restore.data_dir = None;
     let druid = Druid::new(
-        DruidConfig {
-            etcd_config: conf,
-            pod_name: Some("m2".into()),
-            pod_namespace: None,
-            member_lease: false,
-            heartbeat: Duration::from_secs(10),
-            snapshot_leases: false,
-            full_snapshot_lease: String::new(),
-            delta_snapshot_lease: String::new(),
-        },
+        DruidConfig::without_leases(conf, "m2"),
         restore,
         empty_store(),
         None,

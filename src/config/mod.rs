@@ -144,6 +144,23 @@ pub struct DruidConfig {
     pub delta_snapshot_lease: String,
 }
 
+impl DruidConfig {
+    /// The section for `pod_name` reading etcd's configuration at `etcd_config`, writing no
+    /// Lease (the lease names and heartbeat as the defaults).
+    pub fn without_leases(etcd_config: impl Into<PathBuf>, pod_name: &str) -> DruidConfig {
+        DruidConfig {
+            etcd_config: etcd_config.into(),
+            pod_name: Some(pod_name.to_owned()),
+            pod_namespace: None,
+            member_lease: false,
+            heartbeat: Duration::from_secs(30),
+            snapshot_leases: false,
+            full_snapshot_lease: "full-snapshot-revisions".into(),
+            delta_snapshot_lease: "delta-snapshot-revisions".into(),
+        }
+    }
+}
+
 impl Config {
     /// This configuration with `[store.secondary]` as its store, for a command that reads
     /// snapshots (`ls`, `verify`, `restore --secondary`); an error naming the key when no

@@ -415,16 +415,7 @@ mod tests {
         };
         let (config, _) = crate::config::Config::load(&sources).unwrap();
         Druid::new(
-            DruidConfig {
-                etcd_config: "/nonexistent/etcd.conf.yaml".into(),
-                pod_name: Some("etcd-main-0".into()),
-                pod_namespace: None,
-                member_lease: false,
-                heartbeat: Duration::from_secs(10),
-                snapshot_leases: false,
-                full_snapshot_lease: String::new(),
-                delta_snapshot_lease: String::new(),
-            },
+            DruidConfig::without_leases("/nonexistent/etcd.conf.yaml", "etcd-main-0"),
             config.restore,
             SnapshotStore::new(Arc::new(object_store::memory::InMemory::new()), ""),
             None,
