@@ -403,7 +403,6 @@ mod tests {
     use axum::extract::ConnectInfo;
     use axum::http::Request;
     use std::net::SocketAddr;
-    use tower::ServiceExt;
 
     /// A `Druid` whose initialization would fail (no etcd configuration file): the tests below
     /// only look at who reaches the handlers.
@@ -446,12 +445,7 @@ mod tests {
         let callers = PodCallers {
             token: token.map(|t| crate::config::Secret::Value(t.into())),
         };
-        let resp = routes(d.clone(), callers).oneshot(req).await.unwrap();
-        let code = resp.status();
-        let body = axum::body::to_bytes(resp.into_body(), 1 << 20)
-            .await
-            .unwrap();
-        (code, String::from_utf8_lossy(&body).into_owned())
+        crate::server::respond(routes(d.clone(), callers), req).await
     }
 
     /// Only the peer address a request carries is checked here, set by hand: the tests can
