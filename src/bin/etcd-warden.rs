@@ -794,14 +794,7 @@ mod ops {
     }
 
     pub async fn reclaim(config: &Config) -> anyhow::Result<()> {
-        if let Some(found) = owner_record(config).await? {
-            handoff::may_reclaim(
-                record_name(config),
-                config.owner.as_ref().map_or("", |o| o.id.as_str()),
-                found.verdict(),
-                &found.to_string(),
-            )?;
-        }
+        ensure_may_reclaim(config).await?;
         let store = snapshots(config)?;
         let done = handoff::reclaim(&handoff::HandOffObjects::new(store))
             .await
@@ -904,6 +897,20 @@ mod ops {
         Ok(())
     }
 
+    /// Refuses unless this seed may take the data over: the owner record, when there is one,
+    /// names it (`handoff::may_reclaim`).
+    async fn ensure_may_reclaim(config: &Config) -> anyhow::Result<()> {
+        if let Some(found) = owner_record(config).await? {
+            handoff::may_reclaim(
+                record_name(config),
+                config.owner.as_ref().map_or("", |o| o.id.as_str()),
+                found.verdict(),
+                &found.to_string(),
+            )?;
+        }
+        Ok(())
+    }
+
     /// Says where etcd starts when `restore.bump_revision` moved it above the restored `revision`.
     fn print_bump(config: &Config, revision: i64, etcd_revision: i64) {
         if etcd_revision != revision {
@@ -1001,14 +1008,7 @@ mod ops {
         let data_dir = restore_data_dir(config)?;
         // A hand-off is the owner record's business as much as the store's: as for reclaim,
         // this seed must own the data it revives.
-        if let Some(found) = owner_record(config).await? {
-            handoff::may_reclaim(
-                record_name(config),
-                config.owner.as_ref().map_or("", |o| o.id.as_str()),
-                found.verdict(),
-                &found.to_string(),
-            )?;
-        }
+        ensure_may_reclaim(config).await?;
         let store = if args.use_store {
             Some(snapshots(config)?)
         } else {
