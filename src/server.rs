@@ -681,6 +681,22 @@ pub async fn serve(
     serve_with(listener, router, cancel, Limits::default(), None).await
 }
 
+/// The tests' one request: `req` through `router`, its status and body (as text).
+#[cfg(test)]
+pub(crate) async fn respond(
+    router: Router,
+    req: axum::http::Request<axum::body::Body>,
+) -> (StatusCode, String) {
+    let resp = tower::ServiceExt::oneshot(router, req)
+        .await
+        .unwrap_or_else(|e| match e {});
+    let status = resp.status();
+    let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
+        .await
+        .unwrap_or_default();
+    (status, String::from_utf8_lossy(&bytes).into_owned())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -749,14 +765,10 @@ mod tests {
     }
 
     async fn call(s: ServerState, req: Request<Body>) -> (StatusCode, serde_json::Value) {
-        let resp = router(s).oneshot(req).await.unwrap();
-        let status = resp.status();
-        let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
-            .await
-            .unwrap();
+        let (status, body) = respond(router(s), req).await;
         (
             status,
-            serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
+            serde_json::from_str(&body).unwrap_or(serde_json::Value::Null),
         )
     }
 

@@ -407,51 +407,26 @@ async fn rebuild_if_requested(config: &Config, store: &SnapshotStore) -> bool {
 }
 
 /// Runs the sidecar until `cancel` fires, then shuts down within [`SHUTDOWN_GRACE`]. A critical
-/// task (the snapshot actor, the ownership watchdog or the readiness loop) that ends or panics
-/// before that turns `/healthz` and `/livez` 503, stops everything and returns
-/// [`SidecarError::TaskEnded`], so the process exits non-zero and is restarted.
+/// task (the snapshot actor, the ownership watchdog or the readiness loop, the druid Leases)
+/// that ends or panics before that turns `/healthz` and `/livez` 503, stops everything and
+/// returns [`SidecarError::TaskEnded`], so the process exits non-zero and is restarted.
+///
+/// What it starts, in order: the data directory ([`prepare_data_dir`]), the listener, the
+/// snapshot actor ([`start_snapshot_actor`]), readiness or the ownership watchdog
+/// ([`start_guard`]), the secondary's sync ([`start_secondary_sync`]), the HTTP API
+/// ([`api_router`], with etcd-druid's routes and Leases by [`with_druid`]); then it supervises
+/// them ([`supervise`]).
 pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), SidecarError> {
     let store = SnapshotStore::from_config(&config.store)?
         .with_encryption(config.encryption.clone())
         .with_compression_level(config.snapshot.compression_level)
         .with_read_limits(config.restore.read_limits);
     let metrics = SidecarMetrics::for_config(&config);
-    // Before anything talks to etcd: it may be waiting for its data directory. A lost member
-    // of a running multi-member cluster rejoins it (restore::rejoin); otherwise the store.
-    // A rejoin stops on SIGTERM (its temporary member with it); nothing else has started.
-    // Under etcd-druid, etcd-wrapper asks for the initialization over HTTP (crate::druid)
-    // before it starts etcd; it does not run here.
-    // First, an operator's quorum restore request naming this member (etcd is not running yet:
-    // it starts after this sidecar answers /livez).
-    if config.druid.is_none() {
-        rebuild_if_requested(&config, &store).await;
-    }
-    let initialize_now = config.restore.initialize && config.druid.is_none();
-    let rejoined = if initialize_now {
-        match crate::restore::rejoin::rejoin_if_lost(
-            &config.restore,
-            &metrics.initialize,
-            &store,
-            &cancel,
-        )
-        .await
-        {
-            Err(crate::restore::rejoin::RejoinError::Cancelled) => return Ok(()),
-            r => r?,
-        }
-    } else {
-        false
+    let Prepared::Ready { secondary } =
+        prepare_data_dir(&config, &store, &metrics, &cancel).await?
+    else {
+        return Ok(());
     };
-    let secondary = crate::restore::initialize::secondary_store(&config)?;
-    if initialize_now && !rejoined {
-        crate::restore::initialize::initialize_from(
-            &store,
-            secondary.as_ref(),
-            &config.restore,
-            &metrics.initialize,
-        )
-        .await?;
-    }
     let listener = tokio::net::TcpListener::bind(config.server.listen)
         .await
         .map_err(|source| SidecarError::Listen {
@@ -460,228 +435,415 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
         })?;
     tracing::info!(listen = %listener.local_addr().map_err(SidecarError::Serve)?, store = %config.store.location, "etcd-warden serving");
 
-    let mut registry = Registry::default();
-    metrics.register(&mut registry);
-
     // Without ownership checks the gate is open for good; with them the watchdog opens it.
     let (gate_tx, gate_rx) = watch::channel(if config.owner.is_none() {
         Gate::Open
     } else {
         Gate::Closed
     });
-    let retention = Retention {
+    let tasks = cancel.child_token();
+    let (actor, actor_task) =
+        start_snapshot_actor(&config, &store, gate_rx.clone(), &metrics, &tasks).await?;
+    let (readiness_tx, readiness) = watch::channel(Readiness::starting());
+    let readiness_tx = Arc::new(readiness_tx);
+    let (owner_status, guard_task) = start_guard(
+        &config,
+        &store,
+        &actor,
+        &readiness_tx,
+        gate_tx,
+        &metrics,
+        &tasks,
+    )?;
+    let secondary_task = start_secondary_sync(&config, &metrics, &tasks)?;
+    let mut critical = vec![("snapshot actor", actor_task), guard_task];
+
+    let (liveness_tx, liveness) = watch::channel::<Liveness>(None);
+    let api = Api {
+        actor: &actor,
+        store: &store,
+        gate: gate_rx,
+        owner: owner_status,
+        readiness,
+        liveness,
+    };
+    let mut router = api_router(&config, &metrics, api);
+    if let Some(druid) = &config.druid {
+        let leases;
+        (router, leases) = with_druid(
+            &config,
+            druid,
+            router,
+            (&store, secondary, &actor),
+            &metrics,
+            &cancel,
+            &tasks,
+        )
+        .await?;
+        critical.extend(leases);
+    }
+    let server_cancel = cancel.child_token();
+    let served = serve(&config, listener, router, server_cancel.clone());
+    supervise(
+        Supervised {
+            critical,
+            secondary: secondary_task,
+            readiness: readiness_tx,
+            liveness: liveness_tx,
+            tasks,
+            server: server_cancel,
+            cancel,
+        },
+        served,
+    )
+    .await
+}
+
+/// How the data directory's preparation ended.
+// Made once per run: its size does not matter.
+#[allow(clippy::large_enum_variant)]
+enum Prepared {
+    /// Stopped (SIGTERM) during a rejoin: nothing else was started.
+    Stopped,
+    /// Ready for etcd; `secondary` is `[store.secondary]`'s store, when configured.
+    Ready { secondary: Option<SnapshotStore> },
+}
+
+/// Before anything talks to etcd: it may be waiting for its data directory. A lost member of a
+/// running multi-member cluster rejoins it (restore::rejoin); otherwise the store. A rejoin
+/// stops on SIGTERM (its temporary member with it); nothing else has started. Under
+/// etcd-druid, etcd-wrapper asks for the initialization over HTTP (crate::druid) before it
+/// starts etcd; it does not run here.
+async fn prepare_data_dir(
+    config: &Config,
+    store: &SnapshotStore,
+    metrics: &SidecarMetrics,
+    cancel: &CancellationToken,
+) -> Result<Prepared, SidecarError> {
+    // First, an operator's quorum restore request naming this member (etcd is not running yet:
+    // it starts after this sidecar answers /livez).
+    if config.druid.is_none() {
+        rebuild_if_requested(config, store).await;
+    }
+    let initialize_now = config.restore.initialize && config.druid.is_none();
+    let rejoined = if initialize_now {
+        match crate::restore::rejoin::rejoin_if_lost(
+            &config.restore,
+            &metrics.initialize,
+            store,
+            cancel,
+        )
+        .await
+        {
+            Err(crate::restore::rejoin::RejoinError::Cancelled) => return Ok(Prepared::Stopped),
+            r => r?,
+        }
+    } else {
+        false
+    };
+    let secondary = crate::restore::initialize::secondary_store(config)?;
+    if initialize_now && !rejoined {
+        crate::restore::initialize::initialize_from(
+            store,
+            secondary.as_ref(),
+            &config.restore,
+            &metrics.initialize,
+        )
+        .await?;
+    }
+    Ok(Prepared::Ready { secondary })
+}
+
+/// Retention as `[snapshot]` configures it, for the actor and the secondary alike.
+fn retention(config: &Config) -> Retention {
+    Retention {
         policy: config.snapshot.gc_policy,
         delta_retention: config.snapshot.delta_retention,
-    };
+    }
+}
+
+/// The snapshot actor (critical), on a client of `[etcd]` that follows certificate rotation.
+async fn start_snapshot_actor(
+    config: &Config,
+    store: &SnapshotStore,
+    gate: watch::Receiver<Gate>,
+    metrics: &SidecarMetrics,
+    tasks: &CancellationToken,
+) -> Result<(ActorHandle, tokio::task::JoinHandle<()>), SidecarError> {
     let engine = EtcdEngine::new(
         crate::etcd::RotatingClient::connect(&config.etcd).await?,
         store.clone(),
         Codec::from(config.snapshot.compression),
-        retention,
+        retention(config),
     );
-    let tasks = cancel.child_token();
-    let (actor, actor_task) = actor::spawn(
+    Ok(actor::spawn(
         engine,
-        actor_config(&config),
-        gate_rx.clone(),
+        actor_config(config),
+        gate,
         metrics.snapshot.clone(),
         tasks.child_token(),
+    ))
+}
+
+/// What sets readiness (critical): a plain backup sidecar follows etcd's health; with `[owner]`
+/// the ownership watchdog does, and opens the snapshot gate. The watchdog's status is returned
+/// for the API.
+fn start_guard(
+    config: &Config,
+    store: &SnapshotStore,
+    actor: &ActorHandle,
+    readiness: &Arc<watch::Sender<Readiness>>,
+    gate: watch::Sender<Gate>,
+    metrics: &SidecarMetrics,
+    tasks: &CancellationToken,
+) -> Result<(Option<watch::Receiver<WatchdogStatus>>, Critical), SidecarError> {
+    let token = tasks.child_token();
+    let Some(owner) = &config.owner else {
+        let check = HealthCheck::new(config.etcd.clone(), crate::health::TIMEOUT);
+        let tx = readiness.clone();
+        let task = tokio::spawn(async move {
+            crate::health::follow_etcd(check, &tx, token).await;
+        });
+        return Ok((None, ("readiness", task)));
+    };
+    let ctx = context(
+        owner,
+        &config.kill,
+        &config.etcd,
+        actor.clone(),
+        store.clone(),
+        Codec::from(config.snapshot.compression),
+        (**readiness).clone(),
+        gate,
+    )?;
+    tracing::info!(record = %owner.name, id = %owner.id, interval = ?owner.interval, "checking ownership");
+    let dog = Watchdog::new(
+        WatchdogConfig::from_config(owner, &config.kill),
+        ctx,
+        metrics.owner.clone().unwrap_or_default(),
     );
+    let status = dog.status();
+    let task = tokio::spawn(async move {
+        let last = dog.run(token).await;
+        tracing::info!(state = %last, "ownership watchdog stopped");
+    });
+    Ok((Some(status), ("ownership watchdog", task)))
+}
 
-    let (readiness_tx, readiness) = watch::channel(Readiness::starting());
-    let readiness_tx = Arc::new(readiness_tx);
-    let (owner_status, guard_task) = match &config.owner {
-        // A plain backup sidecar: ready while etcd is healthy.
-        None => {
-            let check = HealthCheck::new(config.etcd.clone(), crate::health::TIMEOUT);
-            let tx = readiness_tx.clone();
-            let token = tasks.child_token();
-            let task = tokio::spawn(async move {
-                crate::health::follow_etcd(check, &tx, token).await;
-            });
-            (None, ("readiness", task))
-        }
-        Some(owner) => {
-            let owner_metrics = metrics.owner.clone().unwrap_or_default();
-            let ctx = context(
-                owner,
-                &config.kill,
-                &config.etcd,
-                actor.clone(),
-                store.clone(),
-                Codec::from(config.snapshot.compression),
-                (*readiness_tx).clone(),
-                gate_tx,
-            )?;
-            tracing::info!(record = %owner.name, id = %owner.id, interval = ?owner.interval, "checking ownership");
-            let dog = Watchdog::new(
-                WatchdogConfig::from_config(owner, &config.kill),
-                ctx,
-                owner_metrics,
-            );
-            let status = dog.status();
-            let token = tasks.child_token();
-            let task = tokio::spawn(async move {
-                let last = dog.run(token).await;
-                tracing::info!(state = %last, "ownership watchdog stopped");
-            });
-            (Some(status), ("ownership watchdog", task))
-        }
+/// The secondary store's sync, with `[store.secondary]`. Not critical: a failing secondary
+/// shows in its metrics and alert, never in readiness, and never stops the sidecar (it would
+/// take etcd's readiness and the primary with it). It is still tracked, so shutdown waits for
+/// it.
+fn start_secondary_sync(
+    config: &Config,
+    metrics: &SidecarMetrics,
+    tasks: &CancellationToken,
+) -> Result<Option<tokio::task::JoinHandle<()>>, SidecarError> {
+    let Some(secondary) = &config.secondary else {
+        return Ok(None);
     };
+    let sync = Sync::new(
+        &config.store,
+        secondary.clone(),
+        retention(config),
+        metrics.secondary.clone().unwrap_or_default(),
+    )
+    .map_err(|e| SidecarError::Secondary(e.to_string()))?
+    .with_read_limits(config.restore.read_limits);
+    let token = tasks.child_token();
+    Ok(Some(tokio::spawn(async move { sync.run(token).await })))
+}
 
-    // Not critical: a failing secondary shows in its metrics and alert, never in readiness,
-    // and never stops the sidecar (it would take etcd's readiness and the primary with it).
-    // It is still tracked, so shutdown waits for it.
-    let secondary_task = match &config.secondary {
-        None => None,
-        Some(secondary) => {
-            let sync = Sync::new(
-                &config.store,
-                secondary.clone(),
-                retention,
-                metrics.secondary.clone().unwrap_or_default(),
-            )
-            .map_err(|e| SidecarError::Secondary(e.to_string()))?
-            .with_read_limits(config.restore.read_limits);
-            let token = tasks.child_token();
-            Some(tokio::spawn(async move { sync.run(token).await }))
-        }
-    };
+/// What the HTTP API reads: the actor, the store, the gate, the watchdog's status, and the
+/// probes' sources.
+struct Api<'a> {
+    actor: &'a ActorHandle,
+    store: &'a SnapshotStore,
+    gate: watch::Receiver<Gate>,
+    owner: Option<watch::Receiver<WatchdogStatus>>,
+    readiness: watch::Receiver<Readiness>,
+    liveness: watch::Receiver<Liveness>,
+}
 
-    let (liveness_tx, liveness) = watch::channel::<Liveness>(None);
+/// The HTTP API's routes, with every metric registered.
+fn api_router(config: &Config, metrics: &SidecarMetrics, api: Api<'_>) -> axum::Router {
+    let mut registry = Registry::default();
+    metrics.register(&mut registry);
     let state = ServerState {
-        readiness,
+        readiness: api.readiness,
         snapshots: Arc::new(Snapshots {
-            actor: actor.clone(),
-            store: store.clone(),
-            gate: gate_rx,
-            owner: owner_status.clone(),
+            actor: api.actor.clone(),
+            store: api.store.clone(),
+            gate: api.gate,
+            owner: api.owner.clone(),
         }),
         status: Arc::new(Status {
-            actor: actor.clone(),
+            actor: api.actor.clone(),
             store: config.store.location.to_string(),
-            owner: owner_status,
+            owner: api.owner,
         }),
         registry: Arc::new(registry),
-        drill: Some((store.clone(), metrics.drill.clone())),
+        drill: Some((api.store.clone(), metrics.drill.clone())),
         token: config.server.token.clone(),
         unauthenticated_snapshots: config.server.unauthenticated_snapshots,
         client_certs: config.server.client_ca.is_some() && config.server.tls.is_some(),
         ebr_answers: config.druid.is_some(),
-        liveness,
+        liveness: api.liveness,
         mutating: Arc::new(tokio::sync::Semaphore::new(1)),
     };
-    let mut router = server::router(state);
-    let mut critical = vec![("snapshot actor", actor_task), guard_task];
-    if let Some(druid) = &config.druid {
-        tracing::info!(etcd_config = %druid.etcd_config.display(), pod = ?druid.pod_name, "serving etcd-wrapper's initialization endpoints and /config (etcd-druid)");
-        let api = crate::druid::Druid::new(
-            druid.clone(),
-            config.restore.clone(),
-            store.clone(),
-            secondary.clone(),
-            metrics.initialize.clone(),
-            cancel.clone(),
-        );
-        // Snapshot triggers reaching a follower go to the leader's sidecar (druid calls them
-        // through a Service that picks any pod).
-        let forwarder = crate::druid::forward::Forwarder {
-            leadership: Arc::new(crate::druid::forward::EtcdLeadership {
-                etcd: config.etcd.clone(),
-            }),
-            port: config.server.listen.port(),
-            scheme: if config.server.tls.is_some() {
-                "https"
-            } else {
-                "http"
-            },
-            http: crate::druid::forward::client(
-                config.etcd.tls.as_ref().and_then(|t| t.ca_file.as_deref()),
-                config.snapshot.timeout,
-            )
-            .map_err(|e| {
-                SidecarError::Serve(std::io::Error::other(format!(
-                    "a client for the leader's sidecar: {e}"
-                )))
-            })?,
-        };
-        router = router.layer(axum::middleware::from_fn_with_state(
-            forwarder,
-            crate::druid::forward::forward_to_leader,
-        ));
-        let callers = server::PodCallers {
-            token: config.server.token.clone(),
-        };
-        router = crate::druid::routes(api.clone(), callers).merge(router);
-        if druid.member_lease || druid.snapshot_leases {
-            let kube = kube::Client::try_default()
-                .await
-                .map_err(SidecarError::Kube)?;
-            let leases = crate::druid::Leases {
-                druid: api,
-                etcd: config.etcd.clone(),
-                kube,
-                actor: actor.watch_status(),
-                period: if config.snapshot.delta_period.is_zero() {
-                    Duration::from_secs(60)
-                } else {
-                    config.snapshot.delta_period
-                },
-            };
-            critical.extend(
-                leases
-                    .spawn(tasks.child_token())
-                    .into_iter()
-                    .map(|t| ("druid Leases", t)),
-            );
-        }
+    server::router(state)
+}
+
+/// Under etcd-druid: etcd-wrapper's initialization endpoints and `/config` beside `router`,
+/// snapshot triggers forwarded to the leader's sidecar, and the Leases druid reads (critical,
+/// returned with their name).
+async fn with_druid(
+    config: &Config,
+    druid: &crate::config::DruidConfig,
+    router: axum::Router,
+    (store, secondary, actor): (&SnapshotStore, Option<SnapshotStore>, &ActorHandle),
+    metrics: &SidecarMetrics,
+    cancel: &CancellationToken,
+    tasks: &CancellationToken,
+) -> Result<(axum::Router, Vec<Critical>), SidecarError> {
+    tracing::info!(etcd_config = %druid.etcd_config.display(), pod = ?druid.pod_name, "serving etcd-wrapper's initialization endpoints and /config (etcd-druid)");
+    let api = crate::druid::Druid::new(
+        druid.clone(),
+        config.restore.clone(),
+        store.clone(),
+        secondary,
+        metrics.initialize.clone(),
+        cancel.clone(),
+    );
+    // Snapshot triggers reaching a follower go to the leader's sidecar (druid calls them
+    // through a Service that picks any pod).
+    let forwarder = crate::druid::forward::Forwarder {
+        leadership: Arc::new(crate::druid::forward::EtcdLeadership {
+            etcd: config.etcd.clone(),
+        }),
+        port: config.server.listen.port(),
+        scheme: if config.server.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        },
+        http: crate::druid::forward::client(
+            config.etcd.tls.as_ref().and_then(|t| t.ca_file.as_deref()),
+            config.snapshot.timeout,
+        )
+        .map_err(|e| {
+            SidecarError::Serve(std::io::Error::other(format!(
+                "a client for the leader's sidecar: {e}"
+            )))
+        })?,
+    };
+    let router = router.layer(axum::middleware::from_fn_with_state(
+        forwarder,
+        crate::druid::forward::forward_to_leader,
+    ));
+    let callers = server::PodCallers {
+        token: config.server.token.clone(),
+    };
+    let router = crate::druid::routes(api.clone(), callers).merge(router);
+    if !(druid.member_lease || druid.snapshot_leases) {
+        return Ok((router, Vec::new()));
     }
-    let server_cancel = cancel.child_token();
-    let served = {
-        let token = server_cancel.clone();
-        let tls = config.server.tls.clone();
-        let client_ca = config.server.client_ca.clone();
-        let limits = server::Limits {
-            header_read_timeout: config.server.header_read_timeout,
-            request_timeout: config.server.request_timeout,
-            snapshot_request_timeout: config.snapshot.timeout + Duration::from_secs(60),
-            idle_timeout: config.server.idle_timeout,
-            max_connections: config.server.max_connections,
-            max_body_bytes: config.server.max_body_bytes,
-        };
-        server::raise_fd_limit(&limits);
-        let tls = tls.map(|(cert, key)| server::ServerTls {
+    let kube = kube::Client::try_default()
+        .await
+        .map_err(SidecarError::Kube)?;
+    let leases = crate::druid::Leases {
+        druid: api,
+        etcd: config.etcd.clone(),
+        kube,
+        actor: actor.watch_status(),
+        period: if config.snapshot.delta_period.is_zero() {
+            Duration::from_secs(60)
+        } else {
+            config.snapshot.delta_period
+        },
+    };
+    let critical = leases
+        .spawn(tasks.child_token())
+        .into_iter()
+        .map(|t| ("druid Leases", t))
+        .collect();
+    Ok((router, critical))
+}
+
+/// The HTTP server on `listener` with `[server]`'s TLS and limits, until `token` fires.
+fn serve(
+    config: &Config,
+    listener: tokio::net::TcpListener,
+    router: axum::Router,
+    token: CancellationToken,
+) -> impl std::future::Future<Output = std::io::Result<()>> {
+    let limits = server::Limits {
+        header_read_timeout: config.server.header_read_timeout,
+        request_timeout: config.server.request_timeout,
+        snapshot_request_timeout: config.snapshot.timeout + Duration::from_secs(60),
+        idle_timeout: config.server.idle_timeout,
+        max_connections: config.server.max_connections,
+        max_body_bytes: config.server.max_body_bytes,
+    };
+    server::raise_fd_limit(&limits);
+    let tls = config
+        .server
+        .tls
+        .clone()
+        .map(|(cert, key)| server::ServerTls {
             cert,
             key,
-            client_ca,
+            client_ca: config.server.client_ca.clone(),
         });
-        server::serve_with(listener, router, token, limits, tls)
-    };
+    server::serve_with(listener, router, token, limits, tls)
+}
+
+/// What [`supervise`] watches and stops.
+struct Supervised {
+    critical: Vec<Critical>,
+    secondary: Option<tokio::task::JoinHandle<()>>,
+    readiness: Arc<watch::Sender<Readiness>>,
+    liveness: watch::Sender<Liveness>,
+    /// The tasks' parent token.
+    tasks: CancellationToken,
+    /// The server's token.
+    server: CancellationToken,
+    /// The sidecar's root token.
+    cancel: CancellationToken,
+}
+
+/// Runs until the server or a critical task ends. Shutdown (the root token) stops everything
+/// within [`SHUTDOWN_GRACE`]; a critical task that ends otherwise fails closed ([`fail_closed`]:
+/// readiness 503 before anything else stops) and is returned as [`SidecarError::TaskEnded`].
+async fn supervise(
+    mut s: Supervised,
+    served: impl std::future::Future<Output = std::io::Result<()>>,
+) -> Result<(), SidecarError> {
     tokio::pin!(served);
     // Whichever ends first: the server (shutdown, or an error), or a critical task (a failure,
     // unless shutdown was asked for).
     let (task, how) = tokio::select! {
         result = &mut served => {
-            tasks.cancel();
-            let _ = tokio::time::timeout(SHUTDOWN_GRACE, join_all(&mut critical)).await;
-            stop_secondary(secondary_task).await;
+            s.tasks.cancel();
+            let _ = tokio::time::timeout(SHUTDOWN_GRACE, join_all(&mut s.critical)).await;
+            stop_secondary(s.secondary).await;
             return result.map_err(SidecarError::Serve);
         }
-        died = first_to_end(&mut critical) => died,
+        died = first_to_end(&mut s.critical) => died,
     };
-    if cancel.is_cancelled() {
+    if s.cancel.is_cancelled() {
         // Shutting down: the tasks ended because they were told to.
         let _ = tokio::time::timeout(SHUTDOWN_GRACE, served).await;
-        stop_secondary(secondary_task).await;
+        stop_secondary(s.secondary).await;
         return Ok(());
     }
-    fail_closed(&readiness_tx, &liveness_tx, task, &how);
-    tasks.cancel();
+    fail_closed(&s.readiness, &s.liveness, task, &how);
+    s.tasks.cancel();
     // Let probes see the 503 for a moment while the rest stops.
-    let _ = tokio::time::timeout(Duration::from_secs(2), join_all(&mut critical)).await;
-    server_cancel.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(2), join_all(&mut s.critical)).await;
+    s.server.cancel();
     let _ = tokio::time::timeout(SHUTDOWN_GRACE, served).await;
-    stop_secondary(secondary_task).await;
+    stop_secondary(s.secondary).await;
     Err(SidecarError::TaskEnded { task, how })
 }
 

@@ -375,8 +375,8 @@ fn every_error_names_its_key() {
                     "https://10.0.0.3:2380",
                 ),
             ],
-            "restore.initial_advertise_peer_urls",
-            "http://",
+            "restore.peer_cert_file",
+            "\"https://10.0.0.3:2380\"",
         ),
         (
             "zero rejoin timeout",
@@ -1190,4 +1190,86 @@ fn quorum_restore_lost_for_from_a_flag_is_checked_naming_the_flag() {
         stderr.contains("quorum_restore.lost_for (from --lost-for)"),
         "{stderr}"
     );
+}
+
+/// `restore.peer_*`: the rejoining member's peer certificate, both halves or neither, a CA with
+/// client certificates required (the default), and required with `https://` peer URLs only.
+#[test]
+fn the_peer_certificate_of_a_rejoin_is_complete_or_refused_naming_its_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = |n: &str| {
+        let p = dir.path().join(n);
+        std::fs::write(&p, "pem").unwrap();
+        p.display().to_string()
+    };
+    let (cert, key, ca) = (file("peer.crt"), file("peer.key"), file("ca.crt"));
+    let https = [
+        (
+            "ETCD_WARDEN_RESTORE_CLUSTER_ENDPOINTS",
+            "https://10.0.0.1:2379",
+        ),
+        (
+            "ETCD_WARDEN_RESTORE_INITIAL_ADVERTISE_PEER_URLS",
+            "https://10.0.0.3:2380",
+        ),
+    ];
+    let with = |extra: &[(&'static str, &str)]| {
+        let mut e: Vec<(&str, &str)> = https.to_vec();
+        e.extend(extra.iter().map(|(k, v)| (*k, *v)));
+        load(None, &e, &[])
+    };
+    let refused = |extra: &[(&'static str, &str)], key: &str, words: &str| {
+        let e = with(extra).unwrap_err();
+        assert_eq!(e.key, key, "{e}");
+        assert!(e.to_string().contains(words), "{e}");
+    };
+    refused(&[], "restore.peer_cert_file", "https://10.0.0.3:2380");
+    refused(
+        &[("ETCD_WARDEN_RESTORE_PEER_CERT_FILE", &cert)],
+        "restore.peer_key_file",
+        "required",
+    );
+    refused(
+        &[("ETCD_WARDEN_RESTORE_PEER_KEY_FILE", &key)],
+        "restore.peer_cert_file",
+        "required",
+    );
+    refused(
+        &[("ETCD_WARDEN_RESTORE_PEER_CA_FILE", &ca)],
+        "restore.peer_cert_file",
+        "required",
+    );
+    let pair = [
+        ("ETCD_WARDEN_RESTORE_PEER_CERT_FILE", cert.as_str()),
+        ("ETCD_WARDEN_RESTORE_PEER_KEY_FILE", key.as_str()),
+    ];
+    refused(&pair, "restore.peer_ca_file", "peer_client_cert_auth");
+    refused(
+        &[
+            (
+                "ETCD_WARDEN_RESTORE_PEER_CERT_FILE",
+                "/nonexistent/peer.crt",
+            ),
+            ("ETCD_WARDEN_RESTORE_PEER_KEY_FILE", &key),
+        ],
+        "restore.peer_cert_file",
+        "does not exist",
+    );
+    let mut all = pair.to_vec();
+    all.push(("ETCD_WARDEN_RESTORE_PEER_CA_FILE", &ca));
+    let tls = with(&all).unwrap().restore.peer_tls.unwrap();
+    assert_eq!(tls.cert_file, Path::new(&cert));
+    assert_eq!(tls.key_file, Path::new(&key));
+    assert_eq!(tls.ca_file.as_deref(), Some(Path::new(&ca)));
+    assert!(
+        tls.client_cert_auth,
+        "client certificates required by default"
+    );
+    // Without client certificates from the other members, no CA is needed.
+    let mut open = pair.to_vec();
+    open.push(("ETCD_WARDEN_RESTORE_PEER_CLIENT_CERT_AUTH", "false"));
+    let tls = with(&open).unwrap().restore.peer_tls.unwrap();
+    assert!(!tls.client_cert_auth && tls.ca_file.is_none());
+    // Plain peers need none, and none is the default.
+    assert_eq!(load(None, &[], &[]).unwrap().restore.peer_tls, None);
 }

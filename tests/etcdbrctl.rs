@@ -14,11 +14,11 @@
 use std::collections::HashMap;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 
 use std::time::Duration;
 
 use etcd_warden::config::{Config, Purpose, Sources};
+use etcd_warden::etcd::process::{self, EtcdProcess};
 use etcd_warden::etcdbrctl::translate;
 
 use crate::support::etcd::{Release, member_healthy};
@@ -288,30 +288,23 @@ fn anything_else_exits_64_naming_it() {
     );
 }
 
-/// etcd started as etcd-wrapper starts it: from the configuration `/config` served.
+/// etcd started as etcd-wrapper starts it: from the configuration `/config` served, by
+/// `etcd::process` (killed on drop).
 struct Etcd {
-    child: Child,
+    _process: EtcdProcess,
 }
 
 impl Etcd {
-    fn start(config: &Path, log: &Path) -> Etcd {
-        let log = std::fs::File::create(log).unwrap();
-        let child = Command::new(Release::V35.bin("etcd"))
-            .arg("--config-file")
-            .arg(config)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .expect("start etcd");
-        Etcd { child }
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+    fn start(config: &Path, client_url: &str, log: &Path) -> Etcd {
+        let process = process::spawn_config_file(
+            Release::V35.binaries(),
+            MEMBER,
+            config,
+            client_url,
+            Some(log),
+        )
+        .unwrap_or_else(|e| panic!("start etcd: {e}"));
+        Etcd { _process: process }
     }
 }
 
@@ -479,7 +472,7 @@ impl Pod {
         let path = self.root.path().join("served.yaml");
         std::fs::write(&path, &config).unwrap();
         let log = self.root.path().join(log);
-        let etcd = Etcd::start(&path, &log);
+        let etcd = Etcd::start(&path, &self.client_url, &log);
         assert!(
             eventually(Duration::from_secs(30), || member_healthy(&self.client_url)).await,
             "etcd from /config did not start: {}",

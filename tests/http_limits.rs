@@ -332,16 +332,7 @@ async fn the_druid_endpoints_answer_a_caller_on_loopback() {
     };
     let (config, _) = Config::load(&sources).unwrap();
     let druid = etcd_warden::druid::Druid::new(
-        DruidConfig {
-            etcd_config: "/nonexistent/etcd.conf.yaml".into(),
-            pod_name: Some("etcd-main-0".into()),
-            pod_namespace: None,
-            member_lease: false,
-            heartbeat: Duration::from_secs(10),
-            snapshot_leases: false,
-            full_snapshot_lease: String::new(),
-            delta_snapshot_lease: String::new(),
-        },
+        DruidConfig::without_leases("/nonexistent/etcd.conf.yaml", "etcd-main-0"),
         config.restore,
         etcd_warden::store::SnapshotStore::new(
             std::sync::Arc::new(object_store::memory::InMemory::new()),

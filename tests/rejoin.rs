@@ -8,8 +8,11 @@ use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use etcd_client::{Client, ConnectOptions, GetOptions, MemberAddOptions};
-use etcd_warden::config::{EtcdConfig, RestoreConfig};
+use etcd_client::{
+    Certificate, Client, ConnectOptions, GetOptions, Identity, MemberAddOptions, TlsOptions,
+};
+use etcd_warden::config::{EtcdConfig, PeerTls, RestoreConfig, TlsFiles};
+use etcd_warden::etcd::process::ServerTls;
 use etcd_warden::restore::datadir::{DataDir, check};
 use etcd_warden::restore::initialize::InitializeMetrics;
 
@@ -80,6 +83,7 @@ fn restore_config(etcd: &EtcdCluster, i: usize, timeout: Duration) -> RestoreCon
             request_timeout: Duration::from_secs(3),
         }),
         rejoin_timeout: timeout,
+        peer_tls: None,
         bump_revision: 0,
         mark_compacted: false,
         read_limits: Default::default(),
@@ -548,4 +552,250 @@ async fn replication_may_outlast_rejoin_timeout_while_it_progresses() {
     assert!(begun.elapsed() > timeout, "{:?}", begun.elapsed());
     assert!(is_valid_data_dir(&data));
     three_voters(&mut client).await;
+}
+
+/// Certificates for 127.0.0.1 (`support::tls`): one serves every member on its client and its
+/// peer URLs (client certificates required on both), and one is the sidecar's client's.
+struct Certs {
+    dir: tempfile::TempDir,
+}
+
+impl Certs {
+    fn new() -> Certs {
+        let dir = tempfile::tempdir().unwrap();
+        support::tls::make_certs_for(dir.path(), &["127.0.0.1"], &["client"]);
+        Certs { dir }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// The members' TLS, on client and peer URLs alike.
+    fn member(&self) -> ServerTls {
+        ServerTls {
+            cert_file: self.path("server.pem"),
+            key_file: self.path("server.key"),
+            trusted_ca_file: Some(self.path("ca.pem")),
+            client_cert_auth: true,
+        }
+    }
+
+    /// `restore.peer_*`: the member's own peer certificate.
+    fn peer(&self) -> PeerTls {
+        PeerTls {
+            cert_file: self.path("server.pem"),
+            key_file: self.path("server.key"),
+            ca_file: Some(self.path("ca.pem")),
+            client_cert_auth: true,
+        }
+    }
+
+    /// `etcd.ca_file`, `etcd.cert_file`, `etcd.key_file`.
+    fn client(&self) -> TlsFiles {
+        TlsFiles {
+            ca_file: Some(self.path("ca.pem")),
+            cert_file: Some(self.path("client.pem")),
+            key_file: Some(self.path("client.key")),
+        }
+    }
+
+    /// A client of `urls` with the client certificate.
+    async fn connect<S: AsRef<str>>(&self, urls: &[S]) -> Client {
+        let tls = TlsOptions::new()
+            .ca_certificate(Certificate::from_pem(
+                std::fs::read(self.path("ca.pem")).unwrap(),
+            ))
+            .identity(Identity::from_pem(
+                std::fs::read(self.path("client.pem")).unwrap(),
+                std::fs::read(self.path("client.key")).unwrap(),
+            ));
+        let opts = ConnectOptions::new()
+            .with_connect_timeout(Duration::from_secs(2))
+            .with_timeout(Duration::from_secs(10))
+            .with_tls(tls);
+        let urls: Vec<&str> = urls.iter().map(AsRef::as_ref).collect();
+        Client::connect(urls, Some(opts)).await.unwrap()
+    }
+}
+
+/// Keys `/w/000` to `/w/199`, written through `client`.
+async fn write_keys(client: &mut Client) {
+    for i in 0..200 {
+        client
+            .put(format!("/w/{i:03}"), format!("v{i}"), None)
+            .await
+            .unwrap();
+    }
+}
+
+/// Three members with peer and client TLS (client certificates required on both), the keys
+/// written, then m2 killed and its data directory wiped. Returns them, a client of the other
+/// two, the membership before, and the restore section for m2 (the sidecar's client
+/// certificate, no peer certificate yet).
+async fn third_wiped_under_tls(
+    release: Release,
+    certs: &Certs,
+) -> (EtcdCluster, Client, Vec<(String, u64, bool)>, RestoreConfig) {
+    let mut etcd = EtcdCluster::start_with(3, release, Some(certs.member())).await;
+    assert!(etcd.members[2].peer_url().starts_with("https://"));
+    let mut client = certs.connect(&etcd.endpoints()[..2]).await;
+    write_keys(&mut client).await;
+    let mut before = members(&mut client).await;
+    before.sort();
+    etcd.members[2].kill();
+    std::fs::remove_dir_all(&etcd.members[2].data_dir).unwrap();
+    let mut config = restore_config(&etcd, 2, Duration::from_secs(120));
+    config.etcd_bin = Some(release.bin_dir());
+    if let Some(cluster) = config.cluster.as_mut() {
+        cluster.tls = Some(certs.client());
+    }
+    (etcd, client, before, config)
+}
+
+/// m2 is a voter again: three voters; started with its own flags (peer TLS and all) it
+/// serves every key on its own.
+async fn m2_serves_every_key(etcd: &mut EtcdCluster, client: &mut Client, certs: &Certs) {
+    let after = three_voters(client).await;
+    assert_eq!(after.len(), 3, "{after:?}");
+    assert!(is_valid_data_dir(&etcd.members[2].data_dir));
+    let m2 = &mut etcd.members[2];
+    m2.start();
+    m2.wait_healthy(Duration::from_secs(30)).await;
+    let mut c = certs.connect(&[m2.client_url()]).await;
+    let status = c.status().await.unwrap();
+    assert!(!status.is_learner());
+    let got = c
+        .get(
+            "/w/",
+            Some(GetOptions::new().with_prefix().with_serializable()),
+        )
+        .await
+        .unwrap();
+    let values: Vec<String> = got
+        .kvs()
+        .iter()
+        .map(|kv| kv.value_str().unwrap().to_owned())
+        .collect();
+    let want: Vec<String> = (0..200).map(|i| format!("v{i}")).collect();
+    assert_eq!(values, want);
+}
+
+/// A lost member of a cluster with peer TLS rejoins as a learner with its peer certificate
+/// (`restore.peer_*`) and the sidecar's client certificate (`[etcd]`'s TLS files); before,
+/// without a peer certificate, the attempt is refused naming the key, and the membership is
+/// left as it was.
+async fn rejoins_under_peer_tls(release: Release) {
+    logs();
+    let certs = Certs::new();
+    let (mut etcd, mut client, before, mut config) = third_wiped_under_tls(release, &certs).await;
+
+    let e = initialize(&config).await.unwrap_err();
+    assert!(matches!(e, RejoinError::PeerTls(_)), "{e}");
+    assert!(e.to_string().contains("restore.peer_cert_file"), "{e}");
+    let mut unchanged = members(&mut client).await;
+    unchanged.sort();
+    assert_eq!(unchanged, before, "membership changed by a refused rejoin");
+
+    config.peer_tls = Some(certs.peer());
+    assert!(initialize(&config).await.unwrap(), "not rejoined");
+    m2_serves_every_key(&mut etcd, &mut client, &certs).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wiped_member_rejoins_under_peer_tls_on_etcd_3_5() {
+    rejoins_under_peer_tls(Release::V35).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wiped_member_rejoins_under_peer_tls_on_etcd_3_4() {
+    rejoins_under_peer_tls(Release::V34).await;
+}
+
+/// The druid profile: etcd-wrapper's `/initialization/start` on a member whose etcd
+/// configuration file (as druid writes it) has `peer-transport-security`: the rejoin takes the
+/// member's name, peer URLs, data directory and peer certificate from that file, the sidecar's
+/// own restore section having none of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_druid_a_wiped_member_rejoins_with_the_peer_tls_of_etcds_configuration() {
+    use axum::body::Body;
+    use axum::extract::ConnectInfo;
+    use axum::http::Request;
+    use etcd_warden::config::DruidConfig;
+    use etcd_warden::druid::{Druid, routes};
+    use etcd_warden::server::PodCallers;
+    use tower::ServiceExt;
+
+    logs();
+    let certs = Certs::new();
+    let (mut etcd, mut client, _, mut restore) = third_wiped_under_tls(Release::V35, &certs).await;
+    let m2 = &etcd.members[2];
+    let conf = etcd.dir.path().join("etcd.conf.yaml");
+    let path = |n: &str| certs.path(n).display().to_string();
+    std::fs::write(
+        &conf,
+        format!(
+            "name: etcd-config\n\
+             data-dir: {data}\n\
+             initial-cluster-token: etcd-cluster\n\
+             initial-cluster-state: new\n\
+             initial-cluster: {cluster}\n\
+             initial-advertise-peer-urls:\n  m2:\n  - {peer}\n\
+             advertise-client-urls:\n  m2:\n  - {client}\n\
+             client-transport-security:\n  cert-file: {cert}\n  key-file: {key}\n  \
+               client-cert-auth: true\n  trusted-ca-file: {ca}\n  auto-tls: false\n\
+             peer-transport-security:\n  cert-file: {cert}\n  key-file: {key}\n  \
+               client-cert-auth: true\n  trusted-ca-file: {ca}\n  auto-tls: false\n",
+            data = m2.data_dir.display(),
+            cluster = initial_cluster(&etcd),
+            peer = m2.peer_url(),
+            client = m2.client_url(),
+            cert = path("server.pem"),
+            key = path("server.key"),
+            ca = path("ca.pem"),
+        ),
+    )
+    .unwrap();
+    // What the sidecar's own configuration says under druid: etcd-backup-restore's defaults.
+    restore.name = "default".into();
+    restore.initial_advertise_peer_urls = "http://localhost:2380".into();
+    restore.initial_cluster = String::new();
+    restore.data_dir = None;
+    let druid = Druid::new(
+        DruidConfig::without_leases(conf, "m2"),
+        restore,
+        empty_store(),
+        None,
+        InitializeMetrics::default(),
+        CancellationToken::new(),
+    );
+    let get = |path: &str| {
+        let mut req = Request::get(path).body(Body::empty()).unwrap();
+        req.extensions_mut().insert(ConnectInfo(
+            "127.0.0.1:40000".parse::<std::net::SocketAddr>().unwrap(),
+        ));
+        let router = routes(druid.clone(), PodCallers { token: None });
+        async move {
+            let resp = router.oneshot(req).await.unwrap();
+            let code = resp.status();
+            let body = axum::body::to_bytes(resp.into_body(), 1 << 20)
+                .await
+                .unwrap();
+            (code.as_u16(), String::from_utf8_lossy(&body).into_owned())
+        }
+    };
+    assert_eq!(get("/initialization/start?mode=sanity").await.0, 200);
+    let deadline = Instant::now() + Duration::from_secs(150);
+    loop {
+        let (code, body) = get("/initialization/status").await;
+        assert_eq!(code, 200);
+        match body.as_str() {
+            "Successful" => break,
+            "Progress" => {}
+            other => panic!("initialization ended {other}"),
+        }
+        assert!(Instant::now() < deadline, "initialization still running");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    m2_serves_every_key(&mut etcd, &mut client, &certs).await;
 }

@@ -795,14 +795,7 @@ mod ops {
     }
 
     pub async fn reclaim(config: &Config) -> anyhow::Result<()> {
-        if let Some(found) = owner_record(config).await? {
-            handoff::may_reclaim(
-                record_name(config),
-                config.owner.as_ref().map_or("", |o| o.id.as_str()),
-                found.verdict(),
-                &found.to_string(),
-            )?;
-        }
+        ensure_may_reclaim(config).await?;
         let store = snapshots(config)?;
         let done = handoff::reclaim(&handoff::HandOffObjects::new(store))
             .await
@@ -905,16 +898,49 @@ mod ops {
         Ok(())
     }
 
+    /// Refuses unless this seed may take the data over: the owner record, when there is one,
+    /// names it (`handoff::may_reclaim`).
+    async fn ensure_may_reclaim(config: &Config) -> anyhow::Result<()> {
+        if let Some(found) = owner_record(config).await? {
+            handoff::may_reclaim(
+                record_name(config),
+                config.owner.as_ref().map_or("", |o| o.id.as_str()),
+                found.verdict(),
+                &found.to_string(),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Says where etcd starts when `restore.bump_revision` moved it above the restored `revision`.
+    fn print_bump(config: &Config, revision: i64, etcd_revision: i64) {
+        if etcd_revision != revision {
+            println!(
+                "etcd starts at revision {etcd_revision} (bumped by {}{})",
+                etcd_revision - revision,
+                if config.restore.mark_compacted {
+                    ", marked compacted"
+                } else {
+                    ""
+                }
+            );
+        }
+    }
+
+    /// `restore.data_dir`, which `Purpose::Restore` has required: this only unwraps the Option.
+    fn restore_data_dir(config: &Config) -> anyhow::Result<&std::path::Path> {
+        config
+            .restore
+            .data_dir
+            .as_deref()
+            .context("restore.data_dir is not set")
+    }
+
     pub async fn restore(
         config: &Config,
         to: Option<etcd_warden::restore::Target>,
     ) -> anyhow::Result<()> {
-        // Purpose::Restore has required it; this only unwraps the Option.
-        let data_dir = config
-            .restore
-            .data_dir
-            .as_deref()
-            .context("restore.data_dir is not set")?;
+        let data_dir = restore_data_dir(config)?;
         let store = snapshots(config)?;
         let mut opts = etcd_warden::restore::RestoreOptions::from_config(&config.restore, data_dir);
         opts.to = to;
@@ -936,18 +962,7 @@ mod ops {
                 report.revision
             );
         }
-        if report.etcd_revision != report.revision {
-            println!(
-                "etcd starts at revision {} (bumped by {}{})",
-                report.etcd_revision,
-                report.etcd_revision - report.revision,
-                if config.restore.mark_compacted {
-                    ", marked compacted"
-                } else {
-                    ""
-                }
-            );
-        }
+        print_bump(config, report.revision, report.etcd_revision);
         for skipped in &report.skipped {
             println!(
                 "skipped full snapshot {}: {}",
@@ -991,22 +1006,10 @@ mod ops {
         args: &super::QuorumRestoreArgs,
     ) -> anyhow::Result<()> {
         use etcd_warden::restore::quorum::{self, QuorumOptions, Rebuilt, StoreCheck};
-        // Purpose::Restore has required it; this only unwraps the Option.
-        let data_dir = config
-            .restore
-            .data_dir
-            .as_deref()
-            .context("restore.data_dir is not set")?;
+        let data_dir = restore_data_dir(config)?;
         // A hand-off is the owner record's business as much as the store's: as for reclaim,
         // this seed must own the data it revives.
-        if let Some(found) = owner_record(config).await? {
-            handoff::may_reclaim(
-                record_name(config),
-                config.owner.as_ref().map_or("", |o| o.id.as_str()),
-                found.verdict(),
-                &found.to_string(),
-            )?;
-        }
+        ensure_may_reclaim(config).await?;
         let store = if args.use_store {
             Some(snapshots(config)?)
         } else {
@@ -1061,18 +1064,7 @@ mod ops {
                 data_dir.display()
             ),
         }
-        if report.etcd_revision != report.revision {
-            println!(
-                "etcd starts at revision {} (bumped by {}{})",
-                report.etcd_revision,
-                report.etcd_revision - report.revision,
-                if config.restore.mark_compacted {
-                    ", marked compacted"
-                } else {
-                    ""
-                }
-            );
-        }
+        print_bump(config, report.revision, report.etcd_revision);
         if !report.dropped.is_empty() {
             println!("members dropped: {}", report.dropped.join(", "));
         }

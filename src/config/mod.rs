@@ -146,6 +146,23 @@ pub struct DruidConfig {
     pub delta_snapshot_lease: String,
 }
 
+impl DruidConfig {
+    /// The section for `pod_name` reading etcd's configuration at `etcd_config`, writing no
+    /// Lease (the lease names and heartbeat as the defaults).
+    pub fn without_leases(etcd_config: impl Into<PathBuf>, pod_name: &str) -> DruidConfig {
+        DruidConfig {
+            etcd_config: etcd_config.into(),
+            pod_name: Some(pod_name.to_owned()),
+            pod_namespace: None,
+            member_lease: false,
+            heartbeat: Duration::from_secs(30),
+            snapshot_leases: false,
+            full_snapshot_lease: "full-snapshot-revisions".into(),
+            delta_snapshot_lease: "delta-snapshot-revisions".into(),
+        }
+    }
+}
+
 impl Config {
     /// This configuration with `[store.secondary]` as its store, for a command that reads
     /// snapshots (`ls`, `verify`, `restore --secondary`); an error naming the key when no
@@ -576,6 +593,9 @@ pub struct RestoreConfig {
     /// A rejoin's bound until a learner is added, then for each stretch of replication without
     /// progress, before `serve` fails.
     pub rejoin_timeout: Duration,
+    /// This member's peer TLS (`restore.peer_*`): the temporary member a rejoin starts speaks
+    /// to the other members with it; required when the peer URLs are `https://`.
+    pub peer_tls: Option<PeerTls>,
     /// etcd starts this many revisions above the restored data (`--bump-revision`); 0: none.
     pub bump_revision: u64,
     /// The bumped revision is marked compacted (`--mark-compacted`; needs a bump).
@@ -603,6 +623,21 @@ pub struct QuorumRestoreConfig {
     /// A kubeconfig to reach the API server with; `None`: `$KUBECONFIG`, `~/.kube/config`, then
     /// the pod's service account.
     pub kubeconfig: Option<PathBuf>,
+}
+
+/// A member's peer certificate, as etcd's `--peer-*` flags (or `peer-transport-security` in
+/// etcd's configuration file) name it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerTls {
+    /// `--peer-cert-file`: presented to the other members, as server and as client.
+    pub cert_file: PathBuf,
+    /// `--peer-key-file`.
+    pub key_file: PathBuf,
+    /// `--peer-trusted-ca-file`: the other members' certificates are checked against it.
+    pub ca_file: Option<PathBuf>,
+    /// `--peer-client-cert-auth`: a member dialling this one must present a certificate of
+    /// `ca_file`.
+    pub client_cert_auth: bool,
 }
 
 /// Bounds on what a stored snapshot may decompress to, so a hostile or damaged object (a

@@ -301,6 +301,14 @@ pub struct RawRestore {
     #[serde(default, deserialize_with = "lenient::list")]
     pub cluster_endpoints: Vec<String>,
     pub rejoin_timeout: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer_cert_file: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer_key_file: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer_ca_file: Option<String>,
+    #[serde(deserialize_with = "lenient::boolean")]
+    pub peer_client_cert_auth: bool,
     #[serde(deserialize_with = "lenient::unsigned")]
     pub bump_revision: u64,
     #[serde(deserialize_with = "lenient::boolean")]

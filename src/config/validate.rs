@@ -18,9 +18,9 @@ use super::raw::{
 use super::{
     AzureWorkloadIdentity, Compression, Config, ConfigError, CopyConfig, DefragConfig, DruidConfig,
     EncryptionConfig, EtcdConfig, GcPolicy, KillConfig, LogConfig, LogFormat, ObjectLockMode,
-    ObjectLockRetention, OwnerConfig, Purpose, QuorumRestoreConfig, ReadLimits, RestoreConfig,
-    SecondaryConfig, Secret, ServerConfig, ServerSideEncryption, SnapshotConfig, StoreConfig,
-    StoreLocation, TlsFiles, Validation, WebIdentity,
+    ObjectLockRetention, OwnerConfig, PeerTls, Purpose, QuorumRestoreConfig, ReadLimits,
+    RestoreConfig, SecondaryConfig, Secret, ServerConfig, ServerSideEncryption, SnapshotConfig,
+    StoreConfig, StoreLocation, TlsFiles, Validation, WebIdentity,
 };
 
 /// The spellings of each compression, the one errors list first.
@@ -281,6 +281,7 @@ impl Validator<'_> {
                 ));
             }
         };
+        let peer_tls = self.peer_tls(r)?;
         Ok(RestoreConfig {
             data_dir,
             name: name.to_string(),
@@ -303,8 +304,9 @@ impl Validator<'_> {
                 .as_deref()
                 .filter(|d| !d.trim().is_empty())
                 .map(PathBuf::from),
-            cluster: self.rejoin_cluster(r, etcd)?,
+            cluster: self.rejoin_cluster(r, etcd, peer_tls.is_some())?,
             rejoin_timeout: self.positive_duration("restore.rejoin_timeout", &r.rejoin_timeout)?,
+            peer_tls,
             bump_revision: self.bump_revision(r)?,
             mark_compacted: r.mark_compacted,
             read_limits: self.read_limits(r, snapshot)?,
@@ -361,12 +363,13 @@ impl Validator<'_> {
     }
 
     /// `restore.cluster_endpoints` as a client configuration with `[etcd]`'s TLS material,
-    /// credentials and timeouts; `None` when empty. The rejoining member's peer URLs must be
-    /// `http://` (its temporary etcd has no peer TLS flags).
+    /// credentials and timeouts; `None` when empty. With `https://` peer URLs the rejoining
+    /// member's temporary etcd needs this member's peer certificate (`has_peer_tls`).
     fn rejoin_cluster(
         &self,
         r: &RawRestore,
         etcd: &EtcdConfig,
+        has_peer_tls: bool,
     ) -> Result<Option<EtcdConfig>, ConfigError> {
         let key = "restore.cluster_endpoints";
         let endpoints: Vec<String> = r
@@ -397,19 +400,79 @@ impl Validator<'_> {
         }
         for peer in r.initial_advertise_peer_urls.split(',').map(str::trim) {
             let scheme = url::Url::parse(peer).map(|u| u.scheme().to_string());
-            if scheme.as_deref() != Ok("http") {
-                return Err(self.err(
-                    "restore.initial_advertise_peer_urls",
-                    format!(
-                        "{peer:?}: with {key} set, the peer URLs must be http:// URLs (a rejoining \
-                         member has no peer TLS settings)"
-                    ),
-                ));
+            match scheme.as_deref() {
+                Ok("http") => {}
+                Ok("https") if has_peer_tls => {}
+                Ok("https") => {
+                    return Err(self.err(
+                        "restore.peer_cert_file",
+                        format!(
+                            "required with {key} set and the peer URL {peer:?} \
+                             (restore.initial_advertise_peer_urls): a rejoining member's temporary \
+                             etcd speaks TLS to the other members with this member's peer \
+                             certificate (restore.peer_cert_file, restore.peer_key_file)"
+                        ),
+                    ));
+                }
+                _ => {
+                    return Err(self.err(
+                        "restore.initial_advertise_peer_urls",
+                        format!(
+                            "{peer:?}: with {key} set, each peer URL must be http:// or https://"
+                        ),
+                    ));
+                }
             }
         }
         Ok(Some(EtcdConfig {
             endpoints,
             ..etcd.clone()
+        }))
+    }
+
+    /// `restore.peer_cert_file`, `restore.peer_key_file`, `restore.peer_ca_file` and
+    /// `restore.peer_client_cert_auth`: both halves of the certificate or neither, and a CA to
+    /// check the other members' certificates against when they must present one.
+    fn peer_tls(&self, r: &RawRestore) -> Result<Option<PeerTls>, ConfigError> {
+        let cert = self.path("restore.peer_cert_file", &r.peer_cert_file, true)?;
+        let key = self.path("restore.peer_key_file", &r.peer_key_file, true)?;
+        let ca_file = self.path("restore.peer_ca_file", &r.peer_ca_file, true)?;
+        let (cert_file, key_file) = match (cert, key) {
+            (Some(c), Some(k)) => (c, k),
+            (Some(_), None) => {
+                return Err(self.err(
+                    "restore.peer_key_file",
+                    "required when restore.peer_cert_file is set",
+                ));
+            }
+            (None, Some(_)) => {
+                return Err(self.err(
+                    "restore.peer_cert_file",
+                    "required when restore.peer_key_file is set",
+                ));
+            }
+            (None, None) if ca_file.is_some() => {
+                return Err(self.err(
+                    "restore.peer_cert_file",
+                    "required when restore.peer_ca_file is set: etcd speaks peer TLS only with \
+                     a certificate",
+                ));
+            }
+            (None, None) => return Ok(None),
+        };
+        if r.peer_client_cert_auth && ca_file.is_none() {
+            return Err(self.err(
+                "restore.peer_ca_file",
+                "required with restore.peer_client_cert_auth = true (the default): the other \
+                 members' certificates are checked against it; set peer_client_cert_auth = false \
+                 only when the cluster's members run without --peer-client-cert-auth",
+            ));
+        }
+        Ok(Some(PeerTls {
+            cert_file,
+            key_file,
+            ca_file,
+            client_cert_auth: r.peer_client_cert_auth,
         }))
     }
 

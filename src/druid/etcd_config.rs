@@ -14,6 +14,8 @@
 
 use serde_yaml::{Mapping, Value};
 
+use crate::config::PeerTls;
+
 /// What the file cannot give.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("etcd configuration: {0}")]
@@ -41,6 +43,8 @@ pub struct Member {
     pub initial_cluster_token: String,
     /// `data-dir`, when the file names one.
     pub data_dir: Option<String>,
+    /// `peer-transport-security`, when it names a certificate and its key.
+    pub peer_tls: Option<PeerTls>,
 }
 
 fn parse(text: &str) -> Result<Mapping, EtcdConfigError> {
@@ -109,7 +113,25 @@ fn member_of(m: &Mapping, pod_name: &str) -> Result<Member, EtcdConfigError> {
         initial_cluster_token: text(m, "initial-cluster-token")
             .unwrap_or_else(|| "etcd-cluster".into()),
         data_dir: text(m, "data-dir"),
+        peer_tls: peer_tls(m),
         name,
+    })
+}
+
+/// `peer-transport-security`'s `cert-file`, `key-file`, `trusted-ca-file` and
+/// `client-cert-auth`, as etcd reads them; `None` without a certificate and its key (`auto-tls`
+/// makes one that no other member trusts).
+fn peer_tls(m: &Mapping) -> Option<PeerTls> {
+    let section = m.get("peer-transport-security")?.as_mapping()?;
+    let file = |key: &str| text(section, key).filter(|f| !f.trim().is_empty());
+    Some(PeerTls {
+        cert_file: file("cert-file")?.into(),
+        key_file: file("key-file")?.into(),
+        ca_file: file("trusted-ca-file").map(Into::into),
+        client_cert_auth: section
+            .get("client-cert-auth")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
     })
 }
 
@@ -233,6 +255,12 @@ client-transport-security:
   client-cert-auth: true
   trusted-ca-file: /var/etcd/ssl/ca/ca.crt
   auto-tls: false
+peer-transport-security:
+  cert-file: /var/etcd/ssl/peer/server/tls.crt
+  key-file: /var/etcd/ssl/peer/server/tls.key
+  client-cert-auth: true
+  trusted-ca-file: /var/etcd/ssl/peer/ca/ca.crt
+  auto-tls: false
 member-name-prefix: m
 next-cluster-version-compatible: true
 ";
@@ -316,6 +344,27 @@ next-cluster-version-compatible: true
         let one = listed(&[("m-etcd-main-0", false)]);
         let m = rendered("etcd-main-1", Some(&one));
         assert_eq!(get(&m, "initial-cluster").split(',').count(), 3);
+    }
+
+    #[test]
+    fn the_peer_certificate_is_read_from_peer_transport_security() {
+        let me = member(DRUID, "etcd-main-0").unwrap();
+        assert_eq!(
+            me.peer_tls,
+            Some(PeerTls {
+                cert_file: "/var/etcd/ssl/peer/server/tls.crt".into(),
+                key_file: "/var/etcd/ssl/peer/server/tls.key".into(),
+                ca_file: Some("/var/etcd/ssl/peer/ca/ca.crt".into()),
+                client_cert_auth: true,
+            })
+        );
+        // auto-tls alone, or no section: no certificate to start a member with.
+        let auto = "initial-advertise-peer-urls:\n  p: [https://p:2380]\n\
+                    advertise-client-urls:\n  p: [https://p:2379]\n\
+                    peer-transport-security:\n  auto-tls: true\n";
+        assert_eq!(member(auto, "p").unwrap().peer_tls, None);
+        let none = auto.replace("peer-transport-security:\n  auto-tls: true\n", "");
+        assert_eq!(member(&none, "p").unwrap().peer_tls, None);
     }
 
     #[test]

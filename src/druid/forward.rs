@@ -256,14 +256,8 @@ mod tests {
         for (k, v) in headers {
             req = req.header(*k, *v);
         }
-        let resp = tower::ServiceExt::oneshot(app, req.body(Body::empty()).unwrap())
-            .await
-            .unwrap();
-        let code = resp.status().as_u16();
-        let body = axum::body::to_bytes(resp.into_body(), 1 << 20)
-            .await
-            .unwrap();
-        (code, String::from_utf8_lossy(&body).into_owned())
+        let (code, body) = crate::server::respond(app, req.body(Body::empty()).unwrap()).await;
+        (code.as_u16(), body)
     }
 
     #[tokio::test]

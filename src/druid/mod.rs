@@ -142,6 +142,10 @@ impl Druid {
         r.initial_cluster = me.initial_cluster;
         r.initial_cluster_token = me.initial_cluster_token;
         r.validation = mode;
+        // The file is what etcd runs with: its peer certificate, else the restore section's.
+        if me.peer_tls.is_some() {
+            r.peer_tls = me.peer_tls;
+        }
         if r.data_dir.is_none() {
             r.data_dir = me.data_dir.map(Into::into);
         }
@@ -399,7 +403,6 @@ mod tests {
     use axum::extract::ConnectInfo;
     use axum::http::Request;
     use std::net::SocketAddr;
-    use tower::ServiceExt;
 
     /// A `Druid` whose initialization would fail (no etcd configuration file): the tests below
     /// only look at who reaches the handlers.
@@ -411,16 +414,7 @@ mod tests {
         };
         let (config, _) = crate::config::Config::load(&sources).unwrap();
         Druid::new(
-            DruidConfig {
-                etcd_config: "/nonexistent/etcd.conf.yaml".into(),
-                pod_name: Some("etcd-main-0".into()),
-                pod_namespace: None,
-                member_lease: false,
-                heartbeat: Duration::from_secs(10),
-                snapshot_leases: false,
-                full_snapshot_lease: String::new(),
-                delta_snapshot_lease: String::new(),
-            },
+            DruidConfig::without_leases("/nonexistent/etcd.conf.yaml", "etcd-main-0"),
             config.restore,
             SnapshotStore::new(Arc::new(object_store::memory::InMemory::new()), ""),
             None,
@@ -451,12 +445,7 @@ mod tests {
         let callers = PodCallers {
             token: token.map(|t| crate::config::Secret::Value(t.into())),
         };
-        let resp = routes(d.clone(), callers).oneshot(req).await.unwrap();
-        let code = resp.status();
-        let body = axum::body::to_bytes(resp.into_body(), 1 << 20)
-            .await
-            .unwrap();
-        (code, String::from_utf8_lossy(&body).into_owned())
+        crate::server::respond(routes(d.clone(), callers), req).await
     }
 
     /// Only the peer address a request carries is checked here, set by hand: the tests can

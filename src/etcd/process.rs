@@ -475,6 +475,52 @@ pub struct ServerTls {
     pub client_cert_auth: bool,
 }
 
+impl ServerTls {
+    /// Its flags, each named `--<prefix>cert-file` and so on (`""` for the client URL, `"peer-"`
+    /// between members).
+    fn add_flags(&self, cmd: &mut Command, prefix: &str) {
+        cmd.arg(format!("--{prefix}cert-file"))
+            .arg(&self.cert_file)
+            .arg(format!("--{prefix}key-file"))
+            .arg(&self.key_file);
+        if let Some(ca) = &self.trusted_ca_file {
+            cmd.arg(format!("--{prefix}trusted-ca-file")).arg(ca);
+        }
+        if self.client_cert_auth {
+            cmd.arg(format!("--{prefix}client-cert-auth"));
+        }
+    }
+}
+
+impl ServerTls {
+    /// How its health is asked over this TLS: trusting its CA, and with client certificates
+    /// required presenting its own certificate (as etcdctl beside etcd does; it needs the
+    /// clientAuth usage then).
+    fn probe(&self) -> Result<etcd_client::ConnectOptions, ProcessError> {
+        let read =
+            |p: &Path| std::fs::read(p).map_err(io_error(format!("reading {}", p.display())));
+        let mut tls = etcd_client::TlsOptions::new();
+        if let Some(ca) = &self.trusted_ca_file {
+            tls = tls.ca_certificate(etcd_client::Certificate::from_pem(read(ca)?));
+        }
+        if self.client_cert_auth {
+            tls = tls.identity(etcd_client::Identity::from_pem(
+                read(&self.cert_file)?,
+                read(&self.key_file)?,
+            ));
+        }
+        Ok(etcd_client::ConnectOptions::new()
+            .with_connect_timeout(Duration::from_secs(1))
+            .with_timeout(Duration::from_secs(1))
+            .with_tls(tls))
+    }
+}
+
+/// `https` with TLS, else `http`.
+fn scheme(tls: &Option<ServerTls>) -> &'static str {
+    if tls.is_some() { "https" } else { "http" }
+}
+
 /// Peer URLs of a member that joins a cluster beyond this host: it advertises `advertise` (what
 /// the other members dial) and listens on `listen` (etcd binds IP addresses only).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -510,9 +556,12 @@ pub struct MemberSpec {
     pub log_level: String,
     /// TLS on the client URL.
     pub client_tls: Option<ServerTls>,
+    /// TLS between members (`--peer-*`): the peer URL is then `https://`, and this member
+    /// dials the others with the same certificate.
+    pub peer_tls: Option<ServerTls>,
     /// More flags, after the others.
     pub extra_args: Vec<String>,
-    /// Peer URLs instead of `http://<host>:<peer port>` (the peer port is then unused).
+    /// Peer URLs instead of `http(s)://<host>:<peer port>` (the peer port is then unused).
     pub peer_urls: Option<PeerUrls>,
     /// Where stdout and stderr go (appended), and where a failure's reason is read; `None`
     /// discards them.
@@ -537,6 +586,7 @@ impl MemberSpec {
             no_fsync: false,
             log_level: "warn".into(),
             client_tls: None,
+            peer_tls: None,
             extra_args: Vec::new(),
             peer_urls: None,
             log: None,
@@ -545,17 +595,22 @@ impl MemberSpec {
 
     /// `http(s)://<host>:<client port>`.
     pub fn client_url(&self) -> String {
-        let scheme = if self.client_tls.is_some() {
-            "https"
-        } else {
-            "http"
-        };
-        format!("{scheme}://{}:{}", self.host, self.client_port)
+        format!(
+            "{}://{}:{}",
+            scheme(&self.client_tls),
+            self.host,
+            self.client_port
+        )
     }
 
-    /// `http://<host>:<peer port>`.
+    /// `http(s)://<host>:<peer port>`.
     pub fn peer_url(&self) -> String {
-        format!("http://{}:{}", self.host, self.peer_port)
+        format!(
+            "{}://{}:{}",
+            scheme(&self.peer_tls),
+            self.host,
+            self.peer_port
+        )
     }
 
     /// Chooses the ports still at 0 ([`pick_port`]).
@@ -578,13 +633,7 @@ impl MemberSpec {
     /// them first. A caller may wrap it (e.g. in `nsenter`), spawn it, and hand the child to
     /// [`EtcdProcess::adopt`].
     pub fn command(&self, bins: &EtcdBinaries) -> Command {
-        let mut cmd = Command::new(&bins.etcd);
-        for (key, _) in std::env::vars_os() {
-            let k = key.to_string_lossy();
-            if k.starts_with("ETCD_") && k != "ETCD_UNSUPPORTED_ARCH" {
-                cmd.env_remove(&key);
-            }
-        }
+        let mut cmd = etcd_command(bins);
         let client = self.client_url();
         let (listen_peer, peer) = match &self.peer_urls {
             Some(p) => (p.listen.clone(), p.advertise.clone()),
@@ -614,16 +663,10 @@ impl MemberSpec {
                 .args(["--initial-cluster-token", &b.token]);
         }
         if let Some(tls) = &self.client_tls {
-            cmd.arg("--cert-file")
-                .arg(&tls.cert_file)
-                .arg("--key-file")
-                .arg(&tls.key_file);
-            if let Some(ca) = &tls.trusted_ca_file {
-                cmd.arg("--trusted-ca-file").arg(ca);
-            }
-            if tls.client_cert_auth {
-                cmd.arg("--client-cert-auth");
-            }
+            tls.add_flags(&mut cmd, "");
+        }
+        if let Some(tls) = &self.peer_tls {
+            tls.add_flags(&mut cmd, "peer-");
         }
         if self.no_fsync && bins.supports_no_fsync() {
             cmd.arg("--unsafe-no-fsync");
@@ -637,26 +680,13 @@ impl MemberSpec {
     /// Chooses the ports still at 0 and starts the member, not waiting for it.
     pub fn spawn(&mut self, bins: &EtcdBinaries) -> Result<EtcdProcess, ProcessError> {
         self.choose_ports()?;
-        let mut cmd = self.command(bins);
-        match &self.log {
-            Some(path) => {
-                // 0600, never through a symlink: the log sits in a scratch directory.
-                let file = crate::scratch::append_private_file(path)
-                    .map_err(io_error(format!("opening {}", path.display())))?;
-                let err = file
-                    .try_clone()
-                    .map_err(io_error(format!("duplicating {}", path.display())))?;
-                cmd.stdout(file).stderr(err);
-            }
-            None => {
-                cmd.stdout(Stdio::null()).stderr(Stdio::null());
-            }
-        }
-        let child = cmd.spawn().map_err(|source| ProcessError::Run {
-            command: bins.etcd.display().to_string(),
-            source,
-        })?;
-        Ok(EtcdProcess::adopt(child, self))
+        let probe = self.client_tls.as_ref().map(ServerTls::probe).transpose()?;
+        let child = spawn_logged(self.command(bins), self.log.as_deref(), bins)?;
+        let process = EtcdProcess::adopt(child, self);
+        Ok(match probe {
+            Some(options) => process.with_probe_options(options),
+            None => process,
+        })
     }
 
     /// Starts the member and waits until it is healthy: [`start_cluster`] of one.
@@ -669,6 +699,67 @@ impl MemberSpec {
         // One process per member.
         Ok(started.remove(0))
     }
+}
+
+/// `etcd` of `bins` without this process's `ETCD_*` variables (see the module docs).
+fn etcd_command(bins: &EtcdBinaries) -> Command {
+    let mut cmd = Command::new(&bins.etcd);
+    for (key, _) in std::env::vars_os() {
+        let k = key.to_string_lossy();
+        if k.starts_with("ETCD_") && k != "ETCD_UNSUPPORTED_ARCH" {
+            cmd.env_remove(&key);
+        }
+    }
+    cmd.stdin(Stdio::null());
+    cmd
+}
+
+/// Spawns `cmd` with stdout and stderr appended to `log` (discarded without one).
+fn spawn_logged(
+    mut cmd: Command,
+    log: Option<&Path>,
+    bins: &EtcdBinaries,
+) -> Result<Child, ProcessError> {
+    match log {
+        Some(path) => {
+            // 0600, never through a symlink: the log sits in a scratch directory.
+            let file = crate::scratch::append_private_file(path)
+                .map_err(io_error(format!("opening {}", path.display())))?;
+            let err = file
+                .try_clone()
+                .map_err(io_error(format!("duplicating {}", path.display())))?;
+            cmd.stdout(file).stderr(err);
+        }
+        None => {
+            cmd.stdout(Stdio::null()).stderr(Stdio::null());
+        }
+    }
+    cmd.spawn().map_err(|source| ProcessError::Run {
+        command: bins.etcd.display().to_string(),
+        source,
+    })
+}
+
+/// etcd started from a configuration file alone (`--config-file`), as etcd-wrapper starts it
+/// from the `/config` the sidecar serves under etcd-druid; `client_url` is where its health is
+/// asked, `log` where its output goes. Not waited for.
+pub fn spawn_config_file(
+    bins: &EtcdBinaries,
+    name: &str,
+    config_file: &Path,
+    client_url: &str,
+    log: Option<&Path>,
+) -> Result<EtcdProcess, ProcessError> {
+    let mut cmd = etcd_command(bins);
+    cmd.arg("--config-file").arg(config_file);
+    let child = spawn_logged(cmd, log, bins)?;
+    Ok(EtcdProcess {
+        name: name.to_owned(),
+        client_url: client_url.to_owned(),
+        log: log.map(Path::to_path_buf),
+        probe: None,
+        child: Mutex::new(child),
+    })
 }
 
 fn is_empty_dir(dir: &Path) -> bool {
@@ -1066,6 +1157,38 @@ mod tests {
             m.command(&bins(Path::new("/b"), true)).get_program(),
             "/b/etcd"
         );
+    }
+
+    #[test]
+    fn peer_tls_makes_https_peers_with_the_peer_flags() {
+        let tls = |auth| ServerTls {
+            cert_file: "/t/peer.crt".into(),
+            key_file: "/t/peer.key".into(),
+            trusted_ca_file: Some("/t/ca.crt".into()),
+            client_cert_auth: auth,
+        };
+        let mut m = MemberSpec::new("m1", "/d");
+        m.client_port = 12001;
+        m.peer_port = 12002;
+        m.peer_tls = Some(tls(true));
+        assert_eq!(m.peer_url(), "https://127.0.0.1:12002");
+        assert_eq!(m.client_url(), "http://127.0.0.1:12001");
+        let a = args(&m.command(&bins(Path::new("/b"), true))).join(" ");
+        assert!(
+            a.contains(
+                "--peer-cert-file /t/peer.crt --peer-key-file /t/peer.key \
+                 --peer-trusted-ca-file /t/ca.crt --peer-client-cert-auth"
+            ),
+            "{a}"
+        );
+        assert!(
+            a.contains("--listen-peer-urls https://127.0.0.1:12002"),
+            "{a}"
+        );
+        assert!(!a.contains(" --cert-file"), "no client TLS asked for: {a}");
+        m.peer_tls = Some(tls(false));
+        let a = args(&m.command(&bins(Path::new("/b"), true))).join(" ");
+        assert!(!a.contains("client-cert-auth"), "{a}");
     }
 
     #[test]

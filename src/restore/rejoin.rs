@@ -31,7 +31,8 @@
 //! ([`crate::etcd::membership::has_quorum`], [`crate::etcd::membership::removal_keeps_quorum`]):
 //! remove our stale voter, remove a learner of ours left by an earlier attempt, or add us as a
 //! learner. The added learner runs as a temporary etcd on `<data_dir>.part` (our name, our
-//! peer URLs, `--initial-cluster-state=existing`, its client URL on loopback only) and receives
+//! peer URLs and peer certificate ([`peer_tls`]), `--initial-cluster-state=existing`, its
+//! client URL on loopback only) and receives
 //! the leader's snapshot; it is promoted when etcd accepts the promotion (etcd refuses a learner
 //! that is not in sync), stopped cleanly, synced, and moved into place, an invalid old
 //! directory moved aside first, never deleted. The real etcd then starts on it as a voter; its
@@ -62,13 +63,13 @@ use super::datadir::{self, DataDir};
 use super::initialize::{InitializeMetrics, check_guard};
 use super::{EtcdTools, MemberParams, RestoreError, install, remove_if_exists, sibling, sync_tree};
 use crate::backoff::Backoff;
-use crate::config::{EtcdConfig, RestoreConfig};
+use crate::config::{EtcdConfig, PeerTls, RestoreConfig};
 use crate::etcd::EtcdError;
 use crate::etcd::membership::{
     MemberState, has_quorum, initial_cluster, quorum, removal_keeps_quorum, same_url,
 };
 use crate::etcd::process::{
-    Bootstrap, ClusterState, EtcdProcess, MemberSpec, PeerUrls, ProcessError,
+    Bootstrap, ClusterState, EtcdProcess, MemberSpec, PeerUrls, ProcessError, ServerTls,
 };
 use crate::store::SnapshotStore;
 use tokio_util::sync::CancellationToken;
@@ -116,6 +117,10 @@ pub enum RejoinError {
     /// The sidecar is shutting down.
     #[error("cancelled")]
     Cancelled,
+    /// The peer URLs are `https://` but no usable peer certificate is configured: refused
+    /// before any membership change.
+    #[error("{0}")]
+    PeerTls(String),
     /// The promoted member did not stop cleanly: its directory is not moved into place.
     #[error("stopping promoted member {id:x}: {source}")]
     Stop {
@@ -262,6 +267,58 @@ pub fn listen_url(peer: &str) -> String {
         (Some(url::Host::Domain(_)), Some(port)) => format!("{}://0.0.0.0:{port}", url.scheme()),
         _ => peer.to_owned(),
     }
+}
+
+/// Where the peer certificate is configured, for messages: `restore.peer_*`, or under
+/// etcd-druid etcd's configuration file (which [`crate::druid`] reads into them).
+const PEER_TLS_KEYS: &str = "restore.peer_cert_file and restore.peer_key_file; under etcd-druid, \
+     peer-transport-security's cert-file and key-file in etcd's configuration file";
+
+/// The temporary member's peer TLS: `config`'s, checked to be there (readable files) when a
+/// peer URL is `https://`. Checked before any membership change: a learner added for a
+/// member that cannot start would only block the next one.
+pub fn peer_tls(config: &RestoreConfig, me: &Me) -> Result<Option<ServerTls>, RejoinError> {
+    let https: Vec<&String> = me
+        .peer_urls
+        .iter()
+        .filter(|u| u.starts_with("https://"))
+        .collect();
+    let Some(tls) = &config.peer_tls else {
+        if https.is_empty() {
+            return Ok(None);
+        }
+        return Err(RejoinError::PeerTls(format!(
+            "peer URLs {https:?} are https:// but no peer certificate is configured: the \
+             rejoining member's temporary etcd needs this member's peer certificate \
+             ({PEER_TLS_KEYS})"
+        )));
+    };
+    let PeerTls {
+        cert_file,
+        key_file,
+        ca_file,
+        client_cert_auth,
+    } = tls;
+    for file in [Some(cert_file), Some(key_file), ca_file.as_ref()]
+        .into_iter()
+        .flatten()
+    {
+        if let Err(e) = std::fs::File::open(file) {
+            return Err(RejoinError::PeerTls(format!(
+                "peer TLS file {} cannot be read ({e}): named by restore.peer_cert_file, \
+                 restore.peer_key_file or restore.peer_ca_file (under etcd-druid by \
+                 peer-transport-security in etcd's configuration file: the peer certificate's \
+                 Secrets must be mounted into this container at the same paths)",
+                file.display()
+            )));
+        }
+    }
+    Ok(Some(ServerTls {
+        cert_file: cert_file.clone(),
+        key_file: key_file.clone(),
+        trusted_ca_file: ca_file.clone(),
+        client_cert_auth: *client_cert_auth,
+    }))
 }
 
 /// How long one call to the cluster may take, at most.
@@ -423,6 +480,7 @@ pub async fn rejoin(
     cancel: &CancellationToken,
 ) -> Result<Outcome, RejoinError> {
     let me = Me::from_config(config);
+    let peer_tls = peer_tls(config, &me)?;
     let tools = EtcdTools::locate(config.etcd_bin.as_deref()).await?;
     let opts = crate::etcd::connect_options(cluster)?;
     tracing::warn!(peer_urls = ?me.peer_urls, endpoints = ?cluster.endpoints, "data directory missing or invalid; rejoining the cluster as a learner");
@@ -453,7 +511,7 @@ pub async fn rejoin(
         }
     };
     let part = sibling(data_dir, ".part");
-    let member = start(config, data_dir, &me, &tools, id, initial_cluster)?;
+    let member = start(config, data_dir, &me, &tools, id, initial_cluster, peer_tls)?;
     let replicated = or_cancel(
         cancel,
         Box::pin(replicate(
@@ -737,7 +795,8 @@ async fn resume(
 }
 
 /// Starts the added learner on `<data_dir>.part` (an earlier attempt's partial directory is
-/// removed first: it belongs to a member that no longer exists), not waiting for it.
+/// removed first: it belongs to a member that no longer exists), with the member's peer TLS,
+/// not waiting for it.
 fn start(
     config: &RestoreConfig,
     data_dir: &Path,
@@ -745,6 +804,7 @@ fn start(
     tools: &EtcdTools,
     id: u64,
     initial_cluster: String,
+    peer_tls: Option<ServerTls>,
 ) -> Result<EtcdProcess, RejoinError> {
     let part = sibling(data_dir, ".part");
     remove_if_exists(&part)?;
@@ -763,6 +823,7 @@ fn start(
                 .join(","),
             advertise: me.peer_urls.join(","),
         }),
+        peer_tls,
         // Durable: once promoted this member votes.
         no_fsync: false,
         log_level: "warn".into(),
@@ -1238,6 +1299,7 @@ mod tests {
                 request_timeout: Duration::from_secs(1),
             }),
             rejoin_timeout: Duration::from_secs(60),
+            peer_tls: None,
             bump_revision: 0,
             mark_compacted: false,
             read_limits: Default::default(),

@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use etcd_warden::etcd::process::{
-    self, Bootstrap, ClusterState, EtcdBinaries, EtcdProcess, MemberSpec,
+    self, Bootstrap, ClusterState, EtcdBinaries, EtcdProcess, MemberSpec, ServerTls,
 };
 
 /// Which etcd release a test runs against.
@@ -103,19 +103,21 @@ pub struct EtcdMember {
     initial_cluster: String,
     token: String,
     extra_args: Vec<String>,
+    /// TLS on its client and its peer URLs alike.
+    tls: Option<ServerTls>,
     process: Option<EtcdProcess>,
     log: PathBuf,
 }
 
 impl EtcdMember {
-    /// Client URL, `http://127.0.0.1:<port>`.
+    /// Client URL, `http(s)://127.0.0.1:<port>`.
     pub fn client_url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        self.spec().client_url()
     }
 
-    /// Peer URL, `http://127.0.0.1:<port>`.
+    /// Peer URL, `http(s)://127.0.0.1:<port>`.
     pub fn peer_url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.peer_port)
+        self.spec().peer_url()
     }
 
     /// The process ID while running.
@@ -137,6 +139,7 @@ impl EtcdMember {
             initial_cluster: format!("{name}=http://127.0.0.1:{peer_port}"),
             token: format!("t-{}-{name}", std::process::id()),
             extra_args: Vec::new(),
+            tls: None,
             process: None,
             log,
         }
@@ -177,11 +180,10 @@ impl EtcdMember {
 
     /// The member `spec` describes, running as `process`.
     fn running(release: Release, spec: MemberSpec, process: EtcdProcess) -> EtcdMember {
+        let alone = format!("{}={}", spec.name, spec.peer_url());
         let bootstrap = spec.bootstrap.unwrap_or_else(new_cluster);
         EtcdMember {
-            initial_cluster: bootstrap
-                .initial_cluster
-                .unwrap_or_else(|| format!("{}=http://127.0.0.1:{}", spec.name, spec.peer_port)),
+            initial_cluster: bootstrap.initial_cluster.unwrap_or(alone),
             token: bootstrap.token,
             name: spec.name,
             release,
@@ -189,6 +191,7 @@ impl EtcdMember {
             peer_port: spec.peer_port,
             data_dir: spec.data_dir,
             extra_args: spec.extra_args,
+            tls: spec.client_tls,
             process: Some(process),
             log: spec.log.unwrap_or_default(),
         }
@@ -205,6 +208,8 @@ impl EtcdMember {
                 token: self.token.clone(),
             }),
             extra_args: self.extra_args.clone(),
+            client_tls: self.tls.clone(),
+            peer_tls: self.tls.clone(),
             ..member_spec(&self.name, &self.data_dir, &self.log)
         }
     }
@@ -293,10 +298,18 @@ pub struct EtcdCluster {
 impl EtcdCluster {
     /// Starts `n` members and waits until every one is healthy.
     pub async fn start(n: usize, release: Release) -> EtcdCluster {
+        Self::start_with(n, release, None).await
+    }
+
+    /// Starts `n` members with `tls` on their client and peer URLs alike (one certificate for
+    /// 127.0.0.1 serves every member), and waits until every one is healthy.
+    pub async fn start_with(n: usize, release: Release, tls: Option<ServerTls>) -> EtcdCluster {
         let dir = tempfile::tempdir().expect("temp dir");
         let mut specs: Vec<MemberSpec> = (0..n)
             .map(|i| MemberSpec {
                 bootstrap: Some(new_cluster()),
+                client_tls: tls.clone(),
+                peer_tls: tls.clone(),
                 ..member_spec(
                     &format!("m{i}"),
                     &dir.path().join(format!("m{i}.etcd")),

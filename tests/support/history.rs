@@ -104,6 +104,7 @@ pub fn initialize_config(
         work_dir: None,
         cluster: None,
         rejoin_timeout: std::time::Duration::from_secs(60),
+        peer_tls: None,
         bump_revision: 0,
         mark_compacted: false,
         read_limits: Default::default(),

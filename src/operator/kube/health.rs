@@ -223,18 +223,10 @@ mod tests {
     use super::*;
     use axum::body::Body;
     use axum::http::Request;
-    use tower::ServiceExt as _;
 
     async fn get(state: &HealthState, path: &str) -> (StatusCode, String) {
-        let resp = router(state.clone())
-            .oneshot(Request::get(path).body(Body::empty()).unwrap())
-            .await
-            .unwrap();
-        let code = resp.status();
-        let body = axum::body::to_bytes(resp.into_body(), 1 << 20)
-            .await
-            .unwrap();
-        (code, String::from_utf8_lossy(&body).into_owned())
+        let req = Request::get(path).body(Body::empty()).unwrap();
+        crate::server::respond(router(state.clone()), req).await
     }
 
     #[tokio::test]
