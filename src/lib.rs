@@ -12,6 +12,7 @@
 //! - [`owner`]: owner DNS lookups, the pure ownership protocol, the hand-off across members, and
 //!   the watchdog.
 //! - [`kill`]: finding and killing etcd in a shared PID namespace (the `kill.*` keys).
+//! - [`kube_client`]: a Kubernetes client from a kubeconfig or the pod's service account.
 //! - [`server`]: the HTTP API.
 //! - [`sidecar`]: `etcd-warden serve`: the tasks the sidecar starts and supervises.
 //! - [`copy`], [`restore`]: the copy job and data-dir restore.
@@ -36,6 +37,7 @@ pub mod etcdbrctl;
 pub mod fuzzing;
 pub mod health;
 pub mod kill;
+pub mod kube_client;
 pub mod operator;
 pub mod owner;
 pub mod restore;

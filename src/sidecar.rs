@@ -13,8 +13,6 @@ use tokio_util::sync::CancellationToken;
 use crate::config::Config;
 use crate::copy::secondary::{SecondaryMetrics, Sync};
 use crate::health::HealthCheck;
-use crate::operator::quorum::request::RestorePhase;
-use crate::operator::quorum::resource::{EtcdQuorum, NAME as QUORUM_NAME};
 use crate::owner::metrics::OwnerMetrics;
 use crate::owner::production::context;
 use crate::owner::watchdog::{Watchdog, WatchdogConfig, WatchdogStatus};
@@ -309,20 +307,23 @@ fn ended(result: Result<(), tokio::task::JoinError>) -> String {
     }
 }
 
-/// Whether `quorum` asks for this member to be rebuilt now: its spec names `machine` as the
-/// survivor and the operator accepted that request (`WaitingForRebuild` for the same survivor:
-/// quorum was lost when it judged it). Pure.
-pub fn rebuild_requested(quorum: &EtcdQuorum, machine: &str) -> bool {
-    let asked = quorum
-        .spec
-        .quorum_restore
-        .as_ref()
-        .is_some_and(|r| r.survivor == machine);
-    let accepted = quorum
-        .status
-        .as_ref()
-        .and_then(|s| s.quorum_restore.as_ref())
-        .is_some_and(|s| s.survivor == machine && s.phase() == RestorePhase::WaitingForRebuild);
+/// The operator's `EtcdQuorum` as the sidecar reads it: untyped, by its group, version and
+/// kind (deploy/operator/crds.yaml), so that the sidecar never depends on the operator's code.
+const QUORUM_GROUP: &str = "etcd-warden.io";
+const QUORUM_VERSION: &str = "v1alpha1";
+const QUORUM_KIND: &str = "EtcdQuorum";
+const QUORUM_PLURAL: &str = "etcdquorums";
+/// The one `EtcdQuorum` object's name.
+const QUORUM_NAME: &str = "cluster";
+
+/// Whether the `EtcdQuorum` `quorum` (as JSON) asks for this member to be rebuilt now: its spec
+/// names `machine` as the survivor and the operator accepted that request (status phase
+/// `WaitingForRebuild` for the same survivor: quorum was lost when it judged it). Pure.
+pub fn rebuild_requested(quorum: &serde_json::Value, machine: &str) -> bool {
+    let asked = quorum["spec"]["quorumRestore"]["survivor"].as_str() == Some(machine);
+    let status = &quorum["status"]["quorumRestore"];
+    let accepted = status["survivor"].as_str() == Some(machine)
+        && status["phase"].as_str() == Some("WaitingForRebuild");
     asked && accepted
 }
 
@@ -338,13 +339,19 @@ async fn rebuild_if_requested(config: &Config, store: &SnapshotStore) -> bool {
         return false;
     };
     let read = async {
-        let client = crate::operator::kube::controller::client(q.kubeconfig.as_deref())
+        let client = crate::kube_client::client(q.kubeconfig.as_deref())
             .await
             .map_err(|e| e.to_string())?;
-        kube::Api::<EtcdQuorum>::namespaced(client, &q.namespace)
-            .get_opt(QUORUM_NAME)
-            .await
-            .map_err(|e| e.to_string())
+        let gvk = kube::api::GroupVersionKind::gvk(QUORUM_GROUP, QUORUM_VERSION, QUORUM_KIND);
+        let resource = kube::api::ApiResource::from_gvk_with_plural(&gvk, QUORUM_PLURAL);
+        let found =
+            kube::Api::<kube::api::DynamicObject>::namespaced_with(client, &q.namespace, &resource)
+                .get_opt(QUORUM_NAME)
+                .await
+                .map_err(|e| e.to_string())?;
+        found
+            .map(|o| serde_json::to_value(o).map_err(|e| e.to_string()))
+            .transpose()
     };
     let quorum = match read.await {
         Ok(found) => found,
@@ -885,42 +892,65 @@ mod tests {
 
     #[test]
     fn only_an_accepted_request_naming_this_machine_rebuilds() {
-        use crate::operator::quorum::resource::{
-            EtcdQuorumSpec, EtcdQuorumStatus, QuorumRestoreSpec, QuorumRestoreStatus,
+        let quorum = |asked: Option<&str>, status: Option<(&str, &str)>| {
+            serde_json::json!({
+                "apiVersion": "etcd-warden.io/v1alpha1",
+                "kind": "EtcdQuorum",
+                "metadata": {"name": "cluster"},
+                "spec": {"quorumRestore": asked.map(|s| serde_json::json!({"survivor": s}))},
+                "status": {"quorumRestore": status.map(|(s, p)| serde_json::json!({"survivor": s, "phase": p}))},
+            })
         };
-        let quorum = |asked: Option<&str>, phase: Option<(&str, RestorePhase)>| {
-            let mut q = EtcdQuorum::new(
-                QUORUM_NAME,
-                EtcdQuorumSpec {
-                    quorum_restore: asked.map(|s| QuorumRestoreSpec { survivor: s.into() }),
-                },
-            );
-            q.status = Some(EtcdQuorumStatus {
-                quorum_restore: phase.map(|(s, p)| QuorumRestoreStatus::new(s, &p)),
-                ..EtcdQuorumStatus::default()
-            });
-            q
-        };
-        let waiting = RestorePhase::WaitingForRebuild;
         assert!(rebuild_requested(
-            &quorum(Some("cp-0"), Some(("cp-0", waiting.clone()))),
+            &quorum(Some("cp-0"), Some(("cp-0", "WaitingForRebuild"))),
             "cp-0"
         ));
         // Another machine; not yet judged; refused; already rebuilt; judged for an older
         // request; the request withdrawn.
         for q in [
-            quorum(Some("cp-1"), Some(("cp-1", waiting.clone()))),
+            quorum(Some("cp-1"), Some(("cp-1", "WaitingForRebuild"))),
             quorum(Some("cp-0"), None),
-            quorum(
-                Some("cp-0"),
-                Some(("cp-0", RestorePhase::Refused("quorum is not lost".into()))),
-            ),
-            quorum(Some("cp-0"), Some(("cp-0", RestorePhase::GrowingBack))),
-            quorum(Some("cp-0"), Some(("cp-1", waiting.clone()))),
-            quorum(None, Some(("cp-0", waiting.clone()))),
+            quorum(Some("cp-0"), Some(("cp-0", "Refused"))),
+            quorum(Some("cp-0"), Some(("cp-0", "GrowingBack"))),
+            quorum(Some("cp-0"), Some(("cp-1", "WaitingForRebuild"))),
+            quorum(None, Some(("cp-0", "WaitingForRebuild"))),
         ] {
             assert!(!rebuild_requested(&q, "cp-0"), "{q:?}");
         }
+    }
+
+    /// The names the sidecar reads the `EtcdQuorum` by are the operator's CRD's, and the status
+    /// the operator writes for an accepted request is what the sidecar acts on.
+    #[test]
+    fn the_untyped_quorum_request_matches_the_operators_resource() {
+        use crate::operator::quorum::request::RestorePhase;
+        use crate::operator::quorum::resource::{
+            EtcdQuorum, EtcdQuorumSpec, EtcdQuorumStatus, NAME, QuorumRestoreSpec,
+            QuorumRestoreStatus,
+        };
+        use kube::Resource;
+        assert_eq!(EtcdQuorum::group(&()), QUORUM_GROUP);
+        assert_eq!(EtcdQuorum::version(&()), QUORUM_VERSION);
+        assert_eq!(EtcdQuorum::kind(&()), QUORUM_KIND);
+        assert_eq!(EtcdQuorum::plural(&()), QUORUM_PLURAL);
+        assert_eq!(NAME, QUORUM_NAME);
+        let mut q = EtcdQuorum::new(
+            NAME,
+            EtcdQuorumSpec {
+                quorum_restore: Some(QuorumRestoreSpec {
+                    survivor: "cp-0".into(),
+                }),
+            },
+        );
+        q.status = Some(EtcdQuorumStatus {
+            quorum_restore: Some(QuorumRestoreStatus::new(
+                "cp-0",
+                &RestorePhase::WaitingForRebuild,
+            )),
+            ..EtcdQuorumStatus::default()
+        });
+        let json = serde_json::to_value(&q).unwrap();
+        assert!(rebuild_requested(&json, "cp-0"), "{json}");
     }
 
     #[tokio::test]

@@ -198,6 +198,24 @@ fn settled<M: Machines>(op: &Operator<M>) -> bool {
     matches!(op.status().condition, Some(Condition::Settled))
 }
 
+/// Waits until a quorum restore's grow-back is done: settled, `voters` healthy voters, no
+/// learner.
+async fn wait_grown_back<M: Machines>(op: &Operator<M>, voters: usize, timeout: Duration) {
+    wait_for_or(
+        &format!("{voters} healthy voters after the grow-back"),
+        timeout,
+        || {
+            let st = op.status();
+            (settled(op)
+                && st.members.len() == voters
+                && st.members.iter().all(|m| m.healthy && !m.is_learner))
+            .then_some(())
+        },
+        || describe(op),
+    )
+    .await;
+}
+
 /// Waits until `old` is gone, the operator is settled and 3 voters remain.
 async fn wait_replaced<M: Machines>(f: &Fixture, op: &Operator<M>, old: &str) {
     wait_for_or(
@@ -1290,19 +1308,7 @@ async fn quorum_restore_grows_back(etcd: PathBuf) {
     let kept = PathBuf::from(body["keptAt"].as_str().unwrap());
     assert!(kept.join("member/wal").is_dir(), "{body}");
 
-    wait_for_or(
-        "three healthy voters after the grow-back",
-        Duration::from_secs(90),
-        || {
-            let st = op.status();
-            (settled(&op)
-                && st.members.len() == 3
-                && st.members.iter().all(|m| m.healthy && !m.is_learner))
-            .then_some(())
-        },
-        || describe(&op),
-    )
-    .await;
+    wait_grown_back(&op, 3, Duration::from_secs(90)).await;
     let final_members = members(&f.cluster).await;
     assert_eq!(names(&final_members), ["m1", "m2", "m3"]);
     assert_acked_present(&f.cluster, &report).await;
@@ -1441,19 +1447,7 @@ async fn quorum_restore_five_freshest() {
     assert!(committed("m2") > committed("m1"), "{body}");
     assert_eq!(body["dropped"].as_array().unwrap().len(), 4, "{body}");
 
-    wait_for_or(
-        "five healthy voters after the grow-back",
-        Duration::from_secs(180),
-        || {
-            let st = op.status();
-            (settled(&op)
-                && st.members.len() == 5
-                && st.members.iter().all(|m| m.healthy && !m.is_learner))
-            .then_some(())
-        },
-        || describe(&op),
-    )
-    .await;
+    wait_grown_back(&op, 5, Duration::from_secs(180)).await;
     let final_members = members(&f.cluster).await;
     assert_eq!(names(&final_members), ["m1", "m2", "m3", "m4", "m5"]);
     assert_acked_present(&f.cluster, &before).await;

@@ -168,9 +168,9 @@ pub struct WorldSpec {
     pub extra_buckets: Vec<String>,
     /// The plain writer (`/fault/<n>`, one put every 5 ms) runs.
     pub writer: bool,
-    /// A directory that is a filesystem of its own for each member's data directory (a small
-    /// tmpfs the harness fills to make the disk full): `<dir>/m<i>`; None keeps them in the temp
-    /// directory.
+    /// A directory holding a filesystem of its own for some members' data directories (a small
+    /// tmpfs the harness fills to make the disk full): `<dir>/m<i>` where it exists; the others,
+    /// and all with None, stay in the temp directory.
     pub data_mounts: Option<PathBuf>,
     /// Each sidecar's wall clock is faked ([`faked_clock`]) from `<dir>/<member>.clock`.
     pub clock_dir: Option<PathBuf>,
@@ -326,7 +326,10 @@ impl World {
         );
         if let Some(mounts) = &schedule.data_mounts {
             for spec in &mut specs {
-                spec.data_dir = mounts.join(&spec.name).join("data");
+                // Only the members given a directory there (a filesystem of their own).
+                if mounts.join(&spec.name).is_dir() {
+                    spec.data_dir = mounts.join(&spec.name).join("data");
+                }
             }
         }
         let mut pods = Vec::new();

@@ -169,7 +169,7 @@ impl Nemesis {
             9 => Nemesis::Dns(Mode::ServFail),
             10 => Nemesis::Dns(Mode::Silent),
             11 => Nemesis::DnsStopped,
-            12 => Nemesis::DiskFull(m),
+            12 => Nemesis::DiskFull(DISK_MEMBER),
             14 => {
                 let secs = [-7200, -600, -90, 90, 3600, 86_400][rng.range(0, 5) as usize];
                 Nemesis::ClockJump(m, secs)
@@ -207,6 +207,9 @@ impl Nemesis {
         }
     }
 }
+
+/// The member whose data directory is a filesystem of its own, filled by [`Nemesis::DiskFull`].
+const DISK_MEMBER: usize = 2;
 
 /// A tmpfs of `size` mounted at `dir` (root only); unmounted on drop.
 struct Mount(PathBuf);
@@ -555,10 +558,10 @@ impl Run<'_> {
                 self.world.heal_dns().await;
             }
             Nemesis::DiskFull(m) => {
-                let filled = self.mounts.get(m).is_some_and(Mount::fill);
+                let filled = self.mounts.first().is_some_and(Mount::fill);
                 self.event(format!("  m{m}'s data filesystem filled: {filled}"));
                 tokio::time::sleep(hold).await;
-                if let Some(mount) = self.mounts.get(m) {
+                if let Some(mount) = self.mounts.first() {
                     mount.free();
                 }
             }
@@ -1187,16 +1190,12 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
     let wall_epoch = SystemTime::now();
     let scratch = tempfile::tempdir().expect("temp dir");
     let members = 3;
-    let mut mounts = Vec::new();
-    for m in 0..members {
-        match Mount::tmpfs(&scratch.path().join(format!("m{m}")), "1g") {
-            Some(mount) => mounts.push(mount),
-            None => break,
-        }
-    }
-    if mounts.len() < members {
-        mounts.clear();
-    }
+    // One member's data directory on a filesystem of its own, which the disk-full fault fills
+    // (RAM-backed: every member on one, over hours of large values, ran the machine out of
+    // memory).
+    let mounts: Vec<Mount> = Mount::tmpfs(&scratch.path().join(format!("m{DISK_MEMBER}")), "1g")
+        .into_iter()
+        .collect();
     let restore_mount = Mount::tmpfs(&scratch.path().join("restore"), "256m");
     let spec = WorldSpec {
         seed,
