@@ -432,10 +432,14 @@ async fn small_workload(client: &mut Client, phase: usize) {
 }
 
 /// Writes `tests/fixtures/etcd36` afresh from the etcd 3.6 in `$ETCD36_BIN_DIR` into
-/// `$ETCD36_FIXTURE_OUT`: run by hand (`--ignored`), never in CI.
+/// `$ETCD36_FIXTURE_OUT`: by hand; without `$ETCD36_FIXTURE_OUT` (CI) it writes nothing and
+/// says so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "writes the fixtures; needs $ETCD36_BIN_DIR and $ETCD36_FIXTURE_OUT"]
 async fn write_etcd36_fixtures() {
+    if std::env::var_os("ETCD36_FIXTURE_OUT").is_none() {
+        println!("ETCD36_FIXTURE_OUT is not set: no fixtures written (see tests/fixtures/etcd36)");
+        return;
+    }
     let release = Release::v36("write_etcd36_fixtures").expect("$ETCD36_BIN_DIR");
     let out = PathBuf::from(std::env::var_os("ETCD36_FIXTURE_OUT").expect("$ETCD36_FIXTURE_OUT"));
     assert!(!out.exists(), "{} exists", out.display());
