@@ -639,3 +639,112 @@ async fn etcd_restored_behind_the_store_sets_the_newer_history_aside_and_starts_
     assert_eq!(got, expected);
     assert!(got.iter().all(|(_, v)| v != "abandoned"));
 }
+
+/// The soak's finding at its smallest: the store performs a delta's upload and loses the
+/// answer, three times, while new events arrive. Each retry stores the same revisions under the
+/// same name, so the store ends with one delta per range and the chain restores; before, each
+/// retry was a new delta over the same revisions, and the chain failed with "events out of
+/// order".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delta_whose_answers_are_lost_is_stored_again_under_its_own_name() {
+    use etcd_warden::snapshot::delta::{DeltaWriter, Event};
+    use support::losing::{LosingStore, Loss};
+
+    let memory: std::sync::Arc<dyn object_store::ObjectStore> =
+        std::sync::Arc::new(object_store::memory::InMemory::new());
+    let losing = std::sync::Arc::new(LosingStore::new(memory.clone(), ".gz", Loss::Answer, 3));
+    let store = SnapshotStore::new(losing.clone(), "p");
+    let event = |rev: i64| Event {
+        kind: EventType::Put,
+        kv: Some(etcd_client_kv(rev)),
+        prev_kv: None,
+    };
+    let mut writer = DeltaWriter::new(Codec::Gzip, 10);
+    writer.push((11..=20).map(event), chrono::Utc::now());
+    let mut rev = 20;
+    for attempt in 1..=3 {
+        let failed = writer.flush(&store).await;
+        assert!(failed.is_err(), "attempt {attempt}: the answer is lost");
+        // Events go on arriving between the tries, and the names' clock moves on.
+        rev += 1;
+        writer.push([event(rev)], chrono::Utc::now());
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+    }
+    assert_eq!(losing.lost(), 3);
+    let first = writer.flush(&store).await.unwrap().unwrap();
+    assert_eq!((first.start_revision, first.last_revision), (11, 20));
+    let second = writer.flush(&store).await.unwrap().unwrap();
+    assert_eq!((second.start_revision, second.last_revision), (21, 23));
+    assert!(writer.flush(&store).await.unwrap().is_none());
+
+    let listed = SnapshotStore::new(memory, "p").list().await.unwrap();
+    let ranges: Vec<_> = listed
+        .iter()
+        .map(|s| (s.start_revision, s.last_revision))
+        .collect();
+    assert_eq!(ranges, vec![(11, 20), (21, 23)], "{listed:?}");
+    assert_eq!(listed[0].snap_name, first.snap_name);
+    // Every event once, in order.
+    let mut seen = Vec::new();
+    for s in &listed {
+        for e in delta::read(&store, s).await.unwrap() {
+            seen.push(e.event.revision());
+        }
+    }
+    assert_eq!(seen, (11..=23).collect::<Vec<_>>());
+}
+
+fn etcd_client_kv(rev: i64) -> etcd_warden::snapshot::delta::KeyValue {
+    etcd_warden::snapshot::delta::KeyValue {
+        key: format!("/registry/k{rev}").into_bytes(),
+        create_revision: rev,
+        mod_revision: rev,
+        version: 1,
+        value: b"v".to_vec(),
+        lease: 0,
+    }
+}
+
+/// A delta lost in the same way, then a full snapshot past part of it: the delta is given up,
+/// the next one continues the full snapshot, and the latest chain passes over the copy the store
+/// kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_delta_given_up_for_a_full_snapshot_leaves_a_chain_that_continues_it() {
+    use etcd_warden::snapshot::delta::{DeltaWriter, Event};
+    use support::losing::{LosingStore, Loss};
+
+    let memory: std::sync::Arc<dyn object_store::ObjectStore> =
+        std::sync::Arc::new(object_store::memory::InMemory::new());
+    let losing = std::sync::Arc::new(LosingStore::new(memory.clone(), ".gz", Loss::Answer, 1));
+    let store = SnapshotStore::new(losing.clone(), "p");
+    let event = |rev: i64| Event {
+        kind: EventType::Put,
+        kv: Some(etcd_client_kv(rev)),
+        prev_kv: None,
+    };
+    let mut writer = DeltaWriter::new(Codec::Gzip, 10);
+    writer.push((11..=20).map(event), chrono::Utc::now());
+    assert!(writer.flush(&store).await.is_err());
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    // A full snapshot at 15 (its object stands in for one taken from etcd).
+    let full = store.new_snapshot(Kind::Full, 0, 15, Codec::Gzip, false);
+    store
+        .put_bytes(&full, bytes::Bytes::from_static(b"full"))
+        .await
+        .unwrap();
+    writer.rebase(15);
+    let next = writer.flush(&store).await.unwrap().unwrap();
+    assert_eq!((next.start_revision, next.last_revision), (16, 20));
+
+    let chain = SnapshotStore::new(memory, "p")
+        .latest_chain()
+        .await
+        .unwrap();
+    assert_eq!(chain.full_snapshot.unwrap().last_revision, 15);
+    let ranges: Vec<_> = chain
+        .delta_snapshots
+        .iter()
+        .map(|s| (s.start_revision, s.last_revision))
+        .collect();
+    assert_eq!(ranges, vec![(16, 20)]);
+}

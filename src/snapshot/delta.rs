@@ -279,6 +279,11 @@ pub struct DeltaWriter {
     previous_last: i64,
     events: Vec<TimedEvent>,
     buffered: usize,
+    /// A delta whose upload failed. The store may hold it all the same (a PUT it performed
+    /// and whose answer was lost, or one that completes late), so the next try stores the same
+    /// revisions under the same name: a retry replaces the object instead of adding a second
+    /// delta over the same revisions, which no chain can restore.
+    pending: Option<Snapshot>,
 }
 
 impl DeltaWriter {
@@ -290,6 +295,7 @@ impl DeltaWriter {
             previous_last,
             events: Vec::new(),
             buffered: 0,
+            pending: None,
         }
     }
 
@@ -313,6 +319,11 @@ impl DeltaWriter {
 
     /// Restarts after a new full snapshot: drops buffered events it already covers.
     pub fn rebase(&mut self, full_last: i64) {
+        // A delta whose upload failed and that ends after the full snapshot is given up: the
+        // next delta starts after the full snapshot. If the store holds it all the same, it
+        // overlaps the full snapshot, and the chain passes over it for the delta that
+        // continues the full snapshot exactly (`layout::latest_chain`).
+        self.pending = None;
         self.previous_last = full_last;
         self.events.retain(|e| e.event.revision() > full_last);
         self.buffered = self.events.iter().map(|e| e.event.size()).sum();
@@ -357,39 +368,66 @@ impl DeltaWriter {
         &mut self,
         store: &SnapshotStore,
     ) -> Result<Option<(Snapshot, u64)>, DeltaError> {
-        let Some(last) = self.events.last().map(|e| e.event.revision()) else {
-            return Ok(None);
+        // After a failed upload the same revisions go again under the same name; later events
+        // wait for the next delta.
+        let snapshot = match self.pending.take() {
+            Some(pending) => pending,
+            None => {
+                let Some(last) = self.events.last().map(|e| e.event.revision()) else {
+                    return Ok(None);
+                };
+                store.new_snapshot(Kind::Incr, self.previous_last + 1, last, self.codec, false)
+            }
         };
-        let snapshot =
-            store.new_snapshot(Kind::Incr, self.previous_last + 1, last, self.codec, false);
+        let last = snapshot.last_revision;
+        let count = self.events.partition_point(|e| e.event.revision() <= last);
+        let stored = self.store_events(store, &snapshot, count).await;
+        let bytes = match stored {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                self.pending = Some(snapshot);
+                return Err(e);
+            }
+        };
+        tracing::info!(
+            snapshot = %snapshot.snap_name,
+            events = count,
+            start_revision = snapshot.start_revision,
+            last_revision = last,
+            "delta snapshot stored"
+        );
+        self.previous_last = last;
+        self.events.drain(..count);
+        self.buffered = self.events.iter().map(|e| e.event.size()).sum();
+        Ok(Some((snapshot, bytes)))
+    }
+
+    /// Stores the first `count` buffered events as `snapshot`; returns the bytes stored. The
+    /// events stay buffered whatever happens.
+    async fn store_events(
+        &mut self,
+        store: &SnapshotStore,
+        snapshot: &Snapshot,
+        count: usize,
+    ) -> Result<u64, DeltaError> {
         // Serialised and compressed in one pass on a blocking thread: the JSON is never held
         // uncompressed, and a large buffer does not stall the runtime.
         // Encryption too (the recipients' key files are read here, so a rotated key applies).
         // Shared with the blocking task, so the events come back even when it panics or the
         // runtime drops it unstarted (its reference goes with it): a failed flush loses nothing.
         let events = std::sync::Arc::new(std::mem::take(&mut self.events));
-        let codec = self.codec;
+        let codec = snapshot.compression;
         let (sealer, named, shared) = (store.clone(), snapshot.clone(), events.clone());
         let stored = tokio::task::spawn_blocking(move || {
-            encode_compressed(&shared, codec, sealer.compression_level())
+            encode_compressed(&shared[..count], codec, sealer.compression_level())
                 .and_then(|plain| Ok(sealer.seal_bytes(&named, plain)?))
         })
         .await;
         self.events = std::sync::Arc::try_unwrap(events).unwrap_or_else(|still| (*still).clone());
         let stored = stored.map_err(std::io::Error::other)??;
         let bytes = stored.len() as u64;
-        store.put_bytes(&snapshot, Bytes::from(stored)).await?;
-        tracing::info!(
-            snapshot = %snapshot.snap_name,
-            events = self.events.len(),
-            start_revision = snapshot.start_revision,
-            last_revision = last,
-            "delta snapshot stored"
-        );
-        self.previous_last = last;
-        self.events.clear();
-        self.buffered = 0;
-        Ok(Some((snapshot, bytes)))
+        store.put_bytes(snapshot, Bytes::from(stored)).await?;
+        Ok(bytes)
     }
 }
 

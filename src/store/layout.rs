@@ -284,16 +284,45 @@ pub struct Chain {
 /// Picks the latest full snapshot and the deltas after it from a sorted list (as the reference's
 /// restorer does: walk back from the end collecting deltas until a full snapshot). Without a
 /// full snapshot every delta is returned, so a caller can still see what exists.
+///
+/// Deltas that add nothing are passed over: one wholly covered by the chain so far (a second
+/// copy of a delta, which etcd-warden up to a76b888 stored under a new name each time the
+/// store lost the answer to its upload), and one that overlaps the chain when a later delta continues it
+/// exactly (a delta given up for a full snapshot, which the store kept all the same). Gaps and
+/// other overlaps stay for [`first_gap`] and the restore to report.
 pub fn latest_chain(sorted: &[Snapshot]) -> Chain {
     let base = sorted.iter().rposition(Snapshot::is_full);
     let after = base.map_or(0, |i| i + 1);
+    let deltas: Vec<&Snapshot> = sorted[after..]
+        .iter()
+        .filter(|s| s.kind == Kind::Incr)
+        .collect();
+    let Some(full) = base.map(|i| &sorted[i]) else {
+        return Chain {
+            full_snapshot: None,
+            delta_snapshots: deltas.into_iter().cloned().collect(),
+        };
+    };
+    let mut reach = full.last_revision;
+    let mut chained = Vec::with_capacity(deltas.len());
+    for (i, d) in deltas.iter().enumerate() {
+        match link(reach, d) {
+            Link::Covered => continue,
+            Link::Overlaps
+                if deltas[i + 1..]
+                    .iter()
+                    .any(|later| link(reach, later) == Link::Continues) =>
+            {
+                continue;
+            }
+            Link::Continues | Link::Overlaps | Link::Gap => {}
+        }
+        reach = d.last_revision;
+        chained.push((*d).clone());
+    }
     Chain {
-        full_snapshot: base.map(|i| sorted[i].clone()),
-        delta_snapshots: sorted[after..]
-            .iter()
-            .filter(|s| s.kind == Kind::Incr)
-            .cloned()
-            .collect(),
+        full_snapshot: Some(full.clone()),
+        delta_snapshots: chained,
     }
 }
 
@@ -947,6 +976,51 @@ mod tests {
         let v = serde_json::to_value(latest_chain(&v)).unwrap();
         assert!(v["fullSnapshot"].is_object());
         assert_eq!(v["deltaSnapshots"].as_array().unwrap().len(), 2);
+    }
+
+    /// The soak's finding: the store lost the answers to a delta's uploads and an earlier
+    /// release stored it again under new names; restore then failed with "events out of order".
+    #[test]
+    fn latest_chain_passes_over_copies_and_given_up_overlaps() {
+        let full = |last, t| Snapshot::new("", Kind::Full, 0, last, at(t), Codec::Gzip, false);
+        let incr = |s, last, t| Snapshot::new("", Kind::Incr, s, last, at(t), Codec::Gzip, false);
+        let ranges = |mut v: Vec<Snapshot>| {
+            sort(&mut v);
+            let c = latest_chain(&v);
+            assert_eq!(first_gap(&c), None, "{c:?}");
+            c.delta_snapshots
+                .iter()
+                .map(|d| (d.start_revision, d.last_revision, d.created_on))
+                .collect::<Vec<_>>()
+        };
+        // Four copies of one delta: the first stays, the others add nothing.
+        let copies = ranges(vec![
+            full(100, 1),
+            incr(101, 146, 2),
+            incr(101, 146, 3),
+            incr(101, 146, 4),
+            incr(101, 146, 5),
+            incr(147, 150, 6),
+        ]);
+        assert_eq!(copies, vec![(101, 146, at(2)), (147, 150, at(6))]);
+        // A delta given up for the full snapshot at 120 (the store kept it all the same), then
+        // the delta that continues the full snapshot: the chain takes the second.
+        let given_up = ranges(vec![
+            full(100, 1),
+            incr(101, 130, 2),
+            full(120, 3),
+            incr(121, 135, 4),
+        ]);
+        assert_eq!(given_up, vec![(121, 135, at(4))]);
+        // An overlap that nothing continues stays: the restore judges its events.
+        let alone = ranges(vec![full(120, 3), incr(101, 130, 2), incr(131, 140, 4)]);
+        assert_eq!(alone, vec![(101, 130, at(2)), (131, 140, at(4))]);
+        // A gap stays for first_gap to name, whatever follows.
+        let mut v = vec![full(100, 1), incr(111, 120, 2), incr(111, 120, 3)];
+        sort(&mut v);
+        let c = latest_chain(&v);
+        assert_eq!(c.delta_snapshots.len(), 1);
+        assert_eq!(first_gap(&c).map(|g| (g.first, g.last)), Some((101, 110)));
     }
 
     fn any_snapshot() -> impl Strategy<Value = Snapshot> {

@@ -1,6 +1,7 @@
 //! An object store in front of a real one that loses answers: the store performs the request
 //! and the client never hears so (a connection cut after the server committed), or the store
-//! completes an upload long after the client gave up on it. Only for the objects a test names
+//! completes an upload long after the client gave up on it, single PUTs and multipart uploads
+//! alike. Only for the objects a test names
 //! (by a suffix of their key), a set number of times; everything else passes through.
 //!
 //! This is the fault at the I/O seam the sidecar uses (`object_store`), in front of a real S3
@@ -48,6 +49,17 @@ impl LosingStore {
             left: Arc::new(AtomicU32::new(times)),
             lost: Arc::new(AtomicU32::new(0)),
         }
+    }
+
+    /// The loss for an upload to `location`, counting it: one of the next `times` uploads to a
+    /// key ending in the suffix.
+    fn lose(&self, location: &Path) -> Option<Loss> {
+        let lose = location.as_ref().ends_with(&self.suffix)
+            && self
+                .left
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok();
+        lose.then_some(self.loss)
     }
 
     /// How many completions were lost so far.
@@ -130,7 +142,25 @@ impl ObjectStore for LosingStore {
         payload: PutPayload,
         opts: PutOptions,
     ) -> object_store::Result<PutResult> {
-        self.inner.put_opts(location, payload, opts).await
+        match self.lose(location) {
+            None => self.inner.put_opts(location, payload, opts).await,
+            Some(Loss::Answer) => {
+                self.inner.put_opts(location, payload, opts).await?;
+                self.lost.fetch_add(1, Ordering::SeqCst);
+                Err(lost_error())
+            }
+            Some(Loss::Late(after)) => {
+                let (inner, location, lost) =
+                    (self.inner.clone(), location.clone(), self.lost.clone());
+                tokio::spawn(async move {
+                    tokio::time::sleep(after).await;
+                    if inner.put_opts(&location, payload, opts).await.is_ok() {
+                        lost.fetch_add(1, Ordering::SeqCst);
+                    }
+                });
+                std::future::pending().await
+            }
+        }
     }
 
     async fn put_multipart_opts(
@@ -139,14 +169,9 @@ impl ObjectStore for LosingStore {
         opts: PutMultipartOptions,
     ) -> object_store::Result<Box<dyn MultipartUpload>> {
         let inner = self.inner.put_multipart_opts(location, opts).await?;
-        let lose = location.as_ref().ends_with(&self.suffix)
-            && self
-                .left
-                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-                .is_ok();
         Ok(Box::new(LosingUpload {
             inner: Some(inner),
-            lose: lose.then_some(self.loss),
+            lose: self.lose(location),
             lost: self.lost.clone(),
         }))
     }

@@ -431,7 +431,7 @@ fn soak_keys(release: Release, store_endpoint: String) -> Vec<(String, String)> 
         ("snapshot.gc_policy", "LimitBased".into()),
         ("snapshot.max_backups", "4".into()),
         ("snapshot.gc_period", "30s".into()),
-        ("snapshot.timeout", "3s".into()),
+        ("snapshot.timeout", "60s".into()),
         ("defrag.schedule", "*/4 * * * *".into()),
         ("defrag.check_interval", "1m".into()),
         ("defrag.trigger_min_db_size", "8MiB".into()),
