@@ -1212,6 +1212,31 @@ impl Run<'_> {
         // its leader.
         tokio::time::sleep(Duration::from_millis(2500)).await;
         let read = p.read(Duration::from_millis(1500)).await;
+        // Who the others follow meanwhile (they elect among themselves when m led).
+        let mut others = Vec::new();
+        for (i, s) in self.world.specs.iter().enumerate() {
+            if i == m {
+                continue;
+            }
+            let ids = self
+                .world
+                .names
+                .as_ref()
+                .map(|n| n.ids.clone())
+                .unwrap_or_default();
+            let leader = match super::writer::connect(&s.client_url()).await {
+                Ok(mut c) => match tokio::time::timeout(Duration::from_secs(1), c.status()).await {
+                    Ok(Ok(st)) => ids
+                        .iter()
+                        .position(|id| *id == st.leader())
+                        .map_or_else(|| format!("{:x}", st.leader()), |l| format!("m{l}")),
+                    Ok(Err(e)) => e.to_string(),
+                    Err(_) => "no answer".into(),
+                },
+                Err(e) => e.to_string(),
+            };
+            others.push(format!("m{i} follows {leader}"));
+        }
         tokio::time::sleep(hold.saturating_sub(cut_at.elapsed())).await;
         let healed = p.heal();
         let healed_at = Instant::now();
@@ -1224,8 +1249,10 @@ impl Run<'_> {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         self.event(format!(
-            "  m{m} cut off: its linearizable read while cut: {read:?}; healed: {healed:?}; \
-             serving linearizable reads again after {back:?}"
+            "  m{m} cut off for {:?}: its linearizable read while cut: {read:?}; the others: \
+             {}; healed: {healed:?}; serving linearizable reads again after {back:?}",
+            healed_at - cut_at,
+            others.join(", ")
         ));
         if let Ok(rev) = read {
             self.violation(
@@ -1531,7 +1558,7 @@ impl Run<'_> {
         }
         let mut final_status = Vec::new();
         for m in 0..self.world.specs.len() {
-            let url = format!("http://127.0.0.1:{}/status", self.world.sidecar_ports[m]);
+            let url = self.world.sidecar_url(m, "/status");
             final_status.push(
                 get_json(&self.world.http_client, &url)
                     .await
@@ -1698,10 +1725,7 @@ impl Run<'_> {
             );
         }
         for m in 0..self.world.specs.len() {
-            let url = format!(
-                "http://127.0.0.1:{}/snapshot/latest",
-                self.world.sidecar_ports[m]
-            );
+            let url = self.world.sidecar_url(m, "/snapshot/latest");
             if let Some((200, body)) = get_json(&self.world.http_client, &url).await {
                 let full = &body["fullSnapshot"];
                 if full["snapName"].as_str() != Some(name) || full["isFinal"] != true {
