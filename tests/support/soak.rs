@@ -560,9 +560,7 @@ impl DruidLane {
         Ok(())
     }
 
-    /// The member Leases' findings: every holder names its own member of this cluster, and no
-    /// Lease goes unrenewed for [`LEASE_STALE`] while nothing stopped its sidecar (`faults`:
-    /// each fault and its window; `quiet`: the hand-offs, when every sidecar restarts).
+    /// Stops the watcher and judges what it saw ([`judge_leases`]): (violations, changes seen).
     fn judge(
         &self,
         names: &super::invariants::MemberNames,
@@ -572,86 +570,104 @@ impl DruidLane {
     ) -> (Vec<Violation>, u32) {
         self.stop.cancel();
         let seen = self.seen.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let mut out = Vec::new();
-        let mut cluster: Option<String> = None;
-        for l in &seen {
-            let parts: Vec<&str> = l.holder.split(':').collect();
-            let own = names.ids.get(l.member).map(|id| format!("{id:x}"));
-            let fine = parts.len() == 3
-                && Some(parts[0].to_string()) == own
-                && matches!(parts[2], "Leader" | "Member");
-            if !fine {
-                out.push(Violation {
-                    kind: "druid-lease",
-                    detail: format!(
-                        "{:.1}s: Lease m{} holds {:?} (renewed {}); m{}'s member ID is {:?}, the \
+        (
+            judge_leases(&seen, &names.ids, faults, quiet, end),
+            seen.len() as u32,
+        )
+    }
+}
+
+/// The member Leases' findings: every holder names its own member (`ids[m]` for Lease `m<m>`)
+/// of one cluster, and no Lease goes unrenewed for [`LEASE_STALE`] while nothing could stop its
+/// sidecar (`faults`: each fault and its window; `quiet`: the hand-offs, when every sidecar
+/// restarts), up to `end`.
+fn judge_leases(
+    seen: &[LeaseSeen],
+    ids: &[u64],
+    faults: &[(Nemesis, Duration, Duration)],
+    quiet: &[(Duration, Duration)],
+    end: Duration,
+) -> Vec<Violation> {
+    let mut out = Vec::new();
+    let mut cluster: Option<String> = None;
+    for l in seen {
+        let parts: Vec<&str> = l.holder.split(':').collect();
+        let own = ids.get(l.member).map(|id| format!("{id:x}"));
+        let fine = parts.len() == 3
+            && Some(parts[0].to_string()) == own
+            && matches!(parts[2], "Leader" | "Member");
+        if !fine {
+            out.push(Violation {
+                kind: "druid-lease",
+                detail: format!(
+                    "{:.1}s: Lease m{} holds {:?} (renewed {}); m{}'s member ID is {:?}, the \
                          members are {:x?}",
-                        l.at.as_secs_f64(),
-                        l.member,
-                        l.holder,
-                        l.renew,
-                        l.member,
-                        own,
-                        names.ids
-                    ),
-                });
+                    l.at.as_secs_f64(),
+                    l.member,
+                    l.holder,
+                    l.renew,
+                    l.member,
+                    own,
+                    ids
+                ),
+            });
+            continue;
+        }
+        match &cluster {
+            None => cluster = Some(parts[1].to_string()),
+            Some(c) if c != parts[1] => out.push(Violation {
+                kind: "druid-lease",
+                detail: format!(
+                    "{:.1}s: Lease m{} names cluster {}, earlier Leases {c}",
+                    l.at.as_secs_f64(),
+                    l.member,
+                    parts[1]
+                ),
+            }),
+            _ => {}
+        }
+    }
+    let members = ids.len();
+    for m in 0..members {
+        let mut times: Vec<Duration> = seen
+            .iter()
+            .filter(|l| l.member == m)
+            .map(|l| l.at)
+            .collect();
+        if times.is_empty() {
+            out.push(Violation {
+                kind: "druid-lease-stale",
+                detail: format!("Lease m{m} was never renewed"),
+            });
+            continue;
+        }
+        times.sort();
+        times.push(end);
+        for w in times.windows(2) {
+            let (a, b) = (w[0], w[1]);
+            if b.saturating_sub(a) <= LEASE_STALE {
                 continue;
             }
-            match &cluster {
-                None => cluster = Some(parts[1].to_string()),
-                Some(c) if c != parts[1] => out.push(Violation {
-                    kind: "druid-lease",
-                    detail: format!(
-                        "{:.1}s: Lease m{} names cluster {}, earlier Leases {c}",
-                        l.at.as_secs_f64(),
-                        l.member,
-                        parts[1]
-                    ),
-                }),
-                _ => {}
-            }
-        }
-        let members = names.ids.len();
-        for m in 0..members {
-            let mut times: Vec<Duration> = seen
+            let near =
+                |from: Duration, to: Duration| from <= b && to + Duration::from_secs(20) >= a;
+            let excused = faults
                 .iter()
-                .filter(|l| l.member == m)
-                .map(|l| l.at)
-                .collect();
-            if times.is_empty() {
+                .any(|(n, from, to)| n.stops_lease_of(m) && near(*from, *to))
+                || quiet.iter().any(|(from, to)| near(*from, *to));
+            if !excused {
                 out.push(Violation {
                     kind: "druid-lease-stale",
-                    detail: format!("Lease m{m} was never renewed"),
-                });
-                continue;
-            }
-            times.push(end);
-            for w in times.windows(2) {
-                let (a, b) = (w[0], w[1]);
-                if b.saturating_sub(a) <= LEASE_STALE {
-                    continue;
-                }
-                let near =
-                    |from: Duration, to: Duration| from <= b && to + Duration::from_secs(20) >= a;
-                let excused = faults
-                    .iter()
-                    .any(|(n, from, to)| n.stops_lease_of(m) && near(*from, *to))
-                    || quiet.iter().any(|(from, to)| near(*from, *to));
-                if !excused {
-                    out.push(Violation {
-                        kind: "druid-lease-stale",
-                        detail: format!(
-                            "Lease m{m} not renewed from {:.1}s to {:.1}s, with no fault of m{m}, \
+                    detail: format!(
+                        "Lease m{m} not renewed from {:.1}s to {:.1}s, with no fault of m{m}, \
                              of the API server or a hand-off between",
-                            a.as_secs_f64(),
-                            b.as_secs_f64()
-                        ),
-                    });
-                }
+                        a.as_secs_f64(),
+                        b.as_secs_f64()
+                    ),
+                });
             }
         }
-        (out, seen.len() as u32)
     }
+    out
 }
 
 /// Reads every member Lease every 500 ms (from the double itself, not through the proxy) and
@@ -2718,4 +2734,76 @@ fn contents_of(kvs: &[etcd_client::KeyValue]) -> BTreeMap<String, Seen> {
             )
         })
         .collect()
+}
+
+#[cfg(test)]
+mod lease_tests {
+    use super::*;
+
+    const IDS: [u64; 2] = [0xa1, 0xb2];
+
+    fn renewals(member: usize, holder: &str, every: u64, until: u64) -> Vec<LeaseSeen> {
+        (0..until / every)
+            .map(|i| LeaseSeen {
+                at: Duration::from_secs(i * every),
+                member,
+                holder: holder.to_string(),
+                renew: String::new(),
+            })
+            .collect()
+    }
+
+    fn kinds(v: &[Violation]) -> Vec<&'static str> {
+        v.iter().map(|v| v.kind).collect()
+    }
+
+    const END: Duration = Duration::from_secs(120);
+
+    #[test]
+    fn leases_renewed_by_their_own_members_pass() {
+        let mut seen = renewals(0, "a1:c:Leader", 1, 120);
+        seen.extend(renewals(1, "b2:c:Member", 1, 120));
+        assert!(judge_leases(&seen, &IDS, &[], &[], END).is_empty());
+    }
+
+    #[test]
+    fn a_lease_naming_another_or_no_member_or_cluster_is_found() {
+        let mut seen = renewals(0, "a1:c:Leader", 1, 120);
+        seen.extend(renewals(1, "b2:c:Member", 1, 60));
+        // m1's Lease naming m0, then a member that is not one, then another cluster.
+        seen.extend(renewals(1, "a1:c:Member", 1, 1));
+        seen.extend(renewals(1, "ff:c:Member", 1, 1));
+        seen.extend(renewals(1, "b2:d:Member", 1, 1));
+        seen.extend(renewals(1, "garbage", 1, 1));
+        let v = judge_leases(&seen, &IDS, &[], &[], Duration::from_secs(60));
+        assert_eq!(kinds(&v), ["druid-lease"; 4], "{v:?}");
+    }
+
+    #[test]
+    fn a_lease_left_unrenewed_is_found_unless_a_fault_explains_it() {
+        let mut seen = renewals(0, "a1:c:Leader", 1, 120);
+        let m1: Vec<LeaseSeen> = renewals(1, "b2:c:Member", 1, 120)
+            .into_iter()
+            .filter(|l| !(40..90).contains(&l.at.as_secs()))
+            .collect();
+        seen.extend(m1);
+        let v = judge_leases(&seen, &IDS, &[], &[], END);
+        assert_eq!(kinds(&v), ["druid-lease-stale"], "{v:?}");
+        // m1's etcd killed at the start of the gap: explained. m0's sidecar killed: not.
+        let s = Duration::from_secs;
+        let killed = [(Nemesis::EtcdKill(1), s(38), s(39))];
+        assert!(judge_leases(&seen, &IDS, &killed, &[], END).is_empty());
+        let other = [(Nemesis::SidecarKill(0, 0), s(38), s(39))];
+        assert_eq!(judge_leases(&seen, &IDS, &other, &[], END).len(), 1);
+        let api = [(Nemesis::ApiServer(FaultMode::Down), s(50), s(52))];
+        assert!(judge_leases(&seen, &IDS, &api, &[], END).is_empty());
+        assert!(judge_leases(&seen, &IDS, &[], &[(s(35), s(45))], END).is_empty());
+        // Never renewed, or not since long before the end.
+        let v = judge_leases(&renewals(0, "a1:c:Leader", 1, 50), &IDS, &[], &[], END);
+        assert_eq!(
+            kinds(&v),
+            ["druid-lease-stale", "druid-lease-stale"],
+            "{v:?}"
+        );
+    }
 }
