@@ -1038,6 +1038,8 @@ struct Run<'a> {
     handoff_windows: Vec<(Duration, Duration)>,
     partition: Option<Partition>,
     druid: Option<DruidLane>,
+    /// The end's drills, whole (the report keeps them).
+    drill_outputs: Vec<(&'static str, String)>,
 }
 
 /// The sidecars' configuration beyond the fault schedules': every feature on.
@@ -2142,6 +2144,7 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
         handoff_windows: Vec::new(),
         partition: None,
         druid: None,
+        drill_outputs: Vec::new(),
     };
     match no_partition {
         None => match Partition::new(&run.world, PARTITION_MEMBER) {
@@ -2199,7 +2202,9 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
         let _ = p.heal();
     }
     let mut druid_summary = String::new();
-    if let Some(d) = run.druid.take() {
+    // Kept (the double serving the sidecars) until they stop.
+    let druid = run.druid.take();
+    if let Some(d) = &druid {
         let names = run
             .world
             .names
@@ -2253,6 +2258,7 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
     }
     for (label, args) in drills {
         let (ok, said) = run.cli("verify", &args, &[]).await;
+        run.drill_outputs.push((label, said.clone()));
         run.event(format!(
             "end: drill on the {label}: ok={ok}: {}",
             last_line(&said)
@@ -2341,6 +2347,7 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
         None
     };
     run.world.kubelet.stop();
+    drop(druid);
     drop(run.mounts.drain(..));
     drop(run.restore_mount.take());
     let violations = run.violations.clone();
@@ -2419,6 +2426,9 @@ async fn write_report(
     let _ = std::fs::write(dir.join("store.txt"), listing);
     for (m, p) in run.world.sidecar_logs.iter().enumerate() {
         let _ = std::fs::copy(p, dir.join(format!("logs/m{m}.sidecar.log")));
+    }
+    for (label, said) in &run.drill_outputs {
+        let _ = std::fs::write(dir.join(format!("logs/drill-{label}.txt")), said);
     }
     for (m, p) in run.world.etcd_logs.iter().enumerate() {
         let _ = std::fs::copy(p, dir.join(format!("logs/m{m}.etcd.log")));
