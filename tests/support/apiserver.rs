@@ -267,12 +267,22 @@ impl ApiServer {
     /// Writes a kubeconfig naming the double (context `double`, namespace `namespace`), for a
     /// binary under test.
     pub fn write_kubeconfig(&self, path: &Path, namespace: &str) {
+        self.write_kubeconfig_via(path, namespace, &self.url());
+    }
+
+    /// The double's address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// As [`Self::write_kubeconfig`], naming `url` as the server (a proxy in front of the
+    /// double, which a test can fail).
+    pub fn write_kubeconfig_via(&self, path: &Path, namespace: &str, url: &str) {
         let text = format!(
             "apiVersion: v1\nkind: Config\nclusters:\n- name: double\n  cluster:\n    server: {url}\n\
              users:\n- name: double\n  user: {{}}\ncontexts:\n- name: double\n  context:\n    \
              cluster: double\n    user: double\n    namespace: {namespace}\n\
              current-context: double\n",
-            url = self.url()
         );
         std::fs::write(path, text).expect("write the kubeconfig");
     }

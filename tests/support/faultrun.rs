@@ -139,6 +139,9 @@ pub struct World {
     /// Each sidecar's configuration keys (the CLI runs with them too).
     pub keys: Vec<Vec<(String, String)>>,
     pub sidecar_ports: Vec<u16>,
+    /// Each sidecar's address (its port is `sidecar_ports`'): 127.0.0.1, or its member's own
+    /// loopback address ([`WorldSpec::hosts`]).
+    pub sidecar_hosts: Vec<std::net::Ipv4Addr>,
     pub sidecar_logs: Vec<PathBuf>,
     pub etcd_logs: Vec<PathBuf>,
     pub incarnations: Vec<Arc<AtomicU32>>,
@@ -174,6 +177,16 @@ pub struct WorldSpec {
     pub data_mounts: Option<PathBuf>,
     /// Each sidecar's wall clock is faked ([`faked_clock`]) from `<dir>/<member>.clock`.
     pub clock_dir: Option<PathBuf>,
+    /// Each member (its etcd and its sidecar) on a loopback address of its own,
+    /// 127.0.0.(10 + i), and every sidecar on the same port, as the pods of a StatefulSet: what
+    /// a sidecar needs to find the leader's from its etcd's client URL (etcd-druid's trigger
+    /// forwarding).
+    pub hosts: bool,
+    /// (member, uid): that member's etcd runs under a uid of its own, so that its packets can be
+    /// told apart (`iptables -m owner`: the soak's partition fault).
+    pub own_uid: Option<(usize, u32)>,
+    /// Environment of every sidecar beyond its keys (`KUBECONFIG`).
+    pub sidecar_env: Vec<(String, String)>,
 }
 
 impl WorldSpec {
@@ -190,15 +203,23 @@ impl WorldSpec {
             writer: true,
             data_mounts: None,
             clock_dir: None,
+            hosts: false,
+            own_uid: None,
+            sidecar_env: Vec::new(),
         }
     }
+}
+
+/// The loopback address of member `i` when [`WorldSpec::hosts`] asks for one each.
+pub fn member_host(i: usize) -> std::net::Ipv4Addr {
+    std::net::Ipv4Addr::new(127, 0, 0, 10 + i as u8)
 }
 
 /// Configuration keys of the sidecar next to `spec`.
 fn sidecar_keys(
     spec: &MemberSpec,
     world: &WorldSpec,
-    port: u16,
+    listen: SocketAddr,
     dns: SocketAddr,
     store_endpoint: &str,
     token: &str,
@@ -229,7 +250,7 @@ fn sidecar_keys(
         ("kill.process_name", "etcd".into()),
         ("kill.grace", "2s".into()),
         ("kill.settle", "1s".into()),
-        ("server.listen", format!("127.0.0.1:{port}")),
+        ("server.listen", listen.to_string()),
         ("server.token", token.to_string()),
     ]
     .into_iter()
@@ -239,6 +260,52 @@ fn sidecar_keys(
     .filter(|(k, _)| !world.extra_keys.iter().any(|(x, _)| x == k))
     .chain(world.extra_keys.iter().cloned())
     .collect()
+}
+
+/// Makes `data_dir` (under `world_dir`) a directory `uid` owns, and lets `uid` through
+/// `world_dir`, so an etcd under that uid can create its member there.
+fn own_data_dir(
+    world_dir: &std::path::Path,
+    data_dir: &std::path::Path,
+    uid: u32,
+) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut dir = data_dir.parent();
+    while let Some(d) = dir {
+        if !d.starts_with(world_dir) {
+            break;
+        }
+        let mode = std::fs::metadata(d)?.permissions().mode();
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(mode | 0o711))?;
+        dir = d.parent();
+    }
+    std::fs::create_dir_all(data_dir)?;
+    std::fs::set_permissions(data_dir, std::fs::Permissions::from_mode(0o700))?;
+    std::os::unix::fs::chown(data_dir, Some(uid), Some(uid))
+}
+
+/// `cmd` run under `uid` (and that gid, no supplementary groups) through util-linux's `setpriv`,
+/// which execs it: the pod's process is then `cmd`'s own.
+fn as_uid(cmd: &std::process::Command, uid: u32) -> std::process::Command {
+    let mut out = std::process::Command::new("setpriv");
+    out.args([
+        format!("--reuid={uid}"),
+        format!("--regid={uid}"),
+        "--clear-groups".into(),
+        "--".into(),
+    ])
+    .arg(cmd.get_program())
+    .args(cmd.get_args());
+    for (k, v) in cmd.get_envs() {
+        match v {
+            Some(v) => out.env(k, v),
+            None => out.env_remove(k),
+        };
+    }
+    if let Some(d) = cmd.get_current_dir() {
+        out.current_dir(d);
+    }
+    out
 }
 
 /// `FAULT_BIN`: another build of `etcd-warden` to judge instead of this one (a previous release,
@@ -292,19 +359,29 @@ pub fn tail(text: &str, n: usize, skip_debug: bool) -> String {
 }
 
 impl World {
+    /// Sidecar `m`'s address.
+    pub fn sidecar_addr(&self, m: usize) -> SocketAddr {
+        (self.sidecar_hosts[m], self.sidecar_ports[m]).into()
+    }
+
+    /// `http://<sidecar m>{path}`.
+    pub fn sidecar_url(&self, m: usize, path: &str) -> String {
+        format!("http://{}{path}", self.sidecar_addr(m))
+    }
+
     pub async fn start(
         schedule: &WorldSpec,
         epoch: Instant,
     ) -> Result<World, (String, Option<World>)> {
-        World::start_with(schedule, epoch, |_, _| {}).await
+        World::start_with(schedule, epoch, |_, _, _| {}).await
     }
 
-    /// As [`World::start`], with `adjust` given the S3 server's own endpoint (not the fault
-    /// proxy's) and each sidecar's keys before it starts.
+    /// As [`World::start`], with `adjust` given each member's index, the S3 server's own
+    /// endpoint (not the fault proxy's) and each sidecar's keys before it starts.
     pub async fn start_with(
         schedule: &WorldSpec,
         epoch: Instant,
-        adjust: impl Fn(&str, &mut Vec<(String, String)>),
+        adjust: impl Fn(usize, &str, &mut Vec<(String, String)>),
     ) -> Result<World, (String, Option<World>)> {
         let events = Events {
             epoch,
@@ -324,6 +401,21 @@ impl World {
             dir.path(),
             &format!("fault-{}-{:x}", std::process::id(), schedule.seed),
         );
+        if schedule.hosts {
+            for (i, spec) in specs.iter_mut().enumerate() {
+                spec.host = member_host(i);
+            }
+            let initial_cluster = specs
+                .iter()
+                .map(|s| format!("{}={}", s.name, s.peer_url()))
+                .collect::<Vec<_>>()
+                .join(",");
+            for spec in &mut specs {
+                if let Some(b) = spec.bootstrap.as_mut() {
+                    b.initial_cluster = Some(initial_cluster.clone());
+                }
+            }
+        }
         if let Some(mounts) = &schedule.data_mounts {
             for spec in &mut specs {
                 // Only the members given a directory there (a filesystem of their own).
@@ -338,24 +430,54 @@ impl World {
         let mut etcd_logs = Vec::new();
         let mut incarnations = Vec::new();
         let mut all_keys = Vec::new();
-        for spec in &specs {
+        let mut sidecar_hosts = Vec::new();
+        // With a host each, the sidecars share one port (a StatefulSet's pods do).
+        let shared_port = schedule.hosts.then(free_port);
+        if let Some((m, uid)) = schedule.own_uid {
+            own_data_dir(dir.path(), &specs[m].data_dir, uid)
+                .map_err(|e| (format!("m{m}'s data directory for uid {uid}: {e}"), None))?;
+        }
+        for (i, spec) in specs.iter().enumerate() {
             let mut pod = Pod::new(&format!("pod-{}", spec.name));
             let etcd_log = dir.path().join(format!("{}.etcd.log", spec.name));
             let s = spec.clone();
             let release = schedule.release;
-            pod.add("etcd", etcd_log.clone(), move || etcd_command(&s, release));
-            let port = free_port();
-            let mut keys =
-                sidecar_keys(spec, schedule, port, dns.addr(), &proxy.endpoint(), &token);
-            adjust(&s3.endpoint(), &mut keys);
+            let uid = schedule
+                .own_uid
+                .and_then(|(m, uid)| (m == i).then_some(uid));
+            pod.add("etcd", etcd_log.clone(), move || {
+                let cmd = etcd_command(&s, release);
+                match uid {
+                    Some(uid) => as_uid(&cmd, uid),
+                    None => cmd,
+                }
+            });
+            let port = shared_port.unwrap_or_else(free_port);
+            let host = if schedule.hosts {
+                spec.host
+            } else {
+                std::net::Ipv4Addr::LOCALHOST
+            };
+            let mut keys = sidecar_keys(
+                spec,
+                schedule,
+                (host, port).into(),
+                dns.addr(),
+                &proxy.endpoint(),
+                &token,
+            );
+            adjust(i, &s3.endpoint(), &mut keys);
+            sidecar_hosts.push(host);
             let log = dir.path().join(format!("{}.sidecar.log", spec.name));
             all_keys.push(keys.clone());
             let clock = schedule
                 .clock_dir
                 .as_ref()
                 .map(|d| d.join(format!("{}.clock", spec.name)));
+            let env = schedule.sidecar_env.clone();
             pod.add("sidecar", log.clone(), move || {
                 let mut cmd = sidecar_command(&keys);
+                cmd.envs(env.iter().map(|(k, v)| (k, v)));
                 if let Some(file) = &clock {
                     faked_clock(&mut cmd, file);
                 }
@@ -389,6 +511,7 @@ impl World {
             buried: Vec::new(),
             keys: all_keys,
             sidecar_ports,
+            sidecar_hosts,
             sidecar_logs,
             etcd_logs,
             incarnations,
@@ -419,7 +542,7 @@ impl World {
         let probes = (0..world.specs.len())
             .map(|m| Probe {
                 member: m,
-                port: world.sidecar_ports[m],
+                addr: world.sidecar_addr(m),
                 incarnation: world.incarnations[m].clone(),
             })
             .collect();
@@ -452,8 +575,8 @@ impl World {
         }
         let backends = (0..world.specs.len())
             .map(|m| Backend {
-                target: ([127, 0, 0, 1], world.specs[m].client_port).into(),
-                health: format!("http://127.0.0.1:{}/healthz", world.sidecar_ports[m]),
+                target: (world.specs[m].host, world.specs[m].client_port).into(),
+                health: world.sidecar_url(m, "/healthz"),
             })
             .collect();
         let service = Service::start(backends, Duration::from_millis(50)).await;
@@ -527,7 +650,7 @@ impl World {
                 }
             }
             Fault::SidecarKillWhenDeactivated { member, down_ms } => {
-                let url = format!("http://127.0.0.1:{}/status", self.sidecar_ports[member]);
+                let url = self.sidecar_url(member, "/status");
                 let client = super::http_client(Duration::from_millis(300));
                 let start = Instant::now();
                 let mut killed = false;
@@ -569,7 +692,7 @@ impl World {
 
     /// POSTs in the background (a snapshot may take a while); the answer goes to the event log.
     pub fn post(&mut self, member: usize, path: &str) {
-        let url = format!("http://127.0.0.1:{}{path}", self.sidecar_ports[member]);
+        let url = self.sidecar_url(member, path);
         let (client, token, events) = (
             self.http_client.clone(),
             self.token.clone(),
@@ -802,7 +925,9 @@ impl World {
             p.abort();
         }
         self.reclaim.poller = Some(tokio::spawn(watch_latest(
-            self.sidecar_ports.clone(),
+            (0..self.specs.len())
+                .map(|m| self.sidecar_addr(m))
+                .collect(),
             reclaimed,
             self.reclaim.read_as_final.clone(),
             epoch,
@@ -979,15 +1104,15 @@ async fn lease_writer(
 /// Polls every sidecar's `/snapshot/latest` every 100 ms, recording each answer that reports a
 /// final of `reclaimed` as final (a flow polling `isFinal` would take it for the next hand-off's).
 async fn watch_latest(
-    ports: Vec<u16>,
+    sidecars: Vec<SocketAddr>,
     reclaimed: BTreeSet<String>,
     found: Arc<Mutex<Vec<(Duration, usize, String)>>>,
     epoch: Instant,
 ) {
     let client = super::http_client(Duration::from_millis(800));
     loop {
-        for (m, port) in ports.iter().enumerate() {
-            let url = format!("http://127.0.0.1:{port}/snapshot/latest");
+        for (m, addr) in sidecars.iter().enumerate() {
+            let url = format!("http://{addr}/snapshot/latest");
             if let Some((200, body)) = get_json(&client, &url).await {
                 let full = &body["fullSnapshot"];
                 let name = full["snapName"].as_str().unwrap_or_default();
@@ -1086,7 +1211,7 @@ pub async fn run(schedule: &Schedule) -> Outcome {
     world.monitor().stop();
     let mut final_status = Vec::new();
     for m in 0..world.specs.len() {
-        let url = format!("http://127.0.0.1:{}/status", world.sidecar_ports[m]);
+        let url = world.sidecar_url(m, "/status");
         final_status.push(
             get_json(&world.http_client, &url)
                 .await

@@ -57,7 +57,7 @@ impl fmt::Display for Violation {
 #[derive(Debug, Clone)]
 pub struct Probe {
     pub member: usize,
-    pub port: u16,
+    pub addr: std::net::SocketAddr,
     /// The container's incarnation counter: tells one process from the next.
     pub incarnation: Arc<AtomicU32>,
 }
@@ -256,7 +256,7 @@ async fn poll_sidecar(
     stop: CancellationToken,
 ) {
     let client = super::http_client(Duration::from_millis(800));
-    let base = format!("http://127.0.0.1:{}", probe.port);
+    let base = format!("http://{}", probe.addr);
     while !stop.is_cancelled() {
         let incarnation = probe.incarnation.load(Ordering::SeqCst);
         let status = get_json(&client, &format!("{base}/status")).await;
