@@ -221,7 +221,7 @@ async fn drill_in(
     );
 
     let checked = Instant::now();
-    let chain = chain_of(store, restored.revision).await?;
+    let chain = chain_of(store, &restored).await?;
     let expected = expected_state(
         store,
         &chain,
@@ -265,16 +265,33 @@ async fn drill_in(
     Ok(report)
 }
 
-/// A chain that holds the state at `revision`, the restored one. Snapshots written while the
-/// drill ran (a new full snapshot, later deltas) do not fail it: the newest full snapshot at or
-/// before that revision and the deltas up to it imply the same state, whichever it is.
-async fn chain_of(store: &SnapshotStore, revision: i64) -> Result<layout::Chain, DrillError> {
+/// The chain the restore used: its full snapshot, by name, and as many deltas after it as it
+/// read. Snapshots written while the drill ran (a new full snapshot, later deltas) do not
+/// change it. A full snapshot's database may reach past the revision in its name (etcd's
+/// snapshot stream can hold a lease's expiry after the revision it was named by), so the chain
+/// is found by name, not by the restored revision. Only when retention deleted that full
+/// snapshot in the meantime is it the chain that holds the state at the restored revision: the
+/// newest full snapshot at or before it and the deltas up to it imply the same state.
+async fn chain_of(
+    store: &SnapshotStore,
+    restored: &super::RestoreReport,
+) -> Result<layout::Chain, DrillError> {
     let list = store
         .list()
         .await
         .map_err(|e| DrillError::Expected(RestoreError::Store(e)))?;
-    layout::chain_to(&list, layout::Target::Revision(revision), &[])
-        .map_err(|e| DrillError::Expected(RestoreError::Target(e)))
+    match list
+        .iter()
+        .position(|s| s.snap_name == restored.full_snapshot)
+    {
+        Some(at) => {
+            let mut chain = layout::chain_from(&list, Some(at));
+            chain.delta_snapshots.truncate(restored.deltas);
+            Ok(chain)
+        }
+        None => layout::chain_to(&list, layout::Target::Revision(restored.revision), &[])
+            .map_err(|e| DrillError::Expected(RestoreError::Target(e))),
+    }
 }
 
 /// What a chain implies: its revision and one digest per live key.

@@ -291,7 +291,12 @@ pub struct Chain {
 /// exactly (a delta given up for a full snapshot, which the store kept all the same). Gaps and
 /// other overlaps stay for [`first_gap`] and the restore to report.
 pub fn latest_chain(sorted: &[Snapshot]) -> Chain {
-    let base = sorted.iter().rposition(Snapshot::is_full);
+    chain_from(sorted, sorted.iter().rposition(Snapshot::is_full))
+}
+
+/// The chain that starts at the full snapshot `sorted[base]` (with `None`, every delta): the
+/// deltas after it that [`latest_chain`] would take after that full snapshot.
+pub fn chain_from(sorted: &[Snapshot], base: Option<usize>) -> Chain {
     let after = base.map_or(0, |i| i + 1);
     let deltas: Vec<&Snapshot> = sorted[after..]
         .iter()
@@ -471,7 +476,8 @@ pub enum TargetError {
     },
     /// The store's snapshots end before it.
     #[error(
-        "{target} is after the newest snapshot ({newest}): the store does not hold the state          then; restore without a target for the latest state"
+        "{target} is after the newest snapshot ({newest}): the store does not hold the state \
+         then; restore without a target for the latest state"
     )]
     AfterNewest { target: Target, newest: String },
     /// A delta between the full snapshot and the target is missing.
