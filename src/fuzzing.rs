@@ -333,7 +333,7 @@ mod tests {
     /// then minimise them with `cargo fuzz cmin` (docs/fuzzing.md).
     #[test]
     fn write_seeds() {
-        use crate::restore::bolt::Writer;
+        use crate::restore::bolt::{Bucket, NewFile};
         use crate::restore::member_dir::{self, Cluster, Member, Release};
         use std::str::FromStr;
         let temporary = tempfile::tempdir().unwrap();
@@ -411,7 +411,7 @@ mod tests {
         put("wal", "snap", &member_dir::snap_bytes(&cluster));
         let dir = scratch();
         let path = dir.join("seed.db");
-        let mut w = Writer::create(&path, 512).unwrap();
+        let mut w = NewFile::create(&path, 512).unwrap();
         let mut key = w.tree();
         for rev in 1..=12i64 {
             let k = format!("k{rev}");
@@ -427,8 +427,11 @@ mod tests {
         meta.push(b"finishedCompactRev", &direct::revision_key(2, 0, false))
             .unwrap();
         let meta = meta.finish().unwrap();
-        w.finish(&[(b"key".to_vec(), key, 0), (b"meta".to_vec(), meta, 0)], 3)
-            .unwrap();
+        w.finish(
+            &[Bucket::paged(b"key", key), Bucket::paged(b"meta", meta)],
+            3,
+        )
+        .unwrap();
         let db = std::fs::read(&path).unwrap();
         Reader::open(&path, db.len() as u64)
             .unwrap()

@@ -22,6 +22,8 @@
 //! - [`etcdbrctl`]: the binary run as `etcdbrctl`: etcd-backup-restore's flags mapped onto ours.
 //! - [`scratch`]: private scratch directories and files (0700/0600, created fresh, never followed).
 //! - [`operator`]: quorum-safe member replacement (the second binary).
+//! - `fuzzing` (hidden): the fuzz targets' bodies, run on the committed corpora by `cargo test`.
+//! - `boundaries` (tests only): the crate's layering, checked from its source.
 #![forbid(unsafe_code)]
 
 pub mod backoff;

@@ -1,13 +1,13 @@
 //! etcd's backend file, a bbolt database, read and written directly.
 //!
 //! Only what a restore needs: [`Reader`] lists the top-level buckets of a snapshot and walks each
-//! one's keys in order; [`Writer`] writes a new, compact file bucket by bucket from keys given in
-//! order, building each B+tree bottom-up, or ([`Writer::patch`]) changes an existing file the way
-//! a bbolt write transaction does: the pages it changes are written anew after the file's last
-//! page (copy on write), the pages they replace become free, and a new meta page, written last,
-//! makes the change the current state. A restore patches the fetched snapshot so that the
-//! database is written once, not fetched and then rewritten. Pages are bbolt's format version 2
-//! (etcd 3.4 to 3.6):
+//! one's keys in order; [`Patcher`] changes an existing file the way a bbolt write transaction
+//! does: the pages it changes are written anew after the file's last page (copy on write), the
+//! pages they replace become free, and a new meta page, written last, makes the change the
+//! current state. A restore patches the fetched snapshot so that the database is written once,
+//! not fetched and then rewritten. The tests' databases are written by `NewFile` (tests only),
+//! which builds a new, compact file bucket by bucket from keys given in order. Pages are bbolt's
+//! format version 2 (etcd 3.4 to 3.6):
 //!
 //! - every page starts with a 16-byte header: id `u64`, flags `u16` (branch 0x01, leaf 0x02,
 //!   meta 0x04, freelist 0x10), element count `u16`, overflow `u32` (pages that follow this one
@@ -22,8 +22,7 @@
 //!   page count, transaction id, FNV-1a 64 checksum of the fields before it); the valid one with
 //!   the higher transaction id is current.
 //!
-//! A new file has no free pages (page 2 is an empty freelist), so it is as small as the data
-//! allows. A patched file keeps the freelist's form: etcd stores none (the meta page's freelist is
+//! A patched file keeps the freelist's form: etcd stores none (the meta page's freelist is
 //! [`NO_FREELIST`] and bbolt finds the free pages by walking the trees on open); a stored one
 //! gets the replaced pages added. [`Reader::check`] proves either form consistent, as `bbolt
 //! check` does. Anything this reader does not expect (a nested bucket, a key outside a bucket at
@@ -171,8 +170,20 @@ impl Bucket {
     }
 }
 
+#[cfg(test)]
+impl Bucket {
+    /// A bucket of sequence 0 whose tree starts at page `root` (one a [`NewFile`] wrote).
+    pub fn paged(name: &[u8], root: u64) -> Bucket {
+        Bucket {
+            name: name.to_vec(),
+            sequence: 0,
+            root: Root::Page(root),
+        }
+    }
+}
+
 /// The value of a bucket whose tree starts at page `root`.
-pub fn bucket_value(root: u64, sequence: u64) -> [u8; 16] {
+fn bucket_value(root: u64, sequence: u64) -> [u8; 16] {
     let mut value = [0u8; 16];
     value[..8].copy_from_slice(&root.to_le_bytes());
     value[8..].copy_from_slice(&sequence.to_le_bytes());
@@ -190,8 +201,14 @@ pub struct Check {
     pub free: u64,
 }
 
-/// What a stored freelist lists: the free pages, and the freelist's own pages.
-pub type Freelist = (Vec<u64>, Vec<u64>);
+/// What a stored freelist holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Freelist {
+    /// The pages it lists free.
+    pub free: Vec<u64>,
+    /// The freelist's own pages (its page and overflow).
+    pub own: Vec<u64>,
+}
 
 /// A page of a tree's rightmost path: its id (`None` for an inline bucket's) and its bytes.
 type SpinePage = (Option<u64>, Vec<u8>);
@@ -529,11 +546,11 @@ impl Reader {
             ),
             n => (usize::from(n), HEADER),
         };
-        let ids = span(&page, first, count.saturating_mul(8), 0, "freelist")?
+        let free = span(&page, first, count.saturating_mul(8), 0, "freelist")?
             .chunks_exact(8)
             .map(|c| u64_at(c, 0))
             .collect();
-        Ok(Some((ids, own)))
+        Ok(Some(Freelist { free, own }))
     }
 
     /// Checks the file as `bbolt check` does: every page below the high-water mark is used by
@@ -557,15 +574,15 @@ impl Reader {
         }
         let free = match self.freelist()? {
             None => pages - 2 - used.len() as u64,
-            Some((ids, own)) => {
+            Some(Freelist { free, own }) => {
                 for p in own {
                     mark(&mut seen, p, pages, "the freelist's own page")?;
                     used.push(p);
                 }
-                for &p in &ids {
+                for &p in &free {
                     mark(&mut seen, p, pages, "a free page")?;
                 }
-                let listed = ids.len() as u64;
+                let listed = free.len() as u64;
                 let accounted = 2 + used.len() as u64 + listed;
                 if accounted != pages {
                     return Err(BoltError::Corrupt(format!(
@@ -651,60 +668,104 @@ fn bucket_root(value: &[u8]) -> Result<Root, BoltError> {
     }
 }
 
-/// Writes a new bbolt file: [`Writer::tree`] per bucket, then [`Writer::finish`]; or patches
-/// one: [`Writer::patch`], new trees and [`Writer::extend`]ed ones, then [`Writer::commit`].
-pub struct Writer {
+/// Pages appended to a file, one after another from page `next`: what [`Patcher`] and the
+/// test-only `NewFile` share, and what a [`Tree`] writes into.
+struct Pages {
     out: BufWriter<File>,
     page_size: usize,
     /// The next page id.
     next: u64,
-    /// The file patched: its current meta page, and the pages the new ones replace.
-    base: Option<(Meta, Vec<u64>)>,
 }
 
-impl Writer {
-    /// Creates `path` for a database of `page_size`-byte pages.
-    pub fn create(path: &Path, page_size: usize) -> Result<Writer, BoltError> {
-        let mut out = BufWriter::with_capacity(1 << 20, File::create(path)?);
-        // Pages 0 and 1 (meta) and 2 (freelist) are written last, when the roots are known.
-        out.write_all(&vec![0u8; 3 * page_size])?;
-        Ok(Writer {
-            out,
-            page_size,
-            next: 3,
-            base: None,
-        })
+impl Pages {
+    /// Writes one page (and its overflow) from `body`, the bytes after the header. Returns its id.
+    fn write(&mut self, flags: u16, count: u16, body: &[u8]) -> Result<u64, BoltError> {
+        let len = HEADER + body.len();
+        let pages = len.div_ceil(self.page_size).max(1);
+        let id = self.next;
+        let mut header = [0u8; HEADER];
+        header[..8].copy_from_slice(&id.to_le_bytes());
+        header[8..10].copy_from_slice(&flags.to_le_bytes());
+        header[10..12].copy_from_slice(&count.to_le_bytes());
+        header[12..16].copy_from_slice(&((pages - 1) as u32).to_le_bytes());
+        self.out.write_all(&header)?;
+        self.out.write_all(body)?;
+        self.out
+            .write_all(&vec![0u8; pages * self.page_size - len])?;
+        self.next += pages as u64;
+        Ok(id)
     }
 
-    /// Patches the database `reader` reads (at `path`): new pages go after its last one, so
-    /// nothing the current meta page reaches is overwritten until [`Writer::commit`] writes
-    /// the new meta page. Whatever followed the database in the file (a snapshot's hash) is
-    /// overwritten.
-    pub fn patch(path: &Path, reader: &Reader) -> Result<Writer, BoltError> {
-        let mut file = std::fs::OpenOptions::new().write(true).open(path)?;
-        let meta = reader.meta;
-        file.seek(SeekFrom::Start(meta.pages * u64::from(meta.page_size)))?;
-        Ok(Writer {
-            out: BufWriter::with_capacity(1 << 20, file),
-            page_size: meta.page_size as usize,
-            next: meta.pages,
-            base: Some((meta, Vec::new())),
-        })
-    }
-
-    /// Marks `pages` of the patched file free once the patch is committed (pages a new tree
-    /// replaces).
-    pub fn free(&mut self, pages: impl IntoIterator<Item = u64>) {
-        if let Some((_, freed)) = &mut self.base {
-            freed.extend(pages);
+    /// A builder for one bucket's tree; give it keys in ascending order.
+    fn tree(&mut self) -> Tree<'_> {
+        Tree {
+            leaf: Packer::new(LEAF_PAGE),
+            children: Vec::new(),
+            last: None,
+            prefixes: Vec::new(),
+            pages: self,
         }
     }
 
-    /// A builder that adds keys after the last one of the tree at `root` in the patched file:
-    /// only the tree's rightmost path is rewritten (its last leaf and the branch pages above
-    /// it), and those pages are freed. Keys must come after the tree's last key.
-    pub fn extend<'w>(&'w mut self, reader: &Reader, root: &Root) -> Result<Tree<'w>, BoltError> {
-        let spine = reader.right_spine(root)?;
+    /// The root bucket: one element per top-level bucket (names ascending). Returns its page.
+    fn root(&mut self, buckets: &[Bucket]) -> Result<u64, BoltError> {
+        let mut root = self.tree();
+        for bucket in buckets {
+            root.push_element(BUCKET_VALUE, &bucket.name, &bucket.value())?;
+        }
+        root.finish()
+    }
+}
+
+/// Changes the bbolt file a [`Reader`] reads the way one bbolt write transaction does (the
+/// restore's path: the fetched snapshot patched in place): the pages it changes are written anew
+/// after the file's last page (copy on write), the pages they replace become free, and
+/// [`Patcher::commit`] writes the meta page of the next transaction last, which makes the change
+/// the current state. Until then nothing the current meta page reaches is overwritten. It never
+/// writes a new file's meta pages or freelist: the file keeps its freelist's form.
+pub struct Patcher<'r> {
+    reader: &'r Reader,
+    pages: Pages,
+    /// Pages of the file the new ones replace: free once the patch is committed.
+    freed: Vec<u64>,
+}
+
+impl<'r> Patcher<'r> {
+    /// Starts a patch of the database `reader` reads (at `path`): new pages go after its last
+    /// one. Whatever followed the database in the file (a snapshot's hash) is overwritten.
+    pub fn open(path: &Path, reader: &'r Reader) -> Result<Patcher<'r>, BoltError> {
+        let mut file = std::fs::OpenOptions::new().write(true).open(path)?;
+        let meta = reader.meta;
+        file.seek(SeekFrom::Start(meta.pages * u64::from(meta.page_size)))?;
+        Ok(Patcher {
+            reader,
+            pages: Pages {
+                out: BufWriter::with_capacity(1 << 20, file),
+                page_size: meta.page_size as usize,
+                next: meta.pages,
+            },
+            freed: Vec::new(),
+        })
+    }
+
+    /// Marks `pages` of the file free once the patch is committed.
+    fn free(&mut self, pages: impl IntoIterator<Item = u64>) {
+        self.freed.extend(pages);
+    }
+
+    /// A builder for a new tree in place of the one at `root`, whose pages are freed; give it
+    /// keys in ascending order.
+    pub fn replace(&mut self, root: &Root) -> Result<Tree<'_>, BoltError> {
+        let old = self.reader.tree_pages(root)?;
+        self.free(old);
+        Ok(self.pages.tree())
+    }
+
+    /// A builder that adds keys after the last one of the tree at `root`: only the tree's
+    /// rightmost path is rewritten (its last leaf and the branch pages above it), and those
+    /// pages are freed. Keys must come after the tree's last key.
+    pub fn extend(&mut self, root: &Root) -> Result<Tree<'_>, BoltError> {
+        let spine = self.reader.right_spine(root)?;
         let mut leaf = Packer::new(LEAF_PAGE);
         let mut last = None;
         let mut prefixes = Vec::new();
@@ -735,85 +796,49 @@ impl Writer {
             children: Vec::new(),
             last,
             prefixes,
-            writer: self,
+            pages: &mut self.pages,
         })
     }
 
-    /// Writes one page (and its overflow) from `body`, the bytes after the header. Returns its id.
-    fn page(&mut self, flags: u16, count: usize, body: &[u8]) -> Result<u64, BoltError> {
-        self.page_counted(flags, count as u16, body)
-    }
-
-    fn page_counted(&mut self, flags: u16, count: u16, body: &[u8]) -> Result<u64, BoltError> {
-        let len = HEADER + body.len();
-        let pages = len.div_ceil(self.page_size).max(1);
-        let id = self.next;
-        let mut header = [0u8; HEADER];
-        header[..8].copy_from_slice(&id.to_le_bytes());
-        header[8..10].copy_from_slice(&flags.to_le_bytes());
-        header[10..12].copy_from_slice(&count.to_le_bytes());
-        header[12..16].copy_from_slice(&((pages - 1) as u32).to_le_bytes());
-        self.out.write_all(&header)?;
-        self.out.write_all(body)?;
-        self.out
-            .write_all(&vec![0u8; pages * self.page_size - len])?;
-        self.next += pages as u64;
-        Ok(id)
-    }
-
-    /// A builder for one bucket's tree; give it keys in ascending order.
-    pub fn tree(&mut self) -> Tree<'_> {
-        Tree {
-            leaf: Packer::new(LEAF_PAGE),
-            children: Vec::new(),
-            last: None,
-            prefixes: Vec::new(),
-            writer: self,
-        }
-    }
-
-    /// Commits a patch: writes the root bucket with `buckets` (name and value, names
-    /// ascending; see [`Bucket::value`] and [`bucket_value`]), the freelist in the file's form,
-    /// then the meta page of the next transaction, and cuts the file after the last page. The
-    /// file is not synced.
-    pub fn commit(
-        mut self,
-        reader: &Reader,
-        buckets: &[(Vec<u8>, Vec<u8>)],
-    ) -> Result<(), BoltError> {
-        let Some((meta, _)) = self.base else {
-            return Err(BoltError::Unsupported("a commit of a new file".into()));
-        };
+    /// Commits the patch: writes the root bucket with `buckets` (names ascending: each the
+    /// file's own, or one with the root a [`Tree`] of this patch returned), the freelist in the
+    /// file's form (none stored stays none; a stored one gets the replaced pages added), then
+    /// the meta page of the next transaction, and cuts the file after the last page. The file is
+    /// not synced.
+    pub fn commit(mut self, buckets: &[Bucket]) -> Result<(), BoltError> {
+        let reader = self.reader;
+        let meta = reader.meta;
         self.free(reader.tree_pages(&Root::Page(meta.root))?);
-        let mut root = self.tree();
-        for (name, value) in buckets {
-            root.push_element(BUCKET_VALUE, name, value)?;
-        }
-        let root = root.finish()?;
+        let root = self.pages.root(buckets)?;
         let freelist = match reader.freelist()? {
             None => NO_FREELIST,
-            Some((mut ids, own)) => {
-                ids.extend(own);
-                ids.extend(self.base.take().map(|(_, freed)| freed).unwrap_or_default());
-                ids.sort_unstable();
-                ids.dedup();
-                self.freelist_page(&ids)?
+            Some(Freelist { mut free, own }) => {
+                free.extend(own);
+                free.append(&mut self.freed);
+                free.sort_unstable();
+                free.dedup();
+                self.freelist_page(&free)?
             }
         };
-        let mut file = self.out.into_inner().map_err(|e| e.into_error())?;
+        let Pages {
+            out,
+            page_size,
+            next,
+        } = self.pages;
+        let mut file = out.into_inner().map_err(|e| e.into_error())?;
         let txid = meta.txid + 1;
         let meta = Meta {
             root,
             freelist,
-            pages: self.next,
+            pages: next,
             txid,
             ..meta
         };
         // bbolt alternates: transaction `txid` writes meta page `txid % 2`; the other one
-        // still describes the snapshot, whose pages this patch left as they were.
-        file.seek(SeekFrom::Start((txid % 2) * self.page_size as u64))?;
+        // still describes the file as it was, whose pages this patch left alone.
+        file.seek(SeekFrom::Start((txid % 2) * page_size as u64))?;
         file.write_all(&meta.page(txid % 2))?;
-        file.set_len(self.next * self.page_size as u64)?;
+        file.set_len(next * page_size as u64)?;
         Ok(())
     }
 
@@ -830,20 +855,51 @@ impl Writer {
         for id in ids {
             body.extend_from_slice(&id.to_le_bytes());
         }
-        self.page_counted(FREELIST_PAGE, count, &body)
+        self.pages.write(FREELIST_PAGE, count, &body)
+    }
+}
+
+/// Writes a new, compact bbolt file bucket by bucket from keys given in order, each B+tree built
+/// bottom-up: [`NewFile::tree`] per bucket, then [`NewFile::finish`]. Tests only: it makes the
+/// databases the reader, the patcher and the restore's checks are tested on (a restore patches
+/// the fetched snapshot, [`Patcher`]).
+#[cfg(test)]
+pub struct NewFile {
+    pages: Pages,
+}
+
+#[cfg(test)]
+impl NewFile {
+    /// Creates `path` for a database of `page_size`-byte pages.
+    pub fn create(path: &Path, page_size: usize) -> Result<NewFile, BoltError> {
+        let mut out = BufWriter::with_capacity(1 << 20, File::create(path)?);
+        // Pages 0 and 1 (meta) and 2 (freelist) are written last, when the roots are known.
+        out.write_all(&vec![0u8; 3 * page_size])?;
+        Ok(NewFile {
+            pages: Pages {
+                out,
+                page_size,
+                next: 3,
+            },
+        })
     }
 
-    /// Writes the top-level `buckets` (name, root page, sequence; names ascending), the
-    /// freelist and the meta pages for transaction `txid`. The file is not synced: a restore
-    /// hands it to etcd's tool, which writes its own copy, and syncs what it keeps.
-    pub fn finish(mut self, buckets: &[(Vec<u8>, u64, u64)], txid: u64) -> Result<(), BoltError> {
-        let mut root = self.tree();
-        for (name, page, sequence) in buckets {
-            root.push_element(BUCKET_VALUE, name, &bucket_value(*page, *sequence))?;
-        }
-        let root = root.finish()?;
-        let mut file = self.out.into_inner().map_err(|e| e.into_error())?;
-        let ps = self.page_size;
+    /// A builder for one bucket's tree; give it keys in ascending order.
+    pub fn tree(&mut self) -> Tree<'_> {
+        self.pages.tree()
+    }
+
+    /// Writes the top-level `buckets` (names ascending; roots from [`NewFile::tree`]), an empty
+    /// freelist (page 2) and the meta pages for transaction `txid` (page 1; page 0 holds the one
+    /// before). The file is not synced.
+    pub fn finish(mut self, buckets: &[Bucket], txid: u64) -> Result<(), BoltError> {
+        let root = self.pages.root(buckets)?;
+        let Pages {
+            out,
+            page_size: ps,
+            next,
+        } = self.pages;
+        let mut file = out.into_inner().map_err(|e| e.into_error())?;
         let mut freelist = vec![0u8; ps];
         freelist[..8].copy_from_slice(&2u64.to_le_bytes());
         freelist[8..10].copy_from_slice(&FREELIST_PAGE.to_le_bytes());
@@ -853,7 +909,7 @@ impl Writer {
             root,
             sequence: 0,
             freelist: 2,
-            pages: self.next,
+            pages: next,
             txid,
         };
         file.seek(SeekFrom::Start(0))?;
@@ -912,7 +968,7 @@ impl Packer {
     }
 
     /// Writes the current page; returns (its first key, its id).
-    fn flush(&mut self, w: &mut Writer) -> Result<(Vec<u8>, u64), BoltError> {
+    fn flush(&mut self, pages: &mut Pages) -> Result<(Vec<u8>, u64), BoltError> {
         let count = self.elements.len();
         let mut body = Vec::with_capacity(count * ELEMENT + self.data.len());
         for (i, &(flags, ksize, size, offset)) in self.elements.iter().enumerate() {
@@ -930,7 +986,7 @@ impl Packer {
             }
         }
         body.extend_from_slice(&self.data);
-        let id = w.page(self.flags, count, &body)?;
+        let id = pages.write(self.flags, count as u16, &body)?;
         self.elements.clear();
         self.data.clear();
         Ok((self.first.take().unwrap_or_default(), id))
@@ -939,7 +995,7 @@ impl Packer {
 
 /// One bucket's tree being written: leaves as keys arrive, branches at the end.
 pub struct Tree<'w> {
-    writer: &'w mut Writer,
+    pages: &'w mut Pages,
     leaf: Packer,
     /// First key and page of every leaf written.
     children: Vec<(Vec<u8>, u64)>,
@@ -971,9 +1027,9 @@ impl Tree<'_> {
         self.last = Some(key.to_vec());
         if !self
             .leaf
-            .fits(key.len() + value.len(), self.writer.page_size)
+            .fits(key.len() + value.len(), self.pages.page_size)
         {
-            let written = self.leaf.flush(self.writer)?;
+            let written = self.leaf.flush(self.pages)?;
             self.children.push(written);
         }
         self.leaf.push(flags, key, value, 0);
@@ -984,7 +1040,7 @@ impl Tree<'_> {
     pub fn finish(mut self) -> Result<u64, BoltError> {
         // An empty bucket is one empty leaf.
         if !self.leaf.elements.is_empty() || self.children.is_empty() {
-            let written = self.leaf.flush(self.writer)?;
+            let written = self.leaf.flush(self.pages)?;
             self.children.push(written);
         }
         let mut level = std::mem::take(&mut self.children);
@@ -1001,12 +1057,12 @@ impl Tree<'_> {
             let mut branch = Packer::new(BRANCH_PAGE);
             let mut up = Vec::new();
             for (key, child) in &level {
-                if !branch.fits(key.len(), self.writer.page_size) {
-                    up.push(branch.flush(self.writer)?);
+                if !branch.fits(key.len(), self.pages.page_size) {
+                    up.push(branch.flush(self.pages)?);
                 }
                 branch.push(0, key, &[], *child);
             }
-            up.push(branch.flush(self.writer)?);
+            up.push(branch.flush(self.pages)?);
             level = up;
         }
         Ok(level[0].1)
@@ -1023,14 +1079,18 @@ mod tests {
     fn written(buckets: &[(&[u8], Pairs)]) -> (tempfile::TempDir, std::path::PathBuf) {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("db");
-        let mut w = Writer::create(&path, 4096).unwrap();
+        let mut w = NewFile::create(&path, 4096).unwrap();
         let mut roots = Vec::new();
         for (name, keys) in buckets {
             let mut t = w.tree();
             for (k, v) in keys {
                 t.push(k, v).unwrap();
             }
-            roots.push((name.to_vec(), t.finish().unwrap(), 7));
+            roots.push(Bucket {
+                name: name.to_vec(),
+                sequence: 7,
+                root: Root::Page(t.finish().unwrap()),
+            });
         }
         w.finish(&roots, 5).unwrap();
         (dir, path)
@@ -1207,12 +1267,12 @@ mod tests {
                 let r = Reader::open(&path, len).unwrap();
                 let buckets = r.buckets().unwrap();
                 let a_root = buckets[0].root.clone();
-                let mut w = Writer::patch(&path, &r).unwrap();
+                let mut w = Patcher::open(&path, &r).unwrap();
                 let mut values = Vec::new();
                 for b in &buckets {
                     let v = match b.name.as_slice() {
                         b"key" => {
-                            let mut t = w.extend(&r, &b.root).unwrap();
+                            let mut t = w.extend(&b.root).unwrap();
                             for _ in 0..add {
                                 let big = big_every > 0 && next.is_multiple_of(97 * u64::from(big_every));
                                 let (k, v) = (next.to_be_bytes().to_vec(), value(next, if big { 9000 } else { 40 }));
@@ -1224,21 +1284,20 @@ mod tests {
                             if next > 0 {
                                 proptest::prop_assert!(t.push(&(next - 1).to_be_bytes(), b"").is_err());
                             }
-                            bucket_value(t.finish().unwrap(), b.sequence).to_vec()
+                            Bucket { root: Root::Page(t.finish().unwrap()), ..b.clone() }
                         }
                         b"meta" if replace_meta => {
-                            w.free(r.tree_pages(&b.root).unwrap());
-                            let mut t = w.tree();
+                            let mut t = w.replace(&b.root).unwrap();
                             let k = format!("round{round}").into_bytes();
                             t.push(&k, b"v").unwrap();
                             model[2].1 = vec![(k, b"v".to_vec())];
-                            bucket_value(t.finish().unwrap(), b.sequence).to_vec()
+                            Bucket { root: Root::Page(t.finish().unwrap()), ..b.clone() }
                         }
-                        _ => b.value(),
+                        _ => b.clone(),
                     };
-                    values.push((b.name.clone(), v));
+                    values.push(v);
                 }
-                w.commit(&r, &values).unwrap();
+                w.commit(&values).unwrap();
                 let (got, check, got_txid) = contents(&path);
                 proptest::prop_assert_eq!(got_txid, txid);
                 proptest::prop_assert!(got == model, "round {}: contents differ from the model", round);
@@ -1271,17 +1330,17 @@ mod tests {
             root: Root::Inline(page),
             ..bucket.clone()
         };
-        let mut w = Writer::patch(&path, &r).unwrap();
+        let mut w = Patcher::open(&path, &r).unwrap();
         w.free([leaf]);
-        w.commit(&r, &[(b"key".to_vec(), inline.value())]).unwrap();
+        w.commit(&[inline]).unwrap();
         let len = std::fs::metadata(&path).unwrap().len();
         let r = Reader::open(&path, len).unwrap();
         let bucket = r.buckets().unwrap().remove(0);
         assert!(matches!(bucket.root, Root::Inline(_)));
         assert_eq!(read_all(&r, &bucket.root), few);
         // Second patch: keys added after its last; it becomes a tree of pages.
-        let mut w = Writer::patch(&path, &r).unwrap();
-        let mut t = w.extend(&r, &bucket.root).unwrap();
+        let mut w = Patcher::open(&path, &r).unwrap();
+        let mut t = w.extend(&bucket.root).unwrap();
         let mut all = few;
         for i in 0..3000u32 {
             let (k, v) = (format!("m{i:05}").into_bytes(), vec![1; 20]);
@@ -1289,8 +1348,11 @@ mod tests {
             all.push((k, v));
         }
         let root = t.finish().unwrap();
-        w.commit(&r, &[(b"key".to_vec(), bucket_value(root, 7).to_vec())])
-            .unwrap();
+        w.commit(&[Bucket {
+            root: Root::Page(root),
+            ..bucket
+        }])
+        .unwrap();
         let (got, _, _) = contents(&path);
         assert_eq!(got, vec![(b"key".to_vec(), all)]);
     }
@@ -1344,7 +1406,7 @@ mod tests {
     #[test]
     fn keys_out_of_order_are_refused() {
         let dir = tempfile::tempdir().unwrap();
-        let mut w = Writer::create(&dir.path().join("db"), 4096).unwrap();
+        let mut w = NewFile::create(&dir.path().join("db"), 4096).unwrap();
         let mut t = w.tree();
         t.push(b"b", b"").unwrap();
         assert!(matches!(t.push(b"a", b""), Err(BoltError::Unsupported(_))));

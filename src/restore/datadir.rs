@@ -278,7 +278,7 @@ fn varint(b: &mut &[u8]) -> Result<u64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::restore::bolt::Writer;
+    use crate::restore::bolt::{Bucket, NewFile};
     use crate::restore::direct::{encode_kv, revision_key};
 
     /// A data directory whose database holds `revisions` puts of key `k`, page size 4096.
@@ -291,7 +291,7 @@ mod tests {
         )
         .unwrap();
         let db = dir.join(DB);
-        let mut w = Writer::create(&db, 4096).unwrap();
+        let mut w = NewFile::create(&db, 4096).unwrap();
         let mut roots = Vec::new();
         let mut key = w.tree();
         for rev in 2..=revisions + 1 {
@@ -302,10 +302,10 @@ mod tests {
             )
             .unwrap();
         }
-        roots.push((KEY_BUCKET.to_vec(), key.finish().unwrap(), 0));
+        roots.push(Bucket::paged(KEY_BUCKET, key.finish().unwrap()));
         let mut meta = w.tree();
         meta.push(b"consistent_index", &7u64.to_be_bytes()).unwrap();
-        roots.push((META_BUCKET.to_vec(), meta.finish().unwrap(), 0));
+        roots.push(Bucket::paged(META_BUCKET, meta.finish().unwrap()));
         w.finish(&roots, 1).unwrap();
         db
     }
@@ -411,7 +411,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let db = data_dir(dir.path(), 50);
         std::fs::remove_file(&db).unwrap();
-        let mut w = Writer::create(&db, 4096).unwrap();
+        let mut w = NewFile::create(&db, 4096).unwrap();
         let mut key = w.tree();
         for rev in 2..=51 {
             key.push(
@@ -421,10 +421,10 @@ mod tests {
             .unwrap();
         }
         key.push(&revision_key(1051, 0, false), b"").unwrap();
-        let mut roots = vec![(KEY_BUCKET.to_vec(), key.finish().unwrap(), 0)];
+        let mut roots = vec![Bucket::paged(KEY_BUCKET, key.finish().unwrap())];
         let mut meta = w.tree();
         meta.push(b"consistent_index", &7u64.to_be_bytes()).unwrap();
-        roots.push((META_BUCKET.to_vec(), meta.finish().unwrap(), 0));
+        roots.push(Bucket::paged(META_BUCKET, meta.finish().unwrap()));
         w.finish(&roots, 1).unwrap();
         for mode in [Validation::Sanity, Validation::Full] {
             assert_eq!(

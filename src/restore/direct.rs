@@ -17,7 +17,7 @@
 //! etcd's own tool restores it).
 //!
 //! The fetched snapshot is patched in place, as a bbolt write transaction would change it
-//! ([`Writer::patch`]): the records go into new pages for the `key` bucket's rightmost path, the
+//! ([`Patcher`]): the records go into new pages for the `key` bucket's rightmost path, the
 //! few small buckets a restore changes are written anew, and a new meta page commits it, so
 //! the database is written once (fetched), not fetched and then rewritten, and memory stays flat
 //! whatever its size. etcd's own restore tool changes its copy the same way (through bbolt).
@@ -42,7 +42,7 @@ use tokio::sync::mpsc;
 
 use chrono::{DateTime, Utc};
 
-use super::bolt::{BoltError, Bucket, Reader, Root, Tree, Writer, bucket_value};
+use super::bolt::{BoltError, Bucket, Patcher, Reader, Root, Tree};
 use super::member_dir::{Cluster, Release};
 use super::{RestoreError, RevisionBump, StepExt};
 use crate::snapshot::delta::{self, Event, EventType};
@@ -528,7 +528,7 @@ fn rename_or_copy(from: &Path, to: &Path) -> std::io::Result<()> {
     }
 }
 
-/// Patches the database in the first `db_len` bytes of `path` ([`Writer::patch`]): the
+/// Patches the database in the first `db_len` bytes of `path` ([`Patcher`]): the
 /// events appended to the `key` bucket, the membership and the revision bump written; the
 /// buckets this does not change keep their pages.
 fn patch(
@@ -564,20 +564,18 @@ fn patch(
     let mut cursor = Cursor::new(restored, plan.until);
     // The bump's revision, known once the key bucket is written (`meta` sorts after `key`).
     let mut bumped: Option<i64> = None;
-    let mut writer = Writer::patch(path, &reader)?;
+    let mut writer = Patcher::open(path, &reader)?;
     let mut values = Vec::with_capacity(buckets.len() + 3);
     for bucket in with_membership_buckets(&buckets, membership) {
         let name = bucket.name.as_slice();
         let added = matches!(&bucket.root, Root::Inline(page) if page.is_empty());
         let members = membership.and_then(|m| m.members.as_ref());
         let root = if name == KEY_BUCKET {
-            let (root, bump) =
-                extend_key_bucket(&reader, &bucket, &mut writer, rx, &mut cursor, &plan)?;
+            let (root, bump) = extend_key_bucket(&bucket, &mut writer, rx, &mut cursor, &plan)?;
             bumped = bump;
             root
         } else if added || (members.is_some() && (name == MEMBERS || name == MEMBERS_REMOVED)) {
-            writer.free(reader.tree_pages(&bucket.root)?);
-            let mut tree = writer.tree();
+            let mut tree = writer.replace(&bucket.root)?;
             if let Some(members) = members.filter(|_| name == MEMBERS) {
                 for (k, v) in members {
                     tree.push(k, v)?;
@@ -593,20 +591,21 @@ fn patch(
                 set.push((SCHEDULED_COMPACT.to_vec(), revision_key(b, 0, false)));
             }
             set.sort();
-            writer.free(reader.tree_pages(&bucket.root)?);
-            let mut tree = writer.tree();
+            let mut tree = writer.replace(&bucket.root)?;
             copy_bucket(&reader, &bucket, &mut tree, set)?;
             Some(tree.finish()?)
         } else {
             None
         };
-        let value = match root {
-            Some(page) => bucket_value(page, bucket.sequence).to_vec(),
-            None => bucket.value(),
-        };
-        values.push((bucket.name.clone(), value));
+        values.push(match root {
+            Some(page) => Bucket {
+                root: Root::Page(page),
+                ..bucket
+            },
+            None => bucket,
+        });
     }
-    writer.commit(&reader, &values)?;
+    writer.commit(&values)?;
     tracing::debug!(
         restored,
         events = cursor.events,
@@ -627,9 +626,8 @@ fn patch(
 /// root page, `None` when nothing was added (the bucket keeps its pages), and the bump's
 /// revision.
 fn extend_key_bucket(
-    reader: &Reader,
     bucket: &Bucket,
-    writer: &mut Writer,
+    writer: &mut Patcher<'_>,
     rx: &mut mpsc::Receiver<Batch>,
     cursor: &mut Cursor,
     plan: &Plan,
@@ -638,9 +636,7 @@ fn extend_key_bucket(
         writer: Some(writer),
         tree: None,
     };
-    append_events(rx, cursor, &mut |k, v| {
-        tree.get(reader, &bucket.root)?.push(k, v)
-    })?;
+    append_events(rx, cursor, &mut |k, v| tree.get(&bucket.root)?.push(k, v))?;
     let mut bumped = None;
     if plan.bump.by > 0 {
         let by = i64::try_from(plan.bump.by).unwrap_or(i64::MAX);
@@ -650,7 +646,7 @@ fn extend_key_bucket(
                 cursor.revision
             ))
         })?;
-        tree.get(reader, &bucket.root)?
+        tree.get(&bucket.root)?
             .push(&revision_key(b, 0, false), &[])?;
         bumped = Some(b);
     }
@@ -662,15 +658,15 @@ fn extend_key_bucket(
 }
 
 /// A tree extended on its first key: a bucket nothing is added to keeps its pages.
-struct Lazy<'w> {
-    writer: Option<&'w mut Writer>,
+struct Lazy<'w, 'r> {
+    writer: Option<&'w mut Patcher<'r>>,
     tree: Option<Tree<'w>>,
 }
 
-impl<'w> Lazy<'w> {
-    fn get(&mut self, reader: &Reader, root: &Root) -> Result<&mut Tree<'w>, BoltError> {
+impl<'w> Lazy<'w, '_> {
+    fn get(&mut self, root: &Root) -> Result<&mut Tree<'w>, BoltError> {
         if let Some(writer) = self.writer.take() {
-            self.tree = Some(writer.extend(reader, root)?);
+            self.tree = Some(writer.extend(root)?);
         }
         Ok(self.tree.as_mut().expect("extended"))
     }
@@ -772,6 +768,7 @@ fn append_events(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::restore::bolt::NewFile;
     use crate::snapshot::delta::KeyValue;
 
     #[test]
@@ -881,7 +878,7 @@ mod tests {
     /// length and the whole file.
     fn snapshot_file(dir: &Path, revisions: i64) -> (std::path::PathBuf, u64, Vec<u8>) {
         let path = dir.join("snapshot.db");
-        let mut w = Writer::create(&path, 4096).unwrap();
+        let mut w = NewFile::create(&path, 4096).unwrap();
         let mut key = w.tree();
         for rev in 1..=revisions {
             let k = format!("k{rev}");
@@ -895,8 +892,11 @@ mod tests {
         let mut meta = w.tree();
         meta.push(b"consistent_index", &[0; 8]).unwrap();
         let meta = meta.finish().unwrap();
-        w.finish(&[(b"key".to_vec(), key, 0), (b"meta".to_vec(), meta, 0)], 3)
-            .unwrap();
+        w.finish(
+            &[Bucket::paged(b"key", key), Bucket::paged(b"meta", meta)],
+            3,
+        )
+        .unwrap();
         let db_len = std::fs::metadata(&path).unwrap().len();
         let mut bytes = std::fs::read(&path).unwrap();
         bytes.extend_from_slice(&[0xAB; 32]);

@@ -9,8 +9,9 @@
 //! below) have the release's own tool restore the written database and a temporary etcd on
 //! loopback check its revision; only those paths need the tool (`etcdutl`, or 3.4's `etcdctl`)
 //! beside `etcd`. Deltas that cannot be written directly (puts without their create revision
-//! and version) are replayed through the temporary etcd instead ([`replay`]). Any failure
-//! leaves an existing data directory untouched.
+//! and version) are replayed through the temporary etcd instead ([`replay`]). Which of these
+//! ways a restore takes is chosen in one place, before anything is fetched (`strategy`). Any
+//! failure leaves an existing data directory untouched.
 //!
 //! Leases are not restored: puts from deltas carry no lease (as etcd-backup-restore does), so
 //! keys written under a lease after the full snapshot live until deleted.
@@ -30,6 +31,7 @@ pub mod member_dir;
 pub mod quorum;
 pub mod rejoin;
 pub mod replay;
+mod strategy;
 pub mod tools;
 pub mod wal;
 mod write_back;
@@ -38,7 +40,6 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use futures::StreamExt;
-use tracing::Instrument as _;
 
 use crate::etcd::process::ProcessError;
 use crate::scratch::ScratchDir;
@@ -47,8 +48,8 @@ use crate::snapshot::full::verify_sha256;
 use crate::store::{ByteStream, Snapshot, SnapshotStore, StoreError, layout};
 pub use layout::Target;
 
-use direct::Outcome;
 use replay::{ReplayOp, RevisionGroup};
+use strategy::Built;
 pub use tools::{DbHash, EtcdTools, MemberParams, TempEtcd};
 
 /// What went wrong in a restore; each says which step. Where a message includes a cause, the
@@ -347,22 +348,13 @@ pub struct Skipped {
 /// How a restore applied the deltas.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Replay {
-    /// There were none.
+    /// There were none (whatever wrote the database: a point in time or a bump is still
+    /// written into it).
     NoDeltas,
     /// Written into the full snapshot's database ([`direct`]), then its revision checked.
     Direct,
     /// Replayed through a temporary etcd ([`replay`]): deltas [`direct`] cannot write.
     ThroughEtcd,
-}
-
-/// What [`build`] made.
-struct Built {
-    events: u64,
-    revision: i64,
-    etcd_revision: i64,
-    last_event_time: Option<chrono::DateTime<chrono::Utc>>,
-    replay_time: std::time::Duration,
-    replay: Replay,
 }
 
 /// `<dir><suffix>` next to `dir`.
@@ -532,9 +524,9 @@ async fn restore_chain(
         .map_err(|e| RestoreError::io(&work_path, e))
         .step("creating the work directory")?;
 
-    let built = build(store, tools, opts, full, deltas, &part, work.path()).await;
+    let built = strategy::build(store, tools, opts, full, deltas, &part, work.path()).await;
     drop(work);
-    // Every path of `build` ends here: the temporary etcd may have run without fsync, so the
+    // Every strategy ends here: the temporary etcd may have run without fsync, so the
     // result is synced once, then moved into place. A failure removes `part` and nothing else.
     let installed = async {
         let built = built?;
@@ -604,228 +596,6 @@ fn report(
     report
 }
 
-/// Builds the restored directory in `part` (not yet synced).
-async fn build(
-    store: &SnapshotStore,
-    tools: &EtcdTools,
-    opts: &RestoreOptions,
-    full: &Snapshot,
-    deltas: &[Snapshot],
-    part: &Path,
-    work: &Path,
-) -> Result<Built, RestoreError> {
-    // etcd 3.4 to 3.6: the member directory is written here, as their tools write it
-    // ([`member_dir`]); other releases keep their own tool and a temporary etcd's check.
-    let own = match member_dir::Release::of(tools.binaries.version) {
-        Some(release) => {
-            let cluster = member_dir::Cluster::from_params(&opts.member)
-                .map_err(RestoreError::MemberDir)
-                .step("deriving the cluster's ids")?;
-            Some((release, cluster))
-        }
-        None => None,
-    };
-    let db = work.join("snapshot.db");
-    // Where the member directory is written here, the fetched file becomes its database
-    // (patched in place): written back to disk as it arrives.
-    let bytes = fetch_full(store, full, &db, own.is_some()).await?;
-
-    // A point in time is checked against the database's own revision, and a bump written
-    // into it: both need the database written even without deltas.
-    if own.is_none()
-        && deltas.is_empty()
-        && opts.to.is_none()
-        && opts.bump == RevisionBump::default()
-    {
-        tools
-            .restore_db(&db, DbHash::Appended, part, &opts.member)
-            .await
-            .step("restoring the full snapshot")?;
-        // Without deltas the revision is the snapshot's; reading it would need an etcd.
-        return Ok(Built {
-            events: 0,
-            revision: full.last_revision,
-            etcd_revision: full.last_revision,
-            last_event_time: None,
-            replay_time: std::time::Duration::ZERO,
-            replay: Replay::NoDeltas,
-        });
-    }
-
-    // A temporary etcd cannot start as one member of a multi-member cluster: check or replay
-    // in a single-member scratch copy, then restore with the real parameters.
-    let multi = opts.member.is_multi_member();
-    let scratch = if multi {
-        work.join("scratch.etcd")
-    } else {
-        part.to_path_buf()
-    };
-    let scratch_member = if multi {
-        MemberParams {
-            name: opts.member.name.clone(),
-            ..MemberParams::default()
-        }
-    } else {
-        opts.member.clone()
-    };
-
-    let written = match &own {
-        Some((release, cluster)) => {
-            member_dir::write(part, cluster, *release)
-                .map_err(RestoreError::MemberDir)
-                .step("writing the member directory")?;
-            member_dir::db_path(part)
-        }
-        None => work.join("with-deltas.db"),
-    };
-    let db_len = bytes.saturating_sub(crate::snapshot::delta::HASH_LEN as u64);
-    let parallel = opts.parallel_fetch.max(1);
-    let (first, last) = revision_range(deltas);
-    let span = tracing::info_span!(
-        "write_deltas",
-        deltas = deltas.len(),
-        first_revision = first,
-        last_revision = last
-    );
-    let write_started = Instant::now();
-    let plan = direct::Plan {
-        until: opts.to,
-        bump: opts.bump,
-        membership: own
-            .as_ref()
-            .map(|(release, cluster)| direct::Membership::of(cluster, *release)),
-    };
-    let outcome = direct::write(store, deltas, parallel, &db, db_len, &written, plan)
-        .instrument(span.clone())
-        .await
-        .step("writing the deltas into the database")?;
-    let write_time = write_started.elapsed();
-    let (events, revision, restored, etcd_revision, last_event_time) = match outcome {
-        Outcome::Done {
-            events,
-            revision,
-            restored,
-            etcd_revision,
-            last_event_time,
-        } => (events, revision, restored, etcd_revision, last_event_time),
-        Outcome::Unsupported(reason) => {
-            let option = match (opts.to, opts.bump.by) {
-                (Some(_), _) => Some("a point-in-time restore"),
-                (None, 1..) => Some("a revision bump"),
-                (None, 0) => None,
-            };
-            if let Some(option) = option {
-                return Err(RestoreError::NeedsDirect { option, reason })
-                    .step("writing the deltas into the database");
-            }
-            span.in_scope(|| {
-                tracing::warn!(
-                    %reason,
-                    "cannot write these deltas into the database directly; replaying them \
-                     through a temporary etcd instead"
-                )
-            });
-            let _ = std::fs::remove_file(&written);
-            remove_if_exists(part).step("removing the member directory written")?;
-            return replay_through_etcd(
-                store,
-                tools,
-                opts,
-                &db,
-                deltas,
-                part,
-                work,
-                &scratch,
-                &scratch_member,
-            )
-            .instrument(tracing::info_span!(
-                "replay_deltas",
-                deltas = deltas.len(),
-                first_revision = first,
-                last_revision = last
-            ))
-            .await;
-        }
-    };
-    span.in_scope(|| {
-        check_final_revision(revision, restored, deltas, opts.to)
-            .step("checking the final revision")?;
-        tracing::info!(
-            events,
-            revision,
-            etcd_revision,
-            seconds = write_time.as_secs_f64(),
-            events_per_second = events as f64 / write_time.as_secs_f64().max(1e-9),
-            "deltas written into the database"
-        );
-        Ok::<_, RestoreError>(())
-    })?;
-    if own.is_some() {
-        check_written_revision(&written, etcd_revision).await?;
-        return Ok(Built {
-            events,
-            revision,
-            etcd_revision,
-            last_event_time,
-            replay_time: write_time,
-            replay: if deltas.is_empty() {
-                Replay::NoDeltas
-            } else {
-                Replay::Direct
-            },
-        });
-    }
-    // etcd itself must open the result and agree on the revision before it is used.
-    tools
-        .restore_db(&written, DbHash::None, &scratch, &scratch_member)
-        .await
-        .step("restoring the database with the deltas")?;
-    check_in_temp_etcd(tools, &scratch, &scratch_member.name, work, etcd_revision).await?;
-    if multi {
-        tools
-            .restore_db(&written, DbHash::None, part, &opts.member)
-            .await
-            .step("restoring the database with the cluster's parameters")?;
-    }
-    Ok(Built {
-        events,
-        revision,
-        etcd_revision,
-        last_event_time,
-        replay_time: write_time,
-        replay: Replay::Direct,
-    })
-}
-
-/// Reads the revision etcd will start at from the written database `db` and checks it is
-/// `expected`; makes the file private, as etcd's tools do.
-#[tracing::instrument(name = "check_written_revision", skip_all, fields(expected = expected))]
-async fn check_written_revision(db: &Path, expected: i64) -> Result<(), RestoreError> {
-    use std::os::unix::fs::PermissionsExt;
-    let path = db.to_path_buf();
-    let seen = tokio::task::spawn_blocking(move || {
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
-        direct::file_revision(&path).map_err(|e| std::io::Error::other(e.to_string()))
-    })
-    .await
-    .map_err(|cause| RestoreError::Task {
-        what: "reading the written database",
-        cause,
-    })?
-    .map_err(|e| RestoreError::io(db, e))
-    .step("reading the restored revision")?;
-    if seen != expected {
-        return Err(RestoreError::WrittenRevision {
-            path: db.display().to_string(),
-            seen,
-            expected,
-        })
-        .step("checking the final revision");
-    }
-    tracing::info!("the written database is at the expected revision");
-    Ok(())
-}
-
 /// Fetches the full snapshot into `db`, checking its hash on the way. Returns its length.
 #[tracing::instrument(
     name = "fetch_full_snapshot",
@@ -855,44 +625,6 @@ pub(super) async fn fetch_full(
     Ok(bytes)
 }
 
-/// The revisions the deltas cover: the first one's start and the last one's end.
-fn revision_range(deltas: &[Snapshot]) -> (i64, i64) {
-    (
-        deltas.first().map_or(0, |d| d.start_revision),
-        deltas.last().map_or(0, |d| d.last_revision),
-    )
-}
-
-/// Starts a temporary etcd on the restored `data_dir` and checks it opens the database at
-/// `expected`: etcd itself must agree before the result is used.
-#[tracing::instrument(name = "temp_etcd_check", skip_all, fields(expected = expected))]
-async fn check_in_temp_etcd(
-    tools: &EtcdTools,
-    data_dir: &Path,
-    name: &str,
-    work: &Path,
-    expected: i64,
-) -> Result<(), RestoreError> {
-    let temp = TempEtcd::start(tools, data_dir, name, work.join("temp-etcd.log"))
-        .await
-        .step("starting the temporary etcd")?;
-    let seen = async {
-        let mut client = etcd_client::Client::connect([&temp.client_url], None)
-            .await
-            .map_err(RestoreError::Etcd)?;
-        current_revision(&mut client).await
-    }
-    .await;
-    temp.stop().await.step("stopping the temporary etcd")?;
-    let seen = seen.step("reading the restored revision")?;
-    if seen != expected {
-        return Err(RestoreError::RevisionMismatch { seen, expected })
-            .step("checking the final revision");
-    }
-    tracing::info!("etcd opened the restored database at the expected revision");
-    Ok(())
-}
-
 /// The restore must end where the last delta ends (or, when the full snapshot holds writes
 /// made after its name's revision, at the snapshot's own revision), or at the target revision;
 /// never short of it. A time has no revision to check: the chain was chosen to reach it.
@@ -919,68 +651,6 @@ fn check_final_revision(
     Err(RestoreError::Deltas(format!(
         "the restored database is at revision {actual}, {what} {expected}"
     )))
-}
-
-/// The fallback: the full snapshot restored into `scratch`, a temporary etcd on it, and every
-/// delta replayed through it in transactions ([`replay`]).
-#[allow(clippy::too_many_arguments)]
-async fn replay_through_etcd(
-    store: &SnapshotStore,
-    tools: &EtcdTools,
-    opts: &RestoreOptions,
-    db: &Path,
-    deltas: &[Snapshot],
-    part: &Path,
-    work: &Path,
-    scratch: &Path,
-    scratch_member: &MemberParams,
-) -> Result<Built, RestoreError> {
-    tools
-        .restore_db(db, DbHash::Appended, scratch, scratch_member)
-        .await
-        .step("restoring the full snapshot")?;
-    let _ = std::fs::remove_file(db);
-
-    let temp = TempEtcd::start(
-        tools,
-        scratch,
-        &scratch_member.name,
-        work.join("temp-etcd.log"),
-    )
-    .await
-    .step("starting the temporary etcd")?;
-    let replay_started = Instant::now();
-    let replayed = replay_all(store, &temp, deltas, opts.parallel_fetch.max(1)).await;
-    let replay_time = replay_started.elapsed();
-    let (applied, revision) = match replayed {
-        Ok(r) => r,
-        Err(e) => {
-            let _ = temp.stop().await;
-            return Err(e);
-        }
-    };
-    if opts.member.is_multi_member() {
-        let snap = work.join("replayed.db");
-        let saved = snapshot_to_file(&temp.client_url, &snap)
-            .await
-            .step("snapshotting the replayed etcd");
-        temp.stop().await.step("stopping the temporary etcd")?;
-        saved?;
-        tools
-            .restore_db(&snap, DbHash::Appended, part, &opts.member)
-            .await
-            .step("restoring the replayed snapshot with the cluster's parameters")?;
-    } else {
-        temp.stop().await.step("stopping the temporary etcd")?;
-    }
-    Ok(Built {
-        events: applied,
-        revision,
-        etcd_revision: revision,
-        last_event_time: None,
-        replay_time,
-        replay: Replay::ThroughEtcd,
-    })
 }
 
 /// Fetches deltas `parallel` ahead and replays them in order. Returns (events applied, revision).

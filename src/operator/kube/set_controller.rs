@@ -679,3 +679,30 @@ pub async fn run<Q: Machines>(
 pub fn accepted(set: &DynamicObject) -> Option<AcceptedSpec> {
     status_of(set).ok().and_then(|s| s.accepted)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set_with(data: serde_json::Value) -> DynamicObject {
+        DynamicObject::new(NAME, &ApiResource::erase::<ControlPlaneSet>(&())).data(data)
+    }
+
+    /// An unreadable status is an error naming the field, never an empty status: read as empty
+    /// it would drop `accepted`, and the next reconcile would accept the spec again.
+    #[test]
+    fn an_unreadable_status_is_an_error_naming_the_field() {
+        let broken = set_with(json!({"status": {"accepted": {"replicas": "three"}}}));
+        let e = status_of(&broken).unwrap_err();
+        assert_eq!(
+            (e.reason, e.field.as_str()),
+            ("StatusUnreadable", "status.accepted.replicas")
+        );
+        assert_eq!(accepted(&broken), None);
+        // No status yet is an empty one.
+        assert_eq!(
+            status_of(&set_with(json!({}))).unwrap(),
+            ControlPlaneSetStatus::default()
+        );
+    }
+}
