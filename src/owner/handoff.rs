@@ -77,9 +77,18 @@ pub enum HandOffError {
     /// The intent names no snapshot this layout can write.
     #[error("the hand-off's intent names no valid snapshot: {0}")]
     Intent(String),
-    /// A fence marker is not the JSON this module writes.
-    #[error("fence marker {key} is unreadable: {source}")]
-    Marker {
+    /// A hand-off object (a fence marker, a claim, the intent, the hand-off record) is not the
+    /// JSON this module writes.
+    #[error("hand-off object {key} is unreadable: {source}")]
+    Unreadable {
+        /// Its key.
+        key: String,
+        /// Why.
+        source: serde_json::Error,
+    },
+    /// A hand-off object could not be encoded as JSON before writing it.
+    #[error("hand-off object {key} cannot be encoded: {source}")]
+    Unencodable {
         /// Its key.
         key: String,
         /// Why.
@@ -218,8 +227,8 @@ pub struct ClusterView {
     pub revision: Option<i64>,
     /// Final full snapshots in the store that were not reclaimed.
     pub finals: Vec<Snapshot>,
-    /// The hand-off record, if stored.
-    pub record: Option<HandOffRecord>,
+    /// The hand-off record (`handoff.json`), if stored.
+    pub handoff_record: Option<HandOffRecord>,
     /// The final's intent, if fixed (and not of a reclaimed hand-off).
     pub intent: Option<FinalIntent>,
     /// The claims, by epoch.
@@ -303,7 +312,11 @@ pub fn unfenced(members: &[Member], fenced: &BTreeSet<u64>) -> Vec<String> {
 /// after the frozen revision.
 fn stored_final(view: &ClusterView, frozen: Option<i64>) -> Option<Snapshot> {
     let named = |name: &str| view.finals.iter().find(|s| s.snap_name == name).cloned();
-    if let Some(found) = view.record.as_ref().and_then(|r| named(&r.final_snapshot)) {
+    if let Some(found) = view
+        .handoff_record
+        .as_ref()
+        .and_then(|r| named(&r.final_snapshot))
+    {
         return Some(found);
     }
     if let Some(found) = view.intent.as_ref().and_then(|i| named(&i.final_snapshot)) {
@@ -378,8 +391,8 @@ pub struct StoreHandOff {
     /// The store holds etcd-warden's own objects (fence markers, a record, an intent, reclaimed
     /// marks): its hand-offs end with a record or an intent.
     pub ours: bool,
-    /// The hand-off record.
-    pub record: Option<HandOffRecord>,
+    /// The hand-off record (`handoff.json`).
+    pub handoff_record: Option<HandOffRecord>,
     /// The final's intent.
     pub intent: Option<FinalIntent>,
     /// Finals `etcd-warden reclaim` marked reclaimed.
@@ -398,7 +411,7 @@ pub fn the_final<'a>(sorted: &'a [Snapshot], store: &StoreHandOff) -> Option<&'a
             .iter()
             .find(|s| s.snap_name == name && s.is_full() && s.is_final)
     };
-    let found = match (&store.record, &store.intent) {
+    let found = match (&store.handoff_record, &store.intent) {
         (Some(r), _) => named(&r.final_snapshot),
         (None, Some(i)) => named(&i.final_snapshot),
         (None, None) if store.ours => None,
@@ -426,29 +439,29 @@ pub fn fenced_at_start(
 #[derive(Debug, Clone)]
 pub enum Hold {
     /// The hand-off record.
-    Record(HandOffRecord),
+    HandOffRecord(HandOffRecord),
     /// Fence markers (their keys), without a record yet.
     Fenced(Vec<Path>),
 }
 
 /// Why an operator's command is refused by the hand-off rules ([`may_take_final_by_hand`],
-/// [`may_snapshot_by_hand`], [`may_reclaim`]). `record` is the owner record's name, `said` what
+/// [`may_snapshot_by_hand`], [`may_reclaim`]). `owner_record` is the owner record's name, `said` what
 /// it answered.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Refusal {
-    /// A final by hand while the record does not name another seed.
+    /// A final by hand while the owner record does not name another seed.
     #[error(
-        "refusing a final snapshot: the owner record {record} says {said}; a final is only taken once it names another seed or none (the sidecar takes it itself then)"
+        "refusing a final snapshot: the owner record {owner_record} says {said}; a final is only taken once it names another seed or none (the sidecar takes it itself then)"
     )]
     FinalWhileOwned {
         /// The owner record.
-        record: String,
+        owner_record: String,
         /// Its answer.
         said: String,
     },
     /// Any snapshot by hand while the store holds a hand-off.
     #[error(
-        "refusing {what}: the store holds {held}, so a hand-off of owner record {record} is under way or done; the sidecars take its final themselves, and a snapshot taken now would stand in front of it. To serve from this seed again, run `etcd-warden reclaim` while the owner record names it"
+        "refusing {what}: the store holds {held}, so a hand-off of owner record {owner_record} is under way or done; the sidecars take its final themselves, and a snapshot taken now would stand in front of it. To serve from this seed again, run `etcd-warden reclaim` while the owner record names it"
     )]
     DuringHandOff {
         /// "a snapshot" or "a final snapshot".
@@ -456,15 +469,15 @@ pub enum Refusal {
         /// What holds the store, with its location.
         held: String,
         /// The owner record.
-        record: String,
+        owner_record: String,
     },
-    /// A reclaim while the record does not name this seed.
+    /// A reclaim while the owner record does not name this seed.
     #[error(
-        "refusing to reclaim: the owner record {record} says {said}; reclaiming while it does not name this seed ({owner_id}) would leave two seeds serving the same data"
+        "refusing to reclaim: the owner record {owner_record} says {said}; reclaiming while it does not name this seed ({owner_id}) would leave two seeds serving the same data"
     )]
     ReclaimWhileNotOwner {
         /// The owner record.
-        record: String,
+        owner_record: String,
         /// Its answer.
         said: String,
         /// This seed's owner ID.
@@ -472,13 +485,13 @@ pub enum Refusal {
     },
     /// Reviving a member (`quorum-restore`) whose cluster handed off.
     #[error(
-        "refusing to revive this member: {held}, so its cluster handed off (owner record {record}); a member revived from it would serve data that now belongs to the seed it was handed to. If the hand-off was a mistake, run `etcd-warden reclaim` while the owner record names this seed, then quorum-restore"
+        "refusing to revive this member: {held}, so its cluster handed off (owner record {owner_record}); a member revived from it would serve data that now belongs to the seed it was handed to. If the hand-off was a mistake, run `etcd-warden reclaim` while the owner record names this seed, then quorum-restore"
     )]
     ReviveAfterHandOff {
         /// What marks the hand-off, with its location.
         held: String,
         /// The owner record (empty without an [owner] section).
-        record: String,
+        owner_record: String,
     },
 }
 
@@ -490,10 +503,10 @@ pub fn may_revive(
     hold: Option<&Hold>,
     final_snapshot: Option<&str>,
     location: &str,
-    record: &str,
+    owner_record: &str,
 ) -> Result<(), Refusal> {
     let held = match (hold, final_snapshot) {
-        (Some(Hold::Record(r)), _) => format!(
+        (Some(Hold::HandOffRecord(r)), _) => format!(
             "the store holds the hand-off record {location}/{DIR}/handoff.json (final {})",
             r.final_snapshot
         ),
@@ -508,10 +521,10 @@ pub fn may_revive(
     };
     Err(Refusal::ReviveAfterHandOff {
         held,
-        record: if record.is_empty() {
+        owner_record: if owner_record.is_empty() {
             "not configured".into()
         } else {
-            record.into()
+            owner_record.into()
         },
     })
 }
@@ -521,7 +534,7 @@ pub fn may_revive(
 /// without etcd-warden objects the copy Job takes the newest final). A lookup that failed
 /// (`verdict` `None`) or said unresolvable refuses too.
 pub fn may_take_final_by_hand(
-    record: &str,
+    owner_record: &str,
     verdict: Option<Verdict>,
     said: &str,
 ) -> Result<(), Refusal> {
@@ -529,7 +542,7 @@ pub fn may_take_final_by_hand(
         verdict,
         Verdict::NotOwner,
         Refusal::FinalWhileOwned {
-            record: record.into(),
+            owner_record: owner_record.into(),
             said: said.into(),
         },
     )
@@ -551,19 +564,19 @@ fn only_if_said(
 /// No snapshot by hand while the store holds a fence marker or the hand-off record (`hold`):
 /// during a hand-off a newer full snapshot would hide its final from `/snapshot/latest` and from
 /// the start check's "latest full is final" rule, and a final by hand is not the one every member
-/// was fenced for. After it, the record ends the seed's data; `reclaim` undoes it first.
+/// was fenced for. After it, the hand-off record ends the seed's data; `reclaim` undoes it first.
 /// `location` is the store's, for the message.
 pub fn may_snapshot_by_hand(
     hold: Option<&Hold>,
     is_final: bool,
     location: &str,
-    record: &str,
+    owner_record: &str,
 ) -> Result<(), Refusal> {
     let Some(hold) = hold else {
         return Ok(());
     };
     let held = match hold {
-        Hold::Record(r) => format!(
+        Hold::HandOffRecord(r) => format!(
             "the hand-off record {location}/{DIR}/handoff.json (final {})",
             r.final_snapshot
         ),
@@ -579,14 +592,14 @@ pub fn may_snapshot_by_hand(
             "a snapshot"
         },
         held,
-        record: record.into(),
+        owner_record: owner_record.into(),
     })
 }
 
 /// A reclaim only while the owner record names this seed: reclaiming while it names another
 /// (or cannot be read) would leave two seeds serving the same data.
 pub fn may_reclaim(
-    record: &str,
+    owner_record: &str,
     owner_id: &str,
     verdict: Option<Verdict>,
     said: &str,
@@ -595,7 +608,7 @@ pub fn may_reclaim(
         verdict,
         Verdict::Owner,
         Refusal::ReclaimWhileNotOwner {
-            record: record.into(),
+            owner_record: owner_record.into(),
             said: said.into(),
             owner_id: owner_id.into(),
         },
@@ -707,7 +720,7 @@ impl HandOffObjects {
                     tracing::warn!(epoch, "a hand-off claim does not match its key; ignored")
                 }
                 Ok(None) => {}
-                Err(HandOffError::Marker { key, source }) => {
+                Err(HandOffError::Unreadable { key, source }) => {
                     tracing::warn!(%key, error = %source, "an unreadable hand-off claim; ignored")
                 }
                 Err(e) => return Err(e),
@@ -731,7 +744,7 @@ impl HandOffObjects {
         value: &T,
     ) -> Result<Created, HandOffError> {
         let body = Bytes::from(serde_json::to_vec_pretty(value).map_err(|source| {
-            HandOffError::Marker {
+            HandOffError::Unencodable {
                 key: path.to_string(),
                 source,
             }
@@ -767,7 +780,7 @@ impl HandOffObjects {
     pub async fn seen(&self) -> Result<StoreHandOff, HandOffError> {
         Ok(StoreHandOff {
             ours: self.any().await?,
-            record: self.record().await?,
+            handoff_record: self.record().await?,
             intent: self.intent().await?,
             reclaimed: self.reclaimed().await?,
         })
@@ -784,10 +797,11 @@ impl HandOffObjects {
     }
 
     async fn put_json<T: Serialize>(&self, path: &Path, value: &T) -> Result<(), HandOffError> {
-        let body = serde_json::to_vec_pretty(value).map_err(|source| HandOffError::Marker {
-            key: path.to_string(),
-            source,
-        })?;
+        let body =
+            serde_json::to_vec_pretty(value).map_err(|source| HandOffError::Unencodable {
+                key: path.to_string(),
+                source,
+            })?;
         self.store
             .backend()
             .put(path, PutPayload::from(Bytes::from(body)))
@@ -802,12 +816,12 @@ impl HandOffObjects {
         match self.store.backend().get(path).await {
             Ok(got) => {
                 let bytes = got.bytes().await?;
-                serde_json::from_slice(&bytes)
-                    .map(Some)
-                    .map_err(|source| HandOffError::Marker {
+                serde_json::from_slice(&bytes).map(Some).map_err(|source| {
+                    HandOffError::Unreadable {
                         key: path.to_string(),
                         source,
-                    })
+                    }
+                })
             }
             Err(object_store::Error::NotFound { .. }) => Ok(None),
             Err(e) => Err(e.into()),
@@ -890,7 +904,7 @@ impl HandOffObjects {
     /// hand-off's final.
     pub async fn hold(&self) -> Result<Option<Hold>, HandOffError> {
         if let Some(record) = self.record().await? {
-            return Ok(Some(Hold::Record(record)));
+            return Ok(Some(Hold::HandOffRecord(record)));
         }
         let markers = self.fence_keys().await?;
         Ok((!markers.is_empty()).then_some(Hold::Fenced(markers)))
@@ -1033,7 +1047,7 @@ mod tests {
             fenced: fenced.iter().copied().collect(),
             revision,
             finals,
-            record: None,
+            handoff_record: None,
             intent: None,
             claims: Vec::new(),
             me,
@@ -1141,7 +1155,7 @@ mod tests {
         v.intent = Some(intent(&fin, 1));
         v.claims = vec![claim(0, 1)];
         assert_eq!(decide(&v), Decision::Done(fin.clone()));
-        v.record = Some(record(&fin));
+        v.handoff_record = Some(record(&fin));
         assert_eq!(decide(&v), Decision::Done(fin.clone()));
         // Without an intent (an older etcd-warden took it) a final at the revision counts, an
         // older one never does, and a non-final never does.
@@ -1194,7 +1208,7 @@ mod tests {
         };
         assert_eq!(the_final(&sorted, &by_intent), Some(&fin));
         let by_record = StoreHandOff {
-            record: Some(record(&old)),
+            handoff_record: Some(record(&old)),
             ..ours.clone()
         };
         assert_eq!(the_final(&sorted, &by_record), Some(&old));
@@ -1279,7 +1293,7 @@ mod tests {
                 fenced: MEMBERS.iter().copied().collect(),
                 revision: Some(w.revision),
                 finals: w.stored.iter().map(|&n| snapshot(n)).collect(),
-                record: w.record.map(|n| record(&snapshot(n))),
+                handoff_record: w.record.map(|n| record(&snapshot(n))),
                 intent: w.intent.map(|(n, rev)| FinalIntent {
                     revision: rev,
                     ..intent(&snapshot(n), n.1)
@@ -1592,7 +1606,7 @@ mod tests {
         );
         // A restarted member decides Done from the record, whatever the revision says now.
         let v = ClusterView {
-            record: seen.record,
+            handoff_record: seen.handoff_record,
             claims: objects.claims().await.unwrap(),
             ..view(
                 vec![member(1, true)],
@@ -1697,7 +1711,7 @@ mod tests {
             .to_string();
         assert!(e.starts_with("refusing a snapshot: the store holds 1 fence marker(s) under s3://b/p/etcd-warden/fence/"), "{e}");
         let fin = full(30, true);
-        let held = Hold::Record(record(&fin));
+        let held = Hold::HandOffRecord(record(&fin));
         let e = may_snapshot_by_hand(Some(&held), true, "s3://b/p", r)
             .unwrap_err()
             .to_string();

@@ -79,7 +79,7 @@ pub trait EtcdView: Send + Sync {
 
 /// The store's hand-off objects and the snapshot actor, as the hand-off needs them.
 #[async_trait::async_trait]
-pub trait Snapshots: Send + Sync {
+pub trait HandOffStore: Send + Sync {
     /// Stores `member`'s fence marker.
     async fn write_fence(&self, member: u64, marker: &FenceMarker) -> Result<(), SeamError>;
     /// `member`'s fence marker, if stored.
@@ -239,7 +239,7 @@ pub struct Context {
     /// etcd's health, members and revision.
     pub etcd: Arc<dyn EtcdView>,
     /// The store's hand-off objects and the snapshot actor.
-    pub snapshots: Arc<dyn Snapshots>,
+    pub hand_off: Arc<dyn HandOffStore>,
     /// `/healthz`.
     pub readiness: Arc<dyn ReadinessSink>,
     /// What the snapshot actor may do.
@@ -736,21 +736,21 @@ impl Driver<'_> {
     /// `Some(why)` when an earlier hand-off fenced this member.
     async fn fenced_at_start(&mut self) -> Result<Option<String>, SeamError> {
         let me = self.member().await?;
-        let snapshots = &self.ctx.snapshots;
-        let own = match snapshots.fence(me).await {
+        let hand_off = &self.ctx.hand_off;
+        let own = match hand_off.fence(me).await {
             Ok(own) => own,
             // Only a hand-off writes this member's marker, so one that is there but unreadable
             // (truncated, edited by hand) still says "handed off": failing closed means counting
             // it, not retrying a check that can never succeed while a destination may be live.
-            Err(SeamError::HandOff(HandOffError::Marker { key, source })) => {
+            Err(SeamError::HandOff(HandOffError::Unreadable { key, source })) => {
                 return Ok(Some(format!(
                     "the store holds this member's fence marker {key}, unreadable ({source}): counted as fenced"
                 )));
             }
             Err(e) => return Err(e),
         };
-        let record = snapshots.record().await?;
-        let latest = snapshots.latest_full().await?;
+        let record = hand_off.record().await?;
+        let latest = hand_off.latest_full().await?;
         let revision = match &latest {
             Some(s) if s.is_final => self.ctx.etcd.revision().await?,
             _ => i64::MAX,
@@ -792,7 +792,7 @@ impl Driver<'_> {
                     .collect(),
                 fenced_at: Utc::now(),
             };
-            self.ctx.snapshots.write_fence(me, &marker).await?;
+            self.ctx.hand_off.write_fence(me, &marker).await?;
             Ok::<_, SeamError>(me)
         }
         .await;
@@ -873,20 +873,20 @@ impl Driver<'_> {
         let me = self.member().await?;
         tracing::Span::current().record("member_id", tracing::field::display(format!("{me:x}")));
         let members = self.ctx.etcd.members().await?;
-        let snapshots = self.ctx.snapshots.clone();
+        let hand_off = self.ctx.hand_off.clone();
         let mut revision = None;
         // Each round either ends the check or writes one object that changes the next round's
         // view (a claim, the intent) or reads the revision; four rounds cover claim → revision →
         // intent → take, and a fifth means the store does not keep what it was given.
         for _ in 0..5 {
-            let fenced = snapshots.fenced().await?;
+            let fenced = hand_off.fenced().await?;
             let all_fenced = handoff::unfenced(&members, &fenced).is_empty();
             let (finals, record, intent, claims) = if all_fenced {
                 (
-                    snapshots.finals().await?,
-                    snapshots.record().await?,
-                    snapshots.intent().await?,
-                    snapshots.claims().await?,
+                    hand_off.finals().await?,
+                    hand_off.record().await?,
+                    hand_off.intent().await?,
+                    hand_off.claims().await?,
                 )
             } else {
                 (Vec::new(), None, None, Vec::new())
@@ -897,7 +897,7 @@ impl Driver<'_> {
                 fenced,
                 revision,
                 finals,
-                record: record.clone(),
+                handoff_record: record.clone(),
                 intent: intent.clone(),
                 claims,
                 me,
@@ -918,7 +918,7 @@ impl Driver<'_> {
                         member_id: format!("{me:x}"),
                         claimed_at: Utc::now(),
                     };
-                    let created = snapshots.create_claim(&claim).await?;
+                    let created = hand_off.create_claim(&claim).await?;
                     if *epoch > 0 {
                         tracing::warn!(
                             epoch,
@@ -934,7 +934,7 @@ impl Driver<'_> {
                     continue;
                 }
                 Decision::FixIntent { revision: r } => {
-                    let created = snapshots
+                    let created = hand_off
                         .create_intent(*r, me, &self.config.owner_id)
                         .await?;
                     tracing::info!(
@@ -1002,7 +1002,7 @@ impl Driver<'_> {
             owner_id: self.config.owner_id.clone(),
             recorded_at: Utc::now(),
         };
-        self.ctx.snapshots.write_record(&record).await
+        self.ctx.hand_off.write_record(&record).await
     }
 
     async fn take_final(&mut self, min_revision: i64, attempt: u32) -> bool {
@@ -1013,7 +1013,7 @@ impl Driver<'_> {
                     return Err(SeamError::HandOff(HandOffError::Unsettled));
                 };
                 tracing::Span::current().record("snapshot", intent.final_snapshot.as_str());
-                let snap = self.ctx.snapshots.take_final(&intent).await?;
+                let snap = self.ctx.hand_off.take_final(&intent).await?;
                 let members = self.ctx.etcd.members().await.unwrap_or_default();
                 self.record(&snap, intent.revision, &members).await?;
                 Ok::<_, SeamError>(snap)
