@@ -64,6 +64,61 @@ use crate::store::{Kind, Snapshot, SnapshotStore, StoreError};
 /// The directory under the store prefix that holds etcd-warden's own objects.
 pub const DIR: &str = "etcd-warden";
 
+/// One object (or folder) of the hand-off's layout under `<prefix>/etcd-warden/`: the only
+/// place that names them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Key {
+    /// The folder of every hand-off object, `etcd-warden/`.
+    All,
+    /// The fence markers' folder, `fence/`.
+    Fences,
+    /// A member's fence marker, `fence/<member id, 16 hex digits>.json`.
+    Fence(u64),
+    /// The folder of the claims and intents, `final/`.
+    Final,
+    /// The claim of an epoch, `final/claim-<epoch, 6 digits>.json`.
+    Claim(u32),
+    /// The final's intent, `final/intent.json`.
+    Intent,
+    /// The intent that goes after a stale one naming this final, `final/intent-after-<final>.json`.
+    IntentAfter(String),
+    /// The hand-off record, `handoff.json`.
+    Record,
+    /// The folder of the reclaimed marks, `reclaimed/`.
+    Reclaims,
+    /// The mark of a final whose hand-off was undone, `reclaimed/<final name>`.
+    Reclaimed(String),
+}
+
+impl Key {
+    /// The key's name relative to the store prefix, e.g. `etcd-warden/fence/00000000000000a1.json`.
+    pub fn name(&self) -> String {
+        let inside = match self {
+            Key::All => return DIR.to_string(),
+            Key::Fences => "fence".to_string(),
+            Key::Fence(member) => format!("fence/{member:016x}.json"),
+            Key::Final => "final".to_string(),
+            Key::Claim(epoch) => format!("final/claim-{epoch:06}.json"),
+            Key::Intent => "final/intent.json".to_string(),
+            Key::IntentAfter(stale_final) => format!("final/intent-after-{stale_final}.json"),
+            Key::Record => "handoff.json".to_string(),
+            Key::Reclaims => "reclaimed".to_string(),
+            Key::Reclaimed(final_name) => format!("reclaimed/{final_name}"),
+        };
+        format!("{DIR}/{inside}")
+    }
+
+    /// The key's path in a store under `prefix`.
+    pub fn path(&self, prefix: &str) -> Path {
+        let prefix = prefix.trim_matches('/');
+        if prefix.is_empty() {
+            Path::from(self.name())
+        } else {
+            Path::from(format!("{prefix}/{}", self.name()))
+        }
+    }
+}
+
 /// Why reading or writing the hand-off's objects failed.
 #[derive(Debug, thiserror::Error)]
 pub enum HandOffError {
@@ -507,12 +562,14 @@ pub fn may_revive(
 ) -> Result<(), Refusal> {
     let held = match (hold, final_snapshot) {
         (Some(Hold::HandOffRecord(r)), _) => format!(
-            "the store holds the hand-off record {location}/{DIR}/handoff.json (final {})",
+            "the store holds the hand-off record {location}/{} (final {})",
+            Key::Record.name(),
             r.final_snapshot
         ),
         (Some(Hold::Fenced(markers)), _) => format!(
-            "the store holds {} fence marker(s) under {location}/{DIR}/fence/",
-            markers.len()
+            "the store holds {} fence marker(s) under {location}/{}/",
+            markers.len(),
+            Key::Fences.name()
         ),
         (None, Some(f)) => {
             format!("the store's newest full snapshot {location}/{f} is the hand-off's final")
@@ -577,12 +634,14 @@ pub fn may_snapshot_by_hand(
     };
     let held = match hold {
         Hold::HandOffRecord(r) => format!(
-            "the hand-off record {location}/{DIR}/handoff.json (final {})",
+            "the hand-off record {location}/{} (final {})",
+            Key::Record.name(),
             r.final_snapshot
         ),
         Hold::Fenced(markers) => format!(
-            "{} fence marker(s) under {location}/{DIR}/fence/",
-            markers.len()
+            "{} fence marker(s) under {location}/{}/",
+            markers.len(),
+            Key::Fences.name()
         ),
     };
     Err(Refusal::DuringHandOff {
@@ -627,44 +686,9 @@ impl HandOffObjects {
         HandOffObjects { store }
     }
 
-    fn dir(&self, sub: &str) -> Path {
-        let prefix = self.store.prefix().trim_matches('/');
-        if prefix.is_empty() {
-            Path::from(format!("{DIR}/{sub}"))
-        } else {
-            Path::from(format!("{prefix}/{DIR}/{sub}"))
-        }
-    }
-
-    fn fence_path(&self, member: u64) -> Path {
-        self.dir("fence").join(format!("{member:016x}.json"))
-    }
-
-    fn reclaimed_path(&self, final_name: &str) -> Path {
-        self.dir("reclaimed").join(final_name)
-    }
-
-    fn record_path(&self) -> Path {
-        let prefix = self.store.prefix().trim_matches('/');
-        if prefix.is_empty() {
-            Path::from(format!("{DIR}/handoff.json"))
-        } else {
-            Path::from(format!("{prefix}/{DIR}/handoff.json"))
-        }
-    }
-
-    fn intent_path(&self) -> Path {
-        self.dir("final").join("intent.json")
-    }
-
-    fn claim_path(&self, epoch: u32) -> Path {
-        self.dir("final").join(format!("claim-{epoch:06}.json"))
-    }
-
-    /// Where the intent goes after a stale one that named `stale_final`.
-    fn intent_after_path(&self, stale_final: &str) -> Path {
-        self.dir("final")
-            .join(format!("intent-after-{stale_final}.json"))
+    /// Where `key` is in this store.
+    fn path(&self, key: &Key) -> Path {
+        key.path(self.store.prefix())
     }
 
     /// Where this hand-off's intent is (or goes), and the intent if one is there. An intent
@@ -675,12 +699,12 @@ impl HandOffObjects {
     /// name, and one of them wins it as before.
     async fn current_intent(&self) -> Result<(Path, Option<FinalIntent>), HandOffError> {
         let reclaimed = self.reclaimed().await?;
-        let mut path = self.intent_path();
+        let mut path = self.path(&Key::Intent);
         // Each stale intent names another reclaimed final, so the walk ends within their count.
         for _ in 0..=reclaimed.len() {
             match self.get_json::<FinalIntent>(&path).await? {
                 Some(i) if reclaimed.contains(&i.final_snapshot) => {
-                    path = self.intent_after_path(&i.final_snapshot);
+                    path = self.path(&Key::IntentAfter(i.final_snapshot));
                 }
                 found => return Ok((path, found)),
             }
@@ -706,7 +730,7 @@ impl HandOffObjects {
     /// The claims, by epoch; an unreadable claim is skipped with a warning (it names no taker).
     pub async fn claims(&self) -> Result<Vec<Claim>, HandOffError> {
         let mut claims = Vec::new();
-        for name in self.keys("final").await? {
+        for name in self.keys(&Key::Final).await? {
             let Some(epoch) = name
                 .strip_prefix("claim-")
                 .and_then(|n| n.strip_suffix(".json"))
@@ -714,7 +738,7 @@ impl HandOffObjects {
             else {
                 continue;
             };
-            match self.get_json::<Claim>(&self.claim_path(epoch)).await {
+            match self.get_json::<Claim>(&self.path(&Key::Claim(epoch))).await {
                 Ok(Some(c)) if c.epoch == epoch && c.member().is_some() => claims.push(c),
                 Ok(Some(_)) => {
                     tracing::warn!(epoch, "a hand-off claim does not match its key; ignored")
@@ -732,7 +756,8 @@ impl HandOffObjects {
 
     /// Creates the claim of its epoch unless one is there (the caller reads the claims back).
     pub async fn create_claim(&self, claim: &Claim) -> Result<Created, HandOffError> {
-        self.create_json(&self.claim_path(claim.epoch), claim).await
+        self.create_json(&self.path(&Key::Claim(claim.epoch)), claim)
+            .await
     }
 
     /// Writes `value` at `path` only if nothing is there (S3 `If-None-Match: *`, GCS generation
@@ -788,12 +813,12 @@ impl HandOffObjects {
 
     /// Stores the hand-off record.
     pub async fn write_record(&self, record: &HandOffRecord) -> Result<(), HandOffError> {
-        self.put_json(&self.record_path(), record).await
+        self.put_json(&self.path(&Key::Record), record).await
     }
 
     /// The hand-off record, if stored.
     pub async fn record(&self) -> Result<Option<HandOffRecord>, HandOffError> {
-        self.get_json(&self.record_path()).await
+        self.get_json(&self.path(&Key::Record)).await
     }
 
     async fn put_json<T: Serialize>(&self, path: &Path, value: &T) -> Result<(), HandOffError> {
@@ -830,18 +855,18 @@ impl HandOffObjects {
 
     /// Stores this member's marker (overwriting an earlier one of the same member).
     pub async fn write_fence(&self, member: u64, marker: &FenceMarker) -> Result<(), HandOffError> {
-        self.put_json(&self.fence_path(member), marker).await
+        self.put_json(&self.path(&Key::Fence(member)), marker).await
     }
 
     /// The marker of `member`, if stored.
     pub async fn fence(&self, member: u64) -> Result<Option<FenceMarker>, HandOffError> {
-        self.get_json(&self.fence_path(member)).await
+        self.get_json(&self.path(&Key::Fence(member))).await
     }
 
     /// The members with a marker (by the key's name; a marker's body is for people).
     pub async fn fenced(&self) -> Result<BTreeSet<u64>, HandOffError> {
         Ok(self
-            .keys("fence")
+            .keys(&Key::Fences)
             .await?
             .iter()
             .filter_map(|name| name.strip_suffix(".json"))
@@ -851,17 +876,18 @@ impl HandOffObjects {
 
     /// Every fence marker's key.
     pub async fn fence_keys(&self) -> Result<Vec<Path>, HandOffError> {
-        let dir = self.dir("fence");
+        let dir = self.path(&Key::Fences);
         Ok(self
-            .keys("fence")
+            .keys(&Key::Fences)
             .await?
             .into_iter()
             .map(|n| dir.clone().join(n))
             .collect())
     }
 
-    async fn keys(&self, sub: &str) -> Result<Vec<String>, HandOffError> {
-        let dir = self.dir(sub);
+    /// The names of the objects in `folder`.
+    async fn keys(&self, folder: &Key) -> Result<Vec<String>, HandOffError> {
+        let dir = self.path(folder);
         let listed = self.store.keys_under(&dir).await?;
         Ok(listed
             .into_iter()
@@ -874,7 +900,7 @@ impl HandOffObjects {
         self.store
             .backend()
             .put(
-                &self.reclaimed_path(final_name),
+                &self.path(&Key::Reclaimed(final_name.to_string())),
                 PutPayload::from(Bytes::from_static(b"{}")),
             )
             .await?;
@@ -883,20 +909,14 @@ impl HandOffObjects {
 
     /// The names of the finals `etcd-warden reclaim` marked reclaimed.
     pub async fn reclaimed(&self) -> Result<BTreeSet<String>, HandOffError> {
-        Ok(self.keys("reclaimed").await?.into_iter().collect())
+        Ok(self.keys(&Key::Reclaims).await?.into_iter().collect())
     }
 
     /// Whether the store holds any of etcd-warden's own objects (a fence marker, the hand-off
     /// record, a reclaimed mark): then it is written by etcd-warden's sidecars, whose hand-off
     /// ends with a record, rather than by the reference tool.
     pub async fn any(&self) -> Result<bool, HandOffError> {
-        let prefix = self.store.prefix().trim_matches('/');
-        let dir = if prefix.is_empty() {
-            Path::from(DIR)
-        } else {
-            Path::from(format!("{prefix}/{DIR}"))
-        };
-        Ok(self.store.any_under(&dir).await?)
+        Ok(self.store.any_under(&self.path(&Key::All)).await?)
     }
 
     /// What marks the store as in a hand-off (or after one): the record, else the fence
@@ -975,16 +995,16 @@ pub async fn reclaim(objects: &HandOffObjects) -> Result<Reclaimed, HandOffError
         done.finals_reclaimed.push(name);
     }
     // The record, every intent (stale ones too) and every claim.
-    let mut gone = vec![objects.record_path()];
+    let mut gone = vec![objects.path(&Key::Record)];
     gone.extend(
         objects
-            .keys("final")
+            .keys(&Key::Final)
             .await?
             .into_iter()
             .filter(|k| {
                 k.ends_with(".json") && (k.starts_with("intent") || k.starts_with("claim-"))
             })
-            .map(|k| objects.dir("final").join(k)),
+            .map(|k| objects.path(&Key::Final).join(k)),
     );
     for key in gone {
         match objects.store.backend().delete(&key).await {
@@ -1674,7 +1694,7 @@ mod tests {
         // This version's reclaim removes every intent, stale or not, and marks the live one's.
         let done = reclaim(&objects).await.unwrap();
         assert!(done.finals_reclaimed.contains(&third.final_snapshot));
-        assert!(objects.keys("final").await.unwrap().is_empty());
+        assert!(objects.keys(&Key::Final).await.unwrap().is_empty());
         assert_eq!(objects.intent().await.unwrap(), None);
     }
 
@@ -1749,6 +1769,37 @@ mod tests {
                 "{e}"
             );
         }
+    }
+
+    #[test]
+    fn the_layout_is_named_in_one_place() {
+        let under = |k: Key| k.path("shoot/etcd-main/").to_string();
+        assert_eq!(under(Key::All), "shoot/etcd-main/etcd-warden");
+        assert_eq!(
+            under(Key::Fence(0xa1)),
+            "shoot/etcd-main/etcd-warden/fence/00000000000000a1.json"
+        );
+        assert_eq!(
+            under(Key::Claim(3)),
+            "shoot/etcd-main/etcd-warden/final/claim-000003.json"
+        );
+        assert_eq!(
+            under(Key::Intent),
+            "shoot/etcd-main/etcd-warden/final/intent.json"
+        );
+        assert_eq!(
+            under(Key::IntentAfter("Full-x.gz.final".into())),
+            "shoot/etcd-main/etcd-warden/final/intent-after-Full-x.gz.final.json"
+        );
+        assert_eq!(
+            under(Key::Record),
+            "shoot/etcd-main/etcd-warden/handoff.json"
+        );
+        assert_eq!(
+            under(Key::Reclaimed("Full-x.gz.final".into())),
+            "shoot/etcd-main/etcd-warden/reclaimed/Full-x.gz.final"
+        );
+        assert_eq!(Key::Fences.path("").to_string(), "etcd-warden/fence");
     }
 
     #[tokio::test]
