@@ -256,7 +256,7 @@ async fn compact_and_store(
 async fn refuse_during_hand_off(store: &SnapshotStore, revision: i64) -> Result<(), CompactError> {
     let objects = HandOffObjects::new(store.clone());
     match objects.hold().await.map_err(CompactError::HandOffObjects)? {
-        Some(Hold::Record(record)) => {
+        Some(Hold::HandOffRecord(record)) => {
             return Err(CompactError::HandOff {
                 what: format!("a hand-off record, final {}", record.final_snapshot),
             });

@@ -29,7 +29,7 @@ use etcd_warden::owner::production::{EtcdApi, OwnerStatus};
 use etcd_warden::owner::protocol::State;
 use etcd_warden::owner::resolve::OwnerResolver;
 use etcd_warden::owner::watchdog::{
-    Context, EtcdView, ReadinessSink, SeamError, Snapshots, Watchdog, WatchdogConfig,
+    Context, EtcdView, HandOffStore, ReadinessSink, SeamError, Watchdog, WatchdogConfig,
     WatchdogStatus,
 };
 use etcd_warden::server::{Readiness, StatusSource};
@@ -292,7 +292,7 @@ impl EtcdView for Fake {
 }
 
 #[async_trait::async_trait]
-impl Snapshots for Fake {
+impl HandOffStore for Fake {
     async fn write_fence(&self, member: u64, _marker: &FenceMarker) -> Result<(), SeamError> {
         self.0.log(Call::Fence);
         self.0.fences.lock().expect("lock").insert(member);
@@ -310,7 +310,7 @@ impl Snapshots for Fake {
             FenceRead::Unreadable => {
                 let source =
                     serde_json::from_slice::<FenceMarker>(b"not json").expect_err("not a marker");
-                return Err(SeamError::HandOff(HandOffError::Marker {
+                return Err(SeamError::HandOff(HandOffError::Unreadable {
                     key: format!("etcd-warden/fence/{member:016x}.json"),
                     source,
                 }));
@@ -442,7 +442,7 @@ impl Running {
             lookup: Arc::new(OwnerResolver::new(&owner).expect("resolver")),
             process: fake.clone(),
             etcd: fake.clone(),
-            snapshots: fake.clone(),
+            hand_off: fake.clone(),
             readiness: fake,
             gate: world.gate.clone(),
         };
@@ -946,8 +946,8 @@ fn watchdog_config(
 }
 
 /// The production hand-off objects over `store`, the final taken by `actor` (gzip).
-fn store_snapshots(store: SnapshotStore, actor: &ActorHandle) -> Arc<dyn Snapshots> {
-    Arc::new(etcd_warden::owner::production::StoreSnapshots::new(
+fn store_snapshots(store: SnapshotStore, actor: &ActorHandle) -> Arc<dyn HandOffStore> {
+    Arc::new(etcd_warden::owner::production::ActorHandOffStore::new(
         store,
         actor.clone(),
         Codec::Gzip,
@@ -1058,7 +1058,7 @@ impl RealEtcd {
         owner: &OwnerConfig,
         lookup: Arc<dyn etcd_warden::owner::resolve::OwnerLookup>,
         process: Arc<dyn ProcessControl>,
-        snapshots: Arc<dyn Snapshots>,
+        snapshots: Arc<dyn HandOffStore>,
         readiness: watch::Sender<Readiness>,
         gate: watch::Sender<Gate>,
     ) -> Watchdog {
@@ -1066,7 +1066,7 @@ impl RealEtcd {
             lookup,
             process,
             etcd: Arc::new(EtcdApi::new(self.config.clone(), Duration::from_secs(1))),
-            snapshots,
+            hand_off: snapshots,
             readiness: Arc::new(readiness),
             gate,
         };
@@ -1082,7 +1082,7 @@ impl RealEtcd {
     fn resolving_watchdog(
         &self,
         owner: &OwnerConfig,
-        snapshots: Arc<dyn Snapshots>,
+        snapshots: Arc<dyn HandOffStore>,
         readiness: watch::Sender<Readiness>,
         gate: watch::Sender<Gate>,
     ) -> Watchdog {
@@ -1124,7 +1124,7 @@ impl StreamingSnapshots {
 }
 
 #[async_trait::async_trait]
-impl Snapshots for StreamingSnapshots {
+impl HandOffStore for StreamingSnapshots {
     async fn write_fence(&self, member: u64, _: &FenceMarker) -> Result<(), SeamError> {
         self.fences.lock().expect("lock").insert(member);
         Ok(())
@@ -1273,7 +1273,7 @@ struct FenceWatch {
 }
 
 #[async_trait::async_trait]
-impl Snapshots for FenceWatch {
+impl HandOffStore for FenceWatch {
     async fn write_fence(&self, member: u64, marker: &FenceMarker) -> Result<(), SeamError> {
         let alive = self
             .killer

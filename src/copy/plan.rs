@@ -174,7 +174,7 @@ mod tests {
     fn recorded(name: &str) -> StoreHandOff {
         StoreHandOff {
             ours: true,
-            record: Some(HandOffRecord {
+            handoff_record: Some(HandOffRecord {
                 final_snapshot: name.into(),
                 revision: 0,
                 members: vec![],

@@ -12,7 +12,7 @@ use super::handoff::{
     Claim, Created, FenceMarker, FinalIntent, HandOffError, HandOffObjects, HandOffRecord, Member,
 };
 use super::resolve::{OwnerResolver, ResolveError};
-use super::watchdog::{Context, EtcdView, SeamError, Snapshots, WatchdogStatus};
+use super::watchdog::{Context, EtcdView, HandOffStore, SeamError, WatchdogStatus};
 use crate::config::{EtcdConfig, KillConfig, OwnerConfig};
 use crate::health::{Health, HealthCheck};
 use crate::kill::ProcKiller;
@@ -102,17 +102,17 @@ impl EtcdView for EtcdApi {
 }
 
 /// The hand-off's objects in the store, and the final snapshot through the actor.
-pub struct StoreSnapshots {
+pub struct ActorHandOffStore {
     store: SnapshotStore,
     objects: HandOffObjects,
     actor: ActorHandle,
     codec: Codec,
 }
 
-impl StoreSnapshots {
+impl ActorHandOffStore {
     /// Objects in `store`, finals through `actor`, named with `codec`.
     pub fn new(store: SnapshotStore, actor: ActorHandle, codec: Codec) -> Self {
-        StoreSnapshots {
+        ActorHandOffStore {
             objects: HandOffObjects::new(store.clone()),
             store,
             actor,
@@ -122,7 +122,7 @@ impl StoreSnapshots {
 }
 
 #[async_trait::async_trait]
-impl Snapshots for StoreSnapshots {
+impl HandOffStore for ActorHandOffStore {
     async fn write_fence(&self, member: u64, marker: &FenceMarker) -> Result<(), SeamError> {
         Ok(self.objects.write_fence(member, marker).await?)
     }
@@ -216,7 +216,7 @@ pub fn context(
         lookup: Arc::new(OwnerResolver::new(owner)?),
         process: Arc::new(ProcKiller::new(kill)),
         etcd: Arc::new(EtcdApi::new(etcd.clone(), crate::health::TIMEOUT)),
-        snapshots: Arc::new(StoreSnapshots::new(store, actor, codec)),
+        hand_off: Arc::new(ActorHandOffStore::new(store, actor, codec)),
         readiness: Arc::new(readiness),
         gate,
     })

@@ -28,12 +28,26 @@
 //!    after the frozen revision would be acknowledged but missing from the final. After `settle`
 //!    no new connection reaches this member, so the second kill ends the last ones;
 //! 3. this member's **fence marker** goes to the store (retried with backoff);
-//! 4. once etcd answers again, the **hand-off check** looks at the cluster: every member fenced?
-//!    a final at or after the cluster's revision already stored? are we the member that takes it?
-//!    It answers Done, Take (with the revision the final must reach), Wait (poll again after
-//!    `kill_retry`) or Failed (backoff);
-//! 5. **take the final**; a failure goes back to the check, so an upload that succeeded although
-//!    its caller saw an error is found instead of repeated.
+//! 4. once etcd answers again, the **hand-off check** reads the cluster (members, fence markers,
+//!    finals, the hand-off record, the intent, the claims) and `handoff::decide` answers. The take
+//!    phase is this table's, one store or etcd call per action, each answered by an event:
+//!
+//!    | check answers | action | its event | then |
+//!    |---|---|---|---|
+//!    | NeedRevision (all fenced, no intent) | ReadRevision | RevisionRead | check again with it |
+//!    | Claim { epoch } (we take, or take over) | CreateClaim (if absent) | Claimed | check again |
+//!    | FixIntent { revision } (we hold the newest claim) | CreateIntent (if absent) | IntentCreated | check again |
+//!    | Take { min_revision } (the intent names the final) | TakeFinal | FinalStored | WriteRecord |
+//!    | Stored (a final is stored, not recorded) | WriteRecord | Recorded | Done |
+//!    | Done (stored and recorded) | none | | Done |
+//!    | Wait (members unfenced, another member takes it) | ScheduleRetry (`kill_retry`) | RetryDue | check |
+//!    | Failed | ScheduleRetry (backoff) | RetryDue | check |
+//!
+//!    A failed call backs off and checks again from the start (the revision read is forgotten);
+//!    a check that still writes a claim or an intent after five views backs off as Unsettled (the
+//!    store does not keep what it is given). A check never writes more than one object per view;
+//! 5. a failed **take** goes back to the check too, so an upload that succeeded although its caller
+//!    saw an error is found instead of repeated, and the record is written then.
 //!
 //! Events that make no sense in the current state (a result nobody asked for) are ignored, so the
 //! watchdog never has to filter them.
@@ -62,10 +76,25 @@ pub enum StartCheck {
 /// The answer of [`Action::CheckHandOff`] (decided by `handoff::decide`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum HandOff {
-    /// Every member is fenced and a final at or after the cluster's revision is stored.
+    /// Every member is fenced, a final of this hand-off is stored and the hand-off record names it.
     Done,
-    /// Every member is fenced, no final counts yet, and this member takes it: its revision must
-    /// be at least `min_revision` (the cluster's revision once every member was fenced).
+    /// Every member is fenced and a final of this hand-off is stored, but the hand-off record does
+    /// not name it yet: write the record.
+    Stored,
+    /// Every member is fenced and no intent fixes the final yet: read etcd's revision.
+    NeedRevision,
+    /// This member takes the final (or takes it over) and claims `epoch` first.
+    Claim {
+        /// The epoch to claim.
+        epoch: u32,
+    },
+    /// This member holds the newest claim: fix the final's identity at `revision`.
+    FixIntent {
+        /// The frozen revision.
+        revision: i64,
+    },
+    /// Every member is fenced, no final counts yet, and this member takes the one the intent
+    /// names: its revision must be at least `min_revision` (the intent's).
     Take {
         /// The revision the final must reach.
         min_revision: i64,
@@ -94,8 +123,18 @@ pub enum Event {
     Fenced(bool),
     /// The answer to [`Action::CheckHandOff`].
     HandOff(HandOff),
+    /// The answer to [`Action::ReadRevision`]: the revision, or `None` when etcd did not answer.
+    RevisionRead(Option<i64>),
+    /// The answer to [`Action::CreateClaim`]: created or already there (`true`), or the store
+    /// failed (`false`).
+    Claimed(bool),
+    /// The answer to [`Action::CreateIntent`]: created or already there (`true`), or the store
+    /// failed (`false`).
+    IntentCreated(bool),
     /// The final snapshot of [`Action::TakeFinal`] is stored (`true`) or failed (`false`).
     FinalStored(bool),
+    /// The answer to [`Action::WriteRecord`]: the hand-off record is stored (`true`) or not.
+    Recorded(bool),
     /// The delay of an [`Action::ScheduleRetry`] has passed.
     RetryDue,
 }
@@ -113,9 +152,27 @@ pub enum Action {
     CheckStart,
     /// Store this member's fence marker; report [`Event::Fenced`].
     WriteFence,
-    /// Look at the cluster's fence markers and finals; report [`Event::HandOff`].
-    CheckHandOff,
-    /// Take the final full snapshot at `min_revision` or later; report [`Event::FinalStored`].
+    /// Read the cluster (members, fence markers, finals, the hand-off record, the intent, the
+    /// claims) and decide; report [`Event::HandOff`].
+    CheckHandOff {
+        /// etcd's revision as read earlier in this check, if it was.
+        revision: Option<i64>,
+    },
+    /// Read etcd's revision linearizably; report [`Event::RevisionRead`].
+    ReadRevision,
+    /// Create this member's claim of `epoch` unless one is there; report [`Event::Claimed`].
+    CreateClaim {
+        /// The epoch claimed.
+        epoch: u32,
+    },
+    /// Create the final's intent at `revision` unless one is there; report
+    /// [`Event::IntentCreated`].
+    CreateIntent {
+        /// The frozen revision the final must hold.
+        revision: i64,
+    },
+    /// Take the final full snapshot the intent names, at `min_revision` or later; report
+    /// [`Event::FinalStored`].
     TakeFinal {
         /// The revision the final must reach.
         min_revision: i64,
@@ -128,6 +185,9 @@ pub enum Action {
         /// How long after readiness went 503.
         settle: Duration,
     },
+    /// Write the hand-off record naming the stored final (the one just taken, or the one the
+    /// last check found unrecorded); report [`Event::Recorded`].
+    WriteRecord,
     /// Kill etcd again after the settle: every etcd process running now (one the kubelet
     /// restarted) is stopped, and the processes the last verified kill stopped count as found,
     /// so the kill verifies when none was restarted and those stay gone; report [`Event::Killed`].
@@ -182,10 +242,18 @@ pub enum FinalStep {
     AwaitingEtcd,
     /// The hand-off check is running.
     Checking,
+    /// etcd's revision is being read (every member fenced, no intent yet).
+    ReadingRevision,
+    /// This member's claim to take the final is being created.
+    Claiming,
+    /// The final's intent is being created.
+    FixingIntent,
     /// Other members are not fenced yet, or another member takes the final: checked again later.
     Waiting,
     /// The final snapshot is being taken.
     Taking,
+    /// The hand-off record naming the stored final is being written; then Done with this outcome.
+    Recording(FinalOutcome),
     /// A step failed; it is retried after a backoff.
     Backoff(Retry),
     /// A final of this hand-off is in the store; nothing more to do.
@@ -197,8 +265,11 @@ pub enum FinalStep {
 pub enum Retry {
     /// Storing the fence marker.
     Fence,
-    /// The hand-off check (after a failed check or a failed take).
+    /// The hand-off check (after a failed check, read, create, take or record write).
     Check,
+    /// The hand-off check, after one that still wrote a claim or an intent after five views
+    /// (the store does not show what it was given).
+    Unsettled,
 }
 
 /// How the hand-off's final snapshot came to be in the store.
@@ -284,7 +355,15 @@ pub struct Protocol {
     failures: u32,
     /// Final snapshots requested in this process.
     takes: u32,
+    /// etcd's revision as read in the current hand-off check.
+    check_revision: Option<i64>,
+    /// Views the current hand-off check decided on (1 to [`VIEWS_PER_CHECK`]).
+    views: u8,
 }
+
+/// How many views one hand-off check decides on before it gives up as Unsettled: claim,
+/// revision, intent and take need four.
+const VIEWS_PER_CHECK: u8 = 5;
 
 impl Protocol {
     /// The protocol in [`State::Starting`]: not ready, gate closed, nothing known.
@@ -300,6 +379,8 @@ impl Protocol {
             gate: Gate::Closed,
             failures: 0,
             takes: 0,
+            check_revision: None,
+            views: 0,
         }
     }
 
@@ -361,15 +442,28 @@ impl Protocol {
                 FinalStep::Fencing => "not the owner; storing this member's fence marker",
                 FinalStep::AwaitingEtcd => "not the owner; fenced, waiting for etcd to restart",
                 FinalStep::Checking => "not the owner; checking the hand-off",
+                FinalStep::ReadingRevision => {
+                    "not the owner; every member fenced, reading etcd's revision for the final"
+                }
+                FinalStep::Claiming => "not the owner; claiming the final snapshot",
+                FinalStep::FixingIntent => {
+                    "not the owner; fixing the final snapshot's name and revision before its upload"
+                }
                 FinalStep::Waiting => {
                     "not the owner; waiting for every member to be fenced and the final snapshot"
                 }
                 FinalStep::Taking => "not the owner; taking the final snapshot",
+                FinalStep::Recording(_) => {
+                    "not the owner; final snapshot stored, writing the hand-off record"
+                }
                 FinalStep::Backoff(Retry::Fence) => {
                     "not the owner; storing the fence marker failed, retrying"
                 }
                 FinalStep::Backoff(Retry::Check) => {
                     "not the owner; the hand-off check or the final snapshot failed, retrying"
+                }
+                FinalStep::Backoff(Retry::Unsettled) => {
+                    "not the owner; the store did not show the hand-off's claim or intent after writing it, retrying"
                 }
                 FinalStep::Done(FinalOutcome::Taken) => "not the owner; final snapshot stored",
                 FinalStep::Done(FinalOutcome::FoundInStore) => {
@@ -490,8 +584,24 @@ impl Protocol {
         FinalStep::Backoff(retry)
     }
 
+    /// A hand-off check from the start: nothing read yet.
     fn check(&mut self, actions: &mut Vec<Action>) -> FinalStep {
-        actions.push(Action::CheckHandOff);
+        self.check_revision = None;
+        self.views = 1;
+        actions.push(Action::CheckHandOff { revision: None });
+        FinalStep::Checking
+    }
+
+    /// The same check once more, after it read the revision or wrote a claim or the intent: the
+    /// next view shows it. After [`VIEWS_PER_CHECK`] views it gives up as Unsettled.
+    fn check_again(&mut self, actions: &mut Vec<Action>) -> FinalStep {
+        if self.views >= VIEWS_PER_CHECK {
+            return self.backoff(Retry::Unsettled, actions);
+        }
+        self.views += 1;
+        actions.push(Action::CheckHandOff {
+            revision: self.check_revision,
+        });
         FinalStep::Checking
     }
 
@@ -543,11 +653,28 @@ impl Protocol {
                 FinalStep::Fencing
             }
             (FinalStep::AwaitingEtcd, Event::EtcdHealth(true))
-            | (FinalStep::Waiting | FinalStep::Backoff(Retry::Check), Event::RetryDue) => {
-                self.check(actions)
-            }
+            | (
+                FinalStep::Waiting | FinalStep::Backoff(Retry::Check | Retry::Unsettled),
+                Event::RetryDue,
+            ) => self.check(actions),
             (FinalStep::Checking, Event::HandOff(answer)) => match answer {
                 HandOff::Done => FinalStep::Done(FinalOutcome::FoundInStore),
+                HandOff::Stored => {
+                    actions.push(Action::WriteRecord);
+                    FinalStep::Recording(FinalOutcome::FoundInStore)
+                }
+                HandOff::NeedRevision => {
+                    actions.push(Action::ReadRevision);
+                    FinalStep::ReadingRevision
+                }
+                HandOff::Claim { epoch } => {
+                    actions.push(Action::CreateClaim { epoch });
+                    FinalStep::Claiming
+                }
+                HandOff::FixIntent { revision } => {
+                    actions.push(Action::CreateIntent { revision });
+                    FinalStep::FixingIntent
+                }
                 HandOff::Take { min_revision } => {
                     self.takes = self.takes.saturating_add(1);
                     actions.push(Action::TakeFinal {
@@ -565,8 +692,24 @@ impl Protocol {
                 }
                 HandOff::Failed => self.backoff(Retry::Check, actions),
             },
-            (FinalStep::Taking, Event::FinalStored(true)) => FinalStep::Done(FinalOutcome::Taken),
-            (FinalStep::Taking, Event::FinalStored(false)) => self.backoff(Retry::Check, actions),
+            (FinalStep::ReadingRevision, Event::RevisionRead(Some(revision))) => {
+                self.check_revision = Some(revision);
+                self.check_again(actions)
+            }
+            (FinalStep::Claiming, Event::Claimed(true))
+            | (FinalStep::FixingIntent, Event::IntentCreated(true)) => self.check_again(actions),
+            (FinalStep::ReadingRevision, Event::RevisionRead(None))
+            | (FinalStep::Claiming, Event::Claimed(false))
+            | (FinalStep::FixingIntent, Event::IntentCreated(false))
+            | (FinalStep::Taking, Event::FinalStored(false))
+            | (FinalStep::Recording(_), Event::Recorded(false)) => {
+                self.backoff(Retry::Check, actions)
+            }
+            (FinalStep::Taking, Event::FinalStored(true)) => {
+                actions.push(Action::WriteRecord);
+                FinalStep::Recording(FinalOutcome::Taken)
+            }
+            (FinalStep::Recording(outcome), Event::Recorded(true)) => FinalStep::Done(outcome),
             (step, _) => step,
         };
         self.state = State::Deactivated(next);
@@ -593,715 +736,4 @@ impl Protocol {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use Action::*;
-    use Event::{EtcdHealth, EtcdProcess, Fenced, FinalStored, Killed, RetryDue, StartChecked};
-    use std::collections::{HashSet, VecDeque};
-
-    const OWNER: Event = Event::Verdict(Verdict::Owner);
-    const NOT_OWNER: Event = Event::Verdict(Verdict::NotOwner);
-    const UNRESOLVABLE: Event = Event::Verdict(Verdict::Unresolvable);
-    const HEALTHY: Event = EtcdHealth(true);
-    const VISIBLE: Event = EtcdProcess(true);
-    const CLEAR: Event = StartChecked(StartCheck::Clear);
-    const TAKE: Event = Event::HandOff(HandOff::Take { min_revision: 42 });
-    /// Not owner: killed, settled, killed again, fenced, etcd back, and the check says Take.
-    const TO_THE_TAKE: [Event; 7] = [
-        NOT_OWNER,
-        Killed(true),
-        RetryDue,
-        Killed(true),
-        Fenced(true),
-        HEALTHY,
-        TAKE,
-    ];
-
-    fn timing() -> Timing {
-        Timing {
-            kill_retry: Duration::from_millis(300),
-            backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(8)),
-            settle: SETTLE,
-        }
-    }
-
-    const SETTLE: Duration = Duration::from_secs(2);
-
-    fn run(events: &[Event]) -> (Protocol, Vec<Action>) {
-        run_with(timing(), events)
-    }
-
-    fn run_with(timing: Timing, events: &[Event]) -> (Protocol, Vec<Action>) {
-        let mut p = Protocol::new(timing);
-        let mut all = Vec::new();
-        for &e in events {
-            let (next, actions) = p.step(e);
-            p = next;
-            all.extend(actions);
-        }
-        (p, all)
-    }
-
-    fn active() -> Vec<Event> {
-        vec![HEALTHY, VISIBLE, OWNER, CLEAR]
-    }
-
-    fn with(prefix: Vec<Event>, rest: &[Event]) -> Vec<Event> {
-        let mut v = prefix;
-        v.extend_from_slice(rest);
-        v
-    }
-
-    #[test]
-    fn owner_with_a_visible_healthy_etcd_becomes_active_after_the_start_check() {
-        let (p, actions) = run(&active());
-        assert_eq!(p.state(), State::Active);
-        assert_eq!(
-            actions,
-            vec![CheckStart, SetGate(Gate::Open), SetReady(true)]
-        );
-    }
-
-    #[test]
-    fn no_active_while_the_etcd_process_cannot_be_seen_or_signalled() {
-        let (p, actions) = run(&[HEALTHY, EtcdProcess(false), OWNER, OWNER]);
-        assert_eq!(p.state(), State::Starting);
-        assert!(actions.is_empty(), "{actions:?}");
-        assert!(p.reason().contains("not visible"), "{}", p.reason());
-        // Seen later: the start check runs, then Active.
-        let (p, _) = run(&[HEALTHY, EtcdProcess(false), OWNER, VISIBLE, CLEAR]);
-        assert_eq!(p.state(), State::Active);
-    }
-
-    #[test]
-    fn a_member_fenced_by_an_earlier_hand_off_stays_handed_off() {
-        let (p, actions) = run(&[HEALTHY, VISIBLE, OWNER, StartChecked(StartCheck::Fenced)]);
-        assert_eq!(p.state(), State::Deactivated(FinalStep::Killing));
-        assert_eq!(actions, vec![CheckStart, SetGate(Gate::Final), KillEtcd]);
-        assert!(!p.ready());
-    }
-
-    #[test]
-    fn a_failed_start_check_is_asked_again_at_the_next_verdict() {
-        let (p, actions) = run(&[HEALTHY, VISIBLE, OWNER]);
-        assert_eq!(actions, vec![CheckStart]);
-        // The failure itself asks nothing: it only schedules a retry, so the watchdog goes back
-        // to its observations instead of running the check again at once.
-        let (p, actions) = p.step(StartChecked(StartCheck::Failed));
-        assert_eq!(p.state(), State::Starting);
-        assert_eq!(
-            actions,
-            vec![ScheduleRetry {
-                delay: Duration::from_millis(300)
-            }]
-        );
-        // Neither do observations of etcd.
-        let (p, actions) = p.step(HEALTHY);
-        assert!(actions.is_empty(), "{actions:?}");
-        // The next owner verdict asks again.
-        let (by_verdict, actions) = p.step(OWNER);
-        assert_eq!(by_verdict.state(), State::Starting);
-        assert_eq!(actions, vec![CheckStart]);
-        // So does the retry, whichever comes first; the other then finds the check running.
-        let (by_retry, actions) = p.step(RetryDue);
-        assert_eq!(actions, vec![CheckStart]);
-        let (_, actions) = by_retry.step(OWNER);
-        assert!(actions.is_empty(), "{actions:?}");
-    }
-
-    #[test]
-    fn a_not_owner_verdict_kills_while_the_start_check_keeps_failing() {
-        let (p, _) = run(&[
-            HEALTHY,
-            VISIBLE,
-            OWNER,
-            StartChecked(StartCheck::Failed),
-            RetryDue,
-            StartChecked(StartCheck::Failed),
-        ]);
-        assert_eq!(p.state(), State::Starting);
-        let (p, actions) = p.step(NOT_OWNER);
-        assert_eq!(p.state(), State::Deactivated(FinalStep::Killing));
-        assert_eq!(actions, vec![SetGate(Gate::Final), KillEtcd]);
-    }
-
-    #[test]
-    fn losing_ownership_sets_readiness_and_the_gate_then_kills_in_the_same_step() {
-        let (p, actions) = run(&with(active(), &[NOT_OWNER]));
-        assert_eq!(p.state(), State::Deactivated(FinalStep::Killing));
-        assert_eq!(
-            &actions[3..],
-            &[SetReady(false), SetGate(Gate::Final), KillEtcd]
-        );
-    }
-
-    #[test]
-    fn an_unverified_kill_is_retried_and_nothing_else_happens() {
-        let (p, actions) = run(&with(
-            active(),
-            &[
-                NOT_OWNER,
-                Killed(false),
-                HEALTHY,
-                RetryDue,
-                Killed(false),
-                RetryDue,
-            ],
-        ));
-        assert_eq!(p.state(), State::Deactivated(FinalStep::Killing));
-        let after: Vec<_> = actions[3..].to_vec();
-        assert_eq!(
-            after,
-            vec![
-                SetReady(false),
-                SetGate(Gate::Final),
-                KillEtcd,
-                ScheduleRetry {
-                    delay: Duration::from_millis(300)
-                },
-                KillEtcd,
-                ScheduleRetry {
-                    delay: Duration::from_millis(300)
-                },
-                KillEtcd,
-            ]
-        );
-    }
-
-    #[test]
-    fn the_whole_hand_off_of_the_member_that_takes_the_final() {
-        let (p, actions) = run(&[&active()[..], &TO_THE_TAKE, &[FinalStored(true)]].concat());
-        assert_eq!(
-            p.state(),
-            State::Deactivated(FinalStep::Done(FinalOutcome::Taken))
-        );
-        assert_eq!(
-            &actions[3..],
-            &[
-                SetReady(false),
-                SetGate(Gate::Final),
-                KillEtcd,
-                AwaitSettle { settle: SETTLE },
-                KillAgain,
-                WriteFence,
-                CheckHandOff,
-                TakeFinal {
-                    min_revision: 42,
-                    attempt: 1
-                },
-            ]
-        );
-        assert!(p.final_in_store());
-    }
-
-    #[test]
-    fn etcd_is_killed_again_after_the_settle_before_the_fence() {
-        let (p, actions) = run(&[NOT_OWNER, Killed(true)]);
-        assert_eq!(p.state(), State::Deactivated(FinalStep::Settling));
-        assert_eq!(
-            actions,
-            vec![
-                SetGate(Gate::Final),
-                KillEtcd,
-                AwaitSettle { settle: SETTLE }
-            ]
-        );
-        // Nothing but the settle's end moves it on: no fence while etcd may have been restarted
-        // and taken a client.
-        for e in [HEALTHY, Killed(true), Fenced(true), NOT_OWNER, TAKE] {
-            let (same, actions) = p.step(e);
-            assert_eq!(same.state(), p.state(), "{e:?}");
-            assert!(actions.is_empty(), "{e:?}: {actions:?}");
-        }
-        // The second kill is verified like the first: retried until it is, then the fence.
-        let (p, actions) = p.step(RetryDue);
-        assert_eq!(actions, vec![KillAgain]);
-        let (p, actions) = p.step(Killed(false));
-        assert_eq!(p.state(), State::Deactivated(FinalStep::KillAgainRetry));
-        assert_eq!(
-            actions,
-            vec![ScheduleRetry {
-                delay: Duration::from_millis(300)
-            }]
-        );
-        let (p, actions) = p.step(Fenced(true));
-        assert!(actions.is_empty(), "{actions:?}");
-        let (p, actions) = p.step(RetryDue);
-        assert_eq!(actions, vec![KillAgain]);
-        let (p, actions) = p.step(Killed(true));
-        assert_eq!(p.state(), State::Deactivated(FinalStep::Fencing));
-        assert_eq!(actions, vec![WriteFence]);
-    }
-
-    #[test]
-    fn a_zero_settle_fences_right_after_the_first_kill() {
-        let timing = Timing {
-            settle: Duration::ZERO,
-            ..timing()
-        };
-        let (p, actions) = run_with(timing, &[NOT_OWNER, Killed(true)]);
-        assert_eq!(p.state(), State::Deactivated(FinalStep::Fencing));
-        assert_eq!(actions, vec![SetGate(Gate::Final), KillEtcd, WriteFence]);
-    }
-
-    #[test]
-    fn a_member_that_does_not_take_the_final_waits_for_it() {
-        let (p, actions) = run(&[
-            NOT_OWNER,
-            Killed(true),
-            RetryDue,
-            Killed(true),
-            HEALTHY,
-            Fenced(true),
-            Event::HandOff(HandOff::Wait),
-            RetryDue,
-            Event::HandOff(HandOff::Done),
-        ]);
-        assert_eq!(
-            p.state(),
-            State::Deactivated(FinalStep::Done(FinalOutcome::FoundInStore))
-        );
-        assert!(!actions.iter().any(|a| matches!(a, TakeFinal { .. })));
-    }
-
-    #[test]
-    fn a_failed_take_checks_the_store_again_before_another_take() {
-        let (p, actions) = run(&with(
-            TO_THE_TAKE.to_vec(),
-            &[FinalStored(false), RetryDue, Event::HandOff(HandOff::Done)],
-        ));
-        assert_eq!(
-            p.state(),
-            State::Deactivated(FinalStep::Done(FinalOutcome::FoundInStore))
-        );
-        let takes = actions
-            .iter()
-            .filter(|a| matches!(a, TakeFinal { .. }))
-            .count();
-        assert_eq!(takes, 1);
-    }
-
-    #[test]
-    fn unresolvable_suspends_kills_and_resumes_without_a_final() {
-        let (p, actions) = run(&with(
-            active(),
-            &[UNRESOLVABLE, Killed(true), HEALTHY, OWNER],
-        ));
-        assert_eq!(p.state(), State::Active);
-        assert_eq!(
-            &actions[3..],
-            &[
-                SetReady(false),
-                SetGate(Gate::Closed),
-                KillEtcd,
-                SetGate(Gate::Open),
-                SetReady(true)
-            ]
-        );
-    }
-
-    #[test]
-    fn deactivated_is_sticky() {
-        let (p, _) = run(&with(
-            active(),
-            &[NOT_OWNER, Killed(true), OWNER, CLEAR, OWNER],
-        ));
-        assert!(matches!(p.state(), State::Deactivated(_)));
-        assert!(!p.ready());
-    }
-
-    // ---- Exhaustive check: every reachable state, every event. ----
-
-    fn all_events() -> Vec<Event> {
-        let mut v = vec![
-            OWNER,
-            NOT_OWNER,
-            UNRESOLVABLE,
-            HEALTHY,
-            EtcdHealth(false),
-            VISIBLE,
-            EtcdProcess(false),
-            Killed(true),
-            Killed(false),
-            Fenced(true),
-            Fenced(false),
-            Event::HandOff(HandOff::Done),
-            Event::HandOff(HandOff::Take { min_revision: 7 }),
-            TAKE,
-            Event::HandOff(HandOff::Wait),
-            Event::HandOff(HandOff::Failed),
-            FinalStored(true),
-            FinalStored(false),
-            RetryDue,
-        ];
-        v.extend([StartCheck::Clear, StartCheck::Fenced, StartCheck::Failed].map(StartChecked));
-        v
-    }
-
-    /// What an outside observer knows from the events fed and the actions seen, independent of
-    /// the protocol's internals. Counters are capped so the reachable set is finite.
-    #[derive(Clone, Default, PartialEq, Eq, Hash)]
-    struct Observer {
-        not_owner_seen: bool,
-        ready: bool,
-        gate_open: bool,
-        gate_final: bool,
-        owner: bool,
-        healthy: bool,
-        visible: bool,
-        start_clear: bool,
-        start_pending: bool,
-        kill_pending: bool,
-        /// Deactivated and a kill was verified after entering it.
-        verified_in_deactivated: bool,
-        fence_pending: bool,
-        fenced: bool,
-        /// etcd answered healthy after the last kill.
-        healthy_after_kill: bool,
-        check_pending: bool,
-        take_pending: bool,
-        last_take_answer: Option<i64>,
-        done: bool,
-        takes: u8,
-        take_failures: u8,
-        retry_pending: bool,
-        /// An AwaitSettle is the pending retry.
-        settle_waiting: bool,
-        /// The settle's RetryDue came.
-        settle_elapsed: bool,
-        /// The pending kill is the second one.
-        again_pending: bool,
-        /// The second kill was verified.
-        settle_verified: bool,
-    }
-
-    impl Observer {
-        fn check(
-            &mut self,
-            timing: Timing,
-            before: State,
-            event: Event,
-            after: State,
-            actions: &[Action],
-        ) {
-            let ctx = || format!("{before:?} + {event:?} -> {after:?} {actions:?}");
-            let deactivated = |s: State| matches!(s, State::Deactivated(_));
-            match event {
-                Event::Verdict(v) => {
-                    self.owner = v == Verdict::Owner;
-                    self.not_owner_seen |= v == Verdict::NotOwner;
-                }
-                EtcdHealth(h) => {
-                    self.healthy = h;
-                    self.healthy_after_kill |= h;
-                }
-                EtcdProcess(v) => self.visible = v,
-                StartChecked(c) if self.start_pending => {
-                    self.start_pending = false;
-                    self.start_clear = c == StartCheck::Clear;
-                }
-                Killed(ok) if self.kill_pending => {
-                    self.kill_pending = false;
-                    if ok && deactivated(before) {
-                        self.verified_in_deactivated = true;
-                    }
-                    if ok && self.again_pending {
-                        self.settle_verified = true;
-                    }
-                    self.again_pending = false;
-                }
-                Fenced(ok) if self.fence_pending => {
-                    self.fence_pending = false;
-                    self.fenced |= ok;
-                }
-                Event::HandOff(answer) if self.check_pending => {
-                    self.check_pending = false;
-                    self.last_take_answer = match answer {
-                        HandOff::Take { min_revision } => Some(min_revision),
-                        _ => None,
-                    };
-                    if answer == HandOff::Done {
-                        self.done = true;
-                    }
-                }
-                FinalStored(ok) if self.take_pending => {
-                    self.take_pending = false;
-                    if ok {
-                        self.done = true;
-                    } else {
-                        self.take_failures = (self.take_failures + 1).min(3);
-                    }
-                }
-                RetryDue if self.retry_pending => {
-                    self.retry_pending = false;
-                    self.settle_elapsed |= self.settle_waiting;
-                    self.settle_waiting = false;
-                }
-                _ => {}
-            }
-
-            if deactivated(before) {
-                assert!(deactivated(after), "left Deactivated: {}", ctx());
-            }
-            if after == State::Active && before != State::Active {
-                assert!(
-                    self.owner && self.visible && self.start_clear,
-                    "Active without owner verdict, visible etcd and a clear start check: {}",
-                    ctx()
-                );
-            }
-            let entered_deactivated = deactivated(after) && !deactivated(before);
-            if entered_deactivated {
-                // Kill first: readiness and the gate (no waiting), then the kill, nothing between.
-                let expected: Vec<Action> = [
-                    self.ready.then_some(SetReady(false)),
-                    (!self.gate_final).then_some(SetGate(Gate::Final)),
-                    Some(KillEtcd),
-                ]
-                .into_iter()
-                .flatten()
-                .collect();
-                let tail = &actions[actions.len().saturating_sub(expected.len())..];
-                assert_eq!(tail, expected.as_slice(), "entering Deactivated: {}", ctx());
-                assert!(
-                    matches!(
-                        event,
-                        Event::Verdict(Verdict::NotOwner) | StartChecked(StartCheck::Fenced)
-                    ),
-                    "{}",
-                    ctx()
-                );
-            }
-            let entered_suspended =
-                matches!(after, State::Suspended(_)) && !matches!(before, State::Suspended(_));
-            if entered_suspended {
-                assert!(
-                    actions.contains(&KillEtcd),
-                    "Suspended without a kill: {}",
-                    ctx()
-                );
-            }
-
-            for action in actions {
-                // Every step of the hand-off is taken in Deactivated; all but the take follow a
-                // verified kill.
-                let hand_off = matches!(
-                    action,
-                    WriteFence | CheckHandOff | AwaitSettle { .. } | KillAgain
-                );
-                if hand_off || matches!(action, TakeFinal { .. }) {
-                    assert!(
-                        deactivated(after),
-                        "{action:?} outside Deactivated: {}",
-                        ctx()
-                    );
-                }
-                if hand_off {
-                    assert!(
-                        self.verified_in_deactivated,
-                        "{action:?} before a verified kill: {}",
-                        ctx()
-                    );
-                }
-                match *action {
-                    SetReady(r) => {
-                        assert_ne!(r, self.ready, "redundant readiness change: {}", ctx());
-                        self.ready = r;
-                    }
-                    SetGate(g) => {
-                        assert!(
-                            !(g == Gate::Open && self.ready),
-                            "gate opened after readiness: {}",
-                            ctx()
-                        );
-                        self.gate_open = g == Gate::Open;
-                        self.gate_final = g == Gate::Final;
-                    }
-                    KillEtcd => {
-                        self.kill_pending = true;
-                        self.healthy = false;
-                        self.healthy_after_kill = false;
-                        assert!(!self.ready, "kill while ready: {}", ctx());
-                    }
-                    CheckStart => {
-                        assert!(after == State::Starting, "{}", ctx());
-                        assert!(!self.start_pending, "{}", ctx());
-                        self.start_pending = true;
-                    }
-                    WriteFence => {
-                        assert!(
-                            timing.settle.is_zero() || self.settle_verified,
-                            "fence before the kill after the settle is verified: {}",
-                            ctx()
-                        );
-                        assert!(!self.fence_pending && !self.fenced, "{}", ctx());
-                        self.fence_pending = true;
-                    }
-                    CheckHandOff => {
-                        assert!(
-                            self.fenced,
-                            "hand-off check before this member is fenced: {}",
-                            ctx()
-                        );
-                        assert!(
-                            self.healthy_after_kill,
-                            "hand-off check before etcd came back: {}",
-                            ctx()
-                        );
-                        assert!(
-                            !self.check_pending && !self.take_pending && !self.done,
-                            "{}",
-                            ctx()
-                        );
-                        self.check_pending = true;
-                    }
-                    TakeFinal { min_revision, .. } => {
-                        assert_eq!(
-                            Some(min_revision),
-                            self.last_take_answer,
-                            "a take only follows a Take answer, with its revision: {}",
-                            ctx()
-                        );
-                        assert!(
-                            matches!(event, Event::HandOff(HandOff::Take { .. })),
-                            "{}",
-                            ctx()
-                        );
-                        assert!(!self.done && !self.take_pending, "{}", ctx());
-                        assert!(!self.ready && self.gate_final, "{}", ctx());
-                        assert_eq!(self.takes.min(3), self.take_failures, "{}", ctx());
-                        self.takes = (self.takes + 1).min(3);
-                        self.take_pending = true;
-                    }
-                    AwaitSettle { settle } => {
-                        assert!(!timing.settle.is_zero(), "settle disabled: {}", ctx());
-                        assert_eq!(settle, timing.settle, "{}", ctx());
-                        assert!(
-                            event == Killed(true),
-                            "the settle starts at the first verified kill: {}",
-                            ctx()
-                        );
-                        assert!(!self.fenced && !self.fence_pending, "{}", ctx());
-                        self.retry_pending = true;
-                        self.settle_waiting = true;
-                    }
-                    KillAgain => {
-                        assert!(
-                            self.settle_elapsed,
-                            "second kill before the settle: {}",
-                            ctx()
-                        );
-                        assert!(!self.kill_pending && !self.fenced, "{}", ctx());
-                        assert!(!self.ready, "kill while ready: {}", ctx());
-                        self.kill_pending = true;
-                        self.again_pending = true;
-                        self.healthy = false;
-                        self.healthy_after_kill = false;
-                    }
-                    // The watchdog keeps one timer: a new retry replaces a pending one.
-                    ScheduleRetry { delay } => {
-                        assert!(
-                            delay >= timing.kill_retry.min(timing.backoff.initial)
-                                && delay <= timing.backoff.max.max(timing.kill_retry),
-                            "{}",
-                            ctx()
-                        );
-                        self.retry_pending = true;
-                        self.settle_waiting = false;
-                    }
-                }
-            }
-
-            if self.not_owner_seen {
-                assert!(!self.ready, "ready after a not-owner verdict: {}", ctx());
-            }
-            assert_eq!(
-                self.ready,
-                after == State::Active && self.healthy && self.visible,
-                "readiness must be exactly Active, healthy and visible: {}",
-                ctx()
-            );
-            assert_eq!(self.gate_open, after == State::Active, "{}", ctx());
-            assert_eq!(self.gate_final, deactivated(after), "{}", ctx());
-            assert!(!after.to_string().is_empty());
-        }
-    }
-
-    #[test]
-    fn every_reachable_state_keeps_the_invariants_for_every_event() {
-        explore(
-            timing(),
-            &[
-                State::Deactivated(FinalStep::Settling),
-                State::Deactivated(FinalStep::KillingAgain),
-                State::Deactivated(FinalStep::KillAgainRetry),
-            ],
-        );
-    }
-
-    #[test]
-    fn every_reachable_state_keeps_the_invariants_without_a_settle() {
-        explore(
-            Timing {
-                settle: Duration::ZERO,
-                ..timing()
-            },
-            &[],
-        );
-    }
-
-    /// Breadth-first over every reachable (protocol, observer) pair with every event; `extra`
-    /// are states this timing must reach besides the common ones.
-    fn explore(timing: Timing, extra: &[State]) {
-        let events = all_events();
-        let start = (Protocol::new(timing), Observer::default());
-        let mut seen: HashSet<(Protocol, Observer)> = HashSet::from([start.clone()]);
-        let mut queue = VecDeque::from([start]);
-        let mut transitions = 0u64;
-        let mut states = HashSet::new();
-        while let Some((p, observer)) = queue.pop_front() {
-            states.insert(p.state());
-            for &event in &events {
-                let (next, actions) = p.step(event);
-                let mut o = observer.clone();
-                o.check(timing, p.state(), event, next.state(), &actions);
-                transitions += 1;
-                // Counters beyond a few failures only repeat what was explored.
-                let mut capped = next;
-                capped.failures = capped.failures.min(4);
-                capped.takes = capped.takes.min(3);
-                if seen.insert((capped, o.clone())) {
-                    queue.push_back((capped, o));
-                }
-            }
-        }
-        // Guard against vacuity: the exploration reached every step of the protocol.
-        for s in [
-            State::Starting,
-            State::Active,
-            State::Suspended(KillStep::Killing),
-            State::Suspended(KillStep::Retrying),
-            State::Suspended(KillStep::Verified),
-            State::Deactivated(FinalStep::Killing),
-            State::Deactivated(FinalStep::KillRetry),
-            State::Deactivated(FinalStep::Fencing),
-            State::Deactivated(FinalStep::AwaitingEtcd),
-            State::Deactivated(FinalStep::Checking),
-            State::Deactivated(FinalStep::Waiting),
-            State::Deactivated(FinalStep::Taking),
-            State::Deactivated(FinalStep::Backoff(Retry::Fence)),
-            State::Deactivated(FinalStep::Backoff(Retry::Check)),
-            State::Deactivated(FinalStep::Done(FinalOutcome::Taken)),
-            State::Deactivated(FinalStep::Done(FinalOutcome::FoundInStore)),
-        ]
-        .iter()
-        .chain(extra)
-        {
-            assert!(states.contains(s), "{s:?} never reached");
-        }
-        assert!(
-            transitions > 100_000,
-            "only {transitions} transitions explored"
-        );
-    }
-}
+mod tests;

@@ -23,11 +23,10 @@ use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 
 use super::handoff::{
-    self, Claim, ClusterView, Created, Decision, FenceMarker, FinalIntent, HandOffError,
-    HandOffRecord, KilledProcess, Member,
+    Claim, Created, FenceMarker, FinalIntent, HandOffError, HandOffRecord, Member,
 };
 use super::metrics::OwnerMetrics;
-use super::protocol::{Action, Event, HandOff, Protocol, StartCheck, State, Timing, Verdict};
+use super::protocol::{Action, Event, FinalStep, Protocol, Retry, State, Timing, Verdict};
 use super::resolve::{CheckResult, FailureCounter, OwnerLookup};
 use crate::backoff::Backoff;
 use crate::config::{KillConfig, OwnerConfig};
@@ -37,6 +36,8 @@ use crate::server::Readiness;
 use crate::snapshot::actor::ActorError;
 use crate::snapshot::gate::Gate;
 use crate::store::Snapshot;
+
+mod hand_off;
 
 /// Why a seam call failed; the watchdog logs it, shows it in `/status` and retries.
 #[derive(Debug, thiserror::Error)]
@@ -79,7 +80,7 @@ pub trait EtcdView: Send + Sync {
 
 /// The store's hand-off objects and the snapshot actor, as the hand-off needs them.
 #[async_trait::async_trait]
-pub trait Snapshots: Send + Sync {
+pub trait HandOffStore: Send + Sync {
     /// Stores `member`'s fence marker.
     async fn write_fence(&self, member: u64, marker: &FenceMarker) -> Result<(), SeamError>;
     /// `member`'s fence marker, if stored.
@@ -239,7 +240,7 @@ pub struct Context {
     /// etcd's health, members and revision.
     pub etcd: Arc<dyn EtcdView>,
     /// The store's hand-off objects and the snapshot actor.
-    pub snapshots: Arc<dyn Snapshots>,
+    pub hand_off: Arc<dyn HandOffStore>,
     /// `/healthz`.
     pub readiness: Arc<dyn ReadinessSink>,
     /// What the snapshot actor may do.
@@ -311,6 +312,7 @@ impl Watchdog {
             kill_done_at: None,
             last_verdict: String::new(),
             intent: None,
+            to_record: None,
             taker_seen: None,
             not_ready_since: Instant::now(),
         };
@@ -449,6 +451,8 @@ struct Driver<'a> {
     last_verdict: String,
     /// The final's intent this member takes (from the last check that said Take).
     intent: Option<FinalIntent>,
+    /// The stored final the next [`Action::WriteRecord`] records.
+    to_record: Option<hand_off::ToRecord>,
     /// The taker (and newest claim epoch) this member saw once every member was fenced, and
     /// since when: the take-over counts from there.
     taker_seen: Option<(TakerSeen, Instant)>,
@@ -509,6 +513,11 @@ impl Driver<'_> {
             let after = protocol.state();
             if before != after {
                 tracing::info!(owner_id = %self.config.owner_id, from = %before, to = %after, event = ?event, "ownership state changed");
+                if after == State::Deactivated(FinalStep::Backoff(Retry::Unsettled)) {
+                    let e = HandOffError::Unsettled;
+                    tracing::warn!(error = %e, "the hand-off check failed; retrying");
+                    self.fail(&format!("hand-off check: store: {e}"));
+                }
                 self.metrics.set_state(&after);
                 // `/status` shows the step while its actions run (the kill, the final's upload),
                 // not the step before it; readiness moves only through the actions, in order.
@@ -607,7 +616,15 @@ impl Driver<'_> {
             }
             Action::CheckStart => Some(Event::StartChecked(self.start_check().await)),
             Action::WriteFence => Some(Event::Fenced(self.write_fence().await)),
-            Action::CheckHandOff => Some(Event::HandOff(self.check_hand_off().await)),
+            Action::CheckHandOff { revision } => {
+                Some(Event::HandOff(self.check_hand_off(revision).await))
+            }
+            Action::ReadRevision => Some(Event::RevisionRead(self.read_revision().await)),
+            Action::CreateClaim { epoch } => Some(Event::Claimed(self.create_claim(epoch).await)),
+            Action::CreateIntent { revision } => {
+                Some(Event::IntentCreated(self.create_intent(revision).await))
+            }
+            Action::WriteRecord => Some(Event::Recorded(self.write_record().await)),
             Action::TakeFinal {
                 min_revision,
                 attempt,
@@ -708,333 +725,6 @@ impl Driver<'_> {
                 Ok(id)
             }
             None => Err(SeamError::NoMemberId(health.detail)),
-        }
-    }
-
-    async fn start_check(&mut self) -> StartCheck {
-        let span = tracing::info_span!("start_check", owner_id = %self.config.owner_id);
-        let result = tracing::Instrument::instrument(self.fenced_at_start(), span.clone()).await;
-        let _in = span.enter();
-        match result {
-            Ok(None) => {
-                self.succeed();
-                StartCheck::Clear
-            }
-            Ok(Some(why)) => {
-                tracing::warn!(reason = %why, "this member was handed off earlier and stays fenced; `etcd-warden reclaim` undoes it");
-                self.fail(&why);
-                StartCheck::Fenced
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot check the store for an earlier hand-off; not becoming Active");
-                self.fail(&format!("start check: {e}"));
-                StartCheck::Failed
-            }
-        }
-    }
-
-    /// `Some(why)` when an earlier hand-off fenced this member.
-    async fn fenced_at_start(&mut self) -> Result<Option<String>, SeamError> {
-        let me = self.member().await?;
-        let snapshots = &self.ctx.snapshots;
-        let own = match snapshots.fence(me).await {
-            Ok(own) => own,
-            // Only a hand-off writes this member's marker, so one that is there but unreadable
-            // (truncated, edited by hand) still says "handed off": failing closed means counting
-            // it, not retrying a check that can never succeed while a destination may be live.
-            Err(SeamError::HandOff(HandOffError::Marker { key, source })) => {
-                return Ok(Some(format!(
-                    "the store holds this member's fence marker {key}, unreadable ({source}): counted as fenced"
-                )));
-            }
-            Err(e) => return Err(e),
-        };
-        let record = snapshots.record().await?;
-        let latest = snapshots.latest_full().await?;
-        let revision = match &latest {
-            Some(s) if s.is_final => self.ctx.etcd.revision().await?,
-            _ => i64::MAX,
-        };
-        if !handoff::fenced_at_start(own.is_some(), record.is_some(), latest.as_ref(), revision) {
-            return Ok(None);
-        }
-        Ok(Some(match (own, record, latest) {
-            (Some(m), _, _) => format!(
-                "the store holds this member's fence marker ({} at {})",
-                m.reason, m.fenced_at
-            ),
-            (_, Some(r), _) => format!(
-                "the store records a hand-off with final {}",
-                r.final_snapshot
-            ),
-            (_, _, Some(s)) => format!(
-                "the store's latest full snapshot {} is final at etcd's revision {revision}",
-                s.snap_name
-            ),
-            _ => "fenced".into(),
-        }))
-    }
-
-    async fn write_fence(&mut self) -> bool {
-        let result = async {
-            let me = self.member().await?;
-            let marker = FenceMarker {
-                member_id: format!("{me:x}"),
-                owner_id: self.config.owner_id.clone(),
-                reason: self.last_verdict.clone(),
-                killed: self
-                    .killed
-                    .iter()
-                    .map(|p| KilledProcess {
-                        pid: p.pid,
-                        start_time: p.start_time,
-                    })
-                    .collect(),
-                fenced_at: Utc::now(),
-            };
-            self.ctx.snapshots.write_fence(me, &marker).await?;
-            Ok::<_, SeamError>(me)
-        }
-        .await;
-        match result {
-            Ok(me) => {
-                tracing::info!(member_id = %format!("{me:x}"), owner_id = %self.config.owner_id, "fence marker stored");
-                self.succeed();
-                true
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot store the fence marker; retrying");
-                self.fail(&format!("fence marker: {e}"));
-                false
-            }
-        }
-    }
-
-    async fn check_hand_off(&mut self) -> HandOff {
-        let span = tracing::info_span!("hand_off", owner_id = %self.config.owner_id, member_id = tracing::field::Empty);
-        let result = tracing::Instrument::instrument(self.decide(), span.clone()).await;
-        let _in = span.enter();
-        match result {
-            Ok((Decision::Done(done), recorded)) => {
-                if !recorded {
-                    tracing::info!(snapshot = %done.snap_name, "the hand-off's final snapshot is in the store");
-                }
-                self.succeed();
-                self.status.send_modify(|s| {
-                    s.final_snapshot = Some(done.snap_name.clone());
-                    s.waiting_for.clear();
-                });
-                HandOff::Done
-            }
-            Ok((Decision::Take(intent), _)) => {
-                self.status.send_modify(|s| {
-                    s.waiting_for.clear();
-                    s.final_snapshot = None;
-                });
-                HandOff::Take {
-                    min_revision: intent.revision,
-                }
-            }
-            Ok((Decision::WaitMembers(left), _)) => {
-                tracing::info!(members = ?left, "waiting for every member to be fenced before the final snapshot");
-                self.succeed();
-                self.status.send_modify(|s| s.waiting_for = left);
-                HandOff::Wait
-            }
-            Ok((Decision::WaitTaker { taker, takeover_in }, _)) => {
-                tracing::debug!(%taker, ?takeover_in, "waiting for the member that takes the final snapshot");
-                self.succeed();
-                self.status.send_modify(|s| {
-                    s.waiting_for = vec![format!(
-                        "{taker} (takes the final snapshot; this member takes over in {}s unless it is stored)",
-                        takeover_in.as_secs()
-                    )]
-                });
-                HandOff::Wait
-            }
-            // `decide` carries these out and asks again; one left over is a check that failed.
-            Ok((
-                Decision::NeedRevision | Decision::Claim { .. } | Decision::FixIntent { .. },
-                _,
-            )) => HandOff::Failed,
-            Err(e) => {
-                tracing::warn!(error = %e, "the hand-off check failed; retrying");
-                self.fail(&format!("hand-off check: {e}"));
-                HandOff::Failed
-            }
-        }
-    }
-
-    /// Gathers the cluster view and decides, carrying out the steps that fix who takes the final
-    /// and what it is (a claim, the intent) and asking again after each; a Done without its
-    /// record gets the record written (a failure to write it is a failed check, so it is written
-    /// before the hand-off is done). Also says whether the record was already there.
-    async fn decide(&mut self) -> Result<(Decision, bool), SeamError> {
-        let me = self.member().await?;
-        tracing::Span::current().record("member_id", tracing::field::display(format!("{me:x}")));
-        let members = self.ctx.etcd.members().await?;
-        let snapshots = self.ctx.snapshots.clone();
-        let mut revision = None;
-        // Each round either ends the check or writes one object that changes the next round's
-        // view (a claim, the intent) or reads the revision; four rounds cover claim → revision →
-        // intent → take, and a fifth means the store does not keep what it was given.
-        for _ in 0..5 {
-            let fenced = snapshots.fenced().await?;
-            let all_fenced = handoff::unfenced(&members, &fenced).is_empty();
-            let (finals, record, intent, claims) = if all_fenced {
-                (
-                    snapshots.finals().await?,
-                    snapshots.record().await?,
-                    snapshots.intent().await?,
-                    snapshots.claims().await?,
-                )
-            } else {
-                (Vec::new(), None, None, Vec::new())
-            };
-            let waited = self.waited(all_fenced, &members, &claims);
-            let view = ClusterView {
-                members: members.clone(),
-                fenced,
-                revision,
-                finals,
-                record: record.clone(),
-                intent: intent.clone(),
-                claims,
-                me,
-                waited,
-                takeover_after: self.config.takeover_after,
-            };
-            let decision = handoff::decide(&view);
-            match &decision {
-                Decision::NeedRevision => {
-                    // Every member fenced and nothing fixed yet: nothing can write any more
-                    // but an expiring lease; the intent freezes what is read here.
-                    revision = Some(self.ctx.etcd.revision().await?);
-                    continue;
-                }
-                Decision::Claim { epoch } => {
-                    let claim = Claim {
-                        epoch: *epoch,
-                        member_id: format!("{me:x}"),
-                        claimed_at: Utc::now(),
-                    };
-                    let created = snapshots.create_claim(&claim).await?;
-                    if *epoch > 0 {
-                        tracing::warn!(
-                            epoch,
-                            ?created,
-                            "the member taking the final has not stored it within owner.takeover_after; claiming the take-over"
-                        );
-                    } else {
-                        tracing::info!(
-                            ?created,
-                            "claiming the final snapshot (this member takes it)"
-                        );
-                    }
-                    continue;
-                }
-                Decision::FixIntent { revision: r } => {
-                    let created = snapshots
-                        .create_intent(*r, me, &self.config.owner_id)
-                        .await?;
-                    tracing::info!(
-                        revision = r,
-                        ?created,
-                        "the final snapshot's identity is fixed before its upload"
-                    );
-                    continue;
-                }
-                Decision::Take(intent) => self.intent = Some(intent.clone()),
-                _ => {}
-            }
-            let recorded = record
-                .as_ref()
-                .zip(match &decision {
-                    Decision::Done(s) => Some(s),
-                    _ => None,
-                })
-                .is_some_and(|(r, s)| r.final_snapshot == s.snap_name);
-            if let Decision::Done(done) = &decision
-                && !recorded
-            {
-                let frozen = intent.as_ref().map_or(done.last_revision, |i| i.revision);
-                self.record(done, frozen, &members).await?;
-            }
-            return Ok((decision, recorded));
-        }
-        Err(SeamError::HandOff(HandOffError::Unsettled))
-    }
-
-    /// How long this member has seen the current taker without a stored final; restarts when the
-    /// taker changes (a claim) and is zero until every member is fenced.
-    fn waited(&mut self, all_fenced: bool, members: &[Member], claims: &[Claim]) -> Duration {
-        if !all_fenced {
-            self.taker_seen = None;
-            return Duration::ZERO;
-        }
-        let current = (
-            handoff::current_taker(members, claims).map(|(id, _)| id),
-            claims.iter().map(|c| c.epoch).max(),
-        );
-        match self.taker_seen {
-            Some((seen, since)) if seen == current => since.elapsed(),
-            _ => {
-                self.taker_seen = Some((current, Instant::now()));
-                Duration::ZERO
-            }
-        }
-    }
-
-    async fn record(
-        &self,
-        done: &Snapshot,
-        revision: i64,
-        members: &[Member],
-    ) -> Result<(), SeamError> {
-        let record = HandOffRecord {
-            final_snapshot: done.snap_name.clone(),
-            revision,
-            members: members
-                .iter()
-                .filter(|m| m.started)
-                .map(Member::label)
-                .collect(),
-            owner_id: self.config.owner_id.clone(),
-            recorded_at: Utc::now(),
-        };
-        self.ctx.snapshots.write_record(&record).await
-    }
-
-    async fn take_final(&mut self, min_revision: i64, attempt: u32) -> bool {
-        let span = tracing::info_span!("final_snapshot", owner_id = %self.config.owner_id, min_revision, attempt, snapshot = tracing::field::Empty);
-        let result = tracing::Instrument::instrument(
-            async {
-                let Some(intent) = self.intent.clone() else {
-                    return Err(SeamError::HandOff(HandOffError::Unsettled));
-                };
-                tracing::Span::current().record("snapshot", intent.final_snapshot.as_str());
-                let snap = self.ctx.snapshots.take_final(&intent).await?;
-                let members = self.ctx.etcd.members().await.unwrap_or_default();
-                self.record(&snap, intent.revision, &members).await?;
-                Ok::<_, SeamError>(snap)
-            },
-            span.clone(),
-        )
-        .await;
-        let _in = span.enter();
-        match result {
-            Ok(snap) => {
-                tracing::info!(snapshot = %snap.snap_name, revision = snap.last_revision, "final snapshot stored and recorded");
-                self.succeed();
-                self.status
-                    .send_modify(|s| s.final_snapshot = Some(snap.snap_name.clone()));
-                true
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "final snapshot failed; checking the store again before another");
-                self.fail(&format!("final snapshot: {e}"));
-                false
-            }
         }
     }
 }

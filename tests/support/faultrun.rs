@@ -1366,7 +1366,7 @@ pub async fn run(schedule: &Schedule) -> Outcome {
     let _ = writeln!(
         report,
         "hand-off objects: the_final={named:?} record={:?} intent={:?} reclaimed={:?}",
-        seen.record.as_ref().map(|r| &r.final_snapshot),
+        seen.handoff_record.as_ref().map(|r| &r.final_snapshot),
         seen.intent
             .as_ref()
             .map(|i| (&i.final_snapshot, i.revision)),
