@@ -96,8 +96,13 @@ impl Profile {
             flat_after: Duration::from_secs(600),
             druid: false,
         };
+        // Debian's etcd 3.4: PyPI's 3.5.1 re-applies entries after a crash (etcd-io/etcd#13766,
+        // fixed in 3.5.3) and its members' revisions drift apart under the nemesis's kills and
+        // full disks, which fails a run whatever the sidecars do (docs/robustness.md). CI must
+        // judge etcd-warden; the long `v35` profile and the `druid` profile stay on 3.5.
         let ci = Profile {
             name: "ci",
+            release: Release::V34,
             handoff_every: (55, 70),
             fault_gap: (1_500, 5_000),
             fault_hold: (500, 4_000),
@@ -111,6 +116,7 @@ impl Profile {
             // The ci profile's pace with every sidecar under `[druid]`.
             "druid" => Some(Profile {
                 name: "druid",
+                release: Release::V35,
                 druid: true,
                 ..ci
             }),
