@@ -647,27 +647,18 @@ async fn etcd_restored_behind_the_store_sets_the_newer_history_aside_and_starts_
 /// order".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delta_whose_answers_are_lost_is_stored_again_under_its_own_name() {
-    use etcd_warden::snapshot::delta::{DeltaWriter, Event};
-    use support::losing::{LosingStore, Loss};
+    use etcd_warden::snapshot::delta::DeltaWriter;
 
-    let memory: std::sync::Arc<dyn object_store::ObjectStore> =
-        std::sync::Arc::new(object_store::memory::InMemory::new());
-    let losing = std::sync::Arc::new(LosingStore::new(memory.clone(), ".gz", Loss::Answer, 3));
-    let store = SnapshotStore::new(losing.clone(), "p");
-    let event = |rev: i64| Event {
-        kind: EventType::Put,
-        kv: Some(etcd_client_kv(rev)),
-        prev_kv: None,
-    };
+    let (memory, losing, store) = losing_delta_store(3);
     let mut writer = DeltaWriter::new(Codec::Gzip, 10);
-    writer.push((11..=20).map(event), chrono::Utc::now());
+    writer.push((11..=20).map(put_at), chrono::Utc::now());
     let mut rev = 20;
     for attempt in 1..=3 {
         let failed = writer.flush(&store).await;
         assert!(failed.is_err(), "attempt {attempt}: the answer is lost");
         // Events go on arriving between the tries, and the names' clock moves on.
         rev += 1;
-        writer.push([event(rev)], chrono::Utc::now());
+        writer.push([put_at(rev)], chrono::Utc::now());
         tokio::time::sleep(Duration::from_millis(1100)).await;
     }
     assert_eq!(losing.lost(), 3);
@@ -694,57 +685,36 @@ async fn a_delta_whose_answers_are_lost_is_stored_again_under_its_own_name() {
     assert_eq!(seen, (11..=23).collect::<Vec<_>>());
 }
 
-fn etcd_client_kv(rev: i64) -> etcd_warden::snapshot::delta::KeyValue {
-    etcd_warden::snapshot::delta::KeyValue {
-        key: format!("/registry/k{rev}").into_bytes(),
-        create_revision: rev,
-        mod_revision: rev,
-        version: 1,
-        value: b"v".to_vec(),
-        lease: 0,
-    }
-}
-
-/// A delta lost in the same way, then a full snapshot past part of it: the delta is given up,
-/// the next one continues the full snapshot, and the latest chain passes over the copy the store
-/// kept.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lost_delta_given_up_for_a_full_snapshot_leaves_a_chain_that_continues_it() {
-    use etcd_warden::snapshot::delta::{DeltaWriter, Event};
+/// An in-memory store behind a [`support::losing::LosingStore`] that loses the answers to the
+/// next `times` uploads of snapshots: the memory, the losing store, and the snapshot store over
+/// it.
+fn losing_delta_store(
+    times: u32,
+) -> (
+    std::sync::Arc<dyn object_store::ObjectStore>,
+    std::sync::Arc<support::losing::LosingStore>,
+    SnapshotStore,
+) {
     use support::losing::{LosingStore, Loss};
-
     let memory: std::sync::Arc<dyn object_store::ObjectStore> =
         std::sync::Arc::new(object_store::memory::InMemory::new());
-    let losing = std::sync::Arc::new(LosingStore::new(memory.clone(), ".gz", Loss::Answer, 1));
+    let losing = std::sync::Arc::new(LosingStore::new(memory.clone(), ".gz", Loss::Answer, times));
     let store = SnapshotStore::new(losing.clone(), "p");
-    let event = |rev: i64| Event {
-        kind: EventType::Put,
-        kv: Some(etcd_client_kv(rev)),
-        prev_kv: None,
-    };
-    let mut writer = DeltaWriter::new(Codec::Gzip, 10);
-    writer.push((11..=20).map(event), chrono::Utc::now());
-    assert!(writer.flush(&store).await.is_err());
-    tokio::time::sleep(Duration::from_millis(1100)).await;
-    // A full snapshot at 15 (its object stands in for one taken from etcd).
-    let full = store.new_snapshot(Kind::Full, 0, 15, Codec::Gzip, false);
-    store
-        .put_bytes(&full, bytes::Bytes::from_static(b"full"))
-        .await
-        .unwrap();
-    writer.rebase(15);
-    let next = writer.flush(&store).await.unwrap().unwrap();
-    assert_eq!((next.start_revision, next.last_revision), (16, 20));
+    (memory, losing, store)
+}
 
-    let chain = SnapshotStore::new(memory, "p")
-        .latest_chain()
-        .await
-        .unwrap();
-    assert_eq!(chain.full_snapshot.unwrap().last_revision, 15);
-    let ranges: Vec<_> = chain
-        .delta_snapshots
-        .iter()
-        .map(|s| (s.start_revision, s.last_revision))
-        .collect();
-    assert_eq!(ranges, vec![(16, 20)]);
+/// A put of `/registry/k<rev>` at revision `rev`.
+fn put_at(rev: i64) -> etcd_warden::snapshot::delta::Event {
+    etcd_warden::snapshot::delta::Event {
+        kind: EventType::Put,
+        kv: Some(etcd_warden::snapshot::delta::KeyValue {
+            key: format!("/registry/k{rev}").into_bytes(),
+            create_revision: rev,
+            mod_revision: rev,
+            version: 1,
+            value: b"v".to_vec(),
+            lease: 0,
+        }),
+        prev_kv: None,
+    }
 }
