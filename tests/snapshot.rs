@@ -685,6 +685,41 @@ async fn a_delta_whose_answers_are_lost_is_stored_again_under_its_own_name() {
     assert_eq!(seen, (11..=23).collect::<Vec<_>>());
 }
 
+/// A delta lost in the same way, then a full snapshot past part of it: the delta is given up,
+/// the next one continues the full snapshot, and the latest chain passes over the copy the store
+/// kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_delta_given_up_for_a_full_snapshot_leaves_a_chain_that_continues_it() {
+    use etcd_warden::snapshot::delta::DeltaWriter;
+
+    let (memory, _losing, store) = losing_delta_store(1);
+    let mut writer = DeltaWriter::new(Codec::Gzip, 10);
+    writer.push((11..=20).map(put_at), chrono::Utc::now());
+    assert!(writer.flush(&store).await.is_err());
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    // A full snapshot at 15 (its object stands in for one taken from etcd).
+    let full = store.new_snapshot(Kind::Full, 0, 15, Codec::Gzip, false);
+    store
+        .put_bytes(&full, bytes::Bytes::from_static(b"full"))
+        .await
+        .unwrap();
+    writer.rebase(15);
+    let next = writer.flush(&store).await.unwrap().unwrap();
+    assert_eq!((next.start_revision, next.last_revision), (16, 20));
+
+    let chain = SnapshotStore::new(memory, "p")
+        .latest_chain()
+        .await
+        .unwrap();
+    assert_eq!(chain.full_snapshot.unwrap().last_revision, 15);
+    let ranges: Vec<_> = chain
+        .delta_snapshots
+        .iter()
+        .map(|s| (s.start_revision, s.last_revision))
+        .collect();
+    assert_eq!(ranges, vec![(16, 20)]);
+}
+
 /// An in-memory store behind a [`support::losing::LosingStore`] that loses the answers to the
 /// next `times` uploads of snapshots: the memory, the losing store, and the snapshot store over
 /// it.
