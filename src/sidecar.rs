@@ -622,6 +622,7 @@ fn start_guard(
         Codec::from(config.snapshot.compression),
         (**readiness).clone(),
         gate,
+        config.restore.data_dir.clone(),
     )?;
     tracing::info!(record = %owner.name, id = %owner.id, interval = ?owner.interval, "checking ownership");
     let dog = Watchdog::new(

@@ -11,7 +11,7 @@
 use crate::support;
 
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -86,6 +86,10 @@ struct World {
     calls: Mutex<Vec<Call>>,
     fence_read: Mutex<FenceRead>,
     healthy: AtomicBool,
+    /// etcd never comes back after a kill (a full data disk, a crash loop).
+    stays_down: AtomicBool,
+    /// The member ID its write-ahead log records (0: none to read).
+    on_disk: AtomicU64,
     ready: AtomicBool,
     visible: AtomicBool,
     kill: Mutex<KillMode>,
@@ -112,6 +116,8 @@ impl World {
             calls: Mutex::new(Vec::new()),
             fence_read: Mutex::new(FenceRead::Works),
             healthy: AtomicBool::new(true),
+            stays_down: AtomicBool::new(false),
+            on_disk: AtomicU64::new(0),
             ready: AtomicBool::new(false),
             visible: AtomicBool::new(true),
             kill: Mutex::new(KillMode::Works),
@@ -255,7 +261,9 @@ impl ProcessControl for Fake {
                 world.healthy.store(false, Ordering::SeqCst);
                 tokio::spawn(async move {
                     tokio::time::sleep(Duration::from_millis(100)).await;
-                    world.healthy.store(true, Ordering::SeqCst);
+                    if !world.stays_down.load(Ordering::SeqCst) {
+                        world.healthy.store(true, Ordering::SeqCst);
+                    }
                 });
                 KillReport {
                     processes: vec![(PROCESS, Outcome::Terminated)],
@@ -288,6 +296,10 @@ impl EtcdView for Fake {
             });
         }
         Ok(self.0.revision.load(Ordering::SeqCst))
+    }
+
+    async fn member_on_disk(&self) -> Option<u64> {
+        Some(self.0.on_disk.load(Ordering::SeqCst)).filter(|&id| id != 0)
     }
 }
 
@@ -554,6 +566,30 @@ async fn owner_then_other_owner_deactivates_for_good_with_one_final_snapshot() {
         assert!(metrics.contains(line), "missing {line:?} in\n{metrics}");
     }
     assert!(matches!(run.stop().await, State::Deactivated(_)));
+}
+
+/// A sidecar started while its etcd is down and stays down (the soak's member on a full disk)
+/// never heard its member ID from etcd. It fences itself by the ID its write-ahead log records,
+/// so the other members are not left waiting for its marker; before, it retried "etcd's member
+/// ID is not known yet" for as long as etcd stayed down.
+#[tokio::test]
+async fn a_member_whose_etcd_stays_down_is_fenced_by_the_id_on_its_disk() {
+    let world = World::new();
+    world.healthy.store(false, Ordering::SeqCst);
+    world.stays_down.store(true, Ordering::SeqCst);
+    world.on_disk.store(ME, Ordering::SeqCst);
+    let (_server, mut run) = running(&["seed-b"], world).await;
+    run.until("fenced by its own ID", |s| {
+        s.member_id == Some(format!("{ME:x}"))
+    })
+    .await;
+    support::eventually(Duration::from_secs(10), || async {
+        run.world.fences.lock().unwrap().contains(&ME)
+    })
+    .await
+    .then_some(())
+    .expect("the fence marker stored under the ID on disk");
+    run.stop().await;
 }
 
 #[tokio::test]
@@ -1758,4 +1794,35 @@ async fn a_completion_that_lands_after_the_timeout_is_the_same_one_final() {
         Duration::from_secs(7),
     )
     .await;
+}
+
+/// The production seam reads the member ID from a real etcd's write-ahead log once etcd is
+/// down, on 3.4 and 3.5 alike: the ID the member answered with while it served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_member_id_on_disk_is_the_one_etcd_answered_with() {
+    for release in [Release::V34, Release::V35] {
+        let mut etcd = EtcdCluster::single(release).await;
+        let answered = etcd.client().await.status().await.unwrap();
+        let id = answered.header().unwrap().member_id();
+        let config = EtcdConfig {
+            endpoints: vec![etcd.endpoints()[0].clone()],
+            tls: None,
+            username: None,
+            password: None,
+            connect_timeout: Duration::from_secs(1),
+            request_timeout: Duration::from_secs(2),
+        };
+        let member = &mut etcd.members[0];
+        let api = EtcdApi::new(config.clone(), Duration::from_secs(1))
+            .with_data_dir(Some(member.data_dir.clone()));
+        member.kill();
+        assert_eq!(
+            api.health().await.member_id,
+            None,
+            "{release:?}: etcd is down"
+        );
+        assert_eq!(api.member_on_disk().await, Some(id), "{release:?}");
+        let none = EtcdApi::new(config, Duration::from_secs(1));
+        assert_eq!(none.member_on_disk().await, None, "no data directory named");
+    }
 }

@@ -3,6 +3,7 @@
 //! the one snapshot actor, and readiness into the HTTP server's channel.
 
 use std::collections::BTreeSet;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -29,6 +30,8 @@ const REVISION_PROBE_KEY: &str = "/etcd-warden/revision-probe";
 pub struct EtcdApi {
     check: HealthCheck,
     timeout: Duration,
+    /// The member's data directory (`restore.data_dir`), where its write-ahead log names it.
+    data_dir: Option<PathBuf>,
 }
 
 impl EtcdApi {
@@ -37,7 +40,14 @@ impl EtcdApi {
         EtcdApi {
             check: HealthCheck::new(config, timeout),
             timeout,
+            data_dir: None,
         }
+    }
+
+    /// The member's data directory, read for its ID when etcd does not answer.
+    pub fn with_data_dir(mut self, data_dir: Option<PathBuf>) -> Self {
+        self.data_dir = data_dir;
+        self
     }
 
     async fn call<T, F>(
@@ -98,6 +108,23 @@ impl EtcdView for EtcdApi {
             })
             .await?;
         Ok(got.header().map_or(0, |h| h.revision()))
+    }
+
+    async fn member_on_disk(&self) -> Option<u64> {
+        let wal = self.data_dir.as_ref()?.join("member").join("wal");
+        let read = tokio::task::spawn_blocking(move || {
+            crate::restore::wal::read_state(&wal).map_err(|e| (wal, e))
+        })
+        .await
+        .ok()?;
+        match read {
+            Ok(state) if state.node_id != 0 => Some(state.node_id),
+            Ok(_) => None,
+            Err((wal, error)) => {
+                tracing::debug!(wal = %wal.display(), %error, "the member's write-ahead log does not read");
+                None
+            }
+        }
     }
 }
 
@@ -211,11 +238,12 @@ pub fn context(
     codec: Codec,
     readiness: watch::Sender<Readiness>,
     gate: watch::Sender<Gate>,
+    data_dir: Option<PathBuf>,
 ) -> Result<Context, ResolveError> {
     Ok(Context {
         lookup: Arc::new(OwnerResolver::new(owner)?),
         process: Arc::new(ProcKiller::new(kill)),
-        etcd: Arc::new(EtcdApi::new(etcd.clone(), crate::health::TIMEOUT)),
+        etcd: Arc::new(EtcdApi::new(etcd.clone(), crate::health::TIMEOUT).with_data_dir(data_dir)),
         hand_off: Arc::new(ActorHandOffStore::new(store, actor, codec)),
         readiness: Arc::new(readiness),
         gate,

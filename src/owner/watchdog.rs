@@ -76,6 +76,12 @@ pub trait EtcdView: Send + Sync {
     async fn members(&self) -> Result<Vec<Member>, SeamError>;
     /// The cluster's revision, read linearizably (through the leader).
     async fn revision(&self) -> Result<i64, SeamError>;
+    /// This member's ID as its write-ahead log on disk records it, for when etcd does not
+    /// answer (a data disk that filled, a crash loop) and the ID was never heard from it;
+    /// `None` when there is no data directory to read or it does not read.
+    async fn member_on_disk(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// The store's hand-off objects and the snapshot actor, as the hand-off needs them.
@@ -724,7 +730,18 @@ impl Driver<'_> {
                     .send_modify(|s| s.member_id = Some(format!("{id:x}")));
                 Ok(id)
             }
-            None => Err(SeamError::NoMemberId(health.detail)),
+            None => match self.ctx.etcd.member_on_disk().await {
+                // A member whose etcd stays down is still fenced by its own ID: the other
+                // members wait for its marker.
+                Some(id) => {
+                    tracing::info!(member_id = %format!("{id:x}"), detail = %health.detail, "etcd does not answer; its member ID is read from its write-ahead log");
+                    self.member_id = Some(id);
+                    self.status
+                        .send_modify(|s| s.member_id = Some(format!("{id:x}")));
+                    Ok(id)
+                }
+                None => Err(SeamError::NoMemberId(health.detail)),
+            },
         }
     }
 }
