@@ -287,25 +287,14 @@ fn own_data_dir(
 /// `cmd` run under `uid` (and that gid, no supplementary groups) through util-linux's `setpriv`,
 /// which execs it: the pod's process is then `cmd`'s own.
 fn as_uid(cmd: &std::process::Command, uid: u32) -> std::process::Command {
-    let mut out = std::process::Command::new("setpriv");
-    out.args([
+    let mut setpriv = std::process::Command::new("setpriv");
+    setpriv.args([
         format!("--reuid={uid}"),
         format!("--regid={uid}"),
         "--clear-groups".into(),
         "--".into(),
-    ])
-    .arg(cmd.get_program())
-    .args(cmd.get_args());
-    for (k, v) in cmd.get_envs() {
-        match v {
-            Some(v) => out.env(k, v),
-            None => out.env_remove(k),
-        };
-    }
-    if let Some(d) = cmd.get_current_dir() {
-        out.current_dir(d);
-    }
-    out
+    ]);
+    super::podns::wrapping(setpriv, cmd)
 }
 
 /// `FAULT_BIN`: another build of `etcd-warden` to judge instead of this one (a previous release,

@@ -165,18 +165,8 @@ impl PodNs {
         let mut n = Command::new(util_linux("nsenter"));
         n.arg("--target")
             .arg(self.pause.to_string())
-            .args(["--pid", "--mount", "--"])
-            .arg(cmd.get_program())
-            .args(cmd.get_args());
-        for (k, v) in cmd.get_envs() {
-            match v {
-                Some(v) => n.env(k, v),
-                None => n.env_remove(k),
-            };
-        }
-        if let Some(dir) = cmd.get_current_dir() {
-            n.current_dir(dir);
-        }
+            .args(["--pid", "--mount", "--"]);
+        let mut n = wrapping(n, cmd);
         let out = std::fs::File::options()
             .create(true)
             .append(true)
@@ -551,4 +541,20 @@ impl Drop for Kubelet {
         let pods = std::mem::take(&mut *self.pods.lock().unwrap_or_else(|e| e.into_inner()));
         drop(pods);
     }
+}
+
+/// `wrapper` (a program that execs the rest of its arguments, such as nsenter or setpriv) with
+/// `cmd`'s program and arguments after its own, and `cmd`'s environment and working directory.
+pub fn wrapping(mut wrapper: Command, cmd: &Command) -> Command {
+    wrapper.arg(cmd.get_program()).args(cmd.get_args());
+    for (k, v) in cmd.get_envs() {
+        match v {
+            Some(v) => wrapper.env(k, v),
+            None => wrapper.env_remove(k),
+        };
+    }
+    if let Some(dir) = cmd.get_current_dir() {
+        wrapper.current_dir(dir);
+    }
+    wrapper
 }
