@@ -219,13 +219,10 @@ impl SnapshotApi for Snapshots {
         match what {
             SnapshotRequest::Full { is_final: true } => self.hand_off_final().await,
             SnapshotRequest::Full { is_final: false } => {
+                // Marked as requested by the actor before it answers: retention counts it
+                // apart from the scheduled ones, so requests (open to anyone under
+                // etcd-druid) cannot push scheduled history out.
                 let snap = self.actor.full().await.map_err(actor_error)?;
-                // Counted apart from the scheduled ones by retention, so requests (open to
-                // anyone under etcd-druid) cannot push scheduled history out. Unmarked, it
-                // would count as scheduled: said loudly, the snapshot itself stands.
-                if let Err(e) = crate::store::gc::mark_triggered(&self.store, &snap).await {
-                    tracing::error!(snapshot = %snap.snap_name, error = %e, "cannot mark a requested full snapshot as triggered; retention counts it as scheduled");
-                }
                 Ok(Some(snap))
             }
             SnapshotRequest::Delta => self.actor.delta().await.map_err(actor_error),

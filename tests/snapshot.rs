@@ -466,6 +466,41 @@ async fn a_frozen_etcd_times_out_snapshots_and_the_actor_goes_on() {
     task.await.unwrap();
 }
 
+/// A requested full snapshot (`POST /snapshot/full`) is marked as requested by the time the
+/// actor answers, and a scheduled one is not. The marker used to be written by the HTTP handler
+/// after the answer: a retention pass of the actor in between counted the requested snapshot
+/// among the scheduled ones and, with `LimitBased`, could expire the oldest scheduled one (the
+/// robustness harness's finding, seen as a flaky object-lock test).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_requested_full_snapshot_is_marked_before_the_actor_answers() {
+    let (etcd, mut client, _dir, store) = support::etcd_and_file_store().await;
+    client.put("k", "v", None).await.unwrap();
+    let (actor, task, cancel) =
+        actor_on(&etcd, &store, Codec::Gzip, Duration::ZERO, u64::MAX).await;
+    // The empty store makes a scheduled full snapshot due at once.
+    let mut status = actor.watch_status();
+    assert!(
+        support::seen_within(&mut status, Duration::from_secs(20), |s| s
+            .last_full
+            .is_some())
+        .await,
+        "no scheduled full snapshot: {:?}",
+        actor.status()
+    );
+    let scheduled = actor.status().last_full.expect("a scheduled full snapshot");
+    client.put("k", "w", None).await.unwrap();
+
+    let requested = actor.full().await.expect("a requested full snapshot");
+
+    let marked = etcd_warden::store::gc::triggered_names(&store)
+        .await
+        .unwrap();
+    assert!(marked.contains(&requested.snap_name), "{marked:?}");
+    assert!(!marked.contains(&scheduled.snap_name), "{marked:?}");
+    cancel.cancel();
+    task.await.unwrap();
+}
+
 /// A snapshot that must hold exactly one revision is refused, with nothing stored, when a write
 /// lands while etcd streams it: the revision is read again after the last byte.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

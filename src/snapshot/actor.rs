@@ -101,8 +101,12 @@ pub struct Membership {
 /// What a full snapshot is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FullKind {
-    /// A regular (or requested) one, named when it is taken.
+    /// A scheduled one, named when it is taken.
     Regular,
+    /// One taken on request (`POST /snapshot/full`), named when it is taken and marked as
+    /// requested ([`crate::store::gc::mark_triggered`]) before the actor answers, so no
+    /// retention pass ever counts it among the scheduled ones.
+    Requested,
     /// The hand-off's final: exactly the object `name` (fixed before its first attempt, so every
     /// attempt writes the same one), refused (nothing stored) when the member is below
     /// `min_revision`.
@@ -349,11 +353,11 @@ impl ActorHandle {
         rx.await.map_err(|_| ActorError::Stopped)?
     }
 
-    /// Takes a full (non-final) snapshot now, after whatever the actor is doing; refused unless
-    /// the gate is open.
+    /// Takes a requested full (non-final) snapshot now, after whatever the actor is doing,
+    /// marked as requested for retention; refused unless the gate is open.
     pub async fn full(&self) -> Result<Snapshot, ActorError> {
         self.ask(|reply| Command::Full {
-            kind: FullKind::Regular,
+            kind: FullKind::Requested,
             reply,
         })
         .await
@@ -677,7 +681,7 @@ impl<E: Engine> Actor<E> {
             Command::Full { kind, reply } => {
                 let op = match kind {
                     FullKind::Final { .. } => Operation::Final,
-                    FullKind::Regular => Operation::Requested,
+                    FullKind::Regular | FullKind::Requested => Operation::Requested,
                 };
                 let r = self.full(op, kind).await;
                 let _ = reply.send(r);
@@ -838,6 +842,9 @@ impl<E: Engine> Actor<E> {
         }
         let span = match &full {
             FullKind::Regular => tracing::info_span!("full_snapshot", is_final = false),
+            FullKind::Requested => {
+                tracing::info_span!("full_snapshot", is_final = false, requested = true)
+            }
             FullKind::Final { name, min_revision } => {
                 tracing::info_span!("full_snapshot", is_final = true, snapshot = %name.snap_name, min_revision)
             }

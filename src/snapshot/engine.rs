@@ -100,6 +100,17 @@ impl Engine for EtcdEngine {
             FullKind::Regular => {
                 take_full_as(&client, &self.store, Target::Regular(self.codec)).await?
             }
+            FullKind::Requested => {
+                let (snap, bytes) =
+                    take_full_as(&client, &self.store, Target::Regular(self.codec)).await?;
+                // After the snapshot (retention deletes a marker whose snapshot is not listed),
+                // before the actor answers and runs its next retention pass. Unmarked, it counts
+                // as scheduled: said loudly, the snapshot itself stands.
+                if let Err(e) = gc::mark_triggered(&self.store, &snap).await {
+                    tracing::error!(snapshot = %snap.snap_name, error = %e, "cannot mark a requested full snapshot as requested; retention counts it as scheduled");
+                }
+                (snap, bytes)
+            }
             FullKind::Final { name, min_revision } => {
                 let target = Target::Final {
                     name,
