@@ -9,16 +9,20 @@
 //!   first, one at a time. The secondary then always holds a prefix of the primary's history,
 //!   so its latest chain restores (no delta before its predecessor), and the lag is one number:
 //!   the age of the oldest primary snapshot not yet copied ([`lag`]).
-//! - **Retention**: the primary's policy applies on its own to the secondary after each pass;
-//!   snapshots that policy would delete are not copied, so copy and delete never chase each
-//!   other.
+//! - **Retention** ([`expiring`]): one judgement for both stores. The primary's policy is
+//!   applied to the snapshots of both listings at once, each as the primary knows it (a final
+//!   stays final though the secondary names it without `.final`; a requested full is counted
+//!   apart by its marker on the primary); the sync leaves out what it expires, and the
+//!   secondary deletes what it expires after each pass. Copy and delete never chase each
+//!   other: judged on the secondary's own listing, the secondary used to delete a final's
+//!   stream (a plain full there) that the next pass copied again.
 //! - **Only snapshots**: the hand-off record and fence markers stay on the primary. They are the
 //!   ownership protocol's linearization point (create-if-absent on one store); a second copy
 //!   could disagree with the first and name two finals. `.final` is stripped at the secondary
 //!   as by the copy job ([`super::plan::dest_name`]), so a secondary promoted to a primary
 //!   never believes it already took its final.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicI64, AtomicU64};
 use std::time::Duration;
 
@@ -33,6 +37,7 @@ use super::progress::Progress;
 use super::{CopyError, Stores, copy_one, list_sized, store_error};
 use crate::backoff::Backoff;
 use crate::config::SecondaryConfig;
+use crate::store::Snapshot;
 use crate::store::gc::{self, Retention};
 use crate::store::layout::FINAL_SUFFIX;
 
@@ -111,22 +116,45 @@ fn held(l: &Listed, secondary: &HashMap<String, u64>) -> bool {
         == Some(&l.size)
 }
 
+/// What retention expires, by the names the secondary gives them (`.final` stripped), in the
+/// order to delete them (each stream's deltas before its full snapshot): the primary's policy
+/// judged once over the snapshots of both stores, each as the primary knows it when it holds it
+/// (a final stays final, a requested full named in `triggered`, the primary's markers, is
+/// counted apart), and as the secondary holds it otherwise (one the primary already deleted).
+/// [`plan`] copies none of these and the secondary's retention deletes those it holds, so the
+/// union the judgement reads is the same before and after a pass's copies.
+pub fn expiring(
+    primary: &[Listed],
+    secondary: &[Listed],
+    triggered: &HashSet<String>,
+    now: DateTime<Utc>,
+    retention: Retention,
+) -> Vec<String> {
+    let mut both: HashMap<String, Snapshot> = secondary
+        .iter()
+        .map(|l| (dest_name(&l.snapshot), l.snapshot.clone()))
+        .collect();
+    for l in primary {
+        both.insert(dest_name(&l.snapshot), l.snapshot.clone());
+    }
+    let all: Vec<Snapshot> = both.into_values().collect();
+    gc::plan_with(&all, triggered, now, retention)
+        .iter()
+        .map(dest_name)
+        .collect()
+}
+
 /// What to copy, in order: the snapshots of the sorted primary listing that the secondary does
-/// not hold and retention keeps, final full snapshots first, then oldest first.
+/// not hold and retention does not expire (`expiring`, from [`expiring`]), final full snapshots
+/// first, then oldest first.
 pub fn plan(
     primary: &[Listed],
     secondary: &HashMap<String, u64>,
-    now: DateTime<Utc>,
-    retention: Retention,
+    expiring: &HashSet<String>,
 ) -> Vec<Listed> {
-    let snapshots: Vec<_> = primary.iter().map(|l| l.snapshot.clone()).collect();
-    let expiring: Vec<String> = gc::plan(&snapshots, now, retention)
-        .into_iter()
-        .map(|s| s.snap_name)
-        .collect();
     let mut todo: Vec<Listed> = primary
         .iter()
-        .filter(|l| !held(l, secondary) && !expiring.contains(&l.snapshot.snap_name))
+        .filter(|l| !held(l, secondary) && !expiring.contains(&dest_name(&l.snapshot)))
         .cloned()
         .collect();
     // Stable: finals first, each group keeps the listing's oldest-first order.
@@ -234,9 +262,14 @@ impl Sync {
         }
     }
 
-    /// One pass: list both, copy what is missing in [`plan`]'s order, then apply retention to
-    /// the secondary. The lag is updated before and after every copy.
+    /// One pass: list both, copy what is missing in [`plan`]'s order, then delete from the
+    /// secondary what [`expiring`] names. The lag is updated before and after every copy.
     async fn pass(&mut self) -> Result<(), CopyError> {
+        // The primary's markers before its listing, as its own retention reads them: a marker
+        // is written after its snapshot is stored.
+        let triggered = gc::triggered_names(&self.stores.source)
+            .await
+            .map_err(store_error("primary", &self.stores.source))?;
         let primary = list_sized(&self.stores.source)
             .await
             .map_err(store_error("primary", &self.stores.source))?;
@@ -249,11 +282,12 @@ impl Sync {
             }
         };
         self.known = listed
-            .into_iter()
-            .map(|l| (l.snapshot.snap_name, l.size))
+            .iter()
+            .map(|l| (l.snapshot.snap_name.clone(), l.size))
             .collect();
         self.metrics.set_lag(lag(&primary, &self.known, Utc::now()));
-        let todo = plan(&primary, &self.known, Utc::now(), self.retention);
+        let expired = expiring(&primary, &listed, &triggered, Utc::now(), self.retention);
+        let todo = plan(&primary, &self.known, &expired.iter().cloned().collect());
         let progress = Progress::new(todo.len(), todo.iter().map(|l| l.size).sum());
         for item in &todo {
             let s = &item.snapshot;
@@ -274,13 +308,19 @@ impl Sync {
             }
         }
         self.metrics.last_sync.set(Utc::now().timestamp() as f64);
-        match gc::run(&self.stores.dest, Utc::now(), self.retention).await {
-            Ok(report) => {
-                for s in &report.deleted {
-                    self.known.remove(&s.snap_name);
-                }
-            }
-            Err(e) => tracing::warn!(error = %e, "retention on the secondary store failed"),
+        // As the secondary lists them, in the judgement's order (deltas before their full).
+        let mut on_secondary: HashMap<&str, &Listed> = listed
+            .iter()
+            .map(|l| (l.snapshot.snap_name.as_str(), l))
+            .collect();
+        let doomed: Vec<Snapshot> = expired
+            .iter()
+            .filter_map(|name| on_secondary.remove(name.as_str()))
+            .map(|l| l.snapshot.clone())
+            .collect();
+        let report = gc::delete(&self.stores.dest, doomed, &HashSet::new()).await;
+        for s in &report.deleted {
+            self.known.remove(&s.snap_name);
         }
         Ok(())
     }
@@ -303,12 +343,6 @@ mod tests {
             size: 100 + last as u64,
         }
     }
-    fn keep_all() -> Retention {
-        Retention {
-            policy: GcPolicy::LimitBased { max_backups: 100 },
-            delta_retention: Duration::ZERO,
-        }
-    }
     fn holding(items: &[&Listed]) -> HashMap<String, u64> {
         items
             .iter()
@@ -325,13 +359,13 @@ mod tests {
         let primary = vec![full.clone(), d1.clone(), d2.clone(), fin.clone()];
         let secondary = holding(&[&full]);
 
-        let order: Vec<i64> = plan(&primary, &secondary, at(5), keep_all())
+        let order: Vec<i64> = plan(&primary, &secondary, &HashSet::new())
             .iter()
             .map(|l| l.snapshot.last_revision)
             .collect();
         assert_eq!(order, vec![30, 20, 30]);
         assert!(
-            plan(&primary, &secondary, at(5), keep_all())[0]
+            plan(&primary, &secondary, &HashSet::new())[0]
                 .snapshot
                 .is_final
         );
@@ -346,7 +380,7 @@ mod tests {
         // The final is held without `.final`, as the copy job names it.
         let all = holding(&[&full, &d1, &d2, &fin]);
         assert!(all.keys().all(|k| !k.ends_with(FINAL_SUFFIX)));
-        assert!(plan(&primary, &all, at(5), keep_all()).is_empty());
+        assert!(plan(&primary, &all, &HashSet::new()).is_empty());
         assert_eq!(lag(&primary, &all, at(5)).seconds, 0.0);
     }
 
@@ -356,7 +390,7 @@ mod tests {
         let mut torn = holding(&[&full]);
         torn.values_mut().for_each(|v| *v -= 1);
         assert_eq!(
-            plan(std::slice::from_ref(&full), &torn, at(1), keep_all()),
+            plan(std::slice::from_ref(&full), &torn, &HashSet::new()),
             vec![full]
         );
     }
@@ -369,7 +403,118 @@ mod tests {
             policy: GcPolicy::LimitBased { max_backups: 1 },
             delta_retention: Duration::ZERO,
         };
-        let todo = plan(&[old, new.clone()], &HashMap::new(), at(2), one);
+        let primary = [old, new.clone()];
+        let expired = expiring(&primary, &[], &HashSet::new(), at(2), one)
+            .into_iter()
+            .collect();
+        let todo = plan(&primary, &HashMap::new(), &expired);
         assert_eq!(todo, vec![new]);
+    }
+
+    /// One sync pass as `Sync::pass` makes it, on listings: copy [`plan`]'s snapshots, then
+    /// delete what [`expiring`] names. Returns the secondary after it, and what was copied and
+    /// deleted.
+    fn pass(
+        primary: &[Listed],
+        secondary: &[Listed],
+        triggered: &HashSet<String>,
+        now: DateTime<Utc>,
+        retention: Retention,
+    ) -> (Vec<Listed>, Vec<String>, Vec<String>) {
+        let known: HashMap<String, u64> = secondary
+            .iter()
+            .map(|l| (l.snapshot.snap_name.clone(), l.size))
+            .collect();
+        let expired = expiring(primary, secondary, triggered, now, retention);
+        let copied: Vec<Listed> = plan(primary, &known, &expired.iter().cloned().collect())
+            .into_iter()
+            .map(|l| Listed {
+                snapshot: crate::copy::plan::dest_snapshot(&l.snapshot),
+                size: l.size,
+            })
+            .collect();
+        let deleted: Vec<String> = expired
+            .iter()
+            .filter(|n| known.contains_key(*n))
+            .cloned()
+            .collect();
+        let after: Vec<Listed> = secondary
+            .iter()
+            .chain(&copied)
+            .filter(|l| !deleted.contains(&l.snapshot.snap_name))
+            .cloned()
+            .collect();
+        let names = |v: &[Listed]| v.iter().map(|l| l.snapshot.snap_name.clone()).collect();
+        (after, names(&copied), deleted)
+    }
+
+    /// The robustness harness's finding (druid profile, seed 0x41): the secondary's retention
+    /// judged its own listing, where a final is a plain full snapshot (`.final` stripped) and no
+    /// requested full is marked, so it deleted a final's stream and requested fulls that the
+    /// primary keeps, and every pass copied them again (and a drill reading the secondary
+    /// meanwhile found snapshots gone). Now a pass reaches a fixed point: the second copies and
+    /// deletes nothing, and what the primary keeps stays on the secondary.
+    #[test]
+    fn the_sync_and_the_secondarys_retention_agree_and_stop() {
+        let one = Retention {
+            policy: GcPolicy::LimitBased { max_backups: 1 },
+            delta_retention: Duration::ZERO,
+        };
+        // An old hand-off's final with a delta after it, scheduled fulls, a requested one.
+        let fin = listed(Kind::Full, 0, 10, 0, true);
+        let d1 = listed(Kind::Incr, 11, 20, 1, false);
+        let f2 = listed(Kind::Full, 0, 30, 2, false);
+        let requested = listed(Kind::Full, 0, 40, 3, false);
+        let f4 = listed(Kind::Full, 0, 50, 4, false);
+        let d2 = listed(Kind::Incr, 51, 60, 5, false);
+        let triggered: HashSet<String> = [requested.snapshot.snap_name.clone()].into();
+        // The primary's own retention already deleted f2, the scheduled full before f4.
+        let primary = vec![
+            fin.clone(),
+            d1.clone(),
+            requested.clone(),
+            f4.clone(),
+            d2.clone(),
+        ];
+        let on_primary = gc::plan_with(
+            &primary
+                .iter()
+                .map(|l| l.snapshot.clone())
+                .collect::<Vec<_>>(),
+            &triggered,
+            at(6),
+            one,
+        );
+        assert!(on_primary.is_empty(), "{on_primary:?}");
+
+        // The secondary still holds f2 and holds nothing newer.
+        let secondary = vec![
+            Listed {
+                snapshot: crate::copy::plan::dest_snapshot(&fin.snapshot),
+                size: fin.size,
+            },
+            d1.clone(),
+            f2.clone(),
+        ];
+        let (after, copied, deleted) = pass(&primary, &secondary, &triggered, at(6), one);
+        assert_eq!(deleted, vec![f2.snapshot.snap_name.clone()]);
+        let mut want = vec![
+            requested.snapshot.snap_name.clone(),
+            f4.snapshot.snap_name.clone(),
+            d2.snapshot.snap_name.clone(),
+        ];
+        want.sort();
+        let mut got = copied.clone();
+        got.sort();
+        assert_eq!(got, want);
+
+        let (again, copied, deleted) = pass(&primary, &after, &triggered, at(7), one);
+        assert!(copied.is_empty(), "copied again: {copied:?}");
+        assert!(deleted.is_empty(), "deleted again: {deleted:?}");
+        let mut held: Vec<String> = again.iter().map(|l| l.snapshot.snap_name.clone()).collect();
+        held.sort();
+        let mut kept: Vec<String> = primary.iter().map(|l| dest_name(&l.snapshot)).collect();
+        kept.sort();
+        assert_eq!(held, kept, "the secondary holds what the primary keeps");
     }
 }

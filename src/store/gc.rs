@@ -195,8 +195,6 @@ pub async fn run(
     // an orphan.
     let triggered = triggered_names(store).await?;
     let list = store.list().await?;
-    let mut report = GcReport::default();
-    let mut held: Option<Held> = None;
     let planned = plan_with(&list, &triggered, now, retention);
     let listed: HashSet<&str> = list.iter().map(|s| s.snap_name.as_str()).collect();
     let orphans: Vec<&String> = triggered
@@ -206,6 +204,20 @@ pub async fn run(
     for name in orphans {
         unmark(store, name).await;
     }
+    Ok(delete(store, planned, &triggered).await)
+}
+
+/// Deletes `planned` (a plan's order: each stream's deltas before its full snapshot) from
+/// `store`, with the marker of each deleted snapshot named in `triggered`. A failed delete is
+/// logged and skipped, except that a full snapshot is not deleted after one of its deltas failed
+/// or was kept under a lock (no orphans).
+pub async fn delete(
+    store: &super::SnapshotStore,
+    planned: Vec<Snapshot>,
+    triggered: &HashSet<String>,
+) -> GcReport {
+    let mut report = GcReport::default();
+    let mut held: Option<Held> = None;
     for s in planned {
         if s.kind == Kind::Full {
             match held.take() {
@@ -251,7 +263,7 @@ pub async fn run(
             }
         }
     }
-    Ok(report)
+    report
 }
 
 /// Where the markers of triggered full snapshots are, under the store's prefix.
