@@ -1046,6 +1046,8 @@ struct Run<'a> {
     druid: Option<DruidLane>,
     /// The end's drills, whole (the report keeps them).
     drill_outputs: Vec<(&'static str, String)>,
+    /// The operator lane's files for the report directory.
+    lane_report: Vec<(&'static str, String)>,
 }
 
 /// The sidecars' configuration beyond the fault schedules': every feature on.
@@ -2151,6 +2153,7 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
         partition: None,
         druid: None,
         drill_outputs: Vec::new(),
+        lane_report: Vec::new(),
     };
     match no_partition {
         None => match Partition::new(&run.world, PARTITION_MEMBER) {
@@ -2238,6 +2241,7 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
         for v in lane.judge().await {
             run.violation(v.kind, v.detail);
         }
+        run.lane_report = std::mem::take(&mut lane.report);
         let r = lane.traffic.snapshot();
         lane_summary = format!(
             " operator: replacements={} dead_for_good={} operator_restarts={} writes={} reads={}",
@@ -2433,6 +2437,9 @@ async fn write_report(
     for (m, p) in run.world.sidecar_logs.iter().enumerate() {
         let _ = std::fs::copy(p, dir.join(format!("logs/m{m}.sidecar.log")));
     }
+    for (name, text) in &run.lane_report {
+        let _ = std::fs::write(dir.join(name), text);
+    }
     for (label, said) in &run.drill_outputs {
         let _ = std::fs::write(dir.join(format!("logs/drill-{label}.txt")), said);
     }
@@ -2457,6 +2464,9 @@ pub struct OperatorLane {
     pub traffic: Traffic,
     /// (time, healthy voters, voters) whenever either changed.
     pub quorum: Arc<Mutex<Vec<(Duration, usize, usize)>>>,
+    /// Files for the report directory, set by [`OperatorLane::judge`]: the lane's history and
+    /// its quorum samples.
+    pub report: Vec<(&'static str, String)>,
     pub replacements: u32,
     pub deaths: u32,
     pub operator_restarts: u32,
@@ -2513,6 +2523,7 @@ impl OperatorLane {
             cancel,
             traffic,
             quorum,
+            report: Vec::new(),
             replacements: 0,
             deaths: 0,
             operator_restarts: 0,
@@ -2624,35 +2635,123 @@ impl OperatorLane {
                 detail: format!("the cluster could not be read at the end: {e}"),
             }),
         }
-        // Quorum: below a majority of the voters for more than 5 s (an election or a member
-        // restarting takes less) while the nemesis had at most one member dead.
         let samples = self
             .quorum
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone();
-        let mut below: Option<Duration> = None;
-        for (t, healthy, voters) in &samples {
-            let lost = *healthy < voters / 2 + 1;
-            match (lost, below) {
-                (true, None) => below = Some(*t),
-                (false, Some(from)) => {
-                    if *t - from > Duration::from_secs(5) {
-                        out.push(Violation {
-                            kind: "quorum-lost",
-                            detail: format!(
-                                "{:.1}s..{:.1}s: fewer healthy voters than a majority",
-                                from.as_secs_f64(),
-                                t.as_secs_f64()
-                            ),
-                        });
-                    }
-                    below = None;
-                }
-                _ => {}
-            }
+        let committed: Vec<Duration> = recorded
+            .ops
+            .iter()
+            .filter(|o| !matches!(o.ret, kvcheck::Ret::Unknown))
+            .map(|o| o.completed)
+            .collect();
+        for (from, to, gap) in quorum_lost(&samples, &committed, QUORUM_GRACE) {
+            out.push(Violation {
+                kind: "quorum-lost",
+                detail: format!(
+                    "{:.1}s..{:.1}s: fewer healthy voters than a majority, and no write or \
+                     linearizable read of the lane's traffic completed for {:.1}s of it",
+                    from.as_secs_f64(),
+                    to.as_secs_f64(),
+                    gap.as_secs_f64()
+                ),
+            });
         }
+        let mut history = String::new();
+        for op in &recorded.ops {
+            let _ = writeln!(history, "{}", serde_json::to_string(op).unwrap_or_default());
+        }
+        let mut quorum = String::from("seconds,healthy_voters,voters\n");
+        for (t, healthy, voters) in &samples {
+            let _ = writeln!(quorum, "{:.3},{healthy},{voters}", t.as_secs_f64());
+        }
+        self.report = vec![
+            ("operator-history.jsonl", history),
+            ("operator-quorum.csv", quorum),
+        ];
         out
+    }
+}
+
+/// Longest a majority may be missing: an election or a member restarting takes less.
+const QUORUM_GRACE: Duration = Duration::from_secs(5);
+
+/// Where the lane lost quorum: a stretch of the status probe's `samples` (time, healthy voters,
+/// voters) below a majority for more than `grace`, within which no operation that needs a
+/// majority (an acknowledged write or a linearizable read, completed at the times in
+/// `committed`) completed for more than `grace`. The probe alone reads a member that is slow to
+/// answer its 800 ms status call (a just-promoted member at a load of 60) as unhealthy; a
+/// committed operation proves a majority was there. Returns (from, to, longest gap without a
+/// committed operation) per stretch.
+fn quorum_lost(
+    samples: &[(Duration, usize, usize)],
+    committed: &[Duration],
+    grace: Duration,
+) -> Vec<(Duration, Duration, Duration)> {
+    let mut out = Vec::new();
+    let mut below: Option<Duration> = None;
+    for (t, healthy, voters) in samples {
+        let lost = *healthy < voters / 2 + 1;
+        match (lost, below) {
+            (true, None) => below = Some(*t),
+            (false, Some(from)) => {
+                below = None;
+                if *t - from <= grace {
+                    continue;
+                }
+                let mut edges: Vec<Duration> = committed
+                    .iter()
+                    .copied()
+                    .filter(|c| *c > from && *c < *t)
+                    .collect();
+                edges.push(from);
+                edges.push(*t);
+                edges.sort();
+                let gap = edges
+                    .windows(2)
+                    .map(|w| w[1] - w[0])
+                    .max()
+                    .unwrap_or_default();
+                if gap > grace {
+                    out.push((from, *t, gap));
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod quorum_tests {
+    use super::*;
+
+    fn s(secs: f64) -> Duration {
+        Duration::from_secs_f64(secs)
+    }
+
+    #[test]
+    fn a_probe_stretch_below_a_majority_with_no_committed_operation_is_quorum_lost() {
+        let samples = [(s(10.0), 3, 3), (s(12.0), 1, 3), (s(20.0), 3, 3)];
+        let lost = quorum_lost(&samples, &[s(11.0), s(21.0)], QUORUM_GRACE);
+        assert_eq!(lost, vec![(s(12.0), s(20.0), s(8.0))]);
+        // Committed operations, but a 6 s hole between two of them: still lost.
+        let lost = quorum_lost(&samples, &[s(13.0), s(19.5)], QUORUM_GRACE);
+        assert_eq!(lost, vec![(s(12.0), s(20.0), s(6.5))]);
+    }
+
+    #[test]
+    fn operations_committed_throughout_a_low_probe_stretch_prove_a_majority() {
+        let samples = [(s(10.0), 3, 4), (s(12.0), 2, 4), (s(20.0), 3, 4)];
+        let committed: Vec<Duration> = (0..20).map(|i| s(12.2 + f64::from(i) * 0.4)).collect();
+        assert!(quorum_lost(&samples, &committed, QUORUM_GRACE).is_empty());
+    }
+
+    #[test]
+    fn a_short_stretch_below_a_majority_is_an_election() {
+        let samples = [(s(10.0), 1, 3), (s(14.9), 3, 3)];
+        assert!(quorum_lost(&samples, &[], QUORUM_GRACE).is_empty());
     }
 }
 
