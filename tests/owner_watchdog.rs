@@ -1,8 +1,11 @@
 //! The ownership watchdog end to end, with real DNS (hickory-server on loopback) and the real
 //! resolver:
-//! - with in-memory fakes for the etcd process, etcd's API, the store's hand-off objects and
-//!   readiness, which record every call, so each test checks the order of what the watchdog did
-//!   (what they do not check: real signals and `/proc`, a real store and snapshot actor);
+//! - with in-memory fakes for the etcd process, etcd's API, the final snapshot and readiness,
+//!   which record every call, so each test checks the order of what the watchdog did, and the
+//!   production hand-off objects over `object_store`'s in-memory store (create-if-absent as S3
+//!   does it), behind a thin wrapper that logs fence markers and fails the reads and writes a
+//!   test names (what they do not check: real signals and `/proc`, a remote store and its
+//!   latency, the snapshot actor);
 //! - against a real etcd process: the real process killer SIGTERMs it, a stand-in for the kubelet
 //!   restarts it, the real etcd API (health, members, a linearizable revision) sees it come back,
 //!   and only then is the final snapshot requested; and against the real snapshot actor with a
@@ -11,9 +14,18 @@
 use crate::support;
 
 use std::collections::BTreeSet;
+use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
+
+use futures::stream::BoxStream;
+use object_store::memory::InMemory;
+use object_store::path::Path;
+use object_store::{
+    CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
+    ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload, PutResult, RenameOptions,
+};
 
 use etcd_warden::backoff::Backoff;
 use etcd_warden::config::OwnerConfig;
@@ -21,15 +33,13 @@ use etcd_warden::config::{EtcdConfig, KillConfig};
 use etcd_warden::health::Health;
 use etcd_warden::kill::ProcKiller;
 use etcd_warden::kill::{KillReport, Outcome, ProcessControl, ProcessError, ProcessId};
-use etcd_warden::owner::handoff::{
-    Claim, Created, FenceMarker, FinalIntent, HandOffError, HandOffRecord, Member,
-};
+use etcd_warden::owner::handoff::{FenceMarker, HandOffObjects, HandOffRecord, Key, Member};
 use etcd_warden::owner::metrics::OwnerMetrics;
 use etcd_warden::owner::production::{EtcdApi, OwnerStatus};
 use etcd_warden::owner::protocol::State;
 use etcd_warden::owner::resolve::OwnerResolver;
 use etcd_warden::owner::watchdog::{
-    Context, EtcdView, HandOffStore, ReadinessSink, SeamError, Watchdog, WatchdogConfig,
+    Context, EtcdView, FinalTaker, ReadinessSink, SeamError, Watchdog, WatchdogConfig,
     WatchdogStatus,
 };
 use etcd_warden::server::{Readiness, StatusSource};
@@ -71,20 +81,14 @@ enum KillMode {
     Refused,
 }
 
-/// How reading this member's fence marker (the start check) goes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum FenceRead {
-    /// As stored.
-    Works,
-    /// The store cannot be reached.
-    Fails,
-    /// This member's marker is there but is not JSON.
-    Unreadable,
-}
-
 struct World {
     calls: Mutex<Vec<Call>>,
-    fence_read: Mutex<FenceRead>,
+    /// Reads of fence markers fail (the store cannot be reached).
+    fence_reads_fail: AtomicBool,
+    /// The hand-off objects as the watchdog reaches them: the in-memory store behind [`Hooked`].
+    objects: HandOffObjects,
+    /// The same objects, reached directly: what a test puts there beforehand or reads back.
+    direct: HandOffObjects,
     healthy: AtomicBool,
     /// etcd never comes back after a kill (a full data disk, a crash loop).
     stays_down: AtomicBool,
@@ -94,10 +98,6 @@ struct World {
     visible: AtomicBool,
     kill: Mutex<KillMode>,
     revision: AtomicI64,
-    fences: Mutex<BTreeSet<u64>>,
-    finals: Mutex<Vec<Snapshot>>,
-    record: Mutex<Option<HandOffRecord>>,
-    fixed: Fixed,
     members: Mutex<Vec<Member>>,
     /// How many final snapshot requests fail before one succeeds.
     final_failures: AtomicU32,
@@ -112,9 +112,17 @@ struct World {
 
 impl World {
     fn new() -> Arc<World> {
-        Arc::new(World {
+        let memory: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+        Arc::new_cyclic(|world| World {
             calls: Mutex::new(Vec::new()),
-            fence_read: Mutex::new(FenceRead::Works),
+            fence_reads_fail: AtomicBool::new(false),
+            objects: HandOffObjects::new(Hooked::store(memory.clone(), {
+                let world: Weak<World> = world.clone();
+                Box::new(move |access, location| {
+                    world.upgrade().map_or(Ok(()), |w| w.hook(access, location))
+                })
+            })),
+            direct: HandOffObjects::new(SnapshotStore::new(memory, "")),
             healthy: AtomicBool::new(true),
             stays_down: AtomicBool::new(false),
             on_disk: AtomicU64::new(0),
@@ -122,10 +130,6 @@ impl World {
             visible: AtomicBool::new(true),
             kill: Mutex::new(KillMode::Works),
             revision: AtomicI64::new(42),
-            fences: Mutex::new(BTreeSet::new()),
-            finals: Mutex::new(Vec::new()),
-            record: Mutex::new(None),
-            fixed: Fixed::default(),
             members: Mutex::new(vec![member(ME)]),
             final_failures: AtomicU32::new(0),
             record_failures: AtomicU32::new(0),
@@ -152,6 +156,193 @@ impl World {
     fn count(&self, f: impl Fn(&Call) -> bool) -> usize {
         self.calls().iter().filter(|c| f(c)).count()
     }
+
+    /// The members with a fence marker in the store.
+    async fn fenced(&self) -> BTreeSet<u64> {
+        self.direct.fenced().await.expect("fence markers")
+    }
+
+    /// The final full snapshots in the store.
+    async fn finals(&self) -> Vec<Snapshot> {
+        self.direct.finals().await.expect("finals")
+    }
+
+    /// The hand-off record in the store.
+    async fn record(&self) -> Option<HandOffRecord> {
+        self.direct.record().await.expect("the hand-off record")
+    }
+
+    /// Puts `member`'s fence marker in the store, as its sidecar does.
+    async fn put_fence(&self, member: u64) {
+        let marker = FenceMarker {
+            member_id: format!("{member:x}"),
+            owner_id: ID.into(),
+            reason: "earlier".into(),
+            killed: vec![],
+            fenced_at: chrono::Utc::now(),
+        };
+        self.direct
+            .write_fence(member, &marker)
+            .await
+            .expect("a fence marker");
+    }
+
+    /// Puts the final `fin` and a hand-off record naming it in the store, as the member taking
+    /// the final does.
+    async fn put_final_and_record(&self, fin: &Snapshot, members: &[&str]) {
+        self.direct
+            .store()
+            .put_bytes(fin, bytes::Bytes::new())
+            .await
+            .expect("a final");
+        let record = HandOffRecord {
+            final_snapshot: fin.snap_name.clone(),
+            revision: fin.last_revision,
+            members: members.iter().map(|m| m.to_string()).collect(),
+            owner_id: ID.into(),
+            recorded_at: chrono::Utc::now(),
+        };
+        self.direct
+            .write_record(&record)
+            .await
+            .expect("a hand-off record");
+    }
+}
+
+fn store_error(what: &str) -> object_store::Error {
+    object_store::Error::Generic {
+        store: "Hooked",
+        source: what.to_string().into(),
+    }
+}
+
+/// What a [`Hooked`] store is asked to do with an object.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Access {
+    Put,
+    Get,
+}
+
+/// What a test's store does before a put or get: `Err` fails it (nothing stored).
+type Hook = Box<dyn Fn(Access, &Path) -> object_store::Result<()> + Send + Sync>;
+
+/// A store (`object_store`'s in-memory one here) whose puts and gets a test sees first and may
+/// fail; everything else passes through.
+struct Hooked {
+    inner: Arc<dyn ObjectStore>,
+    hook: Hook,
+}
+
+impl Hooked {
+    /// `inner` as a snapshot store under no prefix, behind `hook`.
+    fn store(inner: Arc<dyn ObjectStore>, hook: Hook) -> SnapshotStore {
+        SnapshotStore::new(Arc::new(Hooked { inner, hook }), "")
+    }
+}
+
+impl World {
+    /// The world's store hook: every fence marker written is logged as [`Call::Fence`]; fence
+    /// reads fail while `fence_reads_fail`; the record's writes fail while `record_failures`
+    /// lasts, each failure moving etcd's revision on (as leases expiring after every member was
+    /// fenced do).
+    fn hook(&self, access: Access, location: &Path) -> object_store::Result<()> {
+        let key = location.as_ref();
+        let fence = key.starts_with(&Key::Fences.name());
+        match access {
+            Access::Put if fence => self.log(Call::Fence),
+            Access::Put
+                if key == Key::Record.name()
+                    && self
+                        .record_failures
+                        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                        .is_ok() =>
+            {
+                self.revision.fetch_add(3, Ordering::SeqCst);
+                return Err(store_error("the record's write timed out"));
+            }
+            Access::Get if fence && self.fence_reads_fail.load(Ordering::SeqCst) => {
+                return Err(store_error("the store cannot be reached"));
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for Hooked {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Hooked({})", self.inner)
+    }
+}
+
+impl fmt::Display for Hooked {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Hooked({})", self.inner)
+    }
+}
+
+#[async_trait::async_trait]
+impl ObjectStore for Hooked {
+    async fn put_opts(
+        &self,
+        location: &Path,
+        payload: PutPayload,
+        opts: PutOptions,
+    ) -> object_store::Result<PutResult> {
+        (self.hook)(Access::Put, location)?;
+        self.inner.put_opts(location, payload, opts).await
+    }
+
+    async fn put_multipart_opts(
+        &self,
+        location: &Path,
+        opts: PutMultipartOptions,
+    ) -> object_store::Result<Box<dyn MultipartUpload>> {
+        (self.hook)(Access::Put, location)?;
+        self.inner.put_multipart_opts(location, opts).await
+    }
+
+    async fn get_opts(
+        &self,
+        location: &Path,
+        options: GetOptions,
+    ) -> object_store::Result<GetResult> {
+        (self.hook)(Access::Get, location)?;
+        self.inner.get_opts(location, options).await
+    }
+
+    fn delete_stream(
+        &self,
+        locations: BoxStream<'static, object_store::Result<Path>>,
+    ) -> BoxStream<'static, object_store::Result<Path>> {
+        self.inner.delete_stream(locations)
+    }
+
+    fn list(&self, prefix: Option<&Path>) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
+        self.inner.list(prefix)
+    }
+
+    async fn list_with_delimiter(&self, prefix: Option<&Path>) -> object_store::Result<ListResult> {
+        self.inner.list_with_delimiter(prefix).await
+    }
+
+    async fn copy_opts(
+        &self,
+        from: &Path,
+        to: &Path,
+        options: CopyOptions,
+    ) -> object_store::Result<()> {
+        self.inner.copy_opts(from, to, options).await
+    }
+
+    async fn rename_opts(
+        &self,
+        from: &Path,
+        to: &Path,
+        options: RenameOptions,
+    ) -> object_store::Result<()> {
+        self.inner.rename_opts(from, to, options).await
+    }
 }
 
 fn member(id: u64) -> Member {
@@ -172,52 +363,6 @@ fn final_at(revision: i64) -> Snapshot {
         Codec::Gzip,
         true,
     )
-}
-
-/// The hand-off's intent and claims, held in memory with create-if-absent semantics.
-#[derive(Default)]
-struct Fixed {
-    intent: Mutex<Option<FinalIntent>>,
-    claims: Mutex<Vec<Claim>>,
-}
-
-impl Fixed {
-    fn intent(&self) -> Option<FinalIntent> {
-        self.intent.lock().expect("lock").clone()
-    }
-    fn create_intent(&self, revision: i64, member: u64) -> Created {
-        let mut intent = self.intent.lock().expect("lock");
-        if intent.is_some() {
-            return Created::Exists;
-        }
-        *intent = Some(FinalIntent {
-            final_snapshot: final_at(revision).snap_name,
-            revision,
-            member_id: format!("{member:x}"),
-            owner_id: ID.into(),
-            fixed_at: chrono::Utc::now(),
-        });
-        Created::Created
-    }
-    fn claims(&self) -> Vec<Claim> {
-        self.claims.lock().expect("lock").clone()
-    }
-    fn create_claim(&self, claim: &Claim) -> Created {
-        let mut claims = self.claims.lock().expect("lock");
-        if claims.iter().any(|c| c.epoch == claim.epoch) {
-            return Created::Exists;
-        }
-        claims.push(claim.clone());
-        Created::Created
-    }
-    /// The snapshot the intent names, stored in `finals` (replacing an earlier one of the name).
-    fn store(intent: &FinalIntent, finals: &Mutex<Vec<Snapshot>>) -> Snapshot {
-        let snap = Snapshot::parse_name("", &intent.final_snapshot).expect("a snapshot name");
-        let mut finals = finals.lock().expect("lock");
-        finals.retain(|s| s.snap_name != snap.snap_name);
-        finals.push(snap.clone());
-        snap
-    }
 }
 
 struct Fake(Arc<World>);
@@ -303,99 +448,31 @@ impl EtcdView for Fake {
     }
 }
 
+/// The final as the snapshot actor stores it: the object the intent names (empty here), in the
+/// world's store; `final_failures` attempts fail first.
 #[async_trait::async_trait]
-impl HandOffStore for Fake {
-    async fn write_fence(&self, member: u64, _marker: &FenceMarker) -> Result<(), SeamError> {
-        self.0.log(Call::Fence);
-        self.0.fences.lock().expect("lock").insert(member);
-        Ok(())
-    }
-    async fn fence(&self, member: u64) -> Result<Option<FenceMarker>, SeamError> {
-        match *self.0.fence_read.lock().expect("lock") {
-            FenceRead::Works => {}
-            FenceRead::Fails => {
-                return Err(SeamError::Timeout {
-                    what: "the store",
-                    after: Duration::from_millis(1),
-                });
-            }
-            FenceRead::Unreadable => {
-                let source =
-                    serde_json::from_slice::<FenceMarker>(b"not json").expect_err("not a marker");
-                return Err(SeamError::HandOff(HandOffError::Unreadable {
-                    key: format!("etcd-warden/fence/{member:016x}.json"),
-                    source,
-                }));
-            }
-        }
-        Ok(self
+impl FinalTaker for Fake {
+    async fn take_final(&self, name: Snapshot, min_revision: i64) -> Result<Snapshot, SeamError> {
+        self.0.log(Call::Final(min_revision));
+        if self
             .0
-            .fences
-            .lock()
-            .expect("lock")
-            .contains(&member)
-            .then(|| FenceMarker {
-                member_id: format!("{member:x}"),
-                owner_id: ID.into(),
-                reason: "earlier".into(),
-                killed: vec![],
-                fenced_at: chrono::Utc::now(),
-            }))
-    }
-    async fn fenced(&self) -> Result<BTreeSet<u64>, SeamError> {
-        Ok(self.0.fences.lock().expect("lock").clone())
-    }
-    async fn finals(&self) -> Result<Vec<Snapshot>, SeamError> {
-        Ok(self.0.finals.lock().expect("lock").clone())
-    }
-    async fn latest_full(&self) -> Result<Option<Snapshot>, SeamError> {
-        Ok(self.0.finals.lock().expect("lock").last().cloned())
-    }
-    async fn record(&self) -> Result<Option<HandOffRecord>, SeamError> {
-        Ok(self.0.record.lock().expect("lock").clone())
-    }
-    async fn write_record(&self, record: &HandOffRecord) -> Result<(), SeamError> {
-        let left = self.0.record_failures.load(Ordering::SeqCst);
-        if left > 0 {
-            self.0.record_failures.store(left - 1, Ordering::SeqCst);
-            self.0.revision.fetch_add(3, Ordering::SeqCst);
+            .final_failures
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
             return Err(SeamError::Timeout {
                 what: "the store",
                 after: Duration::from_millis(1),
             });
         }
-        *self.0.record.lock().expect("lock") = Some(record.clone());
-        Ok(())
-    }
-    async fn intent(&self) -> Result<Option<FinalIntent>, SeamError> {
-        Ok(self.0.fixed.intent())
-    }
-    async fn create_intent(
-        &self,
-        revision: i64,
-        member: u64,
-        _owner_id: &str,
-    ) -> Result<Created, SeamError> {
-        Ok(self.0.fixed.create_intent(revision, member))
-    }
-    async fn claims(&self) -> Result<Vec<Claim>, SeamError> {
-        Ok(self.0.fixed.claims())
-    }
-    async fn create_claim(&self, claim: &Claim) -> Result<Created, SeamError> {
-        Ok(self.0.fixed.create_claim(claim))
-    }
-    async fn take_final(&self, intent: &FinalIntent) -> Result<Snapshot, SeamError> {
-        self.0.log(Call::Final(intent.revision));
-        let left = self.0.final_failures.load(Ordering::SeqCst);
-        if left > 0 {
-            self.0.final_failures.store(left - 1, Ordering::SeqCst);
-            return Err(SeamError::Timeout {
-                what: "the store",
-                after: Duration::from_millis(1),
-            });
-        }
-        assert!(self.0.revision.load(Ordering::SeqCst) >= intent.revision);
-        Ok(Fixed::store(intent, &self.0.finals))
+        assert!(self.0.revision.load(Ordering::SeqCst) >= min_revision);
+        self.0
+            .objects
+            .store()
+            .put_bytes(&name, bytes::Bytes::new())
+            .await
+            .map_err(|e| SeamError::HandOff(e.into()))?;
+        Ok(name)
     }
 }
 
@@ -454,7 +531,9 @@ impl Running {
             lookup: Arc::new(OwnerResolver::new(&owner).expect("resolver")),
             process: fake.clone(),
             etcd: fake.clone(),
-            hand_off: fake.clone(),
+            objects: world.objects.clone(),
+            codec: Codec::Gzip,
+            finals: fake.clone(),
             readiness: fake,
             gate: world.gate.clone(),
         };
@@ -540,7 +619,7 @@ async fn owner_then_other_owner_deactivates_for_good_with_one_final_snapshot() {
             Call::Final(42),
         ]
     );
-    let record = run.world.record.lock().unwrap().clone().expect("recorded");
+    let record = run.world.record().await.expect("recorded");
     assert_eq!(record.revision, 42);
     assert_eq!(
         Some(record.final_snapshot),
@@ -584,7 +663,7 @@ async fn a_member_whose_etcd_stays_down_is_fenced_by_the_id_on_its_disk() {
     })
     .await;
     support::eventually(Duration::from_secs(10), || async {
-        run.world.fences.lock().unwrap().contains(&ME)
+        run.world.fenced().await.contains(&ME)
     })
     .await
     .then_some(())
@@ -650,16 +729,9 @@ async fn a_restart_after_the_hand_off_stays_fenced_and_takes_no_second_final() {
     // The record names us again (the migration was rolled back by hand, or DNS is stale), but
     // this member's fence marker and the hand-off's record are in the store.
     let world = World::new();
-    world.fences.lock().unwrap().insert(ME);
+    world.put_fence(ME).await;
     let fin = final_at(40);
-    world.finals.lock().unwrap().push(fin.clone());
-    *world.record.lock().unwrap() = Some(HandOffRecord {
-        final_snapshot: fin.snap_name.clone(),
-        revision: 40,
-        members: vec!["ma1".into()],
-        owner_id: ID.into(),
-        recorded_at: chrono::Utc::now(),
-    });
+    world.put_final_and_record(&fin, &["ma1"]).await;
     let (_server, mut run) = running(&[ID], world).await;
     run.until("final found in store", |s| {
         s.final_snapshot.as_deref() == Some(fin.snap_name.as_str())
@@ -680,14 +752,19 @@ async fn a_restart_after_the_hand_off_stays_fenced_and_takes_no_second_final() {
 async fn a_stale_final_never_stands_in_for_the_hand_offs_final() {
     let world = World::new();
     // A final from earlier (20 revisions behind etcd), with no hand-off record.
-    world.finals.lock().unwrap().push(final_at(22));
+    world
+        .direct
+        .store()
+        .put_bytes(&final_at(22), bytes::Bytes::new())
+        .await
+        .expect("an old final");
     let (_server, mut run) = running(&["seed-b"], world).await;
     run.until("final snapshot stored", |s| {
         s.final_snapshot.is_some() && s.state == "deactivated"
     })
     .await;
     assert_eq!(run.world.count(|c| *c == Call::Final(42)), 1);
-    let record = run.world.record.lock().unwrap().clone().expect("recorded");
+    let record = run.world.record().await.expect("recorded");
     assert!(record.final_snapshot.contains("-00000042-"), "{record:?}");
     run.stop().await;
 }
@@ -723,9 +800,9 @@ async fn a_failed_record_write_records_the_stored_final_and_takes_no_second() {
     // stored at 42 still is the hand-off's, and the record names it.
     assert_eq!(world.revision.load(Ordering::SeqCst), 48);
     assert_eq!(run.finals(), 1, "{:?}", world.calls());
-    let finals = world.finals.lock().unwrap().clone();
+    let finals = world.finals().await;
     assert_eq!(finals.len(), 1);
-    let record = world.record.lock().unwrap().clone().expect("recorded");
+    let record = world.record().await.expect("recorded");
     assert_eq!(record.final_snapshot, finals[0].snap_name);
     assert_eq!(record.revision, 42);
     assert_eq!(
@@ -878,7 +955,7 @@ async fn in_a_cluster_the_final_waits_for_every_member_and_only_the_lowest_takes
     .await;
     assert!(run.status.borrow().reason.contains("waiting for m1"));
     // The other member is fenced now: we wait for it to take the final.
-    world.fences.lock().unwrap().insert(0x01);
+    world.put_fence(0x01).await;
     run.until("waiting for the taker", |s| {
         s.waiting_for.iter().any(|w| w.contains("takes the final"))
     })
@@ -886,14 +963,7 @@ async fn in_a_cluster_the_final_waits_for_every_member_and_only_the_lowest_takes
     assert_eq!(world.count(|c| matches!(c, Call::Final(_))), 0);
     // It stores the final and its record.
     let fin = final_at(42);
-    world.finals.lock().unwrap().push(fin.clone());
-    *world.record.lock().unwrap() = Some(HandOffRecord {
-        final_snapshot: fin.snap_name.clone(),
-        revision: 42,
-        members: vec!["m1".into(), "ma1".into()],
-        owner_id: ID.into(),
-        recorded_at: chrono::Utc::now(),
-    });
+    world.put_final_and_record(&fin, &["m1", "ma1"]).await;
     run.until("final found", |s| s.final_snapshot.is_some())
         .await;
     assert_eq!(
@@ -907,7 +977,7 @@ async fn in_a_cluster_the_final_waits_for_every_member_and_only_the_lowest_takes
 #[tokio::test]
 async fn a_start_check_that_keeps_failing_never_starves_a_not_owner_verdict() {
     let world = World::new();
-    *world.fence_read.lock().unwrap() = FenceRead::Fails;
+    world.fence_reads_fail.store(true, Ordering::SeqCst);
     let (server, mut run) = running(&[ID], world.clone()).await;
     run.until("the start check failing", |s| {
         s.last_error
@@ -935,7 +1005,17 @@ async fn a_start_check_that_keeps_failing_never_starves_a_not_owner_verdict() {
 #[tokio::test]
 async fn an_unreadable_fence_marker_of_this_member_counts_as_fenced() {
     let world = World::new();
-    *world.fence_read.lock().unwrap() = FenceRead::Unreadable;
+    // Truncated, or edited by hand: there, but not JSON.
+    world
+        .direct
+        .store()
+        .backend()
+        .put(
+            &Key::Fence(ME).path(""),
+            PutPayload::from_static(b"not json"),
+        )
+        .await
+        .expect("a marker");
     let (_server, mut run) = running(&[ID], world.clone()).await;
     run.until("deactivated", |s| s.state == "deactivated").await;
     assert_eq!(world.count(|c| *c == Call::Gate(Gate::Open)), 0);
@@ -982,12 +1062,17 @@ fn watchdog_config(
 }
 
 /// The production hand-off objects over `store`, the final taken by `actor` (gzip).
-fn store_snapshots(store: SnapshotStore, actor: &ActorHandle) -> Arc<dyn HandOffStore> {
-    Arc::new(etcd_warden::owner::production::ActorHandOffStore::new(
-        store,
-        actor.clone(),
-        Codec::Gzip,
-    ))
+fn store_snapshots(store: SnapshotStore, actor: &ActorHandle) -> Seam {
+    Seam {
+        objects: HandOffObjects::new(store),
+        finals: Arc::new(actor.clone()),
+    }
+}
+
+/// The hand-off's objects and the final, as a [`RealEtcd::watchdog`] reaches them.
+struct Seam {
+    objects: HandOffObjects,
+    finals: Arc<dyn FinalTaker>,
 }
 
 /// Runs `watchdog` until `cancel` and waits until `readiness` says ready (`what`, when it does
@@ -1094,7 +1179,7 @@ impl RealEtcd {
         owner: &OwnerConfig,
         lookup: Arc<dyn etcd_warden::owner::resolve::OwnerLookup>,
         process: Arc<dyn ProcessControl>,
-        snapshots: Arc<dyn HandOffStore>,
+        seam: Seam,
         readiness: watch::Sender<Readiness>,
         gate: watch::Sender<Gate>,
     ) -> Watchdog {
@@ -1102,7 +1187,9 @@ impl RealEtcd {
             lookup,
             process,
             etcd: Arc::new(EtcdApi::new(self.config.clone(), Duration::from_secs(1))),
-            hand_off: snapshots,
+            objects: seam.objects,
+            codec: Codec::Gzip,
+            finals: seam.finals,
             readiness: Arc::new(readiness),
             gate,
         };
@@ -1118,7 +1205,7 @@ impl RealEtcd {
     fn resolving_watchdog(
         &self,
         owner: &OwnerConfig,
-        snapshots: Arc<dyn HandOffStore>,
+        seam: Seam,
         readiness: watch::Sender<Readiness>,
         gate: watch::Sender<Gate>,
     ) -> Watchdog {
@@ -1126,84 +1213,45 @@ impl RealEtcd {
             owner,
             Arc::new(OwnerResolver::new(owner).expect("resolver")),
             Arc::new(self.killer.clone()),
-            snapshots,
+            seam,
             readiness,
             gate,
         )
     }
 }
 
-/// In-memory hand-off objects; the final is a real etcd snapshot stream, counted.
-struct StreamingSnapshots {
+/// The final as a real etcd snapshot stream, counted, then stored (empty) under the intent's
+/// name in `objects`' store.
+struct StreamingFinal {
     endpoint: String,
-    fences: Mutex<BTreeSet<u64>>,
-    finals: Mutex<Vec<Snapshot>>,
-    record: Mutex<Option<HandOffRecord>>,
-    fixed: Fixed,
+    objects: HandOffObjects,
     taken: AtomicU32,
     bytes: AtomicU32,
 }
 
-impl StreamingSnapshots {
-    /// Nothing stored yet; finals streamed from `endpoint`.
-    fn new(endpoint: String) -> StreamingSnapshots {
-        StreamingSnapshots {
+impl StreamingFinal {
+    /// Finals streamed from `endpoint`, stored in `store`.
+    fn new(endpoint: String, store: SnapshotStore) -> Arc<StreamingFinal> {
+        Arc::new(StreamingFinal {
             endpoint,
-            fences: Mutex::new(BTreeSet::new()),
-            finals: Mutex::new(Vec::new()),
-            record: Mutex::new(None),
-            fixed: Fixed::default(),
+            objects: HandOffObjects::new(store),
             taken: AtomicU32::new(0),
             bytes: AtomicU32::new(0),
+        })
+    }
+
+    /// The hand-off objects in the same store, and this as the final.
+    fn seam(self: &Arc<Self>) -> Seam {
+        Seam {
+            objects: self.objects.clone(),
+            finals: self.clone(),
         }
     }
 }
 
 #[async_trait::async_trait]
-impl HandOffStore for StreamingSnapshots {
-    async fn write_fence(&self, member: u64, _: &FenceMarker) -> Result<(), SeamError> {
-        self.fences.lock().expect("lock").insert(member);
-        Ok(())
-    }
-    async fn fence(&self, member: u64) -> Result<Option<FenceMarker>, SeamError> {
-        assert!(!self.fences.lock().expect("lock").contains(&member));
-        Ok(None)
-    }
-    async fn fenced(&self) -> Result<BTreeSet<u64>, SeamError> {
-        Ok(self.fences.lock().expect("lock").clone())
-    }
-    async fn finals(&self) -> Result<Vec<Snapshot>, SeamError> {
-        Ok(self.finals.lock().expect("lock").clone())
-    }
-    async fn latest_full(&self) -> Result<Option<Snapshot>, SeamError> {
-        Ok(self.finals.lock().expect("lock").last().cloned())
-    }
-    async fn record(&self) -> Result<Option<HandOffRecord>, SeamError> {
-        Ok(self.record.lock().expect("lock").clone())
-    }
-    async fn write_record(&self, record: &HandOffRecord) -> Result<(), SeamError> {
-        *self.record.lock().expect("lock") = Some(record.clone());
-        Ok(())
-    }
-    async fn intent(&self) -> Result<Option<FinalIntent>, SeamError> {
-        Ok(self.fixed.intent())
-    }
-    async fn create_intent(
-        &self,
-        revision: i64,
-        member: u64,
-        _owner_id: &str,
-    ) -> Result<Created, SeamError> {
-        Ok(self.fixed.create_intent(revision, member))
-    }
-    async fn claims(&self) -> Result<Vec<Claim>, SeamError> {
-        Ok(self.fixed.claims())
-    }
-    async fn create_claim(&self, claim: &Claim) -> Result<Created, SeamError> {
-        Ok(self.fixed.create_claim(claim))
-    }
-    async fn take_final(&self, intent: &FinalIntent) -> Result<Snapshot, SeamError> {
-        let min_revision = intent.revision;
+impl FinalTaker for StreamingFinal {
+    async fn take_final(&self, name: Snapshot, min_revision: i64) -> Result<Snapshot, SeamError> {
         let mut client = etcd_client::Client::connect([&self.endpoint], None).await?;
         let revision = client.status().await?.header().map_or(0, |h| h.revision());
         assert!(revision >= min_revision, "{revision} < {min_revision}");
@@ -1214,7 +1262,12 @@ impl HandOffStore for StreamingSnapshots {
         }
         self.bytes.store(total as u32, Ordering::SeqCst);
         self.taken.fetch_add(1, Ordering::SeqCst);
-        Ok(Fixed::store(intent, &self.finals))
+        self.objects
+            .store()
+            .put_bytes(&name, bytes::Bytes::new())
+            .await
+            .map_err(|e| SeamError::HandOff(e.into()))?;
+        Ok(name)
     }
 }
 
@@ -1227,10 +1280,13 @@ async fn losing_ownership_kills_real_etcd_and_snapshots_it_after_it_comes_back()
     let dns = DnsServer::start().await;
     dns.set_txt(NAME, &[ID]).await;
     let owner = owner_config(&dns, Duration::from_millis(100), Duration::from_millis(500));
-    let snapshots = Arc::new(StreamingSnapshots::new(endpoint.clone()));
+    let snapshots = StreamingFinal::new(
+        endpoint.clone(),
+        SnapshotStore::new(Arc::new(InMemory::new()), ""),
+    );
     let (readiness_tx, mut readiness) = watch::channel(Readiness::starting());
     let (gate, gates) = watch::channel(Gate::Closed);
-    let watchdog = etcd.resolving_watchdog(&owner, snapshots.clone(), readiness_tx, gate);
+    let watchdog = etcd.resolving_watchdog(&owner, snapshots.seam(), readiness_tx, gate);
     let mut status = watchdog.status();
     let status_source = OwnerStatus(watchdog.status());
     let cancel = CancellationToken::new();
@@ -1272,14 +1328,14 @@ async fn losing_ownership_kills_real_etcd_and_snapshots_it_after_it_comes_back()
         snapshots.bytes.load(Ordering::SeqCst) > 0,
         "a real snapshot stream"
     );
-    let fin = snapshots.finals.lock().expect("lock")[0].clone();
+    let fin = snapshots.objects.finals().await.expect("finals")[0].clone();
     assert!(
         fin.last_revision >= acknowledged,
         "{fin:?} misses {acknowledged}"
     );
     let s = status.borrow().clone();
     assert_eq!(
-        snapshots.fences.lock().expect("lock").len(),
+        snapshots.objects.fenced().await.expect("fences").len(),
         1,
         "one member fenced"
     );
@@ -1299,70 +1355,9 @@ async fn losing_ownership_kills_real_etcd_and_snapshots_it_after_it_comes_back()
     etcd.stop().await;
 }
 
-/// [`StreamingSnapshots`] that, when the fence marker is written, notes how often the kubelet
-/// restarted etcd so far and which etcd processes are alive.
-struct FenceWatch {
-    inner: Arc<StreamingSnapshots>,
-    killer: ProcKiller,
-    restarts: Arc<AtomicU32>,
-    at_fence: Mutex<Option<(u32, Vec<i32>)>>,
-}
-
-#[async_trait::async_trait]
-impl HandOffStore for FenceWatch {
-    async fn write_fence(&self, member: u64, marker: &FenceMarker) -> Result<(), SeamError> {
-        let alive = self
-            .killer
-            .find()
-            .expect("proc")
-            .iter()
-            .map(|p| p.pid)
-            .collect();
-        self.at_fence
-            .lock()
-            .expect("lock")
-            .get_or_insert((self.restarts.load(Ordering::SeqCst), alive));
-        self.inner.write_fence(member, marker).await
-    }
-    async fn fence(&self, member: u64) -> Result<Option<FenceMarker>, SeamError> {
-        self.inner.fence(member).await
-    }
-    async fn fenced(&self) -> Result<BTreeSet<u64>, SeamError> {
-        self.inner.fenced().await
-    }
-    async fn finals(&self) -> Result<Vec<Snapshot>, SeamError> {
-        self.inner.finals().await
-    }
-    async fn latest_full(&self) -> Result<Option<Snapshot>, SeamError> {
-        self.inner.latest_full().await
-    }
-    async fn record(&self) -> Result<Option<HandOffRecord>, SeamError> {
-        self.inner.record().await
-    }
-    async fn write_record(&self, record: &HandOffRecord) -> Result<(), SeamError> {
-        self.inner.write_record(record).await
-    }
-    async fn intent(&self) -> Result<Option<FinalIntent>, SeamError> {
-        self.inner.intent().await
-    }
-    async fn create_intent(
-        &self,
-        revision: i64,
-        member: u64,
-        owner_id: &str,
-    ) -> Result<Created, SeamError> {
-        self.inner.create_intent(revision, member, owner_id).await
-    }
-    async fn claims(&self) -> Result<Vec<Claim>, SeamError> {
-        self.inner.claims().await
-    }
-    async fn create_claim(&self, claim: &Claim) -> Result<Created, SeamError> {
-        self.inner.create_claim(claim).await
-    }
-    async fn take_final(&self, intent: &FinalIntent) -> Result<Snapshot, SeamError> {
-        self.inner.take_final(intent).await
-    }
-}
+/// When the fence marker was written: the kubelet's restarts of etcd so far, and the etcd
+/// processes alive.
+type AtFence = (u32, Vec<i32>);
 
 #[tokio::test]
 async fn an_etcd_restarted_after_the_first_kill_is_killed_again_before_the_fence() {
@@ -1373,16 +1368,30 @@ async fn an_etcd_restarted_after_the_first_kill_is_killed_again_before_the_fence
     let dns = DnsServer::start().await;
     dns.set_txt(NAME, &[ID]).await;
     let owner = owner_config(&dns, Duration::from_millis(100), Duration::from_millis(500));
-    let streaming = Arc::new(StreamingSnapshots::new(etcd.endpoint()));
-    let watch_fence = Arc::new(FenceWatch {
-        inner: streaming.clone(),
-        killer: etcd.killer.clone(),
-        restarts: etcd.restarts.clone(),
-        at_fence: Mutex::new(None),
-    });
+    // When the fence marker is written: how often the kubelet restarted etcd so far, and which
+    // etcd processes are alive.
+    let at_fence: Arc<Mutex<Option<AtFence>>> = Arc::default();
+    let hook: Hook = {
+        let (killer, restarts, at_fence) =
+            (etcd.killer.clone(), etcd.restarts.clone(), at_fence.clone());
+        Box::new(move |access, location| {
+            if access == Access::Put && location.as_ref().starts_with(&Key::Fences.name()) {
+                let alive = killer.find().expect("proc").iter().map(|p| p.pid).collect();
+                at_fence
+                    .lock()
+                    .expect("lock")
+                    .get_or_insert((restarts.load(Ordering::SeqCst), alive));
+            }
+            Ok(())
+        })
+    };
+    let streaming = StreamingFinal::new(
+        etcd.endpoint(),
+        Hooked::store(Arc::new(InMemory::new()), hook),
+    );
     let (readiness_tx, mut readiness) = watch::channel(Readiness::starting());
     let (gate, _gates) = watch::channel(Gate::Closed);
-    let watchdog = etcd.resolving_watchdog(&owner, watch_fence.clone(), readiness_tx, gate);
+    let watchdog = etcd.resolving_watchdog(&owner, streaming.seam(), readiness_tx, gate);
     let cancel = CancellationToken::new();
     let (mut status, task) =
         run_until_ready(watchdog, &mut readiness, cancel.clone(), "ready as owner").await;
@@ -1413,7 +1422,7 @@ async fn an_etcd_restarted_after_the_first_kill_is_killed_again_before_the_fence
         "the restart must come before the settle ends"
     );
     assert!(
-        watch_fence.at_fence.lock().expect("lock").is_none(),
+        at_fence.lock().expect("lock").is_none(),
         "no fence during the settle"
     );
 
@@ -1426,12 +1435,8 @@ async fn an_etcd_restarted_after_the_first_kill_is_killed_again_before_the_fence
         unready_at.elapsed() >= settle,
         "fenced before the settle ended"
     );
-    let (restarts_at_fence, alive_at_fence) = watch_fence
-        .at_fence
-        .lock()
-        .expect("lock")
-        .clone()
-        .expect("fenced");
+    let (restarts_at_fence, alive_at_fence) =
+        at_fence.lock().expect("lock").clone().expect("fenced");
     assert!(restarts_at_fence >= 1, "{restarts_at_fence}");
     assert!(
         !alive_at_fence.contains(&(restarted as i32)),

@@ -2,25 +2,22 @@
 //! etcd's API through its client, the hand-off's objects in the store, the final snapshot through
 //! the one snapshot actor, and readiness into the HTTP server's channel.
 
-use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
 
-use super::handoff::{
-    Claim, Created, FenceMarker, FinalIntent, HandOffError, HandOffObjects, HandOffRecord, Member,
-};
+use super::handoff::{HandOffObjects, Member};
 use super::resolve::{OwnerResolver, ResolveError};
-use super::watchdog::{Context, EtcdView, HandOffStore, SeamError, WatchdogStatus};
+use super::watchdog::{Context, EtcdView, SeamError, WatchdogStatus};
 use crate::config::{EtcdConfig, KillConfig, OwnerConfig};
 use crate::health::{Health, HealthCheck};
 use crate::kill::ProcKiller;
 use crate::server::{Readiness, StatusSource};
 use crate::snapshot::actor::ActorHandle;
 use crate::snapshot::gate::Gate;
-use crate::store::{Codec, Kind, Snapshot, SnapshotStore};
+use crate::store::{Codec, SnapshotStore};
 
 /// A key read only to learn the cluster's revision linearizably; it need not exist.
 const REVISION_PROBE_KEY: &str = "/etcd-warden/revision-probe";
@@ -128,94 +125,6 @@ impl EtcdView for EtcdApi {
     }
 }
 
-/// The hand-off's objects in the store, and the final snapshot through the actor.
-pub struct ActorHandOffStore {
-    store: SnapshotStore,
-    objects: HandOffObjects,
-    actor: ActorHandle,
-    codec: Codec,
-}
-
-impl ActorHandOffStore {
-    /// Objects in `store`, finals through `actor`, named with `codec`.
-    pub fn new(store: SnapshotStore, actor: ActorHandle, codec: Codec) -> Self {
-        ActorHandOffStore {
-            objects: HandOffObjects::new(store.clone()),
-            store,
-            actor,
-            codec,
-        }
-    }
-}
-
-#[async_trait::async_trait]
-impl HandOffStore for ActorHandOffStore {
-    async fn write_fence(&self, member: u64, marker: &FenceMarker) -> Result<(), SeamError> {
-        Ok(self.objects.write_fence(member, marker).await?)
-    }
-
-    async fn fence(&self, member: u64) -> Result<Option<FenceMarker>, SeamError> {
-        Ok(self.objects.fence(member).await?)
-    }
-
-    async fn fenced(&self) -> Result<BTreeSet<u64>, SeamError> {
-        Ok(self.objects.fenced().await?)
-    }
-
-    async fn finals(&self) -> Result<Vec<Snapshot>, SeamError> {
-        Ok(self.objects.finals().await?)
-    }
-
-    async fn latest_full(&self) -> Result<Option<Snapshot>, SeamError> {
-        Ok(self.objects.latest_full().await?)
-    }
-
-    async fn record(&self) -> Result<Option<HandOffRecord>, SeamError> {
-        Ok(self.objects.record().await?)
-    }
-
-    async fn write_record(&self, record: &HandOffRecord) -> Result<(), SeamError> {
-        Ok(self.objects.write_record(record).await?)
-    }
-
-    async fn intent(&self) -> Result<Option<FinalIntent>, SeamError> {
-        Ok(self.objects.intent().await?)
-    }
-
-    async fn create_intent(
-        &self,
-        revision: i64,
-        member: u64,
-        owner_id: &str,
-    ) -> Result<Created, SeamError> {
-        let name = self
-            .store
-            .new_snapshot(Kind::Full, 0, revision, self.codec, true);
-        let intent = FinalIntent {
-            final_snapshot: name.snap_name,
-            revision,
-            member_id: format!("{member:x}"),
-            owner_id: owner_id.to_string(),
-            fixed_at: chrono::Utc::now(),
-        };
-        Ok(self.objects.create_intent(&intent).await?)
-    }
-
-    async fn claims(&self) -> Result<Vec<Claim>, SeamError> {
-        Ok(self.objects.claims().await?)
-    }
-
-    async fn create_claim(&self, claim: &Claim) -> Result<Created, SeamError> {
-        Ok(self.objects.create_claim(claim).await?)
-    }
-
-    async fn take_final(&self, intent: &FinalIntent) -> Result<Snapshot, SeamError> {
-        let name = Snapshot::parse_name(self.store.prefix(), &intent.final_snapshot)
-            .map_err(|e| SeamError::HandOff(HandOffError::Intent(e.to_string())))?;
-        Ok(self.actor.final_snapshot(name, intent.revision).await?)
-    }
-}
-
 /// The watchdog's status for `GET /status`.
 #[derive(Debug, Clone)]
 pub struct OwnerStatus(pub watch::Receiver<WatchdogStatus>);
@@ -244,7 +153,9 @@ pub fn context(
         lookup: Arc::new(OwnerResolver::new(owner)?),
         process: Arc::new(ProcKiller::new(kill)),
         etcd: Arc::new(EtcdApi::new(etcd.clone(), crate::health::TIMEOUT).with_data_dir(data_dir)),
-        hand_off: Arc::new(ActorHandOffStore::new(store, actor, codec)),
+        objects: HandOffObjects::new(store),
+        codec,
+        finals: Arc::new(actor),
         readiness: Arc::new(readiness),
         gate,
     })

@@ -12,7 +12,6 @@
 //! Wiring: the snapshot gate must start closed when ownership checks are configured (the watchdog
 //! opens it in Active), and `/healthz` must start at 503.
 
-use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,9 +21,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 
-use super::handoff::{
-    Claim, Created, FenceMarker, FinalIntent, HandOffError, HandOffRecord, Member,
-};
+use super::handoff::{FinalIntent, HandOffError, HandOffObjects, Member};
 use super::metrics::OwnerMetrics;
 use super::protocol::{Action, Event, FinalStep, Protocol, Retry, State, Timing, Verdict};
 use super::resolve::{CheckResult, FailureCounter, OwnerLookup};
@@ -35,7 +32,7 @@ use crate::kill::{ProcessControl, ProcessId};
 use crate::server::Readiness;
 use crate::snapshot::actor::ActorError;
 use crate::snapshot::gate::Gate;
-use crate::store::Snapshot;
+use crate::store::{Codec, Snapshot};
 
 mod hand_off;
 
@@ -84,41 +81,20 @@ pub trait EtcdView: Send + Sync {
     }
 }
 
-/// The store's hand-off objects and the snapshot actor, as the hand-off needs them.
+/// The hand-off's final, taken by the snapshot actor: the one call of the hand-off that is not
+/// a read or write of the store's objects (those go straight to [`HandOffObjects`]).
 #[async_trait::async_trait]
-pub trait HandOffStore: Send + Sync {
-    /// Stores `member`'s fence marker.
-    async fn write_fence(&self, member: u64, marker: &FenceMarker) -> Result<(), SeamError>;
-    /// `member`'s fence marker, if stored.
-    async fn fence(&self, member: u64) -> Result<Option<FenceMarker>, SeamError>;
-    /// The members with a fence marker.
-    async fn fenced(&self) -> Result<BTreeSet<u64>, SeamError>;
-    /// The final full snapshots that were not reclaimed.
-    async fn finals(&self) -> Result<Vec<Snapshot>, SeamError>;
-    /// The newest full snapshot, final only when it is the hand-off's ([`handoff::the_final`]).
-    async fn latest_full(&self) -> Result<Option<Snapshot>, SeamError>;
-    /// The hand-off record, if stored.
-    async fn record(&self) -> Result<Option<HandOffRecord>, SeamError>;
-    /// Stores the hand-off record.
-    async fn write_record(&self, record: &HandOffRecord) -> Result<(), SeamError>;
-    /// The final's intent, if fixed for this hand-off.
-    async fn intent(&self) -> Result<Option<FinalIntent>, SeamError>;
-    /// Fixes the final's identity, unless an intent is there: a final full snapshot's name at
-    /// `revision` (named as the snapshot actor names a final now), recorded with `member` and
-    /// `owner_id`.
-    async fn create_intent(
-        &self,
-        revision: i64,
-        member: u64,
-        owner_id: &str,
-    ) -> Result<Created, SeamError>;
-    /// The claims to take the final, by epoch.
-    async fn claims(&self) -> Result<Vec<Claim>, SeamError>;
-    /// Creates a claim unless its epoch is claimed.
-    async fn create_claim(&self, claim: &Claim) -> Result<Created, SeamError>;
-    /// Takes the final full snapshot the intent names, holding at least its revision (through
-    /// the snapshot actor); an earlier attempt's object of that name is replaced.
-    async fn take_final(&self, intent: &FinalIntent) -> Result<Snapshot, SeamError>;
+pub trait FinalTaker: Send + Sync {
+    /// Takes the final full snapshot `name` (the intent's), holding at least `min_revision`; an
+    /// earlier attempt's object of that name is replaced.
+    async fn take_final(&self, name: Snapshot, min_revision: i64) -> Result<Snapshot, SeamError>;
+}
+
+#[async_trait::async_trait]
+impl FinalTaker for crate::snapshot::actor::ActorHandle {
+    async fn take_final(&self, name: Snapshot, min_revision: i64) -> Result<Snapshot, SeamError> {
+        Ok(self.final_snapshot(name, min_revision).await?)
+    }
 }
 
 /// Where readiness goes (what `/healthz` answers).
@@ -245,8 +221,12 @@ pub struct Context {
     pub process: Arc<dyn ProcessControl>,
     /// etcd's health, members and revision.
     pub etcd: Arc<dyn EtcdView>,
-    /// The store's hand-off objects and the snapshot actor.
-    pub hand_off: Arc<dyn HandOffStore>,
+    /// The store's hand-off objects (fence markers, claims, the intent, the record, finals).
+    pub objects: HandOffObjects,
+    /// The codec a final's name carries.
+    pub codec: Codec,
+    /// The final snapshot (the snapshot actor).
+    pub finals: Arc<dyn FinalTaker>,
     /// `/healthz`.
     pub readiness: Arc<dyn ReadinessSink>,
     /// What the snapshot actor may do.

@@ -83,6 +83,24 @@ impl HandOffObjects {
         HandOffObjects { store }
     }
 
+    /// The store the objects are in.
+    pub fn store(&self) -> &SnapshotStore {
+        &self.store
+    }
+
+    /// The name of a final full snapshot at `revision` taken now, as an intent fixes it (named
+    /// as the snapshot actor names a final).
+    pub fn final_name(&self, revision: i64, codec: crate::store::Codec) -> Snapshot {
+        self.store
+            .new_snapshot(crate::store::Kind::Full, 0, revision, codec, true)
+    }
+
+    /// The final snapshot `intent` names, in this store.
+    pub fn final_of(&self, intent: &FinalIntent) -> Result<Snapshot, HandOffError> {
+        Snapshot::parse_name(self.store.prefix(), &intent.final_snapshot)
+            .map_err(|e| HandOffError::Intent(e.to_string()))
+    }
+
     /// Where `key` is in this store.
     pub(super) fn path(&self, key: &Key) -> Path {
         key.path(self.store.prefix())

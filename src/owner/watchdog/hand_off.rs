@@ -9,8 +9,8 @@ use tokio::time::Instant;
 
 use super::{Driver, SeamError};
 use crate::owner::handoff::{
-    self, Claim, ClusterView, Decision, FenceMarker, HandOffError, HandOffRecord, KilledProcess,
-    Member,
+    self, Claim, ClusterView, Decision, FenceMarker, FinalIntent, HandOffError, HandOffRecord,
+    KilledProcess, Member,
 };
 use crate::owner::protocol::{HandOff, StartCheck};
 use crate::store::Snapshot;
@@ -51,21 +51,21 @@ impl Driver<'_> {
     /// `Some(why)` when an earlier hand-off fenced this member.
     async fn fenced_at_start(&mut self) -> Result<Option<String>, SeamError> {
         let me = self.member().await?;
-        let hand_off = &self.ctx.hand_off;
-        let own = match hand_off.fence(me).await {
+        let objects = &self.ctx.objects;
+        let own = match objects.fence(me).await {
             Ok(own) => own,
             // Only a hand-off writes this member's marker, so one that is there but unreadable
             // (truncated, edited by hand) still says "handed off": failing closed means counting
             // it, not retrying a check that can never succeed while a destination may be live.
-            Err(SeamError::HandOff(HandOffError::Unreadable { key, source })) => {
+            Err(HandOffError::Unreadable { key, source }) => {
                 return Ok(Some(format!(
                     "the store holds this member's fence marker {key}, unreadable ({source}): counted as fenced"
                 )));
             }
-            Err(e) => return Err(e),
+            Err(e) => return Err(e.into()),
         };
-        let record = hand_off.record().await?;
-        let latest = hand_off.latest_full().await?;
+        let record = objects.record().await?;
+        let latest = objects.latest_full().await?;
         let revision = match &latest {
             Some(s) if s.is_final => self.ctx.etcd.revision().await?,
             _ => i64::MAX,
@@ -107,7 +107,7 @@ impl Driver<'_> {
                     .collect(),
                 fenced_at: Utc::now(),
             };
-            self.ctx.hand_off.write_fence(me, &marker).await?;
+            self.ctx.objects.write_fence(me, &marker).await?;
             Ok::<_, SeamError>(me)
         }
         .await;
@@ -198,15 +198,15 @@ impl Driver<'_> {
     async fn decide(&mut self, revision: Option<i64>) -> Result<(Decision, bool), SeamError> {
         let me = self.member().await?;
         let members = self.ctx.etcd.members().await?;
-        let hand_off = self.ctx.hand_off.clone();
-        let fenced = hand_off.fenced().await?;
+        let objects = &self.ctx.objects;
+        let fenced = objects.fenced().await?;
         let all_fenced = handoff::unfenced(&members, &fenced).is_empty();
         let (finals, record, intent, claims) = if all_fenced {
             (
-                hand_off.finals().await?,
-                hand_off.record().await?,
-                hand_off.intent().await?,
-                hand_off.claims().await?,
+                objects.finals().await?,
+                objects.record().await?,
+                objects.intent().await?,
+                objects.claims().await?,
             )
         } else {
             (Vec::new(), None, None, Vec::new())
@@ -271,7 +271,7 @@ impl Driver<'_> {
                     member_id: format!("{me:x}"),
                     claimed_at: Utc::now(),
                 };
-                self.ctx.hand_off.create_claim(&claim).await
+                Ok::<_, SeamError>(self.ctx.objects.create_claim(&claim).await?)
             },
             span.clone(),
         )
@@ -306,10 +306,18 @@ impl Driver<'_> {
         let result = tracing::Instrument::instrument(
             async {
                 let me = self.member().await?;
-                self.ctx
-                    .hand_off
-                    .create_intent(revision, me, &self.config.owner_id)
-                    .await
+                let intent = FinalIntent {
+                    final_snapshot: self
+                        .ctx
+                        .objects
+                        .final_name(revision, self.ctx.codec)
+                        .snap_name,
+                    revision,
+                    member_id: format!("{me:x}"),
+                    owner_id: self.config.owner_id.clone(),
+                    fixed_at: Utc::now(),
+                };
+                Ok::<_, SeamError>(self.ctx.objects.create_intent(&intent).await?)
             },
             span.clone(),
         )
@@ -375,7 +383,7 @@ impl Driver<'_> {
                     owner_id: self.config.owner_id.clone(),
                     recorded_at: Utc::now(),
                 };
-                self.ctx.hand_off.write_record(&record).await?;
+                self.ctx.objects.write_record(&record).await?;
                 Ok(to.final_snapshot)
             },
             span.clone(),
@@ -410,7 +418,8 @@ impl Driver<'_> {
                     return Err(SeamError::HandOff(HandOffError::Unsettled));
                 };
                 tracing::Span::current().record("snapshot", intent.final_snapshot.as_str());
-                let snap = self.ctx.hand_off.take_final(&intent).await?;
+                let name = self.ctx.objects.final_of(&intent)?;
+                let snap = self.ctx.finals.take_final(name, intent.revision).await?;
                 Ok::<_, SeamError>((snap, intent.revision))
             },
             span.clone(),
