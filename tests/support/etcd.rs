@@ -375,6 +375,22 @@ impl EtcdCluster {
     }
 }
 
+/// `release`'s etcd started on `data_dir` as member `name`, a temporary member logging to
+/// `log` (the caller stops it): how a test reads what a restore wrote.
+pub async fn temp_etcd(
+    release: Release,
+    data_dir: &Path,
+    name: &str,
+    log: PathBuf,
+) -> Result<etcd_warden::restore::TempEtcd, String> {
+    let tools = etcd_warden::restore::EtcdTools::locate(Some(&release.bin_dir()))
+        .await
+        .map_err(|e| e.to_string())?;
+    etcd_warden::restore::TempEtcd::start(&tools, data_dir, name, log)
+        .await
+        .map_err(|e| e.to_string())
+}
+
 /// Whether the member at `url` answers a status request and knows a leader.
 pub async fn member_healthy(url: &str) -> bool {
     process::is_healthy(url, None).await

@@ -1926,17 +1926,8 @@ async fn read_restored(
     data_dir: &Path,
     at: i64,
 ) -> Result<(i64, BTreeMap<String, Seen>), String> {
-    let tools = etcd_warden::restore::EtcdTools::locate(Some(&release.bin_dir()))
-        .await
-        .map_err(|e| e.to_string())?;
-    let etcd = etcd_warden::restore::TempEtcd::start(
-        &tools,
-        data_dir,
-        "default",
-        data_dir.with_extension("log"),
-    )
-    .await
-    .map_err(|e| e.to_string())?;
+    let etcd = super::etcd::temp_etcd(release, data_dir, "default", data_dir.with_extension("log"))
+        .await?;
     let read = async {
         let client = etcd_client::Client::connect([&etcd.client_url], None)
             .await
