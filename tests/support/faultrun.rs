@@ -38,7 +38,7 @@ use super::schedule::{Burial, Ending, Fault, Schedule};
 use super::service::{Backend, Service};
 use super::writer::{Ack, Writer};
 use super::{free_port, warden};
-use etcd_warden::etcd::process::MemberSpec;
+use etcd_warden::etcd::process::{self, MemberSpec};
 
 /// The owner record every sidecar of a run watches.
 pub const RECORD: &str = "owner.fault.warden.test";
@@ -394,11 +394,7 @@ impl World {
             for (i, spec) in specs.iter_mut().enumerate() {
                 spec.host = member_host(i);
             }
-            let initial_cluster = specs
-                .iter()
-                .map(|s| format!("{}={}", s.name, s.peer_url()))
-                .collect::<Vec<_>>()
-                .join(",");
+            let initial_cluster = process::initial_cluster(&specs);
             for spec in &mut specs {
                 if let Some(b) = spec.bootstrap.as_mut() {
                     b.initial_cluster = Some(initial_cluster.clone());

@@ -545,12 +545,7 @@ impl DruidLane {
             let _ = writeln!(peers, "  {}: [\"{}\"]", s.name, s.peer_url());
             let _ = writeln!(clients, "  {}: [\"{}\"]", s.name, s.client_url());
         }
-        let initial = world
-            .specs
-            .iter()
-            .map(|s| format!("{}={}", s.name, s.peer_url()))
-            .collect::<Vec<_>>()
-            .join(",");
+        let initial = etcd_warden::etcd::process::initial_cluster(&world.specs);
         let text = format!(
             "initial-advertise-peer-urls:\n{peers}advertise-client-urls:\n{clients}\
              initial-cluster: {initial}\ninitial-cluster-token: soak\n"
