@@ -1762,6 +1762,24 @@ impl Run<'_> {
 
     /// The copy Job into a fresh destination, a restore of it (first onto a full disk when the
     /// profile has one), etcd started on it and read: it must hold the state at the final.
+    /// One step of a hand-off run as the binary's `subcommand`: logged as `"{what} ok=…"`, and on
+    /// failure a violation (`kind`, `"{failed}: <its last lines>"`); whether it succeeded.
+    async fn hand_off_step(
+        &mut self,
+        subcommand: &str,
+        args: &[String],
+        extra: &[(String, String)],
+        what: String,
+        (kind, failed): (&'static str, String),
+    ) -> bool {
+        let (ok, said) = self.cli(subcommand, args, extra).await;
+        self.event(format!("{what} ok={ok}: {}", last_line(&said)));
+        if !ok {
+            self.violation(kind, format!("{failed}: {}", tail(&said, 5, true)));
+        }
+        ok
+    }
+
     async fn copy_and_restore(&mut self, k: u32, final_rev: i64, recorded: &Recorded) {
         self.destinations += 1;
         let dest_prefix = format!("{PREFIX}-{k}");
@@ -1774,8 +1792,8 @@ impl Run<'_> {
             .collect();
         source.push(("store.url".into(), format!("s3://{DEST}/{dest_prefix}")));
         source.push(("store.endpoint".into(), endpoint));
-        let (ok, said) = self
-            .cli(
+        let copied = self
+            .hand_off_step(
                 "copy",
                 &[
                     "--wait-for-final".into(),
@@ -1785,20 +1803,11 @@ impl Run<'_> {
                     "1s".into(),
                 ],
                 &source,
+                format!("hand-off {k}: copy Job"),
+                ("copy-failed", format!("hand-off {k}: the copy Job failed")),
             )
             .await;
-        self.event(format!(
-            "hand-off {k}: copy Job ok={ok}: {}",
-            last_line(&said)
-        ));
-        if !ok {
-            self.violation(
-                "copy-failed",
-                format!(
-                    "hand-off {k}: the copy Job failed: {}",
-                    tail(&said, 5, true)
-                ),
-            );
+        if !copied {
             return;
         }
         self.counts.copies += 1;
@@ -1854,8 +1863,8 @@ impl Run<'_> {
             }
         }
         let target = self.world.dir.path().join(format!("dest-{k}")).join("data");
-        let (ok, said) = self
-            .cli(
+        let restored = self
+            .hand_off_step(
                 "restore",
                 &[
                     "--data-dir".into(),
@@ -1864,20 +1873,14 @@ impl Run<'_> {
                     etcd_bin,
                 ],
                 &dest_keys,
+                format!("hand-off {k}: destination restore"),
+                (
+                    "restore-failed",
+                    format!("hand-off {k}: restoring the destination failed"),
+                ),
             )
             .await;
-        self.event(format!(
-            "hand-off {k}: destination restore ok={ok}: {}",
-            last_line(&said)
-        ));
-        if !ok {
-            self.violation(
-                "restore-failed",
-                format!(
-                    "hand-off {k}: restoring the destination failed: {}",
-                    tail(&said, 5, true)
-                ),
-            );
+        if !restored {
             return;
         }
         self.counts.restores += 1;
