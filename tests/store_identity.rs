@@ -88,12 +88,7 @@ async fn a_web_identity_token_rotated_on_disk_is_sent_at_the_next_renewal() {
     // No provider variables: the credentials can only come from STS.
     let store = build_with_env(&config, &HashMap::<String, String>::new(), None).unwrap();
 
-    store
-        .put(&"etcd/v2/probe".into(), "x".into())
-        .await
-        .expect("a write signed with the assumed role's credentials");
-    let listed: Vec<_> = store.list(None).try_collect().await.unwrap();
-    assert_eq!(listed.len(), 1);
+    probe(&store, "a write signed with the assumed role's credentials").await;
     {
         let seen = calls.lock().unwrap();
         assert!(!seen.is_empty(), "STS was never asked");
@@ -105,10 +100,7 @@ async fn a_web_identity_token_rotated_on_disk_is_sent_at_the_next_renewal() {
     }
 
     // The kubelet rotates the projected token: the next renewal reads the new one.
-    std::fs::write(&token, "token-2").unwrap();
-    // object_store reuses credentials fetched in the last 100 ms.
-    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    store.list(None).try_collect::<Vec<_>>().await.unwrap();
+    rotate_token(&store, &token, "token-2").await;
     let last = calls.lock().unwrap().last().cloned().unwrap();
     assert_eq!(last.1, "token-2");
     cancel.cancel();
@@ -166,18 +158,29 @@ fn a_web_identity_needs_both_keys_https_and_an_s3_store() {
         ),
     ];
     for (keys, named) in cases {
-        let sources = etcd_warden::config::Sources {
-            file: None,
-            env: &HashMap::<String, String>::new(),
-            overrides: keys
-                .iter()
-                .map(|(k, v)| etcd_warden::config::Override::flag(k, *v, "test"))
-                .collect(),
-        };
-        let e = etcd_warden::config::Config::load_for(&sources, etcd_warden::config::Purpose::Any)
-            .expect_err(named);
+        let e = load(&keys).expect_err(named);
         assert_eq!(e.key, named, "{keys:?}: {e}");
     }
+}
+
+/// A write (`what` if it fails) and a listing of exactly it through `store`, which only the
+/// credentials its identity exchanged for can sign.
+async fn probe(store: &Arc<dyn ObjectStore>, what: &str) {
+    store
+        .put(&"etcd/v2/probe".into(), "x".into())
+        .await
+        .expect(what);
+    let listed: Vec<_> = store.list(None).try_collect().await.unwrap();
+    assert_eq!(listed.len(), 1);
+}
+
+/// Writes `next` into the projected token file `token` as the kubelet rotates it, then lists
+/// through `store` so that it fetches credentials again (object_store reuses those fetched in
+/// the last 100 ms, hence the wait).
+async fn rotate_token(store: &Arc<dyn ObjectStore>, token: &std::path::Path, next: &str) {
+    std::fs::write(token, next).unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    store.list(None).try_collect::<Vec<_>>().await.unwrap();
 }
 
 fn load(
@@ -471,12 +474,7 @@ async fn an_azure_workload_identity_token_rotated_on_disk_is_exchanged_again() {
     let config = load(&keys).unwrap().store;
     let store = build_with_env(&config, &HashMap::<String, String>::new(), None).unwrap();
 
-    store
-        .put(&"etcd/v2/probe".into(), "x".into())
-        .await
-        .expect("a write with the exchanged token");
-    let listed: Vec<_> = store.list(None).try_collect().await.unwrap();
-    assert_eq!(listed.len(), 1);
+    probe(&store, "a write with the exchanged token").await;
     {
         let seen = exchanges.lock().unwrap();
         assert!(!seen.is_empty(), "Entra ID was never asked");
@@ -492,9 +490,7 @@ async fn an_azure_workload_identity_token_rotated_on_disk_is_exchanged_again() {
     }
 
     // The kubelet rotates the projected token: the next exchange sends the new one.
-    std::fs::write(&token, "federated-2").unwrap();
-    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    store.list(None).try_collect::<Vec<_>>().await.unwrap();
+    rotate_token(&store, &token, "federated-2").await;
     let last = exchanges.lock().unwrap().last().cloned().unwrap();
     assert_eq!(last.2, "federated-2");
 
