@@ -1623,6 +1623,17 @@ fn actor_over(
     )
 }
 
+/// The final snapshots `store` lists.
+async fn finals_in(store: &SnapshotStore) -> Vec<Snapshot> {
+    store
+        .list()
+        .await
+        .expect("list")
+        .into_iter()
+        .filter(|s| s.is_final)
+        .collect()
+}
+
 /// One member, its store on a real S3 server behind [`LosingStore`] (finals only); keys on
 /// short leases so the revision moves after the kill without any client write, as
 /// kube-apiserver's 15 s leases do. Plays the flip and returns the finals in the store once
@@ -1684,13 +1695,7 @@ async fn hand_off_losing(loss: Loss, snapshot_timeout: Duration, linger: Duratio
     tokio::time::sleep(linger).await;
     assert_eq!(losing.lost(), 1, "the fault was not injected");
 
-    let finals: Vec<Snapshot> = store
-        .list()
-        .await
-        .expect("list")
-        .into_iter()
-        .filter(|s| s.is_final)
-        .collect();
+    let finals = finals_in(&store).await;
     assert_eq!(finals.len(), 1, "one final for the hand-off: {finals:?}");
     assert!(finals[0].last_revision >= acknowledged);
     let objects = etcd_warden::owner::handoff::HandOffObjects::new(store.clone());
@@ -1725,13 +1730,7 @@ async fn hand_off_losing(loss: Loss, snapshot_timeout: Duration, linger: Duratio
         now > acknowledged,
         "the leases did not move the revision: etcd at {now}, last write {acknowledged}"
     );
-    let again: Vec<Snapshot> = store
-        .list()
-        .await
-        .expect("list")
-        .into_iter()
-        .filter(|s| s.is_final)
-        .collect();
+    let again = finals_in(&store).await;
     assert_eq!(again, finals, "a final after the leases moved the revision");
     println!(
         "final {} at {}, etcd now at {now}",
