@@ -157,9 +157,14 @@ fn a_web_identity_needs_both_keys_https_and_an_s3_store() {
             "store.ca_file",
         ),
     ];
+    refused_naming(&cases);
+}
+
+/// Each case's keys are refused, the error naming the case's key.
+fn refused_naming(cases: &[(Vec<(&str, &str)>, &str)]) {
     for (keys, named) in cases {
-        let e = load(&keys).expect_err(named);
-        assert_eq!(e.key, named, "{keys:?}: {e}");
+        let e = load(keys).expect_err(named);
+        assert_eq!(e.key, *named, "{keys:?}: {e}");
     }
 }
 
@@ -375,10 +380,7 @@ fn encryption_and_azure_identity_keys_are_checked_naming_the_key() {
             "store.ca_file",
         ),
     ];
-    for (keys, named) in cases {
-        let e = load(&keys).expect_err(named);
-        assert_eq!(e.key, named, "{keys:?}: {e}");
-    }
+    refused_naming(&cases);
 }
 
 /// What the stand-in Entra ID was asked: (tenant, client id, client assertion) per call.

@@ -24,8 +24,9 @@ pub const REGION: &str = "us-east-1";
 const ACCESS_KEY: &str = "moto-access";
 const SECRET_KEY: &str = "moto-secret";
 
-/// moto's account, as [`S3Account`].
-const ACCOUNT: S3Account = S3Account {
+/// moto's account, as [`S3Account`]: its `config_overrides` point a section at a bucket through
+/// any endpoint (moto's own, or a proxy in front of it).
+pub const ACCOUNT: S3Account = S3Account {
     region: REGION,
     access_key: ACCESS_KEY,
     secret_key: SECRET_KEY,
@@ -118,18 +119,6 @@ impl MotoServer {
             .send()
             .await
             .expect("moto answers")
-    }
-
-    /// Configuration overrides (dotted key, value) pointing `section` at a bucket through
-    /// `endpoint` (moto's own, or a proxy in front of it).
-    pub fn config_overrides(
-        &self,
-        section: &str,
-        endpoint: &str,
-        bucket: &str,
-        prefix: &str,
-    ) -> Vec<(String, String)> {
-        ACCOUNT.config_overrides(section, endpoint, bucket, prefix)
     }
 
     /// Creates a bucket with Object Lock enabled (which makes it versioned, as on AWS).
