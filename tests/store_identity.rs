@@ -63,15 +63,25 @@ async fn serve_https(
     (port, cancel)
 }
 
+/// A stand-in identity endpoint: test certificates made in `dir`, `route` served at `path` with
+/// `state` (where it records what it was asked) over https on loopback; its port, and the token
+/// that stops it.
+async fn stand_in<S: Clone + Send + Sync + 'static>(
+    dir: &std::path::Path,
+    path: &str,
+    route: axum::routing::MethodRouter<S>,
+    state: S,
+) -> (u16, tokio_util::sync::CancellationToken) {
+    crate::support::tls::make_certs(dir);
+    let app = axum::Router::new().route(path, route).with_state(state);
+    serve_https(app, dir).await
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_web_identity_token_rotated_on_disk_is_sent_at_the_next_renewal() {
     let dir = tempfile::tempdir().unwrap();
-    crate::support::tls::make_certs(dir.path());
     let calls: Calls = Arc::default();
-    let sts = axum::Router::new()
-        .route("/", post(assume_role))
-        .with_state(calls.clone());
-    let (port, cancel) = serve_https(sts, dir.path()).await;
+    let (port, cancel) = stand_in(dir.path(), "/", post(assume_role), calls.clone()).await;
 
     let s3 = S3Server::start(&["backups"]);
     let token = dir.path().join("token");
@@ -437,12 +447,14 @@ async fn entra_token(
 #[tokio::test(flavor = "multi_thread")]
 async fn an_azure_workload_identity_token_rotated_on_disk_is_exchanged_again() {
     let dir = tempfile::tempdir().unwrap();
-    crate::support::tls::make_certs(dir.path());
     let exchanges: Exchanges = Arc::default();
-    let entra = axum::Router::new()
-        .route("/{tenant}/oauth2/v2.0/token", post(entra_token))
-        .with_state(exchanges.clone());
-    let (port, cancel) = serve_https(entra, dir.path()).await;
+    let (port, cancel) = stand_in(
+        dir.path(),
+        "/{tenant}/oauth2/v2.0/token",
+        post(entra_token),
+        exchanges.clone(),
+    )
+    .await;
     let azurite = crate::support::azurite::Azurite::start_oauth(
         &dir.path().join("server.pem"),
         &dir.path().join("server.key"),
