@@ -941,6 +941,38 @@ impl World {
         true
     }
 
+    /// Every sidecar's `/status` answer, by member (`None` unless it answered 200).
+    pub async fn sidecar_statuses(&self) -> Vec<Option<serde_json::Value>> {
+        let mut statuses = Vec::new();
+        for m in 0..self.specs.len() {
+            let url = self.sidecar_url(m, "/status");
+            statuses.push(
+                get_json(&self.http_client, &url)
+                    .await
+                    .filter(|(c, _)| *c == 200)
+                    .map(|(_, v)| v),
+            );
+        }
+        statuses
+    }
+
+    /// Every sidecar's log so far, by member.
+    pub fn sidecar_log_texts(&self) -> Vec<String> {
+        self.sidecar_logs
+            .iter()
+            .map(|p| std::fs::read_to_string(p).unwrap_or_default())
+            .collect()
+    }
+
+    /// The reclaimed finals read as the final so far (what the reclaim recorded).
+    pub fn read_as_final(&self) -> Vec<(Duration, usize, String)> {
+        self.reclaim
+            .read_as_final
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     pub fn sidecar_exits(&self) -> Vec<Exit> {
         (0..self.specs.len())
             .flat_map(|m| {
@@ -1194,33 +1226,15 @@ pub async fn run(schedule: &Schedule) -> Outcome {
         h.abort();
     }
     world.monitor().stop();
-    let mut final_status = Vec::new();
-    for m in 0..world.specs.len() {
-        let url = world.sidecar_url(m, "/status");
-        final_status.push(
-            get_json(&world.http_client, &url)
-                .await
-                .filter(|(c, _)| *c == 200)
-                .map(|(_, v)| v),
-        );
-    }
+    let final_status = world.sidecar_statuses().await;
     let snapshots = world.store.list().await.unwrap_or_default();
     let seen = world.objects.seen().await.unwrap_or_default();
     let named = the_final(&snapshots, &seen).map(|s| s.snap_name.clone());
     let latest_final = world.latest_is_final().await;
-    let read_as_final = world
-        .reclaim
-        .read_as_final
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .clone();
+    let read_as_final = world.read_as_final();
     let sidecar_exits = world.sidecar_exits();
     world.kubelet.stop();
-    let sidecar_logs: Vec<String> = world
-        .sidecar_logs
-        .iter()
-        .map(|p| std::fs::read_to_string(p).unwrap_or_default())
-        .collect();
+    let sidecar_logs = world.sidecar_log_texts();
     let etcd_ok = (0..world.specs.len())
         .filter(|m| !world.buried.contains(m))
         .all(|m| world.kubelet.with_pod(m, |p| p.process(ETCD).is_some()));

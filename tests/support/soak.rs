@@ -1577,30 +1577,10 @@ impl Run<'_> {
         if latest_final {
             self.counts.settled += 1;
         }
-        let mut final_status = Vec::new();
-        for m in 0..self.world.specs.len() {
-            let url = self.world.sidecar_url(m, "/status");
-            final_status.push(
-                get_json(&self.world.http_client, &url)
-                    .await
-                    .filter(|(c, _)| *c == 200)
-                    .map(|(_, v)| v),
-            );
-        }
+        let final_status = self.world.sidecar_statuses().await;
         let sidecar_exits = self.world.sidecar_exits();
-        let sidecar_logs: Vec<String> = self
-            .world
-            .sidecar_logs
-            .iter()
-            .map(|p| std::fs::read_to_string(p).unwrap_or_default())
-            .collect();
-        let read_as_final = self
-            .world
-            .reclaim
-            .read_as_final
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let sidecar_logs = self.world.sidecar_log_texts();
+        let read_as_final = self.world.read_as_final();
         let (violations, notes) = self.world.monitor().with(|observed| {
             invariants::check(&Evidence {
                 ending,
