@@ -32,7 +32,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use chrono::{DateTime, Utc};
 use etcd_client::{Client, CompactionOptions, DeleteOptions};
-use etcd_warden::config::{EtcdConfig, GcPolicy};
+use etcd_warden::config::GcPolicy;
 use etcd_warden::etcd::RotatingClient;
 use etcd_warden::etcd::process::{self, EtcdProcess, MemberSpec};
 use etcd_warden::snapshot::actor;
@@ -472,14 +472,10 @@ struct Warden {
 impl Warden {
     async fn next_to(url: &str, store: &Path) -> Warden {
         let engine = EtcdEngine::new(
-            RotatingClient::connect(&EtcdConfig {
-                endpoints: vec![url.to_string()],
-                tls: None,
-                username: None,
-                password: None,
-                connect_timeout: Duration::from_secs(2),
-                request_timeout: Duration::from_secs(10),
-            })
+            RotatingClient::connect(&support::etcd::plain_client_config(
+                vec![url.to_string()],
+                Duration::from_secs(10),
+            ))
             .await
             .expect("warden's etcd client"),
             support::file_store(store),

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use etcd_client::{Client, CompactionOptions, MemberAddOptions};
-use etcd_warden::config::{EtcdConfig, GcPolicy};
+use etcd_warden::config::GcPolicy;
 use etcd_warden::etcd::RotatingClient;
 use etcd_warden::snapshot::actor::{self, ActorConfig, ActorError, ActorHandle, DefragEvent};
 use etcd_warden::snapshot::engine::EtcdEngine;
@@ -129,14 +129,10 @@ impl Sidecar {
         let dir = tempfile::tempdir().unwrap();
         let store = support::file_store(dir.path());
         let engine = EtcdEngine::new(
-            RotatingClient::connect(&EtcdConfig {
-                endpoints: vec![leader_url],
-                tls: None,
-                username: None,
-                password: None,
-                connect_timeout: Duration::from_secs(2),
-                request_timeout: Duration::from_secs(10),
-            })
+            RotatingClient::connect(&support::etcd::plain_client_config(
+                vec![leader_url],
+                Duration::from_secs(10),
+            ))
             .await
             .unwrap(),
             store.clone(),

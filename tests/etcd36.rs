@@ -4,21 +4,19 @@
 //! validates them with this crate alone; with `$ETCD36_BIN_DIR` the results are also started
 //! on etcd 3.6.
 
-use crate::restore::{dump, dump_at, file_store, revision};
+use crate::restore::{Workload, dump, dump_at, file_store, revision, workload_of};
 use crate::support;
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
-use etcd_client::{Client, CompactionOptions, DeleteOptions, PutOptions, Txn, TxnOp};
+use etcd_client::{Client, CompactionOptions};
 use etcd_warden::restore::Target;
 use etcd_warden::restore::bolt::Reader;
 use etcd_warden::restore::datadir::{self, DataDir, Validation};
 use etcd_warden::restore::direct::decode_kv;
-use etcd_warden::restore::{
-    EtcdTools, MemberParams, Replay, RestoreOptions, RevisionBump, TempEtcd,
-};
+use etcd_warden::restore::{EtcdTools, MemberParams, Replay, RestoreOptions, RevisionBump};
 use etcd_warden::snapshot::delta::{DeltaWriter, Event};
 use etcd_warden::snapshot::take_full;
 use etcd_warden::snapshot::watcher::DeltaWatch;
@@ -279,9 +277,8 @@ async fn restore_chain(release: Release) {
 
 /// Starts `release` on `data_dir` and dumps it.
 async fn dump_restored(release: Release, data_dir: &Path) -> (Vec<Kv>, i64) {
-    let tools = EtcdTools::locate(Some(&release.bin_dir())).await.unwrap();
     let log = data_dir.with_extension("check.log");
-    let etcd = TempEtcd::start(&tools, data_dir, "default", log)
+    let etcd = support::etcd::temp_etcd(release, data_dir, "default", log)
         .await
         .unwrap();
     let mut client = Client::connect([&etcd.client_url], None).await.unwrap();
@@ -373,63 +370,15 @@ async fn etcd_3_6_alone_restores_without_etcdutl() {
 /// The member name the fixture's data directory was written under.
 const FIXTURE_MEMBER: &str = "m36";
 
-/// Small phases of what a restore must get right: puts, overwrites, a delete, a prefix delete, a
-/// transaction of several events at one revision, a value spanning several bbolt pages, and a
-/// key under a lease.
-async fn small_workload(client: &mut Client, phase: usize) {
-    for i in 0..24 {
-        client
-            .put(
-                format!("/registry/p{phase}/k{i:02}"),
-                format!("v{i}-{phase}"),
-                None,
-            )
-            .await
-            .unwrap();
-    }
-    for i in 0..8 {
-        client
-            .put(
-                format!("/registry/shared/k{i}"),
-                format!("overwritten-{phase}"),
-                None,
-            )
-            .await
-            .unwrap();
-    }
-    client.delete("/registry/shared/k5", None).await.unwrap();
-    if phase > 0 {
-        client
-            .delete(
-                format!("/registry/p{}/", phase - 1),
-                Some(DeleteOptions::new().with_prefix()),
-            )
-            .await
-            .unwrap();
-    }
-    client
-        .txn(Txn::new().and_then([
-            TxnOp::put(format!("/txn/{phase}/a"), "a", None),
-            TxnOp::put(format!("/txn/{phase}/b"), "b", None),
-            TxnOp::delete("/registry/shared/k6", None),
-        ]))
-        .await
-        .unwrap();
-    let big: Vec<u8> = (0..12_000u32).map(|i| (i % 251) as u8).collect();
-    client
-        .put(format!("/big/{phase}"), big, None)
-        .await
-        .unwrap();
-    let lease = client.lease_grant(3600, None).await.unwrap().id();
-    client
-        .put(
-            format!("/leased/{phase}"),
-            "l",
-            Some(PutOptions::new().with_lease(lease)),
-        )
-        .await
-        .unwrap();
-}
+/// Small phases (keys as the fixture was written with): a value spanning several bbolt pages,
+/// not one near etcd's request limit.
+const SMALL: Workload = Workload {
+    keys: 24,
+    key_width: 2,
+    overwrites: 8,
+    overwrite_width: 0,
+    big: 12_000,
+};
 
 /// Writes `tests/fixtures/etcd36` afresh from the etcd 3.6 in `$ETCD36_BIN_DIR` into
 /// `$ETCD36_FIXTURE_OUT`: by hand; without `$ETCD36_FIXTURE_OUT` (CI) it writes nothing and
@@ -457,7 +406,7 @@ async fn write_etcd36_fixtures() {
     let store = file_store(&out.join("store"));
 
     // The full snapshot after phase 0 and a compaction, then two deltas of a phase each.
-    small_workload(&mut client, 0).await;
+    workload_of(&mut client, 0, &SMALL).await;
     let at = revision(&mut client).await;
     client
         .compact(at, Some(CompactionOptions::new().with_physical()))
@@ -472,7 +421,7 @@ async fn write_etcd36_fixtures() {
         .unwrap();
     let mut ends = Vec::new();
     for phase in 1..=2 {
-        small_workload(&mut client, phase).await;
+        workload_of(&mut client, phase, &SMALL).await;
         let target = revision(&mut client).await;
         let mut events: Vec<Event> = Vec::new();
         while events.last().map_or(0, Event::revision) < target {

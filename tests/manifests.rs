@@ -434,6 +434,22 @@ fn mounted_config(
     Ok((path, text.clone()))
 }
 
+/// [`mounted_config`]'s text and the TOML it parses to; the error names the config as `what`
+/// (`sidecar`, `copy`, `the Job's`).
+fn mounted_toml(
+    pod: &PodSpec,
+    c: &Container,
+    config_maps: &BTreeMap<String, BTreeMap<String, String>>,
+    what: &str,
+) -> Result<(String, toml::Table), String> {
+    let (_, text) =
+        mounted_config(pod, c, config_maps).map_err(|e| format!("{what} config: {e}"))?;
+    let raw = text
+        .parse::<toml::Table>()
+        .map_err(|e| format!("{what} config is not TOML: {e}"))?;
+    Ok((text, raw))
+}
+
 fn volume<'a>(pod: &'a PodSpec, name: &str) -> Option<&'a k8s_openapi::api::core::v1::Volume> {
     pod.volumes.iter().flatten().find(|v| v.name == name)
 }
@@ -452,6 +468,29 @@ fn file_keys(config: &toml::Table) -> Vec<(String, String)> {
         }
     }
     out
+}
+
+/// Problems with the `*_file` keys of `[section]` among `files`: it must read at least one, each
+/// from the Secret `secret` (see [`secret_file_problem`]).
+fn section_secret_problems(
+    pod: &PodSpec,
+    c: &Container,
+    files: &[(String, String)],
+    section: &str,
+    secret: &str,
+    secrets: &BTreeMap<String, BTreeSet<String>>,
+) -> Vec<String> {
+    let prefix = format!("{section}.");
+    let mine: Vec<_> = files
+        .iter()
+        .filter(|(k, _)| k.starts_with(&prefix))
+        .collect();
+    if mine.is_empty() {
+        return vec![format!("[{section}] reads no credentials from {secret}")];
+    }
+    mine.into_iter()
+        .filter_map(|(key, path)| secret_file_problem(pod, c, key, path, Some(secret), secrets))
+        .collect()
 }
 
 /// Problems with one `*_file` path: it must be a key of the Secret mounted at its directory
@@ -646,17 +685,14 @@ fn statefulset_problems(
 
     // The config file the sidecar reads, the Secret files it names, and what `serve` requires
     // of it (beyond loopback, the bearer token of POST /snapshot/*).
-    match mounted_config(pod, side, config_maps) {
-        Err(e) => out.push(format!("sidecar config: {e}")),
-        Ok((_, text)) => match text.parse::<toml::Table>() {
-            Err(e) => out.push(format!("sidecar config is not TOML: {e}")),
-            Ok(raw) => {
-                for (key, path) in file_keys(&raw) {
-                    out.extend(secret_file_problem(pod, side, &key, &path, None, secrets));
-                }
-                out.extend(subcommand_config_problem(side, &text));
+    match mounted_toml(pod, side, config_maps, "sidecar") {
+        Err(e) => out.push(e),
+        Ok((text, raw)) => {
+            for (key, path) in file_keys(&raw) {
+                out.extend(secret_file_problem(pod, side, &key, &path, None, secrets));
             }
-        },
+            out.extend(subcommand_config_problem(side, &text));
+        }
     }
 
     // Capabilities: none when both run as one UID; otherwise KILL on the sidecar only.
@@ -849,38 +885,20 @@ fn job_problems(
     if !line.iter().any(|a| a == "--wait-for-final") {
         out.push("the copy Job must wait for the final snapshot (--wait-for-final)".into());
     }
-    match mounted_config(pod, c, config_maps) {
-        Err(e) => out.push(format!("copy config: {e}")),
-        Ok((_, text)) => match text.parse::<toml::Table>() {
-            Err(e) => out.push(format!("copy config is not TOML: {e}")),
-            Ok(raw) => {
-                let files = file_keys(&raw);
-                for (section, secret) in [
-                    ("source_store", "source-etcd-backup"),
-                    ("store", "etcd-backup"),
-                ] {
-                    let prefix = format!("{section}.");
-                    let mine: Vec<_> = files
-                        .iter()
-                        .filter(|(k, _)| k.starts_with(&prefix))
-                        .collect();
-                    if mine.is_empty() {
-                        out.push(format!("[{section}] reads no credentials from {secret}"));
-                    }
-                    for (key, path) in mine {
-                        out.extend(secret_file_problem(
-                            pod,
-                            c,
-                            key,
-                            path,
-                            Some(secret),
-                            secrets,
-                        ));
-                    }
-                }
-                out.extend(subcommand_config_problem(c, &text));
+    match mounted_toml(pod, c, config_maps, "copy") {
+        Err(e) => out.push(e),
+        Ok((text, raw)) => {
+            let files = file_keys(&raw);
+            for (section, secret) in [
+                ("source_store", "source-etcd-backup"),
+                ("store", "etcd-backup"),
+            ] {
+                out.extend(section_secret_problems(
+                    pod, c, &files, section, secret, secrets,
+                ));
             }
-        },
+            out.extend(subcommand_config_problem(c, &text));
+        }
     }
     if get(effective, "source_store.url").is_none() {
         out.push("the copy config has no [source_store]".into());
@@ -2063,28 +2081,20 @@ fn job_cronjob_problems(
             }
         }
     }
-    match mounted_config(pod, c, config_maps) {
-        Err(e) => out.push(format!("the Job's config: {e}")),
-        Ok((_, text)) => match text.parse::<toml::Table>() {
-            Err(e) => out.push(format!("the Job's config is not TOML: {e}")),
-            Ok(raw) => {
-                let files = file_keys(&raw);
-                if !files.iter().any(|(k, _)| k.starts_with("store.")) {
-                    out.push("[store] reads no credentials from etcd-backup".into());
-                }
-                for (key, path) in files.iter().filter(|(k, _)| k.starts_with("store.")) {
-                    out.extend(secret_file_problem(
-                        pod,
-                        c,
-                        key,
-                        path,
-                        Some("etcd-backup"),
-                        secrets,
-                    ));
-                }
-                out.extend(subcommand_config_problem(c, &text));
-            }
-        },
+    match mounted_toml(pod, c, config_maps, "the Job's") {
+        Err(e) => out.push(e),
+        Ok((text, raw)) => {
+            let files = file_keys(&raw);
+            out.extend(section_secret_problems(
+                pod,
+                c,
+                &files,
+                "store",
+                "etcd-backup",
+                secrets,
+            ));
+            out.extend(subcommand_config_problem(c, &text));
+        }
     }
     out.extend(security_problems(pod, c, &[]));
     out

@@ -55,6 +55,18 @@ macro_rules! scenario_tests {
     };
 }
 
+/// `members` local machines running `etcd` under `dir`, without fsync and without a
+/// ControlPlaneSet.
+fn plain(members: usize, dir: PathBuf, etcd: PathBuf) -> LocalOptions {
+    LocalOptions {
+        members,
+        dir,
+        etcd,
+        no_fsync: true,
+        set: None,
+    }
+}
+
 /// A running local cluster; its etcd processes die with it.
 struct Fixture {
     _dir: TempDir,
@@ -71,15 +83,9 @@ impl Fixture {
 
     async fn start_with(etcd: PathBuf, machine_api: bool) -> Fixture {
         let dir = tempfile::tempdir().unwrap();
-        let cluster = LocalCluster::start(LocalOptions {
-            members: 3,
-            dir: dir.path().join("cluster"),
-            etcd,
-            no_fsync: true,
-            set: None,
-        })
-        .await
-        .unwrap();
+        let cluster = LocalCluster::start(plain(3, dir.path().join("cluster"), etcd))
+            .await
+            .unwrap();
         cluster.wait_ready(Duration::from_secs(30)).await.unwrap();
         let cancel = CancellationToken::new();
         if machine_api {
@@ -885,16 +891,10 @@ fn missing_etcd_binary_says_what_to_install() {
 #[tokio::test]
 async fn cluster_size_must_be_3_or_5() {
     let dir = tempfile::tempdir().unwrap();
-    let err = LocalCluster::start(LocalOptions {
-        members: 4,
-        dir: dir.path().join("c"),
-        etcd: etcd(),
-        no_fsync: true,
-        set: None,
-    })
-    .await
-    .err()
-    .expect("4 members accepted");
+    let err = LocalCluster::start(plain(4, dir.path().join("c"), etcd()))
+        .await
+        .err()
+        .expect("4 members accepted");
     assert!(err.to_string().contains("3 or 5"), "{err}");
 }
 
@@ -1193,6 +1193,34 @@ async fn request_quorum_restore(
     (status, resp.json().await.unwrap())
 }
 
+/// Waits (`what`) until `op` reports quorum lost and no member that knows a leader.
+async fn quorum_lost<M: Machines>(op: &Operator<M>, what: &str) {
+    wait_for_or(
+        what,
+        Duration::from_secs(30),
+        || {
+            let st = op.status();
+            let lost =
+                matches!(&st.condition, Some(Condition::Degraded(r)) if r.contains("quorum lost"));
+            (lost && st.members.iter().all(|m| !m.has_leader)).then_some(())
+        },
+        || describe(op),
+    )
+    .await;
+}
+
+/// Asks `api` to restore quorum from the freshest survivor, lost for 2 s; its answer, which
+/// must be 200.
+async fn restore_from_freshest(api: &str) -> serde_json::Value {
+    let (status, body) = request_quorum_restore(
+        api,
+        serde_json::json!({"survivor": "freshest", "lostForSecs": 2}),
+    )
+    .await;
+    assert_eq!(status, reqwest::StatusCode::OK, "{body}");
+    body
+}
+
 /// SIGKILLs a machine's etcd and removes its data directory: the machine lost for good.
 fn lose_for_good(f: &Fixture, machine: &str) {
     let pid = f.machine(machine).and_then(|m| m.pid).expect("it runs");
@@ -1262,18 +1290,7 @@ async fn quorum_restore_grows_back(etcd: PathBuf) {
     lose_for_good(&f, "m3");
     // Until m1's election timeout passes it may report the old leader (and a request is
     // refused); the operator sees it when it stops.
-    wait_for_or(
-        "m1 without a leader",
-        Duration::from_secs(30),
-        || {
-            let st = op.status();
-            let lost =
-                matches!(&st.condition, Some(Condition::Degraded(r)) if r.contains("quorum lost"));
-            (lost && st.members.iter().all(|m| !m.has_leader)).then_some(())
-        },
-        || describe(&op),
-    )
-    .await;
+    quorum_lost(&op, "m1 without a leader").await;
     // The operator does nothing on its own: m1 still runs, alone, no member added.
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(f.machine("m1").unwrap().pid.is_some());
@@ -1286,12 +1303,7 @@ async fn quorum_restore_grows_back(etcd: PathBuf) {
         describe(&op)
     );
 
-    let (status, body) = request_quorum_restore(
-        &api,
-        serde_json::json!({"survivor": "freshest", "lostForSecs": 2}),
-    )
-    .await;
-    assert_eq!(status, reqwest::StatusCode::OK, "{body}");
+    let body = restore_from_freshest(&api).await;
     assert_eq!(body["survivor"], "m1", "{body}");
     let dropped: Vec<&str> = body["dropped"]
         .as_array()
@@ -1372,15 +1384,9 @@ async fn put_keys(f: &Fixture, stage: &str, n: usize) -> WriterReport {
 
 async fn quorum_restore_five_freshest() {
     let dir = tempfile::tempdir().unwrap();
-    let cluster = LocalCluster::start(LocalOptions {
-        members: 5,
-        dir: dir.path().join("cluster"),
-        etcd: etcd(),
-        no_fsync: true,
-        set: None,
-    })
-    .await
-    .unwrap();
+    let cluster = LocalCluster::start(plain(5, dir.path().join("cluster"), etcd()))
+        .await
+        .unwrap();
     cluster.wait_ready(Duration::from_secs(60)).await.unwrap();
     let cancel = CancellationToken::new();
     tokio::spawn(Arc::clone(&cluster).run_machine_api(cancel.child_token()));
@@ -1415,25 +1421,9 @@ async fn quorum_restore_five_freshest() {
     for m in ["m3", "m4", "m5"] {
         lose_for_good(&f, m);
     }
-    wait_for_or(
-        "m2 without a leader",
-        Duration::from_secs(30),
-        || {
-            let st = op.status();
-            let lost =
-                matches!(&st.condition, Some(Condition::Degraded(r)) if r.contains("quorum lost"));
-            (lost && st.members.iter().all(|m| !m.has_leader)).then_some(())
-        },
-        || describe(&op),
-    )
-    .await;
+    quorum_lost(&op, "m2 without a leader").await;
 
-    let (status, body) = request_quorum_restore(
-        &api,
-        serde_json::json!({"survivor": "freshest", "lostForSecs": 2}),
-    )
-    .await;
-    assert_eq!(status, reqwest::StatusCode::OK, "{body}");
+    let body = restore_from_freshest(&api).await;
     assert_eq!(body["survivor"], "m2", "{body}");
     let committed = |machine: &str| {
         body["survivors"]

@@ -19,12 +19,11 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use futures::stream::BoxStream;
 use object_store::memory::InMemory;
 use object_store::path::Path;
 use object_store::{
-    CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
-    ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload, PutResult, RenameOptions,
+    GetOptions, GetResult, MultipartUpload, ObjectStore, ObjectStoreExt, PutMultipartOptions,
+    PutOptions, PutPayload, PutResult,
 };
 
 use etcd_warden::backoff::Backoff;
@@ -281,8 +280,7 @@ impl fmt::Display for Hooked {
     }
 }
 
-#[async_trait::async_trait]
-impl ObjectStore for Hooked {
+support::forward::object_store_passing_the_rest!(Hooked, inner, {
     async fn put_opts(
         &self,
         location: &Path,
@@ -310,40 +308,7 @@ impl ObjectStore for Hooked {
         (self.hook)(Access::Get, location)?;
         self.inner.get_opts(location, options).await
     }
-
-    fn delete_stream(
-        &self,
-        locations: BoxStream<'static, object_store::Result<Path>>,
-    ) -> BoxStream<'static, object_store::Result<Path>> {
-        self.inner.delete_stream(locations)
-    }
-
-    fn list(&self, prefix: Option<&Path>) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
-        self.inner.list(prefix)
-    }
-
-    async fn list_with_delimiter(&self, prefix: Option<&Path>) -> object_store::Result<ListResult> {
-        self.inner.list_with_delimiter(prefix).await
-    }
-
-    async fn copy_opts(
-        &self,
-        from: &Path,
-        to: &Path,
-        options: CopyOptions,
-    ) -> object_store::Result<()> {
-        self.inner.copy_opts(from, to, options).await
-    }
-
-    async fn rename_opts(
-        &self,
-        from: &Path,
-        to: &Path,
-        options: RenameOptions,
-    ) -> object_store::Result<()> {
-        self.inner.rename_opts(from, to, options).await
-    }
-}
+});
 
 fn member(id: u64) -> Member {
     Member {
@@ -1658,6 +1623,17 @@ fn actor_over(
     )
 }
 
+/// The final snapshots `store` lists.
+async fn finals_in(store: &SnapshotStore) -> Vec<Snapshot> {
+    store
+        .list()
+        .await
+        .expect("list")
+        .into_iter()
+        .filter(|s| s.is_final)
+        .collect()
+}
+
 /// One member, its store on a real S3 server behind [`LosingStore`] (finals only); keys on
 /// short leases so the revision moves after the kill without any client write, as
 /// kube-apiserver's 15 s leases do. Plays the flip and returns the finals in the store once
@@ -1719,13 +1695,7 @@ async fn hand_off_losing(loss: Loss, snapshot_timeout: Duration, linger: Duratio
     tokio::time::sleep(linger).await;
     assert_eq!(losing.lost(), 1, "the fault was not injected");
 
-    let finals: Vec<Snapshot> = store
-        .list()
-        .await
-        .expect("list")
-        .into_iter()
-        .filter(|s| s.is_final)
-        .collect();
+    let finals = finals_in(&store).await;
     assert_eq!(finals.len(), 1, "one final for the hand-off: {finals:?}");
     assert!(finals[0].last_revision >= acknowledged);
     let objects = etcd_warden::owner::handoff::HandOffObjects::new(store.clone());
@@ -1760,13 +1730,7 @@ async fn hand_off_losing(loss: Loss, snapshot_timeout: Duration, linger: Duratio
         now > acknowledged,
         "the leases did not move the revision: etcd at {now}, last write {acknowledged}"
     );
-    let again: Vec<Snapshot> = store
-        .list()
-        .await
-        .expect("list")
-        .into_iter()
-        .filter(|s| s.is_final)
-        .collect();
+    let again = finals_in(&store).await;
     assert_eq!(again, finals, "a final after the leases moved the revision");
     println!(
         "final {} at {}, etcd now at {now}",

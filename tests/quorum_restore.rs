@@ -13,8 +13,9 @@ use etcd_warden::snapshot::take_full;
 use etcd_warden::store::Codec;
 use sha2::{Digest, Sha256};
 
-use crate::support::etcd::{EtcdCluster, Release};
-use crate::support::writer::Writer;
+use crate::support;
+use crate::support::etcd::{EtcdCluster, EtcdMember, Release};
+use crate::support::writer::{Ack, Writer};
 use crate::support::{cli, file_store};
 
 /// Runs `etcd-warden quorum-restore` with a short probe window.
@@ -122,6 +123,53 @@ fn would_lose(printed: &str) -> i64 {
 /// for good, then the survivor's etcd stopped. quorum-restore on the survivor (the leader, so
 /// every acknowledged write is committed in its log): every acknowledged write is served after
 /// with its revision, and the count a restore from the store would have lost is printed.
+/// Waits until `writer` has `n` acknowledged puts.
+async fn acked(writer: &Writer, n: usize) {
+    while writer.ack_count() < n {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Kills every member but those in `keep`, lets `writer` (on `keep[0]`) see its writes fail,
+/// stops it, then kills `keep[0]` too: the acknowledged writes, those before the loss.
+async fn lose_quorum(cluster: &mut EtcdCluster, keep: &[usize], writer: &mut Writer) -> Vec<Ack> {
+    for (i, m) in cluster.members.iter_mut().enumerate() {
+        if !keep.contains(&i) {
+            m.kill();
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    writer.stop().await;
+    let acks = writer.acks();
+    cluster.members[keep[0]].kill();
+    acks
+}
+
+/// The name of the original `data_dir` kept aside beside it, which holds `original` byte for
+/// byte (`said`: what the restore printed or logged).
+fn kept_original(data_dir: &Path, original: &BTreeMap<PathBuf, Vec<u8>>, said: &str) -> String {
+    let kept = siblings(data_dir)
+        .into_iter()
+        .find(|n| n.contains(".before-quorum-restore-"))
+        .unwrap_or_else(|| panic!("no original kept: {said}"));
+    assert_eq!(tree(&data_dir.parent().unwrap().join(&kept)), *original);
+    kept
+}
+
+/// Starts `member` on its restored directory and connects to it: a cluster of itself alone,
+/// the one member it lists.
+async fn restarted_alone(member: &mut EtcdMember) -> (etcd_client::Client, etcd_client::Member) {
+    member.start();
+    member.wait_healthy(Duration::from_secs(30)).await;
+    let mut c = etcd_client::Client::connect([member.client_url()], None)
+        .await
+        .unwrap();
+    let members = c.member_list().await.unwrap();
+    assert_eq!(members.members().len(), 1);
+    let alone = members.members()[0].clone();
+    (c, alone)
+}
+
 async fn three_members_two_lost(release: Release) {
     let mut cluster = EtcdCluster::start(3, release).await;
     let lead = leader(&cluster).await;
@@ -133,9 +181,7 @@ async fn three_members_two_lost(release: Release) {
         Instant::now(),
         Duration::from_millis(2),
     );
-    while writer.ack_count() < 50 {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    acked(&writer, 50).await;
     let client = etcd_client::Client::connect([cluster.members[lead].client_url()], None)
         .await
         .unwrap();
@@ -146,19 +192,8 @@ async fn three_members_two_lost(release: Release) {
         let mut c = client.clone();
         c.status().await.unwrap().header().unwrap().member_id()
     };
-    while writer.ack_count() < snap.last_revision as usize + 100 {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    for (i, m) in cluster.members.iter_mut().enumerate() {
-        if i != lead {
-            m.kill();
-        }
-    }
-    // Writes now fail; the acknowledged ones are those before the loss.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    writer.stop().await;
-    let acks = writer.acks();
-    cluster.members[lead].kill();
+    acked(&writer, snap.last_revision as usize + 100).await;
+    let acks = lose_quorum(&mut cluster, &[lead], &mut writer).await;
 
     let data_dir = cluster.members[lead].data_dir.clone();
     let original = tree(&data_dir);
@@ -171,27 +206,16 @@ async fn three_members_two_lost(release: Release) {
     );
     assert!(printed.contains("members dropped: "), "{printed}");
     // The original is kept aside, byte for byte.
-    let kept = siblings(&data_dir)
-        .into_iter()
-        .find(|n| n.contains(".before-quorum-restore-"))
-        .unwrap_or_else(|| panic!("no original kept: {printed}"));
-    assert_eq!(tree(&data_dir.parent().unwrap().join(&kept)), original);
+    let kept = kept_original(&data_dir, &original, &printed);
     assert!(printed.contains(&kept), "{printed}");
 
-    let member = &mut cluster.members[lead];
-    member.start();
-    member.wait_healthy(Duration::from_secs(30)).await;
-    let mut c = etcd_client::Client::connect([member.client_url()], None)
-        .await
-        .unwrap();
     // etcd's own --force-new-cluster on this member's copy: the same member, alone.
+    let (mut c, alone) = restarted_alone(&mut cluster.members[lead]).await;
     assert!(
         printed.contains("with etcd --force-new-cluster on a copy"),
         "{printed}"
     );
-    let members = c.member_list().await.unwrap();
-    assert_eq!(members.members().len(), 1);
-    assert_eq!(members.members()[0].id(), member_id);
+    assert_eq!(alone.id(), member_id);
     let last = acks.last().unwrap().revision;
     for ack in &acks {
         let got = c.get(ack.key.as_str(), None).await.unwrap();
@@ -203,13 +227,7 @@ async fn three_members_two_lost(release: Release) {
         });
         assert_eq!(kv.mod_revision(), ack.revision, "{}", ack.key);
     }
-    let revision = c
-        .get("/q", None)
-        .await
-        .unwrap()
-        .header()
-        .unwrap()
-        .revision();
+    let revision = support::etcd::revision(&mut c, "/q").await;
     assert!(
         revision >= last,
         "serves revision {revision}, the last ack was {last}"
@@ -258,23 +276,11 @@ async fn five_members_three_lost_the_fresher_survivor_is_chosen() {
         Instant::now(),
         Duration::from_millis(2),
     );
-    while writer.ack_count() < 30 {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    acked(&writer, 30).await;
     cluster.members[stale].kill();
     let at_stale = writer.ack_count();
-    while writer.ack_count() < at_stale + 60 {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    for (i, m) in cluster.members.iter_mut().enumerate() {
-        if i != lead && i != stale {
-            m.kill();
-        }
-    }
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    writer.stop().await;
-    let acks = writer.acks();
-    cluster.members[lead].kill();
+    acked(&writer, at_stale + 60).await;
+    let acks = lose_quorum(&mut cluster, &[lead, stale], &mut writer).await;
 
     let stale_dir = cluster.members[stale].data_dir.clone();
     let fresh_dir = cluster.members[lead].data_dir.clone();
@@ -316,15 +322,8 @@ async fn five_members_three_lost_the_fresher_survivor_is_chosen() {
     // The other survivor's directory is only read.
     assert_eq!(tree(&fresh_dir), fresh_before);
 
-    let member = &mut cluster.members[stale];
-    member.start();
-    member.wait_healthy(Duration::from_secs(30)).await;
-    let mut c = etcd_client::Client::connect([member.client_url()], None)
-        .await
-        .unwrap();
-    let members = c.member_list().await.unwrap();
-    assert_eq!(members.members().len(), 1);
-    assert_eq!(members.members()[0].name(), member.name);
+    let (mut c, alone) = restarted_alone(&mut cluster.members[stale]).await;
+    assert_eq!(alone.name(), cluster.members[stale].name);
     for ack in &acks {
         let got = c.get(ack.key.as_str(), None).await.unwrap();
         assert!(
@@ -334,13 +333,7 @@ async fn five_members_three_lost_the_fresher_survivor_is_chosen() {
             ack.revision
         );
     }
-    let revision = c
-        .get("/f", None)
-        .await
-        .unwrap()
-        .header()
-        .unwrap()
-        .revision();
+    let revision = support::etcd::revision(&mut c, "/f").await;
     assert!(
         revision > acks.last().unwrap().revision + 1000 - 1,
         "{revision}"
@@ -641,19 +634,9 @@ async fn the_sidecar_rebuilds_before_etcd_starts_when_the_request_names_its_mach
     let log = logged(&w, "etcd-warden serving", Duration::from_secs(90)).await;
     w.kill();
     assert!(log.contains("quorum restored"), "{log}");
-    let kept = siblings(&data_dir)
-        .into_iter()
-        .find(|n| n.contains(".before-quorum-restore-"))
-        .unwrap_or_else(|| panic!("no original kept: {log}"));
-    assert_eq!(tree(&data_dir.parent().unwrap().join(&kept)), original);
+    kept_original(&data_dir, &original, &log);
 
-    let member = &mut cluster.members[lead];
-    member.start();
-    member.wait_healthy(Duration::from_secs(30)).await;
-    let mut c = etcd_client::Client::connect([member.client_url()], None)
-        .await
-        .unwrap();
-    assert_eq!(c.member_list().await.unwrap().members().len(), 1);
+    let (mut c, _) = restarted_alone(&mut cluster.members[lead]).await;
     for i in 0..30 {
         let got = c.get(format!("/q/{i:03}"), None).await.unwrap();
         assert_eq!(

@@ -12,9 +12,7 @@ use bytes::Bytes;
 use etcd_client::{Client, CompactionOptions, DeleteOptions, GetOptions, PutOptions, Txn, TxnOp};
 use etcd_warden::etcd::process::{self, Bootstrap, ClusterState, MemberSpec};
 use etcd_warden::restore::replay::{self, ReplayOp, RevisionGroup};
-use etcd_warden::restore::{
-    EtcdTools, MemberParams, Replay, RestoreError, RestoreOptions, TempEtcd,
-};
+use etcd_warden::restore::{MemberParams, Replay, RestoreError, RestoreOptions};
 use etcd_warden::snapshot::delta::{DeltaWriter, Event};
 use etcd_warden::snapshot::take_full;
 use etcd_warden::snapshot::watcher::DeltaWatch;
@@ -94,30 +92,65 @@ pub(crate) async fn revision(client: &mut Client) -> i64 {
         .revision()
 }
 
+/// How large one phase of [`workload_of`] is, and how its keys are spelled (`{i:0width$}`; a
+/// width of 0 pads nothing).
+pub(crate) struct Workload {
+    /// Keys put under `/registry/p{phase}/`.
+    pub keys: u32,
+    pub key_width: usize,
+    /// Keys put again under `/registry/shared/` (the 5th deleted, the 6th deleted in a txn).
+    pub overwrites: u32,
+    pub overwrite_width: usize,
+    /// Bytes of the one large value.
+    pub big: u32,
+}
+
+impl Workload {
+    /// The restore tests' phase: a value near etcd's request limit.
+    pub(crate) const RESTORE: Workload = Workload {
+        keys: 60,
+        key_width: 3,
+        overwrites: 20,
+        overwrite_width: 3,
+        big: 900_000,
+    };
+}
+
 /// Puts, overwrites, deletes, a prefix delete and a multi-op transaction (several events at one
 /// revision), a key under a lease, and a value near etcd's request limit.
 pub(crate) async fn workload(client: &mut Client, phase: usize) {
-    for i in 0..60 {
+    workload_of(client, phase, &Workload::RESTORE).await;
+}
+
+/// One phase of what a restore must get right, sized by `size`: puts, overwrites, a delete, a
+/// prefix delete, a transaction of several events at one revision, a value spanning several bbolt
+/// pages, and a key under a lease.
+pub(crate) async fn workload_of(client: &mut Client, phase: usize, size: &Workload) {
+    let (kw, ow) = (size.key_width, size.overwrite_width);
+    for i in 0..size.keys {
         client
             .put(
-                format!("/registry/p{phase}/k{i:03}"),
+                format!("/registry/p{phase}/k{i:0kw$}"),
                 format!("v{i}-{phase}"),
                 None,
             )
             .await
             .unwrap();
     }
-    for i in 0..20 {
+    for i in 0..size.overwrites {
         client
             .put(
-                format!("/registry/shared/k{i:03}"),
+                format!("/registry/shared/k{i:0ow$}"),
                 format!("overwritten-{phase}"),
                 None,
             )
             .await
             .unwrap();
     }
-    client.delete("/registry/shared/k005", None).await.unwrap();
+    client
+        .delete(format!("/registry/shared/k{:0ow$}", 5), None)
+        .await
+        .unwrap();
     if phase > 0 {
         client
             .delete(
@@ -131,11 +164,11 @@ pub(crate) async fn workload(client: &mut Client, phase: usize) {
         .txn(Txn::new().and_then([
             TxnOp::put(format!("/txn/{phase}/a"), "a", None),
             TxnOp::put(format!("/txn/{phase}/b"), "b", None),
-            TxnOp::delete("/registry/shared/k006", None),
+            TxnOp::delete(format!("/registry/shared/k{:0ow$}", 6), None),
         ]))
         .await
         .unwrap();
-    let big: Vec<u8> = (0..900_000u32).map(|i| (i % 251) as u8).collect();
+    let big: Vec<u8> = (0..size.big).map(|i| (i % 251) as u8).collect();
     client
         .put(format!("/big/{phase}"), big, None)
         .await
@@ -196,9 +229,10 @@ pub(crate) fn options(data_dir: &Path, release: Release) -> RestoreOptions {
 
 /// Starts etcd on a restored directory and dumps it.
 pub(crate) async fn dump_restored(release: Release, data_dir: &Path, name: &str) -> Dump {
-    let tools = EtcdTools::locate(Some(&release.bin_dir())).await.unwrap();
     let log = data_dir.with_extension("check.log");
-    let etcd = TempEtcd::start(&tools, data_dir, name, log).await.unwrap();
+    let etcd = support::etcd::temp_etcd(release, data_dir, name, log)
+        .await
+        .unwrap();
     let mut client = Client::connect([&etcd.client_url], None).await.unwrap();
     let d = dump(&mut client).await;
     etcd.stop().await.unwrap();

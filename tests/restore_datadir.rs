@@ -366,10 +366,7 @@ async fn restored_full(
 
 /// etcd 3.5 started on `data` (a temporary member, stopped by the caller).
 async fn run_on(data: &Path, log: PathBuf) -> etcd_warden::restore::TempEtcd {
-    let tools = etcd_warden::restore::EtcdTools::locate(Some(&Release::V35.bin_dir()))
-        .await
-        .unwrap();
-    etcd_warden::restore::TempEtcd::start(&tools, data, "default", log)
+    support::etcd::temp_etcd(Release::V35, data, "default", log)
         .await
         .unwrap()
 }

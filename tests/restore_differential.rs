@@ -764,49 +764,39 @@ async fn start_all(release: Release, dirs: Vec<(String, PathBuf)>) -> Vec<Runnin
 /// The differences between `a` and `b` (named by `what`), one line each.
 fn diff(what: &str, a: &State, b: &State) -> Vec<String> {
     let mut out = Vec::new();
-    let mut field = |name: &str, same: bool, x: String, y: String| {
-        if !same {
+    let mut field = |name: &str, differ: Option<(String, String)>| {
+        if let Some((x, y)) = differ {
             out.push(format!("{what}: {name}: {x} != {y}"));
         }
     };
     field(
         "revision",
-        a.revision == b.revision,
-        a.revision.to_string(),
-        b.revision.to_string(),
+        unequal(&a.revision, &b.revision, i64::to_string),
     );
     field(
         "oldest readable revision",
-        a.oldest_readable == b.oldest_readable,
-        a.oldest_readable.to_string(),
-        b.oldest_readable.to_string(),
+        unequal(&a.oldest_readable, &b.oldest_readable, i64::to_string),
     );
     field(
         "leases",
-        a.leases == b.leases,
-        format!("{:?}", a.leases),
-        format!("{:?}", b.leases),
+        unequal(&a.leases, &b.leases, |v| format!("{v:?}")),
     );
     field(
         "members",
-        a.members == b.members,
-        format!("{:?}", a.members),
-        format!("{:?}", b.members),
+        unequal(&a.members, &b.members, |v| format!("{v:?}")),
     );
     field(
         "cluster ID",
-        a.cluster_id == b.cluster_id,
-        format!("{:x}", a.cluster_id),
-        format!("{:x}", b.cluster_id),
+        unequal(&a.cluster_id, &b.cluster_id, |v| format!("{v:x}")),
     );
-    field(
-        "auth",
-        a.auth == b.auth,
-        format!("{:?}", a.auth),
-        format!("{:?}", b.auth),
-    );
+    field("auth", unequal(&a.auth, &b.auth, |v| format!("{v:?}")));
     out.extend(diff_kvs(what, &a.kvs, &b.kvs));
     out
+}
+
+/// `a` and `b` as `show` prints them, when they differ.
+fn unequal<T: PartialEq>(a: &T, b: &T, show: impl Fn(&T) -> String) -> Option<(String, String)> {
+    (a != b).then(|| (show(a), show(b)))
 }
 
 /// Key by key: the first few keys that differ, missing or extra.

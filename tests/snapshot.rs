@@ -5,7 +5,7 @@ use crate::support;
 use std::process::Command;
 use std::time::Duration;
 
-use etcd_warden::config::{EtcdConfig, GcPolicy};
+use etcd_warden::config::GcPolicy;
 use etcd_warden::etcd::RotatingClient;
 use etcd_warden::snapshot::actor::{self, ActorHandle};
 use etcd_warden::snapshot::delta::{self, EventType};
@@ -199,14 +199,10 @@ impl ActorSetup<'_> {
         let config = support::quiet_actor_config(delta_period, delta_memory_limit, timeout);
         let c = cancel.clone();
         let engine = {
-            let etcd = RotatingClient::connect(&EtcdConfig {
+            let etcd = RotatingClient::connect(&support::etcd::plain_client_config(
                 endpoints,
-                tls: None,
-                username: None,
-                password: None,
-                connect_timeout: Duration::from_secs(2),
                 request_timeout,
-            })
+            ))
             .await
             .unwrap();
             let retention = Retention {
@@ -582,14 +578,10 @@ async fn etcd_restored_behind_the_store_sets_the_newer_history_aside_and_starts_
         etcd_warden::restore::TempEtcd::start(&tools, &old, "default", dir.path().join("b.log"))
             .await
             .unwrap();
-    let rotating = RotatingClient::connect(&EtcdConfig {
-        endpoints: vec![restored.client_url.clone()],
-        tls: None,
-        username: None,
-        password: None,
-        connect_timeout: Duration::from_secs(2),
-        request_timeout: Duration::from_secs(5),
-    })
+    let rotating = RotatingClient::connect(&support::etcd::plain_client_config(
+        vec![restored.client_url.clone()],
+        Duration::from_secs(5),
+    ))
     .await
     .unwrap();
     let retention = Retention {

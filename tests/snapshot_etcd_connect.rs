@@ -18,14 +18,7 @@ use support::etcd::{EtcdCluster, Release};
 use support::tls::make_certs;
 
 fn config(endpoint: String) -> EtcdConfig {
-    EtcdConfig {
-        endpoints: vec![endpoint],
-        tls: None,
-        username: None,
-        password: None,
-        connect_timeout: Duration::from_secs(2),
-        request_timeout: Duration::from_secs(5),
-    }
+    support::etcd::plain_client_config(vec![endpoint], Duration::from_secs(5))
 }
 
 /// etcd 3.5 serving clients over TLS, requiring a client certificate; killed on drop.

@@ -63,15 +63,25 @@ async fn serve_https(
     (port, cancel)
 }
 
+/// A stand-in identity endpoint: test certificates made in `dir`, `route` served at `path` with
+/// `state` (where it records what it was asked) over https on loopback; its port, and the token
+/// that stops it.
+async fn stand_in<S: Clone + Send + Sync + 'static>(
+    dir: &std::path::Path,
+    path: &str,
+    route: axum::routing::MethodRouter<S>,
+    state: S,
+) -> (u16, tokio_util::sync::CancellationToken) {
+    crate::support::tls::make_certs(dir);
+    let app = axum::Router::new().route(path, route).with_state(state);
+    serve_https(app, dir).await
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_web_identity_token_rotated_on_disk_is_sent_at_the_next_renewal() {
     let dir = tempfile::tempdir().unwrap();
-    crate::support::tls::make_certs(dir.path());
     let calls: Calls = Arc::default();
-    let sts = axum::Router::new()
-        .route("/", post(assume_role))
-        .with_state(calls.clone());
-    let (port, cancel) = serve_https(sts, dir.path()).await;
+    let (port, cancel) = stand_in(dir.path(), "/", post(assume_role), calls.clone()).await;
 
     let s3 = S3Server::start(&["backups"]);
     let token = dir.path().join("token");
@@ -88,12 +98,7 @@ async fn a_web_identity_token_rotated_on_disk_is_sent_at_the_next_renewal() {
     // No provider variables: the credentials can only come from STS.
     let store = build_with_env(&config, &HashMap::<String, String>::new(), None).unwrap();
 
-    store
-        .put(&"etcd/v2/probe".into(), "x".into())
-        .await
-        .expect("a write signed with the assumed role's credentials");
-    let listed: Vec<_> = store.list(None).try_collect().await.unwrap();
-    assert_eq!(listed.len(), 1);
+    probe(&store, "a write signed with the assumed role's credentials").await;
     {
         let seen = calls.lock().unwrap();
         assert!(!seen.is_empty(), "STS was never asked");
@@ -105,10 +110,7 @@ async fn a_web_identity_token_rotated_on_disk_is_sent_at_the_next_renewal() {
     }
 
     // The kubelet rotates the projected token: the next renewal reads the new one.
-    std::fs::write(&token, "token-2").unwrap();
-    // object_store reuses credentials fetched in the last 100 ms.
-    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    store.list(None).try_collect::<Vec<_>>().await.unwrap();
+    rotate_token(&store, &token, "token-2").await;
     let last = calls.lock().unwrap().last().cloned().unwrap();
     assert_eq!(last.1, "token-2");
     cancel.cancel();
@@ -165,19 +167,35 @@ fn a_web_identity_needs_both_keys_https_and_an_s3_store() {
             "store.ca_file",
         ),
     ];
+    refused_naming(&cases);
+}
+
+/// Each case's keys are refused, the error naming the case's key.
+fn refused_naming(cases: &[(Vec<(&str, &str)>, &str)]) {
     for (keys, named) in cases {
-        let sources = etcd_warden::config::Sources {
-            file: None,
-            env: &HashMap::<String, String>::new(),
-            overrides: keys
-                .iter()
-                .map(|(k, v)| etcd_warden::config::Override::flag(k, *v, "test"))
-                .collect(),
-        };
-        let e = etcd_warden::config::Config::load_for(&sources, etcd_warden::config::Purpose::Any)
-            .expect_err(named);
-        assert_eq!(e.key, named, "{keys:?}: {e}");
+        let e = load(keys).expect_err(named);
+        assert_eq!(e.key, *named, "{keys:?}: {e}");
     }
+}
+
+/// A write (`what` if it fails) and a listing of exactly it through `store`, which only the
+/// credentials its identity exchanged for can sign.
+async fn probe(store: &Arc<dyn ObjectStore>, what: &str) {
+    store
+        .put(&"etcd/v2/probe".into(), "x".into())
+        .await
+        .expect(what);
+    let listed: Vec<_> = store.list(None).try_collect().await.unwrap();
+    assert_eq!(listed.len(), 1);
+}
+
+/// Writes `next` into the projected token file `token` as the kubelet rotates it, then lists
+/// through `store` so that it fetches credentials again (object_store reuses those fetched in
+/// the last 100 ms, hence the wait).
+async fn rotate_token(store: &Arc<dyn ObjectStore>, token: &std::path::Path, next: &str) {
+    std::fs::write(token, next).unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    store.list(None).try_collect::<Vec<_>>().await.unwrap();
 }
 
 fn load(
@@ -372,10 +390,7 @@ fn encryption_and_azure_identity_keys_are_checked_naming_the_key() {
             "store.ca_file",
         ),
     ];
-    for (keys, named) in cases {
-        let e = load(&keys).expect_err(named);
-        assert_eq!(e.key, named, "{keys:?}: {e}");
-    }
+    refused_naming(&cases);
 }
 
 /// What the stand-in Entra ID was asked: (tenant, client id, client assertion) per call.
@@ -432,12 +447,14 @@ async fn entra_token(
 #[tokio::test(flavor = "multi_thread")]
 async fn an_azure_workload_identity_token_rotated_on_disk_is_exchanged_again() {
     let dir = tempfile::tempdir().unwrap();
-    crate::support::tls::make_certs(dir.path());
     let exchanges: Exchanges = Arc::default();
-    let entra = axum::Router::new()
-        .route("/{tenant}/oauth2/v2.0/token", post(entra_token))
-        .with_state(exchanges.clone());
-    let (port, cancel) = serve_https(entra, dir.path()).await;
+    let (port, cancel) = stand_in(
+        dir.path(),
+        "/{tenant}/oauth2/v2.0/token",
+        post(entra_token),
+        exchanges.clone(),
+    )
+    .await;
     let azurite = crate::support::azurite::Azurite::start_oauth(
         &dir.path().join("server.pem"),
         &dir.path().join("server.key"),
@@ -471,12 +488,7 @@ async fn an_azure_workload_identity_token_rotated_on_disk_is_exchanged_again() {
     let config = load(&keys).unwrap().store;
     let store = build_with_env(&config, &HashMap::<String, String>::new(), None).unwrap();
 
-    store
-        .put(&"etcd/v2/probe".into(), "x".into())
-        .await
-        .expect("a write with the exchanged token");
-    let listed: Vec<_> = store.list(None).try_collect().await.unwrap();
-    assert_eq!(listed.len(), 1);
+    probe(&store, "a write with the exchanged token").await;
     {
         let seen = exchanges.lock().unwrap();
         assert!(!seen.is_empty(), "Entra ID was never asked");
@@ -492,9 +504,7 @@ async fn an_azure_workload_identity_token_rotated_on_disk_is_exchanged_again() {
     }
 
     // The kubelet rotates the projected token: the next exchange sends the new one.
-    std::fs::write(&token, "federated-2").unwrap();
-    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    store.list(None).try_collect::<Vec<_>>().await.unwrap();
+    rotate_token(&store, &token, "federated-2").await;
     let last = exchanges.lock().unwrap().last().cloned().unwrap();
     assert_eq!(last.2, "federated-2");
 

@@ -18,7 +18,7 @@ use etcd_warden::store::{Codec, Kind, Snapshot, SnapshotStore};
 use md5::Digest as _;
 
 use crate::copy::{options, stores_from};
-use crate::support::moto::MotoServer;
+use crate::support::moto::{ACCOUNT as MOTO, MotoServer};
 use crate::support::recorder::Recorder;
 use crate::support::stored::{db_payload, put_delta, put_full};
 
@@ -88,8 +88,8 @@ async fn sse_kms_is_on_every_object_written_and_copied() {
     ];
     let streamed = stores_from(with(
         [
-            moto.config_overrides("source_store", &ep, "backups", "etcd"),
-            moto.config_overrides("store", &ep, "copies", "etcd"),
+            MOTO.config_overrides("source_store", &ep, "backups", "etcd"),
+            MOTO.config_overrides("store", &ep, "copies", "etcd"),
         ]
         .concat(),
         &[
@@ -106,8 +106,8 @@ async fn sse_kms_is_on_every_object_written_and_copied() {
     // Within one bucket the copy Job copies server side (CopyObject).
     let in_bucket = stores_from(with(
         [
-            moto.config_overrides("source_store", &ep, "backups", "etcd"),
-            moto.config_overrides("store", &ep, "backups", "etcd-again"),
+            MOTO.config_overrides("source_store", &ep, "backups", "etcd"),
+            MOTO.config_overrides("store", &ep, "backups", "etcd-again"),
         ]
         .concat(),
         &[
@@ -167,8 +167,8 @@ async fn sse_c_sends_each_buckets_key_with_every_object_read_and_write() {
         |byte: u8| base64::engine::general_purpose::STANDARD.encode(md5::Md5::digest([byte; 32]));
     let streamed = stores_from(with(
         [
-            moto.config_overrides("source_store", &ep, "backups", "etcd"),
-            moto.config_overrides("store", &ep, "copies", "etcd"),
+            MOTO.config_overrides("source_store", &ep, "backups", "etcd"),
+            MOTO.config_overrides("store", &ep, "copies", "etcd"),
         ]
         .concat(),
         &[
@@ -182,8 +182,8 @@ async fn sse_c_sends_each_buckets_key_with_every_object_read_and_write() {
     copy::run(&streamed, &options()).await.unwrap();
     let in_bucket = stores_from(with(
         [
-            moto.config_overrides("source_store", &ep, "backups", "etcd"),
-            moto.config_overrides("store", &ep, "backups", "etcd-again"),
+            MOTO.config_overrides("source_store", &ep, "backups", "etcd"),
+            MOTO.config_overrides("store", &ep, "backups", "etcd-again"),
         ]
         .concat(),
         &[

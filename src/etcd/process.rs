@@ -790,6 +790,15 @@ fn empty_dir(dir: &Path) -> Result<(), ProcessError> {
     Ok(())
 }
 
+/// etcd's `--initial-cluster` for `members`: `name=peerURL,…` in their order.
+pub fn initial_cluster(members: &[MemberSpec]) -> String {
+    members
+        .iter()
+        .map(|m| format!("{}={}", m.name, m.peer_url()))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 /// Starts `members` together and waits until every one is healthy. A member whose
 /// `bootstrap.initial_cluster` is `None` gets all of them as its initial cluster (when there is
 /// more than one). Ports left at 0 are chosen; when one of them turns out to be taken (as the
@@ -843,11 +852,7 @@ async fn start_cluster_with(
         for m in members.iter_mut() {
             m.choose_ports_with(pick)?;
         }
-        let initial: Vec<String> = members
-            .iter()
-            .map(|m| format!("{}={}", m.name, m.peer_url()))
-            .collect();
-        let initial = initial.join(",");
+        let initial = initial_cluster(members);
         let mut started = Vec::with_capacity(members.len());
         for (m, joint) in members.iter_mut().zip(&joint) {
             if *joint && let Some(b) = &mut m.bootstrap {

@@ -599,6 +599,16 @@ mod tests {
         Utc.timestamp_opt(secs, 0).unwrap()
     }
 
+    /// A full snapshot up to revision `last`, taken at second `t`.
+    fn full(last: i64, t: i64) -> Snapshot {
+        Snapshot::new("", Kind::Full, 0, last, at(t), Codec::Gzip, false)
+    }
+
+    /// A delta of revisions `start..=last`, taken at second `t`.
+    fn incr(start: i64, last: i64, t: i64) -> Snapshot {
+        Snapshot::new("", Kind::Incr, start, last, at(t), Codec::Gzip, false)
+    }
+
     #[test]
     fn formats_like_go() {
         let s = Snapshot::new(
@@ -713,7 +723,6 @@ mod tests {
     /// A store with fulls at 10 (t=100) and 50 (t=500) and deltas 11–20 (t=200), 21–30
     /// (t=300), 31–40 (t=400) after the first, 51–60 (t=600) after the second.
     fn pit_store() -> Vec<Snapshot> {
-        let full = |last, t| Snapshot::new("", Kind::Full, 0, last, at(t), Codec::Gzip, false);
         let incr =
             |first, last, t| Snapshot::new("", Kind::Incr, first, last, at(t), Codec::Gzip, false);
         let mut v = vec![
@@ -848,8 +857,6 @@ mod tests {
 
     #[test]
     fn a_fallback_chain_skips_named_fulls_and_stops_at_the_first_gap() {
-        let full = |last, t| Snapshot::new("", Kind::Full, 0, last, at(t), Codec::Gzip, false);
-        let incr = |s, last, t| Snapshot::new("", Kind::Incr, s, last, at(t), Codec::Gzip, false);
         let names = |c: &Chain| -> (Option<i64>, Vec<(i64, i64)>) {
             (
                 c.full_snapshot.as_ref().map(|f| f.last_revision),
@@ -906,8 +913,6 @@ mod tests {
 
     #[test]
     fn the_first_gap_is_named_by_the_snapshots_around_it() {
-        let full = |last, t| Snapshot::new("", Kind::Full, 0, last, at(t), Codec::Gzip, false);
-        let incr = |s, last, t| Snapshot::new("", Kind::Incr, s, last, at(t), Codec::Gzip, false);
         let chain = |v: Vec<Snapshot>| {
             let mut v = v;
             sort(&mut v);
@@ -955,8 +960,6 @@ mod tests {
 
     #[test]
     fn latest_chain_is_last_full_and_later_deltas() {
-        let full = |last, t| Snapshot::new("", Kind::Full, 0, last, at(t), Codec::Gzip, false);
-        let incr = |s, last, t| Snapshot::new("", Kind::Incr, s, last, at(t), Codec::Gzip, false);
         let mut v = vec![
             full(10, 1),
             incr(11, 20, 2),
@@ -988,8 +991,6 @@ mod tests {
     /// release stored it again under new names; restore then failed with "events out of order".
     #[test]
     fn latest_chain_passes_over_copies_and_given_up_overlaps() {
-        let full = |last, t| Snapshot::new("", Kind::Full, 0, last, at(t), Codec::Gzip, false);
-        let incr = |s, last, t| Snapshot::new("", Kind::Incr, s, last, at(t), Codec::Gzip, false);
         let ranges = |mut v: Vec<Snapshot>| {
             sort(&mut v);
             let c = latest_chain(&v);

@@ -375,6 +375,38 @@ impl EtcdCluster {
     }
 }
 
+/// `release`'s etcd started on `data_dir` as member `name`, a temporary member logging to
+/// `log` (the caller stops it): how a test reads what a restore wrote.
+pub async fn temp_etcd(
+    release: Release,
+    data_dir: &Path,
+    name: &str,
+    log: PathBuf,
+) -> Result<etcd_warden::restore::TempEtcd, String> {
+    let tools = etcd_warden::restore::EtcdTools::locate(Some(&release.bin_dir()))
+        .await
+        .map_err(|e| e.to_string())?;
+    etcd_warden::restore::TempEtcd::start(&tools, data_dir, name, log)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// The sidecar's client configuration for `endpoints` without TLS or authentication, as the
+/// tests and benches connect to their own etcd: two seconds to connect, `request_timeout` a request.
+pub fn plain_client_config(
+    endpoints: Vec<String>,
+    request_timeout: Duration,
+) -> etcd_warden::config::EtcdConfig {
+    etcd_warden::config::EtcdConfig {
+        endpoints,
+        tls: None,
+        username: None,
+        password: None,
+        connect_timeout: Duration::from_secs(2),
+        request_timeout,
+    }
+}
+
 /// Whether the member at `url` answers a status request and knows a leader.
 pub async fn member_healthy(url: &str) -> bool {
     process::is_healthy(url, None).await

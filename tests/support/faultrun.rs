@@ -38,7 +38,7 @@ use super::schedule::{Burial, Ending, Fault, Schedule};
 use super::service::{Backend, Service};
 use super::writer::{Ack, Writer};
 use super::{free_port, warden};
-use etcd_warden::etcd::process::MemberSpec;
+use etcd_warden::etcd::process::{self, MemberSpec};
 
 /// The owner record every sidecar of a run watches.
 pub const RECORD: &str = "owner.fault.warden.test";
@@ -394,11 +394,7 @@ impl World {
             for (i, spec) in specs.iter_mut().enumerate() {
                 spec.host = member_host(i);
             }
-            let initial_cluster = specs
-                .iter()
-                .map(|s| format!("{}={}", s.name, s.peer_url()))
-                .collect::<Vec<_>>()
-                .join(",");
+            let initial_cluster = process::initial_cluster(&specs);
             for spec in &mut specs {
                 if let Some(b) = spec.bootstrap.as_mut() {
                     b.initial_cluster = Some(initial_cluster.clone());
@@ -945,6 +941,38 @@ impl World {
         true
     }
 
+    /// Every sidecar's `/status` answer, by member (`None` unless it answered 200).
+    pub async fn sidecar_statuses(&self) -> Vec<Option<serde_json::Value>> {
+        let mut statuses = Vec::new();
+        for m in 0..self.specs.len() {
+            let url = self.sidecar_url(m, "/status");
+            statuses.push(
+                get_json(&self.http_client, &url)
+                    .await
+                    .filter(|(c, _)| *c == 200)
+                    .map(|(_, v)| v),
+            );
+        }
+        statuses
+    }
+
+    /// Every sidecar's log so far, by member.
+    pub fn sidecar_log_texts(&self) -> Vec<String> {
+        self.sidecar_logs
+            .iter()
+            .map(|p| std::fs::read_to_string(p).unwrap_or_default())
+            .collect()
+    }
+
+    /// The reclaimed finals read as the final so far (what the reclaim recorded).
+    pub fn read_as_final(&self) -> Vec<(Duration, usize, String)> {
+        self.reclaim
+            .read_as_final
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     pub fn sidecar_exits(&self) -> Vec<Exit> {
         (0..self.specs.len())
             .flat_map(|m| {
@@ -1198,33 +1226,15 @@ pub async fn run(schedule: &Schedule) -> Outcome {
         h.abort();
     }
     world.monitor().stop();
-    let mut final_status = Vec::new();
-    for m in 0..world.specs.len() {
-        let url = world.sidecar_url(m, "/status");
-        final_status.push(
-            get_json(&world.http_client, &url)
-                .await
-                .filter(|(c, _)| *c == 200)
-                .map(|(_, v)| v),
-        );
-    }
+    let final_status = world.sidecar_statuses().await;
     let snapshots = world.store.list().await.unwrap_or_default();
     let seen = world.objects.seen().await.unwrap_or_default();
     let named = the_final(&snapshots, &seen).map(|s| s.snap_name.clone());
     let latest_final = world.latest_is_final().await;
-    let read_as_final = world
-        .reclaim
-        .read_as_final
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .clone();
+    let read_as_final = world.read_as_final();
     let sidecar_exits = world.sidecar_exits();
     world.kubelet.stop();
-    let sidecar_logs: Vec<String> = world
-        .sidecar_logs
-        .iter()
-        .map(|p| std::fs::read_to_string(p).unwrap_or_default())
-        .collect();
+    let sidecar_logs = world.sidecar_log_texts();
     let etcd_ok = (0..world.specs.len())
         .filter(|m| !world.buried.contains(m))
         .all(|m| world.kubelet.with_pod(m, |p| p.process(ETCD).is_some()));

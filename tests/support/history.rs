@@ -123,12 +123,8 @@ pub fn restore_options(data_dir: &std::path::Path) -> etcd_warden::restore::Rest
 
 /// Starts etcd 3.5 on a restored `data_dir`, dumps it and stops it.
 pub async fn dump_restored(data_dir: &std::path::Path) -> Dump {
-    let bin = super::etcd::Release::V35.bin_dir();
-    let tools = etcd_warden::restore::EtcdTools::locate(Some(&bin))
-        .await
-        .unwrap();
-    let etcd = etcd_warden::restore::TempEtcd::start(
-        &tools,
+    let etcd = super::etcd::temp_etcd(
+        super::etcd::Release::V35,
         data_dir,
         "default",
         data_dir.with_extension("log"),

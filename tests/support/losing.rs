@@ -13,11 +13,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use futures::stream::BoxStream;
 use object_store::path::Path;
 use object_store::{
-    CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
-    PutMultipartOptions, PutOptions, PutPayload, PutResult, RenameOptions, UploadPart,
+    GetOptions, GetResult, MultipartUpload, ObjectStore, PutMultipartOptions, PutOptions,
+    PutPayload, PutResult, UploadPart,
 };
 
 /// What happens to a completion of an upload whose key ends with the suffix.
@@ -134,8 +133,7 @@ impl MultipartUpload for LosingUpload {
     }
 }
 
-#[async_trait]
-impl ObjectStore for LosingStore {
+super::forward::object_store_passing_the_rest!(LosingStore, inner, {
     async fn put_opts(
         &self,
         location: &Path,
@@ -183,37 +181,4 @@ impl ObjectStore for LosingStore {
     ) -> object_store::Result<GetResult> {
         self.inner.get_opts(location, options).await
     }
-
-    fn delete_stream(
-        &self,
-        locations: BoxStream<'static, object_store::Result<Path>>,
-    ) -> BoxStream<'static, object_store::Result<Path>> {
-        self.inner.delete_stream(locations)
-    }
-
-    fn list(&self, prefix: Option<&Path>) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
-        self.inner.list(prefix)
-    }
-
-    async fn list_with_delimiter(&self, prefix: Option<&Path>) -> object_store::Result<ListResult> {
-        self.inner.list_with_delimiter(prefix).await
-    }
-
-    async fn copy_opts(
-        &self,
-        from: &Path,
-        to: &Path,
-        options: CopyOptions,
-    ) -> object_store::Result<()> {
-        self.inner.copy_opts(from, to, options).await
-    }
-
-    async fn rename_opts(
-        &self,
-        from: &Path,
-        to: &Path,
-        options: RenameOptions,
-    ) -> object_store::Result<()> {
-        self.inner.rename_opts(from, to, options).await
-    }
-}
+});

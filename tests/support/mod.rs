@@ -12,6 +12,7 @@ pub mod dns;
 pub mod etcd;
 pub mod faultproxy;
 pub mod faultrun;
+pub mod forward;
 pub mod history;
 pub mod hosts;
 pub mod invariants;

@@ -12,16 +12,25 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use etcd_warden::config::{Secret, StoreConfig, StoreLocation};
-use object_store::aws::{AmazonS3, AmazonS3Builder};
+use etcd_warden::config::StoreConfig;
+use object_store::aws::AmazonS3;
 use object_store::path::Path;
 use object_store::signer::{Method, SignedUrlOptions, Signer};
 
+use super::s3::S3Account;
 use super::{free_port, on_path, require_bin, wait_for_port};
 
 pub const REGION: &str = "us-east-1";
 const ACCESS_KEY: &str = "moto-access";
 const SECRET_KEY: &str = "moto-secret";
+
+/// moto's account, as [`S3Account`]: its `config_overrides` point a section at a bucket through
+/// any endpoint (moto's own, or a proxy in front of it).
+pub const ACCOUNT: S3Account = S3Account {
+    region: REGION,
+    access_key: ACCESS_KEY,
+    secret_key: SECRET_KEY,
+};
 /// An `Authorization` header moto accepts on a request the test makes itself (it checks no
 /// signature).
 pub const ANY_SIGNATURE: &str = "AWS4-HMAC-SHA256 Credential=moto-access/20260101/us-east-1/s3/\
@@ -73,16 +82,7 @@ impl MotoServer {
     }
 
     fn client(&self, bucket: &str) -> AmazonS3 {
-        AmazonS3Builder::new()
-            .with_endpoint(self.endpoint())
-            .with_allow_http(true)
-            .with_virtual_hosted_style_request(false)
-            .with_region(REGION)
-            .with_bucket_name(bucket)
-            .with_access_key_id(ACCESS_KEY)
-            .with_secret_access_key(SECRET_KEY)
-            .build()
-            .expect("build S3 client")
+        ACCOUNT.client(&self.endpoint(), bucket)
     }
 
     /// A URL of `bucket` for `method` on `key` with `query`, presigned.
@@ -119,27 +119,6 @@ impl MotoServer {
             .send()
             .await
             .expect("moto answers")
-    }
-
-    /// Configuration overrides (dotted key, value) pointing `section` at a bucket through
-    /// `endpoint` (moto's own, or a proxy in front of it).
-    pub fn config_overrides(
-        &self,
-        section: &str,
-        endpoint: &str,
-        bucket: &str,
-        prefix: &str,
-    ) -> Vec<(String, String)> {
-        vec![
-            (format!("{section}.url"), format!("s3://{bucket}/{prefix}")),
-            (format!("{section}.endpoint"), endpoint.to_string()),
-            (format!("{section}.region"), REGION.to_string()),
-            (format!("{section}.access_key_id"), ACCESS_KEY.to_string()),
-            (
-                format!("{section}.secret_access_key"),
-                SECRET_KEY.to_string(),
-            ),
-        ]
     }
 
     /// Creates a bucket with Object Lock enabled (which makes it versioned, as on AWS).
@@ -195,15 +174,7 @@ impl MotoServer {
 
     /// A `[store]` configuration for `bucket` and `prefix` of this server.
     pub fn store_config(&self, bucket: &str, prefix: &str) -> StoreConfig {
-        let location = StoreLocation::parse(&format!("s3://{bucket}/{prefix}")).unwrap();
-        StoreConfig {
-            endpoint: Some(self.endpoint()),
-            region: Some(REGION.into()),
-            allow_http: true,
-            access_key_id: Some(Secret::Value(ACCESS_KEY.into())),
-            secret_access_key: Some(Secret::Value(SECRET_KEY.into())),
-            ..StoreConfig::at(location)
-        }
+        ACCOUNT.store_config(&self.endpoint(), bucket, prefix)
     }
 }
 

@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use etcd_warden::etcd::process::{Bootstrap, ClusterState, MemberSpec};
+use etcd_warden::etcd::process::{self, Bootstrap, ClusterState, MemberSpec};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use tokio_util::sync::CancellationToken;
@@ -322,11 +322,7 @@ pub fn member_specs(n: usize, dir: &Path, token: &str) -> Vec<MemberSpec> {
             spec
         })
         .collect();
-    let initial_cluster = specs
-        .iter()
-        .map(|s| format!("{}={}", s.name, s.peer_url()))
-        .collect::<Vec<_>>()
-        .join(",");
+    let initial_cluster = process::initial_cluster(&specs);
     for spec in &mut specs {
         spec.bootstrap = Some(Bootstrap {
             initial_cluster: Some(initial_cluster.clone()),

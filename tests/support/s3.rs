@@ -15,6 +15,75 @@ pub const ACCESS_KEY: &str = "warden-test-access";
 pub const SECRET_KEY: &str = "warden-test-secret-key";
 pub const REGION: &str = "us-east-1";
 
+/// This server's account, as [`S3Account`].
+const ACCOUNT: S3Account = S3Account {
+    region: REGION,
+    access_key: ACCESS_KEY,
+    secret_key: SECRET_KEY,
+};
+
+/// The region and keys a test's S3-compatible server accepts (s3s-fs here, moto in
+/// [`super::moto`]), and the three ways a test hands them on: one place for how tests reach such
+/// a server at an endpoint.
+pub struct S3Account {
+    pub region: &'static str,
+    pub access_key: &'static str,
+    pub secret_key: &'static str,
+}
+
+impl S3Account {
+    /// An object_store client for `bucket` at `endpoint` (path-style, plain HTTP).
+    pub fn client(&self, endpoint: &str, bucket: &str) -> AmazonS3 {
+        AmazonS3Builder::new()
+            .with_endpoint(endpoint)
+            .with_allow_http(true)
+            .with_virtual_hosted_style_request(false)
+            .with_region(self.region)
+            .with_bucket_name(bucket)
+            .with_access_key_id(self.access_key)
+            .with_secret_access_key(self.secret_key)
+            .build()
+            .expect("build S3 client")
+    }
+
+    /// Configuration overrides (dotted key, value) pointing `section` (`store`, …) at `bucket`
+    /// and `prefix` through `endpoint`.
+    pub fn config_overrides(
+        &self,
+        section: &str,
+        endpoint: &str,
+        bucket: &str,
+        prefix: &str,
+    ) -> Vec<(String, String)> {
+        vec![
+            (format!("{section}.url"), format!("s3://{bucket}/{prefix}")),
+            (format!("{section}.endpoint"), endpoint.to_string()),
+            (format!("{section}.region"), self.region.to_string()),
+            (
+                format!("{section}.access_key_id"),
+                self.access_key.to_string(),
+            ),
+            (
+                format!("{section}.secret_access_key"),
+                self.secret_key.to_string(),
+            ),
+        ]
+    }
+
+    /// A `[store]` configuration for `bucket` and `prefix` at `endpoint`.
+    pub fn store_config(&self, endpoint: &str, bucket: &str, prefix: &str) -> StoreConfig {
+        let location = StoreLocation::parse(&format!("s3://{bucket}/{prefix}")).unwrap();
+        StoreConfig {
+            endpoint: Some(endpoint.to_string()),
+            region: Some(self.region.into()),
+            allow_http: true,
+            access_key_id: Some(Secret::Value(self.access_key.into())),
+            secret_access_key: Some(Secret::Value(self.secret_key.into())),
+            ..StoreConfig::at(location)
+        }
+    }
+}
+
 /// One `s3s-fs` process.
 pub struct S3Server {
     pub root: tempfile::TempDir,
@@ -106,18 +175,7 @@ impl S3Server {
 
     /// An object_store client for one bucket.
     pub fn object_store(&self, bucket: &str) -> Arc<AmazonS3> {
-        Arc::new(
-            AmazonS3Builder::new()
-                .with_endpoint(self.endpoint())
-                .with_allow_http(true)
-                .with_virtual_hosted_style_request(false)
-                .with_region(REGION)
-                .with_bucket_name(bucket)
-                .with_access_key_id(ACCESS_KEY)
-                .with_secret_access_key(SECRET_KEY)
-                .build()
-                .expect("build S3 client"),
-        )
+        Arc::new(ACCOUNT.client(&self.endpoint(), bucket))
     }
 
     /// Configuration overrides (dotted key, value) pointing `section` (`store`, …) at a bucket.
@@ -127,16 +185,7 @@ impl S3Server {
         bucket: &str,
         prefix: &str,
     ) -> Vec<(String, String)> {
-        vec![
-            (format!("{section}.url"), format!("s3://{bucket}/{prefix}")),
-            (format!("{section}.endpoint"), self.endpoint()),
-            (format!("{section}.region"), REGION.to_string()),
-            (format!("{section}.access_key_id"), ACCESS_KEY.to_string()),
-            (
-                format!("{section}.secret_access_key"),
-                SECRET_KEY.to_string(),
-            ),
-        ]
+        ACCOUNT.config_overrides(section, &self.endpoint(), bucket, prefix)
     }
 
     /// The server's endpoint, region and keys for the configuration section `section` as the
@@ -151,15 +200,7 @@ impl S3Server {
 
     /// A `[store]` configuration for `bucket` and `prefix` of this server.
     pub fn store_config(&self, bucket: &str, prefix: &str) -> StoreConfig {
-        let location = StoreLocation::parse(&format!("s3://{bucket}/{prefix}")).unwrap();
-        StoreConfig {
-            endpoint: Some(self.endpoint()),
-            region: Some(REGION.into()),
-            allow_http: true,
-            access_key_id: Some(Secret::Value(ACCESS_KEY.into())),
-            secret_access_key: Some(Secret::Value(SECRET_KEY.into())),
-            ..StoreConfig::at(location)
-        }
+        ACCOUNT.store_config(&self.endpoint(), bucket, prefix)
     }
 }
 

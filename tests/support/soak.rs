@@ -545,12 +545,7 @@ impl DruidLane {
             let _ = writeln!(peers, "  {}: [\"{}\"]", s.name, s.peer_url());
             let _ = writeln!(clients, "  {}: [\"{}\"]", s.name, s.client_url());
         }
-        let initial = world
-            .specs
-            .iter()
-            .map(|s| format!("{}={}", s.name, s.peer_url()))
-            .collect::<Vec<_>>()
-            .join(",");
+        let initial = etcd_warden::etcd::process::initial_cluster(&world.specs);
         let text = format!(
             "initial-advertise-peer-urls:\n{peers}advertise-client-urls:\n{clients}\
              initial-cluster: {initial}\ninitial-cluster-token: soak\n"
@@ -1582,30 +1577,10 @@ impl Run<'_> {
         if latest_final {
             self.counts.settled += 1;
         }
-        let mut final_status = Vec::new();
-        for m in 0..self.world.specs.len() {
-            let url = self.world.sidecar_url(m, "/status");
-            final_status.push(
-                get_json(&self.world.http_client, &url)
-                    .await
-                    .filter(|(c, _)| *c == 200)
-                    .map(|(_, v)| v),
-            );
-        }
+        let final_status = self.world.sidecar_statuses().await;
         let sidecar_exits = self.world.sidecar_exits();
-        let sidecar_logs: Vec<String> = self
-            .world
-            .sidecar_logs
-            .iter()
-            .map(|p| std::fs::read_to_string(p).unwrap_or_default())
-            .collect();
-        let read_as_final = self
-            .world
-            .reclaim
-            .read_as_final
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let sidecar_logs = self.world.sidecar_log_texts();
+        let read_as_final = self.world.read_as_final();
         let (violations, notes) = self.world.monitor().with(|observed| {
             invariants::check(&Evidence {
                 ending,
@@ -1767,6 +1742,24 @@ impl Run<'_> {
 
     /// The copy Job into a fresh destination, a restore of it (first onto a full disk when the
     /// profile has one), etcd started on it and read: it must hold the state at the final.
+    /// One step of a hand-off run as the binary's `subcommand`: logged as `"{what} ok=…"`, and on
+    /// failure a violation (`kind`, `"{failed}: <its last lines>"`); whether it succeeded.
+    async fn hand_off_step(
+        &mut self,
+        subcommand: &str,
+        args: &[String],
+        extra: &[(String, String)],
+        what: String,
+        (kind, failed): (&'static str, String),
+    ) -> bool {
+        let (ok, said) = self.cli(subcommand, args, extra).await;
+        self.event(format!("{what} ok={ok}: {}", last_line(&said)));
+        if !ok {
+            self.violation(kind, format!("{failed}: {}", tail(&said, 5, true)));
+        }
+        ok
+    }
+
     async fn copy_and_restore(&mut self, k: u32, final_rev: i64, recorded: &Recorded) {
         self.destinations += 1;
         let dest_prefix = format!("{PREFIX}-{k}");
@@ -1779,8 +1772,8 @@ impl Run<'_> {
             .collect();
         source.push(("store.url".into(), format!("s3://{DEST}/{dest_prefix}")));
         source.push(("store.endpoint".into(), endpoint));
-        let (ok, said) = self
-            .cli(
+        let copied = self
+            .hand_off_step(
                 "copy",
                 &[
                     "--wait-for-final".into(),
@@ -1790,20 +1783,11 @@ impl Run<'_> {
                     "1s".into(),
                 ],
                 &source,
+                format!("hand-off {k}: copy Job"),
+                ("copy-failed", format!("hand-off {k}: the copy Job failed")),
             )
             .await;
-        self.event(format!(
-            "hand-off {k}: copy Job ok={ok}: {}",
-            last_line(&said)
-        ));
-        if !ok {
-            self.violation(
-                "copy-failed",
-                format!(
-                    "hand-off {k}: the copy Job failed: {}",
-                    tail(&said, 5, true)
-                ),
-            );
+        if !copied {
             return;
         }
         self.counts.copies += 1;
@@ -1859,8 +1843,8 @@ impl Run<'_> {
             }
         }
         let target = self.world.dir.path().join(format!("dest-{k}")).join("data");
-        let (ok, said) = self
-            .cli(
+        let restored = self
+            .hand_off_step(
                 "restore",
                 &[
                     "--data-dir".into(),
@@ -1869,20 +1853,14 @@ impl Run<'_> {
                     etcd_bin,
                 ],
                 &dest_keys,
+                format!("hand-off {k}: destination restore"),
+                (
+                    "restore-failed",
+                    format!("hand-off {k}: restoring the destination failed"),
+                ),
             )
             .await;
-        self.event(format!(
-            "hand-off {k}: destination restore ok={ok}: {}",
-            last_line(&said)
-        ));
-        if !ok {
-            self.violation(
-                "restore-failed",
-                format!(
-                    "hand-off {k}: restoring the destination failed: {}",
-                    tail(&said, 5, true)
-                ),
-            );
+        if !restored {
             return;
         }
         self.counts.restores += 1;
@@ -1926,17 +1904,8 @@ async fn read_restored(
     data_dir: &Path,
     at: i64,
 ) -> Result<(i64, BTreeMap<String, Seen>), String> {
-    let tools = etcd_warden::restore::EtcdTools::locate(Some(&release.bin_dir()))
-        .await
-        .map_err(|e| e.to_string())?;
-    let etcd = etcd_warden::restore::TempEtcd::start(
-        &tools,
-        data_dir,
-        "default",
-        data_dir.with_extension("log"),
-    )
-    .await
-    .map_err(|e| e.to_string())?;
+    let etcd = super::etcd::temp_etcd(release, data_dir, "default", data_dir.with_extension("log"))
+        .await?;
     let read = async {
         let client = etcd_client::Client::connect([&etcd.client_url], None)
             .await

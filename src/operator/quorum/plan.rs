@@ -262,6 +262,19 @@ pub struct Plan {
     pub condition: Condition,
 }
 
+impl Plan {
+    /// The members this step removes (its `RemoveMember` actions).
+    pub fn removed_members(&self) -> Vec<u64> {
+        self.actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::RemoveMember { member_id, .. } => Some(*member_id),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
 /// The member hosted by a machine, matched on peer URL.
 fn member_on<'a>(obs: &'a Observed, machine: &MachineState) -> Option<&'a MemberState> {
     obs.members

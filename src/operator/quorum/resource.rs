@@ -384,14 +384,7 @@ pub fn derive(f: &Facts<'_>) -> [Derived; 3] {
     // Members this step removes: a dead voter of a deleting Machine, or one whose replacement
     // has been promoted (it may already have stopped: etcd exits once it applies its own
     // removal, and a member list served a moment before still shows it).
-    let removing: Vec<u64> = p
-        .actions
-        .iter()
-        .filter_map(|a| match a {
-            Action::RemoveMember { member_id, .. } => Some(*member_id),
-            _ => None,
-        })
-        .collect();
+    let removing = p.removed_members();
     // A learner on a live machine that has not answered yet is starting, not broken; a voter
     // being removed is being repaired or replaced.
     let unhealthy: Vec<String> = obs
@@ -912,14 +905,7 @@ mod tests {
         // An unhealthy voter is always Degraded, and for that reason, unless this step removes
         // it: the dead voter of a deleting Machine (then it is the only unhealthy member, and
         // being repaired), or a replaced voter whose successor is already a voter.
-        let removing: Vec<u64> = p
-            .actions
-            .iter()
-            .filter_map(|a| match a {
-                Action::RemoveMember { member_id, .. } => Some(*member_id),
-                _ => None,
-            })
-            .collect();
+        let removing = p.removed_members();
         if removing_dead.is_some() {
             assert_ne!(dg.reason, reason::UNHEALTHY_MEMBERS, "{}", ctx());
         } else if obs

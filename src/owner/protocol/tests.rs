@@ -15,16 +15,20 @@ const HEALTHY: Event = EtcdHealth(true);
 const VISIBLE: Event = EtcdProcess(true);
 const CLEAR: Event = StartChecked(StartCheck::Clear);
 const TAKE: Event = Event::HandOff(HandOff::Take { min_revision: 42 });
-/// Not owner: killed, settled, killed again, fenced, etcd back, and the check says Take.
-const TO_THE_TAKE: [Event; 7] = [
+/// Not owner: killed, settled, killed again, fenced, etcd back: the hand-off check is next.
+const FENCED_AND_BACK: [Event; 6] = [
     NOT_OWNER,
     Killed(true),
     RetryDue,
     Killed(true),
     Fenced(true),
     HEALTHY,
-    TAKE,
 ];
+/// [`FENCED_AND_BACK`], and the check says Take.
+const TO_THE_TAKE: [Event; 7] = {
+    let [a, b, c, d, e, f] = FENCED_AND_BACK;
+    [a, b, c, d, e, f, TAKE]
+};
 
 fn timing() -> Timing {
     Timing {
@@ -211,23 +215,20 @@ fn the_whole_hand_off_of_the_member_that_takes_the_final() {
 
 #[test]
 fn the_take_phase_reads_claims_fixes_takes_and_records_one_call_per_step() {
-    let (p, actions) = run(&[
-        NOT_OWNER,
-        Killed(true),
-        RetryDue,
-        Killed(true),
-        Fenced(true),
-        HEALTHY,
-        Event::HandOff(HandOff::NeedRevision),
-        RevisionRead(Some(42)),
-        Event::HandOff(HandOff::Claim { epoch: 0 }),
-        Claimed(true),
-        Event::HandOff(HandOff::FixIntent { revision: 42 }),
-        IntentCreated(true),
-        TAKE,
-        FinalStored(true),
-        Recorded(true),
-    ]);
+    let (p, actions) = run(&with(
+        FENCED_AND_BACK.to_vec(),
+        &[
+            Event::HandOff(HandOff::NeedRevision),
+            RevisionRead(Some(42)),
+            Event::HandOff(HandOff::Claim { epoch: 0 }),
+            Claimed(true),
+            Event::HandOff(HandOff::FixIntent { revision: 42 }),
+            IntentCreated(true),
+            TAKE,
+            FinalStored(true),
+            Recorded(true),
+        ],
+    ));
     assert_eq!(
         p.state(),
         State::Deactivated(FinalStep::Done(FinalOutcome::Taken))
@@ -253,16 +254,13 @@ fn the_take_phase_reads_claims_fixes_takes_and_records_one_call_per_step() {
 
 #[test]
 fn a_failed_step_of_the_take_phase_checks_again_from_the_start() {
-    let fenced = [
-        NOT_OWNER,
-        Killed(true),
-        RetryDue,
-        Killed(true),
-        Fenced(true),
-        HEALTHY,
-        Event::HandOff(HandOff::NeedRevision),
-        RevisionRead(Some(42)),
-    ];
+    let fenced = with(
+        FENCED_AND_BACK.to_vec(),
+        &[
+            Event::HandOff(HandOff::NeedRevision),
+            RevisionRead(Some(42)),
+        ],
+    );
     for failure in [
         vec![Event::HandOff(HandOff::Claim { epoch: 0 }), Claimed(false)],
         vec![
@@ -299,14 +297,7 @@ fn a_failed_step_of_the_take_phase_checks_again_from_the_start() {
 
 #[test]
 fn a_check_whose_writes_never_show_gives_up_after_five_views() {
-    let mut events = vec![
-        NOT_OWNER,
-        Killed(true),
-        RetryDue,
-        Killed(true),
-        Fenced(true),
-        HEALTHY,
-    ];
+    let mut events = FENCED_AND_BACK.to_vec();
     for _ in 0..5 {
         events.extend([Event::HandOff(HandOff::Claim { epoch: 0 }), Claimed(true)]);
     }
