@@ -24,6 +24,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicI64, AtomicU64};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -194,8 +195,9 @@ pub struct Sync {
     retention: Retention,
     metrics: SecondaryMetrics,
     /// The secondary's objects as last listed, plus what was copied since: the lag is still
-    /// known (and grows) while the secondary cannot be listed.
-    known: HashMap<String, u64>,
+    /// known (and grows) while the secondary cannot be listed, or a pass hangs on it
+    /// ([`watch_lag`] reads it then).
+    known: Arc<Mutex<HashMap<String, u64>>>,
 }
 
 impl Sync {
@@ -214,7 +216,7 @@ impl Sync {
             config,
             retention,
             metrics,
-            known: HashMap::new(),
+            known: Arc::default(),
         })
     }
 
@@ -234,8 +236,16 @@ impl Sync {
         );
         let mut failed = 0;
         loop {
+            let watch = watch_lag(
+                self.stores.source.clone(),
+                self.known.clone(),
+                self.metrics.clone(),
+                self.config.sync_interval,
+            );
             let pause = tokio::select! {
                 _ = cancel.cancelled() => return,
+                // Never ends: it only updates the lag while the pass runs.
+                () = watch => continue,
                 r = self.pass() => match r {
                     Ok(()) => {
                         failed = 0;
@@ -262,6 +272,15 @@ impl Sync {
         }
     }
 
+    fn known(&self) -> std::sync::MutexGuard<'_, HashMap<String, u64>> {
+        self.known.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn set_lag(&self, primary: &[Listed]) {
+        let lag = lag(primary, &self.known(), Utc::now());
+        self.metrics.set_lag(lag);
+    }
+
     /// One pass: list both, copy what is missing in [`plan`]'s order, then delete from the
     /// secondary what [`expiring`] names. The lag is updated before and after every copy.
     async fn pass(&mut self) -> Result<(), CopyError> {
@@ -277,17 +296,17 @@ impl Sync {
         let listed = match listed {
             Ok(l) => l,
             Err(e) => {
-                self.metrics.set_lag(lag(&primary, &self.known, Utc::now()));
+                self.set_lag(&primary);
                 return Err(store_error("secondary", &self.stores.dest)(e));
             }
         };
-        self.known = listed
+        *self.known() = listed
             .iter()
             .map(|l| (l.snapshot.snap_name.clone(), l.size))
             .collect();
-        self.metrics.set_lag(lag(&primary, &self.known, Utc::now()));
+        self.set_lag(&primary);
         let expired = expiring(&primary, &listed, &triggered, Utc::now(), self.retention);
-        let todo = plan(&primary, &self.known, &expired.iter().cloned().collect());
+        let todo = plan(&primary, &self.known(), &expired.iter().cloned().collect());
         let progress = Progress::new(todo.len(), todo.iter().map(|l| l.size).sum());
         for item in &todo {
             let s = &item.snapshot;
@@ -295,9 +314,9 @@ impl Sync {
             match result {
                 Ok(_) => {
                     tracing::info!(snapshot = %s.snap_name, revision = s.last_revision, "copied to the secondary store");
-                    self.known.insert(dest_name(s), item.size);
+                    self.known().insert(dest_name(s), item.size);
                     self.metrics.copied.inc();
-                    self.metrics.set_lag(lag(&primary, &self.known, Utc::now()));
+                    self.set_lag(&primary);
                 }
                 Err(source) => {
                     return Err(CopyError::Incomplete {
@@ -320,9 +339,29 @@ impl Sync {
             .collect();
         let report = gc::delete(&self.stores.dest, doomed, &HashSet::new()).await;
         for s in &report.deleted {
-            self.known.remove(&s.snap_name);
+            self.known().remove(&s.snap_name);
         }
         Ok(())
+    }
+}
+
+/// While a pass runs: every `interval` (at least a second), the lag from a fresh listing of the
+/// primary and what the secondary is known to hold. A secondary that hangs holds a pass for as
+/// long as the store client retries (minutes); the lag, and `EtcdWardenSecondaryBehind` on it,
+/// must grow meanwhile, not stay at the last pass's value. Never ends.
+async fn watch_lag(
+    primary: crate::store::SnapshotStore,
+    known: Arc<Mutex<HashMap<String, u64>>>,
+    metrics: SecondaryMetrics,
+    interval: Duration,
+) {
+    let interval = interval.max(Duration::from_secs(1));
+    loop {
+        tokio::time::sleep(interval).await;
+        if let Ok(Ok(listed)) = tokio::time::timeout(interval, list_sized(&primary)).await {
+            let known = known.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            metrics.set_lag(lag(&listed, &known, Utc::now()));
+        }
     }
 }
 
