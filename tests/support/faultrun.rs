@@ -252,6 +252,9 @@ fn sidecar_keys(
         ("kill.settle", "1s".into()),
         ("server.listen", listen.to_string()),
         ("server.token", token.to_string()),
+        // As production sidecars know it: where the watchdog reads the member ID from the
+        // write-ahead log when etcd is down for good (a crash loop on a full disk).
+        ("restore.data_dir", spec.data_dir.display().to_string()),
     ]
     .into_iter()
     // Releases from before the take-over refuse the key as unknown.
