@@ -355,6 +355,83 @@ async fn memory_limit_flushes_early() {
     );
 }
 
+/// The two-hour soak's memory spike at its smallest: the store refuses deltas while etcd takes
+/// writes. The buffer stops at `snapshot.delta_memory_limit` plus at most the one watch response
+/// that crossed it (etcd sends at most 1,000 revisions in one) instead of growing with every
+/// write, and once the store takes deltas again the chain goes on with every revision, none lost
+/// and none twice. Before, the buffer held every write made while the store was down (here 80
+/// times the limit, about 4 times the bound).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_refusing_deltas_holds_the_buffer_at_the_memory_limit_and_loses_nothing() {
+    use support::losing::{LosingStore, Loss};
+    const LIMIT: u64 = 16 * 1024;
+    const VALUE: usize = 256;
+    const PUTS: usize = 4096;
+    // What one event of these puts counts for (`Event::size`: key, value and 48 bytes).
+    const EVENT: u64 = VALUE as u64 + 64;
+
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut client = etcd.client().await;
+    let memory: std::sync::Arc<dyn object_store::ObjectStore> =
+        std::sync::Arc::new(object_store::memory::InMemory::new());
+    let refusing = std::sync::Arc::new(LosingStore::new(memory, ".gz", Loss::Refused, 0));
+    let store = SnapshotStore::new(refusing.clone(), "p");
+    let base = take_full(&client, &store, Codec::Gzip, false)
+        .await
+        .unwrap();
+    refusing.lose_next(u32::MAX);
+    let metrics = SnapshotMetrics::default();
+    let mut registry = prometheus_client::registry::Registry::default();
+    metrics.register(&mut registry);
+    let (actor, task, cancel) =
+        actor_with(&etcd, &store, Codec::Gzip, Duration::from_secs(1), LIMIT)
+            .spawn(metrics)
+            .await;
+    let buffered = || metric_value(&registry, "etcd_warden_delta_buffered_bytes") as u64;
+    let (mut peak, mut last) = (0, 0);
+    for i in 0..PUTS {
+        last = client
+            .put(format!("k{i}"), vec![b'v'; VALUE], None)
+            .await
+            .unwrap()
+            .header()
+            .unwrap()
+            .revision();
+        peak = peak.max(buffered());
+    }
+    // Three delta periods with the store still down: three more failed flushes.
+    for _ in 0..30 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        peak = peak.max(buffered());
+    }
+    assert!(
+        (LIMIT..=LIMIT + 1000 * EVENT).contains(&peak),
+        "buffered at most {peak} bytes with a limit of {LIMIT}"
+    );
+    assert!(actor.status().last_delta.is_none(), "{:?}", actor.status());
+
+    refusing.lose_next(0);
+    wait_for_delta(&actor, last).await;
+    cancel.cancel();
+    task.await.unwrap();
+    let chain = store.latest_chain().await.unwrap();
+    assert_eq!(
+        chain.full_snapshot.unwrap().last_revision,
+        base.last_revision
+    );
+    let mut seen = Vec::new();
+    for d in &chain.delta_snapshots {
+        seen.extend(
+            delta::read(&store, d)
+                .await
+                .unwrap()
+                .iter()
+                .map(|e| e.event.revision()),
+        );
+    }
+    assert_eq!(seen, ((base.last_revision + 1)..=last).collect::<Vec<_>>());
+}
+
 /// Resumes a process stopped with SIGSTOP when dropped, so a failing test leaves no frozen etcd.
 struct Frozen(nix::unistd::Pid);
 

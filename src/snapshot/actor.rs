@@ -614,8 +614,14 @@ impl<E: Engine> Actor<E> {
             let active = self.active();
             let full_at = self.next_full.map(until);
             let defrag_at = self.next_defrag.map(until);
+            // At the memory limit the watch is not read until a delta is stored: a store that is
+            // down for long would otherwise let the buffer grow with every write. etcd keeps the
+            // events (or says they are compacted, and a full snapshot follows).
+            let buffered = self.engine.buffered_bytes();
+            self.metrics.set_delta_buffered(buffered);
             let can_collect = active
                 && self.deltas_on()
+                && buffered < self.config.delta_memory_limit
                 && watch_retry_at.is_none_or(|t| t <= tokio::time::Instant::now());
             tokio::select! {
                 biased;
@@ -644,8 +650,15 @@ impl<E: Engine> Actor<E> {
                     Ok(Collected::Events) => {
                         let buffered = self.engine.buffered_bytes();
                         self.metrics.set_required(Kind::Incr, buffered > 0);
-                        if buffered >= self.config.delta_memory_limit {
-                            let _ = self.delta(Operation::Regular).await;
+                        if buffered >= self.config.delta_memory_limit
+                            && self.delta(Operation::Regular).await.is_err()
+                            && self.engine.buffered_bytes() >= self.config.delta_memory_limit
+                        {
+                            tracing::warn!(
+                                buffered = self.engine.buffered_bytes(),
+                                limit = self.config.delta_memory_limit,
+                                "the delta buffer is at snapshot.delta_memory_limit and cannot be stored: etcd's watch is not read until a delta is stored (tried every delta period)"
+                            );
                         }
                     }
                     Ok(Collected::Compacted) => {

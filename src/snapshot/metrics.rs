@@ -107,6 +107,7 @@ pub struct SnapshotMetrics {
     gc: Family<OutcomeLabels, Counter>,
     gc_locked: Gauge,
     leader: Gauge,
+    delta_buffered: Gauge,
     required: Family<KindLabel, Gauge>,
     failures: Family<ErrorLabel, Gauge>,
     latest_deltas: Gauge,
@@ -133,6 +134,7 @@ impl Default for SnapshotMetrics {
             gc: Family::default(),
             gc_locked: Gauge::default(),
             leader: Gauge::default(),
+            delta_buffered: Gauge::default(),
             required: Family::default(),
             failures: Family::default(),
             latest_deltas: Gauge::default(),
@@ -185,6 +187,12 @@ impl SnapshotMetrics {
             "etcd_warden_snapshot_leader",
             "1 while this sidecar's member leads the raft group, so it is the one taking snapshots",
             self.leader.clone(),
+        );
+        registry.register(
+            "etcd_warden_delta_buffered_bytes",
+            "Bytes of watch events held for the next delta snapshot; at snapshot.delta_memory_limit \
+             the watch is not read until a delta is stored",
+            self.delta_buffered.clone(),
         );
         registry.register(
             "etcdbr_snapshot_required",
@@ -430,6 +438,12 @@ impl SnapshotMetrics {
     /// Records whether this sidecar is the snapshot leader.
     pub fn set_leader(&self, leader: bool) {
         self.leader.set(i64::from(leader));
+    }
+
+    /// Bytes of watch events buffered for the next delta snapshot.
+    pub fn set_delta_buffered(&self, bytes: u64) {
+        self.delta_buffered
+            .set(i64::try_from(bytes).unwrap_or(i64::MAX));
     }
 
     /// Records a failed snapshot attempt.

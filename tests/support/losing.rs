@@ -1,7 +1,7 @@
 //! An object store in front of a real one that loses answers: the store performs the request
 //! and the client never hears so (a connection cut after the server committed), or the store
 //! completes an upload long after the client gave up on it, single PUTs and multipart uploads
-//! alike. Only for the objects a test names
+//! alike; or that refuses uploads, as a store that is down. Only for the objects a test names
 //! (by a suffix of their key), a set number of times; everything else passes through.
 //!
 //! This is the fault at the I/O seam the sidecar uses (`object_store`), in front of a real S3
@@ -26,6 +26,8 @@ pub enum Loss {
     Answer,
     /// The client waits forever; the store completes it after this long.
     Late(Duration),
+    /// The store refuses it: nothing is written, the client gets an error (a store that is down).
+    Refused,
 }
 
 /// A store that loses the next `times` completions of uploads to keys ending in `suffix`.
@@ -61,6 +63,11 @@ impl LosingStore {
         lose.then_some(self.loss)
     }
 
+    /// Loses the next `times` uploads to keys ending in the suffix (0: none from now on).
+    pub fn lose_next(&self, times: u32) {
+        self.left.store(times, Ordering::SeqCst);
+    }
+
     /// How many completions were lost so far.
     pub fn lost(&self) -> u32 {
         self.lost.load(Ordering::SeqCst)
@@ -82,6 +89,13 @@ struct LosingUpload {
 impl fmt::Debug for LosingUpload {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "LosingUpload({:?})", self.lose)
+    }
+}
+
+fn refused_error() -> object_store::Error {
+    object_store::Error::Generic {
+        store: "LosingStore",
+        source: "connection refused".into(),
     }
 }
 
@@ -107,6 +121,7 @@ impl MultipartUpload for LosingUpload {
         };
         match self.lose {
             None => inner.complete().await,
+            Some(Loss::Refused) => Err(refused_error()),
             Some(Loss::Answer) => {
                 inner.complete().await?;
                 self.lost.fetch_add(1, Ordering::SeqCst);
@@ -142,6 +157,7 @@ super::forward::object_store_passing_the_rest!(LosingStore, inner, {
     ) -> object_store::Result<PutResult> {
         match self.lose(location) {
             None => self.inner.put_opts(location, payload, opts).await,
+            Some(Loss::Refused) => Err(refused_error()),
             Some(Loss::Answer) => {
                 self.inner.put_opts(location, payload, opts).await?;
                 self.lost.fetch_add(1, Ordering::SeqCst);
@@ -166,10 +182,14 @@ super::forward::object_store_passing_the_rest!(LosingStore, inner, {
         location: &Path,
         opts: PutMultipartOptions,
     ) -> object_store::Result<Box<dyn MultipartUpload>> {
+        let lose = self.lose(location);
+        if lose == Some(Loss::Refused) {
+            return Err(refused_error());
+        }
         let inner = self.inner.put_multipart_opts(location, opts).await?;
         Ok(Box::new(LosingUpload {
             inner: Some(inner),
-            lose: self.lose(location),
+            lose,
             lost: self.lost.clone(),
         }))
     }

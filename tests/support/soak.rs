@@ -1056,6 +1056,10 @@ fn soak_keys(release: Release, store_endpoint: String) -> Vec<(String, String)> 
         // The fault schedules' 3 s is for small databases: the soak's large values grow the
         // database to hundreds of MiB, whose finals never fitted 3 s (docs/robustness.md).
         ("snapshot.timeout", "60s".into()),
+        // Small, so that a store outage at the soak's write rate (about 1 MiB/s) fills it: the
+        // watch is then not read until a delta is stored, under every fault, and a sidecar's
+        // memory is bounded by the limit rather than by how long the store was down.
+        ("snapshot.delta_memory_limit", "8MiB".into()),
         ("defrag.schedule", "*/4 * * * *".into()),
         ("defrag.check_interval", "1m".into()),
         ("defrag.trigger_min_db_size", "8MiB".into()),
