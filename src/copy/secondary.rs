@@ -557,78 +557,11 @@ mod tests {
         assert_eq!(held, kept, "the secondary holds what the primary keeps");
     }
 
-    /// A secondary whose uploads never answer (listing works): a store that hangs.
-    #[derive(Debug)]
-    struct Hanging(object_store::memory::InMemory);
-
-    impl std::fmt::Display for Hanging {
-        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            write!(f, "Hanging")
-        }
-    }
-
-    #[async_trait::async_trait]
-    impl object_store::ObjectStore for Hanging {
-        async fn put_opts(
-            &self,
-            _: &object_store::path::Path,
-            _: object_store::PutPayload,
-            _: object_store::PutOptions,
-        ) -> object_store::Result<object_store::PutResult> {
-            std::future::pending().await
-        }
-        async fn put_multipart_opts(
-            &self,
-            _: &object_store::path::Path,
-            _: object_store::PutMultipartOptions,
-        ) -> object_store::Result<Box<dyn object_store::MultipartUpload>> {
-            std::future::pending().await
-        }
-        async fn get_opts(
-            &self,
-            location: &object_store::path::Path,
-            options: object_store::GetOptions,
-        ) -> object_store::Result<object_store::GetResult> {
-            self.0.get_opts(location, options).await
-        }
-        fn delete_stream(
-            &self,
-            locations: futures::stream::BoxStream<
-                'static,
-                object_store::Result<object_store::path::Path>,
-            >,
-        ) -> futures::stream::BoxStream<'static, object_store::Result<object_store::path::Path>>
-        {
-            self.0.delete_stream(locations)
-        }
-        fn list(
-            &self,
-            prefix: Option<&object_store::path::Path>,
-        ) -> futures::stream::BoxStream<'static, object_store::Result<object_store::ObjectMeta>>
-        {
-            self.0.list(prefix)
-        }
-        async fn list_with_delimiter(
-            &self,
-            prefix: Option<&object_store::path::Path>,
-        ) -> object_store::Result<object_store::ListResult> {
-            self.0.list_with_delimiter(prefix).await
-        }
-        async fn copy_opts(
-            &self,
-            from: &object_store::path::Path,
-            to: &object_store::path::Path,
-            options: object_store::CopyOptions,
-        ) -> object_store::Result<()> {
-            self.0.copy_opts(from, to, options).await
-        }
-    }
-
-    /// A pass held by a secondary that hangs (the store client would retry for minutes) still
-    /// raises the lag every sync interval, from the primary's listing, so
-    /// `EtcdWardenSecondaryBehind` can fire. Before, the lag stayed at the value the pass
-    /// started with (here about 0 s) for as long as the pass hung: seen under load as a flaky
-    /// lag check in tests/secondary.rs.
+    /// A pass held by a secondary that hangs (an endpoint that accepts and never answers; the
+    /// store client waits and retries for minutes) still raises the lag every sync interval,
+    /// from the primary's listing, so `EtcdWardenSecondaryBehind` can fire. Before, the lag
+    /// stayed where the last pass left it (here never set: 0) for as long as the pass hung: seen
+    /// under load as a flaky lag check in tests/secondary.rs.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_pass_held_by_a_hanging_secondary_still_raises_the_lag() {
         use crate::snapshot::delta::{Event, EventType, KeyValue, TimedEvent, encode_compressed};
@@ -652,16 +585,30 @@ mod tests {
         };
         let bytes = encode_compressed(&[event], Codec::Gzip, primary.compression_level()).unwrap();
         primary.put_bytes(&delta, bytes.into()).await.unwrap();
-        let dest = crate::store::SnapshotStore::new(
-            Arc::new(Hanging(object_store::memory::InMemory::new())),
-            "p",
-        );
-        let location = crate::config::StoreLocation::parse("file:///unused").unwrap();
+        // An S3 endpoint that accepts connections and never answers.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let endpoint = format!("http://{}", listener.local_addr().unwrap());
+        let held = tokio::spawn(async move {
+            let mut connections = Vec::new();
+            while let Ok((c, _)) = listener.accept().await {
+                connections.push(c);
+            }
+        });
+        let location = crate::config::StoreLocation::parse("s3://secondary/p").unwrap();
+        let dest = crate::store::SnapshotStore::from_config(&crate::config::StoreConfig {
+            endpoint: Some(endpoint),
+            region: Some("us-east-1".into()),
+            allow_http: true,
+            access_key_id: Some(crate::config::Secret::Value("key".into())),
+            secret_access_key: Some(crate::config::Secret::Value("secret".into())),
+            ..crate::config::StoreConfig::at(location.clone())
+        })
+        .unwrap();
         let metrics = SecondaryMetrics::default();
         let sync = Sync {
             stores: Stores {
                 source: primary,
-                dest: dest.clone(),
+                dest,
                 server_side: false,
             },
             config: SecondaryConfig {
@@ -683,8 +630,8 @@ mod tests {
         let copied = metrics.copied.get();
         cancel.cancel();
         task.await.unwrap();
-        assert_eq!(copied, 0, "the upload hung: nothing was copied");
-        assert!(dest.list().await.unwrap().is_empty());
+        held.abort();
+        assert_eq!(copied, 0, "the secondary hung: nothing was copied");
         assert!(
             seconds >= 2.5,
             "the lag grew while the pass hung: {seconds} s, 3.5 s after the delta was stored"
