@@ -1,6 +1,8 @@
 //! A full snapshot's memory does not grow with the database: a payload several times larger
-//! than the allowed peak goes through hash check, compression and multipart upload.
-//! (Its own test binary, so the process's peak RSS belongs to this test alone.)
+//! than the allowed peak goes through hash check, compression and multipart upload. Storing a
+//! large delta holds its events and a few parts of the upload, not the compressed payload too.
+//! (Its own test binary, so the process's peak RSS belongs to these tests alone; they run one
+//! at a time, each from a reset peak.)
 
 use std::io;
 use std::sync::Arc;
@@ -16,10 +18,28 @@ const MIB: usize = 1 << 20;
 
 /// Peak resident memory of this process (VmHWM), in bytes.
 fn peak_rss() -> usize {
+    status_bytes("VmHWM:")
+}
+
+/// Resident memory of this process now (VmRSS), in bytes.
+fn rss() -> usize {
+    status_bytes("VmRSS:")
+}
+
+fn status_bytes(field: &str) -> usize {
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+    let line = status.lines().find(|l| l.starts_with(field)).unwrap();
     let kb: usize = line.split_whitespace().nth(1).unwrap().parse().unwrap();
     kb * 1024
+}
+
+/// Holds the process for one test, with its peak reset to what it holds now
+/// (`/proc/self/clear_refs`), so that one test's peak is not read as another's.
+async fn alone() -> tokio::sync::MutexGuard<'static, ()> {
+    static ONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    let guard = ONE.lock().await;
+    std::fs::write("/proc/self/clear_refs", "5").unwrap();
+    guard
 }
 
 /// One random MiB: deflate's 32 KiB window cannot find its repetitions, so compression cannot
@@ -64,6 +84,7 @@ fn hash_of(mib: usize) -> Bytes {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_stays_bounded_for_a_large_snapshot() {
+    let _alone = alone().await;
     let size_mib = 96;
     let hash = hash_of(size_mib);
     let dir = tempfile::tempdir().unwrap();
@@ -99,4 +120,51 @@ async fn memory_stays_bounded_for_a_large_snapshot() {
         .unwrap();
     assert_eq!(back.len(), 8 * MIB + 32);
     assert!(back[..MIB] == chunk(0)[..]);
+}
+
+/// A delta of 64 MiB of poorly compressible values (a backlog after a store outage, at most
+/// `snapshot.delta_memory_limit` plus one watch response) is encoded as it is uploaded: storing
+/// it costs a few parts beside its events. Before, the whole compressed payload was built in
+/// memory first (about as large as the events again, more while its buffer grew).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn storing_a_large_delta_holds_its_events_and_a_few_parts() {
+    use etcd_warden::snapshot::delta::{self, DeltaWriter, Event, EventType, KeyValue};
+    let _alone = alone().await;
+    let events_mib = 64;
+    let put = |rev: usize| Event {
+        kind: EventType::Put,
+        kv: Some(KeyValue {
+            key: format!("/registry/k{rev}").into_bytes(),
+            create_revision: rev as i64,
+            mod_revision: rev as i64,
+            version: 1,
+            value: chunk(rev).to_vec(),
+            lease: 0,
+        }),
+        prev_kv: None,
+    };
+    let mut writer = DeltaWriter::new(Codec::Gzip, 0);
+    writer.push((1..=events_mib).map(put), chrono::Utc::now());
+    let dir = tempfile::tempdir().unwrap();
+    let backend =
+        Arc::new(object_store::local::LocalFileSystem::new_with_prefix(dir.path()).unwrap());
+    let store = SnapshotStore::new(backend, "");
+    std::fs::write("/proc/self/clear_refs", "5").unwrap();
+    let before = rss();
+    let snap = writer.flush(&store).await.unwrap().unwrap();
+    let grew = peak_rss().saturating_sub(before);
+    println!("storing the delta grew memory by {} MiB", grew / MIB);
+    let stored = std::fs::metadata(dir.path().join(snap.key()))
+        .unwrap()
+        .len() as usize;
+    assert!(stored > events_mib * MIB, "{stored} bytes stored");
+    assert!(
+        grew < 32 * MIB,
+        "storing a delta of {events_mib} MiB of values grew memory by {} MiB",
+        grew / MIB
+    );
+    drop(writer);
+    let back = delta::read(&store, &snap).await.unwrap();
+    assert_eq!(back.len(), events_mib);
+    assert!(back.iter().enumerate().all(|(i, e)| e.event == put(i + 1)));
 }

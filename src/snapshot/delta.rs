@@ -189,20 +189,29 @@ pub fn encode_compressed(
     codec: Codec,
     level: compression::Level,
 ) -> Result<Vec<u8>, DeltaError> {
+    encode_compressed_to(Vec::new(), events, codec, level)
+}
+
+/// [`encode_compressed`] into `out`, which is returned once everything is written to it.
+pub fn encode_compressed_to<W: std::io::Write>(
+    mut out: W,
+    events: &[TimedEvent],
+    codec: Codec,
+    level: compression::Level,
+) -> Result<W, DeltaError> {
     let level = level.flate();
     match codec {
         Codec::None => {
-            let mut out = Vec::new();
             write_payload(&mut out, events)?;
             Ok(out)
         }
         Codec::Gzip => {
-            let mut enc = flate2::write::GzEncoder::new(Vec::new(), level);
+            let mut enc = flate2::write::GzEncoder::new(out, level);
             write_payload(&mut enc, events)?;
             Ok(enc.finish()?)
         }
         Codec::Zlib => {
-            let mut enc = flate2::write::ZlibEncoder::new(Vec::new(), level);
+            let mut enc = flate2::write::ZlibEncoder::new(out, level);
             write_payload(&mut enc, events)?;
             Ok(enc.finish()?)
         }
@@ -210,6 +219,103 @@ pub fn encode_compressed(
             crate::store::compression::CodecError::WriteUnsupported(codec),
         ))),
     }
+}
+
+/// A writer handing what it is given on in chunks of [`CHUNK`] bytes through a channel, from a
+/// blocking thread to the upload: the compressed delta is never held whole.
+struct ChunkSender {
+    tx: tokio::sync::mpsc::Sender<Chunk>,
+    buf: Vec<u8>,
+}
+
+/// What the encoder sends: data, then `End` once the payload is complete. A channel that closes
+/// without `End` (the encoder failed or panicked) fails the upload instead of storing a
+/// truncated delta.
+enum Chunk {
+    Data(Bytes),
+    End,
+}
+
+/// Bytes per chunk handed from the encoder to the upload.
+const CHUNK: usize = 1 << 20;
+
+impl ChunkSender {
+    fn send(&mut self, chunk: Chunk) -> std::io::Result<()> {
+        self.tx
+            .blocking_send(chunk)
+            .map_err(|_| std::io::Error::other("the delta's upload stopped"))
+    }
+
+    fn send_buffered(&mut self) -> std::io::Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let data = Bytes::from(std::mem::replace(&mut self.buf, Vec::with_capacity(CHUNK)));
+        self.send(Chunk::Data(data))
+    }
+
+    /// Sends the rest and says the payload is complete.
+    fn finish(mut self) -> std::io::Result<()> {
+        self.send_buffered()?;
+        self.send(Chunk::End)
+    }
+}
+
+impl std::io::Write for ChunkSender {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.buf.extend_from_slice(buf);
+        if self.buf.len() >= CHUNK {
+            self.send_buffered()?;
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The payload `events` encode to as `codec` at `level`, encoded on a blocking thread as it is
+/// read (a large buffer does not stall the runtime). The stream fails unless the encoder
+/// finished; it ends the encoder when dropped.
+fn encoded_stream(
+    events: std::sync::Arc<Vec<TimedEvent>>,
+    count: usize,
+    codec: Codec,
+    level: compression::Level,
+) -> (compression::ByteStream, tokio::task::JoinHandle<()>) {
+    let (tx, rx) = tokio::sync::mpsc::channel(2);
+    let encoder = tokio::task::spawn_blocking(move || {
+        let out = ChunkSender {
+            tx,
+            buf: Vec::with_capacity(CHUNK),
+        };
+        let written = encode_compressed_to(out, &events[..count], codec, level);
+        // The events go back before the stream can end: the flush takes them back whole.
+        drop(events);
+        match written {
+            Ok(out) => {
+                let _ = out.finish();
+            }
+            Err(e) => tracing::warn!(error = %e, "encoding a delta snapshot failed"),
+        }
+    });
+    let stream = futures::stream::unfold((rx, false), |(mut rx, done)| async move {
+        if done {
+            return None;
+        }
+        match rx.recv().await {
+            Some(Chunk::Data(data)) => Some((Ok(data), (rx, false))),
+            Some(Chunk::End) => None,
+            None => Some((
+                Err(std::io::Error::other(
+                    "the delta's encoder stopped before the payload was complete",
+                )),
+                (rx, true),
+            )),
+        }
+    });
+    (Box::pin(stream), encoder)
 }
 
 /// Writes the JSON array, hashing it on the way, then the hash.
@@ -410,24 +516,27 @@ impl DeltaWriter {
         snapshot: &Snapshot,
         count: usize,
     ) -> Result<u64, DeltaError> {
-        // Serialised and compressed in one pass on a blocking thread: the JSON is never held
-        // uncompressed, and a large buffer does not stall the runtime.
-        // Encryption too (the recipients' key files are read here, so a rotated key applies).
-        // Shared with the blocking task, so the events come back even when it panics or the
+        // Serialised, compressed and encrypted as it is uploaded: beside the events, storing a
+        // delta holds a few parts of it, not the whole compressed payload (a backlog after a
+        // store outage would otherwise cost its size twice). Encryption reads the recipients'
+        // key files here, so a rotated key applies.
+        // Shared with the blocking encoder, so the events come back even when it panics or the
         // runtime drops it unstarted (its reference goes with it): a failed flush loses nothing.
         let events = std::sync::Arc::new(std::mem::take(&mut self.events));
-        let codec = snapshot.compression;
-        let (sealer, named, shared) = (store.clone(), snapshot.clone(), events.clone());
-        let stored = tokio::task::spawn_blocking(move || {
-            encode_compressed(&shared[..count], codec, sealer.compression_level())
-                .and_then(|plain| Ok(sealer.seal_bytes(&named, plain)?))
-        })
-        .await;
+        let (payload, encoder) = encoded_stream(
+            events.clone(),
+            count,
+            snapshot.compression,
+            store.compression_level(),
+        );
+        let stored = match store.seal(snapshot, payload) {
+            Ok(sealed) => store.put_stream_small_as_one(snapshot, sealed).await,
+            Err(e) => Err(e),
+        };
+        // The stream is gone: the encoder ends (at its next chunk if the upload stopped).
+        let _ = encoder.await;
         self.events = std::sync::Arc::try_unwrap(events).unwrap_or_else(|still| (*still).clone());
-        let stored = stored.map_err(std::io::Error::other)??;
-        let bytes = stored.len() as u64;
-        store.put_bytes(snapshot, Bytes::from(stored)).await?;
-        Ok(bytes)
+        Ok(stored?)
     }
 }
 

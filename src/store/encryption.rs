@@ -72,7 +72,7 @@ pub fn encrypt(input: ByteStream, recipients: Vec<age::x25519::Recipient>) -> By
     })
 }
 
-/// Encrypts a small payload (a delta) in memory.
+/// Encrypts a small payload in memory, as [`encrypt`] would stream it.
 pub fn encrypt_bytes(plain: &[u8], recipients: &[age::x25519::Recipient]) -> io::Result<Vec<u8>> {
     let mut out = Vec::with_capacity(plain.len() + 1024);
     let mut sealed = encryptor(recipients)?.wrap_output(&mut out)?;

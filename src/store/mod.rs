@@ -744,15 +744,6 @@ impl SnapshotStore {
         Ok(encryption::encrypt(payload, self.recipients(snapshot)?))
     }
 
-    /// [`SnapshotStore::seal`] for a small payload held in memory (a delta).
-    pub fn seal_bytes(&self, snapshot: &Snapshot, payload: Vec<u8>) -> Result<Vec<u8>, StoreError> {
-        if !snapshot.encrypted {
-            return Ok(payload);
-        }
-        encryption::encrypt_bytes(&payload, &self.recipients(snapshot)?)
-            .map_err(StoreError::Payload)
-    }
-
     fn recipients(&self, snapshot: &Snapshot) -> Result<Vec<age::x25519::Recipient>, StoreError> {
         self.keys(snapshot, EncryptionConfig::load_recipients, |snapshot| {
             EncryptionError::NoRecipient { snapshot }
@@ -1035,6 +1026,36 @@ impl SnapshotStore {
             tracing::warn!(key = %path, error = %e, "aborting the failed upload failed");
         }
         Err(failure)
+    }
+
+    /// Uploads a payload of unknown length: with one PUT when it ends within a part, else as
+    /// [`SnapshotStore::put_stream`] does (what was read first goes first). Either way memory
+    /// stays within a few parts, and an error item in `data` leaves nothing at the destination.
+    /// Returns the bytes stored.
+    pub async fn put_stream_small_as_one(
+        &self,
+        snapshot: &Snapshot,
+        mut data: ByteStream,
+    ) -> Result<u64, StoreError> {
+        let mut head = Vec::new();
+        let mut len = 0;
+        while len <= self.part_size {
+            match data.next().await {
+                Some(Ok(chunk)) => {
+                    len += chunk.len();
+                    head.push(chunk);
+                }
+                Some(Err(e)) => return Err(StoreError::Payload(e)),
+                None => {
+                    let payload: PutPayload = head.into_iter().collect();
+                    self.store.put(&self.path_of(snapshot), payload).await?;
+                    self.retain(snapshot).await?;
+                    return Ok(len as u64);
+                }
+            }
+        }
+        let rest = futures::stream::iter(head.into_iter().map(Ok)).chain(data);
+        self.put_stream(snapshot, Box::pin(rest)).await
     }
 
     /// Uploads a payload of exactly `len` bytes: in one streamed request where the store has
