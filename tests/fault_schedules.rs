@@ -397,7 +397,19 @@ async fn the_service_forwards_new_connections_only_to_ready_members() {
         },
     ];
     let service = Service::start(backends, Duration::from_millis(20)).await;
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The service checks readiness every 20 ms; on a loaded machine a check can take seconds.
+    let sees = |ready: Vec<bool>| {
+        let service = &service;
+        async move {
+            let ready = &ready;
+            let seen = support::eventually(Duration::from_secs(10), || async move {
+                service.ready() == *ready
+            })
+            .await;
+            assert!(seen, "the service sees {:?}", service.ready());
+        }
+    };
+    sees(vec![true, false]).await;
     let mut old = TcpStream::connect(service.addr).await.unwrap();
     // Generous: on a loaded 2-core machine the first forward took over 2 s once.
     assert_eq!(
@@ -407,8 +419,7 @@ async fn the_service_forwards_new_connections_only_to_ready_members() {
 
     ready_a.store(false, Ordering::SeqCst);
     ready_b.store(true, Ordering::SeqCst);
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(service.ready(), vec![false, true]);
+    sees(vec![false, true]).await;
     for _ in 0..3 {
         let mut new = TcpStream::connect(service.addr).await.unwrap();
         assert_eq!(
@@ -424,7 +435,7 @@ async fn the_service_forwards_new_connections_only_to_ready_members() {
     );
 
     ready_b.store(false, Ordering::SeqCst);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    sees(vec![false, false]).await;
     let mut none = TcpStream::connect(service.addr).await.unwrap();
     assert_eq!(
         read_byte(&mut none, Duration::from_secs(2)).await,
