@@ -110,13 +110,12 @@ impl EtcdView for EtcdApi {
     async fn member_on_disk(&self) -> Option<u64> {
         let wal = self.data_dir.as_ref()?.join("member").join("wal");
         let read = tokio::task::spawn_blocking(move || {
-            crate::restore::wal::read_state(&wal).map_err(|e| (wal, e))
+            crate::restore::wal::member_id(&wal).map_err(|e| (wal, e))
         })
         .await
         .ok()?;
         match read {
-            Ok(state) if state.node_id != 0 => Some(state.node_id),
-            Ok(_) => None,
+            Ok(id) => id,
             Err((wal, error)) => {
                 tracing::debug!(wal = %wal.display(), %error, "the member's write-ahead log does not read");
                 None

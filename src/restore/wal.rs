@@ -195,16 +195,7 @@ pub fn read_state(wal_dir: &Path) -> Result<WalState, WalError> {
         let path = path.display().to_string();
         move |source| WalError::Io { path, source }
     };
-    let mut segments: Vec<_> = std::fs::read_dir(wal_dir)
-        .map_err(io(wal_dir))?
-        .filter_map(Result::ok)
-        .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|x| x == "wal"))
-        .collect();
-    segments.sort();
-    if segments.is_empty() {
-        return Err(WalError::NoSegment(wal_dir.display().to_string()));
-    }
+    let segments = segments(wal_dir)?;
     let mut state = WalState::default();
     let mut crc = 0u32;
     let last = segments.len() - 1;
@@ -219,6 +210,64 @@ pub fn read_state(wal_dir: &Path) -> Result<WalState, WalError> {
         })?;
     }
     Ok(state)
+}
+
+/// How much of a segment [`member_id`] reads: a segment starts with its checksum, metadata and
+/// hard state records (a few hundred bytes), and is 64 MiB, preallocated.
+const HEAD: u64 = 64 * 1024;
+
+/// This member's id (`Metadata.NodeID`) from the metadata record a segment starts with, the
+/// newest segment first, reading only the first [`HEAD`] bytes of each with their checksums:
+/// what the owner watchdog needs to fence a member whose etcd does not answer, without reading
+/// the whole log (which held a sidecar at 160 MiB while it did). `None` when no segment's head
+/// holds the metadata.
+pub fn member_id(wal_dir: &Path) -> Result<Option<u64>, WalError> {
+    use std::io::Read;
+    let segments = segments(wal_dir)?;
+    for segment in segments.iter().rev() {
+        let io = |source| WalError::Io {
+            path: segment.display().to_string(),
+            source,
+        };
+        let mut head = Vec::new();
+        std::fs::File::open(segment)
+            .map_err(io)?
+            .take(HEAD)
+            .read_to_end(&mut head)
+            .map_err(io)?;
+        let mut state = WalState::default();
+        // A record the head cuts reads as a torn tail does: where the reading stops.
+        read_segment(&head, true, &mut 0, &mut state).map_err(|(offset, reason)| {
+            WalError::Corrupt {
+                segment: segment.display().to_string(),
+                offset,
+                reason,
+            }
+        })?;
+        if state.node_id != 0 {
+            return Ok(Some(state.node_id));
+        }
+    }
+    Ok(None)
+}
+
+/// The `*.wal` segments under `wal_dir` in write order (names are `<seq>-<index>.wal` in
+/// fixed-width hex); an error when there is none.
+fn segments(wal_dir: &Path) -> Result<Vec<std::path::PathBuf>, WalError> {
+    let mut segments: Vec<_> = std::fs::read_dir(wal_dir)
+        .map_err(|source| WalError::Io {
+            path: wal_dir.display().to_string(),
+            source,
+        })?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "wal"))
+        .collect();
+    segments.sort();
+    if segments.is_empty() {
+        return Err(WalError::NoSegment(wal_dir.display().to_string()));
+    }
+    Ok(segments)
 }
 
 /// One segment's records into `state`; `Err((offset, reason))` where it is corrupt.
@@ -511,6 +560,51 @@ mod tests {
         let empty = tempfile::tempdir().unwrap();
         assert!(matches!(
             read_state(empty.path()),
+            Err(WalError::NoSegment(_))
+        ));
+    }
+
+    /// The member id comes from the head of the newest segment: a preallocated 64 MiB segment
+    /// is not read past its first records, and an older segment is not read at all (here a
+    /// corrupt one, which fails the whole-log reader).
+    #[test]
+    fn the_member_id_is_read_from_the_newest_segments_head() {
+        use crate::restore::member_dir::{Cluster, Release, wal_bytes};
+        let params = crate::restore::MemberParams {
+            name: "m1".into(),
+            initial_cluster: "m1=http://10.0.0.1:2380".into(),
+            initial_cluster_token: "t".into(),
+            initial_advertise_peer_urls: "http://10.0.0.1:2380".into(),
+        };
+        let cluster = Cluster::from_params(&params).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let mut newest = wal_bytes(&cluster, Release::V35);
+        newest.resize(64 << 20, 0);
+        std::fs::write(
+            dir.path().join("0000000000000001-0000000000000003.wal"),
+            &newest,
+        )
+        .unwrap();
+        let mut older = wal_bytes(&cluster, Release::V35);
+        older[40] ^= 0x55;
+        std::fs::write(
+            dir.path().join("0000000000000000-0000000000000000.wal"),
+            &older,
+        )
+        .unwrap();
+        assert_eq!(member_id(dir.path()).unwrap(), Some(cluster.local));
+        assert!(read_state(dir.path()).is_err());
+        // A head without metadata, then no segment at all.
+        let zeros = tempfile::tempdir().unwrap();
+        std::fs::write(
+            zeros.path().join("0000000000000000-0000000000000000.wal"),
+            [0u8; 4096],
+        )
+        .unwrap();
+        assert_eq!(member_id(zeros.path()).unwrap(), None);
+        let empty = tempfile::tempdir().unwrap();
+        assert!(matches!(
+            member_id(empty.path()),
             Err(WalError::NoSegment(_))
         ));
     }
