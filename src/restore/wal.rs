@@ -516,6 +516,17 @@ mod tests {
         out
     }
 
+    /// A one-member cluster, as `restore` writes its WAL.
+    fn one_member() -> crate::restore::member_dir::Cluster {
+        let params = crate::restore::MemberParams {
+            name: "m1".into(),
+            initial_cluster: "m1=http://10.0.0.1:2380".into(),
+            initial_cluster_token: "t".into(),
+            initial_advertise_peer_urls: "http://10.0.0.1:2380".into(),
+        };
+        crate::restore::member_dir::Cluster::from_params(&params).unwrap()
+    }
+
     fn entry(term: u64, index: u64) -> Vec<u8> {
         let mut e = Vec::new();
         put_varint(&mut e, 2 << 3);
@@ -569,14 +580,8 @@ mod tests {
     /// corrupt one, which fails the whole-log reader).
     #[test]
     fn the_member_id_is_read_from_the_newest_segments_head() {
-        use crate::restore::member_dir::{Cluster, Release, wal_bytes};
-        let params = crate::restore::MemberParams {
-            name: "m1".into(),
-            initial_cluster: "m1=http://10.0.0.1:2380".into(),
-            initial_cluster_token: "t".into(),
-            initial_advertise_peer_urls: "http://10.0.0.1:2380".into(),
-        };
-        let cluster = Cluster::from_params(&params).unwrap();
+        use crate::restore::member_dir::{Release, wal_bytes};
+        let cluster = one_member();
         let dir = tempfile::tempdir().unwrap();
         let mut newest = wal_bytes(&cluster, Release::V35);
         newest.resize(64 << 20, 0);
@@ -611,14 +616,8 @@ mod tests {
 
     #[test]
     fn a_torn_tail_of_the_newest_segment_is_a_crash_not_corruption() {
-        use crate::restore::member_dir::{Cluster, Release, wal_bytes};
-        let params = crate::restore::MemberParams {
-            name: "m1".into(),
-            initial_cluster: "m1=http://10.0.0.1:2380".into(),
-            initial_cluster_token: "t".into(),
-            initial_advertise_peer_urls: "http://10.0.0.1:2380".into(),
-        };
-        let cluster = Cluster::from_params(&params).unwrap();
+        use crate::restore::member_dir::{Release, wal_bytes};
+        let cluster = one_member();
         let good = wal_bytes(&cluster, Release::V35);
         // A last record cut short (its length runs past the file), then a record whose data
         // is a zeroed sector (written length, lost data): both are what a crash leaves.
