@@ -721,6 +721,9 @@ pub struct Sample {
     pub rss_kib: u64,
     pub fds: u64,
     pub threads: u64,
+    /// Whether the sidecar took snapshots then (`/status`), when it answered: a leader holds the
+    /// delta watch, takes the full snapshots and copies to the secondary, a follower none of it.
+    pub leader: Option<bool>,
 }
 
 fn sample_process(pid: i32) -> Option<(u64, u64, u64)> {
@@ -736,14 +739,16 @@ fn sample_process(pid: i32) -> Option<(u64, u64, u64)> {
     Some((field("VmRSS:")?, fds, field("Threads:")?))
 }
 
-/// Samples every sidecar every 5 s until stopped.
+/// Samples every sidecar every 5 s until stopped; `statuses` are their `/status` URLs.
 async fn sampler(
     pods: Arc<Mutex<Vec<Pod>>>,
-    members: usize,
+    statuses: Vec<String>,
+    client: reqwest::Client,
     epoch: Instant,
     out: Arc<Mutex<Vec<Sample>>>,
     stop: CancellationToken,
 ) {
+    let members = statuses.len();
     loop {
         for m in 0..members {
             let found = {
@@ -759,6 +764,16 @@ async fn sampler(
             if let Some((pid, incarnation)) = found
                 && let Some((rss_kib, fds, threads)) = sample_process(pid)
             {
+                // Bounded: a frozen sidecar must not hold the others' samples.
+                let status = tokio::time::timeout(
+                    Duration::from_millis(500),
+                    get_json(&client, &statuses[m]),
+                )
+                .await;
+                let leader = match status {
+                    Ok(Some((200, v))) => v["snapshotter"]["leader"].as_bool(),
+                    _ => None,
+                };
                 out.lock().unwrap_or_else(|e| e.into_inner()).push(Sample {
                     at: epoch.elapsed(),
                     member: m,
@@ -766,6 +781,7 @@ async fn sampler(
                     rss_kib,
                     fds,
                     threads,
+                    leader,
                 });
             }
         }
@@ -794,7 +810,8 @@ const WARM_UP: Duration = Duration::from_secs(120);
 const FLAT_WINDOW: Duration = Duration::from_secs(3600);
 
 /// The resource check, for each sidecar process (member and incarnation: a restart starts a new
-/// series) that lived at least `after`. Its first window (past [`WARM_UP`]) and its last window,
+/// series; so does a change of snapshot leadership, which moves the baseline by the delta
+/// watch, the full snapshots and the secondary's copies) that lived at least `after`. Its first window (past [`WARM_UP`]) and its last window,
 /// each a quarter of its judged life and at most an hour, are compared twice:
 /// - the baseline (the median): the last within 1.2× the first: a climb moves it;
 /// - the peak, sustained: the last window's 90th percentile within 1.2× the first window's
@@ -803,15 +820,32 @@ const FLAT_WINDOW: Duration = Duration::from_secs(3600);
 ///
 /// Descriptors and threads get 4 more as slack (they are small counts).
 pub fn flat(samples: &[Sample], after: Duration) -> Vec<String> {
-    let mut by_process: BTreeMap<(usize, u32), Vec<&Sample>> = BTreeMap::new();
+    // (member, incarnation, its n-th role) → samples; a sample whose role is unknown (the
+    // sidecar did not answer) stays in the role before it.
+    let mut by_process: BTreeMap<(usize, u32, usize), Vec<&Sample>> = BTreeMap::new();
+    let mut roles: BTreeMap<(usize, u32), (usize, Option<bool>)> = BTreeMap::new();
     for s in samples {
-        by_process
+        let role = roles
             .entry((s.member, s.incarnation))
+            .or_insert((0, s.leader));
+        if s.leader.is_some() && role.1.is_some() && s.leader != role.1 {
+            role.0 += 1;
+        }
+        if s.leader.is_some() {
+            role.1 = s.leader;
+        }
+        by_process
+            .entry((s.member, s.incarnation, role.0))
             .or_default()
             .push(s);
     }
     let mut out = Vec::new();
-    for ((m, inc), list) in by_process {
+    for ((m, inc, _), list) in by_process {
+        let role = match list.iter().find_map(|s| s.leader) {
+            Some(true) => " as snapshot leader",
+            Some(false) => " as follower",
+            None => "",
+        };
         let (Some(first), Some(last)) = (list.first(), list.last()) else {
             continue;
         };
@@ -845,7 +879,7 @@ pub fn flat(samples: &[Sample], after: Duration) -> Vec<String> {
                 && over(b, a)
             {
                 out.push(format!(
-                    "sidecar m{m}#{inc} ({life_min:.0} min): {name} baseline (median) {b} in its \
+                    "sidecar m{m}#{inc}{role} ({life_min:.0} min): {name} baseline (median) {b} in its \
                      last {win_min:.0} min, {a} in its first (after warming up): more than 1.2×"
                 ));
             }
@@ -853,7 +887,7 @@ pub fn flat(samples: &[Sample], after: Duration) -> Vec<String> {
                 && over(b, a)
             {
                 out.push(format!(
-                    "sidecar m{m}#{inc} ({life_min:.0} min): {name} 90th percentile {b} in its \
+                    "sidecar m{m}#{inc}{role} ({life_min:.0} min): {name} 90th percentile {b} in its \
                      last {win_min:.0} min, above 1.2× the peak {a} of its first (after warming \
                      up): a peak that stays"
                 ));
@@ -885,6 +919,7 @@ mod flat_tests {
                     rss_kib: rss(t) * 1024,
                     fds: 40,
                     threads: 12,
+                    leader: None,
                 }
             })
             .collect()
@@ -934,6 +969,32 @@ mod flat_tests {
         let found = flat(&s, AFTER);
         assert!(
             found.iter().any(|f| f.contains("rss_kib 90th")),
+            "{found:?}"
+        );
+    }
+
+    /// The second two-hour run's m0#9: a follower at 47 MiB that takes snapshot leadership and
+    /// holds 57 MiB from then on is two flat series, not growth; a climb while it leads is
+    /// still found, and named with its role.
+    #[test]
+    fn taking_snapshot_leadership_starts_a_new_series() {
+        let role = |s: Vec<Sample>, leader: Option<bool>| {
+            s.into_iter()
+                .map(|x| Sample { leader, ..x })
+                .collect::<Vec<_>>()
+        };
+        let mut s = role(series(0, 9, 0, 20, |_| 47), Some(false));
+        s.extend(role(series(0, 9, 1200, 2, |_| 50), None));
+        s.extend(role(
+            series(0, 9, 1320, 20, |t| 57 + (t / 5) % 2),
+            Some(true),
+        ));
+        assert_eq!(flat(&s, AFTER), Vec::<String>::new());
+        let mut climbing = role(series(1, 3, 0, 20, |_| 47), Some(false));
+        climbing.extend(role(series(1, 3, 1200, 20, |t| 55 + t / 30), Some(true)));
+        let found = flat(&climbing, AFTER);
+        assert!(
+            !found.is_empty() && found.iter().all(|f| f.contains("m1#3 as snapshot leader")),
             "{found:?}"
         );
     }
@@ -2097,7 +2158,10 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
     let stop_sampler = CancellationToken::new();
     tokio::spawn(sampler(
         world.kubelet.pods.clone(),
-        members,
+        (0..members)
+            .map(|m| world.sidecar_url(m, "/status"))
+            .collect(),
+        world.http_client.clone(),
         epoch,
         samples.clone(),
         stop_sampler.clone(),
@@ -2391,17 +2455,18 @@ async fn write_report(
         let _ = writeln!(watch, "{}", serde_json::to_string(w).unwrap_or_default());
     }
     let _ = std::fs::write(dir.join("watch.jsonl"), watch);
-    let mut csv = String::from("seconds,member,incarnation,rss_kib,fds,threads\n");
+    let mut csv = String::from("seconds,member,incarnation,rss_kib,fds,threads,leader\n");
     for s in samples {
         let _ = writeln!(
             csv,
-            "{:.1},{},{},{},{},{}",
+            "{:.1},{},{},{},{},{},{}",
             s.at.as_secs_f64(),
             s.member,
             s.incarnation,
             s.rss_kib,
             s.fds,
-            s.threads
+            s.threads,
+            s.leader.map_or("", |l| if l { "1" } else { "0" })
         );
     }
     let _ = std::fs::write(dir.join("resources.csv"), csv);
