@@ -19,14 +19,11 @@ const ENTRY_TYPE: u64 = 2;
 /// The index of the last raft entry in the WAL under `wal_dir`, or `None` when it holds none.
 /// Reads the newest segment first and goes back only while a segment holds no entry.
 pub fn last_entry_index(wal_dir: &Path) -> Result<Option<u64>, String> {
-    let mut segments: Vec<_> = std::fs::read_dir(wal_dir)
-        .map_err(|e| format!("{}: {e}", wal_dir.display()))?
-        .filter_map(Result::ok)
-        .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|x| x == "wal"))
-        .collect();
-    // Names are <seq>-<index>.wal in fixed-width hex: name order is write order.
-    segments.sort();
+    let segments = match segments(wal_dir) {
+        Ok(s) => s,
+        Err(WalError::NoSegment(_)) => return Ok(None),
+        Err(e) => return Err(e.to_string()),
+    };
     for segment in segments.iter().rev() {
         let bytes = std::fs::read(segment).map_err(|e| format!("{}: {e}", segment.display()))?;
         if let Some(index) = last_in_segment(&bytes) {
