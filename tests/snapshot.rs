@@ -309,6 +309,94 @@ async fn deltas_follow_the_watch_from_the_full_snapshot() {
     assert_eq!(events[3].event.kv.as_ref().unwrap().value, b"3");
 }
 
+/// A delta watch catching up over many large values (a sidecar back from a store outage, which
+/// stops reading the watch at `snapshot.delta_memory_limit`) reads etcd's batch of up to 1,000
+/// revisions in fragments of at most `--max-request-bytes`, not as one message: before, 14 MiB of
+/// values came as one batch, and 1,000 values of 1.5 MiB would have been one of 1.5 GiB. A
+/// transaction etcd splits across two fragments still comes in one batch (a delta ending inside
+/// it would lose its rest: the writer skips revisions it already holds).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_catch_up_watch_comes_in_fragments_and_keeps_each_revision_whole_on_3_5() {
+    catch_up_in_fragments(Release::V35).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_catch_up_watch_comes_in_fragments_and_keeps_each_revision_whole_on_3_4() {
+    catch_up_in_fragments(Release::V34).await;
+}
+
+async fn catch_up_in_fragments(release: Release) {
+    use etcd_client::{Txn, TxnOp};
+    let etcd = EtcdCluster::single(release).await;
+    let mut client = etcd.client().await;
+    let from = support::etcd::revision(&mut client, "start").await + 1;
+    // etcd's default `--max-request-bytes` is 1.5 MiB: a fragment closes before passing it. The
+    // first fragment takes `one` and the transaction's first put, the second its other two.
+    client
+        .put("one", vec![b'1'; 1_000_000], None)
+        .await
+        .unwrap();
+    let txn = Txn::new()
+        .and_then(["t/a", "t/b", "t/c"].map(|k| TxnOp::put(k, vec![b't'; 500_000], None)));
+    client.txn(txn).await.unwrap();
+    for i in 0..12 {
+        client
+            .put(format!("big/{i:02}"), vec![b'b'; 1_200_000], None)
+            .await
+            .unwrap();
+    }
+    let head = support::etcd::revision(&mut client, "big/11").await;
+    let mut watch = etcd_warden::snapshot::watcher::DeltaWatch::open(&client, from)
+        .await
+        .unwrap();
+    let mut batches: Vec<Vec<delta::Event>> = Vec::new();
+    while batches
+        .last()
+        .and_then(|b| b.last())
+        .map_or(0, delta::Event::revision)
+        < head
+    {
+        let batch = tokio::time::timeout(Duration::from_secs(30), watch.next())
+            .await
+            .expect("the watch catches up")
+            .unwrap();
+        if !batch.is_empty() {
+            batches.push(batch);
+        }
+    }
+    let sizes: Vec<usize> = batches
+        .iter()
+        .map(|b| b.iter().map(delta::Event::size).sum())
+        .collect();
+    // A fragment under 1.5 MiB, and the revision it left open, itself under 1.5 MiB.
+    assert!(
+        sizes.iter().all(|&s| s <= 3 << 20),
+        "a batch beyond a fragment and the revision it left open: {sizes:?}"
+    );
+    let revisions: Vec<Vec<i64>> = batches
+        .iter()
+        .map(|b| b.iter().map(delta::Event::revision).collect())
+        .collect();
+    for pair in revisions.windows(2) {
+        assert!(
+            pair[0].last() < pair[1].first(),
+            "a revision spans two batches: {revisions:?}"
+        );
+    }
+    let keys: Vec<String> = batches
+        .iter()
+        .flatten()
+        .map(|e| String::from_utf8(e.kv.as_ref().unwrap().key.clone()).unwrap())
+        .collect();
+    let expected: Vec<String> = ["one", "t/a", "t/b", "t/c"]
+        .map(String::from)
+        .into_iter()
+        .chain((0..12).map(|i| format!("big/{i:02}")))
+        .collect();
+    assert_eq!(keys, expected);
+    drop(etcd);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_limit_flushes_early() {
     let (etcd, mut client, _dir, store) = support::etcd_and_file_store().await;

@@ -29,17 +29,19 @@ pub enum WatchError {
     Delta(#[from] DeltaError),
 }
 
-/// The largest watch response accepted, as etcd's own Go client (`math.MaxInt32`). etcd sends a
-/// batch of events whole (up to 1,000 revisions, each up to `--max-request-bytes`), so a catch-up
-/// over a few large values (kube-apiserver stores objects up to 1.5 MiB) is far beyond tonic's
-/// default of 4 MiB; with that default the watch failed on the same batch at every retry and
-/// deltas stopped for good.
+/// The largest watch response accepted, as etcd's own Go client (`math.MaxInt32`). The watch asks
+/// etcd to fragment its responses, so a message holds at most `--max-request-bytes` of events or a
+/// single event; the bound stays for an etcd that sends a batch whole (a catch-up of up to 1,000
+/// revisions, and kube-apiserver stores objects up to 1.5 MiB). With tonic's default of 4 MiB the
+/// watch failed on the same batch at every retry and deltas stopped for good.
 const MAX_WATCH_MESSAGE: usize = i32::MAX as usize;
 
 /// A watch on every key from a given revision.
 pub struct DeltaWatch {
     stream: etcd_client::WatchStream,
     from: i64,
+    /// The events of the last revision of a fragment, which the next fragment may continue.
+    carry: Vec<Event>,
 }
 
 impl DeltaWatch {
@@ -51,7 +53,10 @@ impl DeltaWatch {
         let opts = etcd_client::WatchOptions::new()
             .with_all_keys()
             .with_start_revision(from_revision)
-            .with_progress_notify();
+            .with_progress_notify()
+            // A catch-up batch (up to 1,000 revisions) comes in messages of at most
+            // `--max-request-bytes`, so reading it holds one message at a time, not the batch.
+            .with_fragment();
         let stream = client
             .watch_client()
             .max_decoding_message_size(MAX_WATCH_MESSAGE)
@@ -60,21 +65,39 @@ impl DeltaWatch {
         Ok(DeltaWatch {
             stream,
             from: from_revision,
+            carry: Vec::new(),
         })
     }
 
-    /// The next batch of events (possibly empty for a progress notification).
+    /// The next batch of events (possibly empty for a progress notification). A batch holds
+    /// whole revisions only: a revision etcd split across fragments comes in one batch, so a
+    /// delta never ends inside a revision (the next delta starts after its last revision, and
+    /// the writer skips revisions it already holds).
     pub async fn next(&mut self) -> Result<Vec<Event>, WatchError> {
-        let resp = self.stream.message().await?.ok_or(WatchError::Closed)?;
-        if resp.compact_revision() != 0 {
-            return Err(WatchError::Compacted {
-                wanted: self.from,
-                compacted: resp.compact_revision(),
-            });
+        loop {
+            let resp = self.stream.message().await?.ok_or(WatchError::Closed)?;
+            if resp.compact_revision() != 0 {
+                return Err(WatchError::Compacted {
+                    wanted: self.from,
+                    compacted: resp.compact_revision(),
+                });
+            }
+            if resp.canceled() {
+                return Err(WatchError::Canceled(resp.cancel_reason().to_string()));
+            }
+            let mut events = std::mem::take(&mut self.carry);
+            events.extend(resp.events().iter().map(Event::from));
+            if !resp.0.fragment {
+                return Ok(events);
+            }
+            // A fragment: every revision before its last is whole (events come in revision
+            // order); the last may go on in the next fragment.
+            let last = events.last().map_or(0, Event::revision);
+            let whole = events.partition_point(|e| e.revision() < last);
+            self.carry = events.split_off(whole);
+            if !events.is_empty() {
+                return Ok(events);
+            }
         }
-        if resp.canceled() {
-            return Err(WatchError::Canceled(resp.cancel_reason().to_string()));
-        }
-        Ok(resp.events().iter().map(Event::from).collect())
     }
 }
