@@ -85,6 +85,12 @@ impl DeltaWatch {
             if resp.canceled() {
                 return Err(WatchError::Canceled(resp.cancel_reason().to_string()));
             }
+            if resp.events().is_empty() {
+                // A progress notification: a revision held over from a fragment stays held
+                // (etcd sends a fragmented response's parts one after another; the last has
+                // events).
+                return Ok(Vec::new());
+            }
             let mut events = std::mem::take(&mut self.carry);
             events.extend(resp.events().iter().map(Event::from));
             if !resp.0.fragment {
