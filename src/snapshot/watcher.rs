@@ -96,14 +96,60 @@ impl DeltaWatch {
             if !resp.0.fragment {
                 return Ok(events);
             }
-            // A fragment: every revision before its last is whole (events come in revision
-            // order); the last may go on in the next fragment.
-            let last = events.last().map_or(0, Event::revision);
-            let whole = events.partition_point(|e| e.revision() < last);
-            self.carry = events.split_off(whole);
+            self.carry = hold_last_revision(&mut events);
             if !events.is_empty() {
                 return Ok(events);
             }
+        }
+    }
+}
+
+/// Splits off a fragment's last revision, which the next fragment may continue, and returns it;
+/// `events` keeps the revisions before it, which are whole (etcd sends events in revision order).
+fn hold_last_revision(events: &mut Vec<Event>) -> Vec<Event> {
+    let last = events.last().map_or(0, Event::revision);
+    let whole = events.partition_point(|e| e.revision() < last);
+    events.split_off(whole)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::snapshot::delta::KeyValue;
+
+    fn at(revisions: &[i64]) -> Vec<Event> {
+        revisions
+            .iter()
+            .map(|&r| Event {
+                kv: Some(KeyValue {
+                    mod_revision: r,
+                    ..KeyValue::default()
+                }),
+                ..Event::default()
+            })
+            .collect()
+    }
+
+    fn revisions(events: &[Event]) -> Vec<i64> {
+        events.iter().map(Event::revision).collect()
+    }
+
+    #[test]
+    fn a_fragment_gives_its_whole_revisions_and_holds_its_last() {
+        for (fragment, given, held) in [
+            (vec![4, 5, 5, 6, 6, 6], vec![4, 5, 5], vec![6, 6, 6]),
+            (vec![4, 5], vec![4], vec![5]),
+            // One revision (a transaction larger than a fragment): nothing is whole yet.
+            (vec![7, 7, 7], vec![], vec![7, 7, 7]),
+            (vec![], vec![], vec![]),
+        ] {
+            let mut events = at(&fragment);
+            let carry = hold_last_revision(&mut events);
+            assert_eq!(
+                (revisions(&events), revisions(&carry)),
+                (given, held),
+                "{fragment:?}"
+            );
         }
     }
 }
