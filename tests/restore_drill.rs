@@ -209,3 +209,40 @@ async fn a_full_snapshot_whose_database_passed_its_name_passes_the_drill() {
         "{out}"
     );
 }
+
+/// A drill Job beside a sidecar whose retention expires an old chain while the Job reads it
+/// (the robustness harness's v34 run: `15 of 117 snapshots failed verification` with no fault
+/// active, each a delta the sidecars' retention deleted during the drill). A snapshot that
+/// fails to read and is no longer listed is gone, not bad; one still listed stays failed.
+#[tokio::test]
+async fn a_snapshot_deleted_after_the_listing_is_gone_not_failed() {
+    use etcd_warden::snapshot::verify::{gone_since_listed, verify};
+    use etcd_warden::store::{Codec, Kind};
+
+    let dir = tempfile::tempdir().unwrap();
+    let store = support::file_store(&dir.path().join("store"));
+    let bad = store.new_snapshot(Kind::Full, 0, 10, Codec::Gzip, false);
+    store
+        .put_bytes(&bad, bytes::Bytes::from_static(b"not gzip"))
+        .await
+        .unwrap();
+    let expired = store.new_snapshot(Kind::Incr, 11, 20, Codec::Gzip, false);
+    store
+        .put_bytes(&expired, bytes::Bytes::from_static(b"x"))
+        .await
+        .unwrap();
+    let listed = store.list().await.unwrap();
+    assert_eq!(listed.len(), 2);
+    store.delete(&expired).await.unwrap();
+
+    let mut failed = Vec::new();
+    for s in &listed {
+        if verify(&store, s).await.is_err() {
+            failed.push(s);
+        }
+    }
+    assert_eq!(failed.len(), 2, "both fail to read");
+    let gone = gone_since_listed(&store, &failed).await.unwrap();
+    assert_eq!(gone, vec![expired.snap_name.clone()]);
+    assert!(gone_since_listed(&store, &[]).await.unwrap().is_empty());
+}

@@ -5,7 +5,7 @@ use futures::StreamExt;
 
 use super::delta;
 use super::full::verify_sha256;
-use crate::store::{Kind, Snapshot, SnapshotStore};
+use crate::store::{Kind, Snapshot, SnapshotStore, StoreError};
 
 /// Why a snapshot failed verification.
 #[derive(Debug, thiserror::Error)]
@@ -65,4 +65,28 @@ pub async fn verify(store: &SnapshotStore, snapshot: &Snapshot) -> Result<Verifi
             })
         }
     }
+}
+
+/// Of the snapshots that failed to read, those no longer listed: deleted since the listing they
+/// were read from (the sidecar's retention runs beside a drill Job and expires an old chain's
+/// deltas), so not bad ones. A snapshot still listed stays failed; when the store cannot be
+/// listed again, so do they all.
+pub async fn gone_since_listed(
+    store: &SnapshotStore,
+    failed: &[&Snapshot],
+) -> Result<Vec<String>, StoreError> {
+    if failed.is_empty() {
+        return Ok(Vec::new());
+    }
+    let now: std::collections::HashSet<String> = store
+        .list()
+        .await?
+        .into_iter()
+        .map(|s| s.snap_name)
+        .collect();
+    Ok(failed
+        .iter()
+        .filter(|s| !now.contains(&s.snap_name))
+        .map(|s| s.snap_name.clone())
+        .collect())
 }
