@@ -22,7 +22,6 @@ use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::azure::MicrosoftAzureBuilder;
 use object_store::chunked::ChunkedStore;
 use object_store::gcp::GoogleCloudStorageBuilder;
-use object_store::local::LocalFileSystem;
 use object_store::memory::InMemory;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload, WriteMultipart};
@@ -193,10 +192,7 @@ fn backend(
                 path: root.clone(),
                 source,
             })?;
-            let files: Arc<dyn ObjectStore> = match config.private {
-                true => Arc::new(private::PrivateFiles::new(root)?),
-                false => Arc::new(LocalFileSystem::new_with_prefix(root)?),
-            };
+            let files = Arc::new(private::PrivateFiles::with_modes(root, config.private)?);
             // object_store streams a local file in 8 KiB reads, each on its own blocking task:
             // a restore of a large snapshot spent more time handing those over than inflating
             // them. Reads of 1 MiB keep the stream's memory small and the hand-overs few.
