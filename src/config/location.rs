@@ -19,6 +19,35 @@ pub enum StoreLocation {
     Azure { container: String, prefix: String },
 }
 
+/// Why a URL that holds a user name or password is refused: object_store would put it into
+/// every request URL, so into every error message and log line that names one.
+pub const CREDENTIALS_IN_URL: &str = "holds a user name or password, which is never taken from a \
+     URL (it would be printed with every message naming it): give them in the store's \
+     access_key_id and secret_access_key (or their _file forms), account_key, or the \
+     provider's environment variables";
+
+/// `text` with the user name and password of its URL (`scheme://user:pass@host/…`) replaced by
+/// [`super::REDACTED`], as every message and printout shows a URL; other text unchanged. A
+/// text the URL parser reads a user or password from but this cannot find is redacted whole.
+pub fn redact_url(text: &str) -> String {
+    if let Some(start) = text.find("://").map(|i| i + 3) {
+        let rest = &text[start..];
+        let end = rest.find(['/', '?', '#', '\\']).unwrap_or(rest.len());
+        if let Some(at) = rest[..end].rfind('@') {
+            return format!("{}{}{}", &text[..start], super::REDACTED, &rest[at..]);
+        }
+    }
+    match url::Url::parse(text.trim()) {
+        Ok(url) if has_userinfo(&url) => super::REDACTED.to_string(),
+        _ => text.to_string(),
+    }
+}
+
+/// Whether `url` carries a user name or a password.
+pub fn has_userinfo(url: &url::Url) -> bool {
+    !url.username().is_empty() || url.password().is_some()
+}
+
 /// Why a store URL was rejected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{url:?}: {reason}")]
@@ -31,7 +60,7 @@ impl StoreLocation {
     /// Parses a store URL.
     pub fn parse(text: &str) -> Result<StoreLocation, LocationError> {
         let fail = |reason: &str| LocationError {
-            url: text.to_string(),
+            url: redact_url(text),
             reason: reason.to_string(),
         };
         let url = url::Url::parse(text.trim()).map_err(|e| {
@@ -39,6 +68,9 @@ impl StoreLocation {
                 "not a URL ({e}); write e.g. \"file:///var/backups/etcd\" or \"s3://bucket/prefix\""
             ))
         })?;
+        if has_userinfo(&url) {
+            return Err(fail(CREDENTIALS_IN_URL));
+        }
         let prefix = || url.path().trim_matches('/').to_string();
         let bucket = |what: &str| match url.host_str() {
             Some(h) if !h.is_empty() => Ok(h.to_string()),
@@ -185,6 +217,41 @@ mod tests {
         ] {
             let e = StoreLocation::parse(u).unwrap_err().to_string();
             assert!(e.contains(why), "{u}: {e}");
+        }
+    }
+
+    /// A user name or password in a store URL is refused, and the refusal does not repeat it.
+    #[test]
+    fn credentials_in_a_store_url_are_refused_unprinted() {
+        for url in [
+            "s3://AKIAEXAMPLE:s3cr3t@bkt/p",
+            "s3://AKIAEXAMPLE@bkt/p",
+            "gs://:s3cr3t@bkt",
+            "az://AKIAEXAMPLE:s3cr3t@cont/p?x=@",
+        ] {
+            let e = StoreLocation::parse(url).unwrap_err().to_string();
+            assert!(e.contains("user name or password"), "{e}");
+            assert!(e.contains("<redacted>@"), "{e}");
+            assert!(!e.contains("s3cr3t") && !e.contains("AKIAEXAMPLE"), "{e}");
+        }
+        // Not a store URL at all: still never repeated.
+        for url in [
+            "s4://AKIAEXAMPLE:s3cr3t@bkt",
+            "file://AKIAEXAMPLE:s3cr3t@localhost/srv",
+        ] {
+            let e = StoreLocation::parse(url).unwrap_err().to_string();
+            assert!(e.contains("<redacted>@") && !e.contains("s3cr3t"), "{e}");
+        }
+        for (text, want) in [
+            (
+                "http://u:p@host:9000/x@y",
+                "http://<redacted>@host:9000/x@y",
+            ),
+            ("http://host:9000/a@b", "http://host:9000/a@b"),
+            ("https://u:p@h@host", "https://<redacted>@host"),
+            ("not a url", "not a url"),
+        ] {
+            assert_eq!(redact_url(text), want);
         }
     }
 }

@@ -27,7 +27,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 pub use keys::{EncryptionConfig, KeyError, parse_recipient};
-pub use location::{LocationError, StoreLocation};
+pub use location::{LocationError, StoreLocation, redact_url};
 pub use merge::{EnvSource, Layered, Layout, Override, ProcessEnv, SIDECAR, Sources, env_var_for};
 pub use raw::{
     MAX_DURATION, RawConfig, RawCopy, RawDefrag, RawDruid, RawEncryption, RawEtcd, RawKill, RawLog,
@@ -778,6 +778,60 @@ mod tests {
             overrides: vec![],
         };
         Config::load(&sources).unwrap().0
+    }
+
+    /// A user name or password in a store's URL, endpoint or identity endpoints is refused by
+    /// key without being repeated, and `config`'s printout redacts it: it would otherwise be in
+    /// every request URL object_store makes, so in every error naming one.
+    #[test]
+    fn credentials_in_store_urls_are_refused_and_never_printed() {
+        let secret = |e: &str| e.contains("s3cr3t") || e.contains("AKIAEXAMPLE");
+        for (vars, key) in [
+            (
+                vec![("ETCD_WARDEN_STORE_URL", "s3://AKIAEXAMPLE:s3cr3t@bkt/p")],
+                "store.url",
+            ),
+            (
+                vec![
+                    ("ETCD_WARDEN_STORE_URL", "s3://bkt/p"),
+                    (
+                        "ETCD_WARDEN_STORE_ENDPOINT",
+                        "http://AKIAEXAMPLE:s3cr3t@127.0.0.1:9000",
+                    ),
+                ],
+                "store.endpoint",
+            ),
+            (
+                vec![
+                    ("ETCD_WARDEN_STORE_URL", "s3://bkt/p"),
+                    (
+                        "ETCD_WARDEN_STORE_ENDPOINT",
+                        "http://AKIAEXAMPLE:s3cr3t@[::1",
+                    ),
+                ],
+                "store.endpoint",
+            ),
+        ] {
+            let env: HashMap<String, String> = vars
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            let sources = Sources {
+                file: None,
+                env: &env,
+                overrides: vec![],
+            };
+            let e = Config::load(&sources).unwrap_err().to_string();
+            assert!(e.contains(key) && e.contains("<redacted>@"), "{e}");
+            assert!(!secret(&e), "{e}");
+            let raw = merge::Merged::from_sources(&merge::SIDECAR, &sources)
+                .unwrap()
+                .raw()
+                .unwrap()
+                .to_redacted_toml();
+            assert!(raw.contains("<redacted>@"), "{raw}");
+            assert!(!secret(&raw), "{raw}");
+        }
     }
 
     /// `--work-dir`, else `restore.work_dir`, else beside the data directory, else `$TMPDIR`.

@@ -456,6 +456,23 @@ impl RawConfig {
             }
         };
         hide(&mut c.etcd.password);
+        // A user name or password written into a URL (refused by validation, but printed
+        // before it, e.g. by the fuzzer or a dump of what was given).
+        let urls = |s: &mut RawStore| {
+            s.url = super::redact_url(&s.url);
+            for u in [&mut s.endpoint, &mut s.sts_endpoint, &mut s.authority_host] {
+                if let Some(text) = u {
+                    *text = super::redact_url(text);
+                }
+            }
+        };
+        urls(&mut c.store);
+        if let Some(s) = &mut c.store.secondary {
+            urls(s);
+        }
+        if let Some(s) = &mut c.source_store {
+            urls(s);
+        }
         hide(&mut c.store.access_key_id);
         hide(&mut c.store.secret_access_key);
         hide(&mut c.store.account_key);

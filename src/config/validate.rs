@@ -59,6 +59,21 @@ struct Validator<'a> {
 }
 
 impl Validator<'_> {
+    /// `text` (the value of `key`) as a URL; an error names the key, never repeating a user
+    /// name or password, and a URL that holds one is refused ([`super::location`]).
+    fn url(&self, key: &str, text: &str) -> Result<url::Url, ConfigError> {
+        let shown = super::redact_url(text);
+        let url = url::Url::parse(text)
+            .map_err(|e| self.err(key, format!("{shown:?} is not a URL ({e})")))?;
+        if super::location::has_userinfo(&url) {
+            return Err(self.err(
+                key,
+                format!("{shown:?} {}", super::location::CREDENTIALS_IN_URL),
+            ));
+        }
+        Ok(url)
+    }
+
     fn err(&self, key: &str, message: impl Into<String>) -> ConfigError {
         self.m.err(key, message)
     }
@@ -596,8 +611,7 @@ impl Validator<'_> {
         let location =
             StoreLocation::parse(&s.url).map_err(|e| self.err(&key("url"), e.to_string()))?;
         if let Some(ep) = &s.endpoint {
-            url::Url::parse(ep)
-                .map_err(|e| self.err(&key("endpoint"), format!("{ep:?} is not a URL ({e})")))?;
+            self.url(&key("endpoint"), ep)?;
         }
         let allow_http = s.allow_http.unwrap_or_else(|| {
             s.endpoint
@@ -827,18 +841,14 @@ impl Validator<'_> {
         let authority_host = match given(&s.authority_host).as_deref() {
             None => None,
             Some(host) => {
-                let u = url::Url::parse(host).map_err(|e| {
-                    self.err(
-                        &key("authority_host"),
-                        format!("{host:?} is not a URL ({e})"),
-                    )
-                })?;
+                let u = self.url(&key("authority_host"), host)?;
                 if u.scheme() != "https" {
                     return Err(self.err(
                         &key("authority_host"),
                         format!(
-                            "{host:?}: Entra ID is only reached over https (the token is a \
-                             credential)"
+                            "{:?}: Entra ID is only reached over https (the token is a \
+                             credential)",
+                            super::redact_url(host)
                         ),
                     ));
                 }
@@ -908,13 +918,14 @@ impl Validator<'_> {
             ));
         }
         if let Some(ep) = &s.sts_endpoint {
-            let u = url::Url::parse(ep).map_err(|e| {
-                self.err(&key("sts_endpoint"), format!("{ep:?} is not a URL ({e})"))
-            })?;
+            let u = self.url(&key("sts_endpoint"), ep)?;
             if u.scheme() != "https" {
                 return Err(self.err(
                     &key("sts_endpoint"),
-                    format!("{ep:?}: STS is only reached over https (the token is a credential)"),
+                    format!(
+                        "{:?}: STS is only reached over https (the token is a credential)",
+                        super::redact_url(ep)
+                    ),
                 ));
             }
         }
