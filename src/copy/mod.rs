@@ -185,11 +185,22 @@ impl Stores {
             .map_err(fail("destination", dest))?;
         let object_lock = crate::store::object_lock_with_env(dest, &ProcessEnv, dest_env)
             .map_err(fail("destination", dest))?;
+        // Listings that meet a key which is no object key go on page by page, with the
+        // credentials of the client that reads each store.
+        let (pager_cfg, pager_env) = match server_side {
+            true => (dest, dest_env),
+            false => (source, source_env),
+        };
+        let source_pager = crate::store::pager_with_env(pager_cfg, &ProcessEnv, pager_env)
+            .map_err(fail("source", source))?;
+        let dest_pager = crate::store::pager_with_env(dest, &ProcessEnv, dest_env)
+            .map_err(fail("destination", dest))?;
         Ok(Stores {
-            source: SnapshotStore::at(source_backend, &source.location),
+            source: SnapshotStore::at(source_backend, &source.location).with_pager(source_pager),
             dest: SnapshotStore::at(dest_backend, &dest.location)
                 .with_single_put(single_put)
-                .with_object_lock(object_lock),
+                .with_object_lock(object_lock)
+                .with_pager(dest_pager),
             server_side,
         })
     }

@@ -276,8 +276,14 @@ pub fn secondary_store(
         &crate::config::ProcessEnv,
         Some("SECONDARY_"),
     )?;
+    let pager = crate::store::pager_with_env(
+        &secondary.store,
+        &crate::config::ProcessEnv,
+        Some("SECONDARY_"),
+    )?;
     Ok(Some(
         SnapshotStore::at(backend, &secondary.store.location)
+            .with_pager(pager)
             .with_encryption(config.encryption.clone())
             .with_read_limits(config.restore.read_limits),
     ))

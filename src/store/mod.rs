@@ -10,6 +10,7 @@ pub mod gc;
 pub mod layout;
 mod local;
 pub mod object_lock;
+pub mod paged;
 pub mod private;
 pub mod reload;
 pub mod single_put;
@@ -337,6 +338,36 @@ pub fn single_put_with_env(
         .map_err(|cause| StoreError::build(config, cause))
 }
 
+/// The page-by-page listing of a cloud store ([`paged`]), for a listing that fails on a key
+/// that is no object key; `None` for `file://` (listed directly) and `memory://`. Same
+/// configuration and environment as [`build_with_env`].
+pub fn pager_with_env(
+    config: &StoreConfig,
+    env: &dyn EnvSource,
+    env_prefix: Option<&str>,
+) -> Result<Option<paged::Pager>, StoreError> {
+    let built = |e: BuildError| StoreError::build(config, e);
+    Ok(Some(match &config.location {
+        StoreLocation::File { .. } | StoreLocation::Memory { .. } => return Ok(None),
+        StoreLocation::S3 { bucket, .. } => {
+            let b = s3_builder(config, bucket, &provider_env(env, env_prefix, "AWS_"))
+                .map_err(built)?;
+            paged::Pager::new(move || Ok(Arc::new(b.clone().build()?) as _), false)
+        }
+        StoreLocation::Gcs { bucket, .. } => {
+            let b = gcs_builder(config, bucket, &provider_env(env, env_prefix, "GOOGLE_"))
+                .map_err(built)?;
+            paged::Pager::new(move || Ok(Arc::new(b.clone().build()?) as _), false)
+        }
+        StoreLocation::Azure { container, .. } => {
+            let b = azure_builder(config, container, &provider_env(env, env_prefix, "AZURE_"))
+                .map_err(built)?;
+            // Azure's list offset (`startFrom`) includes the key it names.
+            paged::Pager::new(move || Ok(Arc::new(b.clone().build()?) as _), true)
+        }
+    }))
+}
+
 /// S3 Object Lock for a store (S3 only; see [`object_lock`]): the configured retention of new
 /// snapshots, and reading locks before retention deletes. Same configuration and environment
 /// as [`build_with_env`].
@@ -528,6 +559,9 @@ pub struct SnapshotStore {
     /// A `file://` store's directory: listed directly ([`local`]), so a file whose name is no
     /// object key is reported instead of ending the listing.
     local_root: Option<std::path::PathBuf>,
+    /// A cloud store's listing page by page, taken when the backend's listing fails on a key
+    /// that is no object key ([`paged`]).
+    pager: Option<paged::Pager>,
 }
 
 /// A multipart upload that is aborted when dropped unfinished: a snapshot that timed out or
@@ -572,6 +606,7 @@ impl SnapshotStore {
             locks_logged: Arc::default(),
             read_limits: ReadLimits::default(),
             local_root: None,
+            pager: None,
         }
     }
 
@@ -613,7 +648,14 @@ impl SnapshotStore {
         let env = crate::config::ProcessEnv;
         Ok(Self::at(build(config)?, &config.location)
             .with_single_put(single_put_with_env(config, &env, None)?)
-            .with_object_lock(object_lock_with_env(config, &env, None)?))
+            .with_object_lock(object_lock_with_env(config, &env, None)?)
+            .with_pager(pager_with_env(config, &env, None)?))
+    }
+
+    /// Lists through `pager` when the backend's own listing fails on a key that is no object
+    /// key ([`pager_with_env`]).
+    pub fn with_pager(self, pager: Option<paged::Pager>) -> Self {
+        Self { pager, ..self }
     }
 
     /// Retains new snapshots and reads locks through `object_lock` (S3 Object Lock).
@@ -929,11 +971,22 @@ impl SnapshotStore {
         let mut objects = self.store.list(Some(&listing));
         let mut out = Vec::new();
         while let Some(meta) = objects.next().await {
-            let meta = meta?;
-            out.push(local::Entry::Object {
-                key: meta.location.to_string(),
-                size: meta.size,
-            });
+            match meta {
+                Ok(meta) => out.push(local::Entry::Object {
+                    key: meta.location.to_string(),
+                    size: meta.size,
+                }),
+                // One key that is no object key failed the whole listing: taken again page
+                // by page, that key an entry of its own.
+                Err(object_store::Error::InvalidPath { source }) => {
+                    let Some(pager) = &self.pager else {
+                        return Err(object_store::Error::InvalidPath { source }.into());
+                    };
+                    tracing::debug!(error = %source, "listing again page by page");
+                    return Ok(pager.list(dir).await?);
+                }
+                Err(e) => return Err(e.into()),
+            }
         }
         Ok(out)
     }
@@ -960,13 +1013,15 @@ impl SnapshotStore {
         if self.local_root.is_some() {
             return Ok(!self.keys_under(dir).await?.is_empty());
         }
-        Ok(self
-            .store
-            .list(Some(dir))
-            .next()
-            .await
-            .transpose()?
-            .is_some())
+        match self.store.list(Some(dir)).next().await {
+            None => Ok(false),
+            Some(Ok(_)) => Ok(true),
+            // A key that is no object key in the first page: listed as keys_under lists.
+            Some(Err(object_store::Error::InvalidPath { .. })) if self.pager.is_some() => {
+                Ok(!self.keys_under(dir).await?.is_empty())
+            }
+            Some(Err(e)) => Err(e.into()),
+        }
     }
 
     /// The latest full snapshot and every later delta.
