@@ -460,10 +460,11 @@ impl RawConfig {
         // before it, e.g. by the fuzzer or a dump of what was given).
         let urls = |s: &mut RawStore| {
             s.url = super::redact_url(&s.url);
-            for u in [&mut s.endpoint, &mut s.sts_endpoint, &mut s.authority_host] {
-                if let Some(text) = u {
-                    *text = super::redact_url(text);
-                }
+            for text in [&mut s.endpoint, &mut s.sts_endpoint, &mut s.authority_host]
+                .into_iter()
+                .flatten()
+            {
+                *text = super::redact_url(text);
             }
         };
         urls(&mut c.store);
