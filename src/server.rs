@@ -33,7 +33,9 @@ use tokio_util::sync::CancellationToken;
 use crate::config::Secret;
 use crate::store::layout::Snapshot;
 
+mod latest;
 mod listen;
+pub use latest::{LatestCache, MAX_AGE_WITHOUT_DELTAS, StoreVersion, max_age};
 pub use listen::{HEALTH_RESERVE, Limits, RESERVE_HEADER_TIMEOUT, raise_fd_limit};
 
 /// What `/healthz` answers: whether etcd may serve clients, and why (not).
@@ -111,8 +113,12 @@ pub enum SnapshotRequest {
 /// The snapshot side of the API (the snapshot actor in production, a fake in tests).
 #[async_trait]
 pub trait SnapshotApi: Send + Sync {
-    /// The latest full snapshot and its later deltas, from the store.
+    /// The latest full snapshot and its later deltas, from the store (a listing: the server
+    /// calls it through [`LatestCache`]).
     async fn latest(&self) -> Result<Latest, ApiError>;
+    /// What this sidecar knows of changes to the store, from memory only: a cached
+    /// [`latest`](Self::latest) answer is served only while this is unchanged.
+    fn version(&self) -> StoreVersion;
     /// Takes a snapshot now; `None` for a delta when there was nothing to write.
     async fn take(&self, what: SnapshotRequest) -> Result<Option<Snapshot>, ApiError>;
 }
@@ -128,6 +134,8 @@ pub trait StatusSource: Send + Sync {
 pub struct ServerState {
     pub readiness: watch::Receiver<Readiness>,
     pub snapshots: Arc<dyn SnapshotApi>,
+    /// `/snapshot/latest`'s answers, one listing at a time.
+    pub latest: Arc<LatestCache>,
     pub status: Arc<dyn StatusSource>,
     pub registry: Arc<Registry>,
     /// The store whose restore drill record the metrics show, refreshed on a scrape.
@@ -208,6 +216,8 @@ pub fn router(state: ServerState) -> Router {
 }
 
 async fn healthz(State(s): State<ServerState>) -> Response {
+    // Memory only (the readiness channel): never the store or a listing, so a flood of
+    // `/snapshot/latest` or a hanging store cannot make the probe late.
     let r = s.readiness.borrow().clone();
     if r.ready {
         return (StatusCode::OK, Json(r)).into_response();
@@ -266,8 +276,12 @@ async fn metrics(State(s): State<ServerState>) -> Response {
     }
 }
 
-async fn latest(State(s): State<ServerState>) -> Result<Json<Latest>, ApiError> {
-    s.snapshots.latest().await.map(Json)
+async fn latest(State(s): State<ServerState>) -> Response {
+    match s.latest.get(&s.snapshots).await {
+        // The body is shared between every caller of one listing, not encoded per request.
+        Ok(body) => ([(header::CONTENT_TYPE, "application/json")], body).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 #[derive(Deserialize)]
@@ -712,12 +726,56 @@ mod tests {
         holding: std::sync::atomic::AtomicBool,
         /// What `take` answers after recording the request (`Ok(None)` when unset).
         answer: Mutex<Option<Result<Option<Snapshot>, ApiError>>>,
+        /// The store's latest chain, as a listing reads it when it starts; unreachable when unset.
+        chain: Mutex<Option<Latest>>,
+        /// Listings started, and in flight now (at most, ever).
+        listed: std::sync::atomic::AtomicUsize,
+        listing: Arc<std::sync::atomic::AtomicUsize>,
+        most_listing: std::sync::atomic::AtomicUsize,
+        /// Listings hang while this is false.
+        lists_answer: watch::Sender<bool>,
+        version: Mutex<StoreVersion>,
+    }
+
+    impl Fake {
+        fn listed(&self) -> usize {
+            self.listed.load(std::sync::atomic::Ordering::SeqCst)
+        }
+
+        /// Until `listed` listings started.
+        async fn until_listed(&self, listed: usize) {
+            while self.listed() < listed {
+                tokio::task::yield_now().await;
+            }
+        }
+
+        fn store_changed(&self) {
+            self.version.lock().unwrap().changes += 1;
+        }
+    }
+
+    /// Counts a listing in flight while it lives (a dropped listing too).
+    struct InFlight(Arc<std::sync::atomic::AtomicUsize>);
+    impl Drop for InFlight {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        }
     }
 
     #[async_trait]
     impl SnapshotApi for Fake {
         async fn latest(&self) -> Result<Latest, ApiError> {
-            Err(ApiError::unavailable("store unreachable"))
+            use std::sync::atomic::Ordering::SeqCst;
+            let read = self.chain.lock().unwrap().clone();
+            self.listed.fetch_add(1, SeqCst);
+            let now = self.listing.fetch_add(1, SeqCst) + 1;
+            let _in_flight = InFlight(self.listing.clone());
+            self.most_listing.fetch_max(now, SeqCst);
+            let _ = self.lists_answer.subscribe().wait_for(|open| *open).await;
+            read.ok_or_else(|| ApiError::unavailable("store unreachable"))
+        }
+        fn version(&self) -> StoreVersion {
+            self.version.lock().unwrap().clone()
         }
         async fn take(&self, what: SnapshotRequest) -> Result<Option<Snapshot>, ApiError> {
             self.taken.lock().unwrap().push(what);
@@ -746,11 +804,18 @@ mod tests {
             hold: tokio::sync::Notify::new(),
             holding: std::sync::atomic::AtomicBool::new(false),
             answer: Mutex::new(None),
+            chain: Mutex::new(None),
+            listed: Default::default(),
+            listing: Default::default(),
+            most_listing: Default::default(),
+            lists_answer: watch::channel(true).0,
+            version: Mutex::new(StoreVersion::default()),
         });
         let (_live_tx, liveness) = watch::channel(None);
         let s = ServerState {
             readiness: rx,
             snapshots: fake.clone(),
+            latest: LatestCache::new(std::time::Duration::from_secs(3600)),
             status: Arc::new(NoStatus),
             registry: Arc::new(Registry::default()),
             drill: None,
@@ -796,6 +861,217 @@ mod tests {
                 assert_eq!(body[field], value, "{path} (ready {ready}): {body}");
             }
         }
+    }
+
+    /// A store's latest chain: a full snapshot at `full` and `deltas` deltas after it.
+    fn chain(full: i64, deltas: i64) -> Latest {
+        let at = chrono::DateTime::from_timestamp(1_700_000_000, 0).unwrap();
+        let snap = |kind, start, last| {
+            Snapshot::new("", kind, start, last, at, crate::store::Codec::Gzip, false)
+        };
+        Latest {
+            full_snapshot: Some(snap(crate::store::Kind::Full, 0, full)),
+            delta_snapshots: (0..deltas)
+                .map(|i| snap(crate::store::Kind::Incr, full + i + 1, full + i + 1))
+                .collect(),
+        }
+    }
+
+    async fn latest_body(s: &ServerState) -> (StatusCode, String) {
+        respond(router(s.clone()), get("/snapshot/latest")).await
+    }
+
+    /// Issue 54, item 6: each `/snapshot/latest` was a LIST of the whole store, so callers asking
+    /// at once multiplied it (3.5 GB, `/healthz` at 10 s). Now they wait for the one listing in
+    /// flight and share its encoded answer, which later callers get without listing.
+    #[tokio::test]
+    async fn concurrent_latest_requests_share_one_listing_and_later_ones_none() {
+        let (s, fake) = state(true, None);
+        *fake.chain.lock().unwrap() = Some(chain(100, 2_000));
+        fake.lists_answer.send_replace(false);
+        let callers: Vec<_> = (0..200)
+            .map(|_| {
+                let s = s.clone();
+                tokio::spawn(async move { latest_body(&s).await })
+            })
+            .collect();
+        fake.until_listed(1).await;
+        // Let every caller reach the handler (a late one finds the answer kept instead).
+        for _ in 0..1000 {
+            tokio::task::yield_now().await;
+        }
+        fake.lists_answer.send_replace(true);
+        let expected = serde_json::to_string(&chain(100, 2_000)).unwrap();
+        for c in callers {
+            let (code, body) = c.await.unwrap();
+            assert_eq!(code, StatusCode::OK);
+            assert!(body == expected, "every caller gets the listing's answer");
+        }
+        for _ in 0..50 {
+            assert_eq!(latest_body(&s).await, (StatusCode::OK, expected.clone()));
+        }
+        assert_eq!(fake.listed(), 1, "listings for 250 requests");
+    }
+
+    #[tokio::test]
+    async fn the_answer_after_this_sidecar_stores_a_snapshot_or_learns_of_the_final_is_listed_anew()
+    {
+        let (s, fake) = state(true, None);
+        *fake.chain.lock().unwrap() = Some(chain(10, 1));
+        let (_, first) = latest_body(&s).await;
+        // Another process wrote to the store: kept until the age runs out (below).
+        *fake.chain.lock().unwrap() = Some(chain(10, 2));
+        assert_eq!(latest_body(&s).await.1, first);
+        assert_eq!(fake.listed(), 1);
+        // This sidecar's actor stored a snapshot (the hand-off's final among them).
+        let mut fin = chain(30, 0);
+        fin.full_snapshot.as_mut().unwrap().is_final = true;
+        *fake.chain.lock().unwrap() = Some(fin.clone());
+        fake.store_changed();
+        let (code, body) = latest_body(&s).await;
+        assert_eq!(code, StatusCode::OK);
+        let body: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(body["fullSnapshot"]["isFinal"], true, "{body}");
+        assert_eq!(body["fullSnapshot"]["lastRevision"], 30, "{body}");
+        assert_eq!(fake.listed(), 2);
+        // The watchdog learnt of a final another member's sidecar stored.
+        fake.version.lock().unwrap().final_snapshot = Some("Full-…final".into());
+        latest_body(&s).await;
+        assert_eq!(fake.listed(), 3);
+        latest_body(&s).await;
+        assert_eq!(fake.listed(), 3);
+    }
+
+    #[tokio::test]
+    async fn an_answer_is_kept_no_longer_than_its_age() {
+        let (mut s, fake) = state(true, None);
+        s.latest = LatestCache::new(std::time::Duration::from_millis(1));
+        *fake.chain.lock().unwrap() = Some(chain(10, 1));
+        for listed in 1..=3 {
+            latest_body(&s).await;
+            assert_eq!(fake.listed(), listed);
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        assert_eq!(max_age(std::time::Duration::from_secs(5)).as_secs(), 5);
+        assert_eq!(max_age(std::time::Duration::ZERO), MAX_AGE_WITHOUT_DELTAS);
+    }
+
+    /// A listing that started before this sidecar stored a snapshot may miss it: a caller after
+    /// the store never takes its answer, and still only one LIST runs at a time.
+    #[tokio::test]
+    async fn a_caller_after_a_store_waits_for_a_listing_started_after_it() {
+        let (s, fake) = state(true, None);
+        *fake.chain.lock().unwrap() = Some(chain(10, 0));
+        fake.lists_answer.send_replace(false);
+        let before = tokio::spawn({
+            let s = s.clone();
+            async move { latest_body(&s).await }
+        });
+        fake.until_listed(1).await;
+        *fake.chain.lock().unwrap() = Some(chain(20, 0));
+        fake.store_changed();
+        let after = tokio::spawn({
+            let s = s.clone();
+            async move { latest_body(&s).await }
+        });
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(fake.listed(), 1, "the second listing waits for the first");
+        fake.lists_answer.send_replace(true);
+        let rev = |(_, body): (StatusCode, String)| {
+            serde_json::from_str::<serde_json::Value>(&body).unwrap()["fullSnapshot"]
+                ["lastRevision"]
+                .as_i64()
+        };
+        assert_eq!(rev(before.await.unwrap()), Some(10));
+        assert_eq!(rev(after.await.unwrap()), Some(20));
+        assert_eq!(rev(latest_body(&s).await), Some(20));
+        assert_eq!(fake.listed(), 2);
+        assert_eq!(
+            fake.most_listing.load(std::sync::atomic::Ordering::SeqCst),
+            1
+        );
+    }
+
+    #[tokio::test]
+    async fn a_failed_listing_is_shared_by_its_callers_and_not_kept() {
+        let (s, fake) = state(true, None);
+        fake.lists_answer.send_replace(false);
+        let callers: Vec<_> = (0..20)
+            .map(|_| {
+                let s = s.clone();
+                tokio::spawn(async move { call(s, get("/snapshot/latest")).await })
+            })
+            .collect();
+        fake.until_listed(1).await;
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        fake.lists_answer.send_replace(true);
+        for c in callers {
+            let (code, body) = c.await.unwrap();
+            assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
+            assert_eq!(body["code"], "unavailable");
+        }
+        let after_the_flood = fake.listed();
+        *fake.chain.lock().unwrap() = Some(chain(5, 0));
+        assert_eq!(latest_body(&s).await.0, StatusCode::OK);
+        assert_eq!(fake.listed(), after_the_flood + 1);
+        assert!(
+            after_the_flood <= 2,
+            "{after_the_flood} listings for 20 callers"
+        );
+    }
+
+    /// A store that hangs holds one listing while someone waits for it, none after: the next
+    /// caller lists afresh instead of waiting behind a listing nobody wants.
+    #[tokio::test]
+    async fn a_listing_every_caller_gave_up_on_is_dropped() {
+        let (s, fake) = state(true, None);
+        *fake.chain.lock().unwrap() = Some(chain(10, 0));
+        fake.lists_answer.send_replace(false);
+        let gives_up = tokio::spawn({
+            let s = s.clone();
+            async move { latest_body(&s).await }
+        });
+        fake.until_listed(1).await;
+        gives_up.abort();
+        let _ = gives_up.await;
+        assert_eq!(fake.listing.load(std::sync::atomic::Ordering::SeqCst), 0);
+        fake.lists_answer.send_replace(true);
+        assert_eq!(latest_body(&s).await.0, StatusCode::OK);
+        assert_eq!(fake.listed(), 2);
+    }
+
+    /// `/healthz` reads readiness from memory: it answers while every listing hangs.
+    #[tokio::test]
+    async fn healthz_answers_while_the_store_listing_hangs() {
+        let (s, fake) = state(true, None);
+        *fake.chain.lock().unwrap() = Some(chain(10, 0));
+        fake.lists_answer.send_replace(false);
+        let waiting: Vec<_> = (0..50)
+            .map(|_| {
+                let s = s.clone();
+                tokio::spawn(async move { latest_body(&s).await })
+            })
+            .collect();
+        fake.until_listed(1).await;
+        for _ in 0..20 {
+            let answered = tokio::time::timeout(
+                std::time::Duration::from_secs(5),
+                call(s.clone(), get("/healthz")),
+            )
+            .await
+            .expect("/healthz answers while the listing hangs");
+            assert_eq!(answered.0, StatusCode::OK);
+        }
+        assert!(waiting.iter().all(|w| !w.is_finished()));
+        fake.lists_answer.send_replace(true);
+        for w in waiting {
+            assert_eq!(w.await.unwrap().0, StatusCode::OK);
+        }
+        assert_eq!(fake.listed(), 1);
     }
 
     #[tokio::test]

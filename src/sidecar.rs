@@ -19,7 +19,7 @@ use crate::owner::watchdog::{Watchdog, WatchdogConfig, WatchdogStatus};
 use crate::restore::initialize::InitializeMetrics;
 use crate::server::{
     self, ApiError, Latest, Liveness, Readiness, ServerState, SnapshotApi, SnapshotRequest,
-    StatusSource,
+    StatusSource, StoreVersion,
 };
 use crate::snapshot::actor::{self, ActorConfig, ActorError, ActorHandle};
 use crate::snapshot::engine::EtcdEngine;
@@ -213,6 +213,19 @@ impl SnapshotApi for Snapshots {
                 tracing::warn!(error = %e, "listing the store failed");
                 ApiError::unavailable("the store cannot be listed")
             })
+    }
+
+    fn version(&self) -> StoreVersion {
+        // The actor counts what it stored (the final too, before the watchdog hears of it); the
+        // watchdog names a final another member's sidecar stored, so a flow that read
+        // `owner.finalSnapshot` in `/status` finds it here next.
+        StoreVersion {
+            changes: self.actor.store_changes(),
+            final_snapshot: self
+                .owner
+                .as_ref()
+                .and_then(|o| o.borrow().final_snapshot.clone()),
+        }
     }
 
     async fn take(&self, what: SnapshotRequest) -> Result<Option<Snapshot>, ApiError> {
@@ -682,6 +695,7 @@ fn api_router(config: &Config, metrics: &SidecarMetrics, api: Api<'_>) -> axum::
             gate: api.gate,
             owner: api.owner.clone(),
         }),
+        latest: server::LatestCache::new(server::max_age(config.snapshot.delta_period)),
         status: Arc::new(Status {
             actor: api.actor.clone(),
             store: config.store.location.to_string(),

@@ -354,3 +354,156 @@ async fn the_druid_endpoints_answer_a_caller_on_loopback() {
     assert_eq!(resp.text().await.unwrap(), "New");
     cancel.cancel();
 }
+
+/// The store as `/snapshot/latest` lists it, counting listings; they hang until `open` is true.
+struct CountingStore {
+    listings: std::sync::atomic::AtomicUsize,
+    open: tokio::sync::watch::Sender<bool>,
+}
+
+#[async_trait::async_trait]
+impl etcd_warden::server::SnapshotApi for CountingStore {
+    async fn latest(&self) -> Result<etcd_warden::server::Latest, etcd_warden::server::ApiError> {
+        use etcd_warden::store::{Codec, Kind, Snapshot};
+        self.listings
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let _ = self.open.subscribe().wait_for(|open| *open).await;
+        let at = chrono::DateTime::from_timestamp(1_700_000_000, 0).unwrap();
+        // A store of 10 k objects: a few MB of JSON.
+        Ok(etcd_warden::server::Latest {
+            full_snapshot: Some(Snapshot::new("", Kind::Full, 0, 1, at, Codec::Gzip, false)),
+            delta_snapshots: (2..10_000)
+                .map(|r| Snapshot::new("", Kind::Incr, r, r, at, Codec::Gzip, false))
+                .collect(),
+        })
+    }
+    async fn take(
+        &self,
+        _: etcd_warden::server::SnapshotRequest,
+    ) -> Result<Option<etcd_warden::store::Snapshot>, etcd_warden::server::ApiError> {
+        Ok(None)
+    }
+    fn version(&self) -> etcd_warden::server::StoreVersion {
+        Default::default()
+    }
+}
+
+struct NoStatus;
+impl etcd_warden::server::StatusSource for NoStatus {
+    fn status(&self) -> serde_json::Value {
+        serde_json::Value::Null
+    }
+}
+
+/// One HTTP/1.1 answer on a kept-alive connection: its status line and body.
+async fn answer(s: &mut TcpStream) -> (String, Vec<u8>) {
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    let head_end = loop {
+        if let Some(i) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        let n = s.read(&mut buf).await.unwrap();
+        assert!(n > 0, "closed after {:?}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&buf[..n]);
+    };
+    let head = String::from_utf8_lossy(&got[..head_end]).to_ascii_lowercase();
+    let length: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length: "))
+        .expect("a content-length")
+        .trim()
+        .parse()
+        .unwrap();
+    while got.len() < head_end + length {
+        let n = s.read(&mut buf).await.unwrap();
+        assert!(n > 0, "closed in the body");
+        got.extend_from_slice(&buf[..n]);
+    }
+    let status = head.lines().next().unwrap_or_default().to_string();
+    (status, got[head_end..head_end + length].to_vec())
+}
+
+/// Issue 54, item 6: kept-alive callers asking `/snapshot/latest` at once made one LIST of the
+/// whole store each (3.5 GB, `/healthz` at 10 s). Now one listing serves them all, later requests
+/// none, and `/healthz` answers while that listing hangs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_latest_requests_lists_the_store_once_and_healthz_answers_meanwhile() {
+    use etcd_warden::server::{LatestCache, Readiness, ServerState, router};
+    use std::sync::Arc;
+    let store = Arc::new(CountingStore {
+        listings: Default::default(),
+        open: tokio::sync::watch::channel(false).0,
+    });
+    let (_ready, readiness) = tokio::sync::watch::channel(Readiness {
+        ready: true,
+        state: "Active".into(),
+        reason: "test".into(),
+    });
+    let (_live, liveness) = tokio::sync::watch::channel(None);
+    let state = ServerState {
+        readiness,
+        snapshots: store.clone(),
+        latest: LatestCache::new(Duration::from_secs(3600)),
+        status: Arc::new(NoStatus),
+        registry: Arc::new(prometheus_client::registry::Registry::default()),
+        drill: None,
+        token: None,
+        unauthenticated_snapshots: false,
+        client_certs: false,
+        ebr_answers: false,
+        liveness,
+        mutating: Arc::new(tokio::sync::Semaphore::new(1)),
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let cancel = CancellationToken::new();
+    tokio::spawn(serve_with(
+        listener,
+        router(state),
+        cancel.clone(),
+        limits(),
+        None,
+    ));
+
+    const LATEST: &[u8] = b"GET /snapshot/latest HTTP/1.1\r\nHost: x\r\n\r\n";
+    let mut callers = Vec::new();
+    for _ in 0..limits().max_connections - 8 {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(LATEST).await.unwrap();
+        callers.push(s);
+    }
+    let listings = || store.listings.load(std::sync::atomic::Ordering::SeqCst);
+    tokio::time::timeout(Duration::from_secs(20), async {
+        while listings() == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("a listing starts");
+    // The listing hangs; the probe does not wait for it.
+    for _ in 0..10 {
+        let line = status_line(addr, HEALTHZ, Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert!(line.starts_with("HTTP/1.1 200"), "{line}");
+    }
+    store.open.send_replace(true);
+    let mut first = None;
+    for round in 0..3 {
+        for s in &mut callers {
+            let (status, body) = answer(s).await;
+            assert!(
+                status.starts_with("http/1.1 200"),
+                "round {round}: {status}"
+            );
+            let first = first.get_or_insert_with(|| body.clone());
+            assert!(*first == body, "every caller gets the same answer");
+            if round < 2 {
+                s.write_all(LATEST).await.unwrap();
+            }
+        }
+    }
+    assert_eq!(listings(), 1, "listings for {} requests", 3 * callers.len());
+    cancel.cancel();
+}

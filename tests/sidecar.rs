@@ -545,3 +545,56 @@ async fn retention_runs_in_the_sidecar_and_keeps_the_newest_full_snapshots() {
         "{metrics}"
     );
 }
+
+/// Issue 54, item 6: `/snapshot/latest` keeps its listing for a delta period (here an hour), so
+/// what another process stores is not seen at once; what this sidecar stores is, in the next
+/// answer.
+#[tokio::test(flavor = "multi_thread")]
+async fn latest_is_kept_a_delta_period_and_names_a_snapshot_this_sidecar_stores_at_once() {
+    let etcd = EtcdCluster::single(Release::V35).await;
+    let mut client = etcd.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("file://{}/backups", dir.path().display());
+    workload(&mut client, "before").await;
+    let w = Warden::start(&[
+        ("store.url", url.clone()),
+        ("etcd.endpoints", etcd.endpoints()[0].clone()),
+        ("snapshot.delta_period", "1h".into()),
+    ]);
+    w.wait_up().await;
+    // The first full snapshot, stored by this sidecar after whatever answer was kept before.
+    let full_seen = eventually(Duration::from_secs(20), || async {
+        latest(&w).await["fullSnapshot"]["snapName"].is_string()
+    })
+    .await;
+    assert!(full_seen, "no full snapshot; log:\n{}", w.log_text());
+    let kept = latest(&w).await["fullSnapshot"]["snapName"].clone();
+
+    // Another process stores a newer full snapshot: the kept answer stands.
+    workload(&mut client, "other").await;
+    let out = succeeds(
+        command()
+            .args(["snapshot"])
+            .env("ETCD_WARDEN_STORE_URL", &url)
+            .env("ETCD_WARDEN_ETCD_ENDPOINTS", etcd.endpoints()[0].clone()),
+    );
+    let other = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    assert!(other.starts_with("Full-"), "{other}");
+    assert_eq!(latest(&w).await["fullSnapshot"]["snapName"], kept);
+
+    // This sidecar stores one: the next answer names it.
+    workload(&mut client, "ours").await;
+    let r = reqwest::Client::new()
+        .post(w.url("/snapshot/full"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 201);
+    let ours: Value = r.json().await.unwrap();
+    assert_eq!(
+        latest(&w).await["fullSnapshot"]["snapName"],
+        ours["snapName"],
+        "log:\n{}",
+        w.log_text()
+    );
+}

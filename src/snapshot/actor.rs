@@ -9,6 +9,7 @@
 //! forbids are refused. So losing ownership never waits behind a slow store.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -338,6 +339,7 @@ enum Command {
 pub struct ActorHandle {
     tx: mpsc::Sender<Command>,
     status: watch::Receiver<ActorStatus>,
+    changes: Arc<AtomicU64>,
 }
 
 impl ActorHandle {
@@ -397,6 +399,13 @@ impl ActorHandle {
     /// A receiver that sees every status change.
     pub fn watch_status(&self) -> watch::Receiver<ActorStatus> {
         self.status.clone()
+    }
+
+    /// How many of the actor's operations so far stored or deleted something in the store (or
+    /// may have): a listing made before it last grew may be out of date. It grows before the
+    /// actor answers the request or the hand-off whose snapshot was stored.
+    pub fn store_changes(&self) -> u64 {
+        self.changes.load(Ordering::SeqCst)
     }
 }
 
@@ -480,6 +489,7 @@ pub fn spawn<E: Engine>(
         last_error: None,
     };
     let (status_tx, status_rx) = watch::channel(status);
+    let changes = Arc::new(AtomicU64::new(0));
     let actor = Actor {
         engine,
         config,
@@ -494,12 +504,14 @@ pub fn spawn<E: Engine>(
         cluster_size: None,
         watching: false,
         was_active: false,
+        changes: changes.clone(),
     };
     let task = tokio::spawn(actor.run(rx, cancel));
     (
         ActorHandle {
             tx,
             status: status_rx,
+            changes,
         },
         task,
     )
@@ -527,6 +539,8 @@ struct Actor<E: Engine> {
     watching: bool,
     /// Regular work was allowed at the last look (gate open and leader).
     was_active: bool,
+    /// [`ActorHandle::store_changes`].
+    changes: Arc<AtomicU64>,
 }
 
 /// The cluster size assumed for the defragmentation hold-off when no member list was read.
@@ -570,6 +584,11 @@ impl<E: Engine> Actor<E> {
             .schedule
             .find_next_occurrence(&after, false)
             .ok()
+    }
+
+    /// The store may hold something else now: listings cached before are out of date.
+    fn store_changed(&self) {
+        self.changes.fetch_add(1, Ordering::SeqCst);
     }
 
     fn publish(&self, f: impl FnOnce(&mut ActorStatus)) {
@@ -872,6 +891,9 @@ impl<E: Engine> Actor<E> {
         let result = while_allowed(&mut self.gate, kind, op).await;
         let took = started.elapsed().as_secs_f64();
         let _in = span.enter();
+        // Whatever the outcome: a failure after the upload (the request's mark) may have left
+        // the snapshot stored, and one more listing after a full snapshot costs nothing.
+        self.store_changed();
         match result {
             None => {
                 tracing::warn!("full snapshot dropped: ownership changed while it ran");
@@ -910,6 +932,11 @@ impl<E: Engine> Actor<E> {
             self.engine.flush_delta(),
         );
         let result = while_allowed(&mut self.gate, kind, flush).await;
+        // Only a delta with nothing to write certainly stored nothing (a timed-out or dropped
+        // flush may have completed its upload).
+        if !matches!(result, Some(Ok(None))) {
+            self.store_changed();
+        }
         match result {
             None => Err(ActorError::Cancelled),
             Some(Ok(None)) => Ok(None),
@@ -1194,9 +1221,20 @@ impl<E: Engine> Actor<E> {
         )
         .await
         {
-            None => tracing::info!("retention pass dropped: ownership changed while it ran"),
-            Some(Ok(report)) => self.metrics.gc(&report),
-            Some(Err(e)) => tracing::warn!(error = %e, "retention failed; will retry"),
+            None => {
+                self.store_changed();
+                tracing::info!("retention pass dropped: ownership changed while it ran")
+            }
+            Some(Ok(report)) => {
+                if !(report.deleted.is_empty() && report.failed.is_empty()) {
+                    self.store_changed();
+                }
+                self.metrics.gc(&report)
+            }
+            Some(Err(e)) => {
+                self.store_changed();
+                tracing::warn!(error = %e, "retention failed; will retry")
+            }
         }
     }
 }
@@ -1400,6 +1438,55 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(5), status.wait_for(f))
             .await
             .is_ok()
+    }
+
+    /// `/snapshot/latest` keeps its answer while this count stands still: it must grow with
+    /// every snapshot stored (the hand-off's final too) before the actor answers for it, and not
+    /// for a delta that had nothing to write.
+    #[tokio::test]
+    async fn store_changes_grows_before_a_stored_snapshot_is_answered() {
+        let engine = HangingEtcd::new(false);
+        let buffered = engine.buffered.clone();
+        let mut config = quiet_config(Duration::from_secs(5));
+        config.delta_period = Duration::from_secs(3600);
+        let (gate, gate_rx) = watch::channel(Gate::Open);
+        let cancel = CancellationToken::new();
+        let (actor, task) = spawn(
+            engine,
+            config,
+            gate_rx,
+            SnapshotMetrics::default(),
+            cancel.clone(),
+        );
+        // The first full snapshot is due at once (the store has none), then deltas are taken.
+        assert!(status_within_5s(&actor, |s| s.last_full.is_some()).await);
+        let start = Instant::now();
+        while let Err(ActorError::NoDeltas) = actor.delta().await {
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "deltas never started"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let at_start = actor.store_changes();
+        assert!(at_start >= 1, "the first full snapshot counts");
+
+        assert_eq!(actor.delta().await.unwrap(), None);
+        assert_eq!(actor.store_changes(), at_start, "nothing was written");
+        buffered.store(5, Ordering::SeqCst);
+        assert!(actor.delta().await.unwrap().is_some());
+        assert_eq!(actor.store_changes(), at_start + 1);
+        actor.full().await.unwrap();
+        assert_eq!(actor.store_changes(), at_start + 2);
+
+        gate.send_replace(Gate::Final);
+        let name = Snapshot::new("", Kind::Full, 0, 30, Utc::now(), Codec::None, true);
+        let stored = actor.final_snapshot(name, 0).await.unwrap();
+        assert!(stored.is_final);
+        assert_eq!(actor.store_changes(), at_start + 3);
+
+        cancel.cancel();
+        task.await.unwrap();
     }
 
     #[tokio::test]
