@@ -230,7 +230,8 @@ pub fn store_decode(data: &[u8]) {
 }
 
 /// An age file opened with a fixed identity (neither the recipient's nor not): the header
-/// check and the decrypting stream.
+/// check and the decrypting stream. The work is bounded: a header is read no further than
+/// `MAX_HEADER_BYTES`, and age, handed it whole, parses it once.
 pub fn age(data: &[u8]) {
     use std::str::FromStr;
     // A fixed key (the bytes 7..39): the seeds are encrypted to it, so mutations of them reach
@@ -241,6 +242,14 @@ pub fn age(data: &[u8]) {
     };
     let _ = encryption::check_header(data, std::slice::from_ref(&identity));
     let _ = encryption::looks_encrypted(data);
+    let mut rest = data;
+    if let Ok(header) = encryption::read_header(&mut rest) {
+        assert!(header.len() <= encryption::MAX_HEADER_BYTES);
+        let reads = match encryption::header_reads(data, std::slice::from_ref(&identity)) {
+            Ok(n) | Err((n, _)) => n,
+        };
+        assert!(reads <= 1, "age parsed a header {reads} times");
+    }
     let input = compression::once(bytes::Bytes::copy_from_slice(data));
     let _ = runtime()
         .block_on(async { compression::collect(encryption::decrypt(input, vec![identity])).await });
@@ -395,6 +404,20 @@ mod tests {
         .unwrap();
         let sealed = encryption::encrypt_bytes(&payload, &[identity.to_public()]).unwrap();
         put("age", "sealed", &sealed);
+        // Headers beyond the bounds of `encryption::read_header`: more stanzas than it takes (age
+        // alone parsed this shape quadratically), and a line longer than it takes.
+        let mac = [&b"--- "[..], &[b'A'; 43], b"\n", &[0u8; 32]].concat();
+        let many = [encryption::AGE_MAGIC, &b"-> a\n\n".repeat(600), &mac].concat();
+        put("age", "quadratic", &many);
+        let long = [
+            encryption::AGE_MAGIC,
+            b"-> ",
+            &[b'a'; 8 << 10],
+            b"\n\n",
+            &mac,
+        ]
+        .concat();
+        put("age", "long_line", &long);
         put("store_decode", "sealed", &sealed);
         let member = |id: u64, name: &str| Member {
             id,

@@ -488,3 +488,219 @@ async fn serve_initializes_from_an_encrypted_store_only_with_a_key() {
     assert_eq!(restored.1, last);
     assert!(restored == original);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn files_the_age_tool_writes_to_several_recipients_open_within_the_header_bounds() {
+    use etcd_warden::store::encryption::{check_header, decrypt, header_reads, read_header};
+    use std::str::FromStr;
+    let age_bin = support::require_bin(
+        "age",
+        &[PathBuf::from("/usr/bin/age")],
+        "apt-get install age",
+    );
+    let keygen_bin = support::require_bin(
+        "age-keygen",
+        &[PathBuf::from("/usr/bin/age-keygen")],
+        "apt-get install age",
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let plain: Vec<u8> = (0..200_000u32).map(|i| (i * 31 + i / 97) as u8).collect();
+    std::fs::write(dir.path().join("plain"), &plain).unwrap();
+    // One key, then five, then 40: age writes one stanza per recipient (rage adds a grease one).
+    for count in [1, 5, 40] {
+        let mut identities = Vec::new();
+        let mut encrypt = Command::new(&age_bin);
+        encrypt.arg("--encrypt");
+        for i in 0..count {
+            let key = dir.path().join(format!("{count}-{i}.key"));
+            support::cli::succeeds(Command::new(&keygen_bin).arg("-o").arg(&key));
+            let public = support::cli::succeeds(Command::new(&keygen_bin).arg("-y").arg(&key));
+            encrypt
+                .arg("-r")
+                .arg(String::from_utf8(public.stdout).unwrap().trim());
+            let text = std::fs::read_to_string(&key).unwrap();
+            let secret = text
+                .lines()
+                .find(|l| l.starts_with("AGE-SECRET-KEY-"))
+                .unwrap();
+            identities.push(age::x25519::Identity::from_str(secret).unwrap());
+        }
+        let sealed_path = dir.path().join(format!("sealed-{count}"));
+        support::cli::succeeds(
+            encrypt
+                .arg("--output")
+                .arg(&sealed_path)
+                .arg(dir.path().join("plain")),
+        );
+        let sealed = std::fs::read(&sealed_path).unwrap();
+        let header = read_header(&mut &sealed[..]).unwrap();
+        let stanzas = header.windows(3).filter(|w| w == b"-> ").count();
+        assert!(stanzas >= count, "{count} recipients, {stanzas} stanzas");
+        // The first, a middle and the last recipient each open it, age parsing the header once.
+        for id in [
+            &identities[0],
+            &identities[count / 2],
+            &identities[count - 1],
+        ] {
+            check_header(&sealed, std::slice::from_ref(id)).unwrap();
+            assert_eq!(header_reads(&sealed, std::slice::from_ref(id)).unwrap(), 1);
+            let input = etcd_warden::store::compression::once(sealed.clone());
+            let back = collect(decrypt(input, vec![id.clone()])).await.unwrap();
+            assert!(back == plain, "{count} recipients: the payload differs");
+        }
+    }
+}
+
+/// A `….gz.age` full snapshot that cannot be decrypted (a 2-byte planted name with no identity
+/// configured, a damaged MAC, another key, a header beyond its bounds) is skipped for the older
+/// full snapshot as a corrupt one is, naming it and why; a delta that cannot be decrypted fails
+/// the restore by name with nothing written; with no usable full snapshot left, the error says
+/// which were skipped for want of an identity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_snapshot_that_cannot_be_decrypted_is_skipped_for_an_older_one() {
+    use etcd_warden::store::encryption::AGE_MAGIC;
+    let (_etcd, mut client, dir, plain) = support::etcd_and_file_store().await;
+    let store_dir = dir.path().join("store");
+    let v2 = store_dir.join("v2");
+    let (id, id_key) = keygen(dir.path(), "team");
+    let (stranger, _) = keygen(dir.path(), "stranger");
+    client.put("before", "1", None).await.unwrap();
+    let older = support::stored::gzip_full(&client, &plain).await;
+    client.put("after", "2", None).await.unwrap();
+    let newer = |n: i64| {
+        format!(
+            "Full-00000000-{:08}-{}.gz.age",
+            older.last_revision + n,
+            older.created_on.timestamp() + 60 * n
+        )
+    };
+    let planted = newer(30);
+    std::fs::write(v2.join(&planted), b"xx").unwrap();
+    let restored_keys =
+        |dump: &support::history::Dump| dump.0.iter().map(|kv| kv.0.clone()).collect::<Vec<_>>();
+
+    // Without an identity, through the binary: exit 3, the older state in place.
+    let target = dir.path().join("planted.etcd");
+    let out = support::warden::command()
+        .args([
+            "restore",
+            "--store",
+            &format!("file://{}", store_dir.display()),
+        ])
+        .arg("--data-dir")
+        .arg(&target)
+        .arg("--etcd-bin")
+        .arg(Release::V35.bin_dir())
+        .output()
+        .unwrap();
+    let stdout = support::cli::fell_back_past(&out, &planted);
+    assert!(stdout.contains("no identity is configured"), "{stdout}");
+    let restored = dump_restored(&target).await;
+    assert_eq!(restored.1, older.last_revision);
+    assert_eq!(restored_keys(&restored), [b"before".to_vec()]);
+
+    // With identities configured: the planted name, then a full snapshot whose MAC is damaged,
+    // one encrypted to another key, one whose header has too many stanzas.
+    let reading = plain.clone().with_encryption(reading_with(&[&id_key]));
+    let encrypted_to = |key: &age::x25519::Identity| {
+        plain.clone().with_encryption(EncryptionConfig {
+            recipients: vec![key.to_public()],
+            ..Default::default()
+        })
+    };
+    let damaged = support::stored::gzip_full(&client, &encrypted_to(&id)).await;
+    let object = v2.join(&damaged.snap_name);
+    let mut bytes = std::fs::read(&object).unwrap();
+    let mac = bytes.windows(5).position(|w| w == b"\n--- ").unwrap() + 10;
+    bytes[mac] = if bytes[mac] == b'A' { b'B' } else { b'A' };
+    std::fs::write(&object, &bytes).unwrap();
+    // A write between, so that the two are two snapshots, not one name written twice.
+    client.put("later", "3", None).await.unwrap();
+    let others = support::stored::gzip_full(&client, &encrypted_to(&stranger)).await;
+    let stanzas = newer(40);
+    let mut quadratic = AGE_MAGIC.to_vec();
+    quadratic.extend_from_slice(&b"-> a\n\n".repeat(2_000));
+    std::fs::write(v2.join(&stanzas), &quadratic).unwrap();
+    let mut opts = restore_options(&dir.path().join("keyed.etcd"));
+    opts.fallback = true;
+    let report = etcd_warden::restore::restore(&reading, &opts)
+        .await
+        .unwrap();
+    assert_eq!(
+        report.full_snapshot, older.snap_name,
+        "{:?}",
+        report.skipped
+    );
+    let why = |name: &str| {
+        report
+            .skipped
+            .iter()
+            .find(|s| s.snapshot == name)
+            .map(|s| s.reason.clone())
+            .unwrap_or_else(|| panic!("{name} not skipped: {:?}", report.skipped))
+    };
+    assert!(
+        why(&planted).contains("not a valid age file"),
+        "{}",
+        why(&planted)
+    );
+    assert!(
+        why(&damaged.snap_name).contains("damaged"),
+        "{}",
+        why(&damaged.snap_name)
+    );
+    assert!(why(&others.snap_name).contains("encrypted to other keys"));
+    assert!(
+        why(&stanzas).contains("more than 256 stanzas"),
+        "{}",
+        why(&stanzas)
+    );
+    assert!(why(&planted).contains("team.key"), "{}", why(&planted));
+    assert_eq!(report.skipped.len(), 4, "{:?}", report.skipped);
+    assert_eq!(dump_restored(&opts.data_dir).await.1, older.last_revision);
+    for s in [&damaged, &others] {
+        plain.delete(s).await.unwrap();
+    }
+    std::fs::remove_file(v2.join(&stanzas)).unwrap();
+
+    // A delta continuing the older snapshot that cannot be decrypted fails by name, as a
+    // corrupt delta does, and nothing is written.
+    let delta = format!(
+        "Incr-{:08}-{:08}-{}.gz.age",
+        older.last_revision + 1,
+        older.last_revision + 5,
+        older.created_on.timestamp() + 10
+    );
+    std::fs::write(v2.join(&delta), b"xx").unwrap();
+    let mut opts = restore_options(&dir.path().join("delta.etcd"));
+    opts.fallback = true;
+    let e = etcd_warden::restore::restore(&plain, &opts)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(&delta) && e.contains("no identity"), "{e}");
+    assert!(!opts.data_dir.exists() && !dir.path().join("delta.etcd.part").exists());
+    std::fs::remove_file(v2.join(&delta)).unwrap();
+
+    // No usable full snapshot left (the older one cut short): the error still says the planted
+    // one was skipped for want of an identity.
+    let object = v2.join(&older.snap_name);
+    let bytes = std::fs::read(&object).unwrap();
+    std::fs::write(&object, &bytes[..bytes.len() / 2]).unwrap();
+    let mut opts = restore_options(&dir.path().join("none.etcd"));
+    opts.fallback = true;
+    let e = etcd_warden::restore::restore(&plain, &opts)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(&older.snap_name)
+            && e.contains("no earlier full snapshot")
+            && e.contains(&format!(
+                "no identity configured to decrypt them: {planted}"
+            ))
+            && e.contains("encryption.identities"),
+        "{e}"
+    );
+    assert!(!opts.data_dir.exists());
+}

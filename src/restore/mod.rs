@@ -45,6 +45,7 @@ use crate::etcd::process::ProcessError;
 use crate::scratch::ScratchDir;
 use crate::snapshot::delta::{self, DeltaError, EventType};
 use crate::snapshot::full::verify_sha256;
+use crate::store::encryption::EncryptionError;
 use crate::store::{ByteStream, Snapshot, SnapshotStore, StoreError, layout};
 pub use layout::Target;
 
@@ -148,9 +149,19 @@ pub enum RestoreError {
     /// (truncated or changed in the store).
     #[error("snapshot {name} fails verification: {cause}")]
     CorruptSnapshot { name: String, cause: std::io::Error },
-    /// Every full snapshot that could be fallen back to failed verification too.
-    #[error("{cause}; the store holds no earlier full snapshot to fall back to")]
-    NothingToFallBackTo { cause: Box<RestoreError> },
+    /// A full snapshot that cannot be decrypted with the configured identities (none is
+    /// configured, it is encrypted to other keys, its header is damaged, cut short or beyond
+    /// its bounds): skipped as one failing verification is, since a name planted in the store
+    /// must not block every restore. `cause` names it.
+    #[error("{cause}")]
+    UndecryptableFull { name: String, cause: StoreError },
+    /// Every full snapshot that could be fallen back to failed verification too; `note` says
+    /// which encrypted ones were skipped for want of an identity.
+    #[error("{cause}; the store holds no earlier full snapshot to fall back to{note}")]
+    NothingToFallBackTo {
+        cause: Box<RestoreError>,
+        note: String,
+    },
     /// The restore would not bring the data directory forward (see
     /// [`RestoreOptions::must_exceed`]); nothing was moved into place.
     #[error("the restore reaches revision {reached}, not beyond the data directory's {current}")]
@@ -190,9 +201,22 @@ impl RestoreError {
     /// The snapshot whose payload failed verification, if that is what this error is.
     pub fn corrupt_snapshot(&self) -> Option<&str> {
         match self {
-            RestoreError::CorruptSnapshot { name, .. } => Some(name),
+            RestoreError::CorruptSnapshot { name, .. }
+            | RestoreError::UndecryptableFull { name, .. } => Some(name),
             RestoreError::Step { cause, .. } => cause.corrupt_snapshot(),
             _ => None,
+        }
+    }
+
+    /// Whether this skips a full snapshot because no identity is configured to decrypt it.
+    fn wants_identity(&self) -> bool {
+        match self {
+            RestoreError::UndecryptableFull {
+                cause: StoreError::Encryption(e),
+                ..
+            } => matches!(**e, EncryptionError::NoIdentity { .. }),
+            RestoreError::Step { cause, .. } => cause.wants_identity(),
+            _ => false,
         }
     }
 
@@ -411,6 +435,7 @@ pub async fn restore(
     let store_revision = list.iter().map(|s| s.last_revision).max().unwrap_or(0);
     let mut chain = choose_chain(&list, opts.to, &[]).step("checking the chain")?;
     let mut skipped: Vec<Skipped> = Vec::new();
+    let mut wanting_identity: Vec<String> = Vec::new();
     let mut tools: Option<EtcdTools> = None;
     loop {
         // A fallback chain always has a base: the loop ends below when none is left.
@@ -424,8 +449,9 @@ pub async fn restore(
             }
             Err(e) => e,
         };
-        // Only a full snapshot whose own payload fails verification is skipped: a store that
-        // cannot be read, a missing key or a broken delta fails as it is.
+        // Only a full snapshot whose own payload fails verification or cannot be decrypted is
+        // skipped: a store that cannot be read, a key file that cannot be read or a broken delta
+        // fails as it is.
         if error.corrupt_snapshot() != Some(full.snap_name.as_str()) || !opts.fallback {
             return Err(error);
         }
@@ -435,6 +461,9 @@ pub async fn restore(
             %error,
             "the full snapshot fails verification; falling back to the previous full snapshot"
         );
+        if error.wants_identity() {
+            wanting_identity.push(full.snap_name.clone());
+        }
         skipped.push(Skipped {
             snapshot: full.snap_name.clone(),
             reason: error.to_string(),
@@ -443,8 +472,19 @@ pub async fn restore(
         chain = match choose_chain(&list, opts.to, &names) {
             Ok(c) if c.full_snapshot.is_some() => c,
             Ok(_) | Err(RestoreError::Target(layout::TargetError::BeforeOldest { .. })) => {
+                // A user who forgot the identity must learn it even when the last snapshot
+                // tried failed for another reason.
+                let note = match wanting_identity.is_empty() {
+                    true => String::new(),
+                    false => format!(
+                        " (skipped as encrypted with no identity configured to decrypt them: \
+                         {}; set encryption.identities, ETCD_WARDEN_ENCRYPTION_IDENTITIES)",
+                        wanting_identity.join(", ")
+                    ),
+                };
                 return Err(RestoreError::NothingToFallBackTo {
                     cause: Box::new(error),
+                    note,
                 });
             }
             Err(e) => return Err(e).step("choosing the snapshots to fall back to"),
@@ -490,14 +530,33 @@ async fn restore_chain(
     deltas: &[Snapshot],
 ) -> Result<Installed, RestoreError> {
     let target = &opts.data_dir;
-    // An encrypted chain without a key that opens every snapshot fails here, before anything
-    // is written (reading only each snapshot's header).
-    let chained: Vec<&Snapshot> = std::iter::once(full).chain(deltas.iter()).collect();
+    // Before anything is written, each snapshot's header (only that is read) must open. A full
+    // snapshot that does not is skipped as a corrupt one is; a delta that does not fails the
+    // restore by name, as a corrupt delta does.
     store
-        .check_decryptable(&chained)
+        .check_decryptable(&[full])
+        .await
+        .map_err(|cause| match cause {
+            StoreError::Encryption(e)
+                if matches!(
+                    *e,
+                    EncryptionError::NoIdentity { .. } | EncryptionError::Undecryptable { .. }
+                ) =>
+            {
+                RestoreError::UndecryptableFull {
+                    name: full.snap_name.clone(),
+                    cause: StoreError::Encryption(e),
+                }
+            }
+            other => RestoreError::Store(other),
+        })
+        .step("checking the full snapshot can be decrypted")?;
+    let deltas_listed: Vec<&Snapshot> = deltas.iter().collect();
+    store
+        .check_decryptable(&deltas_listed)
         .await
         .map_err(RestoreError::Store)
-        .step("checking the snapshots can be decrypted")?;
+        .step("checking the deltas can be decrypted")?;
     let tools = match tools {
         Some(t) => t,
         None => tools.insert(
