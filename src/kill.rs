@@ -1,9 +1,19 @@
 //! Finding and killing etcd in the shared PID namespace.
 //!
-//! etcd is found by its name (`/proc/<pid>/comm`, which the kernel truncates to 15 bytes) and,
-//! when configured, a substring of its command line (`/proc/<pid>/cmdline`, arguments joined by
-//! spaces). The sidecar's own process never matches, nor do zombies (already dead, only waiting
-//! for their parent).
+//! Candidates are found by their name (`/proc/<pid>/comm`, which the kernel truncates to 15
+//! bytes) and, when configured, a substring of their command line (`/proc/<pid>/cmdline`,
+//! arguments joined by spaces). The sidecar's own process never matches, nor do zombies (already
+//! dead, only waiting for their parent).
+//!
+//! Name and command line are anyone's to choose, so a candidate is only taken for etcd as
+//! [`select`] says: those that hold the listening socket of a client port of `[etcd].endpoints`
+//! in this sidecar's network namespace (`/proc/net/tcp{,6}` ↔ `/proc/<pid>/fd` →
+//! `socket:[inode]`) or have the data directory's database open are etcd, and the others are
+//! not; when none does (etcd starting, or gone), the candidates are taken by name, except,
+//! once etcd was identified that way, those of another UID than etcd's. A decoy named `etcd`
+//! (another user, its command line copied) therefore keeps neither the sidecar from seeing
+//! etcd nor a kill from being verified once etcd is gone, and a restarted etcd that does not
+//! listen yet is still killed.
 //!
 //! Stopping is SIGTERM, up to `grace` for the process to go, then SIGKILL. A PID can be reused by
 //! an unrelated process once etcd is gone, so every signal is preceded by re-reading the process's
@@ -21,6 +31,7 @@
 
 use std::fmt;
 use std::io;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -40,13 +51,15 @@ const AFTER_SIGKILL: Duration = Duration::from_secs(5);
 pub enum ProcessError {
     /// No live process matches.
     #[error(
-        "no etcd process matches kill.process_name = {name:?}{cmdline}: is the PID namespace shared (shareProcessNamespace: true) and the name right?"
+        "no etcd process matches kill.process_name = {name:?}{cmdline}: is the PID namespace shared (shareProcessNamespace: true) and the name right?{ignored}"
     )]
     NotFound {
         /// The configured name.
         name: String,
         /// `, kill.cmdline_contains = "…"` or empty.
         cmdline: String,
+        /// ` Not taken for etcd: …` (processes of that name that are not it, and why), or empty.
+        ignored: String,
     },
     /// The proc filesystem could not be listed.
     #[error("cannot list {path}: {source}")]
@@ -174,6 +187,136 @@ impl fmt::Display for ProcessId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "pid {} (started at tick {})", self.pid, self.start_time)
     }
+}
+
+/// What ties a process named like etcd to the etcd this sidecar guards.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Evidence {
+    /// It holds the listening socket of this client port in the sidecar's network namespace.
+    ClientPort(u16),
+    /// It has the data directory's database (`member/snap/db`) open.
+    Database,
+}
+
+impl fmt::Display for Evidence {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Evidence::ClientPort(port) => write!(f, "client port {port} listener"),
+            Evidence::Database => f.write_str("data directory's database open"),
+        }
+    }
+}
+
+/// A process named like etcd, as examined by [`ProcKiller::find`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Candidate {
+    /// The process.
+    pub process: ProcessId,
+    /// Its real UID (`/proc/<pid>/status`), when readable.
+    pub uid: Option<u32>,
+    /// What ties it to etcd; empty when nothing does (or its descriptors could not be read:
+    /// another user's, to a sidecar that is not root).
+    pub evidence: Vec<Evidence>,
+}
+
+/// Which candidates are etcd, and how that was told.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Selection {
+    /// The processes taken for etcd.
+    pub chosen: Vec<ProcessId>,
+    /// How, in words (`client port 2379 listener`, or `name only: …`); empty when none.
+    pub identified_by: String,
+    /// Candidates not taken for etcd, each with why.
+    pub ignored: Vec<(ProcessId, String)>,
+    /// The UID of the processes identified by evidence, when they share one.
+    pub uid: Option<u32>,
+}
+
+/// Chooses etcd among `candidates`: those with evidence when any has some. Otherwise, once etcd
+/// was identified by evidence as running as `known_uid`, those of that UID (a restarted etcd
+/// that does not listen yet is still etcd, a decoy of another user is not, and so no longer
+/// keeps the sidecar from seeing etcd nor a kill from being verified once etcd is gone); before
+/// that, every candidate (failing closed: a process that may be etcd is never left out, and one
+/// this sidecar may not signal is reported as such).
+pub fn select(candidates: Vec<Candidate>, known_uid: Option<u32>) -> Selection {
+    let mut selection = Selection::default();
+    let identified = candidates.iter().any(|c| !c.evidence.is_empty());
+    let mut how: Vec<String> = Vec::new();
+    let mut uids = std::collections::BTreeSet::new();
+    let shown = |uid: Option<u32>| uid.map_or_else(|| "?".to_string(), |u| u.to_string());
+    for c in candidates {
+        let take = if identified {
+            !c.evidence.is_empty()
+        } else {
+            known_uid.is_none() || c.uid == known_uid
+        };
+        if !take {
+            let why = match (identified, known_uid) {
+                (true, _) => {
+                    "neither listens on a client port nor has the database open, while another does"
+                        .to_string()
+                }
+                (false, known) => format!(
+                    "uid {}, not the uid {} etcd was identified with",
+                    shown(c.uid),
+                    shown(known)
+                ),
+            };
+            selection.ignored.push((c.process, why));
+            continue;
+        }
+        for e in &c.evidence {
+            let e = e.to_string();
+            if !how.contains(&e) {
+                how.push(e);
+            }
+        }
+        if identified {
+            uids.insert(c.uid);
+        }
+        selection.chosen.push(c.process);
+    }
+    selection.chosen.sort_by_key(|p| p.pid);
+    selection.identified_by = match (identified, known_uid, selection.chosen.is_empty()) {
+        (_, _, true) => String::new(),
+        (true, _, false) => how.join(", "),
+        (false, Some(uid), false) => format!(
+            "name and uid {uid} (etcd's when it was last identified); none listens on a client port or has the database open now"
+        ),
+        (false, None, false) => {
+            "name only: no candidate listens on a client port or has the database open".to_string()
+        }
+    };
+    if let [Some(uid)] = uids.into_iter().collect::<Vec<_>>().as_slice() {
+        selection.uid = Some(*uid);
+    }
+    selection
+}
+
+/// The ports of etcd's client endpoints (`http://127.0.0.1:2379`, `host:2379`), those named.
+pub fn client_ports(endpoints: &[String]) -> Vec<u16> {
+    let mut ports = Vec::new();
+    for e in endpoints {
+        let parsed = url::Url::parse(e)
+            .ok()
+            .filter(|u| u.has_host())
+            .or_else(|| url::Url::parse(&format!("http://{e}")).ok());
+        if let Some(port) = parsed.and_then(|u| u.port_or_known_default())
+            && !ports.contains(&port)
+        {
+            ports.push(port);
+        }
+    }
+    ports
+}
+
+/// What the last search found out, kept across searches.
+#[derive(Debug, Default)]
+struct Memory {
+    /// The UID etcd was last identified with by evidence.
+    uid: Option<u32>,
+    /// How the last search told etcd.
+    identified_by: Option<String>,
 }
 
 /// What a signal attempt did.
@@ -306,6 +449,12 @@ pub trait ProcessControl: Send + Sync {
     /// included in the report (gone, or stopped again), so a retry after the process went away
     /// on its own still verifies. An error only when the process table cannot be read.
     async fn kill_etcd(&self, earlier: &[ProcessId]) -> Result<KillReport, ProcessError>;
+
+    /// How the processes the last search returned were told from others of their name, for
+    /// `/status`; `None` when not known.
+    fn identified_by(&self) -> Option<String> {
+        None
+    }
 }
 
 /// Finds and signals processes through a proc filesystem.
@@ -315,6 +464,9 @@ pub struct ProcKiller {
     matcher: Matcher,
     grace: Duration,
     poll: Duration,
+    client_ports: Vec<u16>,
+    data_dir: Option<PathBuf>,
+    memory: std::sync::Arc<std::sync::Mutex<Memory>>,
 }
 
 impl ProcKiller {
@@ -328,7 +480,28 @@ impl ProcKiller {
             },
             grace: config.grace,
             poll: Duration::from_millis(100),
+            client_ports: Vec::new(),
+            data_dir: None,
+            memory: Default::default(),
         }
+    }
+
+    /// Tells etcd from other processes of its name by the listener of one of these client
+    /// ports (those of `[etcd].endpoints`).
+    pub fn with_client_ports(mut self, ports: Vec<u16>) -> Self {
+        self.client_ports = ports;
+        self
+    }
+
+    /// Tells etcd from other processes of its name by its database, open under `data_dir`.
+    pub fn with_data_dir(mut self, data_dir: Option<PathBuf>) -> Self {
+        self.data_dir = data_dir;
+        self
+    }
+
+    /// How the processes the last search returned were told from others of their name.
+    pub fn identified_by(&self) -> Option<String> {
+        self.memory.lock().ok()?.identified_by.clone()
     }
 
     /// Looks in another proc filesystem (tests, or a host `/proc` mounted elsewhere).
@@ -337,8 +510,69 @@ impl ProcKiller {
         self
     }
 
-    /// Every live process that matches, except this one.
+    /// The processes taken for etcd ([`select`] over [`ProcKiller::candidates`]).
     pub fn find(&self) -> Result<Vec<ProcessId>, ProcessError> {
+        Ok(self.search()?.chosen)
+    }
+
+    /// [`ProcKiller::find`] with what was ignored and why; remembers how etcd was told.
+    pub fn search(&self) -> Result<Selection, ProcessError> {
+        let named = self.candidates()?;
+        let listeners = if named.is_empty() || self.client_ports.is_empty() {
+            Default::default()
+        } else {
+            self.listeners()
+        };
+        let database = self
+            .data_dir
+            .as_ref()
+            .and_then(|d| std::fs::metadata(d.join("member/snap/db")).ok())
+            .map(|m| (m.dev(), m.ino()));
+        let mut examined = Vec::new();
+        for process in named {
+            let dir = self.proc_root.join(process.pid.to_string());
+            examined.push(Candidate {
+                process,
+                uid: read_uid(&dir),
+                evidence: evidence(&dir, &listeners, database),
+            });
+        }
+        let mut memory = self
+            .memory
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let selection = select(examined, memory.uid);
+        if selection.uid.is_some() {
+            memory.uid = selection.uid;
+        }
+        memory.identified_by =
+            (!selection.identified_by.is_empty()).then(|| selection.identified_by.clone());
+        drop(memory);
+        for (p, why) in &selection.ignored {
+            tracing::debug!(pid = p.pid, why = %why, "a process named like etcd is not taken for it");
+        }
+        Ok(selection)
+    }
+
+    /// Listening TCP sockets on a client port in this process's network namespace: inode →
+    /// port. Unreadable tables count as none (then no candidate is told by its port).
+    fn listeners(&self) -> std::collections::HashMap<u64, u16> {
+        let mut found = std::collections::HashMap::new();
+        for table in ["tcp", "tcp6"] {
+            let Ok(text) = std::fs::read_to_string(self.proc_root.join("net").join(table)) else {
+                continue;
+            };
+            for (inode, port) in parse_listeners(&text) {
+                if self.client_ports.contains(&port) {
+                    found.insert(inode, port);
+                }
+            }
+        }
+        found
+    }
+
+    /// Every live process whose name and command line match, except this one.
+    pub fn candidates(&self) -> Result<Vec<ProcessId>, ProcessError> {
         let entries =
             std::fs::read_dir(&self.proc_root).map_err(|source| ProcessError::ListProc {
                 path: self.proc_root.clone(),
@@ -451,8 +685,19 @@ impl ProcKiller {
         }
     }
 
-    fn not_found(&self) -> ProcessError {
+    fn not_found(&self, ignored: &[(ProcessId, String)]) -> ProcessError {
+        let ignored = match ignored {
+            [] => String::new(),
+            some => format!(
+                " Not taken for etcd: {}",
+                some.iter()
+                    .map(|(p, why)| format!("{p}: {why}"))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            ),
+        };
         ProcessError::NotFound {
+            ignored,
             name: self.matcher.name.clone(),
             cmdline: self
                 .matcher
@@ -475,9 +720,10 @@ fn refused(error: ProcessError, signal: Signal) -> Outcome {
 #[async_trait::async_trait]
 impl ProcessControl for ProcKiller {
     async fn probe(&self) -> Result<Vec<ProcessId>, ProcessError> {
-        let found = self.find()?;
+        let selection = self.search()?;
+        let found = selection.chosen;
         if found.is_empty() {
-            return Err(self.not_found());
+            return Err(self.not_found(&selection.ignored));
         }
         for p in &found {
             // Signal 0 checks permission and existence without signalling.
@@ -490,14 +736,15 @@ impl ProcessControl for ProcKiller {
     }
 
     async fn kill_etcd(&self, earlier: &[ProcessId]) -> Result<KillReport, ProcessError> {
-        let mut targets = self.find()?;
+        let selection = self.search()?;
+        let mut targets = selection.chosen;
         for p in earlier {
             if !targets.contains(p) {
                 targets.push(*p);
             }
         }
         if targets.is_empty() {
-            tracing::error!(error = %self.not_found(), "cannot kill etcd");
+            tracing::error!(error = %self.not_found(&selection.ignored), "cannot kill etcd");
         }
         // All at once, so several matches share one grace instead of adding theirs up. A process
         // an earlier attempt found and that is gone now reports Vanished.
@@ -507,6 +754,87 @@ impl ProcessControl for ProcKiller {
             processes: targets.into_iter().zip(outcomes).collect(),
         })
     }
+
+    fn identified_by(&self) -> Option<String> {
+        ProcKiller::identified_by(self)
+    }
+}
+
+/// The real UID of the process whose /proc directory is `dir` (`Uid:` in `status`).
+fn read_uid(dir: &Path) -> Option<u32> {
+    let status = std::fs::read_to_string(dir.join("status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))?
+        .split_ascii_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// What ties the process whose /proc directory is `dir` to etcd: a descriptor on one of
+/// `listeners` (inode → port), or on the file `database` (device, inode). Descriptors that
+/// cannot be read (another UID's, to a sidecar that is not root) tie it to nothing.
+fn evidence(
+    dir: &Path,
+    listeners: &std::collections::HashMap<u64, u16>,
+    database: Option<(u64, u64)>,
+) -> Vec<Evidence> {
+    let mut found = Vec::new();
+    let Ok(fds) = std::fs::read_dir(dir.join("fd")) else {
+        return found;
+    };
+    for fd in fds.flatten() {
+        let Ok(target) = std::fs::read_link(fd.path()) else {
+            continue;
+        };
+        let target = target.as_os_str().to_string_lossy();
+        let port = target
+            .strip_prefix("socket:[")
+            .and_then(|t| t.strip_suffix(']'))
+            .and_then(|i| i.parse::<u64>().ok())
+            .and_then(|inode| listeners.get(&inode));
+        let e = match port {
+            Some(port) => Evidence::ClientPort(*port),
+            // The link names the file in etcd's own mount namespace; the file itself (followed
+            // through the link) is compared, so the path etcd sees it under does not matter.
+            None if database.is_some() && target.ends_with("/db") => {
+                match std::fs::metadata(fd.path()) {
+                    Ok(m) if Some((m.dev(), m.ino())) == database => Evidence::Database,
+                    _ => continue,
+                }
+            }
+            None => continue,
+        };
+        if !found.contains(&e) {
+            found.push(e);
+        }
+        // etcd holds thousands of descriptors under load: stop once nothing more can be told.
+        let port_seen =
+            listeners.is_empty() || found.iter().any(|e| matches!(e, Evidence::ClientPort(_)));
+        if port_seen && (database.is_none() || found.contains(&Evidence::Database)) {
+            break;
+        }
+    }
+    found
+}
+
+/// `/proc/net/tcp{,6}`: the (inode, local port) of each listening socket (state `0A`).
+fn parse_listeners(table: &str) -> Vec<(u64, u16)> {
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_ascii_whitespace().collect();
+            if fields.get(3) != Some(&"0A") {
+                return None;
+            }
+            let port = fields.get(1)?.rsplit(':').next()?;
+            let port = u16::from_str_radix(port, 16).ok()?;
+            let inode = fields.get(9)?.parse().ok()?;
+            Some((inode, port))
+        })
+        .collect()
 }
 
 fn read_stat(dir: &Path) -> Option<Stat> {
@@ -598,5 +926,81 @@ mod tests {
         assert_eq!(report.signals_sent(), (2, 1));
         assert!(!report.not_found());
         assert!(KillReport::default().not_found());
+    }
+
+    fn candidate(pid: i32, uid: u32, evidence: Vec<Evidence>) -> Candidate {
+        Candidate {
+            process: ProcessId { pid, start_time: 1 },
+            uid: Some(uid),
+            evidence,
+        }
+    }
+
+    fn pids(selection: &Selection) -> Vec<i32> {
+        selection.chosen.iter().map(|p| p.pid).collect()
+    }
+
+    /// The client port's listener (or the database's holder) is etcd, and a decoy beside it is
+    /// not; once etcd is gone the decoy (another UID) still is not, by the UID etcd had, while a
+    /// restarted etcd of that UID that does not listen yet is.
+    #[test]
+    fn evidence_picks_etcd_and_its_uid_outlasts_it() {
+        let real = candidate(10, 65532, vec![Evidence::ClientPort(2379)]);
+        let decoy = candidate(20, 1000, vec![]);
+        let s = select(vec![decoy.clone(), real], None);
+        assert_eq!(pids(&s), vec![10]);
+        assert_eq!(s.identified_by, "client port 2379 listener");
+        assert_eq!(s.uid, Some(65532));
+        assert_eq!(s.ignored.len(), 1);
+        assert_eq!(s.ignored[0].0.pid, 20);
+
+        let s = select(vec![decoy.clone()], Some(65532));
+        assert!(s.chosen.is_empty(), "{s:?}");
+        assert!(s.ignored[0].1.contains("uid 1000"), "{:?}", s.ignored);
+        let restarted = candidate(30, 65532, vec![]);
+        let s = select(vec![decoy.clone(), restarted], Some(65532));
+        assert_eq!(pids(&s), vec![30]);
+        assert!(s.identified_by.contains("uid 65532"), "{}", s.identified_by);
+
+        let db = candidate(40, 65532, vec![Evidence::Database]);
+        let s = select(vec![db, candidate(50, 65532, vec![])], None);
+        assert_eq!(pids(&s), vec![40]);
+        assert_eq!(s.identified_by, "data directory's database open");
+    }
+
+    /// Never identified (etcd not listening yet, or its descriptors unreadable): every process
+    /// of the name is taken, so a real etcd is never left out for want of evidence.
+    #[test]
+    fn without_evidence_every_candidate_counts() {
+        let s = select(
+            vec![candidate(20, 1000, vec![]), candidate(30, 65532, vec![])],
+            None,
+        );
+        assert_eq!(pids(&s), vec![20, 30]);
+        assert!(
+            s.identified_by.starts_with("name only"),
+            "{}",
+            s.identified_by
+        );
+        assert!(select(vec![], None).identified_by.is_empty());
+    }
+
+    #[test]
+    fn listeners_are_read_from_the_tcp_tables() {
+        let tcp = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n   0: 0100007F:094B 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4242 1 0000000000000000 100 0 0 10 0\n   1: 0100007F:094B 0100007F:D2C4 01 00000000:00000000 00:00000000 00000000     0        0 4343 1 0000000000000000 20 4 30 10 -1\n";
+        assert_eq!(parse_listeners(tcp), vec![(4242, 2379)]);
+        let tcp6 = "  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n   0: 00000000000000000000000000000000:0950 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 777 1 0000000000000000 100 0 0 10 0\n";
+        assert_eq!(parse_listeners(tcp6), vec![(777, 2384)]);
+    }
+
+    #[test]
+    fn client_ports_come_from_the_endpoints() {
+        let endpoints = [
+            "http://127.0.0.1:2379".to_string(),
+            "https://etcd-main-local:2379".to_string(),
+            "localhost:32379".to_string(),
+            "https://etcd".to_string(),
+        ];
+        assert_eq!(client_ports(&endpoints), vec![2379, 32379, 443]);
     }
 }

@@ -12,6 +12,7 @@
 //! - [`owner`]: owner DNS lookups, the pure ownership protocol, the hand-off across members, and
 //!   the watchdog.
 //! - [`kill`]: finding and killing etcd in a shared PID namespace (the `kill.*` keys).
+//! - [`hardening`]: what every binary does first (non-dumpable: secrets out of `/proc`'s reach).
 //! - [`kube_client`]: a Kubernetes client from a kubeconfig or the pod's service account.
 //! - [`server`]: the HTTP API.
 //! - [`sidecar`]: `etcd-warden serve`: the tasks the sidecar starts and supervises.
@@ -37,6 +38,7 @@ pub mod etcd;
 pub mod etcdbrctl;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod hardening;
 pub mod health;
 pub mod kill;
 pub mod kube_client;

@@ -308,7 +308,16 @@ fn processes_mentioning(path: &std::path::Path) -> Vec<String> {
     for entry in std::fs::read_dir("/proc").unwrap().flatten() {
         if let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) {
             let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
-            if cmdline.contains(&needle) && !cmdline.contains("compact --store") {
+            // The scratch directory reaches its children as an inherited descriptor (their
+            // command lines say `/proc/self/fd/<n>/…`), so an open descriptor under `path`
+            // counts as mentioning it.
+            let holds = std::fs::read_dir(entry.path().join("fd"))
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+                .any(|target| target.starts_with(path));
+            if (cmdline.contains(&needle) || holds) && !cmdline.contains("compact --store") {
                 found.push(cmdline);
             }
         }

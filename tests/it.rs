@@ -39,6 +39,7 @@ mod owner_resolve;
 mod owner_watchdog;
 mod ownership;
 mod process_kill;
+mod process_secrets;
 mod promtool;
 mod quorum_restore;
 mod rejoin;

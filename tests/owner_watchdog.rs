@@ -346,6 +346,7 @@ impl ProcessControl for Fake {
             Err(ProcessError::NotFound {
                 name: "etcd-wrapper".into(),
                 cmdline: String::new(),
+                ignored: String::new(),
             })
         }
     }

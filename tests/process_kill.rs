@@ -307,3 +307,112 @@ async fn own_process_and_zombies_never_match() {
     );
     child.wait().await.expect("reap");
 }
+
+/// A decoy named `etcd`: a copy of `sleep` under that name, run as another user (65534), its
+/// argv[0] spoofed (`exec -a`) to the real etcd's command line. Returns it once it runs.
+async fn decoy_etcd(dir: &std::path::Path, spoofed_argv: &str) -> Child {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let binary = dir.join("etcd");
+    std::fs::copy(sleep_binary(), &binary).expect("copy sleep");
+    let script = format!("exec -a \"$1\" {} 3600", binary.display());
+    let mut tries = 0;
+    loop {
+        let mut child = Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+            .args(["bash", "-c", &script, "decoy", spoofed_argv])
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn the decoy (setpriv, bash)");
+        let pid = child.id().expect("pid");
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_secs(5) {
+            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+            if comm.trim_end() == "etcd" {
+                return child;
+            }
+            if child.try_wait().expect("try_wait").is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // The copy may still be "busy" (ETXTBSY) from another test thread's fork.
+        tries += 1;
+        assert!(tries < 20, "the decoy never ran");
+        let _ = child.kill().await;
+    }
+}
+
+/// A real etcd and, beside it, a decoy named `etcd` of another user whose command line says
+/// what the real one's does (`--name <this test's member>`): the one listening on the client
+/// port is etcd, and `identified_by` says so. Killing it kills it alone, and the kill is
+/// verified with the decoy still running (before, both were taken for etcd: a sidecar that may
+/// not signal the decoy stayed Starting, and a kill stayed unverified).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decoy_named_etcd_is_told_from_the_real_one_by_its_client_port() {
+    use crate::support::etcd::{EtcdMember, Release};
+    let dir = tempfile::tempdir().expect("temp dir");
+    let name = format!("decoyed{}", std::process::id());
+    let mut real = EtcdMember::launch(
+        Release::V35,
+        &name,
+        dir.path().join("data"),
+        dir.path().join("etcd.log"),
+        &[],
+    )
+    .await;
+    let real_pid = real.pid().expect("running") as i32;
+    let argv = String::from_utf8(std::fs::read(format!("/proc/{real_pid}/cmdline")).unwrap())
+        .unwrap()
+        .trim_end_matches('\0')
+        .replace('\0', " ");
+    let decoy_dir = tempfile::tempdir().expect("temp dir");
+    let mut decoy = decoy_etcd(decoy_dir.path(), &argv).await;
+    let decoy_pid = decoy.id().expect("pid") as i32;
+
+    // Only processes with this test's member name are considered at all: other tests' etcds
+    // run on this machine too.
+    let marker = format!("--name {name}");
+    let guard = killer("etcd", Some(&marker), Duration::from_secs(5))
+        .with_client_ports(vec![real.client_port])
+        .with_data_dir(Some(dir.path().join("data")));
+    let spoofed = killer("etcd", Some(&marker), Duration::from_secs(5));
+    let everyone: Vec<i32> = spoofed
+        .find()
+        .expect("find")
+        .iter()
+        .map(|p| p.pid)
+        .collect();
+    assert!(
+        everyone.contains(&decoy_pid) && everyone.contains(&real_pid),
+        "by name and command line alone the decoy passes for etcd: {everyone:?}"
+    );
+
+    let found = guard.probe().await.expect("etcd is visible");
+    assert_eq!(
+        found.iter().map(|p| p.pid).collect::<Vec<_>>(),
+        vec![real_pid],
+        "the decoy (pid {decoy_pid}) is not etcd"
+    );
+    let how = guard.identified_by().expect("says how");
+    assert!(
+        how.contains(&format!("client port {} listener", real.client_port)),
+        "{how}"
+    );
+
+    let report = guard.kill_etcd(&found).await.expect("kill");
+    assert!(report.verified(), "{report:?}");
+    assert_eq!(report.processes.len(), 1, "{report:?}");
+    assert_eq!(report.processes[0].0.pid, real_pid);
+    assert!(!real.is_running(), "the real etcd is gone");
+    assert!(
+        decoy.try_wait().expect("try_wait").is_none(),
+        "the decoy is not etcd: no signal reaches it"
+    );
+    // Once etcd is gone, a retry of the same kill still verifies: the decoy does not count.
+    let again = guard.kill_etcd(&found).await.expect("kill");
+    assert!(again.verified(), "{again:?}");
+    assert!(decoy.try_wait().expect("try_wait").is_none());
+    decoy.kill().await.expect("cleanup");
+}

@@ -174,3 +174,88 @@ async fn a_restored_data_directory_is_private() {
         .collect();
     assert_eq!(names, vec!["data".to_string()], "no work directory is left");
 }
+
+/// `--work-dir` shared without the sticky bit (an `emptyDir` is 0777): another user (65534)
+/// renames the drill's fresh scratch directory as soon as it appears and puts one of their own
+/// at its name. The drill still works in its own and passes, writes nothing into theirs, and
+/// removes its own where it was moved to, leaving theirs as they made it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drill_scratch_directory_swapped_in_a_shared_work_dir_is_neither_written_nor_removed() {
+    let mut src = source(Release::V35).await;
+    build_store(&mut src.client, &src.store, 1).await;
+    // The other user must reach the work directory: the test's own directory is traversable.
+    chmod(src.dir.path(), 0o711);
+    let work = src.dir.path().join("work");
+    std::fs::create_dir(&work).unwrap();
+    chmod(&work, 0o777);
+    let moved = work.join("moved-away");
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let swapper = {
+        let (work, moved, stop) = (work.clone(), moved.clone(), Arc::clone(&stop));
+        std::thread::spawn(move || -> Option<PathBuf> {
+            while !stop.load(Ordering::SeqCst) {
+                let fresh = std::fs::read_dir(&work)
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .map(|e| e.path())
+                    .find(|p| {
+                        p.file_name()
+                            .is_some_and(|n| n.to_string_lossy().starts_with("etcd-warden-drill-"))
+                    });
+                if let Some(name) = fresh {
+                    let swapped = std::process::Command::new("setpriv")
+                        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+                        .args([
+                            "sh",
+                            "-c",
+                            "mv \"$1\" \"$2\" && mkdir \"$1\" && chmod 777 \"$1\" && echo theirs > \"$1\"/theirs",
+                            "sh",
+                        ])
+                        .arg(&name)
+                        .arg(&moved)
+                        .status()
+                        .expect("run setpriv");
+                    assert!(swapped.success(), "the other user's swap failed");
+                    return Some(name);
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            None
+        })
+    };
+    let opts = DrillOptions {
+        work_dir: work.clone(),
+        etcd_bin: Some(Release::V35.bin_dir()),
+        parallel_fetch: 2,
+    };
+    let drilled = drill::drill(&src.store, &opts).await;
+    stop.store(true, Ordering::SeqCst);
+    let name = swapper
+        .join()
+        .unwrap()
+        .expect("the scratch directory was seen and swapped while the drill ran");
+    let report = drilled.expect("the drill works on in its own directory");
+    assert!(report.keys > 0, "{report:?}");
+
+    let theirs: Vec<PathBuf> = std::fs::read_dir(&name)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(
+        theirs,
+        vec![name.join("theirs")],
+        "nothing is written into the other user's directory"
+    );
+    assert_eq!(std::fs::read(name.join("theirs")).unwrap(), b"theirs\n");
+    let remaining: Vec<PathBuf> = std::fs::read_dir(&work)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(
+        remaining,
+        vec![name.clone()],
+        "the drill's own directory is removed where it was moved to, theirs is left"
+    );
+}

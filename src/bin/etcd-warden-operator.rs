@@ -365,6 +365,11 @@ impl ApiArgs {
 }
 
 fn main() -> ExitCode {
+    // Before the configuration (and with it the kubeconfig's credentials) is read.
+    if let Err(e) = etcd_warden::hardening::forbid_inspection() {
+        eprintln!("etcd-warden-operator: {e}");
+        return ExitCode::FAILURE;
+    }
     let cli = Cli::parse();
     let format = match cli.log_format.as_str() {
         "json" => LogFormat::Json,

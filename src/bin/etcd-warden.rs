@@ -523,6 +523,11 @@ fn tune_malloc() {
 fn tune_malloc() {}
 
 fn main() -> ExitCode {
+    // Before the configuration (and with it any secret) is read.
+    if let Err(e) = etcd_warden::hardening::forbid_inspection() {
+        eprintln!("etcd-warden: {e}");
+        return ExitCode::FAILURE;
+    }
     tune_malloc();
     let invoked_as = std::env::args_os()
         .next()

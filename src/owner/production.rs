@@ -150,7 +150,11 @@ pub fn context(
 ) -> Result<Context, ResolveError> {
     Ok(Context {
         lookup: Arc::new(OwnerResolver::new(owner)?),
-        process: Arc::new(ProcKiller::new(kill)),
+        process: Arc::new(
+            ProcKiller::new(kill)
+                .with_client_ports(crate::kill::client_ports(&etcd.endpoints))
+                .with_data_dir(data_dir.clone()),
+        ),
         etcd: Arc::new(EtcdApi::new(etcd.clone(), crate::health::TIMEOUT).with_data_dir(data_dir)),
         objects: HandOffObjects::new(store),
         codec,

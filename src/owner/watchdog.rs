@@ -179,6 +179,9 @@ pub struct WatchdogStatus {
     pub consecutive_failures: u32,
     /// The etcd processes seen (`pid 12 (started at tick 345)`), or why none can be signalled.
     pub etcd_process: Option<String>,
+    /// How those processes were told from others of etcd's name (`client port 2379
+    /// listener`, or `name only: …`).
+    pub etcd_identified_by: Option<String>,
     /// This sidecar's etcd member ID (hex), once etcd told it.
     pub member_id: Option<String>,
     /// The kill of etcd, once one was needed.
@@ -203,6 +206,7 @@ impl WatchdogStatus {
             last_success_at: None,
             consecutive_failures: 0,
             etcd_process: None,
+            etcd_identified_by: None,
             member_id: None,
             kill: None,
             waiting_for: Vec::new(),
@@ -405,6 +409,7 @@ async fn observe_etcd(parts: Parts<'_>, tx: mpsc::Sender<Observation>) {
                     .join(", "),
                 Err(e) => e.clone(),
             });
+            s.etcd_identified_by = parts.ctx.process.identified_by();
             if let Some(id) = health.member_id {
                 s.member_id = Some(format!("{id:x}"));
             }

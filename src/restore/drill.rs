@@ -196,7 +196,7 @@ pub async fn drill(store: &SnapshotStore, opts: &DrillOptions) -> Result<DrillRe
             cause,
         }
     })?;
-    tracing::info!(scratch = %scratch.path().display(), "drill: scratch directory created");
+    tracing::info!(scratch = %scratch.shown().display(), "drill: scratch directory created");
     drill_in(store, opts, scratch.path()).await
 }
 
