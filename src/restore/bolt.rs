@@ -27,6 +27,12 @@
 //! gets the replaced pages added. [`Reader::check`] proves either form consistent, as `bbolt
 //! check` does. Anything this reader does not expect (a nested bucket, a key outside a bucket at
 //! the top level, a page of the wrong kind) is an [`BoltError::Unsupported`], never a guess.
+//!
+//! A crafted file costs no more than a few reads of it: every walk marks each page's whole range
+//! (the page and the overflow it claims) seen before it reads the overflow, so it reads a page at
+//! most once, and a [`Reader`] reads at most [`READ_PASSES`] times the file's pages (and
+//! [`READ_SLACK`]) over its life. [`Incoming`] checks a fetched snapshot's bytes against its meta
+//! pages before they are written.
 
 use std::fs::File;
 use std::io::{BufWriter, Seek, SeekFrom, Write};
