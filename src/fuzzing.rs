@@ -10,7 +10,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
-use crate::restore::bolt::Reader;
+use crate::restore::bolt::{Incoming, READ_PASSES, READ_SLACK, Reader};
 use crate::restore::{direct, wal};
 use crate::snapshot::delta;
 use crate::store::{Codec, Kind, ReadLimits, SnapshotStore, compression, encryption, layout};
@@ -96,8 +96,32 @@ pub fn layout(data: &[u8]) {
     }
 }
 
-/// A bbolt file (the fetched full snapshot): open, check, and walk every bucket.
+/// A bbolt file (the fetched full snapshot): its bytes through the check a restore makes as
+/// they arrive ([`Incoming`]: nothing past what the meta pages declare is passed on), then open,
+/// check, and walk every bucket. Every walk reads each page at most once (and one page of a range
+/// it refuses): a page graph with crafted overflow ranges must not cost a read of the file per
+/// page.
 pub fn bolt(data: &[u8]) {
+    let mut incoming = Incoming::new(0);
+    let mut passed = 0usize;
+    let mut refused = false;
+    for chunk in data.chunks(1000) {
+        match incoming.push(chunk) {
+            Ok(bytes) => passed += bytes.map_or(0, |b| b.len()),
+            Err(_) => {
+                refused = true;
+                break;
+            }
+        }
+    }
+    if !refused && let Ok(rest) = incoming.finish() {
+        // Accepted: exactly the declared bytes, all of them passed on.
+        assert_eq!(
+            passed + rest.len(),
+            data.len(),
+            "accepted bytes are not all passed on"
+        );
+    }
     let dir = scratch();
     let path = write(&dir, "bolt.db", data);
     let _ = walk(&path, data.len() as u64);
@@ -105,18 +129,42 @@ pub fn bolt(data: &[u8]) {
 
 fn walk(path: &Path, len: u64) -> Result<(), crate::restore::bolt::BoltError> {
     let reader = Reader::open(path, len)?;
+    // One walk's reads: each page once, and the first page of a range refused as reached twice.
+    let once = |what: &str, before: u64| {
+        let read = reader.pages_read() - before;
+        assert!(
+            read <= reader.pages() + 1,
+            "{what}: {read} page reads of a {}-page file",
+            reader.pages()
+        );
+    };
+    let before = reader.pages_read();
     let checked = reader.check();
+    once("check", before);
     let _ = reader.freelist();
     for b in reader.buckets()? {
         let mut n = 0u64;
+        let before = reader.pages_read();
         let _ = reader.visit(&b.root, &mut |_, _, _| {
             n += 1;
             Ok(())
         });
+        once("visit", before);
+        let before = reader.pages_read();
         let _ = reader.last_key(&b.root);
+        once("last_key", before);
         let _ = reader.get(&b.root, b"finishedCompactRev");
+        let before = reader.pages_read();
         let _ = reader.tree_pages(&b.root);
+        once("tree_pages", before);
     }
+    // However many buckets share pages, the reader's reads stay within its bound.
+    assert!(
+        reader.pages_read() <= READ_PASSES * reader.pages() + READ_SLACK,
+        "{} page reads of a {}-page file",
+        reader.pages_read(),
+        reader.pages()
+    );
     checked.map(drop)
 }
 
@@ -461,6 +509,16 @@ mod tests {
             .check()
             .unwrap();
         put("bolt", "small", &db);
+        // The crafted snapshot, small: 16 leaves each claiming as overflow every page to
+        // the end of the file (read whole per leaf before the walks marked overflow seen).
+        put(
+            "bolt",
+            "overflow-leaves",
+            &crate::restore::bolt::crafted::overflow_leaves(512, 16),
+        );
+        let mut torn = db.clone();
+        torn[40] ^= 1;
+        put("bolt", "torn-meta", &torn);
         put("patch", "small", &db);
         for (n, json) in [
             (

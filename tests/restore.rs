@@ -978,12 +978,47 @@ async fn a_gap_in_the_chain_fails_the_restore_before_anything_is_fetched() {
 
 /// gzip of `len` zeros: a small object that decompresses far beyond its size.
 fn gzip_zeros(len: usize) -> Bytes {
+    gzip_after(&[], len)
+}
+
+/// `head`, then `len` zero bytes, gzip'd.
+fn gzip_after(head: &[u8], len: usize) -> Bytes {
     let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+    gz.write_all(head).unwrap();
     let block = vec![0u8; 1 << 20];
     for _ in 0..len / block.len() {
         gz.write_all(&block).unwrap();
     }
     Bytes::from(gz.finish().unwrap())
+}
+
+/// bbolt's two meta pages (4 KiB pages) declaring a database of `pages` pages: what a full
+/// snapshot must start with to be read past its first pages.
+fn bbolt_head(pages: u64) -> Vec<u8> {
+    let mut head = Vec::new();
+    for (id, txid) in [(0u64, 2u64), (1, 1)] {
+        let mut page = vec![0u8; 4096];
+        page[..8].copy_from_slice(&id.to_le_bytes());
+        page[8..10].copy_from_slice(&4u16.to_le_bytes());
+        let fields: [u64; 7] = [
+            u64::from(0xED0C_DAEDu32) | (2 << 32), // magic, version 2
+            4096,                                  // page size, flags 0
+            3,                                     // root bucket page
+            0,                                     // sequence
+            u64::MAX,                              // no freelist stored
+            pages,
+            txid,
+        ];
+        for (i, f) in fields.iter().enumerate() {
+            page[16 + 8 * i..24 + 8 * i].copy_from_slice(&f.to_le_bytes());
+        }
+        let sum = page[16..72].iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+        });
+        page[72..80].copy_from_slice(&sum.to_le_bytes());
+        head.extend_from_slice(&page);
+    }
+    head
 }
 
 /// Decompression bombs beside a real chain (the review's `Incr-…gz` of 10 MB inflating to
@@ -1021,7 +1056,8 @@ async fn decompression_bombs_fail_by_name_and_restore_falls_back_past_a_full_one
     std::fs::write(v2.join(std::ffi::OsStr::from_bytes(b"Incr-\xfe")), b"x").unwrap();
     std::fs::write(v2.join("two\nlines"), b"x").unwrap();
 
-    // A full snapshot newer than the chain that inflates 24 MiB from ~25 KiB.
+    // A full snapshot newer than the chain that inflates 24 MiB from ~25 KiB: bbolt's meta
+    // pages declaring 4 GiB, then zeros (zeros alone are refused by their meta pages, below).
     let full_bomb = Snapshot::new(
         store.prefix(),
         Kind::Full,
@@ -1032,20 +1068,39 @@ async fn decompression_bombs_fail_by_name_and_restore_falls_back_past_a_full_one
         false,
     );
     store
-        .put_bytes(&full_bomb, gzip_zeros(24 << 20))
+        .put_bytes(&full_bomb, gzip_after(&bbolt_head(1 << 20), 24 << 20))
         .await
         .unwrap();
+    // Newer still: zeros, no bbolt database at all, refused by its first pages (it wrote its
+    // whole size into the data directory's volume before its hash failed).
+    let zeros = Snapshot::new(
+        store.prefix(),
+        Kind::Full,
+        0,
+        last + 200,
+        chrono::Utc::now(),
+        Codec::Gzip,
+        false,
+    );
+    store.put_bytes(&zeros, gzip_zeros(24 << 20)).await.unwrap();
     let mut opts = options(&dir.path().join("restored"), Release::V35);
     opts.fallback = true;
     let report = etcd_warden::restore::restore(&store, &opts).await.unwrap();
-    assert_eq!(report.skipped.len(), 1, "{:?}", report.skipped);
-    assert_eq!(report.skipped[0].snapshot, full_bomb.snap_name);
+    assert_eq!(report.skipped.len(), 2, "{:?}", report.skipped);
+    assert_eq!(report.skipped[0].snapshot, zeros.snap_name);
     let reason = &report.skipped[0].reason;
+    assert!(
+        reason.contains("meta page") && reason.contains("not a bbolt database"),
+        "{reason}"
+    );
+    assert_eq!(report.skipped[1].snapshot, full_bomb.snap_name);
+    let reason = &report.skipped[1].reason;
     assert!(
         reason.contains("more than 8388608 bytes")
             && reason.contains("restore.max_inflation_ratio"),
         "{reason}"
     );
+    store.delete(&zeros).await.unwrap();
     assert_eq!((report.revision, report.deltas), (last, 1));
     let e = verify(&store, &full_bomb).await.unwrap_err().to_string();
     assert!(

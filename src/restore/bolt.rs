@@ -27,11 +27,20 @@
 //! gets the replaced pages added. [`Reader::check`] proves either form consistent, as `bbolt
 //! check` does. Anything this reader does not expect (a nested bucket, a key outside a bucket at
 //! the top level, a page of the wrong kind) is an [`BoltError::Unsupported`], never a guess.
+//!
+//! A crafted file costs no more than a few reads of it: every walk marks each page's whole range
+//! (the page and the overflow it claims) seen before it reads the overflow, so it reads a page at
+//! most once, and a [`Reader`] reads at most [`READ_PASSES`] times the file's pages (and
+//! [`READ_SLACK`]) over its life. [`Incoming`] checks a fetched snapshot's bytes against its meta
+//! pages before they are written.
 
 use std::fs::File;
 use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use tokio_util::sync::CancellationToken;
 
 const MAGIC: u32 = 0xED0C_DAED;
 const VERSION: u32 = 2;
@@ -45,10 +54,23 @@ const FREELIST_PAGE: u16 = 0x10;
 const BUCKET_VALUE: u32 = 0x01;
 /// Bytes of the meta fields the checksum covers.
 const META_CHECKED: usize = 56;
+/// The page sizes a database may have (bbolt's are the OS page size, 4 KiB to 64 KiB).
+const MIN_PAGE_SIZE: usize = 512;
+const MAX_PAGE_SIZE: usize = 1 << 20;
+/// A meta page's bytes that are read: its page header and its fields with their checksum.
+const META_LEN: usize = HEADER + META_CHECKED + 8;
+/// The bytes at a file's start that decide its meta pages: page 1 at the largest page size.
+pub const HEAD_LEN: usize = MAX_PAGE_SIZE + META_LEN;
 /// Deeper trees than this are not B+trees of a real database (a cycle, say).
 const MAX_DEPTH: usize = 32;
 /// The meta page's freelist when none is stored (bbolt's `NoFreelistSync`, etcd's setting).
 pub const NO_FREELIST: u64 = u64::MAX;
+/// How many times its pages over a [`Reader`] may read a file (every walk reads a page at most
+/// once; a restore walks a few trees, a few times): beyond, its trees share pages over and over.
+pub const READ_PASSES: u64 = 16;
+/// Page reads a [`Reader`] may make beyond [`READ_PASSES`] times the file's pages (a small file's
+/// few walks of its root).
+pub const READ_SLACK: u64 = 256;
 /// A freelist page's element count at or above which the count is the page's first element.
 const FREELIST_COUNT_IN_BODY: u16 = 0xFFFF;
 
@@ -63,6 +85,9 @@ pub enum BoltError {
     /// A valid file with a shape this module does not handle.
     #[error("unsupported bbolt layout: {0}")]
     Unsupported(String),
+    /// The reading was stopped (the restore that started it was dropped: a signal).
+    #[error("stopped before the database was read")]
+    Cancelled,
 }
 
 fn u16_at(b: &[u8], at: usize) -> u16 {
@@ -97,7 +122,7 @@ struct Meta {
 impl Meta {
     /// Parses the meta page `page` (header included); `None` when it is not a valid meta page.
     fn parse(page: &[u8]) -> Option<Meta> {
-        if page.len() < HEADER + META_CHECKED + 8 || u16_at(page, 8) & META_PAGE == 0 {
+        if page.len() < META_LEN || u16_at(page, 8) & META_PAGE == 0 {
             return None;
         }
         let m = &page[HEADER..];
@@ -190,6 +215,171 @@ fn bucket_value(root: u64, sequence: u64) -> [u8; 16] {
     value
 }
 
+/// Whether `size` is a page size a database may have.
+fn valid_page_size(size: usize) -> bool {
+    (MIN_PAGE_SIZE..=MAX_PAGE_SIZE).contains(&size) && size.is_power_of_two()
+}
+
+/// The current meta page of a file that starts with `head` (its first [`HEAD_LEN`] bytes, or all
+/// of it): the valid one of pages 0 and 1 with the higher transaction id, as bbolt chooses. Page
+/// 0 gives the page size; when it is torn, page 1 is looked for at every page size, as bbolt
+/// does. One torn meta page is legal (a crash while it was written); both torn is no database.
+fn current_meta(head: &[u8]) -> Result<Meta, BoltError> {
+    let meta0 = Meta::parse(head).filter(|m| valid_page_size(m.page_size as usize));
+    let at = |size: usize| head.get(size..).and_then(Meta::parse);
+    let meta1 = match meta0 {
+        Some(m) => at(m.page_size as usize),
+        None => (MIN_PAGE_SIZE.trailing_zeros()..=MAX_PAGE_SIZE.trailing_zeros())
+            .map(|shift| 1usize << shift)
+            .find_map(|size| at(size).filter(|m| m.page_size as usize == size)),
+    };
+    match (meta0, meta1) {
+        (Some(a), Some(b)) if a.page_size != b.page_size => Err(BoltError::Corrupt(
+            "the meta pages disagree on the page size".into(),
+        )),
+        (Some(a), Some(b)) => Ok(if b.txid > a.txid { b } else { a }),
+        (Some(m), None) | (None, Some(m)) => Ok(m),
+        (None, None) => Err(BoltError::Corrupt(
+            "neither meta page (page 0, or page 1 at any page size) holds bbolt's magic, \
+             version 2 and a valid checksum: not a bbolt database"
+                .into(),
+        )),
+    }
+}
+
+/// The pages one walk has reached, a bit per page: every page a page claims (itself and its
+/// overflow) is marked before its overflow is read, so a walk reads each page at most once and
+/// a page claimed twice (a cycle, or a page inside another's overflow) is refused.
+struct Seen(Vec<u64>);
+
+impl Seen {
+    fn new(pages: u64) -> Seen {
+        Seen(vec![0u64; (pages as usize).div_ceil(64)])
+    }
+
+    /// Marks pages `first..=last` (below the high-water mark: the caller checked).
+    fn mark(&mut self, first: u64, last: u64) -> Result<(), BoltError> {
+        for p in first..=last {
+            let (word, bit) = ((p / 64) as usize, 1u64 << (p % 64));
+            if self.0[word] & bit != 0 {
+                return Err(BoltError::Corrupt(format!("page {p} is reached twice")));
+            }
+            self.0[word] |= bit;
+        }
+        Ok(())
+    }
+}
+
+/// Checks a full snapshot's bytes as they arrive, before they are written: the first ones must
+/// be bbolt's meta pages (one may be torn, not both), and the stream may hold exactly the pages
+/// the current one declares (bbolt's `WriteTo`, what etcd's snapshot streams) and then etcd's
+/// hash. The head is held in memory (at most [`HEAD_LEN`] bytes) until the meta pages decide, so
+/// what is not a database writes nothing, and no byte past the declared size is passed on.
+pub struct Incoming {
+    head: Vec<u8>,
+    /// The bytes the stream must hold, once the meta pages are read.
+    expected: Option<Expected>,
+    /// The bytes received.
+    received: u64,
+    trailer: u64,
+}
+
+/// What the current meta page declares.
+#[derive(Debug, Clone, Copy)]
+struct Expected {
+    pages: u64,
+    page_size: u32,
+    /// Pages × page size, and the trailer.
+    total: u64,
+}
+
+impl Incoming {
+    /// Checks a stream of a database and then `trailer` bytes (etcd's 32-byte hash).
+    pub fn new(trailer: usize) -> Incoming {
+        Incoming {
+            head: Vec::new(),
+            expected: None,
+            received: 0,
+            trailer: trailer as u64,
+        }
+    }
+
+    /// Takes the next chunk: `None` while the head is held, then the bytes to write (the held
+    /// head with this chunk, or this chunk).
+    pub fn push<'c>(
+        &mut self,
+        chunk: &'c [u8],
+    ) -> Result<Option<std::borrow::Cow<'c, [u8]>>, BoltError> {
+        self.received += chunk.len() as u64;
+        if let Some(expected) = self.expected {
+            self.within(expected)?;
+            return Ok(Some(std::borrow::Cow::Borrowed(chunk)));
+        }
+        self.head.extend_from_slice(chunk);
+        // Page 0 valid, page 1 in the head: decided; page 0 torn: page 1 may be at any size.
+        let decided = match Meta::parse(&self.head) {
+            Some(m) if valid_page_size(m.page_size as usize) => {
+                self.head.len() >= m.page_size as usize + META_LEN
+            }
+            _ => self.head.len() >= HEAD_LEN,
+        };
+        if !decided {
+            return Ok(None);
+        }
+        self.decide()?;
+        Ok(Some(std::borrow::Cow::Owned(std::mem::take(
+            &mut self.head,
+        ))))
+    }
+
+    /// The end of the stream: what is still held, to write, once the stream is as long as its
+    /// meta page says.
+    pub fn finish(mut self) -> Result<Vec<u8>, BoltError> {
+        let expected = match self.expected {
+            Some(e) => e,
+            None => self.decide()?,
+        };
+        if self.received < expected.total {
+            return Err(BoltError::Corrupt(format!(
+                "{} bytes, shorter than the {} pages of {} bytes its meta page declares and the \
+                 {}-byte hash ({} bytes)",
+                self.received, expected.pages, expected.page_size, self.trailer, expected.total
+            )));
+        }
+        Ok(self.head)
+    }
+
+    fn decide(&mut self) -> Result<Expected, BoltError> {
+        let meta = current_meta(&self.head)?;
+        let total = meta
+            .pages
+            .checked_mul(u64::from(meta.page_size))
+            .and_then(|db| db.checked_add(self.trailer))
+            .ok_or_else(|| {
+                BoltError::Corrupt(format!("a meta page declaring {} pages", meta.pages))
+            })?;
+        let expected = Expected {
+            pages: meta.pages,
+            page_size: meta.page_size,
+            total,
+        };
+        self.expected = Some(expected);
+        self.within(expected)?;
+        Ok(expected)
+    }
+
+    fn within(&self, expected: Expected) -> Result<(), BoltError> {
+        if self.received > expected.total {
+            return Err(BoltError::Corrupt(format!(
+                "{} bytes and more, beyond the {} pages of {} bytes its meta page declares and \
+                 the {}-byte hash ({} bytes)",
+                self.received, expected.pages, expected.page_size, self.trailer, expected.total
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// What [`Reader::check`] found in a consistent file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Check {
@@ -280,51 +470,49 @@ pub struct Reader {
     /// Bytes of the file that belong to the database (a snapshot has etcd's hash after them).
     len: u64,
     meta: Meta,
+    /// Pages read so far, overflow pages included.
+    reads: AtomicU64,
+    /// Set when whoever reads through this stops waiting for it.
+    cancel: Option<CancellationToken>,
 }
 
 impl Reader {
     /// Opens the database in the first `len` bytes of `path`.
     pub fn open(path: &Path, len: u64) -> Result<Reader, BoltError> {
         let file = File::open(path)?;
-        let mut first = vec![0u8; 4096.min(len as usize)];
-        file.read_exact_at(&mut first, 0)?;
-        // The page size is in meta page 0; if that one is damaged, try meta page 1 at the
-        // common page size.
-        let meta0 = Meta::parse(&first);
-        let page_size = meta0.map_or(4096, |m| m.page_size as u64);
-        if !(512..=1 << 20).contains(&page_size) || !page_size.is_power_of_two() {
-            return Err(BoltError::Corrupt(format!("page size {page_size}")));
-        }
-        let mut second = vec![0u8; page_size as usize];
-        let meta1 = if len >= 2 * page_size {
-            file.read_exact_at(&mut second, page_size)?;
-            Meta::parse(&second)
-        } else {
-            None
-        };
-        let meta = match (meta0, meta1) {
-            (Some(a), Some(b)) => {
-                if b.txid > a.txid {
-                    b
-                } else {
-                    a
-                }
-            }
-            (Some(m), None) | (None, Some(m)) => m,
-            (None, None) => return Err(BoltError::Corrupt("no valid meta page".into())),
-        };
-        if u64::from(meta.page_size) != page_size {
-            return Err(BoltError::Corrupt(
-                "the meta pages disagree on the page size".into(),
-            ));
-        }
+        let mut head = vec![0u8; (HEAD_LEN as u64).min(len) as usize];
+        file.read_exact_at(&mut head, 0)?;
+        let meta = current_meta(&head)?;
+        let page_size = u64::from(meta.page_size);
         if meta.pages.saturating_mul(page_size) > len {
             return Err(BoltError::Corrupt(format!(
                 "{} pages of {page_size} bytes do not fit in {len} bytes",
                 meta.pages
             )));
         }
-        Ok(Reader { file, len, meta })
+        Ok(Reader {
+            file,
+            len,
+            meta,
+            reads: AtomicU64::new(0),
+            cancel: None,
+        })
+    }
+
+    /// This reader, stopping with [`BoltError::Cancelled`] at the next page once `cancel` is.
+    pub fn cancel_on(mut self, cancel: CancellationToken) -> Reader {
+        self.cancel = Some(cancel);
+        self
+    }
+
+    /// The database's pages (its high-water mark, meta pages included).
+    pub fn pages(&self) -> u64 {
+        self.meta.pages
+    }
+
+    /// Pages read so far (overflow pages included).
+    pub fn pages_read(&self) -> u64 {
+        self.reads.load(Ordering::Relaxed)
     }
 
     /// The page size.
@@ -337,8 +525,9 @@ impl Reader {
         self.meta.txid
     }
 
-    /// Page `id` with its overflow pages.
-    fn page(&self, id: u64) -> Result<Vec<u8>, BoltError> {
+    /// Page `id` with its overflow pages, once: its whole range is marked in `seen` (the walk's
+    /// pages) before the overflow is read.
+    fn page(&self, id: u64, seen: &mut Seen) -> Result<Vec<u8>, BoltError> {
         let ps = self.meta.page_size as u64;
         if id < 2 || id >= self.meta.pages {
             return Err(BoltError::Corrupt(format!(
@@ -346,20 +535,49 @@ impl Reader {
                 self.meta.pages
             )));
         }
+        self.charge(1)?;
         let mut page = vec![0u8; ps as usize];
         self.file.read_exact_at(&mut page, id * ps)?;
         let overflow = u64::from(u32_at(&page, 12));
+        if id + overflow >= self.meta.pages || (id + overflow + 1) * ps > self.len {
+            return Err(BoltError::Corrupt(format!(
+                "page {id} overflows past the end"
+            )));
+        }
+        seen.mark(id, id + overflow)?;
         if overflow > 0 {
-            if id + overflow >= self.meta.pages || (id + overflow + 1) * ps > self.len {
-                return Err(BoltError::Corrupt(format!(
-                    "page {id} overflows past the end"
-                )));
-            }
+            self.charge(overflow)?;
             page.resize(((overflow + 1) * ps) as usize, 0);
             self.file
                 .read_exact_at(&mut page[ps as usize..], (id + 1) * ps)?;
         }
         Ok(page)
+    }
+
+    /// A walk's record of the pages it reached: none yet.
+    fn seen(&self) -> Seen {
+        Seen::new(self.meta.pages)
+    }
+
+    /// Counts `pages` read: a cancelled reader stops here, and one that has read
+    /// [`READ_PASSES`] times its file's pages (and [`READ_SLACK`]) refuses to read more.
+    fn charge(&self, pages: u64) -> Result<(), BoltError> {
+        if self.cancel.as_ref().is_some_and(|c| c.is_cancelled()) {
+            return Err(BoltError::Cancelled);
+        }
+        let budget = READ_PASSES
+            .saturating_mul(self.meta.pages)
+            .saturating_add(READ_SLACK);
+        let read = self.reads.load(Ordering::Relaxed) + pages;
+        if read > budget {
+            return Err(BoltError::Corrupt(format!(
+                "more than {budget} page reads of a {}-page database: its trees reach the same \
+                 pages over and over",
+                self.meta.pages
+            )));
+        }
+        self.reads.store(read, Ordering::Relaxed);
+        Ok(())
     }
 
     /// The top-level buckets, in key order.
@@ -396,31 +614,24 @@ impl Reader {
                 }
                 Ok(())
             }
-            Root::Page(id) => {
-                let mut seen = vec![0u64; (self.meta.pages as usize).div_ceil(64)];
-                self.visit_page(*id, 0, &mut seen, f)
-            }
+            Root::Page(id) => self.visit_page(*id, 0, &mut self.seen(), f),
         }
     }
 
     /// Visits the tree at page `id`; `seen` has a bit per page of the file, so a damaged file
-    /// whose pages point back at each other costs one read a page, not a loop.
+    /// whose pages point back at each other, or into each other's overflow, costs one read a
+    /// page, not a loop or a read of the file per leaf.
     fn visit_page(
         &self,
         id: u64,
         depth: usize,
-        seen: &mut [u64],
+        seen: &mut Seen,
         f: &mut Visitor<'_>,
     ) -> Result<(), BoltError> {
         if depth > MAX_DEPTH {
             return Err(BoltError::Corrupt(format!("tree deeper than {MAX_DEPTH}")));
         }
-        let page = self.page(id)?;
-        let (word, bit) = ((id / 64) as usize, 1u64 << (id % 64));
-        if seen[word] & bit != 0 {
-            return Err(BoltError::Corrupt(format!("page {id} is reached twice")));
-        }
-        seen[word] |= bit;
+        let page = self.page(id, seen)?;
         let flags = u16_at(&page, 8);
         if flags & LEAF_PAGE != 0 {
             for (flags, k, v) in leaf_elements(&page)? {
@@ -441,9 +652,10 @@ impl Reader {
 
     /// The last key of the tree at `root`, if it has any: only the rightmost path is read.
     pub fn last_key(&self, root: &Root) -> Result<Option<Vec<u8>>, BoltError> {
+        let mut seen = self.seen();
         let mut page = match root {
             Root::Inline(page) => page.clone(),
-            Root::Page(id) => self.page(*id)?,
+            Root::Page(id) => self.page(*id, &mut seen)?,
         };
         for _ in 0..=MAX_DEPTH {
             let flags = u16_at(&page, 8);
@@ -454,7 +666,7 @@ impl Reader {
                 return Err(BoltError::Corrupt(format!("page flags {flags:#x}")));
             }
             match branch_elements(&page)?.last() {
-                Some(&(_, child)) => page = self.page(child)?,
+                Some(&(_, child)) => page = self.page(child, &mut seen)?,
                 None => return Ok(None),
             }
         }
@@ -478,8 +690,7 @@ impl Reader {
     pub fn tree_pages(&self, root: &Root) -> Result<Vec<u64>, BoltError> {
         let mut out = Vec::new();
         if let Root::Page(id) = root {
-            let mut seen = vec![0u64; (self.meta.pages as usize).div_ceil(64)];
-            self.collect_pages(*id, 0, &mut seen, &mut out, &mut |_, _, _| Ok(()))?;
+            self.collect_pages(*id, 0, &mut self.seen(), &mut out, &mut |_, _, _| Ok(()))?;
         }
         Ok(out)
     }
@@ -490,23 +701,15 @@ impl Reader {
         &self,
         id: u64,
         depth: usize,
-        seen: &mut [u64],
+        seen: &mut Seen,
         out: &mut Vec<u64>,
         nested: &mut Visitor<'_>,
     ) -> Result<(), BoltError> {
         if depth > MAX_DEPTH {
             return Err(BoltError::Corrupt(format!("tree deeper than {MAX_DEPTH}")));
         }
-        let page = self.page(id)?;
-        let last = id + u64::from(u32_at(&page, 12));
-        for p in id..=last {
-            let (word, bit) = ((p / 64) as usize, 1u64 << (p % 64));
-            if seen[word] & bit != 0 {
-                return Err(BoltError::Corrupt(format!("page {p} is reached twice")));
-            }
-            seen[word] |= bit;
-            out.push(p);
-        }
+        let page = self.page(id, seen)?;
+        out.extend(id..=id + u64::from(u32_at(&page, 12)));
         let flags = u16_at(&page, 8);
         if flags & LEAF_PAGE != 0 {
             for (flags, k, v) in leaf_elements(&page)? {
@@ -530,11 +733,16 @@ impl Reader {
     /// The pages the stored freelist lists, and the freelist's own pages; `None` when no
     /// freelist is stored ([`NO_FREELIST`]).
     pub fn freelist(&self) -> Result<Option<Freelist>, BoltError> {
+        self.freelist_in(&mut self.seen())
+    }
+
+    /// [`Reader::freelist`], its pages marked in `seen` (the walk of [`Reader::check`]).
+    fn freelist_in(&self, seen: &mut Seen) -> Result<Option<Freelist>, BoltError> {
         if self.meta.freelist == NO_FREELIST {
             return Ok(None);
         }
         let id = self.meta.freelist;
-        let page = self.page(id)?;
+        let page = self.page(id, seen)?;
         if u16_at(&page, 8) & FREELIST_PAGE == 0 {
             return Err(BoltError::Corrupt(format!("page {id} is no freelist")));
         }
@@ -559,7 +767,7 @@ impl Reader {
     /// free ones (what bbolt computes on open).
     pub fn check(&self) -> Result<Check, BoltError> {
         let pages = self.meta.pages;
-        let mut seen = vec![0u64; (pages as usize).div_ceil(64)];
+        let mut seen = self.seen();
         let mut used = Vec::new();
         let mut roots = vec![self.meta.root];
         while let Some(root) = roots.pop() {
@@ -572,15 +780,13 @@ impl Reader {
             })?;
             roots.extend(found);
         }
-        let free = match self.freelist()? {
+        // The freelist's own pages are marked as it is read: one the trees use is reached twice.
+        let free = match self.freelist_in(&mut seen)? {
             None => pages - 2 - used.len() as u64,
             Some(Freelist { free, own }) => {
-                for p in own {
-                    mark(&mut seen, p, pages, "the freelist's own page")?;
-                    used.push(p);
-                }
+                used.extend(own);
                 for &p in &free {
-                    mark(&mut seen, p, pages, "a free page")?;
+                    mark(&mut seen.0, p, pages, "a free page")?;
                 }
                 let listed = free.len() as u64;
                 let accounted = 2 + used.len() as u64 + listed;
@@ -603,9 +809,10 @@ impl Reader {
     /// The rightmost path of the tree at `root`, root first: each page with its id (`None`
     /// for an inline bucket's page).
     fn right_spine(&self, root: &Root) -> Result<Vec<SpinePage>, BoltError> {
+        let mut seen = self.seen();
         let mut path = vec![match root {
             Root::Inline(page) => (None, page.clone()),
-            Root::Page(id) => (Some(*id), self.page(*id)?),
+            Root::Page(id) => (Some(*id), self.page(*id, &mut seen)?),
         }];
         for _ in 0..=MAX_DEPTH {
             let page = &path.last().expect("a page").1;
@@ -620,7 +827,7 @@ impl Reader {
                 Some(&(_, child)) => child,
                 None => return Err(BoltError::Corrupt("an empty branch page".into())),
             };
-            path.push((Some(child), self.page(child)?));
+            path.push((Some(child), self.page(child, &mut seen)?));
         }
         Err(BoltError::Corrupt(format!("tree deeper than {MAX_DEPTH}")))
     }
@@ -1069,6 +1276,100 @@ impl Tree<'_> {
     }
 }
 
+/// Hand-made bbolt files the tests and the fuzz seeds craft, pages given one by one.
+#[cfg(test)]
+pub(crate) mod crafted {
+    use super::*;
+
+    /// A page of `ps` bytes: the header (`id`, `flags`, `overflow`) and `elements`, each (leaf
+    /// flags, key, value) in a leaf or (key, child) in a branch.
+    pub fn page(
+        ps: usize,
+        id: u64,
+        flags: u16,
+        overflow: u32,
+        leaf: &[(u32, Vec<u8>, Vec<u8>)],
+        branch: &[(Vec<u8>, u64)],
+    ) -> Vec<u8> {
+        let mut page = vec![0u8; ps];
+        let count = leaf.len() + branch.len();
+        page[..8].copy_from_slice(&id.to_le_bytes());
+        page[8..10].copy_from_slice(&flags.to_le_bytes());
+        page[10..12].copy_from_slice(&(count as u16).to_le_bytes());
+        page[12..16].copy_from_slice(&overflow.to_le_bytes());
+        let mut data = HEADER + count * ELEMENT;
+        for (i, (f, k, v)) in leaf.iter().enumerate() {
+            let e = HEADER + i * ELEMENT;
+            let fields = [*f, (data - e) as u32, k.len() as u32, v.len() as u32];
+            for (j, n) in fields.into_iter().enumerate() {
+                page[e + 4 * j..e + 4 * j + 4].copy_from_slice(&n.to_le_bytes());
+            }
+            page[data..data + k.len()].copy_from_slice(k);
+            page[data + k.len()..data + k.len() + v.len()].copy_from_slice(v);
+            data += k.len() + v.len();
+        }
+        for (i, (k, child)) in branch.iter().enumerate() {
+            let e = HEADER + i * ELEMENT;
+            page[e..e + 4].copy_from_slice(&((data - e) as u32).to_le_bytes());
+            page[e + 4..e + 8].copy_from_slice(&(k.len() as u32).to_le_bytes());
+            page[e + 8..e + 16].copy_from_slice(&child.to_le_bytes());
+            page[data..data + k.len()].copy_from_slice(k);
+            data += k.len();
+        }
+        page
+    }
+
+    /// A database of `pages` pages of `ps` bytes: meta pages for a root bucket at page 3 and an
+    /// empty freelist at page 2, then `body` (pages 3 on, each a [`page`]), the rest zero.
+    pub fn db(ps: usize, pages: u64, body: Vec<Vec<u8>>) -> Vec<u8> {
+        let mut bytes = Vec::with_capacity(pages as usize * ps);
+        let meta = |txid| Meta {
+            page_size: ps as u32,
+            flags: 0,
+            root: 3,
+            sequence: 0,
+            freelist: 2,
+            pages,
+            txid,
+        };
+        bytes.extend_from_slice(&meta(1).page(0));
+        bytes.extend_from_slice(&meta(2).page(1));
+        bytes.extend_from_slice(&page(ps, 2, FREELIST_PAGE, 0, &[], &[]));
+        for p in body {
+            bytes.extend_from_slice(&p);
+        }
+        bytes.resize(pages as usize * ps, 0);
+        bytes
+    }
+
+    /// The root bucket's leaf (page 3): `names` each a bucket whose tree starts at page `root`.
+    pub fn root_leaf(ps: usize, names: &[Vec<u8>], root: u64) -> Vec<u8> {
+        let elements: Vec<_> = names
+            .iter()
+            .map(|n| (BUCKET_VALUE, n.clone(), bucket_value(root, 0).to_vec()))
+            .collect();
+        page(ps, 3, LEAF_PAGE, 0, &elements, &[])
+    }
+
+    /// The issue's crafted snapshot, small: the `key` bucket a branch (page 4) over `leaves`
+    /// leaves, each claiming as overflow every page to the end of the file.
+    pub fn overflow_leaves(ps: usize, leaves: u64) -> Vec<u8> {
+        let pages = 5 + leaves;
+        let mut body = vec![root_leaf(ps, &[b"key".to_vec()], 4)];
+        let children: Vec<(Vec<u8>, u64)> = (0..leaves)
+            .map(|i| (i.to_be_bytes().to_vec(), 5 + i))
+            .collect();
+        body.push(page(ps, 4, BRANCH_PAGE, 0, &[], &children));
+        for i in 0..leaves {
+            let id = 5 + i;
+            let overflow = (pages - 1 - id) as u32;
+            let element = (0, i.to_be_bytes().to_vec(), b"v".to_vec());
+            body.push(page(ps, id, LEAF_PAGE, overflow, &[element], &[]));
+        }
+        db(ps, pages, body)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1401,6 +1702,159 @@ mod tests {
             .check()
             .unwrap_err();
         assert!(e.to_string().contains("neither used nor free"), "{e}");
+    }
+
+    /// `bytes` as the file `db` in a new temporary directory.
+    fn on_disk(bytes: Vec<u8>) -> (tempfile::TempDir, std::path::PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db");
+        std::fs::write(&path, bytes).unwrap();
+        (dir, path)
+    }
+
+    /// The issue's crafted snapshot, small: the `key` bucket a branch (page 4) over 150 leaves,
+    /// each claiming as overflow every page to the end of the file. Each leaf was read whole,
+    /// its overflow only read, never marked: 150 leaves cost ~11,000 page reads for a 155-page
+    /// file (65,535 leaves in 258 MiB kept a restore busy for hours). Every walk now marks a
+    /// page's whole range seen before reading its overflow: the second leaf, inside the first's
+    /// range, is refused after one page.
+    #[test]
+    fn leaves_claiming_the_file_as_overflow_are_read_at_most_once() {
+        let leaves = 150u64;
+        let pages = 5 + leaves;
+        let (_dir, path) = on_disk(crafted::overflow_leaves(4096, leaves));
+        let len = pages * 4096;
+
+        let walks: [(&str, fn(&Reader, &Root) -> Result<(), BoltError>); 3] = [
+            ("visit", |r, root| r.visit(root, &mut |_, _, _| Ok(()))),
+            ("tree_pages", |r, root| r.tree_pages(root).map(drop)),
+            ("check", |r, _| r.check().map(drop)),
+        ];
+        for (name, walk) in walks {
+            let r = Reader::open(&path, len).unwrap();
+            let root = r.buckets().unwrap().remove(0).root;
+            let before = r.pages_read();
+            let walked = walk(&r, &root);
+            let read = r.pages_read() - before;
+            assert!(
+                read <= pages + 1,
+                "{name}: {read} page reads for a {pages}-page file"
+            );
+            let e = walked.unwrap_err();
+            assert!(e.to_string().contains("reached twice"), "{name}: {e}");
+        }
+    }
+
+    /// The rightmost path's variant: a chain of 30 branch pages, each with one child (the next)
+    /// and claiming the rest of the file as overflow, was read 30 times over by `last_key` and by
+    /// the patcher's `extend`.
+    #[test]
+    fn a_rightmost_path_claiming_the_file_as_overflow_is_read_once() {
+        let depth = 30u64;
+        let pages = 4 + depth + 1;
+        let mut body = vec![crafted::root_leaf(4096, &[b"key".to_vec()], 4)];
+        for id in 4..4 + depth {
+            let overflow = (pages - 1 - id) as u32;
+            body.push(crafted::page(
+                4096,
+                id,
+                BRANCH_PAGE,
+                overflow,
+                &[],
+                &[(b"k".to_vec(), id + 1)],
+            ));
+        }
+        let element = (0, b"k".to_vec(), b"v".to_vec());
+        body.push(crafted::page(
+            4096,
+            4 + depth,
+            LEAF_PAGE,
+            0,
+            &[element],
+            &[],
+        ));
+        let (_dir, path) = on_disk(crafted::db(4096, pages, body));
+        let len = pages * 4096;
+        for name in ["last_key", "right_spine"] {
+            let r = Reader::open(&path, len).unwrap();
+            let root = r.buckets().unwrap().remove(0).root;
+            let before = r.pages_read();
+            let walked = match name {
+                "last_key" => r.last_key(&root).map(drop),
+                _ => r.right_spine(&root).map(drop),
+            };
+            let read = r.pages_read() - before;
+            assert!(
+                read <= pages + 1,
+                "{name}: {read} page reads for {pages} pages"
+            );
+            let e = walked.unwrap_err();
+            assert!(e.to_string().contains("reached twice"), "{name}: {e}");
+        }
+    }
+
+    /// Many buckets sharing one tree (each walk alone legal: no page twice in it): walking every
+    /// bucket, as a full validation of a data directory does, read the tree once per bucket.
+    /// A reader stops once it has read [`READ_PASSES`] times the file's pages.
+    #[test]
+    fn a_reader_reads_at_most_a_bounded_multiple_of_its_file() {
+        let leaves = 20u64;
+        let pages = 5 + leaves;
+        let names: Vec<Vec<u8>> = (0..100u32)
+            .map(|i| format!("b{i:03}").into_bytes())
+            .collect();
+        let mut body = vec![crafted::root_leaf(4096, &names, 4)];
+        let children: Vec<(Vec<u8>, u64)> = (0..leaves)
+            .map(|i| (i.to_be_bytes().to_vec(), 5 + i))
+            .collect();
+        body.push(crafted::page(4096, 4, BRANCH_PAGE, 0, &[], &children));
+        for i in 0..leaves {
+            let element = (0, i.to_be_bytes().to_vec(), b"v".to_vec());
+            body.push(crafted::page(4096, 5 + i, LEAF_PAGE, 0, &[element], &[]));
+        }
+        let (_dir, path) = on_disk(crafted::db(4096, pages, body));
+        let r = Reader::open(&path, pages * 4096).unwrap();
+        let buckets = r.buckets().unwrap();
+        assert_eq!(buckets.len(), 100);
+        let mut refused = None;
+        for b in &buckets {
+            if let Err(e) = r.visit(&b.root, &mut |_, _, _| Ok(())) {
+                refused = Some(e);
+                break;
+            }
+        }
+        let bound = READ_PASSES * pages + READ_SLACK;
+        assert!(
+            r.pages_read() <= bound + 1,
+            "{} page reads, bound {bound}",
+            r.pages_read()
+        );
+        let e = refused.expect("100 walks of one 21-page tree are refused");
+        assert!(e.to_string().contains("over and over"), "{e}");
+    }
+
+    /// A reader whose restore was dropped (a signal) stops at its next page: the thread a
+    /// restore patches the database in is not left running for the whole walk.
+    #[test]
+    fn a_cancelled_reader_stops_at_the_next_page() {
+        let keys: Pairs = (0..2000u32)
+            .map(|i| (i.to_be_bytes().to_vec(), vec![0; 100]))
+            .collect();
+        let (_dir, path) = written(&[(b"key", keys)]);
+        let len = std::fs::metadata(&path).unwrap().len();
+        let cancel = CancellationToken::new();
+        let r = Reader::open(&path, len).unwrap().cancel_on(cancel.clone());
+        let root = r.buckets().unwrap().remove(0).root;
+        let before = r.pages_read();
+        let mut seen = 0;
+        let visited = r.visit(&root, &mut |_, _, _| {
+            seen += 1;
+            cancel.cancel();
+            Ok(())
+        });
+        // The root branch and the first leaf; no page after the cancel.
+        assert_eq!(r.pages_read() - before, 2, "{seen} elements visited");
+        assert!(matches!(visited, Err(BoltError::Cancelled)), "{visited:?}");
     }
 
     #[test]

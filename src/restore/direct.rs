@@ -39,6 +39,7 @@ use std::path::Path;
 
 use futures::StreamExt;
 use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 
 use chrono::{DateTime, Utc};
 
@@ -350,7 +351,7 @@ enum Fail {
     Io(std::io::Error),
     /// Cannot be written directly: replay through etcd.
     Unsupported(String),
-    /// The fetching side gave up (its own error is reported).
+    /// The fetching side gave up (its own error is reported), or the restore was dropped.
     Aborted,
 }
 
@@ -358,6 +359,7 @@ impl From<BoltError> for Fail {
     fn from(e: BoltError) -> Self {
         match e {
             BoltError::Io(e) => Fail::Io(e),
+            BoltError::Cancelled => Fail::Aborted,
             // etcd's own tool judges the file next; a layout this reader does not know is no
             // reason to fail a restore the replay through etcd can do.
             e @ (BoltError::Corrupt(_) | BoltError::Unsupported(_)) => {
@@ -384,9 +386,16 @@ pub async fn write(
     plan: Plan,
 ) -> Result<Outcome, RestoreError> {
     let (tx, rx) = mpsc::channel::<Batch>(QUEUE);
+    let cancel = CancellationToken::new();
+    let feed = Feed {
+        tx,
+        cancel: cancel.clone(),
+        finished: false,
+    };
     let (input, output) = (snapshot_db.to_path_buf(), out.to_path_buf());
-    let writer =
-        tokio::task::spawn_blocking(move || write_blocking(&input, db_len, &output, rx, plan));
+    let writer = tokio::task::spawn_blocking(move || {
+        write_blocking(&input, db_len, &output, rx, plan, &cancel)
+    });
     let mut fetched = futures::stream::iter(deltas.iter().cloned())
         .map(|d| async move {
             let events = delta::read(store, &d).await;
@@ -397,7 +406,12 @@ pub async fn write(
     while let Some((d, events)) = fetched.next().await {
         match events {
             Ok(events) => {
-                if tx.send(Ok((d.snap_name.clone(), events))).await.is_err() {
+                if feed
+                    .tx
+                    .send(Ok((d.snap_name.clone(), events)))
+                    .await
+                    .is_err()
+                {
                     break; // the writer stopped (an error, or the target reached)
                 }
             }
@@ -406,12 +420,12 @@ pub async fn write(
                     name: d.snap_name.clone(),
                     cause: e,
                 });
-                let _ = tx.send(Err(())).await;
+                let _ = feed.tx.send(Err(())).await;
                 break;
             }
         }
     }
-    drop(tx);
+    feed.finish();
     let written = writer.await.map_err(|cause| RestoreError::Task {
         what: "the database writer failed",
         cause,
@@ -428,6 +442,33 @@ pub async fn write(
             cause,
         }),
         Err(Fail::Aborted) => Err(RestoreError::Deltas("fetching the deltas failed".into())),
+    }
+}
+
+/// The sending side of the writer's queue. Dropped unfinished (the restore's future dropped: a
+/// signal stops a one-shot command so), it cancels the writer before the queue closes, so the
+/// writer stops at its next page or batch instead of holding the process (the runtime waits for
+/// its blocking threads) and never takes the closed queue for the end of the deltas.
+struct Feed {
+    tx: mpsc::Sender<Batch>,
+    cancel: CancellationToken,
+    /// Every delta was sent (or the fetching failed and said so).
+    finished: bool,
+}
+
+impl Feed {
+    /// Closes the queue: the writer has every delta.
+    fn finish(mut self) {
+        self.finished = true;
+    }
+}
+
+impl Drop for Feed {
+    fn drop(&mut self) {
+        // Runs before the sender (a field) is dropped, which closes the queue.
+        if !self.finished {
+            self.cancel.cancel();
+        }
     }
 }
 
@@ -459,12 +500,13 @@ fn write_blocking(
     out: &Path,
     mut rx: mpsc::Receiver<Batch>,
     plan: Plan,
+    cancel: &CancellationToken,
 ) -> Result<Outcome, Fail> {
     // The snapshot is patched in place; until the patch commits, only what follows the
     // database (etcd's hash) is overwritten, and that is put back if the patch fails, so the
     // replay through etcd can still use the snapshot as fetched.
     let trailer = read_trailer(input, db_len)?;
-    let patched = patch(input, db_len, &mut rx, plan);
+    let patched = patch(input, db_len, &mut rx, plan, cancel);
     match patched {
         Ok(done) => {
             rename_or_copy(input, out).map_err(Fail::Io)?;
@@ -490,7 +532,7 @@ pub(crate) fn write_events(
     // The receiver is alive and the channel empty, so the one batch always fits.
     let _ = tx.try_send(Ok(("Incr-fuzz".to_owned(), events)));
     drop(tx);
-    write_blocking(input, db_len, out, rx, plan).map_err(|e| match e {
+    write_blocking(input, db_len, out, rx, plan, &CancellationToken::new()).map_err(|e| match e {
         Fail::Deltas(e) | Fail::Unsupported(e) => e,
         Fail::Io(e) => e.to_string(),
         Fail::Aborted => "aborted".into(),
@@ -536,8 +578,9 @@ fn patch(
     db_len: u64,
     rx: &mut mpsc::Receiver<Batch>,
     plan: Plan,
+    cancel: &CancellationToken,
 ) -> Result<Outcome, Fail> {
-    let reader = Reader::open(path, db_len)?;
+    let reader = Reader::open(path, db_len)?.cancel_on(cancel.clone());
     let buckets = reader.buckets()?;
     let restored = database_revision(&reader, &buckets)?;
     if let Some(Target::Revision(r)) = plan.until
@@ -571,7 +614,8 @@ fn patch(
         let added = matches!(&bucket.root, Root::Inline(page) if page.is_empty());
         let members = membership.and_then(|m| m.members.as_ref());
         let root = if name == KEY_BUCKET {
-            let (root, bump) = extend_key_bucket(&bucket, &mut writer, rx, &mut cursor, &plan)?;
+            let (root, bump) =
+                extend_key_bucket(&bucket, &mut writer, rx, &mut cursor, &plan, cancel)?;
             bumped = bump;
             root
         } else if added || (members.is_some() && (name == MEMBERS || name == MEMBERS_REMOVED)) {
@@ -631,12 +675,15 @@ fn extend_key_bucket(
     rx: &mut mpsc::Receiver<Batch>,
     cursor: &mut Cursor,
     plan: &Plan,
+    cancel: &CancellationToken,
 ) -> Result<(Option<u64>, Option<i64>), Fail> {
     let mut tree = Lazy {
         writer: Some(writer),
         tree: None,
     };
-    append_events(rx, cursor, &mut |k, v| tree.get(&bucket.root)?.push(k, v))?;
+    append_events(rx, cursor, cancel, &mut |k, v| {
+        tree.get(&bucket.root)?.push(k, v)
+    })?;
     let mut bumped = None;
     if plan.bump.by > 0 {
         let by = i64::try_from(plan.bump.by).unwrap_or(i64::MAX);
@@ -743,13 +790,22 @@ pub fn file_revision(path: &Path) -> Result<i64, BoltError> {
 type Push<'a> = dyn FnMut(&[u8], &[u8]) -> Result<(), BoltError> + 'a;
 
 /// Appends every event the fetching side sends, up to the cursor's target; on reaching it the
-/// channel is closed, which stops the fetching.
+/// channel is closed, which stops the fetching. A cancelled restore stops at the next batch, and
+/// its closed queue is no end of the deltas.
 fn append_events(
     rx: &mut mpsc::Receiver<Batch>,
     cursor: &mut Cursor,
+    cancel: &CancellationToken,
     push: &mut Push<'_>,
 ) -> Result<(), Fail> {
-    while let Some(batch) = rx.blocking_recv() {
+    loop {
+        let batch = rx.blocking_recv();
+        if cancel.is_cancelled() {
+            return Err(Fail::Aborted);
+        }
+        let Some(batch) = batch else {
+            break;
+        };
         let (name, events) = batch.map_err(|()| Fail::Aborted)?;
         for te in &events {
             if cursor.past_target(&te.event, te.time) {
@@ -923,7 +979,37 @@ mod tests {
         tx.try_send(Ok(("Incr-1".to_owned(), timed(events))))
             .unwrap();
         drop(tx);
-        write_blocking(snapshot, db_len, out, rx, plan)
+        write_blocking(snapshot, db_len, out, rx, plan, &CancellationToken::new())
+    }
+
+    /// A restore dropped while the writer waits for deltas (SIGTERM stops a one-shot command by
+    /// dropping it): its closed queue looked like the end of the deltas, so the writer committed
+    /// the patch and moved the database; a writer busy reading went on until it had read
+    /// everything, and the process waited for it. It stops, and leaves the snapshot as fetched.
+    #[test]
+    fn a_dropped_feed_stops_the_writer_and_commits_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let (snapshot, db_len, fetched) = snapshot_file(dir.path(), 2000);
+        let out = dir.path().join("db");
+        let (tx, rx) = mpsc::channel(1);
+        let cancel = CancellationToken::new();
+        let feed = Feed {
+            tx,
+            cancel: cancel.clone(),
+            finished: false,
+        };
+        feed.tx
+            .try_send(Ok(("Incr-1".to_owned(), timed(vec![put("k", 1, 2001, 1)]))))
+            .unwrap();
+        let writer = std::thread::spawn(move || {
+            write_blocking(&snapshot, db_len, &out, rx, Plan::default(), &cancel)
+        });
+        drop(feed);
+        let written = writer.join().unwrap();
+        assert!(matches!(written, Err(Fail::Aborted)), "the writer went on");
+        let (snapshot, out) = (dir.path().join("snapshot.db"), dir.path().join("db"));
+        assert!(!out.exists());
+        assert!(std::fs::read(&snapshot).unwrap() == fetched);
     }
 
     #[test]

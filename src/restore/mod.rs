@@ -175,6 +175,15 @@ pub enum RestoreError {
     /// The store holds deltas but no full snapshot: starting etcd empty would lose them.
     #[error("the store holds deltas but no full snapshot; refusing to start etcd empty")]
     DeltasWithoutFull,
+    /// The data directory is a symbolic link: the restored directory cannot be renamed over it.
+    #[error(
+        "the data directory {} is a symbolic link (to {}); a restore replaces the directory \
+         itself: point restore.data_dir at {} or remove the link",
+        path.display(),
+        to.display(),
+        to.display()
+    )]
+    DataDirSymlink { path: PathBuf, to: PathBuf },
     /// The target directory is in use and `--force` was not given.
     #[error("{0} exists and is not empty; pass --force to move it aside")]
     TargetNotEmpty(String),
@@ -397,6 +406,21 @@ fn is_non_empty_dir(dir: &Path) -> Result<bool, RestoreError> {
     }
 }
 
+/// Refuses a data directory that is a symbolic link, before anything is fetched: rename(2)
+/// puts the restored directory over no link (`ENOTDIR`), and with `--force` the link would be
+/// moved aside and the data land beside the volume it points to.
+fn refuse_symlink(dir: &Path) -> Result<(), RestoreError> {
+    match std::fs::symlink_metadata(dir) {
+        Ok(m) if m.file_type().is_symlink() => Err(RestoreError::DataDirSymlink {
+            path: dir.to_path_buf(),
+            to: std::fs::read_link(dir).map_err(|e| RestoreError::io(dir, e))?,
+        }),
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(RestoreError::io(dir, e)),
+    }
+}
+
 pub(super) fn remove_if_exists(path: &Path) -> Result<(), RestoreError> {
     match std::fs::remove_dir_all(path) {
         Ok(()) => Ok(()),
@@ -416,6 +440,7 @@ pub async fn restore(
     opts: &RestoreOptions,
 ) -> Result<RestoreReport, RestoreError> {
     let target = &opts.data_dir;
+    refuse_symlink(target)?;
     if is_non_empty_dir(target)? && !opts.force {
         return Err(RestoreError::TargetNotEmpty(target.display().to_string()));
     }
@@ -817,7 +842,9 @@ async fn current_revision(client: &mut etcd_client::Client) -> Result<i64, Resto
 }
 
 /// Writes a stream to `path`, checking etcd's trailing SHA-256 as it passes. A payload that
-/// fails its check or its decoding is [`RestoreError::CorruptSnapshot`] `name`.
+/// fails its check or its decoding is [`RestoreError::CorruptSnapshot`] `name`, and so is one
+/// that is no bbolt database: its meta pages are read before anything is written, and no byte
+/// beyond the size they declare (and the hash) is written ([`bolt::Incoming`]).
 ///
 /// The file is not synced here: the restore syncs what it keeps once. When the file is `kept`
 /// (it becomes the member's database), it is written back as it grows ([`write_back`]), so that
@@ -833,8 +860,19 @@ async fn write_verified(
     let mut verified = verify_sha256(stream);
     let (path, name) = (path.to_path_buf(), name.to_owned());
     let handle = tokio::runtime::Handle::current();
+    // Dropped (a signal), this restore stops the writing thread at its next chunk.
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let _stop = cancel.clone().drop_guard();
     tokio::task::spawn_blocking(move || {
         use std::io::Write as _;
+        let not_bbolt = |e: bolt::BoltError| RestoreError::CorruptSnapshot {
+            name: name.clone(),
+            cause: std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("its database: {e}"),
+            ),
+        };
+        let mut incoming = bolt::Incoming::new(crate::snapshot::delta::HASH_LEN);
         // Decrypted data, in a private directory; a name taken already is refused.
         let mut file =
             crate::scratch::create_private_file(&path).map_err(|e| RestoreError::io(&path, e))?;
@@ -846,6 +884,12 @@ async fn write_verified(
         };
         let mut written = 0u64;
         while let Some(chunk) = handle.block_on(verified.next()) {
+            if cancel.is_cancelled() {
+                return Err(RestoreError::io(
+                    &path,
+                    std::io::Error::other("the restore was stopped"),
+                ));
+            }
             let chunk = chunk.map_err(|cause| match cause.kind() {
                 // The hash and the decryption say InvalidData, flate2 InvalidInput (a corrupt
                 // deflate stream, a bad header or footer), a short payload UnexpectedEof; a
@@ -859,13 +903,20 @@ async fn write_verified(
                 },
                 _ => RestoreError::io(&path, cause),
             })?;
-            written += chunk.len() as u64;
-            file.write_all(&chunk)
+            let Some(bytes) = incoming.push(&chunk).map_err(not_bbolt)? else {
+                continue;
+            };
+            written += bytes.len() as u64;
+            file.write_all(&bytes)
                 .map_err(|e| RestoreError::io(&path, e))?;
             if let Some(wb) = &mut write_back {
                 wb.wrote(written);
             }
         }
+        let rest = incoming.finish().map_err(not_bbolt)?;
+        written += rest.len() as u64;
+        file.write_all(&rest)
+            .map_err(|e| RestoreError::io(&path, e))?;
         if let Some(wb) = write_back {
             wb.finish().map_err(|e| RestoreError::io(&path, e))?;
         }
@@ -973,6 +1024,135 @@ mod tests {
             sibling(Path::new("/var/lib/etcd/data"), ".part"),
             PathBuf::from("/var/lib/etcd/data.part")
         );
+    }
+
+    /// `db` followed by its SHA-256, as etcd streams a snapshot.
+    fn sealed(mut db: Vec<u8>) -> Vec<u8> {
+        use sha2::Digest as _;
+        let hash = sha2::Sha256::digest(&db);
+        db.extend_from_slice(&hash);
+        db
+    }
+
+    /// A small database as bbolt writes it, `page_size`-byte pages.
+    fn database(page_size: usize) -> Vec<u8> {
+        use crate::restore::bolt::{Bucket, NewFile};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db");
+        let mut w = NewFile::create(&path, page_size).unwrap();
+        let mut key = w.tree();
+        for i in 0..500u32 {
+            key.push(&i.to_be_bytes(), &[7; 40]).unwrap();
+        }
+        let key = key.finish().unwrap();
+        w.finish(&[Bucket::paged(b"key", key)], 3).unwrap();
+        std::fs::read(&path).unwrap()
+    }
+
+    /// Writes `payload` as a fetched full snapshot named `Full-x`; the error, if any, and the
+    /// bytes on disk.
+    async fn fetched(dir: &Path, name: &str, payload: &[u8]) -> (Result<u64, RestoreError>, u64) {
+        let path = dir.join(name);
+        let stream = crate::store::compression::chunked(payload, 64 << 10);
+        let got = write_verified(stream, &path, "Full-x", false).await;
+        (got, std::fs::metadata(&path).map_or(0, |m| m.len()))
+    }
+
+    /// 3 GiB of zeros gzip'd to 15 MB, named `Full-…gz`, wrote 2 GiB into the data directory's
+    /// volume before its hash failed: bbolt's meta pages, in the first pages, say it is none.
+    /// Here with the zeros' true hash, so nothing but the meta pages can refuse them.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stream_that_is_no_bbolt_database_is_refused_before_it_is_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let garbage: Vec<u8> = (0..8u32 << 20)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+        let mut both_torn = database(4096);
+        both_torn[40] ^= 1;
+        both_torn[4096 + 40] ^= 1;
+        for (name, db) in [
+            ("zeros", vec![0u8; 8 << 20]),
+            ("garbage", garbage),
+            ("both-metas-torn", both_torn),
+        ] {
+            let (got, written) = fetched(dir.path(), name, &sealed(db)).await;
+            let e = got.unwrap_err();
+            assert_eq!(e.corrupt_snapshot(), Some("Full-x"), "{name}: {e}");
+            assert!(e.to_string().contains("meta page"), "{name}: {e}");
+            assert_eq!(written, 0, "{name}: bytes written before the refusal");
+        }
+    }
+
+    /// A database followed by more than its meta page declares (its pages and etcd's hash), or
+    /// shorter than that, is refused: the bytes beyond are never written. One torn meta page is
+    /// legal (bbolt uses the other one), whatever the page size.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stream_beyond_what_its_meta_pages_declare_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = database(4096);
+        let declared = db.len() as u64 + 32;
+        let mut junk = db.clone();
+        junk.extend_from_slice(&vec![0xA5; 1 << 20]);
+        let (got, written) = fetched(dir.path(), "junk", &sealed(junk)).await;
+        let e = got.unwrap_err();
+        assert_eq!(e.corrupt_snapshot(), Some("Full-x"), "{e}");
+        assert!(e.to_string().contains("declares"), "{e}");
+        assert!(
+            written <= declared,
+            "{written} bytes written, {declared} declared"
+        );
+        let short = db[..db.len() - 4096].to_vec();
+        let (got, _) = fetched(dir.path(), "short", &sealed(short)).await;
+        let e = got.unwrap_err();
+        assert!(e.to_string().contains("declares"), "{e}");
+
+        let (got, written) = fetched(dir.path(), "exact", &sealed(db.clone())).await;
+        assert_eq!((got.unwrap(), written), (declared, declared));
+        for page_size in [512, 4096, 16384] {
+            let mut torn = database(page_size);
+            torn[40] ^= 1;
+            let len = torn.len() as u64 + 32;
+            let (got, _) = fetched(dir.path(), &format!("torn-{page_size}"), &sealed(torn)).await;
+            assert_eq!(got.unwrap(), len, "page size {page_size}");
+        }
+    }
+
+    /// A data directory that is a symbolic link (here to an empty directory) cannot be replaced
+    /// by the restored one (rename(2) will not put a directory over a link): the restore failed
+    /// only after fetching and writing everything. It is refused first, naming the path.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_data_dir_that_is_a_symlink_is_refused_before_anything_is_fetched() {
+        use crate::store::{Codec, Kind};
+        let dir = tempfile::tempdir().unwrap();
+        let volume = dir.path().join("volume");
+        std::fs::create_dir(&volume).unwrap();
+        let data = dir.path().join("data");
+        std::os::unix::fs::symlink(&volume, &data).unwrap();
+        let store = SnapshotStore::new(
+            std::sync::Arc::new(object_store::memory::InMemory::new()),
+            "p",
+        );
+        let full = store.new_snapshot(Kind::Full, 0, 10, Codec::None, false);
+        store
+            .put_bytes(&full, sealed(database(4096)).into())
+            .await
+            .unwrap();
+        for force in [false, true] {
+            let mut opts = RestoreOptions::scratch(&data, None, 1);
+            opts.force = force;
+            let e = restore(&store, &opts).await.unwrap_err().to_string();
+            assert!(
+                e.contains("symbolic link") && e.contains(&data.display().to_string()),
+                "{e}"
+            );
+            let mut left: Vec<_> = std::fs::read_dir(dir.path())
+                .unwrap()
+                .map(|e| e.unwrap().file_name())
+                .collect();
+            left.sort();
+            assert_eq!(left, ["data", "volume"], "nothing written beside it");
+            assert!(std::fs::read_dir(&volume).unwrap().next().is_none());
+        }
     }
 
     #[test]
