@@ -333,6 +333,8 @@ fn environment(c: &Container) -> BTreeMap<String, String> {
     for e in c.env.iter().flatten() {
         let value = match (&e.value, &e.value_from) {
             (Some(v), None) => expand(v, &vars),
+            // Refused by `secret_env_problems`; a placeholder keeps the other checks going.
+            (None, Some(from)) if from.secret_key_ref.is_some() => "<secret>".to_string(),
             (None, Some(from)) => match from.field_ref.as_ref().map(|f| f.field_path.as_str()) {
                 Some("metadata.name") => POD_NAME.to_string(),
                 Some("metadata.namespace") => POD_NAMESPACE.to_string(),
@@ -618,6 +620,86 @@ fn get_str<'a>(config: &'a toml::Table, key: &str) -> &'a str {
 
 /// Everything wrong with the etcd StatefulSet and its Services, given the sidecar's raw config
 /// (as in the ConfigMap) and its effective config (as `etcd-warden config` printed it).
+/// Issue 54, item 10: a secret in a container's environment can be read by any process of the
+/// same UID from `/proc/<pid>/environ` (deploy/base runs etcd with the sidecar's UID), so
+/// secrets come as `*_file` keys from Secret volumes: no `secretKeyRef`, no `envFrom` of a
+/// Secret, and no plain value under a name that carries one.
+fn secret_env_problems(pod: &PodSpec) -> Vec<String> {
+    let secret_name = |name: &str| {
+        let n = name.to_ascii_uppercase();
+        !(n.ends_with("_FILE") || n.ends_with("_FILES"))
+            && (n.contains("SECRET")
+                || n.contains("TOKEN")
+                || n.contains("PASSWORD")
+                || n.ends_with("_KEY"))
+    };
+    let mut out = Vec::new();
+    for c in all_containers(pod) {
+        for e in c.env.iter().flatten() {
+            let from_secret = e
+                .value_from
+                .as_ref()
+                .is_some_and(|f| f.secret_key_ref.is_some());
+            if from_secret || (e.value.is_some() && secret_name(&e.name)) {
+                out.push(format!(
+                    "container {}: {} is a secret in the environment (readable from \
+                     /proc/<pid>/environ by the same UID); mount it from a Secret volume and \
+                     name the file (*_file)",
+                    c.name, e.name
+                ));
+            }
+        }
+        for from in c.env_from.iter().flatten() {
+            if let Some(secret) = from.secret_ref.as_ref() {
+                out.push(format!(
+                    "container {}: envFrom Secret {} puts a secret in the environment; mount \
+                     it from a Secret volume instead",
+                    c.name, secret.name
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// Every pod spec of every kustomization under deploy/, by where it is.
+fn deploy_pods() -> Vec<(String, PodSpec)> {
+    let mut out = Vec::new();
+    for file in yaml_files(&repo().join("deploy")) {
+        if file.file_name().is_none_or(|n| n != "kustomization.yaml") {
+            continue;
+        }
+        let dir = file.parent().expect("dir");
+        let k = kustomization(dir).unwrap_or_else(|e| panic!("{e}"));
+        for o in k.objects {
+            let (what, pod) = match o {
+                Object::StatefulSet(s) => (
+                    s.metadata.name.clone(),
+                    s.spec.and_then(|s| s.template.spec),
+                ),
+                Object::Deployment(d) => (
+                    d.metadata.name.clone(),
+                    d.spec.and_then(|s| s.template.spec),
+                ),
+                Object::Job(j) => (
+                    j.metadata.name.clone(),
+                    j.spec.and_then(|s| s.template.spec),
+                ),
+                Object::CronJob(c) => (
+                    c.metadata.name.clone(),
+                    c.spec
+                        .and_then(|s| s.job_template.spec)
+                        .and_then(|s| s.template.spec),
+                ),
+                _ => continue,
+            };
+            let what = format!("{}: {}", dir.display(), what.unwrap_or_default());
+            out.push((what, pod.unwrap_or_else(|| panic!("a pod spec"))));
+        }
+    }
+    out
+}
+
 fn statefulset_problems(
     sts: &StatefulSet,
     services: &[Service],
@@ -818,6 +900,8 @@ fn statefulset_problems(
         .and_then(|m| m.labels.clone())
         .unwrap_or_default();
     let service_name = sts.spec.as_ref().and_then(|s| s.service_name.clone());
+    let client_port = resolve_port(pod, &IntOrString::String("client".into()));
+    out.extend(secret_env_problems(pod));
     let mut peer_ok = false;
     let mut api_ok = false;
     for svc in services {
@@ -839,6 +923,10 @@ fn statefulset_problems(
             match resolve_port(pod, &target) {
                 None => out.push(format!(
                     "Service {name}: target port {target:?} not in the pod"
+                )),
+                Some(p) if Some(p) == client_port && not_ready => out.push(format!(
+                    "Service {name} publishes etcd's client port {p} of not-ready pods: \
+                     readiness is the fence, clients reach etcd through ready members only"
                 )),
                 Some(p) if Some(p) == listen_port && not_ready => api_ok = true,
                 Some(_) => {}
@@ -996,6 +1084,7 @@ fn effective_config(c: &Container, text: &str) -> toml::Table {
 struct Base {
     sts: StatefulSet,
     services: Vec<Service>,
+    policies: Vec<NetworkPolicy>,
     config_maps: BTreeMap<String, BTreeMap<String, String>>,
     effective: toml::Table,
 }
@@ -1004,6 +1093,7 @@ fn base() -> Base {
     let k = kustomization(&repo().join("deploy/base")).unwrap_or_else(|e| panic!("{e}"));
     let mut sts = None;
     let mut services = Vec::new();
+    let mut policies = Vec::new();
     for o in k.objects {
         match o {
             Object::StatefulSet(s) => {
@@ -1011,6 +1101,7 @@ fn base() -> Base {
                 sts = Some(*s);
             }
             Object::Service(s) => services.push(*s),
+            Object::NetworkPolicy(p) => policies.push(*p),
             other => panic!("deploy/base: unexpected {other:?}"),
         }
     }
@@ -1022,6 +1113,7 @@ fn base() -> Base {
     Base {
         sts,
         services,
+        policies,
         config_maps: k.config_maps,
         effective,
     }
@@ -1213,6 +1305,142 @@ fn a_kustomization_naming_a_missing_file_is_refused() {
     assert!(err.contains("config.toml"), "{err}");
 }
 
+/// Issue 54, item 10: no manifest under deploy/ (base, druid, the Jobs, the operator) puts a
+/// secret in a container's environment.
+#[test]
+fn no_manifest_puts_a_secret_in_the_environment() {
+    let pods = deploy_pods();
+    assert!(
+        pods.len() >= 5,
+        "{:?}",
+        pods.iter().map(|p| &p.0).collect::<Vec<_>>()
+    );
+    for (what, pod) in &pods {
+        let problems = secret_env_problems(pod);
+        assert!(problems.is_empty(), "{what}: {problems:#?}");
+    }
+}
+
+/// Issue 54, item 13: deploy/base's etcd listens on plain HTTP, and readiness is the fence:
+/// its NetworkPolicy admits to etcd's client port only the kube-apiserver's pods (by labels)
+/// and etcd's own, to the peer port only etcd's pods, and the peer Service (which publishes
+/// not-ready pods) has no client port. What it cannot check: that the kube-apiserver's labels
+/// are your installation's, or that the network plugin enforces NetworkPolicies.
+#[test]
+fn the_base_network_policy_fences_etcds_client_and_peer_ports() {
+    let b = base();
+    let pod = pod_spec(&b.sts);
+    let labels = b
+        .sts
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.metadata.as_ref())
+        .and_then(|m| m.labels.clone())
+        .unwrap_or_default();
+    let selects_etcd =
+        |s: &Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector>| {
+            s.as_ref()
+                .and_then(|s| s.match_labels.as_ref())
+                .is_some_and(|m| !m.is_empty() && m.iter().all(|(k, v)| labels.get(k) == Some(v)))
+        };
+    let client = resolve_port(pod, &IntOrString::String("client".into())).expect("client port");
+    let peer = resolve_port(pod, &IntOrString::String("peer".into())).expect("peer port");
+    let policies: Vec<&NetworkPolicy> = b
+        .policies
+        .iter()
+        .filter(|p| {
+            p.spec.as_ref().is_some_and(|s| {
+                selects_etcd(&s.pod_selector)
+                    && s.policy_types.iter().flatten().any(|t| t == "Ingress")
+            })
+        })
+        .collect();
+    assert!(
+        !policies.is_empty(),
+        "deploy/base has no NetworkPolicy selecting etcd's pods for ingress"
+    );
+    let mut admitted: BTreeMap<i32, usize> = BTreeMap::new();
+    for p in &policies {
+        for rule in p
+            .spec
+            .as_ref()
+            .and_then(|s| s.ingress.as_ref())
+            .into_iter()
+            .flatten()
+        {
+            let covers = |port: i32| match rule.ports.as_ref() {
+                None => true,
+                Some(ports) => ports.iter().any(|pp| {
+                    let from = pp.port.as_ref().and_then(|x| resolve_port(pod, x));
+                    match (from, pp.end_port) {
+                        (None, _) => pp.port.is_none(),
+                        (Some(f), None) => f == port,
+                        (Some(f), Some(e)) => (f..=e).contains(&port),
+                    }
+                }),
+            };
+            for port in [client, peer] {
+                if !covers(port) {
+                    continue;
+                }
+                let from = rule.from.as_ref();
+                assert!(
+                    from.is_some_and(|f| !f.is_empty()),
+                    "port {port} is open to everyone: {rule:?}"
+                );
+                for source in from.into_iter().flatten() {
+                    assert!(
+                        source.ip_block.is_none(),
+                        "an address range on {port}: {source:?}"
+                    );
+                    let pods = source
+                        .pod_selector
+                        .as_ref()
+                        .and_then(|s| s.match_labels.as_ref())
+                        .is_some_and(|m| !m.is_empty());
+                    assert!(
+                        pods,
+                        "port {port}: every source is selected by pod labels: {source:?}"
+                    );
+                    if port == peer {
+                        assert!(
+                            selects_etcd(&source.pod_selector)
+                                && source.namespace_selector.is_none(),
+                            "the peer port admits only etcd's pods: {source:?}"
+                        );
+                    }
+                    *admitted.entry(port).or_default() += 1;
+                }
+            }
+        }
+    }
+    assert!(
+        admitted.contains_key(&client) && admitted.contains_key(&peer),
+        "{admitted:?}"
+    );
+    // The peer Service publishes not-ready pods: never their client port.
+    for svc in &b.services {
+        let Some(spec) = svc.spec.as_ref() else {
+            continue;
+        };
+        if spec.publish_not_ready_addresses != Some(true) {
+            continue;
+        }
+        for port in spec.ports.iter().flatten() {
+            let target = port
+                .target_port
+                .clone()
+                .unwrap_or(IntOrString::Int(port.port));
+            assert_ne!(
+                resolve_port(pod, &target),
+                Some(client),
+                "Service {:?} publishes etcd's client port of not-ready pods",
+                svc.metadata.name
+            );
+        }
+    }
+}
+
 #[test]
 fn the_base_statefulset_holds_the_sidecar_invariants() {
     let b = base();
@@ -1364,6 +1592,73 @@ fn a_broken_statefulset_is_rejected() {
                         && spec.cluster_ip.as_deref() != Some("None")
                     {
                         spec.publish_not_ready_addresses = None;
+                    }
+                }
+            }),
+        ),
+        (
+            "the store's secret key from the environment",
+            "secret in the environment",
+            Box::new(|s, _| {
+                let from = k8s_openapi::api::core::v1::EnvVarSource {
+                    secret_key_ref: Some(k8s_openapi::api::core::v1::SecretKeySelector {
+                        name: "etcd-backup".into(),
+                        key: "secretAccessKey".into(),
+                        optional: None,
+                    }),
+                    ..Default::default()
+                };
+                sidecar_of(s).env.get_or_insert_with(Vec::new).push(
+                    k8s_openapi::api::core::v1::EnvVar {
+                        name: "ETCD_WARDEN_STORE_SECRET_ACCESS_KEY".into(),
+                        value: None,
+                        value_from: Some(from),
+                    },
+                );
+            }),
+        ),
+        (
+            "the token as a plain value",
+            "secret in the environment",
+            Box::new(|s, _| {
+                sidecar_of(s).env.get_or_insert_with(Vec::new).push(
+                    k8s_openapi::api::core::v1::EnvVar {
+                        name: "ETCD_WARDEN_SERVER_TOKEN".into(),
+                        value: Some("t0ken".into()),
+                        value_from: None,
+                    },
+                );
+            }),
+        ),
+        (
+            "a Secret as the whole environment",
+            "secret in the environment",
+            Box::new(|s, _| {
+                sidecar_of(s).env_from = Some(vec![k8s_openapi::api::core::v1::EnvFromSource {
+                    secret_ref: Some(k8s_openapi::api::core::v1::SecretEnvSource {
+                        name: "etcd-backup".into(),
+                        optional: None,
+                    }),
+                    ..Default::default()
+                }]);
+            }),
+        ),
+        (
+            "the peer Service publishing the client port",
+            "client port 2379 of not-ready pods",
+            Box::new(|_, services| {
+                for svc in services.iter_mut() {
+                    if let Some(spec) = svc.spec.as_mut()
+                        && spec.cluster_ip.as_deref() == Some("None")
+                    {
+                        spec.ports.get_or_insert_with(Vec::new).push(
+                            k8s_openapi::api::core::v1::ServicePort {
+                                name: Some("client".into()),
+                                port: 2379,
+                                target_port: Some(IntOrString::String("client".into())),
+                                ..Default::default()
+                            },
+                        );
                     }
                 }
             }),

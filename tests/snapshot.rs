@@ -662,6 +662,76 @@ async fn a_requested_full_snapshot_is_marked_before_the_actor_answers() {
     task.await.unwrap();
 }
 
+/// Flushes deltas until one reaching `revision` is stored (the schedule flushes none).
+async fn flush_through(actor: &ActorHandle, revision: i64) {
+    for _ in 0..200 {
+        actor.delta().await.expect("a requested delta");
+        if actor
+            .status()
+            .last_delta
+            .is_some_and(|d| d.last_revision >= revision)
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("no delta reached revision {revision}: {:?}", actor.status());
+}
+
+/// Issue 54, item 12: a requested full snapshot restarted the delta writer, dropping the
+/// buffered events it covered, so the scheduled chain it fell in had a gap there once
+/// retention deleted the request (and retention had to keep every request to keep the chain
+/// whole). The deltas now go on through it: the chain from the scheduled full snapshot is
+/// whole without the request, and the chain from the request is whole too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deltas_go_on_through_a_requested_full_snapshot() {
+    let (etcd, mut client, _dir, store) = support::etcd_and_file_store().await;
+    client.put("before", "x", None).await.unwrap();
+    let base = support::stored::gzip_full(&client, &store).await;
+    let (actor, task, cancel) = actor_on(
+        &etcd,
+        &store,
+        Codec::Gzip,
+        Duration::from_secs(3600),
+        u64::MAX,
+    )
+    .await;
+    client.put("a", "1", None).await.unwrap();
+    let a = support::etcd::revision(&mut client, "a").await;
+    flush_through(&actor, a).await;
+    // Waits in the writer's buffer (or is still on its way to it) when the request comes.
+    client.put("b", "2", None).await.unwrap();
+    let b = support::etcd::revision(&mut client, "b").await;
+    let requested = actor.full().await.expect("a requested full snapshot");
+    assert!(requested.last_revision >= b, "{requested:?}");
+    client.put("c", "3", None).await.unwrap();
+    let c = support::etcd::revision(&mut client, "c").await;
+    flush_through(&actor, c).await;
+    cancel.cancel();
+    task.await.unwrap();
+
+    let mut list = store.list().await.unwrap();
+    etcd_warden::store::layout::sort(&mut list);
+    for from in [&base, &requested] {
+        let at = list.iter().position(|s| s == from);
+        assert!(at.is_some(), "{} is listed", from.snap_name);
+        let chain = etcd_warden::store::layout::chain_from(&list, at);
+        assert_eq!(
+            etcd_warden::store::layout::first_gap(&chain),
+            None,
+            "from {}: {:?}",
+            from.snap_name,
+            chain.delta_snapshots
+        );
+        assert_eq!(
+            chain.delta_snapshots.last().map(|d| d.last_revision),
+            Some(c),
+            "from {}",
+            from.snap_name
+        );
+    }
+}
+
 /// A snapshot that must hold exactly one revision is refused, with nothing stored, when a write
 /// lands while etcd streams it: the revision is read again after the last byte.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -120,8 +120,14 @@ impl Engine for EtcdEngine {
             }
         };
         let is_final = snap.is_final;
+        let requested = matches!(kind, FullKind::Requested);
         self.base_needed = false;
         match self.writer.as_mut() {
+            // A requested full snapshot is one more restore point, not a new base: the deltas
+            // go on as if it had not been taken, so the scheduled chain it falls in stays whole
+            // when retention deletes the request (`gc::plan_with`; the first delta after it
+            // overlaps it, which a restore from it passes over).
+            Some(_) if requested => {}
             // The running watch goes on; what the full snapshot covers is dropped.
             Some(w) => w.rebase(snap.last_revision),
             None if self.want_deltas && !is_final => self.watch_after(snap.last_revision).await?,

@@ -14,9 +14,13 @@
 //! deleted, and deltas before the first full snapshot (unrestorable) are deleted.
 //!
 //! Triggered full snapshots (taken on request over HTTP, `/snapshot/full`, which etcd-druid
-//! calls without a token) are counted apart from the scheduled ones: `LimitBased` keeps the
-//! newest `max_backups` of each, so no number of requests pushes a scheduled full snapshot out
-//! of retention (and requests never hold more than `max_backups` extra). A triggered full is
+//! calls without a token) are judged apart from the scheduled ones, under either policy: the
+//! policy runs over the scheduled full snapshots as if no request existed, each heading a chain
+//! (its deltas up to the next scheduled one, through the requests in between: the delta writer
+//! goes on through a request), and the requests have a bounded keep of their own (`LimitBased`:
+//! the newest `max_backups`; `Exponential`: one per window, the current hour included). No
+//! number of requests deletes a scheduled full snapshot or a delta of its chain. A request the
+//! chain needs (its deltas continue it, not the chain) stays with the chain. A triggered full is
 //! known by an empty marker object `<prefix>/etcd-warden/triggered/<name>` beside the layout
 //! directory, where etcd-backup-restore does not look, so the snapshot names stay the
 //! reference's; a marker whose snapshot is gone is deleted by retention.
@@ -26,7 +30,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, TimeDelta, Timelike, Utc};
 
-use super::layout::{Kind, Snapshot, compare};
+use super::layout::{Kind, Link, Snapshot, compare, link};
 use crate::config::GcPolicy;
 
 /// What retention keeps.
@@ -45,8 +49,10 @@ pub fn plan(snapshots: &[Snapshot], now: DateTime<Utc>, retention: Retention) ->
     plan_with(snapshots, &HashSet::new(), now, retention)
 }
 
-/// [`plan`], with the full snapshots named in `triggered` (taken on request) counted apart from
-/// the scheduled ones by `LimitBased`: the newest `max_backups` of each are kept.
+/// [`plan`], with the full snapshots named in `triggered` (taken on request) judged apart from
+/// the scheduled ones: the policy runs over the scheduled full snapshots as if no requested one
+/// existed, and the requested ones have a bounded keep of their own (the newest `max_backups`
+/// under `LimitBased`; one per window, the current hour included, under `Exponential`).
 pub fn plan_with(
     snapshots: &[Snapshot],
     triggered: &HashSet<String>,
@@ -65,22 +71,44 @@ pub fn plan_with(
         // No full snapshot: nothing is restorable and nothing is safe to judge.
         return Vec::new();
     };
-    // The stream of the full snapshot at sorted[i]: its deltas are up to the next full.
+    // The stream of the full snapshot at sorted[fulls[k]]: its deltas are up to the next full.
     let stream_end = |k: usize| fulls.get(k + 1).copied().unwrap_or(sorted.len());
+    let roles = roles(&sorted, &fulls, triggered);
+    let (scheduled, requested): (Vec<usize>, Vec<usize>) =
+        (0..fulls.len()).partition(|&k| matches!(roles[k], Role::Scheduled));
 
     let mut delete_full = vec![false; fulls.len()];
     match retention.policy {
         GcPolicy::LimitBased { max_backups } => {
             let keep = usize::try_from(max_backups).unwrap_or(usize::MAX).max(1);
-            for requested in [false, true] {
-                let group: Vec<usize> = (0..fulls.len())
-                    .filter(|&k| triggered.contains(&sorted[fulls[k]].snap_name) == requested)
-                    .collect();
+            for group in [&scheduled, &requested] {
                 let excess = group.len().saturating_sub(keep);
                 group[..excess].iter().for_each(|&k| delete_full[k] = true);
             }
         }
-        GcPolicy::Exponential => exponential(&sorted, &fulls, now, &mut delete_full),
+        GcPolicy::Exponential => {
+            exponential(&sorted, &fulls, &scheduled, now, true, &mut delete_full);
+            // Requests keep no more than one per window: a caller who can reach the open
+            // trigger adds at most one full snapshot per hour, day and week it fills.
+            exponential(&sorted, &fulls, &requested, now, false, &mut delete_full);
+        }
+    }
+    for (k, &start) in fulls.iter().enumerate() {
+        if start == newest || sorted[start].is_final {
+            delete_full[k] = false;
+        }
+    }
+    // A requested full snapshot that a kept scheduled chain runs through (its deltas continue
+    // it and not the chain before it) stays with that chain.
+    for &k in &requested {
+        if let Role::Requested {
+            head: Some(h),
+            bridge: true,
+        } = roles[k]
+            && !delete_full[h]
+        {
+            delete_full[k] = false;
+        }
     }
 
     let cutoff = now - TimeDelta::from_std(retention.delta_retention).unwrap_or(TimeDelta::MAX);
@@ -97,20 +125,92 @@ pub fn plan_with(
         if start == newest || sorted[start].is_final {
             continue;
         }
+        // The deltas after a requested full snapshot continue its scheduled chain too: they
+        // go only when neither is kept.
+        let head_kept = match roles[k] {
+            Role::Scheduled => !delete_full[k],
+            Role::Requested { head, .. } => {
+                !delete_full[k] || head.is_some_and(|h| !delete_full[h])
+            }
+        };
         let deltas = sorted[start + 1..stream_end(k)].iter().rev();
-        if delete_full[k] {
+        if !head_kept {
             out.extend(deltas.cloned());
-            out.push(sorted[start].clone());
         } else if !retention.delta_retention.is_zero() {
             out.extend(deltas.filter(|d| d.created_on < cutoff).cloned());
+        }
+        if delete_full[k] {
+            out.push(sorted[start].clone());
         }
     }
     out
 }
 
-/// The reference's exponential rule: walks from the newest stream back, comparing each full
-/// snapshot with the next newer one in hour, day and week windows counted from the end of today.
-fn exponential(sorted: &[Snapshot], fulls: &[usize], now: DateTime<Utc>, delete: &mut [bool]) {
+/// How retention counts a full snapshot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// Taken on schedule (or a final, or unmarked): it heads a chain, the deltas up to the next
+    /// scheduled full snapshot.
+    Scheduled,
+    /// Taken on request, inside the chain of the scheduled full snapshot `head` (an index into
+    /// the fulls; `None` before the first). `bridge`: the deltas after it continue it and not
+    /// that chain (the delta writer restarted at it), so the chain needs it.
+    Requested { head: Option<usize>, bridge: bool },
+}
+
+/// The role of each full snapshot of `sorted` (at the indices `fulls`), walking the chains the
+/// scheduled ones head and passing over each requested one its chain does not need.
+fn roles(sorted: &[Snapshot], fulls: &[usize], triggered: &HashSet<String>) -> Vec<Role> {
+    let mut roles = Vec::with_capacity(fulls.len());
+    // How far the current scheduled chain reaches, requested full snapshots passed over.
+    let mut reach: Option<i64> = None;
+    let mut head = None;
+    let mut next = 0;
+    for (k, &start) in fulls.iter().enumerate() {
+        for d in &sorted[next..start] {
+            if let Some(r) = reach
+                && link(r, d) != Link::Covered
+            {
+                reach = Some(d.last_revision);
+            }
+        }
+        next = start + 1;
+        let full = &sorted[start];
+        if full.is_final || !triggered.contains(&full.snap_name) {
+            roles.push(Role::Scheduled);
+            head = Some(k);
+            reach = Some(full.last_revision);
+            continue;
+        }
+        let end = fulls.get(k + 1).copied().unwrap_or(sorted.len());
+        let first = sorted[start + 1..end]
+            .iter()
+            .find(|d| link(full.last_revision, d) != Link::Covered);
+        let bridge = first.is_some_and(|d| match reach {
+            None => true,
+            Some(r) => link(r, d) == Link::Gap && link(full.last_revision, d) != Link::Gap,
+        });
+        if bridge {
+            reach = Some(full.last_revision);
+        }
+        roles.push(Role::Requested { head, bridge });
+    }
+    roles
+}
+
+/// The reference's exponential rule over the full snapshots `group` (indices into `fulls`,
+/// oldest first): walks from the newest back, comparing each with the next newer one in hour,
+/// day and week windows counted from the end of today, and marks in `delete` those it drops.
+/// `whole_current_hour`: every one of the current hour is kept (the reference's rule);
+/// otherwise only the newest of it.
+fn exponential(
+    sorted: &[Snapshot],
+    fulls: &[usize],
+    group: &[usize],
+    now: DateTime<Utc>,
+    whole_current_hour: bool,
+    delete: &mut [bool],
+) {
     let day = TimeDelta::hours(24);
     let start_of_day = now
         .with_hour(0)
@@ -122,12 +222,13 @@ fn exponential(sorted: &[Snapshot], fulls: &[usize], now: DateTime<Utc>, delete:
     let mut tracking_week = false;
     // Whole hours from a time back to `eod`, truncated toward zero as Go's int(float) does.
     let hours = |eod: DateTime<Utc>, t: DateTime<Utc>| (eod - t).num_seconds() as f64 / 3600.0;
-    for k in (1..fulls.len()).rev() {
-        let newer = &sorted[fulls[k]];
-        let older = &sorted[fulls[k - 1]];
+    for pair in group.windows(2).rev() {
+        let (older_k, newer_k) = (pair[0], pair[1]);
+        let newer = &sorted[fulls[newer_k]];
+        let older = &sorted[fulls[older_k]];
         let age = eod - older.created_on;
         let threshold: i64 = if age < day {
-            if older.created_on.hour() == now.hour() {
+            if whole_current_hour && older.created_on.hour() == now.hour() {
                 0
             } else {
                 1
@@ -152,7 +253,7 @@ fn exponential(sorted: &[Snapshot], fulls: &[usize], now: DateTime<Utc>, delete:
             || hour_change / threshold != 0
             || day_change * 24 / threshold != 0
             || week_change * 168 / threshold != 0;
-        delete[k - 1] = !keep;
+        delete[older_k] = !keep;
     }
 }
 
@@ -831,5 +932,351 @@ mod tests {
             full(3, now - TimeDelta::hours(1)),
         ];
         assert!(plan(&snaps, now, EXP).is_empty());
+    }
+
+    /// A store's history as the sidecar writes it: a scheduled full snapshot every hour on the
+    /// hour, a delta every 20 minutes, one write a minute (revision = minutes since `from`),
+    /// and a requested full snapshot at each time of `requested`, marked as the sidecar marks
+    /// it. `rebased`: the delta writer restarts at each requested full (as it did up to issue
+    /// 54), so the next delta continues the requested full and not the chain before it.
+    /// A request at the very second of a scheduled full and at its revision has the scheduled
+    /// one's name: the store holds one object, and its marker.
+    struct History {
+        snapshots: Vec<Snapshot>,
+        triggered: HashSet<String>,
+    }
+
+    fn history(
+        from: DateTime<Utc>,
+        now: DateTime<Utc>,
+        requested: &[DateTime<Utc>],
+        rebased: bool,
+    ) -> History {
+        let mut snapshots = Vec::new();
+        let mut triggered = HashSet::new();
+        let mut reach: Option<i64> = None;
+        let mut at = from;
+        let mut rev = 1;
+        let mut sorted_requests = requested.to_vec();
+        sorted_requests.sort();
+        let mut pending = sorted_requests.into_iter().peekable();
+        while at <= now {
+            let minute = at.minute();
+            if minute == 0 {
+                snapshots.push(full(rev, at));
+                reach = Some(rev);
+            } else if minute % 20 == 0
+                && let Some(r) = reach
+                && r < rev
+            {
+                snapshots.push(incr(r + 1, rev, at));
+                reach = Some(rev);
+            }
+            while let Some(&when) = pending.peek()
+                && when < at + TimeDelta::minutes(1)
+            {
+                pending.next();
+                let s = full(rev, when);
+                triggered.insert(s.snap_name.clone());
+                if !snapshots.contains(&s) {
+                    snapshots.push(s);
+                }
+                if rebased {
+                    reach = Some(rev);
+                }
+            }
+            at += TimeDelta::minutes(1);
+            rev += 1;
+        }
+        History {
+            snapshots,
+            triggered,
+        }
+    }
+
+    fn kept(h: &History, now: DateTime<Utc>, r: Retention) -> Vec<Snapshot> {
+        let doomed: HashSet<String> = plan_with(&h.snapshots, &h.triggered, now, r)
+            .into_iter()
+            .map(|s| s.snap_name)
+            .collect();
+        h.snapshots
+            .iter()
+            .filter(|s| !doomed.contains(&s.snap_name))
+            .cloned()
+            .collect()
+    }
+
+    /// What retention keeps of the scheduled history (every snapshot not requested).
+    fn kept_scheduled(h: &History, now: DateTime<Utc>, r: Retention) -> Vec<String> {
+        kept(h, now, r)
+            .into_iter()
+            .filter(|s| !h.triggered.contains(&s.snap_name))
+            .map(|s| s.snap_name)
+            .collect()
+    }
+
+    /// Issue 54, item 12: a requested full snapshot at HH:58 made `Exponential` retention delete
+    /// the scheduled HH:00 full snapshot and both of its deltas (the last full snapshot of each
+    /// past hour is kept, and the requested one was the last): the hour's point-in-time history
+    /// was gone. The scheduled history is now kept exactly as without the request, and the
+    /// request is kept beside it.
+    #[test]
+    fn a_requested_full_at_hh58_leaves_the_scheduled_chain_of_its_hour_alone() {
+        let now = t("2024-05-10T12:30:00Z");
+        let from = now - TimeDelta::days(40);
+        let baseline = history(from, now, &[], false);
+        let lost = |at: &str, r: Retention| {
+            let h = history(from, now, &[t(at)], false);
+            let want = kept_scheduled(&baseline, now, r);
+            let got = kept_scheduled(&h, now, r);
+            let gone: Vec<String> = want.iter().filter(|s| !got.contains(s)).cloned().collect();
+            let requested_kept = kept(&h, now, r)
+                .iter()
+                .any(|s| h.triggered.contains(&s.snap_name));
+            (gone, got.len() == want.len(), requested_kept)
+        };
+        for (at, r) in [
+            ("2024-05-10T10:58:00Z", EXP),
+            // Earlier today, on another day of the week before, in an older week.
+            ("2024-05-10T03:58:30Z", EXP),
+            ("2024-05-07T23:58:00Z", EXP),
+            ("2024-04-20T17:58:00Z", EXP),
+            // The current hour.
+            ("2024-05-10T12:29:00Z", EXP),
+            ("2024-05-10T10:58:00Z", limit(3, 0)),
+        ] {
+            let (gone, same, requested_kept) = lost(at, r);
+            assert!(gone.is_empty(), "a request at {at} ({r:?}) cost {gone:?}");
+            assert!(
+                same,
+                "a request at {at} ({r:?}) changed the scheduled history"
+            );
+            assert!(requested_kept, "the request at {at} is kept");
+        }
+        // The finding itself, by name: 10:00 and its 10:20 and 10:40 deltas stay.
+        let h = history(from, now, &[t("2024-05-10T10:58:00Z")], false);
+        let kept: Vec<DateTime<Utc>> = kept(&h, now, EXP).iter().map(|s| s.created_on).collect();
+        for at in ["10:00", "10:20", "10:40", "10:58"] {
+            let at = t(&format!("2024-05-10T{at}:00Z"));
+            assert!(kept.contains(&at), "{at} deleted");
+        }
+    }
+
+    /// Many requests (one every 7 minutes for 40 days, 8,000 full snapshots): the scheduled
+    /// history is kept exactly as without them, and the requests keep at most one full snapshot
+    /// per window of their own (each hour of today, each day of the week before, each week up
+    /// to 5 weeks), whenever retention runs.
+    #[test]
+    fn many_requested_fulls_keep_a_bounded_number_and_displace_nothing() {
+        for now in [
+            "2024-05-10T12:30:00Z",
+            "2024-05-10T23:59:00Z",
+            "2024-05-10T00:10:00Z",
+        ] {
+            let now = t(now);
+            let from = now - TimeDelta::days(40);
+            let mut requested = Vec::new();
+            let mut at = from + TimeDelta::seconds(3);
+            while at <= now {
+                requested.push(at);
+                at += TimeDelta::minutes(7);
+            }
+            let baseline = history(from, now, &[], false);
+            let h = history(from, now, &requested, false);
+            assert!(h.triggered.len() > 8000);
+            assert_eq!(
+                kept_scheduled(&h, now, EXP),
+                kept_scheduled(&baseline, now, EXP),
+                "now = {now}"
+            );
+            let kept_requested: Vec<DateTime<Utc>> = kept(&h, now, EXP)
+                .iter()
+                .filter(|s| h.triggered.contains(&s.snap_name))
+                .map(|s| s.created_on)
+                .collect();
+            let this_hour = now.with_minute(0).unwrap();
+            assert!(
+                kept_requested.len() <= REQUESTED_BOUND,
+                "now = {now}: {} requested kept",
+                kept_requested.len()
+            );
+            assert_eq!(
+                kept_requested.iter().filter(|k| **k >= this_hour).count(),
+                1,
+                "now = {now}: the current hour keeps its newest request only"
+            );
+            assert!(
+                kept_requested
+                    .iter()
+                    .all(|k| *k > now - TimeDelta::days(36))
+            );
+            // Under LimitBased, the newest max_backups of them.
+            assert_eq!(
+                kept_scheduled(&h, now, limit(5, 0)),
+                kept_scheduled(&baseline, now, limit(5, 0))
+            );
+            let n = kept(&h, now, limit(5, 0))
+                .iter()
+                .filter(|s| h.triggered.contains(&s.snap_name))
+                .count();
+            assert_eq!(n, 5);
+        }
+    }
+
+    /// The most requested full snapshots `Exponential` keeps: the newest of each hour of today
+    /// (24), of each of the 7 days before, of each week up to 5 weeks (5), and one more where a
+    /// week window straddles the day windows' end.
+    const REQUESTED_BOUND: usize = 37;
+
+    /// A request in the same second as a scheduled full snapshot: after it (a write between,
+    /// so another revision and name), before it, and at its very revision (the same name: the
+    /// store holds one object, marked). The scheduled history loses nothing in any of them.
+    #[test]
+    fn a_requested_full_in_the_same_second_as_a_scheduled_one_displaces_nothing() {
+        let now = t("2024-05-10T12:30:00Z");
+        let from = now - TimeDelta::days(40);
+        let baseline = history(from, now, &[], false);
+        for r in [EXP, limit(3, 0), limit(1, 0)] {
+            let want = kept_scheduled(&baseline, now, r);
+            for at in [
+                "2024-05-10T10:00:00Z",
+                "2024-05-07T23:00:00Z",
+                "2024-04-20T00:00:00Z",
+            ] {
+                // The same name: every full snapshot the baseline keeps is still there.
+                let h = history(from, now, &[t(at)], false);
+                assert_eq!(h.snapshots.len(), baseline.snapshots.len());
+                let got: Vec<String> = kept(&h, now, r).into_iter().map(|s| s.snap_name).collect();
+                let gone: Vec<&String> = want.iter().filter(|s| !got.contains(s)).collect();
+                assert!(gone.is_empty(), "{at} ({r:?}): {gone:?}");
+            }
+            // Another revision in the same second, ordered after and before the scheduled one.
+            let mut snaps = baseline.snapshots.clone();
+            let s10 = full(0, t("2024-05-10T10:00:00Z"));
+            let s10 = snaps
+                .iter()
+                .find(|s| s.kind == Kind::Full && s.created_on == s10.created_on)
+                .cloned()
+                .expect("the 10:00 full snapshot");
+            let mut triggered = HashSet::new();
+            for rev in [s10.last_revision - 1, s10.last_revision + 1] {
+                let req = full(rev, s10.created_on);
+                triggered.insert(req.snap_name.clone());
+                snaps.push(req);
+            }
+            let doomed: HashSet<String> = plan_with(&snaps, &triggered, now, r)
+                .into_iter()
+                .map(|s| s.snap_name)
+                .collect();
+            let gone: Vec<&String> = want.iter().filter(|n| doomed.contains(*n)).collect();
+            assert!(gone.is_empty(), "{r:?}: {gone:?}");
+        }
+    }
+
+    /// The deltas after a requested full snapshot continue the scheduled chain it is in: a
+    /// request beyond `max_backups` goes alone, its deltas stay (before, they went with it, and
+    /// the scheduled chain ended at it). A request kept when its scheduled chain is not keeps
+    /// the deltas after it.
+    #[test]
+    fn a_requested_full_goes_alone_and_its_deltas_stay_with_the_scheduled_chain() {
+        let now = t("2024-05-10T12:00:00Z");
+        let h = |n: i64| now - TimeDelta::minutes(n);
+        let requested = [full(20, h(100)), full(40, h(80)), full(47, h(70))];
+        let snaps = vec![
+            full(10, h(120)),
+            incr(11, 15, h(110)),
+            requested[0].clone(),
+            incr(16, 25, h(95)), // overlaps the request: the writer went on through it
+            incr(26, 35, h(90)),
+            requested[1].clone(),
+            incr(36, 45, h(75)),
+            requested[2].clone(),
+            incr(46, 49, h(65)),
+            full(50, h(60)),
+            incr(51, 55, h(50)),
+        ];
+        let triggered: HashSet<String> = requested.iter().map(|s| s.snap_name.clone()).collect();
+        for (r, want) in [
+            (limit(3, 0), vec![]),
+            // One request per hour: the newest of the three.
+            (EXP, vec![(Kind::Full, 20), (Kind::Full, 40)]),
+            (limit(2, 0), vec![(Kind::Full, 20)]),
+            (
+                limit(1, 0),
+                vec![
+                    (Kind::Incr, 15),
+                    (Kind::Full, 10),
+                    (Kind::Incr, 35),
+                    (Kind::Incr, 25),
+                    (Kind::Full, 20),
+                    (Kind::Incr, 45),
+                    (Kind::Full, 40),
+                ],
+            ),
+        ] {
+            assert_eq!(names(&plan_with(&snaps, &triggered, now, r)), want, "{r:?}");
+        }
+        let del = plan_with(&snaps, &triggered, now + TimeDelta::days(60), EXP);
+        assert_eq!(
+            names(&del),
+            vec![
+                (Kind::Incr, 15),
+                (Kind::Full, 10),
+                (Kind::Incr, 35),
+                (Kind::Incr, 25),
+                (Kind::Full, 20),
+                (Kind::Incr, 45),
+                (Kind::Full, 40),
+                (Kind::Incr, 49),
+                (Kind::Full, 47),
+            ]
+        );
+    }
+
+    /// A requested full snapshot the scheduled chain cannot do without (the delta writer
+    /// restarted at it, as it did up to issue 54, or because its watch was lost): kept as long
+    /// as its scheduled chain, whatever the requests' own keep says.
+    #[test]
+    fn a_requested_full_the_scheduled_chain_runs_through_stays_with_it() {
+        let now = t("2024-05-10T12:30:00Z");
+        let from = now - TimeDelta::days(40);
+        let requested: Vec<DateTime<Utc>> = ["2024-05-10T10:58:00Z", "2024-05-10T11:30:00Z"]
+            .iter()
+            .map(|s| t(s))
+            .collect();
+        let h = history(from, now, &requested, true);
+        let baseline = history(from, now, &[], false);
+        for r in [EXP, limit(1, 0), limit(3, 0)] {
+            let kept = kept(&h, now, r);
+            // Every delta kept continues a kept full snapshot or kept delta: no chain is cut.
+            let mut sorted = kept.clone();
+            sorted.sort_by(compare);
+            let mut reach: Option<i64> = None;
+            for s in &sorted {
+                match s.kind {
+                    Kind::Full => {
+                        reach = Some(reach.map_or(s.last_revision, |r| r.max(s.last_revision)))
+                    }
+                    Kind::Incr => {
+                        let r = reach.expect("a delta before every full snapshot kept");
+                        assert!(
+                            link(r, s) != Link::Gap,
+                            "{r:?}: {} is cut from its chain",
+                            s.snap_name
+                        );
+                        reach = Some(s.last_revision);
+                    }
+                }
+            }
+            // The scheduled full snapshots the baseline keeps are all there.
+            let want: Vec<String> = kept_scheduled(&baseline, now, r)
+                .into_iter()
+                .filter(|n| n.starts_with("Full"))
+                .collect();
+            let got: Vec<&String> = kept.iter().map(|s| &s.snap_name).collect();
+            for w in &want {
+                assert!(got.contains(&w), "{r:?}: {w} deleted");
+            }
+        }
     }
 }
