@@ -233,6 +233,99 @@ fn druids_compaction_and_copy_jobs_are_compact_and_copy() {
     assert_eq!(c.copy.max_age, Some(Duration::from_secs(7 * 86_400)));
 }
 
+/// etcd-backup-restore's secondary-store flags on a `server` command line (S3 primary, S3
+/// secondary with its own `SECONDARY_` Secret): `[store.secondary]` is what they say.
+#[test]
+fn server_with_secondary_flags_configures_store_secondary() {
+    let creds = tempfile::tempdir().unwrap();
+    for (name, value) in [
+        ("region", "eu-west-3"),
+        ("accessKeyID", "DR-ID"),
+        ("secretAccessKey", "dr-secret"),
+        ("s3ForcePathStyle", "true"),
+    ] {
+        std::fs::write(creds.path().join(name), value).unwrap();
+    }
+    let creds_s = creds.path().display().to_string();
+    let line = "server --storage-provider=S3 --store-prefix=shoot--p--c--etcd-main \
+        --enable-snapshot-lease-renewal=false \
+        --secondary-backup-sync-enabled=true --secondary-storage-provider=S3 \
+        --secondary-store-container=dr-bucket --secondary-store-prefix=dr/etcd-main \
+        --secondary-store-endpoint-override=http://127.0.0.1:9000 \
+        --secondary-backup-sync-period=30m0s";
+    let c = configured(
+        line,
+        &[
+            ("STORAGE_CONTAINER", "backups-bucket"),
+            ("SECONDARY_AWS_APPLICATION_CREDENTIALS", &creds_s),
+            ("ETCD_WARDEN_SERVER_TOKEN", "t"),
+        ],
+        Purpose::Any,
+    );
+    assert_eq!(
+        c.store.location.to_string(),
+        "s3://backups-bucket/shoot--p--c--etcd-main"
+    );
+    let s = c.secondary.as_ref().expect("[store.secondary] configured");
+    assert_eq!(s.store.location.to_string(), "s3://dr-bucket/dr/etcd-main");
+    assert_eq!(s.store.region.as_deref(), Some("eu-west-3"));
+    assert_eq!(s.store.endpoint.as_deref(), Some("http://127.0.0.1:9000"));
+    assert!(s.store.allow_http && s.store.path_style);
+    assert_eq!(s.sync_interval, Duration::from_secs(1800));
+    assert_eq!(s.max_lag, Duration::from_secs(3600));
+    // Without the switch, as etcd-backup-restore: no secondary.
+    let off = line.replace(
+        "--secondary-backup-sync-enabled=true",
+        "--secondary-backup-sync-enabled=false",
+    );
+    let c = configured(
+        &off,
+        &[
+            ("STORAGE_CONTAINER", "backups-bucket"),
+            ("SECONDARY_AWS_APPLICATION_CREDENTIALS", &creds_s),
+        ],
+        Purpose::Any,
+    );
+    assert!(c.secondary.is_none());
+}
+
+#[test]
+fn an_invalid_secondary_combination_exits_64_naming_the_flag() {
+    let on = "--secondary-backup-sync-enabled=true";
+    for (extra, named) in [
+        (vec![on], "--secondary-storage-provider"),
+        (
+            vec![on, "--secondary-storage-provider=S3"],
+            "--secondary-store-container",
+        ),
+        (
+            vec![on, "--secondary-storage-provider=Local"],
+            "--secondary-store-container",
+        ),
+        (
+            vec![
+                on,
+                "--secondary-storage-provider=Local",
+                "--secondary-store-container=dr",
+                "--secondary-backup-sync-period=soon",
+            ],
+            "--secondary-backup-sync-period",
+        ),
+    ] {
+        let out = crate::support::warden::command()
+            .arg0("etcdbrctl")
+            .args(["server", "--storage-provider=Local"])
+            .args(&extra)
+            .env("HOME", "/tmp")
+            .env("POD_NAME", "p")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(64), "{extra:?}: {err}");
+        assert!(err.contains(named), "{extra:?}: {err}");
+    }
+}
+
 #[test]
 fn the_druid_page_names_every_flag() {
     let doc =
@@ -600,6 +693,65 @@ async fn etcd_wrappers_sequence_starts_an_etcd_that_is_backed_up_and_restored() 
         std::slice::from_ref(&pod.peer_url),
         "restored with the member's own peer URL: nothing to repair"
     );
+}
+
+/// etcd-backup-restore's secondary flags on a real pod: a Local primary and a Local secondary
+/// under `$HOME`; the full snapshot the sidecar takes of a real etcd reaches the secondary, and
+/// byte for byte.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_snapshot_reaches_the_secondary_the_flags_name() {
+    let pod = Pod::new(
+        "--secondary-backup-sync-enabled=true --secondary-storage-provider=Local \
+         --secondary-store-container=mirror --secondary-store-prefix=etcd-test \
+         --secondary-backup-sync-period=1s",
+    );
+    let w = pod.sidecar();
+    w.wait_up().await;
+    let _etcd = pod.start_etcd(&w, "full", "etcd.log").await;
+    let mut client = pod.client().await;
+    for i in 0..20 {
+        client.put(format!("k{i}"), "v", None).await.unwrap();
+    }
+    let http = reqwest::Client::new();
+    let full = eventually(Duration::from_secs(30), || async {
+        match http.get(w.url("/snapshot/full")).send().await {
+            Ok(r) => r.status() == 200,
+            Err(_) => false,
+        }
+    })
+    .await;
+    assert!(full, "GET /snapshot/full never 200\n{}", w.log_text());
+    let primary = pod.home.join("bucket/etcd-test/v2");
+    let mirror = pod.home.join("mirror/etcd-test/v2");
+    let fulls = |dir: &Path| -> Vec<String> {
+        std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .filter_map(Result::ok)
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("Full-"))
+            .collect()
+    };
+    let copied = eventually(Duration::from_secs(60), || {
+        let (p, m) = (fulls(&primary), fulls(&mirror));
+        let ok = !p.is_empty() && p.iter().all(|n| m.contains(n));
+        async move { ok }
+    })
+    .await;
+    assert!(
+        copied,
+        "primary {:?}, secondary {:?}\n{}",
+        fulls(&primary),
+        fulls(&mirror),
+        w.log_text()
+    );
+    for name in fulls(&primary) {
+        assert_eq!(
+            std::fs::read(primary.join(&name)).unwrap(),
+            std::fs::read(mirror.join(&name)).unwrap(),
+            "{name}"
+        );
+    }
 }
 
 /// Who the binaries' requests come from in the API-server double's log: they send no user

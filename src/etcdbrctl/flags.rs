@@ -383,61 +383,17 @@ pub const FLAGS: &[Flag] = &[
         Ign("parts are uploaded as etcd-warden's store writer schedules them"),
     ),
     flag("snapstore-temp-directory", One, ALL, Ign(STREAMED)),
-    // The secondary store.
-    flag(
-        "secondary-storage-provider",
-        One,
-        SNAPSHOTTER,
-        Refused("a secondary store is not configurable through etcdbrctl's flags; leave them out"),
-    ),
-    flag(
-        "secondary-store-container",
-        One,
-        SNAPSHOTTER,
-        Refused("a secondary store is not configurable through etcdbrctl's flags; leave them out"),
-    ),
-    flag(
-        "secondary-store-endpoint-override",
-        One,
-        SNAPSHOTTER,
-        Refused("a secondary store is not configurable through etcdbrctl's flags; leave them out"),
-    ),
-    flag(
-        "secondary-store-prefix",
-        One,
-        SNAPSHOTTER,
-        Refused("a secondary store is not configurable through etcdbrctl's flags; leave them out"),
-    ),
-    flag(
-        "secondary-max-parallel-chunk-uploads",
-        One,
-        SNAPSHOTTER,
-        Refused("a secondary store is not configurable through etcdbrctl's flags; leave them out"),
-    ),
-    flag(
-        "secondary-min-chunk-size",
-        One,
-        SNAPSHOTTER,
-        Refused("a secondary store is not configurable through etcdbrctl's flags; leave them out"),
-    ),
-    flag(
-        "secondary-snapstore-temp-directory",
-        One,
-        SNAPSHOTTER,
-        Refused("a secondary store is not configurable through etcdbrctl's flags; leave them out"),
-    ),
-    flag(
-        "secondary-backup-sync-enabled",
-        Bool,
-        SNAPSHOTTER,
-        Refused("a secondary store is not configurable through etcdbrctl's flags; leave them out"),
-    ),
-    flag(
-        "secondary-backup-sync-period",
-        One,
-        SNAPSHOTTER,
-        Refused("a secondary store is not configurable through etcdbrctl's flags; leave them out"),
-    ),
+    // The secondary store (`server` alone defines these): read by [`super::store`] into
+    // `[store.secondary]`, and only with `--secondary-backup-sync-enabled=true`.
+    flag("secondary-storage-provider", One, SERVER, Store),
+    flag("secondary-store-container", One, SERVER, Store),
+    flag("secondary-store-endpoint-override", One, SERVER, Store),
+    flag("secondary-store-prefix", One, SERVER, Store),
+    flag("secondary-max-parallel-chunk-uploads", One, SERVER, Store),
+    flag("secondary-min-chunk-size", One, SERVER, Store),
+    flag("secondary-snapstore-temp-directory", One, SERVER, Store),
+    flag("secondary-backup-sync-enabled", Bool, SERVER, Store),
+    flag("secondary-backup-sync-period", One, SERVER, Store),
     // compact.
     flag(
         "defragment",
@@ -924,8 +880,8 @@ mod tests {
             ("--compression-policy=lzw", "lzw"),
             ("--compression-policy=zstd", "--compression-policy"),
             (
-                "--secondary-backup-sync-enabled",
-                "--secondary-backup-sync-enabled",
+                "--storage-provider=S3 --store-container=b --secondary-backup-sync-enabled",
+                "--secondary-storage-provider",
             ),
             ("--log-level=9", "--log-level"),
         ] {

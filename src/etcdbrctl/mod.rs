@@ -14,8 +14,9 @@
 //! [`UsageError`] naming it (exit 64), never a silent default.
 //!
 //! The store flags (`--storage-provider`, `--store-container`, `--store-prefix`,
-//! `--store-endpoint-override`, their `source-` twins for `copy`) and the credential files druid
-//! mounts are read by [`store`] into the `[store]` / `[source_store]` keys.
+//! `--store-endpoint-override`, their `source-` twins for `copy`, their `secondary-` twins for
+//! `server`) and the credential files druid mounts are read by [`store`] into the `[store]` /
+//! `[source_store]` / `[store.secondary]` keys.
 
 pub mod flags;
 pub mod store;

@@ -2,7 +2,8 @@
 //! `--store-prefix`, `--store-endpoint-override`, `STORAGE_CONTAINER`) and the credential
 //! Secrets druid mounts (`<PROVIDER>_APPLICATION_CREDENTIALS`, a directory of one-value files,
 //! or `..._JSON`, one JSON file), as `[store]` keys; for `copy` the `source-` flags and the
-//! `SOURCE_`-prefixed variables as `[source_store]`.
+//! `SOURCE_`-prefixed variables as `[source_store]`; for `server` the `secondary-` flags and the
+//! `SECONDARY_`-prefixed variables as `[store.secondary]`.
 //!
 //! Objects land where etcd-backup-restore puts them: `<container>/<prefix>/v2/<name>`
 //! (etcd-warden's store URL names the prefix; the `v2` is its layout's too). The Local provider's
@@ -47,6 +48,21 @@ const SOURCE: Side = Side {
     env_prefix: "SOURCE_",
     section: "source_store",
 };
+/// `server`'s secondary store: etcd-backup-restore's `secondary-` flags and its
+/// `SECONDARY_`-prefixed variables (`SECONDARY_STORAGE_CONTAINER`,
+/// `SECONDARY_AWS_APPLICATION_CREDENTIALS`, ...).
+const SECONDARY: Side = Side {
+    flag_prefix: "secondary-",
+    env_prefix: "SECONDARY_",
+    section: "store.secondary",
+};
+
+/// etcd-backup-restore's smallest multipart chunk (`MinChunkSize`, 5 MiB), which it requires
+/// of `--secondary-min-chunk-size` when the secondary is enabled.
+const MIN_CHUNK_SIZE: i64 = 5 * 1024 * 1024;
+
+/// `store.secondary.max_lag` when etcd-warden's own default applies (its validation's).
+const SECONDARY_MAX_LAG: std::time::Duration = std::time::Duration::from_secs(15 * 60);
 
 /// The store flags as given (the empty string where a flag was left out).
 #[derive(Debug, Clone, Default)]
@@ -105,6 +121,167 @@ pub fn translate(
             source.prefix = dest.prefix.clone();
         }
         store(t, &SOURCE, &source, env)?;
+    }
+    if t.command == Subcommand::Server {
+        secondary(t, given, env)?;
+    }
+    Ok(())
+}
+
+/// The secondary-store flags given, in the table's order.
+fn secondary_flags(given: &Given) -> Vec<&'static str> {
+    given
+        .keys()
+        .copied()
+        .filter(|n| n.starts_with(SECONDARY.flag_prefix))
+        .collect()
+}
+
+/// `[store.secondary]` from the `secondary-` flags, as etcd-backup-restore reads them: without
+/// `--secondary-backup-sync-enabled=true` they configure nothing (its default; they are only
+/// reported), with it the secondary is a store of its own (its own provider, container, prefix
+/// and `SECONDARY_` credentials; nothing is taken from the primary's flags).
+fn secondary(t: &mut Translation, given: &Given, env: &dyn Environment) -> Result<(), UsageError> {
+    let flags = secondary_flags(given);
+    let last = |name: &str| given.get(name).and_then(|v| v.last()).map(String::as_str);
+    let enabled = last("secondary-backup-sync-enabled")
+        .and_then(super::go_bool)
+        .unwrap_or(false);
+    if !enabled {
+        for flag in flags {
+            t.ignored.push(Ignored {
+                flag: format!("--{flag}"),
+                reason: "no secondary store without --secondary-backup-sync-enabled=true, as in \
+                         etcd-backup-restore",
+            });
+        }
+        return Ok(());
+    }
+    let invalid = |flag: &str, value: &str, why: &str| {
+        UsageError(format!("invalid argument {value:?} for --{flag}: {why}"))
+    };
+    let sel = selection(given, &SECONDARY, env);
+    if sel.provider.is_empty() {
+        // etcd-backup-restore would open the Local default, `$HOME/default.bkp`, which is
+        // where a Local primary without a container writes too: a copy onto itself.
+        return Err(UsageError(
+            "--secondary-backup-sync-enabled=true needs --secondary-storage-provider (S3, ABS, \
+             GCS, OCS, ECS or Local) and the secondary's container"
+                .into(),
+        ));
+    }
+    // The chunking flags have no effect here; etcd-backup-restore still refuses to start on
+    // values it cannot use, and so does this, so a command line means the same to both.
+    if let Some(v) = last("secondary-max-parallel-chunk-uploads") {
+        match v.trim().parse::<u64>() {
+            Ok(n) if n > 0 => {}
+            _ => {
+                return Err(invalid(
+                    "secondary-max-parallel-chunk-uploads",
+                    v,
+                    "must be an integer greater than zero",
+                ));
+            }
+        }
+    }
+    if let Some(v) = last("secondary-min-chunk-size") {
+        match v.trim().parse::<i64>() {
+            Ok(n) if n >= MIN_CHUNK_SIZE => {}
+            _ => {
+                return Err(invalid(
+                    "secondary-min-chunk-size",
+                    v,
+                    "must be a byte count of at least 5242880 (5 MiB)",
+                ));
+            }
+        }
+    }
+    let before = t.overrides.len();
+    store(t, &SECONDARY, &sel, env)?;
+    same_store_refused(t, before)?;
+    if let Some(v) = last("secondary-backup-sync-period") {
+        let period =
+            super::go_duration(v).map_err(|e| invalid("secondary-backup-sync-period", v, &e))?;
+        if period.is_zero() {
+            return Err(invalid(
+                "secondary-backup-sync-period",
+                v,
+                "must be longer than zero",
+            ));
+        }
+        let origin = "etcdbrctl --secondary-backup-sync-period";
+        t.overrides.push(Override::flag(
+            "store.secondary.sync_interval",
+            super::duration_value(period),
+            origin,
+        ));
+        // A snapshot may wait a whole period for the next pass and that pass's copy: with a
+        // long period the lag alert is held to two periods, so it does not fire on every
+        // healthy cycle.
+        let lag = period.saturating_mul(2);
+        if lag > SECONDARY_MAX_LAG {
+            t.overrides.push(Override::flag(
+                "store.secondary.max_lag",
+                super::duration_value(lag),
+                origin,
+            ));
+        }
+    }
+    for (flag, reason) in [
+        (
+            "secondary-max-parallel-chunk-uploads",
+            "parts are uploaded as etcd-warden's store writer schedules them",
+        ),
+        (
+            "secondary-min-chunk-size",
+            "parts are uploaded as etcd-warden's store writer schedules them",
+        ),
+        (
+            "secondary-snapstore-temp-directory",
+            "uploads and downloads are streamed; nothing is staged on disk",
+        ),
+    ] {
+        if given.contains_key(flag) {
+            t.ignored.push(Ignored {
+                flag: format!("--{flag}"),
+                reason,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Refuses a secondary (the overrides from `from` on) that is the primary store or lies inside
+/// it or around it: the copies would land among the originals, protecting nothing, and each
+/// side's retention would delete the other's objects.
+fn same_store_refused(t: &Translation, from: usize) -> Result<(), UsageError> {
+    let primary = |key: &str| {
+        t.overrides[..from]
+            .iter()
+            .rev()
+            .find(|o| o.key == format!("store.{key}"))
+            .map(|o| o.value.trim_end_matches('/').to_string())
+    };
+    let secondary = |key: &str| {
+        t.overrides[from..]
+            .iter()
+            .rev()
+            .find(|o| o.key == format!("store.secondary.{key}"))
+            .map(|o| o.value.trim_end_matches('/').to_string())
+    };
+    let (Some(p), Some(s)) = (primary("url"), secondary("url")) else {
+        return Ok(());
+    };
+    let nested = p == s || s.starts_with(&format!("{p}/")) || p.starts_with(&format!("{s}/"));
+    // A bucket of the same name behind another endpoint or account is another store.
+    let same_place = ["endpoint", "account_name"]
+        .iter()
+        .all(|k| primary(k) == secondary(k));
+    if nested && same_place {
+        return Err(UsageError(format!(
+            "the secondary store {s} is the primary store {p} or overlaps it: give \
+             --secondary-store-container or --secondary-store-prefix a place of its own"
+        )));
     }
     Ok(())
 }
@@ -711,6 +888,204 @@ mod tests {
         let t = run(Subcommand::Restore, "--storage-provider=S3", &vars).unwrap();
         assert_eq!(t.value("store.access_key_id"), None);
         assert_eq!(t.value("store.access_key_id_file"), None);
+    }
+
+    /// `server`'s primary store in these tests: S3 with druid's variables.
+    const PRIMARY: &str = "--storage-provider=S3 --store-prefix=etcd-main";
+
+    #[test]
+    fn secondary_flags_are_store_secondary_with_their_own_credentials() {
+        let dir = tempfile::tempdir().unwrap();
+        let secondary = dir.path().join("secondary");
+        std::fs::create_dir(&secondary).unwrap();
+        for (name, value) in [
+            ("region", "eu-central-1"),
+            ("accessKeyID", "SECONDARY-ID"),
+            ("secretAccessKey", "secondary-secret"),
+        ] {
+            std::fs::write(secondary.join(name), value).unwrap();
+        }
+        let vars = HashMap::from([
+            ("STORAGE_CONTAINER", "primary-bucket".to_string()),
+            (
+                "SECONDARY_AWS_APPLICATION_CREDENTIALS",
+                secondary.display().to_string(),
+            ),
+            ("SECONDARY_STORAGE_CONTAINER", "dr-bucket".to_string()),
+            ("HOME", "/home/nonroot".to_string()),
+        ]);
+        let t = run(
+            Subcommand::Server,
+            &format!(
+                "{PRIMARY} --secondary-backup-sync-enabled=true --secondary-storage-provider=S3 \
+                 --secondary-store-prefix=/dr/etcd-main/ \
+                 --secondary-store-endpoint-override=http://127.0.0.1:9000 \
+                 --secondary-backup-sync-period=2h0m0s \
+                 --secondary-max-parallel-chunk-uploads=3 --secondary-min-chunk-size=5242880 \
+                 --secondary-snapstore-temp-directory=/var/etcd/data/temp2"
+            ),
+            &vars,
+        )
+        .unwrap();
+        assert_eq!(t.value("store.url"), Some("s3://primary-bucket/etcd-main"));
+        assert_eq!(
+            t.value("store.secondary.url"),
+            Some("s3://dr-bucket/dr/etcd-main")
+        );
+        assert_eq!(t.value("store.secondary.region"), Some("eu-central-1"));
+        assert_eq!(
+            t.value("store.secondary.endpoint"),
+            Some("http://127.0.0.1:9000")
+        );
+        assert_eq!(t.value("store.secondary.allow_http"), Some("true"));
+        // The secondary's own Secret, kept as files so a rotation is read again.
+        let id = secondary.join("accessKeyID").display().to_string();
+        assert_eq!(
+            t.value("store.secondary.access_key_id_file"),
+            Some(id.as_str())
+        );
+        assert_eq!(t.value("store.access_key_id_file"), None);
+        assert_eq!(t.value("store.secondary.sync_interval"), Some("7200000ms"));
+        // A pass every two hours: the lag alert allows two periods, not the default 15m.
+        assert_eq!(t.value("store.secondary.max_lag"), Some("14400000ms"));
+        let ignored: Vec<&str> = t.ignored.iter().map(|i| i.flag.as_str()).collect();
+        for flag in [
+            "--secondary-max-parallel-chunk-uploads",
+            "--secondary-min-chunk-size",
+            "--secondary-snapstore-temp-directory",
+        ] {
+            assert!(ignored.contains(&flag), "{flag}: {ignored:?}");
+        }
+
+        // Local: below $HOME as the primary's; etcd-backup-restore's period unless given.
+        let t = run(
+            Subcommand::Server,
+            &format!(
+                "{PRIMARY} --secondary-backup-sync-enabled --secondary-storage-provider=Local \
+                 --secondary-store-container=mirror"
+            ),
+            &vars,
+        )
+        .unwrap();
+        assert_eq!(
+            t.value("store.secondary.url"),
+            Some("file:///home/nonroot/mirror")
+        );
+        assert_eq!(t.value("store.secondary.sync_interval"), None);
+    }
+
+    #[test]
+    fn secondary_flags_without_sync_enabled_configure_nothing() {
+        let vars = HashMap::from([("STORAGE_CONTAINER", "primary-bucket".to_string())]);
+        for enabled in ["", "--secondary-backup-sync-enabled=false"] {
+            let t = run(
+                Subcommand::Server,
+                &format!(
+                    "{PRIMARY} {enabled} --secondary-storage-provider=S3 \
+                     --secondary-store-container=dr --secondary-min-chunk-size=1"
+                ),
+                &vars,
+            )
+            .unwrap();
+            assert!(
+                !t.overrides
+                    .iter()
+                    .any(|o| o.key.starts_with("store.secondary")),
+                "{enabled:?}: {:?}",
+                t.overrides
+            );
+            let ignored: Vec<&str> = t.ignored.iter().map(|i| i.flag.as_str()).collect();
+            assert!(
+                ignored.contains(&"--secondary-storage-provider"),
+                "{ignored:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_invalid_secondary_combination_is_refused_naming_the_flag() {
+        let vars = HashMap::from([
+            ("STORAGE_CONTAINER", "primary-bucket".to_string()),
+            ("HOME", "/home/nonroot".to_string()),
+        ]);
+        let on = "--secondary-backup-sync-enabled=true";
+        for (flags, named) in [
+            // etcd-backup-restore would take $HOME/default.bkp unasked.
+            (on.to_string(), "--secondary-storage-provider"),
+            (
+                format!("{on} --secondary-storage-provider=S3"),
+                "--secondary-store-container",
+            ),
+            (
+                format!("{on} --secondary-storage-provider=Swift --secondary-store-container=c"),
+                "--secondary-storage-provider=Swift",
+            ),
+            (
+                format!("{on} --secondary-storage-provider=Nope --secondary-store-container=c"),
+                "--secondary-storage-provider",
+            ),
+            (
+                format!(
+                    "{on} --secondary-storage-provider=S3 --secondary-store-container=primary-bucket \
+                     --secondary-store-prefix=etcd-main"
+                ),
+                "--secondary-store-prefix",
+            ),
+            (
+                format!(
+                    "{on} --secondary-storage-provider=S3 --secondary-store-container=primary-bucket"
+                ),
+                "--secondary-store-prefix",
+            ),
+            (
+                format!(
+                    "{on} --secondary-storage-provider=S3 --secondary-store-container=dr \
+                     --secondary-backup-sync-period=0s"
+                ),
+                "--secondary-backup-sync-period",
+            ),
+            (
+                format!(
+                    "{on} --secondary-storage-provider=S3 --secondary-store-container=dr \
+                     --secondary-min-chunk-size=1024"
+                ),
+                "--secondary-min-chunk-size",
+            ),
+            (
+                format!(
+                    "{on} --secondary-storage-provider=S3 --secondary-store-container=dr \
+                     --secondary-max-parallel-chunk-uploads=0"
+                ),
+                "--secondary-max-parallel-chunk-uploads",
+            ),
+            (
+                format!(
+                    "{on} --secondary-storage-provider=GCS --secondary-store-container=dr \
+                     --secondary-store-endpoint-override=http://x"
+                ),
+                "--secondary-store-endpoint-override",
+            ),
+        ] {
+            let e = run(Subcommand::Server, &format!("{PRIMARY} {flags}"), &vars).unwrap_err();
+            assert!(e.0.contains(named), "{flags}: {e}");
+        }
+        // Two Local stores in one directory are one store.
+        let home = HashMap::from([("HOME", "/home/nonroot".to_string())]);
+        let e = run(
+            Subcommand::Server,
+            &format!("--storage-provider=Local {on} --secondary-storage-provider=Local"),
+            &home,
+        )
+        .unwrap_err();
+        assert!(e.0.contains("--secondary-store-container"), "{e}");
+        // etcd-backup-restore defines them for `server` alone.
+        let e = run(
+            Subcommand::Snapshot,
+            &format!("{PRIMARY} --secondary-storage-provider=S3"),
+            &vars,
+        )
+        .unwrap_err();
+        assert!(e.0.contains("--secondary-storage-provider"), "{e}");
     }
 
     #[test]
