@@ -1712,6 +1712,9 @@ mod tests {
         (dir, path)
     }
 
+    /// One walk of a tree by a reader.
+    type Walk = fn(&Reader, &Root) -> Result<(), BoltError>;
+
     /// The crafted snapshot, small: the `key` bucket a branch (page 4) over 150 leaves,
     /// each claiming as overflow every page to the end of the file. Each leaf was read whole,
     /// its overflow only read, never marked: 150 leaves cost ~11,000 page reads for a 155-page
@@ -1725,7 +1728,7 @@ mod tests {
         let (_dir, path) = on_disk(crafted::overflow_leaves(4096, leaves));
         let len = pages * 4096;
 
-        let walks: [(&str, fn(&Reader, &Root) -> Result<(), BoltError>); 3] = [
+        let walks: [(&str, Walk); 3] = [
             ("visit", |r, root| r.visit(root, &mut |_, _, _| Ok(()))),
             ("tree_pages", |r, root| r.tree_pages(root).map(drop)),
             ("check", |r, _| r.check().map(drop)),
