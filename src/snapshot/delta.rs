@@ -619,9 +619,15 @@ impl Events {
 
     fn unpack<'a>(&'a self, rest: &mut &'a [u8]) -> EventView<'a> {
         let flags = take(rest, 1).first().copied().unwrap_or_default();
-        let secs = i64::from_le_bytes(take(rest, 8).try_into().unwrap_or_default());
+        let days = i32::from_le_bytes(take(rest, 4).try_into().unwrap_or_default());
+        let secs = u32::from_le_bytes(take(rest, 4).try_into().unwrap_or_default());
         let nanos = u32::from_le_bytes(take(rest, 4).try_into().unwrap_or_default());
-        let time = DateTime::from_timestamp(secs, nanos).unwrap_or_default();
+        let time = chrono::NaiveDate::from_num_days_from_ce_opt(days)
+            .zip(chrono::NaiveTime::from_num_seconds_from_midnight_opt(
+                secs, nanos,
+            ))
+            .map(|(d, t)| d.and_time(t).and_utc())
+            .unwrap_or_default();
         let kv = (flags & HAS_KV != 0).then(|| {
             let create_revision = take_varint(rest) as i64;
             let mod_revision = take_varint(rest) as i64;
@@ -673,8 +679,21 @@ impl Sink for Events {
             EventType::Delete => DELETE,
         } | if event.kv.is_some() { HAS_KV } else { 0 };
         put(&[flags], &mut n);
-        put(&time.timestamp().to_le_bytes(), &mut n);
-        put(&time.timestamp_subsec_nanos().to_le_bytes(), &mut n);
+        // The day, the second in it and the nanosecond: a leap second's 1,000,000,000 and more
+        // come back as they went in.
+        let naive = time.naive_utc();
+        put(
+            &chrono::Datelike::num_days_from_ce(&naive.date()).to_le_bytes(),
+            &mut n,
+        );
+        put(
+            &chrono::Timelike::num_seconds_from_midnight(&naive.time()).to_le_bytes(),
+            &mut n,
+        );
+        put(
+            &chrono::Timelike::nanosecond(&naive.time()).to_le_bytes(),
+            &mut n,
+        );
         let mut key: &[u8] = &[];
         let mut inline: &[u8] = &[];
         let mut own = None;
@@ -692,9 +711,10 @@ impl Sink for Events {
             }
         }
         let mut tag = [0u8; 10];
-        let tag = match own {
-            Some(index) => varint_into(&mut tag, ((index as u64) << 1) | 1),
-            None => varint_into(&mut tag, (inline.len() as u64) << 1),
+        let tag: &[u8] = match (&event.kv, own) {
+            (None, _) => &[],
+            (Some(_), Some(index)) => varint_into(&mut tag, ((index as u64) << 1) | 1),
+            (Some(_), None) => varint_into(&mut tag, (inline.len() as u64) << 1),
         };
         let needed = n + key.len() + tag.len() + inline.len();
         let fits = self
