@@ -168,3 +168,159 @@ async fn storing_a_large_delta_holds_its_events_and_a_few_parts() {
     assert_eq!(back.len(), events_mib);
     assert!(back.iter().enumerate().all(|(i, e)| e.event == put(i + 1)));
 }
+
+/// The bound restores and `verify` hold deltas to here.
+const MAX_DELTA: u64 = 32 << 20;
+
+/// A store whose deltas decompress to at most [`MAX_DELTA`].
+fn delta_store(dir: &std::path::Path) -> SnapshotStore {
+    let backend = Arc::new(object_store::local::LocalFileSystem::new_with_prefix(dir).unwrap());
+    SnapshotStore::new(backend, "").with_read_limits(etcd_warden::store::ReadLimits {
+        max_delta_size: MAX_DELTA,
+        ..Default::default()
+    })
+}
+
+/// Stores a gzip delta of tiny events (revisions `first..`) whose JSON is about `json_mib` MiB,
+/// written as it is compressed (the events are never held). Returns it and its last revision.
+async fn tiny_event_delta(
+    store: &SnapshotStore,
+    first: i64,
+    json_mib: usize,
+) -> (etcd_warden::store::Snapshot, i64) {
+    use base64::Engine;
+    use std::io::Write;
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    let mut hash = Sha256::new();
+    let mut json = Vec::with_capacity(1 << 17);
+    let mut written = 0;
+    let mut rev = first;
+    json.push(b'[');
+    while written + json.len() < json_mib * MIB {
+        if rev > first {
+            json.push(b',');
+        }
+        // As Go writes it (what `delta::encode` writes too), by hand: serde_json unoptimised
+        // would make this the test's longest part.
+        let key = base64::engine::general_purpose::STANDARD.encode(format!("/registry/k{rev}"));
+        write!(
+            json,
+            r#"{{"etcdEvent":{{"kv":{{"key":"{key}","create_revision":{rev},"mod_revision":{rev},"version":1,"value":"dg=="}}}},"time":"2026-12-02T04:04:33.123456789Z"}}"#
+        )
+        .unwrap();
+        rev += 1;
+        if json.len() >= 1 << 16 {
+            hash.update(&json);
+            gz.write_all(&json).unwrap();
+            written += json.len();
+            json.clear();
+        }
+    }
+    json.push(b']');
+    hash.update(&json);
+    gz.write_all(&json).unwrap();
+    gz.write_all(&hash.finalize()).unwrap();
+    let snap = store.new_snapshot(Kind::Incr, first, rev - 1, Codec::Gzip, false);
+    store
+        .put_bytes(&snap, Bytes::from(gz.finish().unwrap()))
+        .await
+        .unwrap();
+    (snap, rev - 1)
+}
+
+/// Four deltas of 30 MiB of tiny events' JSON each (about 230,000 events apiece) in a store
+/// whose deltas may reach 32 MiB.
+async fn four_large_deltas(store: &SnapshotStore) -> Vec<etcd_warden::store::Snapshot> {
+    let mut deltas = Vec::new();
+    let mut next = 1;
+    for _ in 0..4 {
+        let (d, last) = tiny_event_delta(store, next, 30).await;
+        deltas.push(d);
+        next = last + 1;
+    }
+    deltas
+}
+
+/// Restore's read of deltas with `restore.parallel_fetch` 4, its writer behind a queue as the
+/// patcher's is: the whole process stays within twice `max_delta_size` plus 64 MiB. Before,
+/// each delta in flight held its JSON whole and its events parsed (several times the JSON for
+/// tiny events), times the deltas in flight: 5 M tiny events peaked a restore at 3.76 GB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restoring_deltas_of_tiny_events_stays_within_twice_the_delta_bound() {
+    use etcd_warden::snapshot::delta;
+    let dir = tempfile::tempdir().unwrap();
+    let store = delta_store(dir.path());
+    let deltas = four_large_deltas(&store).await;
+    let _alone = alone().await;
+    let before = rss();
+    // The restore's writer: a blocking thread that takes decoded deltas from a short queue.
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<delta::Events>(4);
+    let writer = tokio::task::spawn_blocking(move || {
+        let (mut events, mut last) = (0usize, 0i64);
+        while let Some(batch) = rx.blocking_recv() {
+            for e in batch.views() {
+                assert_eq!(e.revision(), last + 1);
+                last = e.revision();
+                events += 1;
+            }
+        }
+        (events, last)
+    });
+    let mut fetched = std::pin::pin!(delta::read_all(&store, &deltas, 4));
+    while let Some((d, events)) = fetched.next().await {
+        let events = events.unwrap_or_else(|e| panic!("{}: {e}", d.snap_name));
+        tx.send(events).await.unwrap();
+    }
+    drop(tx);
+    let (events, last) = writer.await.unwrap();
+    let grew = peak_rss().saturating_sub(before);
+    println!(
+        "reading {events} events in 4 deltas grew memory by {} MiB",
+        grew / MIB
+    );
+    assert_eq!(last, deltas.last().unwrap().last_revision);
+    let bound = 2 * MAX_DELTA as usize + 64 * MIB;
+    assert!(
+        grew < bound,
+        "restoring 4 deltas of 30 MiB of tiny events grew memory by {} MiB, more than {} MiB",
+        grew / MIB,
+        bound / MIB
+    );
+    assert_eq!(
+        delta::budget_held(MAX_DELTA),
+        0,
+        "the budget is all given back"
+    );
+}
+
+/// `verify` on the same deltas, one after the other: each counted as it is parsed. Before, a
+/// delta was held whole and parsed whole (1.48 GB for 420 MB of JSON).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verifying_deltas_of_tiny_events_stays_within_twice_the_delta_bound() {
+    use etcd_warden::snapshot::verify::verify;
+    let dir = tempfile::tempdir().unwrap();
+    let store = delta_store(dir.path());
+    let deltas = four_large_deltas(&store).await;
+    let _alone = alone().await;
+    let before = rss();
+    let mut events = 0;
+    for d in &deltas {
+        events += verify(&store, d)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .events;
+    }
+    let grew = peak_rss().saturating_sub(before);
+    println!(
+        "verifying {events} events grew memory by {} MiB",
+        grew / MIB
+    );
+    assert_eq!(events as i64, deltas.last().unwrap().last_revision);
+    let bound = 2 * MAX_DELTA as usize + 64 * MIB;
+    assert!(
+        grew < bound,
+        "verifying deltas of 30 MiB of tiny events grew memory by {} MiB, more than {} MiB",
+        grew / MIB,
+        bound / MIB
+    );
+}

@@ -46,7 +46,7 @@ use chrono::{DateTime, Utc};
 use super::bolt::{BoltError, Bucket, Patcher, Reader, Root, Tree};
 use super::member_dir::{Cluster, Release};
 use super::{RestoreError, RevisionBump, StepExt};
-use crate::snapshot::delta::{self, Event, EventType};
+use crate::snapshot::delta::{self, EventType, EventView};
 use crate::store::layout::Target;
 use crate::store::{Snapshot, SnapshotStore};
 
@@ -275,7 +275,7 @@ impl Cursor {
 
     /// Whether `event`, received at `time`, is past the target: the first event of a revision
     /// after it. The rest of a revision already begun is never past it.
-    fn past_target(&self, event: &Event, time: DateTime<Utc>) -> bool {
+    fn past_target(&self, event: &EventView, time: DateTime<Utc>) -> bool {
         let rev = event.revision();
         if rev <= self.restored || (rev == self.revision && self.revision > self.restored) {
             return false;
@@ -288,10 +288,9 @@ impl Cursor {
     }
 
     /// The record for `event` from delta `name`: `Ok(None)` when the snapshot already has it.
-    fn record(&mut self, event: &Event, name: &str) -> Result<Option<Record>, Fail> {
+    fn record(&mut self, event: &EventView, name: &str) -> Result<Option<Record>, Fail> {
         let kv = event
             .kv
-            .as_ref()
             .ok_or_else(|| Fail::Deltas(format!("delta {name}: an event without a key")))?;
         let rev = kv.mod_revision;
         if rev <= self.restored {
@@ -370,11 +369,12 @@ impl From<BoltError> for Fail {
 }
 
 /// A decoded delta, or the fetching side giving up.
-type Batch = Result<(String, Vec<delta::TimedEvent>), ()>;
+type Batch = Result<(String, delta::Events), ()>;
 
 /// Patches `snapshot_db` (etcd's snapshot file: `db_len` bytes of database, then its hash) with
 /// every event of `deltas` appended and moves it to `out`, a database without a hash. Deltas
-/// are fetched and decoded `parallel` ahead of the writer. Unless it is [`Outcome::Done`],
+/// are fetched and decoded `parallel` ahead of the writer, within the process's delta budget
+/// ([`delta::read_all`]): a decoded delta queued for the writer holds its share until written. Unless it is [`Outcome::Done`],
 /// `snapshot_db` is left as it was fetched.
 pub async fn write(
     store: &SnapshotStore,
@@ -396,12 +396,7 @@ pub async fn write(
     let writer = tokio::task::spawn_blocking(move || {
         write_blocking(&input, db_len, &output, rx, plan, &cancel)
     });
-    let mut fetched = futures::stream::iter(deltas.iter().cloned())
-        .map(|d| async move {
-            let events = delta::read(store, &d).await;
-            (d, events)
-        })
-        .buffered(parallel.max(1));
+    let mut fetched = std::pin::pin!(delta::read_all(store, deltas, parallel));
     let mut fetch_error = None;
     while let Some((d, events)) = fetched.next().await {
         match events {
@@ -530,7 +525,10 @@ pub(crate) fn write_events(
 ) -> Result<Outcome, String> {
     let (tx, rx) = mpsc::channel(1);
     // The receiver is alive and the channel empty, so the one batch always fits.
-    let _ = tx.try_send(Ok(("Incr-fuzz".to_owned(), events)));
+    let _ = tx.try_send(Ok((
+        "Incr-fuzz".to_owned(),
+        delta::Events::from_events(events),
+    )));
     drop(tx);
     write_blocking(input, db_len, out, rx, plan, &CancellationToken::new()).map_err(|e| match e {
         Fail::Deltas(e) | Fail::Unsupported(e) => e,
@@ -807,14 +805,14 @@ fn append_events(
             break;
         };
         let (name, events) = batch.map_err(|()| Fail::Aborted)?;
-        for te in &events {
-            if cursor.past_target(&te.event, te.time) {
+        for event in events.views() {
+            if cursor.past_target(&event, event.time) {
                 rx.close();
                 return Ok(());
             }
-            if let Some((k, v)) = cursor.record(&te.event, &name)? {
+            if let Some((k, v)) = cursor.record(&event, &name)? {
                 push(&k, &v)?;
-                cursor.last_time = Some(te.time);
+                cursor.last_time = Some(event.time);
             }
         }
     }
@@ -825,7 +823,7 @@ fn append_events(
 mod tests {
     use super::*;
     use crate::restore::bolt::NewFile;
-    use crate::snapshot::delta::KeyValue;
+    use crate::snapshot::delta::{Event, KeyValue};
 
     #[test]
     fn records_are_etcds_encoding() {
@@ -909,24 +907,27 @@ mod tests {
         ];
         for (i, (event, t, rev_past, time_past)) in steps.iter().enumerate() {
             assert_eq!(
-                by_rev.past_target(event, at(*t)),
+                by_rev.past_target(&event.view_at(at(*t)), at(*t)),
                 *rev_past,
                 "revision, step {i}"
             );
             assert_eq!(
-                by_time.past_target(event, at(*t)),
+                by_time.past_target(&event.view_at(at(*t)), at(*t)),
                 *time_past,
                 "time, step {i}"
             );
             for c in [&mut by_rev, &mut by_time] {
                 if !*rev_past {
-                    c.record(event, "d").ok().unwrap();
+                    c.record(&event.view_at(at(*t)), "d").ok().unwrap();
                 }
             }
         }
         assert_eq!((by_rev.revision, by_time.revision), (12, 12));
         // No target: nothing is ever past it.
-        assert!(!Cursor::new(10, None).past_target(&put("z", 99, 99, 1), at(4_000_000_000)));
+        assert!(
+            !Cursor::new(10, None)
+                .past_target(&put("z", 99, 99, 1).view_at(at(0)), at(4_000_000_000),)
+        );
     }
 
     /// A snapshot file in `dir`: a database of revisions 1 to `revisions` (one put each) and a
@@ -976,8 +977,11 @@ mod tests {
         plan: Plan,
     ) -> Result<Outcome, Fail> {
         let (tx, rx) = mpsc::channel(1);
-        tx.try_send(Ok(("Incr-1".to_owned(), timed(events))))
-            .unwrap();
+        tx.try_send(Ok((
+            "Incr-1".to_owned(),
+            delta::Events::from_events(timed(events)),
+        )))
+        .unwrap();
         drop(tx);
         write_blocking(snapshot, db_len, out, rx, plan, &CancellationToken::new())
     }
@@ -999,7 +1003,10 @@ mod tests {
             finished: false,
         };
         feed.tx
-            .try_send(Ok(("Incr-1".to_owned(), timed(vec![put("k", 1, 2001, 1)]))))
+            .try_send(Ok((
+                "Incr-1".to_owned(),
+                delta::Events::from_events(timed(vec![put("k", 1, 2001, 1)])),
+            )))
             .unwrap();
         let writer = std::thread::spawn(move || {
             write_blocking(&snapshot, db_len, &out, rx, Plan::default(), &cancel)
@@ -1114,30 +1121,47 @@ mod tests {
     fn events_continue_the_snapshot_one_revision_at_a_time() {
         let mut c = cursor(10);
         // Already in the snapshot.
-        assert!(c.record(&put("a", 9, 10, 2), "d").ok().unwrap().is_none());
-        let (k, _) = c.record(&put("a", 9, 11, 3), "d").ok().unwrap().unwrap();
+        assert!(
+            c.record(&put("a", 9, 10, 2).view_at(at(0)), "d")
+                .ok()
+                .unwrap()
+                .is_none()
+        );
+        let (k, _) = c
+            .record(&put("a", 9, 11, 3).view_at(at(0)), "d")
+            .ok()
+            .unwrap()
+            .unwrap();
         assert_eq!(k, revision_key(11, 0, false));
         // Two events of one transaction: sub-revisions 0 and 1.
-        let (k, _) = c.record(&put("b", 12, 12, 1), "d").ok().unwrap().unwrap();
+        let (k, _) = c
+            .record(&put("b", 12, 12, 1).view_at(at(0)), "d")
+            .ok()
+            .unwrap()
+            .unwrap();
         assert_eq!(k, revision_key(12, 0, false));
-        let (k, v) = c.record(&delete("a", 12), "d").ok().unwrap().unwrap();
+        let (k, v) = c
+            .record(&delete("a", 12).view_at(at(0)), "d")
+            .ok()
+            .unwrap()
+            .unwrap();
         assert_eq!(
             (k, v),
             (revision_key(12, 1, true), encode_kv(b"a", 0, 0, 0, b""))
         );
         assert_eq!((c.events, c.revision), (3, 12));
         // A gap is a lost delta, going back a broken chain.
-        match c.record(&put("c", 14, 14, 1), "Incr-x") {
+        match c.record(&put("c", 14, 14, 1).view_at(at(0)), "Incr-x") {
             Err(Fail::Deltas(e)) => assert!(e.contains("13 to 13 are missing"), "{e}"),
             _ => panic!("a gap must fail"),
         }
-        match c.record(&put("c", 11, 11, 1), "Incr-x") {
+        match c.record(&put("c", 11, 11, 1).view_at(at(0)), "Incr-x") {
             Err(Fail::Deltas(e)) => assert!(e.contains("out of order"), "{e}"),
             _ => panic!("going back must fail"),
         }
         // A put without what etcd stores for it cannot be written directly.
         assert!(matches!(
-            c.record(&put("c", 0, 13, 0), "d"),
+            c.record(&put("c", 0, 13, 0).view_at(at(0)), "d"),
             Err(Fail::Unsupported(_))
         ));
     }

@@ -391,26 +391,26 @@ async fn apply_delta(
         })
     })?;
     let floor = expected.revision;
-    for te in events {
-        let Some(kv) = te.event.kv.as_ref() else {
+    for event in events.views() {
+        let Some(kv) = event.kv else {
             continue;
         };
         if kv.mod_revision <= floor || kv.mod_revision > until {
             continue;
         }
-        match te.event.kind {
+        match event.kind {
             EventType::Put => {
                 let state = DecodedKv {
-                    key: kv.key.clone(),
+                    key: kv.key.to_vec(),
                     create_revision: kv.create_revision,
                     mod_revision: kv.mod_revision,
                     version: kv.version,
-                    value: kv.value.clone(),
+                    value: kv.value.to_vec(),
                 };
-                expected.keys.insert(kv.key.clone(), digest(&state));
+                expected.keys.insert(kv.key.to_vec(), digest(&state));
             }
             EventType::Delete => {
-                expected.keys.remove(&kv.key);
+                expected.keys.remove(kv.key);
             }
         }
         expected.revision = expected.revision.max(kv.mod_revision);

@@ -737,7 +737,8 @@ fn check_final_revision(
     )))
 }
 
-/// Fetches deltas `parallel` ahead and replays them in order. Returns (events applied, revision).
+/// Fetches deltas `parallel` ahead (within the process's delta budget, [`delta::read_all`])
+/// and replays them in order. Returns (events applied, revision).
 async fn replay_all(
     store: &SnapshotStore,
     temp: &TempEtcd,
@@ -754,17 +755,12 @@ async fn replay_all(
     let mut current = restored;
     let started = Instant::now();
     tracing::info!(revision = restored, "replaying deltas");
-    let mut fetched = futures::stream::iter(deltas.iter().cloned())
-        .map(|d| async move {
-            let events = delta::read(store, &d).await;
-            (d, events)
-        })
-        .buffered(parallel);
+    let mut fetched = std::pin::pin!(delta::read_all(store, deltas, parallel));
     let kv = client.kv_client();
     let mut applied = replay::Applied::default();
-    // The last revision of a delta is held back until the next delta shows it is complete:
-    // nothing guarantees that one revision's events never straddle two deltas.
-    let mut held: Vec<(i64, ReplayOp)> = Vec::new();
+    // The last revision seen is held back until a later event (or the end) shows it is
+    // complete: nothing guarantees that one revision's events never straddle two deltas.
+    let mut pending = Pending::default();
     while let Some((d, events)) = fetched.next().await {
         let events = events
             .map_err(|cause| RestoreError::Delta {
@@ -772,30 +768,26 @@ async fn replay_all(
                 cause,
             })
             .step("fetching and verifying deltas")?;
-        let mut ops = std::mem::take(&mut held);
-        for te in events {
-            ops.push(to_op(&te.event, &d)?);
+        for event in events.views() {
+            let (rev, op) = to_op(&event, d)?;
+            pending.push(rev, op, d).step("replaying deltas")?;
+            if pending.bytes >= Pending::APPLY_BYTES {
+                pending
+                    .apply_complete(&kv, &mut current, &mut applied)
+                    .await?;
+            }
         }
-        let mut groups = replay::group(ops)
-            .map_err(|e| RestoreError::Deltas(format!("delta {}: {e}", d.snap_name)))
-            .step("replaying deltas")?;
-        if let Some(last) = groups.pop() {
-            held = last.ops.into_iter().map(|op| (last.revision, op)).collect();
-        }
-        let done = replay::apply(&kv, &groups, &mut current)
-            .await
-            .step("replaying deltas")?;
-        applied.events += done.events;
-        applied.rounds += done.rounds;
+        pending
+            .apply_complete(&kv, &mut current, &mut applied)
+            .await?;
     }
-    if !held.is_empty() {
-        let groups: Vec<RevisionGroup> = replay::group(held).step("replaying deltas")?;
-        let done = replay::apply(&kv, &groups, &mut current)
-            .await
-            .step("replaying deltas")?;
-        applied.events += done.events;
-        applied.rounds += done.rounds;
-    }
+    let groups: Vec<RevisionGroup> =
+        replay::group(std::mem::take(&mut pending.ops)).step("replaying deltas")?;
+    let done = replay::apply(&kv, &groups, &mut current)
+        .await
+        .step("replaying deltas")?;
+    applied.events += done.events;
+    applied.rounds += done.rounds;
     let actual = current_revision(&mut client)
         .await
         .step("reading the final revision")?;
@@ -812,9 +804,85 @@ async fn replay_all(
     Ok((applied.events, actual))
 }
 
+/// Replay operations read and not applied yet, in revision order: applied a few MiB at a time,
+/// so a delta's events are held once (packed, by the budget), not again as operations.
+#[derive(Default)]
+struct Pending {
+    ops: Vec<(i64, ReplayOp)>,
+    /// What `ops` hold, about.
+    bytes: usize,
+    /// Of them, what the last revision holds.
+    last_bytes: usize,
+}
+
+impl Pending {
+    /// Bytes of operations gathered before the complete revisions are applied.
+    const APPLY_BYTES: usize = 4 << 20;
+    /// The most one revision may hold: the temporary etcd takes a revision in one transaction
+    /// of at most this (its `--max-request-bytes`, [`tools::TempEtcd::start`]).
+    const REVISION_BYTES: usize = 32 << 20;
+
+    fn push(&mut self, rev: i64, op: ReplayOp, d: &Snapshot) -> Result<(), RestoreError> {
+        let last = self.ops.last().map(|(r, _)| *r);
+        if let Some(last) = last
+            && rev < last
+        {
+            return Err(RestoreError::Deltas(format!(
+                "delta {}: events out of order: revision {rev} after {last}",
+                d.snap_name
+            )));
+        }
+        let cost = size_of::<(i64, ReplayOp)>()
+            + 32
+            + match &op {
+                ReplayOp::Put { key, value } => key.len() + value.len(),
+                ReplayOp::Delete { key } => key.len(),
+            };
+        self.last_bytes = match last == Some(rev) {
+            true => self.last_bytes + cost,
+            false => cost,
+        };
+        if self.last_bytes > Self::REVISION_BYTES {
+            return Err(RestoreError::Deltas(format!(
+                "delta {}: revision {rev} holds more than {} MiB of changes, more than the \
+                 temporary etcd takes in one transaction",
+                d.snap_name,
+                Self::REVISION_BYTES >> 20
+            )));
+        }
+        self.bytes += cost;
+        self.ops.push((rev, op));
+        Ok(())
+    }
+
+    /// Applies every revision but the last (which may go on in what follows).
+    async fn apply_complete(
+        &mut self,
+        kv: &etcd_client::KvClient,
+        current: &mut i64,
+        applied: &mut replay::Applied,
+    ) -> Result<(), RestoreError> {
+        let Some(&(last, _)) = self.ops.last() else {
+            return Ok(());
+        };
+        let complete = self.ops.partition_point(|(r, _)| *r < last);
+        if complete == 0 {
+            return Ok(());
+        }
+        let groups = replay::group(self.ops.drain(..complete)).step("replaying deltas")?;
+        self.bytes = self.last_bytes;
+        let done = replay::apply(kv, &groups, current)
+            .await
+            .step("replaying deltas")?;
+        applied.events += done.events;
+        applied.rounds += done.rounds;
+        Ok(())
+    }
+}
+
 /// A delta event as a replay operation; the lease is dropped on purpose (see the module doc).
-fn to_op(event: &delta::Event, d: &Snapshot) -> Result<(i64, ReplayOp), RestoreError> {
-    let kv = event.kv.as_ref().ok_or_else(|| RestoreError::Step {
+fn to_op(event: &delta::EventView, d: &Snapshot) -> Result<(i64, ReplayOp), RestoreError> {
+    let kv = event.kv.ok_or_else(|| RestoreError::Step {
         step: "replaying deltas",
         cause: Box::new(RestoreError::Deltas(format!(
             "delta {}: an event without a key",
@@ -823,11 +891,11 @@ fn to_op(event: &delta::Event, d: &Snapshot) -> Result<(i64, ReplayOp), RestoreE
     })?;
     let op = match event.kind {
         EventType::Put => ReplayOp::Put {
-            key: kv.key.clone(),
-            value: kv.value.clone(),
+            key: kv.key.to_vec(),
+            value: kv.value.to_vec(),
         },
         EventType::Delete => ReplayOp::Delete {
-            key: kv.key.clone(),
+            key: kv.key.to_vec(),
         },
     };
     Ok((kv.mod_revision, op))

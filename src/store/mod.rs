@@ -1152,12 +1152,22 @@ impl SnapshotStore {
     /// The payload, decrypted (when encrypted) and decompressed, as a stream. Without an
     /// identity an encrypted snapshot fails here, before anything is read.
     pub async fn get_decoded(&self, snapshot: &Snapshot) -> Result<ByteStream, StoreError> {
+        Ok(self.get_decoded_sized(snapshot).await?.0)
+    }
+
+    /// [`SnapshotStore::get_decoded`], with the size the object is stored at (what bounds a
+    /// delta's inflated size before it is read: [`crate::snapshot::delta::read_all`]).
+    pub async fn get_decoded_sized(
+        &self,
+        snapshot: &Snapshot,
+    ) -> Result<(ByteStream, u64), StoreError> {
         let identities = match snapshot.encrypted {
             true => Some(self.identities(snapshot)?),
             false => None,
         };
         let got = self.store.get(&self.path_of(snapshot)).await?;
-        let bound = self.bound_of(snapshot, got.meta.size);
+        let stored_size = got.meta.size;
+        let bound = self.bound_of(snapshot, stored_size);
         let stored = got
             .into_stream()
             .map(|r| r.map_err(std::io::Error::other))
@@ -1167,11 +1177,11 @@ impl SnapshotStore {
             None => stored,
         };
         let limit = bound.limit;
-        Ok(compression::bounded(
-            snapshot.compression.decode(compressed),
-            limit,
-            move || bound.clone().into_io(),
-        ))
+        let decoded =
+            compression::bounded(snapshot.compression.decode(compressed), limit, move || {
+                bound.clone().into_io()
+            });
+        Ok((decoded, stored_size))
     }
 
     /// The most `snapshot`, stored in `stored` bytes, may decompress to, as the error that
