@@ -965,7 +965,7 @@ mod tests {
             if minute == 0 {
                 snapshots.push(full(rev, at));
                 reach = Some(rev);
-            } else if minute % 20 == 0
+            } else if minute.is_multiple_of(20)
                 && let Some(r) = reach
                 && r < rev
             {
