@@ -332,12 +332,12 @@ impl Cursor {
                 }
                 (
                     revision_key(rev, self.sub, false),
-                    encode_kv(&kv.key, kv.create_revision, rev, kv.version, &kv.value),
+                    encode_kv(kv.key, kv.create_revision, rev, kv.version, kv.value),
                 )
             }
             EventType::Delete => (
                 revision_key(rev, self.sub, true),
-                encode_kv(&kv.key, 0, 0, 0, &[]),
+                encode_kv(kv.key, 0, 0, 0, &[]),
             ),
         }))
     }
