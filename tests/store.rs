@@ -477,33 +477,12 @@ async fn verify_names_a_revision_gap_in_the_latest_chain() {
 /// ends at the first such name with an error, which stopped all of them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn names_that_are_no_object_keys_stop_neither_listing_nor_verify_nor_retention() {
-    use etcd_warden::config::GcPolicy;
-    use etcd_warden::store::gc::{self, Retention};
     use std::os::unix::ffi::OsStrExt;
 
     let dir = tempfile::tempdir().unwrap();
     let url = format!("file://{}", dir.path().display());
     let store = SnapshotStore::from_config(&store_config(&url)).unwrap();
-    let now = Utc::now().timestamp();
-    let mut fulls = Vec::new();
-    for (i, last) in [10, 20, 30].into_iter().enumerate() {
-        let s = snap(&store, Kind::Full, 0, last, now - 100 + i as i64);
-        let mut payload = self::payload(4096);
-        let hash = sha2::Digest::finalize(sha2::Digest::chain_update(
-            <sha2::Sha256 as sha2::Digest>::new(),
-            &payload,
-        ));
-        payload.extend_from_slice(&hash);
-        let gz = collect(
-            Codec::Gzip
-                .encode(chunked(&payload, 4096), 1, Default::default())
-                .unwrap(),
-        )
-        .await
-        .unwrap();
-        store.put_bytes(&s, Bytes::from(gz)).await.unwrap();
-        fulls.push(s);
-    }
+    let fulls = three_good_fulls(&store).await;
     let v2 = dir.path().join("v2");
     std::fs::write(v2.join(std::ffi::OsStr::from_bytes(b"Full-\xff")), b"x").unwrap();
     std::fs::write(
@@ -557,14 +536,7 @@ async fn names_that_are_no_object_keys_stop_neither_listing_nor_verify_nor_reten
     assert!(said.contains("2 object(s)"), "{said}");
 
     // Retention deletes what its policy says and leaves the two alone.
-    let retention = Retention {
-        policy: GcPolicy::LimitBased { max_backups: 1 },
-        delta_retention: std::time::Duration::ZERO,
-    };
-    let report = gc::run(&store, Utc::now(), retention).await.unwrap();
-    assert_eq!(report.deleted, fulls[..2].to_vec());
-    let listing = store.listing().await.unwrap();
-    assert_eq!(listing.snapshots(), fulls[2..].to_vec());
+    let listing = retention_keeps_the_newest_of(&store, &fulls).await;
     assert_eq!(listing.unrecognised.len(), 2);
 }
 
@@ -576,31 +548,9 @@ async fn names_that_are_no_object_keys_stop_neither_listing_nor_verify_nor_reten
 /// `store::paged`'s tests).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s3_keys_that_are_no_object_keys_stop_neither_listing_nor_verify_nor_retention() {
-    use etcd_warden::config::GcPolicy;
-    use etcd_warden::store::gc::{self, Retention};
-
     let s3 = S3Server::start(&["bkt"]);
     let store = SnapshotStore::from_config(&s3.store_config("bkt", "p")).unwrap();
-    let now = Utc::now().timestamp();
-    let mut fulls = Vec::new();
-    for (i, last) in [10, 20, 30].into_iter().enumerate() {
-        let s = snap(&store, Kind::Full, 0, last, now - 100 + i as i64);
-        let mut payload = self::payload(4096);
-        let hash = sha2::Digest::finalize(sha2::Digest::chain_update(
-            <sha2::Sha256 as sha2::Digest>::new(),
-            &payload,
-        ));
-        payload.extend_from_slice(&hash);
-        let gz = collect(
-            Codec::Gzip
-                .encode(chunked(&payload, 4096), 1, Default::default())
-                .unwrap(),
-        )
-        .await
-        .unwrap();
-        store.put_bytes(&s, Bytes::from(gz)).await.unwrap();
-        fulls.push(s);
-    }
+    let fulls = three_good_fulls(&store).await;
     // s3s-fs keeps a bucket's objects as files: these are keys object_store cannot parse.
     let v2 = s3.root.path().join("bkt/p/v2");
     for name in [
@@ -659,13 +609,50 @@ async fn s3_keys_that_are_no_object_keys_stop_neither_listing_nor_verify_nor_ret
     assert_eq!(said.matches("ok    Full-").count(), 3, "{said}");
     assert!(said.contains("3 object(s)"), "{said}");
 
+    let listing = retention_keeps_the_newest_of(&store, &fulls).await;
+    assert_eq!(listing.unrecognised.len(), 3);
+}
+
+/// Three valid gzip full snapshots (revisions 10, 20, 30, a second apart), oldest first.
+async fn three_good_fulls(store: &SnapshotStore) -> Vec<Snapshot> {
+    let now = Utc::now().timestamp();
+    let mut fulls = Vec::new();
+    for (i, last) in [10, 20, 30].into_iter().enumerate() {
+        let s = snap(store, Kind::Full, 0, last, now - 100 + i as i64);
+        let mut payload = self::payload(4096);
+        let hash = sha2::Digest::finalize(sha2::Digest::chain_update(
+            <sha2::Sha256 as sha2::Digest>::new(),
+            &payload,
+        ));
+        payload.extend_from_slice(&hash);
+        let gz = collect(
+            Codec::Gzip
+                .encode(chunked(&payload, 4096), 1, Default::default())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+        store.put_bytes(&s, Bytes::from(gz)).await.unwrap();
+        fulls.push(s);
+    }
+    fulls
+}
+
+/// Retention keeping one full snapshot deletes the two older of `fulls` and nothing else;
+/// the listing after it.
+async fn retention_keeps_the_newest_of(
+    store: &SnapshotStore,
+    fulls: &[Snapshot],
+) -> etcd_warden::store::Listing {
+    use etcd_warden::config::GcPolicy;
+    use etcd_warden::store::gc::{self, Retention};
     let retention = Retention {
         policy: GcPolicy::LimitBased { max_backups: 1 },
         delta_retention: std::time::Duration::ZERO,
     };
-    let report = gc::run(&store, Utc::now(), retention).await.unwrap();
+    let report = gc::run(store, Utc::now(), retention).await.unwrap();
     assert_eq!(report.deleted, fulls[..2].to_vec());
     let listing = store.listing().await.unwrap();
     assert_eq!(listing.snapshots(), fulls[2..].to_vec());
-    assert_eq!(listing.unrecognised.len(), 3);
+    listing
 }
