@@ -97,6 +97,14 @@ fn s3s_fs_bin() -> PathBuf {
     if let Some(p) = std::env::var_os("WARDEN_TEST_S3S_FS") {
         candidates.push(PathBuf::from(p));
     }
+    // examples/s3s_fs.rs, which `cargo test` builds beside this test binary
+    // (target/<profile>/deps/it-… → target/<profile>/examples/s3s_fs).
+    if let Some(profile_dir) = std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.parent()?.to_path_buf()))
+    {
+        candidates.push(profile_dir.join("examples/s3s_fs"));
+    }
     if let Some(home) = std::env::var_os("CARGO_HOME")
         .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo").into()))
     {
@@ -106,7 +114,7 @@ fn s3s_fs_bin() -> PathBuf {
     require_bin(
         "s3s-fs",
         &candidates,
-        "cargo install s3s-fs@0.14.1 --locked --features binary",
+        "cargo build --example s3s_fs (cargo test builds it too)",
     )
 }
 
