@@ -249,7 +249,7 @@ pub fn finals_gone(
 }
 
 /// What the readers of one hand-off answered.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Answers {
     /// `ls --json`: whether it succeeded, the finals it listed.
     pub ls: (bool, Vec<String>),
@@ -367,7 +367,11 @@ mod tests {
         assert_eq!(v.len(), 1, "{v:?}");
         assert!(v[0].detail.contains("never held"));
         let o = seen(&[("primary", 5.0, &[F1])]);
-        assert!(two_finals(&o, &flips)[0].detail.contains("before any hand-off"));
+        assert!(
+            two_finals(&o, &flips)[0]
+                .detail
+                .contains("before any hand-off")
+        );
     }
 
     #[test]

@@ -542,7 +542,10 @@ mod tests {
         assert!(found[1].starts_with("20.000s m2#3"));
         assert_eq!(ready_during(&tl[..5], s(10.0), s(30.0)).len(), 1);
         assert!(ready_during(&tl, s(41.0), s(50.0)).len() == 3);
-        let quiet: Vec<String> = vec!["   1.000s m0#1 active ready".into(), "   2.000s m0#1 deactivated unready".into()];
+        let quiet: Vec<String> = vec![
+            "   1.000s m0#1 active ready".into(),
+            "   2.000s m0#1 deactivated unready".into(),
+        ];
         assert!(ready_during(&quiet, s(3.0), s(9.0)).is_empty());
     }
 }

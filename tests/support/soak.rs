@@ -36,10 +36,10 @@ use tokio_util::sync::CancellationToken;
 use super::dns::Mode;
 use super::etcd::Release;
 use super::faultproxy::FaultMode;
-use super::handoff_judge;
 use super::faultrun::{
     self, ETCD, PREFIX, RECORD, SIDECAR, THEM, US, World, WorldSpec, cli_command, tail,
 };
+use super::handoff_judge;
 use super::invariants::{self, Evidence, Violation, get_json};
 use super::kvcheck::{self, Seen};
 use super::podns::Pod;
@@ -84,6 +84,8 @@ pub struct Profile {
     /// The copy Job's `--final-timeout` at every hand-off; some hand-offs keep the sidecars'
     /// store down this long from the flip (outcome (b) of [`handoff_judge`]).
     pub copy_final_timeout: Duration,
+    /// The run goes on past its time until this many hand-offs were judged.
+    pub min_handoffs: u32,
 }
 
 impl Profile {
@@ -103,6 +105,7 @@ impl Profile {
             flat_after: Duration::from_secs(600),
             druid: false,
             copy_final_timeout: Duration::from_secs(60),
+            min_handoffs: 1,
         };
         // Debian's etcd 3.4: PyPI's 3.5.1 re-applies entries after a crash (etcd-io/etcd#13766,
         // fixed in 3.5.3) and its members' revisions drift apart under the nemesis's kills and
@@ -120,6 +123,7 @@ impl Profile {
             etcd_compact_every: 30,
             operator_every: 50,
             copy_final_timeout: Duration::from_secs(20),
+            min_handoffs: 3,
             ..long.clone()
         };
         match name {
@@ -1709,7 +1713,10 @@ impl Run<'_> {
         let reclaim_started = self.world.events.epoch.elapsed();
         let reclaimed = self.world.reclaim().await;
         for name in self.world.objects.reclaimed().await.unwrap_or_default() {
-            self.h53.reclaim_started.entry(name).or_insert(reclaim_started);
+            self.h53
+                .reclaim_started
+                .entry(name)
+                .or_insert(reclaim_started);
         }
         // The sidecars restart after the reclaim: a Lease may wait for them.
         self.handoff_windows.push((
@@ -1852,16 +1859,17 @@ impl Run<'_> {
             "hand-off {k}: copy Job (direct: {direct}) ok={ok}: {}",
             last_line(&said)
         ));
-        let dest = etcd_warden::store::SnapshotStore::new(
-            self.world.s3.object_store(DEST),
-            &dest_prefix,
-        );
+        let dest =
+            etcd_warden::store::SnapshotStore::new(self.world.s3.object_store(DEST), &dest_prefix);
         let dest_listed = dest.list().await.unwrap_or_default();
         let mut copy = soak_handoff::copy_run(started, ok, &said, &dest_listed);
         if !ok {
             self.violation(
                 "copy-failed",
-                format!("hand-off {k}: the copy Job failed: {}", tail(&said, 5, true)),
+                format!(
+                    "hand-off {k}: the copy Job failed: {}",
+                    tail(&said, 5, true)
+                ),
             );
         }
         // The newest chain the source held, as the copy listed it (the sidecars' route is down
@@ -1955,7 +1963,9 @@ impl Run<'_> {
             Ok((revision, contents)) => {
                 let mut found = Vec::new();
                 if revision < final_rev {
-                    found.push(format!("the destination serves revision {revision}, below its chain's {final_rev}"));
+                    found.push(format!(
+                        "the destination serves revision {revision}, below its chain's {final_rev}"
+                    ));
                 }
                 found.extend(
                     kvcheck::restored_state(&recorded.ops, &recorded.watches, final_rev, &contents)
@@ -1972,7 +1982,11 @@ impl Run<'_> {
                 if found.is_empty() {
                     Ok(final_rev)
                 } else {
-                    Err(format!("{} differences from the model at {final_rev}, first: {}", found.len(), found[0]))
+                    Err(format!(
+                        "{} differences from the model at {final_rev}, first: {}",
+                        found.len(),
+                        found[0]
+                    ))
                 }
             }
             Err(e) => {
@@ -2266,7 +2280,8 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
             .range(profile.handoff_every.0, profile.handoff_every.1);
         let until = (Instant::now() + Duration::from_secs(every)).min(deadline);
         run.serve(until).await;
-        let last = Instant::now() + Duration::from_secs(profile.handoff_every.0 / 2) >= deadline;
+        let last = Instant::now() + Duration::from_secs(profile.handoff_every.0 / 2) >= deadline
+            && run.counts.handoffs + 1 >= profile.min_handoffs;
         run.handoff(last).await;
         if last {
             break;
