@@ -89,10 +89,18 @@ async fn ci_profile() {
     }
     let profile = Profile::named("ci").expect("the ci profile");
     let outcome = play(&profile, 0x40, 3.0).await;
+    let h = &outcome.handoffs;
+    println!("ci_profile hand-offs: {h}");
     assert!(
         outcome.violations.is_empty(),
         "violations: {:#?}",
         outcome.violations
+    );
+    // Both outcomes a hand-off may reach are judged in CI, and none is left unsettled.
+    assert!(
+        h.one_final >= 2 && h.timed_out >= 1 && h.unsettled == 0,
+        "the CI run must reach outcome (a) at least twice and (b) at least once, with none \
+         unsettled: {h}"
     );
 }
 

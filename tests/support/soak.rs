@@ -39,6 +39,7 @@ use super::faultproxy::FaultMode;
 use super::faultrun::{
     self, ETCD, PREFIX, RECORD, SIDECAR, THEM, US, World, WorldSpec, cli_command, tail,
 };
+use super::handoff_judge;
 use super::invariants::{self, Evidence, Violation, get_json};
 use super::kvcheck::{self, Seen};
 use super::podns::Pod;
@@ -48,6 +49,9 @@ use super::traffic::{self, Recorded, Traffic};
 use super::writer::Ack;
 use etcd_warden::owner::handoff::the_final;
 use etcd_warden::store::{Kind, Snapshot};
+
+#[path = "soak_handoff.rs"]
+mod soak_handoff;
 
 /// The secondary store's bucket and the copy Job's destination bucket.
 const SECONDARY: &str = "secondary";
@@ -77,6 +81,11 @@ pub struct Profile {
     pub flat_after: Duration,
     /// Every sidecar runs with `[druid]` against the API-server double ([`DruidLane`]).
     pub druid: bool,
+    /// The copy Job's `--final-timeout` at every hand-off; some hand-offs keep the sidecars'
+    /// store down this long from the flip (outcome (b) of [`handoff_judge`]).
+    pub copy_final_timeout: Duration,
+    /// The run goes on past its time until this many hand-offs were judged.
+    pub min_handoffs: u32,
 }
 
 impl Profile {
@@ -95,6 +104,8 @@ impl Profile {
             operator_every: 300,
             flat_after: Duration::from_secs(600),
             druid: false,
+            copy_final_timeout: Duration::from_secs(60),
+            min_handoffs: 1,
         };
         // Debian's etcd 3.4: PyPI's 3.5.1 re-applies entries after a crash (etcd-io/etcd#13766,
         // fixed in 3.5.3) and its members' revisions drift apart under the nemesis's kills and
@@ -103,12 +114,16 @@ impl Profile {
         let ci = Profile {
             name: "ci",
             release: Release::V34,
-            handoff_every: (55, 70),
+            // Three hand-offs in the CI run's 3 minutes: two that store a final and one with
+            // the store down through the copy Job's (short) timeout.
+            handoff_every: (40, 50),
             fault_gap: (1_500, 5_000),
             fault_hold: (500, 4_000),
             jobs_every: 45,
             etcd_compact_every: 30,
             operator_every: 50,
+            copy_final_timeout: Duration::from_secs(20),
+            min_handoffs: 3,
             ..long.clone()
         };
         match name {
@@ -1054,6 +1069,8 @@ pub struct SoakOutcome {
     pub violations: Vec<Violation>,
     pub summary: String,
     pub report_dir: Option<PathBuf>,
+    /// Hand-offs by the outcome they reached.
+    pub handoffs: soak_handoff::Reached,
 }
 
 /// Counts for the summary and the docs.
@@ -1104,6 +1121,8 @@ struct Run<'a> {
     drill_outputs: Vec<(&'static str, String)>,
     /// The operator lane's files for the report directory.
     lane_report: Vec<(&'static str, String)>,
+    /// Hand-offs judged by outcome, and every final tracked (issue 53: [`soak_handoff`]).
+    h53: soak_handoff::State,
 }
 
 /// The sidecars' configuration beyond the fault schedules': every feature on.
@@ -1596,13 +1615,23 @@ impl Run<'_> {
             Ending::Deleted
         };
         self.event(format!("hand-off {k}: record → {ending:?}"));
+        // Some hand-offs keep the sidecars' store down from the flip through the copy Job's
+        // final_timeout: outcome (b) of [`handoff_judge`].
+        let outage = self.outage_from_flip(k);
+        let flip = self.world.events.epoch.elapsed();
+        self.h53.flips.push(flip);
         match ending {
             Ending::Deleted => self.world.dns.remove_txt(RECORD).await,
             _ => self.world.dns.set_txt(RECORD, &[THEM]).await,
         }
+        let early_copy = if outage {
+            Some(self.copy_through_outage(k, flip).await)
+        } else {
+            None
+        };
         // A fault timed to meet the final (as the schedules' end_store), or a sidecar killed the
         // moment it deactivates.
-        match self.rng.range(0, 9) {
+        match if outage { 9 } else { self.rng.range(0, 9) } {
             0..=2 => {
                 let after = self.rng.range(800, 3000);
                 let hold = self.rng.range(500, 3000);
@@ -1663,7 +1692,7 @@ impl Run<'_> {
                 reclaimed_at: Some(&self.reclaimed_at),
                 first_finals: &[],
                 reclaimed_read_as_final: &read_as_final,
-                buried: &[],
+                buried: &self.world.buried,
             })
         });
         for v in violations {
@@ -1672,24 +1701,23 @@ impl Run<'_> {
                 self.violation(v.kind, v.detail);
             }
         }
-        self.notes.extend(notes);
-        if let Some(name) = &named {
-            self.readers_agree(k, name).await;
-            let final_rev = snapshots
-                .iter()
-                .find(|s| &s.snap_name == name)
-                .map(|s| s.last_revision);
-            if let Some(rev) = final_rev {
-                self.copy_and_restore(k, rev, &recorded).await;
-            }
-        }
+        self.notes.extend(notes.iter().cloned());
+        self.judge_handoff(k, flip, named, &snapshots, early_copy, &recorded, &notes)
+            .await;
         if last {
             self.handoff_windows
                 .push((started, self.world.events.epoch.elapsed()));
             return;
         }
         self.counts.reclaims += 1;
+        let reclaim_started = self.world.events.epoch.elapsed();
         let reclaimed = self.world.reclaim().await;
+        for name in self.world.objects.reclaimed().await.unwrap_or_default() {
+            self.h53
+                .reclaim_started
+                .entry(name)
+                .or_insert(reclaim_started);
+        }
         // The sidecars restart after the reclaim: a Lease may wait for them.
         self.handoff_windows.push((
             started,
@@ -1768,43 +1796,6 @@ impl Run<'_> {
         }
     }
 
-    /// `ls`, `verify` and every sidecar's `/snapshot/latest` name the hand-off's final.
-    async fn readers_agree(&mut self, k: u32, name: &str) {
-        let (ok, said) = self.cli("ls", &["--json".into()], &[]).await;
-        let listed: Vec<String> = serde_json::from_str::<Value>(said.trim_end())
-            .ok()
-            .and_then(|v| v.as_array().cloned())
-            .unwrap_or_default()
-            .iter()
-            .filter(|s| s["isFinal"] == true || s["is_final"] == true)
-            .filter_map(|s| {
-                s["snapName"]
-                    .as_str()
-                    .or(s["snap_name"].as_str())
-                    .map(String::from)
-            })
-            .collect();
-        if !ok || listed != [name.to_string()] {
-            self.violation(
-                "readers-disagree",
-                format!("hand-off {k}: `ls` (ok={ok}) lists finals {listed:?}, the store's hand-off objects name {name}"),
-            );
-        }
-        for m in 0..self.world.specs.len() {
-            let url = self.world.sidecar_url(m, "/snapshot/latest");
-            if let Some((200, body)) = get_json(&self.world.http_client, &url).await {
-                let full = &body["fullSnapshot"];
-                if full["snapName"].as_str() != Some(name) || full["isFinal"] != true {
-                    let shown = body.to_string().chars().take(300).collect::<String>();
-                    self.violation(
-                        "readers-disagree",
-                        format!("hand-off {k}: m{m}'s /snapshot/latest says {shown}, the final is {name}"),
-                    );
-                }
-            }
-        }
-    }
-
     /// The copy Job into a fresh destination, a restore of it (first onto a full disk when the
     /// profile has one), etcd started on it and read: it must hold the state at the final.
     /// One step of a hand-off run as the binary's `subcommand`: logged as `"{what} ok=…"`, and on
@@ -1825,7 +1816,15 @@ impl Run<'_> {
         ok
     }
 
-    async fn copy_and_restore(&mut self, k: u32, final_rev: i64, recorded: &Recorded) {
+    /// The copy Job (through the sidecars' route, or `direct` to the store when that route is
+    /// down: [`soak_handoff`]), then the destination restored and read at its newest chain's
+    /// end. What the copy chose, and the revision at which the destination equals the model.
+    async fn copy_and_restore(
+        &mut self,
+        k: u32,
+        recorded: &Recorded,
+        direct: bool,
+    ) -> (handoff_judge::CopyRun, Option<Result<i64, String>>) {
         self.destinations += 1;
         let dest_prefix = format!("{PREFIX}-{k}");
         let endpoint = format!("http://127.0.0.1:{}", self.world.s3.port);
@@ -1835,26 +1834,57 @@ impl Run<'_> {
             .filter(|(key, _)| key.starts_with("store.") && !key.starts_with("store.secondary"))
             .map(|(key, v)| (key.replacen("store.", "source_store.", 1), v))
             .collect();
+        if direct {
+            source.retain(|(key, _)| key != "source_store.endpoint");
+            source.push(("source_store.endpoint".into(), endpoint.clone()));
+        }
         source.push(("store.url".into(), format!("s3://{DEST}/{dest_prefix}")));
         source.push(("store.endpoint".into(), endpoint));
-        let copied = self
-            .hand_off_step(
+        let timeout = format!("{}s", self.profile.copy_final_timeout.as_secs());
+        let started = self.world.events.epoch.elapsed();
+        let (ok, said) = self
+            .cli(
                 "copy",
                 &[
                     "--wait-for-final".into(),
                     "--final-timeout".into(),
-                    "60s".into(),
+                    timeout,
                     "--poll-interval".into(),
                     "1s".into(),
                 ],
                 &source,
-                format!("hand-off {k}: copy Job"),
-                ("copy-failed", format!("hand-off {k}: the copy Job failed")),
             )
             .await;
-        if !copied {
-            return;
+        self.event(format!(
+            "hand-off {k}: copy Job (direct: {direct}) ok={ok}: {}",
+            last_line(&said)
+        ));
+        let dest =
+            etcd_warden::store::SnapshotStore::new(self.world.s3.object_store(DEST), &dest_prefix);
+        let dest_listed = dest.list().await.unwrap_or_default();
+        let mut copy = soak_handoff::copy_run(started, ok, &said, &dest_listed);
+        if !ok {
+            self.violation(
+                "copy-failed",
+                format!(
+                    "hand-off {k}: the copy Job failed: {}",
+                    tail(&said, 5, true)
+                ),
+            );
         }
+        // The newest chain the source held, as the copy listed it (the sidecars' route is down
+        // in an outage hand-off, so it has not moved since).
+        let source_listed = self.world.store.list().await.unwrap_or_default();
+        copy.newest_revision = soak_handoff::chain_end(&source_listed);
+        if direct {
+            self.outage_healed();
+        }
+        if !ok {
+            return (copy, None);
+        }
+        let Some(final_rev) = soak_handoff::chain_end(&dest_listed) else {
+            return (copy, Some(Err("the destination holds no chain".into())));
+        };
         self.counts.copies += 1;
         let dest_keys = vec![
             (
@@ -1926,30 +1956,49 @@ impl Run<'_> {
             )
             .await;
         if !restored {
-            return;
+            return (copy, Some(Err("restoring the destination failed".into())));
         }
         self.counts.restores += 1;
-        match read_restored(self.profile.release, &target, final_rev).await {
+        let destination = match read_restored(self.profile.release, &target, final_rev).await {
             Ok((revision, contents)) => {
+                let mut found = Vec::new();
                 if revision < final_rev {
-                    self.violation("restored", format!("hand-off {k}: the destination serves revision {revision}, below the final's {final_rev}"));
+                    found.push(format!(
+                        "the destination serves revision {revision}, below its chain's {final_rev}"
+                    ));
                 }
-                for f in
+                found.extend(
                     kvcheck::restored_state(&recorded.ops, &recorded.watches, final_rev, &contents)
-                {
+                        .into_iter()
+                        .map(|f| f.to_string()),
+                );
+                for f in &found {
                     self.violation("restored", format!("hand-off {k}: {f}"));
                 }
                 self.event(format!(
                     "hand-off {k}: destination serves {} traffic keys at revision {revision}",
                     contents.len()
                 ));
+                if found.is_empty() {
+                    Ok(final_rev)
+                } else {
+                    Err(format!(
+                        "{} differences from the model at {final_rev}, first: {}",
+                        found.len(),
+                        found[0]
+                    ))
+                }
             }
-            Err(e) => self.violation(
-                "restored",
-                format!("hand-off {k}: the destination did not start or answer: {e}"),
-            ),
-        }
+            Err(e) => {
+                self.violation(
+                    "restored",
+                    format!("hand-off {k}: the destination did not start or answer: {e}"),
+                );
+                Err(format!("did not start or answer: {e}"))
+            }
+        };
         let _ = std::fs::remove_dir_all(target.parent().unwrap_or(&target));
+        (copy, Some(destination))
     }
 }
 
@@ -2081,6 +2130,7 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
                     }],
                     summary: format!("FAIL profile={} seed={seed:#x} setup failed", profile.name),
                     report_dir: None,
+                    handoffs: Default::default(),
                 };
             }
         }
@@ -2143,6 +2193,7 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
                 }],
                 summary: format!("FAIL profile={} seed={seed:#x} setup failed", profile.name),
                 report_dir: None,
+                handoffs: Default::default(),
             };
         }
     };
@@ -2191,7 +2242,9 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
         druid: None,
         drill_outputs: Vec::new(),
         lane_report: Vec::new(),
+        h53: soak_handoff::State::default(),
     };
+    run.start_tracking_finals();
     match no_partition {
         None => match Partition::new(&run.world, PARTITION_MEMBER) {
             Ok(p) => run.partition = Some(p),
@@ -2227,7 +2280,8 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
             .range(profile.handoff_every.0, profile.handoff_every.1);
         let until = (Instant::now() + Duration::from_secs(every)).min(deadline);
         run.serve(until).await;
-        let last = Instant::now() + Duration::from_secs(profile.handoff_every.0 / 2) >= deadline;
+        let last = Instant::now() + Duration::from_secs(profile.handoff_every.0 / 2) >= deadline
+            && run.counts.handoffs + 1 >= profile.min_handoffs;
         run.handoff(last).await;
         if last {
             break;
@@ -2320,6 +2374,7 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
             );
         }
     }
+    run.judge_finals();
     let snapshots = run.world.store.list().await.unwrap_or_default();
     for g in delta_gaps(&snapshots, &run.fault_windows, run.wall_epoch) {
         run.violation("delta-gap", g);
@@ -2359,7 +2414,7 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
         "{} profile={} seed={:#x} {:.1} min: writes={writes} reads={reads} unknown={unknown} \
          watch_events={events} streams={} etcd_compactions={} faults={faults} {:?} handoffs={} \
          settled={} copies={} restores={} restore_disk_full={} reclaims={} compact_jobs={} \
-         drills={} (failed under faults {}) peak_sidecar_rss={} MiB{lane_summary}{druid_summary}{}",
+         drills={} (failed under faults {}) peak_sidecar_rss={} MiB {}{lane_summary}{druid_summary}{}",
         if run.violations.is_empty() {
             "PASS"
         } else {
@@ -2381,6 +2436,7 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
         c.drills,
         c.drill_failures,
         peak_rss / 1024,
+        run.h53.reached,
         if kinds.is_empty() {
             String::new()
         } else {
@@ -2398,12 +2454,14 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
     drop(run.mounts.drain(..));
     drop(run.restore_mount.take());
     let violations = run.violations.clone();
+    let handoffs = run.h53.reached.clone();
     drop(run);
     drop(scratch);
     SoakOutcome {
         violations,
         summary,
         report_dir,
+        handoffs,
     }
 }
 
