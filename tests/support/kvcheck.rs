@@ -512,7 +512,11 @@ pub fn check_resolved(ops: &[Op], watches: &[WatchStream], res: &Resolution) -> 
         }
         let delivered: std::collections::HashSet<i64> =
             stream.events.iter().map(|e| e.revision).collect();
-        for (r, i) in model.by_revision.range(stream.start..stream.covered) {
+        // A stream that delivered nothing covers `start - 1`.
+        for (r, i) in model
+            .by_revision
+            .range(stream.start..stream.covered.max(stream.start))
+        {
             if !delivered.contains(r) && !matches!(ops[*i].call, Call::DeleteRange { .. }) {
                 push(
                     &mut out,
@@ -791,6 +795,14 @@ mod tests {
             compacted: false,
         };
         assert!(check(&ops, std::slice::from_ref(&ok)).is_empty());
+        // A stream that delivered nothing yet covers the revision before its start.
+        let empty = WatchStream {
+            start: 5,
+            events: Vec::new(),
+            covered: 4,
+            compacted: false,
+        };
+        assert!(check(&ops, &[empty]).is_empty());
         let mut missed = ok.clone();
         missed.events.remove(0);
         let found: Vec<_> = check(&ops, &[missed])
