@@ -311,6 +311,7 @@ pub fn chain_from(sorted: &[Snapshot], base: Option<usize>) -> Chain {
     let mut reach = full.last_revision;
     let mut chained = Vec::with_capacity(deltas.len());
     for (i, d) in deltas.iter().enumerate() {
+        supersede(&mut chained, &mut reach, full.last_revision, d);
         match link(reach, d) {
             Link::Covered => continue,
             Link::Overlaps
@@ -344,6 +345,21 @@ pub enum Link {
     Overlaps,
     /// It starts after `reach + 1`: the revisions in between are in no snapshot of the chain.
     Gap,
+}
+
+/// Drops the deltas at the end of `chained` that `delta` holds whole and goes beyond: it starts
+/// at or before each of them and ends after it (a leader that stored a delta late, after the next
+/// leader had stored a longer one from the same revision). Both came from one etcd's history and
+/// deltas hold whole revisions, so the longer one has every event of the shorter; applying both
+/// would replay revisions out of order. `reach` follows (`base`: the full snapshot's revision).
+fn supersede(chained: &mut Vec<Snapshot>, reach: &mut i64, base: i64, delta: &Snapshot) {
+    while let Some(last) = chained.last()
+        && delta.start_revision <= last.start_revision
+        && delta.last_revision > last.last_revision
+    {
+        chained.pop();
+        *reach = chained.last().map_or(base, |l| l.last_revision);
+    }
 }
 
 /// How `delta` follows a chain that reaches revision `reach`.
@@ -424,6 +440,7 @@ pub fn fallback_chain(sorted: &[Snapshot], skipped: &[String]) -> Chain {
     let mut reach = full.last_revision;
     let mut deltas = Vec::new();
     for d in sorted[base + 1..].iter().filter(|s| s.kind == Kind::Incr) {
+        supersede(&mut deltas, &mut reach, full.last_revision, d);
         match link(reach, d) {
             Link::Covered => continue,
             Link::Continues => {}
@@ -561,6 +578,7 @@ pub fn chain_to(
         {
             break;
         }
+        supersede(&mut deltas, &mut reach, full.last_revision, d);
         match link(reach, d) {
             Link::Covered => continue,
             Link::Continues | Link::Overlaps => {}
@@ -1028,6 +1046,29 @@ mod tests {
         let c = latest_chain(&v);
         assert_eq!(c.delta_snapshots.len(), 1);
         assert_eq!(first_gap(&c).map(|g| (g.first, g.last)), Some((101, 110)));
+    }
+
+    /// The soak's finding (issue 53's delta check): a snapshot leader frozen with a delta
+    /// buffered stored it after the next leader had stored a longer delta from the same
+    /// revision; the chain took both, and `restore --to-revision` failed with "events out of
+    /// order". The longer delta holds every revision of the shorter one: the chain takes it.
+    #[test]
+    fn a_delta_that_a_longer_one_from_the_same_start_supersedes_is_passed_over() {
+        let mut v = vec![
+            full(100, 1),
+            incr(101, 110, 2),
+            incr(111, 130, 3),
+            incr(111, 140, 4),
+            incr(141, 150, 5),
+        ];
+        sort(&mut v);
+        let c = latest_chain(&v);
+        assert_eq!(first_gap(&c), None);
+        assert_eq!(chain_names(&c), (100, vec![110, 140, 150]));
+        let c = chain_to(&v, Target::Revision(145), &[]).unwrap();
+        assert_eq!(chain_names(&c), (100, vec![110, 140, 150]));
+        let c = chain_to(&v, Target::Revision(135), &[]).unwrap();
+        assert_eq!(chain_names(&c), (100, vec![110, 140]));
     }
 
     fn any_snapshot() -> impl Strategy<Value = Snapshot> {

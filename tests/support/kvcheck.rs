@@ -30,6 +30,8 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use super::revmodel::Resolution;
+
 /// What a client asked.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub enum Call {
@@ -67,14 +69,15 @@ impl Call {
     }
 
     /// The value id this call may write.
-    fn id(&self) -> Option<&str> {
+    pub fn id(&self) -> Option<&str> {
         match self {
             Call::Put { id, .. } | Call::Txn { id, .. } => Some(id),
             _ => None,
         }
     }
 
-    fn deletes(&self) -> bool {
+    /// Whether this call deletes.
+    pub fn deletes(&self) -> bool {
         matches!(self, Call::Delete { .. } | Call::DeleteRange { .. })
     }
 }
@@ -189,7 +192,10 @@ struct Model<'a> {
 }
 
 impl<'a> Model<'a> {
-    fn new(ops: &'a [Op]) -> Model<'a> {
+    /// The model with what `res` resolved: a lost answer resolved as happened is a write at its
+    /// revision, one resolved as never happened is nothing; only the unresolved ones may excuse.
+    fn new(ops: &'a [Op], res: &Resolution) -> Model<'a> {
+        let unresolved: std::collections::HashSet<usize> = res.unresolved.iter().copied().collect();
         let mut m = Model {
             ops,
             by_revision: BTreeMap::new(),
@@ -202,7 +208,7 @@ impl<'a> Model<'a> {
             lost_ranges: Vec::new(),
         };
         for (i, op) in ops.iter().enumerate() {
-            if let Some(r) = op.write_revision() {
+            if let Some(r) = op.write_revision().or(res.happened.get(&i).copied()) {
                 m.by_revision.entry(r).or_insert(i);
                 match &op.call {
                     Call::DeleteRange { .. } => m.ranges.push((r, i)),
@@ -215,7 +221,7 @@ impl<'a> Model<'a> {
             if let Some(id) = op.call.id() {
                 m.by_id.insert(id, i);
             }
-            if op.ret == Ret::Unknown {
+            if op.ret == Ret::Unknown && unresolved.contains(&i) {
                 if let Call::Put { key, .. } | Call::Txn { key, .. } | Call::Delete { key } =
                     &op.call
                 {
@@ -347,7 +353,13 @@ impl<'a> Model<'a> {
 /// Judges the history; `reads` adds reads that are not operations (a restored cluster's
 /// contents, as reads at its revision: see [`restored_state`]).
 pub fn check(ops: &[Op], watches: &[WatchStream]) -> Vec<Finding> {
-    let mut model = Model::new(ops);
+    check_resolved(ops, watches, &Resolution::none(ops))
+}
+
+/// As [`check`], with the lost answers `res` resolved from the revision history: only the
+/// unresolved ones excuse anything (and those keys go to the linearizability search).
+pub fn check_resolved(ops: &[Op], watches: &[WatchStream], res: &Resolution) -> Vec<Finding> {
+    let mut model = Model::new(ops, res);
     let mut out = Vec::new();
     let push = |out: &mut Vec<Finding>, check: &'static str, detail: String| {
         if out.iter().filter(|f| f.check == check).count() < PER_CHECK {
@@ -500,7 +512,11 @@ pub fn check(ops: &[Op], watches: &[WatchStream]) -> Vec<Finding> {
         }
         let delivered: std::collections::HashSet<i64> =
             stream.events.iter().map(|e| e.revision).collect();
-        for (r, i) in model.by_revision.range(stream.start..stream.covered) {
+        // A stream that delivered nothing covers `start - 1`.
+        for (r, i) in model
+            .by_revision
+            .range(stream.start..stream.covered.max(stream.start))
+        {
             if !delivered.contains(r) && !matches!(ops[*i].call, Call::DeleteRange { .. }) {
                 push(
                     &mut out,
@@ -579,7 +595,7 @@ pub fn restored_state(
     revision: i64,
     contents: &BTreeMap<String, Seen>,
 ) -> Vec<Finding> {
-    let mut model = Model::new(ops);
+    let mut model = Model::new(ops, &Resolution::none(ops));
     model.learn(ops, watches);
     let mut keys: std::collections::BTreeSet<&str> = contents.keys().map(String::as_str).collect();
     for op in ops {
@@ -779,6 +795,14 @@ mod tests {
             compacted: false,
         };
         assert!(check(&ops, std::slice::from_ref(&ok)).is_empty());
+        // A stream that delivered nothing yet covers the revision before its start.
+        let empty = WatchStream {
+            start: 5,
+            events: Vec::new(),
+            covered: 4,
+            compacted: false,
+        };
+        assert!(check(&ops, &[empty]).is_empty());
         let mut missed = ok.clone();
         missed.events.remove(0);
         let found: Vec<_> = check(&ops, &[missed])

@@ -42,13 +42,14 @@ use super::faultrun::{
 use super::handoff_judge;
 use super::invariants::{self, Evidence, Violation, get_json};
 use super::kvcheck::{self, Seen};
+use super::{deltacheck, linsearch, revmodel};
 use super::podns::Pod;
 use super::s3::{ACCESS_KEY, REGION, SECRET_KEY};
 use super::schedule::{Ending, SplitMix64};
 use super::traffic::{self, Recorded, Traffic};
 use super::writer::Ack;
 use etcd_warden::owner::handoff::the_final;
-use etcd_warden::store::{Kind, Snapshot};
+use etcd_warden::store::Snapshot;
 
 #[path = "soak_handoff.rs"]
 mod soak_handoff;
@@ -1123,6 +1124,9 @@ struct Run<'a> {
     lane_report: Vec<(&'static str, String)>,
     /// Hand-offs judged by outcome, and every final tracked (issue 53: [`soak_handoff`]).
     h53: soak_handoff::State,
+    /// Each destination's traffic keys as read (hand-off, the final's revision, contents),
+    /// judged again at the end against the complete revision history.
+    destination_reads: Vec<(u32, i64, BTreeMap<String, Seen>)>,
 }
 
 /// The sidecars' configuration beyond the fault schedules': every feature on.
@@ -1975,6 +1979,7 @@ impl Run<'_> {
                 for f in &found {
                     self.violation("restored", format!("hand-off {k}: {f}"));
                 }
+                self.destination_reads.push((k, final_rev, contents.clone()));
                 self.event(format!(
                     "hand-off {k}: destination serves {} traffic keys at revision {revision}",
                     contents.len()
@@ -2062,47 +2067,150 @@ async fn read_restored(
     out
 }
 
-/// Deltas that do not follow their predecessor in a chain, outside every fault window.
-fn delta_gaps(
-    snapshots: &[Snapshot],
-    windows: &[(Duration, Duration)],
-    wall_epoch: SystemTime,
-) -> Vec<String> {
-    let at = |s: &Snapshot| {
-        SystemTime::from(s.created_on)
-            .duration_since(wall_epoch)
-            .unwrap_or_default()
+/// Completes the traffic's revision history at the end: the workers stop, the last hand-off is
+/// undone so etcd serves again, and the closing write must reach the watch (revmodel.rs). None
+/// (and an event saying why) when it could not: the lost answers then stay ambiguous.
+async fn complete_history(run: &mut Run<'_>) -> Option<i64> {
+    run.traffic.stop_writes().await;
+    if !run.world.reclaim().await {
+        run.event("end: the reclaim before the closing write failed");
+    }
+    match run.traffic.complete_history(Duration::from_secs(90)).await {
+        Ok(r) => {
+            run.event(format!("end: the history is complete to revision {r}"));
+            Some(r)
+        }
+        Err(e) => {
+            run.event(format!("end: the history could not be completed: {e}"));
+            None
+        }
+    }
+}
+
+/// The KV history judged with every lost answer the revision history resolves resolved: the
+/// model's checks (`kvcheck`), the revision history's (`revmodel`: `lost-write`, reads,
+/// transactions, every event explained), the destinations read at each hand-off, and the
+/// linearizability search for what stays ambiguous. Returns the model and a summary.
+fn judge_history(
+    run: &mut Run<'_>,
+    recorded: &Recorded,
+    complete: bool,
+) -> (revmodel::RevModel, String) {
+    let model = revmodel::RevModel::build(&recorded.watches);
+    let res = model.resolve(&recorded.ops, complete);
+    let kind = |check: &'static str| match check {
+        "lost-write" => "lost-write",
+        _ => "history",
     };
-    let mut out = Vec::new();
-    let mut prev: Option<&Snapshot> = None;
-    for s in snapshots {
-        if s.kind == Kind::Full {
-            prev = Some(s);
+    let found: Vec<kvcheck::Finding> =
+        kvcheck::check_resolved(&recorded.ops, &recorded.watches, &res)
+            .into_iter()
+            .chain(revmodel::judge(&model, &recorded.ops, &res))
+            .collect();
+    for f in found {
+        run.violation(kind(f.check), f.to_string());
+    }
+    for (k, rev, contents) in std::mem::take(&mut run.destination_reads) {
+        if !model.knows(rev) {
+            run.event(format!(
+                "end: hand-off {k}'s destination not judged: the history is complete to {} only",
+                model.complete_to
+            ));
             continue;
         }
-        if let Some(p) = prev
-            && s.start_revision > p.last_revision + 1
-        {
-            let (from, to) = (at(p), at(s));
-            let excused = windows.iter().any(|(a, b)| {
-                *a <= to + Duration::from_secs(5) && *b + Duration::from_secs(30) >= from
-            });
-            if !excused {
-                out.push(format!(
-                    "{} starts at revision {} after {} ended at {}: a gap with no fault between \
-                     {:.0}s and {:.0}s",
-                    s.snap_name,
-                    s.start_revision,
-                    p.snap_name,
-                    p.last_revision,
-                    from.as_secs_f64(),
-                    to.as_secs_f64()
-                ));
-            }
+        let diff = revmodel::judge_contents(&model, traffic::PREFIX, rev, &contents);
+        if !diff.is_empty() {
+            run.violation(
+                "destination-mismatch",
+                format!(
+                    "hand-off {k}: the destination at revision {rev} differs from the history in \
+                     {} keys, e.g. {}",
+                    diff.len(),
+                    diff.iter().take(3).cloned().collect::<Vec<_>>().join("; ")
+                ),
+            );
         }
-        prev = Some(s);
     }
-    out
+    let (lin, searched, undecided) = linsearch::judge_keys(&recorded.ops, &res, 200_000);
+    for f in lin {
+        run.violation("not-linearizable", f.to_string());
+    }
+    let unknown = recorded
+        .ops
+        .iter()
+        .filter(|o| o.ret == kvcheck::Ret::Unknown)
+        .count();
+    let summary = format!(
+        " history: complete_to={} gaps={} unknown_resolved={}/{unknown} (happened {}, never {}) \
+         searched_keys={searched} undecided_keys={undecided}",
+        model.complete_to,
+        model.gaps.len(),
+        res.happened.len() + res.not_happened.len(),
+        res.happened.len(),
+        res.not_happened.len(),
+    );
+    run.event(format!("end:{summary}"));
+    (model, summary)
+}
+
+/// Every chain of the primary and the secondary restored at revisions the seed chooses and
+/// compared with the revision history (deltacheck.rs, `delta-history`). Short profiles restore 2
+/// revisions a chain, 16 in all; long ones 20 a chain, 300 in all.
+async fn judge_deltas(
+    run: &mut Run<'_>,
+    model: &revmodel::RevModel,
+    primary: &[Snapshot],
+) -> String {
+    let short = matches!(run.profile.name, "ci" | "druid");
+    let (per_chain, max) = if short { (2, 16) } else { (20, 300) };
+    let mut sources = vec![deltacheck::Source {
+        label: "primary",
+        snapshots: primary.to_vec(),
+        keys: Vec::new(),
+    }];
+    if faultrun::other_binary().is_none() {
+        let secondary = etcd_warden::store::SnapshotStore::new(
+            run.world.s3.object_store(SECONDARY),
+            PREFIX,
+        );
+        sources.push(deltacheck::Source {
+            label: "secondary",
+            snapshots: secondary.list().await.unwrap_or_default(),
+            keys: vec![
+                ("store.url".into(), format!("s3://{SECONDARY}/{PREFIX}")),
+                (
+                    "store.endpoint".into(),
+                    format!("http://127.0.0.1:{}", run.world.s3.port),
+                ),
+            ],
+        });
+    }
+    let started = Instant::now();
+    let dir = run.world.dir.path().join("deltacheck");
+    let out = deltacheck::judge(
+        model,
+        traffic::PREFIX,
+        &run.keys(),
+        &sources,
+        per_chain,
+        max,
+        run.seed,
+        run.profile.release,
+        &dir,
+    )
+    .await;
+    for v in &out.violations {
+        run.violation("delta-history", v.clone());
+    }
+    let summary = format!(
+        " deltas: chains={} restores={} gone={} in {:.0}s",
+        out.chains,
+        out.restores,
+        out.gone,
+        started.elapsed().as_secs_f64()
+    );
+    run.event(format!("end:{summary}"));
+    summary
 }
 
 /// Plays `profile` for `duration` from `seed` and judges it.
@@ -2243,6 +2351,7 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
         drill_outputs: Vec::new(),
         lane_report: Vec::new(),
         h53: soak_handoff::State::default(),
+        destination_reads: Vec::new(),
     };
     run.start_tracking_finals();
     match no_partition {
@@ -2292,6 +2401,7 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
 
 /// The end of a run: the history, the drill on every store, delta gaps, resources; the report.
 async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
+    let closing = complete_history(&mut run).await;
     run.traffic.stop().await;
     if let Some(l) = &run.world.leases {
         l.stop.cancel();
@@ -2324,9 +2434,7 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
         );
     }
     let recorded = run.traffic.snapshot();
-    for f in kvcheck::check(&recorded.ops, &recorded.watches) {
-        run.violation("history", f.to_string());
-    }
+    let (model, model_summary) = judge_history(&mut run, &recorded, closing.is_some());
     let mut lane_summary = String::from(" operator=absent");
     if let Some(mut lane) = run.lane.take() {
         for v in lane.judge().await {
@@ -2376,9 +2484,16 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
     }
     run.judge_finals();
     let snapshots = run.world.store.list().await.unwrap_or_default();
-    for g in delta_gaps(&snapshots, &run.fault_windows, run.wall_epoch) {
+    let store_faults: Vec<(Duration, Duration)> = run
+        .fault_log
+        .iter()
+        .filter(|(n, _, _)| matches!(n, Nemesis::Store(_)))
+        .map(|(_, a, b)| (*a, *b))
+        .collect();
+    for g in deltacheck::gaps(&snapshots, &store_faults, run.wall_epoch) {
         run.violation("delta-gap", g);
     }
+    let delta_summary = judge_deltas(&mut run, &model, &snapshots).await;
     let samples = run
         .samples
         .lock()
@@ -2414,7 +2529,8 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
         "{} profile={} seed={:#x} {:.1} min: writes={writes} reads={reads} unknown={unknown} \
          watch_events={events} streams={} etcd_compactions={} faults={faults} {:?} handoffs={} \
          settled={} copies={} restores={} restore_disk_full={} reclaims={} compact_jobs={} \
-         drills={} (failed under faults {}) peak_sidecar_rss={} MiB {}{lane_summary}{druid_summary}{}",
+         drills={} (failed under faults {}) peak_sidecar_rss={} MiB {}{model_summary}{delta_summary}\
+         {lane_summary}{druid_summary}{}",
         if run.violations.is_empty() {
             "PASS"
         } else {

@@ -5,7 +5,8 @@
 //! one endpoint (the Service) and is recorded as [`kvcheck::Op`]s and [`kvcheck::WatchStream`]s.
 //!
 //! Key spaces (each judged by the same model):
-//! - `/soak/k/<nn>`: 32 hot keys: puts, deletes, transactions, reads;
+//! - `/soak/k/<nnn>`: 384 hot keys: puts, deletes, transactions, reads;
+//! - `/soak/end/<n>`: the closing write of [`Traffic::complete_history`];
 //! - `/soak/r/<w>-<batch>/<i>`: a batch of keys put, then deleted as a range;
 //! - `/soak/big/<w>-<batch>/<i>`: a few large values, deleted as a range a little later.
 
@@ -24,7 +25,7 @@ use super::schedule::SplitMix64;
 
 /// The prefix every traffic key lives under.
 pub const PREFIX: &str = "/soak/";
-const HOT_KEYS: u64 = 32;
+const HOT_KEYS: u64 = 384;
 /// etcd's default request limit is 1.5 MiB; a value stays below it with its key and framing.
 const MAX_VALUE: u64 = 1_400 * 1024;
 
@@ -65,7 +66,12 @@ pub struct Traffic {
     paused: Arc<AtomicBool>,
     acked: Arc<AtomicU64>,
     stop: CancellationToken,
+    /// The workers' own token: they stop first, the watcher goes on to complete the history.
+    stop_workers: CancellationToken,
+    workers: Vec<JoinHandle<()>>,
     tasks: Vec<JoinHandle<()>>,
+    endpoints: Endpoints,
+    epoch: Instant,
 }
 
 /// What the traffic recorded.
@@ -90,9 +96,11 @@ impl Traffic {
         let paused = Arc::new(AtomicBool::new(false));
         let acked = Arc::new(AtomicU64::new(0));
         let stop = CancellationToken::new();
+        let stop_workers = stop.child_token();
         let mut tasks = Vec::new();
+        let mut worker_tasks = Vec::new();
         for w in 0..workers {
-            tasks.push(tokio::spawn(worker(
+            worker_tasks.push(tokio::spawn(worker(
                 endpoints.clone(),
                 w,
                 SplitMix64::new(seed ^ (0x5eed_0000 + w as u64)),
@@ -100,7 +108,7 @@ impl Traffic {
                 log.clone(),
                 paused.clone(),
                 acked.clone(),
-                stop.clone(),
+                stop_workers.clone(),
             )));
         }
         tasks.push(tokio::spawn(watcher(
@@ -110,7 +118,7 @@ impl Traffic {
             stop.clone(),
         )));
         tasks.push(tokio::spawn(compactor(
-            endpoints,
+            endpoints.clone(),
             epoch,
             compact_every,
             log.clone(),
@@ -121,7 +129,11 @@ impl Traffic {
             paused,
             acked,
             stop,
+            stop_workers,
+            workers: worker_tasks,
             tasks,
+            endpoints,
+            epoch,
         }
     }
 
@@ -148,9 +160,79 @@ impl Traffic {
 
     /// Stops every task (a write in flight is recorded with no answer: it may be applied).
     pub async fn stop(&mut self) {
+        self.stop_writes().await;
         self.stop.cancel();
         for t in self.tasks.drain(..) {
             let _ = t.await;
+        }
+    }
+
+    /// Stops the workers (the watcher and the compactor go on).
+    pub async fn stop_writes(&mut self) {
+        self.stop_workers.cancel();
+        for t in self.workers.drain(..) {
+            let _ = t.await;
+        }
+    }
+
+    /// Completes the revision history once the workers stopped: a closing put (recorded, with
+    /// a value of its own), then waits until the watch delivered its revision, so the watch
+    /// holds every revision up to it, and no worker writes after it. A write whose answer was
+    /// lost is given 6 s (past the workers' 5 s bound) to land first. Returns the closing
+    /// write's revision.
+    pub async fn complete_history(&mut self, within: Duration) -> Result<i64, String> {
+        self.stop_writes().await;
+        let deadline = Instant::now() + within;
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        let mut n = 0;
+        let revision = loop {
+            n += 1;
+            let key = format!("{PREFIX}end/{n}");
+            let id = format!("end-{n}");
+            let invoked = self.epoch.elapsed();
+            let ret = match connect(&self.endpoints).await {
+                Ok(mut c) => match tokio::time::timeout(
+                    Duration::from_secs(5),
+                    perform(&mut c, &Call::Put { key: key.clone(), id: id.clone() }, 16),
+                )
+                .await
+                {
+                    Ok(Ok(ret)) => ret,
+                    _ => Ret::Unknown,
+                },
+                Err(_) => Ret::Unknown,
+            };
+            let op = Op {
+                worker: u32::MAX,
+                call: Call::Put { key, id },
+                invoked,
+                completed: self.epoch.elapsed(),
+                ret,
+            };
+            let r = op.write_revision();
+            self.log.lock().unwrap_or_else(|e| e.into_inner()).ops.push(op);
+            if let Some(r) = r {
+                break r;
+            }
+            if Instant::now() >= deadline {
+                return Err(format!("no closing write succeeded in {within:?}"));
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        };
+        loop {
+            let covered = {
+                let log = self.log.lock().unwrap_or_else(|e| e.into_inner());
+                log.watches.last().map_or(0, |s| s.covered)
+            };
+            if covered >= revision {
+                return Ok(revision);
+            }
+            if Instant::now() >= deadline {
+                return Err(format!(
+                    "the watch delivered revision {covered}, not the closing write's {revision}"
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
 }
@@ -208,7 +290,7 @@ async fn worker(
         }
         let Some(c) = client.as_mut() else { continue };
         let writes = !paused.load(Ordering::SeqCst);
-        let hot = format!("{PREFIX}k/{:02}", rng.range(0, HOT_KEYS - 1));
+        let hot = format!("{PREFIX}k/{:03}", rng.range(0, HOT_KEYS - 1));
         n += 1;
         let id = format!("w{w}-{n}");
         let call = match rng.range(0, 99) {
@@ -375,30 +457,21 @@ async fn watcher(
     log: Arc<Mutex<Log>>,
     stop: CancellationToken,
 ) {
-    let mut next: i64 = 0;
+    // From revision 1: the revision history (revmodel.rs) is complete only if the watch holds
+    // every revision of the prefix, and the compactor never compacts past what it delivered.
+    let mut next: i64 = 1;
     while !stop.is_cancelled() {
-        let Ok(mut client) = connect(&endpoints).await else {
+        let Ok(client) = connect(&endpoints).await else {
             pause(&stop, 200).await;
             continue;
         };
-        if next == 0 {
-            match client
-                .get(PREFIX, Some(GetOptions::new().with_prefix().with_limit(1)))
-                .await
-            {
-                Ok(r) => next = r.header().map_or(1, |h| h.revision()) + 1,
-                Err(_) => {
-                    pause(&stop, 200).await;
-                    continue;
-                }
-            }
-        }
         let index = {
             let mut l = log.lock().unwrap_or_else(|e| e.into_inner());
             l.watches.push(WatchStream {
                 start: next,
                 events: Vec::new(),
-                covered: next,
+                // Nothing of this stream delivered yet.
+                covered: next - 1,
                 compacted: false,
             });
             l.watches.len() - 1
@@ -466,7 +539,8 @@ async fn watcher(
 }
 
 /// Every `every`, compacts etcd to the revision it saw `every` before (kube-apiserver compacts
-/// every 5 minutes the same way), recording each compaction.
+/// every 5 minutes the same way), recording each compaction; never past a revision the watch has
+/// delivered, so the recorded history stays complete.
 async fn compactor(
     endpoints: Endpoints,
     epoch: Instant,
@@ -487,7 +561,11 @@ async fn compactor(
             continue;
         };
         let now = r.header().map_or(0, |h| h.revision());
-        if let Some(rev) = previous
+        let delivered = {
+            let l = log.lock().unwrap_or_else(|e| e.into_inner());
+            l.watches.last().map_or(0, |s| s.covered)
+        };
+        if let Some(rev) = previous.map(|p| p.min(delivered))
             && rev > 0
             && client.compact(rev, None).await.is_ok()
         {

@@ -1,0 +1,407 @@
+//! Deltas judged against the revision history: at the end of a run, for every chain (a full
+//! snapshot and the deltas after it) of each store, revisions chosen by the seed, the chain's
+//! first and last delta boundary among them, are restored with `etcd-warden restore
+//! --to-revision R`, and the restored traffic keys must be the model's state at `R`
+//! ([`super::revmodel`]): keys, values, create and mod revisions, versions (`delta-history`).
+//!
+//! And the strict delta-gap check ([`gaps`]): a delta that does not follow its predecessor is
+//! excused only by a store fault covering the moment the missing delta would have been stored,
+//! and then the next snapshot must be a full one (`delta-gap`).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::time::{Duration, SystemTime};
+
+use etcd_warden::store::{Kind, Snapshot};
+
+use super::etcd::Release;
+use super::faultrun::cli_command;
+use super::revmodel::{KeyState, RevModel};
+use super::schedule::SplitMix64;
+
+/// One chain: its full snapshot and the deltas after it, in revision order.
+#[derive(Debug, Clone)]
+pub struct Chain<'a> {
+    pub full: &'a Snapshot,
+    pub deltas: Vec<&'a Snapshot>,
+}
+
+/// The chains of a listing (deltas before any full belong to none).
+pub fn chains(snapshots: &[Snapshot]) -> Vec<Chain<'_>> {
+    let mut sorted: Vec<&Snapshot> = snapshots.iter().collect();
+    sorted.sort_by_key(|s| (s.last_revision, s.kind != Kind::Full, s.start_revision));
+    let mut out: Vec<Chain<'_>> = Vec::new();
+    for s in sorted {
+        match s.kind {
+            Kind::Full => out.push(Chain {
+                full: s,
+                deltas: Vec::new(),
+            }),
+            _ => {
+                if let Some(c) = out.last_mut() {
+                    c.deltas.push(s);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Up to `per_chain` revisions of `chain` the model knows: its full's revision (where the first
+/// delta starts), its first and last delta boundaries, then boundaries and revisions inside
+/// deltas drawn by `rng`.
+pub fn choose(
+    chain: &Chain<'_>,
+    per_chain: usize,
+    rng: &mut SplitMix64,
+    knows: impl Fn(i64) -> bool,
+) -> Vec<i64> {
+    let mut out: Vec<i64> = Vec::new();
+    let add = |out: &mut Vec<i64>, r: i64| {
+        if knows(r) && !out.contains(&r) && out.len() < per_chain {
+            out.push(r);
+        }
+    };
+    if let (Some(first), Some(last)) = (chain.deltas.first(), chain.deltas.last()) {
+        add(&mut out, first.last_revision);
+        add(&mut out, last.last_revision);
+    }
+    add(&mut out, chain.full.last_revision);
+    let lo = chain.full.last_revision;
+    let hi = chain.deltas.last().map_or(lo, |d| d.last_revision);
+    let mut tries = 0;
+    while out.len() < per_chain && tries < 8 * per_chain && !chain.deltas.is_empty() {
+        tries += 1;
+        let r = if rng.chance(50) {
+            chain.deltas[rng.range(0, chain.deltas.len() as u64 - 1) as usize].last_revision
+        } else {
+            rng.range(lo as u64, hi as u64) as i64
+        };
+        add(&mut out, r);
+    }
+    out.sort_unstable();
+    out
+}
+
+/// Differences between a restored cluster's keys and the model's.
+pub fn differences(
+    want: &BTreeMap<String, KeyState>,
+    got: &BTreeMap<String, KeyState>,
+) -> Vec<String> {
+    let mut out = Vec::new();
+    let keys: BTreeSet<&String> = want.keys().chain(got.keys()).collect();
+    for k in keys {
+        match (want.get(k), got.get(k)) {
+            (Some(w), Some(g)) if w == g => {}
+            (w, g) => out.push(format!("{k}: restored {g:?}, the history holds {w:?}")),
+        }
+    }
+    out
+}
+
+/// Where to restore from: a label and the keys that point the CLI at the store.
+pub struct Source {
+    pub label: &'static str,
+    pub snapshots: Vec<Snapshot>,
+    pub keys: Vec<(String, String)>,
+}
+
+/// What [`judge`] found and did.
+#[derive(Debug, Default)]
+pub struct Outcome {
+    pub violations: Vec<String>,
+    pub restores: usize,
+    pub chains: usize,
+    /// Restores of a chain that retention deleted meanwhile.
+    pub gone: usize,
+}
+
+/// Restores the chosen revisions of every chain of every source and compares each with the
+/// model; `keys` is the CLI's configuration, each source's keys override it.
+#[allow(clippy::too_many_arguments)]
+pub async fn judge(
+    model: &RevModel,
+    prefix: &str,
+    keys: &[(String, String)],
+    sources: &[Source],
+    per_chain: usize,
+    max_restores: usize,
+    seed: u64,
+    release: Release,
+    dir: &Path,
+) -> Outcome {
+    let mut rng = SplitMix64::new(seed ^ 0xde17_a5ec);
+    let mut out = Outcome::default();
+    let bin = release.bin_dir().to_string_lossy().into_owned();
+    for source in sources {
+        for chain in chains(&source.snapshots) {
+            out.chains += 1;
+            for r in choose(&chain, per_chain, &mut rng, |r| model.knows(r)) {
+                if out.restores >= max_restores {
+                    return out;
+                }
+                out.restores += 1;
+                let target = dir.join(format!("{}-{r}", source.label)).join("data");
+                let mut all = keys.to_vec();
+                all.retain(|(k, _)| !source.keys.iter().any(|(x, _)| x == k));
+                all.extend(source.keys.iter().cloned());
+                let args = vec![
+                    "--data-dir".to_string(),
+                    target.to_string_lossy().into_owned(),
+                    "--etcd-bin".into(),
+                    bin.clone(),
+                    "--to-revision".into(),
+                    r.to_string(),
+                ];
+                let ran = tokio::task::spawn_blocking(move || {
+                    let mut cmd = cli_command(&all, "restore");
+                    cmd.args(&args);
+                    cmd.output()
+                })
+                .await;
+                let (ok, said) = match ran {
+                    Ok(Ok(o)) => (
+                        o.status.success(),
+                        format!(
+                            "{}{}",
+                            String::from_utf8_lossy(&o.stdout),
+                            String::from_utf8_lossy(&o.stderr)
+                        ),
+                    ),
+                    Ok(Err(e)) => (false, e.to_string()),
+                    Err(e) => (false, e.to_string()),
+                };
+                let what = format!(
+                    "{} chain of {} ({} deltas to revision {}): restore --to-revision {r}",
+                    source.label,
+                    chain.full.snap_name,
+                    chain.deltas.len(),
+                    chain.deltas.last().map_or(chain.full.last_revision, |d| d.last_revision)
+                );
+                if !ok {
+                    // Retention may delete an old chain while it is restored: not a defect.
+                    if said.contains("not found") || said.contains("NotFound") {
+                        out.gone += 1;
+                    } else {
+                        let tail: Vec<&str> = said.lines().rev().take(4).collect();
+                        out.violations
+                            .push(format!("{what} failed: {}", tail.join(" | ")));
+                    }
+                    let _ = std::fs::remove_dir_all(target.parent().unwrap_or(&target));
+                    continue;
+                }
+                match read(release, &target, prefix).await {
+                    Ok(got) => {
+                        let want = model.state_at(prefix, r);
+                        let diff = differences(&want, &got);
+                        if !diff.is_empty() {
+                            out.violations.push(format!(
+                                "{what}: {} keys differ from the history, e.g. {}",
+                                diff.len(),
+                                diff.iter().take(3).cloned().collect::<Vec<_>>().join("; ")
+                            ));
+                        }
+                    }
+                    Err(e) => out
+                        .violations
+                        .push(format!("{what}: the restored etcd did not answer: {e}")),
+                }
+                let _ = std::fs::remove_dir_all(target.parent().unwrap_or(&target));
+            }
+        }
+    }
+    out
+}
+
+/// Starts etcd on a restored data directory and reads every key under `prefix`.
+async fn read(
+    release: Release,
+    data_dir: &Path,
+    prefix: &str,
+) -> Result<BTreeMap<String, KeyState>, String> {
+    let etcd = super::etcd::temp_etcd(release, data_dir, "default", data_dir.with_extension("log"))
+        .await?;
+    let got = async {
+        let client = etcd_client::Client::connect([&etcd.client_url], None)
+            .await
+            .map_err(|e| e.to_string())?;
+        let r = client
+            .kv_client()
+            .max_decoding_message_size(1 << 30)
+            .get(prefix, Some(etcd_client::GetOptions::new().with_prefix()))
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok::<_, String>(
+            r.kvs()
+                .iter()
+                .map(|kv| {
+                    (
+                        String::from_utf8_lossy(kv.key()).into_owned(),
+                        KeyState {
+                            id: super::kvcheck::id_of(kv.value()).unwrap_or_else(|| {
+                                format!("<not a traffic value, {} bytes>", kv.value().len())
+                            }),
+                            create_revision: kv.create_revision(),
+                            mod_revision: kv.mod_revision(),
+                            version: kv.version(),
+                        },
+                    )
+                })
+                .collect(),
+        )
+    }
+    .await;
+    let _ = etcd.stop().await;
+    got
+}
+
+/// Deltas that do not follow their predecessor in a chain. A gap is excused only when a store
+/// fault (`store_faults`, times from `wall_epoch`) overlaps the time between the predecessor and
+/// the delta (when the missing delta would have been stored; snapshot times are whole seconds,
+/// hence a second either side), and then the snapshot after the delta is a full one.
+pub fn gaps(
+    snapshots: &[Snapshot],
+    store_faults: &[(Duration, Duration)],
+    wall_epoch: SystemTime,
+) -> Vec<String> {
+    let at = |s: &Snapshot| {
+        SystemTime::from(s.created_on)
+            .duration_since(wall_epoch)
+            .unwrap_or_default()
+    };
+    let mut sorted: Vec<&Snapshot> = snapshots.iter().collect();
+    sorted.sort_by_key(|s| (s.last_revision, s.kind != Kind::Full, s.start_revision));
+    let mut out = Vec::new();
+    let mut prev: Option<&Snapshot> = None;
+    for (n, s) in sorted.iter().enumerate() {
+        if s.kind == Kind::Full {
+            prev = Some(s);
+            continue;
+        }
+        if let Some(p) = prev
+            && s.start_revision > p.last_revision + 1
+        {
+            let (from, to) = (
+                at(p).saturating_sub(Duration::from_secs(1)),
+                at(s) + Duration::from_secs(1),
+            );
+            let faulted = store_faults.iter().any(|(a, b)| *a <= to && *b >= from);
+            let full_next = sorted.get(n + 1).is_some_and(|x| x.kind == Kind::Full);
+            if !(faulted && full_next) {
+                out.push(format!(
+                    "{} starts at revision {} after {} ended at {}: a gap between {:.0}s and \
+                     {:.0}s ({}; {})",
+                    s.snap_name,
+                    s.start_revision,
+                    p.snap_name,
+                    p.last_revision,
+                    from.as_secs_f64(),
+                    to.as_secs_f64(),
+                    if faulted {
+                        "a store fault covers it"
+                    } else {
+                        "no store fault covers it"
+                    },
+                    if full_next {
+                        "a full follows"
+                    } else {
+                        "no full follows it"
+                    }
+                ));
+            }
+        }
+        prev = Some(s);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::{TimeZone, Utc};
+    use etcd_warden::store::Codec;
+
+    fn snap(kind: Kind, start: i64, last: i64, secs: i64) -> Snapshot {
+        let created_on = Utc.timestamp_opt(1_000_000 + secs, 0).unwrap();
+        let mut s = Snapshot {
+            kind,
+            snap_name: String::new(),
+            prefix: "etcd/v2/".into(),
+            compression: Codec::Gzip,
+            start_revision: start,
+            last_revision: last,
+            created_on,
+            is_final: false,
+            encrypted: false,
+        };
+        s.snap_name = format!("{kind:?}-{start}-{last}");
+        s
+    }
+
+    fn epoch() -> SystemTime {
+        SystemTime::from(Utc.timestamp_opt(1_000_000, 0).unwrap())
+    }
+
+    #[test]
+    fn revisions_are_chosen_per_chain_with_its_first_and_last_boundary() {
+        let list = vec![
+            snap(Kind::Full, 0, 10, 0),
+            snap(Kind::Incr, 11, 20, 2),
+            snap(Kind::Incr, 21, 30, 4),
+            snap(Kind::Incr, 31, 40, 6),
+            snap(Kind::Full, 0, 45, 8),
+            snap(Kind::Incr, 46, 50, 10),
+        ];
+        let cs = chains(&list);
+        assert_eq!(cs.len(), 2);
+        assert_eq!(cs[0].deltas.len(), 3);
+        let mut rng = SplitMix64::new(7);
+        let r = choose(&cs[0], 5, &mut rng, |_| true);
+        assert_eq!(r.len(), 5);
+        assert!(r.contains(&20) && r.contains(&40) && r.contains(&10), "{r:?}");
+        assert!(r.iter().all(|r| (10..=40).contains(r)));
+        // Only what the model knows.
+        let r = choose(&cs[0], 5, &mut rng, |r| r <= 25);
+        assert!(r.iter().all(|r| *r <= 25) && r.contains(&20), "{r:?}");
+    }
+
+    #[test]
+    fn a_gap_is_excused_only_by_a_store_fault_and_a_full_after_it() {
+        let gapped = vec![
+            snap(Kind::Full, 0, 10, 0),
+            snap(Kind::Incr, 11, 20, 2),
+            snap(Kind::Incr, 25, 30, 10),
+        ];
+        let fault = [(Duration::from_secs(5), Duration::from_secs(7))];
+        let elsewhere = [(Duration::from_secs(50), Duration::from_secs(60))];
+        assert_eq!(gaps(&gapped, &[], epoch()).len(), 1);
+        assert_eq!(gaps(&gapped, &fault, epoch()).len(), 1, "no full follows");
+        let mut healed = gapped.clone();
+        healed.push(snap(Kind::Full, 0, 31, 12));
+        assert!(gaps(&healed, &fault, epoch()).is_empty());
+        assert_eq!(gaps(&healed, &elsewhere, epoch()).len(), 1);
+        let whole = vec![snap(Kind::Full, 0, 10, 0), snap(Kind::Incr, 11, 20, 2)];
+        assert!(gaps(&whole, &[], epoch()).is_empty());
+    }
+
+    #[test]
+    fn a_restored_key_differing_in_any_field_is_found() {
+        let k = |id: &str, c, m, v| KeyState {
+            id: id.into(),
+            create_revision: c,
+            mod_revision: m,
+            version: v,
+        };
+        let want: BTreeMap<String, KeyState> = [("/a".to_string(), k("x", 2, 5, 3))].into();
+        assert!(differences(&want, &want.clone()).is_empty());
+        let wrong: BTreeMap<String, KeyState> = [("/a".to_string(), k("x", 2, 5, 1))].into();
+        assert_eq!(differences(&want, &wrong).len(), 1);
+        let extra: BTreeMap<String, KeyState> = [
+            ("/a".to_string(), k("x", 2, 5, 3)),
+            ("/b".to_string(), k("y", 6, 6, 1)),
+        ]
+        .into();
+        assert_eq!(differences(&want, &extra).len(), 1);
+        assert_eq!(differences(&want, &BTreeMap::new()).len(), 1);
+    }
+}
