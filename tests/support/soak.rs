@@ -284,6 +284,9 @@ struct Can {
     partition_member: usize,
 }
 
+/// The opening round's gaps between faults and holds, ms: every kind once within about a minute.
+const OPENING_PACE: ((u64, u64), (u64, u64)) = ((300, 1000), (500, 1500));
+
 /// The uid the partitioned member's etcd runs under.
 const PARTITION_UID: u32 = 40_040;
 
@@ -1086,7 +1089,12 @@ struct Counts {
     drills: u32,
     drill_failures: u32,
     restore_disk_full: u32,
+    /// Copy Job attempts that failed and were run again (as the Job's `backoffLimit` does).
+    copy_retries: u32,
 }
+
+/// The copy Job's `backoffLimit` in deploy/copy-job/job.yaml.
+const COPY_BACKOFF_LIMIT: u32 = 3;
 
 struct Run<'a> {
     profile: &'a Profile,
@@ -1546,10 +1554,13 @@ impl Run<'_> {
         let mut next_operator =
             Instant::now() + Duration::from_secs(self.rng.range(every / 2, every * 3 / 2));
         while Instant::now() < until {
-            let gap = Duration::from_millis(
-                self.rng
-                    .range(self.profile.fault_gap.0, self.profile.fault_gap.1),
-            );
+            // The opening round goes at a faster pace, so that it ends within the first serve.
+            let (gap, hold) = if self.opening.is_empty() {
+                (self.profile.fault_gap, self.profile.fault_hold)
+            } else {
+                OPENING_PACE
+            };
+            let gap = Duration::from_millis(self.rng.range(gap.0, gap.1));
             tokio::time::sleep(gap.min(until.saturating_duration_since(Instant::now()))).await;
             if Instant::now() >= until {
                 break;
@@ -1586,10 +1597,7 @@ impl Run<'_> {
                     self.rng.chance(12),
                 ),
             };
-            let hold = Duration::from_millis(
-                self.rng
-                    .range(self.profile.fault_hold.0, self.profile.fault_hold.1),
-            );
+            let hold = Duration::from_millis(self.rng.range(hold.0, hold.1));
             if pair {
                 self.play_two(n, hold).await;
             } else {
@@ -2020,21 +2028,44 @@ impl Run<'_> {
             .collect();
         source.push(("store.url".into(), format!("s3://{DEST}/{dest_prefix}")));
         source.push(("store.endpoint".into(), endpoint));
-        let copied = self
-            .hand_off_step(
-                "copy",
-                &[
-                    "--wait-for-final".into(),
-                    "--final-timeout".into(),
-                    "60s".into(),
-                    "--poll-interval".into(),
-                    "1s".into(),
-                ],
-                &source,
-                format!("hand-off {k}: copy Job"),
-                ("copy-failed", format!("hand-off {k}: the copy Job failed")),
-            )
-            .await;
+        let args: Vec<String> = [
+            "--wait-for-final",
+            "--final-timeout",
+            "60s",
+            "--poll-interval",
+            "1s",
+        ]
+        .map(String::from)
+        .to_vec();
+        // Run as Kubernetes runs the Job (deploy/copy-job/job.yaml, `backoffLimit: 3`): a failed
+        // attempt is run again, up to three times; the last one's failure is the violation. An
+        // attempt fails on one lost answer to a single PUT (docs/robustness.md).
+        let mut copied = false;
+        for attempt in 0..=COPY_BACKOFF_LIMIT {
+            if attempt == COPY_BACKOFF_LIMIT {
+                copied = self
+                    .hand_off_step(
+                        "copy",
+                        &args,
+                        &source,
+                        format!("hand-off {k}: copy Job (attempt {})", attempt + 1),
+                        ("copy-failed", format!("hand-off {k}: the copy Job failed")),
+                    )
+                    .await;
+                break;
+            }
+            let (ok, said) = self.cli("copy", &args, &source).await;
+            self.event(format!(
+                "hand-off {k}: copy Job (attempt {}) ok={ok}: {}",
+                attempt + 1,
+                last_line(&said)
+            ));
+            if ok {
+                copied = true;
+                break;
+            }
+            self.counts.copy_retries += 1;
+        }
         if !copied {
             return;
         }
@@ -2586,7 +2617,8 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
     }
     let missed = faultkinds::missing(&run.required_kinds, &run.counts.faults);
     let kinds_summary = format!(
-        " defrags_seen={} fault_kinds={}/{}",
+        " copy_job_retries={} defrags_seen={} fault_kinds={}/{}",
+        run.counts.copy_retries,
         leadership.defrags.len(),
         run.required_kinds.len() - missed.len(),
         run.required_kinds.len()
