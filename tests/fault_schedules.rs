@@ -564,6 +564,69 @@ async fn the_fault_proxy_loses_answers_the_server_gave_and_delivers_them_late() 
     assert_eq!(roundtrip(&mut fresh).await, Some(b'x'));
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn the_fault_proxy_answers_http_errors_without_the_server() {
+    // A server that counts the requests that reach it and answers each with 200.
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let target = l.local_addr().unwrap();
+    let reached = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let r = reached.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            let r = r.clone();
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                if matches!(s.read(&mut buf).await, Ok(n) if n > 0) {
+                    r.fetch_add(1, Ordering::SeqCst);
+                    let _ = s
+                        .write_all(
+                            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok",
+                        )
+                        .await;
+                }
+            });
+        }
+    });
+    let proxy = FaultProxy::start(target).await;
+    let put = |body: &'static str| {
+        let addr = proxy.addr;
+        async move {
+            let mut c = TcpStream::connect(addr).await.unwrap();
+            let req = format!(
+                "PUT /bucket/key HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            c.write_all(req.as_bytes()).await.unwrap();
+            let mut answer = Vec::new();
+            let _ = tokio::time::timeout(Duration::from_secs(3), c.read_to_end(&mut answer)).await;
+            String::from_utf8_lossy(&answer).into_owned()
+        }
+    };
+    assert!(put("a").await.starts_with("HTTP/1.1 200"));
+    assert_eq!(reached.load(Ordering::SeqCst), 1);
+
+    proxy.set(FaultMode::Status(503));
+    let slow = put("body").await;
+    assert!(slow.starts_with("HTTP/1.1 503"), "{slow}");
+    assert!(slow.contains("<Code>SlowDown</Code>"), "{slow}");
+    proxy.set(FaultMode::Status(500));
+    let internal = put("body").await;
+    assert!(internal.starts_with("HTTP/1.1 500"), "{internal}");
+    assert!(
+        internal.contains("<Code>InternalError</Code>"),
+        "{internal}"
+    );
+    assert_eq!(
+        reached.load(Ordering::SeqCst),
+        1,
+        "nothing reached the server"
+    );
+
+    proxy.set(FaultMode::Pass);
+    assert!(put("b").await.starts_with("HTTP/1.1 200"));
+    assert_eq!(reached.load(Ordering::SeqCst), 2);
+}
+
 mod checker {
     //! The invariant checker on made-up evidence: it must be able to fail.
 

@@ -137,3 +137,43 @@ async fn soak() {
         outcome.violations
     );
 }
+
+/// The operator lane alone, for `OPERATOR_LANE_MINUTES` (runs nothing unless set): a machine
+/// replaced (or killed for good, then replaced) every 15–25 s, then the lane's checkers. A
+/// planted operator defect (`voter-removed-early`) shows here in a minute or two, without the
+/// sidecars' world.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn operator_lane() {
+    let Some(minutes) = std::env::var("OPERATOR_LANE_MINUTES").ok() else {
+        println!("OPERATOR_LANE_MINUTES is not set: no operator lane run");
+        return;
+    };
+    let minutes: f64 = minutes.parse().expect("OPERATOR_LANE_MINUTES: minutes");
+    let seed = std::env::var("SOAK_SEED").map_or(0x40, |s| parse_seed(&s));
+    let epoch = std::time::Instant::now();
+    let mut lane = soak::OperatorLane::start(support::etcd::Release::V34, seed, epoch)
+        .await
+        .expect("the operator lane starts");
+    let mut rng = support::schedule::SplitMix64::new(seed);
+    let until = epoch + Duration::from_secs_f64(minutes * 60.0);
+    while std::time::Instant::now() < until {
+        tokio::time::sleep(Duration::from_secs(rng.range(15, 25))).await;
+        let said = lane.act(&mut rng).await;
+        println!("{:.1}s: {said}", epoch.elapsed().as_secs_f64());
+    }
+    let violations = lane.judge().await;
+    println!(
+        "operator lane {:.1} min: replacements={} dead_for_good={} operator_restarts={} \
+         membership_changes={} violations={}",
+        epoch.elapsed().as_secs_f64() / 60.0,
+        lane.replacements,
+        lane.deaths,
+        lane.operator_restarts,
+        lane.members.lock().unwrap_or_else(|e| e.into_inner()).len(),
+        violations.len()
+    );
+    for v in &violations {
+        println!("VIOLATION [{}] {}", v.kind, v.detail);
+    }
+    assert!(violations.is_empty(), "violations: {violations:#?}");
+}

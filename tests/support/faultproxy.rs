@@ -19,6 +19,10 @@
 //! - `Late(d)`: requests pass at once; every chunk of the server's answer is held `d` before it
 //!   is forwarded. With `d` past the client's deadline the server completes and the client has
 //!   given up (its abandoned connection is cut once it closes it).
+//! - `Status(code)`: nothing reaches the server; every request is read (its body too, as far as
+//!   `Content-Length` says) and answered with `code` and an S3 error body (503 `SlowDown`, 500
+//!   `InternalError`, as S3 throttling and its internal errors answer). Connections open when the
+//!   mode is set are cut (a request on them is lost, as at any switch); new ones are answered.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -41,6 +45,7 @@ pub enum FaultMode {
     RefuseFrom(u64),
     LoseAnswers,
     Late(Duration),
+    Status(u16),
 }
 
 /// A running proxy; stops on drop.
@@ -72,6 +77,11 @@ fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
 impl FaultProxy {
     /// Forwards an ephemeral loopback port to `target`, in `Pass` mode.
     pub async fn start(target: SocketAddr) -> FaultProxy {
+        FaultProxy::spawn(target)
+    }
+
+    /// [`FaultProxy::start`] from synchronous code inside the runtime (binding does not wait).
+    pub fn spawn(target: SocketAddr) -> FaultProxy {
         let listener = listen(([127, 0, 0, 1], 0).into()).expect("bind the fault proxy");
         let addr = listener.local_addr().expect("proxy address");
         let (mode, _) = watch::channel(FaultMode::Pass);
@@ -182,6 +192,14 @@ async fn connection(
     if matches!(*mode.borrow(), FaultMode::RefuseFrom(id) if Some(id) == from) {
         return;
     }
+    let status = match *mode.borrow() {
+        FaultMode::Status(code) => Some(code),
+        _ => None,
+    };
+    if let Some(code) = status {
+        answer_status(client, &head, code).await;
+        return;
+    }
     let Ok(Ok(mut upstream)) =
         tokio::time::timeout(Duration::from_secs(2), TcpStream::connect(target)).await
     else {
@@ -224,6 +242,54 @@ async fn request_head(client: &mut TcpStream) -> (Vec<u8>, Option<u64>) {
     (head, from)
 }
 
+/// Answers the request whose head is `head` with `code` and an S3 error body, without the
+/// server: its body is read first (up to `Content-Length`, within a moment), so that the client,
+/// still sending, is not cut before it reads the answer; then the connection is closed.
+async fn answer_status(mut client: TcpStream, head: &[u8], code: u16) {
+    let end = head
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map_or(head.len(), |p| p + 4);
+    let text = String::from_utf8_lossy(&head[..end]);
+    let length: usize = text
+        .lines()
+        .find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.trim()
+                .eq_ignore_ascii_case("content-length")
+                .then(|| v.trim().parse().ok())
+                .flatten()
+        })
+        .unwrap_or(0);
+    let mut left = length.saturating_sub(head.len() - end);
+    let mut buf = vec![0u8; 64 * 1024];
+    while left > 0 {
+        match tokio::time::timeout(Duration::from_secs(2), client.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => left = left.saturating_sub(n),
+            _ => break,
+        }
+    }
+    let (reason, s3_code, message) = match code {
+        503 => ("Slow Down", "SlowDown", "Please reduce your request rate."),
+        _ => (
+            "Internal Server Error",
+            "InternalError",
+            "We encountered an internal error. Please try again.",
+        ),
+    };
+    let body = format!(
+        "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>{s3_code}</Code>\
+         <Message>{message}</Message></Error>"
+    );
+    let answer = format!(
+        "HTTP/1.1 {code} {reason}\r\nContent-Type: application/xml\r\nContent-Length: {}\r\n\
+         Connection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = client.write_all(answer.as_bytes()).await;
+    let _ = client.shutdown().await;
+}
+
 /// Forwards one direction according to the mode (`answers`: the server-to-client one, counted
 /// there); returns when the connection must end.
 async fn pump(
@@ -248,6 +314,7 @@ async fn pump(
                 }
                 let m = *mode.borrow_and_update();
                 if m == FaultMode::Down
+                    || matches!(m, FaultMode::Status(_))
                     || refused(m)
                     || (tainted.load(Ordering::SeqCst) && m != FaultMode::Blackhole)
                 {
@@ -278,7 +345,7 @@ async fn pump(
                 tainted.store(true, Ordering::SeqCst);
                 continue;
             }
-            FaultMode::Down => return,
+            FaultMode::Down | FaultMode::Status(_) => return,
         }
         if to.write_all(&buf[..n]).await.is_err() {
             return;

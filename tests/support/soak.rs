@@ -35,6 +35,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::dns::Mode;
 use super::etcd::Release;
+use super::faultkinds::{self, Target};
 use super::faultproxy::FaultMode;
 use super::faultrun::{
     self, ETCD, PREFIX, RECORD, SIDECAR, THEM, US, World, WorldSpec, cli_command, tail,
@@ -43,6 +44,7 @@ use super::handoff_judge;
 use super::invariants::{self, Evidence, Violation, get_json};
 use super::kvcheck::{self, Seen};
 use super::{deltacheck, linsearch, revmodel};
+use super::opchecks;
 use super::podns::Pod;
 use super::s3::{ACCESS_KEY, REGION, SECRET_KEY};
 use super::schedule::{Ending, SplitMix64};
@@ -170,12 +172,20 @@ pub enum Nemesis {
     Partition(usize),
     /// The API server (the druid profile's double) unreachable: its proxy refuses or hangs.
     ApiServer(FaultMode),
+    /// A store other than the primary faulted through its own proxy ([`faultkinds`]).
+    OtherStore(Target, FaultMode),
 }
 
 impl Nemesis {
     fn draw(rng: &mut SplitMix64, members: usize, can: Can) -> Nemesis {
         let m = rng.range(0, members as u64 - 1) as usize;
-        let weights = [
+        let i = rng.weighted(&Nemesis::weights(can));
+        Nemesis::build(i, rng, m, can)
+    }
+
+    /// How often each kind of [`Nemesis::build`] is drawn (0: the run cannot play it).
+    fn weights(can: Can) -> [u64; 20] {
+        [
             8, // etcd kill
             6, // sidecar kill
             4, // etcd freeze
@@ -193,8 +203,15 @@ impl Nemesis {
             if can.clock { 3 } else { 0 },
             if can.partition { 4 } else { 0 },
             if can.api_server { 3 } else { 0 },
-        ];
-        match rng.weighted(&weights) {
+            4, // store 5xx
+            3, // secondary 5xx
+            2, // secondary loses answers
+        ]
+    }
+
+    /// The fault of kind `i` (an index of [`Nemesis::weights`]) on member `m` where it takes one.
+    fn build(i: usize, rng: &mut SplitMix64, m: usize, can: Can) -> Nemesis {
+        match i {
             0 => Nemesis::EtcdKill(m),
             1 => Nemesis::SidecarKill(m, rng.range(0, 2000)),
             2 => Nemesis::EtcdFreeze(m),
@@ -209,17 +226,20 @@ impl Nemesis {
             9 => Nemesis::Dns(Mode::ServFail),
             10 => Nemesis::Dns(Mode::Silent),
             11 => Nemesis::DnsStopped,
-            12 => Nemesis::DiskFull(DISK_MEMBER),
+            12 => Nemesis::DiskFull(can.disk_member),
             14 => {
                 let secs = [-7200, -600, -90, 90, 3600, 86_400][rng.range(0, 5) as usize];
                 Nemesis::ClockJump(m, secs)
             }
-            15 => Nemesis::Partition(PARTITION_MEMBER),
+            15 => Nemesis::Partition(can.partition_member),
             16 => Nemesis::ApiServer(if rng.chance(50) {
                 FaultMode::Down
             } else {
                 FaultMode::Blackhole
             }),
+            17 => Nemesis::Store(faultkinds::status_mode(rng)),
+            18 => Nemesis::OtherStore(Target::Secondary, faultkinds::status_mode(rng)),
+            19 => Nemesis::OtherStore(Target::Secondary, FaultMode::LoseAnswers),
             _ => Nemesis::Trigger(
                 m,
                 if rng.chance(50) {
@@ -238,12 +258,8 @@ impl Nemesis {
             Nemesis::SidecarKill(..) => "sidecar-kill",
             Nemesis::EtcdFreeze(_) => "etcd-freeze",
             Nemesis::SidecarFreeze(_) => "sidecar-freeze",
-            Nemesis::Store(FaultMode::Down) => "store-down",
-            Nemesis::Store(FaultMode::Slow(_)) => "store-slow",
-            Nemesis::Store(FaultMode::Blackhole) => "store-hang",
-            Nemesis::Store(FaultMode::LoseAnswers) => "store-loses-answers",
-            Nemesis::Store(FaultMode::Late(_)) => "store-late",
-            Nemesis::Store(_) => "store-other",
+            Nemesis::Store(mode) => faultkinds::store_kind(None, *mode),
+            Nemesis::OtherStore(t, mode) => faultkinds::store_kind(Some(*t), *mode),
             Nemesis::Dns(Mode::ServFail) => "dns-servfail",
             Nemesis::Dns(_) => "dns-silent",
             Nemesis::DnsStopped => "dns-stopped",
@@ -277,13 +293,17 @@ struct Can {
     clock: bool,
     partition: bool,
     api_server: bool,
+    /// The member whose data directory is a filesystem of its own, filled by
+    /// [`Nemesis::DiskFull`], and the one [`Nemesis::Partition`] cuts off: both chosen by the
+    /// seed ([`faultkinds::members_for`]).
+    disk_member: usize,
+    partition_member: usize,
 }
 
-/// The member whose data directory is a filesystem of its own, filled by [`Nemesis::DiskFull`].
-const DISK_MEMBER: usize = 2;
+/// The opening round's gaps between faults and holds, ms: every kind once within about a minute.
+const OPENING_PACE: ((u64, u64), (u64, u64)) = ((300, 1000), (500, 1500));
 
-/// The member [`Nemesis::Partition`] cuts off, and the uid its etcd runs under.
-const PARTITION_MEMBER: usize = 1;
+/// The uid the partitioned member's etcd runs under.
 const PARTITION_UID: u32 = 40_040;
 
 /// The iptables chain holding the partition's rules (in the run's own network namespace).
@@ -1087,7 +1107,12 @@ struct Counts {
     drills: u32,
     drill_failures: u32,
     restore_disk_full: u32,
+    /// Copy Job attempts that failed and were run again (as the Job's `backoffLimit` does).
+    copy_retries: u32,
 }
+
+/// The copy Job's `backoffLimit` in deploy/copy-job/job.yaml.
+const COPY_BACKOFF_LIMIT: u32 = 3;
 
 struct Run<'a> {
     profile: &'a Profile,
@@ -1127,6 +1152,16 @@ struct Run<'a> {
     /// Each destination's traffic keys as read (hand-off, the final's revision, contents),
     /// judged again at the end against the complete revision history.
     destination_reads: Vec<(u32, i64, BTreeMap<String, Seen>)>,
+    /// The secondary's, the destination's and the Jobs' stores, each behind its own proxy.
+    proxies: faultkinds::StoreProxies,
+    /// The sidecars' members' leader every ~200 ms and the defragmentations their logs showed.
+    leadership: Arc<Mutex<opchecks::Leadership>>,
+    /// What the opening round still has to play (`None`: two faults at once), from the back.
+    opening: Vec<Option<Nemesis>>,
+    /// The fault kinds this run must play ([`faultkinds::required`]).
+    required_kinds: Vec<&'static str>,
+    disk_member: usize,
+    partition_member: usize,
 }
 
 /// The sidecars' configuration beyond the fault schedules': every feature on.
@@ -1194,6 +1229,12 @@ impl Run<'_> {
     fn keys(&self) -> Vec<(String, String)> {
         let mut keys = self.world.keys[0].clone();
         keys.retain(|(k, _)| !k.starts_with("druid."));
+        // The Jobs reach the primary through a proxy of their own (faulted beside a Job).
+        for (k, v) in &mut keys {
+            if k == "store.endpoint" {
+                *v = self.proxies.jobs.endpoint();
+            }
+        }
         keys
     }
 
@@ -1295,6 +1336,12 @@ impl Run<'_> {
                     tokio::time::sleep(hold).await;
                     d.proxy.set(FaultMode::Pass);
                 }
+            }
+            Nemesis::OtherStore(t, mode) => {
+                let proxy = self.proxies.of(t).clone();
+                proxy.set(mode);
+                tokio::time::sleep(hold).await;
+                proxy.set(FaultMode::Pass);
             }
         }
         let to = self.world.events.epoch.elapsed();
@@ -1494,7 +1541,23 @@ impl Run<'_> {
             self.event(format!("job compact: ok={ok}: {}", last_line(&said)));
         } else {
             self.counts.drills += 1;
+            // Now and then the Jobs' store fails under the drill (it may then fail: counted).
+            let beside = if self.rng.chance(35) {
+                let mode = if self.rng.chance(50) {
+                    faultkinds::status_mode(&mut self.rng)
+                } else {
+                    FaultMode::LoseAnswers
+                };
+                let after = Duration::from_millis(self.rng.range(0, 3000));
+                let hold = Duration::from_millis(self.rng.range(500, 3000));
+                Some(self.fault_beside(Target::Jobs, mode, after, hold))
+            } else {
+                None
+            };
             let (ok, said) = self.cli("verify", &["--restore".into()], &[]).await;
+            if let Some(b) = beside {
+                self.record_beside(b).await;
+            }
             self.event(format!(
                 "job verify --restore: ok={ok}: {}",
                 last_line(&said)
@@ -1514,10 +1577,13 @@ impl Run<'_> {
         let mut next_operator =
             Instant::now() + Duration::from_secs(self.rng.range(every / 2, every * 3 / 2));
         while Instant::now() < until {
-            let gap = Duration::from_millis(
-                self.rng
-                    .range(self.profile.fault_gap.0, self.profile.fault_gap.1),
-            );
+            // The opening round goes at a faster pace, so that it ends within the first serve.
+            let (gap, hold) = if self.opening.is_empty() {
+                (self.profile.fault_gap, self.profile.fault_hold)
+            } else {
+                OPENING_PACE
+            };
+            let gap = Duration::from_millis(self.rng.range(gap.0, gap.1));
             tokio::time::sleep(gap.min(until.saturating_duration_since(Instant::now()))).await;
             if Instant::now() >= until {
                 break;
@@ -1540,19 +1606,122 @@ impl Run<'_> {
                     );
                 continue;
             }
-            let can = Can {
-                disk: !self.mounts.is_empty(),
-                clock: self.clock_dir.is_some(),
-                partition: self.partition.is_some(),
-                api_server: self.druid.is_some(),
+            let can = self.can();
+            // The opening round first (every kind once), then drawn faults, now and then two
+            // at once.
+            let (n, pair) = match self.opening.pop() {
+                Some(Some(n)) => (n, false),
+                Some(None) => (
+                    Nemesis::draw(&mut self.rng, self.world.specs.len(), can),
+                    true,
+                ),
+                None => (
+                    Nemesis::draw(&mut self.rng, self.world.specs.len(), can),
+                    self.rng.chance(12),
+                ),
             };
-            let n = Nemesis::draw(&mut self.rng, self.world.specs.len(), can);
-            let hold = Duration::from_millis(
-                self.rng
-                    .range(self.profile.fault_hold.0, self.profile.fault_hold.1),
-            );
-            self.play(n, hold).await;
+            let hold = Duration::from_millis(self.rng.range(hold.0, hold.1));
+            if pair {
+                self.play_two(n, hold).await;
+            } else {
+                self.play(n, hold).await;
+            }
         }
+    }
+
+    /// Which faults this run can play, and on which members.
+    fn can(&self) -> Can {
+        Can {
+            disk: !self.mounts.is_empty(),
+            clock: self.clock_dir.is_some(),
+            partition: self.partition.is_some(),
+            api_server: self.druid.is_some(),
+            disk_member: self.disk_member,
+            partition_member: self.partition_member,
+        }
+    }
+
+    /// `n` played while a store fault holds on a store `n` does not touch (the primary, or the
+    /// secondary when `n` is the primary's): two faults at once, both recorded.
+    async fn play_two(&mut self, n: Nemesis, hold: Duration) {
+        let mode = match self.rng.range(0, 3) {
+            0 => faultkinds::status_mode(&mut self.rng),
+            1 => FaultMode::LoseAnswers,
+            2 => FaultMode::Down,
+            _ => FaultMode::Late(Duration::from_millis(self.rng.range(3500, 6000))),
+        };
+        let other = if matches!(n, Nemesis::Store(_)) {
+            Nemesis::OtherStore(Target::Secondary, mode)
+        } else {
+            Nemesis::Store(mode)
+        };
+        *self.counts.faults.entry(faultkinds::PAIR).or_default() += 1;
+        *self.counts.faults.entry(other.kind()).or_default() += 1;
+        let from = self.world.events.epoch.elapsed();
+        self.event(format!(
+            "nemesis: two at once: {other:?} held across the next"
+        ));
+        match other {
+            Nemesis::OtherStore(t, m) => self.proxies.of(t).set(m),
+            _ => self.world.proxy.set(mode),
+        }
+        let started = Instant::now();
+        self.play(n, hold).await;
+        tokio::time::sleep(hold.saturating_sub(started.elapsed())).await;
+        match other {
+            Nemesis::OtherStore(t, _) => self.proxies.of(t).set(FaultMode::Pass),
+            _ => self.world.proxy.set(FaultMode::Pass),
+        }
+        let to = self.world.events.epoch.elapsed();
+        self.fault_windows.push((from, to));
+        self.fault_log.push((other, from, to));
+        self.event(format!("nemesis: {} healed (two at once)", other.kind()));
+    }
+
+    /// Holds `mode` on `target`'s proxy beside a Job: from `after` for `hold`. Await the handle
+    /// (then [`Run::record_beside`]) once the Job is done.
+    fn fault_beside(
+        &self,
+        target: Target,
+        mode: FaultMode,
+        after: Duration,
+        hold: Duration,
+    ) -> (
+        Nemesis,
+        Duration,
+        tokio::task::JoinHandle<(Duration, Duration)>,
+    ) {
+        let n = Nemesis::OtherStore(target, mode);
+        self.event(format!(
+            "nemesis: {n:?} from {after:?} for {hold:?}, beside the Job"
+        ));
+        let task = tokio::spawn(faultkinds::hold_fault(
+            self.proxies.of(target).clone(),
+            mode,
+            after,
+            hold,
+        ));
+        (n, self.world.events.epoch.elapsed(), task)
+    }
+
+    /// Counts and logs a fault [`Run::fault_beside`] held (it has healed once this returns).
+    async fn record_beside(
+        &mut self,
+        (n, at, task): (
+            Nemesis,
+            Duration,
+            tokio::task::JoinHandle<(Duration, Duration)>,
+        ),
+    ) {
+        let Ok((from, to)) = task.await else {
+            self.proxies.of(Target::Jobs).set(FaultMode::Pass);
+            self.proxies.of(Target::Destination).set(FaultMode::Pass);
+            return;
+        };
+        *self.counts.faults.entry(n.kind()).or_default() += 1;
+        self.fault_windows.push((at + from, at + to));
+        self.fault_log.push((n, at + from, at + to));
+        self.event(format!("nemesis: {} healed", n.kind()));
     }
 
     /// Every acknowledged write so far, as the ownership invariants take them.
@@ -1590,6 +1759,7 @@ impl Run<'_> {
         // Heal whatever a fault left behind; every etcd runs again.
         self.world.heal_dns().await;
         self.world.proxy.set(FaultMode::Pass);
+        self.proxies.heal();
         if let Some(p) = &self.partition {
             let _ = p.heal();
         }
@@ -1820,10 +1990,38 @@ impl Run<'_> {
         ok
     }
 
-    /// The copy Job (through the sidecars' route, or `direct` to the store when that route is
-    /// down: [`soak_handoff`]), then the destination restored and read at its newest chain's
-    /// end. What the copy chose, and the revision at which the destination equals the model.
+    /// [`Run::copy_and_restore_steps`] with the destination's and the Jobs' stores faulted
+    /// beside the copy Job and the restore ([`faultkinds::handoff_faults`]).
     async fn copy_and_restore(
+        &mut self,
+        k: u32,
+        recorded: &Recorded,
+        direct: bool,
+    ) -> (handoff_judge::CopyRun, Option<Result<i64, String>>) {
+        let (dest, jobs) = faultkinds::handoff_faults(k, &mut self.rng);
+        let mut beside = Vec::new();
+        for (target, mode) in [(Target::Destination, dest), (Target::Jobs, jobs)] {
+            if let Some(mode) = mode {
+                let after = Duration::from_millis(self.rng.range(0, 1500));
+                let hold = Duration::from_millis(self.rng.range(500, 2500));
+                beside.push(self.fault_beside(target, mode, after, hold));
+            }
+        }
+        if beside.len() > 1 {
+            *self.counts.faults.entry(faultkinds::PAIR).or_default() += 1;
+        }
+        let out = self.copy_and_restore_steps(k, recorded, direct).await;
+        for b in beside {
+            self.record_beside(b).await;
+        }
+        out
+    }
+
+    /// The copy Job (the Jobs reach the stores through a proxy of their own, so an outage of
+    /// the sidecars' route (`direct`: [`soak_handoff`]) does not reach it), then the
+    /// destination restored and read at its newest chain's end. What the copy chose, and the
+    /// revision at which the destination equals the model.
+    async fn copy_and_restore_steps(
         &mut self,
         k: u32,
         recorded: &Recorded,
@@ -1831,38 +2029,42 @@ impl Run<'_> {
     ) -> (handoff_judge::CopyRun, Option<Result<i64, String>>) {
         self.destinations += 1;
         let dest_prefix = format!("{PREFIX}-{k}");
-        let endpoint = format!("http://127.0.0.1:{}", self.world.s3.port);
+        let endpoint = self.proxies.destination.endpoint();
         let mut source: Vec<(String, String)> = self
             .keys()
             .into_iter()
             .filter(|(key, _)| key.starts_with("store.") && !key.starts_with("store.secondary"))
             .map(|(key, v)| (key.replacen("store.", "source_store.", 1), v))
             .collect();
-        if direct {
-            source.retain(|(key, _)| key != "source_store.endpoint");
-            source.push(("source_store.endpoint".into(), endpoint.clone()));
-        }
         source.push(("store.url".into(), format!("s3://{DEST}/{dest_prefix}")));
         source.push(("store.endpoint".into(), endpoint));
-        let timeout = format!("{}s", self.profile.copy_final_timeout.as_secs());
-        let started = self.world.events.epoch.elapsed();
-        let (ok, said) = self
-            .cli(
-                "copy",
-                &[
-                    "--wait-for-final".into(),
-                    "--final-timeout".into(),
-                    timeout,
-                    "--poll-interval".into(),
-                    "1s".into(),
-                ],
-                &source,
-            )
-            .await;
-        self.event(format!(
-            "hand-off {k}: copy Job (direct: {direct}) ok={ok}: {}",
-            last_line(&said)
-        ));
+        let args: Vec<String> = vec![
+            "--wait-for-final".into(),
+            "--final-timeout".into(),
+            format!("{}s", self.profile.copy_final_timeout.as_secs()),
+            "--poll-interval".into(),
+            "1s".into(),
+        ];
+        // Run as Kubernetes runs the Job (deploy/copy-job/job.yaml, `backoffLimit: 3`): a failed
+        // attempt is run again, up to three times; the last one's failure is the violation. An
+        // attempt fails on one lost answer to a single PUT (docs/robustness.md).
+        let (mut ok, mut said) = (false, String::new());
+        let mut started = self.world.events.epoch.elapsed();
+        for attempt in 0..=COPY_BACKOFF_LIMIT {
+            started = self.world.events.epoch.elapsed();
+            (ok, said) = self.cli("copy", &args, &source).await;
+            self.event(format!(
+                "hand-off {k}: copy Job (attempt {}, sidecars' route down: {direct}) ok={ok}: {}",
+                attempt + 1,
+                last_line(&said)
+            ));
+            if ok {
+                break;
+            }
+            if attempt < COPY_BACKOFF_LIMIT {
+                self.counts.copy_retries += 1;
+            }
+        }
         let dest =
             etcd_warden::store::SnapshotStore::new(self.world.s3.object_store(DEST), &dest_prefix);
         let dest_listed = dest.list().await.unwrap_or_default();
@@ -1871,7 +2073,8 @@ impl Run<'_> {
             self.violation(
                 "copy-failed",
                 format!(
-                    "hand-off {k}: the copy Job failed: {}",
+                    "hand-off {k}: the copy Job failed {} times: {}",
+                    COPY_BACKOFF_LIMIT + 1,
                     tail(&said, 5, true)
                 ),
             );
@@ -1897,7 +2100,7 @@ impl Run<'_> {
             ),
             (
                 "store.endpoint".to_string(),
-                format!("http://127.0.0.1:{}", self.world.s3.port),
+                self.proxies.destination.endpoint(),
             ),
         ];
         let etcd_bin = self
@@ -2219,12 +2422,24 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
     let wall_epoch = SystemTime::now();
     let scratch = tempfile::tempdir().expect("temp dir");
     let members = 3;
+    let (disk_member, partition_member) = faultkinds::members_for(seed, members);
     // One member's data directory on a filesystem of its own, which the disk-full fault fills
     // (RAM-backed: every member on one, over hours of large values, ran the machine out of
     // memory).
-    let mounts: Vec<Mount> = Mount::tmpfs(&scratch.path().join(format!("m{DISK_MEMBER}")), "1g")
+    let mounts: Vec<Mount> = Mount::tmpfs(&scratch.path().join(format!("m{disk_member}")), "1g")
         .into_iter()
         .collect();
+    if disk_member == partition_member && !mounts.is_empty() {
+        // The partitioned member's etcd runs under its own uid: it must reach its data
+        // directory on the tmpfs (the directories above it only traversable).
+        use std::os::unix::fs::PermissionsExt;
+        for d in [
+            scratch.path().to_path_buf(),
+            scratch.path().join(format!("m{disk_member}")),
+        ] {
+            let _ = std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o711));
+        }
+    }
     let restore_mount = Mount::tmpfs(&scratch.path().join("restore"), "256m");
     let no_partition = Partition::unavailable();
     let druid = if profile.druid {
@@ -2261,7 +2476,7 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
         hosts: profile.druid,
         own_uid: no_partition
             .is_none()
-            .then_some((PARTITION_MEMBER, PARTITION_UID)),
+            .then_some((partition_member, PARTITION_UID)),
         sidecar_env: druid
             .iter()
             .map(|d| ("KUBECONFIG".to_string(), d.kubeconfig.display().to_string()))
@@ -2274,10 +2489,20 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
         ..spec
     };
     let clock_dir = spec.clock_dir.clone();
+    // The secondary behind a proxy of its own, started once the S3 server's address is known.
+    let secondary = std::sync::OnceLock::new();
     let world = match World::start_with(&spec, epoch, |m, s3_endpoint, keys| {
+        let proxy = secondary.get_or_init(|| {
+            super::faultproxy::FaultProxy::spawn(
+                s3_endpoint
+                    .trim_start_matches("http://")
+                    .parse()
+                    .expect("the S3 server's address"),
+            )
+        });
         for (k, v) in keys.iter_mut() {
             if k == "store.secondary.endpoint" {
-                *v = s3_endpoint.to_string();
+                *v = proxy.endpoint();
             }
         }
         if let Some(d) = &druid {
@@ -2305,6 +2530,13 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
             };
         }
     };
+    let s3_addr = ([127, 0, 0, 1], world.s3.port).into();
+    let proxies = faultkinds::StoreProxies::new(
+        s3_addr,
+        secondary
+            .into_inner()
+            .unwrap_or_else(|| super::faultproxy::FaultProxy::spawn(s3_addr)),
+    );
     let service = world.service.as_ref().expect("service started").endpoint();
     let traffic = Traffic::start(
         traffic::fixed(service),
@@ -2323,6 +2555,14 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
         world.http_client.clone(),
         epoch,
         samples.clone(),
+        stop_sampler.clone(),
+    ));
+    let leadership = Arc::new(Mutex::new(opchecks::Leadership::default()));
+    tokio::spawn(opchecks::watch_leadership(
+        world.specs.iter().map(|s| s.client_url()).collect(),
+        world.sidecar_logs.clone(),
+        epoch,
+        leadership.clone(),
         stop_sampler.clone(),
     ));
     let mut run = Run {
@@ -2352,10 +2592,16 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
         lane_report: Vec::new(),
         h53: soak_handoff::State::default(),
         destination_reads: Vec::new(),
+        proxies,
+        leadership,
+        opening: Vec::new(),
+        required_kinds: Vec::new(),
+        disk_member,
+        partition_member,
     };
     run.start_tracking_finals();
     match no_partition {
-        None => match Partition::new(&run.world, PARTITION_MEMBER) {
+        None => match Partition::new(&run.world, partition_member) {
             Ok(p) => run.partition = Some(p),
             Err(e) => run.violation("setup", format!("the partition's chain: {e}")),
         },
@@ -2374,13 +2620,32 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
         Ok(lane) => run.lane = Some(lane),
         Err(e) => run.violation("setup", format!("the operator lane did not start: {e}")),
     }
+    // The opening round: every kind this run can play, once, in an order the seed draws (the
+    // hand-offs play the copy Job's stores' kinds).
+    let can = run.can();
+    let mut opening: Vec<Option<Nemesis>> = vec![None];
+    for (i, w) in Nemesis::weights(can).iter().enumerate() {
+        if *w > 0 {
+            let m = run.rng.range(0, members as u64 - 1) as usize;
+            opening.push(Some(Nemesis::build(i, &mut run.rng, m, can)));
+        }
+    }
+    run.opening = faultkinds::shuffled(opening, &mut run.rng);
+    run.required_kinds = faultkinds::required(
+        &run.opening
+            .iter()
+            .flatten()
+            .map(Nemesis::kind)
+            .collect::<Vec<_>>(),
+    );
     run.event(format!(
-        "soak: profile {} seed {seed:#x} for {duration:?}; disk-full faults: {}; partition: {}; \
-         druid: {}",
+        "soak: profile {} seed {seed:#x} for {duration:?}; disk-full faults: {} (m{disk_member}); \
+         partition: {} (m{partition_member}); druid: {}; fault kinds to play: {}",
         profile.name,
         !run.mounts.is_empty(),
         run.partition.is_some(),
-        run.druid.is_some()
+        run.druid.is_some(),
+        run.required_kinds.join(",")
     ));
     let deadline = epoch + duration;
     loop {
@@ -2443,10 +2708,12 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
         run.lane_report = std::mem::take(&mut lane.report);
         let r = lane.traffic.snapshot();
         lane_summary = format!(
-            " operator: replacements={} dead_for_good={} operator_restarts={} writes={} reads={}",
+            " operator: replacements={} dead_for_good={} operator_restarts={} \
+             membership_changes={} writes={} reads={}",
             lane.replacements,
             lane.deaths,
             lane.operator_restarts,
+            lane.members.lock().unwrap_or_else(|e| e.into_inner()).len(),
             r.ops
                 .iter()
                 .filter(|o| o.write_revision().is_some())
@@ -2483,6 +2750,38 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
         }
     }
     run.judge_finals();
+    let leadership = run
+        .leadership
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    for (at, id, m) in opchecks::leader_defragmented(&leadership) {
+        run.violation(
+            "leader-defragmented",
+            format!(
+                "{:.1}s: m{m}'s sidecar defragmented member {id:x}, which every leadership \
+                 sample from {:.1}s to {:.1}s names as the leader: leadership was not moved first",
+                at.as_secs_f64(),
+                (at.saturating_sub(opchecks::BEFORE)).as_secs_f64(),
+                (at + opchecks::AFTER).as_secs_f64()
+            ),
+        );
+    }
+    let missed = faultkinds::missing(&run.required_kinds, &run.counts.faults);
+    let kinds_summary = format!(
+        " copy_job_retries={} defrags_seen={} fault_kinds={}/{}",
+        run.counts.copy_retries,
+        leadership.defrags.len(),
+        run.required_kinds.len() - missed.len(),
+        run.required_kinds.len()
+    );
+    for v in missed {
+        if run.world.events.epoch.elapsed() >= faultkinds::JUDGED_FROM {
+            run.violation(v.kind, v.detail);
+        } else {
+            run.event(format!("end: a short run: {}", v.detail));
+        }
+    }
     let snapshots = run.world.store.list().await.unwrap_or_default();
     let store_faults: Vec<(Duration, Duration)> = run
         .fault_log
@@ -2530,7 +2829,7 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
          watch_events={events} streams={} etcd_compactions={} faults={faults} {:?} handoffs={} \
          settled={} copies={} restores={} restore_disk_full={} reclaims={} compact_jobs={} \
          drills={} (failed under faults {}) peak_sidecar_rss={} MiB {}{model_summary}{delta_summary}\
-         {lane_summary}{druid_summary}{}",
+         {lane_summary}{druid_summary}{kinds_summary}{}",
         if run.violations.is_empty() {
             "PASS"
         } else {
@@ -2682,6 +2981,11 @@ pub struct OperatorLane {
     pub replacements: u32,
     pub deaths: u32,
     pub operator_restarts: u32,
+    epoch: Instant,
+    /// The member list whenever it changed, read every 50 ms ([`opchecks::watch_membership`]).
+    pub members: Arc<Mutex<Vec<opchecks::MemberSample>>>,
+    /// The client URL of every etcd the lane killed for good, with when.
+    killed: Vec<(Duration, String)>,
 }
 
 use etcd_warden::operator::local::{LocalCluster, LocalOptions};
@@ -2720,6 +3024,13 @@ impl OperatorLane {
             let c = Arc::clone(&cluster);
             Arc::new(move || c.client_urls()) as traffic::Endpoints
         };
+        let members = Arc::new(Mutex::new(Vec::new()));
+        tokio::spawn(opchecks::watch_membership(
+            urls.clone(),
+            epoch,
+            members.clone(),
+            cancel.child_token(),
+        ));
         let traffic = Traffic::start(urls, seed ^ 0x0e7a, 1, epoch, Duration::from_secs(60));
         let quorum = Arc::new(Mutex::new(Vec::new()));
         tokio::spawn(watch_quorum(
@@ -2740,6 +3051,9 @@ impl OperatorLane {
             deaths: 0,
             operator_restarts: 0,
             op_run,
+            epoch,
+            members,
+            killed: Vec::new(),
         })
     }
 
@@ -2783,6 +3097,8 @@ impl OperatorLane {
             && let Some(pid) = m.pid
         {
             let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), Signal::SIGKILL);
+            self.killed
+                .push((self.epoch.elapsed(), m.client_url.clone()));
             self.deaths += 1;
             let _ = write!(said, "{}'s etcd killed for good; ", m.name);
             tokio::time::sleep(Duration::from_millis(rng.range(1000, 5000))).await;
@@ -2870,6 +3186,21 @@ impl OperatorLane {
                 ),
             });
         }
+        let members = self
+            .members
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        for f in opchecks::voters_removed_early(&members, &self.killed, 3) {
+            out.push(Violation {
+                kind: "voter-removed-early",
+                detail: f,
+            });
+        }
+        let mut membership = String::new();
+        for m in &members {
+            let _ = writeln!(membership, "{:.3} {:x?}", m.at.as_secs_f64(), m.members);
+        }
         let mut history = String::new();
         for op in &recorded.ops {
             let _ = writeln!(history, "{}", serde_json::to_string(op).unwrap_or_default());
@@ -2881,6 +3212,7 @@ impl OperatorLane {
         self.report = vec![
             ("operator-history.jsonl", history),
             ("operator-quorum.csv", quorum),
+            ("operator-members.txt", membership),
         ];
         out
     }
