@@ -88,6 +88,19 @@ pub struct Observed {
     pub fence_objects: BTreeMap<String, Option<usize>>,
     /// State changes, for reports: `t member#incarnation state ready`.
     pub timeline: Vec<String>,
+    /// Every `/healthz` answer, for the ownership timeline (`support::timeline`).
+    pub healthz: Vec<HealthzAnswer>,
+}
+
+/// One `/healthz` answer of one sidecar process: requested at `sent`, answered by `received`.
+#[derive(Debug, Clone, Copy)]
+pub struct HealthzAnswer {
+    pub member: usize,
+    pub incarnation: u32,
+    pub sent: Duration,
+    pub received: Duration,
+    pub ready: bool,
+    pub deactivated: bool,
 }
 
 impl Observed {
@@ -299,6 +312,14 @@ async fn poll_sidecar(
             if healthz_deactivated {
                 track.deactivated_at.get_or_insert(now);
             }
+            let answer = healthz.is_some().then_some(HealthzAnswer {
+                member: probe.member,
+                incarnation,
+                sent,
+                received: now,
+                ready,
+                deactivated: healthz_deactivated,
+            });
             let seen = state_of(status.as_ref(), healthz.as_ref());
             let changed = track.last_seen.as_ref() != Some(&seen);
             if status.is_some() {
@@ -317,6 +338,7 @@ async fn poll_sidecar(
                 );
                 o.timeline.push(line);
             }
+            o.healthz.extend(answer);
         }
         tokio::select! {
             _ = stop.cancelled() => return,

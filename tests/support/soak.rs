@@ -1104,6 +1104,10 @@ struct Run<'a> {
     drill_outputs: Vec<(&'static str, String)>,
     /// The operator lane's files for the report directory.
     lane_report: Vec<(&'static str, String)>,
+    /// The ownership timeline's etcd probes (`support::timeline`).
+    ownership: super::timeline::Recorder,
+    /// Every hand-off's final (name, revision), for the timeline's judge at the end.
+    finals: Vec<(String, i64)>,
 }
 
 /// The sidecars' configuration beyond the fault schedules': every feature on.
@@ -1679,6 +1683,11 @@ impl Run<'_> {
                 .iter()
                 .find(|s| &s.snap_name == name)
                 .map(|s| s.last_revision);
+            if let Some(rev) = final_rev
+                && !self.finals.iter().any(|(n, _)| n == name)
+            {
+                self.finals.push((name.clone(), rev));
+            }
             if let Some(rev) = final_rev {
                 self.copy_and_restore(k, rev, &recorded).await;
             }
@@ -2166,6 +2175,7 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
         samples.clone(),
         stop_sampler.clone(),
     ));
+    let ownership = super::timeline::watch_world(&world);
     let mut run = Run {
         profile,
         seed,
@@ -2191,6 +2201,8 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
         druid: None,
         drill_outputs: Vec::new(),
         lane_report: Vec::new(),
+        ownership,
+        finals: Vec::new(),
     };
     match no_partition {
         None => match Partition::new(&run.world, PARTITION_MEMBER) {
@@ -2236,6 +2248,33 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
     finish(run, scratch).await
 }
 
+/// Ownership against the owner record over the whole run, the last hand-off's final to the end
+/// (`support::timeline`).
+fn judge_ownership(run: &mut Run<'_>, recorded: &Recorded) {
+    run.ownership.stop();
+    let acks = run.acks(recorded);
+    let finals: Vec<(String, i64, Option<Duration>)> = run
+        .finals
+        .iter()
+        .map(|(n, r)| (n.clone(), *r, run.reclaimed_at.get(n).copied()))
+        .collect();
+    let mut t = super::timeline::world_timeline(&run.world, &run.ownership, &finals, &acks);
+    t.pauses
+        .extend(run.fault_log.iter().filter_map(|(n, from, to)| match n {
+            Nemesis::SidecarFreeze(m) => Some(super::timeline::Pause {
+                member: Some(*m),
+                from: *from,
+                to: *to,
+                why: "sidecar frozen".into(),
+            }),
+            _ => None,
+        }));
+    run.event(format!("end: {}", super::timeline::summary(&t)));
+    for v in super::timeline::judge(&t, &super::timeline::world_bounds(&run.world)) {
+        run.violation(v.kind, v.detail);
+    }
+}
+
 /// The end of a run: the history, the drill on every store, delta gaps, resources; the report.
 async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
     run.traffic.stop().await;
@@ -2273,6 +2312,7 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
     for f in kvcheck::check(&recorded.ops, &recorded.watches) {
         run.violation("history", f.to_string());
     }
+    judge_ownership(&mut run, &recorded);
     let mut lane_summary = String::from(" operator=absent");
     if let Some(mut lane) = run.lane.take() {
         for v in lane.judge().await {
