@@ -92,14 +92,17 @@ pub struct Observed {
     pub healthz: Vec<HealthzAnswer>,
 }
 
-/// One `/healthz` answer of one sidecar process: requested at `sent`, answered by `received`.
+/// One `/healthz` answer of one sidecar process: requested at `sent`, answered by `received`,
+/// after the `/status` asked at `asked`.
 #[derive(Debug, Clone, Copy)]
 pub struct HealthzAnswer {
     pub member: usize,
     pub incarnation: u32,
+    pub asked: Duration,
     pub sent: Duration,
     pub received: Duration,
     pub ready: bool,
+    /// `/status` or the `/healthz` body said deactivated.
     pub deactivated: bool,
 }
 
@@ -272,6 +275,7 @@ async fn poll_sidecar(
     let base = format!("http://{}", probe.addr);
     while !stop.is_cancelled() {
         let incarnation = probe.incarnation.load(Ordering::SeqCst);
+        let asked = epoch.elapsed();
         let status = get_json(&client, &format!("{base}/status")).await;
         let sent = epoch.elapsed();
         let healthz = get_json(&client, &format!("{base}/healthz")).await;
@@ -315,10 +319,11 @@ async fn poll_sidecar(
             let answer = healthz.is_some().then_some(HealthzAnswer {
                 member: probe.member,
                 incarnation,
+                asked,
                 sent,
                 received: now,
                 ready,
-                deactivated: healthz_deactivated,
+                deactivated: said_deactivated || healthz_deactivated,
             });
             let seen = state_of(status.as_ref(), healthz.as_ref());
             let changed = track.last_seen.as_ref() != Some(&seen);
