@@ -50,12 +50,31 @@ pub enum Mode {
     Silent = 2,
 }
 
+/// One change of what the server answers, as [`DnsServer::changes`] lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DnsEvent {
+    /// The TXT record set at `name` now holds `values` (each record's strings joined); None:
+    /// removed.
+    Txt {
+        name: String,
+        values: Option<Vec<String>>,
+    },
+    /// [`DnsServer::set_mode`].
+    Mode(Mode),
+    /// [`DnsServer::stop`].
+    Stopped,
+    /// [`DnsServer::restart`] serves again.
+    Serving,
+}
+
 /// A running (or stopped) test DNS server; the zone survives `stop`/`restart`.
 pub struct DnsServer {
     addr: SocketAddr,
     zone: Arc<InMemoryZoneHandler<TokioRuntimeProvider>>,
     mode: Arc<AtomicU8>,
     server: Mutex<Option<Server<Handler>>>,
+    /// Every change, each stamped once it is in effect (the ownership timeline reads it).
+    changes: std::sync::Mutex<Vec<(std::time::Instant, DnsEvent)>>,
 }
 
 impl DnsServer {
@@ -76,9 +95,25 @@ impl DnsServer {
                 zone,
                 mode,
                 server: Mutex::new(Some(server)),
+                changes: std::sync::Mutex::new(Vec::new()),
             };
         }
         panic!("no free loopback port for both UDP and TCP after 50 tries");
+    }
+
+    /// Every change so far, each with the moment it was in effect.
+    pub fn changes(&self) -> Vec<(std::time::Instant, DnsEvent)> {
+        self.changes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn changed(&self, event: DnsEvent) {
+        self.changes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((std::time::Instant::now(), event));
     }
 
     /// The address clients send queries to (UDP and TCP).
@@ -109,6 +144,11 @@ impl DnsServer {
         }
         let key = RrKey::new(LowerName::new(&name), RecordType::TXT);
         self.zone.records_mut().await.insert(key, Arc::new(set));
+        let values = records.iter().map(|r| r.concat()).collect();
+        self.changed(DnsEvent::Txt {
+            name: name.to_string(),
+            values: Some(values),
+        });
     }
 
     /// Removes the TXT record set at `name`; the name then answers NXDOMAIN (when nothing else
@@ -116,6 +156,10 @@ impl DnsServer {
     pub async fn remove_txt(&self, name: &str) {
         let key = RrKey::new(LowerName::new(&fqdn(name)), RecordType::TXT);
         self.zone.records_mut().await.remove(&key);
+        self.changed(DnsEvent::Txt {
+            name: fqdn(name).to_string(),
+            values: None,
+        });
     }
 
     /// Puts an A record at `name` so that a TXT query there answers NOERROR with no records.
@@ -132,11 +176,13 @@ impl DnsServer {
     /// Changes how the server answers from now on.
     pub fn set_mode(&self, mode: Mode) {
         self.mode.store(mode as u8, Ordering::SeqCst);
+        self.changed(DnsEvent::Mode(mode));
     }
 
     /// Stops serving; the port is free until [`DnsServer::restart`].
     pub async fn stop(&self) {
         if let Some(mut server) = self.server.lock().await.take() {
+            self.changed(DnsEvent::Stopped);
             // Errors here are from sockets that are going away anyway.
             let _ = server.shutdown_gracefully().await;
         }
@@ -160,6 +206,7 @@ impl DnsServer {
                 Ok(tcp) => {
                     let server = serve(udp, tcp, self.zone.clone(), self.mode.clone());
                     *self.server.lock().await = Some(server);
+                    self.changed(DnsEvent::Serving);
                     return;
                 }
                 Err(error) => {

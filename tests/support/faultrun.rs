@@ -1194,6 +1194,7 @@ pub async fn run(schedule: &Schedule) -> Outcome {
         }
     };
 
+    let ownership = super::timeline::watch_world(&world);
     for step in &schedule.steps {
         tokio::time::sleep(Duration::from_millis(step.wait_ms)).await;
         world.apply(step.fault).await;
@@ -1262,6 +1263,24 @@ pub async fn run(schedule: &Schedule) -> Outcome {
         })
     });
 
+    // Ownership against the owner record, over the whole run.
+    ownership.stop();
+    let finals: Vec<(String, i64, Option<Duration>)> = snapshots
+        .iter()
+        .filter(|s| s.is_final)
+        .map(|s| {
+            let until = seen
+                .reclaimed
+                .contains(&s.snap_name)
+                .then_some(world.reclaim.at.unwrap_or(Duration::MAX));
+            (s.snap_name.clone(), s.last_revision, until)
+        })
+        .collect();
+    let timeline = super::timeline::world_timeline(&world, &ownership, &finals, &acks);
+    violations.extend(super::timeline::judge(
+        &timeline,
+        &super::timeline::world_bounds(&world),
+    ));
     if schedule.ending == Ending::Reclaim && world.reclaim.at.is_none() {
         violations.push(Violation {
             kind: "reclaim-failed",
@@ -1374,6 +1393,7 @@ pub async fn run(schedule: &Schedule) -> Outcome {
             .map(|i| (&i.final_snapshot, i.revision)),
         seen.reclaimed
     );
+    let _ = writeln!(report, "{}", super::timeline::summary(&timeline));
     let _ = writeln!(report, "violations:");
     for v in &violations {
         let _ = writeln!(report, "  - {v}");

@@ -88,6 +88,22 @@ pub struct Observed {
     pub fence_objects: BTreeMap<String, Option<usize>>,
     /// State changes, for reports: `t member#incarnation state ready`.
     pub timeline: Vec<String>,
+    /// Every `/healthz` answer, for the ownership timeline (`support::timeline`).
+    pub healthz: Vec<HealthzAnswer>,
+}
+
+/// One `/healthz` answer of one sidecar process: requested at `sent`, answered by `received`,
+/// after the `/status` asked at `asked`.
+#[derive(Debug, Clone, Copy)]
+pub struct HealthzAnswer {
+    pub member: usize,
+    pub incarnation: u32,
+    pub asked: Duration,
+    pub sent: Duration,
+    pub received: Duration,
+    pub ready: bool,
+    /// `/status` or the `/healthz` body said deactivated.
+    pub deactivated: bool,
 }
 
 impl Observed {
@@ -259,6 +275,7 @@ async fn poll_sidecar(
     let base = format!("http://{}", probe.addr);
     while !stop.is_cancelled() {
         let incarnation = probe.incarnation.load(Ordering::SeqCst);
+        let asked = epoch.elapsed();
         let status = get_json(&client, &format!("{base}/status")).await;
         let sent = epoch.elapsed();
         let healthz = get_json(&client, &format!("{base}/healthz")).await;
@@ -299,6 +316,15 @@ async fn poll_sidecar(
             if healthz_deactivated {
                 track.deactivated_at.get_or_insert(now);
             }
+            let answer = healthz.is_some().then_some(HealthzAnswer {
+                member: probe.member,
+                incarnation,
+                asked,
+                sent,
+                received: now,
+                ready,
+                deactivated: said_deactivated || healthz_deactivated,
+            });
             let seen = state_of(status.as_ref(), healthz.as_ref());
             let changed = track.last_seen.as_ref() != Some(&seen);
             if status.is_some() {
@@ -317,6 +343,7 @@ async fn poll_sidecar(
                 );
                 o.timeline.push(line);
             }
+            o.healthz.extend(answer);
         }
         tokio::select! {
             _ = stop.cancelled() => return,

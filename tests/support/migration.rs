@@ -34,6 +34,7 @@ use super::etcd::{EtcdMember, Release, member_healthy};
 use super::finals;
 use super::pod::Pod;
 use super::s3::S3Server;
+use super::timeline;
 use super::warden::{Warden, command};
 
 /// The owner record both seeds watch.
@@ -619,6 +620,8 @@ async fn scenario(options: Options, r: &mut Recorder) -> Result<(), String> {
     keys.extend(backups.keys(Side::Source, "store"));
     keys.extend(owner_keys(SOURCE_ID, &dns, &source_data));
     let source = start_warden(&keys);
+    // Both seeds' readiness against the record, judged at the end (`support::timeline`).
+    let ownership = timeline::Recorder::start(r.start, vec![probe(SOURCE_ID, &source)], Vec::new());
     let source_store = backups.store(Side::Source);
     let first_full = wait_for(|| async {
         if healthz(&source).await != 200 {
@@ -759,6 +762,7 @@ async fn scenario(options: Options, r: &mut Recorder) -> Result<(), String> {
     ]);
     let restore_started = Instant::now();
     let dest_sidecar = start_warden(&keys);
+    ownership.add_sidecar(probe(DEST_ID, &dest_sidecar));
     wait_for(|| async { dest_data.join("member/wal").is_dir().then_some(()) })
         .await
         .ok_or_else(|| {
@@ -813,8 +817,45 @@ async fn scenario(options: Options, r: &mut Recorder) -> Result<(), String> {
         r.report.expected.len()
     ));
 
+    ownership.stop();
+    let t = ownership.timeline(&dns, RECORD);
+    let found = timeline::judge(
+        &t,
+        &timeline::Bounds {
+            interval: Duration::from_millis(300),
+            settle: Duration::from_secs(1),
+            kill_grace: Duration::from_secs(3),
+        },
+    );
+    let detail = if found.is_empty() {
+        timeline::summary(&t)
+    } else {
+        found
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
+    r.check(
+        "readiness follows the owner record: the source unready within owner.interval + grace \
+         of the flip, never both seeds ready",
+        found.is_empty(),
+        detail,
+    );
     judge(r, &state);
     Ok(())
+}
+
+/// A seed's sidecar as the ownership timeline polls it.
+fn probe(seed: &'static str, w: &Warden) -> timeline::SidecarProbe {
+    timeline::SidecarProbe {
+        seed,
+        member: 0,
+        addr: format!("{}:{}", w.host, w.port)
+            .parse()
+            .unwrap_or_else(|_| ([127, 0, 0, 1], w.port).into()),
+        incarnation: None,
+    }
 }
 
 /// The checks, from what the report holds.

@@ -38,6 +38,7 @@ pub mod schedule;
 pub mod service;
 pub mod soak;
 pub mod stored;
+pub mod timeline;
 pub mod tls;
 pub mod traffic;
 pub mod warden;

@@ -1162,6 +1162,10 @@ struct Run<'a> {
     required_kinds: Vec<&'static str>,
     disk_member: usize,
     partition_member: usize,
+    /// The ownership timeline's etcd probes (`support::timeline`).
+    ownership: super::timeline::Recorder,
+    /// Every hand-off's final (name, revision), for the timeline's judge at the end.
+    finals: Vec<(String, i64)>,
 }
 
 /// The sidecars' configuration beyond the fault schedules': every feature on.
@@ -1876,6 +1880,15 @@ impl Run<'_> {
             }
         }
         self.notes.extend(notes.iter().cloned());
+        if let Some(name) = &named
+            && let Some(rev) = snapshots
+                .iter()
+                .find(|s| &s.snap_name == name)
+                .map(|s| s.last_revision)
+            && !self.finals.iter().any(|(n, _)| n == name)
+        {
+            self.finals.push((name.clone(), rev));
+        }
         self.judge_handoff(k, flip, named, &snapshots, early_copy, &recorded, &notes)
             .await;
         if last {
@@ -2565,6 +2578,7 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
         leadership.clone(),
         stop_sampler.clone(),
     ));
+    let ownership = super::timeline::watch_world(&world);
     let mut run = Run {
         profile,
         seed,
@@ -2598,6 +2612,8 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
         required_kinds: Vec::new(),
         disk_member,
         partition_member,
+        ownership,
+        finals: Vec::new(),
     };
     run.start_tracking_finals();
     match no_partition {
@@ -2664,6 +2680,33 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
     finish(run, scratch).await
 }
 
+/// Ownership against the owner record over the whole run, the last hand-off's final to the end
+/// (`support::timeline`).
+fn judge_ownership(run: &mut Run<'_>, recorded: &Recorded) {
+    run.ownership.stop();
+    let acks = run.acks(recorded);
+    let finals: Vec<(String, i64, Option<Duration>)> = run
+        .finals
+        .iter()
+        .map(|(n, r)| (n.clone(), *r, run.reclaimed_at.get(n).copied()))
+        .collect();
+    let mut t = super::timeline::world_timeline(&run.world, &run.ownership, &finals, &acks);
+    t.pauses
+        .extend(run.fault_log.iter().filter_map(|(n, from, to)| match n {
+            Nemesis::SidecarFreeze(m) => Some(super::timeline::Pause {
+                member: Some(*m),
+                from: *from,
+                to: *to,
+                why: "sidecar frozen".into(),
+            }),
+            _ => None,
+        }));
+    run.event(format!("end: {}", super::timeline::summary(&t)));
+    for v in super::timeline::judge(&t, &super::timeline::world_bounds(&run.world)) {
+        run.violation(v.kind, v.detail);
+    }
+}
+
 /// The end of a run: the history, the drill on every store, delta gaps, resources; the report.
 async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
     let closing = complete_history(&mut run).await;
@@ -2700,6 +2743,7 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
     }
     let recorded = run.traffic.snapshot();
     let (model, model_summary) = judge_history(&mut run, &recorded, closing.is_some());
+    judge_ownership(&mut run, &recorded);
     let mut lane_summary = String::from(" operator=absent");
     if let Some(mut lane) = run.lane.take() {
         for v in lane.judge().await {
