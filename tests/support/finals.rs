@@ -1,8 +1,10 @@
 //! Every final snapshot object in every store, tracked for the whole run (issue 53, item 4).
 //!
 //! A [`Tracker`] lists each store (the primary, the secondary, the copy Job's destination) every
-//! second and keeps every object whose name ends in `.final` with when it was first and last
-//! seen and when it was first missing from a listing. The judges are pure:
+//! second and keeps every final with when it was first and last seen and when it was first
+//! missing from a listing (in the secondary and the destination, which strip `.final` from
+//! their copies, every full snapshot, so that a final's copy is known by its name). The judges
+//! are pure:
 //! - [`two_finals`]: two final names first stored in the primary within one hand-off (from its
 //!   flip to the next), even when a reclaim later marks or retention later deletes one; a final
 //!   in another store that the primary never held;
@@ -47,6 +49,26 @@ pub fn is_final_key(key: &str) -> bool {
         && !key.split('/').any(|segment| segment == "etcd-warden")
 }
 
+/// Whether a key in `store` is tracked: a final in the primary; in the secondary and the
+/// destination every full snapshot, since both strip `.final` from their copies (which of
+/// them are finals is known from the primary, see [`copy_of`]).
+pub fn is_tracked(store: &str, key: &str) -> bool {
+    if store == "primary" {
+        return is_final_key(key);
+    }
+    let file = key.rsplit('/').next().unwrap_or(key);
+    file.starts_with("Full-") && !key.split('/').any(|segment| segment == "etcd-warden")
+}
+
+/// The primary final that `o` (in another store) is a copy of, by name with or without
+/// `.final`.
+pub fn copy_of<'a>(o: &FinalObject, primary: &[&'a str]) -> Option<&'a str> {
+    primary
+        .iter()
+        .find(|p| **p == o.name() || p.strip_suffix(".final") == Some(o.name()))
+        .copied()
+}
+
 /// Folds one successful listing of `store` at `now` into `seen`.
 pub fn fold_listing(
     seen: &mut BTreeMap<(&'static str, String), FinalObject>,
@@ -54,7 +76,7 @@ pub fn fold_listing(
     keys: &[String],
     now: Duration,
 ) {
-    for key in keys.iter().filter(|k| is_final_key(k)) {
+    for key in keys.iter().filter(|k| is_tracked(store, k)) {
         let o = seen
             .entry((store, key.clone()))
             .or_insert_with(|| FinalObject {
@@ -206,7 +228,7 @@ pub fn two_finals(objects: &[FinalObject], flips: &[Duration]) -> Vec<Violation>
         .map(FinalObject::name)
         .collect();
     for o in objects.iter().filter(|o| o.store != "primary") {
-        if !primary.contains(&o.name()) {
+        if is_final_key(&o.key) && !primary.contains(&o.name()) {
             v.push(Violation {
                 kind: "two-finals",
                 detail: format!(
@@ -227,11 +249,22 @@ pub fn finals_gone(
     objects: &[FinalObject],
     reclaims: &BTreeMap<String, Duration>,
 ) -> Vec<Violation> {
+    let primary: Vec<&str> = objects
+        .iter()
+        .filter(|o| o.store == "primary")
+        .map(FinalObject::name)
+        .collect();
     objects
         .iter()
         .filter_map(|o| {
             let gone = o.gone_at?;
-            let excused = reclaims.get(o.name()).is_some_and(|at| *at <= gone);
+            // In the secondary and the destination, only the copies of a final are judged.
+            let name = if o.store == "primary" {
+                o.name()
+            } else {
+                copy_of(o, &primary)?
+            };
+            let excused = reclaims.get(name).is_some_and(|at| *at <= gone);
             (!excused).then(|| Violation {
                 kind: "final-gone",
                 detail: format!(
@@ -372,6 +405,26 @@ mod tests {
                 .detail
                 .contains("before any hand-off")
         );
+    }
+
+    #[test]
+    fn the_secondarys_copy_of_a_final_without_its_suffix_is_tracked_and_judged() {
+        const COPY: &str = "etcd/v2/Full-00000000-00000100-1.gz";
+        const PLAIN: &str = "etcd/v2/Full-00000000-00000090-0.gz";
+        assert!(is_tracked("secondary", COPY) && !is_tracked("primary", COPY));
+        let o = seen(&[
+            ("primary", 12.0, &[F1]),
+            ("secondary", 20.0, &[COPY, PLAIN]),
+            ("secondary", 30.0, &[]),
+        ]);
+        // Copies are not second finals; a plain full snapshot gone is retention's business.
+        assert!(two_finals(&o, &[s(10.0)]).is_empty());
+        let v = finals_gone(&o, &BTreeMap::new());
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert!(v[0].detail.contains("secondary"));
+        let reclaimed =
+            BTreeMap::from([("Full-00000000-00000100-1.gz.final".to_string(), s(25.0))]);
+        assert!(finals_gone(&o, &reclaimed).is_empty());
     }
 
     #[test]

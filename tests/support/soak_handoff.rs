@@ -147,7 +147,9 @@ impl Run<'_> {
         ));
         // Its own generator, so the nemesis's draws stay those of earlier runs of the seed.
         self.h53.phase = SplitMix64::new(self.seed ^ 0x53b0).range(0, 2);
-        let first = (1..=3).find(|k| (k + self.h53.phase) % 3 == 0).unwrap_or(0);
+        let first = (1..=3)
+            .find(|k: &u64| (k + self.h53.phase).is_multiple_of(3))
+            .unwrap_or(0);
         self.event(format!(
             "hand-offs {first}, {}, … keep the sidecars' store down from the flip through the \
              copy Job's final_timeout ({:?})",
@@ -158,7 +160,7 @@ impl Run<'_> {
 
     /// Whether hand-off `k` keeps the store down from its flip; if so, takes it down now.
     pub(super) fn outage_from_flip(&mut self, k: u32) -> bool {
-        if (u64::from(k) + self.h53.phase) % 3 != 0 {
+        if !(u64::from(k) + self.h53.phase).is_multiple_of(3) {
             return false;
         }
         *self
