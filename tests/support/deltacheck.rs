@@ -176,7 +176,10 @@ pub async fn judge(
                     source.label,
                     chain.full.snap_name,
                     chain.deltas.len(),
-                    chain.deltas.last().map_or(chain.full.last_revision, |d| d.last_revision)
+                    chain
+                        .deltas
+                        .last()
+                        .map_or(chain.full.last_revision, |d| d.last_revision)
                 );
                 if !ok {
                     // Retention may delete an old chain while it is restored: not a defect.
@@ -358,7 +361,10 @@ mod tests {
         let mut rng = SplitMix64::new(7);
         let r = choose(&cs[0], 5, &mut rng, |_| true);
         assert_eq!(r.len(), 5);
-        assert!(r.contains(&20) && r.contains(&40) && r.contains(&10), "{r:?}");
+        assert!(
+            r.contains(&20) && r.contains(&40) && r.contains(&10),
+            "{r:?}"
+        );
         assert!(r.iter().all(|r| (10..=40).contains(r)));
         // Only what the model knows.
         let r = choose(&cs[0], 5, &mut rng, |r| r <= 25);

@@ -46,7 +46,9 @@ pub struct LinOp {
 pub enum Verdict {
     Linearizable,
     /// No order fits; the longest prefix of completed operations that could be linearized.
-    NotLinearizable { linearized: usize },
+    NotLinearizable {
+        linearized: usize,
+    },
     /// The budget ran out.
     Undecided,
 }
@@ -373,9 +375,7 @@ mod tests {
     #[test]
     fn the_search_is_bounded() {
         // Many concurrent writes and one impossible read: the budget runs out first.
-        let mut ops: Vec<LinOp> = (0..40)
-            .map(|i| lost_put(&format!("x{i}"), i))
-            .collect();
+        let mut ops: Vec<LinOp> = (0..40).map(|i| lost_put(&format!("x{i}"), i)).collect();
         ops.push(read(Some(("never", 1)), (100, 200)));
         assert_eq!(check(&ops, None, 1_000), Verdict::Undecided);
     }

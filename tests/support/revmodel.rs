@@ -76,7 +76,9 @@ impl RevModel {
         let mut delivered: BTreeMap<i64, i64> = BTreeMap::new();
         for s in watches {
             // Every revision in start..=covered came through this stream (events or none).
-            let last = s.covered.max(s.events.iter().map(|e| e.revision).max().unwrap_or(0));
+            let last = s
+                .covered
+                .max(s.events.iter().map(|e| e.revision).max().unwrap_or(0));
             if last >= s.start {
                 let to = delivered.entry(s.start).or_insert(last);
                 *to = (*to).max(last);
@@ -277,10 +279,11 @@ pub fn judge(model: &RevModel, ops: &[Op], res: &Resolution) -> Vec<Finding> {
         let writer = by_revision.get(r).map(|i| &ops[*i]);
         for e in evs {
             let explained = match (&e.id, writer) {
-                (Some(id), _) => ids
-                    .get(id.as_str())
-                    .is_some_and(|i| ops[*i].call.writes_key(&e.key))
-                    && writer.is_none_or(|w| w.call.id() == Some(id.as_str())),
+                (Some(id), _) => {
+                    ids.get(id.as_str())
+                        .is_some_and(|i| ops[*i].call.writes_key(&e.key))
+                        && writer.is_none_or(|w| w.call.id() == Some(id.as_str()))
+                }
                 (None, Some(w)) => w.call.deletes() && w.call.writes_key(&e.key),
                 (None, None) => false,
             };
@@ -320,9 +323,13 @@ pub fn judge(model: &RevModel, ops: &[Op], res: &Resolution) -> Vec<Finding> {
                     );
                 }
             }
-            (Call::Txn { key, expect, .. }, Ret::Write { revision, succeeded })
-                if model.knows(*revision) =>
-            {
+            (
+                Call::Txn { key, expect, .. },
+                Ret::Write {
+                    revision,
+                    succeeded,
+                },
+            ) if model.knows(*revision) => {
                 let at = if *succeeded { revision - 1 } else { *revision };
                 let current = model.key_at(key, at).map_or(0, |s| s.mod_revision);
                 if (current == *expect) != *succeeded {
@@ -348,10 +355,12 @@ pub fn judge(model: &RevModel, ops: &[Op], res: &Resolution) -> Vec<Finding> {
                     evs.iter()
                         .any(|e| &e.key == key && e.id.as_deref() == Some(id.as_str()))
                 }),
-                Call::Delete { key } => evs.is_some_and(|evs| {
-                    evs.iter().any(|e| &e.key == key && e.id.is_none())
-                }),
-                Call::DeleteRange { .. } => evs.is_some_and(|evs| evs.iter().all(|e| e.id.is_none())),
+                Call::Delete { key } => {
+                    evs.is_some_and(|evs| evs.iter().any(|e| &e.key == key && e.id.is_none()))
+                }
+                Call::DeleteRange { .. } => {
+                    evs.is_some_and(|evs| evs.iter().all(|e| e.id.is_none()))
+                }
                 Call::Get { .. } => true,
             };
             if !present {
@@ -497,7 +506,11 @@ mod tests {
             put("b", "/j", (0, 10), None),
             del,
         ];
-        let w = vec![stream(1, vec![ev("/k", 2, Some("a")), ev("/k", 4, None)], 9)];
+        let w = vec![stream(
+            1,
+            vec![ev("/k", 2, Some("a")), ev("/k", 4, None)],
+            9,
+        )];
         let m = RevModel::build(&w);
         let done = m.resolve(&ops, true);
         assert_eq!(done.happened, [(0, 2), (2, 4)].into());
@@ -525,7 +538,11 @@ mod tests {
                 },
             ),
         ];
-        let whole = vec![stream(1, vec![ev("/k", 2, Some("a")), ev("/k", 3, Some("b"))], 3)];
+        let whole = vec![stream(
+            1,
+            vec![ev("/k", 2, Some("a")), ev("/k", 3, Some("b"))],
+            3,
+        )];
         let m = RevModel::build(&whole);
         assert!(judge(&m, &ops, &m.resolve(&ops, true)).is_empty());
         let dropped = vec![stream(1, vec![ev("/k", 2, Some("a"))], 3)];
@@ -539,7 +556,11 @@ mod tests {
 
     #[test]
     fn a_restored_cluster_is_judged_key_by_key() {
-        let w = vec![stream(1, vec![ev("/k", 2, Some("a")), ev("/j", 3, Some("b"))], 3)];
+        let w = vec![stream(
+            1,
+            vec![ev("/k", 2, Some("a")), ev("/j", 3, Some("b"))],
+            3,
+        )];
         let m = RevModel::build(&w);
         let seen = |id: &str, r| Seen {
             id: id.into(),

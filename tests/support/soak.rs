@@ -43,13 +43,13 @@ use super::faultrun::{
 use super::handoff_judge;
 use super::invariants::{self, Evidence, Violation, get_json};
 use super::kvcheck::{self, Seen};
-use super::{deltacheck, linsearch, revmodel};
 use super::opchecks;
 use super::podns::Pod;
 use super::s3::{ACCESS_KEY, REGION, SECRET_KEY};
 use super::schedule::{Ending, SplitMix64};
 use super::traffic::{self, Recorded, Traffic};
 use super::writer::Ack;
+use super::{deltacheck, linsearch, revmodel};
 use etcd_warden::owner::handoff::the_final;
 use etcd_warden::store::Snapshot;
 
@@ -2195,7 +2195,8 @@ impl Run<'_> {
                 for f in &found {
                     self.violation("restored", format!("hand-off {k}: {f}"));
                 }
-                self.destination_reads.push((k, final_rev, contents.clone()));
+                self.destination_reads
+                    .push((k, final_rev, contents.clone()));
                 self.event(format!(
                     "hand-off {k}: destination serves {} traffic keys at revision {revision}",
                     contents.len()
@@ -2385,10 +2386,8 @@ async fn judge_deltas(
         keys: Vec::new(),
     }];
     if faultrun::other_binary().is_none() {
-        let secondary = etcd_warden::store::SnapshotStore::new(
-            run.world.s3.object_store(SECONDARY),
-            PREFIX,
-        );
+        let secondary =
+            etcd_warden::store::SnapshotStore::new(run.world.s3.object_store(SECONDARY), PREFIX);
         sources.push(deltacheck::Source {
             label: "secondary",
             snapshots: secondary.list().await.unwrap_or_default(),

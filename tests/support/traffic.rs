@@ -193,7 +193,14 @@ impl Traffic {
             let ret = match connect(&self.endpoints).await {
                 Ok(mut c) => match tokio::time::timeout(
                     Duration::from_secs(5),
-                    perform(&mut c, &Call::Put { key: key.clone(), id: id.clone() }, 16),
+                    perform(
+                        &mut c,
+                        &Call::Put {
+                            key: key.clone(),
+                            id: id.clone(),
+                        },
+                        16,
+                    ),
                 )
                 .await
                 {
@@ -210,7 +217,11 @@ impl Traffic {
                 ret,
             };
             let r = op.write_revision();
-            self.log.lock().unwrap_or_else(|e| e.into_inner()).ops.push(op);
+            self.log
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .ops
+                .push(op);
             if let Some(r) = r {
                 break r;
             }
