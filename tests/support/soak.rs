@@ -2289,7 +2289,20 @@ async fn read_restored(
 /// (and an event saying why) when it could not: the lost answers then stay ambiguous.
 async fn complete_history(run: &mut Run<'_>) -> Option<i64> {
     run.traffic.stop_writes().await;
-    if !run.world.reclaim().await {
+    let reclaim_started = run.world.events.epoch.elapsed();
+    let reclaimed = run.world.reclaim().await;
+    // The judges see this reclaim as every other: the finals it marks are reclaimed from then
+    // on (the timeline's ack-after-final, the finals tracker's final-gone).
+    for name in run.world.objects.reclaimed().await.unwrap_or_default() {
+        run.h53
+            .reclaim_started
+            .entry(name.clone())
+            .or_insert(reclaim_started);
+        if let Some(at) = run.world.reclaim.at {
+            run.reclaimed_at.entry(name).or_insert(at);
+        }
+    }
+    if !reclaimed {
         run.event("end: the reclaim before the closing write failed");
     }
     match run.traffic.complete_history(Duration::from_secs(90)).await {
