@@ -206,7 +206,10 @@ fn deadline(pauses: &[Pause], member: usize, from: Duration, within: Duration) -
     }
 }
 
-fn processes(t: &Timeline) -> BTreeMap<(&'static str, usize, u32), Vec<&Health>> {
+/// A sidecar process: (seed, member, incarnation).
+type Process = (&'static str, usize, u32);
+
+fn processes(t: &Timeline) -> BTreeMap<Process, Vec<&Health>> {
     let mut out: BTreeMap<_, Vec<&Health>> = BTreeMap::new();
     for h in &t.health {
         out.entry((h.seed, h.member, h.incarnation))
@@ -277,7 +280,7 @@ fn ready_stretches(samples: &[&Health]) -> Vec<(Duration, Duration)> {
 /// `two-ready`.
 fn two_ready(t: &Timeline) -> Vec<Violation> {
     let mut v = Vec::new();
-    let stretches: Vec<((&'static str, usize, u32), (Duration, Duration))> = processes(t)
+    let stretches: Vec<(Process, (Duration, Duration))> = processes(t)
         .into_iter()
         .flat_map(|(p, samples)| {
             ready_stretches(&samples)
