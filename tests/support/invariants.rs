@@ -104,6 +104,8 @@ pub struct HealthzAnswer {
     pub ready: bool,
     /// `/status` or the `/healthz` body said deactivated.
     pub deactivated: bool,
+    /// `/status` counted failed owner lookups in a row (the sidecar has not learnt the record).
+    pub lookups_failing: bool,
 }
 
 impl Observed {
@@ -324,6 +326,9 @@ async fn poll_sidecar(
                 received: now,
                 ready,
                 deactivated: said_deactivated || healthz_deactivated,
+                lookups_failing: status
+                    .as_ref()
+                    .is_some_and(|s| s["owner"]["consecutiveFailures"].as_u64() > Some(0)),
             });
             let seen = state_of(status.as_ref(), healthz.as_ref());
             let changed = track.last_seen.as_ref() != Some(&seen);

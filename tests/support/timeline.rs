@@ -74,6 +74,9 @@ pub struct Health {
     pub ready: bool,
     /// `/status` or the `/healthz` body said deactivated.
     pub deactivated: bool,
+    /// `/status` said its last owner lookups failed: it has not learnt the record yet, and its
+    /// promise is to suspend (503) after `owner.failure_threshold` of them, not to follow it.
+    pub lookups_failing: bool,
 }
 
 /// One probe of one member's etcd.
@@ -203,7 +206,10 @@ fn deadline(pauses: &[Pause], member: usize, from: Duration, within: Duration) -
     }
 }
 
-fn processes(t: &Timeline) -> BTreeMap<(&'static str, usize, u32), Vec<&Health>> {
+/// A sidecar process: (seed, member, incarnation).
+type Process = (&'static str, usize, u32);
+
+fn processes(t: &Timeline) -> BTreeMap<Process, Vec<&Health>> {
     let mut out: BTreeMap<_, Vec<&Health>> = BTreeMap::new();
     for h in &t.health {
         out.entry((h.seed, h.member, h.incarnation))
@@ -225,7 +231,8 @@ fn ready_after_record(t: &Timeline, b: &Bounds) -> Vec<Violation> {
             let due = deadline(&t.pauses, m, from, within);
             let late: Vec<&&Health> = samples
                 .iter()
-                .filter(|h| h.ready && h.sent >= due && to.is_none_or(|to| h.sent < to))
+                .filter(|h| h.ready && !h.lookups_failing && h.sent >= due)
+                .filter(|h| to.is_none_or(|to| h.sent < to))
                 .collect();
             if let (Some(first), Some(last)) = (late.first(), late.last()) {
                 v.push(Violation {
@@ -273,7 +280,7 @@ fn ready_stretches(samples: &[&Health]) -> Vec<(Duration, Duration)> {
 /// `two-ready`.
 fn two_ready(t: &Timeline) -> Vec<Violation> {
     let mut v = Vec::new();
-    let stretches: Vec<((&'static str, usize, u32), (Duration, Duration))> = processes(t)
+    let stretches: Vec<(Process, (Duration, Duration))> = processes(t)
         .into_iter()
         .flat_map(|(p, samples)| {
             ready_stretches(&samples)
@@ -591,6 +598,7 @@ async fn poll_sidecar(
                     received,
                     ready: code == 200,
                     deactivated,
+                    lookups_failing: false,
                 });
         }
         tokio::select! {
@@ -712,6 +720,7 @@ pub fn world_timeline(
                     received: h.received,
                     ready: h.ready,
                     deactivated: h.deactivated,
+                    lookups_failing: h.lookups_failing,
                 })
                 .collect()
         });
@@ -781,6 +790,7 @@ mod tests {
                 received: ms(t + 10),
                 ready: t < unready_at,
                 deactivated: t >= unready_at,
+                lookups_failing: false,
             })
             .collect()
     }
@@ -841,6 +851,23 @@ mod tests {
     }
 
     #[test]
+    fn a_sidecar_whose_lookups_fail_has_not_learnt_the_record() {
+        // Ready until 2.25 s, its lookups failing from 1.2 s (it suspends at the threshold).
+        let mut t = handed_off(2250);
+        for h in &mut t.health {
+            h.lookups_failing = h.sent >= ms(1200);
+        }
+        assert_eq!(judge(&t, &bounds()), vec![]);
+        // Failing only until 1.8 s: from then on it knows, and is late.
+        for h in &mut t.health {
+            h.lookups_failing = h.sent >= ms(1200) && h.sent < ms(1800);
+        }
+        let v = judge(&t, &bounds());
+        assert_eq!(kinds(&v), vec!["ready-after-record"], "{v:?}");
+        assert!(v[0].detail.contains("sent from 1.800s"), "{}", v[0].detail);
+    }
+
+    #[test]
     fn a_sidecar_becoming_ready_while_the_record_names_another_is_ready_after_record() {
         // Not ready at the change (so nothing to clear then), ready at 3 s all the same.
         let mut t = handed_off(0);
@@ -878,6 +905,7 @@ mod tests {
                     received: ms(100),
                     ready: true,
                     deactivated: false,
+                    lookups_failing: false,
                 },
                 Health {
                     seed: B,
@@ -888,6 +916,7 @@ mod tests {
                     received: ms(150),
                     ready: true,
                     deactivated: false,
+                    lookups_failing: false,
                 },
             ],
             ..Timeline::default()
