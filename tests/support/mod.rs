@@ -21,6 +21,7 @@ pub mod kvcheck;
 pub mod losing;
 pub mod machine_api;
 pub mod migration;
+pub mod plants;
 pub mod moto;
 pub mod pod;
 pub mod podns;

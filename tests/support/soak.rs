@@ -120,6 +120,14 @@ impl Profile {
                 druid: true,
                 ..ci
             }),
+            // The ci profile with hand-offs and operator replacements sooner: the plants' runner
+            // plays one short run per plant and stops at the first violation it waits for.
+            "plants" => Some(Profile {
+                name: "plants",
+                handoff_every: (25, 35),
+                operator_every: 30,
+                ..ci
+            }),
             "v35" => Some(long),
             "v34" => Some(Profile {
                 name: "v34",
@@ -1054,6 +1062,8 @@ pub struct SoakOutcome {
     pub violations: Vec<Violation>,
     pub summary: String,
     pub report_dir: Option<PathBuf>,
+    /// Each kind of violation found, with when it was first found (from the run's start).
+    pub fired: BTreeMap<&'static str, Duration>,
 }
 
 /// Counts for the summary and the docs.
@@ -1104,6 +1114,10 @@ struct Run<'a> {
     drill_outputs: Vec<(&'static str, String)>,
     /// The operator lane's files for the report directory.
     lane_report: Vec<(&'static str, String)>,
+    /// The run stops as soon as one of these kinds is found ([`run_until`]; the plants' runner).
+    stop_on: &'a [&'a str],
+    /// Each kind found, with when it was first found.
+    fired: BTreeMap<&'static str, Duration>,
 }
 
 /// The sidecars' configuration beyond the fault schedules': every feature on.
@@ -1156,7 +1170,15 @@ impl Run<'_> {
 
     fn violation(&mut self, kind: &'static str, detail: String) {
         self.event(format!("VIOLATION [{kind}] {detail}"));
+        self.fired
+            .entry(kind)
+            .or_insert_with(|| self.world.events.epoch.elapsed());
         self.violations.push(Violation { kind, detail });
+    }
+
+    /// A kind the run was asked to stop on has been found.
+    fn stopped(&self) -> bool {
+        self.stop_on.iter().any(|k| self.fired.contains_key(k))
     }
 
     fn clock_file(&self, m: usize) -> PathBuf {
@@ -1490,7 +1512,7 @@ impl Run<'_> {
         let every = self.profile.operator_every;
         let mut next_operator =
             Instant::now() + Duration::from_secs(self.rng.range(every / 2, every * 3 / 2));
-        while Instant::now() < until {
+        while Instant::now() < until && !self.stopped() {
             let gap = Duration::from_millis(
                 self.rng
                     .range(self.profile.fault_gap.0, self.profile.fault_gap.1),
@@ -2058,6 +2080,18 @@ fn delta_gaps(
 
 /// Plays `profile` for `duration` from `seed` and judges it.
 pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcome {
+    run_until(profile, seed, duration, &[]).await
+}
+
+/// [`run`], stopped as soon as a violation of one of the `stop_on` kinds is found: no further
+/// fault or hand-off, and the end's drills are skipped (the plants' runner, which waits for one
+/// checker to fire).
+pub async fn run_until(
+    profile: &Profile,
+    seed: u64,
+    duration: Duration,
+    stop_on: &[&str],
+) -> SoakOutcome {
     let epoch = Instant::now();
     let wall_epoch = SystemTime::now();
     let scratch = tempfile::tempdir().expect("temp dir");
@@ -2081,6 +2115,7 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
                     }],
                     summary: format!("FAIL profile={} seed={seed:#x} setup failed", profile.name),
                     report_dir: None,
+                    fired: BTreeMap::from([("setup", epoch.elapsed())]),
                 };
             }
         }
@@ -2143,6 +2178,7 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
                 }],
                 summary: format!("FAIL profile={} seed={seed:#x} setup failed", profile.name),
                 report_dir: None,
+                fired: BTreeMap::from([("setup", epoch.elapsed())]),
             };
         }
     };
@@ -2191,6 +2227,8 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
         druid: None,
         drill_outputs: Vec::new(),
         lane_report: Vec::new(),
+        stop_on,
+        fired: BTreeMap::new(),
     };
     match no_partition {
         None => match Partition::new(&run.world, PARTITION_MEMBER) {
@@ -2227,9 +2265,12 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
             .range(profile.handoff_every.0, profile.handoff_every.1);
         let until = (Instant::now() + Duration::from_secs(every)).min(deadline);
         run.serve(until).await;
+        if run.stopped() {
+            break;
+        }
         let last = Instant::now() + Duration::from_secs(profile.handoff_every.0 / 2) >= deadline;
         run.handoff(last).await;
-        if last {
+        if last || run.stopped() {
             break;
         }
     }
@@ -2302,6 +2343,10 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
             "secondary",
             vec!["--restore".to_string(), "--secondary".into()],
         ));
+    }
+    if run.stopped() {
+        run.event("end: stopped on a violation asked for; no drills");
+        drills.clear();
     }
     for (label, args) in drills {
         let (ok, said) = run.cli("verify", &args, &[]).await;
@@ -2398,12 +2443,14 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
     drop(run.mounts.drain(..));
     drop(run.restore_mount.take());
     let violations = run.violations.clone();
+    let fired = std::mem::take(&mut run.fired);
     drop(run);
     drop(scratch);
     SoakOutcome {
         violations,
         summary,
         report_dir,
+        fired,
     }
 }
 

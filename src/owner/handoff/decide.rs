@@ -150,6 +150,11 @@ pub fn decide(view: &ClusterView) -> Decision {
                 epoch: newest_epoch(&view.claims).map_or(0, |e| e + 1),
             },
             (None, true) => Decision::FixIntent { revision: frozen },
+            // Planted (`crate::plant`): the taker waits as if another member took it.
+            (Some(_), true) if crate::plant::active("never-final") => Decision::WaitTaker {
+                taker: taker_name,
+                takeover_in: view.takeover_after,
+            },
             (Some(intent), true) => Decision::Take(intent.clone()),
         };
     }
