@@ -108,13 +108,10 @@ mod planted {
         from_env().as_ref().is_ok_and(|v| v.contains(&name))
     }
 
-    /// Refuses a `WARDEN_PLANT` that names an unknown plant; says which plants are on.
+    /// Refuses a `WARDEN_PLANT` that names an unknown plant. Silent otherwise: a Job's output
+    /// (`ls --json`) must read as it does without plants.
     pub fn check() -> Result<(), UnknownPlant> {
-        let names = from_env().clone()?;
-        if !names.is_empty() {
-            eprintln!("planted defects active ({ENV}): {}", names.join(", "));
-        }
-        Ok(())
+        from_env().as_ref().map(|_| ()).map_err(Clone::clone)
     }
 
     #[cfg(test)]

@@ -214,10 +214,14 @@ async fn plants() {
             .expect("the plant's run");
         let caught = out.as_ref().and_then(|(_, stdout)| plants::parse_result(stdout));
         if let Some((_, stdout)) = &out {
-            for l in stdout.lines().filter(|l| {
-                l.starts_with("PASS ") || l.starts_with("FAIL ") || l.starts_with("report: ")
-            }) {
-                println!("  {}: {l}", e.plant);
+            // The summary may follow libtest's "test … ... " on its line.
+            for l in stdout.lines() {
+                let at = ["PASS profile=", "FAIL profile=", "report: "]
+                    .iter()
+                    .find_map(|p| l.find(p));
+                if let Some(at) = at {
+                    println!("  {}: {}", e.plant, &l[at..]);
+                }
             }
         }
         rows.push((e, caught, t.elapsed()));

@@ -41,6 +41,8 @@ pub const EXPECT: &[Expect] = &[
         minutes: 2.5,
     },
     Expect {
+        // A hand-off's destination is restored from its final, a full snapshot: no delta, no
+        // delete to skip. The drill Jobs restore chains with deltas.
         plant: "drop-delete-in-restore",
         checkers: &[
             "destination-mismatch",

@@ -1503,6 +1503,14 @@ impl Run<'_> {
                 // when nothing is faulted.
                 self.counts.drill_failures += 1;
             }
+            // But no fault excuses a restore that finished and serves another state than its
+            // chain (`DrillError::Mismatch`): a fault may stop a restore, never change it.
+            if !ok && said.contains("the restored etcd differs from the chain") {
+                self.violation(
+                    "drill",
+                    format!("a drill Job's restore differs from its chain: {}", tail(&said, 3, true)),
+                );
+            }
         }
     }
 

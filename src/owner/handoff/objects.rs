@@ -379,10 +379,7 @@ impl HandOffObjects {
         let the = the_final(&list, &seen).map(|s| s.snap_name.clone());
         let mut chain = crate::store::layout::latest_chain(&list);
         if let Some(full) = chain.full_snapshot.as_mut() {
-            // Planted (`crate::plant`): the `.final` in the name is taken as it is listed.
-            if !crate::plant::active("latest-reclaimed-final") {
-                full.is_final = the.as_deref() == Some(full.snap_name.as_str());
-            }
+            full.is_final = the.as_deref() == Some(full.snap_name.as_str());
         }
         Ok(chain)
     }
