@@ -30,8 +30,8 @@ mod planted {
         ),
         (
             "fresh-final-name",
-            "each attempt at the final stores it under a fresh name (and the first attempt's \
-             answer reads as lost)",
+            "each attempt at the final stores it under a fresh name (the first attempt's answer \
+             reads as lost, and only the intent's name is looked for in the store)",
         ),
         ("ready-late", "readiness is cleared one second late"),
         (
@@ -71,7 +71,11 @@ mod planted {
     }
 
     fn known() -> String {
-        PLANTS.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
+        PLANTS
+            .iter()
+            .map(|(n, _)| *n)
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 
     /// The plants a `WARDEN_PLANT` value names (empty names, from stray commas or spaces, are

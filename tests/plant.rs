@@ -68,7 +68,9 @@ fn the_debug_binary_holds_the_seam() {
 fn a_release_binary_holds_no_plant() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let Some(bin) = release_binary().filter(|b| b.is_file()) else {
-        println!("skipped: no target/release/etcd-warden (cargo build --release --bin etcd-warden)");
+        println!(
+            "skipped: no target/release/etcd-warden (cargo build --release --bin etcd-warden)"
+        );
         return;
     };
     let built = std::fs::metadata(&bin)

@@ -187,15 +187,12 @@ async fn plants() {
         return;
     }
     let Ok(selection) = std::env::var("PLANTS") else {
-        println!(
-            "PLANTS is not set: no plant played (PLANTS=all, or names; docs/robustness.md)"
-        );
+        println!("PLANTS is not set: no plant played (PLANTS=all, or names; docs/robustness.md)");
         return;
     };
-    assert!(
-        etcd_warden::plant::COMPILED,
-        "the plants are in debug builds only: run without --release"
-    );
+    if !etcd_warden::plant::COMPILED {
+        panic!("the plants are in debug builds only: run without --release");
+    }
     let chosen = plants::select(Some(&selection)).unwrap_or_else(|e| panic!("{e}"));
     let started = std::time::Instant::now();
     let mut rows = Vec::new();
@@ -212,7 +209,9 @@ async fn plants() {
         let out = tokio::task::spawn_blocking(move || rerun(name, &envs))
             .await
             .expect("the plant's run");
-        let caught = out.as_ref().and_then(|(_, stdout)| plants::parse_result(stdout));
+        let caught = out
+            .as_ref()
+            .and_then(|(_, stdout)| plants::parse_result(stdout));
         if let Some((_, stdout)) = &out {
             // The summary may follow libtest's "test … ... " on its line.
             for l in stdout.lines() {
@@ -246,7 +245,10 @@ async fn plants() {
         let (fired, secs) = match caught.as_ref().and_then(|c| c.fired.clone()) {
             Some((k, s)) => (format!("yes ({k})"), format!("{s:.0}")),
             None if e.pending.is_some() => (
-                format!("no: PENDING, #53 part {} not on this branch", e.pending.unwrap_or("")),
+                format!(
+                    "no: PENDING, #53 part {} not on this branch",
+                    e.pending.unwrap_or("")
+                ),
                 "-".into(),
             ),
             None => {

@@ -44,19 +44,18 @@ pub const EXPECT: &[Expect] = &[
         // A hand-off's destination is restored from its final, a full snapshot: no delta, no
         // delete to skip. The drill Jobs restore chains with deltas.
         plant: "drop-delete-in-restore",
-        checkers: &[
-            "destination-mismatch",
-            "delta-history",
-            "restored",
-            "drill",
-        ],
+        checkers: &["destination-mismatch", "delta-history", "restored", "drill"],
         pending: None,
         in_process: false,
         minutes: 2.0,
     },
     Expect {
         plant: "ack-after-kill",
-        checkers: &["etcd-serving-after-deactivation", "ack-after-final", "lost-write"],
+        checkers: &[
+            "etcd-serving-after-deactivation",
+            "ack-after-final",
+            "lost-write",
+        ],
         pending: None,
         in_process: false,
         minutes: 2.0,
@@ -118,7 +117,11 @@ pub const EXPECT: &[Expect] = &[
 pub fn select(value: Option<&str>) -> Result<Vec<Expect>, String> {
     let value = value.map(str::trim).unwrap_or("all");
     if value.is_empty() || value == "all" {
-        return Ok(EXPECT.iter().filter(|e| e.pending.is_none()).copied().collect());
+        return Ok(EXPECT
+            .iter()
+            .filter(|e| e.pending.is_none())
+            .copied()
+            .collect());
     }
     if value == "every" {
         return Ok(EXPECT.to_vec());
@@ -200,13 +203,12 @@ pub fn caught_by(
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-    use std::collections::BTreeMap;
-    use std::time::Duration;
+    // Each test names what it uses: the benches compile this file without its tests.
 
     #[cfg(debug_assertions)]
     #[test]
     fn every_plant_of_the_seam_has_one_entry_and_the_table_no_other() {
+        use super::EXPECT;
         let mut table: Vec<&str> = EXPECT.iter().map(|e| e.plant).collect();
         table.sort_unstable();
         let mut seam: Vec<&str> = etcd_warden::plant::PLANTS.iter().map(|(n, _)| *n).collect();
@@ -217,6 +219,7 @@ mod tests {
 
     #[test]
     fn a_selection_names_known_plants_only() {
+        use super::{EXPECT, select};
         assert_eq!(select(Some("every")).unwrap().len(), EXPECT.len());
         let all = select(None).unwrap();
         assert!(!all.is_empty() && all.iter().all(|e| e.pending.is_none()));
@@ -225,15 +228,19 @@ mod tests {
             two.iter().map(|e| e.plant).collect::<Vec<_>>(),
             ["ready-late", "never-final"]
         );
-        assert!(select(Some("ready-late,nope")).unwrap_err().contains("\"nope\""));
+        assert!(
+            select(Some("ready-late,nope"))
+                .unwrap_err()
+                .contains("\"nope\"")
+        );
     }
 
     #[test]
     fn the_result_line_reads_back_and_the_earliest_checker_is_the_catch() {
-        let e = EXPECT
-            .iter()
-            .find(|e| e.plant == "ack-after-kill")
-            .unwrap();
+        use super::{Caught, EXPECT, caught_by, parse_result, result_line};
+        use std::collections::BTreeMap;
+        use std::time::Duration;
+        let e = EXPECT.iter().find(|e| e.plant == "ack-after-kill").unwrap();
         let fired = BTreeMap::from([
             ("lost-write", Duration::from_secs(90)),
             ("ack-after-final", Duration::from_secs(80)),

@@ -126,6 +126,7 @@ impl Profile {
                 name: "plants",
                 handoff_every: (25, 35),
                 operator_every: 30,
+                jobs_every: 20,
                 ..ci
             }),
             "v35" => Some(long),
@@ -1508,7 +1509,10 @@ impl Run<'_> {
             if !ok && said.contains("the restored etcd differs from the chain") {
                 self.violation(
                     "drill",
-                    format!("a drill Job's restore differs from its chain: {}", tail(&said, 3, true)),
+                    format!(
+                        "a drill Job's restore differs from its chain: {}",
+                        tail(&said, 3, true)
+                    ),
                 );
             }
         }

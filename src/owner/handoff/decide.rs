@@ -113,6 +113,11 @@ fn stored_final(view: &ClusterView, frozen: Option<i64>) -> Option<Snapshot> {
     if let Some(found) = view.intent.as_ref().and_then(|i| named(&i.final_snapshot)) {
         return Some(found);
     }
+    // Planted (`crate::plant`, with the fresh name per attempt in `take_final`): only the
+    // intent's name counts, as a release that fixes names would trust it.
+    if crate::plant::active("fresh-final-name") {
+        return None;
+    }
     let frozen = frozen?;
     view.finals
         .iter()
