@@ -23,6 +23,7 @@
 //! - [`etcdbrctl`]: the binary run as `etcdbrctl`: etcd-backup-restore's flags mapped onto ours.
 //! - [`scratch`]: private scratch directories and files (0700/0600, created fresh, never followed).
 //! - [`operator`]: quorum-safe member replacement (the second binary).
+//! - [`plant`]: planted defects for the robustness harness (debug builds only; `WARDEN_PLANT`).
 //! - `fuzzing` (hidden): the fuzz targets' bodies, run on the committed corpora by `cargo test`.
 //! - `boundaries` (tests only): the crate's layering, checked from its source.
 #![forbid(unsafe_code)]
@@ -44,6 +45,7 @@ pub mod kill;
 pub mod kube_client;
 pub mod operator;
 pub mod owner;
+pub mod plant;
 pub mod restore;
 pub mod scratch;
 pub mod server;

@@ -204,6 +204,13 @@ impl Snapshots {
 #[async_trait]
 impl SnapshotApi for Snapshots {
     async fn latest(&self) -> Result<Latest, ApiError> {
+        // Planted (`crate::plant`): `isFinal` as the listing's names say, reclaimed or not.
+        if crate::plant::active("latest-reclaimed-final") {
+            return self.store.latest_chain().await.map_err(|e| {
+                tracing::warn!(error = %e, "listing the store failed");
+                ApiError::unavailable("the store cannot be listed")
+            });
+        }
         // `isFinal` as every reader decides it: a reclaimed or superseded final is a plain full
         // snapshot here, so a flow polling for the final never takes an old one.
         crate::owner::handoff::HandOffObjects::new(self.store.clone())

@@ -38,6 +38,7 @@ mod operator_release_check;
 mod owner_resolve;
 mod owner_watchdog;
 mod ownership;
+mod plant;
 mod process_kill;
 mod process_secrets;
 mod promtool;

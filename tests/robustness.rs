@@ -50,16 +50,22 @@ fn in_own_netns(name: &str) -> Option<bool> {
     if std::env::var_os(soak::NETNS_ENV).is_some() {
         return None;
     }
+    let (passed, stdout) = rerun(name, &[])?;
+    println!("{stdout}");
+    Some(passed)
+}
+
+/// Runs the test `name` of this binary again with `envs`, in a network namespace of its own
+/// when one can be made (see [`in_own_netns`]), else here; `(passed, stdout)`. `None` when the
+/// binary cannot be found.
+fn rerun(name: &str, envs: &[(&str, &str)]) -> Option<(bool, String)> {
     let exe = std::env::current_exe().ok()?;
     let probe = std::process::Command::new("unshare")
         .args(["--net", "--", "ip", "link", "set", "lo", "up"])
         .output();
-    if !probe.is_ok_and(|o| o.status.success()) {
-        println!("no network namespace of our own (unshare --net failed): running without it");
-        return None;
-    }
-    let out = std::process::Command::new("unshare")
-        .args([
+    let mut cmd = if probe.is_ok_and(|o| o.status.success()) {
+        let mut c = std::process::Command::new("unshare");
+        c.args([
             "--net",
             "--",
             "sh",
@@ -68,13 +74,25 @@ fn in_own_netns(name: &str) -> Option<bool> {
             "sh",
         ])
         .arg(exe)
+        .env(soak::NETNS_ENV, "1");
+        c
+    } else if envs.is_empty() {
+        println!("no network namespace of our own (unshare --net failed): running without it");
+        return None;
+    } else {
+        println!("no network namespace of our own (unshare --net failed): running without it");
+        std::process::Command::new(exe)
+    };
+    let out = cmd
         .args([name, "--exact", "--nocapture", "--test-threads=1"])
-        .env(soak::NETNS_ENV, "1")
+        .envs(envs.iter().copied())
         .output()
         .expect("run the test in a network namespace");
-    println!("{}", String::from_utf8_lossy(&out.stdout));
     eprintln!("{}", String::from_utf8_lossy(&out.stderr));
-    Some(out.status.success())
+    Some((
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    ))
 }
 
 /// The CI profile: three minutes of every feature and fault, about three hand-offs, fixed seed.
@@ -176,4 +194,132 @@ async fn operator_lane() {
         println!("VIOLATION [{}] {}", v.kind, v.detail);
     }
     assert!(violations.is_empty(), "violations: {violations:#?}");
+}
+
+/// The variable naming the one plant a child run of [`plants`] plays.
+const PLANT_ONE: &str = "ROBUSTNESS_PLANT_ONE";
+
+/// Every planted defect caught: for each plant of `etcd_warden::plant` (the table in
+/// `tests/support/plants.rs`), a short soak (the `plants` profile, seed 0x40) with the plant
+/// switched on, stopped as soon as one of the plant's checkers fires; a table plant → checker
+/// → seconds, and a failure if a plant whose checker is on this branch goes uncaught. Each plant
+/// plays in a process of its own (this test run again), since the seam reads `WARDEN_PLANT`
+/// once per process and the operator lane runs in the test's process. Runs only when `PLANTS`
+/// is set: `PLANTS=all` (every plant whose checker is on this branch), `PLANTS=every`, or
+/// `PLANTS=ready-late,never-final`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn plants() {
+    use support::plants::{self, Caught};
+    if let Ok(one) = std::env::var(PLANT_ONE) {
+        let [e] = plants::select(Some(&one)).expect("the plant")[..] else {
+            panic!("{PLANT_ONE} names one plant");
+        };
+        let profile = Profile::named("plants").expect("the plants profile");
+        let outcome = soak::run_until(
+            &profile,
+            0x40,
+            Duration::from_secs_f64(e.minutes * 60.0),
+            e.checkers,
+        )
+        .await;
+        println!("{}", outcome.summary);
+        if let Some(dir) = &outcome.report_dir {
+            println!("report: {}", dir.display());
+        }
+        let caught = Caught {
+            plant: e.plant.to_string(),
+            fired: plants::caught_by(&e, &outcome.fired),
+            kinds: outcome.fired.keys().map(|k| k.to_string()).collect(),
+        };
+        println!("{}", plants::result_line(&caught));
+        return;
+    }
+    let Ok(selection) = std::env::var("PLANTS") else {
+        println!("PLANTS is not set: no plant played (PLANTS=all, or names; docs/robustness.md)");
+        return;
+    };
+    if !etcd_warden::plant::COMPILED {
+        panic!("the plants are in debug builds only: run without --release");
+    }
+    let chosen = plants::select(Some(&selection)).unwrap_or_else(|e| panic!("{e}"));
+    let started = std::time::Instant::now();
+    let mut rows = Vec::new();
+    for e in chosen {
+        let t = std::time::Instant::now();
+        let mut envs = vec![
+            (PLANT_ONE, e.plant),
+            (support::warden::CHILD_PLANT_ENV, e.plant),
+        ];
+        if e.in_process {
+            envs.push((support::warden::PLANT_ENV, e.plant));
+        }
+        let name = "robustness::plants";
+        let out = tokio::task::spawn_blocking(move || rerun(name, &envs))
+            .await
+            .expect("the plant's run");
+        let caught = out
+            .as_ref()
+            .and_then(|(_, stdout)| plants::parse_result(stdout));
+        if let Some((_, stdout)) = &out {
+            // The summary may follow libtest's "test … ... " on its line.
+            for l in stdout.lines() {
+                let at = ["PASS profile=", "FAIL profile=", "report: "]
+                    .iter()
+                    .find_map(|p| l.find(p));
+                if let Some(at) = at {
+                    println!("  {}: {}", e.plant, &l[at..]);
+                }
+            }
+        }
+        rows.push((e, caught, t.elapsed()));
+    }
+    for e in plants::EXPECT {
+        if e.pending.is_some() && !rows.iter().any(|(r, _, _)| r.plant == e.plant) {
+            println!(
+                "  {}: not played: its checker ({}) is #53 part {}'s, not on this branch \
+                 (PLANTS={} plays it)",
+                e.plant,
+                e.checkers.join(" / "),
+                e.pending.unwrap_or(""),
+                e.plant
+            );
+        }
+    }
+    let mut table = String::from(
+        "plant | expected checker | fired? | seconds to fire | run took | other kinds found\n",
+    );
+    let mut uncaught = Vec::new();
+    for (e, caught, took) in &rows {
+        let (fired, secs) = match caught.as_ref().and_then(|c| c.fired.clone()) {
+            Some((k, s)) => (format!("yes ({k})"), format!("{s:.0}")),
+            None if e.pending.is_some() => (
+                format!(
+                    "no: PENDING, #53 part {} not on this branch",
+                    e.pending.unwrap_or("")
+                ),
+                "-".into(),
+            ),
+            None => {
+                uncaught.push(e.plant);
+                ("NO".into(), "-".into())
+            }
+        };
+        let others = caught
+            .as_ref()
+            .map(|c| c.kinds.join(","))
+            .filter(|k| !k.is_empty())
+            .unwrap_or_else(|| "-".into());
+        table.push_str(&format!(
+            "{} | {} | {fired} | {secs} | {:.0} s | {others}\n",
+            e.plant,
+            e.checkers.join(" / "),
+            took.as_secs_f64()
+        ));
+    }
+    println!(
+        "{table}plants: {} played in {:.1} min",
+        rows.len(),
+        started.elapsed().as_secs_f64() / 60.0
+    );
+    assert!(uncaught.is_empty(), "plants not caught: {uncaught:?}");
 }

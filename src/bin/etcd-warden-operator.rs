@@ -370,6 +370,11 @@ fn main() -> ExitCode {
         eprintln!("etcd-warden-operator: {e}");
         return ExitCode::FAILURE;
     }
+    // As etcd-warden does: an unknown planted defect is refused before anything runs.
+    if let Err(e) = etcd_warden::plant::check() {
+        eprintln!("etcd-warden-operator: {e}");
+        return ExitCode::from(EXIT_USAGE);
+    }
     let cli = Cli::parse();
     let format = match cli.log_format.as_str() {
         "json" => LogFormat::Json,

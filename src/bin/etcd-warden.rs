@@ -529,6 +529,12 @@ fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     tune_malloc();
+    // A planted defect the seam does not know is refused before anything runs: a typo must
+    // never read as a plant the harness failed to catch (debug builds only; see `plant`).
+    if let Err(e) = etcd_warden::plant::check() {
+        eprintln!("etcd-warden: {e}");
+        return ExitCode::from(EXIT_CONFIG);
+    }
     let invoked_as = std::env::args_os()
         .next()
         .and_then(|a| {

@@ -583,6 +583,10 @@ impl Driver<'_> {
     async fn execute(&mut self, action: Action) -> Option<Event> {
         match action {
             Action::SetReady(ready) => {
+                if !ready && crate::plant::active("ready-late") {
+                    // Planted (`crate::plant`): readiness cleared a second late.
+                    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                }
                 if !ready {
                     self.not_ready_since = Instant::now();
                 }
@@ -596,6 +600,10 @@ impl Driver<'_> {
                 set_gate(&self.ctx.gate, gate);
                 tracing::info!(?gate, "snapshot gate set");
                 None
+            }
+            // Planted (`crate::plant`): etcd reported killed, left serving.
+            Action::KillEtcd | Action::KillAgain if crate::plant::active("ack-after-kill") => {
+                Some(Event::Killed(true))
             }
             Action::KillEtcd => Some(Event::Killed(self.kill(false).await)),
             Action::KillAgain => Some(Event::Killed(self.kill(true).await)),

@@ -321,6 +321,10 @@ impl Cursor {
             )));
         }
         self.events += 1;
+        // Planted (`crate::plant`): a delete is skipped (its revision still counted).
+        if event.kind == EventType::Delete && crate::plant::active("drop-delete-in-restore") {
+            return Ok(None);
+        }
         Ok(Some(match event.kind {
             EventType::Put => {
                 if kv.create_revision <= 0 || kv.create_revision > rev || kv.version <= 0 {

@@ -146,7 +146,17 @@ impl Engine for EtcdEngine {
             return Ok(Collected::Events);
         };
         match watch.next().await {
-            Ok(events) => {
+            Ok(mut events) => {
+                // Planted (`crate::plant`): the first event of each revision only.
+                if crate::plant::active("delta-first-event-only") {
+                    events.dedup_by_key(|e| e.revision());
+                }
+                // Planted: 1 KiB leaked per buffered event, touched so that it is resident.
+                if crate::plant::active("delta-leak") {
+                    for _ in &events {
+                        std::mem::forget(vec![0x5au8; 1024]);
+                    }
+                }
                 writer.push(events, Utc::now());
                 Ok(Collected::Events)
             }
@@ -277,6 +287,10 @@ impl Engine for EtcdEngine {
         let step = match defrag::plan(&members, me, pass, &rule) {
             DefragPlan::Stop { reason, detail } => DefragStep::Stopped { reason, detail },
             DefragPlan::Done => DefragStep::Done,
+            // Planted (`crate::plant`): the leader defragmented where it should hand over.
+            DefragPlan::MoveLeader { from, .. } if crate::plant::active("defrag-leader") => {
+                defragment(&base, &members, from, timeout).await?
+            }
             DefragPlan::MoveLeader { from, to } => {
                 move_leader(&base, &members, from, to, timeout).await?;
                 DefragStep::MovedLeader { from, to }
@@ -370,7 +384,7 @@ async fn defragment(
     let mut one = client_of(base, member, timeout).await?;
     let leader = one.status().await?.leader();
     let voters = members.iter().filter(|m| !m.is_learner).count();
-    if leader == id && voters > 1 {
+    if leader == id && voters > 1 && !crate::plant::active("defrag-leader") {
         tracing::info!(
             member = format_args!("{id:x}"),
             "the member took leadership since the plan; planning again"

@@ -28,6 +28,7 @@ pub mod machine_api;
 pub mod migration;
 pub mod moto;
 pub mod opchecks;
+pub mod plants;
 pub mod pod;
 pub mod podns;
 pub mod rbac;

@@ -138,6 +138,15 @@ impl Profile {
                 druid: true,
                 ..ci
             }),
+            // The ci profile with hand-offs and operator replacements sooner: the plants' runner
+            // plays one short run per plant and stops at the first violation it waits for.
+            "plants" => Some(Profile {
+                name: "plants",
+                handoff_every: (25, 35),
+                operator_every: 30,
+                jobs_every: 20,
+                ..ci
+            }),
             "v35" => Some(long),
             "v34" => Some(Profile {
                 name: "v34",
@@ -1092,6 +1101,8 @@ pub struct SoakOutcome {
     pub report_dir: Option<PathBuf>,
     /// Hand-offs by the outcome they reached.
     pub handoffs: soak_handoff::Reached,
+    /// Each kind of violation found, with when it was first found (from the run's start).
+    pub fired: BTreeMap<&'static str, Duration>,
 }
 
 /// Counts for the summary and the docs.
@@ -1166,6 +1177,10 @@ struct Run<'a> {
     ownership: super::timeline::Recorder,
     /// Every hand-off's final (name, revision), for the timeline's judge at the end.
     finals: Vec<(String, i64)>,
+    /// The run stops as soon as one of these kinds is found ([`run_until`]; the plants' runner).
+    stop_on: &'a [&'a str],
+    /// Each kind found, with when it was first found.
+    fired: BTreeMap<&'static str, Duration>,
 }
 
 /// The sidecars' configuration beyond the fault schedules': every feature on.
@@ -1218,7 +1233,15 @@ impl Run<'_> {
 
     fn violation(&mut self, kind: &'static str, detail: String) {
         self.event(format!("VIOLATION [{kind}] {detail}"));
+        self.fired
+            .entry(kind)
+            .or_insert_with(|| self.world.events.epoch.elapsed());
         self.violations.push(Violation { kind, detail });
+    }
+
+    /// A kind the run was asked to stop on has been found.
+    fn stopped(&self) -> bool {
+        self.stop_on.iter().any(|k| self.fired.contains_key(k))
     }
 
     fn clock_file(&self, m: usize) -> PathBuf {
@@ -1571,6 +1594,17 @@ impl Run<'_> {
                 // when nothing is faulted.
                 self.counts.drill_failures += 1;
             }
+            // But no fault excuses a restore that finished and serves another state than its
+            // chain (`DrillError::Mismatch`): a fault may stop a restore, never change it.
+            if !ok && said.contains("the restored etcd differs from the chain") {
+                self.violation(
+                    "drill",
+                    format!(
+                        "a drill Job's restore differs from its chain: {}",
+                        tail(&said, 3, true)
+                    ),
+                );
+            }
         }
     }
 
@@ -1580,7 +1614,7 @@ impl Run<'_> {
         let every = self.profile.operator_every;
         let mut next_operator =
             Instant::now() + Duration::from_secs(self.rng.range(every / 2, every * 3 / 2));
-        while Instant::now() < until {
+        while Instant::now() < until && !self.stopped() {
             // The opening round goes at a faster pace, so that it ends within the first serve.
             let (gap, hold) = if self.opening.is_empty() {
                 (self.profile.fault_gap, self.profile.fault_hold)
@@ -2443,6 +2477,18 @@ async fn judge_deltas(
 
 /// Plays `profile` for `duration` from `seed` and judges it.
 pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcome {
+    run_until(profile, seed, duration, &[]).await
+}
+
+/// [`run`], stopped as soon as a violation of one of the `stop_on` kinds is found: no further
+/// fault or hand-off, and the end's drills are skipped (the plants' runner, which waits for one
+/// checker to fire).
+pub async fn run_until(
+    profile: &Profile,
+    seed: u64,
+    duration: Duration,
+    stop_on: &[&str],
+) -> SoakOutcome {
     let epoch = Instant::now();
     let wall_epoch = SystemTime::now();
     let scratch = tempfile::tempdir().expect("temp dir");
@@ -2479,6 +2525,7 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
                     summary: format!("FAIL profile={} seed={seed:#x} setup failed", profile.name),
                     report_dir: None,
                     handoffs: Default::default(),
+                    fired: BTreeMap::from([("setup", epoch.elapsed())]),
                 };
             }
         }
@@ -2552,6 +2599,7 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
                 summary: format!("FAIL profile={} seed={seed:#x} setup failed", profile.name),
                 report_dir: None,
                 handoffs: Default::default(),
+                fired: BTreeMap::from([("setup", epoch.elapsed())]),
             };
         }
     };
@@ -2626,6 +2674,8 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
         partition_member,
         ownership,
         finals: Vec::new(),
+        stop_on,
+        fired: BTreeMap::new(),
     };
     run.start_tracking_finals();
     match no_partition {
@@ -2682,10 +2732,13 @@ pub async fn run(profile: &Profile, seed: u64, duration: Duration) -> SoakOutcom
             .range(profile.handoff_every.0, profile.handoff_every.1);
         let until = (Instant::now() + Duration::from_secs(every)).min(deadline);
         run.serve(until).await;
+        if run.stopped() {
+            break;
+        }
         let last = Instant::now() + Duration::from_secs(profile.handoff_every.0 / 2) >= deadline
             && run.counts.handoffs + 1 >= profile.min_handoffs;
         run.handoff(last).await;
-        if last {
+        if last || run.stopped() {
             break;
         }
     }
@@ -2787,6 +2840,10 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
             "secondary",
             vec!["--restore".to_string(), "--secondary".into()],
         ));
+    }
+    if run.stopped() {
+        run.event("end: stopped on a violation asked for; no drills");
+        drills.clear();
     }
     for (label, args) in drills {
         let (ok, said) = run.cli("verify", &args, &[]).await;
@@ -2926,6 +2983,7 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
     drop(run.restore_mount.take());
     let violations = run.violations.clone();
     let handoffs = run.h53.reached.clone();
+    let fired = std::mem::take(&mut run.fired);
     drop(run);
     drop(scratch);
     SoakOutcome {
@@ -2933,6 +2991,7 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
         summary,
         report_dir,
         handoffs,
+        fired,
     }
 }
 

@@ -83,8 +83,22 @@ pub fn command_of(bin: &std::path::Path) -> Command {
         }
     }
     c.env("RUST_LOG", "etcd_warden=debug,info");
+    // A planted defect (`etcd_warden::plant`) reaches every sidecar and Job the harness starts:
+    // `SOAK_PLANT` plants it in them alone (the harness's own process, which reads the store
+    // with the same library, stays clean), `WARDEN_PLANT` in this process too.
+    if let Some(plants) = std::env::var_os(CHILD_PLANT_ENV).or_else(|| std::env::var_os(PLANT_ENV))
+    {
+        c.env(PLANT_ENV, plants);
+    }
     c
 }
+
+/// The variable that switches planted defects on (`etcd_warden::plant`; named here too because a
+/// release build of the library does not export it).
+pub const PLANT_ENV: &str = "WARDEN_PLANT";
+
+/// Plants for the processes the harness starts only, passed to them as [`PLANT_ENV`].
+pub const CHILD_PLANT_ENV: &str = "SOAK_PLANT";
 
 impl Warden {
     /// Starts `serve` with these configuration keys (dotted, e.g. `store.url`) on top of test

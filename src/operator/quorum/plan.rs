@@ -413,6 +413,16 @@ fn membership_action(
     }
 
     let needed = voters.len() < spec.desired_voters || !deleting_voters.is_empty();
+    // Planted (`crate::plant`): the replaced voter goes before its learner votes.
+    if let (Some(v), false) = (deleting_voters.first(), learners.is_empty())
+        && crate::plant::active("remove-voter-first")
+    {
+        return Ok(Action::RemoveMember {
+            member_id: v.id,
+            name: v.name.clone(),
+            reason: RemoveReason::Replaced,
+        });
+    }
     if !learners.is_empty() {
         return learner_promotion(spec, obs, &learners, needed, leader_applied);
     }

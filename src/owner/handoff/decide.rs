@@ -113,6 +113,11 @@ fn stored_final(view: &ClusterView, frozen: Option<i64>) -> Option<Snapshot> {
     if let Some(found) = view.intent.as_ref().and_then(|i| named(&i.final_snapshot)) {
         return Some(found);
     }
+    // Planted (`crate::plant`, with the fresh name per attempt in `take_final`): only the
+    // intent's name counts, as a release that fixes names would trust it.
+    if crate::plant::active("fresh-final-name") {
+        return None;
+    }
     let frozen = frozen?;
     view.finals
         .iter()
@@ -150,6 +155,11 @@ pub fn decide(view: &ClusterView) -> Decision {
                 epoch: newest_epoch(&view.claims).map_or(0, |e| e + 1),
             },
             (None, true) => Decision::FixIntent { revision: frozen },
+            // Planted (`crate::plant`): the taker waits as if another member took it.
+            (Some(_), true) if crate::plant::active("never-final") => Decision::WaitTaker {
+                taker: taker_name,
+                takeover_in: view.takeover_after,
+            },
             (Some(intent), true) => Decision::Take(intent.clone()),
         };
     }

@@ -418,8 +418,19 @@ impl Driver<'_> {
                     return Err(SeamError::HandOff(HandOffError::Unsettled));
                 };
                 tracing::Span::current().record("snapshot", intent.final_snapshot.as_str());
-                let name = self.ctx.objects.final_of(&intent)?;
+                let mut name = self.ctx.objects.final_of(&intent)?;
+                // Planted (`crate::plant`): a name of its own per attempt, and the first
+                // attempt's answer (attempts count from 1) lost after the store kept it, so a
+                // second attempt follows.
+                let planted = crate::plant::active("fresh-final-name");
+                if planted {
+                    name.created_on += chrono::Duration::seconds(i64::from(attempt) + 1);
+                    name.snap_name = name.format_name();
+                }
                 let snap = self.ctx.finals.take_final(name, intent.revision).await?;
+                if planted && attempt <= 1 {
+                    return Err(SeamError::HandOff(HandOffError::Unsettled));
+                }
                 Ok::<_, SeamError>((snap, intent.revision))
             },
             span.clone(),
