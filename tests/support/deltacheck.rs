@@ -114,6 +114,27 @@ pub struct Outcome {
     pub chains: usize,
     /// Restores of a chain that retention deleted meanwhile.
     pub gone: usize,
+    /// Targets a full snapshot's raced writes put out of reach, judged where it holds instead.
+    pub raced: usize,
+}
+
+/// The revision a restore refused `target` for because the full snapshot's database already
+/// holds writes past it (`restore::direct`'s "holds revisions up to N (writes that raced the
+/// snapshot), beyond the target revision R"), if that is what `said` says; only a revision past
+/// the target counts.
+pub fn raced_to(said: &str, target: i64) -> Option<i64> {
+    let rest = said
+        .split("the full snapshot's database holds revisions up to ")
+        .nth(1)?;
+    let (held, rest) = rest.split_once(' ')?;
+    let held: i64 = held.parse().ok()?;
+    let beyond = rest.split("beyond the target revision ").nth(1)?;
+    let named: i64 = beyond
+        .split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()?;
+    (named == target && held > target).then_some(held)
 }
 
 /// Restores the chosen revisions of every chain of every source and compares each with the
@@ -136,80 +157,97 @@ pub async fn judge(
     for source in sources {
         for chain in chains(&source.snapshots) {
             out.chains += 1;
-            for r in choose(&chain, per_chain, &mut rng, |r| model.knows(r)) {
+            let chain_end = chain
+                .deltas
+                .last()
+                .map_or(chain.full.last_revision, |d| d.last_revision);
+            for chosen in choose(&chain, per_chain, &mut rng, |r| model.knows(r)) {
                 if out.restores >= max_restores {
                     return out;
                 }
-                out.restores += 1;
-                let target = dir.join(format!("{}-{r}", source.label)).join("data");
-                let mut all = keys.to_vec();
-                all.retain(|(k, _)| !source.keys.iter().any(|(x, _)| x == k));
-                all.extend(source.keys.iter().cloned());
-                let args = vec![
-                    "--data-dir".to_string(),
-                    target.to_string_lossy().into_owned(),
-                    "--etcd-bin".into(),
-                    bin.clone(),
-                    "--to-revision".into(),
-                    r.to_string(),
-                ];
-                let ran = tokio::task::spawn_blocking(move || {
-                    let mut cmd = cli_command(&all, "restore");
-                    cmd.args(&args);
-                    cmd.output()
-                })
-                .await;
-                let (ok, said) = match ran {
-                    Ok(Ok(o)) => (
-                        o.status.success(),
-                        format!(
-                            "{}{}",
-                            String::from_utf8_lossy(&o.stdout),
-                            String::from_utf8_lossy(&o.stderr)
+                let mut r = chosen;
+                loop {
+                    out.restores += 1;
+                    let target = dir.join(format!("{}-{r}", source.label)).join("data");
+                    let mut all = keys.to_vec();
+                    all.retain(|(k, _)| !source.keys.iter().any(|(x, _)| x == k));
+                    all.extend(source.keys.iter().cloned());
+                    let args = vec![
+                        "--data-dir".to_string(),
+                        target.to_string_lossy().into_owned(),
+                        "--etcd-bin".into(),
+                        bin.clone(),
+                        "--to-revision".into(),
+                        r.to_string(),
+                    ];
+                    let ran = tokio::task::spawn_blocking(move || {
+                        let mut cmd = cli_command(&all, "restore");
+                        cmd.args(&args);
+                        cmd.output()
+                    })
+                    .await;
+                    let (ok, said) = match ran {
+                        Ok(Ok(o)) => (
+                            o.status.success(),
+                            format!(
+                                "{}{}",
+                                String::from_utf8_lossy(&o.stdout),
+                                String::from_utf8_lossy(&o.stderr)
+                            ),
                         ),
-                    ),
-                    Ok(Err(e)) => (false, e.to_string()),
-                    Err(e) => (false, e.to_string()),
-                };
-                let what = format!(
-                    "{} chain of {} ({} deltas to revision {}): restore --to-revision {r}",
-                    source.label,
-                    chain.full.snap_name,
-                    chain.deltas.len(),
-                    chain
-                        .deltas
-                        .last()
-                        .map_or(chain.full.last_revision, |d| d.last_revision)
-                );
-                if !ok {
-                    // Retention may delete an old chain while it is restored: not a defect.
-                    if said.contains("not found") || said.contains("NotFound") {
-                        out.gone += 1;
-                    } else {
-                        let tail: Vec<&str> = said.lines().rev().take(4).collect();
-                        out.violations
-                            .push(format!("{what} failed: {}", tail.join(" | ")));
+                        Ok(Err(e)) => (false, e.to_string()),
+                        Err(e) => (false, e.to_string()),
+                    };
+                    let what = format!(
+                        "{} chain of {} ({} deltas to revision {chain_end}): restore --to-revision {r}",
+                        source.label,
+                        chain.full.snap_name,
+                        chain.deltas.len(),
+                    );
+                    if !ok {
+                        let _ = std::fs::remove_dir_all(target.parent().unwrap_or(&target));
+                        // A full snapshot holds the writes that raced it (etcd serves while it
+                        // streams), so its database may go past the revision in its name; the
+                        // restore refuses a target before that, saying where it holds. Judged
+                        // there instead, once (the refusal itself is the documented answer).
+                        if r == chosen
+                            && let Some(held) = raced_to(&said, r)
+                            && held <= chain_end
+                            && model.knows(held)
+                        {
+                            out.raced += 1;
+                            r = held;
+                            continue;
+                        }
+                        // Retention may delete an old chain while it is restored: not a defect.
+                        if said.contains("not found") || said.contains("NotFound") {
+                            out.gone += 1;
+                        } else {
+                            let tail: Vec<&str> = said.lines().rev().take(4).collect();
+                            out.violations
+                                .push(format!("{what} failed: {}", tail.join(" | ")));
+                        }
+                        break;
+                    }
+                    match read(release, &target, prefix).await {
+                        Ok(got) => {
+                            let want = model.state_at(prefix, r);
+                            let diff = differences(&want, &got);
+                            if !diff.is_empty() {
+                                out.violations.push(format!(
+                                    "{what}: {} keys differ from the history, e.g. {}",
+                                    diff.len(),
+                                    diff.iter().take(3).cloned().collect::<Vec<_>>().join("; ")
+                                ));
+                            }
+                        }
+                        Err(e) => out
+                            .violations
+                            .push(format!("{what}: the restored etcd did not answer: {e}")),
                     }
                     let _ = std::fs::remove_dir_all(target.parent().unwrap_or(&target));
-                    continue;
+                    break;
                 }
-                match read(release, &target, prefix).await {
-                    Ok(got) => {
-                        let want = model.state_at(prefix, r);
-                        let diff = differences(&want, &got);
-                        if !diff.is_empty() {
-                            out.violations.push(format!(
-                                "{what}: {} keys differ from the history, e.g. {}",
-                                diff.len(),
-                                diff.iter().take(3).cloned().collect::<Vec<_>>().join("; ")
-                            ));
-                        }
-                    }
-                    Err(e) => out
-                        .violations
-                        .push(format!("{what}: the restored etcd did not answer: {e}")),
-                }
-                let _ = std::fs::remove_dir_all(target.parent().unwrap_or(&target));
             }
         }
     }
@@ -388,6 +426,22 @@ mod tests {
         assert_eq!(gaps(&healed, &elsewhere, epoch()).len(), 1);
         let whole = vec![snap(Kind::Full, 0, 10, 0), snap(Kind::Incr, 11, 20, 2)];
         assert!(gaps(&whole, &[], epoch()).is_empty());
+    }
+
+    #[test]
+    fn a_target_before_a_full_snapshots_raced_writes_is_judged_where_it_holds() {
+        let said = "etcd-warden: restore failed while writing the deltas into the database: the \
+                    full snapshot's database holds revisions up to 2325 (writes that raced the \
+                    snapshot), beyond the target revision 2323; choose a target at or after 2325";
+        assert_eq!(super::raced_to(said, 2323), Some(2325));
+        // Another target's refusal, another failure, or nothing past the target: judged as failed.
+        assert_eq!(super::raced_to(said, 2300), None);
+        assert_eq!(
+            super::raced_to("events out of order: revision 1652 after 1813", 1652),
+            None
+        );
+        let not_past = said.replace("up to 2325", "up to 2323");
+        assert_eq!(super::raced_to(&not_past, 2323), None);
     }
 
     #[test]

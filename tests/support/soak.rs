@@ -2465,10 +2465,11 @@ async fn judge_deltas(
         run.violation("delta-history", v.clone());
     }
     let summary = format!(
-        " deltas: chains={} restores={} gone={} in {:.0}s",
+        " deltas: chains={} restores={} gone={} raced={} in {:.0}s",
         out.chains,
         out.restores,
         out.gone,
+        out.raced,
         started.elapsed().as_secs_f64()
     );
     run.event(format!("end:{summary}"));
