@@ -116,6 +116,20 @@ pub struct Outcome {
     pub gone: usize,
     /// Targets a full snapshot's raced writes put out of reach, judged where it holds instead.
     pub raced: usize,
+    /// Failures matching an open finding of [`known_finding`]: reported, not violations.
+    pub known: Vec<String>,
+}
+
+/// The open findings this judge reports without failing the run, each by its exact signature,
+/// until its fix lands (docs/robustness.md, finding 8): nothing else is allowed.
+///
+/// Finding 8 (ci seed 0x40, 2026-12-02): on the secondary store (its copies faulted with 5xx
+/// and lost answers), `restore --to-revision R` of the chain of an older full snapshot failed
+/// with a revision gap between a delta from before that full and a delta after the next full,
+/// while the primary's same chains restored and matched the model. Not yet understood.
+pub fn known_finding(store: &str, said: &str) -> Option<&'static str> {
+    (store == "secondary" && said.contains("revision gap in the latest chain"))
+        .then_some("open finding 8: a secondary chain's point-in-time restore reports a gap")
 }
 
 /// The revision a restore refused `target` for because the full snapshot's database already
@@ -222,6 +236,10 @@ pub async fn judge(
                         // Retention may delete an old chain while it is restored: not a defect.
                         if said.contains("not found") || said.contains("NotFound") {
                             out.gone += 1;
+                        } else if let Some(finding) = known_finding(source.label, &said) {
+                            let tail: Vec<&str> = said.lines().rev().take(4).collect();
+                            out.known
+                                .push(format!("{what} failed ({finding}): {}", tail.join(" | ")));
                         } else {
                             let tail: Vec<&str> = said.lines().rev().take(4).collect();
                             out.violations
@@ -442,6 +460,18 @@ mod tests {
         );
         let not_past = said.replace("up to 2325", "up to 2323");
         assert_eq!(super::raced_to(&not_past, 2323), None);
+    }
+
+    #[test]
+    fn only_finding_8s_exact_signature_on_the_secondary_is_reported_without_failing() {
+        let gap = "restore failed while checking the chain: revision gap in the latest chain: \
+                   revisions 1646 to 4225 are in no snapshot";
+        assert!(super::known_finding("secondary", gap).is_some());
+        assert_eq!(super::known_finding("primary", gap), None);
+        assert_eq!(
+            super::known_finding("secondary", "events out of order: revision 1652 after 1813"),
+            None
+        );
     }
 
     #[test]

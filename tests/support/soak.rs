@@ -2464,12 +2464,19 @@ async fn judge_deltas(
     for v in &out.violations {
         run.violation("delta-history", v.clone());
     }
+    for k in &out.known {
+        run.event(format!(
+            "end: KNOWN (not a violation until its fix lands) {k}"
+        ));
+        run.notes.push(format!("delta-history, known: {k}"));
+    }
     let summary = format!(
-        " deltas: chains={} restores={} gone={} raced={} in {:.0}s",
+        " deltas: chains={} restores={} gone={} raced={} known_finding_8={} in {:.0}s",
         out.chains,
         out.restores,
         out.gone,
         out.raced,
+        out.known.len(),
         started.elapsed().as_secs_f64()
     );
     run.event(format!("end:{summary}"));
