@@ -15,7 +15,6 @@ use std::time::{Duration, SystemTime};
 use etcd_warden::store::{Kind, Snapshot};
 
 use super::etcd::Release;
-use super::faultrun::cli_command;
 use super::revmodel::{KeyState, RevModel};
 use super::schedule::SplitMix64;
 
@@ -194,24 +193,7 @@ pub async fn judge(
                         "--to-revision".into(),
                         r.to_string(),
                     ];
-                    let ran = tokio::task::spawn_blocking(move || {
-                        let mut cmd = cli_command(&all, "restore");
-                        cmd.args(&args);
-                        cmd.output()
-                    })
-                    .await;
-                    let (ok, said) = match ran {
-                        Ok(Ok(o)) => (
-                            o.status.success(),
-                            format!(
-                                "{}{}",
-                                String::from_utf8_lossy(&o.stdout),
-                                String::from_utf8_lossy(&o.stderr)
-                            ),
-                        ),
-                        Ok(Err(e)) => (false, e.to_string()),
-                        Err(e) => (false, e.to_string()),
-                    };
+                    let (ok, said) = super::faultrun::cli_output(all, "restore".into(), args).await;
                     let what = format!(
                         "{} chain of {} ({} deltas to revision {chain_end}): restore --to-revision {r}",
                         source.label,

@@ -326,6 +326,44 @@ pub fn faked_clock(cmd: &mut std::process::Command, file: &std::path::Path) {
         .env("DONT_FAKE_MONOTONIC", "1");
 }
 
+/// Runs `etcd-warden <subcommand> <args>` ([`cli_command`]) off the async threads: whether it
+/// succeeded, and its standard output then its standard error (or why it could not run).
+pub async fn cli_output(
+    keys: Vec<(String, String)>,
+    subcommand: String,
+    args: Vec<String>,
+) -> (bool, String) {
+    let out = tokio::task::spawn_blocking(move || {
+        let mut cmd = cli_command(&keys, &subcommand);
+        cmd.args(&args);
+        cmd.output()
+    })
+    .await;
+    match out {
+        Ok(Ok(o)) => (
+            o.status.success(),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            ),
+        ),
+        Ok(Err(e)) => (false, e.to_string()),
+        Err(e) => (false, e.to_string()),
+    }
+}
+
+/// The last line of `s` that is not blank, at most 200 characters.
+pub fn last_line(s: &str) -> String {
+    s.lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("")
+        .chars()
+        .take(200)
+        .collect()
+}
+
 /// `etcd-warden <subcommand>` with a sidecar's configuration in its environment.
 pub fn cli_command(keys: &[(String, String)], subcommand: &str) -> std::process::Command {
     let mut cmd = match other_binary() {

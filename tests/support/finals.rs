@@ -324,16 +324,7 @@ pub fn verify_names(output: &str) -> Result<String, String> {
         .lines()
         .rev()
         .find_map(|l| l.split_once(SAYS).map(|(_, n)| n.trim().to_string()))
-        .ok_or_else(|| {
-            output
-                .lines()
-                .rev()
-                .find(|l| !l.trim().is_empty())
-                .unwrap_or("")
-                .chars()
-                .take(200)
-                .collect()
-        })
+        .ok_or_else(|| super::faultrun::last_line(output))
 }
 
 #[cfg(test)]

@@ -38,7 +38,7 @@ use super::etcd::Release;
 use super::faultkinds::{self, Target};
 use super::faultproxy::FaultMode;
 use super::faultrun::{
-    self, ETCD, PREFIX, RECORD, SIDECAR, THEM, US, World, WorldSpec, cli_command, tail,
+    self, ETCD, PREFIX, RECORD, SIDECAR, THEM, US, World, WorldSpec, last_line, tail,
 };
 use super::handoff_judge;
 use super::invariants::{self, Evidence, Violation, get_json};
@@ -1275,26 +1275,7 @@ impl Run<'_> {
         let mut keys = self.keys();
         keys.retain(|(k, _)| !extra.iter().any(|(x, _)| x == k));
         keys.extend(extra.iter().cloned());
-        let args = args.to_vec();
-        let sub = subcommand.to_string();
-        let out = tokio::task::spawn_blocking(move || {
-            let mut cmd = cli_command(&keys, &sub);
-            cmd.args(&args);
-            cmd.output()
-        })
-        .await;
-        match out {
-            Ok(Ok(o)) => (
-                o.status.success(),
-                format!(
-                    "{}{}",
-                    String::from_utf8_lossy(&o.stdout),
-                    String::from_utf8_lossy(&o.stderr)
-                ),
-            ),
-            Ok(Err(e)) => (false, e.to_string()),
-            Err(e) => (false, e.to_string()),
-        }
+        faultrun::cli_output(keys, subcommand.to_string(), args.to_vec()).await
     }
 
     /// Applies `n`, holds it, heals it.
@@ -2258,16 +2239,6 @@ impl Run<'_> {
     }
 }
 
-fn last_line(s: &str) -> String {
-    s.lines()
-        .rev()
-        .find(|l| !l.trim().is_empty())
-        .unwrap_or("")
-        .chars()
-        .take(200)
-        .collect()
-}
-
 /// Starts etcd on a restored data directory and reads every traffic key: (revision, contents).
 async fn read_restored(
     release: Release,
@@ -2782,7 +2753,14 @@ fn judge_ownership(run: &mut Run<'_>, recorded: &Recorded) {
 
 /// The end of a run: the history, the drill on every store, delta gaps, resources; the report.
 async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
-    let closing = complete_history(&mut run).await;
+    // A run stopped on a violation asked for (the plants' runner) has its verdict: the closing
+    // write and the delta restores, a minute and a half of judging, are skipped.
+    let closing = if run.stopped() {
+        run.event("end: stopped on a violation asked for; no closing write");
+        None
+    } else {
+        complete_history(&mut run).await
+    };
     run.traffic.stop().await;
     if let Some(l) = &run.world.leases {
         l.stop.cancel();
@@ -2913,7 +2891,11 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
     for g in deltacheck::gaps(&snapshots, &store_faults, run.wall_epoch) {
         run.violation("delta-gap", g);
     }
-    let delta_summary = judge_deltas(&mut run, &model, &snapshots).await;
+    let delta_summary = if run.stopped() {
+        " deltas: not judged (stopped on a violation asked for)".to_string()
+    } else {
+        judge_deltas(&mut run, &model, &snapshots).await
+    };
     let samples = run
         .samples
         .lock()
