@@ -937,6 +937,47 @@ async fn a_restore_that_falls_back_exits_3_naming_the_skipped_snapshot() {
     assert_eq!(revision, older.last_revision);
 }
 
+/// A point-in-time restore whose full snapshot fails verification, where the earlier chain
+/// that would stand in for it has a gap before the target: the restore fails naming both, the
+/// skipped full snapshot and the gap. Before the fix only the gap was named ("while choosing
+/// the snapshots to fall back to"), which read as a delta missing from the chain asked for
+/// (robustness finding 8's message).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fallback_stopped_by_a_gap_names_the_skipped_full_snapshot_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let store_dir = dir.path().join("store");
+    let store = file_store(&store_dir);
+    support::stored::put_full(&store, 10, 1_700_000_000, 10_000, Codec::Gzip, false).await;
+    let before = support::stored::put_delta(&store, 11, 12, 1_700_000_100).await;
+    let newest =
+        support::stored::put_full(&store, 20, 1_700_000_200, 10_000, Codec::Gzip, false).await;
+    let after = support::stored::put_delta(&store, 21, 25, 1_700_000_300).await;
+    // Cut short in the store: its gzip stream ends early.
+    let object = store_dir.join("v2").join(&newest.snap_name);
+    let bytes = std::fs::read(&object).unwrap();
+    std::fs::write(&object, &bytes[..bytes.len() / 2]).unwrap();
+
+    let target = dir.path().join("data");
+    let out = restore_command(&store_dir, &target)
+        .args(["--to-revision", "22"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let last = stderr.trim().lines().last().unwrap();
+    assert!(
+        last.contains(&format!("snapshot {} fails verification", newest.snap_name))
+            && last.contains(&format!(
+                "falling back to an earlier full snapshot failed: revision gap in the latest \
+                 chain: revisions 13 to 20 are in no snapshot ({} ends at 12, the next delta {} \
+                 starts at 21)",
+                before.snap_name, after.snap_name
+            )),
+        "{stderr}"
+    );
+    assert!(!target.exists(), "nothing restored: {stderr}");
+}
+
 /// A delta lost after the newest full snapshot: `restore` fails before it fetches anything,
 /// naming the missing revisions and the snapshots around them (as `verify` and `copy` do), and
 /// warns naming the objects whose names are not snapshot names.

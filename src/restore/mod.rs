@@ -162,6 +162,14 @@ pub enum RestoreError {
         cause: Box<RestoreError>,
         note: String,
     },
+    /// A full snapshot failed verification and no earlier chain can stand in for it: `why`
+    /// says what stops that chain (a gap, a target it does not reach), `cause` why the full
+    /// snapshot was skipped, so neither hides the other.
+    #[error("{cause}; falling back to an earlier full snapshot failed: {why}")]
+    FallbackFailed {
+        cause: Box<RestoreError>,
+        why: Box<RestoreError>,
+    },
     /// The restore would not bring the data directory forward (see
     /// [`RestoreOptions::must_exceed`]); nothing was moved into place.
     #[error("the restore reaches revision {reached}, not beyond the data directory's {current}")]
@@ -512,7 +520,12 @@ pub async fn restore(
                     note,
                 });
             }
-            Err(e) => return Err(e).step("choosing the snapshots to fall back to"),
+            Err(why) => {
+                return Err(RestoreError::FallbackFailed {
+                    cause: Box::new(error),
+                    why: Box::new(why),
+                });
+            }
         };
     }
 }

@@ -98,10 +98,12 @@ pub fn differences(
     out
 }
 
-/// Where to restore from: a label and the keys that point the CLI at the store.
+/// Where to restore from: a label, the store (listed again after a failure) and the keys that
+/// point the CLI at it.
 pub struct Source {
     pub label: &'static str,
     pub snapshots: Vec<Snapshot>,
+    pub store: etcd_warden::store::SnapshotStore,
     pub keys: Vec<(String, String)>,
 }
 
@@ -111,24 +113,49 @@ pub struct Outcome {
     pub violations: Vec<String>,
     pub restores: usize,
     pub chains: usize,
-    /// Restores of a chain that retention deleted meanwhile.
-    pub gone: usize,
+    /// Restores that failed because retention deleted a snapshot they needed meanwhile, each
+    /// with the names gone.
+    pub gone: Vec<String>,
     /// Targets a full snapshot's raced writes put out of reach, judged where it holds instead.
     pub raced: usize,
-    /// Failures matching an open finding of [`known_finding`]: reported, not violations.
-    pub known: Vec<String>,
 }
 
-/// The open findings this judge reports without failing the run, each by its exact signature,
-/// until its fix lands (docs/robustness.md, finding 8): nothing else is allowed.
-///
-/// Finding 8 (ci seed 0x40, 2026-12-02): on the secondary store (its copies faulted with 5xx
-/// and lost answers), `restore --to-revision R` of the chain of an older full snapshot failed
-/// with a revision gap between a delta from before that full and a delta after the next full,
-/// while the primary's same chains restored and matched the model. Not yet understood.
-pub fn known_finding(store: &str, said: &str) -> Option<&'static str> {
-    (store == "secondary" && said.contains("revision gap in the latest chain"))
-        .then_some("open finding 8: a secondary chain's point-in-time restore reports a gap")
+/// The snapshots a restore of `chain` to revision `r` reads: its full snapshot and its deltas
+/// up to the first that reaches `r`.
+pub fn needed(chain: &Chain<'_>, r: i64) -> Vec<String> {
+    let mut out = vec![chain.full.snap_name.clone()];
+    if r > chain.full.last_revision {
+        for d in &chain.deltas {
+            out.push(d.snap_name.clone());
+            if d.last_revision >= r {
+                break;
+            }
+        }
+    }
+    out
+}
+
+/// Whether a failed restore is retention's doing, not a defect: some snapshot it `needed` is
+/// no longer in the store's listing `now`, and the failure is one a missing snapshot gives (not
+/// found while fetching it; listed without it, a gap, a target in no delta or before the
+/// oldest full snapshot). Returns the names gone. A failure with every needed snapshot still
+/// listed, or another failure, is judged as failed (robustness finding 8: this excuse once
+/// matched only "not found", and a chain retention trimmed before the restore listed it read
+/// as a gap).
+pub fn gone_by_retention(needed: &[String], now: &[Snapshot], said: &str) -> Option<Vec<String>> {
+    let missing: Vec<String> = needed
+        .iter()
+        .filter(|n| !now.iter().any(|s| &s.snap_name == *n))
+        .cloned()
+        .collect();
+    let shape = [
+        "not found",
+        "NotFound",
+        "revision gap in the latest chain",
+        "is in no delta",
+        "is before the oldest full snapshot",
+    ];
+    (!missing.is_empty() && shape.iter().any(|p| said.contains(p))).then_some(missing)
 }
 
 /// The revision a restore refused `target` for because the full snapshot's database already
@@ -215,17 +242,27 @@ pub async fn judge(
                             r = held;
                             continue;
                         }
-                        // Retention may delete an old chain while it is restored: not a defect.
-                        if said.contains("not found") || said.contains("NotFound") {
-                            out.gone += 1;
-                        } else if let Some(finding) = known_finding(source.label, &said) {
-                            let tail: Vec<&str> = said.lines().rev().take(4).collect();
-                            out.known
-                                .push(format!("{what} failed ({finding}): {}", tail.join(" | ")));
-                        } else {
-                            let tail: Vec<&str> = said.lines().rev().take(4).collect();
-                            out.violations
-                                .push(format!("{what} failed: {}", tail.join(" | ")));
+                        // Retention may delete an old chain while it is restored: not a defect,
+                        // once the store, listed again, shows a snapshot it needed gone.
+                        let tail: Vec<&str> = said.lines().rev().take(4).collect();
+                        let wanted = needed(&chain, r);
+                        match source.store.list().await {
+                            Ok(now) => match gone_by_retention(&wanted, &now, &said) {
+                                Some(missing) => out.gone.push(format!(
+                                    "{what}: {} deleted meanwhile",
+                                    missing.join(", ")
+                                )),
+                                None => out.violations.push(format!(
+                                    "{what} failed with every snapshot it needs still listed \
+                                     ({}): {}",
+                                    wanted.join(", "),
+                                    tail.join(" | ")
+                                )),
+                            },
+                            Err(e) => out.violations.push(format!(
+                                "{what} failed, and the store could not be listed again ({e}): {}",
+                                tail.join(" | ")
+                            )),
                         }
                         break;
                     }
@@ -445,13 +482,44 @@ mod tests {
     }
 
     #[test]
-    fn only_finding_8s_exact_signature_on_the_secondary_is_reported_without_failing() {
+    fn a_failure_is_retentions_only_when_a_needed_snapshot_is_gone_and_the_failure_says_so() {
+        let s = |name: &str| {
+            Snapshot::parse_name("p", name).unwrap_or_else(|e| panic!("{name}: {e:?}"))
+        };
+        let full = s("Full-00000000-00001698-1764683000.gz");
+        let d1 = s("Incr-00001699-00001750-1764683010.gz");
+        let d2 = s("Incr-00001751-00001800-1764683020.gz");
+        let chain = Chain {
+            full: &full,
+            deltas: vec![&d1, &d2],
+        };
+        // Revision 1749 reads the full snapshot and the first delta only.
+        let wanted = needed(&chain, 1749);
+        assert_eq!(wanted, [full.snap_name.clone(), d1.snap_name.clone()]);
+        assert_eq!(needed(&chain, 1698), [full.snap_name.clone()]);
         let gap = "restore failed while checking the chain: revision gap in the latest chain: \
                    revisions 1646 to 4225 are in no snapshot";
-        assert!(super::known_finding("secondary", gap).is_some());
-        assert_eq!(super::known_finding("primary", gap), None);
+        // Finding 8's shape: the chain's deltas were deleted before the restore listed.
         assert_eq!(
-            super::known_finding("secondary", "events out of order: revision 1652 after 1813"),
+            gone_by_retention(&wanted, std::slice::from_ref(&full), gap),
+            Some(vec![d1.snap_name.clone()])
+        );
+        // Everything still listed: a defect, whatever the failure says.
+        let all = [full.clone(), d1.clone(), d2.clone()];
+        assert_eq!(gone_by_retention(&wanted, &all, gap), None);
+        assert_eq!(gone_by_retention(&wanted, &all, "object not found"), None);
+        // A deletion of a snapshot the restore did not need excuses nothing.
+        assert_eq!(
+            gone_by_retention(&wanted, &[full.clone(), d1.clone()], gap),
+            None
+        );
+        // Gone, but the restore failed otherwise: judged as failed.
+        assert_eq!(
+            gone_by_retention(
+                &wanted,
+                std::slice::from_ref(&full),
+                "events out of order: revision 1652 after 1813"
+            ),
             None
         );
     }

@@ -2401,6 +2401,7 @@ async fn judge_deltas(
     let mut sources = vec![deltacheck::Source {
         label: "primary",
         snapshots: primary.to_vec(),
+        store: run.world.store.clone(),
         keys: Vec::new(),
     }];
     if faultrun::other_binary().is_none() {
@@ -2409,6 +2410,7 @@ async fn judge_deltas(
         sources.push(deltacheck::Source {
             label: "secondary",
             snapshots: secondary.list().await.unwrap_or_default(),
+            store: secondary,
             keys: vec![
                 ("store.url".into(), format!("s3://{SECONDARY}/{PREFIX}")),
                 (
@@ -2435,19 +2437,15 @@ async fn judge_deltas(
     for v in &out.violations {
         run.violation("delta-history", v.clone());
     }
-    for k in &out.known {
-        run.event(format!(
-            "end: KNOWN (not a violation until its fix lands) {k}"
-        ));
-        run.notes.push(format!("delta-history, known: {k}"));
+    for g in &out.gone {
+        run.event(format!("end: deleted by retention while judged: {g}"));
     }
     let summary = format!(
-        " deltas: chains={} restores={} gone={} raced={} known_finding_8={} in {:.0}s",
+        " deltas: chains={} restores={} gone={} raced={} in {:.0}s",
         out.chains,
         out.restores,
-        out.gone,
+        out.gone.len(),
         out.raced,
-        out.known.len(),
         started.elapsed().as_secs_f64()
     );
     run.event(format!("end:{summary}"));
