@@ -240,8 +240,18 @@ fn kustomization(dir: &Path) -> Result<Kustomization, String> {
     let [k] = docs.as_slice() else {
         return Err(format!("{}: expected one document", file.display()));
     };
-    if k["kind"] != "Kustomization" {
-        return Err(format!("{}: kind is not Kustomization", file.display()));
+    // A Component (deploy/components/) is a kustomization an overlay adds; kustomize knows it
+    // only under the alpha API version.
+    match (k["kind"].as_str(), k["apiVersion"].as_str()) {
+        (Some("Kustomization"), _) => {}
+        (Some("Component"), Some("kustomize.config.k8s.io/v1alpha1")) => {}
+        (Some("Component"), v) => {
+            return Err(format!(
+                "{}: a Component's apiVersion is kustomize.config.k8s.io/v1alpha1, not {v:?}",
+                file.display()
+            ));
+        }
+        _ => return Err(format!("{}: kind is not Kustomization", file.display())),
     }
     let known = [
         "apiVersion",
@@ -1173,9 +1183,9 @@ fn every_manifest_parses_into_its_kubernetes_type() {
         }
     }
     assert_eq!(
-        kustomizations, 7,
+        kustomizations, 8,
         "deploy/base, deploy/copy-job, deploy/compact-job, deploy/drill-job, deploy/druid, \
-         deploy/monitoring and deploy/operator"
+         deploy/monitoring, deploy/operator and deploy/components/etcd-3.6"
     );
 }
 
@@ -1834,6 +1844,96 @@ fn the_containerfile_builds_every_binary_and_carries_the_deployed_etcd() {
             "Containerfile: Cargo.toml names {path}, but {top}/ is never copied into the build"
         );
     }
+}
+
+/// The etcd releases the image and the manifests run, as `(major.minor, tag)`; `problems` names
+/// each way the pair is out of step: deploy/base on 3.5 (the image's default build argument the
+/// same), deploy/components/etcd-3.6 a kustomize Component setting only etcd's image to a 3.6
+/// tag, and the Containerfile's 3.6 build command naming that tag.
+fn etcd_release_problems(
+    containerfile: &str,
+    base_image: &str,
+    component: &serde_json::Value,
+) -> Vec<String> {
+    let mut problems = Vec::new();
+    let default = containerfile
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("ARG ETCD_VERSION="))
+        .unwrap_or_default();
+    if !default.starts_with("v3.5.") {
+        problems.push(format!(
+            "the image's default etcd is {default:?}, not a 3.5 release"
+        ));
+    }
+    if base_image != format!("gcr.io/etcd-development/etcd:{default}") {
+        problems.push(format!(
+            "deploy/base runs {base_image}, the image carries {default}"
+        ));
+    }
+    if component["kind"] != "Component" {
+        problems.push("deploy/components/etcd-3.6 is not a kustomize Component".into());
+    }
+    let images = component["images"].as_array().cloned().unwrap_or_default();
+    let tag = match images.as_slice() {
+        [one] if one["name"] == "gcr.io/etcd-development/etcd" && one.get("newName").is_none() => {
+            one["newTag"].as_str().unwrap_or_default().to_string()
+        }
+        _ => {
+            problems.push(format!(
+                "deploy/components/etcd-3.6 must set etcd's image tag and nothing else: {images:?}"
+            ));
+            String::new()
+        }
+    };
+    if !tag.starts_with("v3.6.") {
+        problems.push(format!(
+            "deploy/components/etcd-3.6 runs etcd {tag:?}, not a 3.6 release"
+        ));
+    }
+    if !containerfile.contains(&format!("--build-arg ETCD_VERSION={tag} ")) {
+        problems.push(format!(
+            "the Containerfile's 3.6 build does not say `--build-arg ETCD_VERSION={tag}`: restore \
+             must run the cluster's release"
+        ));
+    }
+    problems
+}
+
+#[test]
+fn the_image_and_the_manifests_run_etcd_35_and_36_in_step() {
+    let containerfile = read(&repo().join("Containerfile"));
+    let b = base();
+    let image = etcd(pod_spec(&b.sts))
+        .ok()
+        .and_then(|c| c.image.clone())
+        .unwrap_or_default();
+    let component = documents(&repo().join("deploy/components/etcd-3.6/kustomization.yaml"));
+    let component = component.first().cloned().unwrap_or_default();
+    let problems = etcd_release_problems(&containerfile, &image, &component);
+    assert!(problems.is_empty(), "{problems:#?}");
+
+    // Each way out of step is named.
+    let tag = component["images"][0]["newTag"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let older = containerfile.replace(&format!("ETCD_VERSION={tag} "), "ETCD_VERSION=v3.6.0 ");
+    let p = etcd_release_problems(&older, &image, &component);
+    assert!(p.iter().any(|p| p.contains("3.6 build")), "{p:#?}");
+    let p = etcd_release_problems(
+        &containerfile,
+        "gcr.io/etcd-development/etcd:v3.5.1",
+        &component,
+    );
+    assert!(p.iter().any(|p| p.contains("deploy/base runs")), "{p:#?}");
+    let mut on_35 = component.clone();
+    on_35["images"][0]["newTag"] = "v3.5.33".into();
+    let p = etcd_release_problems(&containerfile, &image, &on_35);
+    assert!(p.iter().any(|p| p.contains("not a 3.6 release")), "{p:#?}");
+    let mut renamed = component.clone();
+    renamed["images"][0]["newName"] = "example.com/etcd".into();
+    let p = etcd_release_problems(&containerfile, &image, &renamed);
+    assert!(p.iter().any(|p| p.contains("nothing else")), "{p:#?}");
 }
 
 /// Every metric name `text` mentions (`etcd_warden_…`, `etcdbr_…`).
