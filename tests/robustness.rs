@@ -248,10 +248,10 @@ async fn plants() {
         let t = std::time::Instant::now();
         let mut envs = vec![
             (PLANT_ONE, e.plant),
-            (support::warden::CHILD_PLANT_ENV, e.plant),
+            (support::warden::CHILD_PLANT_ENV, e.switched_on()),
         ];
         if e.in_process {
-            envs.push((support::warden::PLANT_ENV, e.plant));
+            envs.push((support::warden::PLANT_ENV, e.switched_on()));
         }
         let name = "robustness::plants";
         let out = tokio::task::spawn_blocking(move || rerun(name, &envs))

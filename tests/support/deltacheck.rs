@@ -193,102 +193,306 @@ pub async fn judge(
 ) -> Outcome {
     let mut rng = SplitMix64::new(seed ^ 0xde17_a5ec);
     let mut out = Outcome::default();
-    let bin = release.bin_dir().to_string_lossy().into_owned();
+    let judge = Judge {
+        model,
+        prefix,
+        keys,
+        release,
+        dir,
+    };
     for source in sources {
         for chain in chains(&source.snapshots) {
             out.chains += 1;
-            let chain_end = chain
-                .deltas
-                .last()
-                .map_or(chain.full.last_revision, |d| d.last_revision);
             for chosen in choose(&chain, per_chain, &mut rng, |r| model.knows(r)) {
                 if out.restores >= max_restores {
                     return out;
                 }
-                let mut r = chosen;
-                loop {
-                    out.restores += 1;
-                    let target = dir.join(format!("{}-{r}", source.label)).join("data");
-                    let mut all = keys.to_vec();
-                    all.retain(|(k, _)| !source.keys.iter().any(|(x, _)| x == k));
-                    all.extend(source.keys.iter().cloned());
-                    let args = vec![
-                        "--data-dir".to_string(),
-                        target.to_string_lossy().into_owned(),
-                        "--etcd-bin".into(),
-                        bin.clone(),
-                        "--to-revision".into(),
-                        r.to_string(),
-                    ];
-                    let (ok, said) = super::faultrun::cli_output(all, "restore".into(), args).await;
-                    let what = format!(
-                        "{} chain of {} ({} deltas to revision {chain_end}): restore --to-revision {r}",
-                        source.label,
-                        chain.full.snap_name,
-                        chain.deltas.len(),
-                    );
-                    if !ok {
-                        let _ = std::fs::remove_dir_all(target.parent().unwrap_or(&target));
-                        // A full snapshot holds the writes that raced it (etcd serves while it
-                        // streams), so its database may go past the revision in its name; the
-                        // restore refuses a target before that, saying where it holds. Judged
-                        // there instead, once (the refusal itself is the documented answer).
-                        if r == chosen
-                            && let Some(held) = raced_to(&said, r)
-                            && held <= chain_end
-                            && model.knows(held)
-                        {
-                            out.raced += 1;
-                            r = held;
-                            continue;
-                        }
-                        // Retention may delete an old chain while it is restored: not a defect,
-                        // once the store, listed again, shows a snapshot it needed gone.
-                        let tail: Vec<&str> = said.lines().rev().take(4).collect();
-                        let wanted = needed(&chain, r);
-                        match source.store.list().await {
-                            Ok(now) => match gone_by_retention(&wanted, &now, &said) {
-                                Some(missing) => out.gone.push(format!(
-                                    "{what}: {} deleted meanwhile",
-                                    missing.join(", ")
-                                )),
-                                None => out.violations.push(format!(
-                                    "{what} failed with every snapshot it needs still listed \
-                                     ({}): {}",
-                                    wanted.join(", "),
-                                    tail.join(" | ")
-                                )),
-                            },
-                            Err(e) => out.violations.push(format!(
-                                "{what} failed, and the store could not be listed again ({e}): {}",
-                                tail.join(" | ")
-                            )),
-                        }
-                        break;
-                    }
-                    match read(release, &target, prefix).await {
-                        Ok(got) => {
-                            let want = model.state_at(prefix, r);
-                            let diff = differences(&want, &got);
-                            if !diff.is_empty() {
-                                out.violations.push(format!(
-                                    "{what}: {} keys differ from the history, e.g. {}",
-                                    diff.len(),
-                                    diff.iter().take(3).cloned().collect::<Vec<_>>().join("; ")
-                                ));
-                            }
-                        }
-                        Err(e) => out
-                            .violations
-                            .push(format!("{what}: the restored etcd did not answer: {e}")),
-                    }
-                    let _ = std::fs::remove_dir_all(target.parent().unwrap_or(&target));
-                    break;
-                }
+                judge.target(source, &chain, chosen, &mut out).await;
             }
         }
     }
     out
+}
+
+/// A drill that passed, as `verify --restore` printed it: the chain it restored (its full
+/// snapshot and how many deltas) and the revision etcd served.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PassedDrill {
+    pub full: String,
+    pub deltas: usize,
+    pub revision: i64,
+}
+
+/// The drill `said` reports as passed (`ok    restore drill: <full> and <n> deltas restored in
+/// …; etcd serves revision <r>, …`), if it says so.
+pub fn passed_drill(said: &str) -> Option<PassedDrill> {
+    let line = said
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("ok    restore drill: "))?;
+    let (full, rest) = line.split_once(" and ")?;
+    let (deltas, rest) = rest.split_once(" deltas restored")?;
+    let revision = rest.split("etcd serves revision ").nth(1)?;
+    let revision = revision.split(|c: char| !c.is_ascii_digit()).next()?;
+    Some(PassedDrill {
+        full: full.to_string(),
+        deltas: deltas.parse().ok()?,
+        revision: revision.parse().ok()?,
+    })
+}
+
+/// Every passed drill's chain restored by the harness itself at the revision the drill saw
+/// etcd serve, and compared with the model: a drill passes only by comparing the restore with
+/// its chain, so a restore the history disagrees with under a drill that passed means the drill
+/// compared nothing (`drill-compared-nothing`, in `Outcome::violations`). A drill's chain that
+/// retention deleted since is counted `gone`.
+pub async fn judge_drills(
+    model: &RevModel,
+    prefix: &str,
+    keys: &[(String, String)],
+    drills: &[(&Source, PassedDrill)],
+    release: Release,
+    dir: &Path,
+) -> Outcome {
+    let mut out = Outcome::default();
+    let judge = Judge {
+        model,
+        prefix,
+        keys,
+        release,
+        dir,
+    };
+    for (source, drill) in drills {
+        let found = chains(&source.snapshots)
+            .into_iter()
+            .find(|c| c.full.snap_name == drill.full);
+        let Some(mut chain) = found else {
+            out.gone.push(format!(
+                "{} drill of {}: the chain is no longer listed",
+                source.label, drill.full
+            ));
+            continue;
+        };
+        chain.deltas.truncate(drill.deltas);
+        if !model.knows(drill.revision) {
+            out.violations.push(format!(
+                "{} drill of {}: etcd served revision {}, which the history does not know (to {})",
+                source.label, drill.full, drill.revision, model.complete_to
+            ));
+            continue;
+        }
+        out.chains += 1;
+        let mut one = Outcome::default();
+        judge.target(source, &chain, drill.revision, &mut one).await;
+        out.restores += one.restores;
+        out.raced += one.raced;
+        out.gone.extend(one.gone);
+        out.violations.extend(one.violations.into_iter().map(|v| {
+            format!(
+                "the drill passed on this chain ({} and {} deltas, revision {}), yet {v}",
+                drill.full, drill.deltas, drill.revision
+            )
+        }));
+    }
+    out
+}
+
+/// What one restore is judged against: the model, the keys compared, the CLI's configuration.
+struct Judge<'a> {
+    model: &'a RevModel,
+    prefix: &'a str,
+    keys: &'a [(String, String)],
+    release: Release,
+    dir: &'a Path,
+}
+
+impl Judge<'_> {
+    /// Restores `chain` of `source` to revision `chosen` and compares it with the model; what
+    /// it finds goes into `out`.
+    async fn target(&self, source: &Source, chain: &Chain<'_>, chosen: i64, out: &mut Outcome) {
+        let (model, prefix, release, dir) = (self.model, self.prefix, self.release, self.dir);
+        let bin = release.bin_dir().to_string_lossy().into_owned();
+        let chain_end = chain
+            .deltas
+            .last()
+            .map_or(chain.full.last_revision, |d| d.last_revision);
+        let mut r = chosen;
+        loop {
+            out.restores += 1;
+            let target = dir.join(format!("{}-{r}", source.label)).join("data");
+            let mut all = self.keys.to_vec();
+            all.retain(|(k, _)| !source.keys.iter().any(|(x, _)| x == k));
+            all.extend(source.keys.iter().cloned());
+            let args = vec![
+                "--data-dir".to_string(),
+                target.to_string_lossy().into_owned(),
+                "--etcd-bin".into(),
+                bin.clone(),
+                "--to-revision".into(),
+                r.to_string(),
+            ];
+            let (ok, said) = super::faultrun::cli_output(all.clone(), "restore".into(), args).await;
+            let what = format!(
+                "{} chain of {} ({} deltas to revision {chain_end}): restore --to-revision {r}",
+                source.label,
+                chain.full.snap_name,
+                chain.deltas.len(),
+            );
+            if !ok {
+                let _ = std::fs::remove_dir_all(target.parent().unwrap_or(&target));
+                // A full snapshot holds the writes that raced it (etcd serves while it
+                // streams), so its database may go past the revision in its name; the
+                // restore refuses a target before that, saying where it holds. Judged
+                // there instead, once (the refusal itself is the documented answer).
+                if r == chosen
+                    && let Some(held) = raced_to(&said, r)
+                {
+                    out.raced += 1;
+                    if held <= chain_end && model.knows(held) {
+                        r = held;
+                        continue;
+                    }
+                    // Past the chain's last delta (a final taken after etcd's kill, leases
+                    // expiring): no target in the chain reaches it, so the full snapshot is
+                    // judged alone where its database holds.
+                    let alone = Alone {
+                        source,
+                        full: chain.full,
+                        held,
+                        keys: &all,
+                        bin: &bin,
+                        dir,
+                    };
+                    if let Err(v) = alone.judge(model, prefix, release).await {
+                        out.violations.push(format!("{what}: {v}"));
+                    }
+                    return;
+                }
+                // Retention may delete an old chain while it is restored: not a defect, once
+                // the store, listed again, shows a snapshot it needed gone.
+                let tail: Vec<&str> = said.lines().rev().take(4).collect();
+                let wanted = needed(chain, r);
+                match source.store.list().await {
+                    Ok(now) => match gone_by_retention(&wanted, &now, &said) {
+                        Some(missing) => out
+                            .gone
+                            .push(format!("{what}: {} deleted meanwhile", missing.join(", "))),
+                        None => out.violations.push(format!(
+                            "{what} failed with every snapshot it needs still listed ({}): {}",
+                            wanted.join(", "),
+                            tail.join(" | ")
+                        )),
+                    },
+                    Err(e) => out.violations.push(format!(
+                        "{what} failed, and the store could not be listed again ({e}): {}",
+                        tail.join(" | ")
+                    )),
+                }
+                return;
+            }
+            match read(release, &target, prefix).await {
+                Ok(got) => {
+                    let want = model.state_at(prefix, r);
+                    let diff = differences(&want, &got);
+                    if !diff.is_empty() {
+                        out.violations.push(format!(
+                            "{what}: {} keys differ from the history, e.g. {}",
+                            diff.len(),
+                            diff.iter().take(3).cloned().collect::<Vec<_>>().join("; ")
+                        ));
+                    }
+                }
+                Err(e) => out
+                    .violations
+                    .push(format!("{what}: the restored etcd did not answer: {e}")),
+            }
+            let _ = std::fs::remove_dir_all(target.parent().unwrap_or(&target));
+            return;
+        }
+    }
+}
+
+/// A full snapshot judged alone at the revision its database holds: copied by itself into a
+/// store on disk, restored without a target (so, whole), and compared with the model there.
+struct Alone<'a> {
+    source: &'a Source,
+    full: &'a Snapshot,
+    held: i64,
+    keys: &'a [(String, String)],
+    bin: &'a str,
+    dir: &'a Path,
+}
+
+impl Alone<'_> {
+    async fn judge(&self, model: &RevModel, prefix: &str, release: Release) -> Result<(), String> {
+        use futures::TryStreamExt as _;
+        let held = self.held;
+        if !model.knows(held) {
+            return Err(format!(
+                "its database holds revision {held}, which the history does not know (to {})",
+                model.complete_to
+            ));
+        }
+        let root = self.dir.join(format!("{}-alone-{held}", self.source.label));
+        let store_dir = root.join("store");
+        let layout = store_dir.join("v2");
+        std::fs::create_dir_all(&layout).map_err(|e| format!("{}: {e}", layout.display()))?;
+        let stream = self
+            .source
+            .store
+            .get_stream(self.full)
+            .await
+            .map_err(|e| format!("reading {} to judge it alone: {e}", self.full.snap_name))?;
+        let chunks: Vec<bytes::Bytes> = stream
+            .try_collect()
+            .await
+            .map_err(|e| format!("reading {} to judge it alone: {e}", self.full.snap_name))?;
+        std::fs::write(layout.join(&self.full.snap_name), chunks.concat())
+            .map_err(|e| format!("{}: {e}", layout.display()))?;
+        let mut keys: Vec<(String, String)> = self
+            .keys
+            .iter()
+            .filter(|(k, _)| !k.starts_with("store."))
+            .cloned()
+            .collect();
+        keys.push((
+            "store.url".into(),
+            format!("file://{}", store_dir.display()),
+        ));
+        let target = root.join("data");
+        let args = vec![
+            "--data-dir".to_string(),
+            target.to_string_lossy().into_owned(),
+            "--etcd-bin".into(),
+            self.bin.to_string(),
+        ];
+        let (ok, said) = super::faultrun::cli_output(keys, "restore".into(), args).await;
+        let result = match ok {
+            false => {
+                let tail: Vec<&str> = said.lines().rev().take(4).collect();
+                Err(format!(
+                    "its raced writes put the target out of reach, and restored alone it failed: {}",
+                    tail.join(" | ")
+                ))
+            }
+            true => match read(release, &target, prefix).await {
+                Ok(got) => {
+                    let diff = differences(&model.state_at(prefix, held), &got);
+                    match diff.is_empty() {
+                        true => Ok(()),
+                        false => Err(format!(
+                            "restored alone at revision {held}, {} keys differ from the history, \
+                             e.g. {}",
+                            diff.len(),
+                            diff.iter().take(3).cloned().collect::<Vec<_>>().join("; ")
+                        )),
+                    }
+                }
+                Err(e) => Err(format!("restored alone, the etcd did not answer: {e}")),
+            },
+        };
+        let _ = std::fs::remove_dir_all(&root);
+        result
+    }
 }
 
 /// Starts etcd on a restored data directory and reads every key under `prefix`.
@@ -482,6 +686,27 @@ mod tests {
     }
 
     #[test]
+    fn a_passed_drill_is_read_from_what_verify_printed() {
+        let said = "2026-12-02T18:20:43Z  INFO drill: …\n\
+                    ok    restore drill: Full-00000000-00001709-1796235548.gz.final and 3 deltas \
+                    restored in 1.2s; etcd serves revision 1757, 540 keys, sha256 ab12 (checked \
+                    in 0.3s)\n";
+        assert_eq!(
+            passed_drill(said),
+            Some(PassedDrill {
+                full: "Full-00000000-00001709-1796235548.gz.final".into(),
+                deltas: 3,
+                revision: 1757,
+            })
+        );
+        assert_eq!(
+            passed_drill("FAIL  restore drill: the restore failed: …"),
+            None
+        );
+        assert_eq!(passed_drill(""), None);
+    }
+
+    #[test]
     fn a_failure_is_retentions_only_when_a_needed_snapshot_is_gone_and_the_failure_says_so() {
         let s = |name: &str| {
             Snapshot::parse_name("p", name).unwrap_or_else(|e| panic!("{name}: {e:?}"))
@@ -496,7 +721,7 @@ mod tests {
         // Revision 1749 reads the full snapshot and the first delta only.
         let wanted = needed(&chain, 1749);
         assert_eq!(wanted, [full.snap_name.clone(), d1.snap_name.clone()]);
-        assert_eq!(needed(&chain, 1698), [full.snap_name.clone()]);
+        assert_eq!(needed(&chain, 1698), std::slice::from_ref(&full.snap_name));
         let gap = "restore failed while checking the chain: revision gap in the latest chain: \
                    revisions 1646 to 4225 are in no snapshot";
         // Finding 8's shape: the chain's deltas were deleted before the restore listed.

@@ -16,6 +16,10 @@ pub struct Expect {
     /// pending plant does not fail the run. After the merge: set it to `None` and check that
     /// the runner catches it.
     pub pending: Option<&'static str>,
+    /// The plants switched on together (`WARDEN_PLANT`'s value) when the plant does harm only
+    /// beside another defect (`None`: the plant alone). A drill that compares nothing passes a
+    /// good restore as it should; it is caught passing a bad one.
+    pub with: Option<&'static str>,
     /// The defect is in code the harness runs in its own process (the operator lane): the plant
     /// is switched on there too, not only in the sidecars and Jobs.
     pub in_process: bool,
@@ -24,12 +28,20 @@ pub struct Expect {
     pub minutes: f64,
 }
 
+impl Expect {
+    /// `WARDEN_PLANT`'s value for the plant's run.
+    pub fn switched_on(&self) -> &'static str {
+        self.with.unwrap_or(self.plant)
+    }
+}
+
 /// Every plant, in the order the runner plays them.
 pub const EXPECT: &[Expect] = &[
     Expect {
         plant: "fresh-final-name",
         checkers: &["two-finals"],
         pending: None,
+        with: None,
         in_process: false,
         minutes: 2.0,
     },
@@ -37,6 +49,7 @@ pub const EXPECT: &[Expect] = &[
         plant: "latest-reclaimed-final",
         checkers: &["readers-disagree", "reclaimed-read-as-final"],
         pending: None,
+        with: None,
         in_process: false,
         minutes: 2.5,
     },
@@ -46,6 +59,7 @@ pub const EXPECT: &[Expect] = &[
         plant: "drop-delete-in-restore",
         checkers: &["destination-mismatch", "delta-history", "restored", "drill"],
         pending: None,
+        with: None,
         in_process: false,
         minutes: 2.0,
     },
@@ -57,6 +71,7 @@ pub const EXPECT: &[Expect] = &[
             "lost-write",
         ],
         pending: None,
+        with: None,
         in_process: false,
         minutes: 2.0,
     },
@@ -64,6 +79,7 @@ pub const EXPECT: &[Expect] = &[
         plant: "ready-late",
         checkers: &["ready-after-record", "ready-after-deactivation"],
         pending: None,
+        with: None,
         in_process: false,
         minutes: 2.0,
     },
@@ -71,6 +87,7 @@ pub const EXPECT: &[Expect] = &[
         plant: "never-final",
         checkers: &["handoff-unsettled"],
         pending: None,
+        with: None,
         in_process: false,
         minutes: 2.0,
     },
@@ -78,6 +95,7 @@ pub const EXPECT: &[Expect] = &[
         plant: "delta-first-event-only",
         checkers: &["delta-history"],
         pending: None,
+        with: None,
         in_process: false,
         minutes: 2.0,
     },
@@ -85,6 +103,7 @@ pub const EXPECT: &[Expect] = &[
         plant: "delta-leak",
         checkers: &["leaked"],
         pending: Some("7 (the `leaked` checker)"),
+        with: None,
         in_process: false,
         minutes: 2.0,
     },
@@ -92,6 +111,7 @@ pub const EXPECT: &[Expect] = &[
         plant: "remove-voter-first",
         checkers: &["voter-removed-early"],
         pending: None,
+        with: None,
         in_process: true,
         minutes: 2.0,
     },
@@ -99,13 +119,15 @@ pub const EXPECT: &[Expect] = &[
         plant: "defrag-leader",
         checkers: &["leader-defragmented"],
         pending: None,
+        with: None,
         in_process: false,
         minutes: 2.0,
     },
     Expect {
         plant: "drill-no-compare",
         checkers: &["drill-compared-nothing"],
-        pending: Some("7 (the `drill-compared-nothing` checker)"),
+        pending: None,
+        with: Some("drill-no-compare,drop-delete-in-restore"),
         in_process: false,
         minutes: 2.0,
     },

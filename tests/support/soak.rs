@@ -1156,6 +1156,9 @@ struct Run<'a> {
     druid: Option<DruidLane>,
     /// The end's drills, whole (the report keeps them).
     drill_outputs: Vec<(&'static str, String)>,
+    /// Every drill that passed (the Jobs' on the primary, the end's on each store), judged at
+    /// the end against the history (`drill-compared-nothing`).
+    passed_drills: Vec<(&'static str, deltacheck::PassedDrill)>,
     /// The operator lane's files for the report directory.
     lane_report: Vec<(&'static str, String)>,
     /// Hand-offs judged by outcome, and every final tracked (issue 53: [`soak_handoff`]).
@@ -1574,6 +1577,9 @@ impl Run<'_> {
                 // A drill under faults may fail (the store is hanging): counted, judged at the end
                 // when nothing is faulted.
                 self.counts.drill_failures += 1;
+            }
+            if let Some(passed) = ok.then(|| deltacheck::passed_drill(&said)).flatten() {
+                self.passed_drills.push(("primary", passed));
             }
             // But no fault excuses a restore that finished and serves another state than its
             // chain (`DrillError::Mismatch`): a fault may stop a restore, never change it.
@@ -2440,12 +2446,45 @@ async fn judge_deltas(
     for g in &out.gone {
         run.event(format!("end: deleted by retention while judged: {g}"));
     }
+    // Every passed drill's chain, restored by the harness where the drill saw etcd serve.
+    let mut drills: Vec<(&deltacheck::Source, deltacheck::PassedDrill)> = Vec::new();
+    for (label, passed) in &run.passed_drills {
+        let source = sources.iter().find(|s| s.label == *label);
+        if let Some(source) = source
+            && !drills.iter().any(|(s, d)| s.label == *label && d == passed)
+        {
+            drills.push((source, passed.clone()));
+        }
+    }
+    // The newest first: the end's drills and the last Jobs' chains are the least likely gone.
+    drills.reverse();
+    drills.truncate(if short { 4 } else { 12 });
+    let judged = deltacheck::judge_drills(
+        model,
+        traffic::PREFIX,
+        &run.keys(),
+        &drills,
+        run.profile.release,
+        &dir,
+    )
+    .await;
+    for v in &judged.violations {
+        run.violation("drill-compared-nothing", v.clone());
+    }
+    for g in &judged.gone {
+        run.event(format!(
+            "end: a passed drill's chain deleted by retention since: {g}"
+        ));
+    }
     let summary = format!(
-        " deltas: chains={} restores={} gone={} raced={} in {:.0}s",
+        " deltas: chains={} restores={} gone={} raced={} drills_judged={}/{} (gone {}) in {:.0}s",
         out.chains,
         out.restores,
         out.gone.len(),
         out.raced,
+        judged.chains,
+        run.passed_drills.len(),
+        judged.gone.len(),
         started.elapsed().as_secs_f64()
     );
     run.event(format!("end:{summary}"));
@@ -2640,6 +2679,7 @@ pub async fn run_until(
         partition: None,
         druid: None,
         drill_outputs: Vec::new(),
+        passed_drills: Vec::new(),
         lane_report: Vec::new(),
         h53: soak_handoff::State::default(),
         destination_reads: Vec::new(),
@@ -2832,6 +2872,9 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
     for (label, args) in drills {
         let (ok, said) = run.cli("verify", &args, &[]).await;
         run.drill_outputs.push((label, said.clone()));
+        if let Some(passed) = ok.then(|| deltacheck::passed_drill(&said)).flatten() {
+            run.passed_drills.push((label, passed));
+        }
         run.event(format!(
             "end: drill on the {label}: ok={ok}: {}",
             last_line(&said)
