@@ -240,16 +240,77 @@ pub fn passed_drill(said: &str) -> Option<PassedDrill> {
     })
 }
 
-/// Every passed drill's chain restored by the harness itself at the revision the drill saw
-/// etcd serve, and compared with the model: a drill passes only by comparing the restore with
-/// its chain, so a restore the history disagrees with under a drill that passed means the drill
-/// compared nothing (`drill-compared-nothing`, in `Outcome::violations`). A drill's chain that
-/// retention deleted since is counted `gone`.
+/// A passed drill's chain, copied out of its store right after the drill (retention may delete
+/// it before the run ends): its objects in a store on disk of the harness's own.
+#[derive(Debug, Clone)]
+pub struct PreservedDrill {
+    /// The store the drill ran on.
+    pub label: &'static str,
+    pub drill: PassedDrill,
+    /// The copy's root (`file://` store; objects under `v2/`).
+    pub root: std::path::PathBuf,
+    /// The chain copied: its full snapshot and the deltas the drill read.
+    pub snapshots: Vec<Snapshot>,
+}
+
+/// Copies the chain `drill` restored out of `store` into `root`, or says why it cannot (the
+/// chain is no longer listed: retention, in the moment since the drill).
+pub async fn preserve(
+    label: &'static str,
+    store: &etcd_warden::store::SnapshotStore,
+    drill: PassedDrill,
+    root: &Path,
+) -> Result<PreservedDrill, String> {
+    use futures::TryStreamExt as _;
+    let listed = store
+        .list()
+        .await
+        .map_err(|e| format!("listing the {label} store: {e}"))?;
+    let found = chains(&listed)
+        .into_iter()
+        .find(|c| c.full.snap_name == drill.full);
+    let Some(mut chain) = found else {
+        return Err(format!(
+            "{label}: the drill's chain of {} is no longer listed",
+            drill.full
+        ));
+    };
+    chain.deltas.truncate(drill.deltas);
+    let layout = root.join("v2");
+    std::fs::create_dir_all(&layout).map_err(|e| format!("{}: {e}", layout.display()))?;
+    let mut snapshots = Vec::new();
+    for s in std::iter::once(chain.full).chain(chain.deltas.iter().copied()) {
+        let stream = store
+            .get_stream(s)
+            .await
+            .map_err(|e| format!("{label}: reading {}: {e}", s.snap_name))?;
+        let chunks: Vec<bytes::Bytes> = stream
+            .try_collect()
+            .await
+            .map_err(|e| format!("{label}: reading {}: {e}", s.snap_name))?;
+        std::fs::write(layout.join(&s.snap_name), chunks.concat())
+            .map_err(|e| format!("{}: {e}", layout.display()))?;
+        snapshots.push(s.clone());
+    }
+    Ok(PreservedDrill {
+        label,
+        drill,
+        root: root.to_path_buf(),
+        snapshots,
+    })
+}
+
+/// Every passed drill's chain (preserved by [`preserve`]) restored by the harness itself at the
+/// revision the drill saw etcd serve, and compared with the model: a drill passes only by
+/// comparing the restore with its chain, so a restore the history disagrees with under a drill
+/// that passed means the drill compared nothing (`drill-compared-nothing`, in
+/// `Outcome::violations`). Nothing is excused: the copy is the harness's, retention never
+/// touches it.
 pub async fn judge_drills(
     model: &RevModel,
     prefix: &str,
     keys: &[(String, String)],
-    drills: &[(&Source, PassedDrill)],
+    drills: &[PreservedDrill],
     release: Release,
     dir: &Path,
 ) -> Outcome {
@@ -261,37 +322,49 @@ pub async fn judge_drills(
         release,
         dir,
     };
-    for (source, drill) in drills {
-        let found = chains(&source.snapshots)
-            .into_iter()
-            .find(|c| c.full.snap_name == drill.full);
-        let Some(mut chain) = found else {
-            out.gone.push(format!(
-                "{} drill of {}: the chain is no longer listed",
-                source.label, drill.full
-            ));
-            continue;
-        };
-        chain.deltas.truncate(drill.deltas);
+    for p in drills {
+        let drill = &p.drill;
         if !model.knows(drill.revision) {
             out.violations.push(format!(
                 "{} drill of {}: etcd served revision {}, which the history does not know (to {})",
-                source.label, drill.full, drill.revision, model.complete_to
+                p.label, drill.full, drill.revision, model.complete_to
             ));
             continue;
         }
+        let store = etcd_warden::store::SnapshotStore::new(
+            std::sync::Arc::new(
+                object_store::local::LocalFileSystem::new_with_prefix(&p.root)
+                    .expect("the preserved chain's directory"),
+            ),
+            "",
+        );
+        let source = Source {
+            label: p.label,
+            snapshots: p.snapshots.clone(),
+            store,
+            keys: vec![("store.url".into(), format!("file://{}", p.root.display()))],
+        };
+        let Some(chain) = chains(&source.snapshots).into_iter().next() else {
+            continue;
+        };
         out.chains += 1;
         let mut one = Outcome::default();
-        judge.target(source, &chain, drill.revision, &mut one).await;
+        judge
+            .target(&source, &chain, drill.revision, &mut one)
+            .await;
         out.restores += one.restores;
         out.raced += one.raced;
-        out.gone.extend(one.gone);
         out.violations.extend(one.violations.into_iter().map(|v| {
             format!(
                 "the drill passed on this chain ({} and {} deltas, revision {}), yet {v}",
                 drill.full, drill.deltas, drill.revision
             )
         }));
+        out.violations.extend(
+            one.gone.into_iter().map(|g| {
+                format!("the preserved copy of a passed drill's chain lost a snapshot: {g}")
+            }),
+        );
     }
     out
 }
@@ -321,6 +394,14 @@ impl Judge<'_> {
             let target = dir.join(format!("{}-{r}", source.label)).join("data");
             let mut all = self.keys.to_vec();
             all.retain(|(k, _)| !source.keys.iter().any(|(x, _)| x == k));
+            // A store on disk of the harness's own: no endpoint, region or credentials.
+            if source
+                .keys
+                .iter()
+                .any(|(k, v)| k == "store.url" && v.starts_with("file://"))
+            {
+                all.retain(|(k, _)| !k.starts_with("store."));
+            }
             all.extend(source.keys.iter().cloned());
             let args = vec![
                 "--data-dir".to_string(),

@@ -1158,7 +1158,7 @@ struct Run<'a> {
     drill_outputs: Vec<(&'static str, String)>,
     /// Every drill that passed (the Jobs' on the primary, the end's on each store), judged at
     /// the end against the history (`drill-compared-nothing`).
-    passed_drills: Vec<(&'static str, deltacheck::PassedDrill)>,
+    passed_drills: Vec<deltacheck::PreservedDrill>,
     /// The operator lane's files for the report directory.
     lane_report: Vec<(&'static str, String)>,
     /// Hand-offs judged by outcome, and every final tracked (issue 53: [`soak_handoff`]).
@@ -1544,6 +1544,30 @@ impl Run<'_> {
         }
     }
 
+    /// Copies a passed drill's chain out of its store for the end's judgment
+    /// (`drill-compared-nothing`), at most a dozen.
+    async fn preserve_drill(&mut self, label: &'static str, passed: deltacheck::PassedDrill) {
+        if self.passed_drills.len() >= 12 {
+            return;
+        }
+        let store = match label {
+            "secondary" => etcd_warden::store::SnapshotStore::new(
+                self.world.s3.object_store(SECONDARY),
+                PREFIX,
+            ),
+            _ => self.world.store.clone(),
+        };
+        let root = self
+            .world
+            .dir
+            .path()
+            .join(format!("drills/{}", self.passed_drills.len()));
+        match deltacheck::preserve(label, &store, passed, &root).await {
+            Ok(p) => self.passed_drills.push(p),
+            Err(e) => self.event(format!("drill's chain not preserved: {e}")),
+        }
+    }
+
     /// A user's Job: `compact` or the drill, chosen at random.
     async fn job(&mut self) {
         if self.rng.chance(50) {
@@ -1579,7 +1603,7 @@ impl Run<'_> {
                 self.counts.drill_failures += 1;
             }
             if let Some(passed) = ok.then(|| deltacheck::passed_drill(&said)).flatten() {
-                self.passed_drills.push(("primary", passed));
+                self.preserve_drill("primary", passed).await;
             }
             // But no fault excuses a restore that finished and serves another state than its
             // chain (`DrillError::Mismatch`): a fault may stop a restore, never change it.
@@ -2402,7 +2426,7 @@ async fn judge_deltas(
     model: &revmodel::RevModel,
     primary: &[Snapshot],
 ) -> String {
-    let short = matches!(run.profile.name, "ci" | "druid");
+    let short = matches!(run.profile.name, "ci" | "druid" | "plants");
     let (per_chain, max) = if short { (2, 16) } else { (20, 300) };
     let mut sources = vec![deltacheck::Source {
         label: "primary",
@@ -2447,23 +2471,11 @@ async fn judge_deltas(
         run.event(format!("end: deleted by retention while judged: {g}"));
     }
     // Every passed drill's chain, restored by the harness where the drill saw etcd serve.
-    let mut drills: Vec<(&deltacheck::Source, deltacheck::PassedDrill)> = Vec::new();
-    for (label, passed) in &run.passed_drills {
-        let source = sources.iter().find(|s| s.label == *label);
-        if let Some(source) = source
-            && !drills.iter().any(|(s, d)| s.label == *label && d == passed)
-        {
-            drills.push((source, passed.clone()));
-        }
-    }
-    // The newest first: the end's drills and the last Jobs' chains are the least likely gone.
-    drills.reverse();
-    drills.truncate(if short { 4 } else { 12 });
     let judged = deltacheck::judge_drills(
         model,
         traffic::PREFIX,
         &run.keys(),
-        &drills,
+        &run.passed_drills,
         run.profile.release,
         &dir,
     )
@@ -2471,20 +2483,13 @@ async fn judge_deltas(
     for v in &judged.violations {
         run.violation("drill-compared-nothing", v.clone());
     }
-    for g in &judged.gone {
-        run.event(format!(
-            "end: a passed drill's chain deleted by retention since: {g}"
-        ));
-    }
     let summary = format!(
-        " deltas: chains={} restores={} gone={} raced={} drills_judged={}/{} (gone {}) in {:.0}s",
+        " deltas: chains={} restores={} gone={} raced={} drills_judged={} in {:.0}s",
         out.chains,
         out.restores,
         out.gone.len(),
         out.raced,
         judged.chains,
-        run.passed_drills.len(),
-        judged.gone.len(),
         started.elapsed().as_secs_f64()
     );
     run.event(format!("end:{summary}"));
@@ -2873,7 +2878,7 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
         let (ok, said) = run.cli("verify", &args, &[]).await;
         run.drill_outputs.push((label, said.clone()));
         if let Some(passed) = ok.then(|| deltacheck::passed_drill(&said)).flatten() {
-            run.passed_drills.push((label, passed));
+            run.preserve_drill(label, passed).await;
         }
         run.event(format!(
             "end: drill on the {label}: ok={ok}: {}",
