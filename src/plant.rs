@@ -57,6 +57,10 @@ mod planted {
             "restore (written into the database) skips delete events",
         ),
         (
+            "restore-alters-values",
+            "restore (written into the database) appends a byte to every value a delta puts",
+        ),
+        (
             "ack-after-kill",
             "the sidecar reports etcd killed at deactivation and leaves it serving",
         ),

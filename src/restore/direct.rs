@@ -334,6 +334,14 @@ impl Cursor {
                         kv.create_revision, kv.version
                     )));
                 }
+                // Planted (`crate::plant`): the value changed, every revision kept.
+                if crate::plant::active("restore-alters-values") {
+                    let altered = [kv.value, b"~"].concat();
+                    return Ok(Some((
+                        revision_key(rev, self.sub, false),
+                        encode_kv(kv.key, kv.create_revision, rev, kv.version, &altered),
+                    )));
+                }
                 (
                     revision_key(rev, self.sub, false),
                     encode_kv(kv.key, kv.create_revision, rev, kv.version, kv.value),

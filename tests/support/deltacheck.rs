@@ -118,6 +118,8 @@ pub struct Outcome {
     pub gone: Vec<String>,
     /// Targets a full snapshot's raced writes put out of reach, judged where it holds instead.
     pub raced: usize,
+    /// Passed drills whose chain starts after the history ends (reported, not judged).
+    pub unjudged: Vec<String>,
 }
 
 /// The snapshots a restore of `chain` to revision `r` reads: its full snapshot and its deltas
@@ -324,13 +326,23 @@ pub async fn judge_drills(
     };
     for p in drills {
         let drill = &p.drill;
-        if !model.knows(drill.revision) {
-            out.violations.push(format!(
-                "{} drill of {}: etcd served revision {}, which the history does not know (to {})",
+        // The history may end a little before the store (the run's last revisions, leases
+        // expiring after the final): the chain is judged at the newest revision both hold.
+        let full_revision = p
+            .snapshots
+            .iter()
+            .find(|s| s.snap_name == drill.full)
+            .map_or(i64::MAX, |s| s.last_revision);
+        let at = (full_revision..=drill.revision)
+            .rev()
+            .find(|r| model.knows(*r));
+        let Some(at) = at else {
+            out.unjudged.push(format!(
+                "{} drill of {} (revision {}): the history ends at {}, before the chain",
                 p.label, drill.full, drill.revision, model.complete_to
             ));
             continue;
-        }
+        };
         let store = etcd_warden::store::SnapshotStore::new(
             std::sync::Arc::new(
                 object_store::local::LocalFileSystem::new_with_prefix(&p.root)
@@ -349,9 +361,7 @@ pub async fn judge_drills(
         };
         out.chains += 1;
         let mut one = Outcome::default();
-        judge
-            .target(&source, &chain, drill.revision, &mut one)
-            .await;
+        judge.target(&source, &chain, at, &mut one).await;
         out.restores += one.restores;
         out.raced += one.raced;
         out.violations.extend(one.violations.into_iter().map(|v| {

@@ -2483,13 +2483,17 @@ async fn judge_deltas(
     for v in &judged.violations {
         run.violation("drill-compared-nothing", v.clone());
     }
+    for u in &judged.unjudged {
+        run.event(format!("end: a passed drill not judged: {u}"));
+    }
     let summary = format!(
-        " deltas: chains={} restores={} gone={} raced={} drills_judged={} in {:.0}s",
+        " deltas: chains={} restores={} gone={} raced={} drills_judged={} (unjudged {}) in {:.0}s",
         out.chains,
         out.restores,
         out.gone.len(),
         out.raced,
         judged.chains,
+        judged.unjudged.len(),
         started.elapsed().as_secs_f64()
     );
     run.event(format!("end:{summary}"));
