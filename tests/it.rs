@@ -26,6 +26,7 @@ mod harness;
 mod http_limits;
 mod kube_lease;
 mod kube_objects;
+mod kubeadm;
 mod machines_conformance;
 mod manifests;
 mod migration;

@@ -15,6 +15,9 @@
 //! by the real loader, the etcd certificates on the Secret's mount and the probes on `listen`;
 //! its RBAC is namespaced, wildcard-free, Secret-free and bound only to that account (which
 //! verbs the operator really needs is checked against its requests in tests/operator_kube.rs).
+//! deploy/kubeadm: a DaemonSet on the control-plane nodes, on the host network, reaching its own
+//! node's member over loopback with kubeadm's etcd CA and `healthcheck-client` certificate mounted
+//! read-only file by file, no `[owner]`, no shared PID namespace, and the drill on the same store.
 
 use crate::support;
 
@@ -24,7 +27,7 @@ use std::path::{Path, PathBuf};
 
 use etcd_warden::config::{Config, Purpose, Sources};
 use etcd_warden::operator::control_plane_set::resource::ControlPlaneSet;
-use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment, StatefulSet};
 use k8s_openapi::api::batch::v1::{CronJob, Job};
 use k8s_openapi::api::core::v1::ServiceAccount;
 use k8s_openapi::api::core::v1::{ConfigMap, Container, PodSpec, Secret, Service};
@@ -82,6 +85,7 @@ fn documents(path: &Path) -> Vec<serde_json::Value> {
 #[derive(Debug, Clone)]
 enum Object {
     StatefulSet(Box<StatefulSet>),
+    DaemonSet(Box<DaemonSet>),
     Service(Box<Service>),
     Job(Box<Job>),
     CronJob(Box<CronJob>),
@@ -194,6 +198,7 @@ fn typed(json: &serde_json::Value) -> Result<Object, String> {
     let kind = json["kind"].as_str().unwrap_or_default();
     Ok(match (api, kind) {
         ("apps/v1", "StatefulSet") => Object::StatefulSet(Box::new(strict(json)?)),
+        ("apps/v1", "DaemonSet") => Object::DaemonSet(Box::new(strict(json)?)),
         ("v1", "Service") => Object::Service(Box::new(strict(json)?)),
         ("batch/v1", "Job") => Object::Job(Box::new(strict(json)?)),
         ("batch/v1", "CronJob") => Object::CronJob(Box::new(strict(json)?)),
@@ -233,7 +238,9 @@ struct Kustomization {
     config_maps: BTreeMap<String, BTreeMap<String, String>>,
 }
 
-/// Loads `dir/kustomization.yaml`, checking every file it names exists and parses.
+/// Loads `dir/kustomization.yaml`, checking every file it names exists and parses. A resource
+/// that is a directory is that directory's kustomization, its objects and ConfigMaps added (a
+/// generator here of the same name, kustomize's `behavior: replace`, then replaces its data).
 fn kustomization(dir: &Path) -> Result<Kustomization, String> {
     let file = dir.join("kustomization.yaml");
     let docs = documents(&file);
@@ -256,6 +263,7 @@ fn kustomization(dir: &Path) -> Result<Kustomization, String> {
     let known = [
         "apiVersion",
         "kind",
+        "namespace",
         "labels",
         "resources",
         "configMapGenerator",
@@ -276,6 +284,12 @@ fn kustomization(dir: &Path) -> Result<Kustomization, String> {
     let mut out = Kustomization::default();
     for resource in strings(&k["resources"]) {
         let path = dir.join(&resource);
+        if path.is_dir() {
+            let inner = kustomization(&path)?;
+            out.objects.extend(inner.objects);
+            out.config_maps.extend(inner.config_maps);
+            continue;
+        }
         if !path.is_file() {
             return Err(format!("{}: resource {resource} missing", file.display()));
         }
@@ -563,6 +577,15 @@ fn security_problems(pod: &PodSpec, c: &Container, allowed_add: &[&str]) -> Vec<
     if non_root != Some(true) {
         out.push(format!("container {}: runAsNonRoot must be true", c.name));
     }
+    out.extend(hardening_problems(c, allowed_add));
+    out
+}
+
+/// [`security_problems`] but the UID: no privilege escalation, read-only root, every
+/// capability dropped and only `allowed_add` added.
+fn hardening_problems(c: &Container, allowed_add: &[&str]) -> Vec<String> {
+    let mut out = Vec::new();
+    let sc = c.security_context.as_ref();
     if sc.and_then(|s| s.allow_privilege_escalation) != Some(false) {
         out.push(format!(
             "container {}: allowPrivilegeEscalation must be false",
@@ -686,6 +709,10 @@ fn deploy_pods() -> Vec<(String, PodSpec)> {
                 Object::StatefulSet(s) => (
                     s.metadata.name.clone(),
                     s.spec.and_then(|s| s.template.spec),
+                ),
+                Object::DaemonSet(d) => (
+                    d.metadata.name.clone(),
+                    d.spec.and_then(|s| s.template.spec),
                 ),
                 Object::Deployment(d) => (
                     d.metadata.name.clone(),
@@ -1183,9 +1210,9 @@ fn every_manifest_parses_into_its_kubernetes_type() {
         }
     }
     assert_eq!(
-        kustomizations, 8,
+        kustomizations, 9,
         "deploy/base, deploy/copy-job, deploy/compact-job, deploy/drill-job, deploy/druid, \
-         deploy/monitoring, deploy/operator and deploy/components/etcd-3.6"
+         deploy/kubeadm, deploy/monitoring, deploy/operator and deploy/components/etcd-3.6"
     );
 }
 
@@ -3090,4 +3117,400 @@ fn the_example_control_plane_set_is_accepted_and_aws_shaped() {
     bad["spec"]["replicas"] = serde_json::json!(4);
     let e = format!("{:?}", validate(&bad, None).expect_err("replicas 4"));
     assert!(e.contains("spec.replicas"), "{e}");
+}
+
+/// deploy/kubeadm, typed: the DaemonSet, the drill CronJob it brings along, the ConfigMaps.
+#[derive(Clone)]
+struct KubeadmDeploy {
+    daemonset: DaemonSet,
+    drill: CronJob,
+    config_maps: BTreeMap<String, BTreeMap<String, String>>,
+}
+
+fn kubeadm_deploy() -> KubeadmDeploy {
+    let k = kustomization(&repo().join("deploy/kubeadm")).unwrap_or_else(|e| panic!("{e}"));
+    let (mut daemonsets, mut crons) = (Vec::new(), Vec::new());
+    for o in k.objects {
+        match o {
+            Object::DaemonSet(d) => daemonsets.push(*d),
+            Object::CronJob(c) => crons.push(*c),
+            other => panic!("deploy/kubeadm: unexpected {other:?}"),
+        }
+    }
+    let [daemonset] = <[DaemonSet; 1]>::try_from(daemonsets).expect("one DaemonSet");
+    let [drill] = <[CronJob; 1]>::try_from(crons).expect("one CronJob: the drill");
+    KubeadmDeploy {
+        daemonset,
+        drill,
+        config_maps: k.config_maps,
+    }
+}
+
+/// Where kubeadm writes the etcd certificates on a control-plane node.
+const KUBEADM_ETCD_PKI: &str = "/etc/kubernetes/pki/etcd";
+
+/// Everything wrong with deploy/kubeadm (issue 56, item 3): a DaemonSet on the control-plane
+/// nodes (their role label and taint), on the host network, reaching only its own node's member
+/// at https://127.0.0.1:2379 with the etcd CA and a client certificate mounted read-only from
+/// the node file by file (never the directory, which holds the CA's key), no `[owner]` or
+/// `[kill]` and no shared PID namespace, deltas and fulls scheduled, probes on `server.listen`'s
+/// port, the store's and the token's files from their Secrets, and the drill reading the same
+/// store.
+fn kubeadm_problems(
+    d: &KubeadmDeploy,
+    secrets: &BTreeMap<String, BTreeSet<String>>,
+) -> Vec<String> {
+    let mut out = Vec::new();
+    let Some(pod) = d
+        .daemonset
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+    else {
+        return vec!["the DaemonSet has no pod spec".into()];
+    };
+    const ROLE: &str = "node-role.kubernetes.io/control-plane";
+    if !pod
+        .node_selector
+        .as_ref()
+        .is_some_and(|s| s.contains_key(ROLE))
+    {
+        out.push(format!(
+            "nodeSelector must select {ROLE}: etcd's static pods run there"
+        ));
+    }
+    let tolerated = pod.tolerations.iter().flatten().any(|t| {
+        t.key.as_deref() == Some(ROLE)
+            && t.operator.as_deref() == Some("Exists")
+            && t.effect.as_deref().is_none_or(|e| e == "NoSchedule")
+    });
+    if !tolerated {
+        out.push(format!(
+            "no toleration of the {ROLE}:NoSchedule taint kubeadm sets"
+        ));
+    }
+    if pod.host_network != Some(true) {
+        out.push("hostNetwork must be true: the node's member listens on 127.0.0.1".into());
+    }
+    if pod.share_process_namespace == Some(true) {
+        out.push("shareProcessNamespace: nothing here may signal etcd".into());
+    }
+    let side = match sidecar(pod) {
+        Ok(c) => c,
+        Err(e) => {
+            out.push(e);
+            return out;
+        }
+    };
+    out.extend(hardening_problems(side, &[]));
+    out.extend(secret_env_problems(pod));
+    let (text, raw) = match mounted_toml(pod, side, &d.config_maps, "sidecar") {
+        Ok(t) => t,
+        Err(e) => {
+            out.push(e);
+            return out;
+        }
+    };
+    for section in ["owner", "kill"] {
+        if raw.contains_key(section) {
+            out.push(format!(
+                "[{section}] in the config: a kubeadm etcd has no owner to hand it over, and \
+                 this pod shares no PID namespace with it"
+            ));
+        }
+    }
+    out.extend(subcommand_config_problem(side, &text));
+    let effective = effective_config(side, &text);
+    let endpoints: Vec<&str> = get(&effective, "etcd.endpoints")
+        .and_then(|v| v.as_array())
+        .into_iter()
+        .flatten()
+        .filter_map(|v| v.as_str())
+        .collect();
+    if endpoints != ["https://127.0.0.1:2379"] {
+        out.push(format!(
+            "etcd.endpoints = {endpoints:?}: must be only this node's member, \
+             [\"https://127.0.0.1:2379\"]"
+        ));
+    }
+    if get(&effective, "restore.initialize").and_then(|v| v.as_bool()) == Some(true) {
+        out.push("restore.initialize: the kubelet starts etcd whatever this pod does".into());
+    }
+    if get_str(&effective, "snapshot.schedule").is_empty() {
+        out.push("snapshot.schedule is empty: no full snapshots".into());
+    }
+    if humantime::parse_duration(get_str(&effective, "snapshot.delta_period"))
+        .is_ok_and(|p| p.is_zero())
+    {
+        out.push("snapshot.delta_period is 0s: no deltas".into());
+    }
+
+    // The etcd client files: each a read-only mount of the same file on the node, under
+    // kubeadm's etcd directory. Every hostPath volume is one of them.
+    let mut host_files = BTreeSet::new();
+    // (The file's paths: `etcd-warden config` prints the local stand-ins of local_config.)
+    for key in ["etcd.ca_file", "etcd.cert_file", "etcd.key_file"] {
+        let path = get_str(&raw, key);
+        if path.is_empty() {
+            out.push(format!(
+                "{key} is not set: kubeadm's etcd requires client certificates"
+            ));
+            continue;
+        }
+        let mount = side
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| m.mount_path == path);
+        let Some(mount) = mount else {
+            out.push(format!("{key} = {path:?}: no file mounted there"));
+            continue;
+        };
+        if mount.read_only != Some(true) {
+            out.push(format!("{key}: the mount of {path} must be readOnly"));
+        }
+        match volume(pod, &mount.name).and_then(|v| v.host_path.as_ref()) {
+            None => out.push(format!("{key}: volume {} is not a hostPath", mount.name)),
+            Some(h) => {
+                if !Path::new(&h.path).starts_with(KUBEADM_ETCD_PKI) {
+                    out.push(format!("{key}: {} is not under {KUBEADM_ETCD_PKI}", h.path));
+                }
+                if h.type_.as_deref() != Some("File") {
+                    out.push(format!(
+                        "{key}: hostPath {} must be of type File (one file, not the directory \
+                         holding the CA's key)",
+                        h.path
+                    ));
+                }
+                host_files.insert(mount.name.clone());
+            }
+        }
+    }
+    for v in pod.volumes.iter().flatten() {
+        if let Some(h) = v.host_path.as_ref()
+            && !host_files.contains(&v.name)
+        {
+            out.push(format!(
+                "hostPath volume {} ({}) is none of the etcd client files: nothing else of \
+                 the node belongs in the pod",
+                v.name, h.path
+            ));
+        }
+    }
+    for (key, path) in file_keys(&raw) {
+        if !key.starts_with("etcd.") {
+            out.extend(secret_file_problem(pod, side, &key, &path, None, secrets));
+        }
+    }
+    if !file_keys(&raw).iter().any(|(k, _)| k.starts_with("store.")) {
+        out.push("[store] reads no credentials from etcd-backup".into());
+    }
+
+    // The probes reach server.listen on the node's IP.
+    let listen: Option<SocketAddr> = get_str(&effective, "server.listen").parse().ok();
+    let port = listen.map(|a| i32::from(a.port()));
+    if listen.is_none_or(|a| a.ip().to_canonical().is_loopback()) {
+        out.push(format!(
+            "server.listen {listen:?}: the kubelet's probes reach the node's IP, not loopback"
+        ));
+    }
+    for (what, probe) in [
+        ("liveness", side.liveness_probe.as_ref()),
+        ("startup", side.startup_probe.as_ref()),
+    ] {
+        match probe.and_then(|p| p.http_get.as_ref()) {
+            None => out.push(format!("no httpGet {what} probe")),
+            Some(g) if resolve_port(pod, &g.port) != port => out.push(format!(
+                "the {what} probe's port {:?} is not server.listen's {port:?}",
+                g.port
+            )),
+            Some(_) => {}
+        }
+    }
+
+    // The drill restores what these pods store.
+    out.extend(job_cronjob_problems(
+        &d.drill,
+        &["verify", "--restore"],
+        &d.config_maps,
+        secrets,
+    ));
+    let drill_pod = d
+        .drill
+        .spec
+        .as_ref()
+        .and_then(|s| s.job_template.spec.as_ref())
+        .and_then(|s| s.template.spec.as_ref());
+    if let Some(dp) = drill_pod
+        && let Some(c) = dp.containers.first()
+        && let Ok((_, drill)) = mounted_toml(dp, c, &d.config_maps, "the drill's")
+    {
+        let (theirs, ours) = (get_str(&drill, "store.url"), get_str(&raw, "store.url"));
+        if theirs != ours {
+            out.push(format!(
+                "the drill reads store.url {theirs:?}, the DaemonSet writes {ours:?}"
+            ));
+        }
+    }
+    out
+}
+
+#[test]
+fn the_kubeadm_daemonset_backs_up_the_nodes_member_with_its_client_certificate() {
+    let problems = kubeadm_problems(&kubeadm_deploy(), &example_secrets());
+    assert!(problems.is_empty(), "{problems:#?}");
+}
+
+#[test]
+fn a_broken_kubeadm_daemonset_is_rejected() {
+    let good = kubeadm_deploy();
+    let secrets = example_secrets();
+    fn pod(d: &mut KubeadmDeploy) -> &mut PodSpec {
+        d.daemonset
+            .spec
+            .as_mut()
+            .and_then(|s| s.template.spec.as_mut())
+            .expect("pod spec")
+    }
+    fn config(d: &mut KubeadmDeploy) -> &mut String {
+        d.config_maps
+            .get_mut("etcd-warden-config")
+            .and_then(|m| m.get_mut("config.toml"))
+            .expect("config.toml")
+    }
+    fn edit(d: &mut KubeadmDeploy, from: &str, to: &str) {
+        let text = config(d);
+        assert!(text.contains(from), "config.toml has no {from:?}");
+        *text = text.replace(from, to);
+    }
+    type Mutation = Box<dyn Fn(&mut KubeadmDeploy)>;
+    let mutations: Vec<(&str, &str, Mutation)> = vec![
+        (
+            "on every node",
+            "nodeSelector",
+            Box::new(|d| pod(d).node_selector = None),
+        ),
+        (
+            "the control-plane taint not tolerated",
+            "toleration",
+            Box::new(|d| pod(d).tolerations = None),
+        ),
+        (
+            "in the pod network",
+            "hostNetwork",
+            Box::new(|d| pod(d).host_network = None),
+        ),
+        (
+            "a shared PID namespace",
+            "shareProcessNamespace",
+            Box::new(|d| pod(d).share_process_namespace = Some(true)),
+        ),
+        (
+            "an owner section",
+            "[owner]",
+            Box::new(|d| {
+                config(d).push_str("\n[owner]\nname = \"owner.example.internal\"\nid = \"a\"\n")
+            }),
+        ),
+        (
+            "another node's member",
+            "etcd.endpoints",
+            Box::new(|d| edit(d, "https://127.0.0.1:2379", "https://10.0.0.12:2379")),
+        ),
+        (
+            "no client certificate",
+            "etcd.cert_file is not set",
+            Box::new(|d| {
+                edit(
+                    d,
+                    "cert_file = \"/etc/kubernetes/pki/etcd/healthcheck-client.crt\"",
+                    "",
+                );
+                edit(
+                    d,
+                    "key_file = \"/etc/kubernetes/pki/etcd/healthcheck-client.key\"",
+                    "",
+                )
+            }),
+        ),
+        (
+            "the key mounted writable",
+            "must be readOnly",
+            Box::new(|d| {
+                for m in pod(d).containers[0].volume_mounts.iter_mut().flatten() {
+                    if m.name == "etcd-client-key" {
+                        m.read_only = None;
+                    }
+                }
+            }),
+        ),
+        (
+            "the whole pki/etcd directory",
+            "must be of type File",
+            Box::new(|d| {
+                for v in pod(d).volumes.iter_mut().flatten() {
+                    if v.name == "etcd-ca"
+                        && let Some(h) = v.host_path.as_mut()
+                    {
+                        h.type_ = Some("Directory".into());
+                    }
+                }
+            }),
+        ),
+        (
+            "the CA's key mounted too",
+            "none of the etcd client files",
+            Box::new(|d| {
+                let p = pod(d);
+                let mut ca_key = p
+                    .volumes
+                    .iter()
+                    .flatten()
+                    .find(|v| v.name == "etcd-ca")
+                    .expect("the etcd-ca volume")
+                    .clone();
+                ca_key.name = "etcd-ca-key".into();
+                ca_key.host_path.as_mut().expect("hostPath").path =
+                    format!("{KUBEADM_ETCD_PKI}/ca.key");
+                p.volumes.as_mut().expect("volumes").push(ca_key);
+            }),
+        ),
+        (
+            "the sidecar's API on loopback only",
+            "server.listen",
+            Box::new(|d| {
+                edit(
+                    d,
+                    "listen = \"0.0.0.0:2390\"",
+                    "listen = \"127.0.0.1:2390\"",
+                )
+            }),
+        ),
+        (
+            "no deltas",
+            "delta_period is 0s",
+            Box::new(|d| edit(d, "delta_period = \"20s\"", "delta_period = \"0s\"")),
+        ),
+        (
+            "the drill on another bucket",
+            "the drill reads store.url",
+            Box::new(|d| {
+                let drill = d
+                    .config_maps
+                    .get_mut("etcd-warden-drill-config")
+                    .and_then(|m| m.get_mut("drill.toml"))
+                    .expect("drill.toml");
+                *drill = drill.replace("s3://etcd-backup/kubeadm", "s3://etcd-backup/etcd-main");
+            }),
+        ),
+    ];
+    for (what, expected, mutate) in mutations {
+        let mut d = good.clone();
+        mutate(&mut d);
+        let problems = kubeadm_problems(&d, &secrets);
+        assert!(
+            problems.iter().any(|p| p.contains(expected)),
+            "{what}: expected a problem containing {expected:?}, got {problems:#?}"
+        );
+    }
 }

@@ -695,6 +695,12 @@ impl<E: Engine> Actor<E> {
                 _ = async { tokio::time::sleep_until(watch_retry_at.unwrap_or_else(tokio::time::Instant::now)).await }, if active && !self.watching && self.deltas_on() => {
                     watch_retry_at = None;
                     self.start_watch().await;
+                    if !self.watching {
+                        // A failed start waits as a failed watch does: unset, this branch would
+                        // fire again at once, a busy loop until the next leadership check (a
+                        // leader whose etcd just died logged a warning every few ms).
+                        watch_retry_at = Some(tokio::time::Instant::now() + WATCH_RETRY.delay(1));
+                    }
                 }
                 _ = gc_tick.tick(), if active => self.gc().await,
             }
