@@ -700,6 +700,34 @@ async fn etcd_wrappers_sequence_starts_an_etcd_that_is_backed_up_and_restored() 
         latest["fullSnapshot"]["isFinal"], false,
         "no hand-off's final: {latest}"
     );
+    // druid's copy task (EtcdCopyBackupsTask's Job arguments, etcd-warden's image): its wait
+    // for the final ends at druid's requested final, as etcd-backup-restore's does; it copies
+    // it without the `.final` suffix, as etcd-backup-restore does.
+    let started = std::time::Instant::now();
+    let copy = std::process::Command::new(crate::support::warden::binary())
+        .arg0("etcdbrctl")
+        .args(words(
+            "copy --storage-provider=Local --store-container=dst --store-prefix=etcd-copy              --source-storage-provider=Local --source-store-container=bucket              --source-store-prefix=etcd-test --max-backups-to-copy=-1              --wait-for-final-snapshot=true --wait-for-final-snapshot-timeout=2m0s",
+        ))
+        .env("HOME", &pod.home)
+        .output()
+        .unwrap();
+    let log = String::from_utf8_lossy(&copy.stderr);
+    assert!(copy.status.success(), "etcdbrctl copy failed: {log}");
+    assert!(
+        started.elapsed() < Duration::from_secs(60) && log.contains("final snapshot found"),
+        "the copy did not find druid's final (took {:?}): {log}",
+        started.elapsed()
+    );
+    let copied: Vec<String> = std::fs::read_dir(pod.home.join("dst/etcd-copy/v2"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    let plain = name.strip_suffix(".final").unwrap();
+    assert!(
+        copied.iter().any(|n| n == plain),
+        "{plain} not in {copied:?}"
+    );
     // Deltas go on after it, as after etcd-backup-restore's.
     let after = client
         .put("after-final", "x", None)
