@@ -317,16 +317,16 @@ pub async fn run(
         .filter(|n| !listed.contains(n.as_str()))
         .collect();
     for name in orphans {
-        unmark(store, name).await;
+        TRIGGERED.delete(store, name).await;
     }
     // A requested final's marker is written before its upload: one whose snapshot is not
     // listed may be of an upload under way, so only a day-old one is an orphan. Listed after
     // the snapshots, so every requested final in the listing is known as one (and judged as a
     // request even when its triggered marker was never written).
     let mut triggered = triggered;
-    for (name, written) in requested_final_markers(store).await? {
+    for (name, written) in REQUESTED_FINAL.list(store).await? {
         if !listed.contains(name.as_str()) && now - written > TimeDelta::days(1) {
-            unmark_requested_final(store, &name).await;
+            REQUESTED_FINAL.delete(store, &name).await;
         }
         triggered.insert(name);
     }
@@ -370,9 +370,9 @@ pub async fn delete(
             Ok(None) => {
                 tracing::info!(snapshot = %s.snap_name, "retention: deleted");
                 if triggered.contains(&s.snap_name) {
-                    unmark(store, &s.snap_name).await;
+                    TRIGGERED.delete(store, &s.snap_name).await;
                     if s.is_final {
-                        unmark_requested_final(store, &s.snap_name).await;
+                        REQUESTED_FINAL.delete(store, &s.snap_name).await;
                     }
                 }
                 store.unlocked(&s);
@@ -396,30 +396,88 @@ pub async fn delete(
     report
 }
 
-/// Where the markers of triggered full snapshots are, under the store's prefix.
-const TRIGGERED_DIR: &str = "etcd-warden/triggered";
-
-/// Where the markers of etcd-druid's requested finals are, under the store's prefix.
-const REQUESTED_FINAL_DIR: &str = "etcd-warden/requested-final";
-
-fn triggered_dir(store: &super::SnapshotStore) -> String {
-    under_prefix(store, TRIGGERED_DIR)
+/// Empty marker objects, one per snapshot name, in a folder under the store's prefix (beside
+/// the layout directory, where etcd-backup-restore does not look).
+#[derive(Debug, Clone, Copy)]
+struct Markers {
+    /// The folder, relative to the prefix.
+    dir: &'static str,
+    /// What a marker says, for the log.
+    what: &'static str,
 }
 
-fn under_prefix(store: &super::SnapshotStore, dir: &str) -> String {
-    let prefix = store.prefix().trim_matches('/');
-    if prefix.is_empty() {
-        dir.to_owned()
-    } else {
-        format!("{prefix}/{dir}")
+/// The markers of triggered (requested) full snapshots.
+const TRIGGERED: Markers = Markers {
+    dir: "etcd-warden/triggered",
+    what: "triggered",
+};
+
+/// The markers of etcd-druid's requested finals.
+const REQUESTED_FINAL: Markers = Markers {
+    dir: "etcd-warden/requested-final",
+    what: "requested-final",
+};
+
+impl Markers {
+    fn dir(self, store: &super::SnapshotStore) -> object_store::path::Path {
+        let prefix = store.prefix().trim_matches('/');
+        if prefix.is_empty() {
+            object_store::path::Path::from(self.dir)
+        } else {
+            object_store::path::Path::from(format!("{prefix}/{}", self.dir))
+        }
     }
-}
 
-fn requested_final_marker(store: &super::SnapshotStore, name: &str) -> object_store::path::Path {
-    object_store::path::Path::from(format!(
-        "{}/{name}",
-        under_prefix(store, REQUESTED_FINAL_DIR)
-    ))
+    fn path(self, store: &super::SnapshotStore, name: &str) -> object_store::path::Path {
+        object_store::path::Path::from(format!("{}/{name}", self.dir(store)))
+    }
+
+    async fn put(self, store: &super::SnapshotStore, name: &str) -> Result<(), super::StoreError> {
+        use object_store::ObjectStoreExt;
+        store
+            .backend()
+            .put(&self.path(store, name), bytes::Bytes::new().into())
+            .await?;
+        Ok(())
+    }
+
+    /// Each marker's snapshot name and when the marker was written.
+    async fn list(
+        self,
+        store: &super::SnapshotStore,
+    ) -> Result<Vec<(String, DateTime<Utc>)>, super::StoreError> {
+        use futures::StreamExt;
+        let dir = self.dir(store);
+        let mut listed = store.backend().list(Some(&dir));
+        let mut markers = Vec::new();
+        while let Some(meta) = listed.next().await {
+            let meta = meta?;
+            if let Some(name) = meta.location.filename() {
+                markers.push((name.to_owned(), meta.last_modified));
+            }
+        }
+        Ok(markers)
+    }
+
+    async fn names(
+        self,
+        store: &super::SnapshotStore,
+    ) -> Result<HashSet<String>, super::StoreError> {
+        Ok(self
+            .list(store)
+            .await?
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect())
+    }
+
+    /// Deletes the marker of `name`; one that stays is deleted by a later run.
+    async fn delete(self, store: &super::SnapshotStore, name: &str) {
+        use object_store::ObjectStoreExt;
+        if let Err(e) = store.backend().delete(&self.path(store, name)).await {
+            tracing::debug!(snapshot = %name, marker = self.what, error = %e, "retention: a marker stays");
+        }
+    }
 }
 
 /// Records that the full snapshot `snapshot` (named final) is etcd-druid's requested final,
@@ -428,15 +486,7 @@ pub async fn mark_requested_final(
     store: &super::SnapshotStore,
     snapshot: &Snapshot,
 ) -> Result<(), super::StoreError> {
-    use object_store::ObjectStoreExt;
-    store
-        .backend()
-        .put(
-            &requested_final_marker(store, &snapshot.snap_name),
-            bytes::Bytes::new().into(),
-        )
-        .await?;
-    Ok(())
+    REQUESTED_FINAL.put(store, &snapshot.snap_name).await
 }
 
 /// The names of etcd-druid's requested finals (markers whose upload may not have finished
@@ -444,50 +494,7 @@ pub async fn mark_requested_final(
 pub async fn requested_finals(
     store: &super::SnapshotStore,
 ) -> Result<HashSet<String>, super::StoreError> {
-    Ok(requested_final_markers(store)
-        .await?
-        .into_iter()
-        .map(|(name, _)| name)
-        .collect())
-}
-
-async fn requested_final_markers(
-    store: &super::SnapshotStore,
-) -> Result<Vec<(String, DateTime<Utc>)>, super::StoreError> {
-    use futures::StreamExt;
-    let dir = object_store::path::Path::from(under_prefix(store, REQUESTED_FINAL_DIR));
-    let mut listed = store.backend().list(Some(&dir));
-    let mut markers = Vec::new();
-    while let Some(meta) = listed.next().await {
-        let meta = meta?;
-        if let Some(name) = meta.location.filename() {
-            markers.push((name.to_owned(), meta.last_modified));
-        }
-    }
-    Ok(markers)
-}
-
-async fn unmark_requested_final(store: &super::SnapshotStore, name: &str) {
-    use object_store::ObjectStoreExt;
-    if let Err(e) = store
-        .backend()
-        .delete(&requested_final_marker(store, name))
-        .await
-    {
-        tracing::debug!(snapshot = %name, error = %e, "retention: a requested-final marker stays");
-    }
-}
-
-fn triggered_marker(store: &super::SnapshotStore, name: &str) -> object_store::path::Path {
-    object_store::path::Path::from(format!("{}/{name}", triggered_dir(store)))
-}
-
-/// Deletes the marker of `name`; one that stays is deleted by a later run.
-async fn unmark(store: &super::SnapshotStore, name: &str) {
-    use object_store::ObjectStoreExt;
-    if let Err(e) = store.backend().delete(&triggered_marker(store, name)).await {
-        tracing::debug!(snapshot = %name, error = %e, "retention: a triggered marker stays");
-    }
+    REQUESTED_FINAL.names(store).await
 }
 
 /// Records that the full snapshot `snapshot` was taken on request (not on schedule), so that
@@ -496,31 +503,14 @@ pub async fn mark_triggered(
     store: &super::SnapshotStore,
     snapshot: &Snapshot,
 ) -> Result<(), super::StoreError> {
-    use object_store::ObjectStoreExt;
-    store
-        .backend()
-        .put(
-            &triggered_marker(store, &snapshot.snap_name),
-            bytes::Bytes::new().into(),
-        )
-        .await?;
-    Ok(())
+    TRIGGERED.put(store, &snapshot.snap_name).await
 }
 
 /// The names of the full snapshots marked as triggered.
 pub async fn triggered_names(
     store: &super::SnapshotStore,
 ) -> Result<HashSet<String>, super::StoreError> {
-    use futures::StreamExt;
-    let dir = object_store::path::Path::from(triggered_dir(store));
-    let mut listed = store.backend().list(Some(&dir));
-    let mut names = HashSet::new();
-    while let Some(meta) = listed.next().await {
-        if let Some(name) = meta?.location.filename() {
-            names.insert(name.to_owned());
-        }
-    }
-    Ok(names)
+    TRIGGERED.names(store).await
 }
 
 /// Reports a snapshot the store keeps: in the log the first time this process finds it locked.
