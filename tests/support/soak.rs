@@ -1138,8 +1138,6 @@ struct Run<'a> {
     violations: Vec<Violation>,
     notes: Vec<String>,
     counts: Counts,
-    /// (from, to) of every fault, from the epoch.
-    fault_windows: Vec<(Duration, Duration)>,
     wall_epoch: SystemTime,
     /// Bucket prefixes the copy Job wrote (one per hand-off).
     destinations: u32,
@@ -1356,7 +1354,6 @@ impl Run<'_> {
             }
         }
         let to = self.world.events.epoch.elapsed();
-        self.fault_windows.push((from, to));
         self.fault_log.push((n, from, to));
         self.event(format!("nemesis: {} healed", n.kind()));
     }
@@ -1722,7 +1719,6 @@ impl Run<'_> {
             _ => self.world.proxy.set(FaultMode::Pass),
         }
         let to = self.world.events.epoch.elapsed();
-        self.fault_windows.push((from, to));
         self.fault_log.push((other, from, to));
         self.event(format!("nemesis: {} healed (two at once)", other.kind()));
     }
@@ -1768,7 +1764,6 @@ impl Run<'_> {
             return;
         };
         *self.counts.faults.entry(n.kind()).or_default() += 1;
-        self.fault_windows.push((at + from, at + to));
         self.fault_log.push((n, at + from, at + to));
         self.event(format!("nemesis: {} healed", n.kind()));
     }
@@ -2677,7 +2672,6 @@ pub async fn run_until(
         violations: Vec::new(),
         notes: Vec::new(),
         counts: Counts::default(),
-        fault_windows: Vec::new(),
         wall_epoch,
         destinations: 0,
         clock_dir,
