@@ -49,7 +49,7 @@ use super::s3::{ACCESS_KEY, REGION, SECRET_KEY};
 use super::schedule::{Ending, SplitMix64};
 use super::traffic::{self, Recorded, Traffic};
 use super::writer::Ack;
-use super::{deltacheck, linsearch, revmodel};
+use super::{deltacheck, leakprobe, linsearch, revmodel};
 use etcd_warden::owner::handoff::the_final;
 use etcd_warden::store::Snapshot;
 
@@ -2940,6 +2940,24 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
     } else {
         judge_deltas(&mut run, &model, &snapshots).await
     };
+    // After the deltas are judged from the listing above: the probe's own deltas are not the
+    // history's.
+    let leak_summary = if run.stopped() || closing.is_none() {
+        " leak_probe=unjudged (no closing write)".to_string()
+    } else {
+        match leakprobe::probe(&run.world).await {
+            Ok(p) => {
+                if let Some(v) = leakprobe::judge(p.member, &p.rss_after) {
+                    run.violation("leaked", v);
+                }
+                format!(" leak_probe: m{} rss_kib={:?}", p.member, p.rss_after)
+            }
+            Err(why) => {
+                run.event(format!("end: the leak probe judged nothing: {why}"));
+                format!(" leak_probe=unjudged ({why})")
+            }
+        }
+    };
     let samples = run
         .samples
         .lock()
@@ -2976,7 +2994,7 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
          watch_events={events} streams={} etcd_compactions={} faults={faults} {:?} handoffs={} \
          settled={} copies={} restores={} restore_disk_full={} reclaims={} compact_jobs={} \
          drills={} (failed under faults {}) peak_sidecar_rss={} MiB {}{model_summary}{delta_summary}\
-         {lane_summary}{druid_summary}{kinds_summary}{}",
+         {lane_summary}{druid_summary}{kinds_summary}{leak_summary}{}",
         if run.violations.is_empty() {
             "PASS"
         } else {
