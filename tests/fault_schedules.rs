@@ -767,8 +767,9 @@ mod checker {
             Some(settled(Some("waiting for m0 (takes the final snapshot)"))),
         ];
         let mut e = named_final(Ending::Other, &all, &snapshots, &observed, &status);
-        // Without a burial, a reason excuses it (and m0's silence is a violation of its own).
-        assert_eq!(violations(&e), vec!["no-status"]);
+        // Without a burial, a reason excuses nothing either (and m0's silence is a violation of
+        // its own).
+        assert_eq!(violations(&e), vec!["no-final", "no-status"]);
         e.buried = &[0];
         assert_eq!(violations(&e), vec!["no-final"]);
         // A final after the burial: the buried member's silence is expected.
@@ -816,7 +817,7 @@ mod checker {
     }
 
     #[test]
-    fn no_final_after_a_hand_off_needs_a_reason() {
+    fn no_final_after_a_hand_off_is_a_violation_whatever_the_reason() {
         let snapshots = [snap(9, false, 0)];
         let (v, _) = kinds(
             Ending::Deleted,
@@ -828,17 +829,19 @@ mod checker {
             &[String::new()],
         );
         assert!(v.contains(&"no-final"), "{v:?}");
-        let (v, notes) = kinds(
-            Ending::Deleted,
-            &acks(&[9]),
-            &snapshots,
-            &Observed::default(),
-            &[Some(settled(Some("waiting for m1 to be fenced")))],
-            &[],
-            &[String::new()],
+        // A reason goes in the violation's text; it excuses nothing.
+        let all = acks(&[9]);
+        let observed = Observed::default();
+        let status = [Some(settled(Some("waiting for m1 to be fenced")))];
+        let logs = [String::new()];
+        let mut e = named_final(Ending::Deleted, &all, &snapshots, &observed, &status);
+        e.sidecar_logs = &logs;
+        let (v, _) = check(&e);
+        assert_eq!(
+            v.iter().map(|v| v.kind).collect::<Vec<_>>(),
+            vec!["no-final"]
         );
-        assert!(v.is_empty(), "{v:?}");
-        assert!(notes[0].contains("waiting for m1"), "{notes:?}");
+        assert!(v[0].detail.contains("waiting for m1"), "{v:?}");
         // Ending with us: no final is due.
         let active = json!({"owner": {"state": "active"}, "readiness": {"ready": true}});
         let (v, _) = kinds(
