@@ -106,7 +106,14 @@ pub type Latest = crate::store::Chain;
 /// What a snapshot request asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SnapshotRequest {
-    Full { is_final: bool },
+    /// `POST /snapshot/full`; `is_final` asks for the hand-off's final (`?final=true`).
+    Full {
+        is_final: bool,
+    },
+    /// `POST /snapshot/full?final=true` under `[druid]`: etcd-druid's requested final, a full
+    /// snapshot taken now and named final as etcd-backup-restore names it, which no reader
+    /// takes for a hand-off's final (once deactivated, the hand-off's own final answers it).
+    RequestedFinal,
     Delta,
 }
 
@@ -304,16 +311,17 @@ async fn take_full(
         authorize(&s, &headers, cert)?;
     }
     let Query(q) = query.map_err(bad_query)?;
-    if s.unauthenticated_snapshots && q.r#final {
+    // Under etcd-druid a final is druid's requested final, no hand-off's: it needs what any
+    // trigger needs (druid calls without a token, from where the NetworkPolicy admits).
+    if s.unauthenticated_snapshots && q.r#final && !s.ebr_answers {
         authorize_final(&s, &headers, cert)?;
     }
     let _one = one_at_a_time(&s)?;
-    let taken = s
-        .snapshots
-        .take(SnapshotRequest::Full {
-            is_final: q.r#final,
-        })
-        .await?;
+    let what = match (q.r#final, s.ebr_answers) {
+        (true, true) => SnapshotRequest::RequestedFinal,
+        (is_final, _) => SnapshotRequest::Full { is_final },
+    };
+    let taken = s.snapshots.take(what).await?;
     match taken {
         // The hand-off's final is the watchdog's: this request found it, it created nothing.
         Some(snap) if q.r#final => Ok((StatusCode::OK, Json(ebr_snapshot(snap))).into_response()),
@@ -1208,6 +1216,52 @@ mod tests {
         assert_eq!(code, StatusCode::OK);
         assert_eq!(body["snapName"], snap.snap_name);
         assert_eq!(body["isChunk"], false);
+    }
+
+    /// Under etcd-druid (`ebr_answers`, open triggers, no token: etcdbrctl's defaults), a final
+    /// is druid's requested final: asked of the snapshots as such (never as the hand-off's
+    /// final), by either method, without a token, and answered 200 with the snapshot.
+    #[tokio::test]
+    async fn under_druid_a_final_is_druids_requested_final_without_a_token() {
+        let (mut s, fake) = state(true, None);
+        s.ebr_answers = true;
+        s.unauthenticated_snapshots = true;
+        let snap = Snapshot::new(
+            "v2/",
+            crate::store::Kind::Full,
+            0,
+            9,
+            chrono::DateTime::from_timestamp(1_700_000_000, 0).unwrap(),
+            crate::store::Codec::Gzip,
+            true,
+        );
+        *fake.answer.lock().unwrap() = Some(Ok(Some(snap.clone())));
+        for method in [Method::POST, Method::GET] {
+            let (code, body) = call(
+                s.clone(),
+                request(method.clone(), None, "/snapshot/full?final=true"),
+            )
+            .await;
+            assert_eq!(code, StatusCode::OK, "{method}: {body}");
+            assert_eq!(body["snapName"], snap.snap_name);
+            assert_eq!(body["isFinal"], true);
+        }
+        assert_eq!(
+            *fake.taken.lock().unwrap(),
+            vec![SnapshotRequest::RequestedFinal; 2]
+        );
+        // Outside druid the same request stays the hand-off's, and needs a caller.
+        s.ebr_answers = false;
+        let (code, body) = call(
+            s.clone(),
+            request(Method::POST, None, "/snapshot/full?final=true"),
+        )
+        .await;
+        assert_eq!(
+            (code, &body["code"]),
+            (StatusCode::FORBIDDEN, &"final_needs_token".into())
+        );
+        assert_eq!(fake.taken.lock().unwrap().len(), 2);
     }
 
     /// `server.unauthenticated_snapshots` (etcd-druid's callers send no token): regular triggers

@@ -245,6 +245,18 @@ impl SnapshotApi for Snapshots {
                 let snap = self.actor.full().await.map_err(actor_error)?;
                 Ok(Some(snap))
             }
+            // etcd-druid's requested final: once this member is handed off, the hand-off's
+            // own final answers it (it holds every acknowledged write, and nothing else may
+            // be snapshotted then); before, a full snapshot taken now, marked druid's.
+            SnapshotRequest::RequestedFinal if *self.gate.borrow() == Gate::Final => {
+                self.hand_off_final().await
+            }
+            SnapshotRequest::RequestedFinal => self
+                .actor
+                .requested_final()
+                .await
+                .map(Some)
+                .map_err(actor_error),
             SnapshotRequest::Delta => self.actor.delta().await.map_err(actor_error),
         }
     }

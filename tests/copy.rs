@@ -75,6 +75,7 @@ fn file_stores(dir: &tempfile::TempDir) -> (Stores, [String; 2]) {
 pub(crate) fn options() -> CopyConfig {
     CopyConfig {
         wait_for_final: false,
+        druid_final: false,
         final_timeout: Duration::from_secs(30),
         poll_interval: Duration::from_millis(100),
         max_backups: 0,
@@ -378,9 +379,75 @@ fn fence_marker() -> handoff::FenceMarker {
 
 /// The copy Job's wait over a source of these stores, with `timeout`: what it found, how long.
 async fn wait(stores: &Stores, timeout: Duration) -> (Option<Snapshot>, Duration) {
+    wait_as(stores, timeout, false).await
+}
+
+/// [`wait`], with etcd-druid's requested final ending it or not (`copy.druid_final`).
+async fn wait_as(
+    stores: &Stores,
+    timeout: Duration,
+    druid_final: bool,
+) -> (Option<Snapshot>, Duration) {
     let started = std::time::Instant::now();
-    let found = copy::wait_for_final(&stores.source, timeout, Duration::from_millis(100)).await;
+    let wait = copy::Wait {
+        timeout,
+        poll: Duration::from_millis(100),
+        druid_final,
+    };
+    let found = copy::wait_for_final(&stores.source, wait).await;
     (found, started.elapsed())
+}
+
+/// etcd-druid's requested final (named `.final`, marked before its upload) never ends the copy
+/// Job's wait for a hand-off's final: that source was never fenced. etcdbrctl's copy
+/// (`copy.druid_final`, etcd-backup-restore's "one of the newest four full snapshots is
+/// final") ends at it, deltas after it or not, and no longer once four newer full snapshots
+/// stand before it. The same `.final` name in a store of etcd-backup-restore's own (no marker)
+/// ends both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn druids_requested_final_ends_only_etcdbrctls_wait() {
+    let s3 = S3Server::start(&[SRC, DST]);
+    let stores = s3_stores(&s3, (SRC, "old"), (DST, "new"));
+    history(&stores.source, false).await;
+    let fin = put_final(&stores.source, 40, 0).await;
+    etcd_warden::store::gc::mark_requested_final(&stores.source, &fin)
+        .await
+        .unwrap();
+    let (found, waited) = wait(&stores, Duration::from_millis(600)).await;
+    assert_eq!(found, None, "druid's final stood in for a hand-off's");
+    assert!(waited >= Duration::from_millis(600), "{waited:?}");
+    let (found, _) = wait_as(&stores, Duration::from_secs(5), true).await;
+    assert_eq!(found.map(|s| s.snap_name), Some(fin.snap_name.clone()));
+    // A delta after it (the source took writes since), as etcd-backup-restore counts it.
+    put_delta(&stores.source, 41, 45, Utc::now().timestamp() + 1).await;
+    let (found, _) = wait_as(&stores, Duration::from_secs(5), true).await;
+    assert_eq!(found.map(|s| s.snap_name), Some(fin.snap_name.clone()));
+    // Four newer full snapshots: an earlier request's, not this wait's.
+    for i in 0..4 {
+        put_full(
+            &stores.source,
+            50 + i,
+            Utc::now().timestamp() + 2 + i,
+            1000,
+            Codec::Gzip,
+            false,
+        )
+        .await;
+    }
+    let (found, _) = wait_as(&stores, Duration::from_millis(600), true).await;
+    assert_eq!(
+        found, None,
+        "a requested final behind four newer full snapshots ended the wait"
+    );
+
+    // etcd-backup-restore's store: its newest `.final` is the final for both readers.
+    let ebr = s3_stores(&s3, (SRC, "ebr"), (DST, "ebr-dst"));
+    history(&ebr.source, false).await;
+    let theirs = put_final(&ebr.source, 40, 0).await;
+    for druid_final in [false, true] {
+        let (found, _) = wait_as(&ebr, Duration::from_secs(5), druid_final).await;
+        assert_eq!(found.map(|s| s.snap_name), Some(theirs.snap_name.clone()));
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -228,6 +228,8 @@ fn druids_compaction_and_copy_jobs_are_compact_and_copy() {
         Some(format!("file://{home_s}/src/src-prefix"))
     );
     assert!(c.copy.wait_for_final);
+    // etcd-backup-restore's wait: the newest snapshot a final, druid's requested one included.
+    assert!(c.copy.druid_final);
     assert_eq!(c.copy.final_timeout, Duration::from_secs(600));
     assert_eq!(c.copy.max_backups, 3);
     assert_eq!(c.copy.max_age, Some(Duration::from_secs(7 * 86_400)));
@@ -646,22 +648,106 @@ async fn etcd_wrappers_sequence_starts_an_etcd_that_is_backed_up_and_restored() 
             assert!(body.get(field).is_some(), "{field} missing in {body}");
         }
     }
-    // A final snapshot is not anyone's to claim: no token is configured.
+    // druid's on-demand final (`isFinal`, before hibernation), POSTed without a token: 200 and
+    // a full snapshot taken now, named final as etcd-backup-restore names it, marked druid's
+    // before its upload; no reader takes it for a hand-off's final.
+    client.put("before-final", "x", None).await.unwrap();
     let r = http
-        .get(w.url("/snapshot/full?final=true"))
+        .post(w.url("/snapshot/full?final=true"))
         .send()
         .await
         .unwrap();
-    assert_eq!(r.status().as_u16(), 403);
+    let code = r.status().as_u16();
+    let fin: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(code, 200, "{fin}\n{}", w.log_text());
+    let name = fin["snapName"].as_str().unwrap().to_string();
+    assert!(name.ends_with(".final") && fin["isFinal"] == true, "{fin}");
+    let rev = client
+        .get("before-final", None)
+        .await
+        .unwrap()
+        .header()
+        .unwrap()
+        .revision();
+    assert!(
+        fin["lastRevision"].as_i64().unwrap() >= rev,
+        "{fin} misses revision {rev}"
+    );
+    assert!(pod.stored().contains(&name), "{:?}", pod.stored());
+    let marker = pod
+        .home
+        .join("bucket/etcd-test/etcd-warden/requested-final")
+        .join(&name);
+    assert!(
+        marker.exists(),
+        "no requested-final marker at {}",
+        marker.display()
+    );
+    let latest: serde_json::Value = http
+        .get(w.url("/snapshot/latest"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        latest["fullSnapshot"]["snapName"],
+        name.as_str(),
+        "{latest}"
+    );
+    assert_eq!(
+        latest["fullSnapshot"]["isFinal"], false,
+        "no hand-off's final: {latest}"
+    );
+    // druid's copy task (EtcdCopyBackupsTask's Job arguments, etcd-warden's image): its wait
+    // for the final ends at druid's requested final, as etcd-backup-restore's does; it copies
+    // it without the `.final` suffix, as etcd-backup-restore does.
+    let started = std::time::Instant::now();
+    let copy = std::process::Command::new(crate::support::warden::binary())
+        .arg0("etcdbrctl")
+        .args(words(
+            "copy --storage-provider=Local --store-container=dst --store-prefix=etcd-copy              --source-storage-provider=Local --source-store-container=bucket              --source-store-prefix=etcd-test --max-backups-to-copy=-1              --wait-for-final-snapshot=true --wait-for-final-snapshot-timeout=2m0s",
+        ))
+        .env("HOME", &pod.home)
+        .output()
+        .unwrap();
+    let log = String::from_utf8_lossy(&copy.stderr);
+    assert!(copy.status.success(), "etcdbrctl copy failed: {log}");
+    assert!(
+        started.elapsed() < Duration::from_secs(60) && log.contains("final snapshot found"),
+        "the copy did not find druid's final (took {:?}): {log}",
+        started.elapsed()
+    );
+    let copied: Vec<String> = std::fs::read_dir(pod.home.join("dst/etcd-copy/v2"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    let plain = name.strip_suffix(".final").unwrap();
+    assert!(
+        copied.iter().any(|n| n == plain),
+        "{plain} not in {copied:?}"
+    );
+    // Deltas go on after it, as after etcd-backup-restore's.
+    let after = client
+        .put("after-final", "x", None)
+        .await
+        .unwrap()
+        .header()
+        .unwrap()
+        .revision();
     // The delta with the last write is stored (the schedule may have taken it first).
     let stored = eventually(Duration::from_secs(20), || async {
-        let names = pod.stored();
-        names.iter().any(|n| n.starts_with("Full-")) && names.iter().any(|n| n.starts_with("Incr-"))
+        pod.stored().iter().any(|n| {
+            let mut parts = n.strip_prefix("Incr-").unwrap_or_default().split('-');
+            parts.nth(1).and_then(|last| last.parse::<i64>().ok()) >= Some(after)
+        })
     })
     .await;
     assert!(
         stored,
-        "no full and delta snapshot in the Local store\n{}",
+        "no delta reaching revision {after} in the Local store: {:?}\n{}",
+        pod.stored(),
         w.log_text()
     );
 
@@ -683,8 +769,10 @@ async fn etcd_wrappers_sequence_starts_an_etcd_that_is_backed_up_and_restored() 
         .iter()
         .map(|kv| kv.key_str().unwrap().to_string())
         .collect();
-    assert_eq!(keys.len(), 51, "{keys:?}\n{}", w.log_text());
-    assert!(keys.contains(&"after-full".to_string()));
+    assert_eq!(keys.len(), 53, "{keys:?}\n{}", w.log_text());
+    for key in ["after-full", "before-final", "after-final"] {
+        assert!(keys.contains(&key.to_string()), "{key} missing: {keys:?}");
+    }
     let members = client.member_list().await.unwrap();
     assert_eq!(members.members().len(), 1);
     assert_eq!(members.members()[0].name(), MEMBER);

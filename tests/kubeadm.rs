@@ -158,19 +158,6 @@ fn stored(wardens: &[Warden]) -> Vec<(usize, usize)> {
         .collect()
 }
 
-/// The sidecars whose `/status` says they are the snapshot leader.
-async fn snapshot_leaders(wardens: &[Warden]) -> Vec<usize> {
-    let mut out = Vec::new();
-    for (i, w) in wardens.iter().enumerate() {
-        if let Some((_, s)) = w.get("/status").await
-            && s["snapshotter"]["leader"] == true
-        {
-            out.push(i);
-        }
-    }
-    out
-}
-
 /// The index in `urls` of the member raft says leads, asked through `client`.
 async fn raft_leader(client: &mut etcd_client::Client, urls: &[String]) -> Option<usize> {
     let id = client.status().await.ok()?.leader();
@@ -277,7 +264,7 @@ async fn a_kubeadm_stacked_etcd_is_backed_up_by_the_leaders_node_through_a_failo
             .collect::<Vec<_>>()
             .join("\n---\n")
     );
-    let leaders = snapshot_leaders(&wardens).await;
+    let leaders = crate::support::warden::snapshot_leaders(&wardens).await;
     let first = raft_leader(&mut client, &urls)
         .await
         .expect("a raft leader");
@@ -335,7 +322,10 @@ async fn a_kubeadm_stacked_etcd_is_backed_up_by_the_leaders_node_through_a_failo
         .await
         .expect("a new raft leader");
     assert_ne!(second, first);
-    assert_eq!(snapshot_leaders(&wardens).await, vec![second]);
+    assert_eq!(
+        crate::support::warden::snapshot_leaders(&wardens).await,
+        vec![second]
+    );
     let after = stored(&wardens);
     for i in 0..wardens.len() {
         let gained = (after[i].0 - before[i].0, after[i].1 - before[i].1);

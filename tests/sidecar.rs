@@ -292,17 +292,7 @@ async fn only_the_leaders_sidecar_snapshots_and_another_takes_over_without_a_gap
     for w in &wardens {
         w.wait_up().await;
     }
-    let leader_index = || async {
-        let mut leaders = Vec::new();
-        for (i, w) in wardens.iter().enumerate() {
-            if let Some((_, s)) = w.get("/status").await
-                && s["snapshotter"]["leader"] == true
-            {
-                leaders.push(i);
-            }
-        }
-        leaders
-    };
+    let leader_index = || crate::support::warden::snapshot_leaders(&wardens);
     assert!(
         eventually(Duration::from_secs(10), || async {
             leader_index().await.len() == 1

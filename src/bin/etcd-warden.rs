@@ -849,6 +849,12 @@ mod ops {
     pub async fn ls(config: &Config, json: bool) -> anyhow::Result<()> {
         let store = snapshots(config)?;
         let (listing, _) = listed_as_read(config, &store).await?;
+        // etcd-druid's requested finals (`.final` by name, no hand-off's): FINAL says "druid".
+        let druids = etcd_warden::store::gc::requested_finals(&store)
+            .await
+            .with_context(|| {
+                format!("listing the requested finals of {}", config.store.location)
+            })?;
         if json {
             // One array, as before: the unrecognised objects (`"kind": "Unrecognised"`) first,
             // so `.[-1]` stays the newest snapshot.
@@ -873,7 +879,11 @@ mod ops {
                 s.start_revision,
                 s.last_revision,
                 s.created_on.format("%Y-%m-%dT%H:%M:%SZ"),
-                if s.is_final { "yes" } else { "" },
+                match (s.is_final, druids.contains(&s.snap_name)) {
+                    (true, _) => "yes",
+                    (false, true) => "druid",
+                    (false, false) => "",
+                },
                 if s.encrypted { "yes" } else { "" },
                 s.snap_name
             );

@@ -348,6 +348,11 @@ pub struct SecondaryConfig {
 pub struct CopyConfig {
     /// Wait for the source's final snapshot before copying.
     pub wait_for_final: bool,
+    /// The wait also ends at etcd-druid's requested final: one of the source's newest four full
+    /// snapshots is one druid asked for as final (`POST /snapshot/full?final=true` under
+    /// `[druid]`). What etcd-backup-restore's `--wait-for-final-snapshot` waits for;
+    /// `etcdbrctl copy` sets it. Never a hand-off's final: the source is not fenced.
+    pub druid_final: bool,
     /// How long to wait for it before copying anyway.
     pub final_timeout: Duration,
     /// How often to look for it.

@@ -166,6 +166,8 @@ pub struct RawStore {
 pub struct RawCopy {
     #[serde(deserialize_with = "lenient::boolean")]
     pub wait_for_final: bool,
+    #[serde(deserialize_with = "lenient::boolean")]
+    pub druid_final: bool,
     pub final_timeout: String,
     pub poll_interval: String,
     #[serde(deserialize_with = "lenient::unsigned")]

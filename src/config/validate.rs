@@ -969,8 +969,16 @@ impl Validator<'_> {
             .ok()
             .filter(|n| (1..=1000).contains(n))
             .ok_or_else(|| self.err("copy.parallel", "must be between 1 and 1000"))?;
+        if c.druid_final && !c.wait_for_final {
+            return Err(self.err(
+                "copy.druid_final",
+                "true means \"the wait for the final also ends at etcd-druid's requested final\": \
+                 set copy.wait_for_final = true too, or leave it false",
+            ));
+        }
         Ok(CopyConfig {
             wait_for_final: c.wait_for_final,
+            druid_final: c.druid_final,
             final_timeout: self.duration("copy.final_timeout", &c.final_timeout)?,
             poll_interval: self.positive_duration("copy.poll_interval", &c.poll_interval)?,
             max_backups: c.max_backups,

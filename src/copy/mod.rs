@@ -242,7 +242,12 @@ pub async fn run_from_config(config: &Config) -> Result<Report, CopyError> {
 )]
 pub async fn run(stores: &Stores, config: &CopyConfig) -> Result<Report, CopyError> {
     let final_snapshot = if config.wait_for_final {
-        wait_for_final(&stores.source, config.final_timeout, config.poll_interval).await
+        let wait = Wait {
+            timeout: config.final_timeout,
+            poll: config.poll_interval,
+            druid_final: config.druid_final,
+        };
+        wait_for_final(&stores.source, wait).await
     } else {
         None
     };
@@ -419,15 +424,27 @@ fn store_error(which: &'static str, store: &SnapshotStore) -> impl FnOnce(StoreE
     move |source| CopyError::Store { which, url, source }
 }
 
-/// Polls until the source holds the hand-off's final ([`crate::owner::handoff::the_final`]) or `timeout`
-/// passes. Listing errors
-/// are logged and polled through: the source store being briefly unreachable is no reason to
-/// give up the wait early.
-pub async fn wait_for_final(
-    source: &SnapshotStore,
-    timeout: Duration,
-    poll: Duration,
-) -> Option<Snapshot> {
+/// How [`wait_for_final`] waits.
+#[derive(Debug, Clone, Copy)]
+pub struct Wait {
+    /// How long before copying anyway.
+    pub timeout: Duration,
+    /// How often the source is listed.
+    pub poll: Duration,
+    /// Whether etcd-druid's requested final also ends the wait ([`CopyConfig::druid_final`]).
+    pub druid_final: bool,
+}
+
+/// Polls until the source holds the hand-off's final ([`crate::owner::handoff::the_final`]),
+/// or with `druid_final` its newest snapshot is etcd-druid's requested final
+/// ([`druids_final`]), or the timeout passes. Listing errors are logged and polled through: the
+/// source store being briefly unreachable is no reason to give up the wait early.
+pub async fn wait_for_final(source: &SnapshotStore, wait: Wait) -> Option<Snapshot> {
+    let Wait {
+        timeout,
+        poll,
+        druid_final,
+    } = wait;
     let started = Instant::now();
     tracing::info!(
         timeout_seconds = timeout.as_secs_f64(),
@@ -437,12 +454,19 @@ pub async fn wait_for_final(
     loop {
         let listed = async {
             let seen = hand_off.seen().await?;
+            let requested = if druid_final {
+                crate::store::gc::requested_finals(source).await?
+            } else {
+                Default::default()
+            };
             let list = source.list().await?;
-            Ok::<_, crate::owner::handoff::HandOffError>((list, seen))
+            Ok::<_, crate::owner::handoff::HandOffError>((list, seen, requested))
         };
         match listed.await {
-            Ok((list, seen)) => {
-                if let Some(f) = crate::owner::handoff::the_final(&list, &seen) {
+            Ok((list, seen, requested)) => {
+                let found = crate::owner::handoff::the_final(&list, &seen)
+                    .or_else(|| druids_final(&list, &requested));
+                if let Some(f) = found {
                     tracing::info!(
                         snapshot = %f.snap_name,
                         revision = f.last_revision,
@@ -468,6 +492,26 @@ pub async fn wait_for_final(
         }
         tokio::time::sleep(poll.min(left)).await;
     }
+}
+
+/// How many of the source's newest full snapshots etcd-backup-restore's copy looks at for a
+/// final one.
+const DRUID_FINAL_AMONG: usize = 4;
+
+/// etcd-druid's requested final when it is among the newest [`DRUID_FINAL_AMONG`] full
+/// snapshots of `sorted` (the newest such): what etcd-backup-restore's copy waits for. A
+/// requested final older than that is an earlier request's, not this wait's. `requested` names
+/// the requested finals ([`crate::store::gc::requested_finals`]).
+pub fn druids_final<'a>(
+    sorted: &'a [Snapshot],
+    requested: &std::collections::HashSet<String>,
+) -> Option<&'a Snapshot> {
+    sorted
+        .iter()
+        .rev()
+        .filter(|s| s.is_full())
+        .take(DRUID_FINAL_AMONG)
+        .find(|s| s.is_final && requested.contains(&s.snap_name))
 }
 
 /// Every snapshot in a store with its stored size, sorted.

@@ -11,8 +11,10 @@
 //! keeps its method, path, query and `Authorization` header and carries [`FORWARDED`], so a
 //! request that finds leadership moved again is answered where it lands, never forwarded twice.
 //! What cannot be forwarded (no leader known, the leader's sidecar unreachable) is answered with
-//! 503 and the reason; a final snapshot (`?final=true`) is never forwarded: it is the
-//! hand-off's, of this member.
+//! 503 and the reason. A final (`?final=true`) is forwarded too: under `[druid]` it is druid's
+//! requested final, a full snapshot to be taken where the writes are, by the leader; once the
+//! members are handed off, every member's sidecar (the leader's too) answers it with the
+//! hand-off's final.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -67,11 +69,7 @@ pub fn leader_url(
 /// Whether a request is a snapshot trigger a follower forwards.
 fn forwardable(req: &Request) -> bool {
     let path = req.uri().path();
-    let final_snapshot = req.uri().query().is_some_and(|q| {
-        q.split('&')
-            .any(|kv| kv.starts_with("final=") && kv != "final=false")
-    });
-    (path == "/snapshot/delta" || (path == "/snapshot/full" && !final_snapshot))
+    (path == "/snapshot/delta" || path == "/snapshot/full")
         && !req.headers().contains_key(FORWARDED)
 }
 
@@ -235,7 +233,15 @@ mod tests {
                 })
                 .post(|| async { "leader post" }),
             )
-            .route("/snapshot/full", get(|| async { "leader full" }));
+            .route(
+                "/snapshot/full",
+                get(|uri: axum::http::Uri| async move {
+                    format!(
+                        "leader full{}",
+                        uri.query().map_or(String::new(), |q| format!("?{q}"))
+                    )
+                }),
+            );
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         tokio::spawn(async move { axum::serve(listener, leader).await.unwrap() });
@@ -261,7 +267,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_follower_forwards_triggers_once_and_never_a_final() {
+    async fn a_follower_forwards_triggers_and_druids_final_once() {
         let elsewhere = || Fixed(Ok(Some("http://127.0.0.1:2379".into())));
         assert_eq!(
             answers(
@@ -281,12 +287,11 @@ mod tests {
             answers(elsewhere(), "GET", "/snapshot/full", &[]).await,
             (200, "leader full".into())
         );
-        // A final is this member's; a forwarded request is answered where it lands.
+        // druid's requested final is the leader's to take; a forwarded request is answered
+        // where it lands.
         assert_eq!(
-            answers(elsewhere(), "GET", "/snapshot/full?final=true", &[])
-                .await
-                .1,
-            "local"
+            answers(elsewhere(), "GET", "/snapshot/full?final=true", &[]).await,
+            (200, "leader full?final=true".into())
         );
         assert_eq!(
             answers(elsewhere(), "GET", "/snapshot/delta", &[(FORWARDED, "1")])

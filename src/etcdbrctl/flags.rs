@@ -735,6 +735,14 @@ fn copy_selection(t: &mut Translation, given: &Given) -> Result<(), UsageError> 
             "wait-for-final-snapshot-timeout",
         );
     }
+    // etcd-backup-restore's copy waits for "the newest snapshot is a final full one", which
+    // under etcd-druid is a final druid asked for (`isFinal` before hibernation or a migration):
+    // a hand-off's final or druid's requested final ends etcdbrctl's wait.
+    if t.command == Subcommand::Copy
+        && last(given, "wait-for-final-snapshot").is_some_and(|v| go_bool(v) == Some(true))
+    {
+        set("copy.druid_final", "true".into(), "wait-for-final-snapshot");
+    }
     Ok(())
 }
 

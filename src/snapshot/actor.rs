@@ -67,7 +67,7 @@ impl EngineError {
             EngineError::Full(FullError::Etcd(_))
             | EngineError::Etcd(_)
             | EngineError::Connect(_) => "etcd",
-            EngineError::Full(FullError::Store(_))
+            EngineError::Full(FullError::Store(_) | FullError::Mark(_))
             | EngineError::Delta(DeltaError::Store(_))
             | EngineError::Store(_) => "store",
             EngineError::Full(FullError::Codec(_)) => "codec",
@@ -108,6 +108,11 @@ pub enum FullKind {
     /// requested ([`crate::store::gc::mark_triggered`]) before the actor answers, so no
     /// retention pass ever counts it among the scheduled ones.
     Requested,
+    /// etcd-druid's requested final (`POST /snapshot/full?final=true` under `[druid]`): a
+    /// [`FullKind::Requested`] named `.final` as etcd-backup-restore names it, and marked as
+    /// druid's before its upload, so no reader takes it for a hand-off's final
+    /// ([`crate::store::gc`]'s notes). Refused, as every request is, unless the gate is open.
+    RequestedFinal,
     /// The hand-off's final: exactly the object `name` (fixed before its first attempt, so every
     /// attempt writes the same one), refused (nothing stored) when the member is below
     /// `min_revision`.
@@ -360,6 +365,16 @@ impl ActorHandle {
     pub async fn full(&self) -> Result<Snapshot, ActorError> {
         self.ask(|reply| Command::Full {
             kind: FullKind::Requested,
+            reply,
+        })
+        .await
+    }
+
+    /// Takes etcd-druid's requested final now ([`FullKind::RequestedFinal`]); refused unless
+    /// the gate is open.
+    pub async fn requested_final(&self) -> Result<Snapshot, ActorError> {
+        self.ask(|reply| Command::Full {
+            kind: FullKind::RequestedFinal,
             reply,
         })
         .await
@@ -719,7 +734,9 @@ impl<E: Engine> Actor<E> {
             Command::Full { kind, reply } => {
                 let op = match kind {
                     FullKind::Final { .. } => Operation::Final,
-                    FullKind::Regular | FullKind::Requested => Operation::Requested,
+                    FullKind::Regular | FullKind::Requested | FullKind::RequestedFinal => {
+                        Operation::Requested
+                    }
                 };
                 let r = self.full(op, kind).await;
                 let _ = reply.send(r);
@@ -882,6 +899,9 @@ impl<E: Engine> Actor<E> {
             FullKind::Regular => tracing::info_span!("full_snapshot", is_final = false),
             FullKind::Requested => {
                 tracing::info_span!("full_snapshot", is_final = false, requested = true)
+            }
+            FullKind::RequestedFinal => {
+                tracing::info_span!("full_snapshot", is_final = false, requested_final = true)
             }
             FullKind::Final { name, min_revision } => {
                 tracing::info_span!("full_snapshot", is_final = true, snapshot = %name.snap_name, min_revision)
@@ -1290,7 +1310,7 @@ mod tests {
     #[async_trait]
     impl Engine for HangingEtcd {
         async fn full(&mut self, kind: &FullKind) -> Result<Stored, EngineError> {
-            let is_final = matches!(kind, FullKind::Final { .. });
+            let is_final = matches!(kind, FullKind::Final { .. } | FullKind::RequestedFinal);
             self.maybe_hang().await;
             self.revision += 1;
             Ok(Stored {

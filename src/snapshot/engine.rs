@@ -100,9 +100,13 @@ impl Engine for EtcdEngine {
             FullKind::Regular => {
                 take_full_as(&client, &self.store, Target::Regular(self.codec)).await?
             }
-            FullKind::Requested => {
-                let (snap, bytes) =
-                    take_full_as(&client, &self.store, Target::Regular(self.codec)).await?;
+            FullKind::Requested | FullKind::RequestedFinal => {
+                let target = if matches!(kind, FullKind::RequestedFinal) {
+                    Target::RequestedFinal(self.codec)
+                } else {
+                    Target::Regular(self.codec)
+                };
+                let (snap, bytes) = take_full_as(&client, &self.store, target).await?;
                 // After the snapshot (retention deletes a marker whose snapshot is not listed),
                 // before the actor answers and runs its next retention pass. Unmarked, it counts
                 // as scheduled: said loudly, the snapshot itself stands.
@@ -120,7 +124,7 @@ impl Engine for EtcdEngine {
             }
         };
         let is_final = snap.is_final;
-        let requested = matches!(kind, FullKind::Requested);
+        let requested = matches!(kind, FullKind::Requested | FullKind::RequestedFinal);
         self.base_needed = false;
         match self.writer.as_mut() {
             // A requested full snapshot is one more restore point, not a new base: the deltas
@@ -130,7 +134,11 @@ impl Engine for EtcdEngine {
             Some(_) if requested => {}
             // The running watch goes on; what the full snapshot covers is dropped.
             Some(w) => w.rebase(snap.last_revision),
-            None if self.want_deltas && !is_final => self.watch_after(snap.last_revision).await?,
+            // A request (druid's requested final too) is followed by deltas, as
+            // etcd-backup-restore's final taken over HTTP is; the hand-off's final is not.
+            None if self.want_deltas && (requested || !is_final) => {
+                self.watch_after(snap.last_revision).await?
+            }
             None => {}
         }
         Ok(Stored {

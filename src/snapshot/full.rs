@@ -41,6 +41,9 @@ pub enum FullError {
         /// The revision asked for.
         need: i64,
     },
+    /// The requested-final marker could not be written before the upload; nothing was stored.
+    #[error("cannot mark the snapshot as etcd-druid's requested final (nothing was stored): {0}")]
+    Mark(StoreError),
     /// The member was not at exactly the revision the snapshot must hold, before or after its
     /// stream (a write, or a lease expiring, moved it); nothing was stored.
     #[error(
@@ -81,6 +84,11 @@ pub enum Target<'a> {
         /// The revision it must hold.
         revision: i64,
     },
+    /// etcd-druid's requested final (`POST /snapshot/full?final=true` under `[druid]`): a
+    /// snapshot taken now and named `.final` as etcd-backup-restore names it, its
+    /// requested-final marker written before the upload ([`crate::store::gc`]'s notes), so no
+    /// reader takes it for a hand-off's final.
+    RequestedFinal(Codec),
     /// The hand-off's final as the object `name` (fixed before the first attempt, so a retry
     /// writes the same object), holding at least `min_revision`: refused before anything is
     /// streamed when the member is below it. `name`'s revision is a lower bound of what it holds
@@ -102,6 +110,17 @@ pub async fn take_full_as(
 ) -> Result<(Snapshot, u64), FullError> {
     match target {
         Target::Regular(codec) => take(client, store, codec, false, Reach::Any, None).await,
+        Target::RequestedFinal(codec) => {
+            take(
+                client,
+                store,
+                codec,
+                true,
+                Reach::Any,
+                Some(Naming::RequestedFinal),
+            )
+            .await
+        }
         Target::Exactly { codec, revision } => {
             take(client, store, codec, false, Reach::Exactly(revision), None).await
         }
@@ -113,11 +132,19 @@ pub async fn take_full_as(
                 object.compression,
                 object.is_final,
                 Reach::AtLeast(min_revision),
-                Some(object),
+                Some(Naming::Object(object)),
             )
             .await
         }
     }
+}
+
+/// How a snapshot is named other than fresh from the revision (`None`).
+enum Naming {
+    /// Exactly this object (the hand-off's final, fixed by its intent).
+    Object(Snapshot),
+    /// Fresh and final, marked as etcd-druid's requested final before the upload.
+    RequestedFinal,
 }
 
 /// Which revisions a snapshot may hold.
@@ -134,7 +161,7 @@ async fn take(
     codec: Codec,
     is_final: bool,
     reach: Reach,
-    named: Option<Snapshot>,
+    named: Option<Naming>,
 ) -> Result<(Snapshot, u64), FullError> {
     let mut maintenance = client.maintenance_client();
     let revision = status_revision(&mut maintenance).await?;
@@ -189,8 +216,22 @@ async fn take(
     };
     // etcd keeps streaming while compression or the upload is momentarily behind.
     let raw = compression::prefetch(raw, PREFETCH_MESSAGES);
-    let snapshot =
-        named.unwrap_or_else(|| store.new_snapshot(Kind::Full, 0, revision, codec, is_final));
+    let (snapshot, requested_final) = match named {
+        Some(Naming::Object(object)) => (object, false),
+        Some(Naming::RequestedFinal) => (
+            store.new_snapshot(Kind::Full, 0, revision, codec, true),
+            true,
+        ),
+        None => (
+            store.new_snapshot(Kind::Full, 0, revision, codec, is_final),
+            false,
+        ),
+    };
+    if requested_final {
+        crate::store::gc::mark_requested_final(store, &snapshot)
+            .await
+            .map_err(FullError::Mark)?;
+    }
     let stored = store_payload(store, &snapshot, raw, codec).await;
     if let Some(found) = *moved.lock().unwrap_or_else(|p| p.into_inner()) {
         return Err(FullError::Moved {

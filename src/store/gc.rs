@@ -24,6 +24,15 @@
 //! known by an empty marker object `<prefix>/etcd-warden/triggered/<name>` beside the layout
 //! directory, where etcd-backup-restore does not look, so the snapshot names stay the
 //! reference's; a marker whose snapshot is gone is deleted by retention.
+//!
+//! A triggered full may be etcd-druid's *requested final* (`POST /snapshot/full?final=true`
+//! under `[druid]`): named `.final` as etcd-backup-restore names it, and judged as a request,
+//! never kept as a hand-off's final is. It carries a second marker,
+//! `<prefix>/etcd-warden/requested-final/<name>`, written *before* the upload (so a `.final`
+//! object from a request never exists without an etcd-warden object beside it, and no reader
+//! that falls back to etcd-backup-restore's rule, "the newest snapshot is a final full one",
+//! takes it for a hand-off's final: [`crate::owner::handoff::the_final`]); retention deletes
+//! it with its snapshot, and one left by an upload that never finished once it is a day old.
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -94,7 +103,9 @@ pub fn plan_with(
         }
     }
     for (k, &start) in fulls.iter().enumerate() {
-        if start == newest || sorted[start].is_final {
+        if start == newest
+            || (sorted[start].is_final && !triggered.contains(&sorted[start].snap_name))
+        {
             delete_full[k] = false;
         }
     }
@@ -122,7 +133,9 @@ pub fn plan_with(
             .cloned(),
     );
     for (k, &start) in fulls.iter().enumerate() {
-        if start == newest || sorted[start].is_final {
+        if start == newest
+            || (sorted[start].is_final && !triggered.contains(&sorted[start].snap_name))
+        {
             continue;
         }
         // The deltas after a requested full snapshot continue its scheduled chain too: they
@@ -176,7 +189,9 @@ fn roles(sorted: &[Snapshot], fulls: &[usize], triggered: &HashSet<String>) -> V
         }
         next = start + 1;
         let full = &sorted[start];
-        if full.is_final || !triggered.contains(&full.snap_name) {
+        // A triggered full is a request even when named final (etcd-druid's requested final);
+        // a hand-off's final is never marked triggered.
+        if !triggered.contains(&full.snap_name) {
             roles.push(Role::Scheduled);
             head = Some(k);
             reach = Some(full.last_revision);
@@ -296,15 +311,26 @@ pub async fn run(
     // an orphan.
     let triggered = triggered_names(store).await?;
     let list = store.list().await?;
-    let planned = plan_with(&list, &triggered, now, retention);
     let listed: HashSet<&str> = list.iter().map(|s| s.snap_name.as_str()).collect();
     let orphans: Vec<&String> = triggered
         .iter()
         .filter(|n| !listed.contains(n.as_str()))
         .collect();
     for name in orphans {
-        unmark(store, name).await;
+        TRIGGERED.delete(store, name).await;
     }
+    // A requested final's marker is written before its upload: one whose snapshot is not
+    // listed may be of an upload under way, so only a day-old one is an orphan. Listed after
+    // the snapshots, so every requested final in the listing is known as one (and judged as a
+    // request even when its triggered marker was never written).
+    let mut triggered = triggered;
+    for (name, written) in REQUESTED_FINAL.list(store).await? {
+        if !listed.contains(name.as_str()) && now - written > TimeDelta::days(1) {
+            REQUESTED_FINAL.delete(store, &name).await;
+        }
+        triggered.insert(name);
+    }
+    let planned = plan_with(&list, &triggered, now, retention);
     Ok(delete(store, planned, &triggered).await)
 }
 
@@ -344,7 +370,10 @@ pub async fn delete(
             Ok(None) => {
                 tracing::info!(snapshot = %s.snap_name, "retention: deleted");
                 if triggered.contains(&s.snap_name) {
-                    unmark(store, &s.snap_name).await;
+                    TRIGGERED.delete(store, &s.snap_name).await;
+                    if s.is_final {
+                        REQUESTED_FINAL.delete(store, &s.snap_name).await;
+                    }
                 }
                 store.unlocked(&s);
                 report.deleted.push(s);
@@ -367,28 +396,105 @@ pub async fn delete(
     report
 }
 
-/// Where the markers of triggered full snapshots are, under the store's prefix.
-const TRIGGERED_DIR: &str = "etcd-warden/triggered";
+/// Empty marker objects, one per snapshot name, in a folder under the store's prefix (beside
+/// the layout directory, where etcd-backup-restore does not look).
+#[derive(Debug, Clone, Copy)]
+struct Markers {
+    /// The folder, relative to the prefix.
+    dir: &'static str,
+    /// What a marker says, for the log.
+    what: &'static str,
+}
 
-fn triggered_dir(store: &super::SnapshotStore) -> String {
-    let prefix = store.prefix().trim_matches('/');
-    if prefix.is_empty() {
-        TRIGGERED_DIR.to_owned()
-    } else {
-        format!("{prefix}/{TRIGGERED_DIR}")
+/// The markers of triggered (requested) full snapshots.
+const TRIGGERED: Markers = Markers {
+    dir: "etcd-warden/triggered",
+    what: "triggered",
+};
+
+/// The markers of etcd-druid's requested finals.
+const REQUESTED_FINAL: Markers = Markers {
+    dir: "etcd-warden/requested-final",
+    what: "requested-final",
+};
+
+impl Markers {
+    fn dir(self, store: &super::SnapshotStore) -> object_store::path::Path {
+        let prefix = store.prefix().trim_matches('/');
+        if prefix.is_empty() {
+            object_store::path::Path::from(self.dir)
+        } else {
+            object_store::path::Path::from(format!("{prefix}/{}", self.dir))
+        }
+    }
+
+    fn path(self, store: &super::SnapshotStore, name: &str) -> object_store::path::Path {
+        object_store::path::Path::from(format!("{}/{name}", self.dir(store)))
+    }
+
+    async fn put(self, store: &super::SnapshotStore, name: &str) -> Result<(), super::StoreError> {
+        use object_store::ObjectStoreExt;
+        store
+            .backend()
+            .put(&self.path(store, name), bytes::Bytes::new().into())
+            .await?;
+        Ok(())
+    }
+
+    /// Each marker's snapshot name and when the marker was written.
+    async fn list(
+        self,
+        store: &super::SnapshotStore,
+    ) -> Result<Vec<(String, DateTime<Utc>)>, super::StoreError> {
+        use futures::StreamExt;
+        let dir = self.dir(store);
+        let mut listed = store.backend().list(Some(&dir));
+        let mut markers = Vec::new();
+        while let Some(meta) = listed.next().await {
+            let meta = meta?;
+            if let Some(name) = meta.location.filename() {
+                markers.push((name.to_owned(), meta.last_modified));
+            }
+        }
+        Ok(markers)
+    }
+
+    async fn names(
+        self,
+        store: &super::SnapshotStore,
+    ) -> Result<HashSet<String>, super::StoreError> {
+        Ok(self
+            .list(store)
+            .await?
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect())
+    }
+
+    /// Deletes the marker of `name`; one that stays is deleted by a later run.
+    async fn delete(self, store: &super::SnapshotStore, name: &str) {
+        use object_store::ObjectStoreExt;
+        if let Err(e) = store.backend().delete(&self.path(store, name)).await {
+            tracing::debug!(snapshot = %name, marker = self.what, error = %e, "retention: a marker stays");
+        }
     }
 }
 
-fn triggered_marker(store: &super::SnapshotStore, name: &str) -> object_store::path::Path {
-    object_store::path::Path::from(format!("{}/{name}", triggered_dir(store)))
+/// Records that the full snapshot `snapshot` (named final) is etcd-druid's requested final,
+/// not a hand-off's. Written **before** its upload starts: see the module's notes.
+pub async fn mark_requested_final(
+    store: &super::SnapshotStore,
+    snapshot: &Snapshot,
+) -> Result<(), super::StoreError> {
+    REQUESTED_FINAL.put(store, &snapshot.snap_name).await
 }
 
-/// Deletes the marker of `name`; one that stays is deleted by a later run.
-async fn unmark(store: &super::SnapshotStore, name: &str) {
-    use object_store::ObjectStoreExt;
-    if let Err(e) = store.backend().delete(&triggered_marker(store, name)).await {
-        tracing::debug!(snapshot = %name, error = %e, "retention: a triggered marker stays");
-    }
+/// The names of etcd-druid's requested finals (markers whose upload may not have finished
+/// included).
+pub async fn requested_finals(
+    store: &super::SnapshotStore,
+) -> Result<HashSet<String>, super::StoreError> {
+    REQUESTED_FINAL.names(store).await
 }
 
 /// Records that the full snapshot `snapshot` was taken on request (not on schedule), so that
@@ -397,31 +503,14 @@ pub async fn mark_triggered(
     store: &super::SnapshotStore,
     snapshot: &Snapshot,
 ) -> Result<(), super::StoreError> {
-    use object_store::ObjectStoreExt;
-    store
-        .backend()
-        .put(
-            &triggered_marker(store, &snapshot.snap_name),
-            bytes::Bytes::new().into(),
-        )
-        .await?;
-    Ok(())
+    TRIGGERED.put(store, &snapshot.snap_name).await
 }
 
 /// The names of the full snapshots marked as triggered.
 pub async fn triggered_names(
     store: &super::SnapshotStore,
 ) -> Result<HashSet<String>, super::StoreError> {
-    use futures::StreamExt;
-    let dir = object_store::path::Path::from(triggered_dir(store));
-    let mut listed = store.backend().list(Some(&dir));
-    let mut names = HashSet::new();
-    while let Some(meta) = listed.next().await {
-        if let Some(name) = meta?.location.filename() {
-            names.insert(name.to_owned());
-        }
-    }
-    Ok(names)
+    TRIGGERED.names(store).await
 }
 
 /// Reports a snapshot the store keeps: in the log the first time this process finds it locked.
@@ -695,6 +784,84 @@ mod tests {
             names(&plan(&all, now, limit(3, 0))),
             vec![(Kind::Full, 10), (Kind::Full, 20), (Kind::Full, 30)]
         );
+    }
+
+    /// etcd-druid's requested finals are named final but judged as requests: beyond
+    /// `max_backups` the oldest goes with both its markers, a hand-off's final (no marker)
+    /// never does, and one whose triggered marker was never written (the sidecar stopped after
+    /// the upload) is still a request. A requested-final marker whose snapshot is not listed may
+    /// be of an upload under way: kept for a day, then deleted.
+    #[tokio::test]
+    async fn druids_requested_finals_are_judged_as_requests_and_their_markers_go_with_them() {
+        let store = crate::store::SnapshotStore::new(
+            std::sync::Arc::new(object_store::memory::InMemory::new()),
+            "p",
+        );
+        // The markers' times are the store's (now): the plan's clock is now too.
+        let now = Utc::now();
+        let h = |n| now - TimeDelta::hours(n);
+        let fin = |rev, at| Snapshot::new("", Kind::Full, 0, rev, at, Codec::Gzip, true);
+        let hand_off = fin(5, h(50));
+        let scheduled = [full(10, h(30)), full(20, h(20)), full(30, h(10))];
+        let druids: Vec<Snapshot> = (0..5).map(|i| fin(31 + i, h(5 - i))).collect();
+        for s in scheduled.iter().chain(&druids).chain([&hand_off]) {
+            store
+                .put_bytes(s, bytes::Bytes::from_static(b"x"))
+                .await
+                .unwrap();
+        }
+        for (i, s) in druids.iter().enumerate() {
+            mark_requested_final(&store, s).await.unwrap();
+            if i != 0 {
+                mark_triggered(&store, s).await.unwrap();
+            }
+        }
+        // The marker of an upload under way (its snapshot not stored yet).
+        let uploading = fin(36, now);
+        mark_requested_final(&store, &uploading).await.unwrap();
+
+        let report = run(&store, now, limit(3, 0)).await.unwrap();
+        assert_eq!(
+            names(&report.deleted),
+            vec![(Kind::Full, 31), (Kind::Full, 32)],
+            "the oldest requested finals beyond max_backups go, the hand-off's final stays"
+        );
+        let mut marked: Vec<String> = requested_finals(&store)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect();
+        marked.sort();
+        let mut want: Vec<String> = druids[2..]
+            .iter()
+            .chain([&uploading])
+            .map(|s| s.snap_name.clone())
+            .collect();
+        want.sort();
+        assert_eq!(
+            marked, want,
+            "a deleted request's marker goes, an upload's stays"
+        );
+        assert!(
+            !triggered_names(&store)
+                .await
+                .unwrap()
+                .contains(&druids[1].snap_name)
+        );
+
+        // A day later the upload's marker is an orphan.
+        run(&store, now + TimeDelta::hours(25), limit(3, 0))
+            .await
+            .unwrap();
+        assert!(
+            !requested_finals(&store)
+                .await
+                .unwrap()
+                .contains(&uploading.snap_name)
+        );
+        // Unmarked, they would be finals: never deleted, every one kept.
+        let all: Vec<Snapshot> = scheduled.iter().chain(&druids).cloned().collect();
+        assert!(plan(&all, now, limit(3, 0)).iter().all(|s| !s.is_final));
     }
 
     /// A backend whose deletes of some keys are refused as Azure refuses a blob under an

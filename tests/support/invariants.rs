@@ -7,8 +7,8 @@
 //! - **no lost write**: every final snapshot's last revision is at least the revision of every
 //!   write the writer saw acknowledged;
 //! - **liveness**: when the record ends naming someone else and everything is healed, the latest
-//!   full snapshot is final by the end of the settle time, unless a sidecar's `/status` says why
-//!   it cannot (`owner.reason`, printed);
+//!   full snapshot is final by the end of the settle time; a sidecar's `/status` saying why it
+//!   is not (`owner.reason`) goes in the violation's text and excuses nothing;
 //! - **one final per hand-off**: at most one unreclaimed final snapshot in the store, and it is
 //!   the one the store's hand-off objects name (`owner::handoff::the_final`, what every reader
 //!   goes by); a final `etcd-warden reclaim` undid must still hold every write acknowledged
@@ -580,10 +580,18 @@ pub fn check(e: &Evidence<'_>) -> (Vec<Violation>, Vec<String>) {
                 ),
             });
         } else {
-            notes.push(format!(
-                "no final snapshot after the settle time; sidecars say: {}",
-                reasons.join("; ")
-            ));
+            // A reason explains; it excuses nothing: everything healed and the record names
+            // another owner, so the final was due within the settle time.
+            v.push(Violation {
+                kind: "no-final",
+                detail: format!(
+                    "the record ends naming another owner ({:?}) and everything healed, but no \
+                     final is read as final after the settle time ({} finals); sidecars say: {}",
+                    e.ending,
+                    finals.len(),
+                    reasons.join("; ")
+                ),
+            });
         }
     }
 

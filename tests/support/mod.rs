@@ -22,6 +22,7 @@ pub mod hosts;
 pub mod invariants;
 pub mod kube_world;
 pub mod kvcheck;
+pub mod leakprobe;
 pub mod linsearch;
 pub mod losing;
 pub mod machine_api;

@@ -114,7 +114,7 @@ pub const EXPECT: &[Expect] = &[
     Expect {
         plant: "delta-leak",
         checkers: &["leaked"],
-        pending: Some("7 (the `leaked` checker)"),
+        pending: None,
         with: None,
         in_process: false,
         minutes: 2.0,

@@ -49,7 +49,7 @@ use super::s3::{ACCESS_KEY, REGION, SECRET_KEY};
 use super::schedule::{Ending, SplitMix64};
 use super::traffic::{self, Recorded, Traffic};
 use super::writer::Ack;
-use super::{deltacheck, linsearch, revmodel};
+use super::{deltacheck, leakprobe, linsearch, revmodel};
 use etcd_warden::owner::handoff::the_final;
 use etcd_warden::store::Snapshot;
 
@@ -1138,8 +1138,6 @@ struct Run<'a> {
     violations: Vec<Violation>,
     notes: Vec<String>,
     counts: Counts,
-    /// (from, to) of every fault, from the epoch.
-    fault_windows: Vec<(Duration, Duration)>,
     wall_epoch: SystemTime,
     /// Bucket prefixes the copy Job wrote (one per hand-off).
     destinations: u32,
@@ -1356,7 +1354,6 @@ impl Run<'_> {
             }
         }
         let to = self.world.events.epoch.elapsed();
-        self.fault_windows.push((from, to));
         self.fault_log.push((n, from, to));
         self.event(format!("nemesis: {} healed", n.kind()));
     }
@@ -1722,7 +1719,6 @@ impl Run<'_> {
             _ => self.world.proxy.set(FaultMode::Pass),
         }
         let to = self.world.events.epoch.elapsed();
-        self.fault_windows.push((from, to));
         self.fault_log.push((other, from, to));
         self.event(format!("nemesis: {} healed (two at once)", other.kind()));
     }
@@ -1768,7 +1764,6 @@ impl Run<'_> {
             return;
         };
         *self.counts.faults.entry(n.kind()).or_default() += 1;
-        self.fault_windows.push((at + from, at + to));
         self.fault_log.push((n, at + from, at + to));
         self.event(format!("nemesis: {} healed", n.kind()));
     }
@@ -2677,7 +2672,6 @@ pub async fn run_until(
         violations: Vec::new(),
         notes: Vec::new(),
         counts: Counts::default(),
-        fault_windows: Vec::new(),
         wall_epoch,
         destinations: 0,
         clock_dir,
@@ -2946,6 +2940,24 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
     } else {
         judge_deltas(&mut run, &model, &snapshots).await
     };
+    // After the deltas are judged from the listing above: the probe's own deltas are not the
+    // history's.
+    let leak_summary = if run.stopped() || closing.is_none() {
+        " leak_probe=unjudged (no closing write)".to_string()
+    } else {
+        match leakprobe::probe(&run.world).await {
+            Ok(p) => {
+                if let Some(v) = leakprobe::judge(p.member, &p.rss_after) {
+                    run.violation("leaked", v);
+                }
+                format!(" leak_probe: m{} rss_kib={:?}", p.member, p.rss_after)
+            }
+            Err(why) => {
+                run.event(format!("end: the leak probe judged nothing: {why}"));
+                format!(" leak_probe=unjudged ({why})")
+            }
+        }
+    };
     let samples = run
         .samples
         .lock()
@@ -2982,7 +2994,7 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
          watch_events={events} streams={} etcd_compactions={} faults={faults} {:?} handoffs={} \
          settled={} copies={} restores={} restore_disk_full={} reclaims={} compact_jobs={} \
          drills={} (failed under faults {}) peak_sidecar_rss={} MiB {}{model_summary}{delta_summary}\
-         {lane_summary}{druid_summary}{kinds_summary}{}",
+         {lane_summary}{druid_summary}{kinds_summary}{leak_summary}{}",
         if run.violations.is_empty() {
             "PASS"
         } else {

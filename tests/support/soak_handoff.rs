@@ -200,7 +200,6 @@ impl Run<'_> {
         };
         self.world.proxy.set(FaultMode::Pass);
         let to = self.world.events.epoch.elapsed();
-        self.fault_windows.push((from, to));
         self.fault_log
             .push((Nemesis::Store(FaultMode::Down), from, to));
         self.event("hand-off: the sidecars' store is back");

@@ -292,3 +292,16 @@ impl Drop for Warden {
         self.kill();
     }
 }
+
+/// The indices of the sidecars whose `/status` says they are the snapshot leader.
+pub async fn snapshot_leaders(wardens: &[Warden]) -> Vec<usize> {
+    let mut out = Vec::new();
+    for (i, w) in wardens.iter().enumerate() {
+        if let Some((_, s)) = w.get("/status").await
+            && s["snapshotter"]["leader"] == true
+        {
+            out.push(i);
+        }
+    }
+    out
+}
