@@ -98,11 +98,15 @@ impl Codec {
     }
 
     /// Decompresses a stream on blocking threads: etcd-warden's sized gzip members on as many as
-    /// the machine has cores, anything else on one. Call within a Tokio runtime.
+    /// the machine has cores when it has at least [`PARALLEL_FROM`] ([`inflaters`]), anything
+    /// else on one. Call within a Tokio runtime.
     pub fn decode(self, input: ByteStream) -> ByteStream {
         match self {
             Codec::None => input,
-            Codec::Gzip => gzip_decode(input, default_parallelism()),
+            Codec::Gzip => match inflaters(default_parallelism()) {
+                Some(n) => gzip_decode(input, n),
+                None => gzip_sequential(input),
+            },
             Codec::Zlib => {
                 blocking_transform(input, |r| Box::new(flate2::read::ZlibDecoder::new(r)))
             }
@@ -319,6 +323,17 @@ fn at_least_one(input: ByteStream) -> ByteStream {
 /// Cores to inflate on.
 fn default_parallelism() -> usize {
     std::thread::available_parallelism().map_or(1, std::num::NonZero::get)
+}
+
+/// The fewest cores on which gzip is inflated member by member in parallel. On 2 cores the
+/// restore's other work (the database written, etcd's hash checked: about half its CPU time)
+/// takes the second core, and the parallel path measured 0.95–1.36× the time of one stream on
+/// the same file (docs/benchmarks.md, "Parallel inflate"), so it is not taken there.
+pub const PARALLEL_FROM: usize = 3;
+
+/// How many members to inflate at once on a machine of `cores`: `None` for one stream.
+fn inflaters(cores: usize) -> Option<usize> {
+    (cores >= PARALLEL_FROM).then_some(cores)
 }
 
 /// Gzip decoded: when the first member states its sizes, member by member in parallel
@@ -1187,10 +1202,19 @@ mod tests {
         );
     }
 
+    /// `Codec::decode` takes the parallel path for sized members from [`PARALLEL_FROM`] cores.
+    #[test]
+    fn sized_gzip_is_inflated_in_parallel_from_three_cores() {
+        assert_eq!(inflaters(1), None);
+        assert_eq!(inflaters(2), None);
+        assert_eq!(inflaters(3), Some(3));
+        assert_eq!(inflaters(16), Some(16));
+    }
+
     /// A file whose members lie about themselves, each lie one the sequential decoder could not
     /// see or would see later: every one is an error naming the member's offset, never a panic
-    /// or a clean end. The first case, which flate2 reads without complaint, shows the parallel
-    /// path is what `Codec::decode` takes for sized members.
+    /// or a clean end, in the parallel path. The first case, which flate2 reads without
+    /// complaint, shows the parallel path is what ran.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn lies_in_sized_members_are_errors_naming_the_member() {
         let data = sample(3 * BLOCK);
@@ -1206,7 +1230,7 @@ mod tests {
             f[at..at + 4].copy_from_slice(&v.to_le_bytes());
         };
         let decode = |f: Vec<u8>| async move {
-            let out = collect(Codec::Gzip.decode(chunked(&f, 65536))).await;
+            let out = collect(gzip_decode(chunked(&f, 65536), PARALLEL_FROM)).await;
             out.map(|v| v.len()).unwrap_err().to_string()
         };
         // The second member states one byte more inflated: flate2 does not read the field.
@@ -1273,7 +1297,7 @@ mod tests {
         // Nothing of the members after an error passes: the stream ends at it.
         let mut f = good.clone();
         f[40] ^= 0xff;
-        let mut s = Codec::Gzip.decode(chunked(&f, 65536));
+        let mut s = gzip_decode(chunked(&f, 65536), PARALLEL_FROM);
         assert!(s.next().await.unwrap().is_err());
         assert!(s.next().await.is_none());
     }
