@@ -446,6 +446,26 @@ mod tests {
                 &delta::encode_compressed(&events, codec, level).unwrap(),
             );
         }
+        // etcd-warden's sized gzip members (two small ones, so the parallel inflate's cutting
+        // and checks are reached), then the same followed by a plain member (the fallback).
+        let sized = |data: &[u8]| {
+            let level = compression::Level::default();
+            let input = compression::once(bytes::Bytes::copy_from_slice(data));
+            runtime()
+                .block_on(async {
+                    compression::collect(Codec::Gzip.encode(input, 1, level).unwrap()).await
+                })
+                .unwrap()
+        };
+        let members = [sized(&payload[..payload.len() / 2]), sized(&payload)].concat();
+        put("store_decode", "gzip_members", &members);
+        let plain =
+            delta::encode_compressed(&events, Codec::Gzip, compression::Level::default()).unwrap();
+        put(
+            "store_decode",
+            "gzip_members_then_plain",
+            &[&members[..], &plain].concat(),
+        );
         let identity = age::x25519::Identity::from_str(
             "AGE-SECRET-KEY-1QUYQJZSTPSXSURCSZYFPX9Q4ZCT3SXG6RVWP68SLYQSJYGEYY5NQ23P5FC",
         )

@@ -7,6 +7,7 @@ pub mod compression;
 mod credentials;
 pub mod encryption;
 pub mod gc;
+mod gzip_members;
 pub mod layout;
 mod local;
 pub mod object_lock;
