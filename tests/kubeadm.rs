@@ -241,15 +241,7 @@ async fn a_kubeadm_stacked_etcd_is_backed_up_by_the_leaders_node_through_a_failo
         w.wait_up().await;
     }
     let store = support::file_store(&store_dir);
-    let reached = |r: i64| {
-        let store = store.clone();
-        async move {
-            store
-                .list()
-                .await
-                .is_ok_and(|l| l.last().map(|s| s.last_revision) == Some(r))
-        }
-    };
+    let reached = |r: i64| support::stored::newest_at(store.clone(), r);
 
     // Before the failover: the raft leader's sidecar, and only it, stores fulls and deltas.
     let mut client = apiserver_client(&nodes[0], urls.clone()).await;

@@ -317,16 +317,7 @@ async fn only_the_leaders_sidecar_snapshots_and_another_takes_over_without_a_gap
         .store,
     )
     .unwrap();
-    let reached = |r: i64| {
-        let store = store.clone();
-        async move {
-            store
-                .list()
-                .await
-                .map(|l| l.last().map(|s| s.last_revision) == Some(r))
-                .unwrap_or(false)
-        }
-    };
+    let reached = |r: i64| support::stored::newest_at(store.clone(), r);
     assert!(
         eventually(Duration::from_secs(15), || reached(rev)).await,
         "first leader's snapshots reach {rev}"

@@ -87,3 +87,11 @@ pub async fn gzip_full(client: &etcd_client::Client, store: &SnapshotStore) -> S
         .await
         .unwrap()
 }
+
+/// Whether `store`'s newest snapshot ends at revision `r` (false while it cannot be listed).
+pub async fn newest_at(store: SnapshotStore, r: i64) -> bool {
+    store
+        .list()
+        .await
+        .is_ok_and(|l| l.last().map(|s| s.last_revision) == Some(r))
+}
