@@ -7,8 +7,10 @@
 //! Memory a sidecar frees stays with its allocator after the first burst and is reused by the
 //! next ones; memory it keeps per event grows with every burst. So the judge is the growth from
 //! after the first burst to after the last ([`judge`]): more than [`BOUND_KIB`] over
-//! `(BURSTS - 1) × BURST` events is `leaked`. A probe that cannot run (no leader, no delta, the
-//! leader restarted or moved) says why and judges nothing: the summary says `unjudged`.
+//! `(BURSTS - 1) × BURST` events is `leaked`. A probe that cannot run once the history is
+//! complete (no leader, no delta, the leader restarted or moved) is the violation
+//! `leak-unjudged`, with why; only a run without a closing write (stopped on a plant's checker)
+//! skips it, saying so in the summary.
 
 use std::time::{Duration, Instant};
 

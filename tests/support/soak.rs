@@ -2953,7 +2953,12 @@ async fn finish(mut run: Run<'_>, scratch: tempfile::TempDir) -> SoakOutcome {
                 format!(" leak_probe: m{} rss_kib={:?}", p.member, p.rss_after)
             }
             Err(why) => {
-                run.event(format!("end: the leak probe judged nothing: {why}"));
+                // The history is complete and etcd serves: a probe that cannot run is a finding
+                // of its own, never a pass.
+                run.violation(
+                    "leak-unjudged",
+                    format!("the leak probe could not run after the closing write: {why}"),
+                );
                 format!(" leak_probe=unjudged ({why})")
             }
         }
