@@ -628,14 +628,19 @@ async fn etcd_wrappers_sequence_starts_an_etcd_that_is_backed_up_and_restored() 
     for _ in 0..100 {
         // druid's on-demand snapshot task POSTs and takes nothing but 200.
         let r = http.post(w.url("/snapshot/delta")).send().await.unwrap();
-        answer = (r.status().as_u16(), r.json().await.unwrap());
+        let code = r.status().as_u16();
+        let text = r.text().await.unwrap();
+        let body = serde_json::from_str(&text).unwrap_or_else(|e| {
+            panic!("POST /snapshot/delta {code}: {e}: {text}\n{}", w.log_text())
+        });
+        answer = (code, body);
         if answer.0 != 409 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let (code, body) = answer;
-    assert_eq!(code, 200, "{body}");
+    assert_eq!(code, 200, "{body}\n{}", w.log_text());
     if !body.is_null() {
         for field in [
             "snapName",
@@ -658,7 +663,13 @@ async fn etcd_wrappers_sequence_starts_an_etcd_that_is_backed_up_and_restored() 
         .await
         .unwrap();
     let code = r.status().as_u16();
-    let fin: serde_json::Value = r.json().await.unwrap();
+    let text = r.text().await.unwrap();
+    let fin: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| {
+        panic!(
+            "POST /snapshot/full?final=true {code}: {e}: {text}\n{}",
+            w.log_text()
+        )
+    });
     assert_eq!(code, 200, "{fin}\n{}", w.log_text());
     let name = fin["snapName"].as_str().unwrap().to_string();
     assert!(name.ends_with(".final") && fin["isFinal"] == true, "{fin}");
@@ -673,7 +684,12 @@ async fn etcd_wrappers_sequence_starts_an_etcd_that_is_backed_up_and_restored() 
         fin["lastRevision"].as_i64().unwrap() >= rev,
         "{fin} misses revision {rev}"
     );
-    assert!(pod.stored().contains(&name), "{:?}", pod.stored());
+    assert!(
+        pod.stored().contains(&name),
+        "{name} not stored: {:?}\n{}",
+        pod.stored(),
+        w.log_text()
+    );
     let marker = pod
         .home
         .join("bucket/etcd-test/etcd-warden/requested-final")

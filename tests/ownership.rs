@@ -916,6 +916,90 @@ async fn i_a_stale_final_never_stands_in_and_nothing_follows_the_hand_offs_final
     assert_eq!(finals(&store).await.len(), 2);
 }
 
+/// Under etcd-druid with an owner record: druid's requested final (`POST
+/// /snapshot/full?final=true`, no token) taken while Active is a full snapshot named final and
+/// marked druid's; it never stands in for the hand-off's final, which still holds every write
+/// acknowledged after it; once handed off, druid's request is answered with the hand-off's
+/// final and nothing new is taken. (No etcd-wrapper here: etcd runs before the sidecar.)
+#[tokio::test(flavor = "multi_thread")]
+async fn i2_druids_requested_final_never_stands_in_for_the_hand_offs() {
+    let (dns, pod, url, store, dir) = seed(1).await;
+    let conf = dir.path().join("etcd.conf.yaml");
+    std::fs::write(&conf, "name: etcd-config\n").unwrap();
+    let conf = conf.display().to_string();
+    let w = active(
+        &pod,
+        &dns,
+        &url,
+        &store,
+        &[
+            ("druid.etcd_config", &conf),
+            ("druid.pod_name", "etcd-test-0"),
+        ],
+    )
+    .await;
+    let http = reqwest::Client::new();
+    let druid_final = || async {
+        let r = http
+            .post(w.url("/snapshot/full?final=true"))
+            .send()
+            .await
+            .unwrap();
+        let code = r.status().as_u16();
+        (code, r.json::<serde_json::Value>().await.unwrap())
+    };
+
+    pod.write("before-druid", 3).await;
+    let (code, body) = druid_final().await;
+    assert_eq!(code, 200, "{body}\n{}", w.log_text());
+    let druids = body["snapName"].as_str().unwrap().to_string();
+    assert!(druids.ends_with(".final"), "{body}");
+    let marked = etcd_warden::store::gc::requested_finals(&store)
+        .await
+        .unwrap();
+    assert!(marked.contains(&druids), "{druids} not marked: {marked:?}");
+    let acknowledged = pod.write("after-druid", 20).await;
+
+    dns.set_txt(RECORD, &[THEM]).await;
+    until_owner(&w, "the hand-off's final", 20, |o| {
+        o["finalSnapshot"].is_string()
+    })
+    .await;
+    let name = owner_status(&w).await["finalSnapshot"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_ne!(name, druids, "druid's final stood in for the hand-off's");
+    let f = finals(&store).await;
+    let taken = f.iter().find(|s| s.snap_name == name).expect("listed");
+    assert!(
+        taken.last_revision >= acknowledged,
+        "the hand-off's final at {} misses writes up to {acknowledged}",
+        taken.last_revision
+    );
+    assert_eq!(f.len(), 2, "druid's and the hand-off's: {f:?}");
+
+    // Handed off: druid's request is answered with the hand-off's final, nothing new taken.
+    let (code, body) = druid_final().await;
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(body["snapName"], name.as_str(), "{body}");
+    let (_, latest) = w.get("/snapshot/latest").await.unwrap();
+    assert_eq!(
+        latest["fullSnapshot"]["snapName"],
+        name.as_str(),
+        "{latest}"
+    );
+    assert_eq!(latest["fullSnapshot"]["isFinal"], true, "{latest}");
+    assert_eq!(finals(&store).await.len(), 2);
+    let marked = etcd_warden::store::gc::requested_finals(&store)
+        .await
+        .unwrap();
+    assert!(
+        !marked.contains(&name),
+        "the hand-off's final marked druid's"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn j_a_restarted_sidecar_named_again_stays_handed_off_until_reclaimed() {
     let (dns, pod, url, store, _dir) = seed(1).await;
