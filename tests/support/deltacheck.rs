@@ -37,7 +37,12 @@ pub fn chains(snapshots: &[Snapshot]) -> Vec<Chain<'_>> {
                 deltas: Vec::new(),
             }),
             _ => {
-                if let Some(c) = out.last_mut() {
+                // A delta the full already covers (an overlapping snapshot leader's, stored
+                // before the full) is not in its chain: a restore skips it, and a drill's
+                // count of deltas does not include it.
+                if let Some(c) = out.last_mut()
+                    && s.last_revision > c.full.last_revision
+                {
                     c.deltas.push(s);
                 }
             }
@@ -216,6 +221,21 @@ pub async fn judge(
     out
 }
 
+/// The revision a passed drill's preserved chain is judged at: the newest one the history
+/// knows from the full's revision up to what the drill saw etcd serve, and no later than the
+/// newest revision a snapshot of the chain names. etcd may serve past that (a full snapshot
+/// holds the writes that raced it); a target there is refused by the restore, so the chain is
+/// judged at its newest name and the raced path ([`raced_to`]) judges it where it holds.
+pub fn drill_target(
+    full_revision: i64,
+    served: i64,
+    newest_named: Option<i64>,
+    knows: impl Fn(i64) -> bool,
+) -> Option<i64> {
+    let last = newest_named.map_or(served, |n| served.min(n));
+    (full_revision..=last).rev().find(|r| knows(*r))
+}
+
 /// A drill that passed, as `verify --restore` printed it: the chain it restored (its full
 /// snapshot and how many deltas) and the revision etcd served.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -333,9 +353,10 @@ pub async fn judge_drills(
             .iter()
             .find(|s| s.snap_name == drill.full)
             .map_or(i64::MAX, |s| s.last_revision);
-        let at = (full_revision..=drill.revision)
-            .rev()
-            .find(|r| model.knows(*r));
+        let newest_named = p.snapshots.iter().map(|s| s.last_revision).max();
+        let at = drill_target(full_revision, drill.revision, newest_named, |r| {
+            model.knows(r)
+        });
         let Some(at) = at else {
             out.unjudged.push(format!(
                 "{} drill of {} (revision {}): the history ends at {}, before the chain",
@@ -739,6 +760,37 @@ mod tests {
         // Only what the model knows.
         let r = choose(&cs[0], 5, &mut rng, |r| r <= 25);
         assert!(r.iter().all(|r| *r <= 25) && r.contains(&20), "{r:?}");
+    }
+
+    #[test]
+    fn a_delta_the_full_covers_is_not_in_its_chain() {
+        // Two snapshot leaders overlapped: a delta to the full's own revision was stored
+        // before the full (finding 12 of docs/robustness.md, seed 0x5001).
+        let list = vec![
+            snap(Kind::Incr, 4195, 4271, 0),
+            snap(Kind::Full, 0, 4271, 2),
+            snap(Kind::Incr, 4272, 4353, 4),
+            snap(Kind::Incr, 4354, 4464, 6),
+        ];
+        let cs = chains(&list);
+        assert_eq!(cs.len(), 1);
+        let names: Vec<&str> = cs[0].deltas.iter().map(|d| d.snap_name.as_str()).collect();
+        assert_eq!(names, ["Incr-4272-4353", "Incr-4354-4464"]);
+    }
+
+    #[test]
+    fn a_drill_is_judged_no_later_than_its_chain_names() {
+        // etcd served 19883 from a full named 19882 (raced writes): judged at 19882.
+        assert_eq!(
+            super::drill_target(19882, 19883, Some(19882), |_| true),
+            Some(19882)
+        );
+        // Within the chain: at what etcd served, or the newest revision the history knows.
+        assert_eq!(super::drill_target(10, 35, Some(40), |_| true), Some(35));
+        assert_eq!(super::drill_target(10, 35, Some(40), |r| r <= 30), Some(30));
+        assert_eq!(super::drill_target(10, 35, None, |_| true), Some(35));
+        // The history ends before the chain: unjudged.
+        assert_eq!(super::drill_target(10, 35, Some(40), |r| r < 10), None);
     }
 
     #[test]
