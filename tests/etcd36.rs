@@ -7,7 +7,6 @@
 use crate::restore::{Workload, dump, dump_at, file_store, revision, workload_of};
 use crate::support;
 
-use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
@@ -15,7 +14,6 @@ use etcd_client::{Client, CompactionOptions};
 use etcd_warden::restore::Target;
 use etcd_warden::restore::bolt::Reader;
 use etcd_warden::restore::datadir::{self, DataDir, Validation};
-use etcd_warden::restore::direct::decode_kv;
 use etcd_warden::restore::{EtcdTools, MemberParams, Replay, RestoreOptions, RevisionBump};
 use etcd_warden::snapshot::delta::{DeltaWriter, Event};
 use etcd_warden::snapshot::take_full;
@@ -24,7 +22,7 @@ use etcd_warden::store::{Codec, SnapshotStore};
 use support::etcd::{EtcdMember, Release};
 
 /// A key as (key, value, create revision, mod revision, version).
-type Kv = (Vec<u8>, Vec<u8>, i64, i64, i64);
+use support::boltdb::{Kv, live_keys};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/etcd36")
@@ -78,45 +76,6 @@ fn expected() -> Expected {
         at_first_delta: v["at_first_delta"].clone(),
         at_final: v["at_final"].clone(),
     }
-}
-
-/// The live keys of an etcd database file, read from its `key` bucket without etcd: every
-/// revision record in order, a tombstone removing its key.
-fn live_keys(db: &Path) -> Vec<Kv> {
-    let len = std::fs::metadata(db).unwrap().len();
-    let reader = Reader::open(db, len).unwrap_or_else(|e| panic!("{}: {e}", db.display()));
-    let buckets = reader.buckets().unwrap();
-    let key = buckets
-        .iter()
-        .find(|b| b.name == b"key")
-        .expect("key bucket");
-    let mut live: BTreeMap<Vec<u8>, Kv> = BTreeMap::new();
-    reader
-        .visit(&key.root, &mut |_, rev, value| {
-            // A revision bump's record holds nothing.
-            if value.is_empty() {
-                return Ok(());
-            }
-            let kv = decode_kv(value)?;
-            // A revision key is 17 bytes, 18 with the tombstone mark.
-            if rev.len() == 18 && rev[17] == b't' {
-                live.remove(&kv.key);
-            } else {
-                live.insert(
-                    kv.key.clone(),
-                    (
-                        kv.key,
-                        kv.value,
-                        kv.create_revision,
-                        kv.mod_revision,
-                        kv.version,
-                    ),
-                );
-            }
-            Ok(())
-        })
-        .unwrap();
-    live.into_values().collect()
 }
 
 /// The fixture's data directory, each file gunzipped into `dir`.

@@ -7,6 +7,7 @@
 
 pub mod apiserver;
 pub mod azurite;
+pub mod boltdb;
 pub mod cli;
 pub mod deltacheck;
 pub mod dns;

@@ -16,7 +16,7 @@ pub const SECRET_KEY: &str = "warden-test-secret-key";
 pub const REGION: &str = "us-east-1";
 
 /// This server's account, as [`S3Account`].
-const ACCOUNT: S3Account = S3Account {
+pub const ACCOUNT: S3Account = S3Account {
     region: REGION,
     access_key: ACCESS_KEY,
     secret_key: SECRET_KEY,

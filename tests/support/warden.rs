@@ -281,6 +281,11 @@ impl Warden {
         }
     }
 
+    /// The running process's ID (for its RSS in `/proc`); `None` once killed.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(std::process::Child::id)
+    }
+
     /// The log so far.
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
