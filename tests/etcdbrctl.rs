@@ -22,7 +22,7 @@ use etcd_warden::etcd::process::{self, EtcdProcess};
 use etcd_warden::etcdbrctl::translate;
 
 use crate::support::etcd::{Release, member_healthy};
-use crate::support::warden::Warden;
+use crate::support::warden::{self, Warden};
 use crate::support::{eventually, free_port};
 
 fn words(s: &str) -> Vec<String> {
@@ -720,7 +720,8 @@ async fn etcd_wrappers_sequence_starts_an_etcd_that_is_backed_up_and_restored() 
     // for the final ends at druid's requested final, as etcd-backup-restore's does; it copies
     // it without the `.final` suffix, as etcd-backup-restore does.
     let started = std::time::Instant::now();
-    let copy = std::process::Command::new(crate::support::warden::binary())
+    // The test process's ETCD_WARDEN_* left out, as a Job's environment holds none of them.
+    let copy = warden::command_of(&warden::binary())
         .arg0("etcdbrctl")
         .args(words(
             "copy --storage-provider=Local --store-container=dst --store-prefix=etcd-copy              --source-storage-provider=Local --source-store-container=bucket              --source-store-prefix=etcd-test --max-backups-to-copy=-1              --wait-for-final-snapshot=true --wait-for-final-snapshot-timeout=2m0s",

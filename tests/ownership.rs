@@ -473,7 +473,7 @@ async fn member_ids(pod: &Pod) -> Vec<u64> {
     ids
 }
 
-/// A rolling update: the previous release (`ETCD_WARDEN_PREVIOUS_BIN`, a build of `7154377`,
+/// A rolling update: the previous release (`WARDEN_PREVIOUS_BIN`, a build of `7154377`,
 /// which knows no final intent and no claims) and this one run side by side, once with the
 /// previous release as the member that takes the final and once with it on the two that wait.
 /// Each hand-off ends with exactly one final holding every acknowledged write, the hand-off
@@ -486,12 +486,12 @@ async fn member_ids(pod: &Pod) -> Vec<u64> {
 #[tokio::test(flavor = "multi_thread")]
 async fn l_a_rolling_update_with_the_previous_release_ends_with_one_final() {
     use etcd_warden::owner::handoff::HandOffObjects;
-    let previous = match std::env::var("ETCD_WARDEN_PREVIOUS_BIN") {
+    let previous = match std::env::var("WARDEN_PREVIOUS_BIN") {
         Ok(p) if !p.is_empty() => std::path::PathBuf::from(p),
         _ => {
             eprintln!(
-                "SKIPPED: ETCD_WARDEN_PREVIOUS_BIN is not set; run \
-                 `ETCD_WARDEN_PREVIOUS_BIN=$(./scripts/build-previous) cargo test --test it ownership::l_a_rolling`"
+                "SKIPPED: WARDEN_PREVIOUS_BIN is not set; run \
+                 `WARDEN_PREVIOUS_BIN=$(./scripts/build-previous) cargo test --test it ownership::l_a_rolling`"
             );
             return;
         }

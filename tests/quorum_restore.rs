@@ -20,7 +20,7 @@ use crate::support::{cli, file_store};
 
 /// Runs `etcd-warden quorum-restore` with a short probe window.
 fn quorum_restore(release: Release, data_dir: &Path, more: &[&str]) -> Output {
-    // The test process's ETCD_WARDEN_* (CI's ETCD_WARDEN_PREVIOUS_BIN among them) left out.
+    // The test process's ETCD_WARDEN_* left out: this run is configured by its flags alone.
     let mut c = crate::support::warden::command();
     c.arg("quorum-restore")
         .arg("--data-dir")
