@@ -186,6 +186,10 @@ pub async fn compact(
         tracing::warn!(error = %e, "stopping the temporary etcd failed");
     }
     let (snapshot, db_size_before, db_size_after) = result?;
+    // Only the inventory's kind depends on it: the snapshot is stored either way.
+    if let Err(e) = crate::store::gc::mark_compacted(store, &snapshot).await {
+        tracing::warn!(snapshot = %snapshot.snap_name, error = %e, "the compacted snapshot is stored; its marker (the inventory's kind) is not");
+    }
     let report = CompactReport::Compacted {
         from_full: restored.full_snapshot,
         deltas: restored.deltas,

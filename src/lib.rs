@@ -14,6 +14,8 @@
 //! - [`kill`]: finding and killing etcd in a shared PID namespace (the `kill.*` keys).
 //! - [`hardening`]: what every binary does first (non-dumpable: secrets out of `/proc`'s reach).
 //! - [`kube_client`]: a Kubernetes client from a kubeconfig or the pod's service account.
+//! - [`kubernetes`]: the sidecar's Kubernetes face (`[kubernetes]`): `EtcdSnapshot` objects and
+//!   Events, never on the safety path.
 //! - [`server`]: the HTTP API.
 //! - [`sidecar`]: `etcd-warden serve`: the tasks the sidecar starts and supervises.
 //! - [`copy`], [`restore`]: the copy job and data-dir restore.
@@ -43,6 +45,7 @@ pub mod hardening;
 pub mod health;
 pub mod kill;
 pub mod kube_client;
+pub mod kubernetes;
 pub mod operator;
 pub mod owner;
 pub mod plant;

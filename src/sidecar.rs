@@ -40,6 +40,9 @@ pub enum SidecarError {
         addr: std::net::SocketAddr,
         source: std::io::Error,
     },
+    /// `[kubernetes]`'s client could not be built (its kubeconfig, or no service account).
+    #[error("kubernetes: {0}")]
+    Kubernetes(#[source] crate::kube_client::ClientError),
     /// `[store.secondary]` could not be set up (its URL or credentials).
     #[error("secondary store: {0}")]
     Secondary(String),
@@ -83,6 +86,8 @@ pub struct SidecarMetrics {
     pub owner: Option<OwnerMetrics>,
     /// The secondary store's sync, with `[store.secondary]` only.
     pub secondary: Option<SecondaryMetrics>,
+    /// The `EtcdSnapshot` inventory's, with `[kubernetes]` only.
+    pub kubernetes: Option<crate::kubernetes::InventoryMetrics>,
 }
 
 impl SidecarMetrics {
@@ -101,6 +106,10 @@ impl SidecarMetrics {
                 .secondary
                 .as_ref()
                 .map(|_| SecondaryMetrics::default()),
+            kubernetes: config
+                .kubernetes
+                .as_ref()
+                .map(|_| crate::kubernetes::InventoryMetrics::default()),
             ..Self::new(config.owner.is_some())
         }
     }
@@ -115,6 +124,9 @@ impl SidecarMetrics {
         }
         if let Some(secondary) = &self.secondary {
             secondary.register(registry);
+        }
+        if let Some(kubernetes) = &self.kubernetes {
+            kubernetes.register(registry);
         }
     }
 }
@@ -311,12 +323,11 @@ fn fail_closed(
     liveness.send_replace(Some(reason));
 }
 
-/// Waits (within [`SHUTDOWN_GRACE`]) for the secondary's sync after its token was cancelled; a
-/// copy in flight is dropped, and a multipart upload dropped is never completed.
-async fn stop_secondary(task: Option<tokio::task::JoinHandle<()>>) {
-    if let Some(task) = task {
-        let _ = tokio::time::timeout(SHUTDOWN_GRACE, task).await;
-    }
+/// Waits (within [`SHUTDOWN_GRACE`]) for the tasks that are not critical after their token was
+/// cancelled; a secondary's copy in flight is dropped, and a multipart upload dropped is never
+/// completed.
+async fn stop_helpers(tasks: Vec<tokio::task::JoinHandle<()>>) {
+    let _ = tokio::time::timeout(SHUTDOWN_GRACE, futures::future::join_all(tasks)).await;
 }
 
 /// How a critical task ended.
@@ -491,7 +502,20 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
         &metrics,
         &tasks,
     )?;
-    let secondary_task = start_secondary_sync(&config, &metrics, &tasks)?;
+    let mut helpers: Vec<tokio::task::JoinHandle<()>> = Vec::new();
+    helpers.extend(start_secondary_sync(&config, &metrics, &tasks)?);
+    helpers.extend(
+        crate::kubernetes::start(
+            &config,
+            &store,
+            actor.watch_status(),
+            owner_status.clone(),
+            metrics.kubernetes.clone().unwrap_or_default(),
+            tasks.child_token(),
+        )
+        .await
+        .map_err(SidecarError::Kubernetes)?,
+    );
     let mut critical = vec![("snapshot actor", actor_task), guard_task];
 
     let (liveness_tx, liveness) = watch::channel::<Liveness>(None);
@@ -523,7 +547,7 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Sideca
     supervise(
         Supervised {
             critical,
-            secondary: secondary_task,
+            helpers,
             readiness: readiness_tx,
             liveness: liveness_tx,
             tasks,
@@ -839,7 +863,9 @@ fn serve(
 /// What [`supervise`] watches and stops.
 struct Supervised {
     critical: Vec<Critical>,
-    secondary: Option<tokio::task::JoinHandle<()>>,
+    /// Tasks that are not critical (the secondary's sync, the Kubernetes face): waited for at
+    /// shutdown, never judged.
+    helpers: Vec<tokio::task::JoinHandle<()>>,
     readiness: Arc<watch::Sender<Readiness>>,
     liveness: watch::Sender<Liveness>,
     /// The tasks' parent token.
@@ -864,7 +890,7 @@ async fn supervise(
         result = &mut served => {
             s.tasks.cancel();
             let _ = tokio::time::timeout(SHUTDOWN_GRACE, join_all(&mut s.critical)).await;
-            stop_secondary(s.secondary).await;
+            stop_helpers(s.helpers).await;
             return result.map_err(SidecarError::Serve);
         }
         died = first_to_end(&mut s.critical) => died,
@@ -872,7 +898,7 @@ async fn supervise(
     if s.cancel.is_cancelled() {
         // Shutting down: the tasks ended because they were told to.
         let _ = tokio::time::timeout(SHUTDOWN_GRACE, served).await;
-        stop_secondary(s.secondary).await;
+        stop_helpers(s.helpers).await;
         return Ok(());
     }
     fail_closed(&s.readiness, &s.liveness, task, &how);
@@ -881,7 +907,7 @@ async fn supervise(
     let _ = tokio::time::timeout(Duration::from_secs(2), join_all(&mut s.critical)).await;
     s.server.cancel();
     let _ = tokio::time::timeout(SHUTDOWN_GRACE, served).await;
-    stop_secondary(s.secondary).await;
+    stop_helpers(s.helpers).await;
     Err(SidecarError::TaskEnded { task, how })
 }
 

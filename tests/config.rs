@@ -1273,3 +1273,50 @@ fn the_peer_certificate_of_a_rejoin_is_complete_or_refused_naming_its_key() {
     // Plain peers need none, and none is the default.
     assert_eq!(load(None, &[], &[]).unwrap().restore.peer_tls, None);
 }
+
+/// `[kubernetes]` (issue 57): off unless present; present, its required keys and the owner's
+/// form are checked by name, and the environment sets it as any other section.
+#[test]
+fn the_kubernetes_section_names_what_is_missing_or_malformed() {
+    assert!(load(None, &[], &[]).unwrap().kubernetes.is_none());
+    let env = [
+        ("ETCD_WARDEN_KUBERNETES_NAMESPACE", "etcd"),
+        ("ETCD_WARDEN_KUBERNETES_OWNER", "etcd-main"),
+        ("ETCD_WARDEN_KUBERNETES_POD", "etcd-main-0"),
+        ("ETCD_WARDEN_KUBERNETES_INVENTORY_INTERVAL", "5s"),
+    ];
+    let k = load(None, &env, &[])
+        .unwrap()
+        .kubernetes
+        .expect("the section");
+    assert_eq!(
+        (k.namespace.as_str(), k.owner.as_str(), k.pod.as_str()),
+        ("etcd", "etcd-main", "etcd-main-0")
+    );
+    assert_eq!(k.inventory_interval, Duration::from_secs(5));
+    assert_eq!(k.request_timeout, Duration::from_secs(10));
+    assert!(k.inventory && k.events && k.pod_uid.is_none() && k.kubeconfig.is_none());
+    let e = load(None, &env[..2], &[]).unwrap_err().to_string();
+    assert!(
+        e.contains("kubernetes.pod") && e.contains("required"),
+        "{e}"
+    );
+    let bad = [
+        env[0],
+        ("ETCD_WARDEN_KUBERNETES_OWNER", "Etcd_Main"),
+        env[2],
+    ];
+    let e = load(None, &bad, &[]).unwrap_err().to_string();
+    assert!(
+        e.contains("kubernetes.owner") && e.contains("Etcd_Main"),
+        "{e}"
+    );
+    let zero = [
+        env[0],
+        env[1],
+        env[2],
+        ("ETCD_WARDEN_KUBERNETES_INVENTORY_INTERVAL", "0s"),
+    ];
+    let e = load(None, &zero, &[]).unwrap_err().to_string();
+    assert!(e.contains("kubernetes.inventory_interval"), "{e}");
+}

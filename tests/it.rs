@@ -27,6 +27,7 @@ mod http_limits;
 mod kube_lease;
 mod kube_objects;
 mod kubeadm;
+mod kubernetes_face;
 mod machines_conformance;
 mod manifests;
 mod migration;

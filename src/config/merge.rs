@@ -170,6 +170,7 @@ const SECTIONS: &[&str] = &[
     "quorum_restore",
     "encryption",
     "druid",
+    "kubernetes",
 ];
 
 /// Maps `ETCD_WARDEN_SNAPSHOT_DELTA_PERIOD` to `snapshot.delta_period` (with the sidecar's

@@ -30,8 +30,9 @@ pub use keys::{EncryptionConfig, KeyError, parse_recipient};
 pub use location::{LocationError, StoreLocation, redact_url};
 pub use merge::{EnvSource, Layered, Layout, Override, ProcessEnv, SIDECAR, Sources, env_var_for};
 pub use raw::{
-    MAX_DURATION, RawConfig, RawCopy, RawDefrag, RawDruid, RawEncryption, RawEtcd, RawKill, RawLog,
-    RawOwner, RawQuorumRestore, RawRestore, RawServer, RawSnapshot, RawStore,
+    MAX_DURATION, RawConfig, RawCopy, RawDefrag, RawDruid, RawEncryption, RawEtcd, RawKill,
+    RawKubernetes, RawLog, RawOwner, RawQuorumRestore, RawRestore, RawServer, RawSnapshot,
+    RawStore,
 };
 pub use raw::{lenient, parse_duration};
 pub(crate) use validate::owner_config;
@@ -123,6 +124,37 @@ pub struct Config {
     pub encryption: EncryptionConfig,
     /// `None` unless running under etcd-druid in place of etcd-backup-restore (`[druid]`).
     pub druid: Option<DruidConfig>,
+    /// `None` unless `[kubernetes]` is present: the snapshot inventory and Events.
+    pub kubernetes: Option<KubernetesConfig>,
+}
+
+/// The Kubernetes face (`[kubernetes]`): the snapshot leader keeps one `EtcdSnapshot` object
+/// per full snapshot in `namespace`, and the sidecar and the Jobs publish Events. Never on the
+/// safety path: every request is bounded by `request_timeout` and runs beside the snapshots,
+/// the ownership checks and the kill, never before them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KubernetesConfig {
+    /// Where the objects and Events go (the pod's namespace).
+    pub namespace: String,
+    /// The owning object's name (an Etcd, a StatefulSet): the objects' name prefix and their
+    /// `etcd-warden.io/owner` label, so two clusters in one namespace keep apart.
+    pub owner: String,
+    /// This pod (`POD_NAME`): what the sidecar's and a Job's Events are about.
+    pub pod: String,
+    /// This pod's UID (the downward API's `metadata.uid`), so that `kubectl describe pod` finds
+    /// the Events; `None`: Events name the pod without it.
+    pub pod_uid: Option<String>,
+    /// A kubeconfig; `None`: `$KUBECONFIG`, `~/.kube/config`, then the service account.
+    pub kubeconfig: Option<PathBuf>,
+    /// Keep the `EtcdSnapshot` objects (the snapshot leader does).
+    pub inventory: bool,
+    /// An object's status is written at most once per this interval, however often deltas
+    /// come; the store is listed once per interval too.
+    pub inventory_interval: Duration,
+    /// Publish Events.
+    pub events: bool,
+    /// Bound on each request to the API server.
+    pub request_timeout: Duration,
 }
 
 /// Running under etcd-druid (`[druid]`, set by `etcdbrctl server`): etcd-wrapper's

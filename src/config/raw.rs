@@ -35,6 +35,32 @@ pub struct RawConfig {
     /// Running under etcd-druid in place of etcd-backup-restore; absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub druid: Option<RawDruid>,
+    /// The Kubernetes face (snapshot inventory objects, Events); absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kubernetes: Option<RawKubernetes>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawKubernetes {
+    #[serde(default)]
+    pub namespace: String,
+    #[serde(default)]
+    pub owner: String,
+    #[serde(default)]
+    pub pod: String,
+    #[serde(default)]
+    pub pod_uid: String,
+    #[serde(default)]
+    pub kubeconfig: String,
+    #[serde(default = "defaults::yes", deserialize_with = "lenient::boolean")]
+    pub inventory: bool,
+    #[serde(default = "defaults::inventory_interval")]
+    pub inventory_interval: String,
+    #[serde(default = "defaults::yes", deserialize_with = "lenient::boolean")]
+    pub events: bool,
+    #[serde(default = "defaults::kube_request_timeout")]
+    pub request_timeout: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -361,6 +387,15 @@ mod defaults {
     }
     pub fn druid_full_lease() -> String {
         "full-snapshot-revisions".into()
+    }
+    pub fn yes() -> bool {
+        true
+    }
+    pub fn inventory_interval() -> String {
+        "30s".into()
+    }
+    pub fn kube_request_timeout() -> String {
+        "10s".into()
     }
     pub fn druid_delta_lease() -> String {
         "delta-snapshot-revisions".into()

@@ -11,16 +11,16 @@ use super::keys::parse_recipient;
 const HASH_BYTES: u64 = 32;
 use super::merge::Merged;
 use super::raw::{
-    RawConfig, RawCopy, RawDefrag, RawDruid, RawEncryption, RawEtcd, RawKill, RawLog, RawOwner,
-    RawQuorumRestore, RawRestore, RawServer, RawSnapshot, RawStore, parse_bytes, parse_duration,
-    parse_nameserver,
+    RawConfig, RawCopy, RawDefrag, RawDruid, RawEncryption, RawEtcd, RawKill, RawKubernetes,
+    RawLog, RawOwner, RawQuorumRestore, RawRestore, RawServer, RawSnapshot, RawStore, parse_bytes,
+    parse_duration, parse_nameserver,
 };
 use super::{
     AzureWorkloadIdentity, Compression, Config, ConfigError, CopyConfig, DefragConfig, DruidConfig,
-    EncryptionConfig, EtcdConfig, GcPolicy, KillConfig, LogConfig, LogFormat, ObjectLockMode,
-    ObjectLockRetention, OwnerConfig, PeerTls, Purpose, QuorumRestoreConfig, ReadLimits,
-    RestoreConfig, SecondaryConfig, Secret, ServerConfig, ServerSideEncryption, SnapshotConfig,
-    StoreConfig, StoreLocation, TlsFiles, Validation, WebIdentity,
+    EncryptionConfig, EtcdConfig, GcPolicy, KillConfig, KubernetesConfig, LogConfig, LogFormat,
+    ObjectLockMode, ObjectLockRetention, OwnerConfig, PeerTls, Purpose, QuorumRestoreConfig,
+    ReadLimits, RestoreConfig, SecondaryConfig, Secret, ServerConfig, ServerSideEncryption,
+    SnapshotConfig, StoreConfig, StoreLocation, TlsFiles, Validation, WebIdentity,
 };
 
 /// The spellings of each compression, the one errors list first.
@@ -189,6 +189,11 @@ impl Validator<'_> {
             quorum_restore: self.quorum_restore(&raw.quorum_restore)?,
             encryption: self.encryption(raw.encryption.as_ref())?,
             druid: raw.druid.as_ref().map(|d| self.druid(d)).transpose()?,
+            kubernetes: raw
+                .kubernetes
+                .as_ref()
+                .map(|k| self.kubernetes(k))
+                .transpose()?,
         };
         self.owner_endpoints(&config)?;
         Ok(config)
@@ -1122,6 +1127,46 @@ impl Validator<'_> {
             cmdline_contains: k.cmdline_contains.clone().filter(|s| !s.is_empty()),
             grace: self.duration("kill.grace", &k.grace)?,
             settle: self.duration("kill.settle", &k.settle)?,
+        })
+    }
+
+    fn kubernetes(&self, k: &RawKubernetes) -> Result<KubernetesConfig, ConfigError> {
+        let required = |key: &str, value: &str| -> Result<String, ConfigError> {
+            match value.trim() {
+                "" => Err(self.err(key, "required value missing")),
+                v => Ok(v.to_owned()),
+            }
+        };
+        let owner = required("kubernetes.owner", &k.owner)?;
+        // The owner prefixes object names (DNS subdomain names) and is a label value.
+        let label_ok = owner.len() <= 63
+            && owner
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+            && owner.starts_with(|c: char| c.is_ascii_alphanumeric())
+            && owner.ends_with(|c: char| c.is_ascii_alphanumeric());
+        if !label_ok {
+            return Err(self.err(
+                "kubernetes.owner",
+                format!(
+                    "{owner:?} is not a DNS label (at most 63 of a-z, 0-9 and '-', starting and ending with a letter or digit)"
+                ),
+            ));
+        }
+        Ok(KubernetesConfig {
+            namespace: required("kubernetes.namespace", &k.namespace)?,
+            owner,
+            pod: required("kubernetes.pod", &k.pod)?,
+            pod_uid: Some(k.pod_uid.trim().to_owned()).filter(|u| !u.is_empty()),
+            kubeconfig: Some(k.kubeconfig.trim())
+                .filter(|p| !p.is_empty())
+                .map(PathBuf::from),
+            inventory: k.inventory,
+            inventory_interval: self
+                .positive_duration("kubernetes.inventory_interval", &k.inventory_interval)?,
+            events: k.events,
+            request_timeout: self
+                .positive_duration("kubernetes.request_timeout", &k.request_timeout)?,
         })
     }
 

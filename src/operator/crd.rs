@@ -21,6 +21,7 @@ pub fn definitions() -> Vec<CustomResourceDefinition> {
     vec![
         super::quorum::resource::EtcdQuorum::crd(),
         super::control_plane_set::resource::ControlPlaneSet::crd(),
+        crate::kubernetes::resource::EtcdSnapshot::crd(),
     ]
 }
 

@@ -192,6 +192,9 @@ pub struct WatchdogStatus {
     pub final_snapshot: Option<String>,
     /// The last error of a step, cleared by its success.
     pub last_error: Option<String>,
+    /// The protocol's state, typed (`state` and `detail` are its words), for the Events.
+    #[serde(skip)]
+    pub phase: State,
 }
 
 impl WatchdogStatus {
@@ -212,6 +215,7 @@ impl WatchdogStatus {
             waiting_for: Vec::new(),
             final_snapshot: None,
             last_error: None,
+            phase: protocol.state(),
         }
     }
 }
@@ -543,6 +547,7 @@ impl Driver<'_> {
         self.status.send_modify(|s| {
             s.state = state.name().into();
             s.detail = state.to_string();
+            s.phase = state;
             s.reason = reason;
             s.ready = p.ready();
         });

@@ -324,6 +324,9 @@ pub struct ActorStatus {
     pub next_defrag_at: Option<DateTime<Utc>>,
     /// The last failure, cleared by the next success.
     pub last_error: Option<String>,
+    /// The last defragmentation pass that defragmented a member or moved leadership.
+    #[serde(skip)]
+    pub last_defrag: Option<DefragReport>,
 }
 
 enum Command {
@@ -502,6 +505,7 @@ pub fn spawn<E: Engine>(
         next_full_at: None,
         next_defrag_at: None,
         last_error: None,
+        last_defrag: None,
     };
     let (status_tx, status_rx) = watch::channel(status);
     let changes = Arc::new(AtomicU64::new(0));
@@ -1053,7 +1057,18 @@ impl<E: Engine> Actor<E> {
     /// change drops the step in flight). Only the sidecar whose member leads starts one; it then
     /// runs it to its end whoever leads (see [`super::defrag`]). A full snapshot follows when a
     /// member was defragmented and this sidecar's member still leads.
+    /// A defragmentation pass ([`Actor::defrag_pass`]); one that did anything is published in
+    /// the status (`last_defrag`), for the Events that report it.
     async fn defrag(&mut self, rule: Rule) -> Result<DefragReport, ActorError> {
+        let report = self.defrag_pass(rule).await?;
+        if !report.events.is_empty() {
+            let shown = report.clone();
+            self.publish(|s| s.last_defrag = Some(shown));
+        }
+        Ok(report)
+    }
+
+    async fn defrag_pass(&mut self, rule: Rule) -> Result<DefragReport, ActorError> {
         let span = tracing::info_span!("defragmentation");
         let timeout = self.config.defrag.timeout;
         let mut pass = PassState::start();

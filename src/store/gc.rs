@@ -310,6 +310,7 @@ pub async fn run(
     // here has its snapshot in the listing below, and only a marker whose snapshot is gone is
     // an orphan.
     let triggered = triggered_names(store).await?;
+    let compacted = compacted_names(store).await?;
     let list = store.list().await?;
     let listed: HashSet<&str> = list.iter().map(|s| s.snap_name.as_str()).collect();
     let orphans: Vec<&String> = triggered
@@ -318,6 +319,11 @@ pub async fn run(
         .collect();
     for name in orphans {
         TRIGGERED.delete(store, name).await;
+    }
+    for name in compacted {
+        if !listed.contains(name.as_str()) {
+            COMPACTED.delete(store, &name).await;
+        }
     }
     // A requested final's marker is written before its upload: one whose snapshot is not
     // listed may be of an upload under way, so only a day-old one is an orphan. Listed after
@@ -410,6 +416,12 @@ struct Markers {
 const TRIGGERED: Markers = Markers {
     dir: "etcd-warden/triggered",
     what: "triggered",
+};
+
+/// The markers of full snapshots `etcd-warden compact` wrote.
+const COMPACTED: Markers = Markers {
+    dir: "etcd-warden/compacted",
+    what: "compacted",
 };
 
 /// The markers of etcd-druid's requested finals.
@@ -511,6 +523,22 @@ pub async fn triggered_names(
     store: &super::SnapshotStore,
 ) -> Result<HashSet<String>, super::StoreError> {
     TRIGGERED.names(store).await
+}
+
+/// Records that the full snapshot `snapshot` was written by `etcd-warden compact` (for the
+/// inventory's kind). Written after the snapshot is stored; retention deletes it with it.
+pub async fn mark_compacted(
+    store: &super::SnapshotStore,
+    snapshot: &Snapshot,
+) -> Result<(), super::StoreError> {
+    COMPACTED.put(store, &snapshot.snap_name).await
+}
+
+/// The names of the full snapshots marked as compacted.
+pub async fn compacted_names(
+    store: &super::SnapshotStore,
+) -> Result<HashSet<String>, super::StoreError> {
+    COMPACTED.names(store).await
 }
 
 /// Reports a snapshot the store keeps: in the log the first time this process finds it locked.

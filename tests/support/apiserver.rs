@@ -60,7 +60,10 @@
 //! no CRD registration (every path is a resource, unless [`ApiServer::uninstall`]ed), no discovery endpoints (`/api`, `/apis`), no version conversion
 //! (each version is a separate store), no authentication, RBAC or admission (the Machine API's
 //! webhooks included: nothing stops a lifecycle hook being added to a deleting Machine here), no
-//! server-side apply (415) or strategic merge patch (415), no field managers or `managedFields`,
+//! real server-side apply (an apply to an existing object is served as a JSON merge patch of
+//! the applied object: no field ownership or conflicts, no `managedFields`, no removal of fields
+//! a manager stopped applying, no create through apply, which is 404 here), no strategic merge
+//! patch (415), no field managers,
 //! no garbage collection unless turned on, no `deletecollection`, no pagination (`limit` and
 //! `continue` are ignored: one page), no `resourceVersionMatch` or `sendInitialEvents`, no
 //! `BOOKMARK` events, no graceful deletion periods (pods go at once), unconditional updates are
@@ -1437,6 +1440,18 @@ fn patch(
         "application/json-patch+json" => write(shared, key, status_only, user, |existing| {
             let mut v = existing.clone();
             json_patch(&mut v, &p).map_err(|why| ApiError::invalid(key, why))?;
+            Ok(v)
+        }),
+        // Server-side apply, as one field manager that applies its whole state every time
+        // sees it: the applied object merged in (see the module's "does NOT check").
+        "application/apply-patch+yaml" => write(shared, key, status_only, user, |existing| {
+            let mut v = existing.clone();
+            let mut applied = p.clone();
+            if let Some(m) = applied.as_object_mut() {
+                m.remove("apiVersion");
+                m.remove("kind");
+            }
+            merge_patch(&mut v, &applied);
             Ok(v)
         }),
         other => Err(ApiError::new(
