@@ -147,7 +147,17 @@ async fn the_inventory_follows_snapshots_retention_and_a_vanished_snapshot() {
         names_of(&objects(&api).await),
         w.log_text()
     );
+    // Its hash was checked as this sidecar stored it (an object the listing found before the
+    // actor said it stored it learns that at its next write).
+    let checked = eventually(Duration::from_secs(10), || async {
+        objects(&api).await[0]
+            .status
+            .as_ref()
+            .is_some_and(|s| s.hash_check == "CheckedOnUpload")
+    })
+    .await;
     let o = &objects(&api).await[0];
+    assert!(checked, "{:?}", o.status);
     assert_eq!(
         o.spec.kind,
         etcd_warden::kubernetes::resource::SnapshotKind::Scheduled
@@ -157,8 +167,6 @@ async fn the_inventory_follows_snapshots_retention_and_a_vanished_snapshot() {
         "{:?}",
         o.spec.location
     );
-    let status = o.status.clone().expect("a status");
-    assert_eq!(status.hash_check, "CheckedOnUpload");
     assert_eq!(stored_condition(o), ("True".into(), "InStore".into()));
 
     // Deltas: the chain's last revision follows the writes.
@@ -488,4 +496,71 @@ async fn a_hand_off_is_told_in_events_on_the_pod() {
         names_of(&objects(&api).await)
     );
     assert_sidecar_allowed(&srv);
+}
+
+/// A Job's one Event on its pod: the copy Job done, and failed with its error.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_job_tells_how_it_ended_on_its_pod() {
+    let srv = ApiServer::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    srv.write_kubeconfig(&kubeconfig, NS);
+    let (dst, _) = local_store(&dir.path().join("dst"));
+    let copy = |source: String| {
+        let mut c = support::warden::command();
+        c.args(["copy", "--source-store", &source, "--dest-store", &dst]);
+        for (k, v) in face_keys(&kubeconfig, "30s") {
+            c.env(etcd_warden::config::env_var_for(k), v);
+        }
+        c.output().unwrap()
+    };
+    // Nothing to copy: done.
+    let (empty, _) = local_store(&dir.path().join("empty"));
+    let ok = copy(empty);
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    // A source whose one snapshot is not what its name says: the copy fails, naming it.
+    let (src, _) = local_store(&dir.path().join("src"));
+    std::fs::create_dir_all(dir.path().join("src/v2")).unwrap();
+    std::fs::write(
+        dir.path()
+            .join("src/v2/Full-00000000-00000001-1700000000.gz"),
+        b"no gzip",
+    )
+    .unwrap();
+    let failed = copy(src);
+    assert!(
+        !failed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&failed.stderr)
+    );
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(srv.client_as("test"), NS);
+    let all = events.list(&ListParams::default()).await.unwrap().items;
+    let reasons: Vec<_> = all.iter().filter_map(|e| e.reason.clone()).collect();
+    assert_eq!(reasons, ["CopyCompleted", "CopyFailed"], "{all:#?}");
+    let failed_event = &all[1];
+    assert_eq!(failed_event.type_.as_deref(), Some("Warning"));
+    assert_eq!(
+        failed_event.reporting_controller.as_deref(),
+        Some("etcd-warden-copy")
+    );
+    assert_eq!(
+        failed_event
+            .regarding
+            .as_ref()
+            .and_then(|r| r.name.as_deref()),
+        Some("etcd-main-0")
+    );
+    assert!(
+        failed_event
+            .note
+            .as_deref()
+            .unwrap_or_default()
+            .contains("copy failed"),
+        "{failed_event:?}"
+    );
 }

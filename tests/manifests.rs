@@ -2029,6 +2029,7 @@ fn exported_metrics() -> BTreeSet<String> {
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = etcd_warden::sidecar::SidecarMetrics {
         secondary: Some(Default::default()),
+        kubernetes: Some(Default::default()),
         ..etcd_warden::sidecar::SidecarMetrics::new(true)
     };
     metrics.register(&mut registry);

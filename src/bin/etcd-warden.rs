@@ -7,6 +7,7 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use etcd_warden::config::{Config, ConfigError, Override, ProcessEnv, Purpose, Sources};
+use etcd_warden::kubernetes::events::{Job, report_job};
 use tokio_util::sync::CancellationToken;
 
 /// Exit status for bad configuration (EX_USAGE).
@@ -696,16 +697,23 @@ fn execute(config: Config, command: Command) -> anyhow::Result<()> {
                     // The drill runs even when a snapshot elsewhere in the store failed: it
                     // says whether the newest chain restores.
                     let drilled = ops::drill(&config, config.restore.work_dir(work_dir)).await;
-                    checked.and(drilled)
+                    reported(&config, Job::Drill, checked.and(drilled)).await
                 }
                 Command::Reclaim { .. } => ops::reclaim(&config).await,
-                Command::Copy(_) => ops::copy(&config).await,
-                Command::Restore { restore, .. } => ops::restore(&config, restore.target()).await,
+                Command::Copy(_) => reported(&config, Job::Copy, ops::copy(&config).await).await,
+                Command::Restore { restore, .. } => {
+                    let done = ops::restore(&config, restore.target()).await;
+                    reported(&config, Job::Restore, done).await
+                }
                 Command::Compact { work_dir, .. } => {
-                    ops::compact(&config, config.restore.work_dir(work_dir)).await
+                    let done = ops::compact(&config, config.restore.work_dir(work_dir)).await;
+                    reported(&config, Job::Compact, done).await
                 }
                 Command::Initialize => ops::initialize(&config).await,
-                Command::QuorumRestore(args) => ops::quorum_restore(&config, &args).await,
+                Command::QuorumRestore(args) => {
+                    let done = ops::quorum_restore(&config, &args).await;
+                    reported(&config, Job::QuorumRestore, done).await
+                }
             }
         };
         if is_serve {
@@ -719,6 +727,19 @@ fn execute(config: Config, command: Command) -> anyhow::Result<()> {
             () = cancel.cancelled() => anyhow::bail!("stopped by a signal before it finished"),
         }
     })
+}
+
+/// `result`, after its Event on the Job's pod (with `[kubernetes]`; see
+/// `kubernetes::events::report_job`).
+async fn reported(config: &Config, job: Job, result: anyhow::Result<()>) -> anyhow::Result<()> {
+    let outcome = result.as_ref().map(|_| ()).map_err(|e| format!("{e:#}"));
+    report_job(
+        config,
+        job,
+        outcome.as_ref().map(|_| ()).map_err(String::as_str),
+    )
+    .await;
+    result
 }
 
 /// Cancels `cancel` on SIGTERM (the kubelet stopping the pod) or SIGINT.

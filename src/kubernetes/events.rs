@@ -434,6 +434,78 @@ pub async fn follow(
     }
 }
 
+/// A Job's command, for its one Event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Job {
+    /// `copy` (the migration's copy Job).
+    Copy,
+    /// `verify --restore` (the drill CronJob).
+    Drill,
+    /// `compact`.
+    Compact,
+    /// `restore`.
+    Restore,
+    /// `quorum-restore`.
+    QuorumRestore,
+}
+
+impl Job {
+    /// The notice for how the command ended.
+    pub fn notice(self, outcome: Result<(), &str>) -> Notice {
+        let (action, ok, failed, did) = match self {
+            Job::Copy => ("Copy", "CopyCompleted", "CopyFailed", "copy"),
+            Job::Drill => ("Drill", "DrillPassed", "DrillFailed", "restore drill"),
+            Job::Compact => ("Compact", "CompactCompleted", "CompactFailed", "compaction"),
+            Job::Restore => ("Restore", "RestoreCompleted", "RestoreFailed", "restore"),
+            Job::QuorumRestore => (
+                "QuorumRestore",
+                "QuorumRestoreCompleted",
+                "QuorumRestoreFailed",
+                "quorum restore",
+            ),
+        };
+        match outcome {
+            Ok(()) => Notice::normal(ok, action, format!("{did} done")),
+            Err(e) => Notice::warning(failed, action, format!("{did} failed: {e}")),
+        }
+    }
+
+    /// Its recorder's name (`reportingController`).
+    fn component(self) -> &'static str {
+        match self {
+            Job::Copy => "etcd-warden-copy",
+            Job::Drill => "etcd-warden-drill",
+            Job::Compact => "etcd-warden-compact",
+            Job::Restore => "etcd-warden-restore",
+            Job::QuorumRestore => "etcd-warden-quorum-restore",
+        }
+    }
+}
+
+/// With `[kubernetes]` (events on): one Event on the Job's pod saying how `job` ended,
+/// published within `kubernetes.request_timeout`. Nothing the Job did waits for it, and a
+/// failure to publish is logged, never the Job's failure.
+pub async fn report_job(config: &crate::config::Config, job: Job, outcome: Result<(), &str>) {
+    let Some(k) = config.kubernetes.as_ref().filter(|k| k.events) else {
+        return;
+    };
+    let client = match crate::kube_client::client(k.kubeconfig.as_deref()).await {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(error = %e, "no Event for this Job: the Kubernetes client");
+            return;
+        }
+    };
+    let recorder = recorder(client, job.component(), k);
+    publish_one(
+        &recorder,
+        &job.notice(outcome),
+        &pod_reference(k),
+        k.request_timeout,
+    )
+    .await;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -596,6 +668,15 @@ mod tests {
             ["LeadershipMoved", "Defragmented"]
         );
         assert!(actor_notices(&moved, &moved.clone()).is_empty());
+    }
+
+    #[test]
+    fn a_jobs_event_says_how_it_ended() {
+        let ok = Job::Copy.notice(Ok(()));
+        assert_eq!((ok.reason, ok.warning), ("CopyCompleted", false));
+        let failed = Job::Drill.notice(Err("revision 9 missing"));
+        assert_eq!((failed.reason, failed.warning), ("DrillFailed", true));
+        assert!(failed.note.ends_with("revision 9 missing"));
     }
 
     #[test]
