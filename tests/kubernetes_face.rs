@@ -21,6 +21,8 @@ use support::pod::Pod;
 use support::warden::Warden;
 use support::{eventually, finals};
 
+use crate::ownership::{RECORD, US};
+
 const NS: &str = "etcd";
 const OWNER: &str = "etcd-main";
 
@@ -293,49 +295,16 @@ async fn the_inventory_follows_snapshots_retention_and_a_vanished_snapshot() {
     assert_sidecar_allowed(&srv);
 }
 
-const RECORD: &str = "owner.shoot.warden.test";
-
-fn owner_keys(
-    pod_url: String,
-    data_dir: String,
-    dns: &DnsServer,
-    url: &str,
-) -> Vec<(&'static str, String)> {
-    vec![
-        ("etcd.endpoints", pod_url),
-        ("store.url", url.to_string()),
-        ("snapshot.delta_period", "300ms".into()),
-        ("owner.name", RECORD.into()),
-        ("owner.id", "seed-a".into()),
-        ("owner.interval", "300ms".into()),
-        ("owner.timeout", "300ms".into()),
-        ("owner.failure_threshold", "2".into()),
-        ("owner.ttl_cap", "0s".into()),
-        ("owner.nameservers", dns.addr().to_string()),
-        ("kill.process_name", "etcd".into()),
-        ("kill.cmdline_contains", data_dir),
-        ("kill.grace", "3s".into()),
-        ("kill.settle", "1s".into()),
-    ]
-}
-
 /// Flips the owner record away from a sidecar whose `[kubernetes]` reaches the API through
 /// `kubeconfig` and returns, measured from the flip: until `/healthz` is 503, and until the
 /// hand-off's final is in the store. Also checks the deltas go on before the flip.
 async fn hand_off_with(kubeconfig: &std::path::Path) -> (Duration, Duration, Warden) {
     let dns = DnsServer::start().await;
-    dns.set_txt(RECORD, &["seed-a"]).await;
+    dns.set_txt(RECORD, &[US]).await;
     let pod = Pod::start().await;
     let dir = tempfile::tempdir().unwrap();
     let (url, store) = local_store(&dir.path().join("backups"));
-    let (endpoint, data_dir) = {
-        let c = pod.etcd.lock().await;
-        (
-            c.members[0].client_url(),
-            c.members[0].data_dir.display().to_string(),
-        )
-    };
-    let mut keys = owner_keys(endpoint, data_dir, &dns, &url);
+    let mut keys = crate::ownership::member_keys(&pod, 0, &dns, &url).await;
     keys.extend(face_keys(kubeconfig, "1s"));
     let w = Warden::start(&keys);
     let active = eventually(Duration::from_secs(20), || async {

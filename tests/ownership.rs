@@ -15,8 +15,9 @@ use support::s3::S3Server;
 use support::warden::Warden;
 use support::{eventually, finals};
 
-const RECORD: &str = "owner.shoot.warden.test";
-const US: &str = "seed-a";
+/// The owner record the tests' DNS server answers, and the seed that owns etcd at first.
+pub(crate) const RECORD: &str = "owner.shoot.warden.test";
+pub(crate) const US: &str = "seed-a";
 const THEM: &str = "seed-b";
 /// The check interval the sidecars run with.
 const INTERVAL: Duration = Duration::from_millis(300);
@@ -26,8 +27,9 @@ async fn sidecar_keys(pod: &Pod, dns: &DnsServer, store_url: &str) -> Vec<(&'sta
     member_keys(pod, 0, dns, store_url).await
 }
 
-/// The configuration of the sidecar next to member `i` of `pod`.
-async fn member_keys(
+/// The configuration of the sidecar next to member `i` of `pod` (shared with the Kubernetes
+/// face's hand-off tests).
+pub(crate) async fn member_keys(
     pod: &Pod,
     i: usize,
     dns: &DnsServer,
