@@ -422,6 +422,20 @@ pub fn fingerprints(recipients: &[String]) -> Vec<String> {
         .collect()
 }
 
+/// The full snapshots taken on request: the triggered markers and etcd-druid's requested
+/// finals, as retention reads them (`gc::run`).
+async fn requested_names(store: &crate::store::SnapshotStore) -> Result<HashSet<String>, String> {
+    let mut requested = crate::store::gc::triggered_names(store)
+        .await
+        .map_err(|e| format!("listing the triggered markers: {e}"))?;
+    requested.extend(
+        crate::store::gc::requested_finals(store)
+            .await
+            .map_err(|e| format!("listing the requested finals: {e}"))?,
+    );
+    Ok(requested)
+}
+
 /// The inventory's counters, for `/metrics`.
 #[derive(Clone, Debug, Default)]
 pub struct InventoryMetrics {
@@ -560,15 +574,7 @@ impl Inventory {
             .map_err(|e| format!("listing the store: {e}"))?;
         let sorted = listing.snapshots;
         let snapshots: Vec<Snapshot> = sorted.iter().map(|(s, _)| s.clone()).collect();
-        let mut requested = crate::store::gc::triggered_names(&store)
-            .await
-            .map_err(|e| format!("listing the triggered markers: {e}"))?;
-        requested.extend(
-            crate::store::gc::requested_finals(&store)
-                .await
-                .map_err(|e| format!("listing the requested finals: {e}"))?,
-        );
-        self.marks.requested = requested;
+        self.marks.requested = requested_names(&store).await?;
         self.marks.compacted = crate::store::gc::compacted_names(&store)
             .await
             .map_err(|e| format!("listing the compacted markers: {e}"))?;
@@ -700,14 +706,7 @@ impl Inventory {
     /// read from the store's markers and hand-off objects as a round reads them.
     async fn create_own(&self, full: &Snapshot) -> Result<(), String> {
         let store = &self.store;
-        let mut requested = crate::store::gc::triggered_names(store)
-            .await
-            .map_err(|e| format!("listing the triggered markers: {e}"))?;
-        requested.extend(
-            crate::store::gc::requested_finals(store)
-                .await
-                .map_err(|e| format!("listing the requested finals: {e}"))?,
-        );
+        let requested = requested_names(store).await?;
         let seen = crate::owner::handoff::HandOffObjects::new(store.clone())
             .seen()
             .await
